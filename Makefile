@@ -1,0 +1,42 @@
+# Two entry points for a fresh machine:
+#   make lab    set up and start JupyterLab on the quickstart notebook (CPU TensorFlow)
+#   make test   set up (Python packages + Chromium) and run the whole suite, notebooks included
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+EXTRAS ?= cpu,lab,test
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PYTEST_ARGS ?=
+
+.PHONY: setup system-deps lab test test-fast bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	touch $@
+
+# Debian's Chromium for the real-browser test (Playwright drives /usr/bin/chromium;
+# it never downloads a browser of its own).
+system-deps:
+	@if [ -x /usr/bin/chromium ]; then echo "chromium: $$(/usr/bin/chromium --version 2>/dev/null)"; \
+	else $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium \
+	  || echo "chromium could not be installed: the browser test will be skipped"; fi
+
+lab: setup
+	$(VENV)/bin/jupyter lab notebooks/01_quickstart.ipynb
+
+test: setup system-deps
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest tests notebooks $(PYTEST_ARGS)
+
+# The suite without the browser test and notebooks, for quick iterations.
+test-fast: setup
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest tests -m "not browser" $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) benchmarks/load_and_split.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache artifacts
