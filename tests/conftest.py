@@ -1,0 +1,66 @@
+"""Shared test fixtures.
+
+TensorFlow's device configuration is process-global and one-way, so every
+scenario that configures devices runs in a fresh Python subprocess
+(:func:`run_python`) or a fresh kernel, never by resetting private state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "artifacts"
+
+#: Environment for child processes: quiet TensorFlow, no GPU probing surprises.
+CHILD_ENV = {
+    **os.environ,
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+    "PYTHONUNBUFFERED": "1",
+    "MPLBACKEND": "Agg",
+}
+CHILD_ENV.pop("VGPU_MAGIC_SPLIT", None)
+
+
+def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter; fail the test with its output if it exits non-zero."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**CHILD_ENV, **(env or {})},
+        cwd=ROOT,
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"subprocess failed ({proc.returncode}):\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    return proc
+
+
+def last_json(stdout: str):
+    """The last line of ``stdout`` that parses as JSON (scripts print their result last)."""
+    for line in reversed(stdout.strip().splitlines()):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    raise AssertionError(f"no JSON line in output:\n{stdout}")
+
+
+@pytest.fixture
+def py():
+    """``py(code, env=None) -> CompletedProcess``: run code in a fresh interpreter."""
+    return run_python
+
+
+@pytest.fixture(scope="session")
+def artifacts_dir() -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    return ARTIFACTS
