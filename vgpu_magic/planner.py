@@ -16,6 +16,7 @@ import math
 import re
 import shlex
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from .inventory import DeviceInventory, GPUInfo
 
@@ -43,9 +44,17 @@ _UNITS = {"": 1, "m": 1, "mb": 1, "mib": 1, "g": 1024, "gb": 1024, "gib": 1024, 
 _MEMORY_RE = re.compile(r"^\s*(?P<num>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[a-zA-Z]*)\s*$")
 
 
+#: Characters ``str.splitlines`` breaks on; quoted user tokens may contain them.
+_LINE_BREAKS = str.maketrans({c: repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
+
+
 class PlanError(ValueError):
     """A request that cannot be planned. The message is one line that quotes the
     offending value and says what would work."""
+
+    def __init__(self, message: str) -> None:
+        # A bad token echoed back (argparse does not quote them) must not break the line.
+        super().__init__(str(message).translate(_LINE_BREAKS))
 
 
 def system_reserve_mib(free_mib: int, compute_capability: tuple[int, int] | None) -> int:
@@ -79,8 +88,14 @@ def parse_memory(text: str) -> int:
         raise PlanError(
             f"memory {text!r} is not a size; use MiB as a whole number (2048) or with a unit (2048MB, 1.5GB)"
         )
-    value = float(match.group("num")) * _UNITS[unit]
-    if value != math.floor(value):
+    number = match.group("num")
+    if len(number.split(".")[0]) > 16:
+        # Far beyond MAX_MEMORY_MIB; also keeps huge digit strings away from int().
+        raise PlanError(f"memory {text!r} is absurdly large; sizes are in MiB, e.g. --memory 2048 or 2GB")
+    if len(number) > 40:
+        raise PlanError(f"memory {text!r} has too many digits; use a whole number of MiB, e.g. 2048")
+    value = Fraction(number) * _UNITS[unit]
+    if value.denominator != 1:
         raise PlanError(f"memory {text!r} is not a whole number of MiB; round it, e.g. {math.floor(value)}")
     return int(value)
 
@@ -94,7 +109,7 @@ def _parse_memory_list(text: str) -> tuple[int, ...]:
 
 def _parse_index_list(text: str) -> tuple[int, ...]:
     parts = [p.strip() for p in text.split(",")]
-    if not parts or any(not p.isdigit() for p in parts):
+    if not parts or any(not re.fullmatch(r"[0-9]{1,18}", p) for p in parts):
         raise PlanError(f"--visible {text!r} is not a list of GPU indices; use e.g. --visible 0 or --visible 0,2")
     return tuple(int(p) for p in parts)
 
@@ -218,8 +233,8 @@ class SplitPlan:
                     words += ["--gpu", str(self.physical_index)]
                 if self.visible_gpus is not None and len(self.visible_gpus) > 1:
                     words += ["--others", "keep"]
-                    words += ["--visible", ",".join(str(i) for i in self.visible_gpus)]
-        elif self.visible_gpus is not None:
+        # Always spelled out: whether visibility is implied depends on the machine.
+        if self.visible_gpus is not None:
             words += ["--visible", ",".join(str(i) for i in self.visible_gpus) or "none"]
         if self.memory_growth:
             words.append("--growth")
@@ -278,8 +293,6 @@ def plan_split(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
         sizes = tuple(request.memory)
         if not sizes:
             raise PlanError("memory list is empty; give one size (--memory 2048) or one per device")
-    if sizes is not None:
-        _check_sizes(sizes)
 
     count = request.count
     if count is None:
@@ -327,6 +340,9 @@ def plan_split(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
         return SplitPlan("CPU", 0, (None,) * count, visible, False, None, notes, cpu_forced=request.target == "cpu")
 
     gpu = _pick_gpu(request, inventory)
+    if sizes is not None:
+        # Checked only here: on a CPU any cap is refused, whatever its size.
+        _check_sizes(sizes)
     if request.visible is not None and gpu.index not in request.visible:
         raise PlanError(f"GPU {gpu.index} is split but --visible hides it; add {gpu.index} to --visible")
 
@@ -390,19 +406,37 @@ class _ArgumentParser(argparse.ArgumentParser):
         raise PlanError((message or "invalid arguments").strip())
 
 
+#: Options taking a value, and what a valid value looks like.
+_VALUE_OPTIONS = {
+    "--memory": "sizes are positive MiB, e.g. --memory 2048",
+    "-m": "sizes are positive MiB, e.g. -m 2048",
+    "--gpu": "GPU indices start at 0, e.g. --gpu 1",
+    "--visible": "GPU indices start at 0, e.g. --visible 0,1",
+}
+
+
+def _whole_number(text: str) -> int | None:
+    """ASCII digits only: ``int()`` would also take ``"1_0"``, ``"+3"`` or ``"٣"``,
+    which :meth:`SplitPlan.magic_line` could not echo back."""
+    if not re.fullmatch(r"[0-9]{1,18}", text):
+        return None
+    return int(text)
+
+
 def _count_type(text: str) -> int:
-    try:
-        return int(text, 10)
-    except ValueError:
+    count = _whole_number(text)
+    if count is None:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a device count; use a whole number 1..{MAX_DEVICES}, e.g. %vgpu_split 4"
-        ) from None
+        )
+    return count
 
 
 def _index_type(text: str) -> int:
-    if not text.isdigit():
+    index = _whole_number(text)
+    if index is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a GPU index; use 0, 1, ...")
-    return int(text)
+    return index
 
 
 def _memory_type(text: str) -> tuple[int, ...]:
@@ -476,9 +510,12 @@ def parse_split_line(line: str) -> tuple[SplitRequest, argparse.Namespace]:
         words = shlex.split(line)
     except ValueError as exc:
         raise PlanError(f"cannot read {line!r}: {exc}; quote values with matching quotes") from None
-    for word in words:
+    for i, word in enumerate(words):
         # argparse would read "-3" as an unknown option; say what is wrong with it.
         if re.fullmatch(r"-[0-9]+", word):
+            option = words[i - 1] if i and words[i - 1] in _VALUE_OPTIONS else None
+            if option is not None:
+                raise PlanError(f"{option} {word} is negative; {_VALUE_OPTIONS[option]}")
             raise PlanError(f"device count {word} is negative; use 1..{MAX_DEVICES}, e.g. %vgpu_split 4")
     args = split_argument_parser().parse_args(words)
     memory: int | tuple[int, ...] | None = None
