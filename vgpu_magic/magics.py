@@ -92,8 +92,24 @@ class VGPUMagics(Magics):
 
     vgpu_split.__doc__ = _split_doc()
 
-    def _show_panel(self):
-        raise UsageError("give a device count, e.g. %vgpu_split 4 (see %vgpu_split? for options)")
+    def _show_panel(self) -> None:
+        """``%vgpu_split`` alone: display the widget panel (notebooks only)."""
+        if getattr(self.shell, "kernel", None) is None:
+            raise UsageError(
+                "give a device count, e.g. %vgpu_split 4 (see %vgpu_split? for options); "
+                "the panel (%vgpu_split alone) needs a notebook"
+            )
+        try:
+            from .panel import panel
+        except ImportError as exc:
+            raise UsageError(str(exc)) from None
+        try:
+            shown = panel(self.watcher)
+        except ImportError:
+            raise UsageError(_NO_TF) from None
+        from IPython.display import display
+
+        display(shown)
 
     def _report(self, result, quiet: bool = False) -> None:
         for text in result.warnings:

@@ -1,0 +1,382 @@
+"""The %vgpu_split panel, driven the way a front end drives it: set ``.value``, call ``.click()``.
+
+GPU-shaped behaviour runs in-process on real-shaped inventories (the planner is
+the real code; nothing reaches ``tf.config``). Everything that configures
+TensorFlow runs in a fresh interpreter or a fresh kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+ipywidgets = pytest.importorskip("ipywidgets")
+
+from conftest import CHILD_ENV, ROOT, last_json, run_python  # noqa: E402
+from vgpu_magic.inventory import DeviceInventory, GPUInfo  # noqa: E402
+from vgpu_magic.panel import SLIDER_MAX_DEVICES, SplitPanel  # noqa: E402
+from vgpu_magic.planner import PlanError, parse_split_line, plan_split, system_reserve_mib  # noqa: E402
+from vgpu_magic.runtime import CellRef, RuntimeState  # noqa: E402
+from vgpu_magic.tfconfig import REMEDY  # noqa: E402
+
+A100 = GPUInfo(0, "NVIDIA A100-SXM4-40GB", total_mib=40960, free_mib=40000, compute_capability=(8, 0), nvml_index=0)
+T4 = GPUInfo(1, "Tesla T4", total_mib=15360, free_mib=14900, compute_capability=(7, 5), nvml_index=1)
+ONE_GPU = DeviceInventory(gpus=(A100,), nvml_available=True)
+TWO_GPUS = DeviceInventory(gpus=(A100, T4), nvml_available=True)
+NO_GPU = DeviceInventory()
+
+
+class FixedRuntime:
+    """A watcher that reports a given runtime state, so in-process tests do not
+    depend on whether some other test started TensorFlow in this process."""
+
+    def __init__(self, state: RuntimeState | None = None) -> None:
+        self._state = state or RuntimeState(tf_imported=False, started=False)
+
+    def state(self, check_cuda: bool = True) -> RuntimeState:
+        return self._state
+
+
+def make_panel(inventory: DeviceInventory) -> SplitPanel:
+    return SplitPanel(inventory, FixedRuntime())
+
+
+def usable(gpu: GPUInfo) -> int:
+    return gpu.free_mib - system_reserve_mib(gpu.free_mib, gpu.compute_capability)
+
+
+# -- GPU-shaped, in-process ----------------------------------------------------
+
+
+def test_dropdown_names_each_gpu_with_its_memory_and_offers_the_cpu():
+    panel = make_panel(TWO_GPUS)
+    assert panel.target.options == (
+        ("GPU 0: NVIDIA A100-SXM4-40GB — 40960 MiB total, 40000 MiB free", "GPU:0"),
+        ("GPU 1: Tesla T4 — 15360 MiB total, 14900 MiB free", "GPU:1"),
+        ("CPU (split the CPU instead of the GPU)", "CPU"),
+    )
+    assert panel.target.value == "GPU:0"
+
+
+def test_cpu_only_machine_offers_only_the_cpu_with_memory_disabled_and_explained():
+    panel = make_panel(NO_GPU)
+    assert panel.target.options == (("CPU (no GPU visible to TensorFlow)", "CPU"),)
+    assert panel.even_memory.disabled and panel.custom.disabled
+    assert "cannot cap logical CPU devices" in panel.memory_note.value
+    assert panel.usage.layout.display == "none"
+    panel.count_slider.value = 3
+    assert panel.memory_limits is None
+    # No GPU: the plain line already splits the CPU and stays portable to a GPU machine.
+    assert panel.magic_line == "%vgpu_split 3"
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 7, SLIDER_MAX_DEVICES])
+def test_even_split_is_free_minus_reserve_over_count(count):
+    panel = make_panel(ONE_GPU)
+    panel.count_slider.value = count
+    each = (A100.free_mib - 1536) // count  # compute capability 8.x keeps 1536 MiB back
+    assert panel.even_memory.value == each
+    assert panel.memory_limits == (each,) * count
+    assert panel.magic_line == f"%vgpu_split {count} --memory {each}"
+    assert panel.fits is True and panel.usage_bar.bar_style == "success"
+    assert f"{each * count} of {usable(A100)} MiB usable" in panel.usage_label.value
+
+
+def test_custom_sizes_give_a_per_device_magic_line_and_turn_the_bar_red_when_too_big():
+    panel = make_panel(ONE_GPU)
+    panel.count_slider.value = 3
+    panel.custom.value = True
+    sliders = panel.device_memory.children
+    assert len(sliders) == 3 and panel.device_memory.layout.display == "" and panel.even_memory.layout.display == "none"
+    for slider, mib in zip(sliders, (1024, 2048, 512)):
+        slider.value = mib
+    assert panel.magic_line == "%vgpu_split 3 --memory 1024,2048,512"
+    assert panel.usage_bar.bar_style == "success"
+
+    sliders[0].value = usable(A100) - 2048 - 512 + 1  # one MiB too many
+    assert panel.fits is False
+    assert panel.usage_bar.bar_style == "danger"
+    assert "does not fit" in panel.usage_label.value
+    assert panel.magic_line is None
+    assert "cannot apply" in panel.magic.value
+
+
+def test_apply_shows_the_planners_own_error_and_configures_nothing():
+    panel = make_panel(ONE_GPU)
+    panel.count_slider.value = 2
+    panel.custom.value = True
+    panel.device_memory.children[0].value = usable(A100)
+    with pytest.raises(PlanError) as planned:
+        plan_split(panel.request(), ONE_GPU)
+    panel.apply_button.click()
+    assert panel.last_result is None
+    assert panel.last_message.strip() == f"Not applied: {planned.value}"
+
+
+def test_panel_magic_line_replans_to_the_same_plan():
+    panel = make_panel(TWO_GPUS)
+    panel.target.value = "GPU:1"
+    panel.count_text.value = 4
+    panel.custom.value = True
+    for slider, mib in zip(panel.device_memory.children, (3000, 1000, 2000, 1000)):
+        slider.value = mib
+    line = panel.magic_line
+    assert line.startswith("%vgpu_split 4 --memory 3000,1000,2000,1000 --gpu 1")
+    request, _ = parse_split_line(line.removeprefix("%vgpu_split"))
+    assert plan_split(request, TWO_GPUS) == panel.plan()
+
+
+def test_choosing_another_gpu_rescales_the_memory_controls():
+    panel = make_panel(TWO_GPUS)
+    panel.count_slider.value = 2
+    panel.target.value = "GPU:1"
+    each = usable(T4) // 2
+    assert usable(T4) == T4.free_mib - 1050  # compute capability 7.x keeps 1050 MiB back
+    assert panel.even_memory.value == each and panel.even_memory.max == each
+    assert all(s.max == usable(T4) for s in panel.device_memory.children)
+    panel.target.value = "CPU"
+    assert panel.even_memory.disabled and panel.memory_limits is None
+    assert panel.magic_line == "%vgpu_split 2 --cpu"
+    panel.target.value = "GPU:0"
+    assert not panel.even_memory.disabled
+    assert panel.even_memory.value == usable(A100) // 2
+
+
+def test_counts_beyond_the_slider_are_typed_in_and_stay_linked():
+    panel = make_panel(NO_GPU)
+    panel.count_text.value = 40
+    assert panel.count == 40 and panel.count_slider.value == SLIDER_MAX_DEVICES
+    assert panel.magic_line == "%vgpu_split 40"
+    panel.count_slider.value = 5
+    assert panel.count_text.value == 5 and panel.count == 5
+    panel.count_text.value = 64
+    assert panel.magic_line == "%vgpu_split 64"
+    panel.count_text.value = 65  # the box is bounded like the planner
+    assert panel.count == 64
+
+
+def test_unknown_free_memory_is_said_and_not_checked():
+    gpu = GPUInfo(0, "Tesla V100", total_mib=None, free_mib=None)
+    panel = make_panel(DeviceInventory(gpus=(gpu,), notes=("NVML unavailable: GPU memory unknown",)))
+    assert panel.target.options[0][0] == "GPU 0: Tesla V100 — memory unknown (NVML unavailable)"
+    panel.count_slider.value = 2
+    assert panel.fits is None and panel.usage_bar.bar_style == ""
+    assert "not checked" in panel.usage_label.value
+    assert panel.magic_line == f"%vgpu_split 2 --memory {panel.even_memory.value}"
+
+
+def test_too_many_devices_for_a_small_gpu_is_refused_by_the_planner():
+    small = GPUInfo(0, "tiny", total_mib=2048, free_mib=1000, compute_capability=(7, 5))
+    panel = make_panel(DeviceInventory(gpus=(small,), nvml_available=True))
+    panel.count_text.value = 20  # 775 MiB usable: 20 x 64 MiB does not fit
+    assert panel.fits is False and panel.usage_bar.bar_style == "danger"
+    panel.apply_button.click()
+    assert panel.last_message.startswith("Not applied: 1280 MiB requested does not fit GPU 0")
+
+
+def test_widgets_are_built_once_and_only_values_change():
+    panel = make_panel(ONE_GPU)
+    children = panel.root.children
+    panel.custom.value = True
+    panel.count_slider.value = 5
+    first_five = panel.device_memory.children
+    created: list = []
+    ipywidgets.Widget.on_widget_constructed(created.append)
+    try:
+        for count in (3, 5, 2, 5):
+            panel.count_slider.value = count
+        panel.target.value = "CPU"
+        panel.target.value = "GPU:0"
+    finally:
+        ipywidgets.Widget.on_widget_constructed(None)
+    assert created == []
+    assert panel.root.children == children
+    assert panel.device_memory.children == first_five
+
+
+def test_started_runtime_disables_everything_and_names_the_cell():
+    state = RuntimeState(tf_imported=True, started=True, started_by=CellRef(7, "model = tf.keras.Sequential()"))
+    panel = SplitPanel(ONE_GPU, FixedRuntime(state))
+    assert panel.locked
+    assert panel.banner.layout.display == ""
+    assert "In [7]: model = tf.keras.Sequential()" in panel.banner.value
+    assert "restart the kernel" in panel.banner.value and "VGPU_MAGIC_SPLIT" in panel.banner.value
+    controls = [panel.target, panel.count_slider, panel.count_text, panel.custom, panel.even_memory, panel.apply_button]
+    assert all(w.disabled for w in controls)
+    panel.apply_button.click()  # a stale front end may still send the click
+    assert panel.last_result is None and panel.last_message.startswith("Not applied")
+
+
+def test_importing_the_package_and_loading_the_extension_imports_no_widgets():
+    proc = run_python(
+        """
+        import json, sys
+        from IPython.core.interactiveshell import InteractiveShell
+        ip = InteractiveShell.instance()
+        ip.run_line_magic("load_ext", "vgpu_magic")
+        print(json.dumps({m: m in sys.modules for m in ("ipywidgets", "tensorflow", "vgpu_magic.panel")}))
+        """
+    )
+    assert last_json(proc.stdout) == {"ipywidgets": False, "tensorflow": False, "vgpu_magic.panel": False}
+
+
+# -- TensorFlow, in fresh processes --------------------------------------------
+
+
+@pytest.mark.slow
+def test_apply_in_a_fresh_shell_creates_exactly_the_planned_logical_cpus():
+    proc = run_python(
+        """
+        import json
+        from IPython.core.error import UsageError
+        from IPython.core.interactiveshell import InteractiveShell
+        ip = InteractiveShell.instance()
+        ip.run_line_magic("load_ext", "vgpu_magic")
+        try:
+            ip.run_line_magic("vgpu_split", "")
+            no_kernel = None
+        except UsageError as exc:
+            no_kernel = str(exc)
+
+        import vgpu_magic
+        from vgpu_magic.runtime import tf_runtime_started
+        p = vgpu_magic.panel()
+        started_when_shown = tf_runtime_started()
+        p.count_slider.value = 3
+        line = p.magic_line
+        p.apply_button.click()
+        started_after_apply = tf_runtime_started()
+
+        import tensorflow as tf
+        print(json.dumps({
+            "no_kernel": no_kernel,
+            "started_when_shown": started_when_shown,
+            "started_after_apply": started_after_apply,
+            "line": line,
+            "message": p.last_message,
+            "status": p.last_result.status,
+            "planned": p.last_result.plan.count,
+            "logical": [d.name for d in tf.config.list_logical_devices("CPU")],
+        }))
+        """
+    )
+    out = last_json(proc.stdout)
+    assert "needs a notebook" in out["no_kernel"]
+    assert out["started_when_shown"] is False and out["started_after_apply"] is False
+    assert out["line"] == "%vgpu_split 3"
+    assert out["status"] == "applied" and out["planned"] == 3
+    assert out["logical"] == ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]
+    assert "Applied: 3 logical CPUs on CPU:0" in out["message"]
+    assert "3 logical devices: /device:CPU:0, /device:CPU:1, /device:CPU:2" in out["message"]
+    assert "Reproduce with: %vgpu_split 3" in out["message"]
+
+
+@pytest.mark.slow
+def test_runtime_started_by_a_cell_locks_the_panel_and_names_that_cell():
+    proc = run_python(
+        """
+        import json
+        from IPython.core.interactiveshell import InteractiveShell
+        ip = InteractiveShell.instance()
+        ip.run_cell("%load_ext vgpu_magic", store_history=True)
+        ip.run_cell("import vgpu_magic\\nearly = vgpu_magic.panel()", store_history=True)
+        early = ip.user_ns["early"]
+        early_locked_before_click = early.locked
+        ip.run_cell("import tensorflow as tf\\nx = tf.constant(1.0)", store_history=True)
+        import tensorflow as tf
+        import vgpu_magic
+        early.apply_button.click()
+        late = vgpu_magic.panel()
+        print(json.dumps({
+            "early_locked_before_click": early_locked_before_click,
+            "early_locked": early.locked,
+            "early_message": early.last_message,
+            "late_locked": late.locked,
+            "late_disabled": [w.disabled for w in (late.target, late.count_slider, late.count_text, late.custom,
+                                                   late.even_memory, late.apply_button)],
+            "banner": late.banner.value,
+            "banner_shown": late.banner.layout.display != "none",
+            "cpus": len(tf.config.list_logical_devices("CPU")),
+        }))
+        """
+    )
+    out = last_json(proc.stdout)
+    assert out["early_locked_before_click"] is False
+    assert out["early_locked"] is True and out["early_message"].startswith("Not applied")
+    assert out["late_locked"] is True and all(out["late_disabled"]) and out["banner_shown"]
+    assert "In [3]: import tensorflow as tf" in out["banner"]
+    assert REMEDY.split(",")[0] in out["banner"]
+    assert out["cpus"] == 1
+
+
+def _kernel_run(kc, code: str) -> list[dict]:
+    """Execute ``code`` in the kernel; return its iopub messages, failing on an error reply."""
+    messages: list[dict] = []
+    reply = kc.execute_interactive(code, output_hook=messages.append, timeout=180)
+    errors = [m["content"] for m in messages if m["msg_type"] == "error"]
+    assert reply["content"]["status"] == "ok", errors or reply["content"]
+    return messages
+
+
+def _stdout(messages: list[dict]) -> str:
+    return "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream")
+
+
+@pytest.mark.slow
+def test_magic_shows_the_panel_in_a_real_kernel_and_apply_splits_the_cpu():
+    jupyter_client = pytest.importorskip("jupyter_client")
+    km = jupyter_client.KernelManager(kernel_name="python3")
+    km.start_kernel(env=CHILD_ENV, cwd=str(ROOT))
+    kc = km.client()
+    try:
+        kc.start_channels()
+        kc.wait_for_ready(timeout=120)
+        _kernel_run(kc, "%load_ext vgpu_magic")
+        shown = _kernel_run(kc, "%vgpu_split")
+        views = [
+            m["content"]["data"]["application/vnd.jupyter.widget-view+json"]
+            for m in shown
+            if m["msg_type"] == "display_data" and "application/vnd.jupyter.widget-view+json" in m["content"]["data"]
+        ]
+        assert len(views) == 1, shown
+        model_id = views[0]["model_id"]
+        # Find the controls by their CSS classes, as the browser test does, then drive them.
+        driven = _kernel_run(
+            kc,
+            textwrap.dedent(
+                f"""
+                import warnings
+                import ipywidgets
+                from vgpu_magic.runtime import tf_runtime_started
+                def find(widget, css):
+                    if css in getattr(widget, "_dom_classes", ()):
+                        return widget
+                    for child in getattr(widget, "children", ()):
+                        hit = find(child, css)
+                        if hit is not None:
+                            return hit
+                with warnings.catch_warnings():  # Widget.widgets is deprecated, with no public successor
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    root = ipywidgets.Widget.widgets[{model_id!r}]
+                started_when_shown = tf_runtime_started()
+                find(root, "vgpu-count-text").value = 3
+                find(root, "vgpu-apply").click()
+                """
+            ),
+        )
+        checked = _kernel_run(
+            kc,
+            "import json, tensorflow as tf\n"
+            "print(json.dumps({'started_when_shown': started_when_shown,"
+            " 'logical': [d.name for d in tf.config.list_logical_devices('CPU')]}))",
+        )
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    text = _stdout(driven)
+    assert "Applied: 3 logical CPUs" in text
+    assert "3 logical devices: /device:CPU:0, /device:CPU:1, /device:CPU:2" in text
+    out = json.loads(_stdout(checked).strip().splitlines()[-1])
+    assert out == {"started_when_shown": False, "logical": ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]}
