@@ -243,6 +243,8 @@ class SplitPlan:
 
 def _format_caps(limits: tuple[int | None, ...]) -> str:
     values = [m for m in limits if m is not None]
+    if len(values) == 1:
+        return f"{values[0]} MiB"
     if values and len(set(values)) == 1:
         return f"{values[0]} MiB each"
     return " + ".join(f"{m}" for m in values) + " MiB"

@@ -85,7 +85,7 @@ class CellRef:
     first_line: str
 
     def __str__(self) -> str:
-        where = f"In [{self.execution_count}]" if self.execution_count is not None else "a cell"
+        where = f"In [{self.execution_count}]" if self.execution_count is not None else "the cell"
         return f"{where}: {self.first_line}" if self.first_line else where
 
 
@@ -146,7 +146,9 @@ class RuntimeWatcher:
 
     def pre_run_cell(self, info) -> None:
         self._started_at_cell_start = self.started_before_load or self.started_by is not None or tf_runtime_started()
-        count = self.shell.execution_count if self.shell is not None else None
+        # Cells run without history (nbval, some front ends) have no execution count.
+        stored = getattr(info, "store_history", True)
+        count = self.shell.execution_count if self.shell is not None and stored else None
         self._current = CellRef(count, first_line(getattr(info, "raw_cell", "") or ""))
 
     def post_run_cell(self, result) -> None:
