@@ -142,19 +142,32 @@ class RuntimeWatcher:
         self.started_by: CellRef | None = None
         self.started_before_load = tf_runtime_started()
         self._current: CellRef | None = None
+        self._current_stored = True
         self._started_at_cell_start = self.started_before_load
 
     def pre_run_cell(self, info) -> None:
         self._started_at_cell_start = self.started_before_load or self.started_by is not None or tf_runtime_started()
         # Cells run without history (nbval, some front ends) have no execution count.
-        stored = getattr(info, "store_history", True)
-        count = self.shell.execution_count if self.shell is not None and stored else None
-        self._current = CellRef(count, first_line(getattr(info, "raw_cell", "") or ""))
+        self._current_stored = getattr(info, "store_history", True)
+        self._current = CellRef(None, first_line(getattr(info, "raw_cell", "") or ""))
+
+    def _running_count(self) -> int | None:
+        """The execution count of the cell running now.
+
+        ``shell.execution_count`` cannot tell: IPython 9 increments it before
+        ``pre_run_cell``, IPython 8 after the cell. The result IPython is
+        filling in for the running cell carries the right number in both.
+        """
+        if self.shell is None or not self._current_stored:
+            return None
+        result = getattr(getattr(self.shell, "displayhook", None), "exec_result", None)
+        return getattr(result, "execution_count", None)
 
     def post_run_cell(self, result) -> None:
         if self.started_by is None and not self.started_before_load and tf_runtime_started():
             info = getattr(result, "info", None)
-            count = getattr(result, "execution_count", None)
+            stored = getattr(info, "store_history", True)
+            count = getattr(result, "execution_count", None) if stored else None
             self.started_by = CellRef(count, first_line(getattr(info, "raw_cell", "") or ""))
 
     def state(self, check_cuda: bool = True) -> RuntimeState:
@@ -163,7 +176,8 @@ class RuntimeWatcher:
         started = tf_runtime_started()
         started_by = self.started_by
         if started and started_by is None and not self.started_before_load and not self._started_at_cell_start:
-            started_by = self._current
+            if self._current is not None:
+                started_by = CellRef(self._running_count(), self._current.first_line)
         return RuntimeState(
             tf_imported="tensorflow" in sys.modules,
             started=started,

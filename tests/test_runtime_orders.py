@@ -1,0 +1,185 @@
+"""What happens when cells start TensorFlow's runtime in different orders.
+
+Every scenario is a fresh interpreter with a real ``InteractiveShell``; cells run
+through ``shell.run_cell(source, store_history=True)`` so execution counts
+advance as in a notebook, and each cell's stdout and stderr are captured
+separately.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import last_json, run_python
+
+pytestmark = pytest.mark.slow
+
+DRIVER = '''
+import contextlib, io, json, sys
+from IPython.core.interactiveshell import InteractiveShell
+
+shell = InteractiveShell.instance()
+cells = []
+
+
+def runtime_started():
+    if "tensorflow" not in sys.modules:
+        return False
+    from tensorflow.python.eager import context
+    return bool(context.context()._initialized)
+
+
+def cell(source):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        result = shell.run_cell(source, store_history=True)
+    value = result.result
+    cells.append({
+        "count": result.execution_count,
+        "ok": result.success,
+        "out": out.getvalue(),
+        "err": err.getvalue(),
+        "started": runtime_started(),
+        "result": value.to_dict() if hasattr(value, "to_dict") else None,
+    })
+'''
+
+
+def run_cells(*sources: str, env: dict[str, str] | None = None) -> list[dict]:
+    """Run ``sources`` as consecutive cells of one fresh shell; one dict per cell."""
+    code = DRIVER + "".join(f"cell({s!r})\n" for s in sources) + "print(json.dumps(cells))\n"
+    cells = last_json(run_python(code, env=env).stdout)
+    assert [c["count"] for c in cells] == list(range(1, len(sources) + 1))
+    return cells
+
+
+def assert_blocked(cell: dict, culprit: str) -> None:
+    """The cell tried a different split after the runtime started."""
+    assert cell["ok"], cell
+    assert cell["result"]["status"] == "blocked"
+    warning = cell["err"].strip()
+    assert len(warning.splitlines()) == 1, warning
+    assert warning.startswith(f"vgpu_magic warning: TensorFlow's runtime was already started by {culprit}, ")
+    assert "nothing was configured" in warning
+    assert "restart the kernel and run %vgpu_split before any TensorFlow code" in warning
+    assert "VGPU_MAGIC_SPLIT" in warning
+    assert "Traceback" not in cell["out"] + cell["err"]
+
+
+STARTERS = {
+    "tf op": "x = tf.constant([1.0, 2.0]) * 2",
+    "keras model": "model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])",
+    "MirroredStrategy": "strategy = tf.distribute.MirroredStrategy()",
+    "list_logical_devices": "tf.config.list_logical_devices()",
+    "tf.device": "with tf.device('/CPU:0'):\n    y = tf.zeros(1)",
+}
+
+
+@pytest.mark.parametrize("starter", STARTERS.values(), ids=STARTERS.keys())
+def test_split_after_the_runtime_started_names_the_culprit_cell(starter):
+    cells = run_cells(
+        "%load_ext vgpu_magic",
+        "import tensorflow as tf\nimport keras",
+        starter,
+        "%vgpu_split 2 -r",
+        "%vgpu_split 1 -r",
+    )
+    assert [c["started"] for c in cells] == [False, False, True, True, True]
+    first_line = starter.splitlines()[0]
+    assert_blocked(cells[3], f"In [3]: {first_line}")
+    assert cells[3]["result"]["devices"] == ["/device:CPU:0"]
+    # One uncapped CPU is what the runtime already has: identical, so quiet.
+    assert cells[4]["result"]["status"] == "unchanged"
+    assert cells[4]["err"] == ""
+
+
+def test_identical_split_after_start_is_quiet_and_a_different_one_is_blocked():
+    cells = run_cells(
+        "%load_ext vgpu_magic",
+        "%vgpu_split 2",
+        "import tensorflow as tf\nstrategy = tf.distribute.MirroredStrategy()\nstrategy.num_replicas_in_sync",
+        "%vgpu_split 2 -r",
+        "%vgpu_split 3 -r",
+        "tf.distribute.MirroredStrategy().num_replicas_in_sync",
+    )
+    assert cells[1]["started"] is False
+    assert "vgpu_magic: configured 2 logical CPUs" in cells[1]["out"]
+    assert "Out[3]: 2" in cells[2]["out"]
+    assert cells[3]["result"]["status"] == "unchanged"
+    assert cells[3]["err"] == ""
+    assert "already configured 2 logical CPUs" in cells[3]["out"]
+    assert_blocked(cells[4], "In [3]: import tensorflow as tf")
+    assert "(it has 2 replica device(s))" in cells[4]["err"]
+    assert cells[4]["result"]["devices"] == ["/device:CPU:0", "/device:CPU:1"]
+    assert "Out[6]: 2" in cells[5]["out"]
+
+
+def test_cell_that_starts_the_runtime_and_splits_is_blamed():
+    cells = run_cells(
+        "%load_ext vgpu_magic",
+        "import tensorflow as tf\nx = tf.ones(2)\n%vgpu_split 2 -r",
+        "%vgpu_split 3 -r",
+    )
+    assert_blocked(cells[1], "In [2]: import tensorflow as tf")
+    assert_blocked(cells[2], "In [2]: import tensorflow as tf")
+
+
+def test_extension_loaded_after_the_runtime_started():
+    cells = run_cells(
+        "import tensorflow as tf",
+        "x = tf.constant(1.0)",
+        "%load_ext vgpu_magic",
+        "%vgpu_split 2 -r",
+        "%vgpu_split 1 -r",
+    )
+    warning = cells[2]["err"].strip()
+    assert len(warning.splitlines()) == 1, warning
+    assert warning.startswith("vgpu_magic warning: TensorFlow's runtime already started (a cell run before vgpu_magic")
+    assert "Restart the kernel and load vgpu_magic before any TensorFlow code" in warning
+    assert_blocked(cells[3], "a cell run before vgpu_magic was loaded")
+    assert cells[4]["result"]["status"] == "unchanged"
+
+
+def test_extension_loaded_after_tensorflow_import_but_before_start():
+    cells = run_cells(
+        "import tensorflow as tf",
+        "%load_ext vgpu_magic",
+        "v = tf.Variable(3.0)",
+        "%vgpu_split 4 -r",
+    )
+    assert cells[1]["err"] == ""
+    assert_blocked(cells[3], "In [3]: v = tf.Variable(3.0)")
+
+
+def test_status_and_dry_run_never_start_the_runtime():
+    cells = run_cells(
+        "%load_ext vgpu_magic",
+        "%vgpu_status",
+        "%vgpu_split 2",
+        "%vgpu_status --json",
+        "report = %vgpu_status -r\nimport vgpu_magic\napi_report = vgpu_magic.status()",
+        "%vgpu_split 4 --dry-run -r",
+        "import tensorflow as tf\ntf.distribute.MirroredStrategy().num_replicas_in_sync",
+        "%vgpu_status --json",
+    )
+    assert [c["started"] for c in cells] == [False] * 6 + [True, True]
+    assert all(c["ok"] for c in cells), cells
+    assert "runtime not started" in cells[1]["out"]
+
+    before = json.loads(cells[3]["out"])
+    assert before["runtime"]["started"] is False
+    assert before["replicas"] == 2
+    assert [d["name"] for d in before["logical"]] == ["/device:CPU:0", "/device:CPU:1"]
+    assert before["host_memory_shared"] is None
+
+    dry = cells[5]["result"]
+    assert dry["status"] == "planned"
+    assert len(dry["devices"]) == 4
+    assert "Out[7]: 2" in cells[6]["out"]  # the dry run configured nothing
+
+    after = json.loads(cells[7]["out"])
+    assert after["runtime"]["started"] is True
+    assert after["runtime"]["started_by"] == "In [7]: import tensorflow as tf"
+    assert after["replicas"] == 2
