@@ -83,6 +83,7 @@ def test_cli_plan_errors_exit_2_with_one_line(args, fragment):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_usage_error_from_argparse():
     proc = cli("frobnicate")
     assert proc.returncode == 2

@@ -1,0 +1,169 @@
+"""Splits of a real GPU. Skipped, with the reason, where TensorFlow sees no GPU.
+
+The planning logic for GPUs is tested everywhere on GPU-shaped data
+(``test_planner.py``); these tests check what only a real card can show: that
+the caps are enforced by TensorFlow's allocator and that each logical GPU has
+its own memory figures.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import last_json, run_python
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+MIB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def gpu_count() -> int:
+    """Physical GPUs TensorFlow sees; skips the module when there are none."""
+    from vgpu_magic.inventory import nvml_gpus
+
+    # NVML answers in milliseconds; only ask TensorFlow (seconds) when a GPU exists.
+    if not nvml_gpus():
+        pytest.skip("no NVIDIA GPU visible through NVML on this machine")
+    proc = run_python("import json, tensorflow as tf; print(json.dumps(len(tf.config.list_physical_devices('GPU'))))")
+    count = last_json(proc.stdout)
+    if count == 0:
+        pytest.skip("NVML sees a GPU but TensorFlow does not (CPU build, or CUDA_VISIBLE_DEVICES hides it)")
+    return count
+
+
+CAPPED_SPLIT = """
+import json
+from IPython.core.interactiveshell import InteractiveShell
+
+shell = InteractiveShell.instance()
+shell.run_line_magic("load_ext", "vgpu_magic")
+result = shell.run_line_magic("vgpu_split", "2 --memory 1024 --quiet --return")
+
+import numpy as np
+import keras
+import tensorflow as tf
+import vgpu_magic
+
+logical = [d.name for d in tf.config.list_logical_devices("GPU")]
+with tf.device("/GPU:1"):
+    block = tf.ones((1024, 1024))  # 4 MiB on the second logical GPU only
+memory = {name: tf.config.experimental.get_memory_info(name.replace("/device:", "")) for name in logical}
+try:
+    with tf.device("/GPU:0"):
+        too_big = tf.zeros((300, 1024, 1024))  # 1200 MiB, over the 1024 MiB cap
+        too_big.numpy()
+    over_cap = None
+except Exception as exc:
+    over_cap = type(exc).__name__
+
+strategy = vgpu_magic.strategy()
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+history = model.fit(x, x.sum(axis=1, keepdims=True), epochs=1, batch_size=8, verbose=0)
+report = vgpu_magic.status().to_dict()
+print(json.dumps({
+    "status": result.status,
+    "plan_limits": list(result.plan.memory_limits),
+    "logical": logical,
+    "memory": memory,
+    "over_cap": over_cap,
+    "mirrored": tf.distribute.MirroredStrategy().num_replicas_in_sync,
+    "strategy": strategy.num_replicas_in_sync,
+    "loss": history.history["loss"],
+    "report_logical": report["logical"],
+}))
+"""
+
+
+def test_split_two_capped_logical_gpus(gpu_count):
+    result = last_json(run_python(CAPPED_SPLIT).stdout)
+    assert result["status"] == "applied"
+    assert result["plan_limits"] == [1024, 1024]
+    # With several physical GPUs the others are hidden (--others hide), so exactly two.
+    assert result["logical"] == ["/device:GPU:0", "/device:GPU:1"]
+    assert result["mirrored"] == 2
+    assert result["strategy"] == 2
+    assert result["over_cap"] == "ResourceExhaustedError"
+    assert len(result["loss"]) == 1
+
+    # Each logical GPU has its own allocator: the 4 MiB block shows on GPU:1 only.
+    on_0 = result["memory"]["/device:GPU:0"]["current"]
+    on_1 = result["memory"]["/device:GPU:1"]["current"]
+    assert on_1 >= 4 * MIB
+    assert on_0 < on_1
+
+    gpus = [d for d in result["report_logical"] if "GPU" in d["name"]]
+    assert [d["name"] for d in gpus] == ["/device:GPU:0", "/device:GPU:1"]
+    assert [d["cap_mib"] for d in gpus] == [1024, 1024]
+    assert all(isinstance(d["current"], int) and isinstance(d["peak"], int) for d in gpus)
+
+
+EVEN_SPLIT = """
+import json
+import vgpu_magic
+from vgpu_magic.inventory import probe_inventory
+from vgpu_magic.planner import system_reserve_mib
+
+inventory = probe_inventory()
+gpu = inventory.gpus[0]
+try:
+    vgpu_magic.split(2, memory=10 * gpu.total_mib)
+    too_big = None
+except ValueError as exc:
+    too_big = str(exc)
+
+import tensorflow as tf
+
+untouched = tf.config.get_logical_device_configuration(tf.config.list_physical_devices("GPU")[0])
+result = vgpu_magic.split(4)
+print(json.dumps({
+    "free_mib": gpu.free_mib,
+    "reserve_mib": system_reserve_mib(gpu.free_mib, gpu.compute_capability),
+    "too_big": too_big,
+    "untouched": untouched,
+    "status": result.status,
+    "limits": list(result.plan.memory_limits),
+    "usable_mib": result.plan.usable_mib,
+    "logical": [d.name for d in tf.config.list_logical_devices("GPU")],
+}))
+"""
+
+
+def test_even_split_uses_free_memory_minus_reserve(gpu_count):
+    result = last_json(run_python(EVEN_SPLIT).stdout)
+    assert "does not fit GPU 0" in result["too_big"]
+    assert result["untouched"] is None
+    assert result["status"] == "applied"
+    limits = result["limits"]
+    assert len(set(limits)) == 1 and len(limits) == 4
+    # The split reads free memory again when it plans; other processes may have moved it
+    # a little since the reading above.
+    assert abs(result["usable_mib"] - (result["free_mib"] - result["reserve_mib"])) <= 256
+    assert 0 <= result["usable_mib"] - sum(limits) < 4  # only the rounding is left over
+    assert result["logical"] == [f"/device:GPU:{i}" for i in range(4)]
+
+
+MULTI_GPU = """
+import json
+import vgpu_magic
+import tensorflow as tf
+
+result = vgpu_magic.split(2, memory=1024, gpu=1)
+print(json.dumps({
+    "visible": [d.name for d in tf.config.get_visible_devices("GPU")],
+    "logical": [d.name for d in tf.config.list_logical_devices("GPU")],
+    "replicas": vgpu_magic.strategy().num_replicas_in_sync,
+}))
+"""
+
+
+def test_split_of_second_gpu_hides_the_others(gpu_count):
+    if gpu_count < 2:
+        pytest.skip(f"needs two GPUs, TensorFlow sees {gpu_count}")
+    result = last_json(run_python(MULTI_GPU).stdout)
+    assert result["visible"] == ["/physical_device:GPU:1"]
+    assert result["logical"] == ["/device:GPU:0", "/device:GPU:1"]
+    assert result["replicas"] == 2
