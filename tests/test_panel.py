@@ -65,7 +65,7 @@ def test_cpu_only_machine_offers_only_the_cpu_with_memory_disabled_and_explained
     assert panel.target.options == (("CPU (no GPU visible to TensorFlow)", "CPU"),)
     assert panel.even_memory.disabled and panel.custom.disabled
     assert "cannot cap logical CPU devices" in panel.memory_note.value
-    assert panel.usage.layout.display == "none"
+    assert panel.usage.layout.display == "none" and panel.even_memory.layout.display == "none"
     panel.count_slider.value = 3
     assert panel.memory_limits is None
     # No GPU: the plain line already splits the CPU and stays portable to a GPU machine.

@@ -45,6 +45,7 @@ SLIDER_MAX_DEVICES = 16
 _UNKNOWN_GPU_MIB = 16384
 _CPU = "CPU"
 _WIDE = {"description_width": "9em"}
+_SLIDER = {"width": "36em"}
 _CPU_NO_CAPS = (
     "Memory: TensorFlow cannot cap logical CPU devices; they share the host's memory, so there is nothing to set."
 )
@@ -109,17 +110,22 @@ class SplitPanel:
         cpu_label = "CPU (split the CPU instead of the GPU)" if inventory.gpus else "CPU (no GPU visible to TensorFlow)"
         options.append((cpu_label, _CPU))
         self.target = widgets.Dropdown(options=options, value=options[0][1], description="Split", style=_WIDE)
-        self.target.layout.width = "42em"
+        self.target.layout.width = "50em"
 
         self.count_slider = widgets.IntSlider(
-            value=1, min=1, max=SLIDER_MAX_DEVICES, description="Logical devices", style=_WIDE
+            value=1, min=1, max=SLIDER_MAX_DEVICES, description="Logical devices", style=_WIDE, layout=_SLIDER
         )
         self.count_text = widgets.BoundedIntText(value=1, min=1, max=MAX_DEVICES, layout=widgets.Layout(width="6em"))
         self.count_text.tooltip = f"type up to {MAX_DEVICES}"
 
         self.custom = widgets.Checkbox(value=False, description="custom size per device", indent=False)
         self.even_memory = widgets.IntSlider(
-            value=MIN_MEMORY_MIB, min=MIN_MEMORY_MIB, max=MIN_MEMORY_MIB, description="MiB each", style=_WIDE
+            value=MIN_MEMORY_MIB,
+            min=MIN_MEMORY_MIB,
+            max=MIN_MEMORY_MIB,
+            description="MiB each",
+            style=_WIDE,
+            layout=_SLIDER,
         )
         self.device_memory = widgets.VBox()
         self.memory_note = widgets.HTML()
@@ -265,8 +271,10 @@ class SplitPanel:
         self._update()
 
     def _show_memory_mode(self) -> None:
-        custom = self.custom.value and self.gpu is not None
-        self.even_memory.layout.display = "none" if custom else ""
+        on_gpu = self.gpu is not None
+        custom = self.custom.value and on_gpu
+        # On the CPU a (disabled) size would still read like a cap; the note says why there is none.
+        self.even_memory.layout.display = "" if on_gpu and not custom else "none"
         self.device_memory.layout.display = "" if custom else "none"
 
     def _capacity_mib(self) -> int:
@@ -295,6 +303,7 @@ class SplitPanel:
                 max=capacity,
                 description=f"device {len(self._device_sliders)}",
                 style=_WIDE,
+                layout=_SLIDER,
                 disabled=self.locked,
             )
             slider.observe(self._update, "value")
