@@ -27,6 +27,8 @@ _LAZY = {
     "GPUInfo": "inventory",
     "SplitResult": "tfconfig",
     "StatusReport": "status",
+    "MemoryMonitor": "monitor",
+    "MemoryTrace": "monitor",
     "panel": "panel",
 }
 
@@ -84,6 +86,9 @@ def unload_ipython_extension(ipython) -> None:
     watcher, magics = _loaded.pop(id(ipython), (None, None))
     if watcher is None:
         return
+    from .monitor import auto
+
+    auto.disable()
     ipython.events.unregister("pre_run_cell", watcher.pre_run_cell)
     ipython.events.unregister("post_run_cell", watcher.post_run_cell)
     registry = ipython.magics_manager.magics

@@ -1,0 +1,423 @@
+"""The memory monitor's engine, without TensorFlow: the trace, the series
+grouping, the sampler, the redraw throttle, the renderer on a fake notebook
+output, and the recorder with fake samplers and failing views.
+
+The data is shaped like what TensorFlow reports (see
+``test_monitor_keras.py`` for the same paths under real splits and a real
+kernel); clocks are simulated, so nothing here depends on wall-clock time.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import subprocess
+import sys
+
+import pytest
+
+from vgpu_magic.monitor.recorder import MemoryRecorder
+from vgpu_magic.monitor.render import (
+    DisplaySurface,
+    LivePlotView,
+    MemoryFrame,
+    MemoryPlot,
+    RedrawThrottle,
+    TextSummaryView,
+    detect_frontend,
+    save_trace_figure,
+)
+from vgpu_magic.monitor.sampler import DeviceSampler, SamplerError, build_series, normalize_device, variable_bytes
+from vgpu_magic.monitor.trace import MemoryTrace, SeriesInfo
+
+MIB = 1024 * 1024
+GIB = 1024 * MIB
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+CPUS = [f"/device:CPU:{i}" for i in range(4)]
+GPUS = [f"/device:GPU:{i}" for i in range(4)]
+
+
+class FakeClock:
+    """A clock that only moves when told to."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeHandle:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def update(self, obj) -> None:
+        self.log.append(("update", obj))
+
+
+class FakeDisplay:
+    """Records what a notebook would receive: displays and handle updates."""
+
+    def __init__(self) -> None:
+        self.log: list = []
+
+    def __call__(self, obj, display_id=None):
+        self.log.append(("display", obj, display_id))
+        return FakeHandle(self.log)
+
+
+def fake_reader(values: dict[str, tuple[int, int]], calls: list):
+    def read(names):
+        calls.append(list(names))
+        return {n: {"current": values[n][0], "peak": values[n][1]} for n in names if n in values}
+
+    return read
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    from PIL import Image
+
+    assert data.startswith(PNG_SIGNATURE)
+    with Image.open(io.BytesIO(data)) as image:
+        image.verify()
+    with Image.open(io.BytesIO(data)) as image:
+        return image.size
+
+
+def cpu_trace(samples: int = 20) -> MemoryTrace:
+    trace = MemoryTrace(build_series(CPUS), kind="fit", baseline_peak=(MIB,), epochs_total=2)
+    trace.variable_bytes = {d: 3 * MIB for d in CPUS}
+    for k in range(samples):
+        if k in (0, samples // 2):
+            trace.mark_epoch(k * 0.1, 0 if k == 0 else 1)
+        trace.append(k * 0.1, k, 0 if k < samples // 2 else 1, "fit", [(40 * MIB + k * MIB, 60 * MIB + k * MIB)])
+    return trace
+
+
+# -- the trace -------------------------------------------------------------------------
+def test_trace_rows_cover_every_sample_and_series_and_round_trip_through_csv(tmp_path):
+    series = build_series(GPUS[:2], {GPUS[0]: 2 * GIB, GPUS[1]: GIB})
+    trace = MemoryTrace(series, kind="fit", baseline_peak=(0, 0))
+    trace.append(0.0, 0, 0, "fit", [(1, 10), (2, 20)])
+    trace.append(0.5, 7, 0, "validate", [(3, 30), (4, 40)])
+    rows = list(trace.rows())
+    assert len(rows) == 2 * len(trace) == 4
+    assert [(r.step, r.phase, r.device, r.current, r.peak) for r in rows] == [
+        (0, "fit", GPUS[0], 1, 10),
+        (0, "fit", GPUS[1], 2, 20),
+        (7, "validate", GPUS[0], 3, 30),
+        (7, "validate", GPUS[1], 4, 40),
+    ]
+    text = (tmp_path / "t.csv").read_text() if trace.to_csv(tmp_path / "t.csv") else ""
+    lines = text.strip().splitlines()
+    assert lines[0] == "time,step,epoch,phase,device,current,peak"
+    assert lines[-1] == "0.500000,7,0,validate,/device:GPU:1,4,40"
+    assert len(lines) == 5
+    with pytest.raises(ValueError, match="1 readings for 2 series"):
+        trace.append(1.0, 8, 0, "fit", [(1, 1)])
+
+
+def test_peak_is_the_run_peak_only_when_it_rose_during_the_run():
+    series = build_series(["GPU:0", "GPU:1"])
+    trace = MemoryTrace(series, baseline_peak=(100 * MIB, 100 * MIB))
+    trace.append(0.0, 0, 0, "fit", [(10 * MIB, 100 * MIB), (10 * MIB, 100 * MIB)])
+    trace.append(1.0, 1, 0, "fit", [(20 * MIB, 150 * MIB), (30 * MIB, 100 * MIB)])
+    assert trace.run_peak(0) == 150 * MIB
+    assert trace.peak_text(0) == "peak 150.0 MiB"
+    # Never above the peak before the run: the run's peak is unknown, say so.
+    assert trace.run_peak(1) is None
+    assert trace.peak_text(1) == "peak ≤ 100.0 MiB (reached before this run)"
+
+
+# -- series and sampling ------------------------------------------------------------------
+def test_logical_cpus_form_one_shared_host_series_and_gpus_one_series_each():
+    cpu = build_series(CPUS)
+    assert [(s.key, s.devices, s.cap) for s in cpu] == [("host", tuple(CPUS), None)]
+    assert cpu[0].label == "host memory (shared by 4 logical CPUs)"
+    assert cpu[0].shared
+
+    gpu = build_series(["GPU:0", "/job:localhost/replica:0/task:0/device:GPU:1"], {GPUS[0]: GIB, GPUS[1]: 2 * GIB})
+    assert [(s.key, s.label, s.cap, s.shared) for s in gpu] == [
+        (GPUS[0], "GPU:0", GIB, False),
+        (GPUS[1], "GPU:1", 2 * GIB, False),
+    ]
+    mixed = build_series([GPUS[0], CPUS[0]])
+    assert [s.key for s in mixed] == [GPUS[0], "host"]
+    assert mixed[1].label == "host memory (CPU:0)"
+
+
+def test_normalize_device_rejects_what_is_not_a_device():
+    assert normalize_device("gpu:3") == "/device:GPU:3"
+    with pytest.raises(ValueError, match="'banana' is not a device name"):
+        normalize_device("banana")
+
+
+def test_sampler_reads_the_shared_host_allocator_once_per_sample():
+    calls: list = []
+    sampler = DeviceSampler(build_series(CPUS), reader=fake_reader({CPUS[0]: (5, 9)}, calls))
+    assert sampler.read() == [(5, 9)]
+    assert calls == [[CPUS[0]]]
+    assert sampler.devices == tuple(CPUS)
+
+
+def test_sampler_reads_every_logical_gpu_and_names_a_missing_one():
+    calls: list = []
+    values = {GPUS[0]: (1, 2), GPUS[1]: (3, 4)}
+    sampler = DeviceSampler(build_series(GPUS[:2]), reader=fake_reader(values, calls))
+    assert sampler.read() == [(1, 2), (3, 4)]
+    broken = DeviceSampler(build_series(GPUS[:3]), reader=fake_reader(values, calls))
+    with pytest.raises(SamplerError, match="/device:GPU:2"):
+        broken.read()
+
+
+class _DType:
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+class _Component:
+    """Shaped like a per-replica component: ``device``, ``shape``, ``dtype.size``."""
+
+    def __init__(self, device: str, shape: tuple[int, ...], size: int = 4) -> None:
+        self.device = device
+        self.shape = shape
+        self.dtype = _DType(size)
+
+
+class _Mirrored:
+    def __init__(self, shape, devices, size=4) -> None:
+        self.values = tuple(_Component(f"/job:localhost/replica:0/task:0/device:{d}", shape, size) for d in devices)
+
+
+def test_variable_bytes_counts_each_replica_component_on_its_device():
+    kernel = _Mirrored((32, 64), ["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
+    bias = _Mirrored((64,), ["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
+    step = _Component("/job:localhost/replica:0/task:0/device:CPU:0", (), size=8)  # a plain variable
+    found = variable_bytes([kernel, bias, step, kernel], CPUS)
+    per_replica = (32 * 64 + 64) * 4
+    assert found == {CPUS[0]: per_replica + 8, CPUS[1]: per_replica, CPUS[2]: per_replica, CPUS[3]: per_replica}
+
+
+# -- the throttle ---------------------------------------------------------------------------
+def test_throttle_waits_fifty_times_the_last_cost_and_at_least_half_a_second():
+    throttle = RedrawThrottle()
+    throttle.reset(0.0)
+    assert not throttle.ready(0.49) and throttle.ready(0.5)
+    throttle.record(1.0, 0.004)  # a cheap frame: 2 per second
+    assert throttle.next_allowed() == pytest.approx(1.5)
+    throttle.record(2.0, 0.040)  # a 40 ms frame: wait 2 s
+    assert throttle.next_allowed() == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("cost", [0.002, 0.010, 0.030, 0.200])
+def test_throttled_drawing_stays_under_two_percent_and_refreshes_twice_a_second_when_cheap(cost):
+    # Simulated training: a sample every 10 ms for 120 s, each frame costs `cost`.
+    throttle = RedrawThrottle()
+    now, drawn, frames = 0.0, 0.0, 0
+    throttle.reset(now)
+    while now < 120.0:
+        now += 0.010
+        if throttle.ready(now):
+            throttle.record(now, cost)
+            now += cost
+            drawn += cost
+            frames += 1
+    assert drawn / now <= 0.02
+    if cost <= 0.010:
+        assert frames / now >= 1.9  # ~2 Hz, less the 10 ms sampling granularity
+
+
+# -- the renderer ------------------------------------------------------------------------------
+def test_live_plot_shows_one_output_and_updates_it_in_place():
+    display, clock = FakeDisplay(), FakeClock()
+    view = LivePlotView(DisplaySurface(display), clock=clock)
+    trace = cpu_trace(0)
+    view.start(trace)
+    for k in range(40):
+        clock.now += 0.1
+        trace.append(k * 0.1, k, 0, "fit", [(40 * MIB + k * MIB, 80 * MIB)])
+        view.sampled(trace, clock.now)
+    trace.duration = 4.1
+    view.finish(trace)
+
+    kinds = [entry[0] for entry in display.log]
+    assert kinds[0] == "display" and kinds.count("display") == 1
+    assert display.log[0][2] is True  # display(..., display_id=True)
+    assert kinds.count("update") >= 2  # live frames and the final one, all on the same handle
+    assert len(view.draw_costs) == len(display.log)
+    final = display.log[-1][1]
+    assert isinstance(final, MemoryFrame)
+    width, height = png_size(final.png)
+    assert width > 400 and height > 200
+    bundle = final._repr_mimebundle_()
+    assert base64.b64decode(bundle["image/png"]) == final.png
+    assert "done" in bundle["text/plain"] and "shared by 4 logical CPUs" in bundle["text/plain"]
+
+
+def test_live_frames_wait_for_the_throttle():
+    display, clock = FakeDisplay(), FakeClock()
+    view = LivePlotView(DisplaySurface(display), clock=clock)
+    trace = cpu_trace(0)
+    view.start(trace)
+    for k in range(10):  # 0.3 s: before the first frame is due
+        clock.now += 0.03
+        trace.append(k * 0.03, k, 0, "fit", [(MIB, MIB)])
+        view.sampled(trace, clock.now)
+    assert display.log == []
+
+
+def test_cpu_plot_has_one_line_for_the_shared_allocator_and_variables_per_replica():
+    plot = MemoryPlot(1, live=False)
+    trace = cpu_trace()
+    trace.duration = 2.0
+    plot.draw(trace, final=True)
+    assert len(plot.lines) == 1
+    legend = [t.get_text() for t in plot.legend.get_texts()]
+    assert legend == ["host memory (shared by 4 logical CPUs) · peak 79.0 MiB"]
+    assert [t.get_text() for t in plot.vax.get_yticklabels()] == ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
+    assert plot.ax.get_ylabel() == "memory (MiB)"
+    # Epoch 2 starts at 1.0 s: one dotted marker.
+    assert [line.get_xdata()[0] for line in plot.ax.lines if line.get_linestyle() == ":"] == [1.0]
+
+
+def test_gpu_plot_draws_each_cap_dashed_in_its_line_colour_and_uses_gib():
+    caps = {d: (2 + i) * GIB for i, d in enumerate(GPUS)}
+    trace = MemoryTrace(build_series(GPUS, caps), kind="fit", baseline_peak=(0,) * 4)
+    for k in range(30):
+        trace.append(k * 0.1, k, 0, "fit", [((i + 1) * GIB // 2, (i + 1) * GIB // 2 + MIB) for i in range(4)])
+    trace.duration = 3.0
+    plot = MemoryPlot(4, live=False)
+    plot.draw(trace, final=True)
+    dashed = [line for line in plot.ax.lines if line.get_linestyle() == "--"]
+    assert [line.get_color() for line in dashed] == [line.get_color() for line in plot.lines]
+    assert [line.get_ydata()[0] for line in dashed] == [2, 3, 4, 5]  # GiB
+    assert plot.ax.get_ylabel() == "memory (GiB)"
+    assert plot.legend.get_texts()[3].get_text() == "GPU:3 · peak 2.00 GiB / cap 5.00 GiB"
+
+
+def test_savefig_writes_a_real_png(tmp_path):
+    trace = cpu_trace()
+    trace.duration = 2.0
+    path = save_trace_figure(trace, str(tmp_path / "memory.png"))
+    width, height = png_size((tmp_path / "memory.png").read_bytes())
+    assert path.endswith("memory.png") and width >= 800 and height >= 300
+
+
+def test_text_view_prints_one_line_per_epoch_and_one_at_the_end():
+    out = io.StringIO()
+    view = TextSummaryView(out)
+    trace = cpu_trace()
+    view.epoch_end(trace, 0)
+    trace.duration = 2.0
+    view.finish(trace)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    assert lines[0] == (
+        "memory · epoch 1/2 · host memory (shared by 4 logical CPUs): now 59.0 MiB, peak 79.0 MiB"
+    )
+    assert lines[1].startswith("memory · fit done in 2.0 s, 20 samples · host memory")
+    assert "variables per replica: CPU:0 3.0 MiB, CPU:1 3.0 MiB" in lines[1]
+
+
+def test_frontend_is_text_outside_a_kernel():
+    assert detect_frontend() == "text"
+    code = "import vgpu_magic.monitor.render as r; print(r.detect_frontend())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "text"
+
+
+# -- the recorder ---------------------------------------------------------------------------------
+def make_recorder(view, clock, reports, started=True, calls=None, values=None):
+    values = {CPUS[0]: (MIB, 2 * MIB)} if values is None else values
+    calls = calls if calls is not None else []
+
+    def factory():
+        return DeviceSampler(build_series(CPUS), reader=fake_reader(values, calls))
+
+    return MemoryRecorder(
+        factory, view, interval=0.05, clock=clock, runtime_started=lambda: started, report=reports.append
+    )
+
+
+class ExplodingView(LivePlotView):
+    """A renderer whose drawing fails, as a broken matplotlib would."""
+
+    def __init__(self, clock) -> None:
+        super().__init__(DisplaySurface(FakeDisplay()), clock=clock)
+        self.attempts = 0
+
+    def sampled(self, trace, now) -> None:
+        self.attempts += 1
+        raise RuntimeError("renderer exploded")
+
+
+def test_a_failing_view_is_reported_once_and_recording_goes_on():
+    clock, reports = FakeClock(), []
+    view = ExplodingView(clock)
+    recorder = make_recorder(view, clock, reports)
+    recorder.start("fit", epochs=1)
+    for step in range(100):
+        clock.now += 0.01
+        recorder.tick(step)
+    trace = recorder.finish()
+    assert view.attempts == 1
+    assert reports == [
+        "the memory plot stopped after an error (RuntimeError: renderer exploded); "
+        "training goes on and the trace is still recorded"
+    ]
+    assert len(trace) >= 20  # every 50 ms over 1 s, plus start and end
+    assert trace.finished and not trace.interrupted
+
+
+def test_ticks_sample_at_most_every_interval():
+    clock, reports, calls = FakeClock(), [], []
+    recorder = make_recorder(None, clock, reports, calls=calls)
+    recorder.start("fit")
+    for step in range(1000):  # 1 ms steps for 1 s
+        clock.now += 0.001
+        recorder.tick(step)
+    recorder.finish()
+    assert 20 <= len(recorder.trace) <= 22
+    assert recorder.trace.step[1] >= 49
+    assert all(c == [CPUS[0]] for c in calls)  # one read of the shared allocator per sample
+
+
+def test_recorder_waits_for_the_runtime_instead_of_starting_it():
+    clock, reports = FakeClock(), []
+    built = []
+
+    def factory():
+        built.append(1)
+        raise AssertionError("must not be built before the runtime runs")
+
+    recorder = MemoryRecorder(factory, None, clock=clock, runtime_started=lambda: False, report=reports.append)
+    recorder.start("custom")
+    recorder.sample(step=1)
+    assert recorder.finish() is None and built == [] and reports == []
+
+
+def test_a_sampler_that_fails_is_reported_once_and_stops_sampling():
+    clock, reports, calls = FakeClock(), [], []
+    recorder = make_recorder(None, clock, reports, calls=calls, values={})
+    recorder.start("fit")
+    for step in range(10):
+        clock.now += 0.1
+        recorder.tick(step)
+    recorder.finish()
+    assert reports == [
+        "memory cannot be read, monitoring is off (SamplerError: TensorFlow has no memory statistics for /device:CPU:0)"
+    ]
+    assert len(calls) == 1
+
+
+def test_interrupted_run_keeps_its_trace_and_draws_a_final_frame():
+    display, clock, reports = FakeDisplay(), FakeClock(), []
+    recorder = make_recorder(LivePlotView(DisplaySurface(display), clock=clock), clock, reports)
+    recorder.start("fit", epochs=3)
+    for step in range(30):
+        clock.now += 0.02
+        recorder.tick(step)
+    trace = recorder.finish(interrupted=True)
+    assert len(trace) > 10 and trace.interrupted
+    assert "interrupted" in display.log[-1][1].text
+    assert reports == []

@@ -1,0 +1,94 @@
+"""Live memory of every logical device while a model trains.
+
+User guide
+==========
+
+In a notebook::
+
+    In [1]: %load_ext vgpu_magic
+    In [2]: %vgpu_split 4
+    ...
+    In [5]: model.fit(ds, epochs=3, callbacks=[vgpu_magic.MemoryMonitor()])
+
+A plot appears under the cell and is updated in place while ``fit`` runs: one
+line per logical GPU with its cap as a dashed line of the same colour and its
+peak in the legend, epoch starts as dotted lines, and a side panel with the
+bytes of variables each replica holds. When ``fit`` ends (or is interrupted)
+the last frame stays in the notebook as a plain PNG, so it survives saving.
+
+Or, without touching the code::
+
+    In [6]: %vgpu_monitor on        # every later fit/evaluate/predict is monitored
+    In [7]: %vgpu_monitor status
+    In [8]: %vgpu_monitor off       # keras.Model is exactly as before
+
+On logical CPUs all replicas share one host allocator, so TensorFlow reports
+the same numbers for each: the plot shows ONE "host memory (shared by N logical
+CPUs)" line, and the side panel shows what does differ per replica, the bytes
+of its own copy of the variables (exact, from the mirrored variables'
+per-replica components).
+
+Outside a Jupyter kernel (terminal IPython, a script) the monitor prints one
+compact line per epoch and one at the end instead of plotting.
+
+Custom training loops::
+
+    with vgpu_magic.MemoryMonitor(model=model) as mon:
+        for step, batch in enumerate(dist_dataset):
+            strategy.run(train_step, args=(batch,))
+            mon.sample(step=step)
+
+The data
+========
+
+``monitor.trace`` is a :class:`MemoryTrace`: per sample the time (seconds
+since the run started), step, epoch, phase, and per series (a logical GPU, or
+``"host"``) the current and peak bytes. ``monitor.to_csv(path)`` writes it,
+``monitor.savefig(path)`` saves the plot, ``trace.to_records()`` gives a list
+of dicts for pandas. ``monitor.traces`` keeps every finished run.
+
+Peaks come from the allocator itself, which records its peak on every
+allocation, so nothing is lost between samples. Nothing resets that peak
+(``reset_memory_stats`` is process-wide); a run whose peak never rose above
+the peak before it says so ("peak ≤ X, reached before this run").
+
+Cost
+====
+
+Steps are counted in Keras' ``on_*_batch_begin`` hooks (no logs, no sync);
+memory is read at most every ``interval`` seconds (0.05 by default), once per
+logical GPU or once for all logical CPUs; redraws wait
+``max(0.5 s, 50 × the last frame's cost)``, so drawing stays under 2 % of the
+time (see :mod:`vgpu_magic.monitor.render`). Plotting errors are reported once
+and never stop training. Nothing here starts TensorFlow's runtime, and
+importing this package imports neither TensorFlow nor matplotlib.
+
+Modules: :mod:`.trace` (the data), :mod:`.sampler` (reading memory),
+:mod:`.recorder` (the engine), :mod:`.render` (plot and text views),
+:mod:`.callback` (the Keras face), :mod:`.auto` (``%vgpu_monitor on/off``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_LAZY = {
+    "MemoryMonitor": "callback",
+    "MemoryTrace": "trace",
+    "MemorySample": "trace",
+    "SeriesInfo": "trace",
+    "MemoryRecorder": "recorder",
+    "DeviceSampler": "sampler",
+    "AutoMonitoring": "auto",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        return getattr(module, name)
+    raise AttributeError(f"module 'vgpu_magic.monitor' has no attribute {name!r}")

@@ -1,0 +1,158 @@
+"""Automatic monitoring: every Keras ``fit``/``evaluate``/``predict`` gets a
+:class:`~vgpu_magic.monitor.callback.MemoryMonitor` without code changes.
+
+:class:`AutoMonitoring` replaces ``keras.Model.fit``, ``evaluate`` and
+``predict`` with wrappers that append a fresh monitor to ``callbacks``, and
+:meth:`~AutoMonitoring.disable` puts back exactly what was there: the class
+attribute that was set, or no attribute at all where the method was inherited
+(so ``keras.Model.fit is original`` holds again). A call that already has a
+monitor, that runs inside a monitored call (``fit``'s validation), or that
+receives Keras' own ``CallbackList`` is left alone.
+
+Importing this module imports neither Keras nor TensorFlow; :meth:`enable`
+imports Keras (which does not start TensorFlow's runtime).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["AutoMonitoring", "AUTO", "enable", "disable", "status"]
+
+METHODS = ("fit", "evaluate", "predict")
+_MISSING = object()
+
+
+class AutoMonitoring:
+    """Patches ``keras.Model`` so that every ``fit``/``evaluate``/``predict`` is monitored.
+
+    Parameters
+    ----------
+    factory
+        Makes the monitor for one call; by default ``MemoryMonitor(**options)``.
+    """
+
+    def __init__(self, factory: Callable[[], Any] | None = None) -> None:
+        self._factory = factory
+        self._options: dict[str, Any] = {}
+        self._saved: dict[str, Any] = {}
+        self._model_class: Any = None
+        self._local = threading.local()
+        self.monitors: list[Any] = []
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._saved)
+
+    def _make_monitor(self) -> Any:
+        if self._factory is not None:
+            return self._factory()
+        from .callback import MemoryMonitor
+
+        return MemoryMonitor(**self._options)
+
+    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+        auto = self
+
+        @functools.wraps(original)
+        def monitored(model, *args, **kwargs):
+            if getattr(auto._local, "depth", 0):
+                return original(model, *args, **kwargs)
+            try:
+                bound = signature.bind(model, *args, **kwargs)
+            except TypeError:  # let Keras report the bad call itself
+                return original(model, *args, **kwargs)
+            callbacks = bound.arguments.get("callbacks")
+            if not auto._wants_monitor(callbacks):
+                return original(model, *args, **kwargs)
+            monitor = auto._make_monitor()
+            auto.monitors = [*auto.monitors[-9:], monitor]
+            bound.arguments["callbacks"] = [*(callbacks or []), monitor]
+            auto._local.depth = 1
+            try:
+                return original(*bound.args, **bound.kwargs)
+            finally:
+                auto._local.depth = 0
+
+        monitored.__vgpu_auto_monitor__ = True  # type: ignore[attr-defined]
+        return monitored
+
+    @staticmethod
+    def _wants_monitor(callbacks: Any) -> bool:
+        from .callback import MemoryMonitor
+
+        if callbacks is None:
+            return True
+        if not isinstance(callbacks, (list, tuple)):
+            return False  # Keras' own CallbackList (fit's validation) or something unknown
+        return not any(isinstance(cb, MemoryMonitor) for cb in callbacks)
+
+    def enable(self, **options: Any) -> None:
+        """Monitor every later ``fit``/``evaluate``/``predict``; ``options``
+        go to each :class:`MemoryMonitor` (e.g. ``display="text"``)."""
+        import keras
+
+        if options:
+            from .callback import MemoryMonitor
+
+            MemoryMonitor(**options)  # check them now, not at the next fit
+        self._options = dict(options)
+        if self.enabled:
+            return
+        model = keras.Model
+        saved = {name: model.__dict__.get(name, _MISSING) for name in METHODS}
+        for name in METHODS:
+            setattr(model, name, self._wrap(name, getattr(model, name)))
+        self._saved = saved
+        self._model_class = model
+
+    def disable(self) -> None:
+        """Restore ``keras.Model`` exactly as it was; a no-op when off."""
+        if not self.enabled:
+            return
+        model = self._model_class
+        for name, original in self._saved.items():
+            if original is _MISSING:
+                if name in model.__dict__:
+                    delattr(model, name)
+            else:
+                setattr(model, name, original)
+        self._saved = {}
+        self._model_class = None
+
+    def status(self) -> str:
+        if not self.enabled:
+            return "automatic memory monitoring is off"
+        extra = ", ".join(f"{k}={v!r}" for k, v in self._options.items())
+        return "automatic memory monitoring is on for keras.Model.fit/evaluate/predict" + (
+            f" ({extra})" if extra else ""
+        )
+
+    @property
+    def last_monitor(self) -> Any:
+        """The monitor of the latest automatically monitored call."""
+        return self.monitors[-1] if self.monitors else None
+
+
+#: The process-wide automatic monitoring that ``%vgpu_monitor`` switches.
+AUTO = AutoMonitoring()
+
+
+def enable(**options: Any) -> None:
+    """Turn on :data:`AUTO`."""
+    AUTO.enable(**options)
+
+
+def disable() -> None:
+    """Turn off :data:`AUTO`."""
+    AUTO.disable()
+
+
+def status() -> str:
+    """A one-line description of :data:`AUTO`."""
+    return AUTO.status()

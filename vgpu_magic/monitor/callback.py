@@ -1,0 +1,317 @@
+"""The Keras face: :class:`MemoryMonitor`, a callback and a context manager.
+
+It only feeds Keras' events to a :class:`~vgpu_magic.monitor.recorder.MemoryRecorder`.
+Steps are counted in the ``on_*_batch_begin`` hooks, which Keras calls
+synchronously with no logs. The ``on_*_batch_end`` hooks are deliberately not
+overridden: Keras 3 hands batch-end logs to callbacks on a worker thread only
+while no callback overrides them; overriding one makes every step wait for its
+logs to be converted to numbers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import keras
+
+from .recorder import MemoryRecorder, RecorderStats
+from .render import LivePlotView, NullView, TextSummaryView, detect_frontend, save_trace_figure
+from .sampler import DeviceSampler, model_variables
+from .trace import MemoryTrace
+
+__all__ = ["MemoryMonitor", "DISPLAY_MODES"]
+
+#: ``display=`` values: ``"auto"`` (a live plot in a Jupyter kernel, text
+#: elsewhere), ``"rich"`` (the live plot), ``"text"`` (per-epoch lines) or
+#: ``"none"`` (record only).
+DISPLAY_MODES = ("auto", "rich", "text", "none")
+
+
+def _shell() -> Any:
+    import sys
+
+    if "IPython" not in sys.modules:
+        return None
+    from IPython import get_ipython
+
+    return get_ipython()
+
+
+class MemoryMonitor(keras.callbacks.Callback):
+    """Watch the memory of every logical device during ``fit``, ``evaluate``,
+    ``predict`` or a custom training loop.
+
+    Parameters
+    ----------
+    devices
+        Logical devices to watch, e.g. ``["GPU:0", "GPU:1"]``. By default every
+        replica device of the split, plus the model's strategy's devices.
+    model
+        The model whose variables to count per replica. Inside Keras the model
+        being trained is used; give it for custom loops.
+    strategy
+        A ``tf.distribute`` strategy whose devices to watch as well.
+    interval
+        Minimum seconds between samples taken at batch starts (peaks between
+        samples are never lost: the allocator keeps its own peak).
+    display
+        ``"auto"``, ``"rich"``, ``"text"`` or ``"none"`` (see :data:`DISPLAY_MODES`).
+    view
+        A view object to use instead (see :mod:`vgpu_magic.monitor.render`).
+
+    Examples
+    --------
+    ::
+
+        model.fit(ds, epochs=3, callbacks=[vgpu_magic.MemoryMonitor()])
+
+        with vgpu_magic.MemoryMonitor(model=model) as mon:
+            for step, batch in enumerate(dist_ds):
+                strategy.run(train_step, args=(batch,))
+                mon.sample(step=step)
+        mon.to_csv("memory.csv")
+        mon.savefig("memory.png")
+    """
+
+    def __init__(
+        self,
+        devices: Iterable[str] | None = None,
+        *,
+        model: Any = None,
+        strategy: Any = None,
+        interval: float = 0.05,
+        display: str = "auto",
+        view: Any = None,
+    ) -> None:
+        super().__init__()
+        if display not in DISPLAY_MODES:
+            raise ValueError(f"display={display!r} is not a display mode; use one of {', '.join(DISPLAY_MODES)}")
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval > 0:
+            raise ValueError(f"interval={interval!r} is not a positive number of seconds; use e.g. interval=0.05")
+        if isinstance(devices, str):
+            devices = [d for d in devices.split(",") if d.strip()]
+        self._devices = None if devices is None else list(devices)
+        self._model_hint = model
+        self._strategy = strategy
+        self.display = display
+        self._view = view
+        self.traces: list[MemoryTrace] = []
+        self._reported: set[str] = set()
+        self._recorder = MemoryRecorder(
+            self._make_sampler, None, interval=float(interval), variables=self._variables, report=self._report
+        )
+        self._depth = 0
+        self._fresh = False
+        self._epoch_base = 0
+        self._next_step = 0
+        self._shell_watched: Any = None
+
+    # -- what the recorder needs ----------------------------------------------------
+    def _current_model(self) -> Any:
+        return self._model_hint if self._model_hint is not None else getattr(self, "_model", None)
+
+    def _make_sampler(self) -> DeviceSampler:
+        return DeviceSampler.for_devices(self._devices, model=self._current_model(), strategy=self._strategy)
+
+    def _variables(self) -> list[Any] | None:
+        model = self._current_model()
+        return None if model is None else model_variables(model)
+
+    def _report(self, message: str) -> None:
+        import sys
+
+        if message not in self._reported:
+            self._reported.add(message)
+            print(f"vgpu_magic: {message}", file=sys.stderr, flush=True)
+
+    def _make_view(self) -> Any:
+        if self._view is not None:
+            return self._view
+        mode = detect_frontend() if self.display == "auto" else self.display
+        if mode == "rich":
+            try:
+                import matplotlib  # noqa: F401
+                import PIL  # noqa: F401
+            except ImportError:
+                self._report(
+                    "matplotlib is not installed, so memory is summarised as text; "
+                    "pip install 'vgpu_magic[plot]' for the live plot"
+                )
+                return TextSummaryView()
+            return LivePlotView()
+        if mode == "text":
+            return TextSummaryView()
+        return NullView()
+
+    # -- runs -------------------------------------------------------------------------
+    def _begin(self, kind: str) -> None:
+        fresh, self._fresh = self._fresh, False
+        if self._depth and not fresh:
+            # fit's validation runs evaluate through the same callback list
+            self._depth += 1
+            self._recorder.phase = "validate" if kind == "evaluate" else kind
+            return
+        if self._recorder.active:
+            self._close(interrupted=True)
+        self._depth = 1
+        self._epoch_base = self._next_step = 0
+        params = self.params or {}
+        self._recorder.view = self._make_view()
+        self._recorder.start(kind, epochs=params.get("epochs") if kind == "fit" else None, steps=params.get("steps"))
+        self._watch_cell()
+
+    def _end(self) -> None:
+        if self._depth > 1:
+            self._depth -= 1
+            self._recorder.phase = self._recorder.kind
+        elif self._depth == 1:
+            self._close()
+
+    def _close(self, interrupted: bool = False) -> None:
+        self._depth = 0
+        self._unwatch_cell()
+        trace = self._recorder.finish(interrupted=interrupted)
+        if trace is not None and not any(t is trace for t in self.traces):
+            self.traces.append(trace)
+
+    def _watch_cell(self) -> None:
+        """End the run with its cell at the latest, so an interrupted ``fit``
+        still gets its final frame."""
+        shell = _shell()
+        if shell is None or self._shell_watched is shell:
+            return
+        self._unwatch_cell()
+        shell.events.register("post_run_cell", self._cell_finished)
+        self._shell_watched = shell
+
+    def _unwatch_cell(self) -> None:
+        if self._shell_watched is not None:
+            try:
+                self._shell_watched.events.unregister("post_run_cell", self._cell_finished)
+            except ValueError:
+                pass
+            self._shell_watched = None
+
+    def _cell_finished(self, result: Any = None) -> None:
+        if self._recorder.active:
+            self._close(interrupted=getattr(result, "error_in_exec", None) is not None)
+        else:
+            self._unwatch_cell()
+
+    # -- the public API -------------------------------------------------------------
+    def start(self, kind: str = "custom") -> MemoryMonitor:
+        """Begin a run by hand (custom loops); it ends with :meth:`finish` or,
+        in IPython, with the cell at the latest."""
+        self._fresh = True
+        self._begin(kind)
+        return self
+
+    def sample(self, step: int | None = None, epoch: int | None = None) -> None:
+        """Take a sample now (starts a run if none is active)."""
+        if not self._recorder.active:
+            self.start()
+        self._recorder.sample(step=step, epoch=epoch)
+
+    def begin_epoch(self, epoch: int) -> None:
+        """Mark an epoch start in a custom loop."""
+        if not self._recorder.active:
+            self.start()
+        self._recorder.begin_epoch(epoch)
+
+    def end_epoch(self, epoch: int) -> None:
+        """Mark an epoch end in a custom loop (the text view prints its line)."""
+        self._recorder.end_epoch(epoch)
+
+    def finish(self, interrupted: bool = False) -> MemoryTrace | None:
+        """End the current run (the final frame or summary); return its trace."""
+        if self._recorder.active:
+            self._close(interrupted=interrupted)
+        return self.trace
+
+    def __enter__(self) -> MemoryMonitor:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.finish(interrupted=exc_type is not None)
+
+    @property
+    def trace(self) -> MemoryTrace | None:
+        """The current (or last) run's trace."""
+        return self._recorder.trace
+
+    @property
+    def stats(self) -> RecorderStats:
+        """Samples taken in the current (or last) run and what they cost."""
+        return self._recorder.stats
+
+    @property
+    def view(self) -> Any:
+        """The view of the current (or last) run; ``None`` after it failed."""
+        return self._recorder.view
+
+    @property
+    def active(self) -> bool:
+        return self._recorder.active
+
+    def _require_trace(self) -> MemoryTrace:
+        if self.trace is None or not len(self.trace):
+            raise ValueError("nothing recorded yet; pass the monitor to fit/evaluate/predict or call sample() first")
+        return self.trace
+
+    def to_csv(self, path: str | os.PathLike) -> str:
+        """Write the trace (time, step, epoch, phase, device, current, peak) as CSV."""
+        return self._require_trace().to_csv(path)
+
+    def savefig(self, path: str | os.PathLike, dpi: int = 100) -> str:
+        """Save the plot of the trace (PNG, SVG, PDF... from the suffix)."""
+        return save_trace_figure(self._require_trace(), os.fspath(path), dpi=dpi)
+
+    def __repr__(self) -> str:
+        state = "recording" if self.active else "idle"
+        return f"<MemoryMonitor {state}, {len(self.traces)} finished run(s)>"
+
+    # -- Keras hooks ------------------------------------------------------------------
+    def set_params(self, params: dict) -> None:
+        # Keras sets params once per fit/evaluate/predict call, not for the
+        # evaluate that a fit runs for validation: that tells nested from new.
+        super().set_params(params)
+        self._fresh = True
+
+    def on_train_begin(self, logs=None) -> None:
+        self._begin("fit")
+
+    def on_train_end(self, logs=None) -> None:
+        self._end()
+
+    def on_test_begin(self, logs=None) -> None:
+        self._begin("evaluate")
+
+    def on_test_end(self, logs=None) -> None:
+        self._end()
+
+    def on_predict_begin(self, logs=None) -> None:
+        self._begin("predict")
+
+    def on_predict_end(self, logs=None) -> None:
+        self._end()
+
+    def on_epoch_begin(self, epoch, logs=None) -> None:
+        steps = (self.params or {}).get("steps")
+        self._epoch_base = epoch * steps if steps else self._next_step
+        self._recorder.begin_epoch(epoch)
+
+    def on_epoch_end(self, epoch, logs=None) -> None:
+        self._recorder.end_epoch(epoch)
+
+    def on_train_batch_begin(self, batch, logs=None) -> None:
+        step = self._epoch_base + batch
+        self._next_step = step + 1
+        self._recorder.tick(step)
+
+    def on_test_batch_begin(self, batch, logs=None) -> None:
+        self._recorder.tick(None if self._depth > 1 else batch)
+
+    def on_predict_batch_begin(self, batch, logs=None) -> None:
+        self._recorder.tick(batch)
