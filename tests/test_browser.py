@@ -1,11 +1,12 @@
-"""The %vgpu_split panel in a real JupyterLab, driven by a real Chromium.
+"""The %vgpu_split panel in a real JupyterLab 4 and Notebook 7, driven by a real Chromium.
 
-A throwaway JupyterLab server (127.0.0.1, free port, token, temporary notebook,
+A throwaway Jupyter server (127.0.0.1, free port, token, temporary notebook,
 config, runtime and settings directories) opens a notebook with
-``%load_ext vgpu_magic`` and ``%vgpu_split``; Playwright moves the count slider
-to 3 with the keyboard, clicks Apply and reads what the panel's Output says.
-Debian's ``/usr/bin/chromium`` is used as is (``make system-deps`` installs it);
-Playwright never downloads a browser here.
+``%load_ext vgpu_magic`` and ``%vgpu_split``; Playwright sets the count to 3
+through the UI (arrow keys on the slider handle, or typing into the box), clicks
+Apply and reads what the panel's Output says. Debian's ``/usr/bin/chromium`` is
+used as is (``make system-deps`` installs it); Playwright never downloads a
+browser here.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def _wait_until_serving(proc: subprocess.Popen, url: str, log: Path, timeout: fl
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"JupyterLab exited with {proc.returncode}:\n{log.read_text()}")
+            pytest.fail(f"The Jupyter server exited with {proc.returncode}:\n{log.read_text()}")
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
@@ -71,7 +72,7 @@ def _wait_until_serving(proc: subprocess.Popen, url: str, log: Path, timeout: fl
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         time.sleep(0.25)
-    pytest.fail(f"JupyterLab did not answer {url} within {timeout} s:\n{log.read_text()}")
+    pytest.fail(f"The Jupyter server did not answer {url} within {timeout} s:\n{log.read_text()}")
 
 
 def _pids_mentioning(text: str) -> list[int]:
@@ -124,10 +125,21 @@ def _run_all_cells(page, sync_api) -> None:
     pytest.fail("Run All Cells did not start the notebook's cells")
 
 
-@pytest.fixture
-def jupyterlab(tmp_path):
-    """A running JupyterLab with ``panel.ipynb``; yields ``(base_url, token)``."""
-    pytest.importorskip("jupyterlab")
+#: Front end -> (module that serves it, page of the notebook, screenshot file, how the count is set).
+#: Notebook 7 swallows arrow keys on a focused slider handle (measured with Chromium 156), so
+#: there the count is typed into the box next to the slider, as a keyboard user would.
+FRONT_ENDS = {
+    "jupyterlab4": ("jupyterlab", "lab/tree/panel.ipynb", "browser_panel.png", "slider-keys"),
+    "notebook7": ("notebook", "notebooks/panel.ipynb", "browser_panel_notebook7.png", "typed"),
+}
+
+
+@pytest.fixture(params=sorted(FRONT_ENDS))
+def front_end(request, tmp_path):
+    """A running JupyterLab 4 or Notebook 7 serving ``panel.ipynb``; yields
+    ``(notebook_url, screenshot_name, interaction)``."""
+    module, page, screenshot, interaction = FRONT_ENDS[request.param]
+    pytest.importorskip(module)
     notebooks = tmp_path / "notebooks"
     notebooks.mkdir()
     _write_notebook(notebooks / "panel.ipynb")
@@ -150,13 +162,13 @@ def jupyterlab(tmp_path):
         "IPYTHONDIR": str(dirs["ipython"]),
     }
     port, token = _free_port(), secrets.token_hex(16)
-    log = tmp_path / "jupyterlab.log"
+    log = tmp_path / "server.log"
     with open(log, "wb") as log_file:
         proc = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
-                "jupyterlab",
+                module,
                 "--no-browser",
                 "--ServerApp.ip=127.0.0.1",
                 f"--ServerApp.port={port}",
@@ -175,20 +187,20 @@ def jupyterlab(tmp_path):
     try:
         base = f"http://127.0.0.1:{port}"
         _wait_until_serving(proc, f"{base}/api/status?token={token}", log)
-        yield base, token
+        yield f"{base}/{page}?token={token}", screenshot, interaction
     finally:
         _stop(proc, dirs["runtime"])
 
 
-def test_panel_splits_the_cpu_from_a_real_browser(jupyterlab, artifacts_dir):
+def test_panel_splits_the_cpu_from_a_real_browser(front_end, artifacts_dir):
     sync_api = pytest.importorskip("playwright.sync_api")
-    base, token = jupyterlab
-    screenshot = artifacts_dir / "browser_panel.png"
+    url, screenshot_name, interaction = front_end
+    screenshot = artifacts_dir / screenshot_name
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1000})
-            page.goto(f"{base}/lab/tree/panel.ipynb?token={token}", timeout=90_000)
+            page.goto(url, timeout=90_000)
             _run_all_cells(page, sync_api)
 
             panel = page.locator(".vgpu-split-panel")
@@ -196,11 +208,18 @@ def test_panel_splits_the_cpu_from_a_real_browser(jupyterlab, artifacts_dir):
             count_box = panel.locator(".vgpu-count-text input")
             sync_api.expect(count_box).to_have_value("1")
 
-            # A keyboard user: focus the slider's handle and press the right arrow twice.
-            handle = panel.locator(".vgpu-count-slider .noUi-handle")
-            handle.focus()
-            handle.press("ArrowRight")
-            handle.press("ArrowRight")
+            if interaction == "slider-keys":
+                # Focus the slider's handle and press the right arrow twice.
+                handle = panel.locator(".vgpu-count-slider .noUi-handle")
+                handle.focus()
+                handle.press("ArrowRight")
+                handle.press("ArrowRight")
+            else:
+                count_box.click()
+                count_box.press("Control+A")
+                count_box.press_sequentially("3")
+                count_box.press("Enter")
+            sync_api.expect(panel.locator(".vgpu-count-slider .widget-readout")).to_have_text("3", timeout=30_000)
             sync_api.expect(count_box).to_have_value("3", timeout=30_000)
             sync_api.expect(panel.locator(".vgpu-magic-line")).to_contain_text("%vgpu_split 3", timeout=30_000)
 
