@@ -199,7 +199,10 @@ class MemoryTrace:
         if not self.time:
             return None
         top = max(self.peak[index])
-        return top if top > self.baseline_peak[index] else None
+        # Current memory that reached the old peak pins the run's peak to it.
+        if top > self.baseline_peak[index] or max(self.current[index]) >= self.baseline_peak[index]:
+            return top
+        return None
 
     def max_current(self, index: int) -> int | None:
         return max(self.current[index]) if self.time else None
