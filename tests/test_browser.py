@@ -42,7 +42,9 @@ CHROMIUM_ARGS = [
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.slow,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing (make system-deps installs Debian's chromium)"),
+    pytest.mark.skipif(
+        not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing (make system-deps installs Debian's chromium)"
+    ),
 ]
 
 

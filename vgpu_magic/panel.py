@@ -390,7 +390,9 @@ class SplitPanel:
             self._say(f"Not applied: {exc}", error=True)
             return None
         except ImportError:
-            self._say("Not applied: TensorFlow is not installed in this kernel; pip install 'vgpu_magic[cpu]'", True)
+            self._say(
+                "Not applied: TensorFlow is not installed in this kernel; pip install 'vgpu_magic[cpu]'", error=True
+            )
             return None
         self.last_result = result
         if result.status == "blocked":
