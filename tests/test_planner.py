@@ -462,9 +462,17 @@ def test_cpu_split_on_a_gpu_machine_with_gpus_hidden():
     assert new.replica_devices() == ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]
 
 
-def test_cpu_split_with_a_visible_gpu_still_mirrors_on_the_gpu():
-    # MirroredStrategy() prefers GPUs; the snapshot must say so rather than promise CPUs.
-    new = _wanted(plan_line("3 --cpu", gpu_inventory(24000)), snapshot(1))
+def test_cpu_split_on_a_gpu_machine_hides_the_gpus():
+    # MirroredStrategy() prefers GPUs, so --cpu hides them: the logical CPUs become the replicas.
+    plan = plan_line("3 --cpu", gpu_inventory(24000))
+    assert plan.visible_gpus == ()
+    new = _wanted(plan, snapshot(1))
+    assert new.replica_devices() == ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]
+
+
+def test_cpu_split_keeps_gpus_named_in_visible():
+    # An explicit --visible wins; MirroredStrategy() then mirrors on the GPU, and the snapshot says so.
+    new = _wanted(plan_line("3 --cpu --visible 0", gpu_inventory(24000)), snapshot(1))
     assert new.replica_devices() == ["/device:GPU:0"]
 
 

@@ -233,8 +233,10 @@ class SplitPlan:
                     words += ["--gpu", str(self.physical_index)]
                 if self.visible_gpus is not None and len(self.visible_gpus) > 1:
                     words += ["--others", "keep"]
-        # Always spelled out: whether visibility is implied depends on the machine.
-        if self.visible_gpus is not None:
+        # Always spelled out (whether visibility is implied depends on the machine), except the
+        # "hide every GPU" that --cpu implies everywhere.
+        implied_by_cpu = self.cpu_forced and self.visible_gpus == ()
+        if self.visible_gpus is not None and not implied_by_cpu:
             words += ["--visible", ",".join(str(i) for i in self.visible_gpus) or "none"]
         if self.memory_growth:
             words.append("--growth")
@@ -335,10 +337,14 @@ def plan_split(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
                 "memory caps are not supported on CPU devices (TensorFlow cannot cap logical CPUs); "
                 f"drop --memory, e.g. %vgpu_split {count}"
             )
-        notes = ()
+        notes: tuple[str, ...] = ()
+        visible = request.visible
         if not inventory.gpus:
             notes = ("no GPU visible to TensorFlow: splitting the CPU instead",)
-        visible = request.visible
+        elif visible is None:
+            # MirroredStrategy() prefers GPUs: the logical CPUs are only its replicas with the GPUs hidden.
+            visible = ()
+            notes = ("GPUs hidden so MirroredStrategy uses the logical CPUs (add --visible 0 to keep GPU 0)",)
         return SplitPlan("CPU", 0, (None,) * count, visible, False, None, notes, cpu_forced=request.target == "cpu")
 
     gpu = _pick_gpu(request, inventory)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import html
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .inventory import DeviceInventory
@@ -170,6 +170,8 @@ def collect_status(runtime: RuntimeState, inventory: DeviceInventory | None = No
     from .tfconfig import memory_readings, read_configuration
 
     inventory = inventory or probe_inventory()
+    # The state may have been taken before this call imported TensorFlow.
+    runtime = replace(runtime, tf_imported=True)
     snap = read_configuration()
     names = snap.logical_names()
     readings: dict[str, dict[str, int]] = {}
