@@ -16,7 +16,7 @@ ipywidgets = pytest.importorskip("ipywidgets")
 
 from conftest import CHILD_ENV, ROOT, last_json, run_python  # noqa: E402
 from vgpu_magic.inventory import DeviceInventory, GPUInfo  # noqa: E402
-from vgpu_magic.panel import SLIDER_MAX_DEVICES, SplitPanel  # noqa: E402
+from vgpu_magic.split_panel import SLIDER_MAX_DEVICES, SplitPanel  # noqa: E402
 from vgpu_magic.planner import PlanError, parse_split_line, plan_split, system_reserve_mib  # noqa: E402
 from vgpu_magic.runtime import CellRef, RuntimeState  # noqa: E402
 from vgpu_magic.tfconfig import REMEDY  # noqa: E402
@@ -216,10 +216,10 @@ def test_importing_the_package_and_loading_the_extension_imports_no_widgets():
         from IPython.core.interactiveshell import InteractiveShell
         ip = InteractiveShell.instance()
         ip.run_line_magic("load_ext", "vgpu_magic")
-        print(json.dumps({m: m in sys.modules for m in ("ipywidgets", "tensorflow", "vgpu_magic.panel")}))
+        print(json.dumps({m: m in sys.modules for m in ("ipywidgets", "tensorflow", "vgpu_magic.split_panel")}))
         """
     )
-    assert last_json(proc.stdout) == {"ipywidgets": False, "tensorflow": False, "vgpu_magic.panel": False}
+    assert last_json(proc.stdout) == {"ipywidgets": False, "tensorflow": False, "vgpu_magic.split_panel": False}
 
 
 # -- TensorFlow, in fresh processes --------------------------------------------

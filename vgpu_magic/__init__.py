@@ -7,13 +7,12 @@ imported only when a feature needs them.
 
 from __future__ import annotations
 
-import sys
-import types
 from typing import Any
 
 __version__ = "0.1.0"
 
-# Public names, resolved lazily so `import vgpu_magic` stays cheap.
+# Public names, resolved lazily so `import vgpu_magic` stays cheap. No submodule shares a
+# public name: importing a submodule sets it as a package attribute, which would shadow it.
 _LAZY = {
     "split": "api",
     "plan": "api",
@@ -26,30 +25,15 @@ _LAZY = {
     "DeviceInventory": "inventory",
     "GPUInfo": "inventory",
     "SplitResult": "tfconfig",
-    "StatusReport": "status",
+    "StatusReport": "report",
     "MemoryMonitor": "monitor",
     "MemoryTrace": "monitor",
-    "panel": "panel",
+    "panel": "split_panel",
 }
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension", *_LAZY]
 
 _loaded: dict[int, tuple[Any, Any]] = {}
-
-
-class _Package(types.ModuleType):
-    """Keeps the public functions ``status`` and ``panel`` from being replaced by
-    their same-named submodules: importing a submodule sets it as an attribute of
-    the package, which would hide ``__getattr__`` (the submodules stay importable
-    as ``from vgpu_magic.status import ...``)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _LAZY and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:

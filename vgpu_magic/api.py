@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from .inventory import DeviceInventory, probe_inventory
 from .planner import PlanError, SplitPlan, SplitRequest, parse_memory, plan_split
 from .runtime import RuntimeState, RuntimeWatcher, runtime_state
-from .status import StatusReport, collect_status
+from .report import StatusReport, collect_status
 from .tfconfig import SplitResult, apply_plan, make_strategy
 
 __all__ = ["RuntimeStartedWarning", "plan", "split", "status", "strategy", "execute", "current_watcher"]

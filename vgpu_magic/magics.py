@@ -101,7 +101,7 @@ class VGPUMagics(Magics):
                 "the panel (%vgpu_split alone) needs a notebook"
             )
         try:
-            from .panel import panel
+            from .split_panel import panel
         except ImportError as exc:
             raise UsageError(str(exc)) from None
         try:
