@@ -91,14 +91,19 @@ def test_load_ext_imports_no_heavy_modules():
         import vgpu_magic
         public = [vgpu_magic.split, vgpu_magic.plan, vgpu_magic.status, vgpu_magic.strategy, vgpu_magic.PlanError]
         heavy = ("tensorflow", "keras", "ipywidgets", "matplotlib")
+        loaded = [m for m in sys.modules if m.split(".")[0] in heavy]
+        # Importing every submodule must not turn a public function into a module.
+        import vgpu_magic.api, vgpu_magic.report, vgpu_magic.split_panel
         print(json.dumps({
-            "loaded": [m for m in sys.modules if m.split(".")[0] in heavy],
+            "loaded": loaded,
             "magics": sorted(n for n in shell.magics_manager.magics["line"] if n.startswith("vgpu")),
+            "functions": [callable(f) for f in (vgpu_magic.status, vgpu_magic.panel, vgpu_magic.split)],
         }))
         """
     )
     result = last_json(proc.stdout)
     assert result["loaded"] == []
+    assert result["functions"] == [True, True, True]
     assert {"vgpu_split", "vgpu_status"} <= set(result["magics"])
 
 
