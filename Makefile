@@ -25,8 +25,12 @@ system-deps:
 	else $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium \
 	  || echo "chromium could not be installed: the browser test will be skipped"; fi
 
+# Jupyter refuses to run as root unless told; containers and CI machines often are root.
+ALLOW_ROOT := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
+LAB_ARGS ?=
+
 lab: setup
-	$(VENV)/bin/jupyter lab notebooks/01_quickstart.ipynb
+	TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/jupyter lab $(ALLOW_ROOT) $(LAB_ARGS) notebooks/01_quickstart.ipynb
 
 test: setup system-deps
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest tests notebooks --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg $(PYTEST_ARGS)
