@@ -58,7 +58,7 @@ Cost
 Steps are counted in Keras' ``on_*_batch_begin`` hooks (no logs, no sync);
 memory is read at most every ``interval`` seconds (0.05 by default), once per
 logical GPU or once for all logical CPUs; redraws wait
-``max(0.5 s, 50 × the last frame's cost)``, so drawing stays under 2 % of the
+``max(0.4 s, 50 × the last frame's cost)``, so drawing stays under 2 % of the
 time (see :mod:`vgpu_magic.monitor.render`). Plotting errors are reported once
 and never stop training. Nothing here starts TensorFlow's runtime, and
 importing this package imports neither TensorFlow nor matplotlib.

@@ -107,6 +107,7 @@ class MemoryMonitor(keras.callbacks.Callback):
         self._epoch_base = 0
         self._next_step = 0
         self._shell_watched: Any = None
+        self._pending: list[Any] = []
 
     # -- what the recorder needs ----------------------------------------------------
     def _current_model(self) -> Any:
@@ -140,7 +141,7 @@ class MemoryMonitor(keras.callbacks.Callback):
                     "pip install 'vgpu_magic[plot]' for the live plot"
                 )
                 return TextSummaryView()
-            return LivePlotView()
+            return LivePlotView(defer=self._defer_to_cell_end)
         if mode == "text":
             return TextSummaryView()
         return NullView()
@@ -155,6 +156,7 @@ class MemoryMonitor(keras.callbacks.Callback):
             return
         if self._recorder.active:
             self._close(interrupted=True)
+        self._run_pending()
         self._depth = 1
         self._epoch_base = self._next_step = 0
         params = self.params or {}
@@ -171,14 +173,16 @@ class MemoryMonitor(keras.callbacks.Callback):
 
     def _close(self, interrupted: bool = False) -> None:
         self._depth = 0
-        self._unwatch_cell()
         trace = self._recorder.finish(interrupted=interrupted)
         if trace is not None and not any(t is trace for t in self.traces):
             self.traces.append(trace)
+        if not self._pending:
+            self._unwatch_cell()
 
     def _watch_cell(self) -> None:
-        """End the run with its cell at the latest, so an interrupted ``fit``
-        still gets its final frame."""
+        """End the run with its cell at the latest (an interrupted ``fit``
+        still gets its final frame), and draw final frames there, after the
+        training, not inside it."""
         shell = _shell()
         if shell is None or self._shell_watched is shell:
             return
@@ -194,11 +198,27 @@ class MemoryMonitor(keras.callbacks.Callback):
                 pass
             self._shell_watched = None
 
+    def _defer_to_cell_end(self, draw) -> None:
+        if self._shell_watched is None:
+            draw()
+        else:
+            self._pending.append(draw)
+
+    def _run_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for draw in pending:
+            try:
+                draw()
+            except Exception as exc:
+                self._report(
+                    f"the memory plot's final frame failed ({type(exc).__name__}: {exc}); the trace is kept"
+                )
+
     def _cell_finished(self, result: Any = None) -> None:
         if self._recorder.active:
             self._close(interrupted=getattr(result, "error_in_exec", None) is not None)
-        else:
-            self._unwatch_cell()
+        self._run_pending()
+        self._unwatch_cell()
 
     # -- the public API -------------------------------------------------------------
     def start(self, kind: str = "custom") -> MemoryMonitor:
@@ -225,7 +245,8 @@ class MemoryMonitor(keras.callbacks.Callback):
         self._recorder.end_epoch(epoch)
 
     def finish(self, interrupted: bool = False) -> MemoryTrace | None:
-        """End the current run (the final frame or summary); return its trace."""
+        """End the current run; return its trace. The text summary prints at
+        once; in IPython the plot's final frame is drawn when the cell ends."""
         if self._recorder.active:
             self._close(interrupted=interrupted)
         return self.trace

@@ -7,10 +7,14 @@ logical CPUs"), read with one call per sample. What does differ per replica on
 CPU is where the variables live; :func:`variable_bytes` counts that exactly
 from the mirrored variables' per-replica components.
 
-Memory statistics go through :func:`vgpu_magic.tfconfig.memory_readings` and
-the device configuration through :func:`vgpu_magic.tfconfig.read_configuration`
-(the one layer that touches ``tf.config``). TensorFlow is imported only when a
-sampler is built, which happens once the runtime runs.
+The device configuration comes from :func:`vgpu_magic.tfconfig.read_configuration`
+(the one layer that configures ``tf.config``). Memory statistics are read here,
+with ``tf.config.experimental.get_memory_info`` bound once: that read happens
+many times a second while training runs, when a call costs ~10 µs rather than
+the ~1 µs it costs idle, so the read path builds no dictionaries and swallows no
+errors (:func:`vgpu_magic.tfconfig.memory_readings` does both, which suits
+``%vgpu_status``). TensorFlow is imported only when a sampler is built, which
+happens once the runtime runs.
 """
 
 from __future__ import annotations
@@ -20,13 +24,21 @@ from typing import Any
 
 from .trace import SeriesInfo, short_name
 
-__all__ = ["DeviceSampler", "SamplerError", "build_series", "monitored_devices", "normalize_device", "variable_bytes"]
+__all__ = [
+    "DeviceSampler",
+    "SamplerError",
+    "build_series",
+    "monitored_devices",
+    "normalize_device",
+    "tf_memory_reader",
+    "variable_bytes",
+]
 
 _MIB = 1024 * 1024
 
-#: ``reader(names) -> {name: {"current": bytes, "peak": bytes}}``, the shape of
-#: :func:`vgpu_magic.tfconfig.memory_readings`.
-Reader = Callable[[list[str]], dict[str, dict[str, int]]]
+#: ``reader(names) -> [(current, peak), ...]`` in bytes, one pair per name
+#: (``"GPU:0"``-style names).
+Reader = Callable[[list[str]], list[tuple[int, int]]]
 
 
 class SamplerError(RuntimeError):
@@ -158,6 +170,22 @@ def model_variables(model: Any) -> list[Any]:
     return found
 
 
+def tf_memory_reader() -> Reader:
+    """A :data:`Reader` over ``tf.config.experimental.get_memory_info``."""
+    import tensorflow as tf
+
+    get = tf.config.experimental.get_memory_info
+
+    def read(names: list[str]) -> list[tuple[int, int]]:
+        found = []
+        for name in names:
+            info = get(name)
+            found.append((info["current"], info["peak"]))
+        return found
+
+    return read
+
+
 class DeviceSampler:
     """Reads ``(current, peak)`` bytes of every series.
 
@@ -168,16 +196,13 @@ class DeviceSampler:
     series
         From :func:`build_series`.
     reader
-        ``reader(names) -> {name: {"current", "peak"}}``; by default
-        :func:`vgpu_magic.tfconfig.memory_readings`.
+        A :data:`Reader`; by default :func:`tf_memory_reader`.
     """
 
     def __init__(self, series: Sequence[SeriesInfo], reader: Reader | None = None) -> None:
-        if reader is None:
-            from ..tfconfig import memory_readings as reader
         self.series = tuple(series)
-        self._names = [s.devices[0] for s in self.series]
-        self._reader = reader
+        self._names = [short_name(s.devices[0]) for s in self.series]
+        self._reader = reader if reader is not None else tf_memory_reader()
 
     @classmethod
     def for_devices(
@@ -195,7 +220,6 @@ class DeviceSampler:
     def read(self) -> list[tuple[int, int]]:
         """``(current, peak)`` per series."""
         found = self._reader(self._names)
-        try:
-            return [(found[n]["current"], found[n]["peak"]) for n in self._names]
-        except KeyError as exc:
-            raise SamplerError(f"TensorFlow has no memory statistics for {exc.args[0]}") from None
+        if len(found) != len(self._names):
+            raise SamplerError(f"{len(found)} readings for {len(self._names)} devices ({', '.join(self._names)})")
+        return found
