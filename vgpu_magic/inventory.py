@@ -12,6 +12,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .tfimport import import_tensorflow
+
 __all__ = ["GPUInfo", "DeviceInventory", "probe_inventory", "nvml_gpus", "nvml_pids_with_context"]
 
 _MIB = 1024 * 1024
@@ -168,7 +170,7 @@ def _tf_to_nvml_order(n_tf_gpus: int, nvml: list[dict[str, Any]]) -> list[dict[s
 
 def probe_inventory() -> DeviceInventory:
     """Read the devices of this process. Imports TensorFlow; never starts its runtime."""
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     n_gpus = len(tf.config.list_physical_devices("GPU"))
     n_cpus = len(tf.config.list_physical_devices("CPU"))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .planner import SplitPlan
+from .tfimport import import_tensorflow
 from .runtime import RuntimeState
 
 __all__ = ["ConfigSnapshot", "SplitResult", "read_configuration", "apply_plan", "make_strategy", "memory_readings"]
@@ -107,7 +108,7 @@ class SplitResult:
 def read_configuration(tf=None) -> ConfigSnapshot:
     """Read the device configuration without starting TensorFlow's runtime."""
     if tf is None:
-        import tensorflow as tf
+        tf = import_tensorflow()
     cpus = tf.config.list_physical_devices("CPU")
     gpus = tf.config.list_physical_devices("GPU")
     logical = {}
@@ -188,7 +189,7 @@ def apply_plan(plan: SplitPlan, runtime: RuntimeState, dry_run: bool = False) ->
     :meth:`~vgpu_magic.runtime.RuntimeWatcher.state`); it decides between
     applying and refusing with the remedy.
     """
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     old = read_configuration(tf)
     new = _wanted(plan, old)
@@ -224,7 +225,7 @@ def make_strategy(devices: list[str] | None = None):
     reduction goes through one device (what TensorFlow falls back to anyway,
     minus its warning). Starts the runtime.
     """
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     snap = read_configuration(tf)
     if devices is None:
@@ -237,7 +238,7 @@ def make_strategy(devices: list[str] | None = None):
 def memory_readings(devices: list[str]) -> dict[str, dict[str, int]]:
     """Current/peak bytes of each logical device. Only call once the runtime
     runs: ``get_memory_info`` needs it (and would otherwise start it)."""
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     out = {}
     for name in devices:
