@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import sys
 import time
+from array import array
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -34,12 +35,20 @@ __all__ = ["MemoryRecorder", "RecorderStats"]
 
 
 class RecorderStats:
-    """What monitoring cost: samples taken and the seconds spent reading them."""
+    """What monitoring cost: samples taken and the seconds spent reading them
+    (``costs`` holds each read's seconds)."""
 
     def __init__(self) -> None:
-        self.samples = 0
-        self.sample_seconds = 0.0
+        self.costs = array("d")
         self.devices = 0
+
+    @property
+    def samples(self) -> int:
+        return len(self.costs)
+
+    @property
+    def sample_seconds(self) -> float:
+        return sum(self.costs)
 
     @property
     def sample_cost(self) -> float:
@@ -207,8 +216,7 @@ class MemoryRecorder:
         try:
             begin = time.perf_counter()
             readings = self._sampler.read()
-            self.stats.sample_seconds += time.perf_counter() - begin
-            self.stats.samples += 1
+            self.stats.costs.append(time.perf_counter() - begin)
         except Exception as exc:
             self._sampling_ok = False
             self.active = False
