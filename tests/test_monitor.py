@@ -335,7 +335,11 @@ def test_cpu_plot_has_one_line_for_the_shared_allocator_and_variables_per_replic
     trace = cpu_trace()
     trace.duration = 2.0
     plot.draw(trace, final=True)
-    assert len(plot.lines) == 1
+    assert len(plot.lines) == len(plot.peak_lines) == 1
+    # the running peak, faint, in the line's colour
+    assert plot.peak_lines[0].get_color() == plot.lines[0].get_color()
+    assert list(plot.peak_lines[0].get_ydata()[[0, -1]]) == [60.0, 79.0]
+    assert list(plot.lines[0].get_ydata()[[0, -1]]) == [40.0, 59.0]
     legend = [t.get_text() for t in plot.legend.get_texts()]
     assert legend == ["host memory (shared by 4 logical CPUs) · peak 79.0 MiB"]
     assert [t.get_text() for t in plot.vax.get_yticklabels()] == ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]

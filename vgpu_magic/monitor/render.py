@@ -195,7 +195,8 @@ class PlotLayout(NamedTuple):
 class MemoryPlot:
     """A matplotlib figure of a trace, built once and updated in place.
 
-    One solid line per series (current bytes), each capped series' cap as a
+    One solid line per series (current bytes) with the allocator's running
+    peak as a faint step line of the same colour, each capped series' cap as a
     dashed line of the same colour, its peak in the legend, epoch starts as
     dotted verticals, the y axis in MiB or GiB, and a side panel with the exact
     variable bytes per replica.
@@ -227,6 +228,12 @@ class MemoryPlot:
         self.ax = self.fig.add_axes((0.075, bottom, 0.60, axes_h / height))
         self.vax = self.fig.add_axes((0.80, bottom, 0.17, axes_h / height))
         self.lines = [self.ax.plot([], [], color=f"C{i % 10}", lw=1.4)[0] for i in range(series_count)]
+        # The allocator's running peak, faint: it shows the transient memory
+        # inside steps that "current", read between steps, never sees.
+        self.peak_lines = [
+            self.ax.plot([], [], color=f"C{i % 10}", lw=0.9, alpha=0.45, drawstyle="steps-post")[0]
+            for i in range(series_count)
+        ]
         self.legend = self.ax.legend(
             self.lines,
             [" "] * series_count,
@@ -242,7 +249,7 @@ class MemoryPlot:
         self.ax.tick_params(labelsize=7.5)
         self.ax.grid(True, lw=0.4, alpha=0.4)
         self.vax.tick_params(labelsize=7.5)
-        for line in self.lines:
+        for line in self._data_lines:
             line.set_animated(live)
         self._decorations: list[Any] = []
         self._variables_key: tuple | None = None
@@ -253,6 +260,10 @@ class MemoryPlot:
         self._xmax = 10.0
         self._ytop = 0.0
         self.full_draws = 0
+
+    @property
+    def _data_lines(self) -> list[Any]:
+        return [*self.peak_lines, *self.lines]
 
     # -- layout -----------------------------------------------------------------
     def _limits(self, trace: MemoryTrace, t_end: float, top: float, final: bool) -> tuple[float, float]:
@@ -330,10 +341,11 @@ class MemoryPlot:
 
     # -- frames -----------------------------------------------------------------
     def _data(self, trace: MemoryTrace) -> tuple[Any, list[Any]]:
+        """Times, then current and peak bytes of each series, decimated."""
         import numpy as np
 
         times = np.array(trace.time, dtype=float)
-        values = [np.array(c, dtype=float) for c in trace.current]
+        values = [np.array(c, dtype=float) for c in (*trace.current, *trace.peak)]
         return _decimate(times, values)
 
     def draw(self, trace: MemoryTrace, final: bool = False) -> None:
@@ -348,8 +360,8 @@ class MemoryPlot:
         t_end = trace.duration if final else (float(times[-1]) if len(times) else 0.0)
         top = max((float(v.max()) for v in values if len(v)), default=0.0)
         layout = self._layout_for(trace, top, t_end, final)
-        for i, line in enumerate(self.lines):
-            line.set_data(times, values[i] / layout.unit[1] if len(values[i]) else values[i])
+        for line, value in zip([*self.lines, *self.peak_lines], values):
+            line.set_data(times, value / layout.unit[1] if len(value) else value)
             if final:
                 line.set_animated(False)
         variables = tuple(trace.variable_bytes.items())
@@ -371,7 +383,7 @@ class MemoryPlot:
             if self._applied != layout:  # a final frame changed the artists since
                 self._apply(layout)
             self.canvas.restore_region(self._background)
-        for line in self.lines:
+        for line in self._data_lines:
             self.ax.draw_artist(line)
 
     def _draw_whole(self) -> None:
@@ -411,7 +423,7 @@ class MemoryPlot:
         background stays; it is used only if the next layout matches it."""
         self._xmax = 10.0
         self._ytop = 0.0
-        for line in self.lines:
+        for line in self._data_lines:
             line.set_data([], [])
             line.set_animated(self.live)
 
