@@ -329,3 +329,23 @@ def test_vgpu_monitor_on_off_patches_and_restores_keras_exactly():
     assert result["own_off"] == {"fit": False, "evaluate": False, "predict": False}
     assert result["unloaded"] == {"fit": True, "evaluate": True, "predict": True}
     assert result["status_off"] == "automatic memory monitoring is off"
+
+
+LIGHT = """
+import json, sys
+from IPython.core.interactiveshell import InteractiveShell
+
+shell = InteractiveShell.instance()
+shell.run_line_magic("load_ext", "vgpu_magic")
+import vgpu_magic, vgpu_magic.monitor, vgpu_magic.monitor.auto
+shell.run_line_magic("vgpu_monitor", "status")
+shell.run_line_magic("vgpu_monitor", "off")
+heavy = ("tensorflow", "keras", "matplotlib", "PIL")
+print(json.dumps([m for m in sys.modules if m.split(".")[0] in heavy]))
+"""
+
+
+def test_importing_and_asking_the_status_loads_nothing_heavy():
+    proc = run_python(LIGHT)
+    assert last_json(proc.stdout) == []
+    assert "automatic memory monitoring is off" in proc.stdout
