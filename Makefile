@@ -39,8 +39,10 @@ test: setup system-deps
 test-fast: setup
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest tests -m "not browser" $(PYTEST_ARGS)
 
+# Ratios and timings measured in one run (a few minutes; tests never assert on wall-clock time).
 bench: setup
-	$(PY) benchmarks/load_and_split.py
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) benchmarks/load_and_split.py
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) benchmarks/monitor_overhead.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache artifacts
