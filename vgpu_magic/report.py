@@ -15,12 +15,13 @@ from typing import Any
 from .inventory import DeviceInventory
 from .runtime import RuntimeState
 
-__all__ = ["LogicalDeviceStatus", "StatusReport", "collect_status"]
+__all__ = ["LogicalDeviceStatus", "StatusReport", "collect_status", "format_bytes"]
 
 _MIB = 1024 * 1024
 
 
-def _fmt_bytes(n: int | None) -> str:
+def format_bytes(n: int | float | None) -> str:
+    """``1536 * 2**20`` -> ``'1.50 GiB'``; ``None`` -> ``'—'``."""
     if n is None:
         return "—"
     if n >= 1024 * _MIB:
@@ -29,7 +30,7 @@ def _fmt_bytes(n: int | None) -> str:
         return f"{n / _MIB:.1f} MiB"
     if n >= 1024:
         return f"{n / 1024:.1f} KiB"
-    return f"{n} B"
+    return f"{int(n)} B"
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class StatusReport:
             if d.name.find("CPU") >= 0 and self.host_memory is not None:
                 cur, peak = "shared", "shared"
             else:
-                cur, peak = _fmt_bytes(d.current), _fmt_bytes(d.peak)
+                cur, peak = format_bytes(d.current), format_bytes(d.peak)
             rows.append((d.name, d.physical, cap, cur, peak))
         return rows
 
@@ -108,7 +109,7 @@ class StatusReport:
         n = sum(1 for d in self.logical if "CPU" in d.name)
         return (
             f"host memory (one allocator shared by {n} logical CPU{'s' if n != 1 else ''}): "
-            f"{_fmt_bytes(self.host_memory['current'])} in use, peak {_fmt_bytes(self.host_memory['peak'])}"
+            f"{format_bytes(self.host_memory['current'])} in use, peak {format_bytes(self.host_memory['peak'])}"
         )
 
     def __str__(self) -> str:

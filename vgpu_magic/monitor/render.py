@@ -45,7 +45,8 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, TextIO
 
-from .trace import MemoryTrace, format_bytes, short_name
+from ..report import format_bytes
+from .trace import MemoryTrace, short_name
 
 __all__ = [
     "RedrawThrottle",

@@ -16,24 +16,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-__all__ = ["SeriesInfo", "MemorySample", "MemoryTrace", "format_bytes"]
+from ..report import format_bytes
 
-_KIB = 1024
-_MIB = 1024 * _KIB
-_GIB = 1024 * _MIB
-
-
-def format_bytes(n: int | float | None) -> str:
-    """``1536 * 2**20`` -> ``'1.50 GiB'``; ``None`` -> ``'—'``."""
-    if n is None:
-        return "—"
-    if n >= _GIB:
-        return f"{n / _GIB:.2f} GiB"
-    if n >= _MIB:
-        return f"{n / _MIB:.1f} MiB"
-    if n >= _KIB:
-        return f"{n / _KIB:.1f} KiB"
-    return f"{int(n)} B"
+__all__ = ["SeriesInfo", "MemorySample", "MemoryTrace"]
 
 
 @dataclass(frozen=True)
