@@ -32,6 +32,7 @@ __all__ = [
     "parse_split_line",
     "split_argument_parser",
     "system_reserve_mib",
+    "usable_mib",
 ]
 
 MAX_DEVICES = 64
@@ -75,6 +76,14 @@ def system_reserve_mib(free_mib: int, compute_capability: tuple[int, int] | None
     if major <= 8:
         return 1536
     return 1800
+
+
+def usable_mib(gpu: GPUInfo) -> int | None:
+    """What logical GPUs on ``gpu`` can share: free memory minus TensorFlow's
+    reserve, or ``None`` when NVML could not tell the free memory."""
+    if gpu.free_mib is None:
+        return None
+    return gpu.free_mib - system_reserve_mib(gpu.free_mib, gpu.compute_capability)
 
 
 def parse_memory(text: str) -> int:
@@ -354,9 +363,7 @@ def plan_split(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
     if request.visible is not None and gpu.index not in request.visible:
         raise PlanError(f"GPU {gpu.index} is split but --visible hides it; add {gpu.index} to --visible")
 
-    usable = None
-    if gpu.free_mib is not None:
-        usable = gpu.free_mib - system_reserve_mib(gpu.free_mib, gpu.compute_capability)
+    usable = usable_mib(gpu)
 
     if sizes is None:
         if usable is None:

@@ -33,7 +33,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the widg
 
 from . import api
 from .inventory import DeviceInventory, GPUInfo, probe_inventory
-from .planner import MAX_DEVICES, MIN_MEMORY_MIB, PlanError, SplitPlan, SplitRequest, plan_split, system_reserve_mib
+from .planner import MAX_DEVICES, MIN_MEMORY_MIB, PlanError, SplitPlan, SplitRequest, plan_split
+from .planner import usable_mib as gpu_usable_mib
 from .runtime import RuntimeState, RuntimeWatcher, runtime_state
 from .tfconfig import REMEDY, SplitResult, read_configuration
 
@@ -61,13 +62,6 @@ def _gpu_label(gpu: GPUInfo) -> str:
         return f"GPU {gpu.index}: {model} — memory unknown (NVML unavailable)"
     total = f"{gpu.total_mib} MiB total, " if gpu.total_mib is not None else ""
     return f"GPU {gpu.index}: {model} — {total}{gpu.free_mib} MiB free"
-
-
-def _usable_mib(gpu: GPUInfo) -> int | None:
-    """Free memory minus TensorFlow's reserve: what logical GPUs can share."""
-    if gpu.free_mib is None:
-        return None
-    return gpu.free_mib - system_reserve_mib(gpu.free_mib, gpu.compute_capability)
 
 
 def _plural(n: int, word: str) -> str:
@@ -205,7 +199,7 @@ class SplitPanel:
         """What the chosen GPU can give (free minus TensorFlow's reserve); ``None``
         on the CPU or when NVML cannot tell."""
         gpu = self.gpu
-        return None if gpu is None else _usable_mib(gpu)
+        return None if gpu is None else gpu_usable_mib(gpu)
 
     @property
     def fits(self) -> bool | None:
