@@ -141,7 +141,7 @@ class RuntimeWatcher:
         self.shell = shell
         self.started_by: CellRef | None = None
         self.started_before_load = tf_runtime_started()
-        self._current: CellRef | None = None
+        self._current_line: str | None = None
         self._current_stored = True
         self._started_at_cell_start = self.started_before_load
 
@@ -149,7 +149,7 @@ class RuntimeWatcher:
         self._started_at_cell_start = self.started_before_load or self.started_by is not None or tf_runtime_started()
         # Cells run without history (nbval, some front ends) have no execution count.
         self._current_stored = getattr(info, "store_history", True)
-        self._current = CellRef(None, first_line(getattr(info, "raw_cell", "") or ""))
+        self._current_line = first_line(getattr(info, "raw_cell", "") or "")
 
     def _running_count(self) -> int | None:
         """The execution count of the cell running now.
@@ -176,8 +176,8 @@ class RuntimeWatcher:
         started = tf_runtime_started()
         started_by = self.started_by
         if started and started_by is None and not self.started_before_load and not self._started_at_cell_start:
-            if self._current is not None:
-                started_by = CellRef(self._running_count(), self._current.first_line)
+            if self._current_line is not None:
+                started_by = CellRef(self._running_count(), self._current_line)
         return RuntimeState(
             tf_imported="tensorflow" in sys.modules,
             started=started,
