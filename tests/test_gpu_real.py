@@ -17,21 +17,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 MIB = 1024 * 1024
 
 
-@pytest.fixture(scope="module")
-def gpu_count() -> int:
-    """Physical GPUs TensorFlow sees; skips the module when there are none."""
-    from vgpu_magic.inventory import nvml_gpus
-
-    # NVML answers in milliseconds; only ask TensorFlow (seconds) when a GPU exists.
-    if not nvml_gpus():
-        pytest.skip("no NVIDIA GPU visible through NVML on this machine")
-    proc = run_python("import json, tensorflow as tf; print(json.dumps(len(tf.config.list_physical_devices('GPU'))))")
-    count = last_json(proc.stdout)
-    if count == 0:
-        pytest.skip("NVML sees a GPU but TensorFlow does not (CPU build, or CUDA_VISIBLE_DEVICES hides it)")
-    return count
-
-
 CAPPED_SPLIT = """
 import json
 from IPython.core.interactiveshell import InteractiveShell

@@ -17,18 +17,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 MIB = 1024 * 1024
 
 
-@pytest.fixture(scope="module")
-def gpu_count() -> int:
-    from vgpu_magic.inventory import nvml_gpus
-
-    if not nvml_gpus():
-        pytest.skip("no NVIDIA GPU visible through NVML on this machine")
-    proc = run_python("import json, tensorflow as tf; print(json.dumps(len(tf.config.list_physical_devices('GPU'))))")
-    if last_json(proc.stdout) == 0:
-        pytest.skip("NVML sees a GPU but TensorFlow does not (CPU build, or CUDA_VISIBLE_DEVICES hides it)")
-    return last_json(proc.stdout)
-
-
 GPU_SPLIT = """
 import json
 import numpy as np
