@@ -111,20 +111,41 @@ def _stop(proc: subprocess.Popen, runtime_dir: Path) -> None:
             pass
 
 
+#: Dialogs that mean the test cannot go on: fail with their text instead of dismissing them.
+_FATAL_DIALOG = re.compile(r"died|error|failed", re.IGNORECASE)
+
+
+def _accept_dialog(page) -> str | None:
+    """Accept a modal dialog JupyterLab opened on its own (it would block every
+    click) and return its text; fail on one that reports a broken kernel or server."""
+    dialog = page.locator(".jp-Dialog")
+    if not dialog.count():
+        return None
+    text = " ".join(dialog.first.inner_text().split())
+    if _FATAL_DIALOG.search(text):
+        pytest.fail(f"JupyterLab showed a dialog: {text}")
+    dialog.first.locator(".jp-Dialog-button.jp-mod-accept").click()
+    dialog.first.wait_for(state="detached", timeout=10_000)
+    return text
+
+
 def _run_all_cells(page, sync_api) -> None:
     """Run every cell from JupyterLab's Run menu, once the kernel is idle (before
     that the menu item is disabled and a click does nothing)."""
     page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(timeout=90_000)
     first_prompt = page.locator(".jp-Notebook .jp-Cell .jp-InputPrompt").first
+    dialogs = []
     for _ in range(3):
-        page.locator(".lm-MenuBar-item", has_text="Run").first.click()
-        page.locator(".lm-Menu-item", has_text="Run All Cells").first.click()
+        dialogs.append(_accept_dialog(page))
         try:
+            page.locator(".lm-MenuBar-item", has_text="Run").first.click(timeout=10_000)
+            page.locator(".lm-Menu-item", has_text="Run All Cells").first.click(timeout=10_000)
             sync_api.expect(first_prompt).to_have_text(re.compile(r"\[(\*|\d+)\]"), timeout=10_000)
             return
-        except AssertionError:
+        except (AssertionError, sync_api.TimeoutError):
             page.keyboard.press("Escape")
-    pytest.fail("Run All Cells did not start the notebook's cells")
+    seen = [d for d in dialogs if d]
+    pytest.fail("Run All Cells did not start the notebook's cells" + (f"; dialogs accepted: {seen}" if seen else ""))
 
 
 #: Front end -> (module that serves it, page of the notebook, screenshot file, how the count is set).
