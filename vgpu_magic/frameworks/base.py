@@ -1,0 +1,230 @@
+"""What every framework module answers, as plain data and a few small calls.
+
+A framework module (``vgpu_magic/frameworks/<name>.py``) defines one subclass
+of :class:`Framework` and registers it in :mod:`vgpu_magic.frameworks`. The
+engine, the planner and the faces only ever talk to that interface:
+
+* what the framework can do: :class:`Capabilities`, data the planner reads;
+* whether it is imported or installed, and whether its runtime started, read
+  without importing or starting anything;
+* its devices and current configuration (:class:`ConfigSnapshot`), read
+  without starting its runtime;
+* writing a configuration the planner validated;
+* memory readings for ``%vgpu_status`` and a reader for the monitor;
+* a strategy-like helper over the split's devices.
+
+Importing this module imports no framework.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Capabilities", "ConfigSnapshot", "Framework", "FrameworkImportError", "Reader"]
+
+#: ``reader(names) -> [(current, peak), ...]`` in bytes, one pair per device name.
+Reader = Callable[[list[str]], list[tuple[int, int]]]
+
+
+class FrameworkImportError(ImportError):
+    """The framework is not installed, or failed to import: the message says which, with the real reason."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a framework can and cannot do with devices: data the planner reads.
+
+    Attributes
+    ----------
+    name, label:
+        ``"tensorflow"`` / ``"TensorFlow"``: the registry key and the name shown to people.
+    splits_gpu:
+        Can one physical GPU become several logical devices?
+    splits_cpu:
+        Can the host become several logical CPU devices?
+    cpu_caps:
+        Can logical CPU devices have memory caps?
+    gpu_caps_required:
+        Must every logical GPU of a split have a cap?
+    gpu_reserve_mib:
+        ``(free_mib, compute_capability) -> MiB`` the framework keeps back on each GPU,
+        or ``None`` when it keeps nothing back that a split must leave free.
+    memory_growth:
+        Does ``--growth`` mean something (allocate GPU memory on demand)?
+    growth_with_split:
+        May memory growth and a split (or a cap) be set on the same GPU?
+    uniform_growth:
+        Must every visible GPU have the same memory growth setting when the runtime starts?
+    gpu_visibility:
+        Can the set of visible GPUs be chosen (``--visible``, ``--others``)?
+    replicas_by:
+        What uses the replica devices, for messages (``"MirroredStrategy()"``).
+    install_hint:
+        How to install it (``"pip install 'vgpu_magic[cpu]'"``).
+    """
+
+    name: str
+    label: str
+    splits_gpu: bool = True
+    splits_cpu: bool = True
+    cpu_caps: bool = False
+    gpu_caps_required: bool = True
+    gpu_reserve_mib: Callable[[int, tuple[int, int] | None], int] | None = field(default=None, compare=False)
+    memory_growth: bool = True
+    growth_with_split: bool = False
+    uniform_growth: bool = True
+    gpu_visibility: bool = True
+    replicas_by: str = "the strategy"
+    install_hint: str = ""
+
+
+@dataclass(frozen=True)
+class ConfigSnapshot:
+    """A framework's device configuration as plain data.
+
+    ``logical`` maps a physical device name to its configured logical devices'
+    caps in MiB (``None`` entries where uncapped), and is absent where nothing
+    was configured. ``visible_gpus`` are indices into ``gpu_names``;
+    ``memory_growth`` has one flag per physical GPU.
+    """
+
+    cpu_names: tuple[str, ...]
+    gpu_names: tuple[str, ...]
+    logical: dict[str, tuple[int | None, ...]]
+    visible_gpus: tuple[int, ...]
+    memory_growth: tuple[bool, ...]
+
+    def logical_names(self) -> dict[str, list[str]]:
+        """Physical device name -> the logical device names it will have.
+
+        Logical devices are numbered per type in physical order, which is how
+        TensorFlow and JAX name them once their runtime starts.
+        """
+        names: dict[str, list[str]] = {}
+        counters = {"CPU": 0, "GPU": 0}
+        for dtype, physical in [("CPU", n) for n in self.cpu_names] + [("GPU", n) for n in self.gpu_names]:
+            if dtype == "GPU" and int(physical.rsplit(":", 1)[1]) not in self.visible_gpus:
+                continue
+            count = len(self.logical.get(physical, ())) or 1
+            names[physical] = [f"/device:{dtype}:{counters[dtype] + k}" for k in range(count)]
+            counters[dtype] += count
+        return names
+
+    def replica_devices(self) -> list[str]:
+        """The devices a data-parallel strategy uses by default: every logical
+        GPU, or every logical CPU when there is none."""
+        names = self.logical_names()
+        gpus = [d for p in self.gpu_names if p in names for d in names[p]]
+        return gpus or [d for p in self.cpu_names for d in names.get(p, [])]
+
+    def caps_mib(self) -> dict[str, int | None]:
+        """Logical device name -> its cap in MiB (``None`` where uncapped)."""
+        caps: dict[str, int | None] = {}
+        for physical, logical in self.logical_names().items():
+            limits = self.logical.get(physical, ())
+            for k, name in enumerate(logical):
+                caps[name] = limits[k] if k < len(limits) else None
+        return caps
+
+
+class Framework:
+    """One framework's answers. Subclasses set :attr:`capabilities` and
+    :attr:`module` and implement the methods that raise ``NotImplementedError``.
+
+    Nothing here may import the framework unless the method says so, and
+    nothing may start its runtime.
+    """
+
+    capabilities: Capabilities
+    #: The top-level module users import (``"tensorflow"``, ``"jax"``).
+    module: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.capabilities.name
+
+    @property
+    def label(self) -> str:
+        return self.capabilities.label
+
+    def imported(self) -> bool:
+        """Has the user (or anything) imported the framework in this process?"""
+        return self.module in sys.modules
+
+    def installed(self) -> bool:
+        """Can it be imported here? Does not import it."""
+        if self.imported():
+            return True
+        try:
+            return importlib.util.find_spec(self.module) is not None
+        except (ImportError, ValueError):
+            return False
+
+    def load(self) -> Any:
+        """Import the framework and return its module.
+
+        Raises :class:`FrameworkImportError` saying whether it is missing or
+        failed to import, with the real reason.
+        """
+        try:
+            return importlib.import_module(self.module)
+        except ImportError as exc:
+            raise self.import_error(exc) from exc
+
+    def import_error(self, exc: BaseException) -> FrameworkImportError:
+        """The one-line error for a failed import of the framework."""
+        missing = isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == self.module
+        if missing:
+            return FrameworkImportError(f"{self.label} is not installed in this kernel; {self.capabilities.install_hint}")
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return FrameworkImportError(f"{self.label} failed to import: {reason}")
+
+    def version(self) -> str | None:
+        mod = sys.modules.get(self.module)
+        return getattr(mod, "__version__", None)
+
+    # -- runtime -----------------------------------------------------------------
+    def runtime_started(self) -> bool:
+        """Has the runtime started (so the configuration is fixed)? Never imports
+        or starts the framework."""
+        raise NotImplementedError
+
+    # -- devices and configuration ----------------------------------------------
+    def probe_inventory(self):
+        """The physical devices as a :class:`~vgpu_magic.inventory.DeviceInventory`
+        carrying :attr:`capabilities` and the current configuration. May import
+        the framework; never starts its runtime."""
+        raise NotImplementedError
+
+    def read_configuration(self) -> ConfigSnapshot:
+        """The current configuration, read without starting the runtime."""
+        raise NotImplementedError
+
+    def write_configuration(self, old: ConfigSnapshot, new: ConfigSnapshot) -> None:
+        """Move the configuration from ``old`` to ``new`` (validated by the
+        planner). On error, undo what was changed and re-raise; if the undo
+        fails too, raise an error saying what state was left."""
+        raise NotImplementedError
+
+    # -- memory ------------------------------------------------------------------
+    def memory_readings(self, devices: list[str]) -> dict[str, dict[str, int]]:
+        """``{device: {"current": bytes, "peak": bytes}}`` for the devices that
+        can tell. Only called once the runtime runs."""
+        return {}
+
+    def memory_reader(self) -> Reader:
+        """A fast :data:`Reader` for the monitor. Only called once the runtime runs."""
+        raise NotImplementedError
+
+    # -- helpers -----------------------------------------------------------------
+    def strategy(self, devices: list[str] | None = None) -> Any:
+        """A data-parallel helper over the split's devices (may start the runtime)."""
+        raise NotImplementedError(f"{self.label} has no strategy helper")
+
+    def __repr__(self) -> str:
+        return f"<vgpu_magic framework {self.name}>"
