@@ -79,3 +79,38 @@ def gpu_count() -> int:
     if count == 0:
         pytest.skip("NVML sees a GPU but TensorFlow does not (CPU build, or CUDA_VISIBLE_DEVICES hides it)")
     return count
+
+
+def tf_device_configuration() -> dict:
+    """Logical-device configuration and visibility of every physical device
+    TensorFlow sees. Reading these does not start TensorFlow's runtime."""
+    import tensorflow as tf
+
+    physical = tf.config.list_physical_devices()
+    return {
+        "logical": {
+            d.name: [c.memory_limit for c in tf.config.get_logical_device_configuration(d) or ()] for d in physical
+        },
+        "visible": [d.name for d in tf.config.get_visible_devices()],
+    }
+
+
+@pytest.fixture
+def cpu_inventory(monkeypatch):
+    """Make in-process TensorFlow requests see a CPU-only machine, so refusal tests
+    mean the same on a GPU machine (where "2 --memory 2048" would be valid and
+    would configure TensorFlow inside pytest). GPU-shaped cases live in the
+    planner tests."""
+    from dataclasses import replace
+
+    from vgpu_magic.frameworks.tensorflow import FRAMEWORK
+    from vgpu_magic.planner import unconfigured
+
+    real = type(FRAMEWORK).probe_inventory
+
+    def cpu_only(self):
+        inventory = replace(real(self), gpus=(), notes=())
+        return replace(inventory, current=unconfigured(inventory))
+
+    monkeypatch.setattr(type(FRAMEWORK), "probe_inventory", cpu_only)
+    return cpu_only

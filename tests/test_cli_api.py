@@ -15,7 +15,7 @@ import sys
 import pytest
 
 import vgpu_magic
-from conftest import CHILD_ENV, ROOT, last_json, run_python
+from conftest import CHILD_ENV, ROOT, last_json, run_python, tf_device_configuration
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -41,11 +41,12 @@ def error_lines(stderr: str) -> list[str]:
 def test_cli_status_json_does_not_start_the_runtime():
     proc = cli("status", "--json")
     assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
+    [report] = json.loads(proc.stdout)["frameworks"]
+    assert report["framework"] == "tensorflow"
     assert report["runtime"]["started"] is False
     assert report["runtime"]["started_by"] is None
     assert report["runtime"]["cuda_context_holders"] == []
-    assert report["tensorflow"].count(".") >= 2
+    assert report["version"].count(".") >= 2
     assert report["logical"][0]["name"] == "/device:CPU:0"
     assert report["replicas"] == 1
     assert report["host_memory_shared"] is None
@@ -84,6 +85,46 @@ def test_cli_plan_errors_exit_2_with_one_line(args, fragment):
 
 
 @pytest.mark.slow
+def test_cli_keeps_a_quoted_size_list_as_one_argument():
+    # `--memory "1024, 2048"` is one argument; the CLI used to re-join argv with spaces and split it again.
+    proc = cli("plan", "2", "--memory", "1024, 2048")
+    assert proc.returncode == 2
+    assert error_lines(proc.stderr) == [
+        "error: memory caps are not supported on CPU devices (TensorFlow cannot cap logical CPUs); "
+        "drop --memory, e.g. %vgpu_split 2"
+    ]
+
+
+@pytest.mark.slow
+def test_a_broken_tensorflow_is_reported_with_its_reason(tmp_path):
+    # TensorFlow that is installed but cannot be imported (a missing CUDA library, an interrupted first import)
+    # is not "not installed".
+    fake = tmp_path / "tensorflow"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "raise ImportError('libcudnn.so.9: cannot open shared object file: No such file or directory')\n"
+    )
+    env = {**CHILD_ENV, "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "vgpu_magic", "status"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT
+    )
+    assert proc.returncode == 2
+    assert error_lines(proc.stderr) == [
+        "error: TensorFlow failed to import: libcudnn.so.9: cannot open shared object file: No such file or directory"
+    ]
+    missing = tmp_path / "empty"
+    missing.mkdir()
+    (missing / "tensorflow.py").write_text("import tensorflow_core_that_is_missing\n")
+    env = {**CHILD_ENV, "PYTHONPATH": f"{missing}:{ROOT}"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "vgpu_magic", "status"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT
+    )
+    assert error_lines(proc.stderr) == [
+        "error: TensorFlow failed to import: No module named 'tensorflow_core_that_is_missing'"
+    ]
+
+
+@pytest.mark.slow
 def test_cli_usage_error_from_argparse():
     proc = cli("frobnicate")
     assert proc.returncode == 2
@@ -93,16 +134,6 @@ def test_cli_usage_error_from_argparse():
 # -- API: refusals (in process; nothing gets configured) ------------------------------
 
 
-def tf_device_configuration():
-    import tensorflow as tf
-
-    return {
-        "logical": {
-            d.name: [c.memory_limit for c in tf.config.get_logical_device_configuration(d) or ()]
-            for d in tf.config.list_physical_devices()
-        },
-        "visible": [d.name for d in tf.config.get_visible_devices()],
-    }
 
 
 @pytest.mark.parametrize(
@@ -121,14 +152,14 @@ def tf_device_configuration():
         ((2,), {"memory": [1024, None]}, "memory item None is not a size"),
         ((2,), {"gpu": 0}, "TensorFlow sees no GPU here"),
         ((2,), {"gpu": "0"}, "gpu '0' is not a GPU index"),
-        ((2,), {"cpu": True, "gpu": 0}, "cpu=True and gpu= contradict each other"),
+        ((2,), {"cpu": True, "gpu": 0}, "--cpu and --gpu contradict each other"),
         ((2,), {"visible": "0"}, "visible '0' is not a list of GPU indices"),
         ((2,), {"others": "maybe"}, "--others 'maybe' is not a choice"),
         ((2,), {"growth": True}, "--growth cannot be combined with a split"),
         ((), {}, "nothing to do"),
     ],
 )
-def test_api_split_refuses_with_value_error(args, kwargs, fragment):
+def test_api_split_refuses_with_value_error(args, kwargs, fragment, cpu_inventory):
     before = tf_device_configuration()
     with pytest.raises(ValueError) as err:
         vgpu_magic.split(*args, **kwargs)
@@ -138,7 +169,7 @@ def test_api_split_refuses_with_value_error(args, kwargs, fragment):
     assert tf_device_configuration() == before
 
 
-def test_api_plan_returns_a_plan_without_configuring():
+def test_api_plan_returns_a_plan_without_configuring(cpu_inventory):
     before = tf_device_configuration()
     plan = vgpu_magic.plan(4)
     assert isinstance(plan, vgpu_magic.SplitPlan)
@@ -198,8 +229,11 @@ def test_different_split_after_start_warns_and_is_blocked(after_start):
     categories = [c for c, _ in after_start["warnings"]]
     assert categories == ["RuntimeStartedWarning"]
     message = after_start["warnings"][0][1]
-    assert "already started by code outside a notebook cell" in message
-    assert "restart the kernel" in message
+    assert message.splitlines()[:2] == [
+        "TensorFlow's runtime already started, so devices can no longer change.",
+        "  started by: code outside a notebook cell",
+    ]
+    assert "restart the kernel and run %vgpu_split 2 before any TensorFlow code" in message
     assert after_start["same"] == "unchanged"
     assert after_start["same_warnings"] == 0
     assert after_start["replicas"] == 3
@@ -212,7 +246,7 @@ def test_status_before_start_lists_planned_devices(after_start):
         assert all(d in rendering for d in devices)
         assert "planned; created when the runtime starts" in rendering
         assert FIGURE.search(rendering) is None  # no memory figures before the runtime runs
-    assert "MirroredStrategy() would use 3 device(s)" in after_start["before_text"]
+    assert "MirroredStrategy() would use 3 devices" in after_start["before_text"]
 
 
 @pytest.mark.slow
@@ -225,7 +259,7 @@ def test_status_after_start_shows_host_memory_once_as_shared(after_start):
         assert len(FIGURE.findall(rendering)) == 2, rendering
     in_use = re.search(r"(\d+(?:\.\d+)?) MiB in use", after_start["text"])
     assert in_use and float(in_use.group(1)) >= 1.0  # the live 1 MiB tensor is counted
-    report = after_start["json"]
+    [report] = after_start["json"]["frameworks"]
     assert report["runtime"]["started"] is True
     assert report["host_memory_shared"]["current"] >= 256 * 1024 * 4
     assert report["host_memory_shared"]["peak"] >= report["host_memory_shared"]["current"]

@@ -90,7 +90,7 @@ EVEN_SPLIT = """
 import json
 import vgpu_magic
 from vgpu_magic.inventory import probe_inventory
-from vgpu_magic.planner import system_reserve_mib
+from vgpu_magic.frameworks.tensorflow import system_reserve_mib
 
 inventory = probe_inventory()
 gpu = inventory.gpus[0]

@@ -19,7 +19,8 @@ SETUP = """
 import contextlib, io, json, sys
 import numpy as np
 import vgpu_magic
-from vgpu_magic.runtime import tf_runtime_started
+from vgpu_magic.frameworks import get as _framework
+tf_runtime_started = _framework("tensorflow").runtime_started
 
 vgpu_magic.split({count}, cpu=True)
 import keras
@@ -169,7 +170,8 @@ def test_custom_strategy_run_loop_is_sampled_by_hand():
 NO_RUNTIME = """
 import json
 import vgpu_magic
-from vgpu_magic.runtime import tf_runtime_started
+from vgpu_magic.frameworks import get as _framework
+tf_runtime_started = _framework("tensorflow").runtime_started
 
 mon = vgpu_magic.MemoryMonitor()
 with mon:
@@ -259,7 +261,8 @@ AUTO = """
 import json
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
-from vgpu_magic.runtime import tf_runtime_started
+from vgpu_magic.frameworks import get as _framework
+tf_runtime_started = _framework("tensorflow").runtime_started
 
 shell = InteractiveShell.instance()
 shell.run_line_magic("load_ext", "vgpu_magic")

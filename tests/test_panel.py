@@ -17,9 +17,10 @@ ipywidgets = pytest.importorskip("ipywidgets")
 from conftest import CHILD_ENV, ROOT, last_json, run_python  # noqa: E402
 from vgpu_magic.inventory import DeviceInventory, GPUInfo  # noqa: E402
 from vgpu_magic.split_panel import SLIDER_MAX_DEVICES, SplitPanel  # noqa: E402
-from vgpu_magic.planner import PlanError, parse_split_line, plan_split, system_reserve_mib  # noqa: E402
+from vgpu_magic.frameworks.tensorflow import system_reserve_mib  # noqa: E402
+from vgpu_magic.grammar import parse_split_line  # noqa: E402
+from vgpu_magic.planner import PlanError, plan_split  # noqa: E402
 from vgpu_magic.runtime import CellRef, RuntimeState  # noqa: E402
-from vgpu_magic.tfconfig import REMEDY  # noqa: E402
 
 A100 = GPUInfo(0, "NVIDIA A100-SXM4-40GB", total_mib=40960, free_mib=40000, compute_capability=(8, 0), nvml_index=0)
 T4 = GPUInfo(1, "Tesla T4", total_mib=15360, free_mib=14900, compute_capability=(7, 5), nvml_index=1)
@@ -33,9 +34,9 @@ class FixedRuntime:
     depend on whether some other test started TensorFlow in this process."""
 
     def __init__(self, state: RuntimeState | None = None) -> None:
-        self._state = state or RuntimeState(tf_imported=False, started=False)
+        self._state = state or RuntimeState(imported=False, started=False)
 
-    def state(self, check_cuda: bool = True) -> RuntimeState:
+    def state(self, framework=None, check_cuda: bool = True) -> RuntimeState:
         return self._state
 
 
@@ -79,7 +80,8 @@ def test_even_split_is_free_minus_reserve_over_count(count):
     each = (A100.free_mib - 1536) // count  # compute capability 8.x keeps 1536 MiB back
     assert panel.even_memory.value == each
     assert panel.memory_limits == (each,) * count
-    assert panel.magic_line == f"%vgpu_split {count} --memory {each}"
+    # The even split is written the way a person would: no sizes pinned to today's free memory.
+    assert panel.magic_line == f"%vgpu_split {count}"
     assert panel.fits is True and panel.usage_bar.bar_style == "success"
     assert f"{each * count} of {usable(A100)} MiB usable" in panel.usage_label.value
 
@@ -153,8 +155,10 @@ def test_counts_beyond_the_slider_are_typed_in_and_stay_linked():
     assert panel.count_text.value == 5 and panel.count == 5
     panel.count_text.value = 64
     assert panel.magic_line == "%vgpu_split 64"
-    panel.count_text.value = 65  # the box is bounded like the planner
-    assert panel.count == 64
+    panel.count_text.value = 65  # one number shown; the planner says what is allowed, Apply stays off
+    assert panel.count == 65 and panel.count_slider.value == SLIDER_MAX_DEVICES
+    assert panel.magic_line is None and panel.apply_button.disabled
+    assert "device count 65 is out of range; use 1..64" in panel.magic.value
 
 
 def test_unknown_free_memory_is_said_and_not_checked():
@@ -172,8 +176,9 @@ def test_too_many_devices_for_a_small_gpu_is_refused_by_the_planner():
     panel = make_panel(DeviceInventory(gpus=(small,), nvml_available=True))
     panel.count_text.value = 20  # 775 MiB usable: 20 x 64 MiB does not fit
     assert panel.fits is False and panel.usage_bar.bar_style == "danger"
-    panel.apply_button.click()
-    assert panel.last_message.startswith("Not applied: 1280 MiB requested does not fit GPU 0")
+    assert panel.apply_button.disabled
+    panel.apply_button.click()  # a stale front end may still send the click
+    assert panel.last_message.startswith("Not applied: GPU 0 has 775 MiB usable; 20 devices would get 38 MiB each")
 
 
 def test_widgets_are_built_once_and_only_values_change():
@@ -197,16 +202,18 @@ def test_widgets_are_built_once_and_only_values_change():
 
 
 def test_started_runtime_disables_everything_and_names_the_cell():
-    state = RuntimeState(tf_imported=True, started=True, started_by=CellRef(7, "model = tf.keras.Sequential()"))
+    state = RuntimeState(imported=True, started=True, started_by=CellRef(7, "model = tf.keras.Sequential()"))
     panel = SplitPanel(ONE_GPU, FixedRuntime(state))
     assert panel.locked
     assert panel.banner.layout.display == ""
-    assert "In [7]: model = tf.keras.Sequential()" in panel.banner.value
-    assert "restart the kernel" in panel.banner.value and "VGPU_MAGIC_SPLIT" in panel.banner.value
+    assert "In [7]" in panel.banner.value and "model = tf.keras.Sequential()" in panel.banner.value
+    assert "restart the kernel" in panel.banner.value
     controls = [panel.target, panel.count_slider, panel.count_text, panel.custom, panel.even_memory, panel.apply_button]
     assert all(w.disabled for w in controls)
+    panel.count_text.value = 3
     panel.apply_button.click()  # a stale front end may still send the click
-    assert panel.last_result is None and panel.last_message.startswith("Not applied")
+    assert panel.last_result.status == "blocked"
+    assert panel.last_message.startswith("TensorFlow's runtime already started")
 
 
 def test_importing_the_package_and_loading_the_extension_imports_no_widgets():
@@ -241,7 +248,8 @@ def test_apply_in_a_fresh_shell_creates_exactly_the_planned_logical_cpus():
             no_kernel = str(exc)
 
         import vgpu_magic
-        from vgpu_magic.runtime import tf_runtime_started
+        from vgpu_magic.frameworks import get as _framework
+        tf_runtime_started = _framework("tensorflow").runtime_started
         p = vgpu_magic.panel()
         started_when_shown = tf_runtime_started()
         p.count_slider.value = 3
@@ -268,9 +276,10 @@ def test_apply_in_a_fresh_shell_creates_exactly_the_planned_logical_cpus():
     assert out["line"] == "%vgpu_split 3"
     assert out["status"] == "applied" and out["planned"] == 3
     assert out["logical"] == ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]
-    assert "Applied: 3 logical CPUs on CPU:0" in out["message"]
-    assert "3 logical devices: /device:CPU:0, /device:CPU:1, /device:CPU:2" in out["message"]
-    assert "Reproduce with: %vgpu_split 3" in out["message"]
+    # The engine's own summary lines, as the magic prints them.
+    assert out["message"].splitlines()[0] == "TensorFlow configured 3 logical CPUs on CPU:0"
+    assert "MirroredStrategy() will use 3 replicas: /device:CPU:0, /device:CPU:1, /device:CPU:2" in out["message"]
+    assert "reproduce with: %vgpu_split 3" in out["message"]
 
 
 @pytest.mark.slow
@@ -287,6 +296,7 @@ def test_runtime_started_by_a_cell_locks_the_panel_and_names_that_cell():
         ip.run_cell("import tensorflow as tf\\nx = tf.constant(1.0)", store_history=True)
         import tensorflow as tf
         import vgpu_magic
+        early.count_text.value = 2  # a panel shown before the runtime started, used after
         early.apply_button.click()
         late = vgpu_magic.panel()
         print(json.dumps({
@@ -304,10 +314,12 @@ def test_runtime_started_by_a_cell_locks_the_panel_and_names_that_cell():
     )
     out = last_json(proc.stdout)
     assert out["early_locked_before_click"] is False
-    assert out["early_locked"] is True and out["early_message"].startswith("Not applied")
+    assert out["early_locked"] is True
+    assert out["early_message"].startswith("TensorFlow's runtime already started, so devices can no longer change.")
+    assert out["early_message"].count("restart the kernel") == 1  # the remedy once, not twice
     assert out["late_locked"] is True and all(out["late_disabled"]) and out["banner_shown"]
-    assert "In [3]: import tensorflow as tf" in out["banner"]
-    assert REMEDY.split(",")[0] in out["banner"]
+    assert "the cell In [3], which begins `import tensorflow as tf`" in out["banner"]
+    assert "restart the kernel" in out["banner"]
     assert out["cpus"] == 1
 
 
@@ -349,7 +361,8 @@ def test_magic_shows_the_panel_in_a_real_kernel_and_apply_splits_the_cpu():
                 f"""
                 import warnings
                 import ipywidgets
-                from vgpu_magic.runtime import tf_runtime_started
+                from vgpu_magic.frameworks import get as _framework
+                tf_runtime_started = _framework("tensorflow").runtime_started
                 def find(widget, css):
                     if css in getattr(widget, "_dom_classes", ()):
                         return widget
@@ -376,7 +389,7 @@ def test_magic_shows_the_panel_in_a_real_kernel_and_apply_splits_the_cpu():
         kc.stop_channels()
         km.shutdown_kernel(now=True)
     text = _stdout(driven)
-    assert "Applied: 3 logical CPUs" in text
-    assert "3 logical devices: /device:CPU:0, /device:CPU:1, /device:CPU:2" in text
+    assert "TensorFlow configured 3 logical CPUs" in text
+    assert "MirroredStrategy() will use 3 replicas: /device:CPU:0, /device:CPU:1, /device:CPU:2" in text
     out = json.loads(_stdout(checked).strip().splitlines()[-1])
     assert out == {"started_when_shown": False, "logical": ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]}

@@ -19,13 +19,14 @@ from vgpu_magic.planner import (
     SplitPlan,
     SplitRequest,
     parse_memory,
-    parse_split_line,
     plan_split,
-    system_reserve_mib,
 )
-from vgpu_magic.tfconfig import ConfigSnapshot, _wanted
+from vgpu_magic.frameworks.base import ConfigSnapshot
+from vgpu_magic.frameworks.tensorflow import system_reserve_mib
+from vgpu_magic.grammar import parse_split_line
+from vgpu_magic.planner import configuration_after as _wanted
 
-CPU_ONLY = DeviceInventory(gpus=(), cpus=1, tf_version="2.21.0")
+CPU_ONLY = DeviceInventory(gpus=(), cpus=1, version="2.21.0")
 
 #: TensorFlow's per-GPU reserve (MinSystemMemory in gpu_device.cc), written out
 #: independently of ``system_reserve_mib``: below 2 GiB free 225 MiB, otherwise by
@@ -54,7 +55,7 @@ def gpu_inventory(*free_mib: int | None, cc: tuple[int, int] | None = (8, 0), to
         )
         for i, free in enumerate(free_mib)
     )
-    return DeviceInventory(gpus=gpus, cpus=1, tf_version="2.21.0", nvml_available=any(f is not None for f in free_mib))
+    return DeviceInventory(gpus=gpus, cpus=1, version="2.21.0", nvml_available=any(f is not None for f in free_mib))
 
 
 def expected_usable(free: int, cc) -> int:
@@ -280,7 +281,7 @@ def test_cpu_split_has_no_caps(count):
     assert plan.device_type == "CPU"
     assert plan.memory_limits == (None,) * count
     assert "no GPU visible" in plan.notes[0]
-    assert "no memory caps" in plan.describe()
+    assert "MiB" not in plan.describe()
 
 
 @pytest.mark.parametrize("line", ["2 --memory 2048", "--memory 1024,1024", "2 --memory 10", "4 -m 1GB"])
@@ -380,7 +381,10 @@ def test_magic_line_round_trips(line, inventory):
 
 def test_magic_line_spells_out_the_even_split():
     plan = plan_line("4", gpu_inventory(24000, cc=(8, 0)))
-    assert plan.magic_line() == f"%vgpu_split 4 --memory {(24000 - 1536) // 4}"
+    # The line a person would write: no sizes pinned to today's free memory (they did not choose them).
+    assert plan.memory_limits == ((24000 - 1536) // 4,) * 4
+    assert plan.magic_line() == "%vgpu_split 4"
+    assert plan_line("4 --memory 5616", gpu_inventory(24000, cc=(8, 0))).magic_line() == "%vgpu_split 4 --memory 5616"
 
 
 # -- inventories as data ---------------------------------------------------------------

@@ -59,12 +59,13 @@ def assert_blocked(cell: dict, culprit: str) -> None:
     """The cell tried a different split after the runtime started."""
     assert cell["ok"], cell
     assert cell["result"]["status"] == "blocked"
-    warning = cell["err"].strip()
-    assert len(warning.splitlines()) == 1, warning
-    assert warning.startswith(f"vgpu_magic warning: TensorFlow's runtime was already started by {culprit}, ")
-    assert "nothing was configured" in warning
-    assert "restart the kernel and run %vgpu_split before any TensorFlow code" in warning
-    assert "VGPU_MAGIC_SPLIT" in warning
+    lines = cell["err"].strip().splitlines()
+    # Short lines: what happened, which cell (quoted), what to do.
+    assert lines[0] == "vgpu_magic warning: TensorFlow's runtime already started, so devices can no longer change."
+    assert lines[1] == f"  started by: {culprit}"
+    assert "nothing was configured" in lines[2]
+    assert "restart the kernel and run %vgpu_split" in lines[3] and "before any TensorFlow code" in lines[3]
+    assert "VGPU_MAGIC_SPLIT" in lines[3]
     assert "Traceback" not in cell["out"] + cell["err"]
 
 
@@ -88,7 +89,7 @@ def test_split_after_the_runtime_started_names_the_culprit_cell(starter):
     )
     assert [c["started"] for c in cells] == [False, False, True, True, True]
     first_line = starter.splitlines()[0]
-    assert_blocked(cells[3], f"In [3]: {first_line}")
+    assert_blocked(cells[3], f"the cell In [3], which begins `{first_line}`")
     assert cells[3]["result"]["devices"] == ["/device:CPU:0"]
     # One uncapped CPU is what the runtime already has: identical, so quiet.
     assert cells[4]["result"]["status"] == "unchanged"
@@ -105,13 +106,15 @@ def test_identical_split_after_start_is_quiet_and_a_different_one_is_blocked():
         "tf.distribute.MirroredStrategy().num_replicas_in_sync",
     )
     assert cells[1]["started"] is False
-    assert "vgpu_magic: configured 2 logical CPUs" in cells[1]["out"]
+    assert "vgpu_magic: TensorFlow configured 2 logical CPUs" in cells[1]["out"]
     assert "Out[3]: 2" in cells[2]["out"]
     assert cells[3]["result"]["status"] == "unchanged"
     assert cells[3]["err"] == ""
-    assert "already configured 2 logical CPUs" in cells[3]["out"]
-    assert_blocked(cells[4], "In [3]: import tensorflow as tf")
-    assert "(it has 2 replica device(s))" in cells[4]["err"]
+    # A quiet no-op: one line.
+    assert cells[3]["out"].splitlines()[0] == "vgpu_magic: TensorFlow already has 2 logical CPUs on CPU:0; nothing changed"
+    assert len([line for line in cells[3]["out"].splitlines() if line.startswith(("vgpu_magic", "  "))]) == 1
+    assert_blocked(cells[4], "the cell In [3], which begins `import tensorflow as tf`")
+    assert "it keeps its 2 replica devices" in cells[4]["err"]
     assert cells[4]["result"]["devices"] == ["/device:CPU:0", "/device:CPU:1"]
     assert "Out[6]: 2" in cells[5]["out"]
 
@@ -122,8 +125,8 @@ def test_cell_that_starts_the_runtime_and_splits_is_blamed():
         "import tensorflow as tf\nx = tf.ones(2)\n%vgpu_split 2 -r",
         "%vgpu_split 3 -r",
     )
-    assert_blocked(cells[1], "In [2]: import tensorflow as tf")
-    assert_blocked(cells[2], "In [2]: import tensorflow as tf")
+    assert_blocked(cells[1], "the cell In [2], which begins `import tensorflow as tf`")
+    assert_blocked(cells[2], "the cell In [2], which begins `import tensorflow as tf`")
 
 
 def test_extension_loaded_after_the_runtime_started():
@@ -150,7 +153,7 @@ def test_extension_loaded_after_tensorflow_import_but_before_start():
         "%vgpu_split 4 -r",
     )
     assert cells[1]["err"] == ""
-    assert_blocked(cells[3], "In [3]: v = tf.Variable(3.0)")
+    assert_blocked(cells[3], "the cell In [3], which begins `v = tf.Variable(3.0)`")
 
 
 def test_status_and_dry_run_never_start_the_runtime():
@@ -168,7 +171,7 @@ def test_status_and_dry_run_never_start_the_runtime():
     assert all(c["ok"] for c in cells), cells
     assert "runtime not started" in cells[1]["out"]
 
-    before = json.loads(cells[3]["out"])
+    [before] = json.loads(cells[3]["out"])["frameworks"]
     assert before["runtime"]["started"] is False
     assert before["replicas"] == 2
     assert [d["name"] for d in before["logical"]] == ["/device:CPU:0", "/device:CPU:1"]
@@ -179,7 +182,7 @@ def test_status_and_dry_run_never_start_the_runtime():
     assert len(dry["devices"]) == 4
     assert "Out[7]: 2" in cells[6]["out"]  # the dry run configured nothing
 
-    after = json.loads(cells[7]["out"])
+    [after] = json.loads(cells[7]["out"])["frameworks"]
     assert after["runtime"]["started"] is True
-    assert after["runtime"]["started_by"] == "In [7]: import tensorflow as tf"
+    assert after["runtime"]["started_by"] == "the cell In [7], which begins `import tensorflow as tf`"
     assert after["replicas"] == 2

@@ -1,8 +1,8 @@
-"""vgpu_magic: test multi-GPU TensorFlow code on one GPU, or on none.
+"""vgpu_magic: test multi-device training code on one GPU, or on none.
 
-``%load_ext vgpu_magic`` registers ``%vgpu_split`` and ``%vgpu_status``.
-Importing this package is cheap: TensorFlow, ipywidgets and matplotlib are
-imported only when a feature needs them.
+``%load_ext vgpu_magic`` registers ``%vgpu_split``, ``%vgpu_status`` and
+``%vgpu_monitor``. Importing this package is cheap: TensorFlow, JAX,
+ipywidgets and matplotlib are imported only when a feature needs them.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ _LAZY = {
     "strategy": "api",
     "RuntimeStartedWarning": "api",
     "PlanError": "planner",
-    "SplitPlan": "planner",
-    "SplitRequest": "planner",
+    "SplitPlan": "plans",
+    "SplitRequest": "plans",
     "DeviceInventory": "inventory",
     "GPUInfo": "inventory",
-    "SplitResult": "tfconfig",
+    "SplitResult": "engine",
     "StatusReport": "report",
     "MemoryMonitor": "monitor",
     "MemoryTrace": "monitor",
@@ -33,7 +33,11 @@ _LAZY = {
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension", *_LAZY]
 
-_loaded: dict[int, tuple[Any, Any]] = {}
+#: The Magics classes the extension registers besides :class:`~vgpu_magic.magics.VGPUMagics`,
+#: as "module:Class" (imported at load, never at package import).
+_MAGICS: tuple[str, ...] = ()
+
+_loaded: dict[int, tuple[Any, list[Any]]] = {}
 
 
 def __getattr__(name: str) -> Any:
@@ -45,8 +49,19 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'vgpu_magic' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    # The lazily resolved public names complete with <TAB> too.
+    return sorted({*globals(), *_LAZY})
+
+
 def load_ipython_extension(ipython) -> None:
-    """Register the magics and the runtime watcher; apply a persistent split."""
+    """Register the magics and the runtime watcher; apply a persistent split.
+
+    Everything that can fail is built before anything is registered, so a
+    failed load leaves no hooks behind.
+    """
+    import importlib
+
     from . import api
     from .magics import VGPUMagics
     from .runtime import RuntimeWatcher
@@ -54,33 +69,44 @@ def load_ipython_extension(ipython) -> None:
     if id(ipython) in _loaded:
         return
     watcher = RuntimeWatcher(ipython)
+    main = VGPUMagics(shell=ipython, watcher=watcher)
+    extra = []
+    for entry in _MAGICS:
+        module, _, cls = entry.partition(":")
+        extra.append(getattr(importlib.import_module(module, __name__), cls)(shell=ipython))
     ipython.events.register("pre_run_cell", watcher.pre_run_cell)
     ipython.events.register("post_run_cell", watcher.post_run_cell)
-    magics = VGPUMagics(shell=ipython, watcher=watcher)
-    ipython.register_magics(magics)
-    _loaded[id(ipython)] = (watcher, magics)
+    for magics in (main, *extra):
+        ipython.register_magics(magics)
+    _loaded[id(ipython)] = (watcher, [main, *extra])
     api._watcher = watcher
-    magics.on_load()
+    main.on_load()
 
 
 def unload_ipython_extension(ipython) -> None:
     """Remove exactly what :func:`load_ipython_extension` registered."""
     from . import api
 
-    watcher, magics = _loaded.pop(id(ipython), (None, None))
+    watcher, all_magics = _loaded.pop(id(ipython), (None, []))
     if watcher is None:
         return
     from .monitor import auto
 
     auto.disable()
+    for magics in all_magics:
+        closing = getattr(magics, "on_unload", None)
+        if closing is not None:
+            closing()
+    watcher.carry_over()
     ipython.events.unregister("pre_run_cell", watcher.pre_run_cell)
     ipython.events.unregister("post_run_cell", watcher.post_run_cell)
     registry = ipython.magics_manager.magics
-    for kind, names in magics.magics.items():
-        for name in names:
-            registry[kind].pop(name, None)
-    ipython.magics_manager.registry.pop(type(magics).__name__, None)
-    if magics in getattr(ipython, "configurables", []):
-        ipython.configurables.remove(magics)
+    for magics in all_magics:
+        for kind, names in magics.magics.items():
+            for name in names:
+                registry[kind].pop(name, None)
+        ipython.magics_manager.registry.pop(type(magics).__name__, None)
+        if magics in getattr(ipython, "configurables", []):
+            ipython.configurables.remove(magics)
     if api._watcher is watcher:
         api._watcher = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 __all__ = ["main"]
@@ -24,25 +25,27 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_status = sub.add_parser("status", help="physical and logical devices, memory and runtime state")
     p_status.add_argument("--json", action="store_true", help="print JSON")
+    p_status.add_argument("--framework", help="only this framework (tensorflow, tf or jax)")
     p_plan = sub.add_parser("plan", help="validate a %%vgpu_split line against this machine, configure nothing")
     p_plan.add_argument("line", nargs=argparse.REMAINDER, help="the %%vgpu_split arguments, e.g. 4 --memory 1024")
     args = parser.parse_args(argv)
 
     from . import api
-    from .planner import PlanError, parse_split_line
+    from .frameworks import FrameworkChoiceError, FrameworkImportError
+    from .grammar import parse_split_line
+    from .inventory import NVMLReadError
+    from .planner import PlanError
 
     try:
         if args.command == "status":
-            report = api.status()
+            report = api.status(args.framework)
             print(report.to_json() if args.json else report)
             return 0
-        request, _ = parse_split_line(" ".join(args.line))
+        # Re-quote each word: a size list given as one argument ("1024, 2048") stays one argument.
+        request, _ = parse_split_line(shlex.join(args.line))
         result = api.execute(request, dry_run=True)
-    except PlanError as exc:
+    except (PlanError, FrameworkChoiceError, FrameworkImportError, NVMLReadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except ImportError:
-        print("error: TensorFlow is not installed; pip install 'vgpu_magic[cpu]'", file=sys.stderr)
         return 2
     print(json.dumps(result.to_dict(), indent=2))
     return 0

@@ -5,54 +5,76 @@
     >>> strategy = vgpu_magic.strategy()         # doctest: +SKIP
 
 Bad input raises :class:`ValueError` (:class:`~vgpu_magic.planner.PlanError`)
-and configures nothing. A different split after TensorFlow's runtime started
-issues a :class:`RuntimeStartedWarning` and returns a result whose ``status``
-is ``"blocked"``.
+and configures nothing. A different split after the framework's runtime
+started issues a :class:`RuntimeStartedWarning` and returns a result whose
+``status`` is ``"blocked"``. A framework that is missing or fails to import
+raises :class:`~vgpu_magic.frameworks.FrameworkImportError` (an ImportError)
+with the real reason.
 """
 
 from __future__ import annotations
 
+import numbers
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from .inventory import DeviceInventory, probe_inventory
-from .planner import PlanError, SplitPlan, SplitRequest, parse_memory, plan_split
-from .runtime import RuntimeState, RuntimeWatcher, runtime_state
+from . import frameworks
+from .engine import SplitResult, apply_plan, summary_lines
+from .frameworks import Framework, FrameworkChoiceError
+from .inventory import DeviceInventory
+from .planner import PlanError, SplitPlan, SplitRequest, excerpt, parse_memory_list, plan_split
 from .report import StatusReport, collect_status
-from .tfconfig import SplitResult, apply_plan, make_strategy
+from .runtime import RuntimeWatcher, runtime_state
 
-__all__ = ["RuntimeStartedWarning", "plan", "split", "status", "strategy", "execute", "current_watcher"]
+__all__ = [
+    "RuntimeStartedWarning",
+    "plan",
+    "split",
+    "status",
+    "strategy",
+    "execute",
+    "make_request",
+    "current_watcher",
+    "framework_for",
+]
 
 #: Set by the IPython extension while loaded, so the API can name culprit cells too.
 _watcher: RuntimeWatcher | None = None
 
 
 class RuntimeStartedWarning(UserWarning):
-    """TensorFlow's runtime already started, so the requested split was not applied."""
+    """The framework's runtime already started, so the requested split was not applied."""
 
 
 def current_watcher() -> RuntimeWatcher | None:
     return _watcher
 
 
-def _memory_arg(memory: int | str | Sequence[int | str] | None) -> int | tuple[int, ...] | None:
+def _whole(value: object) -> bool:
+    """An integer of any kind (``int``, ``numpy.int64``), but not ``bool``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _memory_arg(memory: object) -> int | tuple[int, ...] | None:
+    hint = "use MiB, e.g. memory=2048, memory='2GB' or memory=[1024, 2048]"
     if memory is None:
         return None
-    if isinstance(memory, bool):
-        raise PlanError(f"memory {memory!r} is not a size; use MiB, e.g. memory=2048 or memory=[1024, 2048]")
-    if isinstance(memory, int):
-        return memory
+    if _whole(memory):
+        return int(memory)  # type: ignore[arg-type]
     if isinstance(memory, str):
-        sizes = tuple(parse_memory(p) for p in memory.split(","))
+        sizes = parse_memory_list(memory)
         return sizes[0] if len(sizes) == 1 else sizes
-    if isinstance(memory, Sequence):
-        sizes = []
-        for item in memory:
-            if isinstance(item, bool) or not isinstance(item, (int, str)):
-                raise PlanError(f"memory item {item!r} is not a size; use MiB as int or str, e.g. [1024, '2GB']")
-            sizes.append(item if isinstance(item, int) else parse_memory(item))
-        return tuple(sizes)
-    raise PlanError(f"memory {memory!r} is not a size; use MiB, e.g. memory=2048 or memory=[1024, 2048]")
+    if isinstance(memory, (bytes, bytearray)) or not isinstance(memory, Iterable):
+        raise PlanError(f"memory {excerpt(memory)} is not a size; {hint}")
+    sizes = []
+    for item in list(memory):
+        if _whole(item):
+            sizes.append(int(item))
+        elif isinstance(item, str):
+            sizes.extend(parse_memory_list(item))
+        else:
+            raise PlanError(f"memory item {excerpt(item)} is not a size; {hint}")
+    return tuple(sizes)
 
 
 def make_request(
@@ -62,30 +84,59 @@ def make_request(
     cpu: bool = False,
     gpu: int | None = None,
     others: str = "hide",
-    visible: Sequence[int] | None = None,
+    visible: Iterable[int] | None = None,
     growth: bool = False,
+    framework: str | None = None,
 ) -> SplitRequest:
-    """Build a :class:`SplitRequest` from Python values, checking their types."""
-    if count is not None and (isinstance(count, bool) or not isinstance(count, int)):
-        raise PlanError(f"count {count!r} is not a whole number; use 1..64, e.g. split(4)")
-    if gpu is not None and (isinstance(gpu, bool) or not isinstance(gpu, int)):
-        raise PlanError(f"gpu {gpu!r} is not a GPU index; use 0, 1, ...")
-    if cpu and gpu is not None:
-        raise PlanError("cpu=True and gpu= contradict each other; give one of them")
+    """Build a :class:`SplitRequest` from Python values, checking their types.
+
+    Integers of any integral type are accepted (``numpy.int64`` too); anything
+    else gets a :class:`ValueError` that says what would work.
+    """
+    if count is not None and not _whole(count):
+        raise PlanError(f"count {excerpt(count)} is not a whole number; use 1..64, e.g. split(4)")
+    if gpu is not None and not _whole(gpu):
+        raise PlanError(f"gpu {excerpt(gpu)} is not a GPU index; use 0, 1, ...")
+    if not isinstance(cpu, bool) or not isinstance(growth, bool):
+        raise PlanError("cpu= and growth= take True or False")
+    if not isinstance(others, str):
+        raise PlanError(f"others {excerpt(others)} is not a choice; use 'hide' or 'keep'")
+    indices: tuple[int, ...] | None = None
     if visible is not None:
-        if isinstance(visible, (str, bytes)) or any(isinstance(i, bool) or not isinstance(i, int) for i in visible):
-            raise PlanError(f"visible {visible!r} is not a list of GPU indices; use e.g. visible=[0, 2]")
-        visible = tuple(visible)
-    target = "cpu" if cpu else "gpu" if gpu is not None else "auto"
+        bad = f"visible {excerpt(visible)} is not a list of GPU indices; use e.g. visible=[0, 2] or visible=[]"
+        if isinstance(visible, (str, bytes)) or not isinstance(visible, Iterable):
+            raise PlanError(bad)
+        items = list(visible)  # once: an iterator is consumed here and nowhere else
+        if any(not _whole(i) for i in items):
+            raise PlanError(bad)
+        indices = tuple(int(i) for i in items)
+    name = None
+    if framework is not None:
+        if not isinstance(framework, str):
+            raise PlanError(f"framework {excerpt(framework)} is not a name; use 'tensorflow' or 'jax'")
+        try:
+            name = frameworks.resolve_name(framework)
+        except FrameworkChoiceError as exc:
+            raise PlanError(str(exc)) from None
     return SplitRequest(
-        count=count,
+        count=None if count is None else int(count),
         memory=_memory_arg(memory),
-        target=target,
-        gpu=0 if gpu is None else gpu,
+        target="cpu" if cpu else "auto",
+        gpu=None if gpu is None else int(gpu),
         others=others,
-        visible=visible,
-        memory_growth=bool(growth),
+        visible=indices,
+        memory_growth=growth,
+        framework=name,
     )
+
+
+def framework_for(name: str | None = None) -> Framework:
+    """The framework a call applies to (:func:`vgpu_magic.frameworks.select`), as a
+    :class:`ValueError` when the choice cannot be made."""
+    try:
+        return frameworks.select(name)
+    except FrameworkChoiceError as exc:
+        raise PlanError(str(exc)) from None
 
 
 def execute(
@@ -94,23 +145,42 @@ def execute(
     dry_run: bool = False,
     inventory: DeviceInventory | None = None,
 ) -> SplitResult:
-    """Plan ``request`` against this machine and apply it (the magic's engine).
+    """Plan ``request`` against this machine and apply it (the engine every face calls).
 
-    Raises :class:`PlanError` before touching ``tf.config`` when the request is
-    invalid.
+    Raises :class:`PlanError` before touching any configuration when the request
+    is invalid.
     """
-    inventory = inventory or probe_inventory()
+    fw = framework_for(request.framework) if inventory is None else frameworks.get(inventory.framework)
+    if inventory is None:
+        inventory = fw.probe_inventory()
     plan_ = plan_split(request, inventory)
-    state: RuntimeState = runtime_state(watcher or _watcher)
-    return apply_plan(plan_, state, dry_run=dry_run)
+    state = runtime_state(watcher or _watcher, fw)
+    extra = []
+    check = getattr(fw, "keras_backend_warning", None)
+    if check is not None:
+        text = check()
+        if text:
+            extra.append(text)
+    return apply_plan(fw, plan_, state, dry_run=dry_run, current=inventory.current, warnings=extra)
 
 
 def plan(count: int | None = None, memory=None, **options) -> SplitPlan:
     """Validate a split against this machine without applying it.
 
-    Takes the same arguments as :func:`split`.
+    Takes the same arguments as :func:`split` (``dry_run`` is accepted and
+    changes nothing: a plan never configures).
     """
-    return plan_split(make_request(count, memory, **options), probe_inventory())
+    options.pop("dry_run", None)
+    request = _request(count, memory, options)
+    return plan_split(request, framework_for(request.framework).probe_inventory())
+
+
+def _request(count, memory, options: dict) -> SplitRequest:
+    allowed = {"cpu", "gpu", "others", "visible", "growth", "framework"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise PlanError(f"unknown option {unknown[0]!r}; use {', '.join(sorted(allowed | {'memory', 'dry_run'}))}")
+    return make_request(count, memory, **options)
 
 
 def split(
@@ -120,11 +190,12 @@ def split(
     cpu: bool = False,
     gpu: int | None = None,
     others: str = "hide",
-    visible: Sequence[int] | None = None,
+    visible: Iterable[int] | None = None,
     growth: bool = False,
+    framework: str | None = None,
     dry_run: bool = False,
 ) -> SplitResult:
-    """Split a GPU (or the CPU) into ``count`` logical TensorFlow devices.
+    """Split a GPU (or the CPU) into ``count`` logical devices.
 
     Parameters
     ----------
@@ -132,8 +203,8 @@ def split(
         Number of logical devices, 1..64.
     memory:
         MiB per logical GPU: one value for all, one per device, or ``None`` to
-        divide free memory (minus TensorFlow's reserve) evenly. Strings with
-        units (``"2GB"``) are accepted. Not allowed on CPU.
+        divide free memory (minus the framework's reserve) evenly. Strings with
+        units (``"2GB"``, ``"1024,2048"``) are accepted. Not allowed on CPU.
     cpu:
         Split the CPU even when a GPU is present.
     gpu:
@@ -141,9 +212,12 @@ def split(
     others:
         ``"hide"`` (default) or ``"keep"`` the other GPUs of a multi-GPU machine.
     visible:
-        Physical GPUs TensorFlow may use, e.g. ``[0, 2]``; ``[]`` hides all.
+        Physical GPUs the framework may use, e.g. ``[0, 2]``; ``[]`` hides all.
     growth:
         Turn on memory growth for visible GPUs instead of splitting.
+    framework:
+        ``"tensorflow"`` (``"tf"``) or ``"jax"``; default: the one imported, else
+        the one installed, else TensorFlow.
     dry_run:
         Validate and report without configuring.
 
@@ -157,24 +231,31 @@ def split(
     ValueError
         When the request is invalid; nothing is configured.
     """
-    request = make_request(count, memory, cpu=cpu, gpu=gpu, others=others, visible=visible, growth=growth)
+    if not isinstance(dry_run, bool):
+        raise PlanError("dry_run= takes True or False")
+    request = make_request(
+        count, memory, cpu=cpu, gpu=gpu, others=others, visible=visible, growth=growth, framework=framework
+    )
     result = execute(request, dry_run=dry_run)
-    for i, text in enumerate(result.warnings):
-        category = RuntimeStartedWarning if result.status == "blocked" and i == 0 else UserWarning
-        warnings.warn(text, category, stacklevel=2)
+    if result.status == "blocked":
+        text = "\n".join(line.text for line in summary_lines(result) if line.level == "warning")
+        warnings.warn(text, RuntimeStartedWarning, stacklevel=2)
+    else:
+        for text in result.warnings:
+            warnings.warn(text, UserWarning, stacklevel=2)
     return result
 
 
-def status() -> StatusReport:
+def status(framework: str | None = None) -> StatusReport:
     """Physical and logical devices, caps, memory (if running), replicas and
-    runtime state. Never starts TensorFlow's runtime."""
-    return collect_status(runtime_state(_watcher))
+    runtime state of every imported framework (or the selected one). Never
+    starts a runtime."""
+    return collect_status(_watcher, framework)
 
 
-def strategy():
-    """A ``tf.distribute.MirroredStrategy`` over the split's logical devices,
-    with cross-device reduction that works on logical GPUs sharing one card.
-
-    Starts TensorFlow's runtime (as any strategy does).
-    """
-    return make_strategy()
+def strategy(framework: str | None = None):
+    """A data-parallel helper over the split's devices: for TensorFlow a
+    ``tf.distribute.MirroredStrategy`` whose cross-device reduction works on
+    logical GPUs sharing one card. Starts the framework's runtime (as any
+    strategy does)."""
+    return framework_for(framework).strategy()

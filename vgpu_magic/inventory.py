@@ -1,9 +1,13 @@
 """What devices this machine has, as plain data.
 
-:class:`DeviceInventory` is what the planner reads. :func:`probe_inventory` fills
-it from TensorFlow's ``list_physical_devices`` (which does not start the runtime)
-and, for GPUs, from NVML (``nvidia-ml-py``): name, total/free memory and compute
-capability. A missing NVML library means "no GPU details", never an error.
+:class:`DeviceInventory` is what the planner reads: the physical devices a
+framework sees, the framework's :class:`~vgpu_magic.frameworks.base.Capabilities`
+and its current configuration. Each framework module fills one
+(``Framework.probe_inventory``); :func:`probe_inventory` asks the selected one.
+GPU details come from NVML (``nvidia-ml-py``): name, total/free memory and
+compute capability. A missing NVML library means "no GPU details", never an
+error; a GPU that disappears while being read gives :class:`NVMLReadError`,
+one line.
 """
 
 from __future__ import annotations
@@ -12,9 +16,17 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .tfimport import import_tensorflow
+from .frameworks.base import Capabilities, ConfigSnapshot
 
-__all__ = ["GPUInfo", "DeviceInventory", "probe_inventory", "nvml_gpus", "nvml_pids_with_context"]
+__all__ = [
+    "GPUInfo",
+    "DeviceInventory",
+    "NVMLReadError",
+    "probe_inventory",
+    "nvml_gpus",
+    "nvml_pids_with_context",
+    "cuda_to_nvml_order",
+]
 
 _MIB = 1024 * 1024
 
@@ -39,19 +51,39 @@ class GPUInfo:
 class DeviceInventory:
     """The physical devices the planner may use.
 
-    ``gpus`` lists the GPUs TensorFlow sees, in TensorFlow's order; ``cpus`` is
-    the number of physical CPU devices (always 1 in practice).
+    ``gpus`` lists the GPUs the framework sees, in its order; ``cpus`` is the
+    number of physical CPU devices (always 1 in practice). ``capabilities``
+    says what the framework can do with them (TensorFlow's by default) and
+    ``current`` its configuration now (``None``: nothing configured yet).
     """
 
     gpus: tuple[GPUInfo, ...] = ()
     cpus: int = 1
-    tf_version: str | None = None
+    version: str | None = None
     nvml_available: bool = False
     notes: tuple[str, ...] = field(default=(), compare=False)
+    capabilities: Capabilities = field(default=None, compare=False)  # type: ignore[assignment]
+    current: ConfigSnapshot | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.capabilities is None:
+            from .frameworks.tensorflow import CAPABILITIES
+
+            object.__setattr__(self, "capabilities", CAPABILITIES)
+
+    @property
+    def framework(self) -> str:
+        return self.capabilities.name
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["gpus"] = [dict(asdict(g), name=g.name) for g in self.gpus]
+        data = {
+            "framework": self.framework,
+            "version": self.version,
+            "gpus": [dict(asdict(g), name=g.name) for g in self.gpus],
+            "cpus": self.cpus,
+            "nvml_available": self.nvml_available,
+            "notes": list(self.notes),
+        }
         return data
 
     @classmethod
@@ -62,13 +94,21 @@ class DeviceInventory:
             if g.get("compute_capability") is not None:
                 g["compute_capability"] = tuple(g["compute_capability"])
             gpus.append(GPUInfo(**g))
+        from .frameworks import get
+
         return cls(
             gpus=tuple(gpus),
             cpus=data.get("cpus", 1),
-            tf_version=data.get("tf_version"),
+            version=data.get("version"),
+            capabilities=get(data.get("framework", "tensorflow")).capabilities,
             nvml_available=data.get("nvml_available", False),
             notes=tuple(data.get("notes", ())),
         )
+
+
+class NVMLReadError(RuntimeError):
+    """NVML answered with an error while a GPU was being read (a GPU that
+    disappeared, a driver that went away): one line saying which call failed."""
 
 
 def _nvml():
@@ -79,14 +119,21 @@ def _nvml():
         return None
     try:
         pynvml.nvmlInit()
-    except Exception:
+    except pynvml.NVMLError:
         # NVMLError_LibraryNotFound, _DriverNotLoaded, ...: no usable GPU here.
         return None
     return pynvml
 
 
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def nvml_gpus() -> list[dict[str, Any]]:
-    """Every GPU NVML can see, in NVML (PCI) order, as plain dicts."""
+    """Every GPU NVML can see, in NVML (PCI) order, as plain dicts.
+
+    Raises :class:`NVMLReadError` when NVML fails part-way.
+    """
     nvml = _nvml()
     if nvml is None:
         return []
@@ -94,63 +141,64 @@ def nvml_gpus() -> list[dict[str, Any]]:
     try:
         for i in range(nvml.nvmlDeviceGetCount()):
             handle = nvml.nvmlDeviceGetHandleByIndex(i)
-            name = nvml.nvmlDeviceGetName(handle)
-            if isinstance(name, bytes):
-                name = name.decode()
             mem = nvml.nvmlDeviceGetMemoryInfo(handle)
             try:
                 cc = tuple(nvml.nvmlDeviceGetCudaComputeCapability(handle))
-            except Exception:
+            except nvml.NVMLError:
                 cc = None
-            uuid = nvml.nvmlDeviceGetUUID(handle)
-            if isinstance(uuid, bytes):
-                uuid = uuid.decode()
             gpus.append(
                 {
                     "nvml_index": i,
-                    "model": name,
+                    "model": _text(nvml.nvmlDeviceGetName(handle)),
                     "total_mib": int(mem.total // _MIB),
                     "free_mib": int(mem.free // _MIB),
                     "compute_capability": cc,
-                    "uuid": uuid,
+                    "uuid": _text(nvml.nvmlDeviceGetUUID(handle)),
                 }
             )
+    except nvml.NVMLError as exc:
+        raise NVMLReadError(f"NVML could not read the GPUs ({exc}); check nvidia-smi, or give --memory explicitly") from None
     finally:
         try:
             nvml.nvmlShutdown()
-        except Exception:
+        except nvml.NVMLError:
             pass
     return gpus
 
 
 def nvml_pids_with_context() -> dict[int, set[int]]:
-    """NVML index -> PIDs holding a CUDA context on it (compute processes)."""
+    """NVML index -> PIDs holding a CUDA context on it (compute processes).
+
+    Best effort: a GPU NVML cannot read is left out.
+    """
     nvml = _nvml()
     if nvml is None:
         return {}
     holders: dict[int, set[int]] = {}
     try:
         for i in range(nvml.nvmlDeviceGetCount()):
-            handle = nvml.nvmlDeviceGetHandleByIndex(i)
             try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(i)
                 procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            except Exception:
+            except nvml.NVMLError:
                 continue
             holders[i] = {p.pid for p in procs}
+    except nvml.NVMLError:
+        pass
     finally:
         try:
             nvml.nvmlShutdown()
-        except Exception:
+        except nvml.NVMLError:
             pass
     return holders
 
 
-def _tf_to_nvml_order(n_tf_gpus: int, nvml: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
-    """Match TensorFlow's GPU i to an NVML device.
+def cuda_to_nvml_order(n_gpus: int, nvml: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
+    """Match a framework's GPU i (CUDA's numbering) to an NVML device.
 
-    TensorFlow numbers the GPUs CUDA shows it; ``CUDA_VISIBLE_DEVICES`` (indices
-    or UUIDs) says which NVML devices those are. Without it the orders agree on
-    the usual machines (``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes it certain).
+    Frameworks number the GPUs CUDA shows them; ``CUDA_VISIBLE_DEVICES``
+    (indices or UUIDs) says which NVML devices those are. Without it the orders
+    agree on the usual machines (``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes it certain).
     """
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None or not visible.strip():
@@ -164,35 +212,13 @@ def _tf_to_nvml_order(n_tf_gpus: int, nvml: list[dict[str, Any]]) -> list[dict[s
             else:
                 match = next((g for g in nvml if g["uuid"].startswith(token) or token.startswith(g["uuid"])), None)
             order.append(match)
-    padded = list(order[:n_tf_gpus])
-    return padded + [None] * (n_tf_gpus - len(padded))
+    padded = list(order[:n_gpus])
+    return padded + [None] * (n_gpus - len(padded))
 
 
-def probe_inventory() -> DeviceInventory:
-    """Read the devices of this process. Imports TensorFlow; never starts its runtime."""
-    tf = import_tensorflow()
+def probe_inventory(framework: str | None = None) -> DeviceInventory:
+    """The devices of this process as ``framework`` (default: :func:`vgpu_magic.frameworks.select`)
+    sees them. Imports that framework; never starts its runtime."""
+    from .frameworks import select
 
-    n_gpus = len(tf.config.list_physical_devices("GPU"))
-    n_cpus = len(tf.config.list_physical_devices("CPU"))
-    nvml = nvml_gpus() if n_gpus else []
-    notes = []
-    if n_gpus and not nvml:
-        notes.append("NVML unavailable: GPU memory unknown, give --memory explicitly")
-    gpus = []
-    for i, details in enumerate(_tf_to_nvml_order(n_gpus, nvml)):
-        if details is None:
-            gpus.append(GPUInfo(index=i))
-        else:
-            gpus.append(
-                GPUInfo(
-                    index=i,
-                    model=details["model"],
-                    total_mib=details["total_mib"],
-                    free_mib=details["free_mib"],
-                    compute_capability=details["compute_capability"],
-                    nvml_index=details["nvml_index"],
-                )
-            )
-    return DeviceInventory(
-        gpus=tuple(gpus), cpus=n_cpus, tf_version=tf.__version__, nvml_available=bool(nvml), notes=tuple(notes)
-    )
+    return select(framework).probe_inventory()

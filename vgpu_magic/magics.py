@@ -1,42 +1,68 @@
 """The IPython face: ``%vgpu_split`` and ``%vgpu_status``.
 
-Each magic parses its line and calls the engine (:mod:`vgpu_magic.api`);
-validation lives in :mod:`vgpu_magic.planner`. User mistakes become a one-line
+Each magic parses its line (:mod:`vgpu_magic.grammar`) and calls the engine
+(:func:`vgpu_magic.api.execute`); validation lives in
+:mod:`vgpu_magic.planner`, outcomes are worded by
+:func:`vgpu_magic.engine.summary_lines`. User mistakes become a one-line
 :class:`~IPython.core.error.UsageError`.
 """
 
 from __future__ import annotations
 
+import numbers
 import os
 import sys
+from contextlib import contextmanager
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, Unicode
+from traitlets import Any as AnyTrait
+from traitlets import Bool
 
 from . import api
-from .planner import PlanError, parse_split_line, split_argument_parser
+from .engine import SplitResult, summary_lines
+from .frameworks import FrameworkChoiceError, FrameworkImportError
+from .grammar import parse_split_line, split_argument_parser
+from .inventory import NVMLReadError
+from .planner import PlanError, excerpt
 from .runtime import RuntimeWatcher
 
-__all__ = ["VGPUMagics", "ENV_SPLIT"]
+__all__ = ["VGPUMagics", "ENV_SPLIT", "print_result"]
 
 #: Environment variable holding a ``%vgpu_split`` line applied at load.
 ENV_SPLIT = "VGPU_MAGIC_SPLIT"
-
-_NO_TF = (
-    "TensorFlow is not installed in this kernel; install it with pip install 'vgpu_magic[cpu]' "
-    "(or 'vgpu_magic[gpu]' for the CUDA build)"
-)
 
 
 def _warn(text: str) -> None:
     print(f"vgpu_magic warning: {text}", file=sys.stderr)
 
 
+@contextmanager
+def _usage_errors():
+    """Every error a user can cause, as one line."""
+    try:
+        yield
+    except (PlanError, FrameworkChoiceError, FrameworkImportError, NVMLReadError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def print_result(result: SplitResult, quiet: bool = False) -> None:
+    """Print ``result``'s summary lines: information on stdout (nothing when
+    ``quiet``), warnings on stderr."""
+    first_warning = True
+    for line in summary_lines(result):
+        if line.level == "warning":
+            print(("vgpu_magic warning: " if first_warning else "") + line.text, file=sys.stderr)
+            first_warning = False
+        elif not quiet:
+            prefix = "vgpu_magic: " if line.level == "info" else "  "
+            print(prefix + line.text)
+
+
 def _split_doc() -> str:
     return (
-        """Split one GPU (or the CPU) into logical TensorFlow devices.
+        """Split one GPU (or the CPU) into logical devices for TensorFlow or JAX.
 
 Examples
 --------
@@ -49,28 +75,44 @@ Examples
   In [4]: %vgpu_split 3 --memory 1024,2048,512
   In [5]: %vgpu_split 1 --memory 4GB     # cap GPU memory without splitting
   In [6]: %vgpu_split --growth           # memory growth instead of a split
-  In [7]: %vgpu_split --visible 0,1 --others keep 2 --memory 1024
+  In [7]: %vgpu_split 8 --framework jax  # 8 JAX CPU devices (also before `import jax`)
   In [8]: %vgpu_split                    # the widget panel (in a notebook)
 
-Run it before any TensorFlow code starts the runtime; afterwards only the
+Run it before any framework code starts the runtime; afterwards only the
 identical split is accepted. Splitting gives no speedup: it is for testing
-tf.distribute code.
+distributed code.
 
 """
         + split_argument_parser().format_help()
     )
 
 
+def _persistent_value(value: object, source: str) -> str | None:
+    """The split line a config value stands for: a string, or an int count;
+    anything else is reported in one line and ignored."""
+    if isinstance(value, str):
+        return value.strip() or None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return str(int(value))
+    if value is None:
+        return None
+    _warn(
+        f"{source} = {excerpt(value)} was not applied: give a %vgpu_split line as a string, "
+        f"e.g. c.VGPUMagics.split = '4'"
+    )
+    return None
+
+
 @magics_class
 class VGPUMagics(Magics):
     """``%vgpu_split`` and ``%vgpu_status``; see each magic's ``?`` help."""
 
-    split = Unicode(
+    split = AnyTrait(
         "",
-        help=f"A %vgpu_split argument line applied when the extension loads, e.g. '4' or '2 --memory 2048'. "
-        f"The environment variable {ENV_SPLIT} overrides it.",
+        help=f"A %vgpu_split argument line applied when the extension loads, e.g. '4' or '2 --memory 2048' "
+        f"(a plain count such as 4 works too). The environment variable {ENV_SPLIT} overrides it.",
     ).tag(config=True)
-    warn_on_load = Bool(True, help="Warn at load when TensorFlow's runtime already started.").tag(config=True)
+    warn_on_load = Bool(True, help="Warn at load when a framework's runtime already started.").tag(config=True)
 
     def __init__(self, shell=None, watcher: RuntimeWatcher | None = None, **kwargs) -> None:
         super().__init__(shell=shell, **kwargs)
@@ -79,21 +121,18 @@ class VGPUMagics(Magics):
     # -- %vgpu_split --------------------------------------------------------
     @line_magic
     def vgpu_split(self, line: str = ""):
-        if not line.strip():
-            return self._show_panel()
-        try:
+        with _usage_errors():
             request, args = parse_split_line(line)
+            says_nothing = request == type(request)(framework=request.framework)
+            if says_nothing and not (args.dry_run or args.return_result or args.quiet):
+                return self._show_panel(request.framework)
             result = api.execute(request, self.watcher, dry_run=args.dry_run)
-        except PlanError as exc:
-            raise UsageError(str(exc)) from None
-        except ImportError:
-            raise UsageError(_NO_TF) from None
-        self._report(result, quiet=args.quiet)
+        print_result(result, quiet=args.quiet)
         return result if args.return_result else None
 
     vgpu_split.__doc__ = _split_doc()
 
-    def _show_panel(self) -> None:
+    def _show_panel(self, framework: str | None = None) -> None:
         """``%vgpu_split`` alone: display the widget panel (notebooks only)."""
         if getattr(self.shell, "kernel", None) is None:
             raise UsageError(
@@ -104,55 +143,59 @@ class VGPUMagics(Magics):
             from .split_panel import panel
         except ImportError as exc:
             raise UsageError(str(exc)) from None
-        try:
-            shown = panel(self.watcher)
-        except ImportError:
-            raise UsageError(_NO_TF) from None
+        with _usage_errors():
+            shown = panel(self.watcher, framework=framework)
         from IPython.display import display
 
         display(shown)
-
-    def _report(self, result, quiet: bool = False) -> None:
-        for text in result.warnings:
-            _warn(text)
-        if quiet or result.status == "blocked":
-            return
-        verb = {"applied": "configured", "unchanged": "already configured", "planned": "would configure"}[result.status]
-        print(f"vgpu_magic: {verb} {result.plan.describe()}")
-        for note in result.plan.notes:
-            print(f"  note: {note}")
-        print(f"  MirroredStrategy will use {result.replicas} replica(s): {', '.join(result.devices)}")
-        print(f"  reproduce with: {result.plan.magic_line()}")
 
     # -- %vgpu_status -------------------------------------------------------
     @line_magic
     def vgpu_status(self, line: str = ""):
         """Show physical and logical devices, caps, memory, replicas and whether
-        TensorFlow's runtime started. Never starts the runtime.
+        each framework's runtime started. Never starts the runtime.
 
         Usage::
 
-          In [1]: %vgpu_status           # HTML table in a notebook, text in a terminal
+          In [1]: %vgpu_status           # HTML in a notebook, text in a terminal
           In [2]: %vgpu_status --json    # JSON
           In [3]: s = %vgpu_status -r    # also return the StatusReport
+          In [4]: %vgpu_status --framework jax
 
-        Options: ``--json`` prints JSON; ``-r``/``--return`` returns the report.
+        Every framework imported in the kernel gets a section (or the one
+        ``%vgpu_split`` would configure, when none is imported).
         """
         words = line.split()
-        unknown = [w for w in words if w not in ("--json", "-r", "--return")]
+        framework = None
+        rest = []
+        i = 0
+        while i < len(words):
+            if words[i] in ("--framework", "-f"):
+                if i + 1 >= len(words):
+                    raise UsageError("--framework needs a name; use tensorflow (tf) or jax")
+                framework = words[i + 1]
+                i += 2
+                continue
+            rest.append(words[i])
+            i += 1
+        unknown = [w for w in rest if w not in ("--json", "-r", "--return")]
         if unknown:
-            raise UsageError(f"unknown option {unknown[0]!r} for %vgpu_status; use --json and/or -r")
-        try:
-            report = api.collect_status(self.watcher.state())
-        except ImportError:
-            raise UsageError(_NO_TF) from None
-        if "--json" in words:
+            raise UsageError(
+                f"unknown option {excerpt(unknown[0])} for %vgpu_status; use --json, -r and/or --framework NAME"
+            )
+        with _usage_errors():
+            if framework is not None:
+                from .frameworks import resolve_name
+
+                framework = resolve_name(framework)
+            report = api.collect_status(self.watcher, framework)
+        if "--json" in rest:
             print(report.to_json())
         else:
             from IPython.display import display
 
             display(report)
-        return report if ("-r" in words or "--return" in words) else None
+        return report if ("-r" in rest or "--return" in rest) else None
 
     # -- %vgpu_monitor ------------------------------------------------------
     @magic_arguments()
@@ -197,8 +240,8 @@ class VGPUMagics(Magics):
                 auto.enable(**options)
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
-            except ImportError:
-                raise UsageError(_NO_TF) from None
+            except ImportError as exc:
+                raise UsageError(str(exc)) from None
         print(auto.status())
         return None
 
@@ -208,32 +251,31 @@ class VGPUMagics(Magics):
         env = os.environ.get(ENV_SPLIT, "").strip()
         if env:
             return env, f"${ENV_SPLIT}"
-        if self.split.strip():
-            return self.split.strip(), "c.VGPUMagics.split"
+        value = _persistent_value(self.split, "c.VGPUMagics.split")
+        if value:
+            return value, "c.VGPUMagics.split"
         return None
 
     def on_load(self) -> None:
-        """Warn if TensorFlow already started, then apply the persistent split."""
+        """Warn about runtimes that already started, then apply the persistent split."""
+        from . import frameworks
+
         persistent = self.persistent_line()
-        state = self.watcher.state()
-        if self.warn_on_load and state.started:
-            _warn(
-                f"TensorFlow's runtime already started ({state.culprit}); %vgpu_split can no longer change "
-                "devices. Restart the kernel and load vgpu_magic before any TensorFlow code."
-            )
-        if state.cuda_holders:
-            _warn("this process already holds a CUDA context through " + ", ".join(state.cuda_holders))
+        for fw in frameworks.imported():
+            state = self.watcher.state(fw, check_cuda=False)
+            if self.warn_on_load and state.started:
+                _warn(
+                    f"{fw.label}'s runtime already started ({state.culprit}); %vgpu_split can no longer change "
+                    f"its devices. Restart the kernel and load vgpu_magic before any {fw.label} code."
+                )
         if persistent is None:
             return
         line, source = persistent
         try:
             request, args = parse_split_line(line)
             result = api.execute(request, self.watcher, dry_run=args.dry_run)
-        except PlanError as exc:
-            _warn(f"{source} = {line!r} was not applied: {exc}")
+        except (PlanError, FrameworkChoiceError, FrameworkImportError, NVMLReadError) as exc:
+            _warn(f"{source} = {excerpt(line)} was not applied: {exc}")
             return
-        except ImportError:
-            _warn(f"{source} = {line!r} was not applied: {_NO_TF}")
-            return
-        print(f"vgpu_magic: applying {source} = {line!r}")
-        self._report(result, quiet=args.quiet)
+        print(f"vgpu_magic: applying {source} = {excerpt(line)}")
+        print_result(result, quiet=args.quiet)

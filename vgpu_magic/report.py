@@ -1,36 +1,27 @@
 """What ``%vgpu_status`` shows, as data with three renderings: HTML for
 notebooks, plain text for terminals, JSON for machines.
 
-Collecting a status never starts TensorFlow's runtime: memory in use is read
-only when the runtime already runs.
+One section per framework: every framework imported in the kernel, or the
+one that would be configured when none is. Collecting a status never starts a
+runtime: memory in use is read only when the runtime already runs. Colours
+come from the front end (the HTML inherits its text colour), so the report
+reads the same on light and dark themes.
 """
 
 from __future__ import annotations
 
 import html
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .inventory import DeviceInventory
 from .runtime import RuntimeState
+from .units import format_bytes
 
-__all__ = ["LogicalDeviceStatus", "StatusReport", "collect_status", "format_bytes"]
+__all__ = ["LogicalDeviceStatus", "FrameworkStatus", "StatusReport", "collect_status"]
 
 _MIB = 1024 * 1024
-
-
-def format_bytes(n: int | float | None) -> str:
-    """``1536 * 2**20`` -> ``'1.50 GiB'``; ``None`` -> ``'—'``."""
-    if n is None:
-        return "—"
-    if n >= 1024 * _MIB:
-        return f"{n / (1024 * _MIB):.2f} GiB"
-    if n >= _MIB:
-        return f"{n / _MIB:.1f} MiB"
-    if n >= 1024:
-        return f"{n / 1024:.1f} KiB"
-    return f"{int(n)} B"
 
 
 @dataclass(frozen=True)
@@ -46,22 +37,28 @@ class LogicalDeviceStatus:
 
 
 @dataclass
-class StatusReport:
-    """Everything ``%vgpu_status`` knows."""
+class FrameworkStatus:
+    """Everything ``%vgpu_status`` knows about one framework."""
 
     inventory: DeviceInventory
     runtime: RuntimeState
     logical: list[LogicalDeviceStatus]
     replicas: int
     visible_gpus: tuple[int, ...]
+    replicas_by: str = "MirroredStrategy()"
     host_memory: dict[str, int] | None = None
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def label(self) -> str:
+        return self.inventory.capabilities.label
+
     def to_dict(self) -> dict[str, Any]:
         return {
-            "tensorflow": self.inventory.tf_version,
+            "framework": self.inventory.framework,
+            "version": self.inventory.version,
             "runtime": {
-                "tf_imported": self.runtime.tf_imported,
+                "imported": self.runtime.imported,
                 "started": self.runtime.started,
                 "started_by": self.runtime.culprit or None,
                 "cuda_context_holders": list(self.runtime.cuda_holders),
@@ -73,24 +70,15 @@ class StatusReport:
             "logical": [asdict(d) for d in self.logical],
             "host_memory_shared": self.host_memory,
             "replicas": self.replicas,
+            "replicas_by": self.replicas_by,
             "notes": list(self.notes),
         }
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
+    # -- rendering helpers ---------------------------------------------------------
+    def headline(self) -> str:
+        return f"{self.label} {self.inventory.version or ''}".rstrip() + f" — runtime {self.runtime.describe()}"
 
-    def _rows(self) -> list[tuple[str, str, str, str, str]]:
-        rows = []
-        for d in self.logical:
-            cap = f"{d.cap_mib} MiB" if d.cap_mib is not None else ("none" if d.name.find("CPU") >= 0 else "whole GPU")
-            if d.name.find("CPU") >= 0 and self.host_memory is not None:
-                cur, peak = "shared", "shared"
-            else:
-                cur, peak = format_bytes(d.current), format_bytes(d.peak)
-            rows.append((d.name, d.physical, cap, cur, peak))
-        return rows
-
-    def _gpu_lines(self) -> list[str]:
+    def gpu_lines(self) -> list[str]:
         lines = []
         for g in self.inventory.gpus:
             desc = g.model or "GPU (no NVML details)"
@@ -103,33 +91,95 @@ class StatusReport:
             lines.append(f"{g.name}: {desc}")
         return lines
 
-    def _host_line(self) -> str | None:
-        if self.host_memory is None:
-            return None
-        n = sum(1 for d in self.logical if "CPU" in d.name)
-        return (
-            f"host memory (one allocator shared by {n} logical CPU{'s' if n != 1 else ''}): "
-            f"{format_bytes(self.host_memory['current'])} in use, peak {format_bytes(self.host_memory['peak'])}"
-        )
+    def gpu_rows(self) -> list[tuple[str, str, str, str, str]]:
+        """(device, on, cap, in use, peak) for logical GPUs; use as a share of the cap."""
+        rows = []
+        for d in self.logical:
+            if "CPU" in d.name:
+                continue
+            cap = f"{d.cap_mib} MiB" if d.cap_mib is not None else "whole GPU"
+            cur, peak = format_bytes(d.current), format_bytes(d.peak)
+            if d.cap_mib and d.current is not None:
+                cur += f" ({100 * d.current / (d.cap_mib * _MIB):.0f}% of cap)"
+            rows.append((d.name, d.physical, cap, cur, peak))
+        return rows
+
+    def cpu_devices(self) -> list[str]:
+        return [d.name for d in self.logical if "CPU" in d.name]
+
+    def cpu_line(self) -> str:
+        cpus = self.cpu_devices()
+        n = len(cpus)
+        text = f"{n} logical CPU{'s' if n != 1 else ''}: {', '.join(cpus)}"
+        if n > 1:
+            text += " (no memory caps; they share the host's memory)"
+        return text
+
+    def memory_line(self) -> str | None:
+        if self.host_memory is not None:
+            n = len(self.cpu_devices())
+            share = f"one allocator shared by {n} logical CPUs" if n > 1 else "the host allocator"
+            current, peak = self.host_memory["current"], self.host_memory["peak"]
+            text = f"host memory ({share}): {format_bytes(current)} in use, peak {format_bytes(peak)}"
+            if not current and not peak:
+                text += (
+                    " — nothing allocated through it yet (small tensors live in the host process's memory, "
+                    "which the live memory plot also shows)"
+                )
+            return text
+        if not self.runtime.started:
+            return "memory in use: shown once the runtime has started (status never starts it)"
+        return None
+
+    def replicas_line(self) -> str:
+        n = self.replicas
+        return f"Replicas: {self.replicas_by} would use {n} device{'s' if n != 1 else ''}"
+
+
+_HEADER = ("device", "on", "cap", "in use", "peak")
+
+
+@dataclass
+class StatusReport:
+    """What ``%vgpu_status`` shows: one :class:`FrameworkStatus` per framework."""
+
+    sections: list[FrameworkStatus]
+
+    def section(self, framework: str) -> FrameworkStatus:
+        for s in self.sections:
+            if s.inventory.framework == framework:
+                return s
+        raise KeyError(framework)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"frameworks": [s.to_dict() for s in self.sections]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
 
     def __str__(self) -> str:
-        out = [f"TensorFlow {self.inventory.tf_version} — runtime {self.runtime.describe()}"]
-        out.append("Physical devices:")
-        out.append(f"  /physical_device:CPU:0 (host)" if self.inventory.cpus else "  no CPU device")
-        out += [f"  {line}" for line in self._gpu_lines()]
-        out.append("Logical devices" + ("" if self.runtime.started else " (planned; created when the runtime starts)") + ":")
-        header = ("device", "on", "cap", "in use", "peak")
-        rows = [header] + self._rows()
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        for r in rows:
-            out.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-        host = self._host_line()
-        if host:
-            out.append(host)
-        elif not self.runtime.started:
-            out.append("memory in use: shown once the runtime has started (status never starts it)")
-        out.append(f"Replicas: MirroredStrategy() would use {self.replicas} device(s)")
-        out += [f"Note: {n}" for n in self.notes]
+        out: list[str] = []
+        for s in self.sections:
+            if out:
+                out.append("")
+            out.append(s.headline())
+            out.append("Physical devices:")
+            out.append("  /physical_device:CPU:0 (host)" if s.inventory.cpus else "  no CPU device")
+            out += [f"  {line}" for line in s.gpu_lines()]
+            out.append("Logical devices" + ("" if s.runtime.started else " (planned; created when the runtime starts)") + ":")
+            if s.cpu_devices():
+                out.append(f"  {s.cpu_line()}")
+            rows = s.gpu_rows()
+            if rows:
+                table = [_HEADER, *rows]
+                widths = [max(len(r[i]) for r in table) for i in range(5)]
+                for r in table:
+                    out.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+            memory = s.memory_line()
+            if memory:
+                out.append(memory)
+            out.append(s.replicas_line())
+            out += [f"Note: {n}" for n in s.notes]
         return "\n".join(out)
 
     def _repr_pretty_(self, p, cycle) -> None:
@@ -137,67 +187,79 @@ class StatusReport:
 
     def _repr_html_(self) -> str:
         esc = html.escape
-        state = esc(self.runtime.describe())
-        colour = "#b00020" if self.runtime.started else "#1b5e20"
-        parts = [
-            '<div class="vgpu-status">',
-            f"<p><b>TensorFlow {esc(str(self.inventory.tf_version))}</b> — runtime: "
-            f'<span style="color:{colour}">{state}</span></p>',
-            "<p><b>Physical devices</b></p><ul>",
-            "<li>/physical_device:CPU:0 (host)</li>",
-        ]
-        parts += [f"<li>{esc(line)}</li>" for line in self._gpu_lines()]
-        parts.append("</ul>")
-        caption = "Logical devices" + ("" if self.runtime.started else " (planned; created when the runtime starts)")
-        parts.append(f"<table><caption style='text-align:left'><b>{esc(caption)}</b></caption>")
-        parts.append("<tr>" + "".join(f"<th>{h}</th>" for h in ("device", "on", "cap", "in use", "peak")) + "</tr>")
-        for r in self._rows():
-            parts.append("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>")
-        parts.append("</table>")
-        host = self._host_line()
-        if host:
-            parts.append(f"<p>{esc(host)}</p>")
-        elif not self.runtime.started:
-            parts.append("<p>Memory in use: shown once the runtime has started (status never starts it).</p>")
-        parts.append(f"<p><b>Replicas:</b> MirroredStrategy() would use {self.replicas} device(s)</p>")
-        parts += [f"<p>Note: {esc(n)}</p>" for n in self.notes]
+        parts = ['<div class="vgpu-status">']
+        for s in self.sections:
+            state = esc(s.runtime.describe())
+            # Inherit the front end's text colour (readable on every theme); a CUDA context held
+            # elsewhere is the one thing worth flagging.
+            flag = "⚠ " if s.runtime.cuda_holders else ""
+            label = f"{s.label} {s.inventory.version or ''}".rstrip()
+            parts.append(f"<p><b>{esc(label)}</b> — runtime: <span class='vgpu-state'>{flag}{state}</span></p>")
+            parts.append("<p><b>Physical devices</b></p><ul>")
+            parts.append("<li>/physical_device:CPU:0 (host)</li>")
+            parts += [f"<li>{esc(line)}</li>" for line in s.gpu_lines()]
+            parts.append("</ul>")
+            caption = "Logical devices" + ("" if s.runtime.started else " (planned; created when the runtime starts)")
+            parts.append(f"<p><b>{esc(caption)}</b></p>")
+            if s.cpu_devices():
+                parts.append(f"<p>{esc(s.cpu_line())}</p>")
+            rows = s.gpu_rows()
+            if rows:
+                parts.append("<table>")
+                parts.append("<tr>" + "".join(f"<th>{h}</th>" for h in _HEADER) + "</tr>")
+                for r in rows:
+                    parts.append("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>")
+                parts.append("</table>")
+            memory = s.memory_line()
+            if memory:
+                parts.append(f"<p>{esc(memory[0].upper() + memory[1:])}</p>")
+            parts.append(f"<p><b>Replicas:</b> {esc(s.replicas_line().removeprefix('Replicas: '))}</p>")
+            parts += [f"<p>Note: {esc(n)}</p>" for n in s.notes]
         parts.append("</div>")
         return "\n".join(parts)
 
 
-def collect_status(runtime: RuntimeState, inventory: DeviceInventory | None = None) -> StatusReport:
-    """Gather the status. Imports TensorFlow; never starts its runtime."""
-    from .inventory import probe_inventory
-    from .tfconfig import memory_readings, read_configuration
+def collect_framework(fw, watcher=None) -> FrameworkStatus:
+    """One framework's section. Imports it; never starts its runtime."""
+    from .runtime import runtime_state
 
-    inventory = inventory or probe_inventory()
-    # The state may have been taken before this call imported TensorFlow.
-    runtime = replace(runtime, tf_imported=True)
-    snap = read_configuration()
+    inventory = fw.probe_inventory()
+    runtime = runtime_state(watcher, fw)
+    snap = inventory.current or fw.read_configuration()
     names = snap.logical_names()
     readings: dict[str, dict[str, int]] = {}
     host = None
     if runtime.started:
         gpu_devices = [d for p in snap.gpu_names if p in names for d in names[p]]
-        readings = memory_readings(gpu_devices)
+        readings = fw.memory_readings(gpu_devices)
         cpu_first = names.get(snap.cpu_names[0], []) if snap.cpu_names else []
         if cpu_first:
-            host = memory_readings(cpu_first[:1]).get(cpu_first[0])
+            host = fw.memory_readings(cpu_first[:1]).get(cpu_first[0])
     logical = []
     for physical, devices in names.items():
         caps = snap.logical.get(physical) or (None,) * len(devices)
         for name, cap in zip(devices, caps):
             r = readings.get(name, {})
             logical.append(LogicalDeviceStatus(name, physical, cap, r.get("current"), r.get("peak")))
-    notes = list(inventory.notes)
-    if snap.cpu_names and len(names.get(snap.cpu_names[0], [])) > 1 and runtime.started:
-        notes.append("logical CPUs share one host allocator, so memory is shown once for all of them")
-    return StatusReport(
+    return FrameworkStatus(
         inventory=inventory,
         runtime=runtime,
         logical=logical,
         replicas=len(snap.replica_devices()),
         visible_gpus=snap.visible_gpus,
+        replicas_by=fw.capabilities.replicas_by,
         host_memory=host,
-        notes=notes,
+        notes=list(inventory.notes),
     )
+
+
+def collect_status(watcher=None, framework: str | None = None) -> StatusReport:
+    """Every imported framework's section (the named one only, when given; the
+    selected one when none is imported). Never starts a runtime."""
+    from . import frameworks
+
+    if framework is not None:
+        chosen = [frameworks.get(framework)]
+    else:
+        chosen = frameworks.imported() or [frameworks.select()]
+    return StatusReport([collect_framework(fw, watcher) for fw in chosen])

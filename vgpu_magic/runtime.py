@@ -1,12 +1,14 @@
-"""Has TensorFlow's runtime started, and who started it?
+"""Has a framework's runtime started, and which cell started it?
 
-TensorFlow can only be configured before its runtime starts (first op, Keras
-model, ``list_logical_devices``, ``MirroredStrategy``, ``tf.device``). Nothing
-here starts it: TensorFlow is only inspected when the user already imported it,
-and other frameworks only when they are already imported.
+A framework can only be configured before its runtime starts (TensorFlow: the
+first op, Keras model, ``list_logical_devices``, ``MirroredStrategy``,
+``tf.device``; JAX: the first ``jax.devices()`` or array). Nothing here starts
+one: each framework is only asked when it is already imported.
 
 :class:`RuntimeWatcher` is an IPython ``pre_run_cell``/``post_run_cell`` hook
-pair that remembers which cell started the runtime, so the warning can name it.
+pair that remembers, per framework, which cell started the runtime, so the
+warning can name it. It is framework-neutral: it asks every imported
+framework of :mod:`vgpu_magic.frameworks`.
 """
 
 from __future__ import annotations
@@ -15,18 +17,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-__all__ = ["CellRef", "RuntimeState", "RuntimeWatcher", "tf_runtime_started", "cuda_context_holders", "runtime_state"]
-
-
-def tf_runtime_started() -> bool:
-    """True once TensorFlow's eager context is initialised. Never imports TensorFlow."""
-    if "tensorflow" not in sys.modules:
-        return False
-    try:
-        from tensorflow.python.eager import context
-    except ImportError:  # a half-imported or broken TensorFlow cannot have started
-        return False
-    return bool(context.context()._initialized)
+__all__ = ["CellRef", "RuntimeState", "RuntimeWatcher", "cuda_context_holders", "runtime_state", "first_line"]
 
 
 def _torch_holds_cuda() -> bool:
@@ -34,7 +25,7 @@ def _torch_holds_cuda() -> bool:
     cuda = getattr(torch, "cuda", None)
     try:
         return bool(cuda is not None and cuda.is_initialized())
-    except Exception:
+    except Exception:  # noqa: BLE001 - a broken torch holds no context we can see
         return False
 
 
@@ -43,7 +34,7 @@ def _cupy_holds_cuda() -> bool:
     try:
         # The pool only holds bytes once CuPy has created a context.
         return bool(cupy is not None and cupy.get_default_memory_pool().total_bytes() > 0)
-    except Exception:
+    except Exception:  # noqa: BLE001
         return False
 
 
@@ -53,26 +44,26 @@ def _jax_holds_cuda() -> bool:
     return any(name in ("cuda", "gpu", "rocm") for name in backends)
 
 
-def cuda_context_holders(pid: int | None = None, nvml_holders: dict[int, set[int]] | None = None) -> tuple[str, ...]:
+_HOLDERS = {"PyTorch": _torch_holds_cuda, "CuPy": _cupy_holds_cuda, "JAX": _jax_holds_cuda}
+
+
+def cuda_context_holders(
+    pid: int | None = None, nvml_holders: dict[int, set[int]] | None = None, exclude: str = ""
+) -> tuple[str, ...]:
     """Frameworks (already imported) that hold a CUDA context in this process.
 
     ``nvml_holders`` (NVML index -> PIDs) may be passed in; by default NVML is
-    asked only when its library is present.
+    asked only when its library is present. ``exclude`` leaves out the
+    framework being configured (its own context is not a problem for it).
     """
     pid = os.getpid() if pid is None else pid
-    found = []
-    if _torch_holds_cuda():
-        found.append("PyTorch")
-    if _cupy_holds_cuda():
-        found.append("CuPy")
-    if _jax_holds_cuda():
-        found.append("JAX")
+    found = [name for name, check in _HOLDERS.items() if name != exclude and check()]
     if nvml_holders is None:
         from .inventory import nvml_pids_with_context
 
         nvml_holders = nvml_pids_with_context()
     gpus = sorted(i for i, pids in nvml_holders.items() if pid in pids)
-    if gpus:
+    if gpus and not found:
         found.append("a CUDA context on NVML GPU " + ", ".join(str(i) for i in gpus))
     return tuple(found)
 
@@ -85,19 +76,25 @@ class CellRef:
     first_line: str
 
     def __str__(self) -> str:
-        where = f"In [{self.execution_count}]" if self.execution_count is not None else "the cell"
-        return f"{where}: {self.first_line}" if self.first_line else where
+        # Only the cell is known, not the line in it that started the runtime: quote how it begins.
+        where = f"the cell In [{self.execution_count}]" if self.execution_count is not None else "a cell"
+        if not self.first_line:
+            return where
+        joiner = ", which begins" if self.execution_count is not None else " that begins"
+        return f"{where}{joiner} `{self.first_line}`"
 
 
 @dataclass(frozen=True)
 class RuntimeState:
-    """Whether TensorFlow can still be configured, and why not."""
+    """Whether a framework can still be configured, and why not."""
 
-    tf_imported: bool
+    imported: bool
     started: bool
     started_by: CellRef | None = None
     started_before_load: bool = False
     cuda_holders: tuple[str, ...] = field(default=())
+    framework: str = "tensorflow"
+    label: str = "TensorFlow"
 
     @property
     def culprit(self) -> str:
@@ -110,8 +107,8 @@ class RuntimeState:
         return "code outside a notebook cell"
 
     def describe(self) -> str:
-        if not self.tf_imported:
-            text = "not started (TensorFlow not imported yet)"
+        if not self.imported:
+            text = f"not started ({self.label} not imported yet)"
         elif not self.started:
             text = "not started — devices can still be configured"
         else:
@@ -129,24 +126,49 @@ def first_line(source: str) -> str:
     return ""
 
 
+#: What a watcher knew, kept across ``%reload_ext vgpu_magic`` (which re-imports the
+#: package, not this module): shell id -> (started_by, started_before_load).
+_CARRIED: dict[int, tuple[dict[str, CellRef], set[str]]] = {}
+
+
+def _frameworks():
+    from . import frameworks
+
+    return frameworks
+
+
 class RuntimeWatcher:
-    """Notes the cell that started TensorFlow's runtime.
+    """Notes, per framework, the cell that started its runtime.
 
     Register :meth:`pre_run_cell` and :meth:`post_run_cell` on
-    ``shell.events``. Checking a flag costs well under a microsecond, so the
-    hooks are free when TensorFlow is not in use.
+    ``shell.events``. Frameworks that are not imported cost one dictionary
+    look-up each, so the hooks are free when no framework is in use.
     """
 
     def __init__(self, shell=None) -> None:
         self.shell = shell
-        self.started_by: CellRef | None = None
-        self.started_before_load = tf_runtime_started()
+        self.started_by: dict[str, CellRef] = {}
+        self.started_before_load: set[str] = {fw.name for fw in _frameworks().imported() if fw.runtime_started()}
+        carried = _CARRIED.pop(id(shell), None) if shell is not None else None
+        if carried is not None:
+            self.started_by = dict(carried[0])
+            self.started_before_load = set(carried[1]) | (self.started_before_load - set(carried[0]))
         self._current_line: str | None = None
         self._current_stored = True
-        self._started_at_cell_start = self.started_before_load
+        self._started_at_cell_start: set[str] = set(self.started_before_load) | set(self.started_by)
+
+    def carry_over(self) -> None:
+        """Keep what this watcher knows for the next one on the same shell (reload)."""
+        if self.shell is not None:
+            _CARRIED[id(self.shell)] = (dict(self.started_by), set(self.started_before_load))
+
+    def _known(self, name: str) -> bool:
+        return name in self.started_before_load or name in self.started_by
 
     def pre_run_cell(self, info) -> None:
-        self._started_at_cell_start = self.started_before_load or self.started_by is not None or tf_runtime_started()
+        self._started_at_cell_start = {
+            fw.name for fw in _frameworks().imported() if self._known(fw.name) or fw.runtime_started()
+        }
         # Cells run without history (nbval, some front ends) have no execution count.
         self._current_stored = getattr(info, "store_history", True)
         self._current_line = first_line(getattr(info, "raw_cell", "") or "")
@@ -164,34 +186,53 @@ class RuntimeWatcher:
         return getattr(result, "execution_count", None)
 
     def post_run_cell(self, result) -> None:
-        if self.started_by is None and not self.started_before_load and tf_runtime_started():
-            info = getattr(result, "info", None)
-            stored = getattr(info, "store_history", True)
-            count = getattr(result, "execution_count", None) if stored else None
-            self.started_by = CellRef(count, first_line(getattr(info, "raw_cell", "") or ""))
+        for fw in _frameworks().imported():
+            if not self._known(fw.name) and fw.runtime_started():
+                info = getattr(result, "info", None)
+                stored = getattr(info, "store_history", True)
+                count = getattr(result, "execution_count", None) if stored else None
+                self.started_by[fw.name] = CellRef(count, first_line(getattr(info, "raw_cell", "") or ""))
 
-    def state(self, check_cuda: bool = True) -> RuntimeState:
-        """The current state. Called mid-cell, it blames the running cell if the
-        runtime started since the cell began."""
-        started = tf_runtime_started()
-        started_by = self.started_by
-        if started and started_by is None and not self.started_before_load and not self._started_at_cell_start:
+    def state(self, framework=None, check_cuda: bool = True) -> RuntimeState:
+        """The state of ``framework`` (a :class:`~vgpu_magic.frameworks.Framework`
+        or a name; default: the selected one). Called mid-cell, it blames the
+        running cell if the runtime started since the cell began."""
+        fw = _resolve(framework)
+        started = fw.runtime_started()
+        started_by = self.started_by.get(fw.name)
+        before_load = fw.name in self.started_before_load
+        if started and started_by is None and not before_load and fw.name not in self._started_at_cell_start:
             if self._current_line is not None:
                 started_by = CellRef(self._running_count(), self._current_line)
         return RuntimeState(
-            tf_imported="tensorflow" in sys.modules,
+            imported=fw.imported(),
             started=started,
             started_by=started_by if started else None,
-            started_before_load=self.started_before_load and started,
-            cuda_holders=cuda_context_holders() if check_cuda else (),
+            started_before_load=before_load and started,
+            cuda_holders=cuda_context_holders(exclude=fw.label) if check_cuda else (),
+            framework=fw.name,
+            label=fw.label,
         )
 
 
-def runtime_state(watcher: RuntimeWatcher | None = None) -> RuntimeState:
-    """The runtime state, with the culprit cell when a watcher is active."""
+def _resolve(framework):
+    frameworks = _frameworks()
+    if framework is None:
+        return frameworks.select()
+    if isinstance(framework, str):
+        return frameworks.get(framework)
+    return framework
+
+
+def runtime_state(watcher: RuntimeWatcher | None = None, framework=None, check_cuda: bool = True) -> RuntimeState:
+    """The runtime state of ``framework``, with the culprit cell when a watcher is active."""
     if watcher is not None:
-        return watcher.state()
-    started = tf_runtime_started()
+        return watcher.state(framework, check_cuda=check_cuda)
+    fw = _resolve(framework)
     return RuntimeState(
-        tf_imported="tensorflow" in sys.modules, started=started, cuda_holders=cuda_context_holders()
+        imported=fw.imported(),
+        started=fw.runtime_started(),
+        cuda_holders=cuda_context_holders(exclude=fw.label) if check_cuda else (),
+        framework=fw.name,
+        label=fw.label,
     )

@@ -1,11 +1,15 @@
 """The widget face of ``%vgpu_split``: pick a device, a count and memory, then Apply.
 
 ``%vgpu_split`` with no arguments (or :func:`panel`) shows a :class:`SplitPanel`.
-The panel holds widgets and nothing else of its own: every value it shows is
-checked by the same :func:`~vgpu_magic.planner.plan_split` the magic uses, and
-Apply goes through :func:`vgpu_magic.api.execute`, so the panel, the magic and
-the API cannot disagree. The widget tree is built once; afterwards only trait
-values change.
+The panel holds widgets and nothing else of its own: every verdict it shows
+comes from the engine — whether the request is valid and the line that
+reproduces it from :func:`~vgpu_magic.planner.plan_split`, whether it fits from
+:func:`~vgpu_magic.planner.check_fit`, what Apply did (applied, unchanged,
+blocked) from :func:`vgpu_magic.api.execute` worded by
+:func:`~vgpu_magic.engine.summary_lines` — so the panel, the magic and the API
+cannot disagree. It opens on the framework's live (or planned) configuration.
+The widget tree is built once; afterwards only trait values change. Colours
+come from the front end's theme variables.
 
 Example
 -------
@@ -32,11 +36,22 @@ except ImportError as exc:  # pragma: no cover - exercised only without the widg
     ) from exc
 
 from . import api
-from .inventory import DeviceInventory, GPUInfo, probe_inventory
-from .planner import MAX_DEVICES, MIN_MEMORY_MIB, PlanError, SplitPlan, SplitRequest, plan_split
-from .planner import usable_mib as gpu_usable_mib
+from .engine import SplitResult, summary_lines
+from .frameworks import FrameworkChoiceError, FrameworkImportError
+from .inventory import DeviceInventory, GPUInfo, NVMLReadError
+from .planner import (
+    MAX_DEVICES,
+    MIN_MEMORY_MIB,
+    FitVerdict,
+    PlanError,
+    SplitPlan,
+    SplitRequest,
+    check_fit,
+    configuration_after,
+    plan_split,
+    unconfigured,
+)
 from .runtime import RuntimeState, RuntimeWatcher, runtime_state
-from .tfconfig import REMEDY, SplitResult, read_configuration
 
 __all__ = ["SplitPanel", "panel", "SLIDER_MAX_DEVICES"]
 
@@ -47,9 +62,14 @@ _UNKNOWN_GPU_MIB = 16384
 _CPU = "CPU"
 _WIDE = {"description_width": "9em"}
 _SLIDER = {"width": "36em"}
-_CPU_NO_CAPS = (
-    "Memory: TensorFlow cannot cap logical CPU devices; they share the host's memory, so there is nothing to set."
+#: Theme-aware banner: JupyterLab's warn colours with fallbacks for other front ends; the text keeps
+#: the front end's own colour, so it reads on light and dark themes alike.
+_BANNER_STYLE = (
+    "border-left:4px solid var(--jp-warn-color0, #e65100);"
+    "background:var(--jp-layout-color2, rgba(230, 81, 0, 0.08));"
+    "color:var(--jp-ui-font-color0, inherit);padding:4px 8px"
 )
+_ERROR_STYLE = "color:var(--jp-error-color1, #c62828)"
 
 
 def _gpu_key(gpu: GPUInfo) -> str:
@@ -87,30 +107,43 @@ class SplitPanel:
     root:
         The box that is displayed (``display(panel)`` shows it).
     last_result:
-        The :class:`~vgpu_magic.tfconfig.SplitResult` of the last Apply, or ``None``.
+        The :class:`~vgpu_magic.engine.SplitResult` of the last Apply, or ``None``.
     last_message:
         The text the last Apply printed into :attr:`output`.
     """
 
     def __init__(self, inventory: DeviceInventory, watcher: RuntimeWatcher | None = None) -> None:
+        if inventory.current is None:
+            inventory = _with_current(inventory, unconfigured(inventory))
         self.inventory = inventory
+        self.capabilities = inventory.capabilities
         self.watcher = watcher
         self.last_result: SplitResult | None = None
         self.last_message = ""
         self._syncing_count = False
+        self._locked = False
         self._device_sliders: list[widgets.IntSlider] = []
 
         options = [(_gpu_label(g), _gpu_key(g)) for g in inventory.gpus]
-        cpu_label = "CPU (split the CPU instead of the GPU)" if inventory.gpus else "CPU (no GPU visible to TensorFlow)"
+        label = self.capabilities.label
+        cpu_label = "CPU (split the CPU instead of the GPU)" if inventory.gpus else f"CPU (no GPU visible to {label})"
         options.append((cpu_label, _CPU))
         self.target = widgets.Dropdown(options=options, value=options[0][1], description="Split", style=_WIDE)
         self.target.layout.width = "50em"
 
+        # The slider has no readout of its own: the typed box is the one number shown, so the two can
+        # never disagree (the slider stops at 16; larger counts are typed, and the planner says what is allowed).
         self.count_slider = widgets.IntSlider(
-            value=1, min=1, max=SLIDER_MAX_DEVICES, description="Logical devices", style=_WIDE, layout=_SLIDER
+            value=1,
+            min=1,
+            max=SLIDER_MAX_DEVICES,
+            description="Logical devices",
+            readout=False,
+            style=_WIDE,
+            layout=_SLIDER,
         )
-        self.count_text = widgets.BoundedIntText(value=1, min=1, max=MAX_DEVICES, layout=widgets.Layout(width="6em"))
-        self.count_text.tooltip = f"type up to {MAX_DEVICES}"
+        self.count_text = widgets.IntText(value=1, layout=widgets.Layout(width="6em"))
+        self.count_text.tooltip = f"1..{MAX_DEVICES}; the slider stops at {SLIDER_MAX_DEVICES}"
 
         self.custom = widgets.Checkbox(value=False, description="custom size per device", indent=False)
         self.even_memory = widgets.IntSlider(
@@ -118,6 +151,7 @@ class SplitPanel:
             min=MIN_MEMORY_MIB,
             max=MIN_MEMORY_MIB,
             description="MiB each",
+            readout_format="d",
             style=_WIDE,
             layout=_SLIDER,
         )
@@ -144,7 +178,7 @@ class SplitPanel:
         notes = "".join(f"<div>note: {html.escape(n)}</div>" for n in inventory.notes)
         self.root = widgets.VBox(
             [
-                widgets.HTML(f"<b>vgpu_magic</b> — split a device into logical TensorFlow devices{notes}"),
+                widgets.HTML(f"<b>vgpu_magic</b> — split a device into logical {html.escape(label)} devices{notes}"),
                 self.banner,
                 self.target,
                 widgets.HBox([self.count_slider, self.count_text]),
@@ -169,6 +203,7 @@ class SplitPanel:
         # JupyterLab unless an Output widget captures them.
         self.apply_button.on_click(self.output.capture(clear_output=True, wait=True)(self._on_apply))
 
+        self._open_on_current()
         self._on_target()
         self.refresh()
 
@@ -195,19 +230,25 @@ class SplitPanel:
         return (self.even_memory.value,) * self.count
 
     @property
+    def verdict(self) -> FitVerdict | None:
+        """The planner's verdict on the memory asked for; ``None`` on the CPU."""
+        limits, gpu = self.memory_limits, self.gpu
+        if limits is None or gpu is None:
+            return None
+        return check_fit(limits, gpu, self.capabilities)
+
+    @property
     def usable_mib(self) -> int | None:
-        """What the chosen GPU can give (free minus TensorFlow's reserve); ``None``
+        """What the chosen GPU can give (free minus the framework's reserve); ``None``
         on the CPU or when NVML cannot tell."""
-        gpu = self.gpu
-        return None if gpu is None else gpu_usable_mib(gpu)
+        verdict = self.verdict
+        return None if verdict is None else verdict.usable_mib
 
     @property
     def fits(self) -> bool | None:
         """Whether the memory asked for fits the GPU; ``None`` when it cannot be known."""
-        limits, usable = self.memory_limits, self.usable_mib
-        if limits is None or usable is None:
-            return None
-        return sum(limits) <= usable
+        verdict = self.verdict
+        return None if verdict is None else verdict.fits
 
     def request(self) -> SplitRequest:
         """The :class:`~vgpu_magic.planner.SplitRequest` the widgets describe."""
@@ -217,7 +258,11 @@ class SplitPanel:
             return SplitRequest(count=self.count, target="cpu" if self.inventory.gpus else "auto")
         limits = self.memory_limits
         memory = limits[0] if len(set(limits)) == 1 else limits
-        return SplitRequest(count=self.count, memory=memory, target="gpu", gpu=gpu.index)
+        if not self.custom.value and self.usable_mib is not None and self.even_memory.value == self._even_default():
+            # The even split the planner would choose: the line is written without sizes, so it
+            # still works when free memory changes a little.
+            memory = None
+        return SplitRequest(count=self.count, memory=memory, gpu=gpu.index)
 
     def plan(self) -> SplitPlan:
         """Validate :meth:`request` with the planner; raises :class:`~vgpu_magic.planner.PlanError`."""
@@ -231,11 +276,6 @@ class SplitPanel:
         except PlanError:
             return None
 
-    @property
-    def locked(self) -> bool:
-        """True once TensorFlow's runtime started: the controls are disabled."""
-        return self.apply_button.disabled
-
     # -- reacting to the widgets --------------------------------------------
     def _on_slider(self, change=None) -> None:
         if not self._syncing_count:
@@ -244,7 +284,7 @@ class SplitPanel:
     def _on_count(self, change=None) -> None:
         self._syncing_count = True
         try:
-            self.count_slider.value = min(self.count_text.value, SLIDER_MAX_DEVICES)
+            self.count_slider.value = max(1, min(self.count_text.value, SLIDER_MAX_DEVICES))
         finally:
             self._syncing_count = False
         self._fit_memory_controls()
@@ -253,7 +293,11 @@ class SplitPanel:
         on_cpu = self.gpu is None
         for widget in (self.custom, self.even_memory, *self._device_sliders):
             widget.disabled = on_cpu or self.locked
-        self.memory_note.value = f"<i>{html.escape(_CPU_NO_CAPS)}</i>" if on_cpu else ""
+        no_caps = (
+            f"Memory: {self.capabilities.label} cannot cap logical CPU devices; they share the host's memory, "
+            "so there is nothing to set."
+        )
+        self.memory_note.value = f"<i>{html.escape(no_caps)}</i>" if on_cpu else ""
         self.usage.layout.display = "none" if on_cpu else ""
         self._fit_memory_controls()
 
@@ -278,11 +322,14 @@ class SplitPanel:
             return max(usable, MIN_MEMORY_MIB)
         return max(gpu.total_mib or _UNKNOWN_GPU_MIB, MIN_MEMORY_MIB) if gpu is not None else MIN_MEMORY_MIB
 
+    def _even_default(self) -> int:
+        return max(self._capacity_mib() // max(self.count, 1), MIN_MEMORY_MIB)
+
     def _fit_memory_controls(self) -> None:
         """Re-range the memory sliders for the chosen device and count; the even
         split goes back to the largest that fits, (free - reserve) // count."""
         capacity = self._capacity_mib()
-        each = max(capacity // self.count, MIN_MEMORY_MIB)
+        each = self._even_default()
         # Raise max before value (and lower value before max) so nothing is clamped on the way.
         if each > self.even_memory.max:
             self.even_memory.max = each
@@ -290,12 +337,13 @@ class SplitPanel:
         else:
             self.even_memory.value = each
             self.even_memory.max = each
-        while len(self._device_sliders) < self.count:
+        while len(self._device_sliders) < min(max(self.count, 1), MAX_DEVICES):
             slider = widgets.IntSlider(
                 value=each,
                 min=MIN_MEMORY_MIB,
                 max=capacity,
-                description=f"device {len(self._device_sliders)}",
+                readout_format="d",
+                description=f"device {len(self._device_sliders)} MiB",
                 style=_WIDE,
                 layout=_SLIDER,
                 disabled=self.locked,
@@ -310,41 +358,67 @@ class SplitPanel:
         self._update()
 
     def _update(self, change=None) -> None:
-        """Redraw the memory bar and the equivalent magic line."""
-        limits, usable = self.memory_limits, self.usable_mib
-        if limits is not None:
-            total = sum(limits)
-            if usable is None:
+        """Redraw the memory bar, the equivalent magic line and whether Apply is possible."""
+        verdict = self.verdict
+        if verdict is not None:
+            if verdict.usable_mib is None:
                 self.usage_bar.max, self.usage_bar.value, self.usage_bar.bar_style = 1.0, 0.0, ""
-                self.usage_label.value = (
-                    f"{total} MiB asked; free memory unknown (NVML unavailable), so it is not checked"
-                )
             else:
-                free = self.gpu.free_mib
-                self.usage_bar.max = float(max(usable, 1))
-                self.usage_bar.value = float(min(total, max(usable, 1)))
-                self.usage_bar.bar_style = "success" if total <= usable else "danger"
-                verdict = "fits" if total <= usable else f"<b>does not fit</b> ({total - usable} MiB too much)"
-                self.usage_label.value = (
-                    f"{total} of {usable} MiB usable ({free} free − {free - usable} kept by TensorFlow): {verdict}"
-                )
+                self.usage_bar.max = float(max(verdict.usable_mib, 1))
+                self.usage_bar.value = float(min(verdict.total_mib, max(verdict.usable_mib, 1)))
+                self.usage_bar.bar_style = "danger" if verdict.fits is False else "success"
+            text = html.escape(verdict.describe())
+            if verdict.fits is False:
+                text = text.replace("does not fit", "<b>does not fit</b>")
+            self.usage_label.value = text
         try:
             line = self.plan().magic_line()
         except PlanError as exc:
-            self.magic.value = f"<span style='color:#c62828'>cannot apply: {html.escape(str(exc))}</span>"
+            self.magic.value = f"<span style='{_ERROR_STYLE}'>cannot apply: {html.escape(str(exc))}</span>"
+            valid = False
         else:
             self.magic.value = f"Same as: <code>{html.escape(line)}</code>"
+            valid = True
+        self.apply_button.disabled = self.locked or not valid
 
     # -- runtime state -----------------------------------------------------
+    def _open_on_current(self) -> None:
+        """Start from the framework's live (or planned) configuration, not from 1 device."""
+        current = self.inventory.current
+        if current is None:
+            return
+        for i, name in enumerate(current.gpu_names):
+            limits = current.logical.get(name)
+            if limits and self.inventory.gpus and i < len(self.inventory.gpus):
+                self.target.value = _gpu_key(self.inventory.gpus[i])
+                self.count_text.value = len(limits)
+                return
+        for name in current.cpu_names[:1]:
+            limits = current.logical.get(name)
+            if limits:
+                self.target.value = _CPU
+                self.count_text.value = len(limits)
+
+    @property
+    def locked(self) -> bool:
+        """True once the framework's runtime started: the controls are disabled."""
+        return self._locked
+
     def refresh(self) -> RuntimeState:
-        """Check whether TensorFlow's runtime started; if so, disable the
-        controls and show which cell started it and what to do."""
-        state = self.watcher.state() if self.watcher is not None else runtime_state(None)
-        if state.started:
+        """Check whether the framework's runtime started; if so, disable the
+        controls and say which cell started it and what to do (once: the banner
+        says it, Apply's output does not repeat it)."""
+        state = self.watcher.state(self.inventory.framework) if self.watcher is not None else runtime_state(
+            None, self.inventory.framework
+        )
+        if state.started and not self._locked:
+            self._locked = True
+            label = self.capabilities.label
             self.banner.value = (
-                "<div style='background:#fff3e0;border-left:4px solid #e65100;padding:4px 8px'>"
-                f"TensorFlow's runtime was already started by <b>{html.escape(state.culprit)}</b>, so devices "
-                f"can no longer change. To split: {html.escape(REMEDY)}.</div>"
+                f"<div class='vgpu-banner' style='{_BANNER_STYLE}'>"
+                f"{html.escape(label)}'s runtime already started ({html.escape(state.culprit)}), so devices can no "
+                "longer change. To split differently, restart the kernel and run the split before any "
+                f"{html.escape(label)} code.</div>"
             )
             self.banner.layout.display = ""
             for widget in (
@@ -368,70 +442,60 @@ class SplitPanel:
         self.apply()
 
     def apply(self) -> SplitResult | None:
-        """Plan and apply what the widgets say, printing the outcome.
+        """Plan and apply what the widgets say, printing the engine's summary.
 
-        Returns the :class:`~vgpu_magic.tfconfig.SplitResult`, or ``None`` when
-        the planner refused the request (its message is printed instead).
+        Returns the :class:`~vgpu_magic.engine.SplitResult` (``"blocked"``
+        when the runtime already started with another configuration,
+        ``"unchanged"`` for an identical re-apply, as the magic does), or
+        ``None`` when the planner refused the request (its message is printed).
         """
         self.last_message = ""
         self.last_result = None
-        if self.refresh().started:
-            self._say(f"Not applied: TensorFlow's runtime already started. To split: {REMEDY}.", error=True)
-            return None
         try:
             result = api.execute(self.request(), self.watcher, inventory=self.inventory)
-        except PlanError as exc:
+        except (PlanError, FrameworkChoiceError, FrameworkImportError, NVMLReadError) as exc:
             self._say(f"Not applied: {exc}", error=True)
             return None
-        except ImportError:
-            self._say(
-                "Not applied: TensorFlow is not installed in this kernel; pip install 'vgpu_magic[cpu]'", error=True
-            )
-            return None
         self.last_result = result
-        if result.status == "blocked":
-            self._say(result.warnings[0], error=True)
-            self.refresh()
-            return result
-        for text in result.warnings:
-            self._say(f"warning: {text}", error=True)
-        verb = "Applied" if result.status == "applied" else "Already configured"
-        self._say(f"{verb}: {result.plan.describe()}")
-        for note in result.plan.notes:
-            self._say(f"  note: {note}")
-        created = self._logical_devices(result.plan)
-        self._say(f"{_plural(len(created), 'logical device')}: {', '.join(created)}")
-        if created != result.devices:
-            self._say(f"MirroredStrategy() will use {_plural(result.replicas, 'replica')}: {', '.join(result.devices)}")
-        self._say(f"Reproduce with: {result.plan.magic_line()}")
+        for line in summary_lines(result):
+            if line.level == "warning":
+                self._say(line.text, error=True)
+            else:
+                self._say(line.text if line.level == "info" else f"  {line.text}")
+        if result.status in ("applied", "unchanged") and self.inventory.current is not None:
+            self.inventory = _with_current(self.inventory, configuration_after(result.plan, self.inventory.current))
+        self.refresh()
         return result
-
-    @staticmethod
-    def _logical_devices(plan: SplitPlan) -> list[str]:
-        """The logical devices the split device will have, as TensorFlow will name them."""
-        snap = read_configuration()
-        names = snap.cpu_names if plan.device_type == "CPU" else snap.gpu_names
-        return snap.logical_names().get(names[plan.physical_index], [])
 
     # -- display -------------------------------------------------------------
     def _repr_mimebundle_(self, **kwargs):
         return self.root._repr_mimebundle_(**kwargs)
 
 
-def panel(watcher: RuntimeWatcher | None = None) -> SplitPanel:
+def _with_current(inventory: DeviceInventory, current) -> DeviceInventory:
+    from dataclasses import replace
+
+    return replace(inventory, current=current)
+
+
+def panel(watcher: RuntimeWatcher | None = None, framework: str | None = None) -> SplitPanel:
     """The split panel for this machine's devices.
 
-    Imports TensorFlow to list the devices, but never starts its runtime.
+    Imports the framework (``framework``, or the one ``%vgpu_split`` would
+    configure) to list the devices, but never starts its runtime.
 
     Parameters
     ----------
     watcher:
         Names the cell that started the runtime; defaults to the loaded
         extension's watcher.
+    framework:
+        ``"tensorflow"`` / ``"tf"`` or ``"jax"``.
 
     Returns
     -------
     SplitPanel
         Shown when it is the last expression of a cell, or with ``display()``.
     """
-    return SplitPanel(probe_inventory(), watcher or api.current_watcher())
+    inventory = api.framework_for(framework).probe_inventory()
+    return SplitPanel(inventory, watcher or api.current_watcher())

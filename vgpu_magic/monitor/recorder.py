@@ -84,7 +84,7 @@ class MemoryRecorder:
         Returns the variables whose per-device bytes to show, or ``None``.
     runtime_started
         Whether the runtime already runs; by default
-        :func:`vgpu_magic.runtime.tf_runtime_started`.
+        TensorFlow's ``runtime_started``.
     report
         Where one-line problem reports go (stderr by default).
     """
@@ -100,7 +100,9 @@ class MemoryRecorder:
         report: Callable[[str], None] = _print_report,
     ) -> None:
         if runtime_started is None:
-            from ..runtime import tf_runtime_started as runtime_started
+            from ..frameworks.tensorflow import FRAMEWORK
+
+            runtime_started = FRAMEWORK.runtime_started
         self._sampler_factory = sampler_factory
         self._sampler: Any = None
         self.view = view

@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, TextIO
 
-from ..report import format_bytes
+from ..units import format_bytes
 from .trace import MemoryTrace, short_name
 
 __all__ = [

@@ -7,12 +7,12 @@ logical CPUs"), read with one call per sample. What does differ per replica on
 CPU is where the variables live; :func:`variable_bytes` counts that exactly
 from the mirrored variables' per-replica components.
 
-The device configuration comes from :func:`vgpu_magic.tfconfig.read_configuration`
+The device configuration comes from ``TensorFlow.read_configuration`` (:mod:`vgpu_magic.frameworks.tensorflow`)
 (the one layer that configures ``tf.config``). Memory statistics are read here,
 with TensorFlow's ``get_memory_info`` bound once: that read happens
 many times a second while training runs, when a call costs ~10 µs rather than
 the ~1 µs it costs idle, so the read path builds no dictionaries and swallows no
-errors (:func:`vgpu_magic.tfconfig.memory_readings` does both, which suits
+errors (``TensorFlow.memory_readings`` does both, which suits
 ``%vgpu_status``). TensorFlow is imported only when a sampler is built, which
 happens once the runtime runs.
 """
@@ -96,7 +96,9 @@ def monitored_devices(devices: Iterable[str] | None = None, model: Any = None, s
         if not names:
             raise ValueError("devices=[] names no device; give e.g. devices=['GPU:0', 'GPU:1'] or leave it out")
         return names
-    from ..tfconfig import read_configuration
+    from ..frameworks.tensorflow import FRAMEWORK
+
+    read_configuration = FRAMEWORK.read_configuration
 
     names = list(read_configuration().replica_devices())
     if strategy is None and model is not None:
@@ -108,7 +110,9 @@ def monitored_devices(devices: Iterable[str] | None = None, model: Any = None, s
 def logical_caps() -> dict[str, int | None]:
     """Logical device name -> cap in bytes, for logical GPUs configured with a
     memory limit. Does not start the runtime."""
-    from ..tfconfig import read_configuration
+    from ..frameworks.tensorflow import FRAMEWORK
+
+    read_configuration = FRAMEWORK.read_configuration
 
     snap = read_configuration()
     caps: dict[str, int | None] = {}

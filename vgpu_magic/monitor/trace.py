@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ..report import format_bytes
+from ..units import format_bytes
 
 __all__ = ["SeriesInfo", "MemorySample", "MemoryTrace"]
 

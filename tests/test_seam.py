@@ -1,0 +1,220 @@
+"""The framework seam is real: a framework written in a few lines, in this
+test, plugs into ``%vgpu_split``, the panel, ``%vgpu_status`` and the API
+without any change to a face; and the rules for picking a framework.
+
+The fake framework follows the same contract as TensorFlow's module (a
+configuration it can read and write, a runtime that starts once), so the
+engine's real decisions (applied / unchanged / blocked, the planner's checks
+from its capabilities) run on it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.testing import globalipapp
+
+from vgpu_magic import frameworks
+from vgpu_magic.frameworks import Capabilities, Framework, FrameworkChoiceError
+from vgpu_magic.inventory import DeviceInventory, GPUInfo
+from vgpu_magic.planner import PlanError, unconfigured
+
+FAKE_CAPS = Capabilities(
+    name="fakefw",
+    label="FakeFW",
+    splits_gpu=True,
+    splits_cpu=True,
+    gpu_caps_required=True,
+    gpu_reserve_mib=lambda free, cc: 1000,
+    replicas_by="fake.Strategy()",
+    install_hint="install it with pip install fakefw",
+)
+
+
+class FakeFramework(Framework):
+    """A framework with one 16 GB GPU whose runtime starts when told to."""
+
+    capabilities = FAKE_CAPS
+    module = "fakefw"
+
+    def __init__(self, imported: bool = True) -> None:
+        self.inventory = DeviceInventory(
+            gpus=(GPUInfo(0, "Fake GPU", total_mib=16384, free_mib=16000, compute_capability=(8, 0), nvml_index=0),),
+            version="1.0",
+            capabilities=FAKE_CAPS,
+        )
+        self.config = unconfigured(self.inventory)
+        self.started = False
+        self.writes = []
+        self._imported = imported
+
+    def imported(self) -> bool:
+        return self._imported
+
+    def installed(self) -> bool:
+        return True
+
+    def runtime_started(self) -> bool:
+        return self.started
+
+    def probe_inventory(self) -> DeviceInventory:
+        from dataclasses import replace
+
+        return replace(self.inventory, current=self.config)
+
+    def read_configuration(self):
+        return self.config
+
+    def write_configuration(self, old, new) -> None:
+        self.writes.append(new)
+        self.config = new
+
+    def memory_readings(self, devices):
+        return {d: {"current": 3 << 20, "peak": 5 << 20} for d in devices}
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    fw = FakeFramework()
+    saved = dict(frameworks.REGISTRY)
+    frameworks.register("fakefw", fw)
+    yield fw
+    frameworks.REGISTRY.clear()
+    frameworks.REGISTRY.update(saved)
+    frameworks._instances.pop("fakefw", None)
+
+
+@pytest.fixture
+def ip(monkeypatch):
+    monkeypatch.delenv("VGPU_MAGIC_SPLIT", raising=False)
+    shell = globalipapp.get_ipython()
+    shell.extension_manager.load_extension("vgpu_magic")
+    return shell
+
+
+def test_magic_applies_then_is_a_quiet_no_op_then_blocks_on_the_fake(ip, fake, capsys):
+    result = ip.run_line_magic("vgpu_split", "2 --framework fakefw -r")
+    assert result.status == "applied" and result.framework == "fakefw"
+    # The planner used the fake's capabilities: 16000 free minus its 1000 MiB reserve, split evenly.
+    assert fake.config.logical == {"/physical_device:GPU:0": (7500, 7500)}
+    out = capsys.readouterr().out
+    assert "FakeFW configured 2 logical GPUs on GPU:0 (7500 MiB each)" in out
+    assert "fake.Strategy() will use 2 replicas" in out
+
+    again = ip.run_line_magic("vgpu_split", "2 --framework fakefw -r")
+    assert again.status == "unchanged" and len(fake.writes) == 1
+    assert capsys.readouterr().out.strip().count("\n") == 0  # one line: a quiet no-op
+
+    fake.started = True
+    blocked = ip.run_line_magic("vgpu_split", "3 --framework fakefw -r")
+    assert blocked.status == "blocked" and blocked.blocked_reason
+    assert len(fake.writes) == 1
+    assert "FakeFW's runtime already started" in capsys.readouterr().err
+
+
+def test_planner_reads_the_fakes_capabilities(ip, fake):
+    with pytest.raises(UsageError, match="17000 MiB requested does not fit GPU 0: 16000 MiB free minus FakeFW's 1000"):
+        ip.run_line_magic("vgpu_split", "1 --memory 17000 --framework fakefw")
+    assert fake.writes == []
+
+
+def test_status_shows_the_fake_framework(ip, fake, capsys):
+    ip.run_line_magic("vgpu_split", "2 --memory 4096 --framework fakefw")
+    fake.started = True
+    report = ip.run_line_magic("vgpu_status", "--framework fakefw -r")
+    section = report.section("fakefw")
+    assert section.label == "FakeFW" and section.replicas == 2
+    assert [(d.name, d.cap_mib, d.current) for d in section.logical if "GPU" in d.name] == [
+        ("/device:GPU:0", 4096, 3 << 20),
+        ("/device:GPU:1", 4096, 3 << 20),
+    ]
+    text = str(report)
+    assert "FakeFW 1.0 — runtime started" in text
+    assert "3.0 MiB (0% of cap)" in text
+    assert "fake.Strategy() would use 2 devices" in text
+
+
+def test_panel_applies_through_the_fake(fake):
+    pytest.importorskip("ipywidgets")
+    import vgpu_magic
+
+    panel = vgpu_magic.panel(framework="fakefw")
+    assert panel.target.options[0] == ("GPU 0: Fake GPU — 16384 MiB total, 16000 MiB free", "GPU:0")
+    panel.count_text.value = 4
+    assert panel.magic_line == "%vgpu_split 4"
+    assert "15000 of 15000 MiB usable" in panel.usage_label.value  # the fake's reserve, via the planner
+    result = panel.apply()
+    assert result.status == "applied" and fake.config.logical["/physical_device:GPU:0"] == (3750,) * 4
+    assert "FakeFW configured 4 logical GPUs" in panel.last_message
+    # Applying the same again is "unchanged", exactly as the magic says, not refused.
+    assert panel.apply().status == "unchanged"
+    # A panel opened later shows the live split, not 1 device.
+    assert vgpu_magic.panel(framework="fakefw").count == 4
+
+
+def test_api_splits_the_fake(fake):
+    import vgpu_magic
+
+    result = vgpu_magic.split(2, memory="2GB", framework="fakefw")
+    assert result.status == "applied" and fake.config.logical["/physical_device:GPU:0"] == (2048, 2048)
+    with pytest.raises(ValueError, match="framework 'nope' is not supported"):
+        vgpu_magic.split(2, framework="nope")
+
+
+# -- picking the framework ------------------------------------------------------------
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    saved = dict(frameworks.REGISTRY)
+    frameworks.REGISTRY.clear()
+    frameworks._instances.clear()
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)
+    yield frameworks.REGISTRY
+    frameworks.REGISTRY.clear()
+    frameworks.REGISTRY.update(saved)
+    frameworks._instances.clear()
+
+
+class Named(FakeFramework):
+    def __init__(self, name: str, imported: bool, installed: bool) -> None:
+        super().__init__(imported)
+        self.capabilities = Capabilities(name=name, label=name.upper())
+        self._installed = installed
+
+    def installed(self) -> bool:
+        return self._installed
+
+
+def test_select_follows_named_then_imported_then_installed_then_default(registry, monkeypatch):
+    tf, jx = Named("tensorflow", False, True), Named("jax", False, True)
+    frameworks.register("tensorflow", tf)
+    frameworks.register("jax", jx)
+    assert frameworks.select("tf") is tf and frameworks.select("JAX") is jx
+    assert frameworks.select() is tf  # both installed, none imported: TensorFlow
+    monkeypatch.setenv("KERAS_BACKEND", "jax")
+    assert frameworks.select() is jx  # ... unless Keras is told to use the other one
+    monkeypatch.delenv("KERAS_BACKEND")
+    tf._installed = False
+    assert frameworks.select() is jx  # the one installed
+    jx._imported = True
+    tf._installed = True
+    assert frameworks.select() is jx  # the one imported
+    tf._imported = True
+    with pytest.raises(FrameworkChoiceError, match="TENSORFLOW and JAX are both imported; say which"):
+        frameworks.select()
+    with pytest.raises(FrameworkChoiceError, match="framework 'torch' is not supported; use one of tensorflow, jax"):
+        frameworks.select("torch")
+
+
+def test_importing_the_seam_imports_no_framework():
+    import subprocess
+
+    code = (
+        "import sys, vgpu_magic.frameworks as f; fw = f.get('tensorflow'); fw.installed(); fw.runtime_started();"
+        "print([m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'jax', 'keras', 'torch')])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stderr

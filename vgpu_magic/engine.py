@@ -1,0 +1,199 @@
+"""Apply a validated plan through a framework, and say what happened.
+
+:func:`apply_plan` reads the framework's configuration first (without starting
+its runtime): an identical configuration is a quiet no-op, even after the
+runtime started; a different one after start is refused with the reason and
+the remedy, never half-applied. :class:`SplitResult` is the one vocabulary of
+outcomes, and :func:`summary_lines` the one place that turns it into the lines
+the magic, the panel and the API print.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .frameworks.base import ConfigSnapshot, Framework
+from .planner import SplitPlan, configuration_after
+from .runtime import RuntimeState
+
+__all__ = ["SplitResult", "SummaryLine", "apply_plan", "summary_lines", "remedy", "STATUSES"]
+
+#: Every outcome: configured now, already so, validated only, or refused because the runtime started.
+STATUSES = ("applied", "unchanged", "planned", "blocked")
+
+
+def remedy(plan: SplitPlan, label: str) -> str:
+    """What to do when the runtime already started."""
+    return (
+        f"restart the kernel and run {plan.magic_line()} before any {label} code, or make the split persistent "
+        "(VGPU_MAGIC_SPLIT or c.VGPUMagics.split) so it is applied when the extension loads"
+    )
+
+
+@dataclass
+class SplitResult:
+    """What ``%vgpu_split`` / :func:`vgpu_magic.split` did.
+
+    Attributes
+    ----------
+    status:
+        ``"applied"``, ``"unchanged"`` (already configured exactly so), ``"planned"``
+        (dry run) or ``"blocked"`` (the runtime already started with a different
+        configuration; nothing changed).
+    plan:
+        The validated plan.
+    framework:
+        ``"tensorflow"``, ``"jax"``...
+    devices:
+        The replica devices after this call (for ``"blocked"``: the ones it has).
+    blocked_reason:
+        Why nothing was configured, when ``status == "blocked"``; else ``""``.
+    replaced:
+        The configuration this call replaced (``status == "applied"`` only), as
+        a short phrase, e.g. ``"3 logical CPUs"``; ``""`` when nothing was configured before.
+    warnings:
+        Problems worth a warning that did not stop the call (a CUDA context held
+        by another framework, Keras imported with another backend).
+    """
+
+    status: str
+    plan: SplitPlan
+    framework: str = "tensorflow"
+    label: str = "TensorFlow"
+    devices: list[str] = field(default_factory=list)
+    runtime: RuntimeState | None = None
+    blocked_reason: str = ""
+    replaced: str = ""
+    warnings: list[str] = field(default_factory=list)
+    replicas_by: str = "MirroredStrategy()"
+    #: ``status == "unchanged"`` because nothing was ever configured: the plan is the framework's default.
+    is_default: bool = False
+
+    @property
+    def replicas(self) -> int:
+        return len(self.devices)
+
+    @property
+    def message(self) -> str:
+        """The first summary line, without the ``vgpu_magic:`` prefix."""
+        return summary_lines(self)[0].text
+
+    def __repr__(self) -> str:
+        return f"<SplitResult {self.status}: {self.plan.describe()}>"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "framework": self.framework,
+            "message": self.message,
+            "blocked_reason": self.blocked_reason or None,
+            "plan": {
+                "device_type": self.plan.device_type,
+                "physical_index": self.plan.physical_index,
+                "memory_limits_mib": list(self.plan.memory_limits),
+                "visible_gpus": None if self.plan.visible_gpus is None else list(self.plan.visible_gpus),
+                "memory_growth": self.plan.memory_growth,
+                "magic_line": self.plan.magic_line(),
+            },
+            "devices": list(self.devices),
+            "warnings": list(self.warnings),
+        }
+
+
+@dataclass(frozen=True)
+class SummaryLine:
+    """One line of a result for people: ``level`` is ``"info"``, ``"detail"`` or ``"warning"``."""
+
+    level: str
+    text: str
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def summary_lines(result: SplitResult) -> list[SummaryLine]:
+    """The lines every face prints for ``result``: the magic with a
+    ``vgpu_magic:`` prefix, the panel in its output, the API as warnings."""
+    plan, label = result.plan, result.label
+    lines: list[SummaryLine] = []
+    if result.status == "blocked":
+        lines.append(SummaryLine("warning", f"{label}'s runtime already started, so devices can no longer change."))
+        lines.append(SummaryLine("warning", f"  started by: {result.blocked_reason}"))
+        lines.append(
+            SummaryLine("warning", f"  it keeps its {_plural(result.replicas, 'replica device')}; nothing was configured")
+        )
+        lines.append(SummaryLine("warning", f"  to get {plan.describe()}: {remedy(plan, label)}"))
+    elif result.status == "unchanged" and result.is_default:
+        lines.append(SummaryLine("info", f"{plan.describe()} is {label}'s default; nothing to configure"))
+    elif result.status == "unchanged":
+        lines.append(SummaryLine("info", f"{label} already has {plan.describe()}; nothing changed"))
+    else:
+        verb = "configured" if result.status == "applied" else "would configure"
+        lines.append(SummaryLine("info", f"{label} {verb} {plan.describe()}"))
+        if result.replaced:
+            lines.append(SummaryLine("detail", f"replaces the earlier {result.replaced}"))
+        for note in plan.notes:
+            lines.append(SummaryLine("detail", f"note: {note}"))
+        tense = "will use" if result.status == "applied" else "would use"
+        replicas = _plural(result.replicas, "replica")
+        lines.append(SummaryLine("detail", f"{result.replicas_by} {tense} {replicas}: {', '.join(result.devices)}"))
+        lines.append(SummaryLine("detail", f"reproduce with: {plan.magic_line()}"))
+    lines += [SummaryLine("warning", w) for w in result.warnings]
+    return lines
+
+
+def _describe_config(snap: ConfigSnapshot, plan: SplitPlan) -> str:
+    """A short phrase for what ``snap`` configured on the device ``plan`` splits."""
+    if not plan.splits:
+        return ""
+    names = snap.cpu_names if plan.device_type == "CPU" else snap.gpu_names
+    limits = snap.logical.get(names[plan.physical_index])
+    if not limits:
+        return ""
+    noun = f"logical {plan.device_type}" + ("s" if len(limits) > 1 else "")
+    return f"{len(limits)} {noun}"
+
+
+def apply_plan(
+    framework: Framework,
+    plan: SplitPlan,
+    runtime: RuntimeState,
+    dry_run: bool = False,
+    current: ConfigSnapshot | None = None,
+    warnings: list[str] | None = None,
+) -> SplitResult:
+    """Apply ``plan`` through ``framework``.
+
+    ``runtime`` is the state checked just before (see
+    :meth:`~vgpu_magic.runtime.RuntimeWatcher.state`); it decides between
+    applying and refusing. ``current`` is the configuration the plan was made
+    against (read again when not given).
+    """
+    old = current if current is not None else framework.read_configuration()
+    new = configuration_after(plan, old)
+    caps = framework.capabilities
+    notes = list(warnings or ())
+    if runtime.cuda_holders:
+        notes.append(
+            "this process already holds a CUDA context through "
+            + ", ".join(runtime.cuda_holders)
+            + f"; the memory it uses is not available to {caps.label}'s devices"
+        )
+    common: dict[str, Any] = dict(
+        framework=caps.name, label=caps.label, runtime=runtime, warnings=notes, replicas_by=caps.replicas_by
+    )
+    if dry_run:
+        return SplitResult("planned", plan, devices=new.replica_devices(), **common)
+    if new == old:
+        default = plan.splits and not old.logical
+        return SplitResult("unchanged", plan, devices=new.replica_devices(), is_default=default, **common)
+    if runtime.started:
+        return SplitResult(
+            "blocked", plan, devices=old.replica_devices(), blocked_reason=runtime.culprit, **common
+        )
+    framework.write_configuration(old, new)
+    return SplitResult(
+        "applied", plan, devices=new.replica_devices(), replaced=_describe_config(old, plan), **common
+    )

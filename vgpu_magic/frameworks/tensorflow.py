@@ -1,0 +1,310 @@
+"""TensorFlow: logical GPUs with memory caps on one GPU, or logical CPUs.
+
+The only module that touches ``tf.config``. Devices and configuration are
+read with ``list_physical_devices`` / ``get_logical_device_configuration`` /
+``get_visible_devices`` / ``get_memory_growth``, none of which starts the
+runtime; ``context.context()._initialized`` tells whether it started.
+
+Importing TensorFlow the way the user's log level asks: TensorFlow 2.21 writes
+INFO lines (the oneDNN notice, absl's "before InitializeLog" preamble) straight
+to file descriptor 2 while it is being imported, before it reads
+``TF_CPP_MIN_LOG_LEVEL``. When vgpu_magic is the one importing TensorFlow and
+the level is unset or 1 or more, those INFO lines are dropped; every other line
+is passed through unchanged. At an explicit level 0 nothing is touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+from ..inventory import DeviceInventory, GPUInfo, cuda_to_nvml_order, nvml_gpus
+from .base import Capabilities, ConfigSnapshot, Framework, Reader
+
+__all__ = ["TensorFlow", "FRAMEWORK", "CAPABILITIES", "system_reserve_mib", "import_tensorflow"]
+
+
+def system_reserve_mib(free_mib: int, compute_capability: tuple[int, int] | None) -> int:
+    """Memory TensorFlow keeps back on each GPU for CUDA itself (``MinSystemMemory``
+    in TensorFlow's ``gpu_device.cc``).
+
+    Below 2 GiB of free memory TF keeps 225 MiB; otherwise 500 MiB for compute
+    capability <= 6.x, 1050 MiB for 7.x, 1536 MiB for 8.x and 1800 MiB beyond.
+    An unknown capability is treated as the newest (the largest reserve).
+    """
+    if free_mib < 2048:
+        return 225
+    major = compute_capability[0] if compute_capability else 99
+    if major <= 6:
+        return 500
+    if major <= 7:
+        return 1050
+    if major <= 8:
+        return 1536
+    return 1800
+
+
+CAPABILITIES = Capabilities(
+    name="tensorflow",
+    label="TensorFlow",
+    splits_gpu=True,
+    splits_cpu=True,
+    cpu_caps=False,
+    gpu_caps_required=True,
+    gpu_reserve_mib=system_reserve_mib,
+    memory_growth=True,
+    growth_with_split=False,
+    uniform_growth=True,
+    gpu_visibility=True,
+    replicas_by="MirroredStrategy()",
+    install_hint="install it with pip install 'vgpu_magic[cpu]' (or 'vgpu_magic[gpu]' for the CUDA build)",
+)
+
+_INFO_LINE = re.compile(
+    r"^(?:I\d{4} \d\d:\d\d:\d+(?:\.\d+)?\s+\d+ \S+:\d+\] .*"
+    r"|WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR)$"
+)
+
+
+#: The start of any C++ log line or absl notice: a line that does not continue the one before.
+_LOG_LINE = re.compile(r"^(?:[IWEF]\d{4} \d\d:\d\d:|WARNING: |[A-Za-z_.]+Error|Traceback)")
+
+
+def _info_hidden() -> bool:
+    """INFO lines are dropped unless the user asked for them: an unset level is
+    TensorFlow's default (0), but nobody chose it, and a notebook's first split
+    should not open with a block of red C++ notices."""
+    level = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
+    if level is None or not level.strip():
+        return True
+    return level.strip().isdigit() and int(level) >= 1
+
+
+class _StrategyChatter(logging.Filter):
+    """Drops the INFO records a strategy made by :meth:`TensorFlow.strategy` causes
+    ("Using MirroredStrategy with devices ...", "Reduce to ... then broadcast to
+    ..." at every traced reduction); every other record, and the logger's level,
+    stay as the user set them."""
+
+    _PATTERN = re.compile(r"^(Using MirroredStrategy with devices|Reduce to \S+ then broadcast to)")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno <= logging.INFO and self._PATTERN.match(str(record.msg)))
+
+
+_CHATTER = _StrategyChatter()
+
+
+@contextlib.contextmanager
+def _without_cpp_info_lines() -> Iterator[None]:
+    """Send fd 2 to a temporary file, then write back every line but INFO ones."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            text = captured.read().decode("utf-8", errors="replace")
+            kept, dropping = [], False
+            for line in text.splitlines(keepends=True):
+                bare = line.rstrip("\n")
+                if _INFO_LINE.match(bare):
+                    dropping = True  # an INFO message, and the lines that continue it
+                elif dropping and not _LOG_LINE.match(bare):
+                    continue
+                else:
+                    dropping = False
+                    kept.append(line)
+            if kept:
+                os.write(2, "".join(kept).encode())
+
+
+def import_tensorflow():
+    """Return the ``tensorflow`` module, importing it if needed (see the module docstring).
+
+    Raises :class:`~vgpu_magic.frameworks.base.FrameworkImportError` when
+    TensorFlow is missing or fails to import, with the real reason.
+    """
+    return FRAMEWORK.load()
+
+
+class TensorFlow(Framework):
+    capabilities = CAPABILITIES
+    module = "tensorflow"
+
+    def load(self):
+        tf = sys.modules.get("tensorflow")
+        if tf is not None and hasattr(tf, "config"):
+            return tf
+        try:
+            if not _info_hidden():
+                import tensorflow
+            else:
+                with _without_cpp_info_lines():
+                    import tensorflow
+        except ImportError as exc:
+            raise self.import_error(exc) from exc
+        return tensorflow
+
+    def runtime_started(self) -> bool:
+        if "tensorflow" not in sys.modules:
+            return False
+        try:
+            from tensorflow.python.eager import context
+        except ImportError:  # a half-imported or broken TensorFlow cannot have started
+            return False
+        return bool(context.context()._initialized)
+
+    # -- devices and configuration -------------------------------------------------
+    def probe_inventory(self) -> DeviceInventory:
+        tf = self.load()
+        n_gpus = len(tf.config.list_physical_devices("GPU"))
+        n_cpus = len(tf.config.list_physical_devices("CPU"))
+        nvml = nvml_gpus() if n_gpus else []
+        notes = []
+        if n_gpus and not nvml:
+            notes.append("NVML unavailable: GPU memory unknown, give --memory explicitly")
+        gpus = []
+        for i, details in enumerate(cuda_to_nvml_order(n_gpus, nvml)):
+            if details is None:
+                gpus.append(GPUInfo(index=i))
+            else:
+                gpus.append(
+                    GPUInfo(
+                        index=i,
+                        model=details["model"],
+                        total_mib=details["total_mib"],
+                        free_mib=details["free_mib"],
+                        compute_capability=details["compute_capability"],
+                        nvml_index=details["nvml_index"],
+                    )
+                )
+        return DeviceInventory(
+            gpus=tuple(gpus),
+            cpus=n_cpus,
+            version=tf.__version__,
+            nvml_available=bool(nvml),
+            notes=tuple(notes),
+            capabilities=CAPABILITIES,
+            current=self.read_configuration(),
+        )
+
+    def read_configuration(self) -> ConfigSnapshot:
+        tf = self.load()
+        cpus = tf.config.list_physical_devices("CPU")
+        gpus = tf.config.list_physical_devices("GPU")
+        logical = {}
+        for dev in cpus + gpus:
+            configs = tf.config.get_logical_device_configuration(dev)
+            if configs:
+                logical[dev.name] = tuple(c.memory_limit for c in configs)
+        visible = tf.config.get_visible_devices("GPU")
+        visible_idx = tuple(gpus.index(d) for d in visible if d in gpus)
+        growth = tuple(bool(tf.config.experimental.get_memory_growth(d)) for d in gpus)
+        return ConfigSnapshot(
+            cpu_names=tuple(d.name for d in cpus),
+            gpu_names=tuple(d.name for d in gpus),
+            logical=logical,
+            visible_gpus=visible_idx,
+            memory_growth=growth,
+        )
+
+    def write_configuration(self, old: ConfigSnapshot, new: ConfigSnapshot) -> None:
+        tf = self.load()
+
+        def set_visible(gpu_indices: tuple[int, ...]) -> None:
+            cpus = tf.config.list_physical_devices("CPU")
+            gpus = tf.config.list_physical_devices("GPU")
+            tf.config.set_visible_devices(cpus + [gpus[i] for i in gpu_indices])
+
+        def set_logical(physical_name: str, limits: tuple[int | None, ...] | None) -> None:
+            dev = next(d for d in tf.config.list_physical_devices() if d.name == physical_name)
+            configs = None if limits is None else [tf.config.LogicalDeviceConfiguration(memory_limit=m) for m in limits]
+            tf.config.set_logical_device_configuration(dev, configs)
+
+        undo = []
+        try:
+            if new.visible_gpus != old.visible_gpus:
+                set_visible(new.visible_gpus)
+                undo.append(lambda: set_visible(old.visible_gpus))
+            for name in sorted(set(old.logical) | set(new.logical)):
+                if old.logical.get(name) != new.logical.get(name):
+                    set_logical(name, new.logical.get(name))
+                    undo.append(lambda name=name: set_logical(name, old.logical.get(name)))
+            gpus = tf.config.list_physical_devices("GPU")
+            for i, (was, want) in enumerate(zip(old.memory_growth, new.memory_growth)):
+                if was != want:
+                    tf.config.experimental.set_memory_growth(gpus[i], want)
+                    undo.append(lambda i=i, was=was: tf.config.experimental.set_memory_growth(gpus[i], was))
+        except Exception as exc:
+            failed = []
+            for step in reversed(undo):
+                try:
+                    step()
+                except Exception as undo_exc:  # noqa: BLE001 - reported below, with the state left
+                    failed.append(f"{type(undo_exc).__name__}: {undo_exc}")
+            if failed:
+                left = self.read_configuration()
+                raise RuntimeError(
+                    f"configuring TensorFlow failed ({type(exc).__name__}: {exc}) and undoing it failed too "
+                    f"({failed[0]}); TensorFlow is left with logical devices {left.logical or 'unconfigured'}, "
+                    f"visible GPUs {list(left.visible_gpus)}: restart the kernel"
+                ) from exc
+            raise
+
+    # -- memory ----------------------------------------------------------------------
+    def memory_readings(self, devices: list[str]) -> dict[str, dict[str, int]]:
+        tf = self.load()
+        out = {}
+        for name in devices:
+            try:
+                info = tf.config.experimental.get_memory_info(name.replace("/device:", ""))
+            except (ValueError, RuntimeError):
+                continue
+            out[name] = {"current": int(info["current"]), "peak": int(info["peak"])}
+        return out
+
+    def memory_reader(self) -> Reader:
+        """Reads through the eager context's ``get_memory_info``, which
+        ``tf.config.experimental.get_memory_info`` wraps: right after a training
+        step every Python call level costs ~1 µs."""
+        from tensorflow.python.eager import context
+
+        get = context.context().get_memory_info
+
+        def read(names: list[str]) -> list[tuple[int, int]]:
+            return [(info["current"], info["peak"]) for info in map(get, names)]
+
+        return read
+
+    # -- helpers -----------------------------------------------------------------------
+    def strategy(self, devices: list[str] | None = None) -> Any:
+        """A ``MirroredStrategy`` over the split's logical devices.
+
+        Logical GPUs that share one physical GPU cannot use NCCL, so
+        cross-device reduction goes through one device (what TensorFlow falls
+        back to anyway, minus its warning). Starts the runtime.
+        """
+        tf = self.load()
+        snap = self.read_configuration()
+        if devices is None:
+            devices = snap.replica_devices()
+        shared_gpu = any(len(v) > 1 for k, v in snap.logical.items() if k in snap.gpu_names)
+        cross = tf.distribute.ReductionToOneDevice() if shared_gpu else None
+        logger = tf.get_logger()
+        if _CHATTER not in logger.filters:
+            logger.addFilter(_CHATTER)
+        return tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=cross)
+
+
+FRAMEWORK = TensorFlow()

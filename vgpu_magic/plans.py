@@ -1,0 +1,183 @@
+"""The planner's data: what the user asked for (:class:`SplitRequest`), the
+validated configuration (:class:`SplitPlan`) and the verdict on memory
+(:class:`FitVerdict`). Plain frozen dataclasses; the decisions are in
+:mod:`vgpu_magic.planner`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["SplitRequest", "SplitPlan", "FitVerdict"]
+
+
+@dataclass(frozen=True)
+class SplitRequest:
+    """What the user asked for, before validation against the machine.
+
+    Attributes
+    ----------
+    count:
+        Number of logical devices, or ``None`` to infer (1, or the length of a
+        memory list).
+    memory:
+        ``None`` (even split of free GPU memory), one size for every device, or
+        one size per device, in MiB.
+    target:
+        ``"auto"`` (the GPU if there is one, else the CPU), ``"gpu"`` or ``"cpu"``.
+    gpu:
+        Index of the physical GPU to split (the framework's order); ``None``: GPU 0.
+    others:
+        With several GPUs: ``"hide"`` makes the split GPU the only visible one,
+        ``"keep"`` leaves the other GPUs visible as one whole logical GPU each.
+    visible:
+        Physical GPU indices to keep visible; ``()`` hides every GPU.
+    memory_growth:
+        Allocate GPU memory on demand instead of splitting.
+    framework:
+        The framework the user named (``--framework``), or ``None`` when it was
+        picked for them; only echoed back in :meth:`SplitPlan.magic_line`.
+    """
+
+    count: int | None = None
+    memory: int | tuple[int, ...] | None = None
+    target: str = "auto"
+    gpu: int | None = None
+    others: str = "hide"
+    visible: tuple[int, ...] | None = None
+    memory_growth: bool = False
+    framework: str | None = None
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """A validated configuration, ready for the framework to apply.
+
+    Attributes
+    ----------
+    device_type:
+        ``"GPU"`` or ``"CPU"``: the kind of physical device being split, or
+        ``"GPU"`` for plans that only set visibility or memory growth.
+    physical_index:
+        Index of the split physical device among its type, or ``None`` for plans
+        that do not split.
+    memory_limits:
+        One entry per logical device: its cap in MiB, or ``None`` where uncapped.
+        Empty for plans that do not split.
+    visible_gpus:
+        Physical GPU indices to make visible, or ``None`` to leave visibility alone.
+    memory_growth:
+        Whether to turn memory growth on for every visible GPU.
+    usable_mib:
+        What the GPU can give (free minus the framework's reserve), for display.
+    notes:
+        Short remarks about choices made on the user's behalf.
+    framework:
+        The framework the plan is for (``"tensorflow"``, ``"jax"``).
+    """
+
+    device_type: str
+    physical_index: int | None
+    memory_limits: tuple[int | None, ...]
+    visible_gpus: tuple[int, ...] | None = None
+    memory_growth: bool = False
+    usable_mib: int | None = None
+    notes: tuple[str, ...] = field(default=(), compare=False)
+    cpu_forced: bool = field(default=False, compare=False)
+    framework: str = "tensorflow"
+    #: The user gave sizes (``--memory``): echo them back; an even split is not pinned to today's free memory.
+    sizes_chosen: bool = field(default=False, compare=False)
+    framework_named: str | None = field(default=None, compare=False)
+
+    @property
+    def count(self) -> int:
+        """Number of logical devices this plan creates on the split device."""
+        return len(self.memory_limits)
+
+    @property
+    def splits(self) -> bool:
+        return bool(self.memory_limits)
+
+    def describe(self) -> str:
+        """A short phrase saying what the plan does."""
+        parts = []
+        if self.splits:
+            noun = f"logical {self.device_type}" + ("s" if self.count > 1 else "")
+            where = f"{self.device_type}:{self.physical_index}"
+            caps = _format_caps(self.memory_limits)
+            parts.append(f"{self.count} {noun} on {where}" + (f" ({caps})" if caps else ""))
+        if self.visible_gpus is not None:
+            shown = ",".join(str(i) for i in self.visible_gpus) or "none"
+            parts.append(f"visible GPUs: {shown}")
+        if self.memory_growth:
+            parts.append("memory growth on")
+        return "; ".join(parts) or "no change"
+
+    def magic_line(self) -> str:
+        """The ``%vgpu_split`` line a person would write for this plan: sizes
+        only when they chose sizes, so the line still works when free memory
+        changes a little."""
+        words = ["%vgpu_split"]
+        if self.splits:
+            words.append(str(self.count))
+            if self.device_type == "CPU":
+                if self.cpu_forced:
+                    words.append("--cpu")
+            else:
+                limits = [m for m in self.memory_limits if m is not None]
+                if self.sizes_chosen and limits:
+                    if len(set(limits)) == 1:
+                        words += ["--memory", str(limits[0])]
+                    else:
+                        words += ["--memory", ",".join(str(m) for m in limits)]
+                if self.physical_index:
+                    words += ["--gpu", str(self.physical_index)]
+                if self.visible_gpus is not None and len(self.visible_gpus) > 1:
+                    words += ["--others", "keep"]
+        # Always spelled out (whether visibility is implied depends on the machine), except the
+        # "hide every GPU" that --cpu implies everywhere.
+        implied_by_cpu = self.cpu_forced and self.visible_gpus == ()
+        if self.visible_gpus is not None and not implied_by_cpu:
+            words += ["--visible", ",".join(str(i) for i in self.visible_gpus) or "none"]
+        if self.memory_growth:
+            words.append("--growth")
+        if self.framework_named:
+            words += ["--framework", self.framework_named]
+        return " ".join(words)
+
+
+def _format_caps(limits: tuple[int | None, ...]) -> str:
+    values = [m for m in limits if m is not None]
+    if not values:
+        return ""
+    if len(values) == 1:
+        return f"{values[0]} MiB"
+    if len(set(values)) == 1:
+        return f"{values[0]} MiB each"
+    return " + ".join(f"{m}" for m in values) + " MiB"
+
+
+@dataclass(frozen=True)
+class FitVerdict:
+    """Whether a GPU request fits, for the panel's bar (the planner's arithmetic, not the panel's)."""
+
+    total_mib: int
+    usable_mib: int | None
+    free_mib: int | None
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.usable_mib is None else self.total_mib <= self.usable_mib
+
+    @property
+    def reserve_mib(self) -> int | None:
+        return None if self.usable_mib is None or self.free_mib is None else self.free_mib - self.usable_mib
+
+    def describe(self) -> str:
+        if self.usable_mib is None:
+            return f"{self.total_mib} MiB asked; free memory unknown (NVML unavailable), so it is not checked"
+        verdict = "fits" if self.fits else f"does not fit ({self.total_mib - self.usable_mib} MiB too much)"
+        return (
+            f"{self.total_mib} of {self.usable_mib} MiB usable ({self.free_mib} free − {self.reserve_mib} kept back): "
+            f"{verdict}"
+        )
