@@ -4,18 +4,22 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= cpu,lab,test
+# What `make lab` installs (CPU TensorFlow and JupyterLab; `make lab EXTRAS=gpu,lab` for CUDA) and what
+# `make test` installs (everything the suite exercises: JAX, PyTorch and ipyparallel too). One venv for both.
+EXTRAS ?= cpu,lab
+TEST_EXTRAS ?= cpu,lab,test,jax,torch,cluster
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps lab test test-fast bench clean notebooks
+.PHONY: setup setup-test system-deps lab test test-fast bench clean notebooks
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed-$(EXTRAS)
+setup-test: $(VENV)/.installed-$(TEST_EXTRAS)
 
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+$(VENV)/.installed-%: pyproject.toml
+	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	$(PY) -m pip install --quiet -e '.[$*]'
 	touch $@
 
 # Debian's Chromium for the real-browser test (Playwright drives /usr/bin/chromium;
@@ -32,15 +36,15 @@ LAB_ARGS ?=
 lab: setup
 	TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/jupyter lab $(ALLOW_ROOT) $(LAB_ARGS) notebooks/01_quickstart.ipynb
 
-test: setup system-deps
+test: setup-test system-deps
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest tests notebooks --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg $(PYTEST_ARGS)
 
 # The suite without the browser test and notebooks, for quick iterations.
-test-fast: setup
+test-fast: setup-test
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest tests -m "not browser" $(PYTEST_ARGS)
 
 # Ratios and timings measured in one run (a few minutes; tests never assert on wall-clock time).
-bench: setup
+bench: setup-test
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) benchmarks/load_and_split.py
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) benchmarks/monitor_overhead.py
 
@@ -50,5 +54,5 @@ clean:
 # Re-run the tutorial notebooks in place, storing fresh real outputs (what nbval checks against).
 # PYTEST_CURRENT_TEST makes ipykernel leave C-level stderr (TensorFlow's timestamped C++ log lines) out of the
 # cell outputs, exactly as it does under nbval, so the stored outputs match what the test run produces.
-notebooks: setup
+notebooks: setup-test
 	for nb in notebooks/*.ipynb; do PYTEST_CURRENT_TEST=notebooks TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace "$$nb" || exit 1; done
