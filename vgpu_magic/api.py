@@ -154,7 +154,8 @@ def execute(
     if inventory is None:
         inventory = fw.probe_inventory()
     plan_ = plan_split(request, inventory)
-    state = runtime_state(watcher or _watcher, fw)
+    # A CUDA context held elsewhere only matters where the framework sees a GPU (and NVML costs ~10 ms).
+    state = runtime_state(watcher or _watcher, fw, check_cuda=bool(inventory.gpus))
     extra = []
     check = getattr(fw, "keras_backend_warning", None)
     if check is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import math
 import re
 import shlex
@@ -134,9 +135,10 @@ def _framework_type(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+@functools.lru_cache(maxsize=4)
 def split_argument_parser(prog: str = "%vgpu_split") -> argparse.ArgumentParser:
     """The argument grammar shared by ``%vgpu_split``, the config trait, the
-    environment variable and the CLI."""
+    environment variable and the CLI (built once: parsing never changes it)."""
     parser = _ArgumentParser(
         prog=prog,
         add_help=False,

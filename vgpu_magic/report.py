@@ -224,7 +224,7 @@ def collect_framework(fw, watcher=None) -> FrameworkStatus:
     from .runtime import runtime_state
 
     inventory = fw.probe_inventory()
-    runtime = runtime_state(watcher, fw)
+    runtime = runtime_state(watcher, fw, check_cuda=bool(inventory.gpus))
     snap = inventory.current or fw.read_configuration()
     names = snap.logical_names()
     readings: dict[str, dict[str, int]] = {}
