@@ -113,4 +113,6 @@ def cpu_inventory(monkeypatch):
         return replace(inventory, current=unconfigured(inventory))
 
     monkeypatch.setattr(type(FRAMEWORK), "probe_inventory", cpu_only)
+    # Other tests may have imported JAX into this process too: TensorFlow is the one meant here.
+    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
     return cpu_only
