@@ -47,6 +47,8 @@ test-fast: setup-test
 bench: setup-test
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) benchmarks/load_and_split.py
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) benchmarks/monitor_overhead.py
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) benchmarks/jax_split.py
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) benchmarks/cluster.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache artifacts
