@@ -29,6 +29,7 @@ _LAZY = {
     "MemoryMonitor": "monitor",
     "MemoryTrace": "monitor",
     "panel": "split_panel",
+    "cluster": "ranks",
 }
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension", *_LAZY]
