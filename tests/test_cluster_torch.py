@@ -35,14 +35,15 @@ def our_processes() -> set[int]:
 def shell():
     from IPython.testing.globalipapp import get_ipython
 
-    from vgpu_magic.ranks.magics import ClusterMagics
+    from vgpu_magic.ranks import engine
 
     ip = get_ipython()
-    magics = ClusterMagics(shell=ip)
-    ip.register_magics(magics)
+    ip.run_line_magic("load_ext", "vgpu_magic")
     before = our_processes()
     yield ip
-    magics.on_unload()
+    running = engine.current()
+    if running is not None:
+        running.stop()
     assert our_processes() <= before
 
 
@@ -203,6 +204,24 @@ def test_stop_start_five_times_leaves_nothing(shell, capsys):
         shell.run_line_magic("vgpu_cluster", "stop")
         assert our_processes() <= before
     assert capsys.readouterr().out.count("stopped 2 PyTorch ranks") == 5
+
+
+def test_a_new_start_replaces_the_running_cluster_and_unload_ext_stops_it(shell):
+    from vgpu_magic.ranks import engine
+
+    before = our_processes()
+    shell.run_line_magic("vgpu_cluster", "start 1 --framework torch")
+    first = our_processes() - before
+    assert len(first) >= 2  # the controller and the engine
+    shell.run_line_magic("vgpu_cluster", "start 1 --framework torch")
+    assert not first & our_processes()
+    assert len(our_processes() - before) >= 2
+    shell.run_line_magic("unload_ext", "vgpu_magic")
+    try:
+        assert engine.current() is None
+        assert our_processes() <= before
+    finally:
+        shell.run_line_magic("load_ext", "vgpu_magic")
 
 
 def test_interpreter_exit_stops_the_ranks(py):

@@ -31,6 +31,8 @@ __all__ = ["RankCluster", "RankInfo", "ClusterStartError", "current", "free_port
 
 #: Seconds processes get after SIGTERM before SIGKILL when the cluster stops.
 STOP_GRACE = 2.0
+#: Seconds the engines may take to register with the controller.
+ENGINE_TIMEOUT = 120.0
 #: Seconds the wiring (process group / coordinator rendezvous) may take.
 SETUP_TIMEOUT = 120.0
 
@@ -163,12 +165,15 @@ class RankCluster:
         if self.running:
             return self
         with _lock:
-            if _current is not None and _current is not self:
-                _current.stop()
-            _current = self
+            previous, _current = _current, self
+        if previous is not None and previous is not self:
+            previous.stop()
         try:
             self.cluster = ipp.Cluster(n=self.n, engines=self.engines, log_level=logging.WARNING)
-            self.client = self.cluster.start_and_connect_sync(n=self.n)
+            self.cluster.start_cluster_sync(n=self.n)
+            self.client = self.cluster.connect_client_sync()
+            # interactive=False: no progress bar in the cell (the start summary says what started).
+            self.client.wait_for_engines(self.n, timeout=ENGINE_TIMEOUT, block=True, interactive=False)
             self._remember_processes()
             self.engine_ids = sorted(self.client.ids)[: self.n]
             self.view = self.client[self.engine_ids]
