@@ -169,7 +169,9 @@ class RankCluster:
         if previous is not None and previous is not self:
             previous.stop()
         try:
-            self.cluster = ipp.Cluster(n=self.n, engines=self.engines, log_level=logging.WARNING)
+            # ERROR: ipyparallel logs an engine's whole log file as a warning when it exits non-zero, which
+            # every stop after a killed rank would print into the cell; this class reports failures itself.
+            self.cluster = ipp.Cluster(n=self.n, engines=self.engines, log_level=logging.ERROR)
             self.cluster.start_cluster_sync(n=self.n)
             self.client = self.cluster.connect_client_sync()
             # interactive=False: no progress bar in the cell (the start summary says what started).
@@ -379,10 +381,10 @@ class RankCluster:
         lines = [f"{self.n} {self.wiring.label} rank{'s' if self.n > 1 else ''} on ipyparallel engines ({self.engines})"]
         lines.extend(self.plans[0].notes if self.plans else ())
         for info in self.status():
-            memory = f"RSS {format_bytes(info.rss)}" if info.alive else "dead"
-            if info.gpu is not None:
-                memory += f", GPU {format_bytes(info.gpu)}"
-            lines.append(f"  rank {info.rank}: pid {info.pid}, {'alive' if info.alive else 'not running'}, {memory}")
+            state = f"alive, RSS {format_bytes(info.rss)}" if info.alive else "dead"
+            if info.alive and info.gpu is not None:
+                state += f", GPU {format_bytes(info.gpu)}"
+            lines.append(f"  rank {info.rank}: pid {info.pid}, {state}")
         if self.must_restart:
             lines.append(f"must be restarted ({self.must_restart}): %vgpu_cluster restart")
         return lines
