@@ -179,3 +179,24 @@ def test_bad_cluster_lines_change_nothing(shell, line, match):
 def test_bad_run_lines(shell, line, cell, match):
     with pytest.raises(UsageError, match=match):
         shell.run_cell_magic("vgpu_run", line, cell)
+
+
+def test_memory_trace_plot_and_sampler():
+    import os
+
+    from vgpu_magic.ranks.memory import RankMemoryPlot, RankMemorySampler, RankMemoryTrace
+
+    mib = 1024**2
+    trace = RankMemoryTrace(2)
+    trace.add(0.0, [100 * mib, 120 * mib], [None, None])
+    trace.add(0.5, [300 * mib, 110 * mib], [None, None])
+    assert trace.peak_rss() == [300 * mib, 120 * mib]
+    assert trace.summary() == "peak RSS: rank 0 300.0 MiB, rank 1 120.0 MiB"
+    plot = RankMemoryPlot(trace)
+    assert plot._png().startswith(b"\x89PNG") and "RSS)" in plot.axes.get_title()
+    # GPU-shaped samples (NVML per-process bytes) add dashed lines and the GPU peaks.
+    trace.add(1.0, [310 * mib, 115 * mib], [2048 * mib, 1024 * mib])
+    assert plot._png().startswith(b"\x89PNG") and "GPU memory dashed" in plot.axes.get_title()
+    assert trace.summary().endswith("peak GPU: rank 0 2.00 GiB, rank 1 1.00 GiB")
+    sampler = RankMemorySampler([os.getpid()], gpu=False)
+    assert sampler.rss()[0] > 10 * mib and sampler.gpu() == [None]

@@ -149,7 +149,7 @@ class RankMemoryPlot:
         self.axes = self.figure.add_subplot(1, 1, 1)
         self.axes.set_xlabel("seconds")
         self.axes.set_ylabel("MiB")
-        self.axes.set_title("memory per rank (RSS solid, GPU dashed)", fontsize=10)
+        self.axes.set_title("memory per rank (process RSS)", fontsize=10)
         colours = [f"C{r % 10}" for r in range(trace.ranks)]
         self._rss = [self.axes.plot([], [], color=c, label=f"rank {r}")[0] for r, c in enumerate(colours)]
         self._gpu = [self.axes.plot([], [], color=c, linestyle="--")[0] for c in colours]
@@ -173,6 +173,8 @@ class RankMemoryPlot:
                 gpu = [(v or 0) / mib for v in self.trace.gpu[r]]
                 self._gpu[r].set_data(t, gpu)
                 top = max(top, *gpu, 0)
+        if self.trace.has_gpu():
+            self.axes.set_title("memory per rank (process RSS solid, GPU memory dashed)", fontsize=10)
         for r, line in enumerate(self._rss):
             line.set_label(f"rank {r} (peak {format_bytes(self.trace.peak_rss()[r])})")
         self.axes.legend(loc="upper left", fontsize=8)
