@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+from concurrent import futures
 import signal
 import sys
 import time
@@ -362,7 +363,8 @@ class RankRun:
                     )
                 if failure is not None or all(ar.ready() for ar in results):
                     break
-                time.sleep(POLL)
+                # AsyncResults are futures: wake as soon as one finishes, else look again after POLL.
+                futures.wait([ar for ar in results if not ar.ready()], timeout=POLL, return_when=futures.FIRST_COMPLETED)
         except KeyboardInterrupt:
             interrupted, killed = self._stop_others(results, None)
             self._emit(results, streams, final=True)
