@@ -93,8 +93,6 @@ class RankCluster:
         first TensorFlow worker); default: free ports from the OS.
     gpus:
         The GPUs to plan for, ``[(index, total_bytes), ...]``; default: what NVML sees.
-    engines:
-        ipyparallel's engine launcher (``"local"``, ``"mpi"``, ``"slurm"``, ...).
 
     Raises
     ------
@@ -117,7 +115,6 @@ class RankCluster:
         memory: int | None = None,
         port: int | None = None,
         gpus: list[tuple[int, int]] | None = None,
-        engines: str = "local",
     ) -> None:
         if not isinstance(n, int) or not 1 <= n <= 64:
             raise ValueError(f"rank count {n!r} is out of range; use 1..64")
@@ -134,7 +131,6 @@ class RankCluster:
         self.split = split
         self.memory = memory
         self.port = port
-        self.engines = engines
         self.plans: list[RankPlan] = []
         self.cluster: Any = None
         self.client: Any = None
@@ -171,7 +167,7 @@ class RankCluster:
         try:
             # ERROR: ipyparallel logs an engine's whole log file as a warning when it exits non-zero, which
             # every stop after a killed rank would print into the cell; this class reports failures itself.
-            self.cluster = ipp.Cluster(n=self.n, engines=self.engines, log_level=logging.ERROR)
+            self.cluster = ipp.Cluster(n=self.n, engines="local", log_level=logging.ERROR)
             self.cluster.start_cluster_sync(n=self.n)
             self.client = self.cluster.connect_client_sync()
             # interactive=False: no progress bar in the cell (the start summary says what started).
@@ -378,7 +374,7 @@ class RankCluster:
 
         if not self.running:
             return ["no cluster running"]
-        lines = [f"{self.n} {self.wiring.label} rank{'s' if self.n > 1 else ''} on ipyparallel engines ({self.engines})"]
+        lines = [f"{self.n} {self.wiring.label} rank{'s' if self.n > 1 else ''} on local ipyparallel engines"]
         lines.extend(self.plans[0].notes if self.plans else ())
         for info in self.status():
             state = f"alive, RSS {format_bytes(info.rss)}" if info.alive else "dead"

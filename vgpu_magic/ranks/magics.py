@@ -3,7 +3,7 @@
 ::
 
     In [1]: %vgpu_cluster start 2 --framework torch
-    2 PyTorch ranks on ipyparallel engines (local)
+    2 PyTorch ranks on local ipyparallel engines
     init_process_group('gloo') on localhost:41237, world size 2
       rank 0: pid 5120, alive, RSS 310.2 MiB
       rank 1: pid 5122, alive, RSS 309.8 MiB
@@ -48,7 +48,6 @@ class ClusterMagics(Magics):
     @argument("--split", type=int, help="TensorFlow on GPU: logical GPUs per worker; JAX on CPU: CPU devices per process")
     @argument("--memory", help="per-rank GPU memory cap (2048 = MiB, 2GB, 1.5G); default an even share")
     @argument("--port", type=int, help="coordinator port (default: a free port from the OS)")
-    @argument("--engines", default="local", help="ipyparallel engine launcher: local (default), mpi, slurm, ...")
     @line_magic
     def vgpu_cluster(self, line: str) -> None:
         """Start, inspect, stop or restart the ranks.
@@ -78,7 +77,7 @@ class ClusterMagics(Magics):
             try:
                 memory = parse_memory(args.memory) if args.memory is not None else None
                 ranks = engine.RankCluster(
-                    args.n, args.framework, split=args.split, memory=memory, port=args.port, engines=args.engines
+                    args.n, args.framework, split=args.split, memory=memory, port=args.port
                 )
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
