@@ -84,6 +84,14 @@ def test_notebook_names_are_sent_and_output_is_labelled(shell, ranks, capsys):
     assert [line for line in lines if line.startswith("[rank 1]")] == ["[rank 1] step 0 14", "[rank 1] step 1 14"]
 
 
+def test_names_a_rank_cell_assigned_stay_rank_state(shell, ranks):
+    shell.user_ns["state"] = "from the notebook"
+    shell.run_cell_magic("vgpu_run", "", "import os\nstate = 'rank ' + os.environ['RANK']")
+    shell.user_ns["state"] = "changed in the notebook"
+    shell.run_cell_magic("vgpu_run", "-o seen", "state")
+    assert shell.user_ns["seen"] == ["rank 0", "rank 1"]
+
+
 def test_an_unsendable_name_is_named_and_nothing_runs(shell, ranks):
     shell.user_ns["lock"] = threading.Lock()
     shell.user_ns["marker"] = 0

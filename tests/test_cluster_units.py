@@ -111,6 +111,15 @@ def test_names_the_cell_reads_before_writing():
     assert names_to_send(code, ns) == ["x", "model", "lr", "helper"]
 
 
+def test_names_the_ranks_assigned_are_never_sent():
+    from vgpu_magic.ranks.run import names_written
+
+    code = "import torch as T\nmodel = DDP(net)\nfor step in range(3): pass\ndef train(): local = 1\nclass Net: pass"
+    assert names_written(code) == {"T", "model", "step", "train", "Net"}
+    # The notebook has a `model` too, but the ranks' own model wins.
+    assert names_to_send("model.step(lr)", {"model": 1, "lr": 0.1}, on_ranks={"model"}) == ["lr"]
+
+
 def test_an_unpicklable_name_is_named():
     ns = {"lock": threading.Lock(), "ok": 1}
     with pytest.raises(UnsendableName, match=r"cannot send 'lock' \(lock\) to the ranks: cannot pickle"):
@@ -200,3 +209,19 @@ def test_memory_trace_plot_and_sampler():
     assert trace.summary().endswith("peak GPU: rank 0 2.00 GiB, rank 1 1.00 GiB")
     sampler = RankMemorySampler([os.getpid()], gpu=False)
     assert sampler.rss()[0] > 10 * mib and sampler.gpu() == [None]
+
+
+def test_loading_the_extension_starts_and_imports_nothing_of_the_cluster(py):
+    proc = py(
+        """
+        import json, sys
+        from IPython.core.interactiveshell import InteractiveShell
+        shell = InteractiveShell.instance()
+        shell.run_line_magic("load_ext", "vgpu_magic")
+        import vgpu_magic
+        assert "vgpu_cluster" in shell.magics_manager.magics["line"] and "vgpu_run" in shell.magics_manager.magics["cell"]
+        heavy = ("ipyparallel", "torch", "tensorflow", "jax", "cloudpickle", "psutil", "zmq")
+        print(json.dumps([m for m in heavy if m in sys.modules]))
+        """
+    )
+    assert proc.stdout.strip().splitlines()[-1] == "[]"

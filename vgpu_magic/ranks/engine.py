@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .run import RankRun, RankRunError, names_to_send, pack_names, process_alive, split_last_expression
+from .run import RankRun, RankRunError, names_to_send, names_written, pack_names, process_alive, split_last_expression
 from .wiring import GPU, RankPlan, get_wiring, prepare_rank
 
 __all__ = ["RankCluster", "RankInfo", "ClusterStartError", "current", "free_ports"]
@@ -138,6 +138,8 @@ class RankCluster:
         self.engine_ids: list[int] = []
         self.pids: list[int] = []
         self.must_restart: str | None = None
+        #: Names cells run on the ranks assigned: rank state, never overwritten from the notebook.
+        self.rank_names: set[str] = set()
         self._owned: set[int] = set()
 
     @property
@@ -280,6 +282,7 @@ class RankCluster:
                 pass
         self.cluster = self.client = self.view = None
         self.engine_ids, self.pids, self._owned = [], [], set()
+        self.rank_names = set()
         self.must_restart = None
         atexit.unregister(self.stop)
         with _lock:
@@ -310,7 +313,8 @@ class RankCluster:
     ) -> list[Any] | None:
         """Run ``code`` on every rank under the fault policy (:mod:`.run`).
 
-        Names ``code`` reads from ``namespace`` are sent by value first.
+        Names ``code`` reads from ``namespace`` are sent by value first,
+        except names earlier cells assigned on the ranks (:attr:`rank_names`).
         Returns the value of the last expression on each rank, in rank order,
         when ``output`` is true. Raises :class:`~.run.UnsendableName`,
         :class:`~.run.RankRunError`, or :class:`RuntimeError` if the cluster
@@ -319,7 +323,7 @@ class RankCluster:
         self._require_running()
         namespace = namespace or {}
         compile(code, "<cell>", "exec")
-        names = names_to_send(code, namespace)
+        names = names_to_send(code, namespace, self.rank_names)
         blob = pack_names(namespace, names) if names else None
         if blob is not None:
             self.view.push({"_vgpu_names": blob}, block=True)
@@ -334,6 +338,8 @@ class RankCluster:
             return self.client[self.engine_ids[rank]].execute(code, silent=False, block=False)
 
         runner = RankRun(self.pids, submit, self._exit_code, timeout=timeout, plot=plot, gpu=bool(self.gpus))
+        # Counted before the run: a cell that fails half-way may still have bound them on the ranks.
+        self.rank_names |= names_written(code)
         self.last_run = runner
         try:
             results = runner.run()

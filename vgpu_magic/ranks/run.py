@@ -41,6 +41,7 @@ __all__ = [
     "RankRun",
     "UnsendableName",
     "names_to_send",
+    "names_written",
     "pack_names",
     "split_last_expression",
     "process_alive",
@@ -180,18 +181,35 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
     visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _definition
 
 
-def names_to_send(code: str, namespace: dict[str, Any]) -> list[str]:
-    """The notebook names ``code`` reads before assigning them, that ``namespace`` holds."""
+def names_to_send(code: str, namespace: dict[str, Any], on_ranks: set[str] = frozenset()) -> list[str]:
+    """The notebook names ``code`` reads before assigning them, that ``namespace`` holds.
+
+    Names in ``on_ranks`` (assigned by earlier cells run on the ranks: a DDP
+    model, an optimizer) live on the ranks and are never overwritten from the
+    notebook, even where the notebook has a variable of the same name.
+    """
     visitor = _ReadsBeforeWrites()
     visitor.visit(ast.parse(code))
     return [
         name
         for name in visitor.read
         if name in namespace
+        and name not in on_ranks
         and not name.startswith("_")
         and name not in _SHELL_NAMES
         and not (hasattr(builtins, name) and namespace[name] is getattr(builtins, name))
     ]
+
+
+def names_written(code: str) -> set[str]:
+    """The names ``code`` binds at its top level (assignments, imports, definitions, loop targets)."""
+    visitor = _ReadsBeforeWrites()
+    for statement in ast.parse(code).body:
+        if not isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            visitor.visit(statement)
+        else:
+            visitor.written.add(statement.name)
+    return visitor.written
 
 
 def pack_names(namespace: dict[str, Any], names: list[str]) -> bytes:
