@@ -225,3 +225,16 @@ def test_loading_the_extension_starts_and_imports_nothing_of_the_cluster(py):
         """
     )
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize(("absent", "match"), [("ipyparallel", r"need ipyparallel: pip install 'vgpu_magic\[cluster\]'"),
+                                               ("jax", r"JAX is not installed in this kernel: pip install 'vgpu_magic\[jax\]'")])
+def test_missing_packages_are_named_before_anything_starts(monkeypatch, absent, match):
+    import importlib.util
+
+    from vgpu_magic.ranks import RankCluster
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == absent else real(name, *a))
+    with pytest.raises(ValueError, match=match):
+        RankCluster(2, "jax", gpus=[])

@@ -14,6 +14,7 @@ process it started is gone.
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import logging
 import os
 import signal
@@ -121,6 +122,11 @@ class RankCluster:
         if port is not None and not 1 <= port <= 65535:
             raise ValueError(f"--port {port} is not a TCP port; use 1..65535, or leave it out for a free one")
         self.wiring = get_wiring(framework)
+        missing = [m for m in ("ipyparallel", "psutil", "cloudpickle") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ValueError(f"the ranks need {', '.join(missing)}: pip install 'vgpu_magic[cluster]'")
+        if importlib.util.find_spec(self.wiring.module) is None:
+            raise ValueError(f"{self.wiring.label} is not installed in this kernel: pip install 'vgpu_magic[{self.wiring.extra}]'")
         if gpus is None:
             from .memory import nvml_gpus
 

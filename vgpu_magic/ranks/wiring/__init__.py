@@ -61,6 +61,9 @@ class RankWiring:
 
     name: str = ""
     label: str = ""
+    #: The module the ranks import, and the vgpu_magic extra that installs it.
+    module: str = ""
+    extra: str = ""
     #: Loopback ports the cluster must reserve: a function of the rank count.
     ports_per_cluster: str = "one"  # "one" or "per_rank"
 

@@ -18,6 +18,8 @@ __all__ = ["WIRING", "JaxWiring", "setup_rank"]
 class JaxWiring(RankWiring):
     name = "jax"
     label = "JAX"
+    module = "jax"
+    extra = "jax"
     ports_per_cluster = "one"
 
     def validate(self, n: int, split: int | None, memory: int | None, gpus: list[GPU]) -> None:

@@ -27,6 +27,8 @@ _MIB = 1024 * 1024
 class TensorFlowWiring(RankWiring):
     name = "tensorflow"
     label = "TensorFlow"
+    module = "tensorflow"
+    extra = "cpu"
     ports_per_cluster = "per_rank"
 
     def validate(self, n: int, split: int | None, memory: int | None, gpus: list[GPU]) -> None:

@@ -31,6 +31,8 @@ __all__ = ["WIRING", "TorchWiring", "setup_rank"]
 class TorchWiring(RankWiring):
     name = "torch"
     label = "PyTorch"
+    module = "torch"
+    extra = "torch"
     ports_per_cluster = "one"
 
     def validate(self, n: int, split: int | None, memory: int | None, gpus: list[GPU]) -> None:
