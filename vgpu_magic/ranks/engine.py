@@ -21,7 +21,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
