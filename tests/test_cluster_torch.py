@@ -6,6 +6,7 @@ is left (psutil children of this process)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -82,6 +83,29 @@ def test_notebook_names_are_sent_and_output_is_labelled(shell, ranks, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line for line in lines if line.startswith("[rank 0]")] == ["[rank 0] step 0 0", "[rank 0] step 1 0"]
     assert [line for line in lines if line.startswith("[rank 1]")] == ["[rank 1] step 0 14", "[rank 1] step 1 14"]
+
+
+def test_output_streams_while_the_ranks_run(shell, ranks, tmp_path, monkeypatch):
+    """Each rank waits for a file that the test creates only once it has seen that rank's first line: the
+    cell can only finish if lines arrive while it runs."""
+
+    class Watcher(io.StringIO):
+        def write(self, text: str) -> int:
+            for line in text.splitlines():
+                if line.endswith("waiting"):
+                    (tmp_path / line.split("]")[0].strip("[").replace(" ", "_")).touch()
+            return super().write(text)
+
+    out = Watcher()
+    monkeypatch.setattr(sys, "stdout", out)
+    shell.user_ns["folder"] = str(tmp_path)
+    shell.run_cell_magic(
+        "vgpu_run",
+        "--timeout 60",
+        "import os, time\nprint('waiting', flush=True)\nmine = os.path.join(folder, 'rank_' + os.environ['RANK'])\n"
+        "while not os.path.exists(mine):\n    time.sleep(0.05)\nprint('done')",
+    )
+    assert sorted(out.getvalue().splitlines()) == ["[rank 0] done", "[rank 0] waiting", "[rank 1] done", "[rank 1] waiting"]
 
 
 def test_names_a_rank_cell_assigned_stay_rank_state(shell, ranks):

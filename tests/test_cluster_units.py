@@ -167,6 +167,7 @@ def shell():
         ("start 2 --framework torch --port 70000", "--port 70000 is not a TCP port"),
         ("launch 2", "invalid choice: 'launch'"),
         ("status 3", "'N 3' only goes with start"),
+        ("restart", "no cluster to restart"),
     ],
 )
 def test_bad_cluster_lines_change_nothing(shell, line, match):
@@ -238,3 +239,9 @@ def test_missing_packages_are_named_before_anything_starts(monkeypatch, absent, 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == absent else real(name, *a))
     with pytest.raises(ValueError, match=match):
         RankCluster(2, "jax", gpus=[])
+
+
+def test_status_and_stop_without_a_cluster_say_so(shell, capsys):
+    shell.run_line_magic("vgpu_cluster", "status")
+    shell.run_line_magic("vgpu_cluster", "stop")
+    assert capsys.readouterr().out.count("no cluster running; start one with %vgpu_cluster start") == 2

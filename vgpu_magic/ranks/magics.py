@@ -90,10 +90,10 @@ class ClusterMagics(Magics):
             print("\n".join(ranks.describe()))
             return
         if running is None:
-            if args.action == "stop":
-                print("no cluster running")
-                return
-            raise UsageError(f"no cluster to {args.action}; start one with %vgpu_cluster start 2 --framework torch")
+            if args.action == "restart":
+                raise UsageError("no cluster to restart; start one with %vgpu_cluster start 2 --framework torch")
+            print("no cluster running; start one with %vgpu_cluster start 2 --framework torch")
+            return
         if args.action == "status":
             print("\n".join(running.describe()))
         elif args.action == "stop":
