@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import CHILD_ENV, ROOT
+from conftest import CHILD_ENV, ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -21,7 +21,7 @@ import psutil
 import pytest
 from IPython.core.error import UsageError
 
-from tests.conftest import CHILD_ENV, ROOT
+from conftest import CHILD_ENV, ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

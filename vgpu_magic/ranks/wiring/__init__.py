@@ -68,6 +68,7 @@ class RankWiring:
     ports_per_cluster: str = "one"  # "one" or "per_rank"
 
     def ports_needed(self, n: int) -> int:
+        """How many loopback ports ``n`` ranks need (one coordinator, or one per TensorFlow worker)."""
         return n if self.ports_per_cluster == "per_rank" else 1
 
     def validate(self, n: int, split: int | None, memory: int | None, gpus: list[GPU]) -> None:
@@ -88,6 +89,7 @@ class RankWiring:
                 )
 
     def plan(self, n: int, ports: list[int], split: int | None, memory: int | None, gpus: list[GPU]) -> list[RankPlan]:
+        """One :class:`RankPlan` per rank, in rank order, for a request :meth:`validate` accepted."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -112,6 +114,7 @@ def rank_memory(n: int, memory: int | None, gpus: list[GPU]) -> int:
 
 
 def resolve(name: str) -> str:
+    """``"tf"`` -> ``"tensorflow"``; :class:`ValueError` quoting an unknown name."""
     key = ALIASES.get(name.strip().lower(), name.strip().lower())
     if key not in WIRINGS:
         raise ValueError(f"framework {name!r} is not supported by %vgpu_cluster; use torch, tensorflow or jax")
