@@ -176,10 +176,11 @@ class RankCluster:
             # every stop after a killed rank would print into the cell; this class reports failures itself.
             self.cluster = ipp.Cluster(n=self.n, engines="local", log_level=logging.ERROR)
             self.cluster.start_cluster_sync(n=self.n)
+            # Remembered at once, so that even engines that never register are stopped.
+            self._remember_processes()
             self.client = self.cluster.connect_client_sync()
             # interactive=False: no progress bar in the cell (the start summary says what started).
             self.client.wait_for_engines(self.n, timeout=ENGINE_TIMEOUT, block=True, interactive=False)
-            self._remember_processes()
             self.engine_ids = sorted(self.client.ids)[: self.n]
             self.view = self.client[self.engine_ids]
             self.view.block = True
@@ -229,6 +230,7 @@ class RankCluster:
             if get_ipython() is not None:
                 self.view.activate()
         except Exception:
+            # A convenience only: the ranks work without %px, so a shell that cannot take the magics is no error.
             pass
 
     def _exit_code(self, rank: int) -> int | None:
@@ -267,6 +269,7 @@ class RankCluster:
             try:
                 self.client.close()
             except Exception:
+                # A client whose controller already died can fail to close; its sockets go with it.
                 pass
         for proc in procs:
             try:
@@ -284,6 +287,7 @@ class RankCluster:
             try:
                 self.cluster.stop_cluster_sync()
             except Exception:
+                # Its processes are gone (checked above); this only removes ipyparallel's cluster files.
                 pass
         self.cluster = self.client = self.view = None
         self.engine_ids, self.pids, self._owned = [], [], set()
