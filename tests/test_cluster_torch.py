@@ -76,6 +76,13 @@ def test_ranks_get_torchruns_environment_in_rank_order(shell, ranks, capsys):
     assert f"rank 0: pid {ranks.pids[0]}, alive" in out and f"rank 1: pid {ranks.pids[1]}, alive" in out
 
 
+def test_the_same_start_again_keeps_the_running_ranks(shell, ranks, capsys):
+    pids = list(ranks.pids)
+    shell.run_line_magic("vgpu_cluster", "start 2 --framework torch")
+    assert "already running" in capsys.readouterr().out
+    assert ranks.running and ranks.pids == pids
+
+
 def test_notebook_names_are_sent_and_output_is_labelled(shell, ranks, capsys):
     shell.user_ns["scale"] = 7
     shell.user_ns["double"] = lambda v: 2 * v
@@ -245,7 +252,8 @@ def test_a_new_start_replaces_the_running_cluster_and_unload_ext_stops_it(shell)
     shell.run_line_magic("vgpu_cluster", "start 1 --framework torch")
     first = our_processes() - before
     assert len(first) >= 2  # the controller and the engine
-    shell.run_line_magic("vgpu_cluster", "start 1 --framework torch")
+    # A different request (TensorFlow's CPU wiring imports nothing, so it is the quickest) replaces it.
+    shell.run_line_magic("vgpu_cluster", "start 1 --framework tensorflow")
     assert not first & our_processes()
     assert len(our_processes() - before) >= 2
     shell.run_line_magic("unload_ext", "vgpu_magic")

@@ -155,6 +155,11 @@ class RankCluster:
     def running(self) -> bool:
         return self.cluster is not None
 
+    def same_request(self, other: RankCluster) -> bool:
+        """Does ``other`` ask for the same ranks and wiring as this cluster?"""
+        mine = (self.n, self.framework, self.split, self.memory, self.port, self.gpus)
+        return mine == (other.n, other.framework, other.split, other.memory, other.port, other.gpus)
+
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> RankCluster:
         """Start the engines, wire them, and make this the current cluster.

@@ -81,6 +81,11 @@ class ClusterMagics(Magics):
                 )
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
+            if running is not None and running.same_request(ranks) and not running.must_restart:
+                # "Run all" re-runs the start cell: keep the ranks and their state rather than start afresh.
+                print("already running (%vgpu_cluster restart starts afresh)")
+                print("\n".join(running.describe()))
+                return
             if running is not None:
                 print(f"stopping the running cluster ({running.n} {running.wiring.label} ranks) first")
             try:
