@@ -221,7 +221,7 @@ def test_coordinator_port_in_use_fails_cleanly(shell):
     blocker.listen()
     port = blocker.getsockname()[1]
     try:
-        with pytest.raises(UsageError, match=rf"wiring PyTorch failed: rank 0 raised .*{port}"):
+        with pytest.raises(UsageError, match=rf"wiring PyTorch failed: rank 0 raised .*{port}.*; nothing was left running$"):
             shell.run_line_magic("vgpu_cluster", f"start 2 --framework torch --port {port}")
     finally:
         blocker.close()

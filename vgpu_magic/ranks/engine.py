@@ -199,7 +199,9 @@ class RankCluster:
         except BaseException as exc:
             self.stop()
             if isinstance(exc, RankRunError):
-                raise ClusterStartError(f"wiring {self.wiring.label} failed: {exc.headline()}") from exc
+                raise ClusterStartError(
+                    f"wiring {self.wiring.label} failed: {exc.headline(state=False)}; nothing was left running"
+                ) from exc
             if isinstance(exc, Exception) and not isinstance(exc, ClusterStartError):
                 raise ClusterStartError(f"the ranks could not start: {type(exc).__name__}: {exc}") from exc
             raise

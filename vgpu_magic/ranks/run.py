@@ -77,15 +77,16 @@ class RankRunError(RuntimeError):
         self.must_restart = must_restart
         super().__init__(self.headline())
 
-    def headline(self) -> str:
+    def headline(self, state: bool = True) -> str:
+        """One line: what failed, what was done to the others, and (``state``) whether the cluster is usable."""
         parts = [f"rank {self.failure.rank} {self.failure.summary}"]
         if self.interrupted:
             parts.append(f"interrupted rank{'s' if len(self.interrupted) > 1 else ''} {_ranks(self.interrupted)}")
         if self.killed:
             parts.append(f"killed rank{'s' if len(self.killed) > 1 else ''} {_ranks(self.killed)} (did not stop within {GRACE:g} s of SIGINT)")
-        if self.must_restart:
+        if state and self.must_restart:
             parts.append("the cluster must be restarted: %vgpu_cluster restart")
-        else:
+        elif state:
             parts.append("the cluster is still usable")
         return "; ".join(parts)
 
@@ -308,7 +309,9 @@ class RankRun:
         evalue = getattr(exc, "evalue", str(exc))
         if ename == "EngineError" or not self._alive(rank):
             return self._death(rank)
-        return RankFailure(rank, "error", f"raised {ename}: {evalue}".rstrip(": "), tb)
+        # The headline is one line; the whole message is in the traceback.
+        first = (str(evalue).strip().splitlines() or [""])[0]
+        return RankFailure(rank, "error", f"raised {ename}: {first}".rstrip(": "), tb)
 
     def _death(self, rank: int) -> RankFailure:
         code = None
