@@ -245,3 +245,25 @@ def test_status_and_stop_without_a_cluster_say_so(shell, capsys):
     shell.run_line_magic("vgpu_cluster", "status")
     shell.run_line_magic("vgpu_cluster", "stop")
     assert capsys.readouterr().out.count("no cluster running; start one with %vgpu_cluster start") == 2
+
+
+def test_a_failing_rank_is_summed_up_in_one_line():
+    import os
+
+    from vgpu_magic.ranks.run import RankRun, RankRunError
+
+    class RemoteFailure(Exception):
+        ename, evalue = "DistNetworkError", "The server socket has failed to listen.\nport: 1234\nname: EADDRINUSE"
+
+        def render_traceback(self):
+            return ["Traceback (most recent call last):", "DistNetworkError: The server socket ..."]
+
+    class FinishedWithError:
+        def exception(self, timeout=None):
+            return RemoteFailure()
+
+    failure = RankRun([os.getpid()], lambda rank: None, lambda rank: None)._failure(0, FinishedWithError())
+    assert failure.summary == "raised DistNetworkError: The server socket has failed to listen."
+    error = RankRunError(failure, interrupted=[1], killed=[], must_restart=False)
+    assert "\n" not in str(error)
+    assert error._render_traceback_()[0] == "[rank 0] Traceback (most recent call last):"
