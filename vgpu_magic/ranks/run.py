@@ -51,6 +51,8 @@ __all__ = [
 GRACE = 3.0
 #: Seconds between looks at the ranks (output, completion, liveness).
 POLL = 0.05
+#: Seconds to wait, at the end of a run, for output still on its way from finished ranks.
+OUTPUT_WAIT = 5.0
 #: Seconds between memory samples.
 SAMPLE_EVERY = 0.2
 
@@ -296,6 +298,14 @@ class RankRun:
             out.feed(ar.stdout or "", final)
             err.feed(ar.stderr or "", final)
 
+    def _drain(self, results: list[Any]) -> None:
+        """Wait (briefly) for the last output of every finished, living rank: ipyparallel can deliver a
+        rank's reply before the iopub messages carrying its last lines."""
+        deadline = time.monotonic() + OUTPUT_WAIT
+        for rank, ar in enumerate(results):
+            if ar.ready() and self._alive(rank):
+                ar.wait_for_output(max(0.0, deadline - time.monotonic()))
+
     def _alive(self, rank: int) -> bool:
         return process_alive(self.pids[rank])
 
@@ -387,7 +397,8 @@ class RankRun:
                 # AsyncResults are futures: wake as soon as one finishes, else look again after POLL.
                 futures.wait([ar for ar in results if not ar.ready()], timeout=POLL, return_when=futures.FIRST_COMPLETED)
         except KeyboardInterrupt:
-            interrupted, killed = self._stop_others(results, None)
+            _, killed = self._stop_others(results, None)
+            self._drain(results)
             self._emit(results, streams, final=True)
             sampler.close()
             if killed:
@@ -399,6 +410,7 @@ class RankRun:
         if failure is not None:
             culprit = None if failure.kind == "timeout" else failure.rank
             interrupted, killed = self._stop_others(results, culprit)
+        self._drain(results)
         self._emit(results, streams, final=True)
         self.trace.add(time.monotonic() - start, sampler.rss(), sampler.gpu())
         sampler.close()
