@@ -246,13 +246,15 @@ def test_stop_start_five_times_leaves_nothing(shell, capsys):
     if running is not None:
         running.stop()
     before = our_processes()
+    # One rank each time: the lifecycle (controller, engine, process group) is what is repeated; the
+    # two-rank rendezvous is covered above.
     for _ in range(5):
-        shell.run_line_magic("vgpu_cluster", "start 2 --framework torch")
+        shell.run_line_magic("vgpu_cluster", "start 1 --framework torch")
         pids = engine.current().pids
-        assert len(pids) == 2 and set(pids) <= our_processes()
+        assert len(pids) == 1 and set(pids) <= our_processes()
         shell.run_line_magic("vgpu_cluster", "stop")
         assert our_processes() <= before
-    assert capsys.readouterr().out.count("stopped 2 PyTorch ranks") == 5
+    assert capsys.readouterr().out.count("stopped 1 PyTorch rank\n") == 5
 
 
 def test_a_new_start_replaces_the_running_cluster_and_unload_ext_stops_it(shell):

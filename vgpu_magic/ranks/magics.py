@@ -87,7 +87,7 @@ class ClusterMagics(Magics):
                 print("\n".join(running.describe()))
                 return
             if running is not None:
-                print(f"stopping the running cluster ({running.n} {running.wiring.label} ranks) first")
+                print(f"stopping the running cluster ({running.n} {running.wiring.label} rank{'s' if running.n > 1 else ''}) first")
             try:
                 ranks.start()
             except engine.ClusterStartError as exc:
@@ -103,7 +103,7 @@ class ClusterMagics(Magics):
             print("\n".join(running.describe()))
         elif args.action == "stop":
             running.stop()
-            print(f"stopped {running.n} {running.wiring.label} ranks")
+            print(f"stopped {running.n} {running.wiring.label} rank{'s' if running.n > 1 else ''}")
         else:
             try:
                 running.restart()
