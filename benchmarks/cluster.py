@@ -1,0 +1,131 @@
+"""What the rank cluster costs: start, per-cell overhead, all-reduce bandwidth.
+
+Run by hand (``make bench``), never by the test suite::
+
+    python benchmarks/cluster.py [--repeats 20]
+
+(a) Cluster start (``RankCluster(n, framework).start()``: ipyparallel engines
+    plus the framework's wiring) for 2 and 4 ranks, per framework, against
+    one bare ``import <framework>`` in a fresh interpreter. On CPU the
+    TensorFlow wiring imports nothing (``TF_CONFIG`` only), so its start is
+    ipyparallel's alone.
+(b) ``%%vgpu_run`` on a trivial cell (``pass``) on 2 torch ranks, in a real
+    IPython shell, against ipyparallel's own ``view.execute(..., block=True)``
+    of the same cell: the cost of streaming, liveness checks and sampling.
+(c) ``dist.all_reduce`` of 64 MiB (float32) on 2 gloo ranks, as bus
+    bandwidth in GB/s, next to memcpy bandwidth of the same 64 MiB
+    (``torch`` ``copy_``) measured on a rank in the same run.
+
+Medians are reported. The ratios matter, not the absolute figures: this
+machine's cores are shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+MODULES = {"torch": "torch", "tensorflow": "tensorflow", "jax": "jax"}
+
+
+def bare_import(module: str) -> float:
+    """Seconds for ``import module`` in a fresh interpreter (interpreter start excluded)."""
+    code = f"import time; t = time.perf_counter(); import {module}; print(time.perf_counter() - t)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=os.environ)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def cluster_start(framework: str, n: int) -> float:
+    from vgpu_magic.ranks import RankCluster
+
+    t = time.perf_counter()
+    ranks = RankCluster(n, framework).start()
+    elapsed = time.perf_counter() - t
+    ranks.stop()
+    return elapsed
+
+
+def run_overhead(repeats: int) -> tuple[float, float]:
+    from IPython.testing.globalipapp import get_ipython
+
+    import vgpu_magic
+
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "vgpu_magic")
+    with contextlib.redirect_stdout(io.StringIO()):
+        ip.run_line_magic("vgpu_cluster", "start 2 --framework torch")
+    ranks = vgpu_magic.cluster()
+    ours, plain = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        ip.run_cell_magic("vgpu_run", "--no-plot", "pass")
+        ours.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        ranks.view.execute("pass", block=True)
+        plain.append(time.perf_counter() - t)
+    return statistics.median(ours), statistics.median(plain)
+
+
+ALLREDUCE = """
+import time, statistics, torch, torch.distributed as dist
+t = torch.ones(16 * 1024 * 1024)
+dist.all_reduce(t); dist.barrier()
+times = []
+for _ in range(5):
+    dist.barrier(); s = time.perf_counter(); dist.all_reduce(t); times.append(time.perf_counter() - s)
+copies = []
+dst = torch.empty_like(t)
+for _ in range(5):
+    s = time.perf_counter(); dst.copy_(t); copies.append(time.perf_counter() - s)
+(statistics.median(times), statistics.median(copies))
+"""
+
+
+def allreduce() -> tuple[float, float]:
+    import vgpu_magic
+
+    ranks = vgpu_magic.cluster()
+    with contextlib.redirect_stdout(io.StringIO()):
+        results = ranks.run(ALLREDUCE, output=True)
+    ranks.stop()
+    nbytes = 64 * 1024 * 1024
+    reduce_s = max(r[0] for r in results)
+    copy_s = statistics.median(r[1] for r in results)
+    # Bus bandwidth as nccl-tests define it: 2 (n-1)/n × size / time; for n = 2, size / time.
+    return nbytes / reduce_s / 1e9, 2 * nbytes / copy_s / 1e9  # memcpy reads and writes each byte
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--frameworks", default="torch,tensorflow,jax")
+    args = parser.parse_args()
+    print("(a) cluster start vs one bare framework import (fresh interpreters)")
+    for framework in args.frameworks.split(","):
+        base = bare_import(MODULES[framework])
+        starts = {n: cluster_start(framework, n) for n in (2, 4)}
+        print(
+            f"    {framework:<10} import {base:5.2f} s | 2 ranks {starts[2]:5.2f} s ({starts[2] / base:4.1f}x) "
+            f"| 4 ranks {starts[4]:5.2f} s ({starts[4] / base:4.1f}x)"
+        )
+    ours, plain = run_overhead(args.repeats)
+    print(f"(b) trivial cell on 2 ranks: %%vgpu_run {ours * 1e3:.1f} ms, ipyparallel view.execute {plain * 1e3:.1f} ms "
+          f"(+{(ours - plain) * 1e3:.1f} ms, {ours / plain:.1f}x), median of {args.repeats}")
+    bus, memcpy = allreduce()
+    print(f"(c) all_reduce 64 MiB on 2 gloo ranks: {bus:.2f} GB/s bus bandwidth; memcpy on a rank: {memcpy:.2f} GB/s "
+          f"(all-reduce at {bus / memcpy:.1%} of memcpy)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""TensorFlow and JAX ranks on real ipyparallel engines: MultiWorkerMirroredStrategy
+over TF_CONFIG (same weights as two plain TF_CONFIG processes), and
+jax.distributed with 2 processes × 2 CPU devices. Each test starts its cluster,
+stops it, and checks that no process of ours is left."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import CHILD_ENV, ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def our_processes() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+
+
+@contextlib.contextmanager
+def ranks_of(framework: str, n: int, **options):
+    from vgpu_magic.ranks import RankCluster
+
+    before = our_processes()
+    ranks = RankCluster(n, framework, **options).start()
+    try:
+        yield ranks
+    finally:
+        ranks.stop()
+        assert our_processes() <= before
+
+
+def quiet_run(ranks, code: str):
+    """Run ``code`` with ``-o`` semantics; the ranks' (TensorFlow-chatty) output is kept, not shown."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        return ranks.run(code, output=True), out.getvalue()
+
+
+def test_tensorflow_workers_match_plain_tf_config_processes(tmp_path):
+    from vgpu_magic.ranks.engine import free_ports
+
+    workers = [f"localhost:{p}" for p in free_ports(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPTS / "mwms_parity.py")],
+            env={
+                **CHILD_ENV,
+                "PARITY_OUT": str(tmp_path / "weights"),
+                "TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}),
+            },
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    results = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in results]
+    plain = [json.loads((tmp_path / f"weights.{i}").read_text()) for i in range(2)]
+
+    with ranks_of("tensorflow", 2) as ranks:
+        # Wiring a CPU worker imports nothing: TensorFlow's runtime is the user's to start.
+        imported, _ = quiet_run(ranks, "import sys\n'tensorflow' in sys.modules")
+        assert imported == [False, False]
+        ours, _ = quiet_run(ranks, (SCRIPTS / "mwms_parity.py").read_text())
+        replicas, _ = quiet_run(ranks, "(strategy.num_replicas_in_sync, strategy.cluster_resolver.task_id)")
+        assert replicas == [(2, 0), (2, 1)]
+    assert ours == plain
+    assert plain[0] == plain[1]
+
+
+def test_jax_two_processes_of_two_cpu_devices():
+    with ranks_of("jax", 2, split=2) as ranks:
+        seen, _ = quiet_run(
+            ranks,
+            "import jax, jax.numpy as jnp\nfrom jax.experimental import multihost_utils\n"
+            "gathered = multihost_utils.process_allgather(jnp.array([jax.process_index() + 10]))\n"
+            "(jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count(), gathered.ravel().tolist())",
+        )
+    assert seen == [(0, 2, 2, 4, [10, 11]), (1, 2, 2, 4, [10, 11])]

@@ -1,0 +1,87 @@
+"""The ranks from a real Jupyter kernel (jupyter_client, fresh kernel): what a
+notebook receives on iopub (labelled lines, one live plot updated in place), a
+real kernel interrupt (``interrupt_kernel``) interrupting the ranks, and a
+kernel shutdown leaving no rank behind."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import psutil
+import pytest
+
+from conftest import CHILD_ENV, ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def run(kc, code: str, timeout: float = 180, on_message=None) -> list[dict]:
+    """Execute ``code``; the iopub messages of that request, up to idle."""
+    msg_id = kc.execute(code)
+    messages = []
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = kc.get_iopub_msg(timeout=max(1.0, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        messages.append(msg)
+        if on_message is not None:
+            on_message(msg)
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return messages
+
+
+def stdout(messages: list[dict]) -> str:
+    return "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream" and m["content"]["name"] == "stdout")
+
+
+def errors(messages: list[dict]) -> list[tuple[str, str]]:
+    return [(m["content"]["ename"], m["content"]["evalue"]) for m in messages if m["msg_type"] == "error"]
+
+
+def test_ranks_from_a_real_kernel_interrupt_and_shutdown():
+    from jupyter_client.manager import start_new_kernel
+
+    env = {**CHILD_ENV, "PYTHONPATH": str(ROOT)}
+    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(ROOT))
+    pids: list[int] = []
+    try:
+        reply = run(kc, "%load_ext vgpu_magic\n%vgpu_cluster start 2 --framework torch")
+        assert not errors(reply), errors(reply)
+        reply = run(kc, "import json, vgpu_magic\nprint(json.dumps(sorted(vgpu_magic.cluster()._owned)))")
+        pids = json.loads(stdout(reply).strip().splitlines()[-1])
+
+        reply = run(kc, "%%vgpu_run\nimport os, time\nfor step in range(3):\n    print('step', step, 'on', os.environ['RANK'])\n    time.sleep(0.3)")
+        assert not errors(reply), errors(reply)
+        lines = stdout(reply).splitlines()
+        assert [x for x in lines if x.startswith("[rank 1]")] == [f"[rank 1] step {s} on 1" for s in range(3)]
+        displays = [m for m in reply if m["msg_type"] == "display_data"]
+        updates = [m for m in reply if m["msg_type"] == "update_display_data"]
+        assert len(displays) == 1 and "image/png" in displays[0]["content"]["data"]
+        shown = displays[0]["content"]["transient"]["display_id"]
+        assert updates and {m["content"]["transient"]["display_id"] for m in updates} == {shown}
+
+        sent: list[bool] = []
+
+        def interrupt_once_running(msg: dict) -> None:
+            if not sent and msg["msg_type"] == "stream" and "sleeping" in msg["content"]["text"]:
+                sent.append(True)
+                km.interrupt_kernel()
+
+        reply = run(kc, "%%vgpu_run --no-plot\nimport time\nprint('sleeping', flush=True)\ntime.sleep(120)",
+                    on_message=interrupt_once_running)
+        assert [e[0] for e in errors(reply)] == ["KeyboardInterrupt"]
+        # Both ranks came back from the interrupt: the same cluster runs the next cell.
+        reply = run(kc, "%%vgpu_run -o alive --no-plot\n'yes'\n")
+        assert not errors(reply), errors(reply)
+        reply = run(kc, "print(alive)")
+        assert stdout(reply).strip() == "['yes', 'yes']"
+    finally:
+        kc.stop_channels()
+        # A graceful shutdown, as the notebook's "Shut down kernel" does: the kernel exits and its atexit stops the ranks.
+        km.shutdown_kernel(now=False)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+        time.sleep(0.2)
+    assert pids and [p for p in pids if psutil.pid_exists(p)] == []

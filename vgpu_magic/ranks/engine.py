@@ -1,0 +1,412 @@
+"""The ranks: N local ipyparallel engines, wired as a framework's launcher wires
+its processes.
+
+:class:`RankCluster` is the engine behind ``%vgpu_cluster`` and
+``%%vgpu_run``; it needs no shell. ipyparallel's :class:`~ipyparallel.Cluster`
+starts, signals and stops the processes; this class adds the rank order, the
+framework wiring (:mod:`.wiring`), the fault policy (:mod:`.run`) and a stop
+that leaves nothing behind: ipyparallel sends SIGTERM and only later SIGKILL
+(TensorFlow workers were measured still alive 5 s after SIGTERM), so
+:meth:`RankCluster.stop` escalates itself and checks with psutil that every
+process it started is gone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from .run import RankRun, RankRunError, names_to_send, names_written, pack_names, process_alive, split_last_expression
+from .wiring import GPU, RankPlan, get_wiring, prepare_rank
+
+__all__ = ["RankCluster", "RankInfo", "ClusterStartError", "current", "free_ports"]
+
+#: Seconds processes get after SIGTERM before SIGKILL when the cluster stops.
+STOP_GRACE = 2.0
+#: Seconds the engines may take to register with the controller.
+ENGINE_TIMEOUT = 120.0
+#: Seconds the wiring (process group / coordinator rendezvous) may take.
+SETUP_TIMEOUT = 120.0
+
+_current: RankCluster | None = None
+_lock = threading.Lock()
+
+
+class ClusterStartError(RuntimeError):
+    """The cluster could not start or be wired; nothing it started is left running."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One rank as ``%vgpu_cluster status`` shows it."""
+
+    rank: int
+    engine_id: int
+    pid: int
+    alive: bool
+    rss: int | None
+    gpu: int | None
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports, chosen by the OS (bind to port 0)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def current() -> RankCluster | None:
+    """The running cluster started by ``%vgpu_cluster start`` / :meth:`RankCluster.start`, or ``None``."""
+    return _current
+
+
+class RankCluster:
+    """N ranks of one framework on local ipyparallel engines.
+
+    Parameters
+    ----------
+    n:
+        Number of ranks (1..64).
+    framework:
+        ``"torch"``, ``"tensorflow"`` (``"tf"``) or ``"jax"``.
+    split:
+        TensorFlow: logical GPUs per worker (GPU only); JAX: CPU devices per process.
+    memory:
+        Per-rank GPU memory cap in bytes (default: an even share of the GPU).
+    port:
+        The coordinator port (torch's ``MASTER_PORT``, JAX's coordinator, the
+        first TensorFlow worker); default: free ports from the OS.
+    gpus:
+        The GPUs to plan for, ``[(index, total_bytes), ...]``; default: what NVML sees.
+
+    Raises
+    ------
+    ValueError
+        For a request that cannot work, before anything starts.
+
+    Examples
+    --------
+    >>> ranks = RankCluster(2, "torch").start()          # doctest: +SKIP
+    >>> ranks.run("import torch.distributed as dist; dist.get_rank()", output=True)  # doctest: +SKIP
+    [0, 1]
+    >>> ranks.stop()                                      # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        n: int,
+        framework: str,
+        split: int | None = None,
+        memory: int | None = None,
+        port: int | None = None,
+        gpus: list[tuple[int, int]] | None = None,
+    ) -> None:
+        if not isinstance(n, int) or not 1 <= n <= 64:
+            raise ValueError(f"rank count {n!r} is out of range; use 1..64")
+        if port is not None and not 1 <= port <= 65535:
+            raise ValueError(f"--port {port} is not a TCP port; use 1..65535, or leave it out for a free one")
+        self.wiring = get_wiring(framework)
+        missing = [m for m in ("ipyparallel", "psutil", "cloudpickle") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ValueError(f"the ranks need {', '.join(missing)}: pip install 'vgpu_magic[cluster]'")
+        if importlib.util.find_spec(self.wiring.module) is None:
+            raise ValueError(f"{self.wiring.label} is not installed in this kernel: pip install 'vgpu_magic[{self.wiring.extra}]'")
+        if gpus is None:
+            from .memory import nvml_gpus
+
+            gpus = nvml_gpus()
+        self.gpus = [GPU(i, total) for i, total in gpus]
+        self.wiring.validate(n, split, memory, self.gpus)
+        self.n = n
+        self.split = split
+        self.memory = memory
+        self.port = port
+        self.plans: list[RankPlan] = []
+        self.cluster: Any = None
+        self.client: Any = None
+        self.view: Any = None
+        self.engine_ids: list[int] = []
+        self.pids: list[int] = []
+        self.must_restart: str | None = None
+        #: Names cells run on the ranks assigned: rank state, never overwritten from the notebook.
+        self.rank_names: set[str] = set()
+        self._owned: set[int] = set()
+
+    @property
+    def framework(self) -> str:
+        return self.wiring.name
+
+    @property
+    def running(self) -> bool:
+        return self.cluster is not None
+
+    def same_request(self, other: RankCluster) -> bool:
+        """Does ``other`` ask for the same ranks and wiring as this cluster?"""
+        mine = (self.n, self.framework, self.split, self.memory, self.port, self.gpus)
+        return mine == (other.n, other.framework, other.split, other.memory, other.port, other.gpus)
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self) -> RankCluster:
+        """Start the engines, wire them, and make this the current cluster.
+
+        Raises :class:`ClusterStartError` (with the failing rank's traceback) if
+        starting or wiring fails; nothing started is left running then.
+        """
+        global _current
+        import ipyparallel as ipp
+
+        if self.running:
+            return self
+        with _lock:
+            previous, _current = _current, self
+        if previous is not None and previous is not self:
+            previous.stop()
+        try:
+            # ERROR: ipyparallel logs an engine's whole log file as a warning when it exits non-zero, which
+            # every stop after a killed rank would print into the cell; this class reports failures itself.
+            self.cluster = ipp.Cluster(n=self.n, engines="local", log_level=logging.ERROR)
+            self.cluster.start_cluster_sync(n=self.n)
+            # Remembered at once, so that even engines that never register are stopped.
+            self._remember_processes()
+            self.client = self.cluster.connect_client_sync()
+            # interactive=False: no progress bar in the cell (the start summary says what started).
+            self.client.wait_for_engines(self.n, timeout=ENGINE_TIMEOUT, block=True, interactive=False)
+            self.engine_ids = sorted(self.client.ids)[: self.n]
+            self.view = self.client[self.engine_ids]
+            self.view.block = True
+            self.pids = [self.client[e].apply_sync(os.getpid) for e in self.engine_ids]
+            self._owned.update(self.pids)
+            ports = [self.port, *free_ports(self.wiring.ports_needed(self.n) - 1)] if self.port else free_ports(
+                self.wiring.ports_needed(self.n)
+            )
+            self.plans = self.wiring.plan(self.n, ports, self.split, self.memory, self.gpus)
+            self._wire()
+        except BaseException as exc:
+            self.stop()
+            if isinstance(exc, RankRunError):
+                raise ClusterStartError(
+                    f"wiring {self.wiring.label} failed: {exc.headline(state=False)}; nothing was left running"
+                ) from exc
+            if isinstance(exc, Exception) and not isinstance(exc, ClusterStartError):
+                raise ClusterStartError(f"the ranks could not start: {type(exc).__name__}: {exc}") from exc
+            raise
+        atexit.register(self.stop)
+        self._activate_px()
+        return self
+
+    def _remember_processes(self) -> None:
+        """Every PID ipyparallel started for us (controller and engines), for :meth:`stop`."""
+        launchers = [self.cluster.controller]
+        for engine_set in self.cluster.engines.values():
+            launchers.extend(getattr(engine_set, "launchers", {}).values() or [engine_set])
+        for launcher in launchers:
+            pid = getattr(launcher, "pid", -1)
+            if pid and pid > 0:
+                self._owned.add(pid)
+
+    def _wire(self) -> None:
+        """Set each rank's environment and run its setup, all ranks at once (a rendezvous)."""
+        plans = self.plans
+
+        def submit(rank: int) -> Any:
+            plan = plans[rank]
+            return self.client[self.engine_ids[rank]].apply_async(prepare_rank, plan.env, plan.setup, plan.args)
+
+        RankRun(self.pids, submit, self._exit_code, timeout=SETUP_TIMEOUT, stdout=sys.stdout, stderr=sys.stderr).run()
+
+    def _activate_px(self) -> None:
+        """``%px`` / ``%%px`` on the ranks, as ipyparallel users expect."""
+        try:
+            from IPython import get_ipython
+
+            if get_ipython() is not None:
+                self.view.activate()
+        except Exception:
+            # A convenience only: the ranks work without %px, so a shell that cannot take the magics is no error.
+            pass
+
+    def _exit_code(self, rank: int) -> int | None:
+        """How rank ``rank``'s process exited, as its launcher saw it (negative: the signal)."""
+        pid = self.pids[rank]
+        for engine_set in (self.cluster.engines.values() if self.cluster else []):
+            for launcher in getattr(engine_set, "launchers", {}).values():
+                if getattr(launcher, "pid", None) == pid:
+                    code = (getattr(launcher, "stop_data", None) or {}).get("exit_code")
+                    if code is None and launcher.process is not None:
+                        try:
+                            code = launcher.process.wait(timeout=0)
+                        except Exception:
+                            code = None
+                    return None if code is None else int(code)
+        return None
+
+    def stop(self) -> None:
+        """Stop every process this cluster started and check that none is left.
+
+        SIGTERM, then SIGKILL after :data:`STOP_GRACE` seconds for what is
+        still alive; ipyparallel then removes its files. Safe to call twice.
+        """
+        global _current
+        import psutil
+
+        procs = []
+        for pid in sorted(self._owned):
+            try:
+                proc = psutil.Process(pid)
+                procs.append(proc)
+                procs.extend(proc.children(recursive=True))
+            except psutil.Error:
+                continue
+        if self.client is not None:
+            try:
+                self.client.close()
+            except Exception:
+                # A client whose controller already died can fail to close; its sockets go with it.
+                pass
+        for proc in procs:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=STOP_GRACE)
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(alive, timeout=5)
+        if self.cluster is not None:
+            try:
+                self.cluster.stop_cluster_sync()
+            except Exception:
+                # Its processes are gone (checked above); this only removes ipyparallel's cluster files.
+                pass
+        self.cluster = self.client = self.view = None
+        self.engine_ids, self.pids, self._owned = [], [], set()
+        self.rank_names = set()
+        self.must_restart = None
+        atexit.unregister(self.stop)
+        with _lock:
+            if _current is self:
+                _current = None
+        if alive:
+            raise RuntimeError(f"processes {sorted(p.pid for p in alive)} did not exit after SIGKILL")
+
+    def restart(self) -> RankCluster:
+        """Stop and start again with the same ranks and wiring."""
+        self.stop()
+        return self.start()
+
+    # -- using the ranks ----------------------------------------------------------------
+    def _require_running(self) -> None:
+        if not self.running:
+            raise RuntimeError("the cluster is not running; start it with %vgpu_cluster start N --framework NAME")
+        if self.must_restart:
+            raise RuntimeError(f"the cluster must be restarted ({self.must_restart}): %vgpu_cluster restart")
+
+    def run(
+        self,
+        code: str,
+        namespace: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        output: bool = False,
+        plot: bool = False,
+    ) -> list[Any] | None:
+        """Run ``code`` on every rank under the fault policy (:mod:`.run`).
+
+        Names ``code`` reads from ``namespace`` are sent by value first,
+        except names earlier cells assigned on the ranks (:attr:`rank_names`).
+        Returns the value of the last expression on each rank, in rank order,
+        when ``output`` is true. Raises :class:`~.run.UnsendableName`,
+        :class:`~.run.RankRunError`, or :class:`RuntimeError` if the cluster
+        is not usable.
+        """
+        self._require_running()
+        namespace = namespace or {}
+        compile(code, "<cell>", "exec")
+        names = names_to_send(code, namespace, self.rank_names)
+        blob = pack_names(namespace, names) if names else None
+        if blob is not None:
+            self.view.push({"_vgpu_names": blob}, block=True)
+            self.view.execute(
+                "import cloudpickle as _vgpu_cp; globals().update(_vgpu_cp.loads(_vgpu_names)); del _vgpu_cp, _vgpu_names",
+                block=True,
+            )
+        if output:
+            code = split_last_expression(code, "_vgpu_out")
+
+        def submit(rank: int) -> Any:
+            return self.client[self.engine_ids[rank]].execute(code, silent=False, block=False)
+
+        runner = RankRun(self.pids, submit, self._exit_code, timeout=timeout, plot=plot, gpu=bool(self.gpus))
+        # Counted before the run: a cell that fails half-way may still have bound them on the ranks.
+        self.rank_names |= names_written(code)
+        self.last_run = runner
+        try:
+            results = runner.run()
+        except RankRunError as exc:
+            if exc.must_restart:
+                self.must_restart = exc.headline().split(";")[0]
+            raise
+        except KeyboardInterrupt:
+            if runner.killed:
+                self.must_restart = f"ranks {', '.join(map(str, runner.killed))} were killed after an interrupt"
+            raise
+        if output:
+            return [self.client[e].pull("_vgpu_out", block=True) for e in self.engine_ids]
+        for rank, ar in enumerate(results):
+            shown = (ar.execute_result or {}).get("data", {}).get("text/plain") if hasattr(ar, "execute_result") else None
+            if shown is not None:
+                print(f"[rank {rank}] Out: {shown}")
+        return None
+
+    def status(self) -> list[RankInfo]:
+        """Each rank's PID, liveness and memory (RSS, and GPU memory where NVML has it)."""
+        from .memory import RankMemorySampler
+
+        if not self.running:
+            return []
+        sampler = RankMemorySampler(self.pids, bool(self.gpus))
+        rss, gpu = sampler.rss(), sampler.gpu()
+        sampler.close()
+        alive = [process_alive(pid) for pid in self.pids]
+        return [
+            RankInfo(rank, self.engine_ids[rank], pid, alive[rank], rss[rank] if alive[rank] else None, gpu[rank])
+            for rank, pid in enumerate(self.pids)
+        ]
+
+    def describe(self) -> list[str]:
+        """Lines for ``%vgpu_cluster start`` / ``status``."""
+        from ..units import format_bytes
+
+        if not self.running:
+            return ["no cluster running"]
+        lines = [f"{self.n} {self.wiring.label} rank{'s' if self.n > 1 else ''} on local ipyparallel engines"]
+        lines.extend(self.plans[0].notes if self.plans else ())
+        for info in self.status():
+            state = f"alive, RSS {format_bytes(info.rss)}" if info.alive else "dead"
+            if info.alive and info.gpu is not None:
+                state += f", GPU {format_bytes(info.gpu)}"
+            lines.append(f"  rank {info.rank}: pid {info.pid}, {state}")
+        if self.must_restart:
+            lines.append(f"must be restarted ({self.must_restart}): %vgpu_cluster restart")
+        return lines
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"<RankCluster {self.n} × {self.framework}, {state}>"

@@ -1,0 +1,167 @@
+"""``%vgpu_cluster`` and ``%%vgpu_run``: thin faces over :class:`~.engine.RankCluster`.
+
+::
+
+    In [1]: %vgpu_cluster start 2 --framework torch
+    2 PyTorch ranks on local ipyparallel engines
+    init_process_group('gloo') on localhost:41237, world size 2
+      rank 0: pid 5120, alive, RSS 310.2 MiB
+      rank 1: pid 5122, alive, RSS 309.8 MiB
+
+    In [2]: %%vgpu_run -o ranks
+       ...: import torch.distributed as dist
+       ...: dist.get_rank()
+
+    In [3]: ranks
+    Out[3]: [0, 1]
+
+Bad input is a one-line :class:`~IPython.core.error.UsageError` raised before
+anything starts.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+__all__ = ["ClusterMagics"]
+
+_ACTIONS = ("start", "status", "stop", "restart")
+
+
+def _rich_frontend(shell) -> bool:
+    """A Jupyter kernel can show the live plot; a terminal cannot."""
+    return getattr(shell, "kernel", None) is not None
+
+
+@magics_class
+class ClusterMagics(Magics):
+    """``%vgpu_cluster`` and ``%%vgpu_run``."""
+
+    @magic_arguments()
+    @argument("action", choices=_ACTIONS, help="start N ranks, show their status, stop or restart them")
+    @argument("n", nargs="?", type=int, help="number of ranks (start only)")
+    @argument("--framework", "-f", help="torch, tensorflow (tf) or jax: how the ranks are wired")
+    @argument("--split", type=int, help="TensorFlow on GPU: logical GPUs per worker; JAX on CPU: CPU devices per process")
+    @argument("--memory", help="per-rank GPU memory cap (2048 = MiB, 2GB, 1.5G); default an even share")
+    @argument("--port", type=int, help="coordinator port (default: a free port from the OS)")
+    @line_magic
+    def vgpu_cluster(self, line: str) -> None:
+        """Start, inspect, stop or restart the ranks.
+
+        ::
+
+            %vgpu_cluster start 2 --framework torch
+            %vgpu_cluster start 2 --framework jax --split 2
+            %vgpu_cluster status
+            %vgpu_cluster restart
+            %vgpu_cluster stop
+        """
+        args = parse_argstring(self.vgpu_cluster, line)
+        from . import engine
+
+        if args.action != "start":
+            extra = [f"{name} {value}" for name, value in (("N", args.n), ("--framework", args.framework),
+                     ("--split", args.split), ("--memory", args.memory), ("--port", args.port)) if value is not None]
+            if extra:
+                raise UsageError(f"{extra[0]!r} only goes with start, e.g. %vgpu_cluster start 2 --framework torch")
+        running = engine.current()
+        if args.action == "start":
+            if args.n is None or args.framework is None:
+                raise UsageError("say how many ranks and which framework, e.g. %vgpu_cluster start 2 --framework torch")
+            from .wiring import parse_memory
+
+            try:
+                memory = parse_memory(args.memory) if args.memory is not None else None
+                ranks = engine.RankCluster(
+                    args.n, args.framework, split=args.split, memory=memory, port=args.port
+                )
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+            if running is not None and running.same_request(ranks) and not running.must_restart:
+                # "Run all" re-runs the start cell: keep the ranks and their state rather than start afresh.
+                print("already running (%vgpu_cluster restart starts afresh)")
+                print("\n".join(running.describe()))
+                return
+            if running is not None:
+                print(f"stopping the running cluster ({running.n} {running.wiring.label} rank{'s' if running.n > 1 else ''}) first")
+            try:
+                ranks.start()
+            except engine.ClusterStartError as exc:
+                raise UsageError(str(exc)) from None
+            print("\n".join(ranks.describe()))
+            return
+        if running is None:
+            if args.action == "restart":
+                raise UsageError("no cluster to restart; start one with %vgpu_cluster start 2 --framework torch")
+            print("no cluster running; start one with %vgpu_cluster start 2 --framework torch")
+            return
+        if args.action == "status":
+            print("\n".join(running.describe()))
+        elif args.action == "stop":
+            running.stop()
+            print(f"stopped {running.n} {running.wiring.label} rank{'s' if running.n > 1 else ''}")
+        else:
+            try:
+                running.restart()
+            except engine.ClusterStartError as exc:
+                raise UsageError(str(exc)) from None
+            print("\n".join(running.describe()))
+
+    @magic_arguments()
+    @argument("-o", "--output", metavar="NAME", help="store the cell's last value on each rank as NAME, a list in rank order")
+    @argument("--timeout", type=float, help="seconds the run may take before every rank is interrupted")
+    @argument("--no-plot", action="store_true", help="no live per-rank memory plot")
+    @cell_magic
+    def vgpu_run(self, line: str, cell: str) -> None:
+        """Run the cell on every rank: notebook names it reads are sent by value,
+        output streams labelled by rank, and one failing rank stops them all.
+
+        ::
+
+            %%vgpu_run -o losses --timeout 120
+            loss = train_one_epoch()
+            loss
+        """
+        args = parse_argstring(self.vgpu_run, line)
+        if args.output is not None and not args.output.isidentifier():
+            raise UsageError(f"-o {args.output!r} is not a Python name; use e.g. -o results")
+        if args.timeout is not None and args.timeout <= 0:
+            raise UsageError(f"--timeout {args.timeout:g} must be positive seconds, e.g. --timeout 60")
+        try:
+            compile(cell, "<cell>", "exec")
+        except SyntaxError as exc:
+            raise UsageError(f"the cell does not parse: {exc.msg} (line {exc.lineno})") from None
+        from . import engine
+        from .run import UnsendableName
+
+        running = engine.current()
+        if running is None:
+            raise UsageError("no cluster running; start one with %vgpu_cluster start 2 --framework torch")
+        if running.must_restart:
+            raise UsageError(f"the cluster must be restarted ({running.must_restart}): %vgpu_cluster restart")
+        plot = not args.no_plot and _rich_frontend(self.shell) and "matplotlib" in _installed()
+        try:
+            values = running.run(
+                cell, namespace=self.shell.user_ns, timeout=args.timeout, output=args.output is not None, plot=plot
+            )
+        except UnsendableName as exc:
+            raise UsageError(str(exc)) from None
+        if args.output is not None:
+            self.shell.user_ns[args.output] = values
+
+    def on_unload(self) -> None:
+        """``%unload_ext vgpu_magic`` stops the cluster."""
+        if "vgpu_magic.ranks.engine" in sys.modules:
+            running = sys.modules["vgpu_magic.ranks.engine"].current()
+            if running is not None:
+                running.stop()
+
+
+def _installed() -> set[str]:
+    import importlib.util
+
+    return {name for name in ("matplotlib",) if importlib.util.find_spec(name) is not None}

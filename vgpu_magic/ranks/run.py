@@ -1,0 +1,440 @@
+"""Running one piece of work on every rank under the fault policy.
+
+:class:`RankRun` submits the work to each rank (one ipyparallel
+``AsyncResult`` per rank) and then watches all of them from the kernel:
+
+* each rank's stdout/stderr streams live as whole lines labelled
+  ``[rank r]`` (a partial line waits for its newline, so lines of different
+  ranks never interleave);
+* each rank's memory is sampled (:mod:`.memory`) and plotted when asked;
+* the first rank that raises, dies, or outlives ``timeout`` ends the run:
+  every other rank still running gets SIGINT at once; a rank that has not
+  come back within :data:`GRACE` seconds (blocked in a collective, where a
+  signal cannot reach Python) is killed, and the cluster is then marked as
+  needing a restart. The run raises :class:`RankRunError` carrying the
+  failing rank's traceback labelled with its rank;
+* an interrupt of the kernel (KeyboardInterrupt while watching) interrupts
+  the ranks the same way.
+
+This module also finds which notebook names a cell reads and packs them
+with cloudpickle (:func:`names_to_send`, :func:`pack_names`).
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+from concurrent import futures
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from .memory import RankMemoryPlot, RankMemorySampler, RankMemoryTrace
+
+__all__ = [
+    "GRACE",
+    "RankFailure",
+    "RankRunError",
+    "RankRun",
+    "UnsendableName",
+    "names_to_send",
+    "names_written",
+    "pack_names",
+    "split_last_expression",
+    "process_alive",
+]
+
+#: Seconds a rank has to come back after SIGINT before it is killed.
+GRACE = 3.0
+#: Seconds between looks at the ranks (output, completion, liveness).
+POLL = 0.05
+#: Seconds to wait, at the end of a run, for output still on its way from finished ranks.
+OUTPUT_WAIT = 5.0
+#: Seconds between memory samples.
+SAMPLE_EVERY = 0.2
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """Why one rank did not finish: ``kind`` is ``"error"``, ``"died"`` or ``"timeout"``."""
+
+    rank: int
+    kind: str
+    summary: str
+    traceback: tuple[str, ...] = ()
+
+
+class RankRunError(RuntimeError):
+    """A run on the ranks failed; IPython shows :meth:`_render_traceback_`
+    (the failing rank's traceback, each line labelled with its rank)."""
+
+    def __init__(self, failure: RankFailure, interrupted: list[int], killed: list[int], must_restart: bool) -> None:
+        self.failure = failure
+        self.rank = failure.rank
+        self.interrupted = interrupted
+        self.killed = killed
+        self.must_restart = must_restart
+        super().__init__(self.headline())
+
+    def headline(self, state: bool = True) -> str:
+        """One line: what failed, what was done to the others, and (``state``) whether the cluster is usable."""
+        parts = [f"rank {self.failure.rank} {self.failure.summary}"]
+        if self.interrupted:
+            parts.append(f"interrupted rank{'s' if len(self.interrupted) > 1 else ''} {_ranks(self.interrupted)}")
+        if self.killed:
+            parts.append(f"killed rank{'s' if len(self.killed) > 1 else ''} {_ranks(self.killed)} (did not stop within {GRACE:g} s of SIGINT)")
+        if state and self.must_restart:
+            parts.append("the cluster must be restarted: %vgpu_cluster restart")
+        elif state:
+            parts.append("the cluster is still usable")
+        return "; ".join(parts)
+
+    def _render_traceback_(self) -> list[str]:
+        label = f"[rank {self.failure.rank}] "
+        lines = [label + line for block in self.failure.traceback for line in block.splitlines()]
+        return [*lines, f"RankRunError: {self.headline()}"]
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+class UnsendableName(ValueError):
+    """A notebook name the cell reads cannot be pickled for the ranks."""
+
+
+# -- names a cell reads ---------------------------------------------------------------
+
+#: Names IPython puts in every namespace; never sent.
+_SHELL_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
+
+
+class _ReadsBeforeWrites(ast.NodeVisitor):
+    """Names whose first use, in evaluation order, is a read (so the cell needs
+    the notebook's value). Right-hand sides are visited before their targets."""
+
+    def __init__(self) -> None:
+        self.read: list[str] = []
+        self.written: set[str] = set()
+
+    def _store(self, name: str) -> None:
+        self.written.add(name)
+
+    def visit_Name(self, node: ast.Name) -> None:
+        if isinstance(node.ctx, ast.Load):
+            if node.id not in self.written and node.id not in self.read:
+                self.read.append(node.id)
+        else:
+            self._store(node.id)
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        self.visit(node.value)
+        for target in node.targets:
+            self.visit(target)
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        if node.value is not None:
+            self.visit(node.value)
+        self.visit(node.target)
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> None:
+        self.visit(node.value)
+        if isinstance(node.target, ast.Name):
+            self.visit_Name(ast.Name(id=node.target.id, ctx=ast.Load()))
+        self.visit(node.target)
+
+    def visit_For(self, node: ast.For) -> None:
+        self.visit(node.iter)
+        self.visit(node.target)
+        for stmt in node.body + node.orelse:
+            self.visit(stmt)
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self._store(alias.asname or alias.name.split(".")[0])
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        for alias in node.names:
+            self._store(alias.asname or alias.name)
+
+    def _definition(self, node: Any) -> None:
+        for decorator in node.decorator_list:
+            self.visit(decorator)
+        if not isinstance(node, ast.ClassDef):
+            for default in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
+                self.visit(default)
+        else:
+            for base in node.bases:
+                self.visit(base)
+        self._store(node.name)
+        # The body runs later, when it is called; its free names are read then.
+        inner = _ReadsBeforeWrites()
+        inner.written = set(self.written)
+        if not isinstance(node, ast.ClassDef):
+            inner.written |= {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
+        for stmt in node.body:
+            inner.visit(stmt)
+        for name in inner.read:
+            if name not in self.read and name not in self.written:
+                self.read.append(name)
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _definition
+
+
+def names_to_send(code: str, namespace: dict[str, Any], on_ranks: set[str] = frozenset()) -> list[str]:
+    """The notebook names ``code`` reads before assigning them, that ``namespace`` holds.
+
+    Names in ``on_ranks`` (assigned by earlier cells run on the ranks: a DDP
+    model, an optimizer) live on the ranks and are never overwritten from the
+    notebook, even where the notebook has a variable of the same name.
+    """
+    visitor = _ReadsBeforeWrites()
+    visitor.visit(ast.parse(code))
+    return [
+        name
+        for name in visitor.read
+        if name in namespace
+        and name not in on_ranks
+        and not name.startswith("_")
+        and name not in _SHELL_NAMES
+        and not (hasattr(builtins, name) and namespace[name] is getattr(builtins, name))
+    ]
+
+
+def names_written(code: str) -> set[str]:
+    """The names ``code`` binds at its top level (assignments, imports, definitions, loop targets)."""
+    visitor = _ReadsBeforeWrites()
+    for statement in ast.parse(code).body:
+        if not isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            visitor.visit(statement)
+        else:
+            visitor.written.add(statement.name)
+    return visitor.written
+
+
+def pack_names(namespace: dict[str, Any], names: list[str]) -> bytes:
+    """cloudpickle the named values; :class:`UnsendableName` names the first that cannot be sent."""
+    import cloudpickle
+
+    for name in names:
+        try:
+            cloudpickle.dumps(namespace[name])
+        except Exception as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise UnsendableName(
+                f"cannot send {name!r} ({type(namespace[name]).__name__}) to the ranks: {reason}; "
+                "create it inside the cell instead"
+            ) from None
+    return cloudpickle.dumps({name: namespace[name] for name in names})
+
+
+def split_last_expression(code: str, target: str) -> str:
+    """``code`` with its last statement, if an expression, assigned to ``target``
+    (so ``-o NAME`` can pull the value); else ``code`` plus ``target = None``."""
+    tree = ast.parse(code)
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = tree.body[-1]
+        tree.body[-1] = ast.copy_location(
+            ast.Assign(targets=[ast.Name(id=target, ctx=ast.Store())], value=last.value), last
+        )
+    else:
+        tree.body.append(ast.Assign(targets=[ast.Name(id=target, ctx=ast.Store())], value=ast.Constant(None)))
+    return ast.unparse(ast.fix_missing_locations(tree))
+
+
+# -- watching the ranks ---------------------------------------------------------------
+
+
+class _LineStream:
+    """Whole lines of one rank's stream, labelled; the partial tail waits."""
+
+    def __init__(self, label: str, out: TextIO) -> None:
+        self.label = label
+        self.out = out
+        self.seen = 0
+        self.partial = ""
+
+    def feed(self, text: str, final: bool = False) -> None:
+        new = text[self.seen:]
+        self.seen = len(text)
+        if not new and not (final and self.partial):
+            return
+        data = self.partial + new
+        lines = data.split("\n")
+        self.partial = "" if final else lines.pop()
+        if final and lines and lines[-1] == "":
+            lines.pop()
+        if lines:
+            self.out.write("".join(f"{self.label}{line}\n" for line in lines))
+            self.out.flush()
+
+
+@dataclass
+class RankRun:
+    """One run on every rank. ``submit(rank)`` returns that rank's AsyncResult.
+
+    ``pids`` are the ranks' process IDs (for liveness, signals and memory);
+    ``exit_code(rank)`` returns how a dead rank exited, when known.
+    """
+
+    pids: list[int]
+    submit: Callable[[int], Any]
+    exit_code: Callable[[int], int | None]
+    timeout: float | None = None
+    plot: bool = False
+    gpu: bool = False
+    stdout: TextIO = field(default_factory=lambda: sys.stdout)
+    stderr: TextIO = field(default_factory=lambda: sys.stderr)
+
+    def __post_init__(self) -> None:
+        self.trace = RankMemoryTrace(len(self.pids))
+        self.killed: list[int] = []
+
+    def _emit(self, results: list[Any], streams: list[tuple[_LineStream, _LineStream]], final: bool = False) -> None:
+        for ar, (out, err) in zip(results, streams):
+            out.feed(ar.stdout or "", final)
+            err.feed(ar.stderr or "", final)
+
+    def _drain(self, results: list[Any]) -> None:
+        """Wait (briefly) for the last output of every finished, living rank: ipyparallel can deliver a
+        rank's reply before the iopub messages carrying its last lines."""
+        deadline = time.monotonic() + OUTPUT_WAIT
+        for rank, ar in enumerate(results):
+            if ar.ready() and self._alive(rank):
+                ar.wait_for_output(max(0.0, deadline - time.monotonic()))
+
+    def _alive(self, rank: int) -> bool:
+        return process_alive(self.pids[rank])
+
+    def _failure(self, rank: int, ar: Any) -> RankFailure:
+        exc = ar.exception(timeout=0)
+        if hasattr(exc, "render_traceback"):
+            tb = tuple(exc.render_traceback())
+        else:
+            tb = (str(exc),)
+        ename = getattr(exc, "ename", type(exc).__name__)
+        evalue = getattr(exc, "evalue", str(exc))
+        if ename == "EngineError" or not self._alive(rank):
+            return self._death(rank)
+        # The headline is one line; the whole message is in the traceback.
+        first = (str(evalue).strip().splitlines() or [""])[0]
+        return RankFailure(rank, "error", f"raised {ename}: {first}".rstrip(": "), tb)
+
+    def _death(self, rank: int) -> RankFailure:
+        code = None
+        deadline = time.monotonic() + 1.0
+        while code is None and time.monotonic() < deadline:
+            code = self.exit_code(rank)
+            if code is None:
+                time.sleep(POLL)
+        if code is not None and code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+        elif code is not None:
+            how = f"exited with status {code}"
+        else:
+            how = "died (exit status unknown)"
+        return RankFailure(rank, "died", f"{how} (pid {self.pids[rank]})", (f"rank {rank} {how}",))
+
+    def _stop_others(self, results: list[Any], culprit: int | None) -> tuple[list[int], list[int]]:
+        """SIGINT every rank still running; kill those not back within GRACE."""
+        running = [r for r, ar in enumerate(results) if not ar.ready() and r != culprit and self._alive(r)]
+        for rank in running:
+            _signal(self.pids[rank], signal.SIGINT)
+        deadline = time.monotonic() + GRACE
+        while time.monotonic() < deadline and any(not results[r].ready() and self._alive(r) for r in running):
+            time.sleep(POLL)
+        stuck = [r for r in running if not results[r].ready() and self._alive(r)]
+        for rank in stuck:
+            _signal(self.pids[rank], signal.SIGKILL)
+        # SIGKILL is delivered asynchronously: report the ranks killed once they are gone.
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(self._alive(r) for r in stuck):
+            time.sleep(POLL)
+        self.killed = stuck
+        return running, stuck
+
+    def run(self) -> list[Any]:
+        """Run to the end; the per-rank AsyncResults, or :class:`RankRunError`."""
+        n = len(self.pids)
+        streams = [(_LineStream(f"[rank {r}] ", self.stdout), _LineStream(f"[rank {r}] ", self.stderr)) for r in range(n)]
+        sampler = RankMemorySampler(self.pids, self.gpu)
+        plot = RankMemoryPlot(self.trace) if self.plot else None
+        start = time.monotonic()
+        next_sample = start
+        results: list[Any] = []
+        failure: RankFailure | None = None
+        try:
+            self.trace.add(0.0, sampler.rss(), sampler.gpu())
+            if plot is not None:
+                plot.show()
+            results = [self.submit(rank) for rank in range(n)]
+            while True:
+                self._emit(results, streams)
+                now = time.monotonic()
+                if now >= next_sample:
+                    self.trace.add(now - start, sampler.rss(), sampler.gpu())
+                    next_sample = now + SAMPLE_EVERY
+                    if plot is not None:
+                        plot.refresh()
+                for rank, ar in enumerate(results):
+                    if ar.ready() and not ar.successful():
+                        failure = self._failure(rank, ar)
+                        break
+                    if not ar.ready() and not self._alive(rank):
+                        failure = self._death(rank)
+                        break
+                if failure is None and self.timeout is not None and now - start > self.timeout:
+                    late = [r for r, ar in enumerate(results) if not ar.ready()]
+                    failure = RankFailure(
+                        late[0], "timeout", f"did not finish within --timeout {self.timeout:g} s (still running: ranks {_ranks(late)})",
+                        (f"timed out after {self.timeout:g} s",),
+                    )
+                if failure is not None or all(ar.ready() for ar in results):
+                    break
+                # AsyncResults are futures: wake as soon as one finishes, else look again after POLL.
+                futures.wait([ar for ar in results if not ar.ready()], timeout=POLL, return_when=futures.FIRST_COMPLETED)
+        except KeyboardInterrupt:
+            _, killed = self._stop_others(results, None)
+            self._drain(results)
+            self._emit(results, streams, final=True)
+            sampler.close()
+            if killed:
+                self.stderr.write(
+                    f"ranks {_ranks(killed)} did not stop within {GRACE:g} s of SIGINT and were killed; "
+                    "the cluster must be restarted: %vgpu_cluster restart\n"
+                )
+            raise
+        if failure is not None:
+            culprit = None if failure.kind == "timeout" else failure.rank
+            interrupted, killed = self._stop_others(results, culprit)
+        self._drain(results)
+        self._emit(results, streams, final=True)
+        self.trace.add(time.monotonic() - start, sampler.rss(), sampler.gpu())
+        sampler.close()
+        if plot is not None:
+            plot.refresh(final=True)
+        if failure is not None:
+            raise RankRunError(failure, interrupted, killed, must_restart=bool(killed) or failure.kind == "died")
+        return results
+
+
+def process_alive(pid: int) -> bool:
+    """Is ``pid`` running (a zombie, dead but not yet reaped, is not)?"""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _signal(pid: int, sig: int) -> None:
+    import os
+
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
