@@ -1,16 +1,29 @@
-"""The %vgpu_split panel in a real JupyterLab 4 and Notebook 7, driven by a real Chromium.
+"""What a user sees in a real JupyterLab 4 and Notebook 7, driven by a real Chromium.
 
-A throwaway Jupyter server (127.0.0.1, free port, token, temporary notebook,
-config, runtime and settings directories) opens a notebook with
-``%load_ext vgpu_magic`` and ``%vgpu_split``; Playwright sets the count to 3
-through the UI (arrow keys on the slider handle, or typing into the box), clicks
-Apply and reads what the panel's Output says. Debian's ``/usr/bin/chromium`` is
-used as is (``make system-deps`` installs it); Playwright never downloads a
-browser here.
+A throwaway Jupyter server per front end (127.0.0.1, free port, token,
+temporary notebook, config, runtime and settings directories) serves small
+notebooks; Playwright runs their cells one by one and reads the page:
+
+- the ``%vgpu_split`` panel splits the CPU into 3 from the UI (arrow keys on
+  the slider handle in JupyterLab, typing into the box in Notebook 7);
+- after ``%vgpu_split 6`` and a first TensorFlow op, a new panel opens on the
+  live split (6, "Same as: %vgpu_split 6"), locked, with one banner;
+- the banner and ``%vgpu_status`` read on JupyterLab's light and dark themes:
+  screenshots of each, and the contrast of every text on its rendered
+  background (WCAG 2 formula) is at least 4.5:1;
+- under ``%vgpu_monitor on`` a ``verbose=1`` fit keeps Keras' progress bar
+  whole below the live plot, and the CPU plot of a tutorial-sized model is
+  not empty.
+
+Debian's ``/usr/bin/chromium`` is used as is (``make system-deps`` installs
+it); Playwright never downloads a browser here. Screenshots go to artifacts/.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import io
 import json
 import os
 import re
@@ -54,10 +67,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _write_notebook(path: Path) -> None:
+def _write_notebook(path: Path, cells: list[str]) -> None:
     nbformat = pytest.importorskip("nbformat")
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell("%load_ext vgpu_magic"), nbformat.v4.new_code_cell("%vgpu_split")]
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in cells]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
     nbformat.write(nb, path)
 
@@ -129,44 +142,40 @@ def _accept_dialog(page) -> str | None:
     return text
 
 
-def _run_all_cells(page, sync_api) -> None:
-    """Run every cell from JupyterLab's Run menu, once the kernel is idle (before
-    that the menu item is disabled and a click does nothing)."""
+def _run_cell(page, sync_api, index: int, timeout_ms: int = 120_000) -> None:
+    """Run cell ``index`` as a user would (select it, Shift+Enter) and wait until
+    it has finished (its prompt shows an execution count). The first call waits
+    for the kernel to be idle: before that, nothing runs."""
     page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(timeout=90_000)
-    first_prompt = page.locator(".jp-Notebook .jp-Cell .jp-InputPrompt").first
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
+    prompt = cell.locator(".jp-InputPrompt")
     dialogs = []
     for _ in range(3):
         dialogs.append(_accept_dialog(page))
         try:
-            page.locator(".lm-MenuBar-item", has_text="Run").first.click(timeout=10_000)
-            page.locator(".lm-Menu-item", has_text="Run All Cells").first.click(timeout=10_000)
-            sync_api.expect(first_prompt).to_have_text(re.compile(r"\[(\*|\d+)\]"), timeout=10_000)
-            return
+            prompt.click(timeout=10_000)
+            # Output still rendering above can move the cell under the click: run only the right one.
+            sync_api.expect(cell).to_have_class(re.compile(r"\bjp-mod-active\b"), timeout=5_000)
+            if prompt.inner_text().strip() in ("[ ]:", ""):
+                page.keyboard.press("Shift+Enter")
+            sync_api.expect(prompt).to_have_text(re.compile(r"\[(\*|\d+)\]"), timeout=10_000)
+            break
         except (AssertionError, sync_api.TimeoutError):
             page.keyboard.press("Escape")
-    seen = [d for d in dialogs if d]
-    pytest.fail("Run All Cells did not start the notebook's cells" + (f"; dialogs accepted: {seen}" if seen else ""))
+    else:
+        seen = [d for d in dialogs if d]
+        pytest.fail(f"cell {index} did not start" + (f"; dialogs accepted: {seen}" if seen else ""))
+    sync_api.expect(prompt).to_have_text(re.compile(r"\[\d+\]"), timeout=timeout_ms)
 
 
-#: Front end -> (module that serves it, page of the notebook, screenshot file, how the count is set).
-#: Notebook 7 swallows arrow keys on a focused slider handle (measured with Chromium 156), so
-#: there the count is typed into the box next to the slider, as a keyboard user would.
-FRONT_ENDS = {
-    "jupyterlab4": ("jupyterlab", "lab/tree/panel.ipynb", "browser_panel.png", "slider-keys"),
-    "notebook7": ("notebook", "notebooks/panel.ipynb", "browser_panel_notebook7.png", "typed"),
-}
-
-
-@pytest.fixture(params=sorted(FRONT_ENDS))
-def front_end(request, tmp_path):
-    """A running JupyterLab 4 or Notebook 7 serving ``panel.ipynb``; yields
-    ``(notebook_url, screenshot_name, interaction)``."""
-    module, page, screenshot, interaction = FRONT_ENDS[request.param]
+@contextlib.contextmanager
+def _jupyter_server(module: str, root: Path):
+    """A Jupyter server of ``module`` ("jupyterlab" or "notebook") serving ``root/notebooks``;
+    yields ``(base_url, token, notebooks_dir)``."""
     pytest.importorskip(module)
-    notebooks = tmp_path / "notebooks"
+    notebooks = root / "notebooks"
     notebooks.mkdir()
-    _write_notebook(notebooks / "panel.ipynb")
-    dirs = {name: tmp_path / name for name in ("config", "runtime", "data", "settings", "workspaces", "ipython")}
+    dirs = {name: root / name for name in ("config", "runtime", "data", "settings", "workspaces", "ipython")}
     for d in dirs.values():
         d.mkdir()
     # No news or update pop-ups over the notebook.
@@ -185,7 +194,7 @@ def front_end(request, tmp_path):
         "IPYTHONDIR": str(dirs["ipython"]),
     }
     port, token = _free_port(), secrets.token_hex(16)
-    log = tmp_path / "server.log"
+    log = root / "server.log"
     with open(log, "wb") as log_file:
         proc = subprocess.Popen(
             [
@@ -210,50 +219,346 @@ def front_end(request, tmp_path):
     try:
         base = f"http://127.0.0.1:{port}"
         _wait_until_serving(proc, f"{base}/api/status?token={token}", log)
-        yield f"{base}/{page}?token={token}", screenshot, interaction
+        yield base, token, notebooks
     finally:
         _stop(proc, dirs["runtime"])
 
 
-def test_panel_splits_the_cpu_from_a_real_browser(front_end, artifacts_dir):
+@pytest.fixture(scope="module")
+def chromium():
+    """One headless Chromium for the module; each test opens its own page."""
     sync_api = pytest.importorskip("playwright.sync_api")
-    url, screenshot_name, interaction = front_end
-    screenshot = artifacts_dir / screenshot_name
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 1000})
-            page.goto(url, timeout=90_000)
-            _run_all_cells(page, sync_api)
-
-            panel = page.locator(".vgpu-split-panel")
-            panel.wait_for(timeout=120_000)
-            count_box = panel.locator(".vgpu-count-text input")
-            sync_api.expect(count_box).to_have_value("1")
-
-            if interaction == "slider-keys":
-                # Focus the slider's handle and press the right arrow twice.
-                handle = panel.locator(".vgpu-count-slider .noUi-handle")
-                handle.focus()
-                handle.press("ArrowRight")
-                handle.press("ArrowRight")
-            else:
-                count_box.click()
-                count_box.press("Control+A")
-                count_box.press_sequentially("3")
-                count_box.press("Enter")
-            sync_api.expect(panel.locator(".vgpu-count-slider .widget-readout")).to_have_text("3", timeout=30_000)
-            sync_api.expect(count_box).to_have_value("3", timeout=30_000)
-            sync_api.expect(panel.locator(".vgpu-magic-line")).to_contain_text("%vgpu_split 3", timeout=30_000)
-
-            panel.locator("button.vgpu-apply").click()
-            output = panel.locator(".vgpu-output")
-            sync_api.expect(output).to_contain_text("Applied: 3 logical CPUs", timeout=60_000)
-            sync_api.expect(output).to_contain_text(
-                "3 logical devices: /device:CPU:0, /device:CPU:1, /device:CPU:2"
-            )
-            panel.scroll_into_view_if_needed()
-            page.screenshot(path=str(screenshot))
+            yield sync_api, browser
         finally:
             browser.close()
-    assert screenshot.stat().st_size > 0
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab 4 server for the module: ``(base_url, token, notebooks_dir)``."""
+    with _jupyter_server("jupyterlab", tmp_path_factory.mktemp("lab")) as served:
+        yield served
+
+
+def _open(chromium, served, front_end_path: str, name: str, cells: list[str]):
+    """Write notebook ``name`` with ``cells`` and open it in a new page; returns the page."""
+    sync_api, browser = chromium
+    base, token, notebooks = served
+    _write_notebook(notebooks / name, cells)
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    page.goto(f"{base}/{front_end_path}/{name}?token={token}", timeout=90_000)
+    return page
+
+
+def _set_count_with_slider_keys(panel, count: int) -> None:
+    """Focus the count slider's handle and press the right arrow up to ``count`` (from 1)."""
+    handle = panel.locator(".vgpu-count-slider .noUi-handle")
+    handle.focus()
+    for _ in range(count - 1):
+        handle.press("ArrowRight")
+
+
+def _set_count_by_typing(panel, count: int) -> None:
+    box = panel.locator(".vgpu-count-text input")
+    box.click()
+    box.press("Control+A")
+    box.press_sequentially(str(count))
+    box.press("Enter")
+
+
+def _expect_panel_applied_three(sync_api, panel) -> None:
+    """The panel (set to 3 through the UI) shows 3 everywhere, applies it and prints the engine's lines."""
+    count_box = panel.locator(".vgpu-count-text input")
+    sync_api.expect(count_box).to_have_value("3", timeout=30_000)
+    sync_api.expect(panel.locator(".vgpu-magic-line")).to_contain_text("Same as: %vgpu_split 3", timeout=30_000)
+    panel.locator("button.vgpu-apply").click()
+    output = panel.locator(".vgpu-output")
+    sync_api.expect(output).to_contain_text("TensorFlow configured 3 logical CPUs", timeout=60_000)
+    sync_api.expect(output).to_contain_text(
+        "MirroredStrategy() will use 3 replicas: /device:CPU:0, /device:CPU:1, /device:CPU:2"
+    )
+
+
+def test_notebook7_panel_splits_the_cpu(chromium, tmp_path, artifacts_dir):
+    # Notebook 7 swallows arrow keys on a focused slider handle (measured with Chromium 156), so
+    # here the count is typed into the box next to the slider, as a keyboard user would.
+    sync_api, _ = chromium
+    with _jupyter_server("notebook", tmp_path) as served:
+        page = _open(chromium, served, "notebooks", "panel.ipynb", ["%load_ext vgpu_magic", "%vgpu_split"])
+        try:
+            _run_cell(page, sync_api, 0)
+            _run_cell(page, sync_api, 1)
+            panel = page.locator(".vgpu-split-panel")
+            panel.wait_for(timeout=120_000)
+            sync_api.expect(panel.locator(".vgpu-count-text input")).to_have_value("1")
+            _set_count_by_typing(panel, 3)
+            _expect_panel_applied_three(sync_api, panel)
+            panel.scroll_into_view_if_needed()
+            panel.screenshot(path=str(artifacts_dir / "browser_panel_notebook7.png"))
+        finally:
+            page.close()
+
+
+# -- colours as rendered --------------------------------------------------------------------
+
+#: For every element with its own text under a root: its text, colour, and the background colour
+#: and opacity of it and each ancestor up to <html> (innermost first), as the browser computed them;
+#: and whether it belongs to a disabled control (WCAG exempts those from the contrast minimum).
+_RENDERED_COLOURS_JS = """
+(root) => {
+  const found = [];
+  const seen = new Set();
+  const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+  while (walker.nextNode()) {
+    const el = walker.currentNode.parentElement;
+    if (!walker.currentNode.textContent.trim() || seen.has(el)) continue;
+    seen.add(el);
+    const style = getComputedStyle(el);
+    if (!el.getClientRects().length || style.visibility !== 'visible') continue;
+    const layers = [];
+    for (let e = el; e; e = e.parentElement) {
+      const s = getComputedStyle(e);
+      layers.push([s.backgroundColor, parseFloat(s.opacity)]);
+    }
+    const disabled = !!el.closest(':disabled, .mod-disabled, [disabled]');
+    found.push({text: walker.currentNode.textContent.trim().slice(0, 50), color: style.color, layers, disabled});
+  }
+  return found;
+}
+"""
+
+
+def _rgba(css: str) -> tuple[float, float, float, float]:
+    """``rgb(r, g, b)`` / ``rgba(r, g, b, a)`` as computed by the browser -> floats in 0..1."""
+    match = re.fullmatch(r"rgba?\(([\d.]+),\s*([\d.]+),\s*([\d.]+)(?:,\s*([\d.]+))?\)", css.strip())
+    assert match, f"unexpected computed colour {css!r}"
+    r, g, b, a = match.groups()
+    return float(r) / 255, float(g) / 255, float(b) / 255, 1.0 if a is None else float(a)
+
+
+def _composite(text: str | None, layers: list[tuple[str, float]]) -> tuple[float, float, float]:
+    """The colour on screen of ``text`` (or of the background when ``None``) drawn over
+    ``layers`` (innermost first), each with its opacity, on the page's white canvas.
+    Premultiplied alpha: a layer's group is its content over its background, times its opacity."""
+    r, g, b, a = _rgba(text) if text else (0.0, 0.0, 0.0, 0.0)
+    group = (r * a, g * a, b * a, a)
+    for background, opacity in layers:
+        br, bg, bb, ba = _rgba(background)
+        under = (br * ba, bg * ba, bb * ba, ba)
+        group = tuple(c + u * (1 - group[3]) for c, u in zip(group, under))
+        group = tuple(c * opacity for c in group)
+    return tuple(c + 1.0 * (1 - group[3]) for c in group[:3])
+
+
+def _luminance(rgb: tuple[float, float, float]) -> float:
+    """WCAG 2 relative luminance."""
+    lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
+    return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+
+def _contrast(fg: tuple[float, float, float], bg: tuple[float, float, float]) -> float:
+    high, low = sorted((_luminance(fg), _luminance(bg)), reverse=True)
+    return (high + 0.05) / (low + 0.05)
+
+
+def text_contrasts(locator) -> list[tuple[float, str]]:
+    """``(contrast ratio, text)`` for every piece of text under ``locator`` that is not part of a
+    disabled control, from the rendered colours."""
+    ratios = []
+    for item in locator.evaluate(_RENDERED_COLOURS_JS):
+        if item["disabled"]:
+            continue
+        layers = [(bg, opacity) for bg, opacity in item["layers"]]
+        ratios.append((_contrast(_composite(item["color"], layers), _composite(None, layers)), item["text"]))
+    assert ratios, "no text found to measure"
+    return ratios
+
+
+def test_contrast_arithmetic_matches_wcag_reference_values():
+    # Reference values of the WCAG 2 formula: black on white is 21:1, #777 on white 4.48:1.
+    white = [("rgb(255, 255, 255)", 1.0)]
+    assert round(_contrast(_composite("rgb(0, 0, 0)", white), _composite(None, white)), 2) == 21.0
+    assert round(_contrast(_composite("rgb(119, 119, 119)", white), _composite(None, white)), 2) == 4.48
+    # A transparent layer shows what is under it; half-opaque black text on white is mid-grey.
+    layers = [("rgba(0, 0, 0, 0)", 1.0), ("rgb(255, 255, 255)", 1.0)]
+    assert _composite(None, layers) == (1.0, 1.0, 1.0)
+    grey = _composite("rgba(0, 0, 0, 0.5)", white)
+    assert all(abs(c - 0.5) < 1e-9 for c in grey)
+    # An ancestor's opacity fades text and background alike towards the canvas.
+    faded = [("rgb(0, 0, 0)", 0.5)]
+    assert all(abs(c - 0.5) < 1e-9 for c in _composite(None, faded))
+
+
+def _switch_theme(page, sync_api, name: str, light: bool) -> None:
+    """Pick ``name`` in JupyterLab's Settings > Theme menu, as a user would."""
+    page.keyboard.press("Escape")
+    page.locator(".lm-MenuBar-item", has_text="Settings").first.click()
+    page.locator(".lm-Menu-item", has_text="Theme").first.hover()
+    page.locator(".lm-Menu-item", has_text=name).first.click()
+    sync_api.expect(page.locator("body")).to_have_attribute(
+        "data-jp-theme-light", "true" if light else "false", timeout=30_000
+    )
+    sync_api.expect(page.locator("body")).to_have_attribute("data-jp-theme-name", name, timeout=30_000)
+    # JupyterLab shows its loading splash over the page while it swaps the theme's CSS.
+    page.locator("#jupyterlab-splash").wait_for(state="detached", timeout=30_000)
+
+
+#: The notebook for the panel, the runtime and the themes: cell 1 is the panel used before the
+#: split, cells 2-3 split to 6 and start TensorFlow's runtime, cell 4 opens a panel after that.
+PANEL_CELLS = [
+    "%load_ext vgpu_magic",
+    "%vgpu_split",
+    "%vgpu_split 6",
+    "import tensorflow as tf\ntf.zeros(1)",
+    "%vgpu_split",
+    "%vgpu_status",
+]
+
+
+def test_jupyterlab_panel_opens_on_the_live_split_and_reads_in_light_and_dark(chromium, lab, artifacts_dir):
+    sync_api, _ = chromium
+    page = _open(chromium, lab, "lab/tree", "panel.ipynb", PANEL_CELLS)
+    try:
+        _run_cell(page, sync_api, 0)
+        _run_cell(page, sync_api, 1)
+        early = page.locator(".vgpu-split-panel").first
+        early.wait_for(timeout=120_000)
+        sync_api.expect(early.locator(".vgpu-count-text input")).to_have_value("1")
+        _set_count_with_slider_keys(early, 3)
+        _expect_panel_applied_three(sync_api, early)
+
+        for index in (2, 3, 4, 5):
+            _run_cell(page, sync_api, index)
+        split_output = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".jp-OutputArea")
+        sync_api.expect(split_output).to_contain_text("TensorFlow configured 6 logical CPUs")
+        sync_api.expect(split_output).to_contain_text("replaces the earlier 3 logical CPUs")
+
+        # A panel opened after the runtime started shows the live split, locked, with one banner.
+        late = page.locator(".jp-Notebook .jp-Cell").nth(4).locator(".vgpu-split-panel")
+        late.wait_for(timeout=60_000)
+        sync_api.expect(late.locator(".vgpu-count-text input")).to_have_value("6")
+        sync_api.expect(late.locator(".vgpu-magic-line")).to_have_text("Same as: %vgpu_split 6")
+        sync_api.expect(late.locator("button.vgpu-apply")).to_be_disabled()
+        sync_api.expect(late.locator(".vgpu-count-text input")).to_be_disabled()
+        banners = late.locator(".vgpu-banner")
+        sync_api.expect(banners).to_have_count(1)
+        sync_api.expect(banners).to_be_visible()
+        sync_api.expect(late.locator(".vgpu-banner-message")).to_have_count(1)
+        banner_text = " ".join(banners.inner_text().split())
+        assert "TensorFlow's runtime already started" in banner_text
+        started_by = page.locator(".jp-Notebook .jp-Cell").nth(3).locator(".jp-InputPrompt").inner_text()
+        culprit = f"the cell In {started_by.strip().rstrip(':')}, which begins `import tensorflow as tf`"
+        assert culprit in banner_text
+        assert " ".join(late.inner_text().split()).count("restart the kernel") == 1
+
+        # The panel shown before the runtime started notices it as soon as it is used again.
+        early.locator(".vgpu-count-slider .noUi-handle").press("ArrowLeft")
+        sync_api.expect(early.locator("button.vgpu-apply")).to_be_disabled(timeout=30_000)
+        sync_api.expect(early.locator(".vgpu-banner")).to_be_visible()
+        sync_api.expect(early.locator(".vgpu-banner")).to_contain_text(culprit)
+        assert " ".join(early.inner_text().split()).count("restart the kernel") == 1
+
+        status = page.locator(".jp-OutputArea-output", has=page.locator(".vgpu-status"))
+        sync_api.expect(status).to_contain_text("6 logical CPUs")
+
+        measured = {}
+        for theme, light in (("JupyterLab Light", True), ("JupyterLab Dark", False)):
+            if not light:
+                _switch_theme(page, sync_api, theme, light)
+            suffix = "light" if light else "dark"
+            late.scroll_into_view_if_needed()
+            late.screenshot(path=str(artifacts_dir / f"browser_panel_{suffix}.png"))
+            status.scroll_into_view_if_needed()
+            status.screenshot(path=str(artifacts_dir / f"browser_status_{suffix}.png"))
+            for part, locator in (("banner", banners), ("status", status), ("panel", late)):
+                measured[(suffix, part)] = min(text_contrasts(locator))
+        report = {f"{s}/{p}": (round(r, 2), t) for (s, p), (r, t) in measured.items()}
+        print("lowest contrast per theme and part:", json.dumps(report))
+        (artifacts_dir / "browser_contrast.json").write_text(json.dumps(report, indent=1))
+        low = {k: v for k, v in report.items() if v[0] < 4.5}
+        assert not low, f"text below 4.5:1 on its background: {low}"
+    finally:
+        page.close()
+
+
+def _monitor_draws_process_memory() -> bool:
+    """Whether the monitor has its RSS series and gives its plot an output of its own (the
+    ``monitor`` work of issue 10); until then the two checks below cannot pass."""
+    try:
+        from vgpu_magic.monitor import display, sampler
+    except ImportError:
+        return False
+    return hasattr(sampler, "PROCESS_LABEL") and hasattr(display, "DisplaySurface")
+
+
+#: The tutorial-sized model of issue 10 (Dense(256) on 16 inputs, 4 logical CPUs, batch 32), fitted
+#: with Keras' default progress bar under %vgpu_monitor on.
+MONITOR_CELLS = [
+    "%load_ext vgpu_magic",
+    "%vgpu_split 4",
+    "%vgpu_monitor on",
+    """import numpy as np
+import keras
+import vgpu_magic
+
+keras.utils.set_random_seed(0)
+x = np.random.default_rng(0).normal(size=(1280, 16)).astype("float32")
+y = (x[:, :4].sum(axis=1) > 0).astype("int32")
+with vgpu_magic.strategy().scope():
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(256, activation="relu"), keras.layers.Dense(2)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+model.fit(x, y, batch_size=32, epochs=1, verbose=1)""",
+]
+
+#: Keras' progress line: "step/steps" at its start.
+_PROGRESS = re.compile(r"^\s*(\d+)/(\d+)\b", re.MULTILINE)
+
+
+@pytest.mark.skipif(
+    not _monitor_draws_process_memory(),
+    reason="the monitor has no process RSS series / own plot output yet (issue 10, branch monitor)",
+)
+def test_jupyterlab_monitored_fit_keeps_the_progress_bar_whole_and_plots_cpu_memory(chromium, lab, artifacts_dir):
+    from PIL import Image
+
+    sync_api, _ = chromium
+    page = _open(chromium, lab, "lab/tree", "monitor.ipynb", MONITOR_CELLS)
+    try:
+        for index in range(len(MONITOR_CELLS)):
+            _run_cell(page, sync_api, index, timeout_ms=240_000)
+        fit = page.locator(".jp-Notebook .jp-Cell").nth(3)
+        fit.scroll_into_view_if_needed()
+        fit.screenshot(path=str(artifacts_dir / "browser_monitor_fit.png"))
+        outputs = fit.locator(".jp-OutputArea-child")
+        kinds = []
+        for i in range(outputs.count()):
+            child = outputs.nth(i)
+            if child.locator("img").count():
+                kinds.append(("image", child.locator("img").first.get_attribute("src") or ""))
+            else:
+                kinds.append(("text", child.inner_text()))
+        images = [i for i, (kind, _) in enumerate(kinds) if kind == "image"]
+        assert len(images) == 1, f"expected one plot in the fit's output, found {kinds}"
+        plot = images[0]
+        # Every progress line a user sees ends at N/N, below the plot: none froze above it at 1/N.
+        seen = [(i, int(m[1]), int(m[2])) for i, (kind, text) in enumerate(kinds) if kind == "text"
+                for m in _PROGRESS.finditer(text)]
+        assert seen, f"no Keras progress line in the fit's output: {kinds}"
+        assert all(step == steps and i > plot for i, step, steps in seen), seen
+        assert seen[-1][1] == 1280 // 32
+
+        # The plot is not empty on CPU: the process RSS line (matplotlib's C1, orange) is drawn.
+        src = kinds[plot][1]
+        assert src.startswith("data:image/png;base64,"), src[:60]
+        with Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1]))) as image:
+            pixels = image.convert("RGB")
+            width, height = pixels.size
+            orange = sum(
+                1 for r, g, b in pixels.getdata() if abs(r - 255) + abs(g - 127) + abs(b - 14) < 60
+            )
+        assert orange > 200, f"the RSS line is missing from the {width}x{height} plot ({orange} orange pixels)"
+    finally:
+        page.close()

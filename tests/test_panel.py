@@ -216,6 +216,23 @@ def test_started_runtime_disables_everything_and_names_the_cell():
     assert panel.last_message.startswith("TensorFlow's runtime already started")
 
 
+def test_a_panel_shown_before_the_runtime_started_locks_when_next_used_and_says_the_remedy_once():
+    runtime = FixedRuntime()
+    used = SplitPanel(ONE_GPU, runtime)
+    clicked = SplitPanel(ONE_GPU, runtime)
+    assert not used.locked and not clicked.locked
+    runtime._state = RuntimeState(imported=True, started=True, started_by=CellRef(4, "import tensorflow as tf"))
+    used.count_text.value = 3  # moving a control is enough: no Apply needed to learn it
+    assert used.locked and used.apply_button.disabled and used.banner.layout.display == ""
+    assert "Started by: the cell In [4], which begins `import tensorflow as tf`." in used.banner.value
+    assert used.banner.value.count("restart the kernel") == 1
+    clicked.apply_button.click()  # Apply on a panel nobody touched since the runtime started
+    assert clicked.last_result.status == "blocked" and clicked.locked
+    shown = clicked.banner.value + clicked.last_message
+    assert "the cell In [4]" in clicked.banner.value
+    assert shown.count("restart the kernel") == 1, shown
+
+
 def test_importing_the_package_and_loading_the_extension_imports_no_widgets():
     proc = run_python(
         """

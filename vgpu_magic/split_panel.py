@@ -199,6 +199,8 @@ class SplitPanel:
         self.target.observe(self._on_target, "value")
         self.custom.observe(self._on_memory_mode, "value")
         self.even_memory.observe(self._update, "value")
+        for widget in (self.target, self.count_text, self.custom, self.even_memory):
+            widget.observe(self._notice_start, "value")
         # Tracebacks and prints of a button callback go nowhere visible in
         # JupyterLab unless an Output widget captures them.
         self.apply_button.on_click(self.output.capture(clear_output=True, wait=True)(self._on_apply))
@@ -349,6 +351,7 @@ class SplitPanel:
                 disabled=self.locked,
             )
             slider.observe(self._update, "value")
+            slider.observe(self._notice_start, "value")
             self._device_sliders.append(slider)
         for slider in self._device_sliders:
             slider.max = capacity
@@ -404,34 +407,45 @@ class SplitPanel:
         """True once the framework's runtime started: the controls are disabled."""
         return self._locked
 
-    def refresh(self) -> RuntimeState:
+    def refresh(self, check_cuda: bool = True) -> RuntimeState:
         """Check whether the framework's runtime started; if so, disable the
-        controls and say which cell started it and what to do (once: the banner
-        says it, Apply's output does not repeat it)."""
-        state = self.watcher.state(self.inventory.framework) if self.watcher is not None else runtime_state(
-            None, self.inventory.framework
-        )
+        controls and show the banner: what happened, which cell, what to do."""
+        state = runtime_state(self.watcher, self.inventory.framework, check_cuda=check_cuda)
         if state.started and not self._locked:
-            self._locked = True
-            label = self.capabilities.label
-            self.banner.value = (
-                f"<div class='vgpu-banner' style='{_BANNER_STYLE}'>"
-                f"{html.escape(label)}'s runtime already started ({html.escape(state.culprit)}), so devices can no "
-                "longer change. To split differently, restart the kernel and run the split before any "
-                f"{html.escape(label)} code.</div>"
-            )
-            self.banner.layout.display = ""
-            for widget in (
-                self.target,
-                self.count_slider,
-                self.count_text,
-                self.custom,
-                self.even_memory,
-                self.apply_button,
-                *self._device_sliders,
-            ):
-                widget.disabled = True
+            self._lock(state, remedy=True)
         return state
+
+    def _notice_start(self, change=None) -> None:
+        """A panel shown before the runtime started notices it as soon as it is used,
+        not only at Apply (the CUDA check, which may ask NVML, waits for Apply)."""
+        if not self._locked:
+            self.refresh(check_cuda=False)
+
+    def _lock(self, state: RuntimeState, remedy: bool) -> None:
+        """Disable every control and show the banner, in short lines. ``remedy=False`` when
+        Apply's output just below already says what to do (said once, not twice)."""
+        self._locked = True
+        label = html.escape(self.capabilities.label)
+        lines = [
+            f"<b>{label}'s runtime already started</b>, so devices can no longer change.",
+            f"Started by: {html.escape(state.culprit)}.",
+        ]
+        if remedy:
+            lines.append(
+                f"To split differently: restart the kernel and run the split before any {label} code."
+            )
+        self.banner.value = f"<div class='vgpu-banner-message' style='{_BANNER_STYLE}'>" + "<br>".join(lines) + "</div>"
+        self.banner.layout.display = ""
+        for widget in (
+            self.target,
+            self.count_slider,
+            self.count_text,
+            self.custom,
+            self.even_memory,
+            self.apply_button,
+            *self._device_sliders,
+        ):
+            widget.disabled = True
 
     # -- Apply ---------------------------------------------------------------
     def _say(self, text: str, error: bool = False) -> None:
@@ -464,6 +478,8 @@ class SplitPanel:
                 self._say(line.text if line.level == "info" else f"  {line.text}")
         if result.status in ("applied", "unchanged") and self.inventory.current is not None:
             self.inventory = _with_current(self.inventory, configuration_after(result.plan, self.inventory.current))
+        if result.status == "blocked" and result.runtime is not None and not self._locked:
+            self._lock(result.runtime, remedy=False)
         self.refresh()
         return result
 
