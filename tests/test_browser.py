@@ -413,10 +413,20 @@ def _switch_theme(page, sync_api, name: str, light: bool) -> None:
 
 
 #: The notebook for the panel, the runtime and the themes: cell 1 is the panel used before the
-#: split, cells 2-3 split to 6 and start TensorFlow's runtime, cell 4 opens a panel after that.
+#: split, cell 2 the panel a GPU machine shows (its data: nothing reaches TensorFlow), asked for
+#: more than fits; cells 3-4 split to 6 and start TensorFlow's runtime, cell 5 opens a panel after that.
 PANEL_CELLS = [
     "%load_ext vgpu_magic",
     "%vgpu_split",
+    """from vgpu_magic.inventory import DeviceInventory, GPUInfo
+from vgpu_magic.split_panel import SplitPanel
+
+a100 = GPUInfo(0, "NVIDIA A100-SXM4-40GB", total_mib=40960, free_mib=40000, compute_capability=(8, 0), nvml_index=0)
+gpu_panel = SplitPanel(DeviceInventory(gpus=(a100,), nvml_available=True))
+gpu_panel.count_text.value = 2
+gpu_panel.custom.value = True
+gpu_panel.device_memory.children[0].value = gpu_panel.device_memory.children[0].max
+gpu_panel""",
     "%vgpu_split 6",
     "import tensorflow as tf\ntf.zeros(1)",
     "%vgpu_split",
@@ -436,14 +446,17 @@ def test_jupyterlab_panel_opens_on_the_live_split_and_reads_in_light_and_dark(ch
         _set_count_with_slider_keys(early, 3)
         _expect_panel_applied_three(sync_api, early)
 
-        for index in (2, 3, 4, 5):
+        for index in range(2, len(PANEL_CELLS)):
             _run_cell(page, sync_api, index)
-        split_output = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".jp-OutputArea")
+        gpu = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".vgpu-split-panel")
+        sync_api.expect(gpu.locator(".vgpu-magic-line")).to_contain_text("does not fit")
+        sync_api.expect(gpu.locator("button.vgpu-apply")).to_be_disabled()
+        split_output = page.locator(".jp-Notebook .jp-Cell").nth(3).locator(".jp-OutputArea")
         sync_api.expect(split_output).to_contain_text("TensorFlow configured 6 logical CPUs")
         sync_api.expect(split_output).to_contain_text("replaces the earlier 3 logical CPUs")
 
         # A panel opened after the runtime started shows the live split, locked, with one banner.
-        late = page.locator(".jp-Notebook .jp-Cell").nth(4).locator(".vgpu-split-panel")
+        late = page.locator(".jp-Notebook .jp-Cell").nth(5).locator(".vgpu-split-panel")
         late.wait_for(timeout=60_000)
         sync_api.expect(late.locator(".vgpu-count-text input")).to_have_value("6")
         sync_api.expect(late.locator(".vgpu-magic-line")).to_have_text("Same as: %vgpu_split 6")
@@ -455,9 +468,10 @@ def test_jupyterlab_panel_opens_on_the_live_split_and_reads_in_light_and_dark(ch
         sync_api.expect(late.locator(".vgpu-banner-message")).to_have_count(1)
         banner_text = " ".join(banners.inner_text().split())
         assert "TensorFlow's runtime already started" in banner_text
-        started_by = page.locator(".jp-Notebook .jp-Cell").nth(3).locator(".jp-InputPrompt").inner_text()
-        culprit = f"the cell In {started_by.strip().rstrip(':')}, which begins `import tensorflow as tf`"
+        started_by = page.locator(".jp-Notebook .jp-Cell").nth(4).locator(".jp-InputPrompt").inner_text()
+        culprit = f"the cell In {started_by.strip().rstrip(':')}, which begins import tensorflow as tf"
         assert culprit in banner_text
+        sync_api.expect(banners.locator("code")).to_have_text("import tensorflow as tf")
         assert " ".join(late.inner_text().split()).count("restart the kernel") == 1
 
         # The panel shown before the runtime started notices it as soon as it is used again.
@@ -479,7 +493,9 @@ def test_jupyterlab_panel_opens_on_the_live_split_and_reads_in_light_and_dark(ch
             late.screenshot(path=str(artifacts_dir / f"browser_panel_{suffix}.png"))
             status.scroll_into_view_if_needed()
             status.screenshot(path=str(artifacts_dir / f"browser_status_{suffix}.png"))
-            for part, locator in (("banner", banners), ("status", status), ("panel", late)):
+            gpu.scroll_into_view_if_needed()
+            gpu.screenshot(path=str(artifacts_dir / f"browser_panel_gpu_{suffix}.png"))
+            for part, locator in (("banner", banners), ("status", status), ("panel", late), ("gpu panel", gpu)):
                 measured[(suffix, part)] = min(text_contrasts(locator))
         report = {f"{s}/{p}": (round(r, 2), t) for (s, p), (r, t) in measured.items()}
         print("lowest contrast per theme and part:", json.dumps(report))

@@ -224,7 +224,8 @@ def test_a_panel_shown_before_the_runtime_started_locks_when_next_used_and_says_
     runtime._state = RuntimeState(imported=True, started=True, started_by=CellRef(4, "import tensorflow as tf"))
     used.count_text.value = 3  # moving a control is enough: no Apply needed to learn it
     assert used.locked and used.apply_button.disabled and used.banner.layout.display == ""
-    assert "Started by: the cell In [4], which begins `import tensorflow as tf`." in used.banner.value
+    # The culprit's code is quoted as code, styled by the front end's theme.
+    assert "Started by: the cell In [4], which begins <code>import tensorflow as tf</code>." in used.banner.value
     assert used.banner.value.count("restart the kernel") == 1
     clicked.apply_button.click()  # Apply on a panel nobody touched since the runtime started
     assert clicked.last_result.status == "blocked" and clicked.locked
@@ -335,7 +336,7 @@ def test_runtime_started_by_a_cell_locks_the_panel_and_names_that_cell():
     assert out["early_message"].startswith("TensorFlow's runtime already started, so devices can no longer change.")
     assert out["early_message"].count("restart the kernel") == 1  # the remedy once, not twice
     assert out["late_locked"] is True and all(out["late_disabled"]) and out["banner_shown"]
-    assert "the cell In [3], which begins `import tensorflow as tf`" in out["banner"]
+    assert "the cell In [3], which begins <code>import tensorflow as tf</code>" in out["banner"]
     assert "restart the kernel" in out["banner"]
     assert out["cpus"] == 1
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -19,7 +20,7 @@ from .inventory import DeviceInventory
 from .runtime import RuntimeState
 from .units import format_bytes
 
-__all__ = ["LogicalDeviceStatus", "FrameworkStatus", "StatusReport", "collect_status"]
+__all__ = ["LogicalDeviceStatus", "FrameworkStatus", "StatusReport", "collect_status", "code_spans"]
 
 _MIB = 1024 * 1024
 
@@ -139,6 +140,12 @@ class FrameworkStatus:
 _HEADER = ("device", "on", "cap", "in use", "peak")
 
 
+def code_spans(text: str) -> str:
+    """``text`` escaped for HTML, with its `back-quoted` parts (the code of a culprit
+    cell) as ``<code>``, which every front end styles in its own theme."""
+    return re.sub(r"`([^`\n]+)`", r"<code>\1</code>", html.escape(text))
+
+
 @dataclass
 class StatusReport:
     """What ``%vgpu_status`` shows: one :class:`FrameworkStatus` per framework."""
@@ -189,7 +196,7 @@ class StatusReport:
         esc = html.escape
         parts = ['<div class="vgpu-status">']
         for s in self.sections:
-            state = esc(s.runtime.describe())
+            state = code_spans(s.runtime.describe())
             # Inherit the front end's text colour (readable on every theme); a CUDA context held
             # elsewhere is the one thing worth flagging.
             flag = "⚠ " if s.runtime.cuda_holders else ""
@@ -214,7 +221,7 @@ class StatusReport:
             if memory:
                 parts.append(f"<p>{esc(memory[0].upper() + memory[1:])}</p>")
             parts.append(f"<p><b>Replicas:</b> {esc(s.replicas_line().removeprefix('Replicas: '))}</p>")
-            parts += [f"<p>Note: {esc(n)}</p>" for n in s.notes]
+            parts += [f"<p>Note: {code_spans(n)}</p>" for n in s.notes]
         parts.append("</div>")
         return "\n".join(parts)
 

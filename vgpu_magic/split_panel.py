@@ -51,6 +51,7 @@ from .planner import (
     plan_split,
     unconfigured,
 )
+from .report import code_spans
 from .runtime import RuntimeState, RuntimeWatcher, runtime_state
 
 __all__ = ["SplitPanel", "panel", "SLIDER_MAX_DEVICES"]
@@ -62,12 +63,15 @@ _UNKNOWN_GPU_MIB = 16384
 _CPU = "CPU"
 _WIDE = {"description_width": "9em"}
 _SLIDER = {"width": "36em"}
+#: Widgets' HTML inherits the height of one control row (28 px in JupyterLab): text that wraps
+#: would read double-spaced, so the panel's own text sets an ordinary line height.
+_TEXT_STYLE = "line-height:1.4"
 #: Theme-aware banner: JupyterLab's warn colours with fallbacks for other front ends; the text keeps
 #: the front end's own colour, so it reads on light and dark themes alike.
 _BANNER_STYLE = (
     "border-left:4px solid var(--jp-warn-color0, #e65100);"
     "background:var(--jp-layout-color2, rgba(230, 81, 0, 0.08));"
-    "color:var(--jp-ui-font-color0, inherit);padding:4px 8px"
+    "color:var(--jp-ui-font-color0, inherit);padding:4px 8px;" + _TEXT_STYLE
 )
 _ERROR_STYLE = "color:var(--jp-error-color1, #c62828)"
 
@@ -299,7 +303,9 @@ class SplitPanel:
             f"Memory: {self.capabilities.label} cannot cap logical CPU devices; they share the host's memory, "
             "so there is nothing to set."
         )
-        self.memory_note.value = f"<i>{html.escape(no_caps)}</i>" if on_cpu else ""
+        self.memory_note.value = f"<div style='{_TEXT_STYLE};margin:4px 0'><i>{html.escape(no_caps)}</i></div>" if on_cpu else ""
+        # On the CPU a sizes checkbox would be a control with nothing to control: the note says why.
+        self.custom.layout.display = "none" if on_cpu else ""
         self.usage.layout.display = "none" if on_cpu else ""
         self._fit_memory_controls()
 
@@ -373,11 +379,11 @@ class SplitPanel:
             text = html.escape(verdict.describe())
             if verdict.fits is False:
                 text = text.replace("does not fit", "<b>does not fit</b>")
-            self.usage_label.value = text
+            self.usage_label.value = f"<div style='{_TEXT_STYLE};padding-top:4px'>{text}</div>"
         try:
             line = self.plan().magic_line()
         except PlanError as exc:
-            self.magic.value = f"<span style='{_ERROR_STYLE}'>cannot apply: {html.escape(str(exc))}</span>"
+            self.magic.value = f"<div style='{_ERROR_STYLE};{_TEXT_STYLE}'>cannot apply: {html.escape(str(exc))}</div>"
             valid = False
         else:
             self.magic.value = f"Same as: <code>{html.escape(line)}</code>"
@@ -428,7 +434,7 @@ class SplitPanel:
         label = html.escape(self.capabilities.label)
         lines = [
             f"<b>{label}'s runtime already started</b>, so devices can no longer change.",
-            f"Started by: {html.escape(state.culprit)}.",
+            f"Started by: {code_spans(state.culprit)}.",
         ]
         if remedy:
             lines.append(
