@@ -303,7 +303,8 @@ class SplitPanel:
             f"Memory: {self.capabilities.label} cannot cap logical CPU devices; they share the host's memory, "
             "so there is nothing to set."
         )
-        self.memory_note.value = f"<div style='{_TEXT_STYLE};margin:4px 0'><i>{html.escape(no_caps)}</i></div>" if on_cpu else ""
+        note = f"<div style='{_TEXT_STYLE};margin:4px 0'><i>{html.escape(no_caps)}</i></div>"
+        self.memory_note.value = note if on_cpu else ""
         # On the CPU a sizes checkbox would be a control with nothing to control: the note says why.
         self.custom.layout.display = "none" if on_cpu else ""
         self.usage.layout.display = "none" if on_cpu else ""
