@@ -412,13 +412,14 @@ def _switch_theme(page, sync_api, name: str, light: bool) -> None:
     page.locator("#jupyterlab-splash").wait_for(state="detached", timeout=30_000)
 
 
-#: The notebook for the panel, the runtime and the themes: cell 1 is the panel used before the
-#: split, cell 2 the panel a GPU machine shows (its data: nothing reaches TensorFlow), asked for
-#: more than fits; cells 3-4 split to 6 and start TensorFlow's runtime, cell 5 opens a panel after that.
-PANEL_CELLS = [
-    "%load_ext vgpu_magic",
-    "%vgpu_split",
-    """from vgpu_magic.inventory import DeviceInventory, GPUInfo
+#: The notebook for the panel, the runtime and the themes, cell by cell: the panel used before the
+#: split; what a GPU machine shows (from data: nothing reaches TensorFlow), a panel asked for more than
+#: fits and a status with logical GPUs; a split to 6 and the cell that starts TensorFlow's runtime;
+#: a panel opened after that; the status.
+PANEL_CELLS = {
+    "load": "%load_ext vgpu_magic",
+    "early panel": "%vgpu_split",
+    "gpu panel": """from vgpu_magic.inventory import DeviceInventory, GPUInfo
 from vgpu_magic.split_panel import SplitPanel
 
 a100 = GPUInfo(0, "NVIDIA A100-SXM4-40GB", total_mib=40960, free_mib=40000, compute_capability=(8, 0), nvml_index=0)
@@ -427,36 +428,55 @@ gpu_panel.count_text.value = 2
 gpu_panel.custom.value = True
 gpu_panel.device_memory.children[0].value = gpu_panel.device_memory.children[0].max
 gpu_panel""",
-    "%vgpu_split 6",
-    "import tensorflow as tf\ntf.zeros(1)",
-    "%vgpu_split",
-    "%vgpu_status",
-]
+    "gpu status": """from vgpu_magic.report import FrameworkStatus, LogicalDeviceStatus, StatusReport
+from vgpu_magic.runtime import CellRef, RuntimeState
+
+MiB = 1024 * 1024
+StatusReport([FrameworkStatus(
+    inventory=DeviceInventory(gpus=(a100,), nvml_available=True),
+    runtime=RuntimeState(imported=True, started=True, started_by=CellRef(7, "model.fit(dataset, epochs=3)")),
+    logical=[LogicalDeviceStatus(f"/device:GPU:{i}", "/physical_device:GPU:0", 19232, (900 + 700 * i) * MiB,
+                                 (1500 + 700 * i) * MiB) for i in range(2)],
+    replicas=2,
+    visible_gpus=(0,),
+)])""",
+    "split": "%vgpu_split 6",
+    "start": "import tensorflow as tf\ntf.zeros(1)",
+    "late panel": "%vgpu_split",
+    "status": "%vgpu_status",
+}
 
 
 def test_jupyterlab_panel_opens_on_the_live_split_and_reads_in_light_and_dark(chromium, lab, artifacts_dir):
     sync_api, _ = chromium
-    page = _open(chromium, lab, LAB_PATH, "panel.ipynb", PANEL_CELLS)
+    page = _open(chromium, lab, LAB_PATH, "panel.ipynb", list(PANEL_CELLS.values()))
+    index = {name: i for i, name in enumerate(PANEL_CELLS)}
+
+    def cell(name: str):
+        return page.locator(".jp-Notebook .jp-Cell").nth(index[name])
+
     try:
-        _run_cell(page, sync_api, 0)
-        _run_cell(page, sync_api, 1)
+        _run_cell(page, sync_api, index["load"])
+        _run_cell(page, sync_api, index["early panel"])
         early = page.locator(".vgpu-split-panel").first
         early.wait_for(timeout=120_000)
         sync_api.expect(early.locator(".vgpu-count-text input")).to_have_value("1")
         _set_count_with_slider_keys(early, 3)
         _expect_panel_applied_three(sync_api, early)
 
-        for index in range(2, len(PANEL_CELLS)):
-            _run_cell(page, sync_api, index)
-        gpu = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".vgpu-split-panel")
+        for i in range(index["gpu panel"], len(PANEL_CELLS)):
+            _run_cell(page, sync_api, i)
+        gpu = cell("gpu panel").locator(".vgpu-split-panel")
         sync_api.expect(gpu.locator(".vgpu-magic-line")).to_contain_text("does not fit")
         sync_api.expect(gpu.locator("button.vgpu-apply")).to_be_disabled()
-        split_output = page.locator(".jp-Notebook .jp-Cell").nth(3).locator(".jp-OutputArea")
+        gpu_status = cell("gpu status").locator(".jp-OutputArea-output")
+        sync_api.expect(gpu_status.locator("table")).to_contain_text("% of cap")
+        split_output = cell("split").locator(".jp-OutputArea")
         sync_api.expect(split_output).to_contain_text("TensorFlow configured 6 logical CPUs")
         sync_api.expect(split_output).to_contain_text("replaces the earlier 3 logical CPUs")
 
         # A panel opened after the runtime started shows the live split, locked, with one banner.
-        late = page.locator(".jp-Notebook .jp-Cell").nth(5).locator(".vgpu-split-panel")
+        late = cell("late panel").locator(".vgpu-split-panel")
         late.wait_for(timeout=60_000)
         sync_api.expect(late.locator(".vgpu-count-text input")).to_have_value("6")
         sync_api.expect(late.locator(".vgpu-magic-line")).to_have_text("Same as: %vgpu_split 6")
@@ -468,7 +488,7 @@ def test_jupyterlab_panel_opens_on_the_live_split_and_reads_in_light_and_dark(ch
         sync_api.expect(late.locator(".vgpu-banner-message")).to_have_count(1)
         banner_text = " ".join(banners.inner_text().split())
         assert "TensorFlow's runtime already started" in banner_text
-        started_by = page.locator(".jp-Notebook .jp-Cell").nth(4).locator(".jp-InputPrompt").inner_text()
+        started_by = cell("start").locator(".jp-InputPrompt").inner_text()
         culprit = f"the cell In {started_by.strip().rstrip(':')}, which begins import tensorflow as tf"
         assert culprit in banner_text
         sync_api.expect(banners.locator("code")).to_have_text("import tensorflow as tf")
@@ -481,7 +501,7 @@ def test_jupyterlab_panel_opens_on_the_live_split_and_reads_in_light_and_dark(ch
         sync_api.expect(early.locator(".vgpu-banner")).to_contain_text(culprit)
         assert " ".join(early.inner_text().split()).count("restart the kernel") == 1
 
-        status = page.locator(".jp-OutputArea-output", has=page.locator(".vgpu-status"))
+        status = cell("status").locator(".jp-OutputArea-output")
         sync_api.expect(status).to_contain_text("6 logical CPUs")
 
         measured = {}
@@ -495,7 +515,10 @@ def test_jupyterlab_panel_opens_on_the_live_split_and_reads_in_light_and_dark(ch
             status.screenshot(path=str(artifacts_dir / f"browser_status_{suffix}.png"))
             gpu.scroll_into_view_if_needed()
             gpu.screenshot(path=str(artifacts_dir / f"browser_panel_gpu_{suffix}.png"))
-            for part, locator in (("banner", banners), ("status", status), ("panel", late), ("gpu panel", gpu)):
+            gpu_status.scroll_into_view_if_needed()
+            gpu_status.screenshot(path=str(artifacts_dir / f"browser_status_gpu_{suffix}.png"))
+            parts = {"banner": banners, "status": status, "panel": late, "gpu panel": gpu, "gpu status": gpu_status}
+            for part, locator in parts.items():
                 measured[(suffix, part)] = min(text_contrasts(locator))
         report = {f"{s}/{p}": (round(r, 2), t) for (s, p), (r, t) in measured.items()}
         print("lowest contrast per theme and part:", json.dumps(report))

@@ -213,9 +213,12 @@ class StatusReport:
             rows = s.gpu_rows()
             if rows:
                 parts.append("<table>")
-                parts.append("<tr>" + "".join(f"<th>{h}</th>" for h in _HEADER) + "</tr>")
+                # Names read left-aligned; JupyterLab right-aligns every cell, which suits only the figures.
+                align = ['<{} style="text-align:left">'] * 2 + ["<{}>"] * 3
+                parts.append("<tr>" + "".join(a.format("th") + f"{h}</th>" for a, h in zip(align, _HEADER)) + "</tr>")
                 for r in rows:
-                    parts.append("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>")
+                    cells = "".join(a.format("td") + f"{esc(c)}</td>" for a, c in zip(align, r))
+                    parts.append(f"<tr>{cells}</tr>")
                 parts.append("</table>")
             memory = s.memory_line()
             if memory:
