@@ -89,10 +89,13 @@ def _info_hidden() -> bool:
 class _StrategyChatter(logging.Filter):
     """Drops the INFO records a strategy made by :meth:`TensorFlow.strategy` causes
     ("Using MirroredStrategy with devices ...", "Reduce to ... then broadcast to
-    ..." at every traced reduction); every other record, and the logger's level,
-    stay as the user set them."""
+    ..." at every traced reduction, "Collective all_reduce tensors: ..." at the
+    first step of ``fit``); every other record, and the logger's level, stay as
+    the user set them."""
 
-    _PATTERN = re.compile(r"^(Using MirroredStrategy with devices|Reduce to \S+ then broadcast to)")
+    _PATTERN = re.compile(
+        r"^(Using MirroredStrategy with devices|Reduce to \S+ then broadcast to|Collective all_reduce tensors: )"
+    )
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.levelno <= logging.INFO and self._PATTERN.match(str(record.msg)))
