@@ -51,7 +51,7 @@ from .planner import (
     plan_split,
     unconfigured,
 )
-from .report import code_spans
+from .panel_text import ERROR_STYLE, TEXT_STYLE, banner_html, gpu_key, gpu_label
 from .runtime import RuntimeState, RuntimeWatcher, runtime_state
 
 __all__ = ["SplitPanel", "panel", "SLIDER_MAX_DEVICES"]
@@ -63,35 +63,6 @@ _UNKNOWN_GPU_MIB = 16384
 _CPU = "CPU"
 _WIDE = {"description_width": "9em"}
 _SLIDER = {"width": "36em"}
-#: Widgets' HTML inherits the height of one control row (28 px in JupyterLab): text that wraps
-#: would read double-spaced, so the panel's own text sets an ordinary line height.
-_TEXT_STYLE = "line-height:1.4"
-#: Theme-aware banner: JupyterLab's warn colours with fallbacks for other front ends; the text keeps
-#: the front end's own colour, so it reads on light and dark themes alike.
-_BANNER_STYLE = (
-    "border-left:4px solid var(--jp-warn-color0, #e65100);"
-    "background:var(--jp-layout-color2, rgba(230, 81, 0, 0.08));"
-    "color:var(--jp-ui-font-color0, inherit);padding:4px 8px;" + _TEXT_STYLE
-)
-_ERROR_STYLE = "color:var(--jp-error-color1, #c62828)"
-
-
-def _gpu_key(gpu: GPUInfo) -> str:
-    return f"GPU:{gpu.index}"
-
-
-def _gpu_label(gpu: GPUInfo) -> str:
-    model = gpu.model or "unknown model"
-    if gpu.free_mib is None:
-        return f"GPU {gpu.index}: {model} — memory unknown (NVML unavailable)"
-    total = f"{gpu.total_mib} MiB total, " if gpu.total_mib is not None else ""
-    return f"GPU {gpu.index}: {model} — {total}{gpu.free_mib} MiB free"
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
-
-
 class SplitPanel:
     """Widgets that build a :class:`~vgpu_magic.planner.SplitRequest` and apply it.
 
@@ -128,7 +99,7 @@ class SplitPanel:
         self._locked = False
         self._device_sliders: list[widgets.IntSlider] = []
 
-        options = [(_gpu_label(g), _gpu_key(g)) for g in inventory.gpus]
+        options = [(gpu_label(g), gpu_key(g)) for g in inventory.gpus]
         label = self.capabilities.label
         cpu_label = "CPU (split the CPU instead of the GPU)" if inventory.gpus else f"CPU (no GPU visible to {label})"
         options.append((cpu_label, _CPU))
@@ -224,7 +195,7 @@ class SplitPanel:
         """The GPU chosen in the dropdown, or ``None`` for the CPU."""
         if self.target.value == _CPU:
             return None
-        return next(g for g in self.inventory.gpus if _gpu_key(g) == self.target.value)
+        return next(g for g in self.inventory.gpus if gpu_key(g) == self.target.value)
 
     @property
     def memory_limits(self) -> tuple[int, ...] | None:
@@ -303,7 +274,7 @@ class SplitPanel:
             f"Memory: {self.capabilities.label} cannot cap logical CPU devices; they share the host's memory, "
             "so there is nothing to set."
         )
-        note = f"<div style='{_TEXT_STYLE};margin:4px 0'><i>{html.escape(no_caps)}</i></div>"
+        note = f"<div style='{TEXT_STYLE};margin:4px 0'><i>{html.escape(no_caps)}</i></div>"
         self.memory_note.value = note if on_cpu else ""
         # On the CPU a sizes checkbox would be a control with nothing to control: the note says why.
         self.custom.layout.display = "none" if on_cpu else ""
@@ -380,11 +351,11 @@ class SplitPanel:
             text = html.escape(verdict.describe())
             if verdict.fits is False:
                 text = text.replace("does not fit", "<b>does not fit</b>")
-            self.usage_label.value = f"<div style='{_TEXT_STYLE};padding-top:4px'>{text}</div>"
+            self.usage_label.value = f"<div style='{TEXT_STYLE};padding-top:4px'>{text}</div>"
         try:
             line = self.plan().magic_line()
         except PlanError as exc:
-            self.magic.value = f"<div style='{_ERROR_STYLE};{_TEXT_STYLE}'>cannot apply: {html.escape(str(exc))}</div>"
+            self.magic.value = f"<div style='{ERROR_STYLE};{TEXT_STYLE}'>cannot apply: {html.escape(str(exc))}</div>"
             valid = False
         else:
             self.magic.value = f"Same as: <code>{html.escape(line)}</code>"
@@ -400,7 +371,7 @@ class SplitPanel:
         for i, name in enumerate(current.gpu_names):
             limits = current.logical.get(name)
             if limits and self.inventory.gpus and i < len(self.inventory.gpus):
-                self.target.value = _gpu_key(self.inventory.gpus[i])
+                self.target.value = gpu_key(self.inventory.gpus[i])
                 self.count_text.value = len(limits)
                 return
         for name in current.cpu_names[:1]:
@@ -432,16 +403,7 @@ class SplitPanel:
         """Disable every control and show the banner, in short lines. ``remedy=False`` when
         Apply's output just below already says what to do (said once, not twice)."""
         self._locked = True
-        label = html.escape(self.capabilities.label)
-        lines = [
-            f"<b>{label}'s runtime already started</b>, so devices can no longer change.",
-            f"Started by: {code_spans(state.culprit)}.",
-        ]
-        if remedy:
-            lines.append(
-                f"To split differently: restart the kernel and run the split before any {label} code."
-            )
-        self.banner.value = f"<div class='vgpu-banner-message' style='{_BANNER_STYLE}'>" + "<br>".join(lines) + "</div>"
+        self.banner.value = banner_html(self.capabilities.label, state.culprit, remedy)
         self.banner.layout.display = ""
         for widget in (
             self.target,

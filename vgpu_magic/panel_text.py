@@ -1,0 +1,51 @@
+"""What the split panel says and how it looks: labels and the theme-aware
+runtime banner (plain functions, no widgets), kept apart from the widget logic
+in :mod:`vgpu_magic.split_panel`."""
+
+from __future__ import annotations
+
+import html
+
+from .inventory import GPUInfo
+from .report import code_spans
+
+__all__ = ["TEXT_STYLE", "BANNER_STYLE", "ERROR_STYLE", "gpu_key", "gpu_label", "banner_html"]
+
+#: Widgets' HTML inherits the height of one control row (28 px in JupyterLab): text that wraps
+#: would read double-spaced, so the panel's own text sets an ordinary line height.
+TEXT_STYLE = "line-height:1.4"
+#: Theme-aware banner: JupyterLab's warn colours with fallbacks for other front ends; the text keeps
+#: the front end's own colour, so it reads on light and dark themes alike.
+BANNER_STYLE = (
+    "border-left:4px solid var(--jp-warn-color0, #e65100);"
+    "background:var(--jp-layout-color2, rgba(230, 81, 0, 0.08));"
+    "color:var(--jp-ui-font-color0, inherit);padding:4px 8px;" + TEXT_STYLE
+)
+ERROR_STYLE = "color:var(--jp-error-color1, #c62828)"
+
+
+def gpu_key(gpu: GPUInfo) -> str:
+    return f"GPU:{gpu.index}"
+
+
+def gpu_label(gpu: GPUInfo) -> str:
+    model = gpu.model or "unknown model"
+    if gpu.free_mib is None:
+        return f"GPU {gpu.index}: {model} — memory unknown (NVML unavailable)"
+    total = f"{gpu.total_mib} MiB total, " if gpu.total_mib is not None else ""
+    return f"GPU {gpu.index}: {model} — {total}{gpu.free_mib} MiB free"
+
+
+
+
+def banner_html(label: str, culprit: str, remedy: bool) -> str:
+    """The "runtime already started" banner in short lines: what happened, which
+    cell, and (unless the output right below already says it) what to do."""
+    label = html.escape(label)
+    lines = [
+        f"<b>{label}'s runtime already started</b>, so devices can no longer change.",
+        f"Started by: {code_spans(culprit)}.",
+    ]
+    if remedy:
+        lines.append(f"To split differently: restart the kernel and run the split before any {label} code.")
+    return f"<div class='vgpu-banner-message' style='{BANNER_STYLE}'>" + "<br>".join(lines) + "</div>"
