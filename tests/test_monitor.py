@@ -1,6 +1,7 @@
 """The memory monitor's engine, without TensorFlow: the trace, the series
-grouping, the sampler, the redraw throttle, the renderer on a fake notebook
-output, and the recorder with fake samplers and failing views.
+grouping, the sampler through a fake framework, the redraw throttle, the plot
+and the views on a fake notebook output, and the recorder with fake samplers
+and failing views.
 
 The data is shaped like what TensorFlow reports (see
 ``test_monitor_keras.py`` for the same paths under real splits and a real
@@ -16,19 +17,12 @@ import sys
 
 import pytest
 
+from vgpu_magic.monitor.display import DisplaySurface, MemoryFrame, detect_frontend
+from vgpu_magic.monitor.plot import MemoryPlot, save_trace_figure
 from vgpu_magic.monitor.recorder import MemoryRecorder
-from vgpu_magic.monitor.render import (
-    DisplaySurface,
-    LivePlotView,
-    MemoryFrame,
-    MemoryPlot,
-    RedrawThrottle,
-    TextSummaryView,
-    detect_frontend,
-    save_trace_figure,
-)
 from vgpu_magic.monitor.sampler import DeviceSampler, SamplerError, build_series, normalize_device, variable_bytes
-from vgpu_magic.monitor.trace import MemoryTrace, SeriesInfo
+from vgpu_magic.monitor.trace import MemoryTrace
+from vgpu_magic.monitor.views import LivePlotView, RedrawThrottle, TextSummaryView
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -141,7 +135,7 @@ def test_peak_is_the_run_peak_only_when_it_rose_during_the_run():
 def test_logical_cpus_form_one_shared_host_series_and_gpus_one_series_each():
     cpu = build_series(CPUS)
     assert [(s.key, s.devices, s.cap) for s in cpu] == [("host", tuple(CPUS), None)]
-    assert cpu[0].label == "host memory (shared by 4 logical CPUs)"
+    assert cpu[0].label == "host allocator (shared by 4 logical CPUs)"
     assert cpu[0].shared
 
     gpu = build_series(["GPU:0", "/job:localhost/replica:0/task:0/device:GPU:1"], {GPUS[0]: GIB, GPUS[1]: 2 * GIB})
@@ -151,7 +145,7 @@ def test_logical_cpus_form_one_shared_host_series_and_gpus_one_series_each():
     ]
     mixed = build_series([GPUS[0], CPUS[0]])
     assert [s.key for s in mixed] == [GPUS[0], "host"]
-    assert mixed[1].label == "host memory (CPU:0)"
+    assert mixed[1].label == "host allocator (CPU:0)"
 
 
 def test_normalize_device_rejects_what_is_not_a_device():
@@ -257,8 +251,11 @@ def test_live_plot_shows_one_output_and_updates_it_in_place():
     kinds = [entry[0] for entry in display.log]
     assert kinds[0] == "display" and kinds.count("display") == 1
     assert display.log[0][2] is True  # display(..., display_id=True)
+    # The output opens at the run start with a text placeholder (so it sits
+    # above the cell's stream output), then every frame updates it.
+    assert display.log[0][1]._repr_mimebundle_() == {"text/plain": "memory · fit · the plot appears after the first steps"}
     assert kinds.count("update") >= 2  # live frames and the final one, all on the same handle
-    assert len(view.draw_costs) == len(display.log)
+    assert len(view.draw_costs) == len(display.log) - 1
     final = display.log[-1][1]
     assert isinstance(final, MemoryFrame)
     width, height = png_size(final.png)
@@ -277,9 +274,9 @@ def test_final_frame_can_wait_until_the_training_is_over():
     view.sampled(trace, clock.now)
     trace.duration = 2.0
     view.finish(trace)
-    assert [entry[0] for entry in display.log] == ["display"] and len(pending) == 1
+    assert [entry[0] for entry in display.log] == ["display", "update"] and len(pending) == 1
     pending.pop()()
-    assert [entry[0] for entry in display.log] == ["display", "update"]
+    assert [entry[0] for entry in display.log] == ["display", "update", "update"]
     assert view.draw_kinds == ["full", "final"] and "done" in display.log[-1][1].text
 
 
@@ -327,7 +324,7 @@ def test_live_frames_wait_for_the_throttle():
         clock.now += 0.03
         trace.append(k * 0.03, k, 0, "fit", [(MIB, MIB)])
         view.sampled(trace, clock.now)
-    assert display.log == []
+    assert [entry[0] for entry in display.log] == ["display"] and display.log[0][1].png is None
 
 
 def test_cpu_plot_has_one_line_for_the_shared_allocator_and_variables_per_replica():
@@ -341,7 +338,10 @@ def test_cpu_plot_has_one_line_for_the_shared_allocator_and_variables_per_replic
     assert list(plot.peak_lines[0].get_ydata()[[0, -1]]) == [60.0, 79.0]
     assert list(plot.lines[0].get_ydata()[[0, -1]]) == [40.0, 59.0]
     legend = [t.get_text() for t in plot.legend.get_texts()]
-    assert legend == ["host memory (shared by 4 logical CPUs) · peak 79.0 MiB"]
+    # The faint running-peak lines have their own legend entry.
+    assert legend == ["host allocator (shared by 4 logical CPUs) · peak 79.0 MiB", "running peak (faint lines)"]
+    handle = plot.legend.legend_handles[1]
+    assert handle.get_alpha() == plot.peak_lines[0].get_alpha() < 1
     assert [t.get_text() for t in plot.vax.get_yticklabels()] == ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
     assert plot.ax.get_ylabel() == "memory (MiB)"
     # Epoch 2 starts at 1.0 s: one dotted marker.
@@ -381,15 +381,15 @@ def test_text_view_prints_one_line_per_epoch_and_one_at_the_end():
     lines = out.getvalue().splitlines()
     assert len(lines) == 2
     assert lines[0] == (
-        "memory · epoch 1/2 · host memory (shared by 4 logical CPUs): now 59.0 MiB, peak 79.0 MiB"
+        "memory · epoch 1/2 · host allocator (shared by 4 logical CPUs): now 59.0 MiB, peak 79.0 MiB"
     )
-    assert lines[1].startswith("memory · fit done in 2.0 s, 20 samples · host memory")
+    assert lines[1].startswith("memory · fit done in 2.0 s, 20 samples · host allocator")
     assert "variables per replica: CPU:0 3.0 MiB, CPU:1 3.0 MiB" in lines[1]
 
 
 def test_frontend_is_text_outside_a_kernel():
     assert detect_frontend() == "text"
-    code = "import vgpu_magic.monitor.render as r; print(r.detect_frontend())"
+    code = "import vgpu_magic.monitor.display as d; print(d.detect_frontend())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "text"
 

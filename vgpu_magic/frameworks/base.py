@@ -62,6 +62,9 @@ class Capabilities:
         Must every visible GPU have the same memory growth setting when the runtime starts?
     gpu_visibility:
         Can the set of visible GPUs be chosen (``--visible``, ``--others``)?
+    cpus_share_allocator:
+        Do all logical CPU devices report one shared host allocator's figures?
+        The monitor then draws them as one series, not N identical lines.
     replicas_by:
         What uses the replica devices, for messages (``"MirroredStrategy()"``).
     install_hint:
@@ -79,6 +82,7 @@ class Capabilities:
     growth_with_split: bool = False
     uniform_growth: bool = True
     gpu_visibility: bool = True
+    cpus_share_allocator: bool = False
     replicas_by: str = "the strategy"
     install_hint: str = ""
 

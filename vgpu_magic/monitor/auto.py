@@ -5,8 +5,11 @@
 ``predict`` with wrappers that append a fresh monitor to ``callbacks``, and
 :meth:`~AutoMonitoring.disable` puts back exactly what was there: the class
 attribute that was set, or no attribute at all where the method was inherited
-(so ``keras.Model.fit is original`` holds again). A call that already has a
-monitor, that runs inside a monitored call (``fit``'s validation), or that
+(so ``keras.Model.fit is original`` holds again). It undoes only what is still
+its own: where another tool patched ``keras.Model.fit`` after it (wrapping
+this wrapper, or replacing it), that tool's patch stays and this wrapper, if
+still called through it, becomes a plain pass-through. A call that already has
+a monitor, that runs inside a monitored call (``fit``'s validation), or that
 receives Keras' own ``CallbackList`` is left alone.
 
 Importing this module imports neither Keras nor TensorFlow; :meth:`enable`
@@ -40,7 +43,11 @@ class AutoMonitoring:
         self._factory = factory
         self._options: dict[str, Any] = {}
         self._saved: dict[str, Any] = {}
+        self._wrappers: dict[str, Any] = {}
         self._model_class: Any = None
+        #: Methods another tool had patched over ours when monitoring was
+        #: switched off (left in place, ours inside them passes through).
+        self.kept: list[str] = []
         self._local = threading.local()
         self.monitors: list[Any] = []
 
@@ -55,13 +62,13 @@ class AutoMonitoring:
 
         return MemoryMonitor(**self._options)
 
-    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(original)
         auto = self
 
         @functools.wraps(original)
         def monitored(model, *args, **kwargs):
-            if getattr(auto._local, "depth", 0):
+            if monitored not in auto._wrappers.values() or getattr(auto._local, "depth", 0):
                 return original(model, *args, **kwargs)
             try:
                 bound = signature.bind(model, *args, **kwargs)
@@ -106,27 +113,37 @@ class AutoMonitoring:
             return
         model = keras.Model
         saved = {name: model.__dict__.get(name, _MISSING) for name in METHODS}
-        for name in METHODS:
-            setattr(model, name, self._wrap(name, getattr(model, name)))
-        self._saved = saved
-        self._model_class = model
+        wrappers = {name: self._wrap(getattr(model, name)) for name in METHODS}
+        self._saved, self._wrappers, self._model_class = saved, wrappers, model
+        for name, wrapper in wrappers.items():
+            setattr(model, name, wrapper)
+        self.kept = []
 
     def disable(self) -> None:
-        """Restore ``keras.Model`` exactly as it was; a no-op when off."""
+        """Restore ``keras.Model`` as it was where the method is still ours;
+        a no-op when off."""
         if not self.enabled:
             return
         model = self._model_class
+        kept = []
         for name, original in self._saved.items():
-            if original is _MISSING:
-                if name in model.__dict__:
-                    delattr(model, name)
+            if model.__dict__.get(name) is not self._wrappers[name]:
+                kept.append(name)  # another tool's later patch: not ours to undo
+            elif original is _MISSING:
+                delattr(model, name)
             else:
                 setattr(model, name, original)
-        self._saved = {}
-        self._model_class = None
+        self._saved, self._wrappers, self._model_class = {}, {}, None
+        self.kept = kept
 
     def status(self) -> str:
         if not self.enabled:
+            if self.kept:
+                names = "/".join(self.kept)
+                return (
+                    f"automatic memory monitoring is off (keras.Model.{names} was patched again by another tool "
+                    "afterwards; that patch stays, and ours inside it no longer monitors)"
+                )
             return "automatic memory monitoring is off"
         extra = ", ".join(f"{k}={v!r}" for k, v in self._options.items())
         return "automatic memory monitoring is on for keras.Model.fit/evaluate/predict" + (

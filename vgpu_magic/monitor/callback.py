@@ -16,27 +16,22 @@ from typing import Any
 
 import keras
 
-from .recorder import MemoryRecorder, RecorderStats
-from .render import LivePlotView, NullView, TextSummaryView, detect_frontend, save_trace_figure
-from .sampler import DeviceSampler, model_variables
+from .display import detect_frontend, interrupts_deferred
+from .plot import require_matplotlib, save_trace_figure
+from .recorder import MemoryRecorder, RecorderStats, check_interval
+from .sampler import DeviceSampler, choose_framework, model_variables
 from .trace import MemoryTrace
+from .views import LivePlotView, NullView, TextSummaryView
 
-__all__ = ["MemoryMonitor", "DISPLAY_MODES"]
+__all__ = ["MemoryMonitor", "DISPLAY_MODES", "KEPT_TRACES"]
 
 #: ``display=`` values: ``"auto"`` (a live plot in a Jupyter kernel, text
 #: elsewhere), ``"rich"`` (the live plot), ``"text"`` (per-epoch lines) or
 #: ``"none"`` (record only).
 DISPLAY_MODES = ("auto", "rich", "text", "none")
 
-
-def _shell() -> Any:
-    import sys
-
-    if "IPython" not in sys.modules:
-        return None
-    from IPython import get_ipython
-
-    return get_ipython()
+#: Finished runs :attr:`MemoryMonitor.traces` keeps (the latest ones).
+KEPT_TRACES = 10
 
 
 class MemoryMonitor(keras.callbacks.Callback):
@@ -54,12 +49,13 @@ class MemoryMonitor(keras.callbacks.Callback):
     strategy
         A ``tf.distribute`` strategy whose devices to watch as well.
     interval
-        Minimum seconds between samples taken at batch starts (peaks between
-        samples are never lost: the allocator keeps its own peak).
+        Minimum seconds between samples, taken at batch starts or by
+        :meth:`sample` (peaks between samples are never lost: the allocator
+        keeps its own peak). From 0.001 to 3600.
     display
         ``"auto"``, ``"rich"``, ``"text"`` or ``"none"`` (see :data:`DISPLAY_MODES`).
     view
-        A view object to use instead (see :mod:`vgpu_magic.monitor.render`).
+        A view object to use instead (see :class:`vgpu_magic.monitor.views.View`).
 
     Examples
     --------
@@ -88,8 +84,7 @@ class MemoryMonitor(keras.callbacks.Callback):
         super().__init__()
         if display not in DISPLAY_MODES:
             raise ValueError(f"display={display!r} is not a display mode; use one of {', '.join(DISPLAY_MODES)}")
-        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval > 0:
-            raise ValueError(f"interval={interval!r} is not a positive number of seconds; use e.g. interval=0.05")
+        seconds = check_interval(interval)
         if isinstance(devices, str):
             devices = [d for d in devices.split(",") if d.strip()]
         self._devices = None if devices is None else list(devices)
@@ -99,8 +94,14 @@ class MemoryMonitor(keras.callbacks.Callback):
         self._view = view
         self.traces: list[MemoryTrace] = []
         self._reported: set[str] = set()
+        self._framework: Any = None
         self._recorder = MemoryRecorder(
-            self._make_sampler, None, interval=float(interval), variables=self._variables, report=self._report
+            self._make_sampler,
+            None,
+            runtime_started=self._runtime_started,
+            interval=seconds,
+            variables=self._variables,
+            report=self._report,
         )
         self._depth = 0
         self._fresh = False
@@ -113,8 +114,22 @@ class MemoryMonitor(keras.callbacks.Callback):
     def _current_model(self) -> Any:
         return self._model_hint if self._model_hint is not None else getattr(self, "_model", None)
 
+    def _framework_now(self) -> Any:
+        """The framework whose memory is read: Keras' backend when
+        vgpu_magic knows it, else :func:`vgpu_magic.frameworks.select`'s
+        choice. Chosen at the first sample of a run, not at construction,
+        so a monitor made before the framework was imported still works."""
+        if self._framework is None:
+            self._framework = choose_framework(keras.backend.backend())
+        return self._framework
+
+    def _runtime_started(self) -> bool:
+        return self._framework_now().runtime_started()
+
     def _make_sampler(self) -> DeviceSampler:
-        return DeviceSampler.for_devices(self._devices, model=self._current_model(), strategy=self._strategy)
+        return DeviceSampler.for_framework(
+            self._framework_now(), self._devices, model=self._current_model(), strategy=self._strategy
+        )
 
     def _variables(self) -> list[Any] | None:
         model = self._current_model()
@@ -133,13 +148,9 @@ class MemoryMonitor(keras.callbacks.Callback):
         mode = detect_frontend() if self.display == "auto" else self.display
         if mode == "rich":
             try:
-                import matplotlib  # noqa: F401
-                import PIL  # noqa: F401
-            except ImportError:
-                self._report(
-                    "matplotlib is not installed, so memory is summarised as text; "
-                    "pip install 'vgpu_magic[plot]' for the live plot"
-                )
+                require_matplotlib("memory is summarised as text instead of plotted")
+            except ImportError as exc:
+                self._report(str(exc))
                 return TextSummaryView()
             return LivePlotView(defer=self._defer_to_cell_end)
         if mode == "text":
@@ -175,7 +186,7 @@ class MemoryMonitor(keras.callbacks.Callback):
         self._depth = 0
         trace = self._recorder.finish(interrupted=interrupted)
         if trace is not None and not any(t is trace for t in self.traces):
-            self.traces.append(trace)
+            self.traces = [*self.traces[-(KEPT_TRACES - 1) :], trace]
         if not self._pending:
             self._unwatch_cell()
 
@@ -215,10 +226,15 @@ class MemoryMonitor(keras.callbacks.Callback):
                 )
 
     def _cell_finished(self, result: Any = None) -> None:
-        if self._recorder.active:
-            self._close(interrupted=getattr(result, "error_in_exec", None) is not None)
-        self._run_pending()
+        # Unhook first, so nothing below can leave the hook registered; then
+        # draw with interrupts held back: the cell is over, and an interrupt
+        # landing in the final frame would lose it and print a traceback
+        # from the event hook.
         self._unwatch_cell()
+        with interrupts_deferred():
+            if self._recorder.active:
+                self._close(interrupted=getattr(result, "error_in_exec", None) is not None)
+            self._run_pending()
 
     # -- the public API -------------------------------------------------------------
     def start(self, kind: str = "custom") -> MemoryMonitor:
@@ -286,7 +302,10 @@ class MemoryMonitor(keras.callbacks.Callback):
         return self._require_trace().to_csv(path)
 
     def savefig(self, path: str | os.PathLike, dpi: int = 100) -> str:
-        """Save the plot of the trace (PNG, SVG, PDF... from the suffix)."""
+        """Save the plot of the trace (PNG, SVG, PDF... from the suffix).
+
+        Raises :class:`ImportError` saying what to install without matplotlib.
+        """
         return save_trace_figure(self._require_trace(), os.fspath(path), dpi=dpi)
 
     def __repr__(self) -> str:

@@ -4,8 +4,12 @@
 context manager for custom loops and the tests all drive the same calls
 (``start``, ``tick``/``sample``, ``begin_epoch``/``end_epoch``, ``finish``).
 
-Sampling cost. :meth:`MemoryRecorder.tick` is meant for every step: it reads
-the clock and samples only when ``interval`` has passed since the last sample.
+Sampling cost. :meth:`MemoryRecorder.tick` and :meth:`MemoryRecorder.sample`
+are meant for every step: they read the clock and sample only when
+``interval`` has passed since the last sample (a custom loop calling
+``sample()`` a million times costs a million clock reads, not a million
+reads of every allocator). The run's first sample, each epoch's end and the
+run's end are always sampled.
 Sampling reads each allocator's *current* and *peak*; the allocator updates its
 peak on every allocation, so no peak between two samples is lost however
 sparse the samples are. Nothing resets those peaks
@@ -23,42 +27,62 @@ recorded so far stays, and :meth:`finish` can still be called with
 
 from __future__ import annotations
 
+import math
+import numbers
 import sys
 import time
-from array import array
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .trace import MemoryTrace, SeriesInfo
+from .trace import MemoryTrace
 
-__all__ = ["MemoryRecorder", "RecorderStats"]
+__all__ = ["MemoryRecorder", "RecorderStats", "KEPT_COSTS", "MIN_INTERVAL", "MAX_INTERVAL", "check_interval"]
+
+#: Per-sample costs kept for statistics (the count and the sum cover all).
+KEPT_COSTS = 4096
+
+#: Seconds between samples: the bounds ``interval=`` and ``--interval`` accept.
+MIN_INTERVAL, MAX_INTERVAL = 0.001, 3600.0
+
+
+def check_interval(interval: Any) -> float:
+    """``interval`` as seconds; :class:`ValueError` unless it is a real number
+    (not a bool; ``numpy.float32`` is fine) from :data:`MIN_INTERVAL` to
+    :data:`MAX_INTERVAL`."""
+    if isinstance(interval, bool) or not isinstance(interval, numbers.Real):
+        raise ValueError(f"interval={interval!r} is not a number of seconds; use e.g. interval=0.05")
+    seconds = float(interval)
+    if not (math.isfinite(seconds) and MIN_INTERVAL <= seconds <= MAX_INTERVAL):
+        raise ValueError(
+            f"interval={interval!r} is out of range; use {MIN_INTERVAL:g} to {MAX_INTERVAL:g} seconds, "
+            "e.g. interval=0.05"
+        )
+    return seconds
 
 
 class RecorderStats:
-    """What monitoring cost: samples taken and the seconds spent reading them
-    (``costs`` holds each read's seconds)."""
+    """What monitoring cost: samples taken and the seconds spent reading them.
+
+    ``costs`` keeps the latest :data:`KEPT_COSTS` reads' seconds (for a
+    median); ``samples`` and ``sample_seconds`` count every read.
+    """
 
     def __init__(self) -> None:
-        self.costs = array("d")
+        self.costs: deque[float] = deque(maxlen=KEPT_COSTS)
+        self.samples = 0
+        self.sample_seconds = 0.0
         self.devices = 0
 
-    @property
-    def samples(self) -> int:
-        return len(self.costs)
-
-    @property
-    def sample_seconds(self) -> float:
-        return sum(self.costs)
+    def add(self, seconds: float) -> None:
+        self.costs.append(seconds)
+        self.samples += 1
+        self.sample_seconds += seconds
 
     @property
     def sample_cost(self) -> float:
         """Mean seconds per sample (all series)."""
         return self.sample_seconds / self.samples if self.samples else 0.0
-
-    @property
-    def cost_per_device(self) -> float:
-        """Mean seconds per sample per logical device covered."""
-        return self.sample_cost / self.devices if self.devices else 0.0
 
 
 def _print_report(message: str) -> None:
@@ -74,17 +98,17 @@ class MemoryRecorder:
     sampler_factory
         Returns an object with ``series`` (:class:`SeriesInfo` tuple),
         ``devices`` and ``read() -> [(current, peak), ...]``. Called when the
-        first sample is due, and only once TensorFlow's runtime runs (see
+        first sample is due, and only once the framework's runtime runs (see
         ``runtime_started``), so a recorder never starts the runtime itself.
     view
-        The view to feed (see :mod:`vgpu_magic.monitor.render`).
+        The view to feed (see :mod:`vgpu_magic.monitor.views`).
+    runtime_started
+        Whether the framework's runtime already runs (the framework's
+        :meth:`~vgpu_magic.frameworks.base.Framework.runtime_started`).
     interval
-        Minimum seconds between two :meth:`tick` samples.
+        Minimum seconds between two samples of :meth:`tick` / :meth:`sample`.
     variables
         Returns the variables whose per-device bytes to show, or ``None``.
-    runtime_started
-        Whether the runtime already runs; by default
-        TensorFlow's ``runtime_started``.
     report
         Where one-line problem reports go (stderr by default).
     """
@@ -93,16 +117,13 @@ class MemoryRecorder:
         self,
         sampler_factory: Callable[[], Any],
         view: Any,
+        *,
+        runtime_started: Callable[[], bool],
         interval: float = 0.05,
         variables: Callable[[], Iterable[Any] | None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        runtime_started: Callable[[], bool] | None = None,
         report: Callable[[str], None] = _print_report,
     ) -> None:
-        if runtime_started is None:
-            from ..frameworks.tensorflow import FRAMEWORK
-
-            runtime_started = FRAMEWORK.runtime_started
         self._sampler_factory = sampler_factory
         self._sampler: Any = None
         self.view = view
@@ -161,15 +182,15 @@ class MemoryRecorder:
         self._t0 = self.clock()
         self._last = -float("inf")
         self.active = True
-        self.sample()
+        self._sample_at(self._t0)
 
     def _open_trace(self) -> bool:
         """Build the sampler and the trace once the runtime runs."""
         if not self._sampling_ok:
             return False
-        if self._sampler is None and not self._runtime_started():
-            return False
         try:
+            if self._sampler is None and not self._runtime_started():
+                return False
             if self._sampler is None:
                 self._sampler = self._sampler_factory()
             baseline = tuple(peak for _, peak in self._sampler.read())
@@ -191,10 +212,6 @@ class MemoryRecorder:
         self._view_call("start", self.trace)
         return True
 
-    @property
-    def series(self) -> tuple[SeriesInfo, ...]:
-        return tuple(self._sampler.series) if self._sampler is not None else ()
-
     def tick(self, step: int | None = None) -> None:
         """Call at every step: samples when ``interval`` has passed."""
         if step is not None:
@@ -204,12 +221,11 @@ class MemoryRecorder:
             self._sample_at(now)
 
     def sample(self, step: int | None = None, epoch: int | None = None) -> None:
-        """Take a sample now."""
-        if step is not None:
-            self.step = step
+        """Like :meth:`tick`, and sets the epoch too: samples when ``interval``
+        has passed since the last sample."""
         if epoch is not None:
             self.epoch = epoch
-        self._sample_at(self.clock())
+        self.tick(step)
 
     def _sample_at(self, now: float) -> None:
         self._last = now
@@ -218,7 +234,7 @@ class MemoryRecorder:
         try:
             begin = time.perf_counter()
             readings = self._sampler.read()
-            self.stats.costs.append(time.perf_counter() - begin)
+            self.stats.add(time.perf_counter() - begin)
         except Exception as exc:
             self._sampling_ok = False
             self.active = False
@@ -236,7 +252,7 @@ class MemoryRecorder:
             self.trace.mark_epoch(*mark)
 
     def end_epoch(self, epoch: int) -> None:
-        self.sample()
+        self._sample_at(self.clock())
         self.refresh_variables()
         if self.trace is not None:
             self._view_call("epoch_end", self.trace, epoch)
@@ -258,7 +274,7 @@ class MemoryRecorder:
         """End the run: a last sample, the final frame or summary."""
         if not self.active:
             return self.trace
-        self.sample()
+        self._sample_at(self.clock())
         self.active = False
         trace = self.trace
         if trace is not None:

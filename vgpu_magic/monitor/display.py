@@ -1,0 +1,110 @@
+"""Where frames go in a notebook: one output, shown once, updated in place.
+
+:class:`DisplaySurface` is ``display(..., display_id=True)`` for the first
+frame and ``handle.update(...)`` for every later one, so the notebook never
+grows a list of outputs and never flickers. It is opened with a text
+placeholder when a run starts, before Keras' progress bar prints anything:
+the plot's output then sits above the cell's stream output, and the progress
+bar's ``\\r`` updates keep rewriting one line below it instead of freezing above
+a plot that was inserted into the stream (a notebook front end starts a new
+stream output after every display).
+
+:class:`MemoryFrame` is one frame: PNG plus a one-line text form, so the
+last frame stays in the saved notebook as a plain image and terminals and
+text exports get the summary.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["DisplaySurface", "MemoryFrame", "detect_frontend", "interrupts_deferred"]
+
+
+def detect_frontend() -> str:
+    """``"rich"`` inside a Jupyter kernel (which can show images), else ``"text"``.
+
+    Terminal IPython, plain scripts and anything without a kernel get text.
+    Never imports IPython itself.
+    """
+    if "IPython" not in sys.modules:
+        return "text"
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None or getattr(shell, "kernel", None) is None:
+        return "text"
+    return "rich"
+
+
+class MemoryFrame:
+    """One frame for a notebook: PNG (``None`` for a text-only placeholder)
+    plus a one-line text form."""
+
+    def __init__(self, png: bytes | None, text: str) -> None:
+        self.png = png
+        self.text = text
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
+        bundle = {"text/plain": self.text}
+        if self.png is not None:
+            bundle["image/png"] = base64.b64encode(self.png).decode("ascii")
+        return bundle
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+class DisplaySurface:
+    """One output in a notebook, shown once and then updated in place.
+
+    Parameters
+    ----------
+    display
+        ``display(obj, display_id=True) -> handle`` with ``handle.update(obj)``;
+        by default :func:`IPython.display.display`. Tests pass a fake.
+    """
+
+    def __init__(self, display: Callable[..., Any] | None = None) -> None:
+        if display is None:
+            from IPython.display import display
+        self._display = display
+        self.handle: Any = None
+
+    def show(self, obj: Any) -> None:
+        if self.handle is None:
+            self.handle = self._display(obj, display_id=True)
+        else:
+            self.handle.update(obj)
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[list[int]]:
+    """Hold back ``SIGINT`` (a kernel interrupt) for the duration, in the main
+    thread; yields a list that records the interrupts that arrived.
+
+    Used for the final frame drawn when a cell ends: the cell is over, so an
+    interrupt then has nothing left to stop, and letting it land inside
+    matplotlib or PIL would lose the frame and print a traceback from an event
+    hook. Elsewhere (another thread, a handler that is not Python's) it does
+    nothing.
+    """
+    arrived: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield arrived
+        return
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: arrived.append(signum))
+    except (ValueError, OSError):  # no signals here (an embedded interpreter)
+        yield arrived
+        return
+    try:
+        yield arrived
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
