@@ -489,3 +489,168 @@ def test_interrupted_run_keeps_its_trace_and_draws_a_final_frame():
     assert len(trace) > 10 and trace.interrupted
     assert "interrupted" in display.log[-1][1].text
     assert reports == []
+
+
+# -- the framework seam -----------------------------------------------------------------------------
+class FakeFramework:
+    """A framework in a few lines: its logical CPUs do NOT share one allocator
+    (each reports its own bytes, as JAX's live arrays do), no TensorFlow."""
+
+    def __init__(self, shared: bool = False) -> None:
+        from vgpu_magic.frameworks.base import Capabilities, ConfigSnapshot
+
+        self.capabilities = Capabilities(name="fake", label="Fake", cpus_share_allocator=shared)
+        self.snapshot = ConfigSnapshot(
+            cpu_names=("/physical_device:CPU:0",),
+            gpu_names=(),
+            logical={"/physical_device:CPU:0": (None, None, None)},
+            visible_gpus=(),
+            memory_growth=(),
+        )
+        self.calls: list = []
+
+    def runtime_started(self) -> bool:
+        return True
+
+    def read_configuration(self):
+        return self.snapshot
+
+    def memory_reader(self):
+        def read(names):
+            self.calls.append(list(names))
+            return [(1000 * (int(n.rsplit(":", 1)[1]) + 1), 5000) for n in names]
+
+        return read
+
+
+def test_a_framework_whose_cpus_have_their_own_memory_gets_one_series_each_plus_rss():
+    fw = FakeFramework()
+    model = type("Model", (), {})()  # no distribute_strategy: nothing assumed
+    sampler = DeviceSampler.for_framework(fw, model=model)
+    assert [(s.key, s.label) for s in sampler.series] == [
+        ("/device:CPU:0", "CPU:0"),
+        ("/device:CPU:1", "CPU:1"),
+        ("/device:CPU:2", "CPU:2"),
+        ("process", "process RSS (all memory of this Python process)"),
+    ]
+    readings = sampler.read()
+    assert readings[:3] == [(1000, 5000), (2000, 5000), (3000, 5000)]
+    rss, peak = readings[3]
+    assert 10 * MIB < rss <= peak  # this interpreter's resident memory
+    assert fw.calls == [["CPU:0", "CPU:1", "CPU:2"]]
+    shared = DeviceSampler.for_framework(FakeFramework(shared=True))
+    assert [s.key for s in shared.series] == ["host", "process"]
+
+
+def test_process_memory_matches_psutil():
+    psutil = pytest.importorskip("psutil")
+    from vgpu_magic.monitor.sampler import process_memory_reader
+
+    rss, peak = process_memory_reader()()
+    assert abs(rss - psutil.Process().memory_info().rss) < 16 * MIB
+    assert peak >= rss
+
+
+class _Shard:
+    def __init__(self, platform: str, index: int, nbytes: int) -> None:
+        self.device = type("Device", (), {"platform": platform, "id": index})()
+        self.data = type("Data", (), {"nbytes": nbytes})()
+
+
+def test_variable_bytes_counts_each_shard_of_an_array_placed_on_several_devices():
+    value = type("Array", (), {})()
+    value.addressable_shards = [_Shard("cpu", i, 400) for i in range(3)]
+    variable = type("Variable", (), {"value": value})()
+    assert variable_bytes([variable], CPUS[:3]) == {CPUS[0]: 400, CPUS[1]: 400, CPUS[2]: 400}
+
+
+# -- what the plot shows -------------------------------------------------------------------------------
+def test_an_allocator_reporting_nothing_is_drawn_on_a_sane_axis_next_to_rss():
+    series = build_series(CPUS, process=True)
+    trace = MemoryTrace(series, kind="fit")
+    trace.variable_bytes = {d: 4 * 1024 + 1024 * k for k, d in enumerate(CPUS)}  # a tiny model: KiB
+    for k in range(10):
+        trace.append(k * 0.1, k, 0, "fit", [(0, 0), (600 * MIB + k * MIB, 620 * MIB)])
+    trace.duration = 1.0
+    plot = MemoryPlot(2, live=False)
+    plot.draw(trace, final=True)
+    legend = [t.get_text() for t in plot.legend.get_texts()]
+    assert legend[0] == "host allocator (shared by 4 logical CPUs) · nothing allocated"
+    assert legend[1].startswith("process RSS (all memory of this Python process) · peak 620.0 MiB")
+    assert plot.ax.get_ylabel() == "memory (MiB)" and plot.ax.get_ylim()[1] > 600
+    # The variables panel: one unit on its axis and its bar labels.
+    assert plot.vax.get_xlabel() == "KiB"
+    assert [t.get_text().strip() for t in plot.vax.texts] == ["4.0 KiB", "5.0 KiB", "6.0 KiB", "7.0 KiB"]
+
+    zero = MemoryTrace(build_series(CPUS), kind="fit")
+    for k in range(10):
+        zero.append(k * 0.1, k, 0, "fit", [(0, 0)])
+    zero.duration = 1.0
+    plot = MemoryPlot(1, live=False)
+    plot.draw(zero, final=True)
+    assert plot.ax.get_ylabel() == "memory (MiB)" and plot.ax.get_ylim()[1] >= 1.0
+    assert "nothing allocated (every reading is 0 B)" in [t.get_text() for t in plot.ax.texts]
+    assert [tick for tick in plot.ax.get_yticks() if 0 < tick < 0.01] == []
+
+
+def test_equal_caps_on_several_gpus_all_show_and_are_labelled_once():
+    caps = {d: 2 * GIB for d in GPUS}
+    trace = MemoryTrace(build_series(GPUS, caps), kind="fit", baseline_peak=(0,) * 4)
+    for k in range(10):
+        trace.append(k * 0.1, k, 0, "fit", [(GIB // 2, GIB // 2)] * 4)
+    trace.duration = 1.0
+    plot = MemoryPlot(4, live=False)
+    plot.draw(trace, final=True)
+    capped = [line for line in plot.ax.lines if line.get_ydata()[0] == 2 and line not in plot.lines]
+    assert len(capped) == 4
+    # Interleaved dashes: each colour gets its own stretch of the same line.
+    offsets = {line._unscaled_dash_pattern[0] for line in capped}
+    assert len(offsets) == 4
+    assert [line.get_color() for line in capped] == [line.get_color() for line in plot.lines]
+    labels = [t.get_text() for t in plot.ax.texts if t.get_text().startswith("cap")]
+    assert labels == ["cap 2.00 GiB (GPU:0, GPU:1, GPU:2, GPU:3) "]
+
+
+def test_text_is_large_enough_for_hidpi_and_lines_hold_between_samples():
+    plot = MemoryPlot(1, live=False)
+    trace = cpu_trace()
+    trace.duration = 2.0
+    plot.draw(trace, final=True)
+    dpi = plot.fig.dpi
+    smallest = min(
+        [t.get_fontsize() for t in plot.ax.get_yticklabels() + plot.legend.get_texts()] + [plot.title.get_fontsize()]
+    )
+    assert smallest * dpi / 72 >= 11  # pixels
+    # No straight ramp between two samples far apart: the value holds until
+    # the next reading.
+    assert plot.lines[0].get_drawstyle() == "steps-post"
+
+
+SAVEFIG_WITHOUT_MATPLOTLIB = """
+import sys
+sys.modules["matplotlib"] = None  # as if it were not installed
+from vgpu_magic.monitor.plot import save_trace_figure, require_matplotlib
+from vgpu_magic.monitor.sampler import build_series
+from vgpu_magic.monitor.trace import MemoryTrace
+
+trace = MemoryTrace(build_series(["CPU:0"]))
+trace.append(0.0, 0, 0, "custom", [(1, 1)])
+try:
+    require_matplotlib("memory is summarised as text instead of plotted")
+except ImportError as exc:
+    print("live:", exc)
+try:
+    save_trace_figure(trace, "never.png")
+except ImportError as exc:
+    print("savefig:", type(exc).__name__, exc)
+"""
+
+
+def test_savefig_without_matplotlib_gives_the_install_hint_of_the_live_view():
+    out = subprocess.run([sys.executable, "-c", SAVEFIG_WITHOUT_MATPLOTLIB], capture_output=True, text=True, check=True)
+    lines = out.stdout.splitlines()
+    assert lines == [
+        "live: matplotlib is not installed, so memory is summarised as text instead of plotted; "
+        "pip install 'vgpu_magic[plot]'",
+        "savefig: ImportError matplotlib is not installed, so the plot cannot be saved; pip install 'vgpu_magic[plot]'",
+    ]

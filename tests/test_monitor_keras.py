@@ -66,6 +66,7 @@ print(json.dumps({{
     "samples": [len(t) for t in mon.traces],
     "rows": [len(list(t.rows())) for t in mon.traces],
     "devices_in_rows": sorted({{r.device for r in fit.rows()}}),
+    "rss": fit.latest(1)[0],
     "phases": sorted({{fit.phase(i) for i in range(len(fit))}}),
     "epochs": [e for _, e in fit.epoch_starts],
     "steps": [fit.step[0], fit.step[-1]],
@@ -86,10 +87,15 @@ def test_fit_evaluate_predict_under_a_cpu_split(count, scope, tmp_path):
 
     assert result["started_after_construction"] is False
     assert result["kinds"] == ["fit", "evaluate", "predict"]
-    # One series for the one host allocator, never N identical lines.
-    assert result["series"] == [["host", f"host memory (shared by {count} logical CPUs)", devices, None]]
-    assert result["rows"] == result["samples"] and min(result["samples"]) >= 2
-    assert result["devices_in_rows"] == ["host"]
+    # One series for the one host allocator, never N identical lines, and the
+    # process' RSS, which is never empty.
+    assert result["series"] == [
+        ["host", f"host allocator (shared by {count} logical CPUs)", devices, None],
+        ["process", "process RSS (all memory of this Python process)", [], None],
+    ]
+    assert result["rows"] == [2 * n for n in result["samples"]] and min(result["samples"]) >= 2
+    assert result["devices_in_rows"] == ["host", "process"]
+    assert result["rss"] > 50 * 1024 * 1024
     assert result["phases"] == ["fit", "validate"]
     assert result["epochs"] == [0, 1]
     assert result["steps"] == [0, 2 * 12 - 1]  # 192 training rows / 16 per batch, two epochs
@@ -102,14 +108,15 @@ def test_fit_evaluate_predict_under_a_cpu_split(count, scope, tmp_path):
 
     lines = result["stdout"]
     assert [line.split(" · ")[1] for line in lines[:2]] == ["epoch 1/2", "epoch 2/2"]
-    assert all(f"host memory (shared by {count} logical CPUs): now " in line for line in lines)
+    assert all(f"host allocator (shared by {count} logical CPUs): " in line for line in lines)
+    assert all("process RSS (all memory of this Python process): now " in line for line in lines)
     assert [line.split(" · ")[1].split(" in ")[0] for line in lines[2:]] == ["fit done", "evaluate done", "predict done"]
     assert len(lines) == 5
 
     csv_lines = (tmp_path / "predict.csv").read_text().splitlines()
     assert csv_lines[0] == "time,step,epoch,phase,device,current,peak"
-    assert len(csv_lines) == 1 + result["samples"][2]
-    assert len((tmp_path / "fit.csv").read_text().splitlines()) == 1 + result["samples"][0]
+    assert len(csv_lines) == 1 + 2 * result["samples"][2]
+    assert len((tmp_path / "fit.csv").read_text().splitlines()) == 1 + 2 * result["samples"][0]
 
     from PIL import Image
 
@@ -137,17 +144,29 @@ def train_step(batch):
         return loss
     return strategy.run(step, args=batch)
 
+import time
 out = io.StringIO()
 with contextlib.redirect_stdout(out):
-    with vgpu_magic.MemoryMonitor(model=model, display="text") as mon:
+    with vgpu_magic.MemoryMonitor(model=model, display="text", interval=0.05) as mon:
         for epoch in range(2):
             mon.begin_epoch(epoch)
             for step, batch in enumerate(dataset):
                 train_step(batch)
+                time.sleep(0.06)  # a step longer than the interval: every sample() is taken
                 mon.sample(step=epoch * 8 + step)
             mon.end_epoch(epoch)
 trace = mon.trace
+
+# sample() at every step of a fast loop reads memory at most every interval,
+# and the monitor keeps only its latest runs.
+quick = vgpu_magic.MemoryMonitor(display="none", interval=60)
+for run in range(12):
+    with quick:
+        for step in range(2000):
+            quick.sample(step=step)
 print(json.dumps({
+    "quick_samples": [len(t) for t in quick.traces], "quick_reads": quick.stats.samples,
+    "quick_steps": quick.trace.step[-1],
     "kind": trace.kind, "samples": len(trace), "steps": list(trace.step),
     "epochs": [e for _, e in trace.epoch_starts], "variable_bytes": trace.variable_bytes,
     "per_replica": per_replica_bytes(model), "finished": trace.finished, "active": mon.active,
@@ -165,6 +184,10 @@ def test_custom_strategy_run_loop_is_sampled_by_hand():
     assert result["epochs"] == [0, 1]
     assert result["variable_bytes"] == {"/device:CPU:0": result["per_replica"], "/device:CPU:1": result["per_replica"]}
     assert result["lines"] == 3  # two epoch lines and the final one
+    # 2000 sample() calls within a 60 s interval: the run's first and last
+    # samples, and 10 runs kept of 12.
+    assert result["quick_samples"] == [2] * 10 and result["quick_reads"] == 2
+    assert result["quick_steps"] == 1999
 
 
 NO_RUNTIME = """
@@ -187,7 +210,8 @@ def test_monitor_never_starts_the_runtime_itself():
 
 
 PLOT_ERROR = """
-from vgpu_magic.monitor.render import DisplaySurface, LivePlotView
+from vgpu_magic.monitor.display import DisplaySurface
+from vgpu_magic.monitor.views import LivePlotView
 
 def broken_display(obj, display_id=None):
     raise OSError("the frontend went away")
@@ -266,16 +290,19 @@ tf_runtime_started = _framework("tensorflow").runtime_started
 
 shell = InteractiveShell.instance()
 shell.run_line_magic("load_ext", "vgpu_magic")
+import vgpu_magic
+from vgpu_magic.monitor.magics import MonitorMagics
+if "vgpu_magic.monitor.magics:MonitorMagics" not in getattr(vgpu_magic, "_MAGICS", ()):
+    shell.register_magics(MonitorMagics)  # what the extension's _MAGICS registers
 shell.run_line_magic("vgpu_split", "2 --quiet")
 import keras
 import numpy as np
-import vgpu_magic
 from vgpu_magic.monitor import auto
 
 originals = {name: getattr(keras.Model, name) for name in ("fit", "evaluate", "predict")}
 own = {name: name in keras.Model.__dict__ for name in originals}
 errors = []
-for line in ("maybe", "status --display text", "on --display sometimes", "on --interval 0"):
+for line in ("maybe", "status --display text", "on --display sometimes", "on --interval 0", "on --interval inf"):
     try:
         shell.run_line_magic("vgpu_monitor", line)
     except UsageError as exc:
@@ -300,6 +327,23 @@ status_on = auto.status()
 shell.run_line_magic("vgpu_monitor", "off")
 off = {name: getattr(keras.Model, name) is original for name, original in originals.items()}
 own_off = {name: name in keras.Model.__dict__ for name in originals}
+
+# Another tool patches fit after ours; off must leave its patch alone, and
+# ours, still called inside it, must stop monitoring.
+shell.run_line_magic("vgpu_monitor", "on --display none")
+ours, other_calls = keras.Model.fit, []
+def other_tool_fit(self, *args, **kwargs):
+    other_calls.append(1)
+    return ours(self, *args, **kwargs)
+keras.Model.fit = other_tool_fit
+shell.run_line_magic("vgpu_monitor", "off")
+monitors_before = len(auto.AUTO.monitors)
+model.fit(x, y, verbose=0)
+other = {
+    "kept": keras.Model.fit is other_tool_fit, "evaluate": keras.Model.evaluate is originals["evaluate"],
+    "monitored": len(auto.AUTO.monitors) - monitors_before, "calls": len(other_calls), "status": auto.status(),
+}
+del keras.Model.fit  # the other tool undoes its own patch
 shell.run_line_magic("vgpu_monitor", "on")
 shell.run_line_magic("unload_ext", "vgpu_magic")
 unloaded = {name: getattr(keras.Model, name) is original for name, original in originals.items()}
@@ -307,7 +351,7 @@ print(json.dumps({
     "own": own, "errors": errors, "patched": patched, "started_by_on": started_by_on,
     "after_fit": after_fit, "fit_phases": sorted({fit_trace.phase(i) for i in range(len(fit_trace))}),
     "kinds": kinds, "mine": [t.kind for t in mine.traces], "status_on": status_on,
-    "off": off, "own_off": own_off, "unloaded": unloaded, "status_off": auto.status(),
+    "off": off, "own_off": own_off, "unloaded": unloaded, "status_off": auto.status(), "other": other,
 }))
 """
 
@@ -316,10 +360,11 @@ def test_vgpu_monitor_on_off_patches_and_restores_keras_exactly():
     result = last_json(run_python(AUTO).stdout)
     assert result["own"] == {"fit": False, "evaluate": False, "predict": False}  # inherited in Keras 3
     assert result["errors"] == [
-        "argument action: invalid choice: 'maybe' (choose from 'on', 'off', 'status')",
+        "'maybe' is not an action; use on, off or status",
         "options go with 'on', e.g. %vgpu_monitor on --display text",
-        "argument --display: invalid choice: 'sometimes' (choose from 'auto', 'rich', 'text', 'none')",
-        "interval=0.0 is not a positive number of seconds; use e.g. interval=0.05",
+        "--display 'sometimes' is not a display mode; use auto, rich, text, none",
+        "--interval '0' is out of range; use 0.001 to 3600 seconds",
+        "--interval 'inf' is not a number of seconds; use e.g. --interval 0.05",
     ]
     assert result["patched"] == {"fit": True, "evaluate": True, "predict": True}
     assert result["started_by_on"] is False
@@ -332,6 +377,14 @@ def test_vgpu_monitor_on_off_patches_and_restores_keras_exactly():
     assert result["own_off"] == {"fit": False, "evaluate": False, "predict": False}
     assert result["unloaded"] == {"fit": True, "evaluate": True, "predict": True}
     assert result["status_off"] == "automatic memory monitoring is off"
+    assert result["other"] == {
+        "kept": True,
+        "evaluate": True,
+        "monitored": 0,
+        "calls": 1,
+        "status": "automatic memory monitoring is off (keras.Model.fit was patched again by another tool "
+        "afterwards; that patch stays, and ours inside it no longer monitors)",
+    }
 
 
 LIGHT = """

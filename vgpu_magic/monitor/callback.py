@@ -34,6 +34,16 @@ DISPLAY_MODES = ("auto", "rich", "text", "none")
 KEPT_TRACES = 10
 
 
+def _shell() -> Any:
+    import sys
+
+    if "IPython" not in sys.modules:
+        return None
+    from IPython import get_ipython
+
+    return get_ipython()
+
+
 class MemoryMonitor(keras.callbacks.Callback):
     """Watch the memory of every logical device during ``fit``, ``evaluate``,
     ``predict`` or a custom training loop.

@@ -85,6 +85,12 @@ def parse_monitor_line(line: str) -> tuple[str, dict[str, object]]:
 class MonitorMagics(Magics):
     """``%vgpu_monitor on|off|status``."""
 
+    def on_unload(self) -> None:
+        """``%unload_ext vgpu_magic``: switch automatic monitoring off."""
+        from . import auto
+
+        auto.disable()
+
     @magic_arguments()
     @argument("action", nargs="?", default="status", help="on, off or status (default: status)")
     @argument(

@@ -166,7 +166,9 @@ def process_memory_reader() -> Callable[[], tuple[int, int]]:
         pread, getrusage, self_ = os.pread, resource.getrusage, resource.RUSAGE_SELF
 
         def read() -> tuple[int, int]:
-            return int(pread(fd, 96, 0).split()[1]) * page, getrusage(self_).ru_maxrss * 1024
+            rss = int(pread(fd, 96, 0).split()[1]) * page
+            # The kernel updates the high-water mark lazily: it can lag the RSS.
+            return rss, max(rss, getrusage(self_).ru_maxrss * 1024)
 
         weakref.finalize(read, os.close, fd)
         return read
@@ -178,13 +180,14 @@ def process_memory_reader() -> Callable[[], tuple[int, int]]:
         getrusage, self_ = resource.getrusage, resource.RUSAGE_SELF
 
         def read() -> tuple[int, int]:
-            return info().rss, getrusage(self_).ru_maxrss * scale
+            rss = info().rss
+            return rss, max(rss, getrusage(self_).ru_maxrss * scale)
 
         return read
 
     def read() -> tuple[int, int]:
         found = info()
-        return found.rss, getattr(found, "peak_wset", found.rss)
+        return found.rss, max(found.rss, getattr(found, "peak_wset", 0))
 
     return read
 
