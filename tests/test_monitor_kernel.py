@@ -1,9 +1,12 @@
 """The live plot inside a real Jupyter kernel (jupyter_client, fresh kernel).
 
-What a notebook receives on iopub: one ``display_data`` with a display id,
-then only ``update_display_data`` for that id (no growing list of outputs),
-every frame an ``image/png``; the final frame, drawn when the cell ends, says
-the run is done, or interrupted after a real kernel interrupt.
+What a notebook receives on iopub: one ``display_data`` with a display id (a
+text placeholder, shown when the run starts), then only
+``update_display_data`` for that id (no growing list of outputs), every frame
+an ``image/png``; the final frame, drawn when the cell ends, says the run is
+done, or interrupted after a real kernel interrupt, also when the interrupt
+lands in the final frame itself. Keras' progress bar keeps one stream output
+under the plot. On CPU the plot always shows the process' RSS.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import sys
 import time
 
@@ -25,6 +29,9 @@ import json, time
 import numpy as np
 import vgpu_magic
 %load_ext vgpu_magic
+from vgpu_magic.monitor.magics import MonitorMagics
+if "vgpu_magic.monitor.magics:MonitorMagics" not in getattr(vgpu_magic, "_MAGICS", ()):
+    get_ipython().register_magics(MonitorMagics)  # what the extension's _MAGICS registers
 %vgpu_split 2 --quiet
 import keras
 
@@ -110,13 +117,46 @@ def check_one_output_updated_in_place(messages: list[dict], final_word: str) -> 
     display_id = shown[0][1]
     assert display_id
     assert all(did == display_id for _, did, _ in shown)
-    for _, _, data in shown:
+    assert set(shown[0][2]) == {"text/plain"}  # the placeholder opened at the run start
+    for _, _, data in shown[1:]:
         width, height = png_size(data["image/png"])
         assert width > 400 and height > 200
     final = shown[-1][2]["text/plain"]
     assert final.startswith("memory · fit") and final_word in final.splitlines()[0], final
-    assert "host memory (shared by 2 logical CPUs)" in final
+    assert "host allocator (shared by 2 logical CPUs)" in final
+    assert "process RSS (all memory of this Python process): now " in final
     return kinds.count("update_display_data")
+
+
+def notebook_outputs(messages: list[dict]) -> list[dict]:
+    """The outputs a notebook front end builds from these messages: stream
+    messages of one name join the output before them when it is a stream of
+    that name, a display adds an output, an update changes it in place."""
+    outputs: list[dict] = []
+    for m in messages:
+        kind, content = m["msg_type"], m["content"]
+        if kind == "stream":
+            last = outputs[-1] if outputs else None
+            if last is not None and last["type"] == "stream" and last["name"] == content["name"]:
+                last["text"] += content["text"]
+            else:
+                outputs.append({"type": "stream", "name": content["name"], "text": content["text"]})
+        elif kind == "display_data":
+            outputs.append({"type": "display", "id": content["transient"].get("display_id"), "data": content["data"]})
+        elif kind == "update_display_data":
+            for out in outputs:
+                if out["type"] == "display" and out["id"] == content["transient"]["display_id"]:
+                    out["data"] = content["data"]
+        elif kind == "error":
+            outputs.append({"type": "error", "ename": content["ename"]})
+    return outputs
+
+
+def rendered(text: str) -> list[str]:
+    """Stream text as a terminal or notebook shows it: a carriage return
+    starts the line over (backspaces before it change nothing then)."""
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", text)  # colours
+    return [line.replace("\b", "").rsplit("\r", 1)[-1] for line in plain.split("\n")]
 
 
 def test_fit_shows_one_plot_updated_in_place(kernel):
@@ -128,9 +168,9 @@ def test_fit_shows_one_plot_updated_in_place(kernel):
     updates = check_one_output_updated_in_place(messages, "done")
     assert updates >= 2  # at least one live frame, and the final one
     result = json.loads(stream_text(messages).strip().splitlines()[-1])
-    # When the cell printed, fit had shown the first frame and its live
-    # updates; the final frame came after, at the end of the cell.
-    assert result["frames"] == updates and result["samples"] >= 10
+    # When the cell printed, fit had shown its live frames (each an update
+    # of the placeholder); the final frame came after, at the end of the cell.
+    assert result["frames"] + 1 == updates and result["samples"] >= 10
     kinds = [m["msg_type"] for m in messages if m["msg_type"] in ("stream", "update_display_data")]
     assert kinds[-1] == "update_display_data" and "stream" in kinds
 
@@ -149,7 +189,7 @@ def test_interrupting_the_kernel_keeps_the_trace_and_a_final_frame(kernel):
     interrupted = []
 
     def interrupt_once_plotting(msg):
-        if msg["msg_type"] == "display_data" and not interrupted:
+        if msg["msg_type"] == "update_display_data" and "image/png" in msg["content"]["data"] and not interrupted:
             interrupted.append(True)
             km.interrupt_kernel()
 
@@ -165,3 +205,114 @@ def test_interrupting_the_kernel_keeps_the_trace_and_a_final_frame(kernel):
                     "'active': mon.active}))")
     result = json.loads(stream_text(after).strip().splitlines()[-1])
     assert result["samples"] >= 5 and result["interrupted"] and not result["active"]
+
+
+def test_keras_progress_bar_stays_one_stream_output_under_the_plot(kernel):
+    km, kc = kernel
+    messages = run(kc, "%vgpu_monitor on\n"
+                       "model.fit(x, y, batch_size=64, epochs=2, verbose=1, callbacks=[Pace()])\n"
+                       "%vgpu_monitor off")
+    assert not errors(messages), errors(messages)
+    outputs = notebook_outputs(messages)
+    kinds = [(o["type"], o.get("name")) for o in outputs]
+    plot = kinds.index(("display", None))
+    streams = [i for i, o in enumerate(outputs) if o["type"] == "stream" and o["name"] == "stdout"]
+    # The plot opened before Keras printed anything of the fit, so all of
+    # the progress output is ONE stream output below it: nothing frozen above.
+    assert len(streams) == 2 and plot < streams[1], kinds  # %vgpu_monitor on's line, then the progress
+    assert outputs[streams[0]]["text"].startswith("automatic memory monitoring is on")
+    lines = [line for line in rendered(outputs[streams[1]]["text"]) if line.strip()]
+    progress = [line for line in lines if "/25" in line]
+    assert lines[0] == "Epoch 1/2" and "Epoch 2/2" in lines
+    # Each epoch's progress line ends at 25/25: the updates kept rewriting it.
+    assert len(progress) == 2 and all(line.lstrip().startswith("25/25") for line in progress), lines
+    assert "image/png" in outputs[plot]["data"] and "done" in outputs[plot]["data"]["text/plain"]
+
+
+def test_an_interrupt_during_the_final_frame_neither_loses_it_nor_leaves_the_hook(kernel):
+    km, kc = kernel
+    # A real SIGINT to the kernel process, delivered while the final frame
+    # (drawn when the cell ends) is being rendered.
+    setup = run(kc, "import os, signal\n"
+                    "from vgpu_magic.monitor import plot as _plot\n"
+                    "_render = _plot.MemoryPlot.render\n"
+                    "def _interrupted_render(self, trace, final=False):\n"
+                    "    if final:\n"
+                    "        os.kill(os.getpid(), signal.SIGINT)\n"
+                    "        time.sleep(0.05)\n"
+                    "    return _render(self, trace, final)\n"
+                    "_plot.MemoryPlot.render = _interrupted_render")
+    assert not errors(setup)
+    try:
+        messages = run(kc, "mon = vgpu_magic.MemoryMonitor()\n"
+                           "model.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[mon, Pace()])")
+    finally:
+        run(kc, "_plot.MemoryPlot.render = _render")
+    assert not errors(messages), errors(messages)
+    text = "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream")
+    assert "Error in callback" not in text and "KeyboardInterrupt" not in text, text
+    check_one_output_updated_in_place(messages, "done")
+    after = run(kc, "ip = get_ipython()\n"
+                    "print(json.dumps({'hooks': sum(getattr(f, '__self__', None) is mon "
+                    "for f in ip.events.callbacks['post_run_cell']), 'final': mon.view.draw_kinds[-1]}))")
+    assert json.loads(stream_text(after).strip().splitlines()[-1]) == {"hooks": 0, "final": "final"}
+
+
+def test_interrupting_a_tight_sampling_loop_never_tears_the_trace(kernel):
+    km, kc = kernel
+    run(kc, "mon = vgpu_magic.MemoryMonitor(display='none', interval=0.001)")
+    for _ in range(3):
+        sent = []
+
+        def interrupt_when_running(msg):
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "busy" and not sent:
+                sent.append(True)
+                time.sleep(0.3)
+                km.interrupt_kernel()
+
+        messages = run(kc, "with mon:\n    while True:\n        mon.sample()", on_message=interrupt_when_running)
+        assert [e.split(":")[0] for e in errors(messages)] == ["KeyboardInterrupt"]
+        after = run(kc, "import csv, io\n"
+                        "path = mon.to_csv('/dev/null')\n"
+                        "print(json.dumps({'rows': len(mon.trace.to_records()), 'samples': len(mon.trace), "
+                        "'series': len(mon.trace.series)}))")
+        assert not errors(after), errors(after)
+        result = json.loads(stream_text(after).strip().splitlines()[-1])
+        assert result["samples"] >= 2 and result["rows"] == result["samples"] * result["series"]
+
+
+TUTORIAL_MODEL = """
+with model.distribute_strategy.scope():  # one strategy per kernel: collectives keep their instance keys
+    small = keras.Sequential([keras.Input((16,)), keras.layers.Dense(256, activation="relu"), keras.layers.Dense(4)])
+    small.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+mon = vgpu_magic.MemoryMonitor()
+small.fit(x[:640], y[:640], batch_size=32, epochs=2, verbose=0, callbacks=[mon, Pace()])
+"""
+
+
+def test_the_cpu_plot_of_a_tutorial_sized_model_is_never_empty(kernel):
+    import numpy as np
+    from PIL import Image
+
+    km, kc = kernel
+    messages = run(kc, TUTORIAL_MODEL)
+    assert not errors(messages), errors(messages)
+    final = displays(messages)[-1][2]
+    summary = final["text/plain"].splitlines()[1]
+    rss = re.search(r"process RSS \(all memory of this Python process\): now ([0-9.]+) (MiB|GiB)", summary)
+    assert rss and float(rss.group(1)) > 0, summary
+    # The RSS line (colour C1, orange) is drawn: many of its pixels are in the picture.
+    with Image.open(io.BytesIO(base64.b64decode(final["image/png"]))) as image:
+        pixels = np.asarray(image.convert("RGB")).astype(int)
+    orange = np.abs(pixels - np.array([255, 127, 14])).sum(axis=2) < 60
+    assert orange.sum() > 200
+    after = run(kc, "per = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize "
+                    "for v in small.variables + small.optimizer.variables)\n"
+                    "print(json.dumps({'allocator': [mon.trace.peak_text(0), mon.trace.all_zero(0)], "
+                    "'variables': mon.trace.variable_bytes, 'per_replica': per}))")
+    result = json.loads(stream_text(after).strip().splitlines()[-1])
+    # Each replica's own copy of the variables, exactly (from Keras' shapes).
+    assert result["variables"] == {f"/device:CPU:{i}": result["per_replica"] for i in range(2)}
+    # Whatever TensorFlow's host allocator reports, the text says it truly.
+    peak_text, zero = result["allocator"]
+    assert (peak_text == "nothing allocated") == zero

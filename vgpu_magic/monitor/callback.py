@@ -181,9 +181,11 @@ class MemoryMonitor(keras.callbacks.Callback):
         self._depth = 1
         self._epoch_base = self._next_step = 0
         params = self.params or {}
+        # The cell hook first: an interrupt landing anywhere after the plot
+        # appeared still gets the run closed and its final frame drawn.
+        self._watch_cell()
         self._recorder.view = self._make_view()
         self._recorder.start(kind, epochs=params.get("epochs") if kind == "fit" else None, steps=params.get("steps"))
-        self._watch_cell()
 
     def _end(self) -> None:
         if self._depth > 1:
