@@ -205,19 +205,19 @@ def test_variable_bytes_counts_each_replica_component_on_its_device():
 
 
 # -- the throttle ---------------------------------------------------------------------------
-def test_throttle_waits_fifty_times_the_last_cost_and_at_least_0_4_s():
+def test_throttle_waits_a_hundred_times_the_last_cost_and_at_least_0_4_s():
     throttle = RedrawThrottle()
     throttle.reset(0.0)
     assert not throttle.ready(0.39) and throttle.ready(0.4)
-    throttle.record(1.0, 0.004)  # a cheap frame: the floor applies
+    throttle.record(1.0, 0.003)  # a cheap frame: the floor applies
     assert throttle.next_allowed() == pytest.approx(1.4)
-    throttle.record(2.0, 0.040)  # a 40 ms frame: wait 2 s
-    assert throttle.next_allowed() == pytest.approx(4.0)
+    throttle.record(2.0, 0.040)  # a 40 ms frame: wait 4 s
+    assert throttle.next_allowed() == pytest.approx(6.0)
 
 
 @pytest.mark.parametrize("step", [0.010, 0.050])
-@pytest.mark.parametrize("cost", [0.002, 0.008, 0.030, 0.200])
-def test_throttled_drawing_stays_under_two_percent_and_refreshes_twice_a_second_when_cheap(cost, step):
+@pytest.mark.parametrize("cost", [0.002, 0.004, 0.008, 0.030, 0.200])
+def test_throttled_drawing_stays_under_one_percent_and_refreshes_twice_a_second_when_cheap(cost, step):
     # Simulated training: a frame may only come at a sample, every `step`
     # seconds, for 120 s; each frame costs `cost`.
     throttle = RedrawThrottle()
@@ -230,8 +230,8 @@ def test_throttled_drawing_stays_under_two_percent_and_refreshes_twice_a_second_
             now += cost
             drawn += cost
             frames += 1
-    assert drawn / now <= 0.02
-    if cost <= 0.008:
+    assert drawn / now <= 0.01
+    if cost <= 0.004:
         assert frames / now >= 2.0
 
 
@@ -653,4 +653,24 @@ def test_savefig_without_matplotlib_gives_the_install_hint_of_the_live_view():
         "live: matplotlib is not installed, so memory is summarised as text instead of plotted; "
         "pip install 'vgpu_magic[plot]'",
         "savefig: ImportError matplotlib is not installed, so the plot cannot be saved; pip install 'vgpu_magic[plot]'",
+    ]
+
+
+def test_live_frames_blit_while_rss_and_peaks_rise():
+    # A live legend naming peaks would change at almost every frame (RSS
+    # rises as a process warms up) and force a full redraw each time.
+    plot = MemoryPlot(2)
+    trace = MemoryTrace(build_series(CPUS, process=True), kind="fit", epochs_total=1)
+    trace.mark_epoch(0.0, 0)
+    for k in range(5):
+        trace.append(k * 0.1, k, 0, "fit", [(MIB, MIB), (500 * MIB + k * MIB, 500 * MIB + k * MIB)])
+    plot.render(trace)
+    full = plot.full_draws
+    for k in range(5, 40):
+        trace.append(k * 0.1, k, 0, "fit", [(MIB, (k + 1) * MIB), (500 * MIB + k * MIB, 500 * MIB + k * MIB)])
+        plot.render(trace)
+    assert plot.full_draws == full
+    assert [t.get_text() for t in plot.legend.get_texts()][:2] == [
+        "host allocator (shared by 4 logical CPUs)",
+        "process RSS (all memory of this Python process)",
     ]

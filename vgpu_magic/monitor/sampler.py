@@ -20,8 +20,9 @@ variables live; :func:`variable_bytes` counts that exactly from each
 variable's per-device parts.
 
 Cost. A sample reads every series once (one call per logical GPU, one for
-shared CPUs, one ``pread`` of ``/proc/self/statm`` and one ``getrusage`` for
-RSS, ~3 µs), with no dictionaries built and no errors swallowed on the way.
+shared CPUs), with no dictionaries built and no errors swallowed on the way;
+RSS (one ``pread`` of ``/proc/self/statm`` and one ``getrusage``) is read at
+most every 0.25 s (see :class:`DeviceSampler`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import os
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from time import perf_counter
 from typing import Any
 
 from .trace import SeriesInfo, short_name
@@ -151,10 +153,10 @@ def process_memory_reader() -> Callable[[], tuple[int, int]]:
     """``read() -> (rss, peak_rss)`` in bytes for this process.
 
     On Linux it reads ``/proc/self/statm`` through a descriptor kept open
-    (``pread``, ~1.5 µs) and the peak from ``getrusage`` (~0.5 µs): psutil's
-    ``memory_info()`` reads the same file but costs ~15 µs, a third of the
-    whole per-sample budget. Elsewhere psutil gives the RSS and ``getrusage``
-    (or, on Windows, psutil's peak working set) the peak.
+    (``pread``, ~2 µs idle) and the peak from ``getrusage`` (~1 µs): psutil's
+    ``memory_info()`` reads the same file but costs ~15 µs idle. Elsewhere
+    psutil gives the RSS and ``getrusage`` (or, on Windows, psutil's peak
+    working set) the peak.
     """
     try:
         import resource
@@ -163,7 +165,9 @@ def process_memory_reader() -> Callable[[], tuple[int, int]]:
     if sys.platform.startswith("linux") and resource is not None:
         fd = os.open("/proc/self/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         page = os.sysconf("SC_PAGE_SIZE")
-        pread, getrusage, self_ = os.pread, resource.getrusage, resource.RUSAGE_SELF
+        # RUSAGE_THREAD reports the process' high-water RSS too, without
+        # summing the times of every thread (TensorFlow runs dozens).
+        pread, getrusage, self_ = os.pread, resource.getrusage, getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
         def read() -> tuple[int, int]:
             rss = int(pread(fd, 96, 0).split()[1]) * page
@@ -263,8 +267,18 @@ def model_variables(model: Any) -> list[Any]:
     return found
 
 
+#: Seconds between two reads of the process' RSS (see :class:`DeviceSampler`).
+PROCESS_EVERY = 0.25
+
+
 class DeviceSampler:
     """Reads ``(current, peak)`` bytes of every series.
+
+    The process' RSS is read at most every :data:`PROCESS_EVERY` seconds;
+    samples in between repeat the last reading. Right after a training step a
+    ``/proc`` read costs ~20 µs, as much as all the allocators of four logical
+    devices together, while RSS moves slowly and its peak is the kernel's own
+    high-water mark, so nothing is lost but the moment a change is seen.
 
     Parameters
     ----------
@@ -292,6 +306,8 @@ class DeviceSampler:
         self._names = [short_name(s.devices[0]) for s in device_series]
         self._reader = reader
         self._process = None
+        self._process_last: tuple[int, int] = (0, 0)
+        self._process_time = -float("inf")
         if len(device_series) < len(self.series):
             self._process = process if process is not None else process_memory_reader()
 
@@ -317,5 +333,9 @@ class DeviceSampler:
         if len(found) != len(self._names):
             raise SamplerError(f"{len(found)} readings for {len(self._names)} devices ({', '.join(self._names)})")
         if self._process is not None:
-            found.append(self._process())
+            now = perf_counter()
+            if now - self._process_time >= PROCESS_EVERY:
+                self._process_last = self._process()
+                self._process_time = now
+            found.append(self._process_last)
         return found
