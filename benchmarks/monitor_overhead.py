@@ -27,7 +27,7 @@ Reported, with the goals from the issue:
   CPU time, with the spread of the pairs;
 * the cost of one memory sample, per sample and per logical device covered
   (on CPU one read of the shared host allocator covers all 4, plus the
-  process' RSS at most every 0.25 s; goal <= 5 µs);
+  process' RSS at most every 0.5 s; goal <= 5 µs);
 * the cost of a redraw: live frames (blits onto the cached background, and
   full redraws), and the final frame, which the notebook path draws when the
   cell ends, after the training (it is fetched from the kernel afterwards);

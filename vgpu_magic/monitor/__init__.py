@@ -84,7 +84,7 @@ Cost
 
 Steps are counted in Keras' ``on_*_batch_begin`` hooks (no logs, no sync);
 memory is read at most every ``interval`` seconds (0.05 by default), once per
-logical GPU or once for all shared logical CPUs (RSS at most every 0.25 s);
+logical GPU or once for all shared logical CPUs (RSS at most every 0.5 s);
 redraws wait ``max(0.4 s, 100 × the last frame's cost)``, so drawing stays
 under 1 % of the time, and live frames only blit the lines onto a cached
 background and encode a plain PNG (~4 ms);

@@ -22,7 +22,7 @@ variable's per-device parts.
 Cost. A sample reads every series once (one call per logical GPU, one for
 shared CPUs), with no dictionaries built and no errors swallowed on the way;
 RSS (one ``pread`` of ``/proc/self/statm`` and one ``getrusage``) is read at
-most every 0.25 s (see :class:`DeviceSampler`).
+most every 0.5 s (see :class:`DeviceSampler`).
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ def model_variables(model: Any) -> list[Any]:
 
 
 #: Seconds between two reads of the process' RSS (see :class:`DeviceSampler`).
-PROCESS_EVERY = 0.25
+PROCESS_EVERY = 0.5
 
 
 class DeviceSampler:
