@@ -159,7 +159,7 @@ trace = mon.trace
 
 # sample() at every step of a fast loop reads memory at most every interval,
 # and the monitor keeps only its latest runs.
-quick = vgpu_magic.MemoryMonitor(display="none", interval=60)
+quick = vgpu_magic.MemoryMonitor(display="none", interval=np.float32(60))  # numpy numbers are numbers
 for run in range(12):
     with quick:
         for step in range(2000):

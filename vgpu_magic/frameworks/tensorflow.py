@@ -62,6 +62,8 @@ CAPABILITIES = Capabilities(
     growth_with_split=False,
     uniform_growth=True,
     gpu_visibility=True,
+    # Every logical CPU reports the one host allocator's figures.
+    cpus_share_allocator=True,
     replicas_by="MirroredStrategy()",
     install_hint="install it with pip install 'vgpu_magic[cpu]' (or 'vgpu_magic[gpu]' for the CUDA build)",
 )

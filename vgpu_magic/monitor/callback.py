@@ -16,7 +16,7 @@ from typing import Any
 
 import keras
 
-from .display import detect_frontend, interrupts_deferred
+from .display import DISPLAY_MODES, detect_frontend, interrupts_deferred
 from .plot import require_matplotlib, save_trace_figure
 from .recorder import MemoryRecorder, RecorderStats, check_interval
 from .sampler import DeviceSampler, choose_framework, model_variables
@@ -24,11 +24,6 @@ from .trace import MemoryTrace
 from .views import LivePlotView, NullView, TextSummaryView
 
 __all__ = ["MemoryMonitor", "DISPLAY_MODES", "KEPT_TRACES"]
-
-#: ``display=`` values: ``"auto"`` (a live plot in a Jupyter kernel, text
-#: elsewhere), ``"rich"`` (the live plot), ``"text"`` (per-epoch lines) or
-#: ``"none"`` (record only).
-DISPLAY_MODES = ("auto", "rich", "text", "none")
 
 #: Finished runs :attr:`MemoryMonitor.traces` keeps (the latest ones).
 KEPT_TRACES = 10

@@ -9,7 +9,6 @@ the bad token and says what would work.
 from __future__ import annotations
 
 import difflib
-import re
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
@@ -19,26 +18,18 @@ __all__ = ["MonitorMagics", "parse_monitor_line"]
 
 ACTIONS = ("on", "off", "status")
 _OPTIONS = ("--display", "--interval")
-#: The number grammar of every option: ASCII digits, one optional decimal point.
-_DECIMAL = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?|\.[0-9]{1,9}", re.ASCII)
-
-
-def _quoted(token: str, limit: int = 40) -> str:
-    """``token`` quoted, cut to an excerpt when long."""
-    return repr(token if len(token) <= limit else token[: limit - 3] + "...")
 
 
 def _seconds(text: str) -> float:
+    """``--interval``'s value through the one number grammar of every option."""
+    from ..grammar import parse_seconds
+    from ..planner import PlanError
     from .recorder import MAX_INTERVAL, MIN_INTERVAL
 
-    if not _DECIMAL.fullmatch(text):
-        raise UsageError(f"--interval {_quoted(text)} is not a number of seconds; use e.g. --interval 0.05")
-    value = float(text)
-    if not MIN_INTERVAL <= value <= MAX_INTERVAL:
-        raise UsageError(
-            f"--interval {_quoted(text)} is out of range; use {MIN_INTERVAL:g} to {MAX_INTERVAL:g} seconds"
-        )
-    return value
+    try:
+        return parse_seconds(text, minimum=MIN_INTERVAL, maximum=MAX_INTERVAL, option="--interval")
+    except PlanError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def parse_monitor_line(line: str) -> tuple[str, dict[str, object]]:
@@ -47,24 +38,25 @@ def parse_monitor_line(line: str) -> tuple[str, dict[str, object]]:
     Raises :class:`~IPython.core.error.UsageError` with one sentence for
     anything else; changes nothing.
     """
-    from .callback import DISPLAY_MODES
+    from ..planner import excerpt
+    from .display import DISPLAY_MODES
 
     words = line.split()
     action = "status"
     if words and not words[0].startswith("-"):
         action = words.pop(0)
         if action not in ACTIONS:
-            raise UsageError(f"{_quoted(action)} is not an action; use on, off or status")
+            raise UsageError(f"{excerpt(action)} is not an action; use on, off or status")
     options: dict[str, object] = {}
     while words:
         word = words.pop(0)
         name, has_value, value = word.partition("=")
         if name not in _OPTIONS:
             if not name.startswith("-"):
-                raise UsageError(f"{_quoted(word)} is not understood here; use e.g. %vgpu_monitor on --display text")
+                raise UsageError(f"{excerpt(word)} is not understood here; use e.g. %vgpu_monitor on --display text")
             close = difflib.get_close_matches(name, _OPTIONS, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]}?" if close else "the options are --display and --interval"
-            raise UsageError(f"unknown option {_quoted(name)}; {hint}")
+            raise UsageError(f"unknown option {excerpt(name)}; {hint}")
         if not has_value:
             if not words or words[0].startswith("--"):
                 example = "--display text" if name == "--display" else "--interval 0.05"
@@ -72,7 +64,7 @@ def parse_monitor_line(line: str) -> tuple[str, dict[str, object]]:
             value = words.pop(0)
         if name == "--display":
             if value not in DISPLAY_MODES:
-                raise UsageError(f"--display {_quoted(value)} is not a display mode; use {', '.join(DISPLAY_MODES)}")
+                raise UsageError(f"--display {excerpt(value)} is not a display mode; use {', '.join(DISPLAY_MODES)}")
             options["display"] = value
         else:
             options["interval"] = _seconds(value)
@@ -130,7 +122,8 @@ class MonitorMagics(Magics):
                 raise UsageError(str(exc)) from None
             except ImportError as exc:
                 if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "keras":
-                    raise UsageError("Keras is not installed in this kernel; pip install keras to monitor fit") from None
+                    message = "Keras is not installed in this kernel; pip install keras to monitor fit"
+                    raise UsageError(message) from None
                 reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 raise UsageError(f"Keras failed to import: {reason}") from None
         print(auto.status())

@@ -266,7 +266,9 @@ class MemoryTrace:
         for k in range(cols.n):
             phase = self._phases[cols.phase[k]]
             for i, s in enumerate(self.series):
-                yield MemorySample(cols.time[k], cols.step[k], cols.epoch[k], phase, s.key, cols.current[i][k], cols.peak[i][k])
+                yield MemorySample(
+                    cols.time[k], cols.step[k], cols.epoch[k], phase, s.key, cols.current[i][k], cols.peak[i][k]
+                )
 
     def to_records(self) -> list[dict[str, Any]]:
         """The rows as dictionaries (``pandas.DataFrame(trace.to_records())`` works)."""

@@ -97,7 +97,8 @@ class TextSummaryView(View):
 
     def finish(self, trace: MemoryTrace) -> None:
         state = "interrupted" if trace.interrupted else "done"
-        line = f"memory · {trace.kind} {state} in {trace.duration:.1f} s, {len(trace)} samples · {summary_line(trace)}"
+        line = f"memory · {trace.kind} {state} in {trace.duration:.1f} s, {len(trace)} samples"
+        line += f" · {summary_line(trace)}"
         if trace.variable_bytes:
             line += f" · {trace.variables_text()}"
         self._print(line)
