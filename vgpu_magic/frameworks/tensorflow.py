@@ -280,15 +280,25 @@ class TensorFlow(Framework):
         return out
 
     def memory_reader(self) -> Reader:
-        """Reads through the eager context's ``get_memory_info``, which
-        ``tf.config.experimental.get_memory_info`` wraps: right after a training
-        step every Python call level costs ~1 µs."""
+        """Reads through the C function under the eager context's
+        ``get_memory_info`` (which ``tf.config.experimental.get_memory_info``
+        wraps), bound to the context once: right after a training step every
+        Python call level costs microseconds (measured in a kernel: the first
+        read after a step 11.6 µs, one more through the context's method
+        6.6 µs, one more directly 1.0 µs). Only called once the runtime runs,
+        so the context is initialised and its handle stays valid."""
+        from tensorflow.python import pywrap_tfe
         from tensorflow.python.eager import context
 
-        get = context.context().get_memory_info
+        handle = context.context()._context_handle
+        info_of = pywrap_tfe.TFE_GetMemoryInfo
 
         def read(names: list[str]) -> list[tuple[int, int]]:
-            return [(info["current"], info["peak"]) for info in map(get, names)]
+            found = []
+            for name in names:
+                info = info_of(handle, name)
+                found.append((info["current"], info["peak"]))
+            return found
 
         return read
 

@@ -275,7 +275,7 @@ class MemoryPlot:
             self._decorations.append(
                 ax.text(
                     0.995, cap / scale, f"cap {format_bytes(cap)} ({names}) ", transform=ax.get_yaxis_transform(),
-                    ha="right", va="bottom", fontsize=_NOTE_PT, color="0.3",
+                    ha="right", va="top", fontsize=_NOTE_PT, color="0.3",
                 )
             )
         for t, epoch in layout.marks:
