@@ -674,3 +674,18 @@ def test_live_frames_blit_while_rss_and_peaks_rise():
         "host allocator (shared by 4 logical CPUs)",
         "process RSS (all memory of this Python process)",
     ]
+
+
+def test_the_plain_png_encoder_round_trips_the_canvas_pixels():
+    import numpy as np
+    from PIL import Image
+
+    from vgpu_magic.monitor.display import encode_png
+
+    plot = MemoryPlot(1)
+    png = plot.render(cpu_run(30, 30 * MIB))
+    with Image.open(io.BytesIO(png)) as image:
+        decoded = np.asarray(image.convert("RGB"))
+    expected = np.asarray(plot.canvas.buffer_rgba())[:, :, :3]
+    assert decoded.shape == expected.shape and (decoded == expected).all()
+    assert encode_png(expected[:2, :3].copy()).startswith(PNG_SIGNATURE)
