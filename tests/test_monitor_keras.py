@@ -291,9 +291,8 @@ tf_runtime_started = _framework("tensorflow").runtime_started
 shell = InteractiveShell.instance()
 shell.run_line_magic("load_ext", "vgpu_magic")
 import vgpu_magic
-from vgpu_magic.monitor.magics import MonitorMagics
-if "vgpu_magic.monitor.magics:MonitorMagics" not in getattr(vgpu_magic, "_MAGICS", ()):
-    shell.register_magics(MonitorMagics)  # what the extension's _MAGICS registers
+# %vgpu_monitor is the monitor's own magic, registered by the extension.
+assert type(shell.find_line_magic("vgpu_monitor").__self__).__name__ == "MonitorMagics"
 shell.run_line_magic("vgpu_split", "2 --quiet")
 import keras
 import numpy as np

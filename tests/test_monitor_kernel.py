@@ -29,9 +29,7 @@ import json, time
 import numpy as np
 import vgpu_magic
 %load_ext vgpu_magic
-from vgpu_magic.monitor.magics import MonitorMagics
-if "vgpu_magic.monitor.magics:MonitorMagics" not in getattr(vgpu_magic, "_MAGICS", ()):
-    get_ipython().register_magics(MonitorMagics)  # what the extension's _MAGICS registers
+assert type(get_ipython().find_line_magic("vgpu_monitor").__self__).__name__ == "MonitorMagics"
 %vgpu_split 2 --quiet
 import keras
 
