@@ -91,9 +91,6 @@ def unload_ipython_extension(ipython) -> None:
     watcher, all_magics = _loaded.pop(id(ipython), (None, []))
     if watcher is None:
         return
-    from .monitor import auto
-
-    auto.disable()
     for magics in all_magics:
         closing = getattr(magics, "on_unload", None)
         if closing is not None:

@@ -16,7 +16,6 @@ from contextlib import contextmanager
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Any as AnyTrait
 from traitlets import Bool
 
@@ -196,54 +195,6 @@ class VGPUMagics(Magics):
 
             display(report)
         return report if ("-r" in rest or "--return" in rest) else None
-
-    # -- %vgpu_monitor ------------------------------------------------------
-    @magic_arguments()
-    @argument("action", nargs="?", default="status", choices=("on", "off", "status"), help="default: status")
-    @argument(
-        "--display",
-        choices=("auto", "rich", "text", "none"),
-        default=None,
-        help="how each monitor shows memory (default auto: a live plot in a notebook, text elsewhere)",
-    )
-    @argument("--interval", type=float, default=None, help="seconds between samples (default 0.05)")
-    @line_magic
-    def vgpu_monitor(self, line: str = ""):
-        """Monitor the memory of every logical device in every Keras
-        ``fit``/``evaluate``/``predict``, without changing the code.
-
-        Examples
-        --------
-        ::
-
-          In [1]: %vgpu_monitor on                  # a live plot under every later fit
-          In [2]: %vgpu_monitor on --display text   # one line per epoch instead
-          In [3]: %vgpu_monitor status
-          In [4]: %vgpu_monitor off                 # keras.Model exactly as before
-
-        ``%unload_ext vgpu_magic`` turns it off too. For one call, pass
-        ``callbacks=[vgpu_magic.MemoryMonitor()]`` instead.
-        """
-        from .monitor import auto
-
-        args = parse_argstring(self.vgpu_monitor, line)
-        options = {k: v for k, v in (("display", args.display), ("interval", args.interval)) if v is not None}
-        if args.action == "status":
-            if options:
-                raise UsageError("options go with 'on', e.g. %vgpu_monitor on --display text")
-            print(auto.status())
-            return None
-        if args.action == "off":
-            auto.disable()
-        else:
-            try:
-                auto.enable(**options)
-            except ValueError as exc:
-                raise UsageError(str(exc)) from None
-            except ImportError as exc:
-                raise UsageError(str(exc)) from None
-        print(auto.status())
-        return None
 
     # -- load-time behaviour -----------------------------------------------
     def persistent_line(self) -> tuple[str, str] | None:
