@@ -1,0 +1,582 @@
+"""JAX: N CPU devices (next to a GPU or without one), and this process's share of a GPU.
+
+What JAX can do, as :data:`CAPABILITIES`:
+
+* **CPU devices**: ``jax.config.update("jax_num_cpu_devices", N)`` (JAX 0.5+)
+  or ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (before that), both
+  read when JAX's backend starts. Afterwards a different count raises a bare
+  ``RuntimeError``; vgpu_magic refuses it first, naming the cell that started it.
+* **No GPU split**: no JAX or XLA setting turns one GPU into several devices.
+  ``--cpu`` gives N CPU devices next to the GPU (``jax.devices("cpu")``; the GPU
+  stays JAX's default backend) and ``--memory`` caps this process's share of the
+  GPU (``XLA_PYTHON_CLIENT_MEM_FRACTION``; a fraction of the card's total
+  memory, for every GPU of the process).
+* **Memory growth**: ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (allocate on demand
+  instead of preallocating). It combines with a cap.
+
+Whether the backend started is read from ``jax._src.xla_bridge`` without
+starting it (:func:`backend_started`). Devices are named like TensorFlow's
+(``/physical_device:CPU:0`` for the host, ``/device:CPU:3`` for JAX's
+``jax.devices("cpu")[3]``), so one status table and one monitor serve both.
+
+Memory: JAX's CPU devices keep no allocator statistics (``memory_stats()`` is
+``None``), but the bytes of the live arrays' shards on each device are exact,
+so the monitor reads those (:class:`LiveArrayBytes`); a device that has
+``memory_stats()`` (a GPU) is read from its allocator.
+
+Importing this module imports neither JAX nor Keras.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import re
+import sys
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from ..inventory import DeviceInventory, GPUInfo, cuda_to_nvml_order, nvml_gpus
+from .base import Capabilities, ConfigSnapshot, Framework, Reader
+
+__all__ = [
+    "CAPABILITIES",
+    "FRAMEWORK",
+    "Jax",
+    "LiveArrayBytes",
+    "backend_started",
+    "distribution",
+    "mesh",
+]
+
+CAPABILITIES = Capabilities(
+    name="jax",
+    label="JAX",
+    splits_gpu=False,
+    splits_cpu=True,
+    cpu_caps=False,
+    gpu_caps_required=False,
+    gpu_reserve_mib=None,
+    memory_growth=True,
+    growth_with_split=True,
+    uniform_growth=False,
+    gpu_visibility=False,
+    replicas_by="vgpu_magic.mesh()",
+    install_hint="install it with pip install 'vgpu_magic[jax]'",
+)
+
+CPU_NAME = "/physical_device:CPU:0"
+ENV_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+ENV_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
+ENV_ALLOCATOR = "XLA_PYTHON_CLIENT_ALLOCATOR"
+_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\S*)")
+_GPU_PLATFORMS = ("cuda", "gpu", "rocm")
+_MIB = 1024 * 1024
+
+
+def backend_started() -> bool:
+    """Has JAX's backend started (so devices are fixed)? Never imports JAX.
+
+    Uses ``xla_bridge.backends_are_initialized()`` and, in JAX versions
+    without it, the backend cache it reads.
+    """
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    if bridge is None:
+        return False
+    check = getattr(bridge, "backends_are_initialized", None)
+    if check is not None:
+        return bool(check())
+    return bool(getattr(bridge, "_backends", None))
+
+
+def xla_flags_count(flags: str) -> int | None:
+    """The ``--xla_force_host_platform_device_count`` in an ``XLA_FLAGS`` string
+    (the last one wins, as in XLA), or ``None``."""
+    found = _COUNT_FLAG.findall(flags or "")
+    if not found or not found[-1].isdigit():
+        return None
+    return int(found[-1])
+
+
+def xla_flags_with_count(flags: str, count: int | None) -> str:
+    """``flags`` with the CPU device count set to ``count`` (removed for ``None``),
+    every other flag kept as it was."""
+    kept = " ".join(_COUNT_FLAG.sub(" ", flags or "").split())
+    if count is None:
+        return kept
+    return f"{kept} --xla_force_host_platform_device_count={count}".strip()
+
+
+def _has_num_cpu_devices(jax: Any) -> bool:
+    """JAX 0.5+ has the ``jax_num_cpu_devices`` option; older ones only read ``XLA_FLAGS``."""
+    return "jax_num_cpu_devices" in getattr(jax.config, "values", {})
+
+
+def _platforms_allow_gpu() -> bool:
+    """``JAX_PLATFORMS`` / ``jax_platforms`` can rule the GPU out before start."""
+    jax = sys.modules.get("jax")
+    chosen = getattr(getattr(jax, "config", None), "jax_platforms", None) if jax else None
+    chosen = chosen or os.environ.get("JAX_PLATFORMS", "")
+    if not chosen.strip():
+        return True
+    return any(p.strip().lower() in _GPU_PLATFORMS for p in chosen.split(","))
+
+
+def gpu_backend_installed() -> bool:
+    """Is a GPU backend installed for JAX (a ``jax_plugins`` CUDA/ROCm plugin,
+    or a jaxlib built with CUDA)? Read from the installed packages: imports
+    nothing and starts nothing."""
+    names: list[str] = []
+    try:
+        names += [ep.name for ep in importlib.metadata.entry_points(group="jax_plugins")]
+    except Exception:  # noqa: BLE001 - broken metadata of another package must not break vgpu_magic
+        pass
+    try:
+        spec = importlib.util.find_spec("jax_plugins")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        import pkgutil
+
+        names += [m.name for m in pkgutil.iter_modules(list(spec.submodule_search_locations))]
+    if any(p in name.lower() for name in names for p in _GPU_PLATFORMS):
+        return True
+    try:
+        # jaxlib releases before the plugin split carried CUDA inside jaxlib.
+        return importlib.util.find_spec("jaxlib.cuda") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _device_index(name: str) -> tuple[str, int]:
+    """``'/device:CPU:3'`` or ``'CPU:3'`` -> ``('cpu', 3)``."""
+    kind, _, index = name.rsplit("/", 1)[-1].replace("device:", "").rpartition(":")
+    if not kind or not index.isdigit():
+        raise ValueError(f"device {name!r} is not a device name; use e.g. 'CPU:0' or '/device:GPU:1'")
+    return kind.lower(), int(index)
+
+
+def _jax_devices(jax: Any, names: Sequence[str]) -> list[Any]:
+    """The JAX device objects for TensorFlow-style names (``jax.devices(kind)[i]``)."""
+    found = []
+    for name in names:
+        kind, index = _device_index(name)
+        devices = jax.devices(kind)
+        if index >= len(devices):
+            raise ValueError(f"device {name!r} does not exist; JAX has {len(devices)} {kind.upper()} device(s)")
+        found.append(devices[index])
+    return found
+
+
+class LiveArrayBytes:
+    """Exact bytes of the live arrays' shards on each device of one platform.
+
+    Several array objects can hold one buffer (each shard of a sharded array,
+    ``addressable_shards[i].data``, ...) and ``jax.live_arrays()`` lists each of
+    them, so buffers are counted once by their address. Each array's buffers
+    are looked at once and kept by the array's id, guarded by a weak reference
+    (buffers never change under an array), so a read costs one dict lookup and
+    one set insertion per live array plus one look at each new array.
+    """
+
+    def __init__(self, jax: Any, platform: str) -> None:
+        self._jax = jax
+        self.platform = platform
+        self.devices = list(jax.devices(platform))
+        self._slot = {d: i for i, d in enumerate(self.devices)}
+        self._known: dict[int, tuple[Any, tuple[tuple[int, int, int], ...]]] = {}
+
+    def _buffers(self, array: Any) -> tuple[tuple[int, int, int], ...]:
+        """``(slot, address, bytes)`` of each buffer of ``array`` on this platform."""
+        slot = self._slot
+        devices = array.devices()
+        if len(devices) == 1:
+            (device,) = devices
+            if device not in slot:
+                return ()
+            return ((slot[device], array.unsafe_buffer_pointer(), array.nbytes),)
+        found = []
+        for shard in array.addressable_shards:
+            if shard.device in slot:
+                found.append((slot[shard.device], shard.data.unsafe_buffer_pointer(), shard.data.nbytes))
+        return tuple(found)
+
+    def read(self) -> list[int]:
+        """Bytes per device, in ``jax.devices(platform)`` order."""
+        totals = [0] * len(self.devices)
+        known = self._known
+        seen: dict[int, tuple[Any, tuple[tuple[int, int, int], ...]]] = {}
+        counted: set[tuple[int, int]] = set()
+        for array in self._jax.live_arrays(self.platform):
+            entry = known.get(id(array))
+            if entry is None or entry[0]() is not array:
+                try:
+                    entry = (weakref.ref(array), self._buffers(array))
+                except RuntimeError:  # deleted (donated) since it was listed: it holds nothing now
+                    continue
+            seen[id(array)] = entry
+            for slot, address, nbytes in entry[1]:
+                if (slot, address) not in counted:
+                    counted.add((slot, address))
+                    totals[slot] += nbytes
+        # Only arrays alive now are kept: the cache never outgrows the live set.
+        self._known = seen
+        return totals
+
+
+class Jax(Framework):
+    capabilities = CAPABILITIES
+    module = "jax"
+
+    def __init__(self) -> None:
+        self._peaks: dict[str, int] = {}
+        self._counters: dict[str, LiveArrayBytes] = {}
+
+    def runtime_started(self) -> bool:
+        return backend_started()
+
+    def version(self) -> str | None:
+        jax = sys.modules.get("jax")
+        if jax is not None:
+            return getattr(jax, "__version__", None)
+        return None
+
+    # -- devices and configuration -------------------------------------------------
+    def _gpu_count(self, nvml: list[dict[str, Any]]) -> int:
+        """GPUs JAX has or will have: counted by JAX once started, else from NVML
+        and ``CUDA_VISIBLE_DEVICES`` where a GPU backend is installed."""
+        if backend_started():
+            jax = sys.modules["jax"]
+            try:
+                return len(jax.devices("gpu"))
+            except RuntimeError:  # no GPU backend
+                return 0
+        if not nvml or not _platforms_allow_gpu() or not gpu_backend_installed():
+            return 0
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is None or not visible.strip():
+            return len(nvml)
+        return sum(1 for g in cuda_to_nvml_order(len(visible.split(",")), nvml) if g is not None)
+
+    def _gpus(self) -> tuple[tuple[GPUInfo, ...], bool]:
+        nvml = nvml_gpus() if (backend_started() or gpu_backend_installed()) else []
+        count = self._gpu_count(nvml)
+        gpus = []
+        for i, details in enumerate(cuda_to_nvml_order(count, nvml)):
+            if details is None:
+                gpus.append(GPUInfo(index=i))
+            else:
+                gpus.append(
+                    GPUInfo(
+                        index=i,
+                        model=details["model"],
+                        total_mib=details["total_mib"],
+                        free_mib=details["free_mib"],
+                        compute_capability=details["compute_capability"],
+                        nvml_index=details["nvml_index"],
+                    )
+                )
+        return tuple(gpus), bool(nvml)
+
+    def probe_inventory(self) -> DeviceInventory:
+        jax = self.load()
+        gpus, nvml = self._gpus()
+        notes = []
+        if gpus and not nvml:
+            notes.append("NVML unavailable: GPU memory unknown, so --memory cannot be turned into JAX's fraction")
+        return DeviceInventory(
+            gpus=gpus,
+            cpus=1,
+            version=getattr(jax, "__version__", None),
+            nvml_available=nvml,
+            notes=tuple(notes),
+            capabilities=CAPABILITIES,
+            current=self._snapshot(gpus),
+        )
+
+    def _cpu_count(self) -> int | None:
+        """The CPU device count configured (or, once started, in use); ``None`` when
+        nothing asks for more than JAX's default of one."""
+        jax = sys.modules.get("jax")
+        if backend_started() and jax is not None:
+            count = len(jax.devices("cpu"))
+        elif jax is not None and _has_num_cpu_devices(jax) and jax.config.jax_num_cpu_devices > 0:
+            count = int(jax.config.jax_num_cpu_devices)
+        else:
+            # Before import, JAX_NUM_CPU_DEVICES becomes the option's value; XLA_FLAGS is read at start.
+            env = os.environ.get("JAX_NUM_CPU_DEVICES", "").strip()
+            flag = int(env) if env.isdigit() and int(env) > 0 and jax is None else None
+            count = flag if flag is not None else xla_flags_count(os.environ.get("XLA_FLAGS", ""))
+        return count if count and count > 1 else None
+
+    def _snapshot(self, gpus: tuple[GPUInfo, ...]) -> ConfigSnapshot:
+        logical: dict[str, tuple[int | None, ...]] = {}
+        count = self._cpu_count()
+        if count is not None:
+            logical[CPU_NAME] = (None,) * count
+        fraction = _env_fraction()
+        if fraction is not None:
+            for gpu in gpus:
+                if gpu.total_mib is not None:
+                    logical[gpu.name] = (round(fraction * gpu.total_mib),)
+        growth = os.environ.get(ENV_PREALLOCATE, "").strip().lower() in ("false", "0") or (
+            os.environ.get(ENV_ALLOCATOR, "").strip().lower() == "platform"
+        )
+        return ConfigSnapshot(
+            cpu_names=(CPU_NAME,),
+            gpu_names=tuple(g.name for g in gpus),
+            logical=logical,
+            visible_gpus=tuple(g.index for g in gpus),
+            memory_growth=(growth,) * len(gpus),
+        )
+
+    def read_configuration(self) -> ConfigSnapshot:
+        return self._snapshot(self._gpus()[0])
+
+    def write_configuration(self, old: ConfigSnapshot, new: ConfigSnapshot) -> None:
+        """CPU count through ``jax_num_cpu_devices`` (``XLA_FLAGS`` in JAX before
+        0.5); GPU cap and growth through ``XLA_PYTHON_CLIENT_*``, which JAX reads
+        when its backend starts. On error everything is put back."""
+        jax = self.load()
+        undo: list[Any] = []
+        try:
+            if old.logical.get(CPU_NAME) != new.logical.get(CPU_NAME):
+                count = len(new.logical.get(CPU_NAME) or ()) or None
+                undo.append(self._set_cpu_count(jax, count))
+            caps = {n: new.logical[n][0] for n in new.gpu_names if n in new.logical}
+            if caps != {n: old.logical[n][0] for n in old.gpu_names if n in old.logical}:
+                undo.append(_set_env(ENV_FRACTION, self._fraction(caps)))
+            if any(new.memory_growth) != any(old.memory_growth):
+                undo.append(_set_env(ENV_PREALLOCATE, "false" if any(new.memory_growth) else None))
+        except Exception as exc:
+            failed = []
+            for step in reversed(undo):
+                try:
+                    step()
+                except Exception as undo_exc:  # noqa: BLE001 - reported below with the state left
+                    failed.append(f"{type(undo_exc).__name__}: {undo_exc}")
+            if failed:
+                raise RuntimeError(
+                    f"configuring JAX failed ({type(exc).__name__}: {exc}) and undoing it failed too ({failed[0]}); "
+                    f"JAX is left with {self._cpu_count() or 1} CPU device(s), {ENV_FRACTION}="
+                    f"{os.environ.get(ENV_FRACTION)!r}: restart the kernel"
+                ) from exc
+            raise
+
+    def _set_cpu_count(self, jax: Any, count: int | None) -> Any:
+        """Set the CPU device count (``None``: JAX's default); return the undo step."""
+        if _has_num_cpu_devices(jax):
+            before = jax.config.jax_num_cpu_devices
+            jax.config.update("jax_num_cpu_devices", -1 if count is None else count)
+            return lambda: jax.config.update("jax_num_cpu_devices", before)
+        return _set_env("XLA_FLAGS", xla_flags_with_count(os.environ.get("XLA_FLAGS", ""), count) or None)
+
+    def _fraction(self, caps: dict[str, int | None]) -> str | None:
+        """``XLA_PYTHON_CLIENT_MEM_FRACTION`` for caps in MiB: one fraction for
+        the process, of the capped GPU's total memory."""
+        if not caps:
+            return None
+        from ..planner import PlanError
+
+        totals = {g.name: g.total_mib for g in self._gpus()[0]}
+        fractions = set()
+        for name, cap in caps.items():
+            total = totals.get(name)
+            if total is None:
+                raise PlanError(
+                    f"the total memory of {name.rsplit('/', 1)[-1].replace('physical_device:', '')} is unknown "
+                    f"(NVML unavailable), so a cap cannot become JAX's {ENV_FRACTION}; set it yourself"
+                )
+            fractions.add(repr(cap / total))
+        # The planner caps one GPU; the variable applies to every GPU of the process.
+        return max(fractions, key=float)
+
+    # -- memory ----------------------------------------------------------------------
+    def memory_readings(self, devices: list[str]) -> dict[str, dict[str, int]]:
+        """Current bytes per device; ``peak`` is the allocator's where the device
+        has statistics (GPU), else the highest of vgpu_magic's reads so far."""
+        try:
+            values = self.memory_reader()(devices)
+        except (ValueError, RuntimeError):
+            return {}
+        return {name: {"current": cur, "peak": peak} for name, (cur, peak) in zip(devices, values)}
+
+    def memory_reader(self) -> Reader:
+        """``reader(names) -> [(current, peak), ...]`` in bytes.
+
+        Names are ``"/device:CPU:3"`` or ``"CPU:3"`` (``jax.devices("cpu")[3]``).
+        A device with ``memory_stats()`` (GPU) is read from its allocator
+        (``bytes_in_use``, ``peak_bytes_in_use``); one without (CPU) from the
+        bytes of the live arrays' shards on it, exact, with the running maximum
+        of those reads as its peak. The cost of a CPU read grows with the number
+        of live arrays (one dict lookup each; see ``benchmarks/jax_split.py``).
+        """
+        jax = self.load()
+        peaks = self._peaks
+        plans: dict[tuple[str, ...], list[tuple[str, Any, Any]]] = {}
+
+        def plan_for(names: list[str]) -> list[tuple[str, Any, Any]]:
+            key = tuple(names)
+            found = plans.get(key)
+            if found is None:
+                found = []
+                for name, device in zip(names, _jax_devices(jax, names)):
+                    kind, index = _device_index(name)
+                    full = f"/device:{kind.upper()}:{index}"
+                    if device.memory_stats() is not None:
+                        found.append((full, device, None))
+                    else:
+                        counter = self._counters.get(device.platform)
+                        if counter is None or device not in counter._slot:
+                            counter = self._counters[device.platform] = LiveArrayBytes(jax, device.platform)
+                        found.append((full, None, (counter, counter._slot[device])))
+                plans[key] = found
+            return found
+
+        def read(names: list[str]) -> list[tuple[int, int]]:
+            totals: dict[int, list[int]] = {}
+            out = []
+            for full, device, counted in plan_for(names):
+                if device is not None:
+                    stats = device.memory_stats()
+                    out.append((int(stats.get("bytes_in_use", 0)), int(stats.get("peak_bytes_in_use", 0))))
+                    continue
+                counter, slot = counted
+                per_device = totals.get(id(counter))
+                if per_device is None:
+                    per_device = totals[id(counter)] = counter.read()
+                current = per_device[slot]
+                peak = max(peaks.get(full, 0), current)
+                peaks[full] = peak
+                out.append((current, peak))
+            return out
+
+        return read
+
+    def keras_backend_warning(self) -> str | None:
+        """The warning for a JAX split when Keras was imported on another backend."""
+        from ..keras_backend import keras_backend_warning
+
+        return keras_backend_warning(self.name)
+
+    # -- helpers -----------------------------------------------------------------------
+    def split_devices(self) -> list[Any]:
+        """The split's devices: every CPU device when CPU devices were split
+        (also next to a GPU), else ``jax.devices()``. Starts JAX's backend."""
+        jax = self.load()
+        if self._cpu_count() is not None:
+            return list(jax.devices("cpu"))
+        return list(jax.devices())
+
+    def strategy(self, devices: list[str] | None = None) -> Any:
+        """A ``jax.sharding.Mesh`` with one ``"data"`` axis over the split's
+        devices (or over ``devices``, TensorFlow-style names). Starts JAX's backend."""
+        if devices is not None:
+            return mesh(devices=_jax_devices(self.load(), devices))
+        return mesh()
+
+
+def _env_fraction() -> float | None:
+    text = os.environ.get(ENV_FRACTION, "").strip()
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0 < value <= 1 else None
+
+
+def _set_env(name: str, value: str | None) -> Any:
+    """Set (``None``: remove) an environment variable; return the undo step."""
+    before = os.environ.get(name)
+
+    def put(value: str | None) -> None:
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+    put(value)
+    return lambda: put(before)
+
+
+def mesh(axis_names: str | Sequence[str] = ("data",), shape: Sequence[int] | None = None, devices: Any = None) -> Any:
+    """A ``jax.sharding.Mesh`` over the split's devices.
+
+    Parameters
+    ----------
+    axis_names:
+        Mesh axis names, e.g. ``"data"`` or ``("data", "model")``.
+    shape:
+        Devices along each axis, e.g. ``(4, 2)``; may be left out for one axis.
+    devices:
+        JAX devices to use instead of the split's (every CPU device after a CPU
+        split, also next to a GPU; else ``jax.devices()``).
+
+    Starts JAX's backend (as any ``jax.devices()`` call does): split first.
+
+    Examples
+    --------
+    ::
+
+        In [1]: %vgpu_split 8 --framework jax
+        In [2]: mesh = vgpu_magic.mesh("data")
+        In [3]: x = jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))
+    """
+    import numpy as np
+
+    names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"axis_names={axis_names!r} names no axis; use e.g. axis_names='data' or ('data', 'model')")
+    found = FRAMEWORK.split_devices() if devices is None else list(devices)
+    if shape is None:
+        if len(names) != 1:
+            raise ValueError(f"{len(names)} axis names need a shape, e.g. shape=({len(found)}, 1)")
+        shape = (len(found),)
+    shape = tuple(shape)
+    if len(shape) != len(names) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape):
+        raise ValueError(f"shape={shape!r} does not match axis_names={names!r}; give one positive size per axis")
+    if int(np.prod(shape)) != len(found):
+        raise ValueError(f"shape={shape!r} holds {int(np.prod(shape))} devices but the split has {len(found)}")
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(found, dtype=object).reshape(shape), names)
+
+
+def distribution() -> Any:
+    """Keras 3's ``keras.distribution.DataParallel`` over the split's devices.
+
+    Needs Keras on the JAX backend. Keras reads its backend once, when it is
+    first imported: when Keras is not imported yet and ``KERAS_BACKEND`` is
+    unset, this sets ``KERAS_BACKEND=jax`` and imports Keras; Keras imported
+    with another backend is an error saying how to fix it. Starts JAX's backend.
+
+    Examples
+    --------
+    ::
+
+        In [1]: import os; os.environ["KERAS_BACKEND"] = "jax"
+        In [2]: %vgpu_split 8 --framework jax
+        In [3]: import keras
+        In [4]: keras.distribution.set_distribution(vgpu_magic.distribution())
+    """
+    from ..keras_backend import keras_backend_warning
+
+    if "keras" not in sys.modules and not os.environ.get("KERAS_BACKEND", "").strip():
+        os.environ["KERAS_BACKEND"] = "jax"
+    if "keras" not in sys.modules and os.environ["KERAS_BACKEND"].strip().lower() != "jax":
+        raise RuntimeError(
+            f"KERAS_BACKEND is {os.environ['KERAS_BACKEND']!r}; set os.environ['KERAS_BACKEND'] = 'jax' "
+            "before importing Keras to train on JAX's devices"
+        )
+    import keras
+
+    problem = keras_backend_warning("jax")
+    if problem is not None:
+        raise RuntimeError(problem)
+    devices = [f"{d.platform}:{d.id}" for d in FRAMEWORK.split_devices()]
+    return keras.distribution.DataParallel(devices=devices)
+
+
+FRAMEWORK = Jax()
