@@ -100,7 +100,8 @@ def test_keras_backend_warning(monkeypatch):
     monkeypatch.setitem(sys.modules, "keras", type(sys)("keras"))
     sys.modules["keras"].backend = Backend
     text = keras_backend_warning("jax")
-    assert text is not None and "tensorflow backend" in text and "KERAS_BACKEND'] = 'jax'" in text
+    assert text is not None and "tensorflow backend" in text and "JAX devices" in text
+    assert "KERAS_BACKEND'] = 'jax'" in text
     assert keras_backend_warning("tensorflow") is None
 
 
@@ -278,3 +279,25 @@ def test_write_caps_and_growth_through_the_environment_and_undo_on_failure():
     assert out["back_equal"] is True
     assert "NVML unavailable" in out["error"]
     assert out["option_after_undo"] == -1 and out["fraction_after_undo"] == "0.25"
+
+
+def test_keras_on_another_backend_warns_and_status_shows_both_frameworks():
+    code = SHELL + textwrap.dedent("""
+    import os
+    os.environ["KERAS_BACKEND"] = "tensorflow"
+    steps = {"imports": cell("import keras, tensorflow as tf")}
+    steps["split"] = cell("%vgpu_split 4 --framework jax")
+    steps["start"] = cell("import jax\\nn = len(jax.devices())")
+    report = shell.run_line_magic("vgpu_status", "--return")
+    print(json.dumps({"steps": steps, "status": report.to_dict()}))
+    """)
+    out = last_json(run_python(code).stdout)
+    split = out["steps"]["split"]
+    assert split["error"] is None and "JAX configured 4 logical CPUs" in split["out"]
+    assert "Keras was imported with the tensorflow backend" in split["err"]
+    sections = {s["framework"]: s for s in out["status"]["frameworks"]}
+    assert set(sections) == {"tensorflow", "jax"}
+    assert sections["tensorflow"]["runtime"]["started"] is False
+    jax_section = sections["jax"]
+    assert jax_section["runtime"]["started"] is True and "import jax" in jax_section["runtime"]["started_by"]
+    assert [d["name"] for d in jax_section["logical"]] == [f"/device:CPU:{i}" for i in range(4)]

@@ -37,7 +37,9 @@ def keras_backend_warning(framework_name: str) -> str | None:
     found = keras_backend()
     if wanted is None or found is None or found == wanted:
         return None
+    from .frameworks import get
+
     return (
-        f"Keras was imported with the {found} backend, so Keras models will not use the {framework_name} devices "
+        f"Keras was imported with the {found} backend, so Keras models will not use the {get(framework_name).label} devices "
         f"split here; restart the kernel and set os.environ['KERAS_BACKEND'] = '{wanted}' before importing Keras"
     )

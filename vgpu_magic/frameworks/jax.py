@@ -29,6 +29,7 @@ Importing this module imports neither JAX nor Keras.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -124,10 +125,12 @@ def _platforms_allow_gpu() -> bool:
     return any(p.strip().lower() in _GPU_PLATFORMS for p in chosen.split(","))
 
 
+@functools.lru_cache(maxsize=1)
 def gpu_backend_installed() -> bool:
     """Is a GPU backend installed for JAX (a ``jax_plugins`` CUDA/ROCm plugin,
     or a jaxlib built with CUDA)? Read from the installed packages: imports
-    nothing and starts nothing."""
+    nothing and starts nothing. Asked once per process: scanning the
+    packages' entry points costs ~10 ms, which every split would pay."""
     names: list[str] = []
     try:
         names += [ep.name for ep in importlib.metadata.entry_points(group="jax_plugins")]
