@@ -155,7 +155,20 @@ def test_api_after_import_and_mesh():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         blocked = vgpu_magic.split(2)
+    grid = vgpu_magic.mesh(("data", "model"), shape=(2, 2))
+    refused = []
+    for args in [(("data", "model"),), ((),), (("data",), (3,))]:
+        try:
+            vgpu_magic.mesh(*args)
+        except ValueError as exc:
+            refused.append(str(exc))
+    import os, sys
+    os.environ.pop("KERAS_BACKEND", None)
+    dist = vgpu_magic.distribution()   # Keras not imported, no backend chosen: JAX is chosen for it
+    import keras
     print(json.dumps({
+        "grid": dict(grid.shape), "refused": refused, "keras": keras.backend.backend(),
+        "dist": [type(dist).__name__, dist.device_mesh.devices.tolist()],
         "framework": result.framework, "status": result.status, "devices": result.devices,
         "jax_devices": len(jax.devices()), "mesh": dict(mesh.shape), "mesh_ids": [d.id for d in mesh.devices.flat],
         "again": again.status, "blocked": blocked.status,
@@ -168,6 +181,9 @@ def test_api_after_import_and_mesh():
     assert out["jax_devices"] == 4 and out["mesh"] == {"data": 4} and out["mesh_ids"] == [0, 1, 2, 3]
     assert (out["again"], out["blocked"]) == ("unchanged", "blocked")
     assert out["warned"] == ["RuntimeStartedWarning"]
+    assert out["grid"] == {"data": 2, "model": 2}
+    assert len(out["refused"]) == 3 and "need a shape" in out["refused"][0] and "holds 3 devices" in out["refused"][2]
+    assert out["keras"] == "jax" and out["dist"] == ["DataParallel", [f"cpu:{i}" for i in range(4)]]
 
 
 def test_xla_flags_where_jax_lacks_the_option():
