@@ -19,10 +19,7 @@ starting it (:func:`backend_started`). Devices are named like TensorFlow's
 (``/physical_device:CPU:0`` for the host, ``/device:CPU:3`` for JAX's
 ``jax.devices("cpu")[3]``), so one status table and one monitor serve both.
 
-Memory: JAX's CPU devices keep no allocator statistics (``memory_stats()`` is
-``None``), but the bytes of the live arrays' shards on each device are exact,
-so the monitor reads those (:class:`LiveArrayBytes`); a device that has
-``memory_stats()`` (a GPU) is read from its allocator.
+Memory readings live in :mod:`vgpu_magic.frameworks.jax_memory`.
 
 Importing this module imports neither JAX nor Keras.
 """
@@ -35,18 +32,17 @@ import importlib.util
 import os
 import re
 import sys
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from ..inventory import DeviceInventory, GPUInfo, cuda_to_nvml_order, nvml_gpus
 from .base import Capabilities, ConfigSnapshot, Framework, Reader
+from .jax_memory import LiveArrayBytes, MemoryReader, devices_by_name
 
 __all__ = [
     "CAPABILITIES",
     "FRAMEWORK",
     "Jax",
-    "LiveArrayBytes",
     "backend_started",
     "distribution",
     "mesh",
@@ -74,7 +70,6 @@ ENV_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 ENV_ALLOCATOR = "XLA_PYTHON_CLIENT_ALLOCATOR"
 _COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\S*)")
 _GPU_PLATFORMS = ("cuda", "gpu", "rocm")
-_MIB = 1024 * 1024
 
 
 def backend_started() -> bool:
@@ -153,82 +148,6 @@ def gpu_backend_installed() -> bool:
         return False
 
 
-def _device_index(name: str) -> tuple[str, int]:
-    """``'/device:CPU:3'`` or ``'CPU:3'`` -> ``('cpu', 3)``."""
-    kind, _, index = name.rsplit("/", 1)[-1].replace("device:", "").rpartition(":")
-    if not kind or not index.isdigit():
-        raise ValueError(f"device {name!r} is not a device name; use e.g. 'CPU:0' or '/device:GPU:1'")
-    return kind.lower(), int(index)
-
-
-def _jax_devices(jax: Any, names: Sequence[str]) -> list[Any]:
-    """The JAX device objects for TensorFlow-style names (``jax.devices(kind)[i]``)."""
-    found = []
-    for name in names:
-        kind, index = _device_index(name)
-        devices = jax.devices(kind)
-        if index >= len(devices):
-            raise ValueError(f"device {name!r} does not exist; JAX has {len(devices)} {kind.upper()} device(s)")
-        found.append(devices[index])
-    return found
-
-
-class LiveArrayBytes:
-    """Exact bytes of the live arrays' shards on each device of one platform.
-
-    Several array objects can hold one buffer (each shard of a sharded array,
-    ``addressable_shards[i].data``, ...) and ``jax.live_arrays()`` lists each of
-    them, so buffers are counted once by their address. Each array's buffers
-    are looked at once and kept by the array's id, guarded by a weak reference
-    (buffers never change under an array), so a read costs one dict lookup and
-    one set insertion per live array plus one look at each new array.
-    """
-
-    def __init__(self, jax: Any, platform: str) -> None:
-        self._jax = jax
-        self.platform = platform
-        self.devices = list(jax.devices(platform))
-        self._slot = {d: i for i, d in enumerate(self.devices)}
-        self._known: dict[int, tuple[Any, tuple[tuple[int, int, int], ...]]] = {}
-
-    def _buffers(self, array: Any) -> tuple[tuple[int, int, int], ...]:
-        """``(slot, address, bytes)`` of each buffer of ``array`` on this platform."""
-        slot = self._slot
-        devices = array.devices()
-        if len(devices) == 1:
-            (device,) = devices
-            if device not in slot:
-                return ()
-            return ((slot[device], array.unsafe_buffer_pointer(), array.nbytes),)
-        found = []
-        for shard in array.addressable_shards:
-            if shard.device in slot:
-                found.append((slot[shard.device], shard.data.unsafe_buffer_pointer(), shard.data.nbytes))
-        return tuple(found)
-
-    def read(self) -> list[int]:
-        """Bytes per device, in ``jax.devices(platform)`` order."""
-        totals = [0] * len(self.devices)
-        known = self._known
-        seen: dict[int, tuple[Any, tuple[tuple[int, int, int], ...]]] = {}
-        counted: set[tuple[int, int]] = set()
-        for array in self._jax.live_arrays(self.platform):
-            entry = known.get(id(array))
-            if entry is None or entry[0]() is not array:
-                try:
-                    entry = (weakref.ref(array), self._buffers(array))
-                except RuntimeError:  # deleted (donated) since it was listed: it holds nothing now
-                    continue
-            seen[id(array)] = entry
-            for slot, address, nbytes in entry[1]:
-                if (slot, address) not in counted:
-                    counted.add((slot, address))
-                    totals[slot] += nbytes
-        # Only arrays alive now are kept: the cache never outgrows the live set.
-        self._known = seen
-        return totals
-
-
 class Jax(Framework):
     capabilities = CAPABILITIES
     module = "jax"
@@ -239,12 +158,6 @@ class Jax(Framework):
 
     def runtime_started(self) -> bool:
         return backend_started()
-
-    def version(self) -> str | None:
-        jax = sys.modules.get("jax")
-        if jax is not None:
-            return getattr(jax, "__version__", None)
-        return None
 
     # -- devices and configuration -------------------------------------------------
     def _gpu_count(self, nvml: list[dict[str, Any]]) -> int:
@@ -407,56 +320,10 @@ class Jax(Framework):
         return {name: {"current": cur, "peak": peak} for name, (cur, peak) in zip(devices, values)}
 
     def memory_reader(self) -> Reader:
-        """``reader(names) -> [(current, peak), ...]`` in bytes.
-
-        Names are ``"/device:CPU:3"`` or ``"CPU:3"`` (``jax.devices("cpu")[3]``).
-        A device with ``memory_stats()`` (GPU) is read from its allocator
-        (``bytes_in_use``, ``peak_bytes_in_use``); one without (CPU) from the
-        bytes of the live arrays' shards on it, exact, with the running maximum
-        of those reads as its peak. The cost of a CPU read grows with the number
-        of live arrays (one dict lookup each; see ``benchmarks/jax_split.py``).
-        """
-        jax = self.load()
-        peaks = self._peaks
-        plans: dict[tuple[str, ...], list[tuple[str, Any, Any]]] = {}
-
-        def plan_for(names: list[str]) -> list[tuple[str, Any, Any]]:
-            key = tuple(names)
-            found = plans.get(key)
-            if found is None:
-                found = []
-                for name, device in zip(names, _jax_devices(jax, names)):
-                    kind, index = _device_index(name)
-                    full = f"/device:{kind.upper()}:{index}"
-                    if device.memory_stats() is not None:
-                        found.append((full, device, None))
-                    else:
-                        counter = self._counters.get(device.platform)
-                        if counter is None or device not in counter._slot:
-                            counter = self._counters[device.platform] = LiveArrayBytes(jax, device.platform)
-                        found.append((full, None, (counter, counter._slot[device])))
-                plans[key] = found
-            return found
-
-        def read(names: list[str]) -> list[tuple[int, int]]:
-            totals: dict[int, list[int]] = {}
-            out = []
-            for full, device, counted in plan_for(names):
-                if device is not None:
-                    stats = device.memory_stats()
-                    out.append((int(stats.get("bytes_in_use", 0)), int(stats.get("peak_bytes_in_use", 0))))
-                    continue
-                counter, slot = counted
-                per_device = totals.get(id(counter))
-                if per_device is None:
-                    per_device = totals[id(counter)] = counter.read()
-                current = per_device[slot]
-                peak = max(peaks.get(full, 0), current)
-                peaks[full] = peak
-                out.append((current, peak))
-            return out
-
-        return read
+        """A :class:`~vgpu_magic.frameworks.jax_memory.MemoryReader`: allocator
+        statistics where a device has them (GPU), else the exact bytes of the live
+        arrays' shards on it (CPU)."""
+        return MemoryReader(self.load(), self._peaks, self._counters)
 
     def keras_backend_warning(self) -> str | None:
         """The warning for a JAX split when Keras was imported on another backend."""
@@ -477,7 +344,7 @@ class Jax(Framework):
         """A ``jax.sharding.Mesh`` with one ``"data"`` axis over the split's
         devices (or over ``devices``, TensorFlow-style names). Starts JAX's backend."""
         if devices is not None:
-            return mesh(devices=_jax_devices(self.load(), devices))
+            return mesh(devices=devices_by_name(self.load(), devices))
         return mesh()
 
 
