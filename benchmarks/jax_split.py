@@ -15,6 +15,7 @@ Run by hand (``make bench``), never by the test suite::
     and without ``vgpu_magic.MemoryMonitor()`` and its live plot, in a real
     Jupyter kernel: ``--pairs`` interleaved pairs (the order alternates, so
     drift cancels), reported as the median of the per-pair ratios (goal <= 1.02).
+    Both arms wait for each step's logs (see ``StepClock``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
@@ -154,15 +156,24 @@ model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(
 rng = np.random.default_rng(0)
 x = rng.normal(size=({steps} * 64, 32)).astype("float32")
 y = rng.integers(0, 4, len(x))
-model.fit(x, y, batch_size=64, epochs=1, verbose=0)  # compile outside the timing
 
 
+# Times the fit. Its (empty) batch-end hook makes Keras wait for every step's logs: with
+# hundreds of multi-device steps queued ahead, XLA:CPU on a small machine can stall in an
+# all-reduce and abort the process (README, JAX limits).
 class StepClock(keras.callbacks.Callback):
+
     def on_train_begin(self, logs=None):
         self.start = time.perf_counter()
 
+    def on_train_batch_end(self, batch, logs=None):
+        pass
+
     def on_train_end(self, logs=None):
         self.seconds = time.perf_counter() - self.start
+
+
+model.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[StepClock()])  # compile outside the timing
 
 
 def timed_fit(monitored):
@@ -183,7 +194,12 @@ def fit_overhead(pairs: int, steps: int) -> None:
             msg_id = kc.execute(code)
             text = []
             while True:
-                msg = kc.get_iopub_msg(timeout=600)
+                try:
+                    msg = kc.get_iopub_msg(timeout=5)
+                except queue.Empty:
+                    if not km.is_alive():
+                        raise SystemExit("the benchmark kernel died") from None
+                    continue
                 if msg["parent_header"].get("msg_id") != msg_id:
                     continue
                 if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
