@@ -75,6 +75,25 @@ def test_memory_caps_this_process_share_of_the_gpu():
     assert (plan.device_type, plan.physical_index, plan.memory_limits) == ("GPU", 0, (4096,))
 
 
+def test_cpu_devices_next_to_the_gpu_are_the_replicas():
+    from vgpu_magic.engine import apply_plan
+    from vgpu_magic.runtime import RuntimeState
+
+    inventory = jax_inventory()
+    plan = plan_split(SplitRequest(count=4, target="cpu"), inventory)
+    current = frameworks.base.ConfigSnapshot(
+        ("/physical_device:CPU:0",), ("/physical_device:GPU:0",), {}, (0,), (False,)
+    )
+    state = RuntimeState(imported=False, started=False, framework="jax", label="JAX")
+    result = apply_plan(frameworks.get("jax"), plan, state, dry_run=True, current=current)
+    assert result.devices == [f"/device:CPU:{i}" for i in range(4)]
+    # MirroredStrategy() prefers the GPU: TensorFlow's replicas stay GPU-first (it hides GPUs for --cpu).
+    after = frameworks.base.ConfigSnapshot(
+        current.cpu_names, current.gpu_names, {"/physical_device:CPU:0": (None,) * 4}, (0,), (False,)
+    )
+    assert after.replica_devices() == ["/device:GPU:0"]
+
+
 def test_visibility_and_cpu_caps_are_refused():
     with pytest.raises(PlanError, match="JAX cannot hide GPUs"):
         plan_split(SplitRequest(count=1, visible=(0,)), jax_inventory())
@@ -317,3 +336,21 @@ def test_keras_on_another_backend_warns_and_status_shows_both_frameworks():
     jax_section = sections["jax"]
     assert jax_section["runtime"]["started"] is True and "import jax" in jax_section["runtime"]["started_by"]
     assert [d["name"] for d in jax_section["logical"]] == [f"/device:CPU:{i}" for i in range(4)]
+
+
+def test_jax_that_tensorflow_imported_is_not_a_second_framework():
+    # TensorFlow imports JAX itself (tensorflow/lite/python/util.py) where JAX is installed.
+    code = SHELL + textwrap.dedent("""
+    steps = {"tf": cell("import tensorflow as tf"), "jax_loaded": "jax" in sys.modules}
+    steps["split"] = cell("%vgpu_split 2")
+    report = shell.run_line_magic("vgpu_status", "--return")
+    steps["frameworks"] = [s["framework"] for s in report.to_dict()["frameworks"]]
+    steps["user_jax"] = cell("import jax.numpy as jnp")
+    steps["ambiguous"] = cell("%vgpu_split 2")
+    print(json.dumps(steps))
+    """)
+    steps = last_json(run_python(code).stdout)
+    assert steps["jax_loaded"] is True
+    assert steps["split"]["error"] is None and "TensorFlow configured 2 logical CPUs" in steps["split"]["out"]
+    assert steps["frameworks"] == ["tensorflow"]
+    assert "TensorFlow and JAX are both imported" in (steps["ambiguous"]["error"] or "")

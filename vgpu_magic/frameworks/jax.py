@@ -32,6 +32,7 @@ import importlib.util
 import os
 import re
 import sys
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +62,7 @@ CAPABILITIES = Capabilities(
     uniform_growth=False,
     gpu_visibility=False,
     replicas_by="vgpu_magic.mesh()",
+    replicas_on_split_cpu=True,
     install_hint="install it with pip install 'vgpu_magic[jax]'",
 )
 
@@ -148,6 +150,24 @@ def gpu_backend_installed() -> bool:
         return False
 
 
+def _user_namespace_uses_jax() -> bool:
+    """Does the user's namespace (``__main__``: the notebook's or the script's
+    globals) hold a JAX module, or a function, class or array of JAX's?"""
+    main = sys.modules.get("__main__")
+    for value in list(getattr(main, "__dict__", {}).values()):
+        try:
+            names = (
+                (value.__name__,)
+                if isinstance(value, types.ModuleType)
+                else (getattr(value, "__module__", None), type(value).__module__)
+            )
+        except Exception:  # noqa: BLE001 - a user object whose attributes raise is not JAX's
+            continue
+        if any(isinstance(n, str) and n.split(".")[0] in ("jax", "jaxlib") for n in names):
+            return True
+    return False
+
+
 class Jax(Framework):
     capabilities = CAPABILITIES
     module = "jax"
@@ -155,6 +175,17 @@ class Jax(Framework):
     def __init__(self) -> None:
         self._peaks: dict[str, int] = {}
         self._counters: dict[str, LiveArrayBytes] = {}
+
+    def imported(self) -> bool:
+        """Is JAX in use here? TensorFlow imports JAX itself when it is installed
+        (``tensorflow/lite/python/util.py``), so next to TensorFlow JAX counts
+        only once its backend started or the user's namespace holds something
+        of JAX's; otherwise every TensorFlow kernel would have two frameworks."""
+        if "jax" not in sys.modules:
+            return False
+        if "tensorflow" not in sys.modules or backend_started():
+            return True
+        return _user_namespace_uses_jax()
 
     def runtime_started(self) -> bool:
         return backend_started()
