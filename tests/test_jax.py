@@ -336,6 +336,7 @@ def test_keras_on_another_backend_warns_and_status_shows_both_frameworks():
     jax_section = sections["jax"]
     assert jax_section["runtime"]["started"] is True and "import jax" in jax_section["runtime"]["started_by"]
     assert [d["name"] for d in jax_section["logical"]] == [f"/device:CPU:{i}" for i in range(4)]
+    assert "platform: cpu (jax.devices() has 4 devices)" in jax_section["notes"]
 
 
 def test_jax_that_tensorflow_imported_is_not_a_second_framework():

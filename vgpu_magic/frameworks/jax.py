@@ -233,6 +233,9 @@ class Jax(Framework):
         notes = []
         if gpus and not nvml:
             notes.append("NVML unavailable: GPU memory unknown, so --memory cannot be turned into JAX's fraction")
+        if backend_started():
+            # Asking for the platform before the backend starts would start it.
+            notes.append(f"platform: {jax.default_backend()} (jax.devices() has {len(jax.devices())} devices)")
         return DeviceInventory(
             gpus=gpus,
             cpus=1,
