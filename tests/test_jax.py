@@ -355,3 +355,20 @@ def test_jax_that_tensorflow_imported_is_not_a_second_framework():
     assert steps["split"]["error"] is None and "TensorFlow configured 2 logical CPUs" in steps["split"]["out"]
     assert steps["frameworks"] == ["tensorflow"]
     assert "TensorFlow and JAX are both imported" in (steps["ambiguous"]["error"] or "")
+
+
+def test_panel_splits_jax_and_hides_memory_on_cpu():
+    code = """
+    import json
+    from vgpu_magic.split_panel import panel
+    p = panel(framework="jax")
+    p.count_slider.value = 8
+    hidden = [p.usage.layout.display, p.even_memory.layout.display]
+    p.apply_button.click()
+    import jax
+    print(json.dumps({"note": p.memory_note.value, "hidden": hidden, "message": p.last_message,
+                      "n": len(jax.devices())}))
+    """
+    out = last_json(run_python(code).stdout)
+    assert "JAX cannot cap logical CPU devices" in out["note"] and out["hidden"] == ["none", "none"]
+    assert out["message"].startswith("JAX configured 8 logical CPUs") and out["n"] == 8
