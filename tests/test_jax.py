@@ -372,3 +372,19 @@ def test_panel_splits_jax_and_hides_memory_on_cpu():
     out = last_json(run_python(code).stdout)
     assert "JAX cannot cap logical CPU devices" in out["note"] and out["hidden"] == ["none", "none"]
     assert out["message"].startswith("JAX configured 8 logical CPUs") and out["n"] == 8
+
+
+def test_gpu_backend_is_read_from_the_installed_files(tmp_path, monkeypatch):
+    from vgpu_magic.frameworks import jax as fj
+
+    (tmp_path / "jax_plugins" / "xla_cuda12").mkdir(parents=True)
+    (tmp_path / "jax_plugins" / "xla_cuda12" / "__init__.py").write_text("raise ImportError('never imported')\n")
+    fj.gpu_backend_installed.cache_clear()
+    try:
+        assert fj.gpu_backend_installed() is False  # this venv: CPU jaxlib, no plugin
+        fj.gpu_backend_installed.cache_clear()
+        monkeypatch.syspath_prepend(str(tmp_path))
+        assert fj.gpu_backend_installed() is True
+        assert "jax_plugins.xla_cuda12" not in sys.modules
+    finally:
+        fj.gpu_backend_installed.cache_clear()

@@ -27,7 +27,6 @@ Importing this module imports neither JAX nor Keras.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import importlib.util
 import os
 import re
@@ -124,30 +123,26 @@ def _platforms_allow_gpu() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def gpu_backend_installed() -> bool:
-    """Is a GPU backend installed for JAX (a ``jax_plugins`` CUDA/ROCm plugin,
-    or a jaxlib built with CUDA)? Read from the installed packages: imports
-    nothing and starts nothing. Asked once per process: scanning the
-    packages' entry points costs ~10 ms, which every split would pay."""
-    names: list[str] = []
-    try:
-        names += [ep.name for ep in importlib.metadata.entry_points(group="jax_plugins")]
-    except Exception:  # noqa: BLE001 - broken metadata of another package must not break vgpu_magic
-        pass
-    try:
-        spec = importlib.util.find_spec("jax_plugins")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None and spec.submodule_search_locations:
-        import pkgutil
+    """Is a GPU backend installed for JAX (a CUDA/ROCm plugin in the
+    ``jax_plugins`` namespace package, where JAX's own plugins live, or a jaxlib
+    built with CUDA)? Read from the installed files: imports nothing and starts
+    nothing. Asked once per process."""
+    import pkgutil
 
-        names += [m.name for m in pkgutil.iter_modules(list(spec.submodule_search_locations))]
-    if any(p in name.lower() for name in names for p in _GPU_PLATFORMS):
-        return True
     try:
-        # jaxlib releases before the plugin split carried CUDA inside jaxlib.
-        return importlib.util.find_spec("jaxlib.cuda") is not None
+        plugins = importlib.util.find_spec("jax_plugins")
+        jaxlib = importlib.util.find_spec("jaxlib")
     except (ImportError, ValueError):
         return False
+    if plugins is not None and plugins.submodule_search_locations:
+        names = [m.name.lower() for m in pkgutil.iter_modules(list(plugins.submodule_search_locations))]
+        if any(p in name for name in names for p in _GPU_PLATFORMS):
+            return True
+    if jaxlib is not None and jaxlib.submodule_search_locations:
+        # jaxlib releases before the plugin split carried CUDA inside jaxlib (jaxlib/cuda).
+        found = {m.name for m in pkgutil.iter_modules(list(jaxlib.submodule_search_locations)) if m.ispkg}
+        return bool(found & {"cuda", "rocm"})
+    return False
 
 
 def _user_namespace_uses_jax() -> bool:
