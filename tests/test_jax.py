@@ -388,3 +388,12 @@ def test_gpu_backend_is_read_from_the_installed_files(tmp_path, monkeypatch):
         assert "jax_plugins.xla_cuda12" not in sys.modules
     finally:
         fj.gpu_backend_installed.cache_clear()
+
+
+def test_persistent_split_for_jax_applies_at_load():
+    code = SHELL + textwrap.dedent("""
+    import jax
+    print(json.dumps({"n": len(jax.devices())}))
+    """)
+    out = last_json(run_python(code, env={"VGPU_MAGIC_SPLIT": "8 --framework jax"}).stdout)
+    assert out == {"n": 8}
