@@ -235,8 +235,9 @@ def test_per_device_bytes_are_exact_for_a_placed_array():
     vgpu_magic.split(4, framework="jax")
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
+    from vgpu_magic.frameworks.jax_memory import MemoryReader
     fw = frameworks.get("jax")
-    read = fw.memory_reader()
+    read = MemoryReader(jax)   # counts on every call (the monitor's reader keeps to a time budget)
     names = [f"/device:CPU:{i}" for i in range(4)]
     base = [c for c, _ in read(names)]
     x = jax.device_put(np.ones(2 * 1024 * 1024, np.float32), jax.devices()[1])   # 8 MiB
@@ -244,11 +245,14 @@ def test_per_device_bytes_are_exact_for_a_placed_array():
     placed = [c for c, _ in read(names)]
     y = jax.device_put(np.ones((4, 1024), np.float32), NamedSharding(vgpu_magic.mesh(), PartitionSpec("data")))
     sharded = [c for c, _ in read(names)]
+    shards = [s.data for s in y.addressable_shards]   # four more array objects on y's buffers
+    with_shards = [c for c, _ in read(names)]
     del x, views
     freed = read(["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
     status = fw.memory_readings(names)
     print(json.dumps({"placed": [p - b for p, b in zip(placed, base)],
                       "sharded": [s - p for s, p in zip(sharded, placed)],
+                      "with_shards": [w - s for w, s in zip(with_shards, sharded)],
                       "freed": [c - b for (c, _), b in zip(freed, base)],
                       "peak1": freed[1][1] - base[1],
                       "status1": status["/device:CPU:1"]["current"] - base[1]}))
@@ -256,6 +260,7 @@ def test_per_device_bytes_are_exact_for_a_placed_array():
     out = last_json(run_python(code).stdout)
     assert out["placed"] == [0, 8 * MIB, 0, 0]
     assert out["sharded"] == [4096] * 4
+    assert out["with_shards"] == [0] * 4
     assert out["freed"] == [4096] * 4
     assert out["peak1"] == 8 * MIB + 4096
     assert out["status1"] == 4096
@@ -397,3 +402,26 @@ def test_persistent_split_for_jax_applies_at_load():
     """)
     out = last_json(run_python(code, env={"VGPU_MAGIC_SPLIT": "8 --framework jax"}).stdout)
     assert out == {"n": 8}
+
+
+def test_monitor_reader_keeps_counting_within_its_time_budget():
+    import time
+
+    from vgpu_magic.frameworks.jax_memory import MemoryReader
+
+    class SlowCounter:
+        def __init__(self):
+            self.counts = 0
+
+        def read(self):
+            time.sleep(0.002)
+            self.counts += 1
+            return [self.counts]
+
+    counter = SlowCounter()
+    reader = MemoryReader(None, budget=0.02)
+    assert reader._count(counter) == [1]
+    assert reader._count(counter) == [1]  # within 50 x 2 ms of the last count: the same count
+    time.sleep(0.2)
+    assert reader._count(counter) == [2]
+    assert MemoryReader(None)._count(counter) == [3]  # no budget: a count on every call

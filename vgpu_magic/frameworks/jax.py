@@ -342,16 +342,16 @@ class Jax(Framework):
         """Current bytes per device; ``peak`` is the allocator's where the device
         has statistics (GPU), else the highest of vgpu_magic's reads so far."""
         try:
-            values = self.memory_reader()(devices)
+            values = MemoryReader(self.load(), self._peaks, self._counters)(devices)
         except (ValueError, RuntimeError):
             return {}
         return {name: {"current": cur, "peak": peak} for name, (cur, peak) in zip(devices, values)}
 
     def memory_reader(self) -> Reader:
-        """A :class:`~vgpu_magic.frameworks.jax_memory.MemoryReader`: allocator
-        statistics where a device has them (GPU), else the exact bytes of the live
-        arrays' shards on it (CPU)."""
-        return MemoryReader(self.load(), self._peaks, self._counters)
+        """The monitor's :class:`~vgpu_magic.frameworks.jax_memory.MemoryReader`:
+        allocator statistics where a device has them (GPU), else the exact bytes
+        of the live arrays' shards on it (CPU), counted in at most 2 % of the time."""
+        return MemoryReader(self.load(), self._peaks, self._counters, budget=0.02)
 
     def keras_backend_warning(self) -> str | None:
         """The warning for a JAX split when Keras was imported on another backend."""
