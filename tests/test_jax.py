@@ -136,7 +136,8 @@ def cell(source):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         result = shell.run_cell(source, store_history=True)
     error = result.error_in_exec or result.error_before_exec
-    return {"out": out.getvalue(), "err": err.getvalue(), "error": None if error is None else f"{type(error).__name__}: {error}"}
+    error = None if error is None else f"{type(error).__name__}: {error}"
+    return {"out": out.getvalue(), "err": err.getvalue(), "error": error}
 """
 
 
@@ -144,7 +145,8 @@ def test_magic_before_import_then_identical_is_quiet_and_different_names_the_cel
     code = SHELL + textwrap.dedent("""
     steps = {}
     steps["split"] = cell("%vgpu_split 8 --framework jax")
-    steps["split_started"] = "jax._src.xla_bridge" in sys.modules and sys.modules["jax._src.xla_bridge"].backends_are_initialized()
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    steps["split_started"] = bridge is not None and bridge.backends_are_initialized()
     steps["use"] = cell("import jax\\nn = len(jax.devices())")
     steps["n"] = shell.user_ns["n"]
     steps["same"] = cell("%vgpu_split 8 --framework jax")
@@ -303,7 +305,8 @@ def test_write_caps_and_growth_through_the_environment_and_undo_on_failure():
     back = fw.read_configuration()
     # A cap that cannot become a fraction fails after the CPU count was set: all of it is undone.
     gpus = (GPUInfo(index=0),)
-    bad = fj.ConfigSnapshot(old.cpu_names, old.gpu_names, {fj.CPU_NAME: (None,) * 4, "/physical_device:GPU:0": (1024,)}, (0,), (True,))
+    caps = {fj.CPU_NAME: (None,) * 4, "/physical_device:GPU:0": (1024,)}
+    bad = fj.ConfigSnapshot(old.cpu_names, old.gpu_names, caps, (0,), (True,))
     try:
         fw.write_configuration(back, bad)
         error = None

@@ -39,7 +39,8 @@ def keras_backend_warning(framework_name: str) -> str | None:
         return None
     from .frameworks import get
 
+    label = get(framework_name).label
     return (
-        f"Keras was imported with the {found} backend, so Keras models will not use the {get(framework_name).label} devices "
-        f"split here; restart the kernel and set os.environ['KERAS_BACKEND'] = '{wanted}' before importing Keras"
+        f"Keras was imported with the {found} backend, so Keras models will not use the {label} devices split here; "
+        f"restart the kernel and set os.environ['KERAS_BACKEND'] = '{wanted}' before importing Keras"
     )
