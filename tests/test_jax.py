@@ -428,3 +428,14 @@ def test_monitor_reader_keeps_counting_within_its_time_budget():
     time.sleep(0.2)
     assert reader._count(counter) == [2]
     assert MemoryReader(None)._count(counter) == [3]  # no budget: a count on every call
+
+
+def test_magic_after_import_jax_picks_jax():
+    code = SHELL + textwrap.dedent("""
+    steps = {"import": cell("import jax"), "split": cell("%vgpu_split 2")}
+    steps["n"] = len(sys.modules["jax"].devices())
+    print(json.dumps(steps))
+    """)
+    steps = last_json(run_python(code).stdout)
+    assert steps["split"]["error"] is None and "JAX configured 2 logical CPUs" in steps["split"]["out"]
+    assert steps["n"] == 2
