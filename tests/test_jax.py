@@ -94,6 +94,17 @@ def test_cpu_devices_next_to_the_gpu_are_the_replicas():
     assert after.replica_devices() == ["/device:GPU:0"]
 
 
+def test_growth_combines_with_a_cap_or_cpu_devices_where_the_framework_allows_it():
+    capped = plan_split(SplitRequest(count=1, memory=4096, memory_growth=True), jax_inventory())
+    assert (capped.memory_limits, capped.memory_growth) == ((4096,), True)
+    assert capped.magic_line().endswith("--memory 4096 --growth")
+    beside = plan_split(SplitRequest(count=8, target="cpu", memory_growth=True), jax_inventory())
+    assert (beside.device_type, beside.count, beside.memory_growth) == ("CPU", 8, True)
+    tensorflow = DeviceInventory(gpus=jax_inventory().gpus, nvml_available=True)
+    with pytest.raises(PlanError, match="--growth cannot be combined"):
+        plan_split(SplitRequest(count=1, memory=4096, memory_growth=True), tensorflow)
+
+
 def test_visibility_and_cpu_caps_are_refused():
     with pytest.raises(PlanError, match="JAX cannot hide GPUs"):
         plan_split(SplitRequest(count=1, visible=(0,)), jax_inventory())
