@@ -184,16 +184,18 @@ def apply_plan(
     common: dict[str, Any] = dict(
         framework=caps.name, label=caps.label, runtime=runtime, warnings=notes, replicas_by=caps.replicas_by
     )
+    split_cpu_first = caps.replicas_on_split_cpu
     if dry_run:
-        return SplitResult("planned", plan, devices=new.replica_devices(), **common)
+        return SplitResult("planned", plan, devices=new.replica_devices(split_cpu_first), **common)
     if new == old:
         default = plan.splits and not old.logical
-        return SplitResult("unchanged", plan, devices=new.replica_devices(), is_default=default, **common)
+        devices = new.replica_devices(split_cpu_first)
+        return SplitResult("unchanged", plan, devices=devices, is_default=default, **common)
     if runtime.started:
         return SplitResult(
-            "blocked", plan, devices=old.replica_devices(), blocked_reason=runtime.culprit, **common
+            "blocked", plan, devices=old.replica_devices(split_cpu_first), blocked_reason=runtime.culprit, **common
         )
     framework.write_configuration(old, new)
     return SplitResult(
-        "applied", plan, devices=new.replica_devices(), replaced=_describe_config(old, plan), **common
+        "applied", plan, devices=new.replica_devices(split_cpu_first), replaced=_describe_config(old, plan), **common
     )

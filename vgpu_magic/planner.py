@@ -268,7 +268,7 @@ def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
     if request.memory_growth:
         if not caps.memory_growth:
             raise PlanError(f"{label} has no memory growth setting; drop --growth")
-        if split_requested:
+        if split_requested and not caps.growth_with_split:
             raise PlanError(
                 f"--growth cannot be combined with a split or a memory cap ({label} refuses memory growth on "
                 "virtual devices); use either --growth or a split"
@@ -304,7 +304,7 @@ def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
             visible = ()
             notes = (f"GPUs hidden so {caps.replicas_by} uses the logical CPUs (add --visible 0 to keep GPU 0)",)
         return SplitPlan(
-            "CPU", 0, (None,) * count, visible, False, None, notes, cpu_forced=target == "cpu",
+            "CPU", 0, (None,) * count, visible, request.memory_growth, None, notes, cpu_forced=target == "cpu",
             framework=caps.name, framework_named=request.framework,
         )
 
@@ -372,6 +372,6 @@ def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
     else:
         visible = None
     return SplitPlan(
-        "GPU", gpu.index, tuple(limits), visible, False, usable, tuple(notes),
+        "GPU", gpu.index, tuple(limits), visible, request.memory_growth, usable, tuple(notes),
         framework=caps.name, sizes_chosen=sizes is not None, framework_named=request.framework,
     )

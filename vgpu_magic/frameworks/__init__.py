@@ -39,6 +39,7 @@ __all__ = [
 #: name -> "module:attribute" of its Framework instance (imported on first use).
 REGISTRY: dict[str, str | Framework] = {
     "tensorflow": "vgpu_magic.frameworks.tensorflow:FRAMEWORK",
+    "jax": "vgpu_magic.frameworks.jax:FRAMEWORK",
 }
 
 #: Other spellings users type.

@@ -67,6 +67,10 @@ class Capabilities:
         The monitor then draws them as one series, not N identical lines.
     replicas_by:
         What uses the replica devices, for messages (``"MirroredStrategy()"``).
+    replicas_on_split_cpu:
+        Does the data-parallel helper use split CPU devices even where GPUs are
+        visible (JAX: ``vgpu_magic.mesh()`` over ``jax.devices("cpu")`` next to
+        the GPU)? Otherwise GPUs come first (``MirroredStrategy()``).
     install_hint:
         How to install it (``"pip install 'vgpu_magic[cpu]'"``).
     """
@@ -84,6 +88,7 @@ class Capabilities:
     gpu_visibility: bool = True
     cpus_share_allocator: bool = False
     replicas_by: str = "the strategy"
+    replicas_on_split_cpu: bool = False
     install_hint: str = ""
 
 
@@ -119,12 +124,17 @@ class ConfigSnapshot:
             counters[dtype] += count
         return names
 
-    def replica_devices(self) -> list[str]:
+    def replica_devices(self, split_cpu_first: bool = False) -> list[str]:
         """The devices a data-parallel strategy uses by default: every logical
-        GPU, or every logical CPU when there is none."""
+        GPU, or every logical CPU when there is none. With ``split_cpu_first``
+        (:attr:`Capabilities.replicas_on_split_cpu`), CPUs split into several
+        devices come first even where GPUs are visible."""
         names = self.logical_names()
         gpus = [d for p in self.gpu_names if p in names for d in names[p]]
-        return gpus or [d for p in self.cpu_names for d in names.get(p, [])]
+        cpus = [d for p in self.cpu_names for d in names.get(p, [])]
+        if split_cpu_first and len(cpus) > 1:
+            return cpus
+        return gpus or cpus
 
     def caps_mib(self) -> dict[str, int | None]:
         """Logical device name -> its cap in MiB (``None`` where uncapped)."""

@@ -1,0 +1,404 @@
+"""JAX: N CPU devices (next to a GPU or without one), and this process's share of a GPU.
+
+What JAX can do, as :data:`CAPABILITIES`:
+
+* **CPU devices**: ``jax.config.update("jax_num_cpu_devices", N)`` (JAX 0.5+)
+  or ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (before that), both
+  read when JAX's backend starts. Afterwards a different count raises a bare
+  ``RuntimeError``; vgpu_magic refuses it first, naming the cell that started it.
+* **No GPU split**: no JAX or XLA setting turns one GPU into several devices.
+  ``--cpu`` gives N CPU devices next to the GPU (``jax.devices("cpu")``; the GPU
+  stays JAX's default backend) and ``--memory`` caps this process's share of the
+  GPU (``XLA_PYTHON_CLIENT_MEM_FRACTION``; a fraction of the card's total
+  memory, for every GPU of the process).
+* **Memory growth**: ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (allocate on demand
+  instead of preallocating). It combines with a cap.
+
+Whether the backend started is read from ``jax._src.xla_bridge`` without
+starting it (:func:`backend_started`). Devices are named like TensorFlow's
+(``/physical_device:CPU:0`` for the host, ``/device:CPU:3`` for JAX's
+``jax.devices("cpu")[3]``), so one status table and one monitor serve both.
+
+Memory readings live in :mod:`vgpu_magic.frameworks.jax_memory`, the ``vgpu_magic.mesh()`` and
+``vgpu_magic.distribution()`` helpers in :mod:`vgpu_magic.frameworks.jax_mesh`.
+
+Importing this module imports neither JAX nor Keras.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+import sys
+import types
+from typing import Any
+
+from ..inventory import DeviceInventory, GPUInfo, cuda_to_nvml_order, nvml_gpus
+from .base import Capabilities, ConfigSnapshot, Framework, Reader
+from .jax_memory import LiveArrayBytes, MemoryReader, devices_by_name
+
+__all__ = [
+    "CAPABILITIES",
+    "FRAMEWORK",
+    "Jax",
+    "backend_started",
+    "gpu_backend_installed",
+]
+
+CAPABILITIES = Capabilities(
+    name="jax",
+    label="JAX",
+    splits_gpu=False,
+    splits_cpu=True,
+    cpu_caps=False,
+    gpu_caps_required=False,
+    gpu_reserve_mib=None,
+    memory_growth=True,
+    growth_with_split=True,
+    uniform_growth=False,
+    gpu_visibility=False,
+    replicas_by="vgpu_magic.mesh()",
+    replicas_on_split_cpu=True,
+    install_hint="install it with pip install 'vgpu_magic[jax]'",
+)
+
+CPU_NAME = "/physical_device:CPU:0"
+ENV_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+ENV_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
+ENV_ALLOCATOR = "XLA_PYTHON_CLIENT_ALLOCATOR"
+_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\S*)")
+_GPU_PLATFORMS = ("cuda", "gpu", "rocm")
+
+
+def backend_started() -> bool:
+    """Has JAX's backend started (so devices are fixed)? Never imports JAX.
+
+    Uses ``xla_bridge.backends_are_initialized()`` and, in JAX versions
+    without it, the backend cache it reads.
+    """
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    if bridge is None:
+        return False
+    check = getattr(bridge, "backends_are_initialized", None)
+    if check is not None:
+        return bool(check())
+    return bool(getattr(bridge, "_backends", None))
+
+
+def xla_flags_count(flags: str) -> int | None:
+    """The ``--xla_force_host_platform_device_count`` in an ``XLA_FLAGS`` string
+    (the last one wins, as in XLA), or ``None``."""
+    found = _COUNT_FLAG.findall(flags or "")
+    if not found or not found[-1].isdigit():
+        return None
+    return int(found[-1])
+
+
+def xla_flags_with_count(flags: str, count: int | None) -> str:
+    """``flags`` with the CPU device count set to ``count`` (removed for ``None``),
+    every other flag kept as it was."""
+    kept = " ".join(_COUNT_FLAG.sub(" ", flags or "").split())
+    if count is None:
+        return kept
+    return f"{kept} --xla_force_host_platform_device_count={count}".strip()
+
+
+def _has_num_cpu_devices(jax: Any) -> bool:
+    """JAX 0.5+ has the ``jax_num_cpu_devices`` option; older ones only read ``XLA_FLAGS``."""
+    return "jax_num_cpu_devices" in getattr(jax.config, "values", {})
+
+
+def _platforms_allow_gpu() -> bool:
+    """``JAX_PLATFORMS`` / ``jax_platforms`` can rule the GPU out before start."""
+    jax = sys.modules.get("jax")
+    chosen = getattr(getattr(jax, "config", None), "jax_platforms", None) if jax else None
+    chosen = chosen or os.environ.get("JAX_PLATFORMS", "")
+    if not chosen.strip():
+        return True
+    return any(p.strip().lower() in _GPU_PLATFORMS for p in chosen.split(","))
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_backend_installed() -> bool:
+    """Is a GPU backend installed for JAX (a CUDA/ROCm plugin in the
+    ``jax_plugins`` namespace package, where JAX's own plugins live, or a jaxlib
+    built with CUDA)? Read from the installed files: imports nothing and starts
+    nothing. Asked once per process."""
+    import pkgutil
+
+    try:
+        plugins = importlib.util.find_spec("jax_plugins")
+        jaxlib = importlib.util.find_spec("jaxlib")
+    except (ImportError, ValueError):
+        return False
+    if plugins is not None and plugins.submodule_search_locations:
+        names = [m.name.lower() for m in pkgutil.iter_modules(list(plugins.submodule_search_locations))]
+        if any(p in name for name in names for p in _GPU_PLATFORMS):
+            return True
+    if jaxlib is not None and jaxlib.submodule_search_locations:
+        # jaxlib releases before the plugin split carried CUDA inside jaxlib (jaxlib/cuda).
+        found = {m.name for m in pkgutil.iter_modules(list(jaxlib.submodule_search_locations)) if m.ispkg}
+        return bool(found & {"cuda", "rocm"})
+    return False
+
+
+def _user_namespace_uses_jax() -> bool:
+    """Does the user's namespace (``__main__``: the notebook's or the script's
+    globals) hold a JAX module, or a function, class or array of JAX's?"""
+    main = sys.modules.get("__main__")
+    for value in list(getattr(main, "__dict__", {}).values()):
+        try:
+            names = (
+                (value.__name__,)
+                if isinstance(value, types.ModuleType)
+                else (getattr(value, "__module__", None), type(value).__module__)
+            )
+        except Exception:  # noqa: BLE001 - a user object whose attributes raise is not JAX's
+            continue
+        if any(isinstance(n, str) and n.split(".")[0] in ("jax", "jaxlib") for n in names):
+            return True
+    return False
+
+
+class Jax(Framework):
+    capabilities = CAPABILITIES
+    module = "jax"
+
+    def __init__(self) -> None:
+        self._peaks: dict[str, int] = {}
+        self._counters: dict[str, LiveArrayBytes] = {}
+
+    def imported(self) -> bool:
+        """Is JAX in use here? TensorFlow imports JAX itself when it is installed
+        (``tensorflow/lite/python/util.py``), so next to TensorFlow JAX counts
+        only once its backend started or the user's namespace holds something
+        of JAX's; otherwise every TensorFlow kernel would have two frameworks."""
+        if "jax" not in sys.modules:
+            return False
+        if "tensorflow" not in sys.modules or backend_started():
+            return True
+        return _user_namespace_uses_jax()
+
+    def runtime_started(self) -> bool:
+        return backend_started()
+
+    # -- devices and configuration -------------------------------------------------
+    def _gpu_count(self, nvml: list[dict[str, Any]]) -> int:
+        """GPUs JAX has or will have: counted by JAX once started, else from NVML
+        and ``CUDA_VISIBLE_DEVICES`` where a GPU backend is installed."""
+        if backend_started():
+            jax = sys.modules["jax"]
+            try:
+                return len(jax.devices("gpu"))
+            except RuntimeError:  # no GPU backend
+                return 0
+        if not nvml or not _platforms_allow_gpu() or not gpu_backend_installed():
+            return 0
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is None or not visible.strip():
+            return len(nvml)
+        return sum(1 for g in cuda_to_nvml_order(len(visible.split(",")), nvml) if g is not None)
+
+    def _gpus(self) -> tuple[tuple[GPUInfo, ...], bool]:
+        nvml = nvml_gpus() if (backend_started() or gpu_backend_installed()) else []
+        count = self._gpu_count(nvml)
+        gpus = []
+        for i, details in enumerate(cuda_to_nvml_order(count, nvml)):
+            if details is None:
+                gpus.append(GPUInfo(index=i))
+            else:
+                gpus.append(
+                    GPUInfo(
+                        index=i,
+                        model=details["model"],
+                        total_mib=details["total_mib"],
+                        free_mib=details["free_mib"],
+                        compute_capability=details["compute_capability"],
+                        nvml_index=details["nvml_index"],
+                    )
+                )
+        return tuple(gpus), bool(nvml)
+
+    def probe_inventory(self) -> DeviceInventory:
+        jax = self.load()
+        gpus, nvml = self._gpus()
+        notes = []
+        if gpus and not nvml:
+            notes.append("NVML unavailable: GPU memory unknown, so --memory cannot be turned into JAX's fraction")
+        if backend_started():
+            # Asking for the platform before the backend starts would start it.
+            notes.append(f"platform: {jax.default_backend()} (jax.devices() has {len(jax.devices())} devices)")
+        return DeviceInventory(
+            gpus=gpus,
+            cpus=1,
+            version=getattr(jax, "__version__", None),
+            nvml_available=nvml,
+            notes=tuple(notes),
+            capabilities=CAPABILITIES,
+            current=self._snapshot(gpus),
+        )
+
+    def _cpu_count(self) -> int | None:
+        """The CPU device count configured (or, once started, in use); ``None`` when
+        nothing asks for more than JAX's default of one."""
+        jax = sys.modules.get("jax")
+        if backend_started() and jax is not None:
+            count = len(jax.devices("cpu"))
+        elif jax is not None and _has_num_cpu_devices(jax) and jax.config.jax_num_cpu_devices > 0:
+            count = int(jax.config.jax_num_cpu_devices)
+        else:
+            # Before import, JAX_NUM_CPU_DEVICES becomes the option's value; XLA_FLAGS is read at start.
+            env = os.environ.get("JAX_NUM_CPU_DEVICES", "").strip()
+            flag = int(env) if env.isdigit() and int(env) > 0 and jax is None else None
+            count = flag if flag is not None else xla_flags_count(os.environ.get("XLA_FLAGS", ""))
+        return count if count and count > 1 else None
+
+    def _snapshot(self, gpus: tuple[GPUInfo, ...]) -> ConfigSnapshot:
+        logical: dict[str, tuple[int | None, ...]] = {}
+        count = self._cpu_count()
+        if count is not None:
+            logical[CPU_NAME] = (None,) * count
+        fraction = _env_fraction()
+        if fraction is not None:
+            for gpu in gpus:
+                if gpu.total_mib is not None:
+                    logical[gpu.name] = (round(fraction * gpu.total_mib),)
+        growth = os.environ.get(ENV_PREALLOCATE, "").strip().lower() in ("false", "0") or (
+            os.environ.get(ENV_ALLOCATOR, "").strip().lower() == "platform"
+        )
+        return ConfigSnapshot(
+            cpu_names=(CPU_NAME,),
+            gpu_names=tuple(g.name for g in gpus),
+            logical=logical,
+            visible_gpus=tuple(g.index for g in gpus),
+            memory_growth=(growth,) * len(gpus),
+        )
+
+    def read_configuration(self) -> ConfigSnapshot:
+        return self._snapshot(self._gpus()[0])
+
+    def write_configuration(self, old: ConfigSnapshot, new: ConfigSnapshot) -> None:
+        """CPU count through ``jax_num_cpu_devices`` (``XLA_FLAGS`` in JAX before
+        0.5); GPU cap and growth through ``XLA_PYTHON_CLIENT_*``, which JAX reads
+        when its backend starts. On error everything is put back."""
+        jax = self.load()
+        undo: list[Any] = []
+        try:
+            if old.logical.get(CPU_NAME) != new.logical.get(CPU_NAME):
+                count = len(new.logical.get(CPU_NAME) or ()) or None
+                undo.append(self._set_cpu_count(jax, count))
+            caps = {n: new.logical[n][0] for n in new.gpu_names if n in new.logical}
+            if caps != {n: old.logical[n][0] for n in old.gpu_names if n in old.logical}:
+                undo.append(_set_env(ENV_FRACTION, self._fraction(caps)))
+            if any(new.memory_growth) != any(old.memory_growth):
+                undo.append(_set_env(ENV_PREALLOCATE, "false" if any(new.memory_growth) else None))
+        except Exception as exc:
+            failed = []
+            for step in reversed(undo):
+                try:
+                    step()
+                except Exception as undo_exc:  # noqa: BLE001 - reported below with the state left
+                    failed.append(f"{type(undo_exc).__name__}: {undo_exc}")
+            if failed:
+                raise RuntimeError(
+                    f"configuring JAX failed ({type(exc).__name__}: {exc}) and undoing it failed too ({failed[0]}); "
+                    f"JAX is left with {self._cpu_count() or 1} CPU device(s), {ENV_FRACTION}="
+                    f"{os.environ.get(ENV_FRACTION)!r}: restart the kernel"
+                ) from exc
+            raise
+
+    def _set_cpu_count(self, jax: Any, count: int | None) -> Any:
+        """Set the CPU device count (``None``: JAX's default); return the undo step."""
+        if _has_num_cpu_devices(jax):
+            before = jax.config.jax_num_cpu_devices
+            jax.config.update("jax_num_cpu_devices", -1 if count is None else count)
+            return lambda: jax.config.update("jax_num_cpu_devices", before)
+        return _set_env("XLA_FLAGS", xla_flags_with_count(os.environ.get("XLA_FLAGS", ""), count) or None)
+
+    def _fraction(self, caps: dict[str, int | None]) -> str | None:
+        """``XLA_PYTHON_CLIENT_MEM_FRACTION`` for caps in MiB: one fraction for
+        the process, of the capped GPU's total memory."""
+        if not caps:
+            return None
+        from ..planner import PlanError
+
+        totals = {g.name: g.total_mib for g in self._gpus()[0]}
+        fractions = set()
+        for name, cap in caps.items():
+            total = totals.get(name)
+            if total is None:
+                raise PlanError(
+                    f"the total memory of {name.rsplit('/', 1)[-1].replace('physical_device:', '')} is unknown "
+                    f"(NVML unavailable), so a cap cannot become JAX's {ENV_FRACTION}; set it yourself"
+                )
+            fractions.add(repr(cap / total))
+        # The planner caps one GPU; the variable applies to every GPU of the process.
+        return max(fractions, key=float)
+
+    # -- memory ----------------------------------------------------------------------
+    def memory_readings(self, devices: list[str]) -> dict[str, dict[str, int]]:
+        """Current bytes per device; ``peak`` is the allocator's where the device
+        has statistics (GPU), else the highest of vgpu_magic's reads so far."""
+        try:
+            values = MemoryReader(self.load(), self._peaks, self._counters)(devices)
+        except (ValueError, RuntimeError):
+            return {}
+        return {name: {"current": cur, "peak": peak} for name, (cur, peak) in zip(devices, values)}
+
+    def memory_reader(self) -> Reader:
+        """The monitor's :class:`~vgpu_magic.frameworks.jax_memory.MemoryReader`:
+        allocator statistics where a device has them (GPU), else the exact bytes
+        of the live arrays' shards on it (CPU), counted in at most 2 % of the time."""
+        return MemoryReader(self.load(), self._peaks, self._counters, budget=0.02)
+
+    def keras_backend_warning(self) -> str | None:
+        """The warning for a JAX split when Keras was imported on another backend."""
+        from ..keras_backend import keras_backend_warning
+
+        return keras_backend_warning(self.name)
+
+    # -- helpers -----------------------------------------------------------------------
+    def split_devices(self) -> list[Any]:
+        """The split's devices: every CPU device when CPU devices were split
+        (also next to a GPU), else ``jax.devices()``. Starts JAX's backend."""
+        jax = self.load()
+        if self._cpu_count() is not None:
+            return list(jax.devices("cpu"))
+        return list(jax.devices())
+
+    def strategy(self, devices: list[str] | None = None) -> Any:
+        """A ``jax.sharding.Mesh`` with one ``"data"`` axis over the split's
+        devices (or over ``devices``, TensorFlow-style names). Starts JAX's backend."""
+        from .jax_mesh import mesh
+
+        if devices is not None:
+            return mesh(devices=devices_by_name(self.load(), devices))
+        return mesh()
+
+
+def _env_fraction() -> float | None:
+    text = os.environ.get(ENV_FRACTION, "").strip()
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0 < value <= 1 else None
+
+
+def _set_env(name: str, value: str | None) -> Any:
+    """Set (``None``: remove) an environment variable; return the undo step."""
+    before = os.environ.get(name)
+
+    def put(value: str | None) -> None:
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+    put(value)
+    return lambda: put(before)
+
+
+FRAMEWORK = Jax()

@@ -1,0 +1,224 @@
+"""Bytes on each JAX device, exact, for ``%vgpu_status`` and the live memory plot.
+
+JAX's CPU devices keep no allocator statistics (``memory_stats()`` is
+``None``), but the bytes of the live arrays' shards on each device are exact:
+an 8 MiB array put on device 1 shows on device 1 only. A device that has
+``memory_stats()`` (a GPU) is read from its allocator instead, peak included.
+
+Devices are named like TensorFlow's: ``"/device:CPU:3"`` (or ``"CPU:3"``) is
+``jax.devices("cpu")[3]``. Only used once JAX's backend runs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["LiveArrayBytes", "MemoryReader", "devices_by_name", "device_index"]
+
+
+def device_index(name: str) -> tuple[str, int]:
+    """``'/device:CPU:3'`` or ``'CPU:3'`` -> ``('cpu', 3)``."""
+    kind, _, index = name.rsplit("/", 1)[-1].replace("device:", "").rpartition(":")
+    if not kind or not index.isascii() or not index.isdigit():
+        raise ValueError(f"device {name!r} is not a device name; use e.g. 'CPU:0' or '/device:GPU:1'")
+    return kind.lower(), int(index)
+
+
+def devices_by_name(jax: Any, names: Sequence[str]) -> list[Any]:
+    """The JAX devices for TensorFlow-style names (``jax.devices(kind)[i]``)."""
+    found = []
+    for name in names:
+        kind, index = device_index(name)
+        devices = jax.devices(kind)
+        if index >= len(devices):
+            raise ValueError(f"device {name!r} does not exist; JAX has {len(devices)} {kind.upper()} device(s)")
+        found.append(devices[index])
+    return found
+
+
+class _Sharded:
+    """A multi-device array's bytes per device slot (from its sharding: no
+    per-shard objects are made), and the addresses of its buffers once asked."""
+
+    __slots__ = ("ref", "parts", "signature", "addresses")
+
+    def __init__(self, array: Any, parts: tuple[tuple[int, int], ...], signature: tuple) -> None:
+        self.ref = weakref.ref(array)
+        self.parts = parts
+        self.signature = signature
+        self.addresses: set[tuple[int, int]] | None = None
+
+
+class LiveArrayBytes:
+    """Exact bytes of the live arrays' shards on each device of one platform.
+
+    A single-device array counts its buffer; a sharded array counts each of its
+    shards on its device, from its sharding. Several array objects can hold one
+    buffer (``addressable_shards[i].data`` of a sharded array, the arrays given
+    to ``jax.make_array_from_single_device_arrays``, ...) and
+    ``jax.live_arrays()`` lists each of them, so a buffer counts once: single-device
+    arrays are told apart by their buffer's address, and one that has the shape,
+    dtype and device of a sharded array's shard is checked against that array's
+    buffers (the only time those are looked at: it costs ~50 µs per sharded array).
+
+    What each array holds is worked out once and kept by the array's id, guarded
+    by a weak reference (buffers never change under an array), so a read costs
+    about a microsecond per live array (``benchmarks/jax_split.py``).
+    """
+
+    def __init__(self, jax: Any, platform: str) -> None:
+        self._jax = jax
+        self.platform = platform
+        self.devices = list(jax.devices(platform))
+        self.slot = {d: i for i, d in enumerate(self.devices)}
+        self._known: dict[int, Any] = {}
+
+    def _entry(self, array: Any) -> Any:
+        """``(ref, slot, address, bytes, signature)`` for a single-device array,
+        a :class:`_Sharded` for a multi-device one, ``None`` off this platform."""
+        devices = array.devices()
+        slot = self.slot
+        if len(devices) == 1:
+            (device,) = devices
+            if device not in slot:
+                return None
+            nbytes = math.prod(array.shape) * array.dtype.itemsize
+            return (weakref.ref(array), slot[device], array.unsafe_buffer_pointer(), nbytes, (array.shape, array.dtype))
+        sharding = array.sharding
+        shape = tuple(sharding.shard_shape(array.shape))
+        nbytes = math.prod(shape) * array.dtype.itemsize
+        parts = tuple((slot[d], nbytes) for d in sharding.addressable_devices if d in slot)
+        return _Sharded(array, parts, (shape, array.dtype))
+
+    def _addresses(self, sharded: _Sharded) -> set[tuple[int, int]]:
+        if sharded.addresses is None:
+            array = sharded.ref()
+            found = set()
+            for part in [] if array is None else array._arrays:
+                (device,) = part.devices()
+                if device in self.slot:
+                    found.add((self.slot[device], part.unsafe_buffer_pointer()))
+            sharded.addresses = found
+        return sharded.addresses
+
+    def read(self) -> list[int]:
+        """Bytes per device, in ``jax.devices(platform)`` order."""
+        totals = [0] * len(self.devices)
+        known = self._known
+        seen: dict[int, Any] = {}
+        counted: set[tuple[int, int]] = set()
+        singles: dict[tuple, list[tuple[int, int, int]]] = {}
+        sharded: list[_Sharded] = []
+        for array in self._jax.live_arrays(self.platform):
+            entry = known.get(id(array))
+            if entry is None or (entry[0] if type(entry) is tuple else entry.ref)() is not array:
+                try:
+                    entry = self._entry(array)
+                except RuntimeError:  # deleted (donated) since it was listed: it holds nothing now
+                    continue
+                if entry is None:
+                    continue
+            seen[id(array)] = entry
+            if type(entry) is tuple:
+                _, slot, address, nbytes, signature = entry
+                if (slot, address) not in counted:
+                    counted.add((slot, address))
+                    totals[slot] += nbytes
+                    singles.setdefault(signature, []).append((slot, address, nbytes))
+            else:
+                sharded.append(entry)
+                for slot, nbytes in entry.parts:
+                    totals[slot] += nbytes
+        for entry in sharded:
+            for slot, address, nbytes in singles.get(entry.signature, ()):
+                if (slot, address) in counted and (slot, address) in self._addresses(entry):
+                    counted.discard((slot, address))  # a shard of this array: already counted
+                    totals[slot] -= nbytes
+        # Only arrays alive now are kept: the cache never outgrows the live set.
+        self._known = seen
+        return totals
+
+
+class MemoryReader:
+    """``reader(names) -> [(current, peak), ...]`` in bytes, one pair per device name.
+
+    A device with ``memory_stats()`` (GPU) is read from its allocator
+    (``bytes_in_use``, ``peak_bytes_in_use``); one without (CPU) from the bytes
+    of the live arrays' shards on it, with the running maximum of those reads as
+    its peak. One count of the live arrays serves every CPU device of a read. Its
+    cost grows with the number of live arrays (see ``benchmarks/jax_split.py``).
+
+    ``peaks`` and ``counters`` may be shared between readers, so that
+    ``%vgpu_status`` and the monitor report the same running peaks.
+
+    ``budget`` bounds the time counting may take: after a count that took
+    ``c`` seconds, calls in the next ``c / budget`` seconds return that count
+    again instead of counting anew (the monitor samples every 0.05 s, so a
+    count costing more than 1 ms would otherwise take over 2 % of a training
+    run). ``None`` counts on every call.
+    """
+
+    def __init__(
+        self,
+        jax: Any,
+        peaks: dict[str, int] | None = None,
+        counters: dict[str, LiveArrayBytes] | None = None,
+        budget: float | None = None,
+    ) -> None:
+        self._jax = jax
+        self._peaks = {} if peaks is None else peaks
+        self._counters = {} if counters is None else counters
+        self._budget = budget
+        self._counts: dict[int, tuple[list[int], float]] = {}
+        self._plans: dict[tuple[str, ...], list[tuple[str, Any, LiveArrayBytes | None, int]]] = {}
+
+    def _plan(self, names: list[str]) -> list[tuple[str, Any, LiveArrayBytes | None, int]]:
+        """Per name: its full name, and the device to ask or the counter and slot to read."""
+        key = tuple(names)
+        found = self._plans.get(key)
+        if found is None:
+            found = []
+            for name, device in zip(names, devices_by_name(self._jax, names)):
+                kind, index = device_index(name)
+                full = f"/device:{kind.upper()}:{index}"
+                if device.memory_stats() is not None:
+                    found.append((full, device, None, 0))
+                    continue
+                counter = self._counters.get(device.platform)
+                if counter is None or device not in counter.slot:
+                    counter = self._counters[device.platform] = LiveArrayBytes(self._jax, device.platform)
+                found.append((full, None, counter, counter.slot[device]))
+            self._plans[key] = found
+        return found
+
+    def __call__(self, names: list[str]) -> list[tuple[int, int]]:
+        peaks = self._peaks
+        totals: dict[int, list[int]] = {}
+        out = []
+        for full, device, counter, slot in self._plan(names):
+            if counter is None:
+                stats = device.memory_stats()
+                out.append((int(stats.get("bytes_in_use", 0)), int(stats.get("peak_bytes_in_use", 0))))
+                continue
+            per_device = totals.get(id(counter))
+            if per_device is None:
+                per_device = totals[id(counter)] = self._count(counter)
+            current = per_device[slot]
+            peak = max(peaks.get(full, 0), current)
+            peaks[full] = peak
+            out.append((current, peak))
+        return out
+
+    def _count(self, counter: LiveArrayBytes) -> list[int]:
+        start = time.perf_counter()
+        last = self._counts.get(id(counter))
+        if last is not None and start < last[1]:
+            return last[0]
+        found = counter.read()
+        if self._budget is not None:
+            self._counts[id(counter)] = (found, start + (time.perf_counter() - start) / self._budget)
+        return found

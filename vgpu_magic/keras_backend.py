@@ -1,0 +1,46 @@
+"""Is Keras on the backend of the framework being split?
+
+Keras 3 reads its backend (``KERAS_BACKEND``, else ``~/.keras/keras.json``,
+else TensorFlow) once, when it is first imported. A split of JAX's devices does
+nothing for Keras models when Keras was imported on TensorFlow, and the other
+way round, so the split says so. Imports nothing: Keras is only looked at when
+it is already imported.
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["keras_backend", "keras_backend_warning"]
+
+#: Framework name -> the Keras backend that runs on it.
+_BACKENDS = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
+
+
+def keras_backend() -> str | None:
+    """The backend of the Keras imported in this process, or ``None`` when
+    Keras 3 is not imported."""
+    keras = sys.modules.get("keras")
+    backend = getattr(getattr(keras, "backend", None), "backend", None)
+    if not callable(backend):
+        return None
+    try:
+        return str(backend())
+    except Exception:  # noqa: BLE001 - a half-imported Keras has no backend to compare
+        return None
+
+
+def keras_backend_warning(framework_name: str) -> str | None:
+    """The warning for a split of ``framework_name`` when Keras was already
+    imported with another backend, else ``None``."""
+    wanted = _BACKENDS.get(framework_name)
+    found = keras_backend()
+    if wanted is None or found is None or found == wanted:
+        return None
+    from .frameworks import get
+
+    label = get(framework_name).label
+    return (
+        f"Keras was imported with the {found} backend, so Keras models will not use the {label} devices split here; "
+        f"restart the kernel and set os.environ['KERAS_BACKEND'] = '{wanted}' before importing Keras"
+    )
