@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # What `make lab` installs (CPU TensorFlow and JupyterLab; `make lab EXTRAS=gpu,lab` for CUDA) and what
 # `make test` installs (everything the suite exercises: JAX, PyTorch and ipyparallel too). One venv for both.
 EXTRAS ?= cpu,lab
-TEST_EXTRAS ?= cpu,lab,test,jax,torch,cluster
+TEST_EXTRAS ?= cpu,lab,test,jax,torch,cluster,mpi
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
@@ -22,12 +22,15 @@ $(VENV)/.installed-%: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[$*]'
 	touch $@
 
-# Debian's Chromium for the real-browser test (Playwright drives /usr/bin/chromium;
-# it never downloads a browser of its own).
+# Debian's Chromium for the real-browser test (Playwright drives /usr/bin/chromium; it never downloads a
+# browser of its own) and OpenMPI's mpiexec for the ranks started through ipyparallel's MPI launcher.
+# Without them those tests are skipped with the reason.
 system-deps:
-	@if [ -x /usr/bin/chromium ]; then echo "chromium: $$(/usr/bin/chromium --version 2>/dev/null)"; \
-	else $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium \
-	  || echo "chromium could not be installed: the browser test will be skipped"; fi
+	@missing=""; [ -x /usr/bin/chromium ] || missing="$$missing chromium"; \
+	command -v mpiexec >/dev/null || missing="$$missing openmpi-bin"; \
+	if [ -z "$$missing" ]; then echo "system packages: chromium and mpiexec present"; \
+	else $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing \
+	  || echo "could not install$$missing: the tests that need them will be skipped"; fi
 
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
 ALLOW_ROOT := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)

@@ -17,6 +17,7 @@ import atexit
 import importlib.util
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -29,6 +30,8 @@ from .wiring import GPU, RankPlan, get_wiring, prepare_rank
 
 __all__ = ["RankCluster", "RankInfo", "ClusterStartError", "current", "free_ports"]
 
+#: ipyparallel engine launchers the ranks can be started with.
+LAUNCHERS = ("local", "mpi")
 #: Seconds processes get after SIGTERM before SIGKILL when the cluster stops.
 STOP_GRACE = 2.0
 #: Seconds the engines may take to register with the controller.
@@ -93,6 +96,10 @@ class RankCluster:
         first TensorFlow worker); default: free ports from the OS.
     gpus:
         The GPUs to plan for, ``[(index, total_bytes), ...]``; default: what NVML sees.
+    launcher:
+        How ipyparallel starts the engines: ``"local"`` (processes of this
+        kernel) or ``"mpi"`` (one ``mpiexec`` job; needs ``mpiexec`` and
+        ``mpi4py``). The ranks are wired the same way either way.
 
     Raises
     ------
@@ -115,12 +122,21 @@ class RankCluster:
         memory: int | None = None,
         port: int | None = None,
         gpus: list[tuple[int, int]] | None = None,
+        launcher: str = "local",
     ) -> None:
         if not isinstance(n, int) or not 1 <= n <= 64:
             raise ValueError(f"rank count {n!r} is out of range; use 1..64")
         if port is not None and not 1 <= port <= 65535:
             raise ValueError(f"--port {port} is not a TCP port; use 1..65535, or leave it out for a free one")
         self.wiring = get_wiring(framework)
+        if launcher not in LAUNCHERS:
+            raise ValueError(f"launcher {launcher!r} is not supported; use {' or '.join(LAUNCHERS)}")
+        if launcher == "mpi":
+            if shutil.which("mpiexec") is None:
+                raise ValueError("the mpi launcher needs mpiexec on PATH (e.g. apt-get install openmpi-bin)")
+            if importlib.util.find_spec("mpi4py") is None:
+                raise ValueError("the mpi launcher needs mpi4py on the engines: pip install 'vgpu_magic[mpi]'")
+        self.launcher = launcher
         missing = [m for m in ("ipyparallel", "psutil", "cloudpickle") if importlib.util.find_spec(m) is None]
         if missing:
             raise ValueError(f"the ranks need {', '.join(missing)}: pip install 'vgpu_magic[cluster]'")
@@ -157,8 +173,8 @@ class RankCluster:
 
     def same_request(self, other: RankCluster) -> bool:
         """Does ``other`` ask for the same ranks and wiring as this cluster?"""
-        mine = (self.n, self.framework, self.split, self.memory, self.port, self.gpus)
-        return mine == (other.n, other.framework, other.split, other.memory, other.port, other.gpus)
+        mine = (self.n, self.framework, self.split, self.memory, self.port, self.gpus, self.launcher)
+        return mine == (other.n, other.framework, other.split, other.memory, other.port, other.gpus, other.launcher)
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> RankCluster:
@@ -179,7 +195,7 @@ class RankCluster:
         try:
             # ERROR: ipyparallel logs an engine's whole log file as a warning when it exits non-zero, which
             # every stop after a killed rank would print into the cell; this class reports failures itself.
-            self.cluster = ipp.Cluster(n=self.n, engines="local", log_level=logging.ERROR)
+            self.cluster = ipp.Cluster(n=self.n, engines=self.launcher, log_level=logging.ERROR)
             self.cluster.start_cluster_sync(n=self.n)
             # Remembered at once, so that even engines that never register are stopped.
             self._remember_processes()
@@ -396,7 +412,8 @@ class RankCluster:
 
         if not self.running:
             return ["no cluster running"]
-        lines = [f"{self.n} {self.wiring.label} rank{'s' if self.n > 1 else ''} on local ipyparallel engines"]
+        where = "local ipyparallel engines" if self.launcher == "local" else "ipyparallel engines started by mpiexec"
+        lines = [f"{self.n} {self.wiring.label} rank{'s' if self.n > 1 else ''} on {where}"]
         lines.extend(self.plans[0].notes if self.plans else ())
         for info in self.status():
             state = f"alive, RSS {format_bytes(info.rss)}" if info.alive else "dead"

@@ -48,6 +48,11 @@ class ClusterMagics(Magics):
     @argument("--split", type=int, help="TensorFlow on GPU: logical GPUs per worker; JAX on CPU: CPU devices per process")
     @argument("--memory", help="per-rank GPU memory cap (2048 = MiB, 2GB, 1.5G); default an even share")
     @argument("--port", type=int, help="coordinator port (default: a free port from the OS)")
+    @argument(
+        "--launcher",
+        choices=("local", "mpi"),
+        help="how ipyparallel starts the engines: local processes (default) or one mpiexec job",
+    )
     @line_magic
     def vgpu_cluster(self, line: str) -> None:
         """Start, inspect, stop or restart the ranks.
@@ -56,6 +61,7 @@ class ClusterMagics(Magics):
 
             %vgpu_cluster start 2 --framework torch
             %vgpu_cluster start 2 --framework jax --split 2
+            %vgpu_cluster start 2 --framework torch --launcher mpi   # engines started by mpiexec
             %vgpu_cluster status
             %vgpu_cluster restart
             %vgpu_cluster stop
@@ -65,7 +71,8 @@ class ClusterMagics(Magics):
 
         if args.action != "start":
             extra = [f"{name} {value}" for name, value in (("N", args.n), ("--framework", args.framework),
-                     ("--split", args.split), ("--memory", args.memory), ("--port", args.port)) if value is not None]
+                     ("--split", args.split), ("--memory", args.memory), ("--port", args.port),
+                ("--launcher", args.launcher)) if value is not None]
             if extra:
                 raise UsageError(f"{extra[0]!r} only goes with start, e.g. %vgpu_cluster start 2 --framework torch")
         running = engine.current()
@@ -77,7 +84,8 @@ class ClusterMagics(Magics):
             try:
                 memory = parse_memory(args.memory) if args.memory is not None else None
                 ranks = engine.RankCluster(
-                    args.n, args.framework, split=args.split, memory=memory, port=args.port
+                    args.n, args.framework, split=args.split, memory=memory, port=args.port,
+                    launcher=args.launcher or "local",
                 )
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
