@@ -343,7 +343,7 @@ def test_keras_on_another_backend_warns_and_status_shows_both_frameworks():
     steps["split"] = cell("%vgpu_split 4 --framework jax")
     steps["start"] = cell("import jax\\nn = len(jax.devices())")
     report = shell.run_line_magic("vgpu_status", "--return")
-    print(json.dumps({"steps": steps, "status": report.to_dict()}))
+    print(json.dumps({"steps": steps, "status": report.to_dict(), "text": str(report)}))
     """)
     out = last_json(run_python(code).stdout)
     split = out["steps"]["split"]
@@ -356,6 +356,10 @@ def test_keras_on_another_backend_warns_and_status_shows_both_frameworks():
     assert jax_section["runtime"]["started"] is True and "import jax" in jax_section["runtime"]["started_by"]
     assert [d["name"] for d in jax_section["logical"]] == [f"/device:CPU:{i}" for i in range(4)]
     assert "platform: cpu (jax.devices() has 4 devices)" in jax_section["notes"]
+    # Each JAX CPU device holds its own bytes: read one by one, not as one shared host allocator.
+    assert jax_section["host_memory_shared"] is None
+    assert all(d["current"] is not None for d in jax_section["logical"])
+    assert "memory held on each logical CPU: CPU:0 " in out["text"]
 
 
 def test_jax_that_tensorflow_imported_is_not_a_second_framework():
@@ -450,3 +454,67 @@ def test_magic_after_import_jax_picks_jax():
     steps = last_json(run_python(code).stdout)
     assert steps["split"]["error"] is None and "JAX configured 2 logical CPUs" in steps["split"]["out"]
     assert steps["n"] == 2
+
+
+MONITOR = """
+import json, os, sys, time
+os.environ["KERAS_BACKEND"] = "jax"
+import numpy as np
+import vgpu_magic
+vgpu_magic.split(4, framework="jax")
+import jax
+import keras
+
+
+def per_device(trace, step):
+    return {r["device"]: r["current"] for r in trace.to_records() if r["step"] == step and r["device"] != "process"}
+"""
+
+
+def test_monitor_context_manager_shows_a_placed_array_on_its_device_only():
+    code = MONITOR + textwrap.dedent("""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = vgpu_magic.mesh()
+    step = jax.jit(lambda x: x * 2.0, out_shardings=NamedSharding(mesh, P("data")))
+    with vgpu_magic.MemoryMonitor(display="none", interval=0.001) as mon:
+        batch = jax.device_put(np.ones((4, 256), np.float32), NamedSharding(mesh, P("data")))
+        out = step(batch).block_until_ready()
+        time.sleep(0.1)  # sample() samples once the interval has passed
+        mon.sample(step=0)
+        x = jax.device_put(np.ones(2 * 1024 * 1024, np.float32), jax.devices()[1])   # 8 MiB
+        time.sleep(0.1)
+        mon.sample(step=1)
+    before, after = per_device(mon.trace, 0), per_device(mon.trace, 1)
+    print(json.dumps({"before": before, "delta": {d: after[d] - before[d] for d in after},
+                      "tf": "tensorflow" in sys.modules}))
+    """)
+    out = last_json(run_python(code).stdout)
+    devices = [f"/device:CPU:{i}" for i in range(4)]
+    assert sorted(out["before"]) == devices
+    assert all(out["before"][d] >= 2 * 1024 for d in devices)  # a 1 KiB shard of batch and of out on each
+    assert out["delta"] == {d: (8 * MIB if d == "/device:CPU:1" else 0) for d in devices}
+    assert out["tf"] is False
+
+
+def test_monitor_is_a_keras_callback_under_the_jax_backend():
+    code = MONITOR + textwrap.dedent("""
+    keras.distribution.set_distribution(vgpu_magic.distribution())
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+    mon = vgpu_magic.MemoryMonitor(display="none", interval=0.001)
+    model.fit(x, x[:, :1], batch_size=16, epochs=2, verbose=0, callbacks=[mon])
+    model.evaluate(x, x[:, :1], batch_size=16, verbose=0, callbacks=[mon])
+    model.predict(x, batch_size=16, verbose=0, callbacks=[mon])
+    weights = sum(int(np.prod(v.shape)) * 4 for v in model.weights)
+    print(json.dumps({"phases": [t.kind for t in mon.traces],
+                      "series": [[s.key for s in t.series] for t in mon.traces],
+                      "fit_min": min(r["current"] for r in mon.traces[0].to_records() if r["device"] != "process"),
+                      "weights": weights}))
+    """)
+    out = last_json(run_python(code).stdout)
+    assert out["phases"] == ["fit", "evaluate", "predict"]
+    devices = [f"/device:CPU:{i}" for i in range(4)]
+    assert all(keys[:4] == devices for keys in out["series"])
+    # Every replica holds a copy of the weights (DataParallel replicates them), so no device reads less.
+    assert out["fit_min"] >= out["weights"]

@@ -128,6 +128,13 @@ class FrameworkStatus:
                     "which the live memory plot also shows)"
                 )
             return text
+        held = [d for d in self.logical if "CPU" in d.name and d.current is not None]
+        if held:
+            return "memory held on each logical CPU: " + "; ".join(
+                f"{d.name.rsplit('/', 1)[-1].replace('device:', '')} {format_bytes(d.current)} in use, "
+                f"peak {format_bytes(d.peak)}"
+                for d in held
+            )
         if not self.runtime.started:
             return "memory in use: shown once the runtime has started (status never starts it)"
         return None
@@ -243,8 +250,10 @@ def collect_framework(fw, watcher=None) -> FrameworkStatus:
         gpu_devices = [d for p in snap.gpu_names if p in names for d in names[p]]
         readings = fw.memory_readings(gpu_devices)
         cpu_first = names.get(snap.cpu_names[0], []) if snap.cpu_names else []
-        if cpu_first:
+        if cpu_first and fw.capabilities.cpus_share_allocator:
             host = fw.memory_readings(cpu_first[:1]).get(cpu_first[0])
+        elif cpu_first:
+            readings.update(fw.memory_readings(cpu_first))
     logical = []
     for physical, devices in names.items():
         caps = snap.logical.get(physical) or (None,) * len(devices)
