@@ -143,7 +143,8 @@ def test_panel_applies_through_the_fake(fake):
     panel = vgpu_magic.panel(framework="fakefw")
     assert panel.target.options[0] == ("GPU 0: Fake GPU — 16384 MiB total, 16000 MiB free", "GPU:0")
     panel.count_text.value = 4
-    assert panel.magic_line == "%vgpu_split 4"
+    # Opened for a named framework, the line it shows names it too (it must reproduce the same split).
+    assert panel.magic_line == "%vgpu_split 4 --framework fakefw"
     assert "15000 of 15000 MiB usable" in panel.usage_label.value  # the fake's reserve, via the planner
     result = panel.apply()
     assert result.status == "applied" and fake.config.logical["/physical_device:GPU:0"] == (3750,) * 4

@@ -73,6 +73,9 @@ class SplitPanel:
     watcher:
         Names the cell that started TensorFlow's runtime, for the banner; ``None``
         uses the extension's watcher if it is loaded.
+    framework_named:
+        The framework the user named (``panel(framework="jax")``); the line the
+        panel shows then names it too, so it reproduces the same split.
 
     Attributes
     ----------
@@ -87,7 +90,11 @@ class SplitPanel:
         The text the last Apply printed into :attr:`output`.
     """
 
-    def __init__(self, inventory: DeviceInventory, watcher: RuntimeWatcher | None = None) -> None:
+    def __init__(
+        self, inventory: DeviceInventory, watcher: RuntimeWatcher | None = None, framework_named: str | None = None
+    ) -> None:
+        #: The framework the user named when opening the panel: echoed in the line it shows.
+        self.framework_named = framework_named
         if inventory.current is None:
             inventory = _with_current(inventory, unconfigured(inventory))
         self.inventory = inventory
@@ -232,14 +239,15 @@ class SplitPanel:
         gpu = self.gpu
         if gpu is None:
             # With no GPU the plain `%vgpu_split N` already splits the CPU, and stays portable.
-            return SplitRequest(count=self.count, target="cpu" if self.inventory.gpus else "auto")
+            target = "cpu" if self.inventory.gpus else "auto"
+            return SplitRequest(count=self.count, target=target, framework=self.framework_named)
         limits = self.memory_limits
         memory = limits[0] if len(set(limits)) == 1 else limits
         if not self.custom.value and self.usable_mib is not None and self.even_memory.value == self._even_default():
             # The even split the planner would choose: the line is written without sizes, so it
             # still works when free memory changes a little.
             memory = None
-        return SplitRequest(count=self.count, memory=memory, gpu=gpu.index)
+        return SplitRequest(count=self.count, memory=memory, gpu=gpu.index, framework=self.framework_named)
 
     def plan(self) -> SplitPlan:
         """Validate :meth:`request` with the planner; raises :class:`~vgpu_magic.planner.PlanError`."""
@@ -482,5 +490,6 @@ def panel(watcher: RuntimeWatcher | None = None, framework: str | None = None) -
     SplitPanel
         Shown when it is the last expression of a cell, or with ``display()``.
     """
-    inventory = api.framework_for(framework).probe_inventory()
-    return SplitPanel(inventory, watcher or api.current_watcher())
+    chosen = api.framework_for(framework)
+    named = chosen.name if framework is not None else None
+    return SplitPanel(chosen.probe_inventory(), watcher or api.current_watcher(), framework_named=named)
