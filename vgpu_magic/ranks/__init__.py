@@ -13,20 +13,39 @@ Importing this package imports neither ipyparallel nor any framework.
 
 from __future__ import annotations
 
-from .engine import ClusterStartError, RankCluster, RankInfo, current
-from .run import RankRunError, UnsendableName
+from typing import Any
 
 __all__ = ["RankCluster", "RankInfo", "ClusterStartError", "RankRunError", "UnsendableName", "cluster"]
 
+# Resolved on first use: loading the extension (which imports .magics) must not pay for the engine.
+_LAZY = {
+    "RankCluster": "engine",
+    "RankInfo": "engine",
+    "ClusterStartError": "engine",
+    "RankRunError": "run",
+    "UnsendableName": "run",
+}
 
-def cluster() -> RankCluster:
-    """The running cluster (``.view`` is its ipyparallel DirectView in rank order).
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'vgpu_magic.ranks' has no attribute {name!r}")
+
+
+def cluster():
+    """The running :class:`~vgpu_magic.ranks.engine.RankCluster` (``.view`` is its
+    ipyparallel DirectView in rank order).
 
     Raises
     ------
     RuntimeError
         When no cluster runs.
     """
+    from .engine import current
+
     found = current()
     if found is None or not found.running:
         raise RuntimeError("no cluster is running; start one with %vgpu_cluster start N --framework torch|tensorflow|jax")
