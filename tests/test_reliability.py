@@ -184,7 +184,7 @@ def _nvml_losing_its_gpu():
 def test_a_gpu_that_disappears_is_one_line_not_a_traceback(monkeypatch):
     from vgpu_magic import inventory
 
-    monkeypatch.setattr(inventory, "_nvml", _nvml_losing_its_gpu)
+    monkeypatch.setattr(inventory, "open_nvml", _nvml_losing_its_gpu)
     with pytest.raises(NVMLReadError, match=r"^NVML could not read the GPUs \(GPU is lost\)"):
         inventory.nvml_gpus()
     assert inventory.nvml_pids_with_context() == {}

@@ -25,6 +25,7 @@ __all__ = [
     "probe_inventory",
     "nvml_gpus",
     "nvml_pids_with_context",
+    "open_nvml",
     "cuda_to_nvml_order",
 ]
 
@@ -111,8 +112,9 @@ class NVMLReadError(RuntimeError):
     disappeared, a driver that went away): one line saying which call failed."""
 
 
-def _nvml():
-    """Import and initialise NVML, or return ``None`` when there is no driver."""
+def open_nvml():
+    """Import and initialise NVML, or return ``None`` when there is no driver.
+    The caller shuts it down (``nvmlShutdown``) when done."""
     try:
         import pynvml
     except ImportError:
@@ -134,7 +136,7 @@ def nvml_gpus() -> list[dict[str, Any]]:
 
     Raises :class:`NVMLReadError` when NVML fails part-way.
     """
-    nvml = _nvml()
+    nvml = open_nvml()
     if nvml is None:
         return []
     gpus = []
@@ -151,6 +153,7 @@ def nvml_gpus() -> list[dict[str, Any]]:
                     "nvml_index": i,
                     "model": _text(nvml.nvmlDeviceGetName(handle)),
                     "total_mib": int(mem.total // _MIB),
+                    "total_bytes": int(mem.total),
                     "free_mib": int(mem.free // _MIB),
                     "compute_capability": cc,
                     "uuid": _text(nvml.nvmlDeviceGetUUID(handle)),
@@ -171,7 +174,7 @@ def nvml_pids_with_context() -> dict[int, set[int]]:
 
     Best effort: a GPU NVML cannot read is left out.
     """
-    nvml = _nvml()
+    nvml = open_nvml()
     if nvml is None:
         return {}
     holders: dict[int, set[int]] = {}

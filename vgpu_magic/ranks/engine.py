@@ -143,9 +143,9 @@ class RankCluster:
         if importlib.util.find_spec(self.wiring.module) is None:
             raise ValueError(f"{self.wiring.label} is not installed in this kernel: pip install 'vgpu_magic[{self.wiring.extra}]'")
         if gpus is None:
-            from .memory import nvml_gpus
+            from .memory import gpu_totals
 
-            gpus = nvml_gpus()
+            gpus = gpu_totals()
         self.gpus = [GPU(i, total) for i, total in gpus]
         self.wiring.validate(n, split, memory, self.gpus)
         self.n = n

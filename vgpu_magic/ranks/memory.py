@@ -20,7 +20,7 @@ from typing import Any
 
 from ..units import format_bytes
 
-__all__ = ["RankMemoryTrace", "RankMemorySampler", "RankMemoryPlot", "nvml_gpus"]
+__all__ = ["RankMemoryTrace", "RankMemorySampler", "RankMemoryPlot", "gpu_totals"]
 
 
 @dataclass
@@ -59,30 +59,15 @@ class RankMemoryTrace:
         return text
 
 
-def _nvml():
+def gpu_totals() -> list[tuple[int, int]]:
+    """``[(index, total bytes), ...]`` for every GPU NVML sees; ``[]`` without a GPU or driver,
+    or when NVML cannot read them."""
+    from ..inventory import NVMLReadError, nvml_gpus
+
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return pynvml
-    except Exception:
-        return None
-
-
-def nvml_gpus() -> list[tuple[int, int]]:
-    """``[(index, total bytes), ...]`` for every GPU NVML sees; ``[]`` without a GPU or driver."""
-    nvml = _nvml()
-    if nvml is None:
+        return [(g["nvml_index"], g["total_bytes"]) for g in nvml_gpus()]
+    except NVMLReadError:
         return []
-    try:
-        return [
-            (i, int(nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(i)).total))
-            for i in range(nvml.nvmlDeviceGetCount())
-        ]
-    except Exception:
-        return []
-    finally:
-        nvml.nvmlShutdown()
 
 
 class RankMemorySampler:
@@ -97,7 +82,9 @@ class RankMemorySampler:
                 self._procs.append(psutil.Process(pid))
             except psutil.Error:
                 self._procs.append(None)
-        self._nvml = _nvml() if gpu else None
+        from ..inventory import open_nvml
+
+        self._nvml = open_nvml() if gpu else None
         self._handles = []
         if self._nvml is not None:
             self._handles = [
@@ -122,7 +109,7 @@ class RankMemorySampler:
             try:
                 for info in self._nvml.nvmlDeviceGetComputeRunningProcesses(handle):
                     used[info.pid] = used.get(info.pid, 0) + int(info.usedGpuMemory or 0)
-            except Exception:
+            except self._nvml.NVMLError:
                 continue
         return [used.get(p.pid, 0) if p is not None else None for p in self._procs]
 
@@ -130,7 +117,7 @@ class RankMemorySampler:
         if self._nvml is not None:
             try:
                 self._nvml.nvmlShutdown()
-            except Exception:
+            except self._nvml.NVMLError:
                 pass
             self._nvml = None
 
