@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,28 @@ def gpu_count() -> int:
     if count == 0:
         pytest.skip("NVML sees a GPU but TensorFlow does not (CPU build, or CUDA_VISIBLE_DEVICES hides it)")
     return count
+
+
+def kernel_run(kc, code: str, timeout: float = 240, on_message=None) -> list[dict]:
+    """Execute ``code`` in a jupyter_client kernel; return the iopub messages of that
+    request, up to idle (``on_message`` sees each as it arrives)."""
+    msg_id = kc.execute(code)
+    messages = []
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = kc.get_iopub_msg(timeout=max(1.0, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        messages.append(msg)
+        if on_message is not None:
+            on_message(msg)
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return messages
+
+
+def kernel_stdout(messages: list[dict]) -> str:
+    """Everything a request printed on stdout."""
+    return "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream" and m["content"]["name"] == "stdout")
 
 
 def tf_device_configuration() -> dict:

@@ -11,29 +11,13 @@ import time
 import psutil
 import pytest
 
-from conftest import CHILD_ENV, ROOT
+from conftest import CHILD_ENV, ROOT, kernel_run, kernel_stdout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def run(kc, code: str, timeout: float = 180, on_message=None) -> list[dict]:
-    """Execute ``code``; the iopub messages of that request, up to idle."""
-    msg_id = kc.execute(code)
-    messages = []
-    deadline = time.monotonic() + timeout
-    while True:
-        msg = kc.get_iopub_msg(timeout=max(1.0, deadline - time.monotonic()))
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        messages.append(msg)
-        if on_message is not None:
-            on_message(msg)
-        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            return messages
-
-
-def stdout(messages: list[dict]) -> str:
-    return "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream" and m["content"]["name"] == "stdout")
+    return kernel_run(kc, code, timeout, on_message)
 
 
 def errors(messages: list[dict]) -> list[tuple[str, str]]:
@@ -50,11 +34,11 @@ def test_ranks_from_a_real_kernel_interrupt_and_shutdown():
         reply = run(kc, "%load_ext vgpu_magic\n%vgpu_cluster start 2 --framework torch")
         assert not errors(reply), errors(reply)
         reply = run(kc, "import json, vgpu_magic\nprint(json.dumps(sorted(vgpu_magic.cluster()._owned)))")
-        pids = json.loads(stdout(reply).strip().splitlines()[-1])
+        pids = json.loads(kernel_stdout(reply).strip().splitlines()[-1])
 
         reply = run(kc, "%%vgpu_run\nimport os, time\nfor step in range(3):\n    print('step', step, 'on', os.environ['RANK'])\n    time.sleep(0.3)")
         assert not errors(reply), errors(reply)
-        lines = stdout(reply).splitlines()
+        lines = kernel_stdout(reply).splitlines()
         assert [x for x in lines if x.startswith("[rank 1]")] == [f"[rank 1] step {s} on 1" for s in range(3)]
         displays = [m for m in reply if m["msg_type"] == "display_data"]
         updates = [m for m in reply if m["msg_type"] == "update_display_data"]
@@ -76,7 +60,7 @@ def test_ranks_from_a_real_kernel_interrupt_and_shutdown():
         reply = run(kc, "%%vgpu_run -o alive --no-plot\n'yes'\n")
         assert not errors(reply), errors(reply)
         reply = run(kc, "print(alive)")
-        assert stdout(reply).strip() == "['yes', 'yes']"
+        assert kernel_stdout(reply).strip() == "['yes', 'yes']"
     finally:
         kc.stop_channels()
         # A graceful shutdown, as the notebook's "Shut down kernel" does: the kernel exits and its atexit stops the ranks.

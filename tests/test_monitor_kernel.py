@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from conftest import CHILD_ENV, ROOT
+from conftest import CHILD_ENV, ROOT, kernel_run, kernel_stdout
 
 pytestmark = pytest.mark.slow
 
@@ -56,34 +56,14 @@ def kernel():
     km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(ROOT))
     try:
         # the kernel must be this interpreter, with vgpu_magic importable
-        reply = run(kc, "import sys; print(sys.executable)")
-        assert stream_text(reply).strip() == sys.executable
-        reply = run(kc, SETUP, timeout=180)
+        reply = kernel_run(kc, "import sys; print(sys.executable)")
+        assert kernel_stdout(reply).strip() == sys.executable
+        reply = kernel_run(kc, SETUP, timeout=180)
         assert not errors(reply), errors(reply)
         yield km, kc
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
-
-
-def run(kc, code: str, timeout: float = 240, on_message=None) -> list[dict]:
-    """Execute ``code``; return the iopub messages of that request, up to idle."""
-    msg_id = kc.execute(code)
-    messages = []
-    deadline = time.monotonic() + timeout
-    while True:
-        msg = kc.get_iopub_msg(timeout=max(1.0, deadline - time.monotonic()))
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        messages.append(msg)
-        if on_message is not None:
-            on_message(msg)
-        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            return messages
-
-
-def stream_text(messages: list[dict]) -> str:
-    return "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream" and m["content"]["name"] == "stdout")
 
 
 def errors(messages: list[dict]) -> list[str]:
@@ -159,13 +139,13 @@ def rendered(text: str) -> list[str]:
 
 def test_fit_shows_one_plot_updated_in_place(kernel):
     km, kc = kernel
-    messages = run(kc, "mon = vgpu_magic.MemoryMonitor()\n"
+    messages = kernel_run(kc, "mon = vgpu_magic.MemoryMonitor()\n"
                        "model.fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=[mon, Pace()])\n"
                        "print(json.dumps({'samples': len(mon.trace), 'frames': len(mon.view.draw_costs)}))")
     assert not errors(messages), errors(messages)
     updates = check_one_output_updated_in_place(messages, "done")
     assert updates >= 2  # at least one live frame, and the final one
-    result = json.loads(stream_text(messages).strip().splitlines()[-1])
+    result = json.loads(kernel_stdout(messages).strip().splitlines()[-1])
     # When the cell printed, fit had shown its live frames (each an update
     # of the placeholder); the final frame came after, at the end of the cell.
     assert result["frames"] + 1 == updates and result["samples"] >= 10
@@ -175,10 +155,10 @@ def test_fit_shows_one_plot_updated_in_place(kernel):
 
 def test_vgpu_monitor_on_plots_a_fit_without_code_changes(kernel):
     km, kc = kernel
-    messages = run(kc, "%vgpu_monitor on\nmodel.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[Pace()])")
+    messages = kernel_run(kc, "%vgpu_monitor on\nmodel.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[Pace()])")
     assert not errors(messages), errors(messages)
     check_one_output_updated_in_place(messages, "done")
-    messages = run(kc, "%vgpu_monitor off\nmodel.fit(x, y, batch_size=64, epochs=1, verbose=0)")
+    messages = kernel_run(kc, "%vgpu_monitor off\nmodel.fit(x, y, batch_size=64, epochs=1, verbose=0)")
     assert displays(messages) == []
 
 
@@ -191,7 +171,7 @@ def test_interrupting_the_kernel_keeps_the_trace_and_a_final_frame(kernel):
             interrupted.append(True)
             km.interrupt_kernel()
 
-    messages = run(
+    messages = kernel_run(
         kc,
         "mon = vgpu_magic.MemoryMonitor()\n"
         "model.fit(x, y, batch_size=16, epochs=1000, verbose=0, callbacks=[mon, Pace()])",
@@ -199,15 +179,15 @@ def test_interrupting_the_kernel_keeps_the_trace_and_a_final_frame(kernel):
     )
     assert interrupted and [e.split(":")[0] for e in errors(messages)] == ["KeyboardInterrupt"]
     check_one_output_updated_in_place(messages, "interrupted")
-    after = run(kc, "print(json.dumps({'samples': len(mon.trace), 'interrupted': mon.trace.interrupted, "
+    after = kernel_run(kc, "print(json.dumps({'samples': len(mon.trace), 'interrupted': mon.trace.interrupted, "
                     "'active': mon.active}))")
-    result = json.loads(stream_text(after).strip().splitlines()[-1])
+    result = json.loads(kernel_stdout(after).strip().splitlines()[-1])
     assert result["samples"] >= 5 and result["interrupted"] and not result["active"]
 
 
 def test_keras_progress_bar_stays_one_stream_output_under_the_plot(kernel):
     km, kc = kernel
-    messages = run(kc, "%vgpu_monitor on\n"
+    messages = kernel_run(kc, "%vgpu_monitor on\n"
                        "model.fit(x, y, batch_size=64, epochs=2, verbose=1, callbacks=[Pace()])\n"
                        "%vgpu_monitor off")
     assert not errors(messages), errors(messages)
@@ -231,7 +211,7 @@ def test_an_interrupt_during_the_final_frame_neither_loses_it_nor_leaves_the_hoo
     km, kc = kernel
     # A real SIGINT to the kernel process, delivered while the final frame
     # (drawn when the cell ends) is being rendered.
-    setup = run(kc, "import os, signal\n"
+    setup = kernel_run(kc, "import os, signal\n"
                     "from vgpu_magic.monitor import plot as _plot\n"
                     "_render = _plot.MemoryPlot.render\n"
                     "def _interrupted_render(self, trace, final=False):\n"
@@ -242,23 +222,23 @@ def test_an_interrupt_during_the_final_frame_neither_loses_it_nor_leaves_the_hoo
                     "_plot.MemoryPlot.render = _interrupted_render")
     assert not errors(setup)
     try:
-        messages = run(kc, "mon = vgpu_magic.MemoryMonitor()\n"
+        messages = kernel_run(kc, "mon = vgpu_magic.MemoryMonitor()\n"
                            "model.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[mon, Pace()])")
     finally:
-        run(kc, "_plot.MemoryPlot.render = _render")
+        kernel_run(kc, "_plot.MemoryPlot.render = _render")
     assert not errors(messages), errors(messages)
     text = "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream")
     assert "Error in callback" not in text and "KeyboardInterrupt" not in text, text
     check_one_output_updated_in_place(messages, "done")
-    after = run(kc, "ip = get_ipython()\n"
+    after = kernel_run(kc, "ip = get_ipython()\n"
                     "print(json.dumps({'hooks': sum(getattr(f, '__self__', None) is mon "
                     "for f in ip.events.callbacks['post_run_cell']), 'final': mon.view.draw_kinds[-1]}))")
-    assert json.loads(stream_text(after).strip().splitlines()[-1]) == {"hooks": 0, "final": "final"}
+    assert json.loads(kernel_stdout(after).strip().splitlines()[-1]) == {"hooks": 0, "final": "final"}
 
 
 def test_interrupting_a_tight_sampling_loop_never_tears_the_trace(kernel):
     km, kc = kernel
-    run(kc, "mon = vgpu_magic.MemoryMonitor(display='none', interval=0.001)")
+    kernel_run(kc, "mon = vgpu_magic.MemoryMonitor(display='none', interval=0.001)")
     for _ in range(3):
         sent = []
 
@@ -268,14 +248,14 @@ def test_interrupting_a_tight_sampling_loop_never_tears_the_trace(kernel):
                 time.sleep(0.3)
                 km.interrupt_kernel()
 
-        messages = run(kc, "with mon:\n    while True:\n        mon.sample()", on_message=interrupt_when_running)
+        messages = kernel_run(kc, "with mon:\n    while True:\n        mon.sample()", on_message=interrupt_when_running)
         assert [e.split(":")[0] for e in errors(messages)] == ["KeyboardInterrupt"]
-        after = run(kc, "import csv, io\n"
+        after = kernel_run(kc, "import csv, io\n"
                         "path = mon.to_csv('/dev/null')\n"
                         "print(json.dumps({'rows': len(mon.trace.to_records()), 'samples': len(mon.trace), "
                         "'series': len(mon.trace.series)}))")
         assert not errors(after), errors(after)
-        result = json.loads(stream_text(after).strip().splitlines()[-1])
+        result = json.loads(kernel_stdout(after).strip().splitlines()[-1])
         assert result["samples"] >= 2 and result["rows"] == result["samples"] * result["series"]
 
 
@@ -293,7 +273,7 @@ def test_the_cpu_plot_of_a_tutorial_sized_model_is_never_empty(kernel):
     from PIL import Image
 
     km, kc = kernel
-    messages = run(kc, TUTORIAL_MODEL)
+    messages = kernel_run(kc, TUTORIAL_MODEL)
     assert not errors(messages), errors(messages)
     final = displays(messages)[-1][2]
     summary = final["text/plain"].splitlines()[1]
@@ -304,11 +284,11 @@ def test_the_cpu_plot_of_a_tutorial_sized_model_is_never_empty(kernel):
         pixels = np.asarray(image.convert("RGB")).astype(int)
     orange = np.abs(pixels - np.array([255, 127, 14])).sum(axis=2) < 60
     assert orange.sum() > 200
-    after = run(kc, "per = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize "
+    after = kernel_run(kc, "per = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize "
                     "for v in small.variables + small.optimizer.variables)\n"
                     "print(json.dumps({'allocator': [mon.trace.peak_text(0), mon.trace.all_zero(0)], "
                     "'variables': mon.trace.variable_bytes, 'per_replica': per}))")
-    result = json.loads(stream_text(after).strip().splitlines()[-1])
+    result = json.loads(kernel_stdout(after).strip().splitlines()[-1])
     # Each replica's own copy of the variables, exactly (from Keras' shapes).
     assert result["variables"] == {f"/device:CPU:{i}": result["per_replica"] for i in range(2)}
     # Whatever TensorFlow's host allocator reports, the text says it truly.
