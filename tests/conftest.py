@@ -139,3 +139,35 @@ def cpu_inventory(monkeypatch):
     # Other tests may have imported JAX into this process too: TensorFlow is the one meant here.
     monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
     return cpu_only
+
+
+@pytest.fixture(scope="session")
+def local_slurm():
+    """A real single-node SLURM cluster (slurmctld, slurmd, munged) for the session,
+    with ``SLURM_CONF`` pointing at it; stopped and removed at the end. Skips with
+    the reason where it cannot run (not root on Linux, no slurm-wlm/munge)."""
+    from hosts import why_not_slurm
+
+    reason = why_not_slurm()
+    if reason:
+        pytest.skip(reason)
+    from vgpu_magic.ranks.local_slurm import LocalSlurm
+
+    cluster = LocalSlurm().start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def two_hosts():
+    """This host and a second one (a network namespace with its own address and host
+    name), each with an sshd reached with the test's own key; removed at the end.
+    Skips with the reason where it cannot be made (not root on Linux, no iproute2/sshd)."""
+    from hosts import TwoHosts, why_not_hosts
+
+    reason = why_not_hosts()
+    if reason:
+        pytest.skip(reason)
+    hosts = TwoHosts.start()
+    yield hosts
+    hosts.stop()

@@ -16,28 +16,30 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import logging
-import os
-import shutil
 import signal
 import socket
+import subprocess
 import sys
 import threading
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from .launchers import LAUNCHERS, LauncherPlan, engine_identity, plan_launcher
 from .run import RankRun, RankRunError, names_to_send, names_written, pack_names, process_alive, split_last_expression
 from .wiring import GPU, RankPlan, get_wiring, prepare_rank
 
-__all__ = ["RankCluster", "RankInfo", "ClusterStartError", "current", "free_ports"]
+__all__ = ["RankCluster", "RankInfo", "ClusterStartError", "current", "free_ports", "LAUNCHERS"]
 
-#: ipyparallel engine launchers the ranks can be started with.
-LAUNCHERS = ("local", "mpi")
 #: Seconds processes get after SIGTERM before SIGKILL when the cluster stops.
 STOP_GRACE = 2.0
 #: Seconds the engines may take to register with the controller.
 ENGINE_TIMEOUT = 120.0
 #: Seconds the wiring (process group / coordinator rendezvous) may take.
 SETUP_TIMEOUT = 120.0
+#: Seconds a cancelled batch job may take to leave the queue, and remote engines to exit.
+REMOTE_STOP_TIMEOUT = 30.0
 
 _current: RankCluster | None = None
 _lock = threading.Lock()
@@ -57,6 +59,8 @@ class RankInfo:
     alive: bool
     rss: int | None
     gpu: int | None
+    #: The host the rank runs on (its ``socket.gethostname()``).
+    host: str = ""
 
 
 def free_ports(count: int) -> list[int]:
@@ -71,6 +75,40 @@ def free_ports(count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+#: Run on an SSH host at stop: wait for the engines (PIDs there) to exit, SIGKILL what
+#: survived, remove the cluster's folder, and say which PIDs are left.
+_REMOTE_CLEANUP = (
+    "pids='{pids}'; for i in $(seq 40); do alive=''; for p in $pids; do kill -0 $p 2>/dev/null && alive=\"$alive $p\"; done; "
+    "[ -z \"$alive\" ] && break; sleep 0.25; done; [ -n \"$alive\" ] && kill -9 $alive 2>/dev/null && sleep 0.5; "
+    "still=''; for p in $pids; do kill -0 $p 2>/dev/null && still=\"$still $p\"; done; rm -rf '{folder}'; echo left:$still"
+)
+
+
+def _ssh(location: str, args: tuple[str, ...], command: str) -> str | None:
+    """Run ``command`` on ``location`` over ssh; its stdout, or None if ssh failed."""
+    try:
+        proc = subprocess.run(
+            ["ssh", *args, location, command], capture_output=True, text=True, timeout=REMOTE_STOP_TIMEOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def _wait_job_gone(job: str, timeout: float) -> bool:
+    """Has SLURM job ``job`` left ``squeue`` within ``timeout`` seconds?"""
+    deadline = time.monotonic() + timeout
+    while True:
+        proc = subprocess.run(["squeue", "-h", "-j", job, "-o", "%i"], capture_output=True, text=True, timeout=30)
+        # squeue exits non-zero for a job id it no longer knows: gone as well.
+        if proc.returncode != 0 or not proc.stdout.strip():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
 
 
 def current() -> RankCluster | None:
@@ -98,8 +136,15 @@ class RankCluster:
         The GPUs to plan for, ``[(index, total_bytes), ...]``; default: what NVML sees.
     launcher:
         How ipyparallel starts the engines: ``"local"`` (processes of this
-        kernel) or ``"mpi"`` (one ``mpiexec`` job; needs ``mpiexec`` and
-        ``mpi4py``). The ranks are wired the same way either way.
+        kernel), ``"mpi"`` (one ``mpiexec`` job; needs ``mpiexec`` and
+        ``mpi4py``), ``"slurm"`` (one ``sbatch`` job running ``srun
+        ipengine``) or ``"ssh"`` (engines started on other hosts over SSH).
+        Ranks are ordered as the launcher numbers them (``SLURM_PROCID``, the
+        MPI rank).
+    launcher_options:
+        What the launcher needs (see :mod:`.launchers`): SLURM ``partition``,
+        ``account``, ``time``, extra ``sbatch`` lines and ``srun`` arguments;
+        SSH ``hosts``, ``ssh_args``, ``python``; ``controller_address``.
 
     Raises
     ------
@@ -123,20 +168,17 @@ class RankCluster:
         port: int | None = None,
         gpus: list[tuple[int, int]] | None = None,
         launcher: str = "local",
+        launcher_options: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(n, int) or not 1 <= n <= 64:
             raise ValueError(f"rank count {n!r} is out of range; use 1..64")
         if port is not None and not 1 <= port <= 65535:
             raise ValueError(f"--port {port} is not a TCP port; use 1..65535, or leave it out for a free one")
         self.wiring = get_wiring(framework)
-        if launcher not in LAUNCHERS:
-            raise ValueError(f"launcher {launcher!r} is not supported; use {' or '.join(LAUNCHERS)}")
-        if launcher == "mpi":
-            if shutil.which("mpiexec") is None:
-                raise ValueError("the mpi launcher needs mpiexec on PATH (e.g. apt-get install openmpi-bin)")
-            if importlib.util.find_spec("mpi4py") is None:
-                raise ValueError("the mpi launcher needs mpi4py on the engines: pip install 'vgpu_magic[mpi]'")
+        self.cluster_id = f"vgpu-{uuid.uuid4().hex[:8]}"
+        self.launcher_plan: LauncherPlan = plan_launcher(launcher, n, launcher_options, self.cluster_id)
         self.launcher = launcher
+        self.launcher_options = dict(launcher_options or {})
         missing = [m for m in ("ipyparallel", "psutil", "cloudpickle") if importlib.util.find_spec(m) is None]
         if missing:
             raise ValueError(f"the ranks need {', '.join(missing)}: pip install 'vgpu_magic[cluster]'")
@@ -158,6 +200,8 @@ class RankCluster:
         self.view: Any = None
         self.engine_ids: list[int] = []
         self.pids: list[int] = []
+        #: Each rank's host name, in rank order.
+        self.hosts: list[str] = []
         self.must_restart: str | None = None
         #: Names cells run on the ranks assigned: rank state, never overwritten from the notebook.
         self.rank_names: set[str] = set()
@@ -173,8 +217,9 @@ class RankCluster:
 
     def same_request(self, other: RankCluster) -> bool:
         """Does ``other`` ask for the same ranks and wiring as this cluster?"""
-        mine = (self.n, self.framework, self.split, self.memory, self.port, self.gpus, self.launcher)
-        return mine == (other.n, other.framework, other.split, other.memory, other.port, other.gpus, other.launcher)
+        mine = (self.n, self.framework, self.split, self.memory, self.port, self.gpus, self.launcher, self.launcher_options)
+        theirs = (other.n, other.framework, other.split, other.memory, other.port, other.gpus, other.launcher, other.launcher_options)
+        return mine == theirs
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> RankCluster:
@@ -195,18 +240,14 @@ class RankCluster:
         try:
             # ERROR: ipyparallel logs an engine's whole log file as a warning when it exits non-zero, which
             # every stop after a killed rank would print into the cell; this class reports failures itself.
-            self.cluster = ipp.Cluster(n=self.n, engines=self.launcher, log_level=logging.ERROR)
+            self.cluster = self._new_cluster(ipp)
             self.cluster.start_cluster_sync(n=self.n)
             # Remembered at once, so that even engines that never register are stopped.
             self._remember_processes()
             self.client = self.cluster.connect_client_sync()
             # interactive=False: no progress bar in the cell (the start summary says what started).
             self.client.wait_for_engines(self.n, timeout=ENGINE_TIMEOUT, block=True, interactive=False)
-            self.engine_ids = sorted(self.client.ids)[: self.n]
-            self.view = self.client[self.engine_ids]
-            self.view.block = True
-            self.pids = [self.client[e].apply_sync(os.getpid) for e in self.engine_ids]
-            self._owned.update(self.pids)
+            self._read_engines()
             ports = [self.port, *free_ports(self.wiring.ports_needed(self.n) - 1)] if self.port else free_ports(
                 self.wiring.ports_needed(self.n)
             )
@@ -225,12 +266,56 @@ class RankCluster:
         self._activate_px()
         return self
 
+    def _new_cluster(self, ipp: Any) -> Any:
+        """ipyparallel's cluster, configured with the launcher plan."""
+        import copy
+
+        from traitlets.config import Config
+
+        plan = self.launcher_plan
+        kwargs: dict[str, Any] = {}
+        if plan.controller_ip:
+            kwargs.update(controller_ip=plan.controller_ip, controller_location=plan.controller_location)
+        # ERROR: ipyparallel logs an engine's whole log file as a warning when it exits non-zero, which
+        # every stop after a killed rank would print into the cell; this class reports failures itself.
+        return ipp.Cluster(
+            n=self.n, engines=plan.engines, cluster_id=self.cluster_id, log_level=logging.ERROR,
+            config=Config(copy.deepcopy(plan.config)), **kwargs,
+        )
+
+    def _read_engines(self) -> None:
+        """Each engine's PID, host and launcher rank; ranks ordered as the launcher numbers them."""
+        ids = sorted(self.client.ids)
+        found = {e: self.client[e].apply_sync(engine_identity) for e in ids}
+        started = self._ssh_engines()
+        if started:
+            # Over SSH the ranks follow the hosts as given (blocks); engines register in any order.
+            order = {pid: i for i, (_, pid) in enumerate(started)}
+            if len(order) == len(started):
+                for info in found.values():
+                    info["launcher_rank"] = order.get(info["pid"], info["launcher_rank"])
+        ordered = sorted(ids, key=lambda e: (found[e]["launcher_rank"] is None, found[e]["launcher_rank"] or 0, e))
+        self.engine_ids = ordered[: self.n]
+        self.view = self.client[self.engine_ids]
+        self.view.block = True
+        self.pids = [found[e]["pid"] for e in self.engine_ids]
+        self.hosts = [found[e]["host"] for e in self.engine_ids]
+        if not self.launcher_plan.remote:
+            self._owned.update(self.pids)
+
     def _remember_processes(self) -> None:
-        """Every PID ipyparallel started for us (controller and engines), for :meth:`stop`."""
+        """Every process ipyparallel started for us on this host (controller, local and
+        mpiexec engines), for :meth:`stop`. SSH engines' PIDs are PIDs on their hosts,
+        and a batch job's tasks belong to SLURM: :meth:`stop` ends those through
+        their launcher."""
+        from ipyparallel.cluster.launcher import LocalProcessLauncher, SSHLauncher
+
         launchers = [self.cluster.controller]
         for engine_set in self.cluster.engines.values():
             launchers.extend(getattr(engine_set, "launchers", {}).values() or [engine_set])
         for launcher in launchers:
+            if not isinstance(launcher, LocalProcessLauncher) or isinstance(launcher, SSHLauncher):
+                continue
             pid = getattr(launcher, "pid", -1)
             if pid and pid > 0:
                 self._owned.add(pid)
@@ -306,14 +391,18 @@ class RankCluster:
             except psutil.Error:
                 pass
         _, alive = psutil.wait_procs(alive, timeout=5)
+        jobs = [getattr(es, "job_id", "") for es in self.cluster.engines.values()] if self.cluster is not None else []
+        ssh_engines = self._ssh_engines()
         if self.cluster is not None:
             try:
+                # For a batch launcher this is the scancel of the job; for SSH, SIGTERM over ssh.
                 self.cluster.stop_cluster_sync()
             except Exception:
-                # Its processes are gone (checked above); this only removes ipyparallel's cluster files.
+                # Local processes are gone (checked above); remote ones are checked below.
                 pass
+        left = self._stop_remote([job for job in jobs if job], ssh_engines)
         self.cluster = self.client = self.view = None
-        self.engine_ids, self.pids, self._owned = [], [], set()
+        self.engine_ids, self.pids, self.hosts, self._owned = [], [], [], set()
         self.rank_names = set()
         self.must_restart = None
         atexit.unregister(self.stop)
@@ -322,6 +411,39 @@ class RankCluster:
                 _current = None
         if alive:
             raise RuntimeError(f"processes {sorted(p.pid for p in alive)} did not exit after SIGKILL")
+        if left:
+            raise RuntimeError(f"after stopping, {'; '.join(left)}")
+
+    def _ssh_engines(self) -> list[tuple[str, int]]:
+        """``(ssh location, PID there)`` of each engine started over SSH, in start order."""
+        if self.cluster is None or self.launcher != "ssh":
+            return []
+        return [
+            (launcher.location, launcher.pid)
+            for engine_set in self.cluster.engines.values()
+            for launcher in getattr(engine_set, "launchers", {}).values()
+            if getattr(launcher, "pid", None)
+        ]
+
+    def _stop_remote(self, jobs: list[str], ssh_engines: list[tuple[str, int]]) -> list[str]:
+        """Make sure nothing is left where the launcher ran engines: the batch job has
+        left the queue (``scancel``, then ``scancel -s KILL``), and on each SSH host
+        the engines are gone (SIGKILL for what survived SIGTERM) and this cluster's
+        folder removed. Returns what is still left, in words."""
+        left = []
+        for job in jobs:
+            if not _wait_job_gone(job, REMOTE_STOP_TIMEOUT / 2):
+                subprocess.run(["scancel", "-s", "KILL", job], capture_output=True, timeout=30)
+                if not _wait_job_gone(job, REMOTE_STOP_TIMEOUT / 2):
+                    left.append(f"SLURM job {job} is still in squeue")
+        if self.launcher_plan.ssh_hosts:
+            remote_dir = self.launcher_plan.config["SSHEngineSetLauncher"]["remote_profile_dir"]
+            for location, args in self.launcher_plan.ssh_hosts:
+                pids = " ".join(str(pid) for where, pid in ssh_engines if where == location)
+                out = _ssh(location, args, _REMOTE_CLEANUP.format(pids=pids, folder=remote_dir))
+                if out is None or "left:" not in out or out.split("left:")[1].strip():
+                    left.append(f"{location}: engines {out.split('left:')[1].strip() if out and 'left:' in out else '?'} left")
+        return left
 
     def restart(self) -> RankCluster:
         """Stop and start again with the same ranks and wiring."""
@@ -397,12 +519,24 @@ class RankCluster:
 
         if not self.running:
             return []
-        sampler = RankMemorySampler(self.pids, bool(self.gpus))
-        rss, gpu = sampler.rss(), sampler.gpu()
+        here = socket.gethostname()
+        # A PID on another host names nothing here: such ranks are alive while their engine is registered.
+        local = [host == here for host in self.hosts]
+        sampler = RankMemorySampler([pid for pid, mine in zip(self.pids, local) if mine], bool(self.gpus))
+        local_rss, local_gpu = iter(sampler.rss()), iter(sampler.gpu())
         sampler.close()
-        alive = [process_alive(pid) for pid in self.pids]
+        rss = [next(local_rss) if mine else None for mine in local]
+        gpu = [next(local_gpu) if mine else None for mine in local]
+        registered = set(self.client.ids) if self.client is not None else set()
+        alive = [
+            process_alive(pid) if mine else engine in registered
+            for pid, mine, engine in zip(self.pids, local, self.engine_ids)
+        ]
         return [
-            RankInfo(rank, self.engine_ids[rank], pid, alive[rank], rss[rank] if alive[rank] else None, gpu[rank])
+            RankInfo(
+                rank, self.engine_ids[rank], pid, alive[rank], rss[rank] if alive[rank] else None, gpu[rank],
+                self.hosts[rank],
+            )
             for rank, pid in enumerate(self.pids)
         ]
 
@@ -412,14 +546,18 @@ class RankCluster:
 
         if not self.running:
             return ["no cluster running"]
-        where = "local ipyparallel engines" if self.launcher == "local" else "ipyparallel engines started by mpiexec"
+        where = self.launcher_plan.describe()
+        jobs = [getattr(es, "job_id", "") for es in self.cluster.engines.values()]
+        where += "".join(f", job {job}" for job in jobs if job)
         lines = [f"{self.n} {self.wiring.label} rank{'s' if self.n > 1 else ''} on {where}"]
         lines.extend(self.plans[0].notes if self.plans else ())
         for info in self.status():
-            state = f"alive, RSS {format_bytes(info.rss)}" if info.alive else "dead"
+            state = "alive" if info.alive else "dead"
+            if info.alive and info.rss is not None:
+                state += f", RSS {format_bytes(info.rss)}"
             if info.alive and info.gpu is not None:
                 state += f", GPU {format_bytes(info.gpu)}"
-            lines.append(f"  rank {info.rank}: pid {info.pid}, {state}")
+            lines.append(f"  rank {info.rank}: {info.host}, pid {info.pid}, {state}")
         if self.must_restart:
             lines.append(f"must be restarted ({self.must_restart}): %vgpu_cluster restart")
         return lines

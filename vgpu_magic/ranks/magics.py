@@ -5,8 +5,8 @@
     In [1]: %vgpu_cluster start 2 --framework torch
     2 PyTorch ranks on local ipyparallel engines
     init_process_group('gloo') on localhost:41237, world size 2
-      rank 0: pid 5120, alive, RSS 310.2 MiB
-      rank 1: pid 5122, alive, RSS 309.8 MiB
+      rank 0: vm, pid 5120, alive, RSS 310.2 MiB
+      rank 1: vm, pid 5122, alive, RSS 309.8 MiB
 
     In [2]: %%vgpu_run -o ranks
        ...: import torch.distributed as dist
@@ -50,9 +50,16 @@ class ClusterMagics(Magics):
     @argument("--port", type=int, help="coordinator port (default: a free port from the OS)")
     @argument(
         "--launcher",
-        choices=("local", "mpi"),
-        help="how ipyparallel starts the engines: local processes (default) or one mpiexec job",
+        choices=("local", "mpi", "slurm", "ssh"),
+        help="how ipyparallel starts the engines: local processes (default), one mpiexec job, "
+        "one SLURM job (sbatch + srun) or over SSH on --hosts",
     )
+    @argument("--partition", help="slurm: the partition (#SBATCH --partition)")
+    @argument("--account", help="slurm: the account to charge (#SBATCH --account)")
+    @argument("--time", help="slurm: the job's time limit, e.g. 30 or 01:00:00 (#SBATCH --time)")
+    @argument("--sbatch", action="append", metavar="OPTION", help="slurm: one more #SBATCH option, e.g. --sbatch=--mem=4G (repeatable)")
+    @argument("--hosts", help="ssh: the hosts, comma-separated (user@host or host:port); ranks are spread in blocks")
+    @argument("--controller-address", help="slurm/ssh: the address engines reach this kernel's controller at")
     @line_magic
     def vgpu_cluster(self, line: str) -> None:
         """Start, inspect, stop or restart the ranks.
@@ -62,6 +69,8 @@ class ClusterMagics(Magics):
             %vgpu_cluster start 2 --framework torch
             %vgpu_cluster start 2 --framework jax --split 2
             %vgpu_cluster start 2 --framework torch --launcher mpi   # engines started by mpiexec
+            %vgpu_cluster start 4 --framework torch --launcher slurm --partition gpu --time 30
+            %vgpu_cluster start 2 --framework jax --launcher ssh --hosts node1,node2
             %vgpu_cluster status
             %vgpu_cluster restart
             %vgpu_cluster stop
@@ -69,10 +78,12 @@ class ClusterMagics(Magics):
         args = parse_argstring(self.vgpu_cluster, line)
         from . import engine
 
+        options = _launcher_options(args)
         if args.action != "start":
             extra = [f"{name} {value}" for name, value in (("N", args.n), ("--framework", args.framework),
                      ("--split", args.split), ("--memory", args.memory), ("--port", args.port),
                 ("--launcher", args.launcher)) if value is not None]
+            extra += [f"--{key.replace('_', '-')}" for key in options]
             if extra:
                 raise UsageError(f"{extra[0]!r} only goes with start, e.g. %vgpu_cluster start 2 --framework torch")
         running = engine.current()
@@ -85,7 +96,7 @@ class ClusterMagics(Magics):
                 memory = parse_memory(args.memory) if args.memory is not None else None
                 ranks = engine.RankCluster(
                     args.n, args.framework, split=args.split, memory=memory, port=args.port,
-                    launcher=args.launcher or "local",
+                    launcher=args.launcher or "local", launcher_options=options,
                 )
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
@@ -167,6 +178,24 @@ class ClusterMagics(Magics):
             running = sys.modules["vgpu_magic.ranks.engine"].current()
             if running is not None:
                 running.stop()
+
+
+#: Magic flag -> launcher option, and the launchers that take it.
+_LAUNCHER_FLAGS = {
+    "partition": ("slurm",), "account": ("slurm",), "time": ("slurm",), "sbatch": ("slurm",),
+    "hosts": ("ssh",), "controller_address": ("slurm", "ssh"),
+}
+
+
+def _launcher_options(args) -> dict:
+    """The launcher flags given, as ``launcher_options``; a flag for another launcher is a UsageError."""
+    options = {key: getattr(args, key) for key in _LAUNCHER_FLAGS if getattr(args, key) is not None}
+    launcher = args.launcher or "local"
+    for key in options:
+        if args.action == "start" and launcher not in _LAUNCHER_FLAGS[key]:
+            flag = f"--{key.replace('_', '-')}"
+            raise UsageError(f"{flag} goes with --launcher {' or '.join(_LAUNCHER_FLAGS[key])}, not {launcher}")
+    return options
 
 
 def _installed() -> set[str]:

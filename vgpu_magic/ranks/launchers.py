@@ -1,0 +1,268 @@
+"""How the ranks' engines are started: ipyparallel's own engine-set launchers,
+configured from ``--launcher local|mpi|slurm|ssh`` and its options.
+
+:func:`plan_launcher` validates a request completely (before anything starts)
+and returns a :class:`LauncherPlan`: the ipyparallel launcher to use, its
+configuration, and the address the controller is reached at. The launchers
+themselves are ipyparallel's (``LocalEngineSetLauncher``,
+``MPIEngineSetLauncher``, ``SlurmEngineSetLauncher``,
+``SSHEngineSetLauncher``); nothing here starts or signals a process.
+
+=========  ====================================================================
+launcher   options (``launcher_options={...}``; magic flags in brackets)
+=========  ====================================================================
+local      none
+mpi        ``mpi_args``: extra ``mpiexec`` arguments
+slurm      ``partition`` [--partition], ``account`` [--account], ``time``
+           [--time], ``qos``, ``sbatch``: extra ``#SBATCH`` lines [--sbatch],
+           ``srun``: extra ``srun`` arguments, ``controller_address``
+           [--controller-address], ``environment``
+ssh        ``hosts`` [--hosts] (names, ``user@host`` or ``host:port``; a list
+           spreads the ranks in blocks, a ``{host: count}`` dict says how
+           many), ``ssh_args``, ``python`` (the remote interpreter),
+           ``controller_address`` [--controller-address], ``environment``
+=========  ====================================================================
+
+Engines started on other hosts must reach the controller, so under ``slurm``
+and ``ssh`` it listens on every interface and tells the engines
+``controller_address``: by default this host's name under SLURM (nodes
+resolve each other's names) and, under SSH, this host's address on the route
+to the first host (asked of the kernel's routing table; no packet is sent).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shlex
+import shutil
+import socket
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["LAUNCHERS", "LauncherPlan", "plan_launcher", "engine_identity", "route_address", "ssh_target"]
+
+#: Launcher name -> the options it accepts.
+LAUNCHERS: dict[str, tuple[str, ...]] = {
+    "local": (),
+    "mpi": ("mpi_args",),
+    "slurm": ("partition", "account", "time", "qos", "sbatch", "srun", "controller_address", "environment"),
+    "ssh": ("hosts", "ssh_args", "python", "controller_address", "environment"),
+}
+
+#: The batch script ``sbatch`` gets: ipyparallel's own (``--export=ALL``, one ``srun`` of
+#: ``ipengine``) with the user's lines. ``{n}``, ``{cluster_id}``, ``{output_file}`` and
+#: ``{program_and_args}`` are filled in by ipyparallel.
+SLURM_TEMPLATE = """#!/bin/sh
+#SBATCH --export=ALL
+#SBATCH --job-name=ipengine-{{cluster_id}}
+#SBATCH --ntasks={{n}}
+#SBATCH --output={{output_file}}
+{lines}srun {srun}{{program_and_args}}
+"""
+
+
+@dataclass(frozen=True)
+class LauncherPlan:
+    """What ipyparallel is told: which engine launcher, configured how, and where the controller listens."""
+
+    name: str
+    #: ipyparallel's engine launcher (an abbreviation ``ipp.Cluster(engines=...)`` takes).
+    engines: str
+    #: ``{launcher class name: {trait: value}}`` for ipyparallel's configuration.
+    config: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: The controller's listening address (``"*"``: every interface), or None for loopback.
+    controller_ip: str | None = None
+    #: The address engines connect to, or None for loopback.
+    controller_location: str | None = None
+    #: ``[(user@host, (ssh args...)), ...]`` the engines run on through SSH, in rank order.
+    ssh_hosts: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    @property
+    def remote(self) -> bool:
+        """Can engines run on another host than the kernel's?"""
+        return self.name in ("slurm", "ssh")
+
+    def describe(self) -> str:
+        """Where the engines run, for the start summary."""
+        return {
+            "local": "local ipyparallel engines",
+            "mpi": "ipyparallel engines started by mpiexec",
+            "slurm": "ipyparallel engines in one SLURM job (sbatch + srun)",
+            "ssh": "ipyparallel engines started over SSH",
+        }[self.name]
+
+
+def plan_launcher(name: str, n: int, options: dict[str, Any] | None = None, cluster_id: str = "vgpu") -> LauncherPlan:
+    """Validate ``name`` and ``options`` for ``n`` ranks and say how ipyparallel starts them.
+
+    Raises
+    ------
+    ValueError
+        One line quoting what is wrong and saying what would work.
+    """
+    options = dict(options or {})
+    if name not in LAUNCHERS:
+        raise ValueError(f"launcher {name!r} is not supported; use {', '.join(LAUNCHERS)}")
+    unknown = sorted(set(options) - set(LAUNCHERS[name]))
+    if unknown:
+        accepted = ", ".join(LAUNCHERS[name]) or "none"
+        raise ValueError(f"the {name} launcher has no option {unknown[0]!r}; it takes: {accepted}")
+    if name == "ssh":
+        return _plan_ssh(n, options, cluster_id)
+    return {"local": _plan_local, "mpi": _plan_mpi, "slurm": _plan_slurm}[name](n, options)
+
+
+def _plan_local(n: int, options: dict[str, Any]) -> LauncherPlan:
+    return LauncherPlan("local", "local")
+
+
+def _plan_mpi(n: int, options: dict[str, Any]) -> LauncherPlan:
+    if shutil.which("mpiexec") is None:
+        raise ValueError("the mpi launcher needs mpiexec on PATH (e.g. apt-get install openmpi-bin)")
+    if importlib.util.find_spec("mpi4py") is None:
+        raise ValueError("the mpi launcher needs mpi4py on the engines: pip install 'vgpu_magic[mpi]'")
+    config = {"MPIEngineSetLauncher": {"mpi_args": _strings("mpi_args", options.get("mpi_args", []))}}
+    return LauncherPlan("mpi", "mpi", config)
+
+
+def _plan_slurm(n: int, options: dict[str, Any]) -> LauncherPlan:
+    for command in ("sbatch", "srun", "scancel", "squeue"):
+        if shutil.which(command) is None:
+            raise ValueError(
+                f"the slurm launcher needs {command} on PATH (run it on a SLURM login node, or apt-get install slurm-client)"
+            )
+    lines = []
+    for key, flag in (("partition", "--partition"), ("account", "--account"), ("time", "--time"), ("qos", "--qos")):
+        value = options.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, (str, int)) or not str(value).strip() or any(c.isspace() for c in str(value)):
+            raise ValueError(f"slurm {key} {value!r} is not one word; e.g. {flag}={_EXAMPLES[key]}")
+        lines.append(f"#SBATCH {flag}={value}")
+    for line in _strings("sbatch", options.get("sbatch", [])):
+        text = line.strip()
+        if not text.startswith("#SBATCH"):
+            if not text.startswith("-"):
+                raise ValueError(f"sbatch line {line!r} is neither '#SBATCH ...' nor an option; e.g. '--mem=4G'")
+            text = f"#SBATCH {text}"
+        if text.split()[1:2] and text.split()[1].split("=")[0] in ("--ntasks", "-n", "--export", "--output"):
+            raise ValueError(f"sbatch line {line!r} sets what the launcher sets itself (one task per rank, --export=ALL)")
+        lines.append(text)
+    srun = " ".join(shlex.quote(a) for a in _strings("srun", options.get("srun", [])))
+    # The job gets the kernel's environment (--export=ALL); extra variables are exported by the script.
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in _environment(options).items()]
+    script = SLURM_TEMPLATE.format(
+        lines="".join(_escape(line) + "\n" for line in lines), srun=_escape(srun) + " " if srun else ""
+    )
+    config: dict[str, dict[str, Any]] = {"SlurmEngineSetLauncher": {"batch_template": script}}
+    address = options.get("controller_address") or socket.gethostname()
+    return LauncherPlan("slurm", "slurm", config, controller_ip="*", controller_location=str(address))
+
+
+_EXAMPLES = {"partition": "gpu", "account": "myproject", "time": "01:00:00", "qos": "normal"}
+
+
+def _plan_ssh(n: int, options: dict[str, Any], cluster_id: str) -> LauncherPlan:
+    if shutil.which("ssh") is None or shutil.which("scp") is None:
+        raise ValueError("the ssh launcher needs ssh and scp on PATH (apt-get install openssh-client)")
+    hosts = options.get("hosts")
+    if not hosts:
+        raise ValueError("the ssh launcher needs hosts, e.g. --hosts node1,node2 or launcher_options={'hosts': ['node1']}")
+    if isinstance(hosts, str):
+        hosts = [h for h in hosts.split(",") if h.strip()]
+    if isinstance(hosts, dict):
+        counts = {str(h).strip(): c for h, c in hosts.items()}
+        bad = [(h, c) for h, c in counts.items() if not isinstance(c, int) or c < 1]
+        if bad:
+            raise ValueError(f"hosts {{{bad[0][0]!r}: {bad[0][1]!r}}} needs a positive rank count")
+        if sum(counts.values()) != n:
+            raise ValueError(f"hosts {hosts!r} hold {sum(counts.values())} ranks, not {n}; make the counts add up to {n}")
+    else:
+        names = [str(h).strip() for h in hosts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"hosts {names!r} names a host twice; give {{host: count}} to put several ranks on one")
+        if len(names) > n:
+            raise ValueError(f"{len(names)} hosts for {n} rank{'s' if n > 1 else ''}; give at most {n} or start more ranks")
+        # Blocks, as SLURM's default distribution: ranks 0..k-1 on the first host, and so on.
+        counts = {h: n // len(names) + (1 if i < n % len(names) else 0) for i, h in enumerate(names)}
+    ssh_args = _strings("ssh_args", options.get("ssh_args", []))
+    python = str(options.get("python") or sys.executable)
+    env = _environment(options)
+    engine_cmd = (["env", *(f"{k}={v}" for k, v in env.items())] if env else []) + [python, "-m", "ipyparallel.engine"]
+    # Each host's port goes into its own ssh/scp arguments: ipyparallel's "host:port" appends the
+    # port to one list its launchers share, so a second host would get the first host's port.
+    engines: dict[str, dict[str, Any]] = {}
+    targets = []
+    for host, count in counts.items():
+        location, port = ssh_target(host)
+        args = ssh_args + (["-p", port] if port else [])
+        targets.append((location, tuple(args)))
+        engines[location] = {"n": count, "ssh_args": args, "scp_args": ["-P" if a == "-p" else a for a in args]}
+    address = options.get("controller_address") or route_address(targets[0][0])
+    config = {
+        "SSHEngineSetLauncher": {
+            "engines": engines,
+            "remote_python": python,
+            "engine_cmd": engine_cmd,
+            # A folder of this cluster's own on each host (removed by stop), never the kernel's
+            # profile: on a host sharing the kernel's file system that would be the same files.
+            "remote_profile_dir": f"/tmp/vgpu_magic-{cluster_id}",
+        },
+    }
+    return LauncherPlan("ssh", "ssh", config, controller_ip="*", controller_location=str(address), ssh_hosts=tuple(targets))
+
+
+def ssh_target(host: str) -> tuple[str, str | None]:
+    """``"user@node:2222"`` -> ``("user@node", "2222")``; the port is None when not given."""
+    location, _, port = host.partition(":")
+    return location, port or None
+
+
+def route_address(host: str) -> str:
+    """This host's address on the route to ``host`` (``user@`` stripped): the
+    address engines there reach us at. A UDP ``connect`` only consults the
+    routing table; no packet is sent."""
+    name = host.rpartition("@")[2]
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(name, 22, proto=socket.IPPROTO_UDP)[0]
+    except OSError as exc:
+        raise ValueError(f"ssh host {name!r} does not resolve ({exc.strerror}); give its address or fix its name") from None
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        sock.connect(sockaddr)
+        return sock.getsockname()[0]
+
+
+def engine_identity() -> dict[str, Any]:
+    """Run on each engine: its PID, host name and the rank its launcher gave it
+    (``SLURM_PROCID``, the MPI rank), or None."""
+    import os as _os
+    import socket as _socket
+
+    rank = None
+    for name in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        if _os.environ.get(name, "").isdigit():
+            rank = int(_os.environ[name])
+            break
+    return {"pid": _os.getpid(), "host": _socket.gethostname(), "launcher_rank": rank}
+
+
+def _strings(key: str, value: Any) -> list[str]:
+    if isinstance(value, str):
+        return shlex.split(value) if key != "sbatch" else [line for line in value.splitlines() if line.strip()]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{key} {value!r} must be a list of strings, e.g. {key}=['--exclusive']")
+    return list(value)
+
+
+def _environment(options: dict[str, Any]) -> dict[str, str]:
+    env = options.get("environment") or {}
+    if not isinstance(env, dict) or not all(isinstance(k, str) and k.isidentifier() for k in env):
+        raise ValueError(f"environment {env!r} must map variable names to values, e.g. {{'PYTHONPATH': '/src'}}")
+    return {k: str(v) for k, v in env.items()}
+
+
+def _escape(text: str) -> str:
+    """Braces in user text survive ipyparallel's template formatting."""
+    return text.replace("{", "{{").replace("}", "}}")
+

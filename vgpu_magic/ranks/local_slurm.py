@@ -1,0 +1,245 @@
+"""A throwaway single-node SLURM cluster on this machine, to rehearse
+``%vgpu_cluster start ... --launcher slurm`` without a real cluster.
+
+Debian's ``slurm-wlm`` and ``munge`` (``apt-get install slurm-wlm munge``),
+run as root: a munge key and a ``munged`` of its own (its own socket), a
+``slurm.conf`` written into a temporary folder with ports chosen by the OS,
+``slurmctld`` and ``slurmd`` started with ``SLURM_CONF`` pointing there, and
+everything stopped and removed by :meth:`LocalSlurm.stop`. Nothing outside
+the temporary folder is written; the system's own ``/etc/slurm`` and munge are
+not touched. While it runs, ``os.environ["SLURM_CONF"]`` points at it, so
+``sbatch``/``squeue``/``scancel`` (and processes started afterwards) use it.
+
+::
+
+    In [1]: from vgpu_magic.ranks.local_slurm import LocalSlurm
+    In [2]: slurm = LocalSlurm().start()     # a few seconds
+    In [3]: %vgpu_cluster start 2 --framework torch --launcher slurm
+    ...
+    In [9]: slurm.stop()
+
+The node is declared with more CPUs than the machine has
+(``SlurmdParameters=config_overrides``), so a small machine can run a few
+ranks, as a real node would.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["LocalSlurm", "missing_commands"]
+
+#: The commands a local cluster needs (Debian: apt-get install slurm-wlm munge).
+COMMANDS = ("munged", "slurmctld", "slurmd", "sinfo", "sbatch", "srun", "squeue", "scancel", "scontrol")
+#: Seconds the daemons may take to report the node idle.
+READY_TIMEOUT = 60.0
+
+
+def missing_commands() -> list[str]:
+    """The commands :class:`LocalSlurm` needs that are not on PATH (or in /usr/sbin)."""
+    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    return [name for name in COMMANDS if shutil.which(name, path=path) is None]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LocalSlurm:
+    """One ``slurmctld`` and ``slurmd`` (and their ``munged``) in a temporary folder.
+
+    Parameters
+    ----------
+    cpus:
+        CPUs the node declares (it may declare more than the machine has).
+    node_name:
+        The node's name (default: this host's name, as ``slurmd`` expects).
+    address:
+        The address ``slurmctld`` and ``slurmd`` are reached at (default: loopback).
+    """
+
+    def __init__(self, cpus: int = 16, node_name: str | None = None, address: str = "127.0.0.1") -> None:
+        if os.geteuid() != 0:
+            raise RuntimeError("a local SLURM cluster needs root (slurmd runs jobs as their user)")
+        missing = missing_commands()
+        if missing:
+            raise RuntimeError(f"a local SLURM cluster needs {', '.join(missing)}: apt-get install slurm-wlm munge")
+        self.cpus = cpus
+        self.node_name = node_name or socket.gethostname()
+        self.address = address
+        self.folder: Path | None = None
+        self.conf: Path | None = None
+        self.processes: list[subprocess.Popen] = []
+        self._previous_conf: str | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> LocalSlurm:
+        """Start munged, slurmctld and slurmd; return once the node is idle.
+
+        Raises :class:`RuntimeError` with the daemons' log tail if it does not
+        come up; nothing is left running then.
+        """
+        self.folder = Path(tempfile.mkdtemp(prefix="vgpu-slurm-"))
+        try:
+            self._start_munge()
+            self.conf = self._write_conf()
+            self._previous_conf = os.environ.get("SLURM_CONF")
+            os.environ["SLURM_CONF"] = str(self.conf)
+            self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
+            self._spawn("slurmd", ["slurmd", "-D", "-N", self.node_name, "-f", str(self.conf)])
+            self._wait_idle()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Cancel every job, stop the daemons and remove the folder. Safe to call twice."""
+        if self.conf is not None and self.processes:
+            subprocess.run(["scancel", "--full", "--user", "root"], env=self.env(), capture_output=True, timeout=30)
+        for proc in reversed(self.processes):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in reversed(self.processes):
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        self.processes = []
+        if self.conf is not None and os.environ.get("SLURM_CONF") == str(self.conf):
+            if self._previous_conf is None:
+                os.environ.pop("SLURM_CONF", None)
+            else:
+                os.environ["SLURM_CONF"] = self._previous_conf
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder = self.conf = None
+
+    def __enter__(self) -> LocalSlurm:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def env(self) -> dict[str, str]:
+        """The environment for SLURM commands aimed at this cluster."""
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def squeue(self) -> list[str]:
+        """The jobs in the queue, one ``"JOBID STATE NAME"`` line each."""
+        out = subprocess.run(
+            ["squeue", "-h", "-o", "%i %T %j"], env=self.env(), capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+        return [line for line in out.splitlines() if line.strip()]
+
+    def scontrol(self, *args: str) -> str:
+        """``scontrol ARGS`` on this cluster; its output."""
+        return subprocess.run(
+            ["scontrol", *args], env=self.env(), capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+
+    # -- pieces ---------------------------------------------------------------------------
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.folder / f"{name}.out", "wb")
+        proc = subprocess.Popen(
+            argv, env=self.env() if self.conf else os.environ.copy(), stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        log.close()
+        self.processes.append(proc)
+        return proc
+
+    def _start_munge(self) -> None:
+        munge = self.folder / "munge"
+        munge.mkdir(mode=0o700)
+        key = munge / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        self.munge_socket = munge / "munge.socket"
+        self._spawn(
+            "munged",
+            [
+                "munged", "--foreground", "--force", f"--socket={self.munge_socket}", f"--key-file={key}",
+                f"--log-file={munge / 'munged.log'}", f"--pid-file={munge / 'munged.pid'}",
+                f"--seed-file={munge / 'munged.seed'}",
+            ],
+        )
+        deadline = time.monotonic() + 10
+        while not self.munge_socket.exists():
+            if self.processes[-1].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"munged did not start: {self._tail('munged.out')}")
+            time.sleep(0.05)
+
+    def _write_conf(self) -> Path:
+        folder = self.folder
+        for sub in ("state", "spool"):
+            (folder / sub).mkdir()
+        host = socket.gethostname()
+        lines = [
+            "ClusterName=vgpu",
+            f"SlurmctldHost={host}({self.address})",
+            f"SlurmctldPort={_free_port()}",
+            f"SlurmdPort={_free_port()}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            f"AuthInfo=socket={self.munge_socket}",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"StateSaveLocation={folder / 'state'}",
+            f"SlurmdSpoolDir={folder / 'spool'}",
+            f"SlurmctldPidFile={folder / 'slurmctld.pid'}",
+            f"SlurmdPidFile={folder / 'slurmd.pid'}",
+            f"SlurmctldLogFile={folder / 'slurmctld.log'}",
+            f"SlurmdLogFile={folder / 'slurmd.log'}",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "MpiDefault=none",
+            "SwitchType=switch/none",
+            "SchedulerType=sched/backfill",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "SlurmdParameters=config_overrides",
+            "ReturnToService=2",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            "MinJobAge=2",
+            "KillWait=5",
+            "InactiveLimit=0",
+            f"NodeName={self.node_name} NodeAddr={self.address} CPUs={self.cpus} State=UNKNOWN",
+            f"PartitionName=debug Nodes={self.node_name} Default=YES MaxTime=INFINITE State=UP",
+        ]
+        conf = folder / "slurm.conf"
+        conf.write_text("\n".join(lines) + "\n")
+        return conf
+
+    def _wait_idle(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT
+        state = ""
+        while time.monotonic() < deadline:
+            for proc, name in zip(self.processes, ("munged", "slurmctld", "slurmd")):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited ({proc.returncode}): {self._tail(name + '.out')} {self._tail(name + '.log')}")
+            result = subprocess.run(
+                ["sinfo", "-h", "-N", "-o", "%T"], env=self.env(), capture_output=True, text=True, timeout=30
+            )
+            state = result.stdout.strip() or result.stderr.strip()
+            if result.returncode == 0 and state == "idle":
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"the SLURM node did not become idle (sinfo: {state!r}): {self._tail('slurmd.log')}")
+
+    def _tail(self, name: str, lines: int = 5) -> str:
+        path = self.folder / name if self.folder else None
+        if path is None or not path.exists():
+            return ""
+        return " | ".join(path.read_text(errors="replace").splitlines()[-lines:])
