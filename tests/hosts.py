@@ -12,7 +12,10 @@ The second host: a veth pair between the root namespace and a new one, with
 two addresses of a /30 the fixture picks (no other address is ever used), an
 sshd in the new namespace under ``unshare --uts`` (host name ``vgpu-host2``)
 and a second sshd in the root namespace bound to the root side's address
-only, so ranks on "this host" are started over SSH too. Host keys, the client
+only, so ranks on "this host" are started over SSH too. Each sshd runs in a
+mount namespace of its own with an ``/etc/hosts`` naming both hosts (as a
+cluster's DNS would: gloo and JAX look up their own address by host name);
+the machine's own ``/etc/hosts`` is not changed. Host keys, the client
 key, ``authorized_keys`` and ``known_hosts`` live in a temporary folder; the
 machine's ``~/.ssh`` is never read or written (``-F /dev/null``).
 """
@@ -126,8 +129,9 @@ class TwoHosts:
         try:
             hosts._make_namespace(tag, net.prefixlen)
             hosts._make_keys()
-            hosts._start_sshd(hosts.first, [])
-            hosts._start_sshd(hosts.second, ["ip", "netns", "exec", hosts.namespace, "unshare", "--uts"])
+            hosts._write_hosts_file()
+            hosts._start_sshd(hosts.first, ["unshare", "--mount"])
+            hosts._start_sshd(hosts.second, ["ip", "netns", "exec", hosts.namespace, "unshare", "--uts", "--mount"])
             for host in (hosts.first, hosts.second):
                 hosts._wait_ssh(host)
         except BaseException:
@@ -156,8 +160,15 @@ class TwoHosts:
             os.makedirs("/run/sshd", mode=0o755)
             self._made_run_sshd = True
 
+    def _write_hosts_file(self) -> None:
+        """The two hosts' names and addresses, as a cluster's DNS would give them (gloo and
+        JAX find their own address from the host name)."""
+        (self.folder / "hosts").write_text(
+            f"127.0.0.1 localhost\n{self.first.address} {self.first.hostname}\n{self.second.address} {self.second.hostname}\n"
+        )
+
     def _start_sshd(self, host: SSHHost, prefix: list[str]) -> None:
-        host.port = _free_port(host.address, self.namespace if prefix else None)
+        host.port = free_port(host.address, self.namespace if "netns" in prefix else None)
         config = self.folder / f"sshd_{host.address}.conf"
         config.write_text(
             "\n".join([
@@ -176,10 +187,10 @@ class TwoHosts:
             ]) + "\n"
         )
         sshd = shutil.which("sshd", path=_SBIN)
-        if prefix:
-            argv = [*prefix, "sh", "-c", f'hostname {host.hostname} && exec {sshd} -D -e -f "$0"', str(config)]
-        else:
-            argv = [sshd, "-D", "-e", "-f", str(config)]
+        # In a mount namespace of its own, so that /etc/hosts can be this fake cluster's for
+        # what the sshd starts, and for nothing else on the machine.
+        script = f'mount --bind "$1" /etc/hosts && hostname {host.hostname} && exec {sshd} -D -e -f "$0"'
+        argv = [*prefix, "sh", "-c", script, str(config), str(self.folder / "hosts")]
         log = open(self.folder / f"sshd_{host.address}.log", "wb")
         self.processes.append(
             subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -235,7 +246,7 @@ class TwoHosts:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _free_port(address: str, namespace: str | None) -> int:
+def free_port(address: str, namespace: str | None = None) -> int:
     """A port free on ``address``, chosen by the OS where the address lives."""
     if namespace is None:
         with socket.socket() as sock:

@@ -1,0 +1,148 @@
+"""Ranks on two hosts, started by ipyparallel's SSH launcher: this host and a
+second one in a network namespace of its own (the session's ``two_hosts``
+fixture, :mod:`hosts`), each with an sshd. The collectives cross the hosts,
+and the wiring carries the hosts' real addresses, never ``localhost``:
+``MASTER_ADDR`` is rank 0's, ``TF_CONFIG`` lists each worker at its own host,
+JAX's coordinator runs on rank 0's host. Afterwards no process is left on
+either host, nor the cluster's folder. Skipped with the reason where the
+hosts cannot be made (not root on Linux, no iproute2/openssh-server)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import time
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def processes_of(cluster_id: str) -> list[psutil.Process]:
+    """Processes on this machine (both hosts share its PIDs) started for the cluster."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and any(cluster_id in a for a in proc.info["cmdline"] or ()):
+            found.append(proc)
+    return found
+
+
+def our_processes() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+
+
+@contextlib.contextmanager
+def ranks_on_two_hosts(two_hosts, framework: str, **options):
+    """Rank 0 on this host, rank 1 on the second, started over SSH; afterwards nothing left."""
+    from vgpu_magic.ranks import RankCluster
+
+    env = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+    if os.environ.get("PYTHONPATH"):
+        # The engines import vgpu_magic from the same tree as this test run.
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    launcher_options = {
+        "hosts": [two_hosts.first.target, two_hosts.second.target],
+        "ssh_args": two_hosts.ssh_args,
+        "environment": env,
+    }
+    before = our_processes()
+    ranks = RankCluster(2, framework, launcher="ssh", launcher_options=launcher_options, **options).start()
+    cluster_id = ranks.cluster_id
+    try:
+        yield ranks
+    finally:
+        ranks.stop()
+    deadline = time.monotonic() + 20
+    while (processes_of(cluster_id) or our_processes() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_of(cluster_id) == []
+    assert our_processes() <= before
+    for host in (two_hosts.first, two_hosts.second):
+        assert two_hosts.ssh(host, f"ls -d /tmp/vgpu_magic-{cluster_id} 2>/dev/null || echo gone").strip() == "gone"
+
+
+def quiet_run(ranks, code: str):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        return ranks.run(code, output=True)
+
+
+def test_engines_start_on_both_hosts_over_ssh(two_hosts):
+    """The launcher's part: one engine per host, in the hosts' order, each on its host,
+    both reaching the controller; status names each rank's host."""
+    from hosts import free_port
+
+    port = free_port(two_hosts.first.address)
+    with ranks_on_two_hosts(two_hosts, "tensorflow") as ranks:
+        found = quiet_run(ranks, "import socket\nsocket.gethostname()")
+        lines = ranks.describe()
+        # The engines reach each other across the hosts: a gloo all-reduce wired by hand.
+        summed = quiet_run(
+            ranks,
+            "import json, os, torch, torch.distributed as dist\n"
+            "_r = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+            f"dist.init_process_group('gloo', init_method='tcp://{two_hosts.first.address}:{port}', rank=_r, world_size=2)\n"
+            "t = torch.tensor([float(_r + 1)])\n"
+            "dist.all_reduce(t)\n"
+            "dist.destroy_process_group()\n"
+            "t.item()",
+        )
+    assert found == [two_hosts.first.hostname, two_hosts.second.hostname]
+    assert "ipyparallel engines started over SSH" in lines[0]
+    assert any(line.startswith(f"  rank 1: {two_hosts.second.hostname}, pid ") for line in lines)
+    assert summed == [3.0, 3.0]
+
+
+def test_torch_ddp_across_two_hosts(two_hosts):
+    with ranks_on_two_hosts(two_hosts, "torch") as ranks:
+        found = quiet_run(
+            ranks,
+            "import os, socket, torch, torch.distributed as dist\n"
+            "t = torch.tensor([float(dist.get_rank() + 1)])\n"
+            "dist.all_reduce(t)\n"
+            "(dist.get_rank(), socket.gethostname(), os.environ['MASTER_ADDR'], os.environ['LOCAL_RANK'], t.item())",
+        )
+    first, second = two_hosts.first, two_hosts.second
+    assert found == [
+        (0, first.hostname, first.address, "0", 3.0),
+        (1, second.hostname, first.address, "0", 3.0),
+    ]
+
+
+def test_tensorflow_multiworker_across_two_hosts(two_hosts):
+    with ranks_on_two_hosts(two_hosts, "tensorflow") as ranks:
+        found = quiet_run(
+            ranks,
+            "import json, os, socket, tensorflow as tf\n"
+            "strategy = tf.distribute.MultiWorkerMirroredStrategy()\n"
+            "task = strategy.cluster_resolver.task_id\n"
+            "@tf.function\n"
+            "def step():\n"
+            "    context = tf.distribute.get_replica_context()\n"
+            "    return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.constant(float(task + 1)))\n"
+            "total = strategy.experimental_local_results(strategy.run(step))[0]\n"
+            "(task, socket.gethostname(), json.loads(os.environ['TF_CONFIG'])['cluster']['worker'], float(total))",
+        )
+    first, second = two_hosts.first, two_hosts.second
+    workers = [w.rsplit(":", 1)[0] for w in found[0][2]]
+    assert workers == [first.address, second.address]
+    assert found[0][2] == found[1][2]
+    assert [(f[0], f[1], f[3]) for f in found] == [(0, first.hostname, 3.0), (1, second.hostname, 3.0)]
+
+
+def test_jax_distributed_across_two_hosts(two_hosts):
+    with ranks_on_two_hosts(two_hosts, "jax") as ranks:
+        found = quiet_run(
+            ranks,
+            "import socket, jax, jax.numpy as jnp\nfrom jax.experimental import multihost_utils\n"
+            "from jax._src import distributed\n"
+            "gathered = multihost_utils.process_allgather(jnp.array([jax.process_index() + 10]))\n"
+            "(jax.process_index(), socket.gethostname(), distributed.global_state.coordinator_address, "
+            "gathered.ravel().tolist())",
+        )
+    first, second = two_hosts.first, two_hosts.second
+    assert [f[2].rsplit(":", 1)[0] for f in found] == [first.address, first.address]
+    assert [(f[0], f[1], f[3]) for f in found] == [(0, first.hostname, [10, 11]), (1, second.hostname, [10, 11])]
