@@ -56,5 +56,5 @@ def test_the_mpi_launcher_says_what_it_needs(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(ValueError, match="the mpi launcher needs mpiexec on PATH"):
         RankCluster(2, "torch", launcher="mpi")
-    with pytest.raises(ValueError, match="launcher 'slurm' is not supported; use local or mpi"):
-        RankCluster(2, "torch", launcher="slurm")
+    with pytest.raises(ValueError, match="launcher 'pbs' is not supported; use local, mpi, slurm, ssh"):
+        RankCluster(2, "torch", launcher="pbs")

@@ -1,0 +1,180 @@
+"""The launcher plans (``--launcher local|mpi|slurm|ssh``) as data: what each
+launcher accepts, its one-line refusals before anything starts, the batch
+script ipyparallel writes for SLURM with the user's options, and the SSH
+engines per host. No process is started here (the real SLURM and the second
+host are in ``test_cluster_slurm.py`` and ``test_cluster_hosts.py``)."""
+
+from __future__ import annotations
+
+import shutil
+
+import psutil
+import pytest
+from IPython.core.error import UsageError
+
+from vgpu_magic.ranks.launchers import engine_identity, plan_launcher, route_address, ssh_target
+
+
+@pytest.fixture
+def slurm_on_path(monkeypatch):
+    """``sbatch`` and friends on PATH, whether or not this machine has SLURM."""
+    real = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: f"/usr/bin/{name}" if name in {"sbatch", "srun", "scancel", "squeue"} else real(name, *a, **k))
+
+
+def batch_script(plan, tmp_path, n=2) -> str:
+    """The script ipyparallel's own SlurmEngineSetLauncher writes from the plan's configuration."""
+    from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
+    from traitlets.config import Config
+
+    launcher = SlurmEngineSetLauncher(
+        work_dir=str(tmp_path), config=Config(plan.config), profile_dir=str(tmp_path), cluster_id="c1"
+    )
+    launcher.write_batch_script(n)
+    return (tmp_path / "slurm_engine.sbatch").read_text()
+
+
+def test_slurm_options_become_sbatch_lines_around_ipyparallels_srun(slurm_on_path, tmp_path):
+    plan = plan_launcher(
+        "slurm", 2,
+        {
+            "partition": "gpu", "account": "proj1", "time": "01:00:00", "sbatch": ["--mem=4G", "#SBATCH --gres=gpu:1"],
+            "srun": ["--cpu-bind=none"], "environment": {"NCCL_DEBUG": "INFO {x}"},
+        },
+    )
+    script = batch_script(plan, tmp_path)
+    lines = script.splitlines()
+    for line in (
+        "#SBATCH --export=ALL", "#SBATCH --ntasks=2", "#SBATCH --job-name=ipengine-c1", "#SBATCH --partition=gpu",
+        "#SBATCH --account=proj1", "#SBATCH --time=01:00:00", "#SBATCH --mem=4G", "#SBATCH --gres=gpu:1",
+        "export NCCL_DEBUG='INFO {x}'",
+    ):
+        assert line in lines
+    assert lines[-1].startswith("srun --cpu-bind=none ") and "ipyparallel.engine" in lines[-1]
+    # The engines are told to reach the controller by this host's name; it listens on every interface.
+    assert plan.controller_ip == "*" and plan.controller_location
+    assert plan.describe() == "ipyparallel engines in one SLURM job (sbatch + srun)"
+
+
+def test_without_options_the_script_is_ipyparallels_own(slurm_on_path, tmp_path):
+    script = batch_script(plan_launcher("slurm", 3), tmp_path, n=3)
+    sbatch = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert sbatch[:3] == ["#SBATCH --export=ALL", "#SBATCH --job-name=ipengine-c1", "#SBATCH --ntasks=3"]
+    assert len(sbatch) == 4 and sbatch[3].startswith("#SBATCH --output=")
+    assert script.splitlines()[-1].startswith("srun ") and "ipyparallel.engine" in script
+
+
+def test_ssh_hosts_are_spread_in_blocks_with_their_own_ports():
+    plan = plan_launcher("ssh", 3, {"hosts": ["root@127.0.0.1:2222", "127.0.0.1"], "ssh_args": ["-i", "key"]}, "c9")
+    engines = plan.config["SSHEngineSetLauncher"]["engines"]
+    assert engines == {
+        "root@127.0.0.1": {"n": 2, "ssh_args": ["-i", "key", "-p", "2222"], "scp_args": ["-i", "key", "-P", "2222"]},
+        "127.0.0.1": {"n": 1, "ssh_args": ["-i", "key"], "scp_args": ["-i", "key"]},
+    }
+    assert plan.ssh_hosts == (("root@127.0.0.1", ("-i", "key", "-p", "2222")), ("127.0.0.1", ("-i", "key")))
+    assert plan.config["SSHEngineSetLauncher"]["remote_profile_dir"] == "/tmp/vgpu_magic-c9"
+    # This host's address on the route to the first host (here: loopback to loopback).
+    assert (plan.controller_ip, plan.controller_location) == ("*", "127.0.0.1")
+
+
+def test_ssh_host_counts_and_the_engines_environment():
+    plan = plan_launcher("ssh", 3, {"hosts": {"127.0.0.1": 3}, "python": "/opt/py/bin/python", "environment": {"A": "1"}})
+    assert plan.config["SSHEngineSetLauncher"]["engines"]["127.0.0.1"]["n"] == 3
+    assert plan.config["SSHEngineSetLauncher"]["engine_cmd"] == ["env", "A=1", "/opt/py/bin/python", "-m", "ipyparallel.engine"]
+    assert ssh_target("me@node:22") == ("me@node", "22") and ssh_target("node") == ("node", None)
+    assert route_address("someone@127.0.0.1") == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("name", "n", "options", "match"),
+    [
+        ("pbs", 2, {}, "launcher 'pbs' is not supported; use local, mpi, slurm, ssh"),
+        ("local", 2, {"hosts": ["a"]}, "the local launcher has no option 'hosts'; it takes: none"),
+        ("slurm", 2, {"queue": "x"}, "the slurm launcher has no option 'queue'; it takes: partition, account"),
+        ("slurm", 2, {"partition": "a b"}, "slurm partition 'a b' is not one word; e.g. --partition=gpu"),
+        ("slurm", 2, {"sbatch": ["mem=4G"]}, "sbatch line 'mem=4G' is neither '#SBATCH ...' nor an option"),
+        ("slurm", 2, {"sbatch": ["--ntasks=8"]}, "sets what the launcher sets itself"),
+        ("slurm", 2, {"srun": [1]}, "srun \\[1\\] must be a list of strings"),
+        ("ssh", 2, {}, "the ssh launcher needs hosts, e.g. --hosts node1,node2"),
+        ("ssh", 1, {"hosts": ["a", "b"]}, "2 hosts for 1 rank; give at most 1 or start more ranks"),
+        ("ssh", 2, {"hosts": ["a", "a"]}, "names a host twice"),
+        ("ssh", 2, {"hosts": {"a": 1}}, "hold 1 ranks, not 2; make the counts add up to 2"),
+        ("ssh", 2, {"hosts": {"a": 0, "b": 2}}, "needs a positive rank count"),
+        ("ssh", 1, {"hosts": ["no-such-host.invalid"]}, "ssh host 'no-such-host.invalid' does not resolve"),
+        ("ssh", 1, {"hosts": ["a"], "environment": {"1A": "x"}, "controller_address": "10.0.0.1"}, "environment"),
+    ],
+)
+def test_refusals_say_what_would_work(slurm_on_path, name, n, options, match):
+    with pytest.raises(ValueError, match=match):
+        plan_launcher(name, n, options)
+
+
+def test_slurm_without_sbatch_says_where_to_run(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
+    with pytest.raises(ValueError, match="the slurm launcher needs sbatch on PATH"):
+        plan_launcher("slurm", 2)
+
+
+def test_engine_identity_reads_the_launchers_rank(monkeypatch):
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    assert engine_identity()["launcher_rank"] == 3
+    monkeypatch.delenv("SLURM_PROCID")
+    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert engine_identity()["launcher_rank"] is None
+
+
+@pytest.fixture(scope="module")
+def shell():
+    from IPython.testing.globalipapp import get_ipython
+
+    from vgpu_magic.ranks.magics import ClusterMagics
+
+    ip = get_ipython()
+    ip.register_magics(ClusterMagics)
+    return ip
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ("start 2 --framework torch --launcher ssh", "the ssh launcher needs hosts"),
+        ("start 2 --framework torch --partition gpu", "--partition goes with --launcher slurm, not local"),
+        ("start 2 --framework torch --launcher ssh --hosts a --time 5", "--time goes with --launcher slurm, not ssh"),
+        ("start 2 --framework torch --launcher mpi --controller-address x", "--controller-address goes with --launcher slurm or ssh"),
+        ("status --hosts a,b", "'--hosts' only goes with start"),
+    ],
+)
+def test_bad_launcher_lines_change_nothing(shell, line, match):
+    before = psutil.Process().children(recursive=True)
+    with pytest.raises(UsageError, match=match):
+        shell.run_line_magic("vgpu_cluster", line)
+    assert psutil.Process().children(recursive=True) == before
+
+
+def test_the_magic_passes_the_launcher_flags_through(shell, monkeypatch, slurm_on_path):
+    from vgpu_magic.ranks import engine
+
+    seen = {}
+
+    def record(self):
+        seen.update(launcher=self.launcher, options=self.launcher_options, plan=self.launcher_plan)
+        raise engine.ClusterStartError("recorded")
+
+    monkeypatch.setattr(engine.RankCluster, "start", record)
+    with pytest.raises(UsageError, match="recorded"):
+        shell.run_line_magic(
+            "vgpu_cluster",
+            "start 2 --framework torch --launcher slurm --partition gpu --account p1 --time 30 "
+            "--sbatch=--mem=4G --sbatch=--gres=gpu:1 --controller-address 10.1.2.3",
+        )
+    assert seen["launcher"] == "slurm"
+    assert seen["options"] == {
+        "partition": "gpu", "account": "p1", "time": "30", "sbatch": ["--mem=4G", "--gres=gpu:1"],
+        "controller_address": "10.1.2.3",
+    }
+    assert seen["plan"].controller_location == "10.1.2.3"
+    with pytest.raises(UsageError, match="recorded"):
+        shell.run_line_magic("vgpu_cluster", "start 2 --framework torch --launcher ssh --hosts 127.0.0.1,localhost")
+    assert seen["options"] == {"hosts": "127.0.0.1,localhost"}
+    assert list(seen["plan"].config["SSHEngineSetLauncher"]["engines"]) == ["127.0.0.1", "localhost"]
