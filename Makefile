@@ -23,12 +23,19 @@ $(VENV)/.installed-%: pyproject.toml
 	touch $@
 
 # Debian's Chromium for the real-browser test (Playwright drives /usr/bin/chromium; it never downloads a
-# browser of its own) and OpenMPI's mpiexec for the ranks started through ipyparallel's MPI launcher.
+# browser of its own), OpenMPI's mpiexec for the ranks started through ipyparallel's MPI launcher, and
+# SLURM, munge, sshd and iproute2 for the launcher tests (a single-node SLURM cluster and a second host in
+# a network namespace, both started and removed by the tests; the system's own daemons are not used).
 # Without them those tests are skipped with the reason.
 system-deps:
 	@missing=""; [ -x /usr/bin/chromium ] || missing="$$missing chromium"; \
 	command -v mpiexec >/dev/null || missing="$$missing openmpi-bin"; \
-	if [ -z "$$missing" ]; then echo "system packages: chromium and mpiexec present"; \
+	[ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] || missing="$$missing slurm-wlm"; \
+	[ -x /usr/sbin/munged ] || missing="$$missing munge"; \
+	[ -x /usr/sbin/sshd ] || missing="$$missing openssh-server"; \
+	command -v ssh >/dev/null || missing="$$missing openssh-client"; \
+	[ -x /usr/sbin/ip ] || [ -x /sbin/ip ] || missing="$$missing iproute2"; \
+	if [ -z "$$missing" ]; then echo "system packages: chromium, mpiexec, slurm, munge, sshd and ip present"; \
 	else $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing \
 	  || echo "could not install$$missing: the tests that need them will be skipped"; fi
 
