@@ -101,7 +101,6 @@ class TwoHosts:
     first: SSHHost
     second: SSHHost
     processes: list[subprocess.Popen] = field(default_factory=list)
-    _made_run_sshd: bool = False
 
     @property
     def ssh_args(self) -> list[str]:
@@ -155,10 +154,9 @@ class TwoHosts:
         _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.folder / "host_ed25519"))
         _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.folder / "id_ed25519"))
         shutil.copy(self.folder / "id_ed25519.pub", self.folder / "authorized_keys")
-        if not Path("/run/sshd").exists():
-            # sshd's privilege-separation directory (Debian's service creates it at boot).
-            os.makedirs("/run/sshd", mode=0o755)
-            self._made_run_sshd = True
+        # sshd's privilege-separation directory, which Debian's service creates at boot. It stays (an empty
+        # directory the package expects): another test run's sshd may be using it.
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
 
     def _write_hosts_file(self) -> None:
         """The two hosts' names and addresses, as a cluster's DNS would give them (gloo and
@@ -190,7 +188,8 @@ class TwoHosts:
         # In a mount namespace of its own, so that /etc/hosts can be this fake cluster's for
         # what the sshd starts, and for nothing else on the machine.
         script = f'mount --bind "$1" /etc/hosts && hostname {host.hostname} && exec {sshd} -D -e -f "$0"'
-        argv = [*prefix, "sh", "-c", script, str(config), str(self.folder / "hosts")]
+        # SIGINT back to its default for what the sshd starts (a background test run ignores it).
+        argv = ["env", "--default-signal=INT", *prefix, "sh", "-c", script, str(config), str(self.folder / "hosts")]
         log = open(self.folder / f"sshd_{host.address}.log", "wb")
         self.processes.append(
             subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -241,8 +240,6 @@ class TwoHosts:
         subprocess.run(["ip", "netns", "del", self.namespace], capture_output=True, timeout=30)
         # Deleting the namespace removes its end of the pair, and with it this one; make sure.
         subprocess.run(["ip", "link", "del", self.veth], capture_output=True, timeout=30)
-        if self._made_run_sshd:
-            shutil.rmtree("/run/sshd", ignore_errors=True)
         shutil.rmtree(self.folder, ignore_errors=True)
 
 

@@ -151,9 +151,11 @@ class LocalSlurm:
     # -- pieces ---------------------------------------------------------------------------
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.folder / f"{name}.out", "wb")
+        # SIGINT back to its default: a kernel or test run started in the background ignores it, and
+        # the jobs' tasks would inherit that (the ranks are interrupted with SIGINT).
         proc = subprocess.Popen(
-            argv, env=self.env() if self.conf else os.environ.copy(), stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            ["env", "--default-signal=INT", *argv], env=self.env() if self.conf else os.environ.copy(), stdout=log,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
         log.close()
         self.processes.append(proc)
