@@ -171,3 +171,19 @@ def two_hosts():
     hosts = TwoHosts.start()
     yield hosts
     hosts.stop()
+
+
+@pytest.fixture(scope="session")
+def two_node_slurm(two_hosts):
+    """A real SLURM cluster of two nodes: this host and the second one (``two_hosts``),
+    a slurmd on each, slurmctld reached at this host's address on the veth pair."""
+    from hosts import why_not_slurm
+
+    reason = why_not_slurm()
+    if reason:
+        pytest.skip(reason)
+    from vgpu_magic.ranks.local_slurm import LocalSlurm
+
+    cluster = LocalSlurm(nodes=two_hosts.slurm_nodes(), address=two_hosts.first.address).start()
+    yield cluster
+    cluster.stop()

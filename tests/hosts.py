@@ -54,7 +54,7 @@ def why_not_hosts() -> str | None:
     """Why a second host (network namespace + sshd) cannot be made here, or None."""
     if not sys.platform.startswith("linux") or os.geteuid() != 0:
         return "a second host (network namespace) needs root on Linux"
-    missing = [c for c in ("ip", "unshare", "sshd", "ssh", "scp", "ssh-keygen") if shutil.which(c, path=_SBIN) is None]
+    missing = [c for c in ("ip", "unshare", "nsenter", "sshd", "ssh", "scp", "ssh-keygen") if shutil.which(c, path=_SBIN) is None]
     if missing:
         return f"no {', '.join(missing)} (apt-get install iproute2 openssh-server openssh-client)"
     return None
@@ -129,8 +129,8 @@ class TwoHosts:
             hosts._make_namespace(tag, net.prefixlen)
             hosts._make_keys()
             hosts._write_hosts_file()
-            hosts._start_sshd(hosts.first, ["unshare", "--mount"])
-            hosts._start_sshd(hosts.second, ["ip", "netns", "exec", hosts.namespace, "unshare", "--uts", "--mount"])
+            hosts._start_sshd(hosts.first)
+            hosts._start_sshd(hosts.second)
             for host in (hosts.first, hosts.second):
                 hosts._wait_ssh(host)
         except BaseException:
@@ -165,8 +165,18 @@ class TwoHosts:
             f"127.0.0.1 localhost\n{self.first.address} {self.first.hostname}\n{self.second.address} {self.second.hostname}\n"
         )
 
-    def _start_sshd(self, host: SSHHost, prefix: list[str]) -> None:
-        host.port = free_port(host.address, self.namespace if "netns" in prefix else None)
+    def prefix(self, host: SSHHost) -> list[str]:
+        """Command words that run a command as on ``host``: in its network namespace, under its
+        host name, with the fake cluster's ``/etc/hosts`` (in a mount namespace of its own, so
+        the machine's own file is not changed)."""
+        # nsenter rather than `ip netns exec`, which mounts a sysfs of its own over /sys and so hides
+        # /sys/fs/cgroup, which slurmd needs.
+        netns = ["nsenter", f"--net=/run/netns/{self.namespace}"] if host is self.second else []
+        script = f'mount --bind "$0" /etc/hosts && hostname {host.hostname} && exec "$@"'
+        return [*netns, "unshare", "--uts", "--mount", "sh", "-c", script, str(self.folder / "hosts")]
+
+    def _start_sshd(self, host: SSHHost) -> None:
+        host.port = free_port(host.address, self.namespace if host is self.second else None)
         config = self.folder / f"sshd_{host.address}.conf"
         config.write_text(
             "\n".join([
@@ -185,11 +195,8 @@ class TwoHosts:
             ]) + "\n"
         )
         sshd = shutil.which("sshd", path=_SBIN)
-        # In a mount namespace of its own, so that /etc/hosts can be this fake cluster's for
-        # what the sshd starts, and for nothing else on the machine.
-        script = f'mount --bind "$1" /etc/hosts && hostname {host.hostname} && exec {sshd} -D -e -f "$0"'
         # SIGINT back to its default for what the sshd starts (a background test run ignores it).
-        argv = ["env", "--default-signal=INT", *prefix, "sh", "-c", script, str(config), str(self.folder / "hosts")]
+        argv = ["env", "--default-signal=INT", *self.prefix(host), sshd, "-D", "-e", "-f", str(config)]
         log = open(self.folder / f"sshd_{host.address}.log", "wb")
         self.processes.append(
             subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -241,6 +248,17 @@ class TwoHosts:
         # Deleting the namespace removes its end of the pair, and with it this one; make sure.
         subprocess.run(["ip", "link", "del", self.veth], capture_output=True, timeout=30)
         shutil.rmtree(self.folder, ignore_errors=True)
+
+    def free_port_on(self, hostname: str) -> int:
+        """A port free on the host named ``hostname``, chosen there by the OS."""
+        host = self.first if hostname == self.first.hostname else self.second
+        return free_port(host.address, self.namespace if host is self.second else None)
+
+    def slurm_nodes(self) -> list:
+        """The two hosts as SLURM compute nodes, each slurmd started as on its host."""
+        from vgpu_magic.ranks.local_slurm import SlurmNode
+
+        return [SlurmNode(h.hostname, h.address, tuple(self.prefix(h))) for h in (self.first, self.second)]
 
 
 def free_port(address: str, namespace: str | None = None) -> int:

@@ -20,6 +20,9 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
+#: Seconds a cell may run on the ranks (a collective that cannot connect fails instead of hanging).
+RUN_TIMEOUT = 120
+
 
 def processes_of(cluster_id: str) -> list[psutil.Process]:
     """Processes on this machine (both hosts share its PIDs) started for the cluster."""
@@ -67,15 +70,13 @@ def ranks_on_two_hosts(two_hosts, framework: str, **options):
 def quiet_run(ranks, code: str):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        return ranks.run(code, output=True)
+        return ranks.run(code, output=True, timeout=RUN_TIMEOUT)
 
 
 def test_engines_start_on_both_hosts_over_ssh(two_hosts):
     """The launcher's part: one engine per host, in the hosts' order, each on its host,
     both reaching the controller; status names each rank's host."""
-    from hosts import free_port
-
-    port = free_port(two_hosts.first.address)
+    port = two_hosts.free_port_on(two_hosts.first.hostname)
     with ranks_on_two_hosts(two_hosts, "tensorflow") as ranks:
         found = quiet_run(ranks, "import socket\nsocket.gethostname()")
         lines = ranks.describe()

@@ -1,8 +1,11 @@
-"""Ranks started through ipyparallel's SLURM launcher on a real single-node SLURM
-cluster (the session's ``local_slurm`` fixture: Debian's slurm-wlm and munge,
+"""Ranks started through ipyparallel's SLURM launcher on a real SLURM cluster
+(the session's ``local_slurm`` fixture: Debian's slurm-wlm and munge,
 configured in a temporary folder): torch DDP, TensorFlow MultiWorkerMirroredStrategy
 and ``jax.distributed`` ranks, each a task of one ``sbatch`` job, a collective
-across them, and after ``stop`` an empty queue and no process left.
+across them, and after ``stop`` an empty queue and no process left. Then the
+same on two nodes (``two_node_slurm``: a second slurmd on a second host, a
+network namespace of its own), where the collective crosses the hosts and the
+wiring carries rank 0's real address.
 Skipped with the reason where SLURM cannot run (not root on Linux, no slurm-wlm)."""
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ import psutil
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+#: Seconds a cell may run on the ranks (a collective that cannot connect fails instead of hanging).
+RUN_TIMEOUT = 120
 
 
 
@@ -45,21 +51,22 @@ def step_daemons() -> set[int]:
 
 
 @contextlib.contextmanager
-def slurm_ranks(local_slurm, framework: str, n: int, **options):
+def slurm_ranks(slurm, framework: str, n: int, launcher_options: dict | None = None, **options):
     """Ranks in a SLURM job; afterwards the queue is empty and no process is left."""
     from vgpu_magic.ranks import RankCluster
 
     steps = step_daemons()
-    ranks = RankCluster(n, framework, launcher="slurm", launcher_options={"time": "10"}, **options).start()
+    launcher_options = {"time": "10", **(launcher_options or {})}
+    ranks = RankCluster(n, framework, launcher="slurm", launcher_options=launcher_options, **options).start()
     cluster_id = ranks.cluster_id
     try:
         # A running job of n tasks while the ranks are up.
-        queue = local_slurm.squeue()
+        queue = slurm.squeue()
         assert len(queue) == 1 and queue[0].split()[1] == "RUNNING" and cluster_id in queue[0], queue
         yield ranks
     finally:
         ranks.stop()
-    assert local_slurm.squeue() == []
+    assert slurm.squeue() == []
     # slurmstepd reaps its tasks and exits just after the job ends: allow it a moment.
     deadline = time.monotonic() + 20
     while (processes_of(cluster_id) or step_daemons() - steps) and time.monotonic() < deadline:
@@ -68,11 +75,18 @@ def slurm_ranks(local_slurm, framework: str, n: int, **options):
     assert step_daemons() <= steps
 
 
+@pytest.fixture
+def slurm(local_slurm, monkeypatch):
+    """The single-node cluster, the one SLURM commands reach during the test."""
+    monkeypatch.setenv("SLURM_CONF", str(local_slurm.conf))
+    return local_slurm
+
+
 def quiet_run(ranks, code: str):
     """Run ``code``; the value of its last expression on each rank, the ranks' output kept aside."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        return ranks.run(code, output=True)
+        return ranks.run(code, output=True, timeout=RUN_TIMEOUT)
 
 
 def check_slurm_tasks(found, n: int):
@@ -84,8 +98,8 @@ def check_slurm_tasks(found, n: int):
     assert {who[3] for who in found} == {n}
 
 
-def test_torch_ddp_ranks_are_tasks_of_one_slurm_job(local_slurm):
-    with slurm_ranks(local_slurm, "torch", 2) as ranks:
+def test_torch_ddp_ranks_are_tasks_of_one_slurm_job(slurm):
+    with slurm_ranks(slurm, "torch", 2) as ranks:
         assert "ipyparallel engines in one SLURM job (sbatch + srun), job " in ranks.describe()[0]
         found = quiet_run(
             ranks,
@@ -98,8 +112,8 @@ def test_torch_ddp_ranks_are_tasks_of_one_slurm_job(local_slurm):
     assert [who[-2:] for who in found] == [(2, 3.0), (2, 3.0)]
 
 
-def test_tensorflow_multiworker_ranks_in_slurm(local_slurm):
-    with slurm_ranks(local_slurm, "tensorflow", 2) as ranks:
+def test_tensorflow_multiworker_ranks_in_slurm(slurm):
+    with slurm_ranks(slurm, "tensorflow", 2) as ranks:
         found = quiet_run(
             ranks,
             identity(TF_RANK) + "import tensorflow as tf\n"
@@ -116,8 +130,8 @@ def test_tensorflow_multiworker_ranks_in_slurm(local_slurm):
     assert [who[-3:] for who in found] == [(2, 0, 3.0), (2, 1, 3.0)]
 
 
-def test_jax_distributed_ranks_in_slurm(local_slurm):
-    with slurm_ranks(local_slurm, "jax", 2) as ranks:
+def test_jax_distributed_ranks_in_slurm(slurm):
+    with slurm_ranks(slurm, "jax", 2) as ranks:
         found = quiet_run(
             ranks,
             "import jax, jax.numpy as jnp\nfrom jax.experimental import multihost_utils\n"
@@ -129,7 +143,7 @@ def test_jax_distributed_ranks_in_slurm(local_slurm):
     assert [who[-3:] for who in found] == [(0, 2, [10, 11]), (1, 2, [10, 11])]
 
 
-def test_slurm_options_reach_the_batch_script(local_slurm):
+def test_slurm_options_reach_the_batch_script(slurm):
     """Partition, time limit and extra #SBATCH lines are what sbatch runs, as the job shows."""
     from vgpu_magic.ranks import RankCluster
 
@@ -139,8 +153,78 @@ def test_slurm_options_reach_the_batch_script(local_slurm):
     ).start()
     try:
         job = next(iter(ranks.cluster.engines.values())).job_id
-        shown = local_slurm.scontrol("show", "job", job)
+        shown = slurm.scontrol("show", "job", job)
     finally:
         ranks.stop()
     assert "Partition=debug" in shown and "TimeLimit=00:07:00" in shown and "Comment=vgpu-test" in shown
-    assert local_slurm.squeue() == []
+    assert slurm.squeue() == []
+
+
+@pytest.fixture
+def two_nodes(two_node_slurm, monkeypatch):
+    """The two-node cluster, the one SLURM commands reach during the test."""
+    monkeypatch.setenv("SLURM_CONF", str(two_node_slurm.conf))
+    return two_node_slurm
+
+
+def on_two_nodes(two_hosts) -> dict:
+    """One task per node; engines reach the controller at this host's address on the veth pair."""
+    return {"sbatch": ["--nodes=2", "--ntasks-per-node=1"], "controller_address": two_hosts.first.address}
+
+
+def test_engines_of_one_job_on_two_nodes(two_nodes, two_hosts):
+    """The launcher's part: one SLURM task per node, ranks in SLURM_PROCID order, both engines
+    reaching the controller, and a gloo all-reduce across the nodes (wired by hand here)."""
+    addresses = {two_hosts.first.hostname: two_hosts.first.address, two_hosts.second.hostname: two_hosts.second.address}
+    with slurm_ranks(two_nodes, "tensorflow", 2, on_two_nodes(two_hosts)) as ranks:
+        hosts = list(ranks.hosts)
+        # Rank 0 serves the rendezvous, on its own host (SLURM may place it on either).
+        store = f"tcp://{addresses[hosts[0]]}:{two_hosts.free_port_on(hosts[0])}"
+        found = quiet_run(
+            ranks,
+            identity(TF_RANK) + "import datetime, torch, torch.distributed as dist\n"
+            f"dist.init_process_group('gloo', init_method={store!r}, rank=_who[0], world_size=2, "
+            "timeout=datetime.timedelta(seconds=60))\n"
+            "t = torch.tensor([float(_who[0] + 1)])\n"
+            "dist.all_reduce(t)\n"
+            "dist.destroy_process_group()\n"
+            "(*_who, socket.gethostname(), int(os.environ['SLURM_NNODES']), t.item())",
+        )
+    check_slurm_tasks(found, 2)
+    assert sorted(hosts) == sorted(addresses) and [f[4] for f in found] == hosts
+    assert [f[5:] for f in found] == [(2, 3.0), (2, 3.0)]
+
+
+def test_torch_ddp_across_two_slurm_nodes(two_nodes, two_hosts):
+    addresses = {two_hosts.first.hostname: two_hosts.first.address, two_hosts.second.hostname: two_hosts.second.address}
+    with slurm_ranks(two_nodes, "torch", 2, on_two_nodes(two_hosts)) as ranks:
+        found = quiet_run(
+            ranks,
+            identity(TORCH_RANK) + "import torch, torch.distributed as dist\n"
+            "t = torch.tensor([float(dist.get_rank() + 1)])\n"
+            "dist.all_reduce(t)\n"
+            "(*_who, socket.gethostname(), os.environ['MASTER_ADDR'], os.environ['LOCAL_RANK'], t.item())",
+        )
+    check_slurm_tasks(found, 2)
+    first_host = found[0][4]
+    assert {f[4] for f in found} == set(addresses)
+    # MASTER_ADDR is rank 0's host's real address on both ranks; each rank is local rank 0 on its node.
+    assert [f[5:] for f in found] == [(addresses[first_host], "0", 3.0)] * 2
+
+
+def test_jax_distributed_across_two_slurm_nodes(two_nodes, two_hosts):
+    addresses = {two_hosts.first.hostname: two_hosts.first.address, two_hosts.second.hostname: two_hosts.second.address}
+    with slurm_ranks(two_nodes, "jax", 2, on_two_nodes(two_hosts)) as ranks:
+        found = quiet_run(
+            ranks,
+            "import jax, jax.numpy as jnp\nfrom jax.experimental import multihost_utils\nfrom jax._src import distributed\n"
+            + identity("jax.process_index()")
+            + "gathered = multihost_utils.process_allgather(jnp.array([jax.process_index() + 10]))\n"
+            "(*_who, socket.gethostname(), distributed.global_state.coordinator_address, gathered.ravel().tolist())",
+        )
+    check_slurm_tasks(found, 2)
+    first_host = found[0][4]
+    assert {f[4] for f in found} == set(addresses)
+    # The coordinator runs on rank 0's host, at its real address.
+    assert [f[5].rsplit(":", 1)[0] for f in found] == [addresses[first_host]] * 2
+    assert [f[6] for f in found] == [[10, 11]] * 2

@@ -20,7 +20,9 @@ not touched. While it runs, ``os.environ["SLURM_CONF"]`` points at it, so
 
 The node is declared with more CPUs than the machine has
 (``SlurmdParameters=config_overrides``), so a small machine can run a few
-ranks, as a real node would.
+ranks, as a real node would. More nodes can be given as :class:`SlurmNode`
+entries, each ``slurmd`` started under a command prefix (e.g. ``ip netns exec
+NS`` for a node in a network namespace of its own, as the launcher tests do).
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["LocalSlurm", "missing_commands"]
+__all__ = ["LocalSlurm", "SlurmNode", "missing_commands"]
 
 #: The commands a local cluster needs (Debian: apt-get install slurm-wlm munge).
 COMMANDS = ("munged", "slurmctld", "slurmd", "sinfo", "sbatch", "srun", "squeue", "scancel", "scontrol")
@@ -54,27 +57,37 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class SlurmNode:
+    """One compute node: its name, the address its ``slurmd`` is reached at, and the
+    command words its ``slurmd`` is started under (none: on this host as it is)."""
+
+    name: str
+    address: str = "127.0.0.1"
+    prefix: tuple[str, ...] = ()
+
+
 class LocalSlurm:
-    """One ``slurmctld`` and ``slurmd`` (and their ``munged``) in a temporary folder.
+    """One ``slurmctld`` and a ``slurmd`` per node (and their ``munged``) in a temporary folder.
 
     Parameters
     ----------
     cpus:
-        CPUs the node declares (it may declare more than the machine has).
-    node_name:
-        The node's name (default: this host's name, as ``slurmd`` expects).
+        CPUs each node declares (it may declare more than the machine has).
+    nodes:
+        The compute nodes (default: this host, by its name, on loopback).
     address:
-        The address ``slurmctld`` and ``slurmd`` are reached at (default: loopback).
+        The address ``slurmctld`` is reached at (default: loopback).
     """
 
-    def __init__(self, cpus: int = 16, node_name: str | None = None, address: str = "127.0.0.1") -> None:
+    def __init__(self, cpus: int = 16, nodes: list[SlurmNode] | None = None, address: str = "127.0.0.1") -> None:
         if os.geteuid() != 0:
             raise RuntimeError("a local SLURM cluster needs root (slurmd runs jobs as their user)")
         missing = missing_commands()
         if missing:
             raise RuntimeError(f"a local SLURM cluster needs {', '.join(missing)}: apt-get install slurm-wlm munge")
         self.cpus = cpus
-        self.node_name = node_name or socket.gethostname()
+        self.nodes = list(nodes or [SlurmNode(socket.gethostname())])
         self.address = address
         self.folder: Path | None = None
         self.conf: Path | None = None
@@ -95,7 +108,8 @@ class LocalSlurm:
             self._previous_conf = os.environ.get("SLURM_CONF")
             os.environ["SLURM_CONF"] = str(self.conf)
             self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
-            self._spawn("slurmd", ["slurmd", "-D", "-N", self.node_name, "-f", str(self.conf)])
+            for node in self.nodes:
+                self._spawn(f"slurmd-{node.name}", [*node.prefix, "slurmd", "-D", "-N", node.name, "-f", str(self.conf)])
             self._wait_idle()
         except BaseException:
             self.stop()
@@ -198,11 +212,11 @@ class LocalSlurm:
             "AuthType=auth/munge",
             "CredType=cred/munge",
             f"StateSaveLocation={folder / 'state'}",
-            f"SlurmdSpoolDir={folder / 'spool'}",
+            f"SlurmdSpoolDir={folder / 'spool' / '%n'}",
             f"SlurmctldPidFile={folder / 'slurmctld.pid'}",
-            f"SlurmdPidFile={folder / 'slurmd.pid'}",
+            f"SlurmdPidFile={folder / 'slurmd-%n.pid'}",
             f"SlurmctldLogFile={folder / 'slurmctld.log'}",
-            f"SlurmdLogFile={folder / 'slurmd.log'}",
+            f"SlurmdLogFile={folder / 'slurmd-%n.log'}",
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none",
             "MpiDefault=none",
@@ -217,8 +231,8 @@ class LocalSlurm:
             "MinJobAge=2",
             "KillWait=5",
             "InactiveLimit=0",
-            f"NodeName={self.node_name} NodeAddr={self.address} CPUs={self.cpus} State=UNKNOWN",
-            f"PartitionName=debug Nodes={self.node_name} Default=YES MaxTime=INFINITE State=UP",
+            *(f"NodeName={node.name} NodeAddr={node.address} CPUs={self.cpus} State=UNKNOWN" for node in self.nodes),
+            f"PartitionName=debug Nodes={','.join(node.name for node in self.nodes)} Default=YES MaxTime=INFINITE State=UP",
         ]
         conf = folder / "slurm.conf"
         conf.write_text("\n".join(lines) + "\n")
@@ -227,18 +241,20 @@ class LocalSlurm:
     def _wait_idle(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT
         state = ""
+        names = ["munged", "slurmctld", *(f"slurmd-{node.name}" for node in self.nodes)]
         while time.monotonic() < deadline:
-            for proc, name in zip(self.processes, ("munged", "slurmctld", "slurmd")):
+            for proc, name in zip(self.processes, names):
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited ({proc.returncode}): {self._tail(name + '.out')} {self._tail(name + '.log')}")
             result = subprocess.run(
                 ["sinfo", "-h", "-N", "-o", "%T"], env=self.env(), capture_output=True, text=True, timeout=30
             )
             state = result.stdout.strip() or result.stderr.strip()
-            if result.returncode == 0 and state == "idle":
+            if result.returncode == 0 and state.split() == ["idle"] * len(self.nodes):
                 return
             time.sleep(0.2)
-        raise RuntimeError(f"the SLURM node did not become idle (sinfo: {state!r}): {self._tail('slurmd.log')}")
+        logs = " ".join(self._tail(f"slurmd-{node.name}.log") for node in self.nodes)
+        raise RuntimeError(f"the SLURM nodes did not become idle (sinfo: {state!r}): {logs}")
 
     def _tail(self, name: str, lines: int = 5) -> str:
         path = self.folder / name if self.folder else None
