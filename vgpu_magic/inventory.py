@@ -54,8 +54,9 @@ class DeviceInventory:
 
     ``gpus`` lists the GPUs the framework sees, in its order; ``cpus`` is the
     number of physical CPU devices (always 1 in practice). ``capabilities``
-    says what the framework can do with them (TensorFlow's by default) and
-    ``current`` its configuration now (``None``: nothing configured yet).
+    says what the framework can do with them (required: there is no default
+    framework here) and ``current`` its configuration now (``None``: nothing
+    configured yet).
     """
 
     gpus: tuple[GPUInfo, ...] = ()
@@ -63,14 +64,8 @@ class DeviceInventory:
     version: str | None = None
     nvml_available: bool = False
     notes: tuple[str, ...] = field(default=(), compare=False)
-    capabilities: Capabilities = field(default=None, compare=False)  # type: ignore[assignment]
+    capabilities: Capabilities = field(kw_only=True, compare=False)
     current: ConfigSnapshot | None = field(default=None, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.capabilities is None:
-            from .frameworks.tensorflow import CAPABILITIES
-
-            object.__setattr__(self, "capabilities", CAPABILITIES)
 
     @property
     def framework(self) -> str:
@@ -101,7 +96,7 @@ class DeviceInventory:
             gpus=tuple(gpus),
             cpus=data.get("cpus", 1),
             version=data.get("version"),
-            capabilities=get(data.get("framework", "tensorflow")).capabilities,
+            capabilities=get(data["framework"]).capabilities,
             nvml_available=data.get("nvml_available", False),
             notes=tuple(data.get("notes", ())),
         )
