@@ -129,6 +129,63 @@ def test_wiring_refuses_what_cannot_work(framework, n, split, memory, gpus, matc
         plan(framework, n, split=split, memory=memory, gpus=gpus)
 
 
+def test_ranks_on_two_hosts_are_grouped_by_host_and_wired_per_host():
+    # Engines registered alternately from hosts a and b; a has one GPU per local rank, b shares one GPU.
+    a_gpus = (GPU(0, 80, nvml_index=1), GPU(1, 80, nvml_index=0))  # CUDA's order is not NVML's here
+    b_gpus = (GPU(0, 40),)
+    hosts = [("a", "10.0.0.1", a_gpus), ("b", "10.0.0.2", b_gpus)]
+    reports = [HostReport(e, hosts[e % 2][0], hosts[e % 2][1], 500 + e, hosts[e % 2][2], 41000 + e) for e in range(4)]
+    layout = layout_ranks(reports)
+    assert [(p.engine_id, p.hostname, p.local_rank, p.node_rank) for p in layout.places] == [
+        (0, "a", 0, 0), (2, "a", 1, 0), (1, "b", 0, 1), (3, "b", 1, 1),
+    ]
+    torch = get("torch").plan_ranks(layout, None, None, None)
+    assert [(p.env["RANK"], p.env["LOCAL_RANK"], p.env["LOCAL_WORLD_SIZE"], p.env["GROUP_RANK"]) for p in torch] == [
+        ("0", "0", "2", "0"), ("1", "1", "2", "0"), ("2", "0", "2", "1"), ("3", "1", "2", "1"),
+    ]
+    assert {(p.env["MASTER_ADDR"], p.env["MASTER_PORT"], p.env["GROUP_WORLD_SIZE"]) for p in torch} == {
+        ("10.0.0.1", "41000", "2")
+    }
+    # Host b's two ranks share its GPU, so gloo for everyone; each rank's GPU is CUDA's index on its host.
+    assert [p.args[:2] for p in torch] == [("gloo", 0), ("gloo", 1), ("gloo", 0), ("gloo", 0)]
+    assert [p.args[2] for p in torch] == [1.0, 1.0, 0.5, 0.5]
+    tf = get("tensorflow").plan_ranks(layout, None, 4096, None)
+    workers = json.loads(tf[0].env["TF_CONFIG"])["cluster"]["worker"]
+    assert workers == ["10.0.0.1:41000", "10.0.0.1:41002", "10.0.0.2:41001", "10.0.0.2:41003"]
+    jax = get("jax").plan_ranks(layout, None, None, None)
+    assert {p.args[0] for p in jax} == {"10.0.0.1:41000"}
+
+
+def test_a_gpu_per_local_rank_gives_nccl_and_launcher_ranks_win():
+    gpus = (GPU(0, 80), GPU(1, 80))
+    mpi = [{"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_RANK": str(r)} for r in (1, 0)]
+    reports = [HostReport(e, "node0", "127.0.0.1", 700 + e, gpus, 42000 + e, mpi[e]) for e in range(2)]
+    layout = layout_ranks(reports)
+    assert [p.engine_id for p in layout.places] == [1, 0]  # mpiexec's ranks, not the engines' order
+    plans = get("torch").plan_ranks(layout, None, None, None)
+    assert [p.args for p in plans] == [("nccl", 0, 1.0), ("nccl", 1, 1.0)]
+    assert not any("gloo" in note for note in plans[0].notes)
+
+
+def test_a_rank_reports_its_host():
+    import os
+    import socket
+
+    from vgpu_magic.ranks.hosts import report_host
+
+    report = report_host(7, "127.0.0.1")
+    assert (report.engine_id, report.hostname, report.address, report.pid) == (7, socket.gethostname(), "127.0.0.1", os.getpid())
+    assert 0 < report.port < 65536
+
+
+def test_split_refuses_torch_and_points_at_the_ranks():
+    from vgpu_magic import api
+    from vgpu_magic.planner import PlanError
+
+    with pytest.raises(PlanError, match=r"^PyTorch uses one device per process.*%vgpu_cluster start N --framework torch$"):
+        api.plan(4, framework="pytorch")
+
+
 def test_parse_memory():
     # One size grammar: the planner's (MiB), for %vgpu_split and %vgpu_cluster alike.
     assert parse_memory("2048") == 2048
