@@ -111,8 +111,11 @@ def all_frameworks() -> list[Framework]:
 
 
 def imported() -> list[Framework]:
-    """The registered frameworks imported in this process, in registry order."""
-    return [fw for fw in all_frameworks() if fw.imported()]
+    """The registered frameworks imported in this process whose devices can be
+    configured in it (``Capabilities.splits_in_process``), in registry order:
+    what ``%vgpu_status`` shows and the runtime watcher follows. PyTorch's
+    devices are its ranks', so it is not among them."""
+    return [fw for fw in all_frameworks() if fw.capabilities.splits_in_process and fw.imported()]
 
 
 def cuda_context_holders(exclude: str = "") -> list[Framework]:
@@ -126,7 +129,7 @@ def select(requested: str | None = None) -> Framework:
     """The framework a command applies to (see the module docstring)."""
     if requested:
         return get(requested)
-    found = [fw for fw in imported() if fw.capabilities.splits_in_process]
+    found = imported()
     if len(found) == 1:
         return found[0]
     backend = ALIASES.get(os.environ.get("KERAS_BACKEND", "").strip().lower(), os.environ.get("KERAS_BACKEND", "").strip().lower())

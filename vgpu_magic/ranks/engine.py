@@ -27,7 +27,7 @@ from typing import Any
 
 from .. import frameworks
 from ..frameworks.base import RankPlan
-from ..inventory import GPUInfo
+from ..inventory import GPUInfo, NVMLReadError
 from ..units import MIB
 from .hosts import HostReport, RankLayout, layout_ranks, prepare_rank, report_host, visible_gpus
 from .run import RankRun, RankRunError, names_to_send, names_written, pack_names, process_alive, split_last_expression
@@ -256,7 +256,10 @@ class RankCluster:
     def _predicted_layout(self, n: int) -> RankLayout:
         """The layout ``n`` engines started on this host would report (checked before starting)."""
         host = socket.gethostname()
-        gpus = self.given_gpus if self.given_gpus is not None else visible_gpus()
+        try:
+            gpus = self.given_gpus if self.given_gpus is not None else visible_gpus()
+        except NVMLReadError as exc:
+            raise ValueError(str(exc)) from None
         return self._layout([HostReport(e, host, "127.0.0.1", 0, gpus, 0) for e in range(n)])
 
     def _remember_processes(self) -> None:
