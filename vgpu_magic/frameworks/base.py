@@ -27,7 +27,10 @@ import importlib.util
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..ranks.hosts import RankLayout
 
 __all__ = ["Capabilities", "ConfigSnapshot", "Framework", "FrameworkImportError", "Reader", "RankPlan"]
 
@@ -277,11 +280,10 @@ class Framework:
         raise NotImplementedError(f"{self.label} has no strategy helper")
 
     # -- ranks -------------------------------------------------------------------
-    def plan_ranks(self, layout: Any, split: int | None, memory_mib: int | None, port: int | None) -> list[RankPlan]:
+    def plan_ranks(self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None) -> list[RankPlan]:
         """One :class:`RankPlan` per rank, in rank order, from the ranks' hosts.
 
-        ``layout`` is a :class:`~vgpu_magic.ranks.hosts.RankLayout` (where each
-        rank runs, its GPU, free ports chosen on its host, the launcher's own
+        ``layout`` says where each rank runs, its GPU, free ports chosen on its host, the launcher's own
         conventions); ``split`` devices per rank, ``memory_mib`` each rank's cap,
         ``port`` the coordinator port the user asked for. Pure. Raises
         :class:`ValueError` (one line, quoting the value) for a request that

@@ -34,12 +34,15 @@ import re
 import sys
 import tempfile
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..inventory import DeviceInventory, GPUInfo, cuda_to_nvml_order, nvml_gpus
 from .base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader
 
 __all__ = ["TensorFlow", "FRAMEWORK", "CAPABILITIES", "system_reserve_mib", "setup_rank", "SLURM_PORT_BASE"]
+
+if TYPE_CHECKING:
+    from ..ranks.hosts import RankLayout
 
 #: The first port ``SlurmClusterResolver`` gives the tasks of a node (its ``port_base``).
 SLURM_PORT_BASE = 8888
@@ -339,7 +342,7 @@ class TensorFlow(Framework):
         return tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=cross)
 
     # -- ranks -----------------------------------------------------------------------
-    def plan_ranks(self, layout: Any, split: int | None, memory_mib: int | None, port: int | None) -> list[RankPlan]:
+    def plan_ranks(self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None) -> list[RankPlan]:
         from ..planner import check_rank_request, plan_split, rank_share_mib
         from ..plans import SplitRequest
 
@@ -378,7 +381,7 @@ class TensorFlow(Framework):
         return [RankPlan(p.rank, p.env, p.setup, p.args, tuple(notes)) for p in plans]
 
 
-def _workers(layout: Any, port: int | None) -> list[str]:
+def _workers(layout: RankLayout, port: int | None) -> list[str]:
     """Every worker's ``host:port``, in rank order: under SLURM what
     ``SlurmClusterResolver`` computes (the step's hosts in sorted order, each
     node's tasks on ports from 8888); else each rank's own host address and the

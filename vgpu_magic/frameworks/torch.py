@@ -32,10 +32,13 @@ from __future__ import annotations
 import os
 import sys
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..inventory import DeviceInventory, GPUInfo
 from .base import Capabilities, ConfigSnapshot, Framework, RankPlan
+
+if TYPE_CHECKING:
+    from ..ranks.hosts import RankLayout
 
 __all__ = ["CAPABILITIES", "FRAMEWORK", "Torch", "setup_rank"]
 
@@ -102,7 +105,7 @@ class Torch(Framework):
         raise NotImplementedError("PyTorch has no device configuration to write; the planner refuses its splits")
 
     # -- ranks -----------------------------------------------------------------------
-    def plan_ranks(self, layout: Any, split: int | None, memory_mib: int | None, port: int | None) -> list[RankPlan]:
+    def plan_ranks(self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None) -> list[RankPlan]:
         from ..planner import check_rank_request, rank_share_mib
 
         if split is not None:

@@ -34,11 +34,14 @@ import os
 import re
 import sys
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...inventory import DeviceInventory, GPUInfo, cuda_to_nvml_order, nvml_gpus
 from ..base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader
 from .memory import LiveArrayBytes, MemoryReader, devices_by_name
+
+if TYPE_CHECKING:
+    from ...ranks.hosts import RankLayout
 
 __all__ = [
     "CAPABILITIES",
@@ -362,7 +365,7 @@ class Jax(Framework):
         return any(name in _GPU_PLATFORMS for name in backends)
 
     # -- ranks -----------------------------------------------------------------------
-    def plan_ranks(self, layout: Any, split: int | None, memory_mib: int | None, port: int | None) -> list[RankPlan]:
+    def plan_ranks(self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None) -> list[RankPlan]:
         """See :mod:`vgpu_magic.frameworks.jax.ranks`."""
         from .ranks import plan_ranks
 

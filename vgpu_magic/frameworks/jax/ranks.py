@@ -16,9 +16,12 @@ Importing this module imports no JAX.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..base import RankPlan
+
+if TYPE_CHECKING:
+    from ...ranks.hosts import RankLayout
 
 __all__ = ["plan_ranks", "setup_rank", "slurm_coordinator_port"]
 
@@ -28,7 +31,7 @@ def slurm_coordinator_port(job_id: int) -> int:
     return job_id % 2**12 + (65535 - 2**12 + 1)
 
 
-def plan_ranks(layout: Any, split: int | None, memory_mib: int | None, port: int | None) -> list[RankPlan]:
+def plan_ranks(layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None) -> list[RankPlan]:
     """JAX's :meth:`~vgpu_magic.frameworks.base.Framework.plan_ranks`."""
     from ...planner import check_rank_request, rank_share_mib
     from . import CAPABILITIES
