@@ -178,6 +178,23 @@ def test_a_rank_reports_its_host():
     assert 0 < report.port < 65536
 
 
+def test_a_rank_reports_its_gpus_in_cudas_order_never_nvmls(monkeypatch):
+    from vgpu_magic import inventory
+    from vgpu_magic.ranks.hosts import visible_gpus
+
+    nvml = [
+        {"nvml_index": i, "model": f"GPU{i}", "total_mib": 81920, "total_bytes": 81920 << 20, "free_mib": 80000,
+         "compute_capability": (9, 0), "uuid": f"GPU-{i}"}
+        for i in range(2)
+    ]
+    monkeypatch.setattr(inventory, "nvml_gpus", lambda: nvml)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    assert [(g.index, g.nvml_index) for g in visible_gpus()] == [(0, 1), (1, 0)]
+    # CUDA shows the devices listed before the first it cannot find.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,7,0")
+    assert [(g.index, g.nvml_index) for g in visible_gpus()] == [(0, 1)]
+
+
 def test_split_refuses_torch_and_points_at_the_ranks():
     from vgpu_magic import api
     from vgpu_magic.planner import PlanError

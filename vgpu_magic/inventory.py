@@ -27,6 +27,7 @@ __all__ = [
     "nvml_pids_with_context",
     "open_nvml",
     "cuda_to_nvml_order",
+    "cuda_gpus",
 ]
 
 _MIB = 1024 * 1024
@@ -212,6 +213,24 @@ def cuda_to_nvml_order(n_gpus: int, nvml: list[dict[str, Any]]) -> list[dict[str
             order.append(match)
     padded = list(order[:n_gpus])
     return padded + [None] * (n_gpus - len(padded))
+
+
+def cuda_gpus(count: int, nvml: list[dict[str, Any]]) -> tuple[GPUInfo, ...]:
+    """A framework's ``count`` GPUs in CUDA's numbering, each with NVML's details
+    where :func:`cuda_to_nvml_order` matches one."""
+    return tuple(
+        GPUInfo(i)
+        if details is None
+        else GPUInfo(
+            index=i,
+            model=details["model"],
+            total_mib=details["total_mib"],
+            free_mib=details["free_mib"],
+            compute_capability=details["compute_capability"],
+            nvml_index=details["nvml_index"],
+        )
+        for i, details in enumerate(cuda_to_nvml_order(count, nvml))
+    )
 
 
 def probe_inventory(framework: str | None = None) -> DeviceInventory:

@@ -36,7 +36,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ..inventory import DeviceInventory, GPUInfo, cuda_to_nvml_order, nvml_gpus
+from ..inventory import DeviceInventory, cuda_gpus, nvml_gpus
 from .base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader
 
 __all__ = ["TensorFlow", "FRAMEWORK", "CAPABILITIES", "system_reserve_mib", "setup_rank", "SLURM_PORT_BASE"]
@@ -199,23 +199,8 @@ class TensorFlow(Framework):
         notes = []
         if n_gpus and not nvml:
             notes.append("NVML unavailable: GPU memory unknown, give --memory explicitly")
-        gpus = []
-        for i, details in enumerate(cuda_to_nvml_order(n_gpus, nvml)):
-            if details is None:
-                gpus.append(GPUInfo(index=i))
-            else:
-                gpus.append(
-                    GPUInfo(
-                        index=i,
-                        model=details["model"],
-                        total_mib=details["total_mib"],
-                        free_mib=details["free_mib"],
-                        compute_capability=details["compute_capability"],
-                        nvml_index=details["nvml_index"],
-                    )
-                )
         return DeviceInventory(
-            gpus=tuple(gpus),
+            gpus=cuda_gpus(n_gpus, nvml),
             cpus=n_cpus,
             version=tf.__version__,
             nvml_available=bool(nvml),

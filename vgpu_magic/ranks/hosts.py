@@ -314,26 +314,15 @@ def visible_gpus() -> tuple[GPUInfo, ...]:
     (``CUDA_VISIBLE_DEVICES`` picks and orders them); starts no CUDA context."""
     import os
 
-    from ..inventory import cuda_to_nvml_order, nvml_gpus
+    from ..inventory import cuda_gpus, nvml_gpus
 
     nvml = nvml_gpus()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     count = len(nvml) if visible is None or not visible.strip() else len(visible.split(","))
-    found = []
-    for details in cuda_to_nvml_order(count, nvml):
-        if details is None:
-            break  # CUDA numbers the devices it found; an unknown entry ends the list, as in CUDA
-        found.append(
-            GPUInfo(
-                index=len(found),
-                model=details["model"],
-                total_mib=details["total_mib"],
-                free_mib=details["free_mib"],
-                compute_capability=details["compute_capability"],
-                nvml_index=details["nvml_index"],
-            )
-        )
-    return tuple(found)
+    gpus = cuda_gpus(count, nvml)
+    # CUDA shows the devices listed before the first one it cannot find.
+    known = [g.nvml_index is not None for g in gpus]
+    return gpus[: known.index(False)] if False in known else gpus
 
 
 def report_host(engine_id: int, controller: str) -> HostReport:

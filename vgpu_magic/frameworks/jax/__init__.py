@@ -36,7 +36,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from ...inventory import DeviceInventory, GPUInfo, cuda_to_nvml_order, nvml_gpus
+from ...inventory import DeviceInventory, GPUInfo, cuda_gpus, cuda_to_nvml_order, nvml_gpus
 from ..base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader
 from .memory import LiveArrayBytes, MemoryReader, devices_by_name
 
@@ -209,22 +209,7 @@ class Jax(Framework):
     def _gpus(self) -> tuple[tuple[GPUInfo, ...], bool]:
         nvml = nvml_gpus() if (backend_started() or gpu_backend_installed()) else []
         count = self._gpu_count(nvml)
-        gpus = []
-        for i, details in enumerate(cuda_to_nvml_order(count, nvml)):
-            if details is None:
-                gpus.append(GPUInfo(index=i))
-            else:
-                gpus.append(
-                    GPUInfo(
-                        index=i,
-                        model=details["model"],
-                        total_mib=details["total_mib"],
-                        free_mib=details["free_mib"],
-                        compute_capability=details["compute_capability"],
-                        nvml_index=details["nvml_index"],
-                    )
-                )
-        return tuple(gpus), bool(nvml)
+        return cuda_gpus(count, nvml), bool(nvml)
 
     def probe_inventory(self) -> DeviceInventory:
         jax = self.load()
