@@ -422,11 +422,12 @@ def _switch_theme(page, sync_api, name: str, light: bool) -> None:
 PANEL_CELLS = {
     "load": "%load_ext vgpu_magic",
     "early panel": "%vgpu_split",
-    "gpu panel": """from vgpu_magic.inventory import DeviceInventory, GPUInfo
+    "gpu panel": """from vgpu_magic.frameworks.tensorflow import CAPABILITIES as TENSORFLOW
+from vgpu_magic.inventory import DeviceInventory, GPUInfo
 from vgpu_magic.split_panel import SplitPanel
 
 a100 = GPUInfo(0, "NVIDIA A100-SXM4-40GB", total_mib=40960, free_mib=40000, compute_capability=(8, 0), nvml_index=0)
-gpu_panel = SplitPanel(DeviceInventory(gpus=(a100,), nvml_available=True))
+gpu_panel = SplitPanel(DeviceInventory(gpus=(a100,), nvml_available=True, capabilities=TENSORFLOW))
 gpu_panel.count_text.value = 2
 gpu_panel.custom.value = True
 gpu_panel.device_memory.children[0].value = gpu_panel.device_memory.children[0].max
@@ -436,8 +437,8 @@ from vgpu_magic.runtime import CellRef, RuntimeState
 
 MiB = 1024 * 1024
 StatusReport([FrameworkStatus(
-    inventory=DeviceInventory(gpus=(a100,), nvml_available=True),
-    runtime=RuntimeState(imported=True, started=True, started_by=CellRef(7, "model.fit(dataset, epochs=3)")),
+    inventory=DeviceInventory(gpus=(a100,), nvml_available=True, capabilities=TENSORFLOW),
+    runtime=RuntimeState("tensorflow", "TensorFlow", imported=True, started=True, started_by=CellRef(7, "model.fit(dataset, epochs=3)")),
     logical=[LogicalDeviceStatus(f"/device:GPU:{i}", "/physical_device:GPU:0", 19232, (900 + 700 * i) * MiB,
                                  (1500 + 700 * i) * MiB) for i in range(2)],
     replicas=2,

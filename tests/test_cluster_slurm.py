@@ -1,230 +1,151 @@
-"""Ranks started through ipyparallel's SLURM launcher on a real SLURM cluster
-(the session's ``local_slurm`` fixture: Debian's slurm-wlm and munge,
-configured in a temporary folder): torch DDP, TensorFlow MultiWorkerMirroredStrategy
-and ``jax.distributed`` ranks, each a task of one ``sbatch`` job, a collective
-across them, and after ``stop`` an empty queue and no process left. Then the
-same on two nodes (``two_node_slurm``: a second slurmd on a second host, a
-network namespace of its own), where the collective crosses the hosts and the
-wiring carries rank 0's real address.
-Skipped with the reason where SLURM cannot run (not root on Linux, no slurm-wlm)."""
+"""Under SLURM the ranks' wiring equals what the frameworks' own SLURM support
+computes from the same environment: JAX's ``SlurmCluster`` (coordinator,
+process id and count, local id), TensorFlow's ``SlurmClusterResolver`` (task
+type and index, cluster spec, each task's GPU) and the usual torchrun-under-SLURM
+mapping (``RANK=SLURM_PROCID``, ``LOCAL_RANK=SLURM_LOCALID``,
+``WORLD_SIZE=SLURM_NTASKS``, ``GROUP_RANK=SLURM_NODEID``, ``MASTER_ADDR`` the
+first host of the job). The environments are recorded ``srun`` task
+environments of a 1-node and a 2-node step; the frameworks read them from
+``os.environ``, vgpu_magic from the engines' host reports. Pure: no process starts.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import io
-import time
+import json
+import os
+from unittest import mock
 
-import psutil
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+from vgpu_magic.frameworks import get
+from vgpu_magic.inventory import GPUInfo
+from vgpu_magic.ranks.hosts import LAUNCHER_VARIABLES, HostReport, expand_hostlist, layout_ranks
 
-#: Seconds a cell may run on the ranks (a collective that cannot connect fails instead of hanging).
-RUN_TIMEOUT = 120
-
-
-
-def identity(rank: str) -> str:
-    """Code binding ``_who``: the rank as the wiring gave it (``rank``, an expression), then
-    the rank, job and task count as SLURM gave them."""
-    return (
-        "import json, os, socket\n"
-        f"_who = ({rank}, int(os.environ['SLURM_PROCID']), os.environ['SLURM_JOB_ID'], int(os.environ['SLURM_NTASKS']))\n"
-    )
+slurm_cluster = pytest.importorskip("jax._src.clusters.slurm_cluster")
+resolver = pytest.importorskip("tensorflow.python.distribute.cluster_resolver.slurm_cluster_resolver")
 
 
-TORCH_RANK = "int(os.environ['RANK'])"
-TF_RANK = "json.loads(os.environ['TF_CONFIG'])['task']['index']"
+def srun_tasks(job_id: int, nodelist: str, hosts: list[str], per_node: int, per_node_text: str) -> list[dict[str, str]]:
+    """The environment ``srun`` gives each task of a block-distributed step (recorded variable set)."""
+    ntasks = per_node * len(hosts)
+    tasks = []
+    for procid in range(ntasks):
+        node = procid // per_node
+        tasks.append({
+            "SLURM_JOB_ID": str(job_id),
+            "SLURM_JOBID": str(job_id),
+            "SLURM_STEP_ID": "0",
+            "SLURM_PROCID": str(procid),
+            "SLURM_LOCALID": str(procid % per_node),
+            "SLURM_NODEID": str(node),
+            "SLURM_NTASKS": str(ntasks),
+            "SLURM_NPROCS": str(ntasks),
+            "SLURM_STEP_NUM_TASKS": str(ntasks),
+            "SLURM_STEP_NUM_NODES": str(len(hosts)),
+            "SLURM_JOB_NUM_NODES": str(len(hosts)),
+            "SLURM_STEP_NODELIST": nodelist,
+            "SLURM_JOB_NODELIST": nodelist,
+            "SLURM_NODELIST": nodelist,
+            "SLURM_TASKS_PER_NODE": per_node_text,
+            "SLURM_STEP_TASKS_PER_NODE": per_node_text,
+            "SLURMD_NODENAME": hosts[node],
+        })
+    return tasks
 
 
-def processes_of(cluster_id: str) -> list[psutil.Process]:
-    """Processes on this machine started for the cluster (engines carry its id in their arguments)."""
+ONE_NODE = srun_tasks(4242, "node07", ["node07"], 2, "2")
+TWO_NODES = srun_tasks(131071, "gpu[01-02]", ["gpu01", "gpu02"], 2, "2(x2)")
+GPUS_PER_NODE = 2
+
+
+def reports(tasks: list[dict[str, str]]) -> list[HostReport]:
+    """What each task's engine reports: engine ids in another order than the SLURM ranks (engines register
+    in any order), each node's address, its 2 GPUs, a port chosen there, the SLURM variables."""
     found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        if proc.info["status"] != psutil.STATUS_ZOMBIE and any(cluster_id in a for a in proc.info["cmdline"] or ()):
-            found.append(proc)
+    for engine_id, env in zip(reversed(range(len(tasks))), tasks):
+        node = int(env["SLURM_NODEID"])
+        gpus = tuple(
+            GPUInfo(i, "GPU", total_mib=81920, free_mib=81000, compute_capability=(9, 0), nvml_index=i)
+            for i in range(GPUS_PER_NODE)
+        )
+        launcher = {k: v for k, v in env.items() if k in LAUNCHER_VARIABLES}
+        found.append(HostReport(engine_id, env["SLURMD_NODENAME"], f"10.0.0.{node + 1}", 100 + engine_id, gpus,
+                                30000 + engine_id, launcher))
     return found
 
 
-def step_daemons() -> set[int]:
-    return {p.pid for p in psutil.process_iter(["name", "status"]) if p.info["name"] == "slurmstepd" and p.info["status"] != psutil.STATUS_ZOMBIE}
+def under(env: dict[str, str]):
+    """``os.environ`` is exactly this task's environment while a framework reads it."""
+    return mock.patch.dict(os.environ, env, clear=True)
 
 
-@contextlib.contextmanager
-def slurm_ranks(slurm, framework: str, n: int, launcher_options: dict | None = None, **options):
-    """Ranks in a SLURM job; afterwards the queue is empty and no process is left."""
-    from vgpu_magic.ranks import RankCluster
-
-    steps = step_daemons()
-    launcher_options = {"time": "10", **(launcher_options or {})}
-    ranks = RankCluster(n, framework, launcher="slurm", launcher_options=launcher_options, **options).start()
-    cluster_id = ranks.cluster_id
-    try:
-        # A running job of n tasks while the ranks are up.
-        queue = slurm.squeue()
-        assert len(queue) == 1 and queue[0].split()[1] == "RUNNING" and cluster_id in queue[0], queue
-        yield ranks
-    finally:
-        ranks.stop()
-    assert slurm.squeue() == []
-    # slurmstepd reaps its tasks and exits just after the job ends: allow it a moment.
-    deadline = time.monotonic() + 20
-    while (processes_of(cluster_id) or step_daemons() - steps) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert processes_of(cluster_id) == []
-    assert step_daemons() <= steps
+@pytest.mark.parametrize("tasks", [ONE_NODE, TWO_NODES], ids=["1 node", "2 nodes"])
+def test_jax_coordinator_and_process_ids_equal_jaxs_slurm_cluster(tasks):
+    plans = get("jax").plan_ranks(layout_ranks(reports(tasks)), None, None, None)
+    layout = layout_ranks(reports(tasks))
+    for env in tasks:
+        with under(env):
+            cluster = slurm_cluster.SlurmCluster
+            assert cluster.is_env_present()
+            expected = (
+                cluster.get_coordinator_address(None, None),
+                cluster.get_process_count(),
+                cluster.get_process_id(),
+            )
+            local = cluster.get_local_process_id()
+        rank = int(env["SLURM_PROCID"])
+        coordinator, count, process_id, gpu = plans[rank].args[:4]
+        assert (coordinator, count, process_id) == expected
+        assert layout.places[rank].local_rank == local
+        assert gpu == local  # one GPU per local rank on every node, CUDA's index on its host
 
 
-@pytest.fixture
-def slurm(local_slurm, monkeypatch):
-    """The single-node cluster, the one SLURM commands reach during the test."""
-    monkeypatch.setenv("SLURM_CONF", str(local_slurm.conf))
-    return local_slurm
+@pytest.mark.parametrize("tasks", [ONE_NODE, TWO_NODES], ids=["1 node", "2 nodes"])
+def test_tf_config_equals_tensorflows_slurm_cluster_resolver(tasks):
+    plans = get("tensorflow").plan_ranks(layout_ranks(reports(tasks)), None, None, None)
+    for env in tasks:
+        with under(env):
+            found = resolver.SlurmClusterResolver(gpus_per_node=GPUS_PER_NODE, auto_set_gpu=False)
+            spec = found.cluster_spec().as_dict()
+            task_type, task_id = found.get_task_info()
+            gpu = int(found._gpu_allocation[found._rank])
+        rank = int(env["SLURM_PROCID"])
+        config = json.loads(plans[rank].env["TF_CONFIG"])
+        assert config == {"cluster": spec, "task": {"type": task_type, "index": task_id}}
+        assert plans[rank].args[0] == gpu  # the GPU the resolver gives the task is the worker's
 
 
-def quiet_run(ranks, code: str):
-    """Run ``code``; the value of its last expression on each rank, the ranks' output kept aside."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        return ranks.run(code, output=True, timeout=RUN_TIMEOUT)
+@pytest.mark.parametrize("tasks", [ONE_NODE, TWO_NODES], ids=["1 node", "2 nodes"])
+def test_torch_environment_is_the_usual_torchrun_mapping_of_slurm(tasks):
+    plans = get("torch").plan_ranks(layout_ranks(reports(tasks)), None, None, None)
+    for env in tasks:
+        rank = int(env["SLURM_PROCID"])
+        first_host = resolver.expand_hostlist(env["SLURM_JOB_NODELIST"])[0]  # scontrol show hostnames ... | head -1
+        expected = {
+            "RANK": env["SLURM_PROCID"],
+            "LOCAL_RANK": env["SLURM_LOCALID"],
+            "WORLD_SIZE": env["SLURM_NTASKS"],
+            "GROUP_RANK": env["SLURM_NODEID"],
+            "LOCAL_WORLD_SIZE": str(resolver.expand_tasks_per_node(env["SLURM_TASKS_PER_NODE"])[int(env["SLURM_NODEID"])]),
+            "MASTER_ADDR": first_host,
+        }
+        assert {k: plans[rank].env[k] for k in expected} == expected
+        # A GPU per local rank on each node: each rank its own, so NCCL.
+        assert plans[rank].args[:2] == ("nccl", int(env["SLURM_LOCALID"]))
+    assert len({p.env["MASTER_PORT"] for p in plans}) == 1
 
 
-def check_slurm_tasks(found, n: int):
-    """Every rank is the SLURM task of the same number, all in one job of n tasks."""
-    ranks = [who[0] for who in found]
-    assert ranks == list(range(n))
-    assert [who[1] for who in found] == ranks
-    assert len({who[2] for who in found}) == 1
-    assert {who[3] for who in found} == {n}
+def test_ranks_follow_slurm_not_the_engines_order():
+    layout = layout_ranks(reports(TWO_NODES))
+    assert [p.rank for p in layout.places] == [0, 1, 2, 3]
+    assert [p.engine_id for p in layout.places] == [3, 2, 1, 0]
+    assert [(p.hostname, p.node_rank, p.local_rank, p.local_world_size) for p in layout.places] == [
+        ("gpu01", 0, 0, 2), ("gpu01", 0, 1, 2), ("gpu02", 1, 0, 2), ("gpu02", 1, 1, 2),
+    ]
 
 
-def test_torch_ddp_ranks_are_tasks_of_one_slurm_job(slurm):
-    with slurm_ranks(slurm, "torch", 2) as ranks:
-        assert "ipyparallel engines in one SLURM job (sbatch + srun), job " in ranks.describe()[0]
-        found = quiet_run(
-            ranks,
-            identity(TORCH_RANK) + "import torch, torch.distributed as dist\n"
-            "t = torch.tensor([float(dist.get_rank() + 1)])\n"
-            "dist.all_reduce(t)\n"
-            "(*_who, dist.get_world_size(), t.item())",
-        )
-    check_slurm_tasks(found, 2)
-    assert [who[-2:] for who in found] == [(2, 3.0), (2, 3.0)]
-
-
-def test_tensorflow_multiworker_ranks_in_slurm(slurm):
-    with slurm_ranks(slurm, "tensorflow", 2) as ranks:
-        found = quiet_run(
-            ranks,
-            identity(TF_RANK) + "import tensorflow as tf\n"
-            "strategy = tf.distribute.MultiWorkerMirroredStrategy()\n"
-            "task = strategy.cluster_resolver.task_id\n"
-            "@tf.function\n"
-            "def step():\n"
-            "    context = tf.distribute.get_replica_context()\n"
-            "    return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.constant(float(task + 1)))\n"
-            "total = strategy.experimental_local_results(strategy.run(step))[0]\n"
-            "(*_who, strategy.num_replicas_in_sync, task, float(total))",
-        )
-    check_slurm_tasks(found, 2)
-    assert [who[-3:] for who in found] == [(2, 0, 3.0), (2, 1, 3.0)]
-
-
-def test_jax_distributed_ranks_in_slurm(slurm):
-    with slurm_ranks(slurm, "jax", 2) as ranks:
-        found = quiet_run(
-            ranks,
-            "import jax, jax.numpy as jnp\nfrom jax.experimental import multihost_utils\n"
-            + identity("jax.process_index()")
-            + "gathered = multihost_utils.process_allgather(jnp.array([jax.process_index() + 10]))\n"
-            "(*_who, jax.process_index(), jax.process_count(), gathered.ravel().tolist())",
-        )
-    check_slurm_tasks(found, 2)
-    assert [who[-3:] for who in found] == [(0, 2, [10, 11]), (1, 2, [10, 11])]
-
-
-def test_slurm_options_reach_the_batch_script(slurm):
-    """Partition, time limit and extra #SBATCH lines are what sbatch runs, as the job shows."""
-    from vgpu_magic.ranks import RankCluster
-
-    ranks = RankCluster(
-        1, "torch", launcher="slurm",
-        launcher_options={"partition": "debug", "time": "7", "sbatch": ["--comment=vgpu-test"]},
-    ).start()
-    try:
-        job = next(iter(ranks.cluster.engines.values())).job_id
-        shown = slurm.scontrol("show", "job", job)
-    finally:
-        ranks.stop()
-    assert "Partition=debug" in shown and "TimeLimit=00:07:00" in shown and "Comment=vgpu-test" in shown
-    assert slurm.squeue() == []
-
-
-@pytest.fixture
-def two_nodes(two_node_slurm, monkeypatch):
-    """The two-node cluster, the one SLURM commands reach during the test."""
-    monkeypatch.setenv("SLURM_CONF", str(two_node_slurm.conf))
-    return two_node_slurm
-
-
-def on_two_nodes(two_hosts) -> dict:
-    """One task per node; engines reach the controller at this host's address on the veth pair."""
-    return {"sbatch": ["--nodes=2", "--ntasks-per-node=1"], "controller_address": two_hosts.first.address}
-
-
-def test_engines_of_one_job_on_two_nodes(two_nodes, two_hosts):
-    """The launcher's part: one SLURM task per node, ranks in SLURM_PROCID order, both engines
-    reaching the controller, and a gloo all-reduce across the nodes (wired by hand here)."""
-    addresses = {two_hosts.first.hostname: two_hosts.first.address, two_hosts.second.hostname: two_hosts.second.address}
-    with slurm_ranks(two_nodes, "tensorflow", 2, on_two_nodes(two_hosts)) as ranks:
-        hosts = list(ranks.hosts)
-        # Rank 0 serves the rendezvous, on its own host (SLURM may place it on either).
-        store = f"tcp://{addresses[hosts[0]]}:{two_hosts.free_port_on(hosts[0])}"
-        found = quiet_run(
-            ranks,
-            identity(TF_RANK) + "import datetime, torch, torch.distributed as dist\n"
-            f"dist.init_process_group('gloo', init_method={store!r}, rank=_who[0], world_size=2, "
-            "timeout=datetime.timedelta(seconds=60))\n"
-            "t = torch.tensor([float(_who[0] + 1)])\n"
-            "dist.all_reduce(t)\n"
-            "dist.destroy_process_group()\n"
-            "(*_who, socket.gethostname(), int(os.environ['SLURM_NNODES']), t.item())",
-        )
-    check_slurm_tasks(found, 2)
-    assert sorted(hosts) == sorted(addresses) and [f[4] for f in found] == hosts
-    assert [f[5:] for f in found] == [(2, 3.0), (2, 3.0)]
-
-
-def test_torch_ddp_across_two_slurm_nodes(two_nodes, two_hosts):
-    addresses = {two_hosts.first.hostname: two_hosts.first.address, two_hosts.second.hostname: two_hosts.second.address}
-    with slurm_ranks(two_nodes, "torch", 2, on_two_nodes(two_hosts)) as ranks:
-        found = quiet_run(
-            ranks,
-            identity(TORCH_RANK) + "import torch, torch.distributed as dist\n"
-            "t = torch.tensor([float(dist.get_rank() + 1)])\n"
-            "dist.all_reduce(t)\n"
-            "(*_who, socket.gethostname(), os.environ['MASTER_ADDR'], os.environ['LOCAL_RANK'], t.item())",
-        )
-    check_slurm_tasks(found, 2)
-    first_host = found[0][4]
-    assert {f[4] for f in found} == set(addresses)
-    # MASTER_ADDR is rank 0's host's real address on both ranks; each rank is local rank 0 on its node.
-    assert [f[5:] for f in found] == [(addresses[first_host], "0", 3.0)] * 2
-
-
-def test_jax_distributed_across_two_slurm_nodes(two_nodes, two_hosts):
-    addresses = {two_hosts.first.hostname: two_hosts.first.address, two_hosts.second.hostname: two_hosts.second.address}
-    with slurm_ranks(two_nodes, "jax", 2, on_two_nodes(two_hosts)) as ranks:
-        found = quiet_run(
-            ranks,
-            "import jax, jax.numpy as jnp\nfrom jax.experimental import multihost_utils\nfrom jax._src import distributed\n"
-            + identity("jax.process_index()")
-            + "gathered = multihost_utils.process_allgather(jnp.array([jax.process_index() + 10]))\n"
-            "(*_who, socket.gethostname(), distributed.global_state.coordinator_address, gathered.ravel().tolist())",
-        )
-    check_slurm_tasks(found, 2)
-    first_host = found[0][4]
-    assert {f[4] for f in found} == set(addresses)
-    # The coordinator runs on rank 0's host, at its real address.
-    assert [f[5].rsplit(":", 1)[0] for f in found] == [addresses[first_host]] * 2
-    assert [f[6] for f in found] == [[10, 11]] * 2
+@pytest.mark.parametrize(
+    "hostlist", ["node07", "gpu[01-02]", "n[1-2],m5,o[3-4,6,7-9]", "node[001-003,010],login1", "a1,b2,c[8-11]"]
+)
+def test_host_lists_expand_as_tensorflows_resolver_expands_them(hostlist):
+    assert expand_hostlist(hostlist) == resolver.expand_hostlist(hostlist)

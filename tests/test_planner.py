@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from vgpu_magic.frameworks.tensorflow import CAPABILITIES as TENSORFLOW
 from vgpu_magic.inventory import DeviceInventory, GPUInfo
 from vgpu_magic.planner import (
     MAX_DEVICES,
@@ -26,7 +27,7 @@ from vgpu_magic.frameworks.tensorflow import system_reserve_mib
 from vgpu_magic.grammar import parse_split_line
 from vgpu_magic.planner import configuration_after as _wanted
 
-CPU_ONLY = DeviceInventory(gpus=(), cpus=1, version="2.21.0")
+CPU_ONLY = DeviceInventory(gpus=(), cpus=1, version="2.21.0", capabilities=TENSORFLOW)
 
 #: TensorFlow's per-GPU reserve (MinSystemMemory in gpu_device.cc), written out
 #: independently of ``system_reserve_mib``: below 2 GiB free 225 MiB, otherwise by
@@ -55,7 +56,9 @@ def gpu_inventory(*free_mib: int | None, cc: tuple[int, int] | None = (8, 0), to
         )
         for i, free in enumerate(free_mib)
     )
-    return DeviceInventory(gpus=gpus, cpus=1, version="2.21.0", nvml_available=any(f is not None for f in free_mib))
+    return DeviceInventory(
+        gpus=gpus, cpus=1, version="2.21.0", nvml_available=any(f is not None for f in free_mib), capabilities=TENSORFLOW
+    )
 
 
 def expected_usable(free: int, cc) -> int:

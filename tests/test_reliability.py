@@ -21,6 +21,7 @@ import vgpu_magic
 from conftest import CHILD_ENV, ROOT, tf_device_configuration
 from vgpu_magic.frameworks.base import ConfigSnapshot
 from vgpu_magic.grammar import parse_seconds, parse_split_line
+from vgpu_magic.frameworks.tensorflow import CAPABILITIES as TENSORFLOW
 from vgpu_magic.inventory import DeviceInventory, GPUInfo, NVMLReadError
 from vgpu_magic.planner import PlanError, plan_split
 
@@ -30,7 +31,7 @@ def two_gpus(current: ConfigSnapshot | None = None) -> DeviceInventory:
         GPUInfo(i, "NVIDIA Test GPU", total_mib=24576, free_mib=24000, compute_capability=(8, 0), nvml_index=i)
         for i in range(2)
     )
-    return DeviceInventory(gpus=gpus, version="2.21.0", nvml_available=True, current=current)
+    return DeviceInventory(gpus=gpus, version="2.21.0", nvml_available=True, current=current, capabilities=TENSORFLOW)
 
 
 def snapshot(logical=None, visible=(0, 1), growth=(False, False)) -> ConfigSnapshot:

@@ -18,6 +18,7 @@ import math
 import re
 import shlex
 
+from . import frameworks
 from .planner import MAX_DEVICES, PlanError, SplitRequest, excerpt, parse_memory_list
 
 __all__ = [
@@ -180,7 +181,7 @@ def split_argument_parser(prog: str = "%vgpu_split") -> argparse.ArgumentParser:
         "-f",
         type=_framework_type,
         metavar="NAME",
-        help="tensorflow (alias tf) or jax; default: the one imported in the kernel, else the one installed, "
+        help=f"{frameworks.choices()}; default: the one imported in the kernel, else the one installed, "
         "else TensorFlow",
     )
     parser.add_argument("--dry-run", "-n", action="store_true", help="plan and print, configure nothing")

@@ -21,6 +21,7 @@ from traitlets import Bool
 
 from . import api
 from .engine import SplitResult, summary_lines
+from . import frameworks
 from .frameworks import FrameworkChoiceError, FrameworkImportError
 from .grammar import parse_split_line, split_argument_parser
 from .inventory import NVMLReadError
@@ -171,7 +172,7 @@ class VGPUMagics(Magics):
         while i < len(words):
             if words[i] in ("--framework", "-f"):
                 if i + 1 >= len(words):
-                    raise UsageError("--framework needs a name; use tensorflow (tf) or jax")
+                    raise UsageError(f"--framework needs a name; use {frameworks.choices()}")
                 framework = words[i + 1]
                 i += 2
                 continue
@@ -209,8 +210,6 @@ class VGPUMagics(Magics):
 
     def on_load(self) -> None:
         """Warn about runtimes that already started, then apply the persistent split."""
-        from . import frameworks
-
         persistent = self.persistent_line()
         for fw in frameworks.imported():
             state = self.watcher.state(fw, check_cuda=False)

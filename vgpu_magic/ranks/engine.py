@@ -3,8 +3,9 @@ its processes.
 
 :class:`RankCluster` is the engine behind ``%vgpu_cluster`` and
 ``%%vgpu_run``; it needs no shell. ipyparallel's :class:`~ipyparallel.Cluster`
-starts, signals and stops the processes; this class adds the rank order, the
-framework wiring (:mod:`.wiring`), the fault policy (:mod:`.run`) and a stop
+starts, signals and stops the processes; this class adds the ranks' hosts and
+their order (:mod:`.hosts`), the framework's wiring (each framework's
+``plan_ranks`` in :mod:`vgpu_magic.frameworks`), the fault policy (:mod:`.run`) and a stop
 that leaves nothing behind: ipyparallel sends SIGTERM and only later SIGKILL
 (TensorFlow workers were measured still alive 5 s after SIGTERM), so
 :meth:`RankCluster.stop` escalates itself and checks with psutil that every
@@ -26,9 +27,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .launchers import LAUNCHERS, LauncherPlan, engine_identity, plan_launcher
+from .. import frameworks
+from ..frameworks.base import RankPlan
+from ..inventory import GPUInfo, NVMLReadError
+from ..units import MIB
+from .hosts import HostReport, RankLayout, layout_ranks, prepare_rank, report_host, visible_gpus
+from .launchers import LAUNCHERS, LauncherPlan, plan_launcher
 from .run import RankRun, RankRunError, names_to_send, names_written, pack_names, process_alive, split_last_expression
-from .wiring import GPU, RankPlan, get_wiring, prepare_rank
 
 __all__ = ["RankCluster", "RankInfo", "ClusterStartError", "current", "free_ports", "LAUNCHERS"]
 
@@ -40,6 +45,12 @@ ENGINE_TIMEOUT = 120.0
 SETUP_TIMEOUT = 120.0
 #: Seconds a cancelled batch job may take to leave the queue, and remote engines to exit.
 REMOTE_STOP_TIMEOUT = 30.0
+#: The controller's heartbeat. The hub accepts a registering engine only once its heart has answered a ping, so
+#: ipyparallel's default 3 s period made every start wait 3-6 s for nothing (``benchmarks/cluster.py``). Beating
+#: every 200 ms costs the idle cluster under 1 % of one core; 150 misses keep ipyparallel's 30 s before a silent
+#: engine counts as dead.
+HEARTBEAT_MS = 200
+CONTROLLER_ARGS = (f"--HeartMonitor.period={HEARTBEAT_MS}", f"--HeartMonitor.max_heartmonitor_misses={30_000 // HEARTBEAT_MS}")
 
 _current: RankCluster | None = None
 _lock = threading.Lock()
@@ -59,8 +70,7 @@ class RankInfo:
     alive: bool
     rss: int | None
     gpu: int | None
-    #: The host the rank runs on (its ``socket.gethostname()``).
-    host: str = ""
+    host: str
 
 
 def free_ports(count: int) -> list[int]:
@@ -124,23 +134,25 @@ class RankCluster:
     n:
         Number of ranks (1..64).
     framework:
-        ``"torch"``, ``"tensorflow"`` (``"tf"``) or ``"jax"``.
+        A name in :data:`vgpu_magic.frameworks.REGISTRY` (or an alias):
+        ``"torch"``, ``"tensorflow"`` (``"tf"``), ``"jax"``.
     split:
         TensorFlow: logical GPUs per worker (GPU only); JAX: CPU devices per process.
     memory:
-        Per-rank GPU memory cap in bytes (default: an even share of the GPU).
+        Per-rank GPU memory cap in bytes (default: an even share of what the GPU can give).
     port:
         The coordinator port (torch's ``MASTER_PORT``, JAX's coordinator, the
-        first TensorFlow worker); default: free ports from the OS.
+        first TensorFlow worker); default: ports the OS gives on the hosts that bind them.
     gpus:
-        The GPUs to plan for, ``[(index, total_bytes), ...]``; default: what NVML sees.
+        The GPUs every host is planned with, ``[(cuda_index, total_bytes), ...]``;
+        default: what each engine reports it sees.
     launcher:
         How ipyparallel starts the engines: ``"local"`` (processes of this
         kernel), ``"mpi"`` (one ``mpiexec`` job; needs ``mpiexec`` and
         ``mpi4py``), ``"slurm"`` (one ``sbatch`` job running ``srun
         ipengine``) or ``"ssh"`` (engines started on other hosts over SSH).
-        Ranks are ordered as the launcher numbers them (``SLURM_PROCID``, the
-        MPI rank).
+        The ranks are wired from the hosts the engines report, in the
+        launcher's order (``SLURM_PROCID``, the MPI rank).
     launcher_options:
         What the launcher needs (see :mod:`.launchers`): SLURM ``partition``,
         ``account``, ``time``, extra ``sbatch`` lines and ``srun`` arguments;
@@ -174,7 +186,7 @@ class RankCluster:
             raise ValueError(f"rank count {n!r} is out of range; use 1..64")
         if port is not None and not 1 <= port <= 65535:
             raise ValueError(f"--port {port} is not a TCP port; use 1..65535, or leave it out for a free one")
-        self.wiring = get_wiring(framework)
+        self.fw = frameworks.get(framework)
         self.cluster_id = f"vgpu-{uuid.uuid4().hex[:8]}"
         self.launcher_plan: LauncherPlan = plan_launcher(launcher, n, launcher_options, self.cluster_id)
         self.launcher = launcher
@@ -182,26 +194,29 @@ class RankCluster:
         missing = [m for m in ("ipyparallel", "psutil", "cloudpickle") if importlib.util.find_spec(m) is None]
         if missing:
             raise ValueError(f"the ranks need {', '.join(missing)}: pip install 'vgpu_magic[cluster]'")
-        if importlib.util.find_spec(self.wiring.module) is None:
-            raise ValueError(f"{self.wiring.label} is not installed in this kernel: pip install 'vgpu_magic[{self.wiring.extra}]'")
-        if gpus is None:
-            from .memory import gpu_totals
-
-            gpus = gpu_totals()
-        self.gpus = [GPU(i, total) for i, total in gpus]
-        self.wiring.validate(n, split, memory, self.gpus)
+        if importlib.util.find_spec(self.fw.module) is None:
+            raise ValueError(f"{self.label} is not installed in this kernel; {self.fw.capabilities.install_hint}")
+        #: The GPUs the caller planned for (every host then plans with them), or ``None``: each engine's own.
+        self.given_gpus = None if gpus is None else tuple(
+            GPUInfo(index, total_mib=total // MIB, nvml_index=index) for index, total in gpus
+        )
+        memory_mib = None if memory is None else memory // MIB
+        # Planned once on this host's view of the ranks, so a request that cannot work fails before anything starts;
+        # start() plans again from what the engines report.
+        self.fw.plan_ranks(self._predicted_layout(n), split, memory_mib, port)
         self.n = n
         self.split = split
         self.memory = memory
+        self.memory_mib = memory_mib
         self.port = port
+        self.hosts: list[HostReport] = []
+        self.layout: RankLayout | None = None
         self.plans: list[RankPlan] = []
         self.cluster: Any = None
         self.client: Any = None
         self.view: Any = None
         self.engine_ids: list[int] = []
         self.pids: list[int] = []
-        #: Each rank's host name, in rank order.
-        self.hosts: list[str] = []
         self.must_restart: str | None = None
         #: Names cells run on the ranks assigned: rank state, never overwritten from the notebook.
         self.rank_names: set[str] = set()
@@ -209,7 +224,11 @@ class RankCluster:
 
     @property
     def framework(self) -> str:
-        return self.wiring.name
+        return self.fw.name
+
+    @property
+    def label(self) -> str:
+        return self.fw.label
 
     @property
     def running(self) -> bool:
@@ -217,9 +236,10 @@ class RankCluster:
 
     def same_request(self, other: RankCluster) -> bool:
         """Does ``other`` ask for the same ranks and wiring as this cluster?"""
-        mine = (self.n, self.framework, self.split, self.memory, self.port, self.gpus, self.launcher, self.launcher_options)
-        theirs = (other.n, other.framework, other.split, other.memory, other.port, other.gpus, other.launcher, other.launcher_options)
-        return mine == theirs
+        def request(c: RankCluster) -> tuple:
+            return (c.n, c.framework, c.split, c.memory, c.port, c.given_gpus, c.launcher, c.launcher_options)
+
+        return request(self) == request(other)
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> RankCluster:
@@ -238,8 +258,6 @@ class RankCluster:
         if previous is not None and previous is not self:
             previous.stop()
         try:
-            # ERROR: ipyparallel logs an engine's whole log file as a warning when it exits non-zero, which
-            # every stop after a killed rank would print into the cell; this class reports failures itself.
             self.cluster = self._new_cluster(ipp)
             self.cluster.start_cluster_sync(n=self.n)
             # Remembered at once, so that even engines that never register are stopped.
@@ -247,17 +265,24 @@ class RankCluster:
             self.client = self.cluster.connect_client_sync()
             # interactive=False: no progress bar in the cell (the start summary says what started).
             self.client.wait_for_engines(self.n, timeout=ENGINE_TIMEOUT, block=True, interactive=False)
-            self._read_engines()
-            ports = [self.port, *free_ports(self.wiring.ports_needed(self.n) - 1)] if self.port else free_ports(
-                self.wiring.ports_needed(self.n)
-            )
-            self.plans = self.wiring.plan(self.n, ports, self.split, self.memory, self.gpus)
+            self.hosts = self._read_hosts(sorted(self.client.ids)[: self.n])
+            self.layout = self._layout(self.hosts)
+            # Rank order: the launcher's ranks, else the engines', grouped by host.
+            self.engine_ids = [place.engine_id for place in self.layout.places]
+            self.pids = [place.pid for place in self.layout.places]
+            if not self.launcher_plan.remote:
+                # Local and mpiexec engines are this host's processes; a SLURM job's tasks and SSH
+                # engines are ended through their launcher (stop), a PID elsewhere names nothing here.
+                self._owned.update(self.pids)
+            self.view = self.client[self.engine_ids]
+            self.view.block = True
+            self.plans = self.fw.plan_ranks(self.layout, self.split, self.memory_mib, self.port)
             self._wire()
         except BaseException as exc:
             self.stop()
             if isinstance(exc, RankRunError):
                 raise ClusterStartError(
-                    f"wiring {self.wiring.label} failed: {exc.headline(state=False)}; nothing was left running"
+                    f"wiring {self.label} failed: {exc.headline(state=False)}; nothing was left running"
                 ) from exc
             if isinstance(exc, Exception) and not isinstance(exc, ClusterStartError):
                 raise ClusterStartError(f"the ranks could not start: {type(exc).__name__}: {exc}") from exc
@@ -265,6 +290,29 @@ class RankCluster:
         atexit.register(self.stop)
         self._activate_px()
         return self
+
+    def _read_hosts(self, engine_ids: list[int]) -> list[HostReport]:
+        """Each engine's :class:`~.hosts.HostReport` (hostname, reachable address,
+        GPUs, PID, a free port on its host, the launcher's rank variables)."""
+        plan = self.launcher_plan
+        # The address engines reach the controller at (on every interface under slurm/ssh).
+        controller = plan.controller_location if plan.controller_ip else (self.cluster.controller_ip or "127.0.0.1")
+        pending = [self.client[e].apply_async(report_host, e, controller) for e in engine_ids]
+        return [ar.get(timeout=ENGINE_TIMEOUT) for ar in pending]
+
+    def _layout(self, hosts: list[HostReport]) -> RankLayout:
+        """The ranks laid out on ``hosts``, planned with the caller's GPUs where given."""
+        layout = layout_ranks(hosts)
+        return layout if self.given_gpus is None else layout.with_gpus(self.given_gpus)
+
+    def _predicted_layout(self, n: int) -> RankLayout:
+        """The layout ``n`` engines started on this host would report (checked before starting)."""
+        host = socket.gethostname()
+        try:
+            gpus = self.given_gpus if self.given_gpus is not None else visible_gpus()
+        except NVMLReadError as exc:
+            raise ValueError(str(exc)) from None
+        return self._layout([HostReport(e, host, "127.0.0.1", 0, gpus, 0) for e in range(n)])
 
     def _new_cluster(self, ipp: Any) -> Any:
         """ipyparallel's cluster, configured with the launcher plan."""
@@ -280,28 +328,8 @@ class RankCluster:
         # every stop after a killed rank would print into the cell; this class reports failures itself.
         return ipp.Cluster(
             n=self.n, engines=plan.engines, cluster_id=self.cluster_id, log_level=logging.ERROR,
-            config=Config(copy.deepcopy(plan.config)), **kwargs,
+            controller_args=list(CONTROLLER_ARGS), config=Config(copy.deepcopy(plan.config)), **kwargs,
         )
-
-    def _read_engines(self) -> None:
-        """Each engine's PID, host and launcher rank; ranks ordered as the launcher numbers them."""
-        ids = sorted(self.client.ids)
-        found = {e: self.client[e].apply_sync(engine_identity) for e in ids}
-        started = self._ssh_engines()
-        if started:
-            # Over SSH the ranks follow the hosts as given (blocks); engines register in any order.
-            order = {pid: i for i, (_, pid) in enumerate(started)}
-            if len(order) == len(started):
-                for info in found.values():
-                    info["launcher_rank"] = order.get(info["pid"], info["launcher_rank"])
-        ordered = sorted(ids, key=lambda e: (found[e]["launcher_rank"] is None, found[e]["launcher_rank"] or 0, e))
-        self.engine_ids = ordered[: self.n]
-        self.view = self.client[self.engine_ids]
-        self.view.block = True
-        self.pids = [found[e]["pid"] for e in self.engine_ids]
-        self.hosts = [found[e]["host"] for e in self.engine_ids]
-        if not self.launcher_plan.remote:
-            self._owned.update(self.pids)
 
     def _remember_processes(self) -> None:
         """Every process ipyparallel started for us on this host (controller, local and
@@ -402,7 +430,8 @@ class RankCluster:
                 pass
         left = self._stop_remote([job for job in jobs if job], ssh_engines)
         self.cluster = self.client = self.view = None
-        self.engine_ids, self.pids, self.hosts, self._owned = [], [], [], set()
+        self.engine_ids, self.pids, self._owned = [], [], set()
+        self.hosts, self.layout = [], None
         self.rank_names = set()
         self.must_restart = None
         atexit.unregister(self.stop)
@@ -491,7 +520,8 @@ class RankCluster:
         def submit(rank: int) -> Any:
             return self.client[self.engine_ids[rank]].execute(code, silent=False, block=False)
 
-        runner = RankRun(self.pids, submit, self._exit_code, timeout=timeout, plot=plot, gpu=bool(self.gpus))
+        gpu = self.layout is not None and any(p.gpu for p in self.layout.places)
+        runner = RankRun(self.pids, submit, self._exit_code, timeout=timeout, plot=plot, gpu=gpu)
         # Counted before the run: a cell that fails half-way may still have bound them on the ranks.
         self.rank_names |= names_written(code)
         self.last_run = runner
@@ -519,10 +549,11 @@ class RankCluster:
 
         if not self.running:
             return []
+        places = self.layout.places
         here = socket.gethostname()
         # A PID on another host names nothing here: such ranks are alive while their engine is registered.
-        local = [host == here for host in self.hosts]
-        sampler = RankMemorySampler([pid for pid, mine in zip(self.pids, local) if mine], bool(self.gpus))
+        local = [place.hostname == here for place in places]
+        sampler = RankMemorySampler([pid for pid, mine in zip(self.pids, local) if mine], any(p.gpu for p in places))
         local_rss, local_gpu = iter(sampler.rss()), iter(sampler.gpu())
         sampler.close()
         rss = [next(local_rss) if mine else None for mine in local]
@@ -535,7 +566,7 @@ class RankCluster:
         return [
             RankInfo(
                 rank, self.engine_ids[rank], pid, alive[rank], rss[rank] if alive[rank] else None, gpu[rank],
-                self.hosts[rank],
+                places[rank].hostname,
             )
             for rank, pid in enumerate(self.pids)
         ]
@@ -547,17 +578,20 @@ class RankCluster:
         if not self.running:
             return ["no cluster running"]
         where = self.launcher_plan.describe()
-        jobs = [getattr(es, "job_id", "") for es in self.cluster.engines.values()]
-        where += "".join(f", job {job}" for job in jobs if job)
-        lines = [f"{self.n} {self.wiring.label} rank{'s' if self.n > 1 else ''} on {where}"]
+        where += "".join(f", job {es.job_id}" for es in self.cluster.engines.values() if getattr(es, "job_id", ""))
+        lines = [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} on {where}"]
         lines.extend(self.plans[0].notes if self.plans else ())
-        for info in self.status():
+        infos = self.status()
+        # One host needs no naming on every line; ranks on several hosts say where each runs.
+        several_hosts = len({info.host for info in infos}) > 1
+        for info in infos:
             state = "alive" if info.alive else "dead"
             if info.alive and info.rss is not None:
                 state += f", RSS {format_bytes(info.rss)}"
             if info.alive and info.gpu is not None:
                 state += f", GPU {format_bytes(info.gpu)}"
-            lines.append(f"  rank {info.rank}: {info.host}, pid {info.pid}, {state}")
+            where = f" on {info.host}" if several_hosts else ""
+            lines.append(f"  rank {info.rank}: pid {info.pid}{where}, {state}")
         if self.must_restart:
             lines.append(f"must be restarted ({self.must_restart}): %vgpu_cluster restart")
         return lines

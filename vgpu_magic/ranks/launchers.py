@@ -40,7 +40,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["LAUNCHERS", "LauncherPlan", "plan_launcher", "engine_identity", "route_address", "ssh_target"]
+__all__ = ["LAUNCHERS", "LauncherPlan", "plan_launcher", "route_address", "ssh_target"]
 
 #: Launcher name -> the options it accepts.
 LAUNCHERS: dict[str, tuple[str, ...]] = {
@@ -231,20 +231,6 @@ def route_address(host: str) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as sock:
         sock.connect(sockaddr)
         return sock.getsockname()[0]
-
-
-def engine_identity() -> dict[str, Any]:
-    """Run on each engine: its PID, host name and the rank its launcher gave it
-    (``SLURM_PROCID``, the MPI rank), or None."""
-    import os as _os
-    import socket as _socket
-
-    rank = None
-    for name in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
-        if _os.environ.get(name, "").isdigit():
-            rank = int(_os.environ[name])
-            break
-    return {"pid": _os.getpid(), "host": _socket.gethostname(), "launcher_rank": rank}
 
 
 def _strings(key: str, value: Any) -> list[str]:

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..units import format_bytes
 
-__all__ = ["RankMemoryTrace", "RankMemorySampler", "RankMemoryPlot", "gpu_totals"]
+__all__ = ["RankMemoryTrace", "RankMemorySampler", "RankMemoryPlot"]
 
 
 @dataclass
@@ -57,17 +57,6 @@ class RankMemoryTrace:
         if self.has_gpu():
             text += "; peak GPU: " + ", ".join(f"rank {r} {format_bytes(v)}" for r, v in enumerate(self.peak_gpu()))
         return text
-
-
-def gpu_totals() -> list[tuple[int, int]]:
-    """``[(index, total bytes), ...]`` for every GPU NVML sees; ``[]`` without a GPU or driver,
-    or when NVML cannot read them."""
-    from ..inventory import NVMLReadError, nvml_gpus
-
-    try:
-        return [(g["nvml_index"], g["total_bytes"]) for g in nvml_gpus()]
-    except NVMLReadError:
-        return []
 
 
 class RankMemorySampler:

@@ -12,7 +12,7 @@ import psutil
 import pytest
 from IPython.core.error import UsageError
 
-from vgpu_magic.ranks.launchers import engine_identity, plan_launcher, route_address, ssh_target
+from vgpu_magic.ranks.launchers import plan_launcher, route_address, ssh_target
 
 
 @pytest.fixture
@@ -113,15 +113,6 @@ def test_slurm_without_sbatch_says_where_to_run(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
     with pytest.raises(ValueError, match="the slurm launcher needs sbatch on PATH"):
         plan_launcher("slurm", 2)
-
-
-def test_engine_identity_reads_the_launchers_rank(monkeypatch):
-    monkeypatch.setenv("SLURM_PROCID", "3")
-    assert engine_identity()["launcher_rank"] == 3
-    monkeypatch.delenv("SLURM_PROCID")
-    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    assert engine_identity()["launcher_rank"] is None
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,230 @@
+"""Ranks started through ipyparallel's SLURM launcher on a real SLURM cluster
+(the session's ``local_slurm`` fixture: Debian's slurm-wlm and munge,
+configured in a temporary folder): torch DDP, TensorFlow MultiWorkerMirroredStrategy
+and ``jax.distributed`` ranks, each a task of one ``sbatch`` job, a collective
+across them, and after ``stop`` an empty queue and no process left. Then the
+same on two nodes (``two_node_slurm``: a second slurmd on a second host, a
+network namespace of its own), where the collective crosses the hosts and the
+wiring carries rank 0's real address.
+Skipped with the reason where SLURM cannot run (not root on Linux, no slurm-wlm)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+#: Seconds a cell may run on the ranks (a collective that cannot connect fails instead of hanging).
+RUN_TIMEOUT = 120
+
+
+
+def identity(rank: str) -> str:
+    """Code binding ``_who``: the rank as the wiring gave it (``rank``, an expression), then
+    the rank, job and task count as SLURM gave them."""
+    return (
+        "import json, os, socket\n"
+        f"_who = ({rank}, int(os.environ['SLURM_PROCID']), os.environ['SLURM_JOB_ID'], int(os.environ['SLURM_NTASKS']))\n"
+    )
+
+
+TORCH_RANK = "int(os.environ['RANK'])"
+TF_RANK = "json.loads(os.environ['TF_CONFIG'])['task']['index']"
+
+
+def processes_of(cluster_id: str) -> list[psutil.Process]:
+    """Processes on this machine started for the cluster (engines carry its id in their arguments)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and any(cluster_id in a for a in proc.info["cmdline"] or ()):
+            found.append(proc)
+    return found
+
+
+def step_daemons() -> set[int]:
+    return {p.pid for p in psutil.process_iter(["name", "status"]) if p.info["name"] == "slurmstepd" and p.info["status"] != psutil.STATUS_ZOMBIE}
+
+
+@contextlib.contextmanager
+def slurm_ranks(slurm, framework: str, n: int, launcher_options: dict | None = None, **options):
+    """Ranks in a SLURM job; afterwards the queue is empty and no process is left."""
+    from vgpu_magic.ranks import RankCluster
+
+    steps = step_daemons()
+    launcher_options = {"time": "10", **(launcher_options or {})}
+    ranks = RankCluster(n, framework, launcher="slurm", launcher_options=launcher_options, **options).start()
+    cluster_id = ranks.cluster_id
+    try:
+        # A running job of n tasks while the ranks are up.
+        queue = slurm.squeue()
+        assert len(queue) == 1 and queue[0].split()[1] == "RUNNING" and cluster_id in queue[0], queue
+        yield ranks
+    finally:
+        ranks.stop()
+    assert slurm.squeue() == []
+    # slurmstepd reaps its tasks and exits just after the job ends: allow it a moment.
+    deadline = time.monotonic() + 20
+    while (processes_of(cluster_id) or step_daemons() - steps) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_of(cluster_id) == []
+    assert step_daemons() <= steps
+
+
+@pytest.fixture
+def slurm(local_slurm, monkeypatch):
+    """The single-node cluster, the one SLURM commands reach during the test."""
+    monkeypatch.setenv("SLURM_CONF", str(local_slurm.conf))
+    return local_slurm
+
+
+def quiet_run(ranks, code: str):
+    """Run ``code``; the value of its last expression on each rank, the ranks' output kept aside."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        return ranks.run(code, output=True, timeout=RUN_TIMEOUT)
+
+
+def check_slurm_tasks(found, n: int):
+    """Every rank is the SLURM task of the same number, all in one job of n tasks."""
+    ranks = [who[0] for who in found]
+    assert ranks == list(range(n))
+    assert [who[1] for who in found] == ranks
+    assert len({who[2] for who in found}) == 1
+    assert {who[3] for who in found} == {n}
+
+
+def test_torch_ddp_ranks_are_tasks_of_one_slurm_job(slurm):
+    with slurm_ranks(slurm, "torch", 2) as ranks:
+        assert "ipyparallel engines in one SLURM job (sbatch + srun), job " in ranks.describe()[0]
+        found = quiet_run(
+            ranks,
+            identity(TORCH_RANK) + "import torch, torch.distributed as dist\n"
+            "t = torch.tensor([float(dist.get_rank() + 1)])\n"
+            "dist.all_reduce(t)\n"
+            "(*_who, dist.get_world_size(), t.item())",
+        )
+    check_slurm_tasks(found, 2)
+    assert [who[-2:] for who in found] == [(2, 3.0), (2, 3.0)]
+
+
+def test_tensorflow_multiworker_ranks_in_slurm(slurm):
+    with slurm_ranks(slurm, "tensorflow", 2) as ranks:
+        found = quiet_run(
+            ranks,
+            identity(TF_RANK) + "import tensorflow as tf\n"
+            "strategy = tf.distribute.MultiWorkerMirroredStrategy()\n"
+            "task = strategy.cluster_resolver.task_id\n"
+            "@tf.function\n"
+            "def step():\n"
+            "    context = tf.distribute.get_replica_context()\n"
+            "    return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.constant(float(task + 1)))\n"
+            "total = strategy.experimental_local_results(strategy.run(step))[0]\n"
+            "(*_who, strategy.num_replicas_in_sync, task, float(total))",
+        )
+    check_slurm_tasks(found, 2)
+    assert [who[-3:] for who in found] == [(2, 0, 3.0), (2, 1, 3.0)]
+
+
+def test_jax_distributed_ranks_in_slurm(slurm):
+    with slurm_ranks(slurm, "jax", 2) as ranks:
+        found = quiet_run(
+            ranks,
+            "import jax, jax.numpy as jnp\nfrom jax.experimental import multihost_utils\n"
+            + identity("jax.process_index()")
+            + "gathered = multihost_utils.process_allgather(jnp.array([jax.process_index() + 10]))\n"
+            "(*_who, jax.process_index(), jax.process_count(), gathered.ravel().tolist())",
+        )
+    check_slurm_tasks(found, 2)
+    assert [who[-3:] for who in found] == [(0, 2, [10, 11]), (1, 2, [10, 11])]
+
+
+def test_slurm_options_reach_the_batch_script(slurm):
+    """Partition, time limit and extra #SBATCH lines are what sbatch runs, as the job shows."""
+    from vgpu_magic.ranks import RankCluster
+
+    ranks = RankCluster(
+        1, "torch", launcher="slurm",
+        launcher_options={"partition": "debug", "time": "7", "sbatch": ["--comment=vgpu-test"]},
+    ).start()
+    try:
+        job = next(iter(ranks.cluster.engines.values())).job_id
+        shown = slurm.scontrol("show", "job", job)
+    finally:
+        ranks.stop()
+    assert "Partition=debug" in shown and "TimeLimit=00:07:00" in shown and "Comment=vgpu-test" in shown
+    assert slurm.squeue() == []
+
+
+@pytest.fixture
+def two_nodes(two_node_slurm, monkeypatch):
+    """The two-node cluster, the one SLURM commands reach during the test."""
+    monkeypatch.setenv("SLURM_CONF", str(two_node_slurm.conf))
+    return two_node_slurm
+
+
+def on_two_nodes(two_hosts) -> dict:
+    """One task per node; engines reach the controller at this host's address on the veth pair."""
+    return {"sbatch": ["--nodes=2", "--ntasks-per-node=1"], "controller_address": two_hosts.first.address}
+
+
+def test_engines_of_one_job_on_two_nodes(two_nodes, two_hosts):
+    """The launcher's part: one SLURM task per node, ranks in SLURM_PROCID order, both engines
+    reaching the controller, and a gloo all-reduce across the nodes (wired by hand here)."""
+    addresses = {two_hosts.first.hostname: two_hosts.first.address, two_hosts.second.hostname: two_hosts.second.address}
+    with slurm_ranks(two_nodes, "tensorflow", 2, on_two_nodes(two_hosts)) as ranks:
+        hosts = list(ranks.hosts)
+        # Rank 0 serves the rendezvous, on its own host (SLURM may place it on either).
+        store = f"tcp://{addresses[hosts[0]]}:{two_hosts.free_port_on(hosts[0])}"
+        found = quiet_run(
+            ranks,
+            identity(TF_RANK) + "import datetime, torch, torch.distributed as dist\n"
+            f"dist.init_process_group('gloo', init_method={store!r}, rank=_who[0], world_size=2, "
+            "timeout=datetime.timedelta(seconds=60))\n"
+            "t = torch.tensor([float(_who[0] + 1)])\n"
+            "dist.all_reduce(t)\n"
+            "dist.destroy_process_group()\n"
+            "(*_who, socket.gethostname(), int(os.environ['SLURM_NNODES']), t.item())",
+        )
+    check_slurm_tasks(found, 2)
+    assert sorted(hosts) == sorted(addresses) and [f[4] for f in found] == hosts
+    assert [f[5:] for f in found] == [(2, 3.0), (2, 3.0)]
+
+
+def test_torch_ddp_across_two_slurm_nodes(two_nodes, two_hosts):
+    addresses = {two_hosts.first.hostname: two_hosts.first.address, two_hosts.second.hostname: two_hosts.second.address}
+    with slurm_ranks(two_nodes, "torch", 2, on_two_nodes(two_hosts)) as ranks:
+        found = quiet_run(
+            ranks,
+            identity(TORCH_RANK) + "import torch, torch.distributed as dist\n"
+            "t = torch.tensor([float(dist.get_rank() + 1)])\n"
+            "dist.all_reduce(t)\n"
+            "(*_who, socket.gethostname(), os.environ['MASTER_ADDR'], os.environ['LOCAL_RANK'], t.item())",
+        )
+    check_slurm_tasks(found, 2)
+    first_host = found[0][4]
+    assert {f[4] for f in found} == set(addresses)
+    # MASTER_ADDR is rank 0's host's real address on both ranks; each rank is local rank 0 on its node.
+    assert [f[5:] for f in found] == [(addresses[first_host], "0", 3.0)] * 2
+
+
+def test_jax_distributed_across_two_slurm_nodes(two_nodes, two_hosts):
+    addresses = {two_hosts.first.hostname: two_hosts.first.address, two_hosts.second.hostname: two_hosts.second.address}
+    with slurm_ranks(two_nodes, "jax", 2, on_two_nodes(two_hosts)) as ranks:
+        found = quiet_run(
+            ranks,
+            "import jax, jax.numpy as jnp\nfrom jax.experimental import multihost_utils\nfrom jax._src import distributed\n"
+            + identity("jax.process_index()")
+            + "gathered = multihost_utils.process_allgather(jnp.array([jax.process_index() + 10]))\n"
+            "(*_who, socket.gethostname(), distributed.global_state.coordinator_address, gathered.ravel().tolist())",
+        )
+    check_slurm_tasks(found, 2)
+    first_host = found[0][4]
+    assert {f[4] for f in found} == set(addresses)
+    # The coordinator runs on rank 0's host, at its real address.
+    assert [f[5].rsplit(":", 1)[0] for f in found] == [addresses[first_host]] * 2
+    assert [f[6] for f in found] == [[10, 11]] * 2
