@@ -249,10 +249,9 @@ class TwoHosts:
         subprocess.run(["ip", "link", "del", self.veth], capture_output=True, timeout=30)
         shutil.rmtree(self.folder, ignore_errors=True)
 
-    def free_port_on(self, hostname: str) -> int:
-        """A port free on the host named ``hostname``, chosen there by the OS."""
-        host = self.first if hostname == self.first.hostname else self.second
-        return free_port(host.address, self.namespace if host is self.second else None)
+    def host(self, hostname: str) -> SSHHost:
+        """The host named ``hostname``."""
+        return {self.first.hostname: self.first, self.second.hostname: self.second}[hostname]
 
     def slurm_nodes(self) -> list:
         """The two hosts as SLURM compute nodes, each slurmd started as on its host."""

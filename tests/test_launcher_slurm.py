@@ -99,8 +99,11 @@ def check_slurm_tasks(found, n: int):
 
 
 def test_torch_ddp_ranks_are_tasks_of_one_slurm_job(slurm):
-    with slurm_ranks(slurm, "torch", 2) as ranks:
+    """Also: partition, time limit and extra #SBATCH lines are what sbatch ran, as the job shows."""
+    options = {"partition": "debug", "time": "7", "sbatch": ["--comment=vgpu-test"]}
+    with slurm_ranks(slurm, "torch", 2, options) as ranks:
         assert "ipyparallel engines in one SLURM job (sbatch + srun), job " in ranks.describe()[0]
+        shown = slurm.scontrol("show", "job", next(iter(ranks.cluster.engines.values())).job_id)
         found = quiet_run(
             ranks,
             identity(TORCH_RANK) + "import torch, torch.distributed as dist\n"
@@ -110,6 +113,7 @@ def test_torch_ddp_ranks_are_tasks_of_one_slurm_job(slurm):
         )
     check_slurm_tasks(found, 2)
     assert [who[-2:] for who in found] == [(2, 3.0), (2, 3.0)]
+    assert "Partition=debug" in shown and "TimeLimit=00:07:00" in shown and "Comment=vgpu-test" in shown
 
 
 def test_tensorflow_multiworker_ranks_in_slurm(slurm):
@@ -143,23 +147,6 @@ def test_jax_distributed_ranks_in_slurm(slurm):
     assert [who[-3:] for who in found] == [(0, 2, [10, 11]), (1, 2, [10, 11])]
 
 
-def test_slurm_options_reach_the_batch_script(slurm):
-    """Partition, time limit and extra #SBATCH lines are what sbatch runs, as the job shows."""
-    from vgpu_magic.ranks import RankCluster
-
-    ranks = RankCluster(
-        1, "torch", launcher="slurm",
-        launcher_options={"partition": "debug", "time": "7", "sbatch": ["--comment=vgpu-test"]},
-    ).start()
-    try:
-        job = next(iter(ranks.cluster.engines.values())).job_id
-        shown = slurm.scontrol("show", "job", job)
-    finally:
-        ranks.stop()
-    assert "Partition=debug" in shown and "TimeLimit=00:07:00" in shown and "Comment=vgpu-test" in shown
-    assert slurm.squeue() == []
-
-
 @pytest.fixture
 def two_nodes(two_node_slurm, monkeypatch):
     """The two-node cluster, the one SLURM commands reach during the test."""
@@ -172,44 +159,27 @@ def on_two_nodes(two_hosts) -> dict:
     return {"sbatch": ["--nodes=2", "--ntasks-per-node=1"], "controller_address": two_hosts.first.address}
 
 
-def test_engines_of_one_job_on_two_nodes(two_nodes, two_hosts):
-    """The launcher's part: one SLURM task per node, ranks in SLURM_PROCID order, both engines
-    reaching the controller, and a gloo all-reduce across the nodes (wired by hand here)."""
-    addresses = {two_hosts.first.hostname: two_hosts.first.address, two_hosts.second.hostname: two_hosts.second.address}
-    with slurm_ranks(two_nodes, "tensorflow", 2, on_two_nodes(two_hosts)) as ranks:
-        hosts = list(ranks.hosts)
-        # Rank 0 serves the rendezvous, on its own host (SLURM may place it on either).
-        store = f"tcp://{addresses[hosts[0]]}:{two_hosts.free_port_on(hosts[0])}"
-        found = quiet_run(
-            ranks,
-            identity(TF_RANK) + "import datetime, torch, torch.distributed as dist\n"
-            f"dist.init_process_group('gloo', init_method={store!r}, rank=_who[0], world_size=2, "
-            "timeout=datetime.timedelta(seconds=60))\n"
-            "t = torch.tensor([float(_who[0] + 1)])\n"
-            "dist.all_reduce(t)\n"
-            "dist.destroy_process_group()\n"
-            "(*_who, socket.gethostname(), int(os.environ['SLURM_NNODES']), t.item())",
-        )
-    check_slurm_tasks(found, 2)
-    assert sorted(hosts) == sorted(addresses) and [f[4] for f in found] == hosts
-    assert [f[5:] for f in found] == [(2, 3.0), (2, 3.0)]
-
-
 def test_torch_ddp_across_two_slurm_nodes(two_nodes, two_hosts):
+    """One SLURM task per node, ranks in SLURM_PROCID order, both engines reaching the
+    controller, and a gloo all-reduce across the nodes wired with rank 0's host."""
     addresses = {two_hosts.first.hostname: two_hosts.first.address, two_hosts.second.hostname: two_hosts.second.address}
     with slurm_ranks(two_nodes, "torch", 2, on_two_nodes(two_hosts)) as ranks:
+        hosts = [place.hostname for place in ranks.layout.places]
         found = quiet_run(
             ranks,
             identity(TORCH_RANK) + "import torch, torch.distributed as dist\n"
             "t = torch.tensor([float(dist.get_rank() + 1)])\n"
             "dist.all_reduce(t)\n"
-            "(*_who, socket.gethostname(), os.environ['MASTER_ADDR'], os.environ['LOCAL_RANK'], t.item())",
+            "(*_who, socket.gethostname(), os.environ['MASTER_ADDR'], os.environ['LOCAL_RANK'], "
+            "int(os.environ['SLURM_NNODES']), t.item())",
         )
     check_slurm_tasks(found, 2)
     first_host = found[0][4]
-    assert {f[4] for f in found} == set(addresses)
-    # MASTER_ADDR is rank 0's host's real address on both ranks; each rank is local rank 0 on its node.
-    assert [f[5:] for f in found] == [(addresses[first_host], "0", 3.0)] * 2
+    assert sorted(hosts) == sorted(addresses) and [f[4] for f in found] == hosts
+    # MASTER_ADDR is rank 0's host (the job's first node, as torchrun under SLURM has it): its name, which
+    # resolves to its real address, or that address; each rank is local rank 0 on its node.
+    assert found[0][5] in (first_host, addresses[first_host]) and found[1][5] == found[0][5]
+    assert [f[6:] for f in found] == [("0", 2, 3.0)] * 2
 
 
 def test_jax_distributed_across_two_slurm_nodes(two_nodes, two_hosts):
@@ -225,6 +195,7 @@ def test_jax_distributed_across_two_slurm_nodes(two_nodes, two_hosts):
     check_slurm_tasks(found, 2)
     first_host = found[0][4]
     assert {f[4] for f in found} == set(addresses)
-    # The coordinator runs on rank 0's host, at its real address.
-    assert [f[5].rsplit(":", 1)[0] for f in found] == [addresses[first_host]] * 2
+    # The coordinator runs on rank 0's host (the job's first node, as JAX's SLURM support has it).
+    coordinator = found[0][5].rsplit(":", 1)[0]
+    assert coordinator in (first_host, addresses[first_host]) and found[1][5] == found[0][5]
     assert [f[6] for f in found] == [[10, 11]] * 2
