@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -59,6 +60,7 @@ def slurm_ranks(slurm, framework: str, n: int, launcher_options: dict | None = N
     launcher_options = {"time": "10", **(launcher_options or {})}
     ranks = RankCluster(n, framework, launcher="slurm", launcher_options=launcher_options, **options).start()
     cluster_id = ranks.cluster_id
+    profile = Path(ranks.cluster.profile_dir)
     try:
         # A running job of n tasks while the ranks are up.
         queue = slurm.squeue()
@@ -73,6 +75,9 @@ def slurm_ranks(slurm, framework: str, n: int, launcher_options: dict | None = N
         time.sleep(0.2)
     assert processes_of(cluster_id) == []
     assert step_daemons() <= steps
+    # No batch script left behind, in the working folder (ipyparallel's default) or beside the engines' logs.
+    assert not Path("slurm_engine.sbatch").exists()
+    assert not list((profile / "log").glob(f"*{cluster_id}*.sbatch"))
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ process it started is gone.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.util
 import logging
 import signal
@@ -326,10 +327,20 @@ class RankCluster:
             kwargs.update(controller_ip=plan.controller_ip, controller_location=plan.controller_location)
         # ERROR: ipyparallel logs an engine's whole log file as a warning when it exits non-zero, which
         # every stop after a killed rank would print into the cell; this class reports failures itself.
-        return ipp.Cluster(
+        cluster = ipp.Cluster(
             n=self.n, engines=plan.engines, cluster_id=self.cluster_id, log_level=logging.ERROR,
             controller_args=list(CONTROLLER_ARGS), config=Config(copy.deepcopy(plan.config)), **kwargs,
         )
+        if plan.name == "slurm":
+            # ipyparallel writes the batch script into the kernel's working folder (the user's notebooks);
+            # an absolute name puts it with the engines' log in the profile instead, removed by stop().
+            cluster.config.SlurmEngineSetLauncher.batch_file_name = self._batch_file(cluster)
+        return cluster
+
+    def _batch_file(self, cluster: Any) -> str:
+        import os
+
+        return os.path.join(cluster.profile_dir, "log", f"ipengine-{self.cluster_id}.sbatch")
 
     def _remember_processes(self) -> None:
         """Every process ipyparallel started for us on this host (controller, local and
@@ -429,6 +440,11 @@ class RankCluster:
                 # Local processes are gone (checked above); remote ones are checked below.
                 pass
         left = self._stop_remote([job for job in jobs if job], ssh_engines)
+        if self.cluster is not None and self.launcher_plan.name == "slurm":
+            import os
+
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._batch_file(self.cluster))
         self.cluster = self.client = self.view = None
         self.engine_ids, self.pids, self._owned = [], [], set()
         self.hosts, self.layout = [], None
