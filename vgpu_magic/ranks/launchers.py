@@ -18,7 +18,7 @@ slurm      ``partition`` [--partition], ``account`` [--account], ``time``
            ``srun``: extra ``srun`` arguments, ``controller_address``
            [--controller-address], ``environment``
 ssh        ``hosts`` [--hosts] (names, ``user@host`` or ``host:port``; a list
-           spreads the ranks in blocks, a ``{host: count}`` dict says how
+           spreads the ranks evenly, a ``{host: count}`` dict says how
            many), ``ssh_args``, ``python`` (the remote interpreter),
            ``controller_address`` [--controller-address], ``environment``
 =========  ====================================================================
@@ -184,7 +184,7 @@ def _plan_ssh(n: int, options: dict[str, Any], cluster_id: str) -> LauncherPlan:
             raise ValueError(f"hosts {names!r} names a host twice; give {{host: count}} to put several ranks on one")
         if len(names) > n:
             raise ValueError(f"{len(names)} hosts for {n} rank{'s' if n > 1 else ''}; give at most {n} or start more ranks")
-        # Blocks, as SLURM's default distribution: ranks 0..k-1 on the first host, and so on.
+        # As many engines on each host as evenly possible, the first hosts taking one more.
         counts = {h: n // len(names) + (1 if i < n % len(names) else 0) for i, h in enumerate(names)}
     ssh_args = _strings("ssh_args", options.get("ssh_args", []))
     python = str(options.get("python") or sys.executable)

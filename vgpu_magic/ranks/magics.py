@@ -60,7 +60,7 @@ class ClusterMagics(Magics):
     @argument("--account", help="slurm: the account to charge (#SBATCH --account)")
     @argument("--time", help="slurm: the job's time limit, e.g. 30 or 01:00:00 (#SBATCH --time)")
     @argument("--sbatch", action="append", metavar="OPTION", help="slurm: one more #SBATCH option, e.g. --sbatch=--mem=4G (repeatable)")
-    @argument("--hosts", help="ssh: the hosts, comma-separated (user@host or host:port); ranks are spread in blocks")
+    @argument("--hosts", help="ssh: the hosts, comma-separated (user@host or host:port); ranks spread evenly")
     @argument("--controller-address", help="slurm/ssh: the address engines reach this kernel's controller at")
     @line_magic
     def vgpu_cluster(self, line: str) -> None:
