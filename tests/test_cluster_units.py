@@ -195,6 +195,27 @@ def test_a_rank_reports_its_gpus_in_cudas_order_never_nvmls(monkeypatch):
     assert [(g.index, g.nvml_index) for g in visible_gpus()] == [(0, 1)]
 
 
+def test_status_names_each_ranks_host_when_they_run_on_several():
+    import os
+
+    from vgpu_magic.ranks import RankCluster
+
+    ranks = RankCluster(2, "jax", gpus=[])
+    reports = [HostReport(e, f"host{e}", f"10.0.0.{e + 1}", os.getpid(), (), 43000 + e) for e in range(2)]
+    # The state start() leaves after reading the hosts, without processes: this process stands for both ranks.
+    ranks.cluster, ranks.layout = object(), layout_ranks(reports)
+    ranks.engine_ids, ranks.pids = [0, 1], [os.getpid()] * 2
+    ranks.plans = get("jax").plan_ranks(ranks.layout, None, None, None)
+    try:
+        lines = ranks.describe()
+        assert [info.host for info in ranks.status()] == ["host0", "host1"]
+    finally:
+        ranks.cluster = None
+    assert lines[1] == "jax.distributed on 10.0.0.1:43000: 2 processes × 1 CPU devices = 2 devices"
+    assert lines[2].startswith(f"  rank 0: pid {os.getpid()} on host0, alive")
+    assert lines[3].startswith(f"  rank 1: pid {os.getpid()} on host1, alive")
+
+
 def test_split_refuses_torch_and_points_at_the_ranks():
     from vgpu_magic import api
     from vgpu_magic.planner import PlanError
