@@ -79,16 +79,17 @@ def under(env: dict[str, str]):
     return mock.patch.dict(os.environ, env, clear=True)
 
 
+@pytest.mark.parametrize("port", [None, 9000], ids=["job id port", "--port as the override"])
 @pytest.mark.parametrize("tasks", [ONE_NODE, TWO_NODES], ids=["1 node", "2 nodes"])
-def test_jax_coordinator_and_process_ids_equal_jaxs_slurm_cluster(tasks):
-    plans = get("jax").plan_ranks(layout_ranks(reports(tasks)), None, None, None)
+def test_jax_coordinator_and_process_ids_equal_jaxs_slurm_cluster(tasks, port):
+    plans = get("jax").plan_ranks(layout_ranks(reports(tasks)), None, None, port)
     layout = layout_ranks(reports(tasks))
     for env in tasks:
         with under(env):
             cluster = slurm_cluster.SlurmCluster
             assert cluster.is_env_present()
             expected = (
-                cluster.get_coordinator_address(None, None),
+                cluster.get_coordinator_address(None, None if port is None else str(port)),
                 cluster.get_process_count(),
                 cluster.get_process_id(),
             )
