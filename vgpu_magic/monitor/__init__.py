@@ -107,6 +107,7 @@ from typing import Any
 
 _LAZY = {
     "MemoryMonitor": "callback",
+    "MonitorSession": "session",
     "MemoryTrace": "trace",
     "MemorySample": "trace",
     "SeriesInfo": "trace",
