@@ -137,8 +137,8 @@ class MemoryFigure:
 
     ``axes`` maps each panel (``"device"``, ``"process"``) that has series to
     its axes; ``lines`` and ``peak_lines`` hold each series' current and
-    running-peak line, ``legend`` the figure legend, ``vax`` the variables
-    panel (``None`` without variables).
+    running-peak line, ``legend`` the figure legend, ``title`` its title,
+    ``vax`` the variables panel (``None`` without variables).
     """
 
     def __init__(self, trace: MemoryTrace, dpi: int = DPI, width: float = 9.0) -> None:
@@ -167,8 +167,8 @@ class MemoryFigure:
         if trace.variable_bytes:
             first = self.axes[panels[0]].get_position()
             self.vax = self.fig.add_axes((0.80, first.y0, 0.17, first.height))
-        self.fig.text(0.085, 1 - 0.24 / height, title_text(trace, final=trace.finished), fontsize=_TITLE_PT,
-                      color=TEXT, ha="left")
+        self.title = self.fig.text(0.085, 1 - 0.24 / height, title_text(trace, final=trace.finished),
+                                   fontsize=_TITLE_PT, color=TEXT, ha="left")
         self.lines: list[Any] = []
         self.peak_lines: list[Any] = []
         self._draw_series()

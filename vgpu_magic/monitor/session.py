@@ -147,9 +147,16 @@ class MonitorSession:
                     f"{self._framework.label}'s runtime is not running yet, so only the process' memory is read"
                 )
             return process_sampler()
-        return DeviceSampler.for_framework(
-            self._framework, self._devices, model=self._current_model(), strategy=self._strategy
-        )
+        try:
+            sampler = DeviceSampler.for_framework(
+                self._framework, self._devices, model=self._current_model(), strategy=self._strategy
+            )
+            sampler.read()
+        except Exception as exc:
+            # e.g. TensorFlow's host allocator without statistics: the process' memory is still true.
+            self._report(f"device memory cannot be read, so only the process' memory is ({type(exc).__name__}: {exc})")
+            return process_sampler()
+        return sampler
 
     def _variables(self) -> list[Any] | None:
         model = self._current_model()
