@@ -61,6 +61,11 @@ def _widget_class() -> type:
         title = traitlets.Unicode().tag(sync=True)
         note = traitlets.Unicode().tag(sync=True)
 
+        def __repr__(self) -> str:
+            # The text form of the live output (front ends without widgets, nbval): the
+            # title, not every trait.
+            return self.title
+
     return MemoryWidget
 
 

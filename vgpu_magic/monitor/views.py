@@ -32,9 +32,10 @@ from .trace import MemoryTrace
 
 __all__ = ["View", "RedrawThrottle", "TextSummaryView", "NullView", "summary_line", "panel_unit", "PALETTE"]
 
-#: Series colours, live and in the static image: mid-contrast colours that
-#: read on a white and on a near-black background alike.
-PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#17becf", "#e377c2", "#7f7f7f", "#bcbd22", "#8c6d31")
+#: Series colours, live and in the static image: each has at least 3:1
+#: contrast (WCAG's minimum for graphics) on white and on JupyterLab's dark
+#: background (#111), so one palette reads on light and dark themes.
+PALETTE = ("#1f77b4", "#d9730d", "#2ca02c", "#d62728", "#9467bd", "#1a9a9e", "#c44e9a", "#7f7f7f", "#8f8f17", "#a0724a")
 
 
 def panel_unit(trace: MemoryTrace, panel: str) -> tuple[str, int]:
