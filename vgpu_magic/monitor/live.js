@@ -3,8 +3,10 @@
 // The kernel sends only new rows of the trace as custom messages
 // ({rows: [[t, cur0, peak0, cur1, peak1, ...], ...], reset: bool}); the
 // series, units, epoch marks and the title are synced traits. Rows are kept
-// per model (not per view), so every view of the widget shows the whole run,
-// and bounded: past MAX_ROWS, neighbouring rows merge into their maxima.
+// per model (not per view), so every view of the widget shows the whole run:
+// anywidget hands initialize() and render() different proxies of one model,
+// so they meet in a store under the model's own `key` trait. Rows are
+// bounded: past MAX_ROWS, neighbouring rows merge into their maxima.
 //
 // Colours: text, axes and grid come from the front end's theme variables, so
 // the view follows JupyterLab's and Notebook 7's light and dark themes; the
@@ -12,10 +14,10 @@
 // as the static image the kernel leaves when the run ends).
 
 const MAX_ROWS = 6000;
-const STORES = new WeakMap();
+const STORES = new Map();
 const PANELS = [
   ["device", "device memory"],
-  ["process", "process memory (RSS)"],
+  ["process", "process RSS"],
 ];
 const W = 720, LEFT = 62, RIGHT = 14, TOP = 20, BOTTOM = 26, PANEL_H = 150;
 const TEXT = "var(--jp-ui-font-color1, #6b6b6b)";
@@ -25,10 +27,11 @@ const AXIS = "var(--jp-border-color1, #8a8a8a)";
 const FONT = "var(--jp-ui-font-family, system-ui, sans-serif)";
 
 function store(model) {
-  let s = STORES.get(model);
+  const key = model.get("key");
+  let s = STORES.get(key);
   if (!s) {
     s = { t: [], values: [], redraw: new Set() };
-    STORES.set(model, s);
+    STORES.set(key, s);
   }
   return s;
 }
@@ -106,7 +109,8 @@ function drawPanel(s, series, indices, unit, title, marks, xmax, state, last) {
     if (series[k].cap) top = Math.max(top, series[k].cap);
   }
   // The scale only grows during a run, in round steps, so it does not jitter.
-  const ymax = Math.max(state.ymax || 0, niceCeil(Math.max(top, 1048576) * 1.08 / scale));
+  // Never below 64 KiB: an allocator reporting a few bytes is drawn near zero on a sane scale.
+  const ymax = Math.max(state.ymax || 0, niceCeil(Math.max(top, 65536) * 1.08 / scale));
   state.ymax = ymax;
   const h = PANEL_H + (last ? 14 : 0);
   const plotH = PANEL_H - TOP - BOTTOM;
@@ -214,6 +218,7 @@ function render({ model, el }) {
 function initialize({ model }) {
   store(model);
   model.on("msg:custom", (msg) => receive(model, msg));
+  return () => STORES.delete(model.get("key"));
 }
 
 export default { initialize, render };

@@ -55,6 +55,8 @@ def _widget_class() -> type:
         """The browser side of :class:`LiveMemoryView` (``live.js``)."""
 
         _esm = Path(__file__).with_name("live.js")
+        #: Where the browser keeps this widget's rows (see live.js).
+        key = traitlets.Unicode().tag(sync=True)
         series = traitlets.List().tag(sync=True)
         units = traitlets.Dict().tag(sync=True)
         marks = traitlets.List().tag(sync=True)
@@ -74,9 +76,11 @@ _WIDGET_CLASS: list[type] = []
 
 def memory_widget(**traits: Any) -> Any:
     """A new ``MemoryWidget`` (the class is built once, at first use)."""
+    import uuid
+
     if not _WIDGET_CLASS:
         _WIDGET_CLASS.append(_widget_class())
-    return _WIDGET_CLASS[0](**traits)
+    return _WIDGET_CLASS[0](key=uuid.uuid4().hex, **traits)
 
 
 def _title(trace: MemoryTrace) -> str:

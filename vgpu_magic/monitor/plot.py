@@ -47,6 +47,9 @@ MAX_POINTS = 1500
 #: What to install for the plot; the live view and ``savefig`` say the same.
 PLOT_INSTALL_HINT = "pip install 'vgpu_magic[plot]'"
 
+#: The smallest top of a memory axis, in bytes.
+MIN_TOP = 64 * 1024
+
 #: Pixels per inch. With the font sizes below, the smallest text (tick labels,
 #: 8.5 pt) is 12 px high.
 DPI = 100
@@ -57,7 +60,7 @@ _TICK_PT, _LABEL_PT, _TITLE_PT, _NOTE_PT = 8.5, 9.5, 10.5, 8.0
 TEXT = "#777777"
 _GRID = "#8a8a8a"
 
-_PANEL_TITLES = {"device": "device memory", "process": "process memory (RSS)"}
+_PANEL_TITLES = {"device": "device memory", "process": "process RSS"}
 
 
 def require_matplotlib(purpose: str) -> None:
@@ -206,7 +209,8 @@ class MemoryFigure:
             top = max([float(values[j].max()) for i in members for j in (i, i + count) if len(values[j])]
                       + [s.cap or 0 for s in trace.series if s.panel == panel] + [0.0])
             ax.set_xlim(0, xmax)
-            ax.set_ylim(0, max(top * 1.08, MIB) / scale)
+            # Never below 64 KiB: an allocator reporting a few bytes is drawn near zero on a sane scale.
+            ax.set_ylim(0, max(top * 1.08, MIN_TOP) / scale)
             ax.set_ylabel(f"{_PANEL_TITLES[panel]} ({name})", fontsize=_LABEL_PT, color=TEXT)
             for cap, group in _cap_groups([(i, trace.series[i].cap) for i in members]).items():
                 # Equal caps would hide each other: interleave their dashes.

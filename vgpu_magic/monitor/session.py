@@ -154,7 +154,7 @@ class MonitorSession:
             sampler.read()
         except Exception as exc:
             # e.g. TensorFlow's host allocator without statistics: the process' memory is still true.
-            self._report(f"device memory cannot be read, so only the process' memory is ({type(exc).__name__}: {exc})")
+            self._report(f"device memory cannot be read ({exc}); the memory view shows the process' memory")
             return process_sampler()
         return sampler
 
