@@ -74,8 +74,15 @@ function niceCeil(x) {
   return 10 * p;
 }
 
+function tickStep(x) {
+  // 1, 2 or 5 times a power of ten: tick labels stay exact with few digits.
+  const p = Math.pow(10, Math.floor(Math.log10(x)));
+  for (const m of [1, 2, 5]) if (m * p >= x * 0.9999) return m * p;
+  return 10 * p;
+}
+
 function ticks(top) {
-  const step = niceCeil(top / 4);
+  const step = tickStep(top / 4);
   const out = [];
   for (let v = 0; v <= top * 1.0001; v += step) out.push(v);
   return out;
@@ -144,8 +151,11 @@ function drawPanel(s, series, indices, unit, title, marks, xmax, state, last) {
       lastLabel = xx;
     }
   }
-  for (const k of indices) {
+  // Equal series would hide each other: each one drawn before is wider, so all their colours show.
+  const widen = indices.length > 1 ? Math.min(1.2, 6 / (indices.length - 1)) : 0;
+  indices.forEach((k, j) => {
     const colour = series[k].color;
+    const width = (1.6 + widen * (indices.length - 1 - j)).toFixed(2);
     if (series[k].cap) {
       const yy = y(series[k].cap).toFixed(1);
       out.push(`<line class="vgpu-cap" x1="${LEFT}" x2="${W - RIGHT}" y1="${yy}" y2="${yy}" stroke="${colour}" stroke-dasharray="6,4" stroke-width="1.2"/>`);
@@ -153,8 +163,8 @@ function drawPanel(s, series, indices, unit, title, marks, xmax, state, last) {
     const peak = stepPath(s.t, s.values[2 * k + 1] || [], x, y);
     const cur = stepPath(s.t, s.values[2 * k] || [], x, y);
     out.push(`<path d="${peak}" fill="none" stroke="${colour}" stroke-opacity="0.4" stroke-width="1"/>`);
-    out.push(`<path class="vgpu-line" d="${cur}" fill="none" stroke="${colour}" stroke-width="1.6"/>`);
-  }
+    out.push(`<path class="vgpu-line" d="${cur}" fill="none" stroke="${colour}" stroke-width="${width}"/>`);
+  });
   out.push("</svg>");
   return out.join("");
 }

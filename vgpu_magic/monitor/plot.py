@@ -226,13 +226,17 @@ class MemoryFigure:
                         ha="center", va="center", fontsize=_LABEL_PT, color=TEXT)
         self.lines = [None] * count
         self.peak_lines = [None] * count
-        for i, s in enumerate(trace.series):
-            ax = self.axes[s.panel]
-            scale = panel_unit(trace, s.panel)[1]
-            colour = PALETTE[i % len(PALETTE)]
-            self.peak_lines[i] = ax.plot(times, values[i + count] / scale, color=colour, lw=1.0, alpha=0.45,
-                                         drawstyle="steps-post")[0]
-            self.lines[i] = ax.plot(times, values[i] / scale, color=colour, lw=1.5, drawstyle="steps-post")[0]
+        for panel, ax in self.axes.items():
+            scale = panel_unit(trace, panel)[1]
+            members = [i for i, s in enumerate(trace.series) if s.panel == panel]
+            # Equal series would hide each other: each one drawn before is wider, so all their colours show.
+            widen = min(1.2, 6 / (len(members) - 1)) if len(members) > 1 else 0.0
+            for j, i in enumerate(members):
+                colour = PALETTE[i % len(PALETTE)]
+                self.peak_lines[i] = ax.plot(times, values[i + count] / scale, color=colour, lw=1.0, alpha=0.45,
+                                             drawstyle="steps-post")[0]
+                width = 1.5 + widen * (len(members) - 1 - j)
+                self.lines[i] = ax.plot(times, values[i] / scale, color=colour, lw=width, drawstyle="steps-post")[0]
 
     def _draw_marks(self) -> None:
         """Epoch starts: a dotted line in every panel; a label in the top
