@@ -1,17 +1,17 @@
-"""Where frames go in a notebook: one output, shown once, updated in place.
+"""Where the memory view goes in a notebook: one output, shown once, updated in place.
 
 :class:`DisplaySurface` is ``display(..., display_id=True)`` for the first
-frame and ``handle.update(...)`` for every later one, so the notebook never
-grows a list of outputs and never flickers. It is opened with a text
-placeholder when a run starts, before Keras' progress bar prints anything:
-the plot's output then sits above the cell's stream output, and the progress
-bar's ``\\r`` updates keep rewriting one line below it instead of freezing above
-a plot that was inserted into the stream (a notebook front end starts a new
+object and ``handle.update(...)`` for every later one, so the notebook never
+grows a list of outputs and never flickers. It is opened with the live widget
+when a run starts, before Keras' progress bar prints anything: the view's
+output then sits above the cell's stream output, and the progress bar's
+``\r`` updates keep rewriting one line below it instead of freezing above a
+view that was inserted into the stream (a notebook front end starts a new
 stream output after every display).
 
-:class:`MemoryFrame` is one frame: PNG plus a one-line text form, so the
-last frame stays in the saved notebook as a plain image and terminals and
-text exports get the summary.
+:class:`MemoryFrame` is the final image: PNG plus its text form, so it stays
+in the saved notebook as a plain image and terminals and text exports get
+the summary.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def encode_png(pixels: Any, compress_level: int = 1) -> bytes:
 
 
 class MemoryFrame:
-    """One frame for a notebook: PNG (``None`` for a text-only placeholder)
-    plus a one-line text form."""
+    """The final image for a notebook: PNG (``None`` where matplotlib is
+    missing: text only) plus its text form."""
 
     def __init__(self, png: bytes | None, text: str) -> None:
         self.png = png
