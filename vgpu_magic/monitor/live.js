@@ -116,8 +116,8 @@ function drawPanel(s, series, indices, unit, title, marks, xmax, state, last) {
     if (series[k].cap) top = Math.max(top, series[k].cap);
   }
   // The scale only grows during a run, in round steps, so it does not jitter.
-  // Never below 64 KiB: an allocator reporting a few bytes is drawn near zero on a sane scale.
-  const ymax = Math.max(state.ymax || 0, niceCeil(Math.max(top, 65536) * 1.08 / scale));
+  // Never below 1 KiB: an allocator reporting nothing is drawn at zero on a sane scale.
+  const ymax = Math.max(state.ymax || 0, niceCeil(Math.max(top, 1024) * 1.08 / scale));
   state.ymax = ymax;
   const h = PANEL_H + (last ? 14 : 0);
   const plotH = PANEL_H - TOP - BOTTOM;

@@ -48,7 +48,7 @@ MAX_POINTS = 1500
 PLOT_INSTALL_HINT = "pip install 'vgpu_magic[plot]'"
 
 #: The smallest top of a memory axis, in bytes.
-MIN_TOP = 64 * 1024
+MIN_TOP = 1024
 
 #: Pixels per inch. With the font sizes below, the smallest text (tick labels,
 #: 8.5 pt) is 12 px high.
@@ -78,7 +78,7 @@ def title_text(trace: MemoryTrace, final: bool) -> str:
     if trace.epochs_total and len(trace):
         parts.append(f"epoch {trace.epoch[-1] + 1}/{trace.epochs_total}")
     if final:
-        if len(trace):
+        if len(trace) and (trace.epochs_total or trace.step[-1]):
             parts.append(f"{trace.step[-1] + 1} steps")
         parts.append(f"{trace.duration:.1f} s")
         parts.append("interrupted" if trace.interrupted else "done")
@@ -175,10 +175,12 @@ class MemoryFigure:
         self.lines: list[Any] = []
         self.peak_lines: list[Any] = []
         self._draw_series()
+        # Legend handles of one width: the lines' widths only keep equal series apart.
+        handles = [Line2D([], [], color=line.get_color(), lw=2.0) for line in self.lines]
         peak_handle = Line2D([], [], color=TEXT, lw=1.0, alpha=0.45)
         labels = [_legend_text(trace, i) for i in range(len(trace.series))]
         self.legend = self.fig.legend(
-            [*self.lines, peak_handle],
+            [*handles, peak_handle],
             [*labels, "running peak (faint lines)"],
             loc="upper left",
             bbox_to_anchor=(0.075, 1 - title_h / height),
@@ -209,7 +211,7 @@ class MemoryFigure:
             top = max([float(values[j].max()) for i in members for j in (i, i + count) if len(values[j])]
                       + [s.cap or 0 for s in trace.series if s.panel == panel] + [0.0])
             ax.set_xlim(0, xmax)
-            # Never below 64 KiB: an allocator reporting a few bytes is drawn near zero on a sane scale.
+            # Never below 1 KiB: an allocator reporting nothing is drawn at zero on a sane scale.
             ax.set_ylim(0, max(top * 1.08, MIN_TOP) / scale)
             ax.set_ylabel(f"{_PANEL_TITLES[panel]} ({name})", fontsize=_LABEL_PT, color=TEXT)
             for cap, group in _cap_groups([(i, trace.series[i].cap) for i in members]).items():

@@ -40,11 +40,14 @@ PALETTE = ("#1f77b4", "#d9730d", "#2ca02c", "#d62728", "#9467bd", "#1a9a9e", "#c
 
 def panel_unit(trace: MemoryTrace, panel: str) -> tuple[str, int]:
     """The unit of one panel (``"device"`` or ``"process"``) for the whole
-    run: GiB when its caps or its peaks when the run started reach 2 GiB,
-    else MiB. Chosen from what is known at the start, so neither the live
-    view nor the final image switches units."""
-    known = [max(s.cap or 0, peak) for s, peak in zip(trace.series, trace.baseline_peak) if s.panel == panel]
-    return ("GiB", GIB) if max(known, default=0) >= 2 * GIB else ("MiB", MIB)
+    run, from what is known when it starts (caps and peaks): GiB from 2 GiB,
+    MiB from 1 MiB, else KiB. Neither the live view nor the final image
+    switches units during a run."""
+    known = max((max(s.cap or 0, peak) for s, peak in zip(trace.series, trace.baseline_peak) if s.panel == panel),
+                default=0)
+    if known >= 2 * GIB:
+        return "GiB", GIB
+    return ("MiB", MIB) if known >= MIB else ("KiB", 1024)
 
 
 class View:
