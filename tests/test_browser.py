@@ -566,25 +566,27 @@ model.fit(x, y, batch_size=32, epochs=1, verbose=1)""",
 ]
 
 def _line_pixels_above_zero(png: bytes) -> tuple[int, str]:
-    """Coloured (line) pixels inside the plot's main axes, above the band at its
-    bottom where the memory axis starts at 0 (an all-zero series lies there);
-    and the picture's size.
+    """Coloured (line) pixels inside the image's memory axes, above the band at their
+    bottom where an axis starts at 0 (an all-zero series lies there); and the picture's size.
 
-    The main axes are found by their black frame: its top and bottom are the
-    rows that are dark for most of the picture's width, its sides the columns
-    dark for most of the height between them (the variables panel is narrower).
+    The image is transparent: it is laid on white first. The axes are found by their
+    grey frame: its top and bottom are the rows that are frame-grey for most of the
+    picture's width (over every panel), its sides the columns frame-grey for most of
+    the height between them (the variables panel is narrower).
     """
     import numpy as np
     from PIL import Image
 
     with Image.open(io.BytesIO(png)) as image:
-        rgb = np.asarray(image.convert("RGB")).astype(int)
+        rgba = np.asarray(image.convert("RGBA")).astype(float)
+    alpha = rgba[:, :, 3:] / 255
+    rgb = (rgba[:, :, :3] * alpha + 255 * (1 - alpha)).astype(int)
     height, width, _ = rgb.shape
-    dark = rgb.max(axis=2) < 90
-    rows = np.flatnonzero(dark.sum(axis=1) > 0.4 * width)
+    frame = (np.abs(rgb - 0x8A) < 14).all(axis=2)
+    rows = np.flatnonzero(frame.sum(axis=1) > 0.4 * width)
     assert len(rows) >= 2, f"no axes frame found in the {width}x{height} plot"
     top, bottom = rows.min(), rows.max()
-    cols = np.flatnonzero(dark[top : bottom + 1].sum(axis=0) > 0.8 * (bottom - top))
+    cols = np.flatnonzero(frame[top : bottom + 1].sum(axis=0) > 0.3 * (bottom - top))
     left, right = cols.min(), cols.max()
     inside = rgb[top + 2 : bottom - 6, left + 2 : right - 1]
     coloured = (inside.max(axis=2) - inside.min(axis=2)) > 50
