@@ -26,6 +26,9 @@ __all__ = ["MonitorSession", "process_sampler", "KEPT_TRACES"]
 #: Finished runs :attr:`MonitorSession.traces` keeps (the latest ones).
 KEPT_TRACES = 10
 
+#: Reports about this process' devices already made (by any monitor).
+_SAID: set[str] = set()
+
 
 def process_sampler() -> DeviceSampler:
     """A sampler of this process' resident memory alone."""
@@ -154,7 +157,11 @@ class MonitorSession:
             sampler.read()
         except Exception as exc:
             # e.g. TensorFlow's host allocator without statistics: the process' memory is still true.
-            self._report(f"device memory cannot be read ({exc}); the memory view shows the process' memory")
+            # Said once per process: every later run would read the same.
+            message = f"device memory cannot be read ({exc}); the memory view shows the process' memory"
+            if message not in _SAID:
+                _SAID.add(message)
+                self._report(message)
             return process_sampler()
         return sampler
 
