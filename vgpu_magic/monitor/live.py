@@ -11,12 +11,13 @@ a transparent PNG with mid-contrast colours, readable on light and dark
 themes) with the summary as its text, so saved notebooks, nbviewer and nbval
 keep the final picture; the widget is then closed.
 
-Why an anywidget and not bqplot: an update here is one comm message of a few
-rows, about 0.08 ms of the kernel's time whatever the run's length; setting a
-bqplot ``Lines``' arrays re-sends every point of every series, 0.36 ms at 400
-rows and growing with the run (both measured in a kernel with
-``benchmarks/monitor_overhead.py``'s machine). It also keeps the legend and
-the epoch labels outside the data.
+Why an anywidget of ours and not bqplot: an update here is one comm message
+of the new rows, about 0.08 ms of the kernel's time however long the run;
+setting a bqplot ``Lines``' arrays re-sends every point of every series,
+0.36 ms at 400 rows and more as the run grows (medians in a kernel on a
+2-core machine; ``benchmarks/monitor_overhead.py`` measures both again). Ours
+also puts the legend and the epoch labels where they never cover data, and
+takes its text, axis and grid colours from the front end's theme variables.
 
 Update throttle: the next update waits ``max(min_interval, budget_factor ×
 last cost)``, 0.2 s and 200 by default, so the view takes at most 0.5 % of
