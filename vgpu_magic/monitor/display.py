@@ -118,7 +118,7 @@ def interrupts_deferred() -> Iterator[list[int]]:
     """Hold back ``SIGINT`` (a kernel interrupt) for the duration, in the main
     thread; yields a list that records the interrupts that arrived.
 
-    Used for the final frame drawn when a cell ends: the cell is over, so an
+    Used for the final image drawn when a cell ends: the cell is over, so an
     interrupt then has nothing left to stop, and letting it land inside
     matplotlib or PIL would lose the frame and print a traceback from an event
     hook. Elsewhere (another thread, a handler that is not Python's) it does

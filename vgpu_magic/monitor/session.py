@@ -205,8 +205,8 @@ class MonitorSession:
         self._depth = 1
         self._epoch_base = self._next_step = 0
         params = self._run_params()
-        # The cell hook first: an interrupt landing anywhere after the plot
-        # appeared still gets the run closed and its final frame drawn.
+        # The cell hook first: an interrupt landing anywhere after the view
+        # appeared still gets the run closed and its final image drawn.
         self._watch_cell()
         self._recorder.view = self._make_view()
         self._recorder.start(kind, epochs=params.get("epochs") if kind == "fit" else None, steps=params.get("steps"))
@@ -232,7 +232,7 @@ class MonitorSession:
 
     def _watch_cell(self) -> None:
         """End the run with its cell at the latest (an interrupted ``fit``
-        still gets its final frame), and draw final frames there, after the
+        still gets its final image), and draw final images there, after the
         training, not inside it."""
         shell = _shell()
         if shell is None or self._shell_watched is shell:
@@ -262,13 +262,13 @@ class MonitorSession:
                 draw()
             except Exception as exc:
                 self._report(
-                    f"the memory plot's final frame failed ({type(exc).__name__}: {exc}); the trace is kept"
+                    f"the memory view's final image failed ({type(exc).__name__}: {exc}); the trace is kept"
                 )
 
     def _cell_finished(self, result: Any = None) -> None:
         # Unhook first, so nothing below can leave the hook registered; then
         # draw with interrupts held back: the cell is over, and an interrupt
-        # landing in the final frame would lose it and print a traceback
+        # landing in the final image would lose it and print a traceback
         # from the event hook.
         self._unwatch_cell()
         with interrupts_deferred():
@@ -302,7 +302,7 @@ class MonitorSession:
 
     def finish(self, interrupted: bool = False) -> MemoryTrace | None:
         """End the current run; return its trace. The text summary prints at
-        once; in IPython the plot's final frame is drawn when the cell ends."""
+        once; in IPython the final image is drawn when the cell ends."""
         if self._recorder.active:
             self._close(interrupted=interrupted)
         return self.trace
