@@ -158,10 +158,9 @@ class MonitorSession:
         except Exception as exc:
             # e.g. TensorFlow's host allocator without statistics: the process' memory is still true.
             # Said once per process: every later run would read the same.
-            message = f"device memory cannot be read ({exc}); the memory view shows the process' memory"
-            if message not in _SAID:
-                _SAID.add(message)
-                self._report(message)
+            self._report_once_per_process(
+                f"device memory cannot be read ({exc}); the memory view shows the process' memory"
+            )
             return process_sampler()
         return sampler
 
@@ -176,6 +175,12 @@ class MonitorSession:
             self._reported.add(message)
             print(f"vgpu_magic: {message}", file=sys.stderr, flush=True)
 
+    def _report_once_per_process(self, message: str) -> None:
+        """Report what every later run (of any monitor) would find the same, once."""
+        if message not in _SAID:
+            _SAID.add(message)
+            self._report(message)
+
     def _make_view(self) -> Any:
         if self._view is not None:
             return self._view
@@ -184,7 +189,9 @@ class MonitorSession:
             from .live import WIDGET_INSTALL_HINT, LiveMemoryView, widget_available
 
             if not widget_available():
-                self._report(f"anywidget is not installed, so memory is summarised as text; {WIDGET_INSTALL_HINT}")
+                self._report_once_per_process(
+                    f"anywidget is not installed, so memory is summarised as text; {WIDGET_INSTALL_HINT}"
+                )
                 return TextSummaryView()
             return LiveMemoryView(defer=self._defer_to_cell_end)
         if mode == "text":
