@@ -79,16 +79,17 @@ def under(env: dict[str, str]):
     return mock.patch.dict(os.environ, env, clear=True)
 
 
+@pytest.mark.parametrize("port", [None, 9000], ids=["job id port", "--port as the override"])
 @pytest.mark.parametrize("tasks", [ONE_NODE, TWO_NODES], ids=["1 node", "2 nodes"])
-def test_jax_coordinator_and_process_ids_equal_jaxs_slurm_cluster(tasks):
-    plans = get("jax").plan_ranks(layout_ranks(reports(tasks)), None, None, None)
+def test_jax_coordinator_and_process_ids_equal_jaxs_slurm_cluster(tasks, port):
+    plans = get("jax").plan_ranks(layout_ranks(reports(tasks)), None, None, port)
     layout = layout_ranks(reports(tasks))
     for env in tasks:
         with under(env):
             cluster = slurm_cluster.SlurmCluster
             assert cluster.is_env_present()
             expected = (
-                cluster.get_coordinator_address(None, None),
+                cluster.get_coordinator_address(None, None if port is None else str(port)),
                 cluster.get_process_count(),
                 cluster.get_process_id(),
             )
@@ -100,12 +101,14 @@ def test_jax_coordinator_and_process_ids_equal_jaxs_slurm_cluster(tasks):
         assert gpu == local  # one GPU per local rank on every node, CUDA's index on its host
 
 
+@pytest.mark.parametrize("port", [None, 9000], ids=["default ports", "--port as port_base"])
 @pytest.mark.parametrize("tasks", [ONE_NODE, TWO_NODES], ids=["1 node", "2 nodes"])
-def test_tf_config_equals_tensorflows_slurm_cluster_resolver(tasks):
-    plans = get("tensorflow").plan_ranks(layout_ranks(reports(tasks)), None, None, None)
+def test_tf_config_equals_tensorflows_slurm_cluster_resolver(tasks, port):
+    plans = get("tensorflow").plan_ranks(layout_ranks(reports(tasks)), None, None, port)
+    base = {} if port is None else {"port_base": port}
     for env in tasks:
         with under(env):
-            found = resolver.SlurmClusterResolver(gpus_per_node=GPUS_PER_NODE, auto_set_gpu=False)
+            found = resolver.SlurmClusterResolver(gpus_per_node=GPUS_PER_NODE, auto_set_gpu=False, **base)
             spec = found.cluster_spec().as_dict()
             task_type, task_id = found.get_task_info()
             gpu = int(found._gpu_allocation[found._rank])

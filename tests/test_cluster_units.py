@@ -195,6 +195,27 @@ def test_a_rank_reports_its_gpus_in_cudas_order_never_nvmls(monkeypatch):
     assert [(g.index, g.nvml_index) for g in visible_gpus()] == [(0, 1)]
 
 
+def test_status_names_each_ranks_host_when_they_run_on_several():
+    import os
+
+    from vgpu_magic.ranks import RankCluster
+
+    ranks = RankCluster(2, "jax", gpus=[])
+    reports = [HostReport(e, f"host{e}", f"10.0.0.{e + 1}", os.getpid(), (), 43000 + e) for e in range(2)]
+    # The state start() leaves after reading the hosts, without processes: this process stands for both ranks.
+    ranks.cluster, ranks.layout = object(), layout_ranks(reports)
+    ranks.engine_ids, ranks.pids = [0, 1], [os.getpid()] * 2
+    ranks.plans = get("jax").plan_ranks(ranks.layout, None, None, None)
+    try:
+        lines = ranks.describe()
+        assert [info.host for info in ranks.status()] == ["host0", "host1"]
+    finally:
+        ranks.cluster = None
+    assert lines[1] == "jax.distributed on 10.0.0.1:43000: 2 processes × 1 CPU devices = 2 devices"
+    assert lines[2].startswith(f"  rank 0: pid {os.getpid()} on host0, alive")
+    assert lines[3].startswith(f"  rank 1: pid {os.getpid()} on host1, alive")
+
+
 def test_split_refuses_torch_and_points_at_the_ranks():
     from vgpu_magic import api
     from vgpu_magic.planner import PlanError
@@ -297,25 +318,41 @@ def test_bad_run_lines(shell, line, cell, match):
         shell.run_cell_magic("vgpu_run", line, cell)
 
 
-def test_memory_trace_plot_and_sampler():
+def test_rank_memory_feeds_the_monitors_one_trace_and_view():
     import os
 
-    from vgpu_magic.ranks.memory import RankMemoryPlot, RankMemorySampler, RankMemoryTrace
+    from vgpu_magic.monitor.views import View
+    from vgpu_magic.ranks.memory import RankMemorySampler, RankMonitor
 
     mib = 1024**2
-    trace = RankMemoryTrace(2)
-    trace.add(0.0, [100 * mib, 120 * mib], [None, None])
-    trace.add(0.5, [300 * mib, 110 * mib], [None, None])
-    assert trace.peak_rss() == [300 * mib, 120 * mib]
-    assert trace.summary() == "peak RSS: rank 0 300.0 MiB, rank 1 120.0 MiB"
-    plot = RankMemoryPlot(trace)
-    assert plot._png().startswith(b"\x89PNG") and "RSS)" in plot.axes.get_title()
-    # GPU-shaped samples (NVML per-process bytes) add dashed lines and the GPU peaks.
-    trace.add(1.0, [310 * mib, 115 * mib], [2048 * mib, 1024 * mib])
-    assert plot._png().startswith(b"\x89PNG") and "GPU memory dashed" in plot.axes.get_title()
-    assert trace.summary().endswith("peak GPU: rank 0 2.00 GiB, rank 1 1.00 GiB")
-    sampler = RankMemorySampler([os.getpid()], gpu=False)
-    assert sampler.rss()[0] > 10 * mib and sampler.gpu() == [None]
+    sampler = RankMemorySampler([os.getpid(), os.getpid()], gpu=False)
+    assert [(s.label, s.panel) for s in sampler.series] == [("rank 0 RSS", "process"), ("rank 1 RSS", "process")]
+    assert sampler.rss()[0] > 10 * mib and sampler.gpu() == [None, None]
+    (current, peak), _ = sampler.read()
+    assert 10 * mib < current <= peak
+
+    class Seen(View):
+        def __init__(self):
+            self.calls = []
+
+        def start(self, trace):
+            self.calls.append("start")
+
+        def sampled(self, trace, now):
+            self.calls.append("sampled")
+
+        def finish(self, trace):
+            self.calls.append("finish")
+
+    seen = Seen()
+    monitor = RankMonitor([os.getpid()], gpu=False, live=False, view=seen)
+    monitor.start()
+    monitor.sample()
+    trace = monitor.finish()
+    # A sample when the run starts and one when it ends: the same MemoryTrace as a monitored fit.
+    assert trace.kind == "%%vgpu_run" and trace.finished and len(trace) >= 2
+    assert [s.label for s in trace.series] == ["rank 0 RSS"] and trace.latest(0)[0] > 10 * mib
+    assert seen.calls[0] == "start" and seen.calls[-1] == "finish"
 
 
 def test_loading_the_extension_starts_and_imports_nothing_of_the_cluster(py):

@@ -368,12 +368,13 @@ class TensorFlow(Framework):
 
 def _workers(layout: RankLayout, port: int | None) -> list[str]:
     """Every worker's ``host:port``, in rank order: under SLURM what
-    ``SlurmClusterResolver`` computes (the step's hosts in sorted order, each
-    node's tasks on ports from 8888); else each rank's own host address and the
-    port its engine chose there (``port`` for the first worker, when given)."""
+    ``SlurmClusterResolver(port_base=port or 8888)`` computes (the step's hosts
+    in sorted order, each node's tasks on consecutive ports); else each rank's
+    own host address and the port its engine chose there (``port`` for the
+    first worker, when given)."""
     if layout.slurm is not None:
         return [
-            f"{host}:{SLURM_PORT_BASE + offset}"
+            f"{host}:{(port or SLURM_PORT_BASE) + offset}"
             for host, count in sorted(zip(layout.slurm.hosts, layout.slurm.tasks_per_node))
             for offset in range(count)
         ][: layout.world_size]

@@ -295,9 +295,8 @@ class RankCluster:
     def _read_hosts(self, engine_ids: list[int]) -> list[HostReport]:
         """Each engine's :class:`~.hosts.HostReport` (hostname, reachable address,
         GPUs, PID, a free port on its host, the launcher's rank variables)."""
-        plan = self.launcher_plan
-        # The address engines reach the controller at (on every interface under slurm/ssh).
-        controller = plan.controller_location if plan.controller_ip else (self.cluster.controller_ip or "127.0.0.1")
+        # ipyparallel's controller_location is where engines connect when the controller listens on every interface.
+        controller = self.cluster.controller_location or self.cluster.controller_ip or "127.0.0.1"
         pending = [self.client[e].apply_async(report_host, e, controller) for e in engine_ids]
         return [ar.get(timeout=ENGINE_TIMEOUT) for ar in pending]
 
