@@ -61,7 +61,7 @@ def why_not_hosts() -> str | None:
 
 
 def _run(*argv: str) -> str:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed: {proc.stderr.strip()}")
     return proc.stdout
@@ -197,11 +197,10 @@ class TwoHosts:
         sshd = shutil.which("sshd", path=_SBIN)
         # SIGINT back to its default for what the sshd starts (a background test run ignores it).
         argv = ["env", "--default-signal=INT", *self.prefix(host), sshd, "-D", "-e", "-f", str(config)]
-        log = open(self.folder / f"sshd_{host.address}.log", "wb")
-        self.processes.append(
-            subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        )
-        log.close()
+        with open(self.folder / f"sshd_{host.address}.log", "wb") as log:
+            self.processes.append(
+                subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            )
 
     def _wait_ssh(self, host: SSHHost) -> None:
         deadline = time.monotonic() + 30
@@ -244,9 +243,9 @@ class TwoHosts:
         for proc in self.processes:
             proc.wait(timeout=5)
         self.processes = []
-        subprocess.run(["ip", "netns", "del", self.namespace], capture_output=True, timeout=30)
+        subprocess.run(["ip", "netns", "del", self.namespace], capture_output=True, timeout=30, check=False)
         # Deleting the namespace removes its end of the pair, and with it this one; make sure.
-        subprocess.run(["ip", "link", "del", self.veth], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", self.veth], capture_output=True, timeout=30, check=False)
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def host(self, hostname: str) -> SSHHost:

@@ -36,7 +36,7 @@ from .hosts import HostReport, RankLayout, layout_ranks, prepare_rank, report_ho
 from .launchers import LAUNCHERS, LauncherPlan, plan_launcher
 from .run import RankRun, RankRunError, names_to_send, names_written, pack_names, process_alive, split_last_expression
 
-__all__ = ["RankCluster", "RankInfo", "ClusterStartError", "current", "free_ports", "LAUNCHERS"]
+__all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current", "free_ports"]
 
 #: Seconds processes get after SIGTERM before SIGKILL when the cluster stops.
 STOP_GRACE = 2.0
@@ -102,7 +102,7 @@ def _ssh(location: str, args: tuple[str, ...], command: str) -> str | None:
     try:
         proc = subprocess.run(
             ["ssh", *args, location, command], capture_output=True, text=True, timeout=REMOTE_STOP_TIMEOUT,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL, check=False,
         )
     except subprocess.TimeoutExpired:
         return None
@@ -113,7 +113,9 @@ def _wait_job_gone(job: str, timeout: float) -> bool:
     """Has SLURM job ``job`` left ``squeue`` within ``timeout`` seconds?"""
     deadline = time.monotonic() + timeout
     while True:
-        proc = subprocess.run(["squeue", "-h", "-j", job, "-o", "%i"], capture_output=True, text=True, timeout=30)
+        proc = subprocess.run(
+            ["squeue", "-h", "-j", job, "-o", "%i"], capture_output=True, text=True, timeout=30, check=False
+        )
         # squeue exits non-zero for a job id it no longer knows: gone as well.
         if proc.returncode != 0 or not proc.stdout.strip():
             return True
@@ -477,7 +479,7 @@ class RankCluster:
         left = []
         for job in jobs:
             if not _wait_job_gone(job, REMOTE_STOP_TIMEOUT / 2):
-                subprocess.run(["scancel", "-s", "KILL", job], capture_output=True, timeout=30)
+                subprocess.run(["scancel", "-s", "KILL", job], capture_output=True, timeout=30, check=False)
                 if not _wait_job_gone(job, REMOTE_STOP_TIMEOUT / 2):
                     left.append(f"SLURM job {job} is still in squeue")
         if self.launcher_plan.ssh_hosts:

@@ -119,7 +119,9 @@ class LocalSlurm:
     def stop(self) -> None:
         """Cancel every job, stop the daemons and remove the folder. Safe to call twice."""
         if self.conf is not None and self.processes:
-            subprocess.run(["scancel", "--full", "--user", "root"], env=self.env(), capture_output=True, timeout=30)
+            subprocess.run(
+                ["scancel", "--full", "--user", "root"], env=self.env(), capture_output=True, timeout=30, check=False
+            )
         for proc in reversed(self.processes):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -164,14 +166,13 @@ class LocalSlurm:
 
     # -- pieces ---------------------------------------------------------------------------
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.folder / f"{name}.out", "wb")
         # SIGINT back to its default: a kernel or test run started in the background ignores it, and
         # the jobs' tasks would inherit that (the ranks are interrupted with SIGINT).
-        proc = subprocess.Popen(
-            ["env", "--default-signal=INT", *argv], env=self.env() if self.conf else os.environ.copy(), stdout=log,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-        log.close()
+        with open(self.folder / f"{name}.out", "wb") as log:
+            proc = subprocess.Popen(
+                ["env", "--default-signal=INT", *argv], env=self.env() if self.conf else os.environ.copy(), stdout=log,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
         self.processes.append(proc)
         return proc
 
@@ -247,7 +248,7 @@ class LocalSlurm:
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited ({proc.returncode}): {self._tail(name + '.out')} {self._tail(name + '.log')}")
             result = subprocess.run(
-                ["sinfo", "-h", "-N", "-o", "%T"], env=self.env(), capture_output=True, text=True, timeout=30
+                ["sinfo", "-h", "-N", "-o", "%T"], env=self.env(), capture_output=True, text=True, timeout=30, check=False
             )
             state = result.stdout.strip() or result.stderr.strip()
             if result.returncode == 0 and state.split() == ["idle"] * len(self.nodes):
