@@ -569,7 +569,7 @@ class RankCluster:
         places = self.layout.places
         here = socket.gethostname()
         # A PID on another host names nothing here: such ranks are alive while their engine is registered.
-        local = [place.hostname == here for place in places]
+        local = [not self.launcher_plan.remote or place.hostname == here for place in places]
         sampler = RankMemorySampler([pid for pid, mine in zip(self.pids, local) if mine], any(p.gpu for p in places))
         local_rss, local_gpu = iter(sampler.rss()), iter(sampler.gpu())
         sampler.close()
@@ -595,7 +595,8 @@ class RankCluster:
         if not self.running:
             return ["no cluster running"]
         where = self.launcher_plan.describe()
-        where += "".join(f", job {es.job_id}" for es in self.cluster.engines.values() if getattr(es, "job_id", ""))
+        engine_sets = getattr(self.cluster, "engines", {}).values()
+        where += "".join(f", job {es.job_id}" for es in engine_sets if getattr(es, "job_id", ""))
         lines = [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} on {where}"]
         lines.extend(self.plans[0].notes if self.plans else ())
         infos = self.status()
