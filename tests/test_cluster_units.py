@@ -318,25 +318,41 @@ def test_bad_run_lines(shell, line, cell, match):
         shell.run_cell_magic("vgpu_run", line, cell)
 
 
-def test_memory_trace_plot_and_sampler():
+def test_rank_memory_feeds_the_monitors_one_trace_and_view():
     import os
 
-    from vgpu_magic.ranks.memory import RankMemoryPlot, RankMemorySampler, RankMemoryTrace
+    from vgpu_magic.monitor.views import View
+    from vgpu_magic.ranks.memory import RankMemorySampler, RankMonitor
 
     mib = 1024**2
-    trace = RankMemoryTrace(2)
-    trace.add(0.0, [100 * mib, 120 * mib], [None, None])
-    trace.add(0.5, [300 * mib, 110 * mib], [None, None])
-    assert trace.peak_rss() == [300 * mib, 120 * mib]
-    assert trace.summary() == "peak RSS: rank 0 300.0 MiB, rank 1 120.0 MiB"
-    plot = RankMemoryPlot(trace)
-    assert plot._png().startswith(b"\x89PNG") and "RSS)" in plot.axes.get_title()
-    # GPU-shaped samples (NVML per-process bytes) add dashed lines and the GPU peaks.
-    trace.add(1.0, [310 * mib, 115 * mib], [2048 * mib, 1024 * mib])
-    assert plot._png().startswith(b"\x89PNG") and "GPU memory dashed" in plot.axes.get_title()
-    assert trace.summary().endswith("peak GPU: rank 0 2.00 GiB, rank 1 1.00 GiB")
-    sampler = RankMemorySampler([os.getpid()], gpu=False)
-    assert sampler.rss()[0] > 10 * mib and sampler.gpu() == [None]
+    sampler = RankMemorySampler([os.getpid(), os.getpid()], gpu=False)
+    assert [(s.label, s.panel) for s in sampler.series] == [("rank 0 RSS", "process"), ("rank 1 RSS", "process")]
+    assert sampler.rss()[0] > 10 * mib and sampler.gpu() == [None, None]
+    (current, peak), _ = sampler.read()
+    assert 10 * mib < current <= peak
+
+    class Seen(View):
+        def __init__(self):
+            self.calls = []
+
+        def start(self, trace):
+            self.calls.append("start")
+
+        def sampled(self, trace, now):
+            self.calls.append("sampled")
+
+        def finish(self, trace):
+            self.calls.append("finish")
+
+    seen = Seen()
+    monitor = RankMonitor([os.getpid()], gpu=False, live=False, view=seen)
+    monitor.start()
+    monitor.sample()
+    trace = monitor.finish()
+    # A sample when the run starts and one when it ends: the same MemoryTrace as a monitored fit.
+    assert trace.kind == "%%vgpu_run" and trace.finished and len(trace) >= 2
+    assert [s.label for s in trace.series] == ["rank 0 RSS"] and trace.latest(0)[0] > 10 * mib
+    assert seen.calls[0] == "start" and seen.calls[-1] == "finish"
 
 
 def test_loading_the_extension_starts_and_imports_nothing_of_the_cluster(py):
