@@ -6,6 +6,10 @@ launchers wire them (torchrun's environment, ``TF_CONFIG``,
 * :mod:`.hosts`: each engine's report of its host, and the ranks laid out on
   the hosts (each framework's module in :mod:`vgpu_magic.frameworks` plans
   its launcher's wiring from that layout);
+* :mod:`.launchers`: how ipyparallel starts the engines (``local``, ``mpi``,
+  ``slurm``, ``ssh``) and the options each takes, validated before anything starts;
+* :mod:`.local_slurm`: a throwaway single-node SLURM cluster, to rehearse the
+  SLURM path on one machine;
 * :mod:`.run`: running work on every rank, streaming output, the fault policy;
 * :mod:`.memory`: per-rank memory sampled from the kernel, and its live plot;
 * :mod:`.magics`: ``%vgpu_cluster`` and ``%%vgpu_run``, thin faces over the engine.
