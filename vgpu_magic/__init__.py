@@ -19,7 +19,7 @@ _LAZY = {
     "status": "api",
     "strategy": "api",
     "RuntimeStartedWarning": "api",
-    "PlanError": "planner",
+    "PlanError": "errors",
     "SplitPlan": "plans",
     "SplitRequest": "plans",
     "DeviceInventory": "inventory",

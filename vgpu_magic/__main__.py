@@ -31,10 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from . import api
-    from .frameworks import FrameworkChoiceError, FrameworkImportError
+    from .errors import USER_ERRORS
     from .grammar import parse_split_line
-    from .inventory import NVMLReadError
-    from .planner import PlanError
 
     try:
         if args.command == "status":
@@ -44,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         # Re-quote each word: a size list given as one argument ("1024, 2048") stays one argument.
         request, _ = parse_split_line(shlex.join(args.line))
         result = api.execute(request, dry_run=True)
-    except (PlanError, FrameworkChoiceError, FrameworkImportError, NVMLReadError) as exc:
+    except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result.to_dict(), indent=2))

@@ -4,7 +4,7 @@
     >>> vgpu_magic.split(4)                      # doctest: +SKIP
     >>> strategy = vgpu_magic.strategy()         # doctest: +SKIP
 
-Bad input raises :class:`ValueError` (:class:`~vgpu_magic.planner.PlanError`)
+Bad input raises :class:`ValueError` (:class:`~vgpu_magic.errors.PlanError`)
 and configures nothing. A different split after the framework's runtime
 started issues a :class:`RuntimeStartedWarning` and returns a result whose
 ``status`` is ``"blocked"``. A framework that is missing or fails to import
@@ -22,7 +22,8 @@ from . import frameworks
 from .engine import SplitResult, apply_plan, summary_lines
 from .frameworks import Framework, FrameworkChoiceError
 from .inventory import DeviceInventory
-from .planner import PlanError, SplitPlan, SplitRequest, excerpt, parse_memory_list, plan_split
+from .errors import PlanError, excerpt
+from .planner import SplitPlan, SplitRequest, parse_memory_list, plan_split
 from .report import StatusReport, collect_status
 from .runtime import RuntimeWatcher, runtime_state
 

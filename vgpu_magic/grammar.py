@@ -18,7 +18,8 @@ import math
 import re
 import shlex
 
-from .planner import MAX_DEVICES, PlanError, SplitRequest, excerpt, parse_memory_list
+from .errors import PlanError, excerpt
+from .planner import MAX_DEVICES, SplitRequest, parse_memory_list
 
 __all__ = [
     "parse_split_line",

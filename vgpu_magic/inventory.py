@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .frameworks.base import Capabilities, ConfigSnapshot
+from .units import MIB
 
 __all__ = [
     "GPUInfo",
@@ -28,8 +29,6 @@ __all__ = [
     "open_nvml",
     "cuda_to_nvml_order",
 ]
-
-_MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -152,9 +151,9 @@ def nvml_gpus() -> list[dict[str, Any]]:
                 {
                     "nvml_index": i,
                     "model": _text(nvml.nvmlDeviceGetName(handle)),
-                    "total_mib": int(mem.total // _MIB),
+                    "total_mib": int(mem.total // MIB),
                     "total_bytes": int(mem.total),
-                    "free_mib": int(mem.free // _MIB),
+                    "free_mib": int(mem.free // MIB),
                     "compute_capability": cc,
                     "uuid": _text(nvml.nvmlDeviceGetUUID(handle)),
                 }

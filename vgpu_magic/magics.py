@@ -21,10 +21,8 @@ from traitlets import Bool
 
 from . import api
 from .engine import SplitResult, summary_lines
-from .frameworks import FrameworkChoiceError, FrameworkImportError
 from .grammar import parse_split_line, split_argument_parser
-from .inventory import NVMLReadError
-from .planner import PlanError, excerpt
+from .errors import USER_ERRORS, PlanError, excerpt
 from .runtime import RuntimeWatcher
 
 __all__ = ["VGPUMagics", "ENV_SPLIT", "print_result"]
@@ -42,7 +40,7 @@ def _usage_errors():
     """Every error a user can cause, as one line."""
     try:
         yield
-    except (PlanError, FrameworkChoiceError, FrameworkImportError, NVMLReadError) as exc:
+    except USER_ERRORS as exc:
         raise UsageError(str(exc)) from None
 
 
@@ -225,7 +223,7 @@ class VGPUMagics(Magics):
         try:
             request, args = parse_split_line(line)
             result = api.execute(request, self.watcher, dry_run=args.dry_run)
-        except (PlanError, FrameworkChoiceError, FrameworkImportError, NVMLReadError) as exc:
+        except USER_ERRORS as exc:
             _warn(f"{source} = {excerpt(line)} was not applied: {exc}")
             return
         print(f"vgpu_magic: applying {source} = {excerpt(line)}")

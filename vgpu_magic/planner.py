@@ -23,6 +23,7 @@ import math
 import re
 from fractions import Fraction
 
+from .errors import PlanError, excerpt
 from .frameworks.base import Capabilities, ConfigSnapshot
 from .inventory import DeviceInventory, GPUInfo
 from .plans import FitVerdict, SplitPlan, SplitRequest
@@ -31,7 +32,6 @@ __all__ = [
     "MAX_DEVICES",
     "MIN_MEMORY_MIB",
     "MAX_MEMORY_MIB",
-    "PlanError",
     "SplitRequest",
     "SplitPlan",
     "FitVerdict",
@@ -41,7 +41,6 @@ __all__ = [
     "unconfigured",
     "parse_memory",
     "parse_memory_list",
-    "excerpt",
     "usable_mib",
 ]
 
@@ -53,29 +52,6 @@ MAX_MEMORY_MIB = 1024**3
 
 _UNITS = {"": 1, "m": 1, "mb": 1, "mib": 1, "g": 1024, "gb": 1024, "gib": 1024, "t": 1024**2, "tb": 1024**2, "tib": 1024**2}
 _MEMORY_RE = re.compile(r"^\s*(?P<num>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[a-zA-Z]*)\s*$", re.ASCII)
-
-#: Characters ``str.splitlines`` breaks on; quoted user tokens may contain them.
-_LINE_BREAKS = str.maketrans({c: repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
-
-#: Longest user text quoted back in a message.
-EXCERPT_CHARS = 40
-
-
-def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
-    """``repr`` of a user value, shortened to an excerpt: a 10 kB line is not echoed whole."""
-    text = value if isinstance(value, str) else repr(value)
-    if len(text) > limit:
-        return repr(text[: limit - 3] + "...") + f" ({len(text)} characters)"
-    return repr(text) if isinstance(value, str) else text
-
-
-class PlanError(ValueError):
-    """A request that cannot be planned. The message is one line that quotes the
-    offending value and says what would work."""
-
-    def __init__(self, message: str) -> None:
-        # A bad token echoed back (argparse does not quote them) must not break the line.
-        super().__init__(str(message).translate(_LINE_BREAKS))
 
 
 def usable_mib(gpu: GPUInfo, capabilities: Capabilities) -> int | None:

@@ -18,11 +18,9 @@ from typing import Any
 
 from .inventory import DeviceInventory
 from .runtime import RuntimeState
-from .units import format_bytes
+from .units import MIB, format_bytes
 
 __all__ = ["LogicalDeviceStatus", "FrameworkStatus", "StatusReport", "collect_status", "code_spans"]
-
-_MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -101,7 +99,7 @@ class FrameworkStatus:
             cap = f"{d.cap_mib} MiB" if d.cap_mib is not None else "whole GPU"
             cur, peak = format_bytes(d.current), format_bytes(d.peak)
             if d.cap_mib and d.current is not None:
-                cur += f" ({100 * d.current / (d.cap_mib * _MIB):.0f}% of cap)"
+                cur += f" ({100 * d.current / (d.cap_mib * MIB):.0f}% of cap)"
             rows.append((d.name, d.physical, cap, cur, peak))
         return rows
 

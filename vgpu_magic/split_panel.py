@@ -37,13 +37,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without the widg
 
 from . import api
 from .engine import SplitResult, summary_lines
-from .frameworks import FrameworkChoiceError, FrameworkImportError
-from .inventory import DeviceInventory, GPUInfo, NVMLReadError
+from .errors import USER_ERRORS, PlanError
+from .inventory import DeviceInventory, GPUInfo
 from .planner import (
     MAX_DEVICES,
     MIN_MEMORY_MIB,
     FitVerdict,
-    PlanError,
     SplitPlan,
     SplitRequest,
     check_fit,
@@ -444,7 +443,7 @@ class SplitPanel:
         self.last_result = None
         try:
             result = api.execute(self.request(), self.watcher, inventory=self.inventory)
-        except (PlanError, FrameworkChoiceError, FrameworkImportError, NVMLReadError) as exc:
+        except USER_ERRORS as exc:
             self._say(f"Not applied: {exc}", error=True)
             return None
         self.last_result = result
