@@ -76,7 +76,7 @@ def test_memory_caps_this_process_share_of_the_gpu():
 
 
 def test_cpu_devices_next_to_the_gpu_are_the_replicas():
-    from vgpu_magic.engine import apply_plan
+    from vgpu_magic.outcomes import apply_plan
     from vgpu_magic.runtime import RuntimeState
 
     inventory = jax_inventory()

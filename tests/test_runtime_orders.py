@@ -139,7 +139,10 @@ def test_extension_loaded_after_the_runtime_started():
     )
     warning = cells[2]["err"].strip()
     assert len(warning.splitlines()) == 1, warning
-    assert warning.startswith("vgpu_magic warning: TensorFlow's runtime already started (a cell run before vgpu_magic")
+    assert warning.startswith(
+        "vgpu_magic warning: TensorFlow's runtime already started, so devices can no longer change. "
+        "Started by: a cell run before vgpu_magic"
+    )
     assert "Restart the kernel and load vgpu_magic before any TensorFlow code" in warning
     assert_blocked(cells[3], "a cell run before vgpu_magic was loaded")
     assert cells[4]["result"]["status"] == "unchanged"

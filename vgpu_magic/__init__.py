@@ -24,7 +24,7 @@ _LAZY = {
     "SplitRequest": "plans",
     "DeviceInventory": "inventory",
     "GPUInfo": "inventory",
-    "SplitResult": "engine",
+    "SplitResult": "outcomes",
     "StatusReport": "report",
     "MemoryMonitor": "monitor",
     "MemoryTrace": "monitor",

@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 
 from . import frameworks
-from .engine import SplitResult, apply_plan, summary_lines
+from .outcomes import SplitResult, apply_plan, summary_lines
 from .frameworks import Framework, FrameworkChoiceError
 from .inventory import DeviceInventory
 from .errors import PlanError, excerpt

@@ -3,7 +3,7 @@
 Each magic parses its line (:mod:`vgpu_magic.grammar`) and calls the engine
 (:func:`vgpu_magic.api.execute`); validation lives in
 :mod:`vgpu_magic.planner`, outcomes are worded by
-:func:`vgpu_magic.engine.summary_lines`. User mistakes become a one-line
+:func:`vgpu_magic.outcomes.summary_lines`. User mistakes become a one-line
 :class:`~IPython.core.error.UsageError`.
 """
 
@@ -20,7 +20,7 @@ from traitlets import Any as AnyTrait
 from traitlets import Bool
 
 from . import api
-from .engine import SplitResult, summary_lines
+from .outcomes import SplitResult, as_sentence, runtime_started_lines, summary_lines
 from .grammar import parse_split_line, split_argument_parser
 from .errors import USER_ERRORS, PlanError, excerpt
 from .runtime import RuntimeWatcher
@@ -213,10 +213,9 @@ class VGPUMagics(Magics):
         for fw in frameworks.imported():
             state = self.watcher.state(fw, check_cuda=False)
             if self.warn_on_load and state.started:
-                _warn(
-                    f"{fw.label}'s runtime already started ({state.culprit}); %vgpu_split can no longer change "
-                    f"its devices. Restart the kernel and load vgpu_magic before any {fw.label} code."
-                )
+                what, started_by = runtime_started_lines(fw.label, state.culprit)
+                todo = f"restart the kernel and load vgpu_magic before any {fw.label} code"
+                _warn(" ".join([what, as_sentence(started_by), as_sentence(todo)]))
         if persistent is None:
             return
         line, source = persistent

@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 
 from .inventory import GPUInfo
+from .outcomes import as_sentence, remedy, runtime_started_lines
 from .report import code_spans
 
 __all__ = ["TEXT_STYLE", "BANNER_STYLE", "ERROR_STYLE", "gpu_key", "gpu_label", "banner_html"]
@@ -36,16 +37,13 @@ def gpu_label(gpu: GPUInfo) -> str:
     return f"GPU {gpu.index}: {model} — {total}{gpu.free_mib} MiB free"
 
 
-
-
-def banner_html(label: str, culprit: str, remedy: bool) -> str:
-    """The "runtime already started" banner in short lines: what happened, which
-    cell, and (unless the output right below already says it) what to do."""
-    label = html.escape(label)
-    lines = [
-        f"<b>{label}'s runtime already started</b>, so devices can no longer change.",
-        f"Started by: {code_spans(culprit)}.",
-    ]
-    if remedy:
-        lines.append(f"To split differently: restart the kernel and run the split before any {label} code.")
+def banner_html(label: str, culprit: str, with_remedy: bool) -> str:
+    """The "runtime already started" banner, worded by
+    :func:`~vgpu_magic.outcomes.runtime_started_lines` as short sentences: what
+    happened, which cell, and (unless the output right below already says it)
+    what to do."""
+    what, started_by = runtime_started_lines(html.escape(label), code_spans(culprit))
+    lines = [f"<b>{what}</b>", as_sentence(started_by)]
+    if with_remedy:
+        lines.append(as_sentence("to split differently: " + remedy(html.escape(label))))
     return f"<div class='vgpu-banner-message' style='{BANNER_STYLE}'>" + "<br>".join(lines) + "</div>"

@@ -42,6 +42,7 @@ __all__ = [
     "parse_memory",
     "parse_memory_list",
     "usable_mib",
+    "even_share_mib",
 ]
 
 MAX_DEVICES = 64
@@ -61,6 +62,13 @@ def usable_mib(gpu: GPUInfo, capabilities: Capabilities) -> int | None:
         return None
     reserve = capabilities.gpu_reserve_mib
     return gpu.free_mib - (reserve(gpu.free_mib, gpu.compute_capability) if reserve else 0)
+
+
+def even_share_mib(gpu: GPUInfo, capabilities: Capabilities, count: int) -> int | None:
+    """What each of ``count`` logical devices on ``gpu`` gets when no sizes are
+    given: the usable memory split evenly; ``None`` when NVML could not tell."""
+    usable = usable_mib(gpu, capabilities)
+    return None if usable is None else usable // count
 
 
 def parse_memory(text: str) -> int:
@@ -306,7 +314,7 @@ def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
                 f"free memory of GPU {gpu.index} is unknown (NVML unavailable); give sizes, e.g. --memory 2048"
             )
         else:
-            each = usable // count
+            each = even_share_mib(gpu, caps, count)
             if each < MIN_MEMORY_MIB:
                 raise PlanError(
                     f"GPU {gpu.index} has {max(usable, 0)} MiB usable; {count} devices would get {max(each, 0)} MiB "

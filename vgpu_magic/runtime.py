@@ -17,7 +17,18 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-__all__ = ["CellRef", "RuntimeState", "RuntimeWatcher", "cuda_context_holders", "runtime_state", "first_line"]
+__all__ = [
+    "CellRef",
+    "NO_LONGER_CHANGE",
+    "RuntimeState",
+    "RuntimeWatcher",
+    "cuda_context_holders",
+    "runtime_state",
+    "first_line",
+]
+
+#: What a started runtime means for a split; the status and every outcome say it in these words.
+NO_LONGER_CHANGE = "devices can no longer change"
 
 
 def _torch_holds_cuda() -> bool:
@@ -112,7 +123,7 @@ class RuntimeState:
         elif not self.started:
             text = "not started — devices can still be configured"
         else:
-            text = f"started by {self.culprit} — devices can no longer change"
+            text = f"started by {self.culprit} — {NO_LONGER_CHANGE}"
         if self.cuda_holders:
             text += "; CUDA context already held by " + ", ".join(self.cuda_holders)
         return text

@@ -6,7 +6,7 @@ comes from the engine — whether the request is valid and the line that
 reproduces it from :func:`~vgpu_magic.planner.plan_split`, whether it fits from
 :func:`~vgpu_magic.planner.check_fit`, what Apply did (applied, unchanged,
 blocked) from :func:`vgpu_magic.api.execute` worded by
-:func:`~vgpu_magic.engine.summary_lines` — so the panel, the magic and the API
+:func:`~vgpu_magic.outcomes.summary_lines` — so the panel, the magic and the API
 cannot disagree. It opens on the framework's live (or planned) configuration.
 The widget tree is built once; afterwards only trait values change. Colours
 come from the front end's theme variables.
@@ -36,7 +36,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the widg
     ) from exc
 
 from . import api
-from .engine import SplitResult, summary_lines
+from .outcomes import SplitResult, summary_lines
 from .errors import USER_ERRORS, PlanError
 from .inventory import DeviceInventory, GPUInfo
 from .planner import (
@@ -46,7 +46,7 @@ from .planner import (
     SplitPlan,
     SplitRequest,
     check_fit,
-    configuration_after,
+    even_share_mib,
     plan_split,
     unconfigured,
 )
@@ -84,7 +84,7 @@ class SplitPanel:
     root:
         The box that is displayed (``display(panel)`` shows it).
     last_result:
-        The :class:`~vgpu_magic.engine.SplitResult` of the last Apply, or ``None``.
+        The :class:`~vgpu_magic.outcomes.SplitResult` of the last Apply, or ``None``.
     last_message:
         The text the last Apply printed into :attr:`output`.
     """
@@ -310,7 +310,12 @@ class SplitPanel:
         return max(gpu.total_mib or _UNKNOWN_GPU_MIB, MIN_MEMORY_MIB) if gpu is not None else MIN_MEMORY_MIB
 
     def _even_default(self) -> int:
-        return max(self._capacity_mib() // max(self.count, 1), MIN_MEMORY_MIB)
+        """The planner's even share of the chosen GPU (what ``%vgpu_split N`` gives each device); where NVML
+        cannot tell, an even share of the slider range."""
+        count = max(self.count, 1)
+        gpu = self.gpu
+        share = None if gpu is None else even_share_mib(gpu, self.capabilities, count)
+        return max(self._capacity_mib() // count if share is None else share, MIN_MEMORY_MIB)
 
     def _fit_memory_controls(self) -> None:
         """Re-range the memory sliders for the chosen device and count; the even
@@ -397,7 +402,7 @@ class SplitPanel:
         controls and show the banner: what happened, which cell, what to do."""
         state = runtime_state(self.watcher, self.inventory.framework, check_cuda=check_cuda)
         if state.started and not self._locked:
-            self._lock(state, remedy=True)
+            self._lock(state, with_remedy=True)
         return state
 
     def _notice_start(self, change=None) -> None:
@@ -406,11 +411,11 @@ class SplitPanel:
         if not self._locked:
             self.refresh(check_cuda=False)
 
-    def _lock(self, state: RuntimeState, remedy: bool) -> None:
-        """Disable every control and show the banner, in short lines. ``remedy=False`` when
+    def _lock(self, state: RuntimeState, with_remedy: bool) -> None:
+        """Disable every control and show the banner, in short lines. ``with_remedy=False`` when
         Apply's output just below already says what to do (said once, not twice)."""
         self._locked = True
-        self.banner.value = banner_html(self.capabilities.label, state.culprit, remedy)
+        self.banner.value = banner_html(self.capabilities.label, state.culprit, with_remedy)
         self.banner.layout.display = ""
         for widget in (
             self.target,
@@ -434,7 +439,7 @@ class SplitPanel:
     def apply(self) -> SplitResult | None:
         """Plan and apply what the widgets say, printing the engine's summary.
 
-        Returns the :class:`~vgpu_magic.engine.SplitResult` (``"blocked"``
+        Returns the :class:`~vgpu_magic.outcomes.SplitResult` (``"blocked"``
         when the runtime already started with another configuration,
         ``"unchanged"`` for an identical re-apply, as the magic does), or
         ``None`` when the planner refused the request (its message is printed).
@@ -452,10 +457,10 @@ class SplitPanel:
                 self._say(line.text, error=True)
             else:
                 self._say(line.text if line.level == "info" else f"  {line.text}")
-        if result.status in ("applied", "unchanged") and self.inventory.current is not None:
-            self.inventory = _with_current(self.inventory, configuration_after(result.plan, self.inventory.current))
+        if result.configuration is not None:
+            self.inventory = _with_current(self.inventory, result.configuration)
         if result.status == "blocked" and result.runtime is not None and not self._locked:
-            self._lock(result.runtime, remedy=False)
+            self._lock(result.runtime, with_remedy=False)
         self.refresh()
         return result
 

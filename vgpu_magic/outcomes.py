@@ -1,11 +1,13 @@
-"""Apply a validated plan through a framework, and say what happened.
+"""Outcomes: apply a validated plan through a framework, and say what happened.
 
 :func:`apply_plan` reads the framework's configuration first (without starting
 its runtime): an identical configuration is a quiet no-op, even after the
 runtime started; a different one after start is refused with the reason and
 the remedy, never half-applied. :class:`SplitResult` is the one vocabulary of
-outcomes, and :func:`summary_lines` the one place that turns it into the lines
-the magic, the panel and the API print.
+outcomes (with the configuration it leaves), :func:`summary_lines` the one
+place that turns it into the lines the magic, the panel and the API print, and
+:func:`runtime_started_lines` the one wording of "the runtime already started"
+for every face.
 """
 
 from __future__ import annotations
@@ -15,20 +17,37 @@ from typing import Any
 
 from .frameworks.base import ConfigSnapshot, Framework
 from .planner import SplitPlan, configuration_after
-from .runtime import RuntimeState
+from .runtime import NO_LONGER_CHANGE, RuntimeState
 
-__all__ = ["SplitResult", "SummaryLine", "apply_plan", "summary_lines", "remedy", "STATUSES"]
-
-#: Every outcome: configured now, already so, validated only, or refused because the runtime started.
-STATUSES = ("applied", "unchanged", "planned", "blocked")
+__all__ = ["SplitResult", "SummaryLine", "apply_plan", "summary_lines", "remedy", "runtime_started_lines", "as_sentence"]
 
 
-def remedy(plan: SplitPlan, label: str) -> str:
-    """What to do when the runtime already started."""
+def remedy(label: str, line: str = "the split") -> str:
+    """What to do when the runtime already started: ``line`` is the split to run
+    after a restart (a ``%vgpu_split`` line, when one is known)."""
     return (
-        f"restart the kernel and run {plan.magic_line()} before any {label} code, or make the split persistent "
+        f"restart the kernel and run {line} before any {label} code, or make the split persistent "
         "(VGPU_MAGIC_SPLIT or c.VGPUMagics.split) so it is applied when the extension loads"
     )
+
+
+def runtime_started_lines(label: str, culprit: str) -> list[str]:
+    """The one wording of "the runtime already started": what that means, and
+    which cell did it. The faces add their own remedy line.
+
+    Parameters
+    ----------
+    label
+        The framework as people write it, e.g. ``"TensorFlow"``.
+    culprit
+        :attr:`~vgpu_magic.runtime.RuntimeState.culprit`, e.g. ``"the cell In [2], which begins `import jax`"``.
+    """
+    return [f"{label}'s runtime already started, so {NO_LONGER_CHANGE}.", f"started by: {culprit}"]
+
+
+def as_sentence(line: str) -> str:
+    """A summary line as a sentence of running text: capitalised, ending in a full stop."""
+    return line[:1].upper() + line[1:] + ("" if line.endswith(".") else ".")
 
 
 @dataclass
@@ -55,6 +74,10 @@ class SplitResult:
     warnings:
         Problems worth a warning that did not stop the call (a CUDA context held
         by another framework, Keras imported with another backend).
+    configuration:
+        The framework's configuration after this call (for ``"planned"``: the one
+        it would have; for ``"blocked"``: the one it keeps), so a face that shows
+        it need not work it out again.
     """
 
     status: str
@@ -69,6 +92,7 @@ class SplitResult:
     replicas_by: str = "MirroredStrategy()"
     #: ``status == "unchanged"`` because nothing was ever configured: the plan is the framework's default.
     is_default: bool = False
+    configuration: ConfigSnapshot | None = None
 
     @property
     def replicas(self) -> int:
@@ -119,12 +143,13 @@ def summary_lines(result: SplitResult) -> list[SummaryLine]:
     plan, label = result.plan, result.label
     lines: list[SummaryLine] = []
     if result.status == "blocked":
-        lines.append(SummaryLine("warning", f"{label}'s runtime already started, so devices can no longer change."))
-        lines.append(SummaryLine("warning", f"  started by: {result.blocked_reason}"))
+        what, culprit = runtime_started_lines(label, result.blocked_reason)
+        lines.append(SummaryLine("warning", what))
+        lines.append(SummaryLine("warning", f"  {culprit}"))
         lines.append(
             SummaryLine("warning", f"  it keeps its {_plural(result.replicas, 'replica device')}; nothing was configured")
         )
-        lines.append(SummaryLine("warning", f"  to get {plan.describe()}: {remedy(plan, label)}"))
+        lines.append(SummaryLine("warning", f"  to get {plan.describe()}: {remedy(label, plan.magic_line())}"))
     elif result.status == "unchanged" and result.is_default:
         lines.append(SummaryLine("info", f"{plan.describe()} is {label}'s default; nothing to configure"))
     elif result.status == "unchanged":
@@ -186,16 +211,18 @@ def apply_plan(
     )
     split_cpu_first = caps.replicas_on_split_cpu
     if dry_run:
-        return SplitResult("planned", plan, devices=new.replica_devices(split_cpu_first), **common)
+        return SplitResult("planned", plan, devices=new.replica_devices(split_cpu_first), configuration=new, **common)
     if new == old:
         default = plan.splits and not old.logical
         devices = new.replica_devices(split_cpu_first)
-        return SplitResult("unchanged", plan, devices=devices, is_default=default, **common)
+        return SplitResult("unchanged", plan, devices=devices, is_default=default, configuration=new, **common)
     if runtime.started:
+        devices = old.replica_devices(split_cpu_first)
         return SplitResult(
-            "blocked", plan, devices=old.replica_devices(split_cpu_first), blocked_reason=runtime.culprit, **common
+            "blocked", plan, devices=devices, blocked_reason=runtime.culprit, configuration=old, **common
         )
     framework.write_configuration(old, new)
+    devices = new.replica_devices(split_cpu_first)
     return SplitResult(
-        "applied", plan, devices=new.replica_devices(split_cpu_first), replaced=_describe_config(old, plan), **common
+        "applied", plan, devices=devices, replaced=_describe_config(old, plan), configuration=new, **common
     )
