@@ -123,7 +123,7 @@ def test_malformed_line_in_a_cell_shows_no_traceback(ip, capsys):
 
 
 def test_status_rejects_unknown_options(ip):
-    with pytest.raises(UsageError, match="unknown option '--verbose' for %vgpu_status"):
+    with pytest.raises(UsageError, match="unknown option '--verbose'; %vgpu_status takes --json"):
         ip.run_line_magic("vgpu_status", "--verbose")
 
 
