@@ -11,7 +11,7 @@ TEST_EXTRAS ?= cpu,lab,test,jax,torch,cluster,mpi
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test system-deps lab test test-fast bench clean notebooks
+.PHONY: setup setup-test system-deps lab lint test test-fast bench clean notebooks
 
 setup: $(VENV)/.installed-$(EXTRAS)
 setup-test: $(VENV)/.installed-$(TEST_EXTRAS)
@@ -39,11 +39,15 @@ LAB_ARGS ?=
 lab: setup
 	TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/jupyter lab $(ALLOW_ROOT) $(LAB_ARGS) notebooks/01_quickstart.ipynb
 
-test: setup-test system-deps
+# ruff (configured in pyproject.toml) runs before the tests: a lint finding fails `make test` early.
+lint: setup-test
+	$(VENV)/bin/ruff check vgpu_magic tests benchmarks
+
+test: setup-test system-deps lint
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest tests notebooks --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg $(PYTEST_ARGS)
 
 # The suite without the browser test and notebooks, for quick iterations.
-test-fast: setup-test
+test-fast: setup-test lint
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest tests -m "not browser" $(PYTEST_ARGS)
 
 # Ratios and timings measured in one run (a few minutes; tests never assert on wall-clock time).

@@ -101,7 +101,9 @@ def kernel_run(kc, code: str, timeout: float = 240, on_message=None) -> list[dic
 
 def kernel_stdout(messages: list[dict]) -> str:
     """Everything a request printed on stdout."""
-    return "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream" and m["content"]["name"] == "stdout")
+    return "".join(
+        m["content"]["text"] for m in messages if m["msg_type"] == "stream" and m["content"]["name"] == "stdout"
+    )
 
 
 def tf_device_configuration() -> dict:

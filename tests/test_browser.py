@@ -118,10 +118,8 @@ def _stop(proc: subprocess.Popen, runtime_dir: Path) -> None:
         except ProcessLookupError:
             pass
     for pid in _pids_mentioning(str(runtime_dir)):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 #: Dialogs that mean the test cannot go on: fail with their text instead of dismissing them.
@@ -248,7 +246,7 @@ def lab(tmp_path_factory):
 
 def _open(chromium, served, front_end_path: str, name: str, cells: list[str]):
     """Write notebook ``name`` with ``cells`` and open it, alone, in a new page; returns the page."""
-    sync_api, browser = chromium
+    _, browser = chromium
     base, token, notebooks = served
     _write_notebook(notebooks / name, cells)
     page = browser.new_page(viewport={"width": 1280, "height": 1000})

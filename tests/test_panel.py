@@ -15,12 +15,12 @@ import pytest
 ipywidgets = pytest.importorskip("ipywidgets")
 
 from conftest import CHILD_ENV, ROOT, last_json, run_python  # noqa: E402
-from vgpu_magic.inventory import DeviceInventory, GPUInfo  # noqa: E402
-from vgpu_magic.split_panel import SLIDER_MAX_DEVICES, SplitPanel  # noqa: E402
 from vgpu_magic.frameworks.tensorflow import system_reserve_mib  # noqa: E402
 from vgpu_magic.grammar import parse_split_line  # noqa: E402
+from vgpu_magic.inventory import DeviceInventory, GPUInfo  # noqa: E402
 from vgpu_magic.planner import PlanError, plan_split  # noqa: E402
 from vgpu_magic.runtime import CellRef, RuntimeState  # noqa: E402
+from vgpu_magic.split_panel import SLIDER_MAX_DEVICES, SplitPanel  # noqa: E402
 
 A100 = GPUInfo(0, "NVIDIA A100-SXM4-40GB", total_mib=40960, free_mib=40000, compute_capability=(8, 0), nvml_index=0)
 T4 = GPUInfo(1, "Tesla T4", total_mib=15360, free_mib=14900, compute_capability=(7, 5), nvml_index=1)

@@ -20,6 +20,8 @@ from IPython.testing import globalipapp
 
 from conftest import tf_device_configuration
 from vgpu_magic.api import make_request
+from vgpu_magic.frameworks.tensorflow import system_reserve_mib
+from vgpu_magic.grammar import parse_split_line
 from vgpu_magic.inventory import DeviceInventory, GPUInfo
 from vgpu_magic.planner import (
     MAX_DEVICES,
@@ -29,8 +31,6 @@ from vgpu_magic.planner import (
     parse_memory,
     plan_split,
 )
-from vgpu_magic.frameworks.tensorflow import system_reserve_mib
-from vgpu_magic.grammar import parse_split_line
 
 # (line, a fragment the one-line message must contain: the bad token or option)
 MALFORMED = [

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import pytest
 
+from vgpu_magic.frameworks.base import ConfigSnapshot
+from vgpu_magic.frameworks.tensorflow import system_reserve_mib
+from vgpu_magic.grammar import parse_split_line
 from vgpu_magic.inventory import DeviceInventory, GPUInfo
 from vgpu_magic.planner import (
     MAX_DEVICES,
@@ -21,9 +24,6 @@ from vgpu_magic.planner import (
     parse_memory,
     plan_split,
 )
-from vgpu_magic.frameworks.base import ConfigSnapshot
-from vgpu_magic.frameworks.tensorflow import system_reserve_mib
-from vgpu_magic.grammar import parse_split_line
 from vgpu_magic.planner import configuration_after as _wanted
 
 CPU_ONLY = DeviceInventory(gpus=(), cpus=1, version="2.21.0")
@@ -42,7 +42,9 @@ FREE_MIB = (1500, 8000, 24000, 80000)
 CAPABILITIES = tuple(RESERVE_MIB)
 
 
-def gpu_inventory(*free_mib: int | None, cc: tuple[int, int] | None = (8, 0), total_mib: int = 81559) -> DeviceInventory:
+def gpu_inventory(
+    *free_mib: int | None, cc: tuple[int, int] | None = (8, 0), total_mib: int = 81559
+) -> DeviceInventory:
     """An inventory of ``len(free_mib)`` GPUs shaped like NVML's report."""
     gpus = tuple(
         GPUInfo(
@@ -71,7 +73,7 @@ def plan_line(line: str, inventory: DeviceInventory) -> SplitPlan:
 
 
 @pytest.mark.parametrize("cc", CAPABILITIES)
-@pytest.mark.parametrize("free", FREE_MIB + (2047, 2048))
+@pytest.mark.parametrize("free", (*FREE_MIB, 2047, 2048))
 def test_system_reserve_follows_tensorflow_rule(free, cc):
     assert system_reserve_mib(free, cc) == free - expected_usable(free, cc)
 

@@ -8,8 +8,6 @@ config file or reloads it runs in a fresh kernel or interpreter.
 
 from __future__ import annotations
 
-import textwrap
-import time
 import types
 
 import numpy as np

@@ -19,7 +19,7 @@ from IPython.testing import globalipapp
 from vgpu_magic import frameworks
 from vgpu_magic.frameworks import Capabilities, Framework, FrameworkChoiceError
 from vgpu_magic.inventory import DeviceInventory, GPUInfo
-from vgpu_magic.planner import PlanError, unconfigured
+from vgpu_magic.planner import unconfigured
 
 FAKE_CAPS = Capabilities(
     name="fakefw",

@@ -19,10 +19,10 @@ import warnings
 from collections.abc import Iterable, Sequence
 
 from . import frameworks
-from .outcomes import SplitResult, apply_plan, summary_lines
+from .errors import PlanError, excerpt
 from .frameworks import Framework, FrameworkChoiceError
 from .inventory import DeviceInventory
-from .errors import PlanError, excerpt
+from .outcomes import SplitResult, apply_plan, summary_lines
 from .planner import SplitPlan, SplitRequest, parse_memory_list, plan_split
 from .report import StatusReport, collect_status
 from .runtime import RuntimeWatcher, runtime_state

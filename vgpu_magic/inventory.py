@@ -12,6 +12,7 @@ one line.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -159,12 +160,12 @@ def nvml_gpus() -> list[dict[str, Any]]:
                 }
             )
     except nvml.NVMLError as exc:
-        raise NVMLReadError(f"NVML could not read the GPUs ({exc}); check nvidia-smi, or give --memory explicitly") from None
+        raise NVMLReadError(
+            f"NVML could not read the GPUs ({exc}); check nvidia-smi, or give --memory explicitly"
+        ) from None
     finally:
-        try:
+        with contextlib.suppress(nvml.NVMLError):
             nvml.nvmlShutdown()
-        except nvml.NVMLError:
-            pass
     return gpus
 
 
@@ -188,10 +189,8 @@ def nvml_pids_with_context() -> dict[int, set[int]]:
     except nvml.NVMLError:
         pass
     finally:
-        try:
+        with contextlib.suppress(nvml.NVMLError):
             nvml.nvmlShutdown()
-        except nvml.NVMLError:
-            pass
     return holders
 
 

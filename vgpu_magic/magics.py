@@ -21,9 +21,9 @@ from traitlets import Any as AnyTrait
 from traitlets import Bool
 
 from . import api
-from .outcomes import SplitResult, as_sentence, runtime_started_lines, summary_lines
+from .errors import USER_ERRORS, excerpt
 from .grammar import framework_name, parse_arguments, parse_split_line, split_arguments
-from .errors import USER_ERRORS, PlanError, excerpt
+from .outcomes import SplitResult, as_sentence, runtime_started_lines, summary_lines
 from .runtime import RuntimeWatcher
 
 __all__ = ["VGPUMagics", "ENV_SPLIT", "print_result"]
@@ -146,7 +146,9 @@ class VGPUMagics(Magics):
     @magic_arguments()
     @argument("--json", action="store_true", help="print JSON instead of the table")
     @argument("--return", "-r", dest="return_result", action="store_true", help="also return the StatusReport")
-    @argument("--framework", "-f", type=framework_name, metavar="NAME", help="only this framework (tensorflow, tf or jax)")
+    @argument(
+        "--framework", "-f", type=framework_name, metavar="NAME", help="only this framework (tensorflow, tf or jax)"
+    )
     def vgpu_status(self, line: str = ""):
         """
         Show physical and logical devices, caps, memory, replicas and whether

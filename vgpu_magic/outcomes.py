@@ -19,7 +19,15 @@ from .frameworks.base import ConfigSnapshot, Framework
 from .planner import SplitPlan, configuration_after
 from .runtime import NO_LONGER_CHANGE, RuntimeState
 
-__all__ = ["SplitResult", "SummaryLine", "apply_plan", "summary_lines", "remedy", "runtime_started_lines", "as_sentence"]
+__all__ = [
+    "SplitResult",
+    "SummaryLine",
+    "apply_plan",
+    "summary_lines",
+    "remedy",
+    "runtime_started_lines",
+    "as_sentence",
+]
 
 
 def remedy(label: str, line: str = "the split") -> str:
@@ -146,9 +154,8 @@ def summary_lines(result: SplitResult) -> list[SummaryLine]:
         what, culprit = runtime_started_lines(label, result.blocked_reason)
         lines.append(SummaryLine("warning", what))
         lines.append(SummaryLine("warning", f"  {culprit}"))
-        lines.append(
-            SummaryLine("warning", f"  it keeps its {_plural(result.replicas, 'replica device')}; nothing was configured")
-        )
+        kept = _plural(result.replicas, "replica device")
+        lines.append(SummaryLine("warning", f"  it keeps its {kept}; nothing was configured"))
         lines.append(SummaryLine("warning", f"  to get {plan.describe()}: {remedy(label, plan.magic_line())}"))
     elif result.status == "unchanged" and result.is_default:
         lines.append(SummaryLine("info", f"{plan.describe()} is {label}'s default; nothing to configure"))
@@ -206,9 +213,13 @@ def apply_plan(
             + ", ".join(runtime.cuda_holders)
             + f"; the memory it uses is not available to {caps.label}'s devices"
         )
-    common: dict[str, Any] = dict(
-        framework=caps.name, label=caps.label, runtime=runtime, warnings=notes, replicas_by=caps.replicas_by
-    )
+    common: dict[str, Any] = {
+        "framework": caps.name,
+        "label": caps.label,
+        "runtime": runtime,
+        "warnings": notes,
+        "replicas_by": caps.replicas_by,
+    }
     split_cpu_first = caps.replicas_on_split_cpu
     if dry_run:
         return SplitResult("planned", plan, devices=new.replica_devices(split_cpu_first), configuration=new, **common)

@@ -51,7 +51,11 @@ MIN_MEMORY_MIB = 64
 #: 1 PiB: anything larger is a typo (bytes given where MiB were meant, say).
 MAX_MEMORY_MIB = 1024**3
 
-_UNITS = {"": 1, "m": 1, "mb": 1, "mib": 1, "g": 1024, "gb": 1024, "gib": 1024, "t": 1024**2, "tb": 1024**2, "tib": 1024**2}
+_UNITS = {
+    **dict.fromkeys(("", "m", "mb", "mib"), 1),
+    **dict.fromkeys(("g", "gb", "gib"), 1024),
+    **dict.fromkeys(("t", "tb", "tib"), 1024**2),
+}
 _MEMORY_RE = re.compile(r"^\s*(?P<num>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[a-zA-Z]*)\s*$", re.ASCII)
 
 

@@ -64,7 +64,9 @@ class FrameworkStatus:
             },
             "physical": {
                 "cpus": self.inventory.cpus,
-                "gpus": [dict(asdict(g), name=g.name, visible=g.index in self.visible_gpus) for g in self.inventory.gpus],
+                "gpus": [
+                    dict(asdict(g), name=g.name, visible=g.index in self.visible_gpus) for g in self.inventory.gpus
+                ],
             },
             "logical": [asdict(d) for d in self.logical],
             "host_memory_shared": self.host_memory,
@@ -178,7 +180,8 @@ class StatusReport:
             out.append("Physical devices:")
             out.append("  /physical_device:CPU:0 (host)" if s.inventory.cpus else "  no CPU device")
             out += [f"  {line}" for line in s.gpu_lines()]
-            out.append("Logical devices" + ("" if s.runtime.started else " (planned; created when the runtime starts)") + ":")
+            planned = "" if s.runtime.started else " (planned; created when the runtime starts)"
+            out.append(f"Logical devices{planned}:")
             if s.cpu_devices():
                 out.append(f"  {s.cpu_line()}")
             rows = s.gpu_rows()
@@ -275,8 +278,5 @@ def collect_status(watcher=None, framework: str | None = None) -> StatusReport:
     selected one when none is imported). Never starts a runtime."""
     from . import frameworks
 
-    if framework is not None:
-        chosen = [frameworks.get(framework)]
-    else:
-        chosen = frameworks.imported() or [frameworks.select()]
+    chosen = [frameworks.get(framework)] if framework is not None else frameworks.imported() or [frameworks.select()]
     return StatusReport([collect_framework(fw, watcher) for fw in chosen])

@@ -212,9 +212,9 @@ class RuntimeWatcher:
         started = fw.runtime_started()
         started_by = self.started_by.get(fw.name)
         before_load = fw.name in self.started_before_load
-        if started and started_by is None and not before_load and fw.name not in self._started_at_cell_start:
-            if self._current_line is not None:
-                started_by = CellRef(self._running_count(), self._current_line)
+        started_now = started and started_by is None and not before_load
+        if started_now and fw.name not in self._started_at_cell_start and self._current_line is not None:
+            started_by = CellRef(self._running_count(), self._current_line)
         return RuntimeState(
             imported=fw.imported(),
             started=started,

@@ -36,9 +36,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without the widg
     ) from exc
 
 from . import api
-from .outcomes import SplitResult, summary_lines
 from .errors import USER_ERRORS, PlanError
 from .inventory import DeviceInventory, GPUInfo
+from .outcomes import SplitResult, summary_lines
+from .panel_text import ERROR_STYLE, TEXT_STYLE, banner_html, gpu_key, gpu_label
 from .planner import (
     MAX_DEVICES,
     MIN_MEMORY_MIB,
@@ -50,7 +51,6 @@ from .planner import (
     plan_split,
     unconfigured,
 )
-from .panel_text import ERROR_STYLE, TEXT_STYLE, banner_html, gpu_key, gpu_label
 from .runtime import RuntimeState, RuntimeWatcher, runtime_state
 
 __all__ = ["SplitPanel", "panel", "SLIDER_MAX_DEVICES"]
