@@ -212,8 +212,37 @@ def plan_split(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
 
 
 def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
+    """The plan ``request`` stands for on ``inventory``, in the order a person checks it:
+    the words, the count, visibility and growth, then the device it splits."""
     caps = inventory.capabilities
-    label = caps.label
+    _check_choices(request)
+    gpu_index = 0 if request.gpu is None else request.gpu
+    target = "gpu" if request.gpu is not None and request.target == "auto" else request.target
+    sizes = _requested_sizes(request)
+    count = request.count
+    if count is None:
+        count = len(sizes) if sizes is not None and not isinstance(request.memory, int) else 1
+    _check_count(count)
+    if request.visible is not None:
+        _check_visible(request.visible, inventory)
+    split_requested = request.count is not None or sizes is not None or target == "cpu"
+    if request.memory_growth:
+        _check_growth(split_requested, inventory)
+    if not split_requested:
+        if request.visible is None and not request.memory_growth:
+            raise PlanError("nothing to do; give a device count, e.g. %vgpu_split 4 (see %vgpu_split? for options)")
+        return SplitPlan(
+            "GPU", None, (), request.visible, request.memory_growth, framework=caps.name,
+            framework_named=request.framework,
+        )
+    if target == "gpu" and not inventory.gpus:
+        raise PlanError(f"GPU {gpu_index} does not exist: {caps.label} sees no GPU here; drop --gpu to split the CPU")
+    if not inventory.gpus or target == "cpu":
+        return _cpu_plan(request, count, sizes, inventory, forced=target == "cpu")
+    return _gpu_plan(request, count, sizes, _pick_gpu(gpu_index, inventory), inventory)
+
+
+def _check_choices(request: SplitRequest) -> None:
     if request.others not in ("hide", "keep"):
         raise PlanError(f"--others {excerpt(request.others)} is not a choice; use hide or keep")
     if request.target not in ("auto", "gpu", "cpu"):
@@ -222,84 +251,84 @@ def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
         raise PlanError(f"GPU index {request.gpu} is negative; GPU indices start at 0")
     if request.target == "cpu" and request.gpu is not None:
         raise PlanError("--cpu and --gpu contradict each other; give one of them")
-    gpu_index = 0 if request.gpu is None else request.gpu
-    target = "gpu" if request.gpu is not None and request.target == "auto" else request.target
 
-    sizes: tuple[int, ...] | None = None
+
+def _requested_sizes(request: SplitRequest) -> tuple[int, ...] | None:
+    """The sizes asked for (one for every device, or one per device); ``None`` for none."""
+    if request.memory is None:
+        return None
     if isinstance(request.memory, int):
-        sizes = (request.memory,)
-    elif request.memory is not None:
-        sizes = tuple(request.memory)
-        if not sizes:
-            raise PlanError("memory list is empty; give one size (--memory 2048) or one per device")
+        return (request.memory,)
+    sizes = tuple(request.memory)
+    if not sizes:
+        raise PlanError("memory list is empty; give one size (--memory 2048) or one per device")
+    return sizes
 
-    count = request.count
-    if count is None:
-        count = len(sizes) if sizes is not None and not isinstance(request.memory, int) else 1
-    _check_count(count)
 
-    if request.visible is not None:
-        if not caps.gpu_visibility:
-            raise PlanError(
-                f"{label} cannot hide GPUs from this process once started; set CUDA_VISIBLE_DEVICES before "
-                "starting the kernel instead of --visible"
-            )
-        known = {g.index for g in inventory.gpus}
-        unknown = [i for i in request.visible if i not in known]
-        if unknown:
-            have = ", ".join(str(i) for i in sorted(known)) or "none"
-            raise PlanError(f"--visible names GPU {unknown[0]}, which does not exist; GPUs here: {have}")
-        if len(set(request.visible)) != len(request.visible):
-            raise PlanError(f"--visible {','.join(map(str, request.visible))!r} repeats a GPU; name each once")
-
-    split_requested = request.count is not None or sizes is not None or target == "cpu"
-    if request.memory_growth:
-        if not caps.memory_growth:
-            raise PlanError(f"{label} has no memory growth setting; drop --growth")
-        if split_requested and not caps.growth_with_split:
-            raise PlanError(
-                f"--growth cannot be combined with a split or a memory cap ({label} refuses memory growth on "
-                "virtual devices); use either --growth or a split"
-            )
-        if not inventory.gpus:
-            raise PlanError(f"--growth needs a GPU and none is visible to {label}; drop --growth on a CPU machine")
-    if not split_requested:
-        if request.visible is None and not request.memory_growth:
-            raise PlanError("nothing to do; give a device count, e.g. %vgpu_split 4 (see %vgpu_split? for options)")
-        return SplitPlan(
-            "GPU", None, (), request.visible, request.memory_growth, framework=caps.name,
-            framework_named=request.framework,
+def _check_visible(visible: tuple[int, ...], inventory: DeviceInventory) -> None:
+    caps = inventory.capabilities
+    if not caps.gpu_visibility:
+        raise PlanError(
+            f"{caps.label} cannot hide GPUs from this process once started; set CUDA_VISIBLE_DEVICES before "
+            "starting the kernel instead of --visible"
         )
+    known = {g.index for g in inventory.gpus}
+    unknown = [i for i in visible if i not in known]
+    if unknown:
+        have = ", ".join(str(i) for i in sorted(known)) or "none"
+        raise PlanError(f"--visible names GPU {unknown[0]}, which does not exist; GPUs here: {have}")
+    if len(set(visible)) != len(visible):
+        raise PlanError(f"--visible {','.join(map(str, visible))!r} repeats a GPU; name each once")
 
-    use_gpu = bool(inventory.gpus) and target != "cpu"
-    if target == "gpu" and not inventory.gpus:
-        raise PlanError(f"GPU {gpu_index} does not exist: {label} sees no GPU here; drop --gpu to split the CPU")
 
-    if not use_gpu:
-        if sizes is not None and not caps.cpu_caps:
-            raise PlanError(
-                f"memory caps are not supported on CPU devices ({label} cannot cap logical CPUs); "
-                f"drop --memory, e.g. %vgpu_split {count}"
-            )
-        if not caps.splits_cpu and count > 1:
-            raise PlanError(f"{label} cannot split the CPU into devices; use %vgpu_split 1")
-        notes: tuple[str, ...] = ()
-        visible = request.visible
-        if not inventory.gpus:
-            notes = (f"no GPU visible to {label}: splitting the CPU instead",)
-        elif visible is None and caps.gpu_visibility:
-            # A data-parallel strategy prefers GPUs: the logical CPUs are only its replicas with the GPUs hidden.
-            visible = ()
-            notes = (f"GPUs hidden so {caps.replicas_by} uses the logical CPUs (add --visible 0 to keep GPU 0)",)
-        return SplitPlan(
-            "CPU", 0, (None,) * count, visible, request.memory_growth, None, notes, cpu_forced=target == "cpu",
-            framework=caps.name, framework_named=request.framework,
+def _check_growth(split_requested: bool, inventory: DeviceInventory) -> None:
+    caps = inventory.capabilities
+    if not caps.memory_growth:
+        raise PlanError(f"{caps.label} has no memory growth setting; drop --growth")
+    if split_requested and not caps.growth_with_split:
+        raise PlanError(
+            f"--growth cannot be combined with a split or a memory cap ({caps.label} refuses memory growth on "
+            "virtual devices); use either --growth or a split"
         )
+    if not inventory.gpus:
+        raise PlanError(f"--growth needs a GPU and none is visible to {caps.label}; drop --growth on a CPU machine")
 
-    gpu = _pick_gpu(gpu_index, inventory)
+
+def _cpu_plan(
+    request: SplitRequest, count: int, sizes: tuple[int, ...] | None, inventory: DeviceInventory, forced: bool
+) -> SplitPlan:
+    """``count`` logical CPUs (the CPU was asked for, or there is no GPU)."""
+    caps = inventory.capabilities
+    label = caps.label
+    if sizes is not None and not caps.cpu_caps:
+        raise PlanError(
+            f"memory caps are not supported on CPU devices ({label} cannot cap logical CPUs); "
+            f"drop --memory, e.g. %vgpu_split {count}"
+        )
+    if not caps.splits_cpu and count > 1:
+        raise PlanError(f"{label} cannot split the CPU into devices; use %vgpu_split 1")
+    notes: tuple[str, ...] = ()
+    visible = request.visible
+    if not inventory.gpus:
+        notes = (f"no GPU visible to {label}: splitting the CPU instead",)
+    elif visible is None and caps.gpu_visibility:
+        # A data-parallel strategy prefers GPUs: the logical CPUs are only its replicas with the GPUs hidden.
+        visible = ()
+        notes = (f"GPUs hidden so {caps.replicas_by} uses the logical CPUs (add --visible 0 to keep GPU 0)",)
+    return SplitPlan(
+        "CPU", 0, (None,) * count, visible, request.memory_growth, None, notes, cpu_forced=forced,
+        framework=caps.name, framework_named=request.framework,
+    )
+
+
+def _gpu_plan(
+    request: SplitRequest, count: int, sizes: tuple[int, ...] | None, gpu: GPUInfo, inventory: DeviceInventory
+) -> SplitPlan:
+    """``count`` logical GPUs on ``gpu``, with their caps and what else stays visible."""
+    caps = inventory.capabilities
     if count > 1 and not caps.splits_gpu:
         raise PlanError(
-            f"{label} cannot split one GPU into several devices; use %vgpu_split {count} --cpu for {count} CPU "
+            f"{caps.label} cannot split one GPU into several devices; use %vgpu_split {count} --cpu for {count} CPU "
             f"devices next to the GPU, or %vgpu_split 1 --memory SIZE to cap this process's share of GPU {gpu.index}"
         )
     if sizes is not None:
@@ -307,59 +336,65 @@ def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
         _check_sizes(sizes)
     if request.visible is not None and gpu.index not in request.visible:
         raise PlanError(f"GPU {gpu.index} is split but --visible hides it; add {gpu.index} to --visible")
-
     usable = usable_mib(gpu, caps)
-
-    if sizes is None:
-        if not caps.gpu_caps_required:
-            limits: tuple[int | None, ...] = (None,) * count
-        elif usable is None:
-            raise PlanError(
-                f"free memory of GPU {gpu.index} is unknown (NVML unavailable); give sizes, e.g. --memory 2048"
-            )
-        else:
-            each = even_share_mib(gpu, caps, count)
-            if each < MIN_MEMORY_MIB:
-                raise PlanError(
-                    f"GPU {gpu.index} has {max(usable, 0)} MiB usable; {count} devices would get {max(each, 0)} MiB "
-                    f"each (minimum {MIN_MEMORY_MIB}); use fewer devices"
-                )
-            limits = (each,) * count
-    elif len(sizes) == 1:
-        limits = sizes * count
-    elif len(sizes) != count:
-        raise PlanError(
-            f"--memory lists {len(sizes)} sizes for {count} devices; give one size for all or exactly {count}"
-        )
-    else:
-        limits = sizes
-
+    limits = _gpu_limits(count, sizes, gpu, caps)
     capped = [m for m in limits if m is not None]
     total = sum(capped)
     if usable is not None and capped and total > usable:
         raise PlanError(
-            f"{total} MiB requested does not fit GPU {gpu.index}: {gpu.free_mib} MiB free minus {label}'s "
+            f"{total} MiB requested does not fit GPU {gpu.index}: {gpu.free_mib} MiB free minus {caps.label}'s "
             f"{gpu.free_mib - usable} MiB reserve leaves {usable} MiB; ask for less"
         )
-
     notes = []
     if usable is None and capped:
         notes.append("free GPU memory unknown (NVML unavailable): sizes not checked against the card")
-    if request.visible is not None:
-        visible = request.visible
-        if request.others == "hide" and len(visible) > 1:
-            raise PlanError("--visible keeps several GPUs but --others hide hides them; add --others keep")
-    elif len(inventory.gpus) > 1 and caps.gpu_visibility:
-        if request.others == "hide":
-            visible = (gpu.index,)
-            notes.append(
-                f"other GPUs hidden so GPU {gpu.index} is the only one {label} uses (--others keep to keep them)"
-            )
-        else:
-            visible = tuple(g.index for g in inventory.gpus)
-    else:
-        visible = None
+    visible = _visible_beside(request, gpu, inventory, notes)
     return SplitPlan(
         "GPU", gpu.index, tuple(limits), visible, request.memory_growth, usable, tuple(notes),
         framework=caps.name, sizes_chosen=sizes is not None, framework_named=request.framework,
     )
+
+
+def _gpu_limits(
+    count: int, sizes: tuple[int, ...] | None, gpu: GPUInfo, caps: Capabilities
+) -> tuple[int | None, ...]:
+    """MiB per logical GPU: the sizes given, else the even share (uncapped where the framework allows)."""
+    if sizes is None:
+        if not caps.gpu_caps_required:
+            return (None,) * count
+        each = even_share_mib(gpu, caps, count)
+        if each is None:
+            raise PlanError(
+                f"free memory of GPU {gpu.index} is unknown (NVML unavailable); give sizes, e.g. --memory 2048"
+            )
+        if each < MIN_MEMORY_MIB:
+            usable = usable_mib(gpu, caps) or 0
+            raise PlanError(
+                f"GPU {gpu.index} has {max(usable, 0)} MiB usable; {count} devices would get {max(each, 0)} MiB "
+                f"each (minimum {MIN_MEMORY_MIB}); use fewer devices"
+            )
+        return (each,) * count
+    if len(sizes) == 1:
+        return sizes * count
+    if len(sizes) != count:
+        raise PlanError(
+            f"--memory lists {len(sizes)} sizes for {count} devices; give one size for all or exactly {count}"
+        )
+    return sizes
+
+
+def _visible_beside(
+    request: SplitRequest, gpu: GPUInfo, inventory: DeviceInventory, notes: list[str]
+) -> tuple[int, ...] | None:
+    """The GPUs visible beside the split one (``None``: leave visibility as it is); adds a note when it hides some."""
+    caps = inventory.capabilities
+    if request.visible is not None:
+        if request.others == "hide" and len(request.visible) > 1:
+            raise PlanError("--visible keeps several GPUs but --others hide hides them; add --others keep")
+        return request.visible
+    if len(inventory.gpus) <= 1 or not caps.gpu_visibility:
+        return None
+    if request.others == "keep":
+        return tuple(g.index for g in inventory.gpus)
+    notes.append(f"other GPUs hidden so GPU {gpu.index} is the only one {caps.label} uses (--others keep to keep them)")
+    return (gpu.index,)
