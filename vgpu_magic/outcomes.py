@@ -205,22 +205,22 @@ def apply_plan(
     """
     old = current if current is not None else framework.read_configuration()
     new = configuration_after(plan, old)
-    caps = framework.capabilities
+    capabilities = framework.capabilities
     notes = list(warnings or ())
     if runtime.cuda_holders:
         notes.append(
             "this process already holds a CUDA context through "
             + ", ".join(runtime.cuda_holders)
-            + f"; the memory it uses is not available to {caps.label}'s devices"
+            + f"; the memory it uses is not available to {capabilities.label}'s devices"
         )
     common: dict[str, Any] = {
-        "framework": caps.name,
-        "label": caps.label,
+        "framework": capabilities.name,
+        "label": capabilities.label,
         "runtime": runtime,
         "warnings": notes,
-        "replicas_by": caps.replicas_by,
+        "replicas_by": capabilities.replicas_by,
     }
-    split_cpu_first = caps.replicas_on_split_cpu
+    split_cpu_first = capabilities.replicas_on_split_cpu
     if dry_run:
         return SplitResult("planned", plan, devices=new.replica_devices(split_cpu_first), configuration=new, **common)
     if new == old:

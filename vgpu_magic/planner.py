@@ -167,10 +167,11 @@ def configuration_after(plan: SplitPlan, snap: ConfigSnapshot) -> ConfigSnapshot
 def _check_start_rules(plan: SplitPlan, inventory: DeviceInventory) -> None:
     """Refuse a plan whose resulting configuration the framework would reject
     (now, or when its runtime starts)."""
-    caps = inventory.capabilities
+    capabilities = inventory.capabilities
+    label = capabilities.label
     current = inventory.current or unconfigured(inventory)
     after = configuration_after(plan, current)
-    if not caps.growth_with_split:
+    if not capabilities.growth_with_split:
         for i, name in enumerate(after.gpu_names):
             grows = i < len(after.memory_growth) and after.memory_growth[i]
             if not (grows and name in after.logical):
@@ -179,21 +180,21 @@ def _check_start_rules(plan: SplitPlan, inventory: DeviceInventory) -> None:
                 n = len(after.logical[name])
                 raise PlanError(
                     f"GPU {i} is already split into {n} logical device{'s' if n != 1 else ''}, and "
-                    f"{caps.label} refuses memory growth on a split GPU; keep the split, or restart the kernel "
+                    f"{label} refuses memory growth on a split GPU; keep the split, or restart the kernel "
                     "and use --growth instead"
                 )
             raise PlanError(
-                f"GPU {i} already has memory growth on (an earlier --growth), and {caps.label} ignores growth "
+                f"GPU {i} already has memory growth on (an earlier --growth), and {label} ignores growth "
                 "on a split GPU; restart the kernel and split without --growth"
             )
-    if caps.uniform_growth and not after.logical.keys() & set(after.gpu_names):
+    if capabilities.uniform_growth and not after.logical.keys() & set(after.gpu_names):
         visible = [i for i in after.visible_gpus if i < len(after.memory_growth)]
         values = {after.memory_growth[i] for i in visible}
         if len(values) > 1:
             on = ",".join(str(i) for i in visible if after.memory_growth[i])
             off = ",".join(str(i) for i in visible if not after.memory_growth[i])
             raise PlanError(
-                f"memory growth would be on for GPU {on} but off for GPU {off}, and {caps.label} refuses to start "
+                f"memory growth would be on for GPU {on} but off for GPU {off}, and {label} refuses to start "
                 f"when visible GPUs differ; add --growth to turn it on for every visible GPU"
             )
 
@@ -214,7 +215,8 @@ def plan_split(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
 def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
     """The plan ``request`` stands for on ``inventory``, in the order a person checks it:
     the words, the count, visibility and growth, then the device it splits."""
-    caps = inventory.capabilities
+    capabilities = inventory.capabilities
+    label = capabilities.label
     _check_choices(request)
     gpu_index = 0 if request.gpu is None else request.gpu
     target = "gpu" if request.gpu is not None and request.target == "auto" else request.target
@@ -232,11 +234,11 @@ def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
         if request.visible is None and not request.memory_growth:
             raise PlanError("nothing to do; give a device count, e.g. %vgpu_split 4 (see %vgpu_split? for options)")
         return SplitPlan(
-            "GPU", None, (), request.visible, request.memory_growth, framework=caps.name,
+            "GPU", None, (), request.visible, request.memory_growth, framework=capabilities.name,
             framework_named=request.framework,
         )
     if target == "gpu" and not inventory.gpus:
-        raise PlanError(f"GPU {gpu_index} does not exist: {caps.label} sees no GPU here; drop --gpu to split the CPU")
+        raise PlanError(f"GPU {gpu_index} does not exist: {label} sees no GPU here; drop --gpu to split the CPU")
     if not inventory.gpus or target == "cpu":
         return _cpu_plan(request, count, sizes, inventory, forced=target == "cpu")
     return _gpu_plan(request, count, sizes, _pick_gpu(gpu_index, inventory), inventory)
@@ -266,10 +268,11 @@ def _requested_sizes(request: SplitRequest) -> tuple[int, ...] | None:
 
 
 def _check_visible(visible: tuple[int, ...], inventory: DeviceInventory) -> None:
-    caps = inventory.capabilities
-    if not caps.gpu_visibility:
+    capabilities = inventory.capabilities
+    label = capabilities.label
+    if not capabilities.gpu_visibility:
         raise PlanError(
-            f"{caps.label} cannot hide GPUs from this process once started; set CUDA_VISIBLE_DEVICES before "
+            f"{label} cannot hide GPUs from this process once started; set CUDA_VISIBLE_DEVICES before "
             "starting the kernel instead of --visible"
         )
     known = {g.index for g in inventory.gpus}
@@ -282,53 +285,55 @@ def _check_visible(visible: tuple[int, ...], inventory: DeviceInventory) -> None
 
 
 def _check_growth(split_requested: bool, inventory: DeviceInventory) -> None:
-    caps = inventory.capabilities
-    if not caps.memory_growth:
-        raise PlanError(f"{caps.label} has no memory growth setting; drop --growth")
-    if split_requested and not caps.growth_with_split:
+    capabilities = inventory.capabilities
+    label = capabilities.label
+    if not capabilities.memory_growth:
+        raise PlanError(f"{label} has no memory growth setting; drop --growth")
+    if split_requested and not capabilities.growth_with_split:
         raise PlanError(
-            f"--growth cannot be combined with a split or a memory cap ({caps.label} refuses memory growth on "
+            f"--growth cannot be combined with a split or a memory cap ({label} refuses memory growth on "
             "virtual devices); use either --growth or a split"
         )
     if not inventory.gpus:
-        raise PlanError(f"--growth needs a GPU and none is visible to {caps.label}; drop --growth on a CPU machine")
+        raise PlanError(f"--growth needs a GPU and none is visible to {label}; drop --growth on a CPU machine")
 
 
 def _cpu_plan(
     request: SplitRequest, count: int, sizes: tuple[int, ...] | None, inventory: DeviceInventory, forced: bool
 ) -> SplitPlan:
     """``count`` logical CPUs (the CPU was asked for, or there is no GPU)."""
-    caps = inventory.capabilities
-    label = caps.label
-    if sizes is not None and not caps.cpu_caps:
+    capabilities = inventory.capabilities
+    label = capabilities.label
+    if sizes is not None and not capabilities.cpu_caps:
         raise PlanError(
             f"memory caps are not supported on CPU devices ({label} cannot cap logical CPUs); "
             f"drop --memory, e.g. %vgpu_split {count}"
         )
-    if not caps.splits_cpu and count > 1:
+    if not capabilities.splits_cpu and count > 1:
         raise PlanError(f"{label} cannot split the CPU into devices; use %vgpu_split 1")
     notes: tuple[str, ...] = ()
     visible = request.visible
     if not inventory.gpus:
         notes = (f"no GPU visible to {label}: splitting the CPU instead",)
-    elif visible is None and caps.gpu_visibility:
+    elif visible is None and capabilities.gpu_visibility:
         # A data-parallel strategy prefers GPUs: the logical CPUs are only its replicas with the GPUs hidden.
         visible = ()
-        notes = (f"GPUs hidden so {caps.replicas_by} uses the logical CPUs (add --visible 0 to keep GPU 0)",)
+        notes = (f"GPUs hidden so {capabilities.replicas_by} uses the logical CPUs (add --visible 0 to keep GPU 0)",)
     return SplitPlan(
         "CPU", 0, (None,) * count, visible, request.memory_growth, None, notes, cpu_forced=forced,
-        framework=caps.name, framework_named=request.framework,
+        framework=capabilities.name, framework_named=request.framework,
     )
 
 
 def _gpu_plan(
     request: SplitRequest, count: int, sizes: tuple[int, ...] | None, gpu: GPUInfo, inventory: DeviceInventory
 ) -> SplitPlan:
-    """``count`` logical GPUs on ``gpu``, with their caps and what else stays visible."""
-    caps = inventory.capabilities
-    if count > 1 and not caps.splits_gpu:
+    """``count`` logical GPUs on ``gpu``, with their memory caps and what else stays visible."""
+    capabilities = inventory.capabilities
+    label = capabilities.label
+    if count > 1 and not capabilities.splits_gpu:
         raise PlanError(
-            f"{caps.label} cannot split one GPU into several devices; use %vgpu_split {count} --cpu for {count} CPU "
+            f"{label} cannot split one GPU into several devices; use %vgpu_split {count} --cpu for {count} CPU "
             f"devices next to the GPU, or %vgpu_split 1 --memory SIZE to cap this process's share of GPU {gpu.index}"
         )
     if sizes is not None:
@@ -336,13 +341,13 @@ def _gpu_plan(
         _check_sizes(sizes)
     if request.visible is not None and gpu.index not in request.visible:
         raise PlanError(f"GPU {gpu.index} is split but --visible hides it; add {gpu.index} to --visible")
-    usable = usable_mib(gpu, caps)
-    limits = _gpu_limits(count, sizes, gpu, caps)
+    usable = usable_mib(gpu, capabilities)
+    limits = _gpu_limits(count, sizes, gpu, capabilities)
     capped = [m for m in limits if m is not None]
     total = sum(capped)
     if usable is not None and capped and total > usable:
         raise PlanError(
-            f"{total} MiB requested does not fit GPU {gpu.index}: {gpu.free_mib} MiB free minus {caps.label}'s "
+            f"{total} MiB requested does not fit GPU {gpu.index}: {gpu.free_mib} MiB free minus {label}'s "
             f"{gpu.free_mib - usable} MiB reserve leaves {usable} MiB; ask for less"
         )
     notes = []
@@ -351,24 +356,24 @@ def _gpu_plan(
     visible = _visible_beside(request, gpu, inventory, notes)
     return SplitPlan(
         "GPU", gpu.index, tuple(limits), visible, request.memory_growth, usable, tuple(notes),
-        framework=caps.name, sizes_chosen=sizes is not None, framework_named=request.framework,
+        framework=capabilities.name, sizes_chosen=sizes is not None, framework_named=request.framework,
     )
 
 
 def _gpu_limits(
-    count: int, sizes: tuple[int, ...] | None, gpu: GPUInfo, caps: Capabilities
+    count: int, sizes: tuple[int, ...] | None, gpu: GPUInfo, capabilities: Capabilities
 ) -> tuple[int | None, ...]:
     """MiB per logical GPU: the sizes given, else the even share (uncapped where the framework allows)."""
     if sizes is None:
-        if not caps.gpu_caps_required:
+        if not capabilities.gpu_caps_required:
             return (None,) * count
-        each = even_share_mib(gpu, caps, count)
+        each = even_share_mib(gpu, capabilities, count)
         if each is None:
             raise PlanError(
                 f"free memory of GPU {gpu.index} is unknown (NVML unavailable); give sizes, e.g. --memory 2048"
             )
         if each < MIN_MEMORY_MIB:
-            usable = usable_mib(gpu, caps) or 0
+            usable = usable_mib(gpu, capabilities) or 0
             raise PlanError(
                 f"GPU {gpu.index} has {max(usable, 0)} MiB usable; {count} devices would get {max(each, 0)} MiB "
                 f"each (minimum {MIN_MEMORY_MIB}); use fewer devices"
@@ -387,14 +392,15 @@ def _visible_beside(
     request: SplitRequest, gpu: GPUInfo, inventory: DeviceInventory, notes: list[str]
 ) -> tuple[int, ...] | None:
     """The GPUs visible beside the split one (``None``: leave visibility as it is); adds a note when it hides some."""
-    caps = inventory.capabilities
+    capabilities = inventory.capabilities
+    label = capabilities.label
     if request.visible is not None:
         if request.others == "hide" and len(request.visible) > 1:
             raise PlanError("--visible keeps several GPUs but --others hide hides them; add --others keep")
         return request.visible
-    if len(inventory.gpus) <= 1 or not caps.gpu_visibility:
+    if len(inventory.gpus) <= 1 or not capabilities.gpu_visibility:
         return None
     if request.others == "keep":
         return tuple(g.index for g in inventory.gpus)
-    notes.append(f"other GPUs hidden so GPU {gpu.index} is the only one {caps.label} uses (--others keep to keep them)")
+    notes.append(f"other GPUs hidden so GPU {gpu.index} is the only one {label} uses (--others keep to keep them)")
     return (gpu.index,)
