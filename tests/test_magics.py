@@ -47,9 +47,9 @@ def test_unload_removes_exactly_what_load_added(ip):
     assert "VGPUMagics" not in ip.magics_manager.registry
     assert ip.configurables == before_configurables
 
-    import vgpu_magic.api
+    import vgpu_magic.runtime
 
-    assert vgpu_magic.api.current_watcher() is None
+    assert vgpu_magic.runtime.active_watcher() is None
 
 
 def test_load_twice_registers_hooks_once(ip):

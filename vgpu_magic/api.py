@@ -35,20 +35,12 @@ __all__ = [
     "strategy",
     "execute",
     "make_request",
-    "current_watcher",
     "framework_for",
 ]
-
-#: Set by the IPython extension while loaded, so the API can name culprit cells too.
-_watcher: RuntimeWatcher | None = None
 
 
 class RuntimeStartedWarning(UserWarning):
     """The framework's runtime already started, so the requested split was not applied."""
-
-
-def current_watcher() -> RuntimeWatcher | None:
-    return _watcher
 
 
 def _whole(value: object) -> bool:
@@ -156,7 +148,7 @@ def execute(
         inventory = fw.probe_inventory()
     plan_ = plan_split(request, inventory)
     # A CUDA context held elsewhere only matters where the framework sees a GPU (and NVML costs ~10 ms).
-    state = runtime_state(watcher or _watcher, fw, check_cuda=bool(inventory.gpus))
+    state = runtime_state(watcher, fw, check_cuda=bool(inventory.gpus))
     extra = []
     check = getattr(fw, "keras_backend_warning", None)
     if check is not None:
@@ -252,7 +244,7 @@ def status(framework: str | None = None) -> StatusReport:
     """Physical and logical devices, caps, memory (if running), replicas and
     runtime state of every imported framework (or the selected one). Never
     starts a runtime."""
-    return collect_status(_watcher, framework)
+    return collect_status(None, framework)
 
 
 def strategy(framework: str | None = None):

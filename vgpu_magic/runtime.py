@@ -25,6 +25,9 @@ __all__ = [
     "cuda_context_holders",
     "runtime_state",
     "first_line",
+    "active_watcher",
+    "activate",
+    "deactivate",
 ]
 
 #: What a started runtime means for a split; the status and every outcome say it in these words.
@@ -235,8 +238,32 @@ def _resolve(framework):
     return framework
 
 
+#: The loaded extension's watcher (see :func:`activate`).
+_active: RuntimeWatcher | None = None
+
+
+def active_watcher() -> RuntimeWatcher | None:
+    """The watcher of the loaded extension, or ``None`` when it is not loaded."""
+    return _active
+
+
+def activate(watcher: RuntimeWatcher) -> None:
+    """Make ``watcher`` the one every face and the API ask (``load_ipython_extension``)."""
+    global _active
+    _active = watcher
+
+
+def deactivate(watcher: RuntimeWatcher) -> None:
+    """Undo :func:`activate` for ``watcher`` (``unload_ipython_extension``); another one stays."""
+    global _active
+    if _active is watcher:
+        _active = None
+
+
 def runtime_state(watcher: RuntimeWatcher | None = None, framework=None, check_cuda: bool = True) -> RuntimeState:
-    """The runtime state of ``framework``, with the culprit cell when a watcher is active."""
+    """The runtime state of ``framework``, with the culprit cell when a watcher is
+    given or the extension's is active."""
+    watcher = watcher or _active
     if watcher is not None:
         return watcher.state(framework, check_cuda=check_cuda)
     fw = _resolve(framework)

@@ -446,4 +446,4 @@ def panel(watcher: RuntimeWatcher | None = None, framework: str | None = None) -
     """
     chosen = api.framework_for(framework)
     named = chosen.name if framework is not None else None
-    return SplitPanel(chosen.probe_inventory(), watcher or api.current_watcher(), framework_named=named)
+    return SplitPanel(chosen.probe_inventory(), watcher, framework_named=named)
