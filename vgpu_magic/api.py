@@ -193,26 +193,26 @@ def split(
 
     Parameters
     ----------
-    count:
+    count
         Number of logical devices, 1..64.
-    memory:
+    memory
         MiB per logical GPU: one value for all, one per device, or ``None`` to
         divide free memory (minus the framework's reserve) evenly. Strings with
         units (``"2GB"``, ``"1024,2048"``) are accepted. Not allowed on CPU.
-    cpu:
+    cpu
         Split the CPU even when a GPU is present.
-    gpu:
+    gpu
         Physical GPU to split (default 0).
-    others:
+    others
         ``"hide"`` (default) or ``"keep"`` the other GPUs of a multi-GPU machine.
-    visible:
+    visible
         Physical GPUs the framework may use, e.g. ``[0, 2]``; ``[]`` hides all.
-    growth:
+    growth
         Turn on memory growth for visible GPUs instead of splitting.
-    framework:
+    framework
         ``"tensorflow"`` (``"tf"``) or ``"jax"``; default: the one imported, else
         the one installed, else TensorFlow.
-    dry_run:
+    dry_run
         Validate and report without configuring.
 
     Returns

@@ -64,25 +64,25 @@ class SplitResult:
 
     Attributes
     ----------
-    status:
+    status
         ``"applied"``, ``"unchanged"`` (already configured exactly so), ``"planned"``
         (dry run) or ``"blocked"`` (the runtime already started with a different
         configuration; nothing changed).
-    plan:
+    plan
         The validated plan.
-    framework:
+    framework
         ``"tensorflow"``, ``"jax"``...
-    devices:
+    devices
         The replica devices after this call (for ``"blocked"``: the ones it has).
-    blocked_reason:
+    blocked_reason
         Why nothing was configured, when ``status == "blocked"``; else ``""``.
-    replaced:
+    replaced
         The configuration this call replaced (``status == "applied"`` only), as
         a short phrase, e.g. ``"3 logical CPUs"``; ``""`` when nothing was configured before.
-    warnings:
+    warnings
         Problems worth a warning that did not stop the call (a CUDA context held
         by another framework, Keras imported with another backend).
-    configuration:
+    configuration
         The framework's configuration after this call (for ``"planned"``: the one
         it would have; for ``"blocked"``: the one it keeps), so a face that shows
         it need not work it out again.

@@ -67,25 +67,25 @@ class SplitPanel:
 
     Parameters
     ----------
-    inventory:
+    inventory
         The devices to offer (plain data; :func:`panel` probes this machine).
-    watcher:
+    watcher
         Names the cell that started TensorFlow's runtime, for the banner; ``None``
         uses the extension's watcher if it is loaded.
-    framework_named:
+    framework_named
         The framework the user named (``panel(framework="jax")``); the line the
         panel shows then names it too, so it reproduces the same split.
 
     Attributes
     ----------
     target, count_slider, count_text, custom, even_memory, device_memory,
-    usage_bar, usage_label, memory_note, banner, magic, apply_button, output:
+    usage_bar, usage_label, memory_note, banner, magic, apply_button, output
         The widgets, for tests and for people who want to rearrange them.
-    root:
+    root
         The box that is displayed (``display(panel)`` shows it).
-    last_result:
+    last_result
         The :class:`~vgpu_magic.outcomes.SplitResult` of the last Apply, or ``None``.
-    last_message:
+    last_message
         The text the last Apply printed into :attr:`output`.
     """
 
@@ -433,10 +433,10 @@ def panel(watcher: RuntimeWatcher | None = None, framework: str | None = None) -
 
     Parameters
     ----------
-    watcher:
+    watcher
         Names the cell that started the runtime; defaults to the loaded
         extension's watcher.
-    framework:
+    framework
         ``"tensorflow"`` / ``"tf"`` or ``"jax"``.
 
     Returns
