@@ -40,6 +40,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CHILD_ENV
+from vgpu_magic.monitor.sampler import PROCESS_LABEL
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -530,15 +531,6 @@ def test_jupyterlab_panel_opens_on_the_live_split_and_reads_in_light_and_dark(ch
         page.close()
 
 
-try:
-    from vgpu_magic.monitor.display import DisplaySurface
-    from vgpu_magic.monitor.sampler import PROCESS_LABEL
-except ImportError:
-    # Until the monitor has its RSS series and gives its plot an output of its own (issue 10),
-    # the monitored-fit checks below cannot pass.
-    PROCESS_LABEL = DisplaySurface = None
-
-
 #: The tutorial-sized model of issue 10 (Dense(256) on 16 inputs, 4 logical CPUs, batch 32), fitted
 #: with Keras' default progress bar under %vgpu_monitor on.
 MONITOR_CELLS = [
@@ -601,10 +593,6 @@ def _saved_text_of_image(path: Path, cell: int, png: str, timeout: float = 30) -
 _PROGRESS = re.compile(r"^\s*(\d+)/(\d+)\b", re.MULTILINE)
 
 
-@pytest.mark.skipif(
-    PROCESS_LABEL is None or DisplaySurface is None,
-    reason="the monitor has no process RSS series / own plot output yet (issue 10, branch monitor)",
-)
 def test_jupyterlab_monitored_fit_keeps_the_progress_bar_whole_and_plots_cpu_memory(chromium, lab, artifacts_dir):
     sync_api, _ = chromium
     page = _open(chromium, lab, LAB_PATH, "monitor.ipynb", MONITOR_CELLS)

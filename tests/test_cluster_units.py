@@ -146,13 +146,8 @@ def test_lines_are_labelled_whole_and_never_interleaved():
 
 
 @pytest.fixture(scope="module")
-def shell():
-    from IPython.testing.globalipapp import get_ipython
-
-    from vgpu_magic.ranks.magics import ClusterMagics
-
-    ip = get_ipython()
-    ip.register_magics(ClusterMagics)
+def shell(ip):
+    """The in-process shell; loading vgpu_magic registers %vgpu_cluster."""
     return ip
 
 
@@ -212,6 +207,7 @@ def test_memory_trace_plot_and_sampler():
     assert sampler.rss()[0] > 10 * mib and sampler.gpu() == [None]
 
 
+@pytest.mark.slow
 def test_loading_the_extension_starts_and_imports_nothing_of_the_cluster(py):
     proc = py(
         """

@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 import textwrap
 
-import psutil
 import pytest
 
 from conftest import last_json, run_python
@@ -21,15 +20,9 @@ from vgpu_magic.inventory import DeviceInventory, GPUInfo
 from vgpu_magic.keras_backend import keras_backend_warning
 from vgpu_magic.planner import PlanError, SplitRequest, plan_split
 
+pytestmark = pytest.mark.usefixtures("no_process_left_behind")
+
 MIB = 1024 * 1024
-
-
-@pytest.fixture(autouse=True, scope="module")
-def no_process_left_behind():
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    yield
-    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    assert not left, f"processes left behind: {left}"
 
 
 def jax_inventory(gpus: int = 1, total_mib: int = 16384, free_mib: int = 15000) -> DeviceInventory:
@@ -42,6 +35,7 @@ def jax_inventory(gpus: int = 1, total_mib: int = 16384, free_mib: int = 15000) 
 
 
 # -- pure: the planner reads JAX's capabilities as data ---------------------------------
+@pytest.mark.slow
 def test_registered_and_imports_nothing():
     code = """
     import json, sys
@@ -152,6 +146,7 @@ def cell(source):
 """
 
 
+@pytest.mark.slow
 def test_magic_before_import_then_identical_is_quiet_and_different_names_the_cell():
     code = SHELL + textwrap.dedent("""
     steps = {}
@@ -176,6 +171,7 @@ def test_magic_before_import_then_identical_is_quiet_and_different_names_the_cel
     assert "nothing was configured" in warning and steps["after"] == 8
 
 
+@pytest.mark.slow
 def test_api_after_import_and_mesh():
     code = """
     import json, warnings
@@ -218,6 +214,7 @@ def test_api_after_import_and_mesh():
     assert out["keras"] == "jax" and out["dist"] == ["DataParallel", [f"cpu:{i}" for i in range(4)]]
 
 
+@pytest.mark.slow
 def test_xla_flags_where_jax_lacks_the_option():
     code = """
     import json, os
@@ -239,6 +236,7 @@ def test_xla_flags_where_jax_lacks_the_option():
     }
 
 
+@pytest.mark.slow
 def test_per_device_bytes_are_exact_for_a_placed_array():
     code = """
     import json
@@ -279,6 +277,7 @@ def test_per_device_bytes_are_exact_for_a_placed_array():
     assert out["status1"] == 4096
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_configures_nothing():
     code = SHELL + textwrap.dedent("""
     lines = ["0 --framework jax", "4 --framework jaxx", "4 --memory 1024 --framework jax",
@@ -300,6 +299,7 @@ def test_bad_input_is_one_line_and_configures_nothing():
     assert out["option"] == -1 and out["env"] == [] and out["n"] == 1
 
 
+@pytest.mark.slow
 def test_write_caps_and_growth_through_the_environment_and_undo_on_failure():
     code = """
     import json, os
@@ -335,6 +335,7 @@ def test_write_caps_and_growth_through_the_environment_and_undo_on_failure():
     assert out["option_after_undo"] == -1 and out["fraction_after_undo"] == "0.25"
 
 
+@pytest.mark.slow
 def test_keras_on_another_backend_warns_and_status_shows_both_frameworks():
     code = SHELL + textwrap.dedent("""
     import os
@@ -362,6 +363,7 @@ def test_keras_on_another_backend_warns_and_status_shows_both_frameworks():
     assert "memory held on each logical CPU: CPU:0 " in out["text"]
 
 
+@pytest.mark.slow
 def test_jax_that_tensorflow_imported_is_not_a_second_framework():
     # TensorFlow imports JAX itself (tensorflow/lite/python/util.py) where JAX is installed.
     code = SHELL + textwrap.dedent("""
@@ -380,6 +382,7 @@ def test_jax_that_tensorflow_imported_is_not_a_second_framework():
     assert "TensorFlow and JAX are both imported" in (steps["ambiguous"]["error"] or "")
 
 
+@pytest.mark.slow
 def test_panel_splits_jax_and_hides_memory_on_cpu():
     code = """
     import json
@@ -413,6 +416,7 @@ def test_gpu_backend_is_read_from_the_installed_files(tmp_path, monkeypatch):
         fj.gpu_backend_installed.cache_clear()
 
 
+@pytest.mark.slow
 def test_persistent_split_for_jax_applies_at_load():
     code = SHELL + textwrap.dedent("""
     import jax
@@ -445,6 +449,7 @@ def test_monitor_reader_keeps_counting_within_its_time_budget():
     assert MemoryReader(None)._count(counter) == [3]  # no budget: a count on every call
 
 
+@pytest.mark.slow
 def test_magic_after_import_jax_picks_jax():
     code = SHELL + textwrap.dedent("""
     steps = {"import": cell("import jax"), "split": cell("%vgpu_split 2")}
@@ -471,6 +476,7 @@ def per_device(trace, step):
 """
 
 
+@pytest.mark.slow
 def test_monitor_context_manager_shows_a_placed_array_on_its_device_only():
     code = MONITOR + textwrap.dedent("""
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -496,6 +502,7 @@ def test_monitor_context_manager_shows_a_placed_array_on_its_device_only():
     assert out["tf"] is False
 
 
+@pytest.mark.slow
 def test_monitor_is_a_keras_callback_under_the_jax_backend():
     code = MONITOR + textwrap.dedent("""
     keras.distribution.set_distribution(vgpu_magic.distribution())

@@ -14,7 +14,15 @@ import pytest
 
 ipywidgets = pytest.importorskip("ipywidgets")
 
-from conftest import CHILD_ENV, ROOT, last_json, run_python  # noqa: E402
+from conftest import (  # noqa: E402
+    kernel_errors,
+    kernel_run,
+    kernel_stdout,
+    kernel_stream,
+    last_json,
+    run_python,
+    started_kernel,
+)
 from vgpu_magic.frameworks.tensorflow import system_reserve_mib  # noqa: E402
 from vgpu_magic.grammar import parse_split_line  # noqa: E402
 from vgpu_magic.inventory import DeviceInventory, GPUInfo  # noqa: E402
@@ -234,6 +242,7 @@ def test_a_panel_shown_before_the_runtime_started_locks_when_next_used_and_says_
     assert shown.count("restart the kernel") == 1, shown
 
 
+@pytest.mark.slow
 def test_importing_the_package_and_loading_the_extension_imports_no_widgets():
     proc = run_python(
         """
@@ -341,30 +350,19 @@ def test_runtime_started_by_a_cell_locks_the_panel_and_names_that_cell():
     assert out["cpus"] == 1
 
 
-def _kernel_run(kc, code: str) -> list[dict]:
-    """Execute ``code`` in the kernel; return its iopub messages, failing on an error reply."""
-    messages: list[dict] = []
-    reply = kc.execute_interactive(code, output_hook=messages.append, timeout=180)
-    errors = [m["content"] for m in messages if m["msg_type"] == "error"]
-    assert reply["content"]["status"] == "ok", errors or reply["content"]
+def _ran(kc, code: str) -> list[dict]:
+    """Run ``code`` in the kernel; its iopub messages, failing the test on an error."""
+    messages = kernel_run(kc, code, timeout=180)
+    assert not kernel_errors(messages), kernel_errors(messages)
     return messages
-
-
-def _stdout(messages: list[dict]) -> str:
-    return "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream")
 
 
 @pytest.mark.slow
 def test_magic_shows_the_panel_in_a_real_kernel_and_apply_splits_the_cpu():
-    jupyter_client = pytest.importorskip("jupyter_client")
-    km = jupyter_client.KernelManager(kernel_name="python3")
-    km.start_kernel(env=CHILD_ENV, cwd=str(ROOT))
-    kc = km.client()
-    try:
-        kc.start_channels()
-        kc.wait_for_ready(timeout=120)
-        _kernel_run(kc, "%load_ext vgpu_magic")
-        shown = _kernel_run(kc, "%vgpu_split")
+    pytest.importorskip("jupyter_client")
+    with started_kernel() as (_, kc):
+        _ran(kc, "%load_ext vgpu_magic")
+        shown = _ran(kc, "%vgpu_split")
         views = [
             m["content"]["data"]["application/vnd.jupyter.widget-view+json"]
             for m in shown
@@ -373,7 +371,7 @@ def test_magic_shows_the_panel_in_a_real_kernel_and_apply_splits_the_cpu():
         assert len(views) == 1, shown
         model_id = views[0]["model_id"]
         # Find the controls by their CSS classes, as the browser test does, then drive them.
-        driven = _kernel_run(
+        driven = _ran(
             kc,
             textwrap.dedent(
                 f"""
@@ -397,17 +395,14 @@ def test_magic_shows_the_panel_in_a_real_kernel_and_apply_splits_the_cpu():
                 """
             ),
         )
-        checked = _kernel_run(
+        checked = _ran(
             kc,
             "import json, tensorflow as tf\n"
             "print(json.dumps({'started_when_shown': started_when_shown,"
             " 'logical': [d.name for d in tf.config.list_logical_devices('CPU')]}))",
         )
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
-    text = _stdout(driven)
+    text = kernel_stream(driven, "stdout") + kernel_stream(driven, "stderr")
     assert "TensorFlow configured 3 logical CPUs" in text
     assert "MirroredStrategy() will use 3 replicas: /device:CPU:0, /device:CPU:1, /device:CPU:2" in text
-    out = json.loads(_stdout(checked).strip().splitlines()[-1])
+    out = json.loads(kernel_stdout(checked).strip().splitlines()[-1])
     assert out == {"started_when_shown": False, "logical": ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]}
