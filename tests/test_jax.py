@@ -15,10 +15,11 @@ import pytest
 
 from conftest import last_json, run_python
 from vgpu_magic import frameworks
+from vgpu_magic.errors import PlanError
 from vgpu_magic.frameworks.jax import CAPABILITIES, xla_flags_count, xla_flags_with_count
 from vgpu_magic.inventory import DeviceInventory, GPUInfo
 from vgpu_magic.keras_backend import keras_backend_warning
-from vgpu_magic.planner import PlanError, SplitRequest, plan_split
+from vgpu_magic.planner import SplitRequest, plan_split
 
 pytestmark = pytest.mark.usefixtures("no_process_left_behind")
 
@@ -305,7 +306,7 @@ def test_write_caps_and_growth_through_the_environment_and_undo_on_failure():
     import json, os
     from vgpu_magic.frameworks import jax as fj
     from vgpu_magic.inventory import GPUInfo
-    from vgpu_magic.planner import PlanError
+    from vgpu_magic.errors import PlanError
     fw = fj.FRAMEWORK
     gpus = (GPUInfo(index=0, total_mib=16384, free_mib=16000),)
     fw._gpus = lambda: (gpus, True)   # a GPU-shaped machine, read without NVML

@@ -23,10 +23,11 @@ from conftest import (  # noqa: E402
     run_python,
     started_kernel,
 )
+from vgpu_magic.errors import PlanError  # noqa: E402
 from vgpu_magic.frameworks.tensorflow import system_reserve_mib  # noqa: E402
 from vgpu_magic.grammar import parse_split_line  # noqa: E402
 from vgpu_magic.inventory import DeviceInventory, GPUInfo  # noqa: E402
-from vgpu_magic.planner import PlanError, plan_split  # noqa: E402
+from vgpu_magic.planner import plan_split  # noqa: E402
 from vgpu_magic.runtime import CellRef, RuntimeState  # noqa: E402
 from vgpu_magic.split_panel import SLIDER_MAX_DEVICES, SplitPanel  # noqa: E402
 

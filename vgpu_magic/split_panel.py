@@ -239,7 +239,7 @@ class SplitPanel:
         return SplitRequest(count=self.count, memory=memory, gpu=gpu.index, framework=self.framework_named)
 
     def plan(self) -> SplitPlan:
-        """Validate :meth:`request` with the planner; raises :class:`~vgpu_magic.planner.PlanError`."""
+        """Validate :meth:`request` with the planner; raises :class:`~vgpu_magic.errors.PlanError`."""
         return plan_split(self.request(), self.inventory)
 
     @property
