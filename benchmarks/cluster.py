@@ -6,9 +6,13 @@ Run by hand (``make bench``), never by the test suite::
 
 (a) Cluster start (``RankCluster(n, framework).start()``: ipyparallel engines
     plus the framework's wiring) for 2 and 4 ranks, per framework, against
-    one bare ``import <framework>`` in a fresh interpreter. On CPU the
-    TensorFlow wiring imports nothing (``TF_CONFIG`` only), so its start is
-    ipyparallel's alone.
+    one bare ``import <framework>`` in a fresh interpreter, interleaved
+    ``--starts`` times (medians, and the median of the paired ratios). On CPU
+    the TensorFlow wiring imports nothing (``TF_CONFIG`` only), so its start
+    is ipyparallel's alone. Where the seconds go: the time until 2 engines
+    have registered, with ipyparallel's default heartbeat (3 s) and with the
+    one :class:`RankCluster` gives its controller (the hub accepts an engine
+    only after its heart answered a ping).
 (b) ``%%vgpu_run`` on a trivial cell (``pass``) on 2 torch ranks, in a real
     IPython shell, against ipyparallel's own ``view.execute(..., block=True)``
     of the same cell: the cost of streaming, liveness checks and sampling.
@@ -53,6 +57,23 @@ def cluster_start(framework: str, n: int) -> float:
     ranks = RankCluster(n, framework).start()
     elapsed = time.perf_counter() - t
     ranks.stop()
+    return elapsed
+
+
+def engines_registered(controller_args: list[str]) -> float:
+    """Seconds until 2 local engines have registered with a fresh controller."""
+    import logging
+
+    import ipyparallel as ipp
+
+    t = time.perf_counter()
+    cluster = ipp.Cluster(n=2, engines="local", log_level=logging.ERROR, controller_args=controller_args)
+    cluster.start_cluster_sync(n=2)
+    client = cluster.connect_client_sync()
+    client.wait_for_engines(2, timeout=120, block=True, interactive=False)
+    elapsed = time.perf_counter() - t
+    client.close()
+    cluster.stop_cluster_sync()
     return elapsed
 
 
@@ -110,15 +131,31 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--frameworks", default="torch,tensorflow,jax")
+    parser.add_argument("--starts", type=int, default=3, help="interleaved repeats of each start and bare import")
     args = parser.parse_args()
-    print("(a) cluster start vs one bare framework import (fresh interpreters)")
+    from vgpu_magic.ranks.engine import CONTROLLER_ARGS
+
+    print(f"(a) cluster start vs one bare framework import (fresh interpreters), medians of {args.starts}")
+    registered = {"default": [], "ours": []}
+    for _ in range(args.starts):
+        registered["default"].append(engines_registered([]))
+        registered["ours"].append(engines_registered(list(CONTROLLER_ARGS)))
+    print(
+        f"    2 engines registered: {statistics.median(registered['default']):.2f} s with ipyparallel's default "
+        f"heartbeat, {statistics.median(registered['ours']):.2f} s with ours ({' '.join(CONTROLLER_ARGS)})"
+    )
     for framework in args.frameworks.split(","):
-        base = bare_import(MODULES[framework])
-        starts = {n: cluster_start(framework, n) for n in (2, 4)}
-        print(
-            f"    {framework:<10} import {base:5.2f} s | 2 ranks {starts[2]:5.2f} s ({starts[2] / base:4.1f}x) "
-            f"| 4 ranks {starts[4]:5.2f} s ({starts[4] / base:4.1f}x)"
-        )
+        bases, starts = [], {2: [], 4: []}
+        for _ in range(args.starts):
+            bases.append(bare_import(MODULES[framework]))
+            for n in starts:
+                starts[n].append(cluster_start(framework, n))
+        base = statistics.median(bases)
+        cells = []
+        for n, times in starts.items():
+            ratio = statistics.median(t / b for t, b in zip(times, bases))
+            cells.append(f"{n} ranks {statistics.median(times):5.2f} s ({ratio:4.1f}x)")
+        print(f"    {framework:<10} import {base:5.2f} s | " + " | ".join(cells))
     ours, plain = run_overhead(args.repeats)
     print(f"(b) trivial cell on 2 ranks: %%vgpu_run {ours * 1e3:.1f} ms, ipyparallel view.execute {plain * 1e3:.1f} ms "
           f"(+{(ours - plain) * 1e3:.1f} ms, {ours / plain:.1f}x), median of {args.repeats}")

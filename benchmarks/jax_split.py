@@ -71,7 +71,7 @@ SAMPLE_COST = """
 import json, time
 import numpy as np
 import vgpu_magic
-from vgpu_magic.frameworks.jax_memory import MemoryReader
+from vgpu_magic.frameworks.jax.memory import MemoryReader
 
 vgpu_magic.split(8, framework="jax")
 import jax

@@ -1,4 +1,4 @@
-"""What the live memory plot costs a training run, measured in a real kernel.
+"""What the live memory view costs a training run, measured in a real kernel.
 
 Run by hand, never by the test suite::
 
@@ -7,9 +7,10 @@ Run by hand, never by the test suite::
 A fresh Jupyter kernel (jupyter_client) splits the CPU into 4 logical devices
 and trains the same MirroredStrategy MLP (about 10 ms a step on 2 cores) for
 one epoch of ``--steps`` steps, with and without ``MemoryMonitor()``. The
-monitor runs as in a notebook: the rich path, one display handle updated with
-PNG frames, redraws on; this script drains those iopub messages like a
-frontend would and checks there is one ``display_data`` per monitored run.
+monitor runs as in a notebook: the live widget in one display output, fed the
+trace's new rows by comm messages, then the final image in its place; this
+script drains those iopub messages like a front end would and checks there is
+one ``display_data`` and one ``update_display_data`` per monitored run.
 
 Wall-clock noise between identical fits on a shared 2-core machine is around
 ±10 % and, when other processes compete for the cores, whole fits vary by a
@@ -19,7 +20,7 @@ ratios, and its spread is printed with it (quartiles and extremes). The
 kernel's CPU time (all its threads, ``time.process_time``) over the same
 interval is reported as a second ratio: it counts the work the monitor adds
 and is far less sensitive to other processes taking the cores. Two unreported
-warm-up pairs trace the model and import matplotlib first.
+warm-up pairs trace the model and import matplotlib and the widget first.
 
 Reported, with the goals from the issue:
 
@@ -28,11 +29,17 @@ Reported, with the goals from the issue:
 * the cost of one memory sample, per sample and per logical device covered
   (on CPU one read of the shared host allocator covers all 4, plus the
   process' RSS at most every 0.5 s; goal <= 5 µs);
-* the cost of a redraw: live frames (blits onto the cached background, and
-  full redraws), and the final frame, which the notebook path draws when the
-  cell ends, after the training (it is fetched from the kernel afterwards);
-* the achieved refresh rate, from one longer monitored run: live frames per
-  second of training, and the median gap between consecutive frames.
+* the view's kernel cost: each live update (the new rows as one comm
+  message, and the traits that changed), per update and as a share of the
+  training time (goal <= 0.5 %), and the final image, which the notebook path
+  draws when the cell ends, after the training;
+* the live updates per second of training (goal >= 4), from one longer
+  monitored run, and the median gap between consecutive updates;
+* the kernel cost of one update of the two widget technologies considered,
+  measured in the same kernel: setting a bqplot ``Lines``' arrays (every
+  point of 5 series, re-sent each time) at 400 and 4000 rows, and one
+  anywidget custom message with the new row (skipped where bqplot is not
+  installed).
 
 Times are taken inside the kernel from the first callback's ``on_train_begin``
 to the last callback's ``on_train_end``: everything the monitor does (its own
@@ -45,6 +52,7 @@ one to four seconds with or without a monitor, are not. The ratio of whole
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -100,17 +108,45 @@ def timed_fit(monitored, data=None):
         view, stats = mon.view, mon.stats
         out.update(
             samples=stats.samples, sample_seconds=stats.sample_seconds, sample_costs=list(stats.costs), devices=stats.devices,
-            series=[s.label for s in mon.trace.series], draw_costs=view.draw_costs,
-            draw_times=[t - view.draw_times[0] for t in view.draw_times], setup=view.setup_cost,
-            kinds=view.draw_kinds, duration=mon.trace.duration, rows=len(mon.trace),
+            series=[s.label for s in mon.trace.series], update_costs=view.update_costs,
+            update_times=[t - view.update_times[0] for t in view.update_times], duration=mon.trace.duration,
+            rows=len(mon.trace),
         )
     print(json.dumps(out))
 
-def final_frame():
-    # Run in the cell after a monitored fit: its final frame was drawn when
+def final_image():
+    # Run in the cell after a monitored fit: its final image was drawn when
     # that cell ended, after the training.
-    view = LAST.view
-    print(json.dumps({{"kind": view.draw_kinds[-1], "cost": view.draw_costs[-1], "frames": len(view.draw_costs)}}))
+    print(json.dumps({{"cost": LAST.view.final_cost, "closed": LAST.view.widget.comm is None}}))
+
+def widget_costs():
+    # One update of each widget technology, in this kernel, shown but not drawn (no front end here).
+    from IPython.display import display
+    import bqplot as bq
+    from vgpu_magic.monitor.live import memory_widget
+    out = {{}}
+    t, values = np.arange(4000.0), np.random.default_rng(0).random((5, 4000))
+    for rows in (400, 4000):
+        scale = bq.LinearScale()
+        lines = bq.Lines(x=t[:1], y=values[:, :1], scales={{"x": scale, "y": bq.LinearScale()}})
+        display(bq.Figure(marks=[lines], axes=[bq.Axis(scale=scale)]))
+        costs = []
+        for n in range(rows - 100, rows):
+            begin = time.perf_counter()
+            with lines.hold_sync():
+                lines.x, lines.y = t[:n], values[:, :n]
+            costs.append(time.perf_counter() - begin)
+        out[f"bqplot, {{rows}} rows"] = float(np.median(costs))
+    widget = memory_widget(series=[], units={{}}, title="", note="")
+    display(widget)
+    costs = []
+    for n in range(100):
+        begin = time.perf_counter()
+        widget.send({{"rows": [[float(t[n]), *(int(v * 1e9) for v in values[:, n])]], "reset": False}})
+        costs.append(time.perf_counter() - begin)
+    out["anywidget, the new row"] = float(np.median(costs))
+    widget.close()
+    print(json.dumps(out))
 """
 
 
@@ -128,6 +164,8 @@ def run_cell(kc, code: str, timeout: float = 600) -> tuple[str, list[dict]]:
             stdout.append(content["text"])
         elif kind in ("display_data", "update_display_data"):
             shown.append({"type": kind, "id": content.get("transient", {}).get("display_id")})
+        elif kind == "comm_msg" and content["data"].get("method") == "custom":
+            shown.append({"type": "custom", "id": None})
         elif kind == "error":
             raise RuntimeError(f"{content['ename']}: {content['evalue']}")
         elif kind == "status" and content["execution_state"] == "idle":
@@ -139,10 +177,11 @@ def fit(kc, monitored: bool, data: str = "None") -> dict:
     result = json.loads(stdout.strip().splitlines()[-1])
     result["displays"] = sum(m["type"] == "display_data" for m in shown)
     result["updates"] = sum(m["type"] == "update_display_data" for m in shown)
-    result["ids"] = len({m["id"] for m in shown})
+    result["messages"] = sum(m["type"] == "custom" for m in shown)
+    result["ids"] = len({m["id"] for m in shown if m["type"] != "custom"})
     if monitored:
-        final = json.loads(run_cell(kc, "final_frame()")[0].strip().splitlines()[-1])
-        assert final["kind"] == "final" and final["frames"] == len(result["draw_costs"]) + 1, final
+        final = json.loads(run_cell(kc, "final_image()")[0].strip().splitlines()[-1])
+        assert final["closed"], final
         result["final_cost"] = final["cost"]
     return result
 
@@ -185,6 +224,9 @@ def main() -> None:
             runs = {monitored: fit(kc, monitored) for monitored in order}
             pairs.append((runs[False], runs[True]))
         long = fit(kc, True, f"ds.repeat({args.long})")
+        widgets = None
+        if importlib.util.find_spec("bqplot") is not None:
+            widgets = json.loads(run_cell(kc, "widget_costs()")[0].strip().splitlines()[-1])
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
@@ -198,20 +240,21 @@ def main() -> None:
     per_sample = sum(r["sample_seconds"] for r in on + [long]) / samples
     median_sample = statistics.median(c for r in on + [long] for c in r["sample_costs"])
     devices = on[0]["devices"]
-    frames = [(c, k) for r in on + [long] for c, k in zip(r["draw_costs"], r["kinds"])]
+    updates = [c for r in on + [long] for c in r["update_costs"]]
     finals = [r["final_cost"] for r in on + [long]]
-    share = [sum(r["draw_costs"]) / r["seconds"] for r in on]
-    live_times = long["draw_times"]
+    share = [sum(r["update_costs"]) / r["seconds"] for r in on]
+    live_times = long["update_times"]
     gaps = [b - a for a, b in zip(live_times[:-1], live_times[1:])]
-    # One display (the placeholder opened at the run start), then one update
-    # per live frame and one for the final frame.
-    one_handle = all(
-        r["displays"] == 1 and r["ids"] == 1 and r["updates"] == len(r["draw_costs"]) + 1 for r in on + [long]
+    # One display (the widget, opened at the run start), one update (the final image in its place); the live
+    # updates are comm messages, one per update that had new rows.
+    one_output = all(
+        r["displays"] == 1 and r["updates"] == 1 and r["ids"] == 1 and 0 < r["messages"] <= len(r["update_costs"])
+        for r in on + [long]
     )
     off_median = statistics.median(r["seconds"] for r in off)
 
     print(f"monitor overhead in a Jupyter kernel: {args.pairs} interleaved pairs of {args.steps}-step fits, "
-          f"MirroredStrategy over {devices} logical CPUs ({on[0]['series'][0]})")
+          f"MirroredStrategy over 4 logical CPUs; series: {', '.join(on[0]['series'])}")
     print(f"  training without      median {off_median:.2f} s ({1000 * off_median / args.steps:.1f} ms/step; "
           "on_train_begin of the first callback to on_train_end of the last)")
     print(f"  training with         median {statistics.median(r['seconds'] for r in on):.2f} s")
@@ -220,19 +263,18 @@ def main() -> None:
           "process' CPU seconds, all threads: the work the monitor adds)")
     print(f"  whole fit() call      median ratio {statistics.median(call_ratios):.3f} (adds Keras/tf.data set-up "
           "and tear-down, which stall at random for seconds here, monitored or not)")
-    print(f"  memory sample         mean {1e6 * per_sample:.1f} µs = {1e6 * per_sample / devices:.2f} µs per logical "
-          f"device, median {1e6 * median_sample:.1f} µs = {1e6 * median_sample / devices:.2f} µs per device "
-          f"(goal <= 5; one read of the shared host allocator covers all {devices})")
-    print(f"  redraw                live frames: blit {median_ms([c for c, k in frames if k == 'blit'])} "
-          f"({sum(k == 'blit' for _, k in frames)}), full {median_ms([c for c, k in frames if k == 'full'])} "
-          f"({sum(k == 'full' for _, k in frames)}); medians incl. PNG encode and publish")
-    print(f"  final frame           {median_ms(finals)}, drawn when the cell ends, after the training")
-    print(f"  drawing share         median {100 * statistics.median(share):.2f} % of each paired monitored run, "
-          f"{100 * sum(long['draw_costs']) / long['seconds']:.2f} % of the long run (bound: 1 %)")
-    print(f"  refresh (long run)    {long['seconds']:.1f} s, {len(live_times)} live frames = "
-          f"{len(live_times) / long['seconds']:.2f} per second; median gap "
-          + (f"{statistics.median(gaps):.2f} s" if gaps else "—"))
-    print(f"  display               one display_data per run, then only updates of that handle: {one_handle}")
+    print(f"  memory sample         mean {1e6 * per_sample:.1f} µs, median {1e6 * median_sample:.1f} µs "
+          f"(all series, {devices} logical devices covered)")
+    print(f"  live update           median {1000 * statistics.median(updates):.3f} ms of the kernel's time "
+          f"({len(updates)} updates: the new rows as one comm message, and the traits that changed)")
+    print(f"  view's kernel share   median {100 * statistics.median(share):.3f} % of each paired monitored run, "
+          f"{100 * sum(long['update_costs']) / long['seconds']:.3f} % of the long run (goal <= 0.5 %)")
+    print(f"  updates per second    {len(live_times) / long['seconds']:.2f} in the long run ({long['seconds']:.1f} s, "
+          f"{len(live_times)} updates; goal >= 4); median gap " + (f"{statistics.median(gaps):.2f} s" if gaps else "—"))
+    print(f"  final image           {median_ms(finals)}, drawn when the cell ends, after the training")
+    print(f"  display               one output per run, the widget then the final image in its place: {one_output}")
+    if widgets:
+        print("  one update, by widget " + "; ".join(f"{k}: {1000 * v:.3f} ms" for k, v in widgets.items()))
     print(f"  took                  {time.perf_counter() - began:.0f} s")
     if args.json:
         print(json.dumps({"pairs": [[a, b] for a, b in pairs], "long": long, "ratios": ratios, "cpu_ratios": cpu_ratios}))

@@ -197,13 +197,16 @@ def tf_device_configuration() -> dict:
 
 def two_gpus(current=None):
     """A two-GPU inventory shaped like NVML's report (``current``: the framework's configuration)."""
+    from vgpu_magic.frameworks.tensorflow import CAPABILITIES
     from vgpu_magic.inventory import DeviceInventory, GPUInfo
 
     gpus = tuple(
         GPUInfo(i, "NVIDIA Test GPU", total_mib=24576, free_mib=24000, compute_capability=(8, 0), nvml_index=i)
         for i in range(2)
     )
-    return DeviceInventory(gpus=gpus, version="2.21.0", nvml_available=True, current=current)
+    return DeviceInventory(
+        gpus=gpus, version="2.21.0", nvml_available=True, current=current, capabilities=CAPABILITIES
+    )
 
 
 def two_gpu_snapshot(logical=None, visible=(0, 1), growth=(False, False)):

@@ -12,8 +12,12 @@ notebooks; Playwright runs their cells one by one and reads the page:
   screenshots of each, and the contrast of every text on its rendered
   background (WCAG 2 formula) is at least 4.5:1;
 - under ``%vgpu_monitor on`` a ``verbose=1`` fit keeps Keras' progress bar
-  whole below the live plot, and the CPU plot of a tutorial-sized model is
-  not empty.
+  whole below the memory view, and the CPU plot of a tutorial-sized model is
+  not empty;
+- the live memory view, drawn by the browser, mid-``fit`` and the static image
+  it leaves, in JupyterLab's light and dark themes: screenshots of each, the
+  contrast of the view's text and lines and of the image's colours on the
+  rendered background; and the live view in Notebook 7.
 
 Debian's ``/usr/bin/chromium`` is used as is (``make system-deps`` installs
 it); Playwright never downloads a browser here. Screenshots go to artifacts/.
@@ -141,10 +145,10 @@ def _accept_dialog(page) -> str | None:
     return text
 
 
-def _run_cell(page, sync_api, index: int, timeout_ms: int = 120_000) -> None:
-    """Run cell ``index`` as a user would (select it, Shift+Enter) and wait until
-    it has finished (its prompt shows an execution count). The first call waits
-    for the kernel to be idle: before that, nothing runs."""
+def _run_cell(page, sync_api, index: int, timeout_ms: int = 120_000, wait: bool = True) -> None:
+    """Run cell ``index`` as a user would (select it, Shift+Enter) and, unless
+    ``wait`` is false, wait until it has finished (its prompt shows an execution
+    count). The first call waits for the kernel to be idle: before that, nothing runs."""
     page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(timeout=90_000)
     cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
     prompt = cell.locator(".jp-InputPrompt")
@@ -164,7 +168,8 @@ def _run_cell(page, sync_api, index: int, timeout_ms: int = 120_000) -> None:
     else:
         seen = [d for d in dialogs if d]
         pytest.fail(f"cell {index} did not start" + (f"; dialogs accepted: {seen}" if seen else ""))
-    sync_api.expect(prompt).to_have_text(re.compile(r"\[\d+\]"), timeout=timeout_ms)
+    if wait:
+        sync_api.expect(prompt).to_have_text(re.compile(r"\[\d+\]"), timeout=timeout_ms)
 
 
 @contextlib.contextmanager
@@ -421,11 +426,12 @@ def _switch_theme(page, sync_api, name: str, light: bool) -> None:
 PANEL_CELLS = {
     "load": "%load_ext vgpu_magic",
     "early panel": "%vgpu_split",
-    "gpu panel": """from vgpu_magic.inventory import DeviceInventory, GPUInfo
+    "gpu panel": """from vgpu_magic.frameworks.tensorflow import CAPABILITIES as TENSORFLOW
+from vgpu_magic.inventory import DeviceInventory, GPUInfo
 from vgpu_magic.split_panel import SplitPanel
 
 a100 = GPUInfo(0, "NVIDIA A100-SXM4-40GB", total_mib=40960, free_mib=40000, compute_capability=(8, 0), nvml_index=0)
-gpu_panel = SplitPanel(DeviceInventory(gpus=(a100,), nvml_available=True))
+gpu_panel = SplitPanel(DeviceInventory(gpus=(a100,), nvml_available=True, capabilities=TENSORFLOW))
 gpu_panel.count_text.value = 2
 gpu_panel.custom.value = True
 gpu_panel.device_memory.children[0].value = gpu_panel.device_memory.children[0].max
@@ -435,8 +441,9 @@ from vgpu_magic.runtime import CellRef, RuntimeState
 
 MiB = 1024 * 1024
 StatusReport([FrameworkStatus(
-    inventory=DeviceInventory(gpus=(a100,), nvml_available=True),
-    runtime=RuntimeState(imported=True, started=True, started_by=CellRef(7, "model.fit(dataset, epochs=3)")),
+    inventory=DeviceInventory(gpus=(a100,), nvml_available=True, capabilities=TENSORFLOW),
+    runtime=RuntimeState("tensorflow", "TensorFlow", imported=True, started=True,
+                         started_by=CellRef(7, "model.fit(dataset, epochs=3)")),
     logical=[LogicalDeviceStatus(f"/device:GPU:{i}", "/physical_device:GPU:0", 19232, (900 + 700 * i) * MiB,
                                  (1500 + 700 * i) * MiB) for i in range(2)],
     replicas=2,
@@ -551,25 +558,27 @@ model.fit(x, y, batch_size=32, epochs=1, verbose=1)""",
 ]
 
 def _line_pixels_above_zero(png: bytes) -> tuple[int, str]:
-    """Coloured (line) pixels inside the plot's main axes, above the band at its
-    bottom where the memory axis starts at 0 (an all-zero series lies there);
-    and the picture's size.
+    """Coloured (line) pixels inside the image's memory axes, above the band at their
+    bottom where an axis starts at 0 (an all-zero series lies there); and the picture's size.
 
-    The main axes are found by their black frame: its top and bottom are the
-    rows that are dark for most of the picture's width, its sides the columns
-    dark for most of the height between them (the variables panel is narrower).
+    The image is transparent: it is laid on white first. The axes are found by their
+    grey frame: its top and bottom are the rows that are frame-grey for most of the
+    picture's width (over every panel), its sides the columns frame-grey for most of
+    the height between them (the variables panel is narrower).
     """
     import numpy as np
     from PIL import Image
 
     with Image.open(io.BytesIO(png)) as image:
-        rgb = np.asarray(image.convert("RGB")).astype(int)
+        rgba = np.asarray(image.convert("RGBA")).astype(float)
+    alpha = rgba[:, :, 3:] / 255
+    rgb = (rgba[:, :, :3] * alpha + 255 * (1 - alpha)).astype(int)
     height, width, _ = rgb.shape
-    dark = rgb.max(axis=2) < 90
-    rows = np.flatnonzero(dark.sum(axis=1) > 0.4 * width)
+    frame = (np.abs(rgb - 0x8A) < 14).all(axis=2)
+    rows = np.flatnonzero(frame.sum(axis=1) > 0.4 * width)
     assert len(rows) >= 2, f"no axes frame found in the {width}x{height} plot"
     top, bottom = rows.min(), rows.max()
-    cols = np.flatnonzero(dark[top : bottom + 1].sum(axis=0) > 0.8 * (bottom - top))
+    cols = np.flatnonzero(frame[top : bottom + 1].sum(axis=0) > 0.3 * (bottom - top))
     left, right = cols.min(), cols.max()
     inside = rgb[top + 2 : bottom - 6, left + 2 : right - 1]
     coloured = (inside.max(axis=2) - inside.min(axis=2)) > 50
@@ -634,3 +643,179 @@ def test_jupyterlab_monitored_fit_keeps_the_progress_bar_whole_and_plots_cpu_mem
         assert rss and float(rss[1]) > 0, summary
     finally:
         page.close()
+
+
+# -- the live memory view ------------------------------------------------------------------------
+
+#: A fit long enough (about 40 s: 6 epochs of 40 steps, each held 0.15 s) to look at its live view in
+#: both themes while it runs: Keras 3 on JAX, data-parallel over 4 CPU devices, whose bytes JAX counts
+#: exactly per device (TensorFlow's host allocator keeps no statistics on CPU), so the view shows both of
+#: its panels: the devices, and the process' RSS that dwarfs them.
+LIVE_CELLS = [
+    "import os\nos.environ['KERAS_BACKEND'] = 'jax'\n%load_ext vgpu_magic",
+    "%vgpu_split 4 --framework jax",
+    """import time
+import numpy as np
+import keras
+import vgpu_magic
+
+class Pace(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        time.sleep(0.15)
+
+    def on_train_batch_end(self, batch, logs=None):
+        pass  # waits for each step: no deep queue of multi-device steps (see the README)
+
+keras.distribution.set_distribution(vgpu_magic.distribution())
+keras.utils.set_random_seed(0)
+x = np.random.default_rng(0).normal(size=(1280, 16)).astype("float32")
+y = (x[:, :4].sum(axis=1) > 0).astype("int32")
+model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(256, activation="relu"), keras.layers.Dense(2)])
+model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))""",
+    "model.fit(x, y, batch_size=32, epochs=6, verbose=1, callbacks=[vgpu_magic.MemoryMonitor(), Pace()])",
+]
+
+#: Each SVG text of the live view: its text, its computed fill, and the background layers under it.
+_SVG_COLOURS_JS = """
+(root) => {
+  const layersOf = (el) => {
+    const layers = [];
+    for (let e = el; e; e = e.parentElement) {
+      const s = getComputedStyle(e);
+      layers.push([s.backgroundColor, parseFloat(s.opacity)]);
+    }
+    return layers;
+  };
+  const texts = [...root.querySelectorAll('svg text')].map((t) => ({
+    text: t.textContent, color: getComputedStyle(t).fill, layers: layersOf(t.parentElement)}));
+  const lines = [...root.querySelectorAll('svg path.vgpu-line')].map((p) => ({
+    text: 'line', color: getComputedStyle(p).stroke, layers: layersOf(p.parentElement)}));
+  return {texts, lines};
+}
+"""
+
+#: The layers under an element (its own background first), for what an image is drawn over.
+_LAYERS_JS = """
+(el) => {
+  const layers = [];
+  for (let e = el; e; e = e.parentElement) {
+    const s = getComputedStyle(e);
+    layers.push([s.backgroundColor, parseFloat(s.opacity)]);
+  }
+  return layers;
+}
+"""
+
+
+def _contrasts(items: list[dict]) -> list[tuple[float, str]]:
+    return [(_contrast(_composite(i["color"], i["layers"]), _composite(None, i["layers"])), i["text"]) for i in items]
+
+
+def _image_colour_contrasts(png: bytes, layers: list) -> dict[str, float]:
+    """``{'#rrggbb': contrast}`` for every colour the image draws with (fully opaque pixels that
+    occur at least 150 times), against the background the browser renders under it."""
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(io.BytesIO(png)) as image:
+        rgba = np.asarray(image.convert("RGBA"))
+    opaque = rgba[rgba[:, :, 3] == 255][:, :3]
+    colours, counts = np.unique(opaque, axis=0, return_counts=True)
+    background = _composite(None, layers)
+    found = {}
+    for colour, count in zip(colours, counts):
+        if count >= 150:
+            rgb = tuple(int(c) for c in colour)
+            found["#{:02x}{:02x}{:02x}".format(*rgb)] = _contrast(tuple(c / 255 for c in rgb), background)
+    return found
+
+
+def _wait_for_live_rows(page, view, rows: int, timeout: float = 90) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if view.count():
+            seen = int(view.first.get_attribute("data-rows") or 0)
+            if seen >= rows:
+                return seen
+        time.sleep(0.25)
+    pytest.fail(f"the live memory view did not show {rows} samples within {timeout} s")
+
+
+def test_jupyterlab_live_memory_view_mid_fit_and_its_final_image_read_in_light_and_dark(chromium, lab, artifacts_dir):
+    sync_api, _ = chromium
+    page = _open(chromium, lab, LAB_PATH, "live.ipynb", LIVE_CELLS)
+    measured: dict[str, tuple[float, str]] = {}
+    try:
+        for index in range(len(LIVE_CELLS) - 1):
+            _run_cell(page, sync_api, index, timeout_ms=240_000)
+        if page.locator("body").get_attribute("data-jp-theme-name") != "JupyterLab Light":
+            _switch_theme(page, sync_api, "JupyterLab Light", True)
+        fit = page.locator(".jp-Notebook .jp-Cell").nth(len(LIVE_CELLS) - 1)
+        _run_cell(page, sync_api, len(LIVE_CELLS) - 1, wait=False)
+        view = fit.locator(".vgpu-live")
+        for theme, light in (("JupyterLab Light", True), ("JupyterLab Dark", False)):
+            if page.locator("body").get_attribute("data-jp-theme-name") != theme:
+                _switch_theme(page, sync_api, theme, light)
+            suffix = "light" if light else "dark"
+            before = _wait_for_live_rows(page, view, 8)
+            # Live: more samples arrive while the fit runs, with no new output and no image.
+            seen = _wait_for_live_rows(page, view, before + 4)
+            assert seen > before and not fit.locator(".jp-OutputArea-output img").count()
+            assert fit.locator(".jp-InputPrompt").inner_text().strip() == "[*]:", "the fit ended too early"
+            view.first.scroll_into_view_if_needed()
+            view.first.screenshot(path=str(artifacts_dir / f"browser_live_{suffix}.png"))
+            panels = [p.get_attribute("data-panel") for p in view.first.locator("svg.vgpu-live-panel").all()]
+            assert panels == ["device memory", "process RSS"], panels
+            found = view.first.evaluate(_SVG_COLOURS_JS)
+            measured[f"{suffix}/live text"] = min(_text_contrasts(view.first) + _contrasts(found["texts"]))
+            measured[f"{suffix}/live lines"] = min(_contrasts(found["lines"]))
+        sync_api.expect(fit.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]"), timeout=240_000)
+        image = fit.locator(".jp-OutputArea-output img")
+        sync_api.expect(image).to_have_count(1, timeout=60_000)
+        assert not fit.locator(".vgpu-live").count()  # the final image replaced the live view
+        # Keras' progress bar is one whole output below the view: its last line ends at 40/40.
+        progress = fit.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout']")
+        assert re.search(r"40/40", progress.last.inner_text())
+        png = base64.b64decode((image.get_attribute("src") or "").split(",", 1)[1])
+        (artifacts_dir / "browser_final.png").write_bytes(png)
+        for theme, light in (("JupyterLab Dark", False), ("JupyterLab Light", True)):
+            if page.locator("body").get_attribute("data-jp-theme-name") != theme:
+                _switch_theme(page, sync_api, theme, light)
+            suffix = "light" if light else "dark"
+            image.scroll_into_view_if_needed()
+            image.screenshot(path=str(artifacts_dir / f"browser_final_{suffix}.png"))
+            colours = _image_colour_contrasts(png, image.evaluate(_LAYERS_JS))
+            assert "#777777" in colours, colours  # the image's text colour
+            measured[f"{suffix}/final text"] = (colours["#777777"], "#777777")
+            low = min(colours.items(), key=lambda item: item[1])
+            measured[f"{suffix}/final colours"] = (low[1], low[0])
+        report = {k: (round(r, 2), t) for k, (r, t) in measured.items()}
+        print("memory view contrast:", json.dumps(report))
+        (artifacts_dir / "browser_memory_contrast.json").write_text(json.dumps(report, indent=1))
+        # Text: 4.5:1 live (the theme's own colours); the image's one mid grey must read on both
+        # themes, 4:1. Lines and every colour the image draws with: 3:1 (WCAG's minimum for graphics).
+        minimum = {"live text": 4.5, "live lines": 3.0, "final text": 4.0, "final colours": 3.0}
+        low = {k: v for k, v in report.items() if v[0] < minimum[k.split("/", 1)[1]]}
+        assert not low, f"below the minimum contrast on the rendered background: {low}"
+    finally:
+        page.close()
+
+
+def test_notebook7_shows_the_live_memory_view_then_its_image(chromium, tmp_path, artifacts_dir):
+    sync_api, _ = chromium
+    cells = [*LIVE_CELLS[:3], LIVE_CELLS[3].replace("epochs=6", "epochs=2")]
+    with _jupyter_server("notebook", tmp_path) as served:
+        page = _open(chromium, served, "notebooks", "live.ipynb", cells)
+        try:
+            for index in range(len(cells) - 1):
+                _run_cell(page, sync_api, index, timeout_ms=240_000)
+            fit = page.locator(".jp-Notebook .jp-Cell").nth(len(cells) - 1)
+            _run_cell(page, sync_api, len(cells) - 1, wait=False)
+            view = fit.locator(".vgpu-live")
+            _wait_for_live_rows(page, view, 8)
+            view.first.scroll_into_view_if_needed()
+            view.first.screenshot(path=str(artifacts_dir / "browser_live_notebook7.png"))
+            sync_api.expect(fit.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]"), timeout=240_000)
+            sync_api.expect(fit.locator(".jp-OutputArea-output img")).to_have_count(1, timeout=60_000)
+        finally:
+            page.close()

@@ -1,5 +1,5 @@
 """The ranks from a real Jupyter kernel (jupyter_client, fresh kernel): what a
-notebook receives on iopub (labelled lines, one live plot updated in place), a
+notebook receives on iopub (labelled lines, the monitor's memory view: live, then its image), a
 real kernel interrupt (``interrupt_kernel``) interrupting the ranks, and a
 kernel shutdown leaving no rank behind."""
 
@@ -34,9 +34,13 @@ def test_ranks_from_a_real_kernel_interrupt_and_shutdown():
         assert [x for x in lines if x.startswith("[rank 1]")] == [f"[rank 1] step {s} on 1" for s in range(3)]
         displays = [m for m in reply if m["msg_type"] == "display_data"]
         updates = [m for m in reply if m["msg_type"] == "update_display_data"]
-        assert len(displays) == 1 and "image/png" in displays[0]["content"]["data"]
+        # The monitor's one memory view: the live widget, then the final image in its place.
+        assert len(displays) == 1 and "application/vnd.jupyter.widget-view+json" in displays[0]["content"]["data"]
         shown = displays[0]["content"]["transient"]["display_id"]
-        assert updates and {m["content"]["transient"]["display_id"] for m in updates} == {shown}
+        assert [m["content"]["transient"]["display_id"] for m in updates] == [shown]
+        final = updates[0]["content"]["data"]
+        assert "image/png" in final and final["text/plain"].startswith("memory · %%vgpu_run")
+        assert "rank 0 RSS: now" in final["text/plain"] and "rank 1 RSS: now" in final["text/plain"]
 
         sent: list[bool] = []
 

@@ -66,6 +66,10 @@ def test_ranks_get_torchruns_environment_in_rank_order(shell, ranks, capsys):
     shell.run_line_magic("vgpu_cluster", "status")
     out = capsys.readouterr().out
     assert f"rank 0: pid {ranks.pids[0]}, alive" in out and f"rank 1: pid {ranks.pids[1]}, alive" in out
+    # Wired from the hosts the engines reported: rank 0's reachable address (loopback here), never "localhost".
+    shell.run_cell_magic("vgpu_run", "-o where", "import os, socket\n(os.environ['MASTER_ADDR'], socket.gethostname())")
+    assert shell.user_ns["where"] == [("127.0.0.1", socket.gethostname())] * 2
+    assert [info.host for info in ranks.status()] == [socket.gethostname()] * 2
 
 
 def test_the_same_start_again_keeps_the_running_ranks(shell, ranks, capsys):

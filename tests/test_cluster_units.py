@@ -12,6 +12,10 @@ import psutil
 import pytest
 from IPython.core.error import UsageError
 
+from vgpu_magic.frameworks import get
+from vgpu_magic.inventory import GPUInfo
+from vgpu_magic.planner import parse_memory
+from vgpu_magic.ranks.hosts import HostReport, layout_ranks
 from vgpu_magic.ranks.run import (
     UnsendableName,
     _LineStream,
@@ -19,9 +23,8 @@ from vgpu_magic.ranks.run import (
     pack_names,
     split_last_expression,
 )
-from vgpu_magic.ranks.wiring import GPU, get_wiring, parse_memory
 
-GIB = 1024**3
+GIB_MIB = 1024
 #: What `torchrun --standalone --nproc-per-node 2` gave each worker (torch 2.14), minus its agent's own
 #: variables (TORCHELASTIC_USE_AGENT_STORE, _ERROR_FILE, _SIGNALS_TO_HANDLE): there is no agent.
 TORCHRUN_KEYS = {
@@ -31,34 +34,54 @@ TORCHRUN_KEYS = {
 }
 
 
+def GPU(index: int, total_gib: int, free_gib: int | None = None, cc=None, nvml_index: int | None = None) -> GPUInfo:
+    """A GPU as an engine reports it: CUDA's index on its host, NVML's details."""
+    return GPUInfo(
+        index, total_mib=total_gib * GIB_MIB, free_mib=None if free_gib is None else free_gib * GIB_MIB,
+        compute_capability=cc, nvml_index=index if nvml_index is None else nvml_index,
+    )
+
+
+def loopback(n: int, gpus=(), ports=None):
+    """``n`` engines on one loopback host, each reporting ``gpus`` and a port chosen there."""
+    ports = ports or [40000 + i for i in range(n)]
+    return layout_ranks([HostReport(i, "node0", "127.0.0.1", 1000 + i, tuple(gpus), ports[i]) for i in range(n)])
+
+
+def plan(framework, n, split=None, memory=None, gpus=(), ports=None, port=None):
+    return get(framework).plan_ranks(loopback(n, gpus, ports), split, memory, port)
+
+
 def test_torch_environment_is_torchruns():
-    plans = get_wiring("torch").plan(2, [29500], None, None, [])
+    plans = plan("torch", 2, ports=[29500, 29501])
     assert [set(p.env) for p in plans] == [TORCHRUN_KEYS, TORCHRUN_KEYS]
     assert [p.env["RANK"] for p in plans] == ["0", "1"]
     assert [p.env["LOCAL_RANK"] for p in plans] == ["0", "1"]
     assert {p.env["MASTER_PORT"] for p in plans} == {"29500"}
+    assert {p.env["MASTER_ADDR"] for p in plans} == {"127.0.0.1"}
     assert {p.env["WORLD_SIZE"] for p in plans} == {"2"}
     assert plans[0].env["TORCHELASTIC_RUN_ID"] == plans[1].env["TORCHELASTIC_RUN_ID"]
     assert [p.args for p in plans] == [("gloo",), ("gloo",)]
 
 
 def test_torch_on_gpu_shaped_data_shares_one_gpu_with_gloo_and_caps():
-    one_gpu = [GPU(0, 80 * GIB)]
-    plans = get_wiring("torch").plan(2, [1234], None, None, one_gpu)
-    # NCCL refuses two ranks on one GPU: gloo, both on GPU 0, half the memory each.
+    one_gpu = [GPU(0, 80)]
+    plans = plan("torch", 2, gpus=one_gpu)
+    # NCCL refuses two ranks on one GPU: gloo, both on GPU 0, half the memory each, and the notes say why.
     assert [p.args for p in plans] == [("gloo", 0, 0.5), ("gloo", 0, 0.5)]
-    plans = get_wiring("torch").plan(2, [1234], None, 8 * GIB, one_gpu)
+    assert any("share a GPU, so gloo" in note for note in plans[0].notes)
+    plans = plan("torch", 2, memory=8 * GIB_MIB, gpus=one_gpu)
     assert [p.args for p in plans] == [("gloo", 0, 0.1), ("gloo", 0, 0.1)]
-    two_gpus = [GPU(0, 80 * GIB), GPU(1, 80 * GIB)]
-    plans = get_wiring("torch").plan(2, [1234], None, None, two_gpus)
+    two_gpus = [GPU(0, 80), GPU(1, 80)]
+    plans = plan("torch", 2, gpus=two_gpus)
     assert [p.args for p in plans] == [("nccl", 0, 1.0), ("nccl", 1, 1.0)]
 
 
 def test_tensorflow_config_is_a_loopback_worker_cluster():
-    plans = get_wiring("tf").plan(2, [4000, 4001], None, None, [])
+    plans = plan("tf", 2, ports=[4000, 4001])
     configs = [json.loads(p.env["TF_CONFIG"]) for p in plans]
     assert configs == [
-        {"cluster": {"worker": ["localhost:4000", "localhost:4001"]}, "task": {"type": "worker", "index": i}}
+        {"cluster": {"worker": ["127.0.0.1:4000", "127.0.0.1:4001"]}, "task": {"type": "worker", "index": i}}
         for i in range(2)
     ]
     # On CPU nothing runs on the worker but its environment: TensorFlow is not even imported there.
@@ -67,40 +90,144 @@ def test_tensorflow_config_is_a_loopback_worker_cluster():
 
 
 def test_tensorflow_split_on_gpu_shaped_data_and_refused_on_cpu():
-    plans = get_wiring("tensorflow").plan(2, [4000, 4001], 2, None, [GPU(0, 16 * GIB)])
-    # 2 workers share GPU 0: 8 GiB each, as 2 logical GPUs of 4 GiB.
-    assert [p.args for p in plans] == [(0, 2, 4096), (0, 2, 4096)]
+    plans = plan("tensorflow", 2, split=2, gpus=[GPU(0, 16, free_gib=16, cc=(8, 0))])
+    # 2 workers share GPU 0: 16384 MiB free minus TensorFlow's 1536 MiB reserve (compute capability 8) is
+    # 14848 MiB, 7424 MiB each, as 2 logical GPUs of 3712 MiB: the planner's reserve, as for %vgpu_split.
+    assert [p.args for p in plans] == [(0, 2, 3712), (0, 2, 3712)]
     with pytest.raises(ValueError, match="one CPU device per worker"):
-        get_wiring("tensorflow").validate(2, 2, None, [])
+        plan("tensorflow", 2, split=2)
+    # The planner's own messages: a share below its minimum, and an unknown free memory.
+    with pytest.raises(ValueError, match=r"memory 40 MiB is too small for a logical GPU"):
+        plan("tensorflow", 2, split=4, memory=160, gpus=[GPU(0, 16, free_gib=16, cc=(8, 0))])
+    with pytest.raises(ValueError, match="free memory of GPU 0 is unknown"):
+        plan("tensorflow", 2, split=2, gpus=[GPU(0, 16)])
 
 
 def test_jax_coordinator_and_devices():
-    plans = get_wiring("jax").plan(2, [5000], 2, None, [])
-    assert [p.env for p in plans] == [{"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2"}] * 2
-    assert [p.args for p in plans] == [("localhost:5000", 2, 0, None), ("localhost:5000", 2, 1, None)]
-    gpu_plans = get_wiring("jax").plan(2, [5000], None, None, [GPU(0, 40 * GIB)])
-    assert [p.env["XLA_PYTHON_CLIENT_MEM_FRACTION"] for p in gpu_plans] == ["0.500", "0.500"]
+    plans = plan("jax", 2, split=2, ports=[5000, 5001])
+    assert [p.env for p in plans] == [{"JAX_PLATFORMS": "cpu"}] * 2
+    # The devices are planned on the rank (setup_rank): 2 CPU devices each, no cap.
+    assert [p.args for p in plans] == [("127.0.0.1:5000", 2, 0, None, 2, None), ("127.0.0.1:5000", 2, 1, None, 2, None)]
+    gpu_plans = plan("jax", 2, gpus=[GPU(0, 40)])
+    assert [p.args[3:] for p in gpu_plans] == [(0, 1, 20 * GIB_MIB)] * 2
+    assert "memory fraction 0.50 each" in gpu_plans[0].notes[0]
     with pytest.raises(ValueError, match="cannot split one GPU"):
-        get_wiring("jax").validate(2, 2, None, [GPU(0, 40 * GIB)])
+        plan("jax", 2, split=2, gpus=[GPU(0, 40)])
 
 
 @pytest.mark.parametrize(
     ("framework", "n", "split", "memory", "gpus", "match"),
     [
         ("torch", 2, 2, None, [], "--split 2 has no meaning for torch"),
-        ("torch", 2, None, GIB, [], "needs a GPU"),
-        ("torch", 2, None, 48 * GIB, [GPU(0, 80 * GIB)], "exceeds its 81920 MiB; use at most 40960MiB"),
+        ("torch", 2, None, GIB_MIB, [], "needs a GPU"),
+        ("torch", 2, None, 48 * GIB_MIB, [GPU(0, 80)], "exceeds its 81920 MiB; use at most 40960MiB"),
         ("jax", 2, 0, None, [], "--split 0 is out of range"),
     ],
 )
 def test_wiring_refuses_what_cannot_work(framework, n, split, memory, gpus, match):
     with pytest.raises(ValueError, match=match):
-        get_wiring(framework).validate(n, split, memory, gpus)
+        plan(framework, n, split=split, memory=memory, gpus=gpus)
+
+
+def test_ranks_on_two_hosts_are_grouped_by_host_and_wired_per_host():
+    # Engines registered alternately from hosts a and b; a has one GPU per local rank, b shares one GPU.
+    a_gpus = (GPU(0, 80, nvml_index=1), GPU(1, 80, nvml_index=0))  # CUDA's order is not NVML's here
+    b_gpus = (GPU(0, 40),)
+    hosts = [("a", "10.0.0.1", a_gpus), ("b", "10.0.0.2", b_gpus)]
+    reports = [HostReport(e, hosts[e % 2][0], hosts[e % 2][1], 500 + e, hosts[e % 2][2], 41000 + e) for e in range(4)]
+    layout = layout_ranks(reports)
+    assert [(p.engine_id, p.hostname, p.local_rank, p.node_rank) for p in layout.places] == [
+        (0, "a", 0, 0), (2, "a", 1, 0), (1, "b", 0, 1), (3, "b", 1, 1),
+    ]
+    torch = get("torch").plan_ranks(layout, None, None, None)
+    assert [(p.env["RANK"], p.env["LOCAL_RANK"], p.env["LOCAL_WORLD_SIZE"], p.env["GROUP_RANK"]) for p in torch] == [
+        ("0", "0", "2", "0"), ("1", "1", "2", "0"), ("2", "0", "2", "1"), ("3", "1", "2", "1"),
+    ]
+    assert {(p.env["MASTER_ADDR"], p.env["MASTER_PORT"], p.env["GROUP_WORLD_SIZE"]) for p in torch} == {
+        ("10.0.0.1", "41000", "2")
+    }
+    # Host b's two ranks share its GPU, so gloo for everyone; each rank's GPU is CUDA's index on its host.
+    assert [p.args[:2] for p in torch] == [("gloo", 0), ("gloo", 1), ("gloo", 0), ("gloo", 0)]
+    assert [p.args[2] for p in torch] == [1.0, 1.0, 0.5, 0.5]
+    tf = get("tensorflow").plan_ranks(layout, None, 4096, None)
+    workers = json.loads(tf[0].env["TF_CONFIG"])["cluster"]["worker"]
+    assert workers == ["10.0.0.1:41000", "10.0.0.1:41002", "10.0.0.2:41001", "10.0.0.2:41003"]
+    jax = get("jax").plan_ranks(layout, None, None, None)
+    assert {p.args[0] for p in jax} == {"10.0.0.1:41000"}
+
+
+def test_a_gpu_per_local_rank_gives_nccl_and_launcher_ranks_win():
+    gpus = (GPU(0, 80), GPU(1, 80))
+    mpi = [{"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_RANK": str(r)} for r in (1, 0)]
+    reports = [HostReport(e, "node0", "127.0.0.1", 700 + e, gpus, 42000 + e, mpi[e]) for e in range(2)]
+    layout = layout_ranks(reports)
+    assert [p.engine_id for p in layout.places] == [1, 0]  # mpiexec's ranks, not the engines' order
+    plans = get("torch").plan_ranks(layout, None, None, None)
+    assert [p.args for p in plans] == [("nccl", 0, 1.0), ("nccl", 1, 1.0)]
+    assert not any("gloo" in note for note in plans[0].notes)
+
+
+def test_a_rank_reports_its_host():
+    import os
+    import socket
+
+    from vgpu_magic.ranks.hosts import report_host
+
+    report = report_host(7, "127.0.0.1")
+    assert (report.engine_id, report.hostname, report.address, report.pid) == (7, socket.gethostname(), "127.0.0.1", os.getpid())
+    assert 0 < report.port < 65536
+
+
+def test_a_rank_reports_its_gpus_in_cudas_order_never_nvmls(monkeypatch):
+    from vgpu_magic import inventory
+    from vgpu_magic.ranks.hosts import visible_gpus
+
+    nvml = [
+        {"nvml_index": i, "model": f"GPU{i}", "total_mib": 81920, "total_bytes": 81920 << 20, "free_mib": 80000,
+         "compute_capability": (9, 0), "uuid": f"GPU-{i}"}
+        for i in range(2)
+    ]
+    monkeypatch.setattr(inventory, "nvml_gpus", lambda: nvml)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    assert [(g.index, g.nvml_index) for g in visible_gpus()] == [(0, 1), (1, 0)]
+    # CUDA shows the devices listed before the first it cannot find.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,7,0")
+    assert [(g.index, g.nvml_index) for g in visible_gpus()] == [(0, 1)]
+
+
+def test_status_names_each_ranks_host_when_they_run_on_several():
+    import os
+
+    from vgpu_magic.ranks import RankCluster
+
+    ranks = RankCluster(2, "jax", gpus=[])
+    reports = [HostReport(e, f"host{e}", f"10.0.0.{e + 1}", os.getpid(), (), 43000 + e) for e in range(2)]
+    # The state start() leaves after reading the hosts, without processes: this process stands for both ranks.
+    ranks.cluster, ranks.layout = object(), layout_ranks(reports)
+    ranks.engine_ids, ranks.pids = [0, 1], [os.getpid()] * 2
+    ranks.plans = get("jax").plan_ranks(ranks.layout, None, None, None)
+    try:
+        lines = ranks.describe()
+        assert [info.host for info in ranks.status()] == ["host0", "host1"]
+    finally:
+        ranks.cluster = None
+    assert lines[1] == "jax.distributed on 10.0.0.1:43000: 2 processes × 1 CPU devices = 2 devices"
+    assert lines[2].startswith(f"  rank 0: pid {os.getpid()} on host0, alive")
+    assert lines[3].startswith(f"  rank 1: pid {os.getpid()} on host1, alive")
+
+
+def test_split_refuses_torch_and_points_at_the_ranks():
+    from vgpu_magic import api
+    from vgpu_magic.planner import PlanError
+
+    with pytest.raises(PlanError, match=r"^PyTorch uses one device per process.*%vgpu_cluster start N --framework torch$"):
+        api.plan(4, framework="pytorch")
 
 
 def test_parse_memory():
-    assert parse_memory("2048") == 2048 * 1024**2
-    assert parse_memory("1.5G") == int(1.5 * GIB)
+    # One size grammar: the planner's (MiB), for %vgpu_split and %vgpu_cluster alike.
+    assert parse_memory("2048") == 2048
+    assert parse_memory("1.5G") == 1536
     with pytest.raises(ValueError, match="'lots' is not a size"):
         parse_memory("lots")
 
@@ -155,7 +282,7 @@ def shell(ip):
     ("line", "match"),
     [
         ("start 2", "say how many ranks and which framework"),
-        ("start 2 --framework mxnet", "framework 'mxnet' is not supported by %vgpu_cluster; use torch"),
+        ("start 2 --framework mxnet", r"framework 'mxnet' is not supported; use tensorflow \(tf\), jax or torch"),
         ("start 0 --framework torch", "rank count 0 is out of range; use 1..64"),
         ("start 2 --framework tf --split 2", "one CPU device per worker"),
         ("start 2 --framework torch --memory 1x", "'1x' is not a size"),
@@ -186,25 +313,41 @@ def test_bad_run_lines(shell, line, cell, match):
         shell.run_cell_magic("vgpu_run", line, cell)
 
 
-def test_memory_trace_plot_and_sampler():
+def test_rank_memory_feeds_the_monitors_one_trace_and_view():
     import os
 
-    from vgpu_magic.ranks.memory import RankMemoryPlot, RankMemorySampler, RankMemoryTrace
+    from vgpu_magic.monitor.views import View
+    from vgpu_magic.ranks.memory import RankMemorySampler, RankMonitor
 
     mib = 1024**2
-    trace = RankMemoryTrace(2)
-    trace.add(0.0, [100 * mib, 120 * mib], [None, None])
-    trace.add(0.5, [300 * mib, 110 * mib], [None, None])
-    assert trace.peak_rss() == [300 * mib, 120 * mib]
-    assert trace.summary() == "peak RSS: rank 0 300.0 MiB, rank 1 120.0 MiB"
-    plot = RankMemoryPlot(trace)
-    assert plot._png().startswith(b"\x89PNG") and "RSS)" in plot.axes.get_title()
-    # GPU-shaped samples (NVML per-process bytes) add dashed lines and the GPU peaks.
-    trace.add(1.0, [310 * mib, 115 * mib], [2048 * mib, 1024 * mib])
-    assert plot._png().startswith(b"\x89PNG") and "GPU memory dashed" in plot.axes.get_title()
-    assert trace.summary().endswith("peak GPU: rank 0 2.00 GiB, rank 1 1.00 GiB")
-    sampler = RankMemorySampler([os.getpid()], gpu=False)
-    assert sampler.rss()[0] > 10 * mib and sampler.gpu() == [None]
+    sampler = RankMemorySampler([os.getpid(), os.getpid()], gpu=False)
+    assert [(s.label, s.panel) for s in sampler.series] == [("rank 0 RSS", "process"), ("rank 1 RSS", "process")]
+    assert sampler.rss()[0] > 10 * mib and sampler.gpu() == [None, None]
+    (current, peak), _ = sampler.read()
+    assert 10 * mib < current <= peak
+
+    class Seen(View):
+        def __init__(self):
+            self.calls = []
+
+        def start(self, trace):
+            self.calls.append("start")
+
+        def sampled(self, trace, now):
+            self.calls.append("sampled")
+
+        def finish(self, trace):
+            self.calls.append("finish")
+
+    seen = Seen()
+    monitor = RankMonitor([os.getpid()], gpu=False, live=False, view=seen)
+    monitor.start()
+    monitor.sample()
+    trace = monitor.finish()
+    # A sample when the run starts and one when it ends: the same MemoryTrace as a monitored fit.
+    assert trace.kind == "%%vgpu_run" and trace.finished and len(trace) >= 2
+    assert [s.label for s in trace.series] == ["rank 0 RSS"] and trace.latest(0)[0] > 10 * mib
+    assert seen.calls[0] == "start" and seen.calls[-1] == "finish"
 
 
 @pytest.mark.slow
@@ -225,7 +368,7 @@ def test_loading_the_extension_starts_and_imports_nothing_of_the_cluster(py):
 
 
 @pytest.mark.parametrize(("absent", "match"), [("ipyparallel", r"need ipyparallel: pip install 'vgpu_magic\[cluster\]'"),
-                                               ("jax", r"JAX is not installed in this kernel: pip install 'vgpu_magic\[jax\]'")])
+                                               ("jax", r"JAX is not installed in this kernel; install it with pip install 'vgpu_magic\[jax\]'")])
 def test_missing_packages_are_named_before_anything_starts(monkeypatch, absent, match):
     import importlib.util
 

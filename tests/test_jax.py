@@ -16,9 +16,10 @@ import pytest
 from conftest import last_json, run_python
 from vgpu_magic import frameworks
 from vgpu_magic.errors import PlanError
-from vgpu_magic.frameworks.jax import CAPABILITIES, xla_flags_count, xla_flags_with_count
+from vgpu_magic.frameworks.jax import CAPABILITIES, FRAMEWORK, xla_flags_count, xla_flags_with_count
+from vgpu_magic.frameworks.tensorflow import CAPABILITIES as TENSORFLOW
+from vgpu_magic.frameworks.tensorflow import FRAMEWORK as TENSORFLOW_FRAMEWORK
 from vgpu_magic.inventory import DeviceInventory, GPUInfo
-from vgpu_magic.keras_backend import keras_backend_warning
 from vgpu_magic.planner import SplitRequest, plan_split
 
 pytestmark = pytest.mark.usefixtures("no_process_left_behind")
@@ -42,11 +43,10 @@ def test_registered_and_imports_nothing():
     import json, sys
     import vgpu_magic
     from vgpu_magic import frameworks
-    from vgpu_magic.keras_backend import keras_backend_warning
     fw = frameworks.get("jax")
     vgpu_magic.mesh, vgpu_magic.distribution  # resolved lazily, importing no framework
     print(json.dumps({
-        "label": fw.label, "started": fw.runtime_started(), "warning": keras_backend_warning("jax"),
+        "label": fw.label, "started": fw.runtime_started(), "warning": fw.keras_backend_warning(),
         "in_dir": "mesh" in dir(vgpu_magic) and "distribution" in dir(vgpu_magic),
         "imported": [m for m in ("jax", "jaxlib", "keras", "tensorflow") if m in sys.modules],
     }))
@@ -95,7 +95,7 @@ def test_growth_combines_with_a_cap_or_cpu_devices_where_the_framework_allows_it
     assert capped.magic_line().endswith("--memory 4096 --growth")
     beside = plan_split(SplitRequest(count=8, target="cpu", memory_growth=True), jax_inventory())
     assert (beside.device_type, beside.count, beside.memory_growth) == ("CPU", 8, True)
-    tensorflow = DeviceInventory(gpus=jax_inventory().gpus, nvml_available=True)
+    tensorflow = DeviceInventory(gpus=jax_inventory().gpus, nvml_available=True, capabilities=TENSORFLOW)
     with pytest.raises(PlanError, match="--growth cannot be combined"):
         plan_split(SplitRequest(count=1, memory=4096, memory_growth=True), tensorflow)
 
@@ -124,10 +124,10 @@ def test_keras_backend_warning(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "keras", type(sys)("keras"))
     sys.modules["keras"].backend = Backend
-    text = keras_backend_warning("jax")
+    text = FRAMEWORK.keras_backend_warning()
     assert text is not None and "tensorflow backend" in text and "JAX devices" in text
     assert "KERAS_BACKEND'] = 'jax'" in text
-    assert keras_backend_warning("tensorflow") is None
+    assert TENSORFLOW_FRAMEWORK.keras_backend_warning() is None
 
 
 # -- fresh interpreters: real JAX --------------------------------------------------------
@@ -247,7 +247,7 @@ def test_per_device_bytes_are_exact_for_a_placed_array():
     vgpu_magic.split(4, framework="jax")
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
-    from vgpu_magic.frameworks.jax_memory import MemoryReader
+    from vgpu_magic.frameworks.jax.memory import MemoryReader
     fw = frameworks.get("jax")
     read = MemoryReader(jax)   # counts on every call (the monitor's reader keeps to a time budget)
     names = [f"/device:CPU:{i}" for i in range(4)]
@@ -430,7 +430,7 @@ def test_persistent_split_for_jax_applies_at_load():
 def test_monitor_reader_keeps_counting_within_its_time_budget():
     import time
 
-    from vgpu_magic.frameworks.jax_memory import MemoryReader
+    from vgpu_magic.frameworks.jax.memory import MemoryReader
 
     class SlowCounter:
         def __init__(self):

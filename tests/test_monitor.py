@@ -1,7 +1,7 @@
 """The memory monitor's engine, without TensorFlow: the trace, the series
-grouping, the sampler through a fake framework, the redraw throttle, the plot
-and the views on a fake notebook output, and the recorder with fake samplers
-and failing views.
+grouping, the sampler through a fake framework, the update throttle, the live
+view on a fake widget and notebook output, the static figure, and the
+recorder with fake samplers and failing views.
 
 The data is shaped like what TensorFlow reports (see
 ``test_monitor_keras.py`` for the same paths under real splits and a real
@@ -18,11 +18,12 @@ import sys
 import pytest
 
 from vgpu_magic.monitor.display import DisplaySurface, MemoryFrame, detect_frontend
-from vgpu_magic.monitor.plot import MemoryPlot, save_trace_figure
+from vgpu_magic.monitor.live import LiveMemoryView
+from vgpu_magic.monitor.plot import MemoryFigure, save_trace_figure
 from vgpu_magic.monitor.recorder import MemoryRecorder
 from vgpu_magic.monitor.sampler import DeviceSampler, SamplerError, build_series, normalize_device, variable_bytes
 from vgpu_magic.monitor.trace import MemoryTrace
-from vgpu_magic.monitor.views import LivePlotView, RedrawThrottle, TextSummaryView
+from vgpu_magic.monitor.views import RedrawThrottle, TextSummaryView, View
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -58,6 +59,34 @@ class FakeDisplay:
     def __call__(self, obj, display_id=None):
         self.log.append(("display", obj, display_id))
         return FakeHandle(self.log)
+
+
+class FakeWidget:
+    """Records what the live view sends to the browser: custom messages and trait values."""
+
+    def __init__(self, **traits) -> None:
+        self.sent: list = []
+        self.closed = False
+        self.series, self.units, self.title, self.note = traits["series"], traits["units"], traits["title"], traits["note"]
+        self.marks: list = []
+
+    def send(self, content) -> None:
+        self.sent.append(content)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def live_view(display, clock, **kwargs) -> LiveMemoryView:
+    widgets: list = []
+
+    def widget(**traits):
+        widgets.append(FakeWidget(**traits))
+        return widgets[-1]
+
+    view = LiveMemoryView(DisplaySurface(display), widget=widget, clock=clock, **kwargs)
+    view.widgets = widgets
+    return view
 
 
 def fake_reader(values: dict[str, tuple[int, int]], calls: list):
@@ -205,59 +234,65 @@ def test_variable_bytes_counts_each_replica_component_on_its_device():
 
 
 # -- the throttle ---------------------------------------------------------------------------
-def test_throttle_waits_a_hundred_times_the_last_cost_and_at_least_0_4_s():
+def test_throttle_waits_two_hundred_times_the_last_cost_and_at_least_0_2_s():
     throttle = RedrawThrottle()
     throttle.reset(0.0)
-    assert not throttle.ready(0.39) and throttle.ready(0.4)
-    throttle.record(1.0, 0.003)  # a cheap frame: the floor applies
-    assert throttle.next_allowed() == pytest.approx(1.4)
-    throttle.record(2.0, 0.040)  # a 40 ms frame: wait 4 s
-    assert throttle.next_allowed() == pytest.approx(6.0)
+    assert not throttle.ready(0.19) and throttle.ready(0.2)
+    throttle.record(1.0, 0.0001)  # a cheap update: the floor applies
+    assert throttle.next_allowed() == pytest.approx(1.2)
+    throttle.record(2.0, 0.010)  # a 10 ms update: wait 2 s
+    assert throttle.next_allowed() == pytest.approx(4.0)
 
 
 @pytest.mark.parametrize("step", [0.010, 0.050])
-@pytest.mark.parametrize("cost", [0.002, 0.004, 0.008, 0.030, 0.200])
-def test_throttled_drawing_stays_under_one_percent_and_refreshes_twice_a_second_when_cheap(cost, step):
-    # Simulated training: a frame may only come at a sample, every `step`
-    # seconds, for 120 s; each frame costs `cost`.
+@pytest.mark.parametrize("cost", [0.0001, 0.0005, 0.002, 0.030, 0.200])
+def test_throttled_updates_stay_under_half_a_percent_and_come_four_times_a_second_when_cheap(cost, step):
+    # Simulated training: an update may only come at a sample, every `step`
+    # seconds, for 120 s; each update costs `cost`.
     throttle = RedrawThrottle()
-    now, drawn, frames = 0.0, 0.0, 0
+    now, spent, updates = 0.0, 0.0, 0
     throttle.reset(now)
     while now < 120.0:
         now += step
         if throttle.ready(now):
             throttle.record(now, cost)
             now += cost
-            drawn += cost
-            frames += 1
-    assert drawn / now <= 0.01
-    if cost <= 0.004:
-        assert frames / now >= 2.0
+            spent += cost
+            updates += 1
+    assert spent / now <= 0.005
+    if cost <= 0.0005:
+        assert updates / now >= 3.8
 
 
-# -- the renderer ------------------------------------------------------------------------------
-def test_live_plot_shows_one_output_and_updates_it_in_place():
+# -- the live view ---------------------------------------------------------------------------
+def test_live_view_shows_one_widget_feeds_it_new_rows_only_and_leaves_the_final_image():
     display, clock = FakeDisplay(), FakeClock()
-    view = LivePlotView(DisplaySurface(display), clock=clock)
+    view = live_view(display, clock)
     trace = cpu_trace(0)
     view.start(trace)
+    (widget,) = view.widgets
     for k in range(40):
         clock.now += 0.1
         trace.append(k * 0.1, k, 0, "fit", [(40 * MIB + k * MIB, 80 * MIB)])
         view.sampled(trace, clock.now)
-    trace.duration = 4.1
+    trace.duration, trace.finished = 4.1, True
     view.finish(trace)
 
     kinds = [entry[0] for entry in display.log]
-    assert kinds[0] == "display" and kinds.count("display") == 1
-    assert display.log[0][2] is True  # display(..., display_id=True)
-    # The output opens at the run start with a text placeholder (so it sits
-    # above the cell's stream output), then every frame updates it.
-    assert display.log[0][1]._repr_mimebundle_() == {"text/plain": "memory · fit · the plot appears after the first steps"}
-    assert kinds.count("update") >= 2  # live frames and the final one, all on the same handle
-    assert len(view.draw_costs) == len(display.log) - 1
+    # The widget opens the output at the run start (so it sits above the cell's stream output);
+    # the final image replaces it in place.
+    assert kinds == ["display", "update"] and display.log[0][1] is widget and display.log[0][2] is True
+    assert [s["label"] for s in widget.series] == ["host allocator (shared by 4 logical CPUs)"]
+    assert widget.series[0]["panel"] == "device" and widget.units["device"] == ["MiB", MIB]
+    # Each update sends only the rows added since the one before: every row exactly once.
+    rows = [row for message in widget.sent for row in message["rows"]]
+    assert [row[0] for row in rows] == pytest.approx([k * 0.1 for k in range(40)])
+    assert rows[-1][1:] == [79 * MIB, 80 * MIB]
+    assert not any(message["reset"] for message in widget.sent)
+    assert 13 <= len(widget.sent) <= 21  # every 0.2 or 0.3 s (samples come every 0.1 s) of 4 s, and the last
+    assert len(view.update_costs) == len(widget.sent)
     final = display.log[-1][1]
-    assert isinstance(final, MemoryFrame)
+    assert isinstance(final, MemoryFrame) and widget.closed
     width, height = png_size(final.png)
     assert width > 400 and height > 200
     bundle = final._repr_mimebundle_()
@@ -265,19 +300,65 @@ def test_live_plot_shows_one_output_and_updates_it_in_place():
     assert "done" in bundle["text/plain"] and "shared by 4 logical CPUs" in bundle["text/plain"]
 
 
-def test_final_frame_can_wait_until_the_training_is_over():
+def test_the_final_image_is_transparent():
+    import numpy as np
+    from PIL import Image
+
+    trace = cpu_trace()
+    trace.duration, trace.finished = 2.0, True
+    with Image.open(io.BytesIO(MemoryFigure(trace).png())) as image:
+        assert image.mode == "RGBA"
+        alpha = np.asarray(image)[:, :, 3]
+    # The background lets the notebook's own show through: most pixels are fully transparent.
+    assert (alpha == 0).mean() > 0.7
+
+
+def test_a_trace_that_merged_old_rows_is_sent_again_whole():
+    display, clock = FakeDisplay(), FakeClock()
+    view = live_view(display, clock)
+    trace = MemoryTrace(build_series(CPUS), kind="custom", recent=8)
+    view.start(trace)
+    widget = view.widgets[0]
+    for k in range(40):
+        clock.now += 0.3
+        trace.append(k * 0.3, k, 0, "custom", [(k * MIB, k * MIB)])
+        view.sampled(trace, clock.now)
+    assert any(m["reset"] for m in widget.sent)
+    # What the browser holds after the last reset is the trace as it stands.
+    last = max(i for i, m in enumerate(widget.sent) if m["reset"])
+    held = [row for m in widget.sent[last:] for row in m["rows"]]
+    assert [row[0] for row in held] == pytest.approx(list(trace.time))
+
+
+def test_epoch_marks_and_the_title_are_traits_set_when_they_change():
+    display, clock = FakeDisplay(), FakeClock()
+    view = live_view(display, clock)
+    trace = cpu_trace(0)
+    view.start(trace)
+    widget = view.widgets[0]
+    trace.mark_epoch(0.0, 0)
+    trace.append(0.0, 0, 0, "fit", [(MIB, MIB)])
+    trace.mark_epoch(1.0, 1)
+    trace.append(1.0, 1, 1, "fit", [(MIB, MIB)])
+    view.epoch_end(trace, 0)
+    assert widget.marks == [[1.0, 1]]  # the first epoch's start is the run's start: no mark
+    assert widget.title == "memory · fit · epoch 2/2 · live"
+    assert widget.note == "variables per replica: CPU:0 3.0 MiB, CPU:1 3.0 MiB, CPU:2 3.0 MiB, CPU:3 3.0 MiB"
+
+
+def test_final_image_can_wait_until_the_training_is_over():
     display, clock, pending = FakeDisplay(), FakeClock(), []
-    view = LivePlotView(DisplaySurface(display), clock=clock, defer=pending.append)
+    view = live_view(display, clock, defer=pending.append)
     trace = cpu_trace()
     view.start(trace)
     clock.now += 1.0
     view.sampled(trace, clock.now)
-    trace.duration = 2.0
+    trace.duration, trace.finished = 2.0, True
     view.finish(trace)
-    assert [entry[0] for entry in display.log] == ["display", "update"] and len(pending) == 1
+    assert [entry[0] for entry in display.log] == ["display"] and len(pending) == 1
     pending.pop()()
-    assert [entry[0] for entry in display.log] == ["display", "update", "update"]
-    assert view.draw_kinds == ["full", "final"] and "done" in display.log[-1][1].text
+    assert [entry[0] for entry in display.log] == ["display", "update"]
+    assert "done" in display.log[-1][1].text and view.widgets[0].closed
 
 
 def cpu_run(samples: int, base: int) -> MemoryTrace:
@@ -289,50 +370,23 @@ def cpu_run(samples: int, base: int) -> MemoryTrace:
     return trace
 
 
-def test_a_reused_plot_blits_a_frame_identical_to_a_fresh_full_draw():
-    import numpy as np
-    from PIL import Image
-
-    plot = MemoryPlot(1)
-    plot.render(cpu_run(40, 30 * MIB))
-    plot.render(cpu_run(60, 30 * MIB))
-    done = cpu_run(80, 30 * MIB)
-    done.duration = 4.0
-    plot.render(done, final=True)  # the artists now show the final layout
-    plot.release()
-    again = MemoryPlot.reuse(1)
-    assert again is plot
-    full_draws = again.full_draws
-    second_run = cpu_run(12, 31 * MIB)
-    blitted = again.render(second_run)
-    assert again.full_draws == full_draws  # the next run's first frame is a blit
-    fresh = MemoryPlot(1).render(second_run)
-    pixels = [np.asarray(Image.open(io.BytesIO(png))) for png in (blitted, fresh)]
-    assert pixels[0].shape == pixels[1].shape and (pixels[0] == pixels[1]).all()
-    # A run that needs other axes gets a full redraw, not a stale background.
-    again.release()
-    MemoryPlot.reuse(1).render(cpu_run(12, 300 * MIB))
-    assert again.full_draws == full_draws + 1
-
-
-def test_live_frames_wait_for_the_throttle():
+def test_live_updates_wait_for_the_throttle():
     display, clock = FakeDisplay(), FakeClock()
-    view = LivePlotView(DisplaySurface(display), clock=clock)
+    view = live_view(display, clock)
     trace = cpu_trace(0)
     view.start(trace)
-    for k in range(10):  # 0.3 s: before the first frame is due
+    for k in range(6):  # 0.18 s: before the first update is due
         clock.now += 0.03
         trace.append(k * 0.03, k, 0, "fit", [(MIB, MIB)])
         view.sampled(trace, clock.now)
-    assert [entry[0] for entry in display.log] == ["display"] and display.log[0][1].png is None
+    assert [entry[0] for entry in display.log] == ["display"] and view.widgets[0].sent == []
 
 
-def test_cpu_plot_has_one_line_for_the_shared_allocator_and_variables_per_replica():
-    plot = MemoryPlot(1, live=False)
+def test_cpu_figure_has_one_line_for_the_shared_allocator_and_variables_per_replica():
     trace = cpu_trace()
-    trace.duration = 2.0
-    plot.draw(trace, final=True)
-    assert len(plot.lines) == len(plot.peak_lines) == 1
+    trace.duration, trace.finished = 2.0, True
+    plot = MemoryFigure(trace)
+    assert len(plot.lines) == len(plot.peak_lines) == 1 and list(plot.axes) == ["device"]
     # the running peak, faint, in the line's colour
     assert plot.peak_lines[0].get_color() == plot.lines[0].get_color()
     assert list(plot.peak_lines[0].get_ydata()[[0, -1]]) == [60.0, 79.0]
@@ -343,24 +397,43 @@ def test_cpu_plot_has_one_line_for_the_shared_allocator_and_variables_per_replic
     handle = plot.legend.legend_handles[1]
     assert handle.get_alpha() == plot.peak_lines[0].get_alpha() < 1
     assert [t.get_text() for t in plot.vax.get_yticklabels()] == ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
-    assert plot.ax.get_ylabel() == "memory (MiB)"
+    ax = plot.axes["device"]
+    assert ax.get_ylabel() == "device memory (MiB)"
     # Epoch 2 starts at 1.0 s: one dotted marker.
-    assert [line.get_xdata()[0] for line in plot.ax.lines if line.get_linestyle() == ":"] == [1.0]
+    assert [line.get_xdata()[0] for line in ax.lines if line.get_linestyle() == ":"] == [1.0]
 
 
-def test_gpu_plot_draws_each_cap_dashed_in_its_line_colour_and_uses_gib():
+def test_gpu_figure_draws_each_cap_dashed_in_its_line_colour_and_keeps_the_unit_of_the_start():
     caps = {d: (2 + i) * GIB for i, d in enumerate(GPUS)}
     trace = MemoryTrace(build_series(GPUS, caps), kind="fit", baseline_peak=(0,) * 4)
     for k in range(30):
         trace.append(k * 0.1, k, 0, "fit", [((i + 1) * GIB // 2, (i + 1) * GIB // 2 + MIB) for i in range(4)])
     trace.duration = 3.0
-    plot = MemoryPlot(4, live=False)
-    plot.draw(trace, final=True)
-    dashed = [line for line in plot.ax.lines if line.get_linestyle() == "--"]
+    plot = MemoryFigure(trace)
+    ax = plot.axes["device"]
+    dashed = [line for line in ax.lines if line.get_linestyle() == "--"]
     assert [line.get_color() for line in dashed] == [line.get_color() for line in plot.lines]
     assert [line.get_ydata()[0] for line in dashed] == [2, 3, 4, 5]  # GiB
-    assert plot.ax.get_ylabel() == "memory (GiB)"
+    assert ax.get_ylabel() == "device memory (GiB)"
     assert plot.legend.get_texts()[3].get_text() == "GPU:3 · peak 2.00 GiB / cap 5.00 GiB"
+    # No caps and a small start: MiB for the whole run, also when the run ends above 2 GiB.
+    grows = MemoryTrace(build_series(GPUS[:1]), kind="fit", baseline_peak=(100 * MIB,))
+    for k in range(10):
+        grows.append(k * 0.1, k, 0, "fit", [(k * GIB // 2, k * GIB // 2)])
+    assert MemoryFigure(grows).axes["device"].get_ylabel() == "device memory (MiB)"
+
+
+def test_epoch_labels_do_not_overprint():
+    trace = MemoryTrace(build_series(CPUS), kind="fit", epochs_total=60)
+    for epoch in range(60):
+        trace.mark_epoch(epoch * 0.1, epoch)
+        trace.append(epoch * 0.1, epoch, epoch, "fit", [(MIB, MIB)])
+    trace.duration = 6.0
+    ax = MemoryFigure(trace).axes["device"]
+    labels = sorted(t.get_position()[0] for t in ax.texts if t.get_text().strip().startswith("e"))
+    assert len([line for line in ax.lines if line.get_linestyle() == ":"]) == 59  # every mark drawn
+    assert 5 <= len(labels) < 59  # ... but only labels with room
+    assert min(b - a for a, b in zip(labels, labels[1:])) >= 0.045 * 6.0 - 1e-9
 
 
 def test_savefig_writes_a_real_png(tmp_path):
@@ -408,11 +481,10 @@ def make_recorder(view, clock, reports, started=True, calls=None, values=None):
     )
 
 
-class ExplodingView(LivePlotView):
-    """A renderer whose drawing fails, as a broken matplotlib would."""
+class ExplodingView(View):
+    """A view whose update fails, as a broken front end library would."""
 
     def __init__(self, clock) -> None:
-        super().__init__(DisplaySurface(FakeDisplay()), clock=clock)
         self.attempts = 0
 
     def sampled(self, trace, now) -> None:
@@ -481,7 +553,7 @@ def test_a_sampler_that_fails_is_reported_once_and_stops_sampling():
 
 def test_interrupted_run_keeps_its_trace_and_draws_a_final_frame():
     display, clock, reports = FakeDisplay(), FakeClock(), []
-    recorder = make_recorder(LivePlotView(DisplaySurface(display), clock=clock), clock, reports)
+    recorder = make_recorder(live_view(display, clock), clock, reports)
     recorder.start("fit", epochs=3)
     for step in range(30):
         clock.now += 0.02
@@ -566,19 +638,21 @@ def test_variable_bytes_counts_each_shard_of_an_array_placed_on_several_devices(
 
 
 # -- what the plot shows -------------------------------------------------------------------------------
-def test_an_allocator_reporting_nothing_is_drawn_on_a_sane_axis_next_to_rss():
+def test_rss_gets_its_own_panel_so_an_allocator_reporting_nothing_stays_readable():
     series = build_series(CPUS, process=True)
-    trace = MemoryTrace(series, kind="fit")
+    trace = MemoryTrace(series, kind="fit", baseline_peak=(0, 600 * MIB))
     trace.variable_bytes = {d: 4 * 1024 + 1024 * k for k, d in enumerate(CPUS)}  # a tiny model: KiB
     for k in range(10):
         trace.append(k * 0.1, k, 0, "fit", [(0, 0), (600 * MIB + k * MIB, 620 * MIB)])
     trace.duration = 1.0
-    plot = MemoryPlot(2, live=False)
-    plot.draw(trace, final=True)
+    plot = MemoryFigure(trace)
     legend = [t.get_text() for t in plot.legend.get_texts()]
     assert legend[0] == "host allocator (shared by 4 logical CPUs) · nothing allocated"
     assert legend[1].startswith("process RSS (all memory of this Python process) · peak 620.0 MiB")
-    assert plot.ax.get_ylabel() == "memory (MiB)" and plot.ax.get_ylim()[1] > 600
+    device, process = plot.axes["device"], plot.axes["process"]
+    assert device.get_ylabel() == "device memory (KiB)" and device.get_ylim()[1] == pytest.approx(1.0)
+    assert process.get_ylabel() == "process RSS (MiB)" and process.get_ylim()[1] > 600
+    assert plot.lines[1].axes is process
     # The variables panel: one unit on its axis and its bar labels.
     assert plot.vax.get_xlabel() == "KiB"
     assert [t.get_text().strip() for t in plot.vax.texts] == ["4.0 KiB", "5.0 KiB", "6.0 KiB", "7.0 KiB"]
@@ -587,11 +661,9 @@ def test_an_allocator_reporting_nothing_is_drawn_on_a_sane_axis_next_to_rss():
     for k in range(10):
         zero.append(k * 0.1, k, 0, "fit", [(0, 0)])
     zero.duration = 1.0
-    plot = MemoryPlot(1, live=False)
-    plot.draw(zero, final=True)
-    assert plot.ax.get_ylabel() == "memory (MiB)" and plot.ax.get_ylim()[1] >= 1.0
-    assert "nothing allocated (every reading is 0 B)" in [t.get_text() for t in plot.ax.texts]
-    assert [tick for tick in plot.ax.get_yticks() if 0 < tick < 0.01] == []
+    ax = MemoryFigure(zero).axes["device"]
+    assert ax.get_ylabel() == "device memory (KiB)" and ax.get_ylim()[1] == pytest.approx(1.0)
+    assert "nothing allocated (every reading is 0 B)" in [t.get_text() for t in ax.texts]
 
 
 def test_equal_caps_on_several_gpus_all_show_and_are_labelled_once():
@@ -600,26 +672,26 @@ def test_equal_caps_on_several_gpus_all_show_and_are_labelled_once():
     for k in range(10):
         trace.append(k * 0.1, k, 0, "fit", [(GIB // 2, GIB // 2)] * 4)
     trace.duration = 1.0
-    plot = MemoryPlot(4, live=False)
-    plot.draw(trace, final=True)
-    capped = [line for line in plot.ax.lines if line.get_ydata()[0] == 2 and line not in plot.lines]
+    plot = MemoryFigure(trace)
+    ax = plot.axes["device"]
+    capped = [line for line in ax.lines if line.get_ydata()[0] == 2 and line not in plot.lines]
     assert len(capped) == 4
     # Interleaved dashes: each colour gets its own stretch of the same line.
     offsets = {line._unscaled_dash_pattern[0] for line in capped}
     assert len(offsets) == 4
     assert [line.get_color() for line in capped] == [line.get_color() for line in plot.lines]
-    labels = [t.get_text() for t in plot.ax.texts if t.get_text().startswith("cap")]
+    labels = [t.get_text() for t in ax.texts if t.get_text().startswith("cap")]
     assert labels == ["cap 2.00 GiB (GPU:0, GPU:1, GPU:2, GPU:3) "]
 
 
 def test_text_is_large_enough_for_hidpi_and_lines_hold_between_samples():
-    plot = MemoryPlot(1, live=False)
     trace = cpu_trace()
     trace.duration = 2.0
-    plot.draw(trace, final=True)
+    plot = MemoryFigure(trace)
     dpi = plot.fig.dpi
     smallest = min(
-        [t.get_fontsize() for t in plot.ax.get_yticklabels() + plot.legend.get_texts()] + [plot.title.get_fontsize()]
+        [t.get_fontsize() for t in plot.axes["device"].get_yticklabels() + plot.legend.get_texts()]
+        + [plot.title.get_fontsize()]
     )
     assert smallest * dpi / 72 >= 11  # pixels
     # No straight ramp between two samples far apart: the value holds until
@@ -637,9 +709,9 @@ from vgpu_magic.monitor.trace import MemoryTrace
 trace = MemoryTrace(build_series(["CPU:0"]))
 trace.append(0.0, 0, 0, "custom", [(1, 1)])
 try:
-    require_matplotlib("memory is summarised as text instead of plotted")
+    require_matplotlib("the final memory plot is text only")
 except ImportError as exc:
-    print("live:", exc)
+    print("final:", exc)
 try:
     save_trace_figure(trace, "never.png")
 except ImportError as exc:
@@ -648,33 +720,12 @@ except ImportError as exc:
 
 
 @pytest.mark.slow
-def test_savefig_without_matplotlib_gives_the_install_hint_of_the_live_view():
+def test_savefig_without_matplotlib_gives_the_install_hint_of_the_final_image():
     out = subprocess.run([sys.executable, "-c", SAVEFIG_WITHOUT_MATPLOTLIB], capture_output=True, text=True, check=True)
     lines = out.stdout.splitlines()
     assert lines == [
-        "live: matplotlib is not installed, so memory is summarised as text instead of plotted; "
-        "pip install 'vgpu_magic[plot]'",
+        "final: matplotlib is not installed, so the final memory plot is text only; pip install 'vgpu_magic[plot]'",
         "savefig: ImportError matplotlib is not installed, so the plot cannot be saved; pip install 'vgpu_magic[plot]'",
-    ]
-
-
-def test_live_frames_blit_while_rss_and_peaks_rise():
-    # A live legend naming peaks would change at almost every frame (RSS
-    # rises as a process warms up) and force a full redraw each time.
-    plot = MemoryPlot(2)
-    trace = MemoryTrace(build_series(CPUS, process=True), kind="fit", epochs_total=1)
-    trace.mark_epoch(0.0, 0)
-    for k in range(5):
-        trace.append(k * 0.1, k, 0, "fit", [(MIB, MIB), (500 * MIB + k * MIB, 500 * MIB + k * MIB)])
-    plot.render(trace)
-    full = plot.full_draws
-    for k in range(5, 40):
-        trace.append(k * 0.1, k, 0, "fit", [(MIB, (k + 1) * MIB), (500 * MIB + k * MIB, 500 * MIB + k * MIB)])
-        plot.render(trace)
-    assert plot.full_draws == full
-    assert [t.get_text() for t in plot.legend.get_texts()][:2] == [
-        "host allocator (shared by 4 logical CPUs)",
-        "process RSS (all memory of this Python process)",
     ]
 
 
@@ -684,10 +735,10 @@ def test_the_plain_png_encoder_round_trips_the_canvas_pixels():
 
     from vgpu_magic.monitor.display import encode_png
 
-    plot = MemoryPlot(1)
-    png = plot.render(cpu_run(30, 30 * MIB))
+    plot = MemoryFigure(cpu_run(30, 30 * MIB))
+    png = plot.png()
     with Image.open(io.BytesIO(png)) as image:
-        decoded = np.asarray(image.convert("RGB"))
-    expected = np.asarray(plot.canvas.buffer_rgba())[:, :, :3]
+        decoded = np.asarray(image.convert("RGBA"))
+    expected = np.asarray(plot.canvas.buffer_rgba())
     assert decoded.shape == expected.shape and (decoded == expected).all()
-    assert encode_png(expected[:2, :3].copy()).startswith(PNG_SIGNATURE)
+    assert encode_png(expected[:2, :3, :3].copy()).startswith(PNG_SIGNATURE)

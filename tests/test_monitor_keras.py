@@ -201,24 +201,58 @@ with mon:
     mon.sample(step=0)
 after_with = tf_runtime_started()
 result = vgpu_magic.split(2, cpu=True)
-print(json.dumps({"after_with": after_with, "trace": mon.trace is None, "split": result.status}))
+print(json.dumps({"after_with": after_with, "series": [s.key for s in mon.trace.series], "samples": len(mon.trace),
+                  "split": result.status}))
 """
 
 
 def test_monitor_never_starts_the_runtime_itself():
-    assert last_json(run_python(NO_RUNTIME).stdout) == {"after_with": False, "trace": True, "split": "applied"}
+    # Before the runtime runs, a run records the process' memory alone, at its start and its end.
+    assert last_json(run_python(NO_RUNTIME).stdout) == {
+        "after_with": False, "series": ["process"], "samples": 2, "split": "applied"
+    }
+
+
+JAX_LOOP = """
+import json, os, sys
+import vgpu_magic
+%s
+import jax, jax.numpy as jnp
+x = jnp.ones((256, 256))
+with vgpu_magic.MemoryMonitor() as mon:
+    for step in range(5):
+        x = (x @ x) / 256
+        mon.sample(step=step)
+quick = vgpu_magic.MemoryMonitor()
+with quick:
+    pass
+quick.to_csv(os.devnull)
+print(json.dumps({"series": [s.key for s in mon.trace.series], "samples": len(mon.trace), "quick": len(quick.trace),
+                  "loaded": sorted({m.split(".")[0] for m in sys.modules} & {"tensorflow", "keras", "matplotlib"})}))
+"""
+
+
+@pytest.mark.parametrize("split", ["", "vgpu_magic.split(2, framework='jax')"])
+def test_a_custom_jax_loop_is_monitored_without_importing_tensorflow_or_keras(split):
+    pytest.importorskip("jax")
+    result = last_json(run_python(JAX_LOOP % split).stdout)
+    assert result["loaded"] == []
+    devices = ["/device:CPU:0", "/device:CPU:1"] if split else ["/device:CPU:0"]
+    assert result["series"] == [*devices, "process"]
+    # A short block still has a trace: a sample when it starts and one when it ends.
+    assert result["samples"] >= 2 and result["quick"] == 2
 
 
 PLOT_ERROR = """
 from vgpu_magic.monitor.display import DisplaySurface
-from vgpu_magic.monitor.views import LivePlotView
+from vgpu_magic.monitor.live import LiveMemoryView
 
 def broken_display(obj, display_id=None):
     raise OSError("the frontend went away")
 
 with vgpu_magic.strategy().scope():
     model = build()
-mon = vgpu_magic.MemoryMonitor(view=LivePlotView(DisplaySurface(broken_display), clock=lambda: 1e9))
+mon = vgpu_magic.MemoryMonitor(view=LiveMemoryView(DisplaySurface(broken_display), clock=lambda: 1e9))
 history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[mon])
 print(json.dumps({"epochs": len(history.history["loss"]), "samples": len(mon.trace), "view": mon.view is None}))
 """
@@ -228,7 +262,7 @@ def test_a_plotting_error_is_reported_once_and_fit_completes():
     proc = run_python(SETUP.format(count=2) + PLOT_ERROR)
     assert last_json(proc.stdout) == {"epochs": 3, "samples": last_json(proc.stdout)["samples"], "view": True}
     assert last_json(proc.stdout)["samples"] >= 5
-    reports = [line for line in proc.stderr.splitlines() if line.startswith("vgpu_magic:")]
+    reports = [line for line in proc.stderr.splitlines() if line.startswith("vgpu_magic: the memory plot")]
     assert reports == [
         "vgpu_magic: the memory plot stopped after an error (OSError: the frontend went away); "
         "training goes on and the trace is still recorded"

@@ -24,6 +24,7 @@ from conftest import (  # noqa: E402
     started_kernel,
 )
 from vgpu_magic.errors import PlanError  # noqa: E402
+from vgpu_magic.frameworks.tensorflow import CAPABILITIES as TENSORFLOW  # noqa: E402
 from vgpu_magic.frameworks.tensorflow import system_reserve_mib  # noqa: E402
 from vgpu_magic.grammar import parse_split_line  # noqa: E402
 from vgpu_magic.inventory import DeviceInventory, GPUInfo  # noqa: E402
@@ -33,9 +34,9 @@ from vgpu_magic.split_panel import SLIDER_MAX_DEVICES, SplitPanel  # noqa: E402
 
 A100 = GPUInfo(0, "NVIDIA A100-SXM4-40GB", total_mib=40960, free_mib=40000, compute_capability=(8, 0), nvml_index=0)
 T4 = GPUInfo(1, "Tesla T4", total_mib=15360, free_mib=14900, compute_capability=(7, 5), nvml_index=1)
-ONE_GPU = DeviceInventory(gpus=(A100,), nvml_available=True)
-TWO_GPUS = DeviceInventory(gpus=(A100, T4), nvml_available=True)
-NO_GPU = DeviceInventory()
+ONE_GPU = DeviceInventory(gpus=(A100,), nvml_available=True, capabilities=TENSORFLOW)
+TWO_GPUS = DeviceInventory(gpus=(A100, T4), nvml_available=True, capabilities=TENSORFLOW)
+NO_GPU = DeviceInventory(capabilities=TENSORFLOW)
 
 
 class FixedRuntime:
@@ -43,7 +44,7 @@ class FixedRuntime:
     depend on whether some other test started TensorFlow in this process."""
 
     def __init__(self, state: RuntimeState | None = None) -> None:
-        self._state = state or RuntimeState(imported=False, started=False)
+        self._state = state or RuntimeState("tensorflow", "TensorFlow", imported=False, started=False)
 
     def state(self, framework=None, check_cuda: bool = True) -> RuntimeState:
         return self._state
@@ -172,7 +173,8 @@ def test_counts_beyond_the_slider_are_typed_in_and_stay_linked():
 
 def test_unknown_free_memory_is_said_and_not_checked():
     gpu = GPUInfo(0, "Tesla V100", total_mib=None, free_mib=None)
-    panel = make_panel(DeviceInventory(gpus=(gpu,), notes=("NVML unavailable: GPU memory unknown",)))
+    notes = ("NVML unavailable: GPU memory unknown",)
+    panel = make_panel(DeviceInventory(gpus=(gpu,), notes=notes, capabilities=TENSORFLOW))
     assert panel.target.options[0][0] == "GPU 0: Tesla V100 — memory unknown (NVML unavailable)"
     panel.count_slider.value = 2
     assert panel.fits is None and panel.usage_bar.bar_style == ""
@@ -182,7 +184,7 @@ def test_unknown_free_memory_is_said_and_not_checked():
 
 def test_too_many_devices_for_a_small_gpu_is_refused_by_the_planner():
     small = GPUInfo(0, "tiny", total_mib=2048, free_mib=1000, compute_capability=(7, 5))
-    panel = make_panel(DeviceInventory(gpus=(small,), nvml_available=True))
+    panel = make_panel(DeviceInventory(gpus=(small,), nvml_available=True, capabilities=TENSORFLOW))
     panel.count_text.value = 20  # 775 MiB usable: 20 x 64 MiB does not fit
     assert panel.fits is False and panel.usage_bar.bar_style == "danger"
     assert panel.apply_button.disabled
@@ -211,7 +213,8 @@ def test_widgets_are_built_once_and_only_values_change():
 
 
 def test_started_runtime_disables_everything_and_names_the_cell():
-    state = RuntimeState(imported=True, started=True, started_by=CellRef(7, "model = tf.keras.Sequential()"))
+    started_by = CellRef(7, "model = tf.keras.Sequential()")
+    state = RuntimeState("tensorflow", "TensorFlow", imported=True, started=True, started_by=started_by)
     panel = SplitPanel(ONE_GPU, FixedRuntime(state))
     assert panel.locked
     assert panel.banner.layout.display == ""
@@ -230,7 +233,8 @@ def test_a_panel_shown_before_the_runtime_started_locks_when_next_used_and_says_
     used = SplitPanel(ONE_GPU, runtime)
     clicked = SplitPanel(ONE_GPU, runtime)
     assert not used.locked and not clicked.locked
-    runtime._state = RuntimeState(imported=True, started=True, started_by=CellRef(4, "import tensorflow as tf"))
+    started_by = CellRef(4, "import tensorflow as tf")
+    runtime._state = RuntimeState("tensorflow", "TensorFlow", imported=True, started=True, started_by=started_by)
     used.count_text.value = 3  # moving a control is enough: no Apply needed to learn it
     assert used.locked and used.apply_button.disabled and used.banner.layout.display == ""
     # The culprit's code is quoted as code, styled by the front end's theme.

@@ -20,6 +20,7 @@ from IPython.core.error import UsageError
 import vgpu_magic.api
 from conftest import tf_device_configuration
 from vgpu_magic.api import make_request
+from vgpu_magic.frameworks.tensorflow import CAPABILITIES as TENSORFLOW
 from vgpu_magic.frameworks.tensorflow import system_reserve_mib
 from vgpu_magic.grammar import parse_seconds, parse_split_line
 from vgpu_magic.inventory import DeviceInventory, GPUInfo
@@ -152,11 +153,11 @@ def _inventory(specs) -> DeviceInventory:
         GPUInfo(index=i, model="fuzz GPU", total_mib=free, free_mib=free, compute_capability=cc)
         for i, (free, cc) in enumerate(specs)
     )
-    return DeviceInventory(gpus=gpus, cpus=1, version="2.21.0", nvml_available=True)
+    return DeviceInventory(gpus=gpus, cpus=1, version="2.21.0", nvml_available=True, capabilities=TENSORFLOW)
 
 
 inventories = st.one_of(
-    st.just(DeviceInventory()),
+    st.just(DeviceInventory(capabilities=TENSORFLOW)),
     st.lists(gpu_infos, min_size=1, max_size=4).map(_inventory),
 )
 

@@ -14,6 +14,7 @@ import pytest
 import vgpu_magic.api
 from conftest import two_gpu_snapshot, two_gpus
 from vgpu_magic.frameworks.base import ConfigSnapshot
+from vgpu_magic.frameworks.tensorflow import CAPABILITIES as TENSORFLOW
 from vgpu_magic.frameworks.tensorflow import system_reserve_mib
 from vgpu_magic.grammar import parse_split_line
 from vgpu_magic.inventory import DeviceInventory, GPUInfo
@@ -28,7 +29,7 @@ from vgpu_magic.planner import (
 )
 from vgpu_magic.planner import configuration_after as _wanted
 
-CPU_ONLY = DeviceInventory(gpus=(), cpus=1, version="2.21.0")
+CPU_ONLY = DeviceInventory(gpus=(), cpus=1, version="2.21.0", capabilities=TENSORFLOW)
 
 #: TensorFlow's per-GPU reserve (MinSystemMemory in gpu_device.cc), written out
 #: independently of ``system_reserve_mib``: below 2 GiB free 225 MiB, otherwise by
@@ -59,7 +60,8 @@ def gpu_inventory(
         )
         for i, free in enumerate(free_mib)
     )
-    return DeviceInventory(gpus=gpus, cpus=1, version="2.21.0", nvml_available=any(f is not None for f in free_mib))
+    known = any(f is not None for f in free_mib)
+    return DeviceInventory(gpus=gpus, cpus=1, version="2.21.0", nvml_available=known, capabilities=TENSORFLOW)
 
 
 def expected_usable(free: int, cc) -> int:

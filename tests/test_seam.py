@@ -11,6 +11,7 @@ from its capabilities) run on it.
 from __future__ import annotations
 
 import sys
+import types
 
 import pytest
 from IPython.core.error import UsageError
@@ -197,8 +198,8 @@ def test_select_follows_named_then_imported_then_installed_then_default(registry
     tf._imported = True
     with pytest.raises(FrameworkChoiceError, match="TENSORFLOW and JAX are both imported; say which"):
         frameworks.select()
-    with pytest.raises(FrameworkChoiceError, match="framework 'torch' is not supported; use one of tensorflow, jax"):
-        frameworks.select("torch")
+    with pytest.raises(FrameworkChoiceError, match=r"framework 'mxnet' is not supported; use tensorflow \(tf\) or jax"):
+        frameworks.select("mxnet")
 
 
 @pytest.mark.slow
@@ -211,3 +212,24 @@ def test_importing_the_seam_imports_no_framework():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_cuda_context_holders_are_asked_through_the_frameworks_and_matched_by_name(monkeypatch):
+    from vgpu_magic.runtime import cuda_context_holders
+
+    torch = types.ModuleType("torch")
+    torch.cuda = types.SimpleNamespace(is_initialized=lambda: True)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    assert "PyTorch" in cuda_context_holders(nvml_holders={})
+    # The framework being configured is left out by its registry name, not by the label people read.
+    assert "PyTorch" not in cuda_context_holders(nvml_holders={}, exclude="torch")
+    assert "PyTorch" in cuda_context_holders(nvml_holders={}, exclude="PyTorch")
+
+
+def test_a_tensorflow_split_warns_about_keras_on_another_backend_too(monkeypatch):
+    keras = types.ModuleType("keras")
+    keras.backend = types.SimpleNamespace(backend=lambda: "jax")
+    monkeypatch.setitem(sys.modules, "keras", keras)
+    text = frameworks.get("tensorflow").keras_backend_warning()
+    assert text is not None and "jax backend" in text and "TensorFlow devices" in text
+    assert frameworks.get("jax").keras_backend_warning() is None

@@ -30,8 +30,8 @@ _LAZY = {
     "MemoryTrace": "monitor",
     "panel": "split_panel",
     "cluster": "ranks",
-    "mesh": "frameworks.jax_mesh",
-    "distribution": "frameworks.jax_mesh",
+    "mesh": "frameworks.jax.mesh",
+    "distribution": "frameworks.jax.mesh",
 }
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension", *_LAZY]

@@ -21,11 +21,13 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from .frameworks import choices
+
     parser = argparse.ArgumentParser(prog="python -m vgpu_magic", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_status = sub.add_parser("status", help="physical and logical devices, memory and runtime state")
     p_status.add_argument("--json", action="store_true", help="print JSON")
-    p_status.add_argument("--framework", help="only this framework (tensorflow, tf or jax)")
+    p_status.add_argument("--framework", help=f"only this framework ({choices()})")
     p_plan = sub.add_parser("plan", help="validate a %%vgpu_split line against this machine, configure nothing")
     p_plan.add_argument("line", nargs=argparse.REMAINDER, help="the %%vgpu_split arguments, e.g. 4 --memory 1024")
     args = parser.parse_args(argv)

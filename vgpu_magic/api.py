@@ -106,7 +106,7 @@ def make_request(
     name = None
     if framework is not None:
         if not isinstance(framework, str):
-            raise PlanError(f"framework {excerpt(framework)} is not a name; use 'tensorflow' or 'jax'")
+            raise PlanError(f"framework {excerpt(framework)} is not a name; use {frameworks.choices()}")
         try:
             name = frameworks.resolve_name(framework)
         except FrameworkChoiceError as exc:
@@ -149,12 +149,8 @@ def execute(
     plan_ = plan_split(request, inventory)
     # A CUDA context held elsewhere only matters where the framework sees a GPU (and NVML costs ~10 ms).
     state = runtime_state(watcher, fw, check_cuda=bool(inventory.gpus))
-    extra = []
-    check = getattr(fw, "keras_backend_warning", None)
-    if check is not None:
-        text = check()
-        if text:
-            extra.append(text)
+    keras = fw.keras_backend_warning()
+    extra = [keras] if keras else []
     return apply_plan(fw, plan_, state, dry_run=dry_run, current=inventory.current, warnings=extra)
 
 
@@ -210,8 +206,8 @@ def split(
     growth
         Turn on memory growth for visible GPUs instead of splitting.
     framework
-        ``"tensorflow"`` (``"tf"``) or ``"jax"``; default: the one imported, else
-        the one installed, else TensorFlow.
+        A name in :data:`vgpu_magic.frameworks.REGISTRY` or an alias; default: the
+        one imported, else the one installed, else TensorFlow.
     dry_run
         Validate and report without configuring.
 

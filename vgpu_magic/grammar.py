@@ -30,6 +30,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from . import frameworks
 from .errors import PlanError, excerpt
 from .planner import MAX_DEVICES, SplitRequest, parse_memory_list
 
@@ -206,7 +207,7 @@ _SPLIT_ARGUMENTS = (
         "-f",
         type=framework_name,
         metavar="NAME",
-        help="tensorflow (alias tf) or jax; default: the one imported in the kernel, else the one installed, "
+        help=f"{frameworks.choices()}; default: the one imported in the kernel, else the one installed, "
         "else TensorFlow",
     ),
     argument("--dry-run", "-n", action="store_true", help="plan and print, configure nothing"),

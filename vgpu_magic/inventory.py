@@ -29,6 +29,7 @@ __all__ = [
     "nvml_pids_with_context",
     "open_nvml",
     "cuda_to_nvml_order",
+    "cuda_gpus",
 ]
 
 
@@ -54,8 +55,9 @@ class DeviceInventory:
 
     ``gpus`` lists the GPUs the framework sees, in its order; ``cpus`` is the
     number of physical CPU devices (always 1 in practice). ``capabilities``
-    says what the framework can do with them (TensorFlow's by default) and
-    ``current`` its configuration now (``None``: nothing configured yet).
+    says what the framework can do with them (required: there is no default
+    framework here) and ``current`` its configuration now (``None``: nothing
+    configured yet).
     """
 
     gpus: tuple[GPUInfo, ...] = ()
@@ -63,14 +65,8 @@ class DeviceInventory:
     version: str | None = None
     nvml_available: bool = False
     notes: tuple[str, ...] = field(default=(), compare=False)
-    capabilities: Capabilities = field(default=None, compare=False)  # type: ignore[assignment]
+    capabilities: Capabilities = field(kw_only=True, compare=False)
     current: ConfigSnapshot | None = field(default=None, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.capabilities is None:
-            from .frameworks.tensorflow import CAPABILITIES
-
-            object.__setattr__(self, "capabilities", CAPABILITIES)
 
     @property
     def framework(self) -> str:
@@ -101,7 +97,7 @@ class DeviceInventory:
             gpus=tuple(gpus),
             cpus=data.get("cpus", 1),
             version=data.get("version"),
-            capabilities=get(data.get("framework", "tensorflow")).capabilities,
+            capabilities=get(data["framework"]).capabilities,
             nvml_available=data.get("nvml_available", False),
             notes=tuple(data.get("notes", ())),
         )
@@ -215,6 +211,24 @@ def cuda_to_nvml_order(n_gpus: int, nvml: list[dict[str, Any]]) -> list[dict[str
             order.append(match)
     padded = list(order[:n_gpus])
     return padded + [None] * (n_gpus - len(padded))
+
+
+def cuda_gpus(count: int, nvml: list[dict[str, Any]]) -> tuple[GPUInfo, ...]:
+    """A framework's ``count`` GPUs in CUDA's numbering, each with NVML's details
+    where :func:`cuda_to_nvml_order` matches one."""
+    return tuple(
+        GPUInfo(i)
+        if details is None
+        else GPUInfo(
+            index=i,
+            model=details["model"],
+            total_mib=details["total_mib"],
+            free_mib=details["free_mib"],
+            compute_capability=details["compute_capability"],
+            nvml_index=details["nvml_index"],
+        )
+        for i, details in enumerate(cuda_to_nvml_order(count, nvml))
+    )
 
 
 def probe_inventory(framework: str | None = None) -> DeviceInventory:

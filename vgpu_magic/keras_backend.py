@@ -13,10 +13,6 @@ import sys
 
 __all__ = ["keras_backend", "keras_backend_warning"]
 
-#: Framework name -> the Keras backend that runs on it.
-_BACKENDS = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
-
-
 def keras_backend() -> str | None:
     """The backend of the Keras imported in this process, or ``None`` when
     Keras 3 is not imported."""
@@ -30,16 +26,13 @@ def keras_backend() -> str | None:
         return None
 
 
-def keras_backend_warning(framework_name: str) -> str | None:
-    """The warning for a split of ``framework_name`` when Keras was already
-    imported with another backend, else ``None``."""
-    wanted = _BACKENDS.get(framework_name)
+def keras_backend_warning(wanted: str | None, label: str) -> str | None:
+    """The warning for a split of ``label``'s devices (whose Keras backend is
+    ``wanted``) when Keras was already imported with another backend, else ``None``.
+    Each framework asks through :meth:`~vgpu_magic.frameworks.base.Framework.keras_backend_warning`."""
     found = keras_backend()
     if wanted is None or found is None or found == wanted:
         return None
-    from .frameworks import get
-
-    label = get(framework_name).label
     return (
         f"Keras was imported with the {found} backend, so Keras models will not use the {label} devices split here; "
         f"restart the kernel and set os.environ['KERAS_BACKEND'] = '{wanted}' before importing Keras"

@@ -20,7 +20,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from traitlets import Any as AnyTrait
 from traitlets import Bool
 
-from . import api
+from . import api, frameworks
 from .errors import USER_ERRORS, excerpt
 from .grammar import framework_name, parse_arguments, parse_split_line, split_arguments
 from .outcomes import SplitResult, as_sentence, runtime_started_lines, summary_lines
@@ -195,8 +195,6 @@ class VGPUMagics(Magics):
 
     def on_load(self) -> None:
         """Warn about runtimes that already started, then apply the persistent split."""
-        from . import frameworks
-
         persistent = self.persistent_line()
         for fw in frameworks.imported():
             state = self.watcher.state(fw, check_cuda=False)

@@ -90,14 +90,15 @@ class SplitResult:
 
     status: str
     plan: SplitPlan
-    framework: str = "tensorflow"
-    label: str = "TensorFlow"
+    framework: str
+    label: str
+    #: What uses the replica devices (the framework's ``Capabilities.replicas_by``).
+    replicas_by: str
     devices: list[str] = field(default_factory=list)
     runtime: RuntimeState | None = None
     blocked_reason: str = ""
     replaced: str = ""
     warnings: list[str] = field(default_factory=list)
-    replicas_by: str = "MirroredStrategy()"
     #: ``status == "unchanged"`` because nothing was ever configured: the plan is the framework's default.
     is_default: bool = False
     configuration: ConfigSnapshot | None = None

@@ -43,6 +43,8 @@ __all__ = [
     "parse_memory_list",
     "usable_mib",
     "even_share_mib",
+    "check_rank_request",
+    "rank_share_mib",
 ]
 
 MAX_DEVICES = 64
@@ -207,6 +209,12 @@ def plan_split(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
     PlanError
         With a one-line message that quotes the bad value and says what works.
     """
+    capabilities = inventory.capabilities
+    if not capabilities.splits_in_process:
+        raise PlanError(
+            f"{capabilities.label} uses one device per process, so one process cannot be split; rehearse several "
+            f"devices as several processes: %vgpu_cluster start N --framework {capabilities.name}"
+        )
     plan = _plan(request, inventory)
     _check_start_rules(plan, inventory)
     return plan
@@ -404,3 +412,51 @@ def _visible_beside(
         return tuple(g.index for g in inventory.gpus)
     notes.append(f"other GPUs hidden so GPU {gpu.index} is the only one {label} uses (--others keep to keep them)")
     return (gpu.index,)
+
+
+# -- ranks: each rank's share, checked here so %vgpu_cluster and %vgpu_split agree ------------
+def check_rank_request(split: int | None, memory: int | None, gpus: list[GPUInfo | None]) -> None:
+    """Refuse ``--split`` / ``--memory`` (MiB) that no framework's ranks can take;
+    ``gpus`` is each rank's GPU (``None`` without one)."""
+    if split is not None and not 1 <= split <= MAX_DEVICES:
+        raise PlanError(f"--split {split} is out of range; use 1..{MAX_DEVICES} devices per rank")
+    if memory is not None:
+        if not all(gpus):
+            raise PlanError(
+                f"--memory {memory}MiB needs a GPU; on CPU the ranks share host memory and cannot be capped"
+            )
+        _check_sizes((memory,))
+
+
+def rank_share_mib(gpu: GPUInfo, shared_by: int, memory: int | None, capabilities: Capabilities) -> int:
+    """Each rank's cap in MiB on ``gpu``, which ``shared_by`` ranks use: ``memory``
+    (``--memory``), or an even share of what the GPU can give (free memory minus
+    the framework's reserve, as for a split; its total where NVML could not tell
+    the free memory and the framework keeps nothing back)."""
+    usable = usable_mib(gpu, capabilities)
+    reserve = ""
+    if usable is None and capabilities.gpu_reserve_mib is None:
+        usable = gpu.total_mib
+    elif usable is not None and capabilities.gpu_reserve_mib is not None:
+        reserve = f" ({gpu.free_mib} MiB free minus {capabilities.label}'s {gpu.free_mib - usable} MiB reserve)"
+    if usable is None:
+        if memory is None:
+            raise PlanError(
+                f"free memory of GPU {gpu.index} is unknown (NVML unavailable); give each rank's cap, "
+                "e.g. --memory 2048"
+            )
+        return memory
+    if memory is not None:
+        if memory * shared_by > usable:
+            raise PlanError(
+                f"--memory {memory}MiB × {shared_by} ranks on one GPU exceeds its {usable} MiB{reserve}; "
+                f"use at most {usable // shared_by}MiB"
+            )
+        return memory
+    share = usable // shared_by
+    if share < MIN_MEMORY_MIB:
+        raise PlanError(
+            f"GPU {gpu.index} has {max(usable, 0)} MiB usable; {shared_by} ranks would get {max(share, 0)} MiB "
+            f"each (minimum {MIN_MEMORY_MIB}); start fewer ranks"
+        )
+    return share

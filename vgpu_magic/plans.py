@@ -84,7 +84,7 @@ class SplitPlan:
     usable_mib: int | None = None
     notes: tuple[str, ...] = field(default=(), compare=False)
     cpu_forced: bool = field(default=False, compare=False)
-    framework: str = "tensorflow"
+    framework: str = field(kw_only=True)
     #: The user gave sizes (``--memory``): echo them back; an even split is not pinned to today's free memory.
     sizes_chosen: bool = field(default=False, compare=False)
     framework_named: str | None = field(default=None, compare=False)

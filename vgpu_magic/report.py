@@ -44,13 +44,17 @@ class FrameworkStatus:
     logical: list[LogicalDeviceStatus]
     replicas: int
     visible_gpus: tuple[int, ...]
-    replicas_by: str = "MirroredStrategy()"
     host_memory: dict[str, int] | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
     def label(self) -> str:
         return self.inventory.capabilities.label
+
+    @property
+    def replicas_by(self) -> str:
+        """What uses the replica devices (``MirroredStrategy()``, ``vgpu_magic.mesh()``)."""
+        return self.inventory.capabilities.replicas_by
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -267,7 +271,6 @@ def collect_framework(fw, watcher=None) -> FrameworkStatus:
         logical=logical,
         replicas=len(snap.replica_devices(fw.capabilities.replicas_on_split_cpu)),
         visible_gpus=snap.visible_gpus,
-        replicas_by=fw.capabilities.replicas_by,
         host_memory=host,
         notes=list(inventory.notes),
     )

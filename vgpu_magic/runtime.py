@@ -14,7 +14,6 @@ framework of :mod:`vgpu_magic.frameworks`.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -34,44 +33,21 @@ __all__ = [
 NO_LONGER_CHANGE = "devices can no longer change"
 
 
-def _torch_holds_cuda() -> bool:
-    torch = sys.modules.get("torch")
-    cuda = getattr(torch, "cuda", None)
-    try:
-        return bool(cuda is not None and cuda.is_initialized())
-    except Exception:  # noqa: BLE001 - a broken torch holds no context we can see
-        return False
-
-
-def _cupy_holds_cuda() -> bool:
-    cupy = sys.modules.get("cupy")
-    try:
-        # The pool only holds bytes once CuPy has created a context.
-        return bool(cupy is not None and cupy.get_default_memory_pool().total_bytes() > 0)
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def _jax_holds_cuda() -> bool:
-    bridge = sys.modules.get("jax._src.xla_bridge")
-    backends = getattr(bridge, "_backends", None) or {}
-    return any(name in ("cuda", "gpu", "rocm") for name in backends)
-
-
-_HOLDERS = {"PyTorch": _torch_holds_cuda, "CuPy": _cupy_holds_cuda, "JAX": _jax_holds_cuda}
-
-
 def cuda_context_holders(
     pid: int | None = None, nvml_holders: dict[int, set[int]] | None = None, exclude: str = ""
 ) -> tuple[str, ...]:
-    """Frameworks (already imported) that hold a CUDA context in this process.
+    """The labels of the frameworks (already imported) that hold a CUDA context
+    in this process: each framework answers for itself
+    (:func:`vgpu_magic.frameworks.cuda_context_holders`).
 
     ``nvml_holders`` (NVML index -> PIDs) may be passed in; by default NVML is
-    asked only when its library is present. ``exclude`` leaves out the
-    framework being configured (its own context is not a problem for it).
+    asked only when its library is present. ``exclude`` names the framework
+    being configured (its own context is not a problem for it).
     """
+    from .frameworks import cuda_context_holders as holders
+
     pid = os.getpid() if pid is None else pid
-    found = [name for name, check in _HOLDERS.items() if name != exclude and check()]
+    found = [fw.label for fw in holders(exclude=exclude)]
     if nvml_holders is None:
         from .inventory import nvml_pids_with_context
 
@@ -102,13 +78,13 @@ class CellRef:
 class RuntimeState:
     """Whether a framework can still be configured, and why not."""
 
+    framework: str
+    label: str
     imported: bool
     started: bool
     started_by: CellRef | None = None
     started_before_load: bool = False
     cuda_holders: tuple[str, ...] = field(default=())
-    framework: str = "tensorflow"
-    label: str = "TensorFlow"
 
     @property
     def culprit(self) -> str:
@@ -223,7 +199,7 @@ class RuntimeWatcher:
             started=started,
             started_by=started_by if started else None,
             started_before_load=before_load and started,
-            cuda_holders=cuda_context_holders(exclude=fw.label) if check_cuda else (),
+            cuda_holders=cuda_context_holders(exclude=fw.name) if check_cuda else (),
             framework=fw.name,
             label=fw.label,
         )
@@ -270,7 +246,7 @@ def runtime_state(watcher: RuntimeWatcher | None = None, framework=None, check_c
     return RuntimeState(
         imported=fw.imported(),
         started=fw.runtime_started(),
-        cuda_holders=cuda_context_holders(exclude=fw.label) if check_cuda else (),
+        cuda_holders=cuda_context_holders(exclude=fw.name) if check_cuda else (),
         framework=fw.name,
         label=fw.label,
     )

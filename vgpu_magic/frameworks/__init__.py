@@ -6,15 +6,20 @@ Importing this package imports no framework and none of the modules below
 until one is asked for.
 
 Picking the framework (:func:`select`): the one the user names
-(``--framework tensorflow|jax``, alias ``tf``); otherwise the one already
-imported in the kernel; otherwise the one installed; otherwise the one
-``KERAS_BACKEND`` names; otherwise TensorFlow.
+(``--framework NAME``, see :func:`choices`); otherwise, among the frameworks
+that can split devices in one process, the one already imported in the
+kernel; otherwise the one installed; otherwise the one ``KERAS_BACKEND``
+names; otherwise TensorFlow.
+
+Libraries that vgpu_magic does not configure but whose CUDA context it reports
+(CuPy) are listed in :data:`CUDA_USERS`, with the same interface.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 from .base import Capabilities, ConfigSnapshot, Framework, FrameworkImportError, Reader
 
@@ -29,21 +34,25 @@ __all__ = [
     "Reader",
     "get",
     "register",
-    "unregister",
-    "names",
     "imported",
     "select",
     "resolve_name",
+    "choices",
+    "cuda_context_holders",
 ]
 
 #: name -> "module:attribute" of its Framework instance (imported on first use).
 REGISTRY: dict[str, str | Framework] = {
     "tensorflow": "vgpu_magic.frameworks.tensorflow:FRAMEWORK",
     "jax": "vgpu_magic.frameworks.jax:FRAMEWORK",
+    "torch": "vgpu_magic.frameworks.torch:FRAMEWORK",
 }
 
 #: Other spellings users type.
-ALIASES = {"tf": "tensorflow"}
+ALIASES = {"tf": "tensorflow", "pytorch": "torch"}
+
+#: Libraries vgpu_magic does not configure, asked only whether they hold a CUDA context.
+CUDA_USERS = ("vgpu_magic.frameworks.cupy:FRAMEWORK",)
 
 DEFAULT = "tensorflow"
 
@@ -60,13 +69,15 @@ def register(name: str, framework: str | Framework) -> None:
     _instances.pop(name, None)
 
 
-def unregister(name: str) -> None:
-    REGISTRY.pop(name, None)
-    _instances.pop(name, None)
-
-
-def names() -> list[str]:
-    return list(REGISTRY)
+def choices(conjunction: str = "or") -> str:
+    """The registered names for help and error texts: ``"tensorflow (tf), jax or torch"``."""
+    spelled = []
+    for name in REGISTRY:
+        aliases = [a for a, target in ALIASES.items() if target == name]
+        spelled.append(f"{name} ({', '.join(aliases)})" if aliases else name)
+    if len(spelled) == 1:
+        return spelled[0]
+    return f"{', '.join(spelled[:-1])} {conjunction} {spelled[-1]}"
 
 
 def resolve_name(name: str) -> str:
@@ -75,9 +86,15 @@ def resolve_name(name: str) -> str:
     key = ALIASES.get(key, key)
     if key not in REGISTRY:
         shown = name if len(name) <= 40 else name[:37] + "..."
-        choices = ", ".join([*REGISTRY, *(f"{a} (= {t})" for a, t in ALIASES.items() if t in REGISTRY)])
-        raise FrameworkChoiceError(f"framework {shown!r} is not supported; use one of {choices}")
+        raise FrameworkChoiceError(f"framework {shown!r} is not supported; use {choices()}")
     return key
+
+
+def _load(entry: str | Framework) -> Framework:
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        return getattr(importlib.import_module(module), attr)
+    return entry
 
 
 def get(name: str) -> Framework:
@@ -85,13 +102,7 @@ def get(name: str) -> Framework:
     key = resolve_name(name)
     found = _instances.get(key)
     if found is None:
-        entry = REGISTRY[key]
-        if isinstance(entry, str):
-            module, _, attr = entry.partition(":")
-            found = getattr(importlib.import_module(module), attr)
-        else:
-            found = entry
-        _instances[key] = found
+        found = _instances[key] = _load(REGISTRY[key])
     return found
 
 
@@ -100,8 +111,18 @@ def all_frameworks() -> list[Framework]:
 
 
 def imported() -> list[Framework]:
-    """The registered frameworks imported in this process, in registry order."""
-    return [fw for fw in all_frameworks() if fw.imported()]
+    """The registered frameworks imported in this process whose devices can be
+    configured in it (``Capabilities.splits_in_process``), in registry order:
+    what ``%vgpu_status`` shows and the runtime watcher follows. PyTorch's
+    devices are its ranks', so it is not among them."""
+    return [fw for fw in all_frameworks() if fw.capabilities.splits_in_process and fw.imported()]
+
+
+def cuda_context_holders(exclude: str = "") -> list[Framework]:
+    """The frameworks and :data:`CUDA_USERS` that hold a CUDA context in this
+    process, except the one named ``exclude``. Asks only those already imported."""
+    candidates = [*all_frameworks(), *(_load(entry) for entry in CUDA_USERS)]
+    return [fw for fw in candidates if fw.name != exclude and fw.module in sys.modules and fw.holds_cuda_context()]
 
 
 def select(requested: str | None = None) -> Framework:
@@ -120,7 +141,7 @@ def select(requested: str | None = None) -> Framework:
         raise FrameworkChoiceError(
             f"{listed} are both imported; say which to configure, e.g. --framework {found[0].name}"
         )
-    installed = [fw for fw in all_frameworks() if fw.installed()]
+    installed = [fw for fw in all_frameworks() if fw.capabilities.splits_in_process and fw.installed()]
     if len(installed) == 1:
         return installed[0]
     for fw in installed:

@@ -11,7 +11,11 @@ engine, the planner and the faces only ever talk to that interface:
   without starting its runtime;
 * writing a configuration the planner validated;
 * memory readings for ``%vgpu_status`` and a reader for the monitor;
-* a strategy-like helper over the split's devices.
+* a strategy-like helper over the split's devices;
+* whether it holds a CUDA context, and whether Keras runs on it;
+* for the ranks (``%vgpu_cluster``): what its real launcher gives each process,
+  planned from the ranks' hosts (:meth:`Framework.plan_ranks`, pure), and the
+  setup each rank runs.
 
 Importing this module imports no framework.
 """
@@ -23,9 +27,12 @@ import importlib.util
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Capabilities", "ConfigSnapshot", "Framework", "FrameworkImportError", "Reader"]
+if TYPE_CHECKING:
+    from ..ranks.hosts import RankLayout
+
+__all__ = ["Capabilities", "ConfigSnapshot", "Framework", "FrameworkImportError", "Reader", "RankPlan"]
 
 #: ``reader(names) -> [(current, peak), ...]`` in bytes, one pair per device name.
 Reader = Callable[[list[str]], list[tuple[int, int]]]
@@ -43,6 +50,10 @@ class Capabilities:
     ----------
     name, label:
         ``"tensorflow"`` / ``"TensorFlow"``: the registry key and the name shown to people.
+    splits_in_process:
+        Can one process have several devices of this framework at all? PyTorch
+        cannot (a process uses one device; several are several processes), so
+        ``%vgpu_split`` refuses it and points at the ranks.
     splits_gpu:
         Can one physical GPU become several logical devices?
     splits_cpu:
@@ -77,6 +88,7 @@ class Capabilities:
 
     name: str
     label: str
+    splits_in_process: bool = True
     splits_gpu: bool = True
     splits_cpu: bool = True
     cpu_caps: bool = False
@@ -146,6 +158,19 @@ class ConfigSnapshot:
         return caps
 
 
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank gets, as its framework's launcher would give it: its
+    environment, then ``setup(*args)`` (``"module:function"``, run on the rank)."""
+
+    rank: int
+    env: dict[str, str]
+    setup: str
+    args: tuple[Any, ...] = ()
+    #: Lines shown by ``%vgpu_cluster start`` / ``status`` (the same for every rank).
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+
 class Framework:
     """One framework's answers. Subclasses set :attr:`capabilities` and
     :attr:`module` and implement the methods that raise ``NotImplementedError``.
@@ -157,6 +182,8 @@ class Framework:
     capabilities: Capabilities
     #: The top-level module users import (``"tensorflow"``, ``"jax"``).
     module: str = ""
+    #: The Keras 3 backend that runs on this framework, or ``None`` when Keras has none.
+    keras_backend: str | None = None
 
     @property
     def name(self) -> str:
@@ -235,10 +262,34 @@ class Framework:
         """A fast :data:`Reader` for the monitor. Only called once the runtime runs."""
         raise NotImplementedError
 
+    def holds_cuda_context(self) -> bool:
+        """Does this process hold a CUDA context through this framework? Only
+        asked when the framework is imported; never creates a context."""
+        return False
+
+    def keras_backend_warning(self) -> str | None:
+        """The warning for a split of this framework's devices when Keras was
+        imported on another backend (Keras models would not use them), else ``None``."""
+        from ..keras_backend import keras_backend_warning
+
+        return keras_backend_warning(self.keras_backend, self.label)
+
     # -- helpers -----------------------------------------------------------------
     def strategy(self, devices: list[str] | None = None) -> Any:
         """A data-parallel helper over the split's devices (may start the runtime)."""
         raise NotImplementedError(f"{self.label} has no strategy helper")
+
+    # -- ranks -------------------------------------------------------------------
+    def plan_ranks(self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None) -> list[RankPlan]:
+        """One :class:`RankPlan` per rank, in rank order, from the ranks' hosts.
+
+        ``layout`` says where each rank runs, its GPU, free ports chosen on its host, the launcher's own
+        conventions); ``split`` devices per rank, ``memory_mib`` each rank's cap,
+        ``port`` the coordinator port the user asked for. Pure. Raises
+        :class:`ValueError` (one line, quoting the value) for a request that
+        cannot work on those hosts.
+        """
+        raise ValueError(f"{self.label} cannot run as ranks of %vgpu_cluster")
 
     def __repr__(self) -> str:
         return f"<vgpu_magic framework {self.name}>"

@@ -11,23 +11,41 @@ to file descriptor 2 while it is being imported, before it reads
 ``TF_CPP_MIN_LOG_LEVEL``. When vgpu_magic is the one importing TensorFlow and
 the level is unset or 1 or more, those INFO lines are dropped; every other line
 is passed through unchanged. At an explicit level 0 nothing is touched.
+
+The ranks (:meth:`TensorFlow.plan_ranks`): ``TF_CONFIG`` lists every worker at
+its own host, with a port chosen on that host (under SLURM: the hosts and
+ports TensorFlow's ``SlurmClusterResolver`` computes), so
+``tf.distribute.MultiWorkerMirroredStrategy()`` on N ranks has N workers.
+``--split K`` on a GPU gives each worker K logical GPUs, planned on the worker
+by the same planner as ``%vgpu_split`` (:func:`setup_rank`). On CPU there is
+nothing to set: MultiWorkerMirroredStrategy uses one CPU device per worker
+whatever the logical CPU count (measured: 2 workers × 2 logical CPUs give 2
+replicas), so ``--split`` on CPU is refused with that reason, and a CPU worker
+only gets its environment.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
 import sys
 import tempfile
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..inventory import DeviceInventory, GPUInfo, cuda_to_nvml_order, nvml_gpus
-from .base import Capabilities, ConfigSnapshot, Framework, Reader
+from ..inventory import DeviceInventory, cuda_gpus, nvml_gpus
+from .base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader
 
-__all__ = ["TensorFlow", "FRAMEWORK", "CAPABILITIES", "system_reserve_mib", "import_tensorflow"]
+__all__ = ["TensorFlow", "FRAMEWORK", "CAPABILITIES", "system_reserve_mib", "setup_rank", "SLURM_PORT_BASE"]
+
+if TYPE_CHECKING:
+    from ..ranks.hosts import RankLayout
+
+#: The first port ``SlurmClusterResolver`` gives the tasks of a node (its ``port_base``).
+SLURM_PORT_BASE = 8888
 
 
 def system_reserve_mib(free_mib: int, compute_capability: tuple[int, int] | None) -> int:
@@ -134,18 +152,10 @@ def _without_cpp_info_lines() -> Iterator[None]:
                 os.write(2, "".join(kept).encode())
 
 
-def import_tensorflow():
-    """Return the ``tensorflow`` module, importing it if needed (see the module docstring).
-
-    Raises :class:`~vgpu_magic.frameworks.base.FrameworkImportError` when
-    TensorFlow is missing or fails to import, with the real reason.
-    """
-    return FRAMEWORK.load()
-
-
 class TensorFlow(Framework):
     capabilities = CAPABILITIES
     module = "tensorflow"
+    keras_backend = "tensorflow"
 
     def load(self):
         tf = sys.modules.get("tensorflow")
@@ -170,6 +180,16 @@ class TensorFlow(Framework):
             return False
         return bool(context.context()._initialized)
 
+    def holds_cuda_context(self) -> bool:
+        """TensorFlow creates its contexts when its runtime starts with a GPU visible."""
+        if not self.runtime_started():
+            return False
+        tf = sys.modules["tensorflow"]
+        try:
+            return bool(tf.config.get_visible_devices("GPU"))
+        except (AttributeError, RuntimeError):
+            return False
+
     # -- devices and configuration -------------------------------------------------
     def probe_inventory(self) -> DeviceInventory:
         tf = self.load()
@@ -179,23 +199,8 @@ class TensorFlow(Framework):
         notes = []
         if n_gpus and not nvml:
             notes.append("NVML unavailable: GPU memory unknown, give --memory explicitly")
-        gpus = []
-        for i, details in enumerate(cuda_to_nvml_order(n_gpus, nvml)):
-            if details is None:
-                gpus.append(GPUInfo(index=i))
-            else:
-                gpus.append(
-                    GPUInfo(
-                        index=i,
-                        model=details["model"],
-                        total_mib=details["total_mib"],
-                        free_mib=details["free_mib"],
-                        compute_capability=details["compute_capability"],
-                        nvml_index=details["nvml_index"],
-                    )
-                )
         return DeviceInventory(
-            gpus=tuple(gpus),
+            gpus=cuda_gpus(n_gpus, nvml),
             cpus=n_cpus,
             version=tf.__version__,
             nvml_available=bool(nvml),
@@ -320,6 +325,75 @@ class TensorFlow(Framework):
         if _CHATTER not in logger.filters:
             logger.addFilter(_CHATTER)
         return tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=cross)
+
+    # -- ranks -----------------------------------------------------------------------
+    def plan_ranks(self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None) -> list[RankPlan]:
+        from ..planner import check_rank_request, plan_split, rank_share_mib
+        from ..plans import SplitRequest
+
+        places = layout.places
+        n = len(places)
+        if split is not None and not all(p.gpu for p in places):
+            raise ValueError(
+                f"--split {split} on CPU changes nothing: MultiWorkerMirroredStrategy uses one CPU device per worker, "
+                f"so {n} workers give {n} replicas; drop --split or start more ranks"
+            )
+        check_rank_request(split, memory_mib, [p.gpu for p in places])
+        workers = _workers(layout, port)
+        per_worker = split or 1
+        on_gpu = all(p.gpu for p in places)
+        notes = [
+            f"TF_CONFIG: {n} workers on {', '.join(workers)}; MultiWorkerMirroredStrategy() has "
+            f"{n * per_worker if on_gpu else n} replicas"
+        ]
+        plans = []
+        for place in places:
+            env = {"TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": place.rank}})}
+            if not on_gpu:
+                plans.append(RankPlan(place.rank, env, "", ()))
+                continue
+            each = rank_share_mib(place.gpu, place.gpu_shared_by, memory_mib, CAPABILITIES) // per_worker
+            # The worker plans again on its own devices (setup_rank); this is the same check, made before anything starts.
+            seen = DeviceInventory(
+                gpus=place.gpus_seen, nvml_available=place.gpu.free_mib is not None, capabilities=CAPABILITIES
+            )
+            plan_split(SplitRequest(count=per_worker, memory=each, gpu=place.gpu.index, others="hide"), seen)
+            plans.append(RankPlan(place.rank, env, "vgpu_magic.frameworks.tensorflow:setup_rank", (place.gpu.index, per_worker, each)))
+        if on_gpu:
+            notes.append(f"each worker: {per_worker} logical GPU(s) of {plans[0].args[2]} MiB")
+        else:
+            notes.append("on CPU each worker is one replica (MultiWorkerMirroredStrategy uses one CPU device per worker)")
+        return [RankPlan(p.rank, p.env, p.setup, p.args, tuple(notes)) for p in plans]
+
+
+def _workers(layout: RankLayout, port: int | None) -> list[str]:
+    """Every worker's ``host:port``, in rank order: under SLURM what
+    ``SlurmClusterResolver(port_base=port or 8888)`` computes (the step's hosts
+    in sorted order, each node's tasks on consecutive ports); else each rank's
+    own host address and the port its engine chose there (``port`` for the
+    first worker, when given)."""
+    if layout.slurm is not None:
+        return [
+            f"{host}:{(port or SLURM_PORT_BASE) + offset}"
+            for host, count in sorted(zip(layout.slurm.hosts, layout.slurm.tasks_per_node))
+            for offset in range(count)
+        ][: layout.world_size]
+    return [f"{p.address}:{port if port and p.rank == 0 else p.port}" for p in layout.places]
+
+
+def setup_rank(gpu: int, count: int, cap_mib: int) -> str:
+    """Run on a worker with a GPU: GPU ``gpu`` (CUDA's index on its host) split
+    into ``count`` logical GPUs of ``cap_mib`` each, the other GPUs hidden,
+    planned by the planner on this worker's own devices (its reserve, its NVML
+    order) exactly as ``%vgpu_split`` plans. Writes configuration only; the
+    runtime starts later, in the user's code."""
+    from ..planner import configuration_after, plan_split
+    from ..plans import SplitRequest
+
+    inventory = FRAMEWORK.probe_inventory()
+    plan = plan_split(SplitRequest(count=count, memory=cap_mib, gpu=gpu, others="hide"), inventory)
+    FRAMEWORK.write_configuration(inventory.current, configuration_after(plan, inventory.current))
+    return f"GPU {gpu}: {plan.describe()}"
 
 
 FRAMEWORK = TensorFlow()

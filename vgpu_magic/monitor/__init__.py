@@ -10,16 +10,19 @@ In a notebook::
     ...
     In [5]: model.fit(ds, epochs=3, callbacks=[vgpu_magic.MemoryMonitor()])
 
-A plot appears under the cell and is updated in place while ``fit`` runs
-(about twice a second): one line per logical GPU with its cap as a dashed line
-of the same colour and its peak in the legend, each line's running peak as a
-faint line, epoch starts as dotted lines, the memory axis in MiB or GiB, and a
-side panel with the bytes of variables each replica holds. The plot has its
-own output above the cell's printed output, so Keras' progress bar
-(``verbose=1``) keeps updating below it. When the cell ends, also after an
-interrupt, the final frame (whole run, exact peaks, "done" or "interrupted")
-replaces the live one and stays in the notebook as a plain PNG, so it
-survives saving.
+A memory view appears under the cell and follows ``fit`` live, several times
+a second: a widget the browser draws (it takes the colours of JupyterLab's and
+Notebook 7's light and dark themes), fed only the samples added since its
+last update. Device memory and the process' resident memory (RSS) have panels
+of their own, each in one unit for the whole run: one line per logical device
+with its cap dashed in the same colour and its running peak faint, epoch
+starts as dotted lines, the legend above the panels, and the bytes of
+variables each replica holds. The view has its own output above the cell's
+printed output, so Keras' progress bar (``verbose=1``) keeps updating below
+it. When the cell ends, also after an interrupt, a static image of the whole
+run (exact peaks, "done" or "interrupted"; transparent, with colours that read
+on light and dark backgrounds) takes the view's place and stays in the
+notebook, so saved notebooks, nbviewer and nbval keep it.
 
 Or, without touching the code::
 
@@ -27,19 +30,22 @@ Or, without touching the code::
     In [7]: %vgpu_monitor status
     In [8]: %vgpu_monitor off       # keras.Model is exactly as before
 
-On logical CPUs the plot always shows the kernel process' resident memory
+On logical CPUs the view always shows the kernel process' resident memory
 ("process RSS"), which is true whatever the framework counts. Where the
 framework's logical CPUs share one host allocator (TensorFlow), it reports the
-same numbers for each: the plot shows that allocator ONCE ("host allocator
+same numbers for each: the view shows that allocator ONCE ("host allocator
 (shared by N logical CPUs)"), and says "nothing allocated" where it reports
-0 B (TensorFlow's host allocator keeps no statistics unless asked to). The
-side panel shows what does differ per replica, the bytes of its own copy of
-the variables (exact, from each variable's per-device parts).
+0 B; where it keeps no statistics at all, the monitor says so once and shows
+the process' memory. What does differ per replica, the bytes of its own copy
+of the variables, is counted exactly from each variable's per-device parts.
 
 Outside a Jupyter kernel (terminal IPython, a script) the monitor prints one
-compact line per epoch and one at the end instead of plotting.
+compact line per epoch and one at the end instead; without anywidget
+(``pip install 'vgpu_magic[widgets]'``) too.
 
-Custom training loops::
+Custom training loops, in any framework (the monitor imports neither Keras nor
+TensorFlow: in a JAX or PyTorch kernel it reads the framework that runs, and
+before any does, the process' memory alone)::
 
     with vgpu_magic.MemoryMonitor(model=model) as mon:
         for epoch in range(epochs):
@@ -49,14 +55,18 @@ Custom training loops::
                 mon.sample(step=step)
             mon.end_epoch(epoch)                        # optional: the text line
 
-Options: ``MemoryMonitor(devices=["GPU:0", "GPU:1"])`` watches only those,
-``interval=`` sets the seconds between samples (0.05 by default; it applies
-to ``sample()`` too, so calling it at every step is cheap), ``display="text"``
-or ``"none"`` forces the text summary or records only.
+A run samples when it starts and when it ends, so even a short ``with`` block
+has a trace (``mon.to_csv`` works). Options: ``MemoryMonitor(devices=["GPU:0",
+"GPU:1"])`` watches only those, ``interval=`` sets the seconds between samples
+(0.05 by default; it applies to ``sample()`` too, so calling it at every step
+is cheap), ``display="text"`` or ``"none"`` forces the text summary or
+records only.
 
 The monitor reads memory through the framework seam
-(:mod:`vgpu_magic.frameworks`): Keras' backend when vgpu_magic knows it,
-otherwise the framework :func:`vgpu_magic.frameworks.select` picks.
+(:mod:`vgpu_magic.frameworks`): Keras' backend when Keras is imported and
+vgpu_magic knows it, otherwise the framework
+:func:`vgpu_magic.frameworks.select` picks. ``%%vgpu_run`` feeds the same
+trace and view with each rank's memory (:mod:`vgpu_magic.ranks.memory`).
 
 The data
 ========
@@ -84,21 +94,22 @@ Cost
 
 Steps are counted in Keras' ``on_*_batch_begin`` hooks (no logs, no sync);
 memory is read at most every ``interval`` seconds (0.05 by default), once per
-logical GPU or once for all shared logical CPUs (RSS at most every 0.5 s);
-redraws wait ``max(0.4 s, 100 × the last frame's cost)``, so drawing stays
-under 1 % of the time, and live frames only blit the lines onto a cached
-background and encode a plain PNG (~4 ms);
-the final frame, drawn whole, waits for the end of the cell (see
-:mod:`vgpu_magic.monitor.views`). ``benchmarks/monitor_overhead.py`` measures
-all of it in a real kernel. Plotting errors are reported once and never stop
-training. Nothing here starts a framework's runtime, and importing this
-package imports no framework and no matplotlib.
+logical GPU or once for all shared logical CPUs (RSS at most every 0.5 s).
+A live update sends the new rows as one comm message (about 0.1 ms of the
+kernel's time) and waits ``max(0.2 s, 200 × the last update's cost)``, so the
+view stays under 0.5 % of the time; the final image, drawn with matplotlib,
+waits for the end of the cell (see :mod:`vgpu_magic.monitor.live`).
+``benchmarks/monitor_overhead.py`` measures all of it in a real kernel. View
+errors are reported once and never stop training. Nothing here starts a
+framework's runtime, and importing this package imports no framework, no
+widget library and no matplotlib.
 
 Modules: :mod:`.trace` (the data), :mod:`.sampler` (reading memory through
-the framework), :mod:`.recorder` (the engine), :mod:`.views` (the view
-contract, the live plot and text views), :mod:`.plot` (the figure),
-:mod:`.display` (the notebook output), :mod:`.callback` (the Keras face),
-:mod:`.auto` and :mod:`.magics` (``%vgpu_monitor on/off``).
+the framework), :mod:`.recorder` (the engine), :mod:`.session` (the
+Keras-free monitor session), :mod:`.views` (the view contract, the text
+view), :mod:`.live` and ``live.js`` (the live widget), :mod:`.plot` (the
+static image), :mod:`.display` (the notebook output), :mod:`.callback` (the
+Keras face), :mod:`.auto` and :mod:`.magics` (``%vgpu_monitor on/off``).
 """
 
 from __future__ import annotations
@@ -107,6 +118,7 @@ from typing import Any
 
 _LAZY = {
     "MemoryMonitor": "callback",
+    "MonitorSession": "session",
     "MemoryTrace": "trace",
     "MemorySample": "trace",
     "SeriesInfo": "trace",

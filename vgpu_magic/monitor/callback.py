@@ -1,66 +1,36 @@
-"""The Keras face: :class:`MemoryMonitor`, a callback and a context manager.
+"""The Keras face: :class:`MemoryMonitor`, a Keras callback over the
+Keras-free :class:`~vgpu_magic.monitor.session.MonitorSession`.
 
-It only feeds Keras' events to a :class:`~vgpu_magic.monitor.recorder.MemoryRecorder`.
-Steps are counted in the ``on_*_batch_begin`` hooks, which Keras calls
-synchronously with no logs. The ``on_*_batch_end`` hooks are deliberately not
-overridden: Keras 3 hands batch-end logs to callbacks on a worker thread only
-while no callback overrides them; overriding one makes every step wait for its
-logs to be converted to numbers.
+It imports no Keras: Keras 3 takes any object with the callback methods, so
+the same monitor serves ``fit`` and, as a context manager, custom loops in a
+JAX or PyTorch kernel without importing Keras or TensorFlow there. Steps are
+counted in the ``on_*_batch_begin`` hooks, which Keras calls synchronously with
+no logs. The ``on_*_batch_end`` hooks are marked as Keras' own defaults: Keras
+3 hands batch-end logs to callbacks on a worker thread only while no callback
+overrides them; overriding one makes every step wait for its logs.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable
+import sys
 from typing import Any
 
-import keras
+from .session import KEPT_TRACES, MonitorSession
 
-from .display import DISPLAY_MODES, detect_frontend, interrupts_deferred
-from .plot import require_matplotlib, save_trace_figure
-from .recorder import MemoryRecorder, RecorderStats, check_interval
-from .sampler import DeviceSampler, choose_framework, model_variables
-from .trace import MemoryTrace
-from .views import LivePlotView, NullView, TextSummaryView
-
-__all__ = ["MemoryMonitor", "DISPLAY_MODES", "KEPT_TRACES"]
-
-#: Finished runs :attr:`MemoryMonitor.traces` keeps (the latest ones).
-KEPT_TRACES = 10
+__all__ = ["MemoryMonitor", "KEPT_TRACES"]
 
 
-def _shell() -> Any:
-    import sys
-
-    if "IPython" not in sys.modules:
-        return None
-    from IPython import get_ipython
-
-    return get_ipython()
+def _keras_default(method: Any) -> Any:
+    """Mark a no-op hook the way Keras marks its own (``utils.default``)."""
+    method._is_default = True
+    return method
 
 
-class MemoryMonitor(keras.callbacks.Callback):
-    """Watch the memory of every logical device during ``fit``, ``evaluate``,
-    ``predict`` or a custom training loop.
-
-    Parameters
-    ----------
-    devices
-        Logical devices to watch, e.g. ``["GPU:0", "GPU:1"]``. By default every
-        replica device of the split, plus the model's strategy's devices.
-    model
-        The model whose variables to count per replica. Inside Keras the model
-        being trained is used; give it for custom loops.
-    strategy
-        A ``tf.distribute`` strategy whose devices to watch as well.
-    interval
-        Minimum seconds between samples, taken at batch starts or by
-        :meth:`sample` (peaks between samples are never lost: the allocator
-        keeps its own peak). From 0.001 to 3600.
-    display
-        ``"auto"``, ``"rich"``, ``"text"`` or ``"none"`` (see :data:`DISPLAY_MODES`).
-    view
-        A view object to use instead (see :class:`vgpu_magic.monitor.views.View`).
+class MemoryMonitor(MonitorSession):
+    """Watch the memory of every logical device during Keras' ``fit``,
+    ``evaluate`` and ``predict`` (a callback), or a custom loop (a context
+    manager); see :class:`~vgpu_magic.monitor.session.MonitorSession` for
+    the parameters.
 
     Examples
     --------
@@ -73,257 +43,33 @@ class MemoryMonitor(keras.callbacks.Callback):
                 strategy.run(train_step, args=(batch,))
                 mon.sample(step=step)
         mon.to_csv("memory.csv")
-        mon.savefig("memory.png")
     """
 
-    def __init__(
-        self,
-        devices: Iterable[str] | None = None,
-        *,
-        model: Any = None,
-        strategy: Any = None,
-        interval: float = 0.05,
-        display: str = "auto",
-        view: Any = None,
-    ) -> None:
-        super().__init__()
-        if display not in DISPLAY_MODES:
-            raise ValueError(f"display={display!r} is not a display mode; use one of {', '.join(DISPLAY_MODES)}")
-        seconds = check_interval(interval)
-        if isinstance(devices, str):
-            devices = [d for d in devices.split(",") if d.strip()]
-        self._devices = None if devices is None else list(devices)
-        self._model_hint = model
-        self._strategy = strategy
-        self.display = display
-        self._view = view
-        self.traces: list[MemoryTrace] = []
-        self._reported: set[str] = set()
-        self._framework: Any = None
-        self._recorder = MemoryRecorder(
-            self._make_sampler,
-            None,
-            runtime_started=self._runtime_started,
-            interval=seconds,
-            variables=self._variables,
-            report=self._report,
-        )
-        self._depth = 0
-        self._fresh = False
-        self._epoch_base = 0
-        self._next_step = 0
-        self._shell_watched: Any = None
-        self._pending: list[Any] = []
+    _model: Any = None
+    params: dict = {}
 
-    # -- what the recorder needs ----------------------------------------------------
     def _current_model(self) -> Any:
-        return self._model_hint if self._model_hint is not None else getattr(self, "_model", None)
+        return self._model_hint if self._model_hint is not None else self._model
 
-    def _framework_now(self) -> Any:
-        """The framework whose memory is read: Keras' backend when
-        vgpu_magic knows it, else :func:`vgpu_magic.frameworks.select`'s
-        choice. Chosen at the first sample of a run, not at construction,
-        so a monitor made before the framework was imported still works."""
-        if self._framework is None:
-            self._framework = choose_framework(keras.backend.backend())
-        return self._framework
+    def _preferred_framework(self) -> str | None:
+        keras = sys.modules.get("keras")
+        return keras.backend.backend() if keras is not None else None
 
-    def _runtime_started(self) -> bool:
-        return self._framework_now().runtime_started()
-
-    def _make_sampler(self) -> DeviceSampler:
-        return DeviceSampler.for_framework(
-            self._framework_now(), self._devices, model=self._current_model(), strategy=self._strategy
-        )
-
-    def _variables(self) -> list[Any] | None:
-        model = self._current_model()
-        return None if model is None else model_variables(model)
-
-    def _report(self, message: str) -> None:
-        import sys
-
-        if message not in self._reported:
-            self._reported.add(message)
-            print(f"vgpu_magic: {message}", file=sys.stderr, flush=True)
-
-    def _make_view(self) -> Any:
-        if self._view is not None:
-            return self._view
-        mode = detect_frontend() if self.display == "auto" else self.display
-        if mode == "rich":
-            try:
-                require_matplotlib("memory is summarised as text instead of plotted")
-            except ImportError as exc:
-                self._report(str(exc))
-                return TextSummaryView()
-            return LivePlotView(defer=self._defer_to_cell_end)
-        if mode == "text":
-            return TextSummaryView()
-        return NullView()
-
-    # -- runs -------------------------------------------------------------------------
-    def _begin(self, kind: str) -> None:
-        fresh, self._fresh = self._fresh, False
-        if self._depth and not fresh:
-            # fit's validation runs evaluate through the same callback list
-            self._depth += 1
-            self._recorder.phase = "validate" if kind == "evaluate" else kind
-            return
-        if self._recorder.active:
-            self._close(interrupted=True)
-        self._run_pending()
-        self._depth = 1
-        self._epoch_base = self._next_step = 0
-        params = self.params or {}
-        # The cell hook first: an interrupt landing anywhere after the plot
-        # appeared still gets the run closed and its final frame drawn.
-        self._watch_cell()
-        self._recorder.view = self._make_view()
-        self._recorder.start(kind, epochs=params.get("epochs") if kind == "fit" else None, steps=params.get("steps"))
-
-    def _end(self) -> None:
-        if self._depth > 1:
-            self._depth -= 1
-            self._recorder.phase = self._recorder.kind
-        elif self._depth == 1:
-            self._close()
-
-    def _close(self, interrupted: bool = False) -> None:
-        self._depth = 0
-        trace = self._recorder.finish(interrupted=interrupted)
-        if trace is not None and not any(t is trace for t in self.traces):
-            self.traces = [*self.traces[-(KEPT_TRACES - 1) :], trace]
-        if not self._pending:
-            self._unwatch_cell()
-
-    def _watch_cell(self) -> None:
-        """End the run with its cell at the latest (an interrupted ``fit``
-        still gets its final frame), and draw final frames there, after the
-        training, not inside it."""
-        shell = _shell()
-        if shell is None or self._shell_watched is shell:
-            return
-        self._unwatch_cell()
-        shell.events.register("post_run_cell", self._cell_finished)
-        self._shell_watched = shell
-
-    def _unwatch_cell(self) -> None:
-        if self._shell_watched is not None:
-            try:
-                self._shell_watched.events.unregister("post_run_cell", self._cell_finished)
-            except ValueError:
-                pass
-            self._shell_watched = None
-
-    def _defer_to_cell_end(self, draw) -> None:
-        if self._shell_watched is None:
-            draw()
-        else:
-            self._pending.append(draw)
-
-    def _run_pending(self) -> None:
-        pending, self._pending = self._pending, []
-        for draw in pending:
-            try:
-                draw()
-            except Exception as exc:
-                self._report(
-                    f"the memory plot's final frame failed ({type(exc).__name__}: {exc}); the trace is kept"
-                )
-
-    def _cell_finished(self, result: Any = None) -> None:
-        # Unhook first, so nothing below can leave the hook registered; then
-        # draw with interrupts held back: the cell is over, and an interrupt
-        # landing in the final frame would lose it and print a traceback
-        # from the event hook.
-        self._unwatch_cell()
-        with interrupts_deferred():
-            if self._recorder.active:
-                self._close(interrupted=getattr(result, "error_in_exec", None) is not None)
-            self._run_pending()
-
-    # -- the public API -------------------------------------------------------------
-    def start(self, kind: str = "custom") -> MemoryMonitor:
-        """Begin a run by hand (custom loops); it ends with :meth:`finish` or,
-        in IPython, with the cell at the latest."""
-        self._fresh = True
-        self._begin(kind)
-        return self
-
-    def sample(self, step: int | None = None, epoch: int | None = None) -> None:
-        """Take a sample now (starts a run if none is active)."""
-        if not self._recorder.active:
-            self.start()
-        self._recorder.sample(step=step, epoch=epoch)
-
-    def begin_epoch(self, epoch: int) -> None:
-        """Mark an epoch start in a custom loop."""
-        if not self._recorder.active:
-            self.start()
-        self._recorder.begin_epoch(epoch)
-
-    def end_epoch(self, epoch: int) -> None:
-        """Mark an epoch end in a custom loop (the text view prints its line)."""
-        self._recorder.end_epoch(epoch)
-
-    def finish(self, interrupted: bool = False) -> MemoryTrace | None:
-        """End the current run; return its trace. The text summary prints at
-        once; in IPython the plot's final frame is drawn when the cell ends."""
-        if self._recorder.active:
-            self._close(interrupted=interrupted)
-        return self.trace
-
-    def __enter__(self) -> MemoryMonitor:
-        return self.start()
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.finish(interrupted=exc_type is not None)
+    def _run_params(self) -> dict:
+        return self.params or {}
 
     @property
-    def trace(self) -> MemoryTrace | None:
-        """The current (or last) run's trace."""
-        return self._recorder.trace
+    def model(self) -> Any:
+        return self._model
 
-    @property
-    def stats(self) -> RecorderStats:
-        """Samples taken in the current (or last) run and what they cost."""
-        return self._recorder.stats
-
-    @property
-    def view(self) -> Any:
-        """The view of the current (or last) run; ``None`` after it failed."""
-        return self._recorder.view
-
-    @property
-    def active(self) -> bool:
-        return self._recorder.active
-
-    def _require_trace(self) -> MemoryTrace:
-        if self.trace is None or not len(self.trace):
-            raise ValueError("nothing recorded yet; pass the monitor to fit/evaluate/predict or call sample() first")
-        return self.trace
-
-    def to_csv(self, path: str | os.PathLike) -> str:
-        """Write the trace (time, step, epoch, phase, device, current, peak) as CSV."""
-        return self._require_trace().to_csv(path)
-
-    def savefig(self, path: str | os.PathLike, dpi: int = 100) -> str:
-        """Save the plot of the trace (PNG, SVG, PDF... from the suffix).
-
-        Raises :class:`ImportError` saying what to install without matplotlib.
-        """
-        return save_trace_figure(self._require_trace(), os.fspath(path), dpi=dpi)
-
-    def __repr__(self) -> str:
-        state = "recording" if self.active else "idle"
-        return f"<MemoryMonitor {state}, {len(self.traces)} finished run(s)>"
+    def set_model(self, model: Any) -> None:
+        self._model = model
 
     # -- Keras hooks ------------------------------------------------------------------
     def set_params(self, params: dict) -> None:
         # Keras sets params once per fit/evaluate/predict call, not for the
         # evaluate that a fit runs for validation: that tells nested from new.
-        super().set_params(params)
+        self.params = params
         self._fresh = True
 
     def on_train_begin(self, logs=None) -> None:
@@ -362,3 +108,23 @@ class MemoryMonitor(keras.callbacks.Callback):
 
     def on_predict_batch_begin(self, batch, logs=None) -> None:
         self._recorder.tick(batch)
+
+    @_keras_default
+    def on_batch_begin(self, batch, logs=None) -> None:
+        pass
+
+    @_keras_default
+    def on_batch_end(self, batch, logs=None) -> None:
+        pass
+
+    @_keras_default
+    def on_train_batch_end(self, batch, logs=None) -> None:
+        pass
+
+    @_keras_default
+    def on_test_batch_end(self, batch, logs=None) -> None:
+        pass
+
+    @_keras_default
+    def on_predict_batch_end(self, batch, logs=None) -> None:
+        pass

@@ -1,17 +1,17 @@
-"""Where frames go in a notebook: one output, shown once, updated in place.
+"""Where the memory view goes in a notebook: one output, shown once, updated in place.
 
 :class:`DisplaySurface` is ``display(..., display_id=True)`` for the first
-frame and ``handle.update(...)`` for every later one, so the notebook never
-grows a list of outputs and never flickers. It is opened with a text
-placeholder when a run starts, before Keras' progress bar prints anything:
-the plot's output then sits above the cell's stream output, and the progress
-bar's ``\\r`` updates keep rewriting one line below it instead of freezing above
-a plot that was inserted into the stream (a notebook front end starts a new
+object and ``handle.update(...)`` for every later one, so the notebook never
+grows a list of outputs and never flickers. It is opened with the live widget
+when a run starts, before Keras' progress bar prints anything: the view's
+output then sits above the cell's stream output, and the progress bar's
+``\r`` updates keep rewriting one line below it instead of freezing above a
+view that was inserted into the stream (a notebook front end starts a new
 stream output after every display).
 
-:class:`MemoryFrame` is one frame: PNG plus a one-line text form, so the
-last frame stays in the saved notebook as a plain image and terminals and
-text exports get the summary.
+:class:`MemoryFrame` is the final image: PNG plus its text form, so it stays
+in the saved notebook as a plain image and terminals and text exports get
+the summary.
 """
 
 from __future__ import annotations
@@ -50,31 +50,31 @@ def detect_frontend() -> str:
     return "rich"
 
 
-def encode_png(rgb: Any, compress_level: int = 1) -> bytes:
-    """An RGB ``uint8`` array as PNG: every row unfiltered, then zlib.
+def encode_png(pixels: Any, compress_level: int = 1) -> bytes:
+    """An RGB or RGBA ``uint8`` array as PNG: every row unfiltered, then zlib.
 
     About 40 % cheaper than Pillow's encoder, whose adaptive per-row filters
-    buy nothing on a plot that is mostly flat colour, and every live frame
-    pays it.
+    buy nothing on a plot that is mostly flat colour.
     """
     import numpy as np
 
-    height, width, _ = rgb.shape
-    rows = np.empty((height, 1 + 3 * width), dtype=np.uint8)
+    height, width, channels = pixels.shape
+    rows = np.empty((height, 1 + channels * width), dtype=np.uint8)
     rows[:, 0] = 0  # filter type "none"
-    rows[:, 1:] = rgb.reshape(height, 3 * width)
+    rows[:, 1:] = pixels.reshape(height, channels * width)
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    colour_type = {3: 2, 4: 6}[channels]  # 8-bit RGB or RGBA
+    header = struct.pack(">IIBBBBB", width, height, 8, colour_type, 0, 0, 0)
     body = zlib.compress(rows.tobytes(), compress_level)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", body) + chunk(b"IEND", b"")
 
 
 class MemoryFrame:
-    """One frame for a notebook: PNG (``None`` for a text-only placeholder)
-    plus a one-line text form."""
+    """The final image for a notebook: PNG (``None`` where matplotlib is
+    missing: text only) plus its text form."""
 
     def __init__(self, png: bytes | None, text: str) -> None:
         self.png = png
@@ -118,7 +118,7 @@ def interrupts_deferred() -> Iterator[list[int]]:
     """Hold back ``SIGINT`` (a kernel interrupt) for the duration, in the main
     thread; yields a list that records the interrupts that arrived.
 
-    Used for the final frame drawn when a cell ends: the cell is over, so an
+    Used for the final image drawn when a cell ends: the cell is over, so an
     interrupt then has nothing left to stop, and letting it land inside
     matplotlib or PIL would lose the frame and print a traceback from an event
     hook. Elsewhere (another thread, a handler that is not Python's) it does

@@ -1,89 +1,94 @@
-"""The picture of a :class:`~vgpu_magic.monitor.trace.MemoryTrace`: one
-matplotlib figure (Agg, no pyplot), built once and updated in place.
+"""The static picture of a :class:`~vgpu_magic.monitor.trace.MemoryTrace`:
+one matplotlib figure (Agg, no pyplot), drawn once when a run ends.
 
-What it shows: one solid line per series (current bytes, held as a step until
-the next sample, so nothing is invented between samples) with its running peak
-as a faint step line of the same colour; each capped series' cap dashed in its
-colour (equal caps interleave their dashes, so every colour shows, and one label
-names them); epoch starts as dotted verticals; the y axis in MiB or GiB, never
-below 1 MiB, and "nothing allocated" written on it when every figure is zero;
-and a side panel with the exact variable bytes per replica, whose axis and bar
-labels use one unit.
+It is what stays in the notebook (and in ``savefig``'s file) after the live
+view (:mod:`vgpu_magic.monitor.live`), so it follows the same rules:
 
-Live frames are kept cheap by blitting: axes, ticks, caps, epoch marks and
-the variables panel are drawn once into a cached background, and a frame only
-restores it and draws the lines on top (drawing text is what costs: a legend
-takes ~10 ms, a line ~0.3 ms). The background is redrawn only when what it
-shows changes: the axes must grow (limits grow in large steps, so that is
-rare), an epoch starts or a peak in the legend rises; the variables panel has a
-cached bitmap of its own, redrawn only when the variables change.
+* device memory and process memory (RSS) in separate panels, each with its
+  own scale, so per-device lines stay visible when RSS dwarfs them;
+* each panel's unit is the one the live view used (:func:`panel_unit`), so
+  nothing switches from GiB to MiB at the end;
+* one solid line per series (current bytes, held as a step until the next
+  sample) and its running peak faint in the same colour; a capped series'
+  cap dashed in its colour (equal caps interleave their dashes and are
+  labelled once);
+* the legend above the panels, outside the data; epoch starts as dotted
+  lines, labelled only where a label does not run into the one before;
+* the exact variable bytes per replica in a side panel;
+* a transparent background and mid-contrast text and series colours
+  (:data:`TEXT`, :data:`~vgpu_magic.monitor.views.PALETTE`), so the image
+  reads on light and dark themes alike.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
-from ..units import GIB, MIB, format_bytes
+from ..units import MIB, format_bytes
 from .display import encode_png
 from .trace import MemoryTrace, short_name
+from .views import PALETTE, panel_unit
 
 __all__ = [
-    "MemoryPlot",
-    "PlotLayout",
+    "MemoryFigure",
+    "render_static",
     "save_trace_figure",
     "title_text",
     "PLOT_INSTALL_HINT",
     "require_matplotlib",
+    "TEXT",
 ]
 
-#: At most this many points per line in a frame (bucket maxima beyond it, so
-#: no spike disappears from the picture).
+#: At most this many points per line (bucket maxima beyond it, so no spike
+#: disappears from the picture).
 MAX_POINTS = 1500
 
 #: What to install for the plot; the live view and ``savefig`` say the same.
 PLOT_INSTALL_HINT = "pip install 'vgpu_magic[plot]'"
 
+#: The smallest top of a memory axis, in bytes.
+MIN_TOP = 1024
+
 #: Pixels per inch. With the font sizes below, the smallest text (tick labels,
-#: 8.5 pt) is 12 px high, readable on HiDPI screens too.
+#: 8.5 pt) is 12 px high.
 DPI = 100
 _TICK_PT, _LABEL_PT, _TITLE_PT, _NOTE_PT = 8.5, 9.5, 10.5, 8.0
 
+#: Text, ticks and frames: a mid grey with about 4.5:1 contrast on white and
+#: 4.2:1 on JupyterLab's dark background (#111).
+TEXT = "#777777"
+_GRID = "#8a8a8a"
+
+_PANEL_TITLES = {"device": "device memory", "process": "process RSS"}
+
 
 def require_matplotlib(purpose: str) -> None:
-    """Raise an :class:`ImportError` with the install hint when matplotlib
-    (or Pillow, which encodes the frames) is missing."""
+    """Raise an :class:`ImportError` with the install hint when matplotlib is missing."""
     try:
         import matplotlib  # noqa: F401
-        import PIL  # noqa: F401
     except ImportError as exc:
         missing = (getattr(exc, "name", None) or "matplotlib").split(".")[0]
         raise ImportError(f"{missing} is not installed, so {purpose}; {PLOT_INSTALL_HINT}") from None
 
 
 def title_text(trace: MemoryTrace, final: bool) -> str:
-    """The plot title. Live frames name only the epoch (the x axis shows the
-    time), so the title changes with the epoch and not with every frame."""
+    """The title: kind, epoch, and once final steps, duration and how it ended."""
     parts = [trace.kind]
     if trace.epochs_total and len(trace):
         parts.append(f"epoch {trace.epoch[-1] + 1}/{trace.epochs_total}")
     if final:
-        if len(trace):
+        if len(trace) and (trace.epochs_total or trace.step[-1]):
             parts.append(f"{trace.step[-1] + 1} steps")
         parts.append(f"{trace.duration:.1f} s")
         parts.append("interrupted" if trace.interrupted else "done")
     return "memory · " + " · ".join(parts)
 
 
-def _legend_texts(trace: MemoryTrace, final: bool) -> tuple[str, ...]:
-    """The legend. Peaks are named in the final frame only: a live legend that
-    changed whenever a peak (or RSS) rose would redraw the whole background
-    at almost every frame; live, the faint lines show the peaks."""
-    texts = []
-    for i, s in enumerate(trace.series):
-        cap = f" / cap {format_bytes(s.cap)}" if s.cap else ""
-        texts.append(f"{s.label} · {trace.peak_text(i)}{cap}" if final else f"{s.label}{cap}")
-    return (*texts, "running peak (faint lines)")
+def _legend_text(trace: MemoryTrace, index: int) -> str:
+    s = trace.series[index]
+    cap = f" / cap {format_bytes(s.cap)}" if s.cap else ""
+    return f"{s.label} · {trace.peak_text(index)}{cap}"
 
 
 def _decimate(times: Any, values: list[Any], limit: int = MAX_POINTS) -> tuple[Any, list[Any]]:
@@ -105,326 +110,189 @@ def _decimate(times: Any, values: list[Any], limit: int = MAX_POINTS) -> tuple[A
     return t, out
 
 
-def _nice_ceiling(x: float) -> float:
-    """The next 1, 2 or 5 times a power of ten at or above ``x``."""
-    if x <= 0:
-        return 1.0
-    power = 10 ** math.floor(math.log10(x))
-    for step in (1, 2, 5, 10):
-        if step * power >= x:
-            return step * power
-    return 10 * power
-
-
 def _unit(top: float) -> tuple[str, int]:
-    """The unit a panel whose largest value is ``top`` bytes is labelled in."""
-    for name, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
+    """The unit of the variables panel, whose largest value is ``top`` bytes."""
+    for name, scale in (("GiB", 1024**3), ("MiB", MIB), ("KiB", 1024)):
         if top >= scale:
             return name, scale
     return "B", 1
 
 
-def _cap_groups(caps: tuple[int | None, ...]) -> dict[int, list[int]]:
+def _cap_groups(caps: list[tuple[int, int | None]]) -> dict[int, list[int]]:
     """Cap in bytes -> the indices of the series with that cap."""
     groups: dict[int, list[int]] = {}
-    for i, cap in enumerate(caps):
+    for i, cap in caps:
         if cap:
             groups.setdefault(cap, []).append(i)
     return groups
 
 
-class PlotLayout(NamedTuple):
-    """Everything a frame shows except the lines: when it is unchanged, a
-    frame only blits the lines onto the cached background."""
-
-    xmax: float
-    ytop: float
-    unit: tuple[str, int]
-    caps: tuple[int | None, ...]
-    marks: tuple[tuple[float, int], ...]
-    title: str
-    legend: tuple[str, ...]
-    empty: bool
+def _style(ax: Any) -> None:
+    ax.set_facecolor("none")
+    ax.tick_params(labelsize=_TICK_PT, colors=TEXT)
+    for spine in ax.spines.values():
+        spine.set_color(_GRID)
+    ax.grid(True, lw=0.4, alpha=0.5, color=_GRID)
 
 
-class MemoryPlot:
-    """A matplotlib figure of a trace, built once and updated in place.
+class MemoryFigure:
+    """The static figure of one finished (or running) trace.
 
-    Parameters
-    ----------
-    series_count
-        How many series the traces drawn will have.
-    live
-        Blit live frames (see the module docstring). ``False`` draws every
-        frame whole, for files.
+    ``axes`` maps each panel (``"device"``, ``"process"``) that has series to
+    its axes; ``lines`` and ``peak_lines`` hold each series' current and
+    running-peak line, ``legend`` the figure legend, ``title`` its title,
+    ``vax`` the variables panel (``None`` without variables).
     """
 
-    def __init__(self, series_count: int, live: bool = True, dpi: int = DPI, width: float = 9.0):
+    def __init__(self, trace: MemoryTrace, dpi: int = DPI, width: float = 9.0) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.lines import Line2D
 
-        self.live = live
-        # The legend sits under the axes (it would hide lines inside them);
-        # the figure grows with its rows so the axes keep their size.
-        entries = series_count + 1
+        self.trace = trace
+        panels = [p for p in ("device", "process") if any(s.panel == p for s in trace.series)]
+        entries = len(trace.series) + 1
         ncol = 1 if entries <= 2 else 2
         rows = math.ceil(entries / ncol)
-        axes_h, top_h, xlabel_h, legend_h = 2.4, 0.4, 0.55, 0.24 * rows + 0.12
-        height = top_h + axes_h + xlabel_h + legend_h
-        bottom = (legend_h + xlabel_h) / height
+        title_h, legend_h, panel_h, gap_h, bottom_h = 0.36, 0.2 * rows + 0.1, 1.7, 0.5, 0.5
+        height = title_h + legend_h + len(panels) * panel_h + (len(panels) - 1) * gap_h + bottom_h
         self.fig = Figure(figsize=(width, height), dpi=dpi)
+        self.fig.patch.set_alpha(0.0)
         self.canvas = FigureCanvasAgg(self.fig)
-        self.ax = self.fig.add_axes((0.085, bottom, 0.59, axes_h / height))
-        self.vax = self.fig.add_axes((0.80, bottom, 0.17, axes_h / height))
-        self.lines = [
-            self.ax.plot([], [], color=f"C{i % 10}", lw=1.5, drawstyle="steps-post")[0] for i in range(series_count)
-        ]
-        # The running peak, faint: it shows the transient memory inside steps
-        # that "current", read between steps, never sees.
-        self.peak_lines = [
-            self.ax.plot([], [], color=f"C{i % 10}", lw=1.0, alpha=0.45, drawstyle="steps-post")[0]
-            for i in range(series_count)
-        ]
-        peak_handle = Line2D([], [], color="0.4", lw=1.0, alpha=0.45)
-        self.legend = self.ax.legend(
-            [*self.lines, peak_handle],
-            [" "] * entries,
+        right = 0.67 if trace.variable_bytes else 0.97
+        self.axes: dict[str, Any] = {}
+        top = height - title_h - legend_h
+        for panel in panels:
+            bottom = top - panel_h
+            self.axes[panel] = self.fig.add_axes((0.085, bottom / height, right - 0.085, panel_h / height))
+            top = bottom - gap_h
+        self.vax = None
+        if trace.variable_bytes:
+            first = self.axes[panels[0]].get_position()
+            self.vax = self.fig.add_axes((0.80, first.y0, 0.17, first.height))
+        self.title = self.fig.text(0.085, 1 - 0.24 / height, title_text(trace, final=trace.finished),
+                                   fontsize=_TITLE_PT, color=TEXT, ha="left")
+        self.lines: list[Any] = []
+        self.peak_lines: list[Any] = []
+        self._draw_series()
+        # Legend handles of one width: the lines' widths only keep equal series apart.
+        handles = [Line2D([], [], color=line.get_color(), lw=2.0) for line in self.lines]
+        peak_handle = Line2D([], [], color=TEXT, lw=1.0, alpha=0.45)
+        labels = [_legend_text(trace, i) for i in range(len(trace.series))]
+        self.legend = self.fig.legend(
+            [*handles, peak_handle],
+            [*labels, "running peak (faint lines)"],
             loc="upper left",
-            bbox_to_anchor=(0.0, -xlabel_h / axes_h),
+            bbox_to_anchor=(0.075, 1 - title_h / height),
             ncol=ncol,
             fontsize=_TICK_PT,
             frameon=False,
+            labelcolor=TEXT,
             borderaxespad=0.0,
         )
-        self.title = self.ax.set_title(" ", fontsize=_TITLE_PT, loc="left")
-        self.ax.set_xlabel("time (s)", fontsize=_LABEL_PT)
-        self.ax.tick_params(labelsize=_TICK_PT)
-        self.ax.grid(True, lw=0.4, alpha=0.4)
-        self.vax.tick_params(labelsize=_TICK_PT)
-        for line in self._data_lines:
-            line.set_animated(live)
-        self._decorations: list[Any] = []
-        self._variables_key: tuple | None = None
-        self._panel_background = None
-        self._applied: PlotLayout | None = None  # what the artists show now
-        self._layout: PlotLayout | None = None  # what the cached background shows
-        self._background = None
-        self._labels: tuple[str, ...] = ()
-        self._xmax = 10.0
-        self._ytop = 0.0
-        self.full_draws = 0
+        self._draw_marks()
+        self.axes[panels[-1]].set_xlabel("time (s)", fontsize=_LABEL_PT, color=TEXT)
+        if self.vax is not None:
+            self._draw_variables()
 
-    @property
-    def _data_lines(self) -> list[Any]:
-        return [*self.peak_lines, *self.lines]
+    def _draw_series(self) -> None:
+        import numpy as np
 
-    # -- layout -----------------------------------------------------------------
-    def _limits(self, trace: MemoryTrace, t_end: float, top: float, final: bool) -> tuple[float, float]:
-        caps = [s.cap for s in trace.series if s.cap]
-        # Never an axis below 1 MiB: an allocator reporting a few bytes (or
-        # none) is drawn near zero on a readable scale.
-        need = max([top * 1.08, *(c * 1.04 for c in caps), MIB])
-        if final:
-            return max(t_end, 1e-3), need
-        # Live limits grow in big, round steps so the background is rarely redrawn.
-        if t_end > self._xmax:
-            self._xmax = max(2 * self._xmax, 1.25 * t_end)
-        if need > self._ytop:
-            if caps and top * 1.08 <= max(caps):
-                self._ytop = need
-            else:
-                self._ytop = _nice_ceiling(need * 1.25 / MIB) * MIB
-        return self._xmax, self._ytop
-
-    def _layout_for(self, trace: MemoryTrace, top: float, t_end: float, final: bool) -> PlotLayout:
-        xmax, ytop = self._limits(trace, t_end, top, final)
-        first = trace.epoch_starts[0][1] if trace.epoch_starts else 0
-        self._labels = tuple(short_name(s.label) for s in trace.series)
-        return PlotLayout(
-            xmax=xmax,
-            ytop=ytop,
-            unit=("GiB", GIB) if ytop >= GIB else ("MiB", MIB),
-            caps=tuple(s.cap for s in trace.series),
-            marks=tuple((t, e) for t, e in trace.epoch_starts if e != first),
-            title=title_text(trace, final),
-            legend=_legend_texts(trace, final),
-            empty=bool(len(trace)) and all(trace.all_zero(i) for i in range(len(trace.series))),
-        )
-
-    def _apply(self, layout: PlotLayout) -> None:
-        """Set the artists to ``layout`` (drawing nothing)."""
-        for artist in self._decorations:
-            artist.remove()
-        self._decorations = []
-        name, scale = layout.unit
-        ax = self.ax
-        ax.set_xlim(0, layout.xmax)
-        ax.set_ylim(0, layout.ytop / scale)
-        ax.set_ylabel(f"memory ({name})", fontsize=_LABEL_PT)
-        for cap, members in _cap_groups(layout.caps).items():
-            # Equal caps would hide each other: interleave their dashes.
-            dash, gap = 5.0, 5.0 * (len(members) - 1)
-            for k, i in enumerate(members):
-                style = (k * dash, (dash, gap)) if gap else (0, (dash, 3.0))
-                line = ax.axhline(cap / scale, color=f"C{i % 10}", lw=1.2, alpha=0.9, linestyle=style)
-                self._decorations.append(line)
-            names = ", ".join(self._labels[i] for i in members)
-            self._decorations.append(
-                ax.text(
-                    0.995, cap / scale, f"cap {format_bytes(cap)} ({names}) ", transform=ax.get_yaxis_transform(),
-                    ha="right", va="top", fontsize=_NOTE_PT, color="0.3",
-                )
-            )
-        for t, epoch in layout.marks:
-            self._decorations.append(ax.axvline(t, color="0.45", ls=":", lw=0.9))
-            self._decorations.append(
-                ax.text(t, 0.02, f" e{epoch + 1}", transform=ax.get_xaxis_transform(), fontsize=_NOTE_PT, color="0.35")
-            )
-        if layout.empty:
-            self._decorations.append(
+        trace = self.trace
+        times = np.array(trace.time, dtype=float)
+        values = [np.array(c, dtype=float) for c in (*trace.current, *trace.peak)]
+        times, values = _decimate(times, values)
+        count = len(trace.series)
+        xmax = max(trace.duration, float(times[-1]) if len(times) else 0.0, 1e-3)
+        for panel, ax in self.axes.items():
+            _style(ax)
+            name, scale = panel_unit(trace, panel)
+            members = [i for i, s in enumerate(trace.series) if s.panel == panel]
+            top = max([float(values[j].max()) for i in members for j in (i, i + count) if len(values[j])]
+                      + [s.cap or 0 for s in trace.series if s.panel == panel] + [0.0])
+            ax.set_xlim(0, xmax)
+            # Never below 1 KiB: an allocator reporting nothing is drawn at zero on a sane scale.
+            ax.set_ylim(0, max(top * 1.08, MIN_TOP) / scale)
+            ax.set_ylabel(f"{_PANEL_TITLES[panel]} ({name})", fontsize=_LABEL_PT, color=TEXT)
+            for cap, group in _cap_groups([(i, trace.series[i].cap) for i in members]).items():
+                # Equal caps would hide each other: interleave their dashes.
+                dash, gap = 5.0, 5.0 * (len(group) - 1)
+                for k, i in enumerate(group):
+                    style = (k * dash, (dash, gap)) if gap else (0, (dash, 3.0))
+                    ax.axhline(cap / scale, color=PALETTE[i % len(PALETTE)], lw=1.2, alpha=0.9, linestyle=style)
+                names = ", ".join(short_name(trace.series[i].label) for i in group)
+                ax.text(0.995, cap / scale, f"cap {format_bytes(cap)} ({names}) ", transform=ax.get_yaxis_transform(),
+                        ha="right", va="top", fontsize=_NOTE_PT, color=TEXT)
+            if len(trace) and all(trace.all_zero(i) for i in members):
                 ax.text(0.5, 0.5, "nothing allocated (every reading is 0 B)", transform=ax.transAxes,
-                        ha="center", va="center", fontsize=_LABEL_PT, color="0.35")
-            )
-        for text, value in zip(self.legend.get_texts(), layout.legend):
-            text.set_text(value)
-        self.title.set_text(layout.title)
-        self._applied = layout
+                        ha="center", va="center", fontsize=_LABEL_PT, color=TEXT)
+        self.lines = [None] * count
+        self.peak_lines = [None] * count
+        for panel, ax in self.axes.items():
+            scale = panel_unit(trace, panel)[1]
+            members = [i for i, s in enumerate(trace.series) if s.panel == panel]
+            # Equal series would hide each other: each one drawn before is wider, so all their colours show.
+            widen = min(1.2, 6 / (len(members) - 1)) if len(members) > 1 else 0.0
+            for j, i in enumerate(members):
+                colour = PALETTE[i % len(PALETTE)]
+                self.peak_lines[i] = ax.plot(times, values[i + count] / scale, color=colour, lw=1.0, alpha=0.45,
+                                             drawstyle="steps-post")[0]
+                width = 1.5 + widen * (len(members) - 1 - j)
+                self.lines[i] = ax.plot(times, values[i] / scale, color=colour, lw=width, drawstyle="steps-post")[0]
 
-    def _draw_variables(self, trace: MemoryTrace) -> None:
-        vax = self.vax
-        vax.clear()
-        vax.tick_params(labelsize=_TICK_PT)
-        vax.set_title("variables per replica", fontsize=_LABEL_PT, loc="left")
-        if not trace.variable_bytes:
-            vax.set_axis_off()
-            vax.text(0.0, 0.5, "no model known\n(MemoryMonitor(model=...))", fontsize=_NOTE_PT, transform=vax.transAxes)
-            return
-        vax.set_axis_on()
+    def _draw_marks(self) -> None:
+        """Epoch starts: a dotted line in every panel; a label in the top
+        panel only where it does not run into the one before."""
+        starts = self.trace.epoch_starts
+        first = starts[0][1] if starts else 0
+        marks = [(t, e) for t, e in starts if e != first]
+        panels = list(self.axes.values())
+        last_label = -math.inf
+        for t, epoch in marks:
+            for ax in panels:
+                ax.axvline(t, color=TEXT, ls=":", lw=0.9)
+            where = t / panels[0].get_xlim()[1]
+            if where - last_label >= 0.045:
+                panels[0].text(t, 0.98, f" e{epoch + 1}", transform=panels[0].get_xaxis_transform(),
+                               fontsize=_NOTE_PT, color=TEXT, va="top")
+                last_label = where
+
+    def _draw_variables(self) -> None:
+        trace, vax = self.trace, self.vax
+        _style(vax)
+        vax.grid(False)
+        vax.set_title("variables per replica", fontsize=_LABEL_PT, loc="left", color=TEXT)
         names = [short_name(d) for d in trace.variable_bytes]
         values = list(trace.variable_bytes.values())
         unit, scale = _unit(max(values))
         ys = list(range(len(names)))[::-1]
-        vax.barh(ys, [v / scale for v in values], color="0.55", height=0.6)
+        vax.barh(ys, [v / scale for v in values], color=TEXT, alpha=0.6, height=0.6)
         vax.set_yticks(ys, names)
         vax.set_xlim(0, max(max(values) / scale, 1) * 1.9)
-        vax.set_xlabel(unit, fontsize=_LABEL_PT)
+        vax.set_xlabel(unit, fontsize=_LABEL_PT, color=TEXT)
         for y, v in zip(ys, values):
             shown = f"{v / scale:.1f} {unit}" if scale > 1 else f"{v} B"
-            vax.text(v / scale, y, " " + shown, va="center", fontsize=_NOTE_PT)
+            vax.text(v / scale, y, " " + shown, va="center", fontsize=_NOTE_PT, color=TEXT)
 
-    # -- frames -----------------------------------------------------------------
-    def _data(self, trace: MemoryTrace) -> tuple[Any, list[Any]]:
-        """Times, then current and peak bytes of each series, decimated."""
+    def png(self) -> bytes:
+        """The figure as a PNG with a transparent background."""
         import numpy as np
 
-        times = np.array(trace.time, dtype=float)
-        values = [np.array(c, dtype=float) for c in (*trace.current, *trace.peak)]
-        return _decimate(times, values)
-
-    def draw(self, trace: MemoryTrace, final: bool = False) -> None:
-        """Bring the figure up to date with ``trace``.
-
-        Live frames blit onto the cached background when its layout still
-        fits. The final frame is drawn whole with tight limits, and leaves
-        the cached background alone: a next run whose first frames look the
-        same (same model, same epochs) blits from its very first frame.
-        """
-        times, values = self._data(trace)
-        t_end = trace.duration if final else (float(times[-1]) if len(times) else 0.0)
-        top = max((float(v.max()) for v in values if len(v)), default=0.0)
-        layout = self._layout_for(trace, top, t_end, final)
-        for line, value in zip([*self.lines, *self.peak_lines], values):
-            line.set_data(times, value / layout.unit[1] if len(value) else value)
-            if final:
-                line.set_animated(False)
-        variables = tuple(trace.variable_bytes.items())
-        if variables != self._variables_key:
-            self._variables_key = variables
-            self._draw_variables(trace)
-            self._panel_background = None
-            self._background = None
-        if final or not self.live:
-            self._apply(layout)
-            self._draw_whole()
-            return
-        if layout != self._layout or self._background is None:
-            self._apply(layout)
-            self._draw_whole()
-            self._layout = layout
-            self._background = self.canvas.copy_from_bbox(self.fig.bbox)
-        else:
-            if self._applied != layout:  # a final frame changed the artists since
-                self._apply(layout)
-            self.canvas.restore_region(self._background)
-        for line in self._data_lines:
-            self.ax.draw_artist(line)
-
-    def _draw_whole(self) -> None:
-        """Draw everything but the animated lines. Live, the variables panel
-        (half of all the text, and it rarely changes) comes from its own cached
-        bitmap and only the main axes are drawn."""
-        self.full_draws += 1
-        if not self.live:
-            self.canvas.draw()
-            return
-        if self._panel_background is None:
-            self.ax.set_visible(False)
-            self.canvas.draw()
-            self.ax.set_visible(True)
-            self._panel_background = self.canvas.copy_from_bbox(self.fig.bbox)
-        else:
-            self.canvas.restore_region(self._panel_background)
-        self.ax.draw(self.canvas.get_renderer())
-
-    def png(self, compress_level: int = 1) -> bytes:
-        """The canvas as PNG (fast compression for live frames)."""
-        import numpy as np
-
-        width, height = self.canvas.get_width_height()
-        pixels = np.asarray(self.canvas.buffer_rgba())
-        return encode_png(pixels[:, :, :3], compress_level)
-
-    def render(self, trace: MemoryTrace, final: bool = False) -> bytes:
-        """Draw and return the frame as PNG."""
-        self.draw(trace, final=final)
-        return self.png(compress_level=6 if final else 1)
-
-    def reset(self) -> None:
-        """Get ready for the next run: empty lines, initial limits. The cached
-        background stays; it is used only if the next layout matches it."""
-        self._xmax = 10.0
-        self._ytop = 0.0
-        for line in self._data_lines:
-            line.set_data([], [])
-            line.set_animated(self.live)
-
-    @classmethod
-    def reuse(cls, series_count: int) -> MemoryPlot:
-        """A live plot for ``series_count`` series: a released one when there
-        is one (building a figure and drawing it the first time costs several
-        times a later full frame), else a new one."""
-        spare = _SPARE_PLOTS.pop(series_count, None)
-        return spare if spare is not None else cls(series_count)
-
-    def release(self) -> None:
-        """Done with this plot: keep it for the next run of the same shape."""
-        if self.live:
-            self.reset()
-            _SPARE_PLOTS[len(self.lines)] = self
+        self.canvas.draw()
+        return encode_png(np.asarray(self.canvas.buffer_rgba()), compress_level=6)
 
 
-#: One released live plot per series count, for the next run.
-_SPARE_PLOTS: dict[int, MemoryPlot] = {}
+def render_static(trace: MemoryTrace, dpi: int = DPI) -> bytes:
+    """The final image of ``trace``: a transparent PNG."""
+    return MemoryFigure(trace, dpi=dpi).png()
 
 
 def save_trace_figure(trace: MemoryTrace, path: str, dpi: int = DPI) -> str:
-    """Write a static figure of ``trace`` to ``path`` (format from its suffix).
+    """Write the static figure of ``trace`` to ``path`` (format from its
+    suffix, transparent background).
 
     Raises :class:`ImportError` with the install hint without matplotlib.
     """
     require_matplotlib("the plot cannot be saved")
-    plot = MemoryPlot(len(trace.series), live=False, dpi=dpi)
-    plot.draw(trace, final=True)
-    plot.fig.savefig(path, dpi=dpi)
+    MemoryFigure(trace, dpi=dpi).fig.savefig(path, dpi=dpi, transparent=True)
     return path

@@ -271,7 +271,7 @@ class MemoryRecorder:
             self.report_once("variables", f"variable sizes cannot be read ({type(exc).__name__}: {exc})")
 
     def finish(self, interrupted: bool = False) -> MemoryTrace | None:
-        """End the run: a last sample, the final frame or summary."""
+        """End the run: a last sample, the final image or summary."""
         if not self.active:
             return self.trace
         self._sample_at(self.clock())

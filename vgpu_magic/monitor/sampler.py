@@ -109,7 +109,7 @@ def build_series(
     elif cpus:
         series += [SeriesInfo(d, short_name(d), (d,), None) for d in cpus]
     if cpus and process:
-        series.append(SeriesInfo("process", PROCESS_LABEL, (), None))
+        series.append(SeriesInfo("process", PROCESS_LABEL, (), None, panel="process"))
     return tuple(series)
 
 

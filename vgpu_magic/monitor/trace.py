@@ -73,12 +73,17 @@ class SeriesInfo:
     cap
         The device's memory cap in bytes, ``None`` when it has none (CPUs, or
         a GPU used whole).
+    panel
+        Where the view draws it: ``"device"`` for an allocator's bytes,
+        ``"process"`` for a process' resident memory, which on CPU dwarfs
+        every allocator and so gets a panel (and a scale) of its own.
     """
 
     key: str
     label: str
     devices: tuple[str, ...]
     cap: int | None = None
+    panel: str = "device"
 
     @property
     def shared(self) -> bool:

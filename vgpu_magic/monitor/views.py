@@ -4,40 +4,50 @@ The contract is :class:`View`: four calls, each given the trace, none of
 which may stop the training (the recorder switches off a view that raises and
 says so once). A view decides itself what to show and when.
 
-* :class:`LivePlotView`: the live plot in a notebook (a
-  :class:`~vgpu_magic.monitor.plot.MemoryPlot` shown through one
-  :class:`~vgpu_magic.monitor.display.DisplaySurface`).
+* :class:`~vgpu_magic.monitor.live.LiveMemoryView`: the live view in a
+  notebook, a widget the browser draws, then the final static image.
 * :class:`TextSummaryView`: one line per epoch and one at the end.
 * :class:`NullView`: records only.
 
-Redraw throttle
+What the live view and the static image share lives here too: the series
+colours (:data:`PALETTE`) and each panel's unit (:func:`panel_unit`).
+
+Update throttle
 ---------------
-Drawing runs on the training thread, so every millisecond drawn is a
-millisecond of training lost. :class:`RedrawThrottle` allows the next frame
-when ``now - last_start >= max(min_interval, budget_factor * last_cost)``,
-with ``min_interval = 0.4 s`` and ``budget_factor = 100``. A frame costing
-``c`` is thus followed by at least ``99 c`` of training, so drawing takes at
-most ``c / 100c = 1 %`` of the time whatever ``c`` is (the whole monitor's
-goal is 2 %). Frames can only be drawn at a sample (at a batch start, at most
-every 50 ms), so they land a little after the time allowed. A live frame
-(blit, PNG encode, publish) costs 3-5 ms on a quiet machine, so the plot
-refreshes about twice a second; where frames cost more (a loaded machine),
-it refreshes less often rather than slowing the training.
+Whatever a view does at a sample runs on the training thread.
+:class:`RedrawThrottle` allows the next update when ``now - last_start >=
+max(min_interval, budget_factor * last_cost)``: an update costing ``c`` is
+followed by at least ``(budget_factor - 1) c`` of training, so updating takes
+at most ``1 / budget_factor`` of the time whatever ``c`` is.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-import time
-from collections.abc import Callable
 from typing import Any, TextIO
 
-from ..units import format_bytes
-from .display import DisplaySurface, MemoryFrame
+from ..units import GIB, MIB, format_bytes
 from .trace import MemoryTrace
 
-__all__ = ["View", "RedrawThrottle", "LivePlotView", "TextSummaryView", "NullView", "summary_line"]
+__all__ = ["View", "RedrawThrottle", "TextSummaryView", "NullView", "summary_line", "panel_unit", "PALETTE"]
+
+#: Series colours, live and in the static image: each has at least 3:1
+#: contrast (WCAG's minimum for graphics) on white and on JupyterLab's dark
+#: background (#111), so one palette reads on light and dark themes.
+PALETTE = ("#1f77b4", "#d9730d", "#2ca02c", "#d62728", "#9467bd", "#1a9a9e", "#c44e9a", "#7f7f7f", "#8f8f17", "#a0724a")
+
+
+def panel_unit(trace: MemoryTrace, panel: str) -> tuple[str, int]:
+    """The unit of one panel (``"device"`` or ``"process"``) for the whole
+    run, from what is known when it starts (caps and peaks): GiB from 2 GiB,
+    MiB from 1 MiB, else KiB. Neither the live view nor the final image
+    switches units during a run."""
+    known = max((max(s.cap or 0, peak) for s, peak in zip(trace.series, trace.baseline_peak) if s.panel == panel),
+                default=0)
+    if known >= 2 * GIB:
+        return "GiB", GIB
+    return ("MiB", MIB) if known >= MIB else ("KiB", 1024)
 
 
 class View:
@@ -105,15 +115,15 @@ class TextSummaryView(View):
 
 
 class RedrawThrottle:
-    """Allows a redraw when ``now - last_start >= max(min_interval, budget_factor * last_cost)``.
+    """Allows an update when ``now - last_start >= max(min_interval, budget_factor * last_cost)``.
 
-    See the module docstring for why this keeps drawing at or under
+    See the module docstring for why this keeps updating at or under
     ``1 / budget_factor`` of the time. Start it with :meth:`reset` at the run
-    start: the first frame then comes ``min_interval`` into the run, not at
+    start: the first update then comes ``min_interval`` into the run, not at
     its very first step.
     """
 
-    def __init__(self, min_interval: float = 0.4, budget_factor: float = 100.0) -> None:
+    def __init__(self, min_interval: float = 0.2, budget_factor: float = 200.0) -> None:
         self.min_interval = min_interval
         self.budget_factor = budget_factor
         self.last_start = -math.inf
@@ -132,88 +142,3 @@ class RedrawThrottle:
     def record(self, start: float, cost: float) -> None:
         self.last_start = start
         self.last_cost = cost
-
-
-class LivePlotView(View):
-    """The live plot: one :class:`~vgpu_magic.monitor.plot.MemoryPlot`, one
-    :class:`~vgpu_magic.monitor.display.DisplaySurface`, frames allowed by a
-    :class:`RedrawThrottle` on their measured cost.
-
-    The surface opens with a text placeholder when the run starts (see
-    :mod:`vgpu_magic.monitor.display` for why). The final frame (tight
-    limits, exact peaks, "done") is drawn whole, which costs a few times a live
-    frame; ``defer`` (``defer(draw)``) may postpone it to when the training is
-    over, e.g. to the end of the notebook cell, so it does not count against
-    the run. Without ``defer`` it is drawn at once.
-
-    ``draw_costs`` keeps every frame's cost (seconds: drawing, encoding and
-    publishing), ``draw_kinds`` whether it was a ``"blit"``, a ``"full"``
-    redraw or the ``"final"`` frame, ``setup_cost`` the one-time cost of
-    importing matplotlib and building the figure, for the benchmark and for
-    the curious.
-    """
-
-    def __init__(
-        self,
-        surface: DisplaySurface | None = None,
-        throttle: RedrawThrottle | None = None,
-        clock: Callable[[], float] = time.perf_counter,
-        defer: Callable[[Callable[[], None]], None] | None = None,
-    ) -> None:
-        self.surface = surface if surface is not None else DisplaySurface()
-        self._defer = defer
-        self.throttle = throttle or RedrawThrottle()
-        self.clock = clock
-        self.plot: Any = None
-        self.setup_cost = 0.0
-        self.draw_costs: list[float] = []
-        self.draw_times: list[float] = []
-        self.draw_kinds: list[str] = []
-
-    def start(self, trace: MemoryTrace) -> None:
-        self.throttle.reset(self.clock())
-        self.surface.show(MemoryFrame(None, f"memory · {trace.kind} · the plot appears after the first steps"))
-
-    def sampled(self, trace: MemoryTrace, now: float) -> None:
-        if self.throttle.ready(now):
-            self._frame(trace, final=False)
-
-    def _frame(self, trace: MemoryTrace, final: bool) -> None:
-        from .plot import MemoryPlot, title_text
-
-        if self.plot is None:
-            # Importing matplotlib and building the figure happen once (per
-            # kernel, or per run shape): counted in setup_cost, not as the cost
-            # of a frame, or the throttle would hold the second frame back for
-            # fifty times an import.
-            begin = self.clock()
-            self.plot = MemoryPlot.reuse(len(trace.series))
-            self.setup_cost += self.clock() - begin
-        start = self.clock()
-        full_before = self.plot.full_draws
-        png = self.plot.render(trace, final=final)
-        self.surface.show(MemoryFrame(png, title_text(trace, final) + "\n" + summary_line(trace)))
-        cost = self.clock() - start
-        self.throttle.record(start, cost)
-        self.draw_costs.append(cost)
-        self.draw_times.append(start)
-        self.draw_kinds.append("final" if final else "full" if self.plot.full_draws > full_before else "blit")
-
-    def finish(self, trace: MemoryTrace) -> None:
-        if not len(trace):
-            self._release()
-        elif self._defer is None:
-            self._final(trace)
-        else:
-            self._defer(lambda: self._final(trace))
-
-    def _final(self, trace: MemoryTrace) -> None:
-        try:
-            self._frame(trace, final=True)
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        if self.plot is not None:
-            self.plot.release()
-            self.plot = None

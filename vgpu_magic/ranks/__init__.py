@@ -3,7 +3,9 @@ launchers wire them (torchrun's environment, ``TF_CONFIG``,
 ``jax.distributed``), run under one fault policy.
 
 * :mod:`.engine`: :class:`RankCluster` (start, wire, run, stop);
-* :mod:`.wiring`: one module per framework with its launcher's wiring;
+* :mod:`.hosts`: each engine's report of its host, and the ranks laid out on
+  the hosts (each framework's module in :mod:`vgpu_magic.frameworks` plans
+  its launcher's wiring from that layout);
 * :mod:`.run`: running work on every rank, streaming output, the fault policy;
 * :mod:`.memory`: per-rank memory sampled from the kernel, and its live plot;
 * :mod:`.magics`: ``%vgpu_cluster`` and ``%%vgpu_run``, thin faces over the engine.
@@ -44,9 +46,12 @@ def cluster():
     RuntimeError
         When no cluster runs.
     """
+    from ..frameworks import REGISTRY
     from .engine import current
 
     found = current()
     if found is None or not found.running:
-        raise RuntimeError("no cluster is running; start one with %vgpu_cluster start N --framework torch|tensorflow|jax")
+        raise RuntimeError(
+            f"no cluster is running; start one with %vgpu_cluster start N --framework {'|'.join(REGISTRY)}"
+        )
     return found

@@ -3,8 +3,9 @@ its processes.
 
 :class:`RankCluster` is the engine behind ``%vgpu_cluster`` and
 ``%%vgpu_run``; it needs no shell. ipyparallel's :class:`~ipyparallel.Cluster`
-starts, signals and stops the processes; this class adds the rank order, the
-framework wiring (:mod:`.wiring`), the fault policy (:mod:`.run`) and a stop
+starts, signals and stops the processes; this class adds the ranks' hosts and
+their order (:mod:`.hosts`), the framework's wiring (each framework's
+``plan_ranks`` in :mod:`vgpu_magic.frameworks`), the fault policy (:mod:`.run`) and a stop
 that leaves nothing behind: ipyparallel sends SIGTERM and only later SIGKILL
 (TensorFlow workers were measured still alive 5 s after SIGTERM), so
 :meth:`RankCluster.stop` escalates itself and checks with psutil that every
@@ -16,7 +17,6 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import logging
-import os
 import shutil
 import signal
 import socket
@@ -25,8 +25,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from .. import frameworks
+from ..frameworks.base import RankPlan
+from ..inventory import GPUInfo, NVMLReadError
+from ..units import MIB
+from .hosts import HostReport, RankLayout, layout_ranks, prepare_rank, report_host, visible_gpus
 from .run import RankRun, RankRunError, names_to_send, names_written, pack_names, process_alive, split_last_expression
-from .wiring import GPU, RankPlan, get_wiring, prepare_rank
 
 __all__ = ["RankCluster", "RankInfo", "ClusterStartError", "current", "free_ports"]
 
@@ -38,6 +42,12 @@ STOP_GRACE = 2.0
 ENGINE_TIMEOUT = 120.0
 #: Seconds the wiring (process group / coordinator rendezvous) may take.
 SETUP_TIMEOUT = 120.0
+#: The controller's heartbeat. The hub accepts a registering engine only once its heart has answered a ping, so
+#: ipyparallel's default 3 s period made every start wait 3-6 s for nothing (``benchmarks/cluster.py``). Beating
+#: every 200 ms costs the idle cluster under 1 % of one core; 150 misses keep ipyparallel's 30 s before a silent
+#: engine counts as dead.
+HEARTBEAT_MS = 200
+CONTROLLER_ARGS = (f"--HeartMonitor.period={HEARTBEAT_MS}", f"--HeartMonitor.max_heartmonitor_misses={30_000 // HEARTBEAT_MS}")
 
 _current: RankCluster | None = None
 _lock = threading.Lock()
@@ -57,6 +67,7 @@ class RankInfo:
     alive: bool
     rss: int | None
     gpu: int | None
+    host: str
 
 
 def free_ports(count: int) -> list[int]:
@@ -86,16 +97,18 @@ class RankCluster:
     n:
         Number of ranks (1..64).
     framework:
-        ``"torch"``, ``"tensorflow"`` (``"tf"``) or ``"jax"``.
+        A name in :data:`vgpu_magic.frameworks.REGISTRY` (or an alias):
+        ``"torch"``, ``"tensorflow"`` (``"tf"``), ``"jax"``.
     split:
         TensorFlow: logical GPUs per worker (GPU only); JAX: CPU devices per process.
     memory:
-        Per-rank GPU memory cap in bytes (default: an even share of the GPU).
+        Per-rank GPU memory cap in bytes (default: an even share of what the GPU can give).
     port:
         The coordinator port (torch's ``MASTER_PORT``, JAX's coordinator, the
-        first TensorFlow worker); default: free ports from the OS.
+        first TensorFlow worker); default: ports the OS gives on the hosts that bind them.
     gpus:
-        The GPUs to plan for, ``[(index, total_bytes), ...]``; default: what NVML sees.
+        The GPUs every host is planned with, ``[(cuda_index, total_bytes), ...]``;
+        default: what each engine reports it sees.
     launcher:
         How ipyparallel starts the engines: ``"local"`` (processes of this
         kernel) or ``"mpi"`` (one ``mpiexec`` job; needs ``mpiexec`` and
@@ -128,7 +141,7 @@ class RankCluster:
             raise ValueError(f"rank count {n!r} is out of range; use 1..64")
         if port is not None and not 1 <= port <= 65535:
             raise ValueError(f"--port {port} is not a TCP port; use 1..65535, or leave it out for a free one")
-        self.wiring = get_wiring(framework)
+        self.fw = frameworks.get(framework)
         if launcher not in LAUNCHERS:
             raise ValueError(f"launcher {launcher!r} is not supported; use {' or '.join(LAUNCHERS)}")
         if launcher == "mpi":
@@ -140,18 +153,23 @@ class RankCluster:
         missing = [m for m in ("ipyparallel", "psutil", "cloudpickle") if importlib.util.find_spec(m) is None]
         if missing:
             raise ValueError(f"the ranks need {', '.join(missing)}: pip install 'vgpu_magic[cluster]'")
-        if importlib.util.find_spec(self.wiring.module) is None:
-            raise ValueError(f"{self.wiring.label} is not installed in this kernel: pip install 'vgpu_magic[{self.wiring.extra}]'")
-        if gpus is None:
-            from .memory import gpu_totals
-
-            gpus = gpu_totals()
-        self.gpus = [GPU(i, total) for i, total in gpus]
-        self.wiring.validate(n, split, memory, self.gpus)
+        if importlib.util.find_spec(self.fw.module) is None:
+            raise ValueError(f"{self.label} is not installed in this kernel; {self.fw.capabilities.install_hint}")
+        #: The GPUs the caller planned for (every host then plans with them), or ``None``: each engine's own.
+        self.given_gpus = None if gpus is None else tuple(
+            GPUInfo(index, total_mib=total // MIB, nvml_index=index) for index, total in gpus
+        )
+        memory_mib = None if memory is None else memory // MIB
+        # Planned once on this host's view of the ranks, so a request that cannot work fails before anything starts;
+        # start() plans again from what the engines report.
+        self.fw.plan_ranks(self._predicted_layout(n), split, memory_mib, port)
         self.n = n
         self.split = split
         self.memory = memory
+        self.memory_mib = memory_mib
         self.port = port
+        self.hosts: list[HostReport] = []
+        self.layout: RankLayout | None = None
         self.plans: list[RankPlan] = []
         self.cluster: Any = None
         self.client: Any = None
@@ -165,7 +183,11 @@ class RankCluster:
 
     @property
     def framework(self) -> str:
-        return self.wiring.name
+        return self.fw.name
+
+    @property
+    def label(self) -> str:
+        return self.fw.label
 
     @property
     def running(self) -> bool:
@@ -173,8 +195,8 @@ class RankCluster:
 
     def same_request(self, other: RankCluster) -> bool:
         """Does ``other`` ask for the same ranks and wiring as this cluster?"""
-        mine = (self.n, self.framework, self.split, self.memory, self.port, self.gpus, self.launcher)
-        return mine == (other.n, other.framework, other.split, other.memory, other.port, other.gpus, other.launcher)
+        mine = (self.n, self.framework, self.split, self.memory, self.port, self.given_gpus, self.launcher)
+        return mine == (other.n, other.framework, other.split, other.memory, other.port, other.given_gpus, other.launcher)
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> RankCluster:
@@ -195,28 +217,30 @@ class RankCluster:
         try:
             # ERROR: ipyparallel logs an engine's whole log file as a warning when it exits non-zero, which
             # every stop after a killed rank would print into the cell; this class reports failures itself.
-            self.cluster = ipp.Cluster(n=self.n, engines=self.launcher, log_level=logging.ERROR)
+            self.cluster = ipp.Cluster(
+                n=self.n, engines=self.launcher, log_level=logging.ERROR, controller_args=list(CONTROLLER_ARGS)
+            )
             self.cluster.start_cluster_sync(n=self.n)
             # Remembered at once, so that even engines that never register are stopped.
             self._remember_processes()
             self.client = self.cluster.connect_client_sync()
             # interactive=False: no progress bar in the cell (the start summary says what started).
             self.client.wait_for_engines(self.n, timeout=ENGINE_TIMEOUT, block=True, interactive=False)
-            self.engine_ids = sorted(self.client.ids)[: self.n]
+            self.hosts = self._read_hosts(sorted(self.client.ids)[: self.n])
+            self.layout = self._layout(self.hosts)
+            # Rank order: the launcher's ranks, else the engines', grouped by host.
+            self.engine_ids = [place.engine_id for place in self.layout.places]
+            self.pids = [place.pid for place in self.layout.places]
+            self._owned.update(self.pids)
             self.view = self.client[self.engine_ids]
             self.view.block = True
-            self.pids = [self.client[e].apply_sync(os.getpid) for e in self.engine_ids]
-            self._owned.update(self.pids)
-            ports = [self.port, *free_ports(self.wiring.ports_needed(self.n) - 1)] if self.port else free_ports(
-                self.wiring.ports_needed(self.n)
-            )
-            self.plans = self.wiring.plan(self.n, ports, self.split, self.memory, self.gpus)
+            self.plans = self.fw.plan_ranks(self.layout, self.split, self.memory_mib, self.port)
             self._wire()
         except BaseException as exc:
             self.stop()
             if isinstance(exc, RankRunError):
                 raise ClusterStartError(
-                    f"wiring {self.wiring.label} failed: {exc.headline(state=False)}; nothing was left running"
+                    f"wiring {self.label} failed: {exc.headline(state=False)}; nothing was left running"
                 ) from exc
             if isinstance(exc, Exception) and not isinstance(exc, ClusterStartError):
                 raise ClusterStartError(f"the ranks could not start: {type(exc).__name__}: {exc}") from exc
@@ -224,6 +248,28 @@ class RankCluster:
         atexit.register(self.stop)
         self._activate_px()
         return self
+
+    def _read_hosts(self, engine_ids: list[int]) -> list[HostReport]:
+        """Each engine's :class:`~.hosts.HostReport` (hostname, reachable address,
+        GPUs, PID, a free port on its host, the launcher's rank variables)."""
+        # ipyparallel's controller_location is where engines connect when the controller listens on every interface.
+        controller = self.cluster.controller_location or self.cluster.controller_ip or "127.0.0.1"
+        pending = [self.client[e].apply_async(report_host, e, controller) for e in engine_ids]
+        return [ar.get(timeout=ENGINE_TIMEOUT) for ar in pending]
+
+    def _layout(self, hosts: list[HostReport]) -> RankLayout:
+        """The ranks laid out on ``hosts``, planned with the caller's GPUs where given."""
+        layout = layout_ranks(hosts)
+        return layout if self.given_gpus is None else layout.with_gpus(self.given_gpus)
+
+    def _predicted_layout(self, n: int) -> RankLayout:
+        """The layout ``n`` engines started on this host would report (checked before starting)."""
+        host = socket.gethostname()
+        try:
+            gpus = self.given_gpus if self.given_gpus is not None else visible_gpus()
+        except NVMLReadError as exc:
+            raise ValueError(str(exc)) from None
+        return self._layout([HostReport(e, host, "127.0.0.1", 0, gpus, 0) for e in range(n)])
 
     def _remember_processes(self) -> None:
         """Every PID ipyparallel started for us (controller and engines), for :meth:`stop`."""
@@ -314,6 +360,7 @@ class RankCluster:
                 pass
         self.cluster = self.client = self.view = None
         self.engine_ids, self.pids, self._owned = [], [], set()
+        self.hosts, self.layout = [], None
         self.rank_names = set()
         self.must_restart = None
         atexit.unregister(self.stop)
@@ -369,7 +416,8 @@ class RankCluster:
         def submit(rank: int) -> Any:
             return self.client[self.engine_ids[rank]].execute(code, silent=False, block=False)
 
-        runner = RankRun(self.pids, submit, self._exit_code, timeout=timeout, plot=plot, gpu=bool(self.gpus))
+        gpu = self.layout is not None and any(p.gpu for p in self.layout.places)
+        runner = RankRun(self.pids, submit, self._exit_code, timeout=timeout, plot=plot, gpu=gpu)
         # Counted before the run: a cell that fails half-way may still have bound them on the ranks.
         self.rank_names |= names_written(code)
         self.last_run = runner
@@ -397,12 +445,16 @@ class RankCluster:
 
         if not self.running:
             return []
-        sampler = RankMemorySampler(self.pids, bool(self.gpus))
+        places = self.layout.places
+        sampler = RankMemorySampler(self.pids, any(p.gpu for p in places))
         rss, gpu = sampler.rss(), sampler.gpu()
         sampler.close()
         alive = [process_alive(pid) for pid in self.pids]
         return [
-            RankInfo(rank, self.engine_ids[rank], pid, alive[rank], rss[rank] if alive[rank] else None, gpu[rank])
+            RankInfo(
+                rank, self.engine_ids[rank], pid, alive[rank], rss[rank] if alive[rank] else None, gpu[rank],
+                places[rank].hostname,
+            )
             for rank, pid in enumerate(self.pids)
         ]
 
@@ -413,13 +465,17 @@ class RankCluster:
         if not self.running:
             return ["no cluster running"]
         where = "local ipyparallel engines" if self.launcher == "local" else "ipyparallel engines started by mpiexec"
-        lines = [f"{self.n} {self.wiring.label} rank{'s' if self.n > 1 else ''} on {where}"]
+        lines = [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} on {where}"]
         lines.extend(self.plans[0].notes if self.plans else ())
-        for info in self.status():
+        infos = self.status()
+        # One host needs no naming on every line; ranks on several hosts say where each runs.
+        several_hosts = len({info.host for info in infos}) > 1
+        for info in infos:
             state = f"alive, RSS {format_bytes(info.rss)}" if info.alive else "dead"
             if info.alive and info.gpu is not None:
                 state += f", GPU {format_bytes(info.gpu)}"
-            lines.append(f"  rank {info.rank}: pid {info.pid}, {state}")
+            where = f" on {info.host}" if several_hosts else ""
+            lines.append(f"  rank {info.rank}: pid {info.pid}{where}, {state}")
         if self.must_restart:
             lines.append(f"must be restarted ({self.must_restart}): %vgpu_cluster restart")
         return lines

@@ -27,6 +27,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from ..frameworks import choices
+
 __all__ = ["ClusterMagics"]
 
 _ACTIONS = ("start", "status", "stop", "restart")
@@ -44,7 +46,7 @@ class ClusterMagics(Magics):
     @magic_arguments()
     @argument("action", choices=_ACTIONS, help="start N ranks, show their status, stop or restart them")
     @argument("n", nargs="?", type=int, help="number of ranks (start only)")
-    @argument("--framework", "-f", help="torch, tensorflow (tf) or jax: how the ranks are wired")
+    @argument("--framework", "-f", help=f"{choices()}: how the ranks are wired")
     @argument("--split", type=int, help="TensorFlow on GPU: logical GPUs per worker; JAX on CPU: CPU devices per process")
     @argument("--memory", help="per-rank GPU memory cap (2048 = MiB, 2GB, 1.5G); default an even share")
     @argument("--port", type=int, help="coordinator port (default: a free port from the OS)")
@@ -79,10 +81,11 @@ class ClusterMagics(Magics):
         if args.action == "start":
             if args.n is None or args.framework is None:
                 raise UsageError("say how many ranks and which framework, e.g. %vgpu_cluster start 2 --framework torch")
-            from .wiring import parse_memory
+            from ..planner import parse_memory
+            from ..units import MIB
 
             try:
-                memory = parse_memory(args.memory) if args.memory is not None else None
+                memory = parse_memory(args.memory) * MIB if args.memory is not None else None
                 ranks = engine.RankCluster(
                     args.n, args.framework, split=args.split, memory=memory, port=args.port,
                     launcher=args.launcher or "local",
@@ -95,7 +98,7 @@ class ClusterMagics(Magics):
                 print("\n".join(running.describe()))
                 return
             if running is not None:
-                print(f"stopping the running cluster ({running.n} {running.wiring.label} rank{'s' if running.n > 1 else ''}) first")
+                print(f"stopping the running cluster ({running.n} {running.label} rank{'s' if running.n > 1 else ''}) first")
             try:
                 ranks.start()
             except engine.ClusterStartError as exc:
@@ -111,7 +114,7 @@ class ClusterMagics(Magics):
             print("\n".join(running.describe()))
         elif args.action == "stop":
             running.stop()
-            print(f"stopped {running.n} {running.wiring.label} rank{'s' if running.n > 1 else ''}")
+            print(f"stopped {running.n} {running.label} rank{'s' if running.n > 1 else ''}")
         else:
             try:
                 running.restart()

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from .memory import RankMemoryPlot, RankMemorySampler, RankMemoryTrace
+from .memory import RankMonitor
 
 __all__ = [
     "GRACE",
@@ -290,7 +290,7 @@ class RankRun:
     stderr: TextIO = field(default_factory=lambda: sys.stderr)
 
     def __post_init__(self) -> None:
-        self.trace = RankMemoryTrace(len(self.pids))
+        self.trace = None  # the run's MemoryTrace, once it ended
         self.killed: list[int] = []
 
     def _emit(self, results: list[Any], streams: list[tuple[_LineStream, _LineStream]], final: bool = False) -> None:
@@ -360,25 +360,17 @@ class RankRun:
         """Run to the end; the per-rank AsyncResults, or :class:`RankRunError`."""
         n = len(self.pids)
         streams = [(_LineStream(f"[rank {r}] ", self.stdout), _LineStream(f"[rank {r}] ", self.stderr)) for r in range(n)]
-        sampler = RankMemorySampler(self.pids, self.gpu)
-        plot = RankMemoryPlot(self.trace) if self.plot else None
+        memory = RankMonitor(self.pids, self.gpu, live=self.plot, interval=SAMPLE_EVERY)
         start = time.monotonic()
-        next_sample = start
         results: list[Any] = []
         failure: RankFailure | None = None
         try:
-            self.trace.add(0.0, sampler.rss(), sampler.gpu())
-            if plot is not None:
-                plot.show()
+            memory.start()
             results = [self.submit(rank) for rank in range(n)]
             while True:
                 self._emit(results, streams)
                 now = time.monotonic()
-                if now >= next_sample:
-                    self.trace.add(now - start, sampler.rss(), sampler.gpu())
-                    next_sample = now + SAMPLE_EVERY
-                    if plot is not None:
-                        plot.refresh()
+                memory.sample()
                 for rank, ar in enumerate(results):
                     if ar.ready() and not ar.successful():
                         failure = self._failure(rank, ar)
@@ -400,7 +392,7 @@ class RankRun:
             _, killed = self._stop_others(results, None)
             self._drain(results)
             self._emit(results, streams, final=True)
-            sampler.close()
+            self.trace = memory.finish(interrupted=True)
             if killed:
                 self.stderr.write(
                     f"ranks {_ranks(killed)} did not stop within {GRACE:g} s of SIGINT and were killed; "
@@ -412,10 +404,7 @@ class RankRun:
             interrupted, killed = self._stop_others(results, culprit)
         self._drain(results)
         self._emit(results, streams, final=True)
-        self.trace.add(time.monotonic() - start, sampler.rss(), sampler.gpu())
-        sampler.close()
-        if plot is not None:
-            plot.refresh(final=True)
+        self.trace = memory.finish(interrupted=failure is not None)
         if failure is not None:
             raise RankRunError(failure, interrupted, killed, must_restart=bool(killed) or failure.kind == "died")
         return results

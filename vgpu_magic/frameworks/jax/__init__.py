@@ -19,8 +19,9 @@ starting it (:func:`backend_started`). Devices are named like TensorFlow's
 (``/physical_device:CPU:0`` for the host, ``/device:CPU:3`` for JAX's
 ``jax.devices("cpu")[3]``), so one status table and one monitor serve both.
 
-Memory readings live in :mod:`vgpu_magic.frameworks.jax_memory`, the ``vgpu_magic.mesh()`` and
-``vgpu_magic.distribution()`` helpers in :mod:`vgpu_magic.frameworks.jax_mesh`.
+Memory readings live in :mod:`vgpu_magic.frameworks.jax.memory`, the ``vgpu_magic.mesh()`` and
+``vgpu_magic.distribution()`` helpers in :mod:`vgpu_magic.frameworks.jax.mesh`, the ranks'
+``jax.distributed`` wiring in :mod:`vgpu_magic.frameworks.jax.ranks`.
 
 Importing this module imports neither JAX nor Keras.
 """
@@ -33,11 +34,14 @@ import os
 import re
 import sys
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..inventory import DeviceInventory, GPUInfo, cuda_to_nvml_order, nvml_gpus
-from .base import Capabilities, ConfigSnapshot, Framework, Reader
-from .jax_memory import LiveArrayBytes, MemoryReader, devices_by_name
+from ...inventory import DeviceInventory, GPUInfo, cuda_gpus, cuda_to_nvml_order, nvml_gpus
+from ..base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader
+from .memory import LiveArrayBytes, MemoryReader, devices_by_name
+
+if TYPE_CHECKING:
+    from ...ranks.hosts import RankLayout
 
 __all__ = [
     "CAPABILITIES",
@@ -165,6 +169,7 @@ def _user_namespace_uses_jax() -> bool:
 class Jax(Framework):
     capabilities = CAPABILITIES
     module = "jax"
+    keras_backend = "jax"
 
     def __init__(self) -> None:
         self._peaks: dict[str, int] = {}
@@ -204,22 +209,7 @@ class Jax(Framework):
     def _gpus(self) -> tuple[tuple[GPUInfo, ...], bool]:
         nvml = nvml_gpus() if (backend_started() or gpu_backend_installed()) else []
         count = self._gpu_count(nvml)
-        gpus = []
-        for i, details in enumerate(cuda_to_nvml_order(count, nvml)):
-            if details is None:
-                gpus.append(GPUInfo(index=i))
-            else:
-                gpus.append(
-                    GPUInfo(
-                        index=i,
-                        model=details["model"],
-                        total_mib=details["total_mib"],
-                        free_mib=details["free_mib"],
-                        compute_capability=details["compute_capability"],
-                        nvml_index=details["nvml_index"],
-                    )
-                )
-        return tuple(gpus), bool(nvml)
+        return cuda_gpus(count, nvml), bool(nvml)
 
     def probe_inventory(self) -> DeviceInventory:
         jax = self.load()
@@ -322,7 +312,7 @@ class Jax(Framework):
         the process, of the capped GPU's total memory."""
         if not caps:
             return None
-        from ..planner import PlanError
+        from ...planner import PlanError
 
         totals = {g.name: g.total_mib for g in self._gpus()[0]}
         fractions = set()
@@ -348,16 +338,23 @@ class Jax(Framework):
         return {name: {"current": cur, "peak": peak} for name, (cur, peak) in zip(devices, values)}
 
     def memory_reader(self) -> Reader:
-        """The monitor's :class:`~vgpu_magic.frameworks.jax_memory.MemoryReader`:
+        """The monitor's :class:`~vgpu_magic.frameworks.jax.memory.MemoryReader`:
         allocator statistics where a device has them (GPU), else the exact bytes
         of the live arrays' shards on it (CPU), counted in at most 2 % of the time."""
         return MemoryReader(self.load(), self._peaks, self._counters, budget=0.02)
 
-    def keras_backend_warning(self) -> str | None:
-        """The warning for a JAX split when Keras was imported on another backend."""
-        from ..keras_backend import keras_backend_warning
+    def holds_cuda_context(self) -> bool:
+        """A GPU backend that started holds a context; JAX creates none before."""
+        bridge = sys.modules.get("jax._src.xla_bridge")
+        backends = getattr(bridge, "_backends", None) or {}
+        return any(name in _GPU_PLATFORMS for name in backends)
 
-        return keras_backend_warning(self.name)
+    # -- ranks -----------------------------------------------------------------------
+    def plan_ranks(self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None) -> list[RankPlan]:
+        """See :mod:`vgpu_magic.frameworks.jax.ranks`."""
+        from .ranks import plan_ranks
+
+        return plan_ranks(layout, split, memory_mib, port)
 
     # -- helpers -----------------------------------------------------------------------
     def split_devices(self) -> list[Any]:
@@ -371,11 +368,9 @@ class Jax(Framework):
     def strategy(self, devices: list[str] | None = None) -> Any:
         """A ``jax.sharding.Mesh`` with one ``"data"`` axis over the split's
         devices (or over ``devices``, TensorFlow-style names). Starts JAX's backend."""
-        from .jax_mesh import mesh
+        from .mesh import mesh
 
-        if devices is not None:
-            return mesh(devices=devices_by_name(self.load(), devices))
-        return mesh()
+        return mesh(devices=self.split_devices() if devices is None else devices_by_name(self.load(), devices))
 
 
 def _env_fraction() -> float | None:

@@ -12,8 +12,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .jax import FRAMEWORK
-
 __all__ = ["mesh", "distribution"]
 
 
@@ -45,7 +43,7 @@ def mesh(axis_names: str | Sequence[str] = ("data",), shape: Sequence[int] | Non
     names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"axis_names={axis_names!r} names no axis; use e.g. axis_names='data' or ('data', 'model')")
-    found = FRAMEWORK.split_devices() if devices is None else list(devices)
+    found = _jax().split_devices() if devices is None else list(devices)
     if shape is None:
         if len(names) != 1:
             raise ValueError(f"{len(names)} axis names need a shape, e.g. shape=({len(found)}, 1)")
@@ -77,8 +75,6 @@ def distribution() -> Any:
         In [3]: import keras
         In [4]: keras.distribution.set_distribution(vgpu_magic.distribution())
     """
-    from ..keras_backend import keras_backend_warning
-
     if "keras" not in sys.modules and not os.environ.get("KERAS_BACKEND", "").strip():
         os.environ["KERAS_BACKEND"] = "jax"
     if "keras" not in sys.modules and os.environ["KERAS_BACKEND"].strip().lower() != "jax":
@@ -88,8 +84,15 @@ def distribution() -> Any:
         )
     import keras
 
-    problem = keras_backend_warning("jax")
+    problem = _jax().keras_backend_warning()
     if problem is not None:
         raise RuntimeError(problem)
-    devices = [f"{d.platform}:{d.id}" for d in FRAMEWORK.split_devices()]
+    devices = [f"{d.platform}:{d.id}" for d in _jax().split_devices()]
     return keras.distribution.DataParallel(devices=devices)
+
+
+def _jax() -> Any:
+    """JAX's framework, through the registry (the framework module uses this one for its strategy)."""
+    from .. import get
+
+    return get("jax")

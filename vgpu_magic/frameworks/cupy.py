@@ -1,0 +1,32 @@
+"""CuPy: not configured by vgpu_magic, only asked whether it holds a CUDA context
+(its memory is then not available to the framework being split).
+
+Listed in :data:`vgpu_magic.frameworks.CUDA_USERS`, not in the registry: there is
+nothing to split, plan or launch. Importing this module imports no CuPy.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .base import Capabilities, Framework
+
+__all__ = ["CuPy", "FRAMEWORK"]
+
+
+class CuPy(Framework):
+    capabilities = Capabilities(
+        name="cupy", label="CuPy", splits_in_process=False, install_hint="install it with pip install cupy"
+    )
+    module = "cupy"
+
+    def holds_cuda_context(self) -> bool:
+        cupy = sys.modules.get("cupy")
+        try:
+            # The pool only holds bytes once CuPy has created a context.
+            return bool(cupy is not None and cupy.get_default_memory_pool().total_bytes() > 0)
+        except Exception:  # noqa: BLE001 - a broken CuPy holds no context we can see
+            return False
+
+
+FRAMEWORK = CuPy()

@@ -1,0 +1,169 @@
+"""PyTorch: one device per process, so several devices are several processes,
+wired as ``torchrun`` wires them.
+
+What PyTorch cannot do, as :data:`CAPABILITIES`: it has no logical devices,
+so one process cannot be split (``%vgpu_split --framework torch`` is refused
+and points at ``%vgpu_cluster start N --framework torch``); a rank's cap is
+``set_per_process_memory_fraction``.
+
+The ranks (:meth:`Torch.plan_ranks`): measured with ``torchrun --standalone
+--nproc-per-node 2`` (torch 2.14), each worker gets ``MASTER_ADDR``,
+``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``,
+``ROLE_NAME=default``, ``ROLE_RANK``, ``ROLE_WORLD_SIZE``,
+``TORCHELASTIC_RESTART_COUNT=0``, ``TORCHELASTIC_MAX_RESTARTS=0``,
+``TORCHELASTIC_RUN_ID``, ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` and
+``OMP_NUM_THREADS=1`` (unless set). The ranks get the same, computed from
+their hosts: ``MASTER_ADDR`` is rank 0's host (under SLURM the first host of
+the step, the usual ``torchrun``-under-SLURM mapping), ``LOCAL_*`` and
+``GROUP_RANK`` are per host. The variables that point at torchrun's own agent
+(``TORCHELASTIC_USE_AGENT_STORE``, ``TORCHELASTIC_ERROR_FILE``,
+``TORCHELASTIC_SIGNALS_TO_HANDLE``) are left out: there is no agent, so rank 0
+hosts the TCP store, as in a plain ``init_process_group`` launch.
+
+Backend: NCCL where every rank has a GPU of its own, else gloo (NCCL refuses
+two ranks on one GPU), and the notes say so.
+
+Importing this module imports no PyTorch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from typing import TYPE_CHECKING
+
+from ..inventory import DeviceInventory, GPUInfo
+from .base import Capabilities, ConfigSnapshot, Framework, RankPlan
+
+if TYPE_CHECKING:
+    from ..ranks.hosts import RankLayout
+
+__all__ = ["CAPABILITIES", "FRAMEWORK", "Torch", "setup_rank"]
+
+CAPABILITIES = Capabilities(
+    name="torch",
+    label="PyTorch",
+    splits_in_process=False,
+    splits_gpu=False,
+    splits_cpu=False,
+    gpu_caps_required=False,
+    memory_growth=False,
+    uniform_growth=False,
+    gpu_visibility=False,
+    replicas_by="DistributedDataParallel",
+    install_hint="install it with pip install 'vgpu_magic[torch]'",
+)
+
+
+class Torch(Framework):
+    capabilities = CAPABILITIES
+    module = "torch"
+    keras_backend = "torch"
+
+    def runtime_started(self) -> bool:
+        """PyTorch's devices are fixed once CUDA is initialised in the process."""
+        return self.holds_cuda_context()
+
+    def holds_cuda_context(self) -> bool:
+        cuda = getattr(sys.modules.get("torch"), "cuda", None)
+        try:
+            return bool(cuda is not None and cuda.is_initialized())
+        except Exception:  # noqa: BLE001 - a broken torch holds no context we can see
+            return False
+
+    def probe_inventory(self) -> DeviceInventory:
+        """The GPUs CUDA shows this process (NVML; imports no PyTorch), for
+        ``%vgpu_status`` and the planner's refusal."""
+        from ..ranks.hosts import visible_gpus
+
+        gpus = visible_gpus()
+        mod = sys.modules.get("torch")
+        return DeviceInventory(
+            gpus=gpus,
+            cpus=1,
+            version=getattr(mod, "__version__", None),
+            nvml_available=bool(gpus),
+            capabilities=CAPABILITIES,
+            current=self._snapshot(gpus),
+        )
+
+    def _snapshot(self, gpus: tuple[GPUInfo, ...]) -> ConfigSnapshot:
+        return ConfigSnapshot(
+            cpu_names=("/physical_device:CPU:0",),
+            gpu_names=tuple(g.name for g in gpus),
+            logical={},
+            visible_gpus=tuple(g.index for g in gpus),
+            memory_growth=(False,) * len(gpus),
+        )
+
+    def read_configuration(self) -> ConfigSnapshot:
+        return self.probe_inventory().current
+
+    def write_configuration(self, old: ConfigSnapshot, new: ConfigSnapshot) -> None:
+        raise NotImplementedError("PyTorch has no device configuration to write; the planner refuses its splits")
+
+    # -- ranks -----------------------------------------------------------------------
+    def plan_ranks(self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None) -> list[RankPlan]:
+        from ..planner import check_rank_request, rank_share_mib
+
+        if split is not None:
+            raise ValueError(
+                f"--split {split} has no meaning for torch: a rank is one process with one device; start more ranks instead"
+            )
+        places = layout.places
+        check_rank_request(split, memory_mib, [p.gpu for p in places])
+        n = len(places)
+        master_port = port or places[0].port
+        own_gpus = all(p.gpu is not None for p in places) and not layout.gpus_shared
+        backend = "nccl" if own_gpus else "gloo"
+        notes = [f"init_process_group({backend!r}) on {layout.leader}:{master_port}, world size {n}"]
+        if layout.gpus_shared:
+            notes.append("ranks share a GPU, so gloo: NCCL refuses two ranks on one GPU")
+        caps = [rank_share_mib(p.gpu, p.gpu_shared_by, memory_mib, CAPABILITIES) if p.gpu else None for p in places]
+        if any(caps):
+            notes.append(f"each rank capped at {min(c for c in caps if c)} MiB of its GPU (set_per_process_memory_fraction)")
+        run_id = uuid.uuid4().hex
+        hosts = len({p.node_rank for p in places})
+        plans = []
+        for place, cap in zip(places, caps):
+            env = {
+                "MASTER_ADDR": layout.leader,
+                "MASTER_PORT": str(master_port),
+                "RANK": str(place.rank),
+                "LOCAL_RANK": str(place.local_rank),
+                "WORLD_SIZE": str(n),
+                "LOCAL_WORLD_SIZE": str(place.local_world_size),
+                "GROUP_RANK": str(place.node_rank),
+                "GROUP_WORLD_SIZE": str(hosts),
+                "ROLE_NAME": "default",
+                "ROLE_RANK": str(place.rank),
+                "ROLE_WORLD_SIZE": str(n),
+                "TORCHELASTIC_RESTART_COUNT": "0",
+                "TORCHELASTIC_MAX_RESTARTS": "0",
+                "TORCHELASTIC_RUN_ID": run_id,
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            }
+            gpu_args: tuple = ()
+            if place.gpu is not None:
+                gpu_args = (place.gpu.index, cap / place.gpu.total_mib if place.gpu.total_mib else 1.0)
+            plans.append(RankPlan(place.rank, env, "vgpu_magic.frameworks.torch:setup_rank", (backend, *gpu_args), tuple(notes)))
+        return plans
+
+
+def setup_rank(backend: str, gpu: int | None = None, fraction: float | None = None) -> str:
+    """Run on the rank: pick and cap its GPU (``gpu`` is CUDA's index on its
+    host), then join the process group (``env://``, exactly as under torchrun)."""
+    import torch
+    import torch.distributed as dist
+
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
+        torch.cuda.set_per_process_memory_fraction(min(fraction, 1.0), gpu)
+    dist.init_process_group(backend)
+    return f"rank {dist.get_rank()} of {dist.get_world_size()} ({backend})"
+
+
+FRAMEWORK = Torch()

@@ -1,0 +1,234 @@
+// The live memory view, drawn by the browser (an anywidget: see live.py).
+//
+// The kernel sends only new rows of the trace as custom messages
+// ({rows: [[t, cur0, peak0, cur1, peak1, ...], ...], reset: bool}); the
+// series, units, epoch marks and the title are synced traits. Rows are kept
+// per model (not per view), so every view of the widget shows the whole run:
+// anywidget hands initialize() and render() different proxies of one model,
+// so they meet in a store under the model's own `key` trait. Rows are
+// bounded: past MAX_ROWS, neighbouring rows merge into their maxima.
+//
+// Colours: text, axes and grid come from the front end's theme variables, so
+// the view follows JupyterLab's and Notebook 7's light and dark themes; the
+// series colours are one mid-contrast palette that reads on both (the same
+// as the static image the kernel leaves when the run ends).
+
+const MAX_ROWS = 6000;
+const STORES = new Map();
+const PANELS = [
+  ["device", "device memory"],
+  ["process", "process RSS"],
+];
+const W = 720, LEFT = 62, RIGHT = 14, TOP = 20, BOTTOM = 26, PANEL_H = 150;
+const TEXT = "var(--jp-ui-font-color1, #6b6b6b)";
+const MUTED = "var(--jp-ui-font-color2, #777777)";
+const GRID = "var(--jp-border-color2, rgba(127, 127, 127, 0.35))";
+const AXIS = "var(--jp-border-color1, #8a8a8a)";
+const FONT = "var(--jp-ui-font-family, system-ui, sans-serif)";
+
+function store(model) {
+  const key = model.get("key");
+  let s = STORES.get(key);
+  if (!s) {
+    s = { t: [], values: [], redraw: new Set() };
+    STORES.set(key, s);
+  }
+  return s;
+}
+
+function thin(s) {
+  // Halve the rows: each pair becomes its later time and the maxima.
+  const t = [], values = s.values.map(() => []);
+  for (let i = 0; i + 1 < s.t.length; i += 2) {
+    t.push(s.t[i + 1]);
+    s.values.forEach((v, k) => values[k].push(Math.max(v[i], v[i + 1])));
+  }
+  if (s.t.length % 2) {
+    t.push(s.t[s.t.length - 1]);
+    s.values.forEach((v, k) => values[k].push(v[v.length - 1]));
+  }
+  s.t = t;
+  s.values = values;
+}
+
+function receive(model, msg) {
+  if (!msg || !msg.rows) return;
+  const s = store(model);
+  if (msg.reset) {
+    s.t = [];
+    s.values = [];
+  }
+  for (const row of msg.rows) {
+    while (s.values.length < row.length - 1) s.values.push(new Array(s.t.length).fill(0));
+    s.t.push(row[0]);
+    for (let k = 1; k < row.length; k++) s.values[k - 1].push(row[k]);
+  }
+  if (s.t.length > MAX_ROWS) thin(s);
+  for (const redraw of s.redraw) redraw();
+}
+
+function niceCeil(x) {
+  if (!(x > 0)) return 1;
+  const p = Math.pow(10, Math.floor(Math.log10(x)));
+  for (const m of [1, 2, 2.5, 5, 10]) if (m * p >= x * 0.9999) return m * p;
+  return 10 * p;
+}
+
+function tickStep(x) {
+  // 1, 2 or 5 times a power of ten: tick labels stay exact with few digits.
+  const p = Math.pow(10, Math.floor(Math.log10(x)));
+  for (const m of [1, 2, 5]) if (m * p >= x * 0.9999) return m * p;
+  return 10 * p;
+}
+
+function ticks(top) {
+  const step = tickStep(top / 4);
+  const out = [];
+  for (let v = 0; v <= top * 1.0001; v += step) out.push(v);
+  return out;
+}
+
+function fmt(v) {
+  if (v === 0) return "0";
+  if (Math.abs(v) >= 100) return v.toFixed(0);
+  if (Math.abs(v) >= 10) return v.toFixed(1).replace(/\.0$/, "");
+  return v.toFixed(2).replace(/0+$/, "").replace(/\.$/, "");
+}
+
+function esc(text) {
+  return String(text).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+}
+
+function stepPath(t, v, x, y) {
+  if (!t.length) return "";
+  let d = `M${x(t[0]).toFixed(1)},${y(v[0]).toFixed(1)}`;
+  for (let i = 1; i < t.length; i++) d += `H${x(t[i]).toFixed(1)}V${y(v[i]).toFixed(1)}`;
+  return d;
+}
+
+function drawPanel(s, series, indices, unit, title, marks, xmax, state, last) {
+  const [unitName, scale] = unit;
+  let top = 0;
+  for (const k of indices) {
+    const cur = s.values[2 * k] || [], peak = s.values[2 * k + 1] || [];
+    for (const v of cur) if (v > top) top = v;
+    for (const v of peak) if (v > top) top = v;
+    if (series[k].cap) top = Math.max(top, series[k].cap);
+  }
+  // The scale only grows during a run, in round steps, so it does not jitter.
+  // Never below 1 KiB: an allocator reporting nothing is drawn at zero on a sane scale.
+  const ymax = Math.max(state.ymax || 0, niceCeil(Math.max(top, 1024) * 1.08 / scale));
+  state.ymax = ymax;
+  const h = PANEL_H + (last ? 14 : 0);
+  const plotH = PANEL_H - TOP - BOTTOM;
+  const x = (t) => LEFT + (t / xmax) * (W - LEFT - RIGHT);
+  const y = (v) => TOP + plotH - (v / scale / ymax) * plotH;
+  const out = [`<svg class="vgpu-live-panel" data-panel="${esc(title)}" viewBox="0 0 ${W} ${h}" width="100%" `
+    + `style="max-width:${W}px;display:block;font-family:${FONT}" role="img" aria-label="${esc(title)}">`];
+  out.push(`<text x="${LEFT}" y="13" font-size="12" fill="${TEXT}">${esc(title)} (${unitName})</text>`);
+  for (const v of ticks(ymax)) {
+    const yy = y(v * scale).toFixed(1);
+    out.push(`<line x1="${LEFT}" x2="${W - RIGHT}" y1="${yy}" y2="${yy}" stroke="${GRID}" stroke-width="1"/>`);
+    out.push(`<text x="${LEFT - 6}" y="${yy}" font-size="11" fill="${MUTED}" text-anchor="end" dominant-baseline="middle">${fmt(v)}</text>`);
+  }
+  for (const v of ticks(xmax)) {
+    const xx = x(v).toFixed(1);
+    out.push(`<line x1="${xx}" x2="${xx}" y1="${TOP + plotH}" y2="${TOP + plotH + 4}" stroke="${AXIS}"/>`);
+    out.push(`<text x="${xx}" y="${TOP + plotH + 16}" font-size="11" fill="${MUTED}" text-anchor="middle">${fmt(v)}</text>`);
+  }
+  if (last) {
+    out.push(`<text x="${W - RIGHT}" y="${TOP + plotH + 30}" font-size="11" fill="${MUTED}" text-anchor="end">time (s)</text>`);
+  }
+  out.push(`<line x1="${LEFT}" x2="${W - RIGHT}" y1="${TOP + plotH}" y2="${TOP + plotH}" stroke="${AXIS}"/>`);
+  out.push(`<line x1="${LEFT}" x2="${LEFT}" y1="${TOP}" y2="${TOP + plotH}" stroke="${AXIS}"/>`);
+  // Epoch marks: a dotted line each; a label only where it does not run into the one before.
+  let lastLabel = -Infinity;
+  for (const [t, epoch] of marks) {
+    const xx = x(t);
+    out.push(`<line x1="${xx.toFixed(1)}" x2="${xx.toFixed(1)}" y1="${TOP}" y2="${TOP + plotH}" stroke="${MUTED}" stroke-dasharray="2,3"/>`);
+    if (xx - lastLabel >= 30) {
+      out.push(`<text x="${(xx + 3).toFixed(1)}" y="${TOP + 10}" font-size="10" fill="${MUTED}">e${epoch + 1}</text>`);
+      lastLabel = xx;
+    }
+  }
+  // Equal series would hide each other: each one drawn before is wider, so all their colours show.
+  const widen = indices.length > 1 ? Math.min(1.2, 6 / (indices.length - 1)) : 0;
+  indices.forEach((k, j) => {
+    const colour = series[k].color;
+    const width = (1.6 + widen * (indices.length - 1 - j)).toFixed(2);
+    if (series[k].cap) {
+      const yy = y(series[k].cap).toFixed(1);
+      out.push(`<line class="vgpu-cap" x1="${LEFT}" x2="${W - RIGHT}" y1="${yy}" y2="${yy}" stroke="${colour}" stroke-dasharray="6,4" stroke-width="1.2"/>`);
+    }
+    const peak = stepPath(s.t, s.values[2 * k + 1] || [], x, y);
+    const cur = stepPath(s.t, s.values[2 * k] || [], x, y);
+    out.push(`<path d="${peak}" fill="none" stroke="${colour}" stroke-opacity="0.4" stroke-width="1"/>`);
+    out.push(`<path class="vgpu-line" d="${cur}" fill="none" stroke="${colour}" stroke-width="${width}"/>`);
+  });
+  out.push("</svg>");
+  return out.join("");
+}
+
+function legend(series) {
+  const items = series.map((s) => {
+    const cap = s.cap_text ? ` · cap ${esc(s.cap_text)}` : "";
+    return `<span style="display:inline-flex;align-items:center;gap:4px;margin-right:14px;white-space:nowrap">`
+      + `<svg width="18" height="6"><line x1="0" x2="18" y1="3" y2="3" stroke="${s.color}" stroke-width="2"/></svg>`
+      + `${esc(s.label)}${cap}</span>`;
+  });
+  items.push(`<span style="white-space:nowrap">faint: running peak</span>`);
+  return items.join("");
+}
+
+function render({ model, el }) {
+  const s = store(model);
+  const root = document.createElement("div");
+  root.className = "vgpu-live";
+  root.style.cssText = `font-family:${FONT};font-size:12px;color:${TEXT};padding:4px 0;max-width:${W}px`;
+  el.appendChild(root);
+  const states = { device: {}, process: {} };
+  let pending = false;
+  let xmax = 10;
+
+  function draw() {
+    pending = false;
+    const series = model.get("series") || [];
+    const units = model.get("units") || {};
+    const marks = model.get("marks") || [];
+    const tLast = s.t.length ? s.t[s.t.length - 1] : 0;
+    while (tLast > xmax * 0.95) xmax = niceCeil(xmax * 2);
+    const panels = PANELS.map(([key, title]) => [key, title, series.map((x, k) => (x.panel === key ? k : -1)).filter((k) => k >= 0)])
+      .filter(([, , indices]) => indices.length);
+    const parts = [`<div class="vgpu-live-title" style="font-weight:600;margin-bottom:2px">${esc(model.get("title") || "")}</div>`];
+    parts.push(`<div class="vgpu-live-legend" style="font-size:11px;line-height:18px;margin-bottom:2px">${legend(series)}</div>`);
+    panels.forEach(([key, title, indices], i) => {
+      parts.push(drawPanel(s, series, indices, units[key] || ["MiB", 1048576], title, marks, xmax, states[key], i === panels.length - 1));
+    });
+    const note = model.get("note");
+    if (note) parts.push(`<div class="vgpu-live-note" style="font-size:11px;color:${MUTED}">${esc(note)}</div>`);
+    root.innerHTML = parts.join("");
+    root.dataset.rows = String(s.t.length);
+  }
+
+  function schedule() {
+    if (!pending) {
+      pending = true;
+      requestAnimationFrame(draw);
+    }
+  }
+  s.redraw.add(schedule);
+  for (const name of ["series", "units", "marks", "title", "note"]) model.on(`change:${name}`, schedule);
+  draw();
+  return () => {
+    s.redraw.delete(schedule);
+    for (const name of ["series", "units", "marks", "title", "note"]) model.off(`change:${name}`, schedule);
+  };
+}
+
+function initialize({ model }) {
+  store(model);
+  model.on("msg:custom", (msg) => receive(model, msg));
+  return () => STORES.delete(model.get("key"));
+}
+
+export default { initialize, render };

@@ -1,0 +1,360 @@
+"""The monitor's session: one object that records runs and shows them, with
+no Keras and no TensorFlow in it.
+
+:class:`MonitorSession` drives a :class:`~vgpu_magic.monitor.recorder.MemoryRecorder`
+(the trace) and picks its view (the live widget in a notebook, text elsewhere).
+Custom loops use it directly, in any framework; the Keras callback
+(:class:`~vgpu_magic.monitor.callback.MemoryMonitor`) only maps Keras' events
+onto it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from .display import DISPLAY_MODES, detect_frontend, interrupts_deferred
+from .plot import save_trace_figure
+from .recorder import MemoryRecorder, RecorderStats, check_interval
+from .sampler import PROCESS_LABEL, DeviceSampler, choose_framework, model_variables
+from .trace import MemoryTrace, SeriesInfo
+from .views import NullView, TextSummaryView
+
+__all__ = ["MonitorSession", "process_sampler", "KEPT_TRACES"]
+
+#: Finished runs :attr:`MonitorSession.traces` keeps (the latest ones).
+KEPT_TRACES = 10
+
+#: Reports about this process' devices already made (by any monitor).
+_SAID: set[str] = set()
+
+
+def process_sampler() -> DeviceSampler:
+    """A sampler of this process' resident memory alone."""
+    return DeviceSampler((SeriesInfo("process", PROCESS_LABEL, (), None, panel="process"),), lambda names: [])
+
+
+def _shell() -> Any:
+    import sys
+
+    if "IPython" not in sys.modules:
+        return None
+    from IPython import get_ipython
+
+    return get_ipython()
+
+
+class MonitorSession:
+    """Watch the memory of every logical device while a block of code runs:
+    a custom training loop in JAX, PyTorch or TensorFlow, or (through
+    :class:`~vgpu_magic.monitor.callback.MemoryMonitor`) Keras' ``fit``.
+
+    Needs neither Keras nor TensorFlow: memory is read through the framework
+    that is imported (:func:`vgpu_magic.frameworks.select`), and where no
+    framework's runtime runs yet, the process' resident memory alone is
+    recorded. A run records a sample when it starts and when it ends, so a
+    ``with`` block always leaves a trace.
+
+    Parameters
+    ----------
+    devices
+        Logical devices to watch, e.g. ``["GPU:0", "GPU:1"]``. By default every
+        replica device of the split, plus the model's strategy's devices.
+    model
+        The model whose variables to count per replica. Inside Keras the model
+        being trained is used; give it for custom loops.
+    strategy
+        A ``tf.distribute`` strategy whose devices to watch as well.
+    interval
+        Minimum seconds between samples, taken at batch starts or by
+        :meth:`sample` (peaks between samples are never lost: the allocator
+        keeps its own peak). From 0.001 to 3600.
+    display
+        ``"auto"``, ``"rich"``, ``"text"`` or ``"none"`` (see :data:`DISPLAY_MODES`).
+    view
+        A view object to use instead (see :class:`vgpu_magic.monitor.views.View`).
+
+    Examples
+    --------
+    ::
+
+        with vgpu_magic.MemoryMonitor(model=model) as mon:
+            for step, batch in enumerate(dist_ds):
+                strategy.run(train_step, args=(batch,))
+                mon.sample(step=step)
+        mon.to_csv("memory.csv")
+        mon.savefig("memory.png")
+    """
+
+    def __init__(
+        self,
+        devices: Iterable[str] | None = None,
+        *,
+        model: Any = None,
+        strategy: Any = None,
+        interval: float = 0.05,
+        display: str = "auto",
+        view: Any = None,
+    ) -> None:
+        if display not in DISPLAY_MODES:
+            raise ValueError(f"display={display!r} is not a display mode; use one of {', '.join(DISPLAY_MODES)}")
+        seconds = check_interval(interval)
+        if isinstance(devices, str):
+            devices = [d for d in devices.split(",") if d.strip()]
+        self._devices = None if devices is None else list(devices)
+        self._model_hint = model
+        self._strategy = strategy
+        self.display = display
+        self._view = view
+        self.traces: list[MemoryTrace] = []
+        self._reported: set[str] = set()
+        self._framework: Any = None
+        self._recorder = MemoryRecorder(
+            self._make_sampler,
+            None,
+            runtime_started=lambda: True,
+            interval=seconds,
+            variables=self._variables,
+            report=self._report,
+        )
+        self._depth = 0
+        self._fresh = False
+        self._epoch_base = 0
+        self._next_step = 0
+        self._shell_watched: Any = None
+        self._pending: list[Any] = []
+
+    # -- what the recorder needs ----------------------------------------------------
+    def _current_model(self) -> Any:
+        return self._model_hint
+
+    def _preferred_framework(self) -> str | None:
+        """The framework to read when several could be (Keras' backend in the adapter)."""
+        return None
+
+    def _make_sampler(self) -> DeviceSampler:
+        """Every device of the framework whose runtime runs, chosen at each
+        run's start (a monitor made before the framework was imported still
+        works); the process' RSS alone where no framework's runtime runs yet
+        (or where none can be chosen), so every run has a trace."""
+        if self._framework is None:
+            try:
+                self._framework = choose_framework(self._preferred_framework())
+            except Exception as exc:
+                self._report(f"memory is read for the process only ({exc})")
+                return process_sampler()
+        if not self._framework.runtime_started():
+            if self._devices is not None:
+                self._report(
+                    f"{self._framework.label}'s runtime is not running yet, so only the process' memory is read"
+                )
+            return process_sampler()
+        try:
+            sampler = DeviceSampler.for_framework(
+                self._framework, self._devices, model=self._current_model(), strategy=self._strategy
+            )
+            sampler.read()
+        except Exception as exc:
+            # e.g. TensorFlow's host allocator without statistics: the process' memory is still true.
+            # Said once per process: every later run would read the same.
+            self._report_once_per_process(
+                f"device memory cannot be read ({exc}); the memory view shows the process' memory"
+            )
+            return process_sampler()
+        return sampler
+
+    def _variables(self) -> list[Any] | None:
+        model = self._current_model()
+        return None if model is None else model_variables(model)
+
+    def _report(self, message: str) -> None:
+        import sys
+
+        if message not in self._reported:
+            self._reported.add(message)
+            print(f"vgpu_magic: {message}", file=sys.stderr, flush=True)
+
+    def _report_once_per_process(self, message: str) -> None:
+        """Report what every later run (of any monitor) would find the same, once."""
+        if message not in _SAID:
+            _SAID.add(message)
+            self._report(message)
+
+    def _make_view(self) -> Any:
+        if self._view is not None:
+            return self._view
+        mode = detect_frontend() if self.display == "auto" else self.display
+        if mode == "rich":
+            from .live import WIDGET_INSTALL_HINT, LiveMemoryView, widget_available
+
+            if not widget_available():
+                self._report_once_per_process(
+                    f"anywidget is not installed, so memory is summarised as text; {WIDGET_INSTALL_HINT}"
+                )
+                return TextSummaryView()
+            return LiveMemoryView(defer=self._defer_to_cell_end)
+        if mode == "text":
+            return TextSummaryView()
+        return NullView()
+
+    # -- runs -------------------------------------------------------------------------
+    def _begin(self, kind: str) -> None:
+        fresh, self._fresh = self._fresh, False
+        if self._depth and not fresh:
+            # fit's validation runs evaluate through the same callback list
+            self._depth += 1
+            self._recorder.phase = "validate" if kind == "evaluate" else kind
+            return
+        if self._recorder.active:
+            self._close(interrupted=True)
+        self._run_pending()
+        self._depth = 1
+        self._epoch_base = self._next_step = 0
+        params = self._run_params()
+        # The cell hook first: an interrupt landing anywhere after the view
+        # appeared still gets the run closed and its final image drawn.
+        self._watch_cell()
+        self._recorder.view = self._make_view()
+        self._recorder.start(kind, epochs=params.get("epochs") if kind == "fit" else None, steps=params.get("steps"))
+
+    def _run_params(self) -> dict:
+        """``epochs`` and ``steps`` of the run, where known (Keras' params)."""
+        return {}
+
+    def _end(self) -> None:
+        if self._depth > 1:
+            self._depth -= 1
+            self._recorder.phase = self._recorder.kind
+        elif self._depth == 1:
+            self._close()
+
+    def _close(self, interrupted: bool = False) -> None:
+        self._depth = 0
+        trace = self._recorder.finish(interrupted=interrupted)
+        if trace is not None and not any(t is trace for t in self.traces):
+            self.traces = [*self.traces[-(KEPT_TRACES - 1) :], trace]
+        if not self._pending:
+            self._unwatch_cell()
+
+    def _watch_cell(self) -> None:
+        """End the run with its cell at the latest (an interrupted ``fit``
+        still gets its final image), and draw final images there, after the
+        training, not inside it."""
+        shell = _shell()
+        if shell is None or self._shell_watched is shell:
+            return
+        self._unwatch_cell()
+        shell.events.register("post_run_cell", self._cell_finished)
+        self._shell_watched = shell
+
+    def _unwatch_cell(self) -> None:
+        if self._shell_watched is not None:
+            try:
+                self._shell_watched.events.unregister("post_run_cell", self._cell_finished)
+            except ValueError:
+                pass
+            self._shell_watched = None
+
+    def _defer_to_cell_end(self, draw) -> None:
+        if self._shell_watched is None:
+            draw()
+        else:
+            self._pending.append(draw)
+
+    def _run_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for draw in pending:
+            try:
+                draw()
+            except Exception as exc:
+                self._report(
+                    f"the memory view's final image failed ({type(exc).__name__}: {exc}); the trace is kept"
+                )
+
+    def _cell_finished(self, result: Any = None) -> None:
+        # Unhook first, so nothing below can leave the hook registered; then
+        # draw with interrupts held back: the cell is over, and an interrupt
+        # landing in the final image would lose it and print a traceback
+        # from the event hook.
+        self._unwatch_cell()
+        with interrupts_deferred():
+            if self._recorder.active:
+                self._close(interrupted=getattr(result, "error_in_exec", None) is not None)
+            self._run_pending()
+
+    # -- the public API -------------------------------------------------------------
+    def start(self, kind: str = "custom") -> MemoryMonitor:
+        """Begin a run by hand (custom loops); it ends with :meth:`finish` or,
+        in IPython, with the cell at the latest."""
+        self._fresh = True
+        self._begin(kind)
+        return self
+
+    def sample(self, step: int | None = None, epoch: int | None = None) -> None:
+        """Take a sample now (starts a run if none is active)."""
+        if not self._recorder.active:
+            self.start()
+        self._recorder.sample(step=step, epoch=epoch)
+
+    def begin_epoch(self, epoch: int) -> None:
+        """Mark an epoch start in a custom loop."""
+        if not self._recorder.active:
+            self.start()
+        self._recorder.begin_epoch(epoch)
+
+    def end_epoch(self, epoch: int) -> None:
+        """Mark an epoch end in a custom loop (the text view prints its line)."""
+        self._recorder.end_epoch(epoch)
+
+    def finish(self, interrupted: bool = False) -> MemoryTrace | None:
+        """End the current run; return its trace. The text summary prints at
+        once; in IPython the final image is drawn when the cell ends."""
+        if self._recorder.active:
+            self._close(interrupted=interrupted)
+        return self.trace
+
+    def __enter__(self) -> MemoryMonitor:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.finish(interrupted=exc_type is not None)
+
+    @property
+    def trace(self) -> MemoryTrace | None:
+        """The current (or last) run's trace."""
+        return self._recorder.trace
+
+    @property
+    def stats(self) -> RecorderStats:
+        """Samples taken in the current (or last) run and what they cost."""
+        return self._recorder.stats
+
+    @property
+    def view(self) -> Any:
+        """The view of the current (or last) run; ``None`` after it failed."""
+        return self._recorder.view
+
+    @property
+    def active(self) -> bool:
+        return self._recorder.active
+
+    def _require_trace(self) -> MemoryTrace:
+        if self.trace is None or not len(self.trace):
+            raise ValueError("nothing recorded yet; pass the monitor to fit/evaluate/predict or call sample() first")
+        return self.trace
+
+    def to_csv(self, path: str | os.PathLike) -> str:
+        """Write the trace (time, step, epoch, phase, device, current, peak) as CSV."""
+        return self._require_trace().to_csv(path)
+
+    def savefig(self, path: str | os.PathLike, dpi: int = 100) -> str:
+        """Save the plot of the trace (PNG, SVG, PDF... from the suffix).
+
+        Raises :class:`ImportError` saying what to install without matplotlib.
+        """
+        return save_trace_figure(self._require_trace(), os.fspath(path), dpi=dpi)
+
+    def __repr__(self) -> str:
+        state = "recording" if self.active else "idle"
+        return f"<{type(self).__name__} {state}, {len(self.traces)} finished run(s)>"
