@@ -20,12 +20,10 @@ from collections.abc import Iterable, Sequence
 
 from . import frameworks
 from .errors import PlanError, excerpt
-from .frameworks import Framework, FrameworkChoiceError
-from .inventory import DeviceInventory
-from .outcomes import SplitResult, apply_plan, summary_lines
+from .frameworks import FrameworkChoiceError
+from .outcomes import SplitResult, execute, framework_for, summary_lines
 from .planner import SplitPlan, SplitRequest, parse_memory_list, plan_split
 from .report import StatusReport, collect_status
-from .runtime import RuntimeWatcher, runtime_state
 
 __all__ = [
     "RuntimeStartedWarning",
@@ -33,9 +31,7 @@ __all__ = [
     "split",
     "status",
     "strategy",
-    "execute",
     "make_request",
-    "framework_for",
 ]
 
 
@@ -121,37 +117,6 @@ def make_request(
         memory_growth=growth,
         framework=name,
     )
-
-
-def framework_for(name: str | None = None) -> Framework:
-    """The framework a call applies to (:func:`vgpu_magic.frameworks.select`), as a
-    :class:`ValueError` when the choice cannot be made."""
-    try:
-        return frameworks.select(name)
-    except FrameworkChoiceError as exc:
-        raise PlanError(str(exc)) from None
-
-
-def execute(
-    request: SplitRequest,
-    watcher: RuntimeWatcher | None = None,
-    dry_run: bool = False,
-    inventory: DeviceInventory | None = None,
-) -> SplitResult:
-    """Plan ``request`` against this machine and apply it (the engine every face calls).
-
-    Raises :class:`PlanError` before touching any configuration when the request
-    is invalid.
-    """
-    fw = framework_for(request.framework) if inventory is None else frameworks.get(inventory.framework)
-    if inventory is None:
-        inventory = fw.probe_inventory()
-    plan_ = plan_split(request, inventory)
-    # A CUDA context held elsewhere only matters where the framework sees a GPU (and NVML costs ~10 ms).
-    state = runtime_state(watcher, fw, check_cuda=bool(inventory.gpus))
-    keras = fw.keras_backend_warning()
-    extra = [keras] if keras else []
-    return apply_plan(fw, plan_, state, dry_run=dry_run, current=inventory.current, warnings=extra)
 
 
 def plan(count: int | None = None, memory=None, **options) -> SplitPlan:

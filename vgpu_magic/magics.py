@@ -1,7 +1,7 @@
 """The IPython face: ``%vgpu_split`` and ``%vgpu_status``.
 
 Each magic parses its line (:mod:`vgpu_magic.grammar`) and calls the engine
-(:func:`vgpu_magic.api.execute`); validation lives in
+(:func:`vgpu_magic.outcomes.execute`); validation lives in
 :mod:`vgpu_magic.planner`, outcomes are worded by
 :func:`vgpu_magic.outcomes.summary_lines`. User mistakes become a one-line
 :class:`~IPython.core.error.UsageError`.
@@ -20,10 +20,11 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from traitlets import Any as AnyTrait
 from traitlets import Bool
 
-from . import api, frameworks
+from . import frameworks
 from .errors import USER_ERRORS, excerpt
 from .grammar import framework_name, parse_arguments, parse_split_line, split_arguments
-from .outcomes import SplitResult, as_sentence, runtime_started_lines, summary_lines
+from .outcomes import SplitResult, as_sentence, execute, runtime_started_lines, summary_lines
+from .report import collect_status
 from .runtime import RuntimeWatcher
 
 __all__ = ["VGPUMagics", "ENV_SPLIT", "print_result"]
@@ -120,7 +121,7 @@ class VGPUMagics(Magics):
             says_nothing = request == type(request)(framework=request.framework)
             if says_nothing and not (args.dry_run or args.return_result or args.quiet):
                 return self._show_panel(request.framework)
-            result = api.execute(request, self.watcher, dry_run=args.dry_run)
+            result = execute(request, self.watcher, dry_run=args.dry_run)
         print_result(result, quiet=args.quiet)
         return result if args.return_result else None
 
@@ -173,7 +174,7 @@ class VGPUMagics(Magics):
                 example="%vgpu_status --json",
                 options_hint="%vgpu_status takes --json, -r and --framework NAME",
             )
-            report = api.collect_status(self.watcher, args.framework)
+            report = collect_status(self.watcher, args.framework)
         if args.json:
             print(report.to_json())
         else:
@@ -207,7 +208,7 @@ class VGPUMagics(Magics):
         line, source = persistent
         try:
             request, args = parse_split_line(line)
-            result = api.execute(request, self.watcher, dry_run=args.dry_run)
+            result = execute(request, self.watcher, dry_run=args.dry_run)
         except USER_ERRORS as exc:
             _warn(f"{source} = {excerpt(line)} was not applied: {exc}")
             return

@@ -15,13 +15,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .frameworks.base import ConfigSnapshot, Framework
-from .planner import SplitPlan, configuration_after
-from .runtime import NO_LONGER_CHANGE, RuntimeState
+from . import frameworks
+from .errors import PlanError
+from .frameworks import Framework, FrameworkChoiceError
+from .frameworks.base import ConfigSnapshot
+from .inventory import DeviceInventory
+from .planner import SplitPlan, SplitRequest, configuration_after, plan_split
+from .runtime import NO_LONGER_CHANGE, RuntimeState, RuntimeWatcher, runtime_state
 
 __all__ = [
     "SplitResult",
     "SummaryLine",
+    "execute",
+    "framework_for",
     "apply_plan",
     "summary_lines",
     "remedy",
@@ -238,3 +244,34 @@ def apply_plan(
     return SplitResult(
         "applied", plan, devices=devices, replaced=_describe_config(old, plan), configuration=new, **common
     )
+
+
+def framework_for(name: str | None = None) -> Framework:
+    """The framework a call applies to (:func:`vgpu_magic.frameworks.select`), as a
+    :class:`ValueError` when the choice cannot be made."""
+    try:
+        return frameworks.select(name)
+    except FrameworkChoiceError as exc:
+        raise PlanError(str(exc)) from None
+
+
+def execute(
+    request: SplitRequest,
+    watcher: RuntimeWatcher | None = None,
+    dry_run: bool = False,
+    inventory: DeviceInventory | None = None,
+) -> SplitResult:
+    """Plan ``request`` against this machine and apply it (what every face calls).
+
+    Raises :class:`PlanError` before touching any configuration when the request
+    is invalid.
+    """
+    fw = framework_for(request.framework) if inventory is None else frameworks.get(inventory.framework)
+    if inventory is None:
+        inventory = fw.probe_inventory()
+    plan_ = plan_split(request, inventory)
+    # A CUDA context held elsewhere only matters where the framework sees a GPU (and NVML costs ~10 ms).
+    state = runtime_state(watcher, fw, check_cuda=bool(inventory.gpus))
+    keras = fw.keras_backend_warning()
+    extra = [keras] if keras else []
+    return apply_plan(fw, plan_, state, dry_run=dry_run, current=inventory.current, warnings=extra)

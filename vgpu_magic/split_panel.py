@@ -5,7 +5,7 @@ The panel holds widgets and nothing else of its own: every verdict it shows
 comes from the engine — whether the request is valid and the line that
 reproduces it from :func:`~vgpu_magic.planner.plan_split`, whether it fits from
 :func:`~vgpu_magic.planner.check_fit`, what Apply did (applied, unchanged,
-blocked) from :func:`vgpu_magic.api.execute` worded by
+blocked) from :func:`vgpu_magic.outcomes.execute` worded by
 :func:`~vgpu_magic.outcomes.summary_lines` — so the panel, the magic and the API
 cannot disagree. It opens on the framework's live (or planned) configuration.
 The widget tree is built once; afterwards only trait values change. Colours
@@ -35,11 +35,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without the widg
         name="ipywidgets",
     ) from exc
 
-from . import api, panel_text
+from . import panel_text
 from .errors import USER_ERRORS, PlanError
 from .frameworks.base import ConfigSnapshot
 from .inventory import DeviceInventory, GPUInfo
-from .outcomes import SplitResult, summary_lines
+from .outcomes import SplitResult, execute, framework_for, summary_lines
 from .panel_text import CPU_KEY, gpu_key
 from .planner import (
     MAX_DEVICES,
@@ -399,7 +399,7 @@ class SplitPanel:
         self.last_message = ""
         self.last_result = None
         try:
-            result = api.execute(self.request(), self.watcher, inventory=self.inventory)
+            result = execute(self.request(), self.watcher, inventory=self.inventory)
         except USER_ERRORS as exc:
             self._say(f"Not applied: {exc}", error=True)
             return None
@@ -444,6 +444,6 @@ def panel(watcher: RuntimeWatcher | None = None, framework: str | None = None) -
     SplitPanel
         Shown when it is the last expression of a cell, or with ``display()``.
     """
-    chosen = api.framework_for(framework)
+    chosen = framework_for(framework)
     named = chosen.name if framework is not None else None
     return SplitPanel(chosen.probe_inventory(), watcher, framework_named=named)
