@@ -13,8 +13,8 @@ import pytest
 from IPython.core.error import UsageError
 
 from vgpu_magic.frameworks import get
+from vgpu_magic.grammar import parse_memory
 from vgpu_magic.inventory import GPUInfo
-from vgpu_magic.planner import parse_memory
 from vgpu_magic.ranks.hosts import HostReport, layout_ranks
 from vgpu_magic.ranks.run import (
     UnsendableName,

@@ -22,14 +22,13 @@ from conftest import tf_device_configuration
 from vgpu_magic.api import make_request
 from vgpu_magic.frameworks.tensorflow import CAPABILITIES as TENSORFLOW
 from vgpu_magic.frameworks.tensorflow import system_reserve_mib
-from vgpu_magic.grammar import parse_seconds, parse_split_line
+from vgpu_magic.grammar import parse_memory, parse_seconds, parse_split_line
 from vgpu_magic.inventory import DeviceInventory, GPUInfo
 from vgpu_magic.planner import (
     MAX_DEVICES,
     MAX_MEMORY_MIB,
     MIN_MEMORY_MIB,
     PlanError,
-    parse_memory,
     plan_split,
 )
 

@@ -16,7 +16,7 @@ from conftest import two_gpu_snapshot, two_gpus
 from vgpu_magic.frameworks.base import ConfigSnapshot
 from vgpu_magic.frameworks.tensorflow import CAPABILITIES as TENSORFLOW
 from vgpu_magic.frameworks.tensorflow import system_reserve_mib
-from vgpu_magic.grammar import parse_split_line
+from vgpu_magic.grammar import parse_memory, parse_split_line
 from vgpu_magic.inventory import DeviceInventory, GPUInfo
 from vgpu_magic.planner import (
     MAX_DEVICES,
@@ -24,7 +24,6 @@ from vgpu_magic.planner import (
     PlanError,
     SplitPlan,
     SplitRequest,
-    parse_memory,
     plan_split,
 )
 from vgpu_magic.planner import configuration_after as _wanted

@@ -21,8 +21,9 @@ from collections.abc import Iterable, Sequence
 from . import frameworks
 from .errors import PlanError, excerpt
 from .frameworks import FrameworkChoiceError
+from .grammar import parse_memory_list
 from .outcomes import SplitResult, execute, framework_for, summary_lines
-from .planner import SplitPlan, SplitRequest, parse_memory_list, plan_split
+from .planner import SplitPlan, SplitRequest, plan_split
 from .report import StatusReport, collect_status
 
 __all__ = [

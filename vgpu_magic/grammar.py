@@ -14,7 +14,8 @@ variable) and the CLI all parse here into a
 :class:`~vgpu_magic.plans.SplitRequest` (:func:`parse_split_line`); the
 planner then validates it. Nothing is evaluated. Numbers have one grammar for
 every option: ASCII digits (``int()`` would also take ``"1_0"``, ``"+3"`` or
-``"٣"``), finite and bounded.
+``"٣"``), finite and bounded; memory sizes are MiB, bare or with a unit
+(:func:`parse_memory`), for the magics and the API alike.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import math
 import re
 import shlex
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -32,7 +34,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from . import frameworks
 from .errors import PlanError, excerpt
-from .planner import MAX_DEVICES, SplitRequest, parse_memory_list
+from .planner import MAX_DEVICES, SplitRequest
 
 __all__ = [
     "parse_arguments",
@@ -40,6 +42,8 @@ __all__ = [
     "split_arguments",
     "split_request",
     "parse_whole_number",
+    "parse_memory",
+    "parse_memory_list",
     "choice",
     "seconds",
     "parse_seconds",
@@ -51,9 +55,50 @@ _DECIMAL = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?|\.[0-9]{1,9}", re.ASCII)
 _NEGATIVE = re.compile(r"-[0-9]+", re.ASCII)
 
 
+_UNITS = {
+    **dict.fromkeys(("", "m", "mb", "mib"), 1),
+    **dict.fromkeys(("g", "gb", "gib"), 1024),
+    **dict.fromkeys(("t", "tb", "tib"), 1024**2),
+}
+_MEMORY_RE = re.compile(r"^\s*(?P<num>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[a-zA-Z]*)\s*$", re.ASCII)
+
+
 def parse_whole_number(text: str) -> int | None:
     """ASCII digits only, at most 18 of them; ``None`` otherwise."""
     return int(text) if _WHOLE.fullmatch(text) else None
+
+
+def parse_memory(text: str) -> int:
+    """Parse one memory size into MiB: ``2048``, ``2048MB``, ``1.5G``, ``2GiB``.
+
+    A bare number is MiB (TensorFlow's "MB"); ``G``/``GB``/``GiB`` are 1024 MiB.
+    """
+    match = _MEMORY_RE.match(text)
+    unit = match.group("unit").lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise PlanError(
+            f"memory {excerpt(text)} is not a size; use MiB as a whole number (2048) or with a unit (2048MB, 1.5GB)"
+        )
+    number = match.group("num")
+    if len(number.split(".")[0]) > 16:
+        # Far beyond MAX_MEMORY_MIB; also keeps huge digit strings away from int().
+        raise PlanError(f"memory {excerpt(text)} is absurdly large; sizes are in MiB, e.g. --memory 2048 or 2GB")
+    if len(number) > 40:
+        raise PlanError(f"memory {excerpt(text)} has too many digits; use a whole number of MiB, e.g. 2048")
+    value = Fraction(number) * _UNITS[unit]
+    if value.denominator != 1:
+        raise PlanError(f"memory {excerpt(text)} is not a whole number of MiB; round it, e.g. {math.floor(value)}")
+    return int(value)
+
+
+def parse_memory_list(text: str) -> tuple[int, ...]:
+    """``"1024,2GB"`` -> ``(1024, 2048)``: the one grammar for memory lists (magic, API, config)."""
+    parts = text.split(",")
+    if any(not p.strip() for p in parts):
+        raise PlanError(
+            f"memory list {excerpt(text)} has an empty item; use sizes separated by commas, e.g. 1024,2048"
+        )
+    return tuple(parse_memory(p) for p in parts)
 
 
 def _example(text: str) -> Callable[[Callable], Callable]:

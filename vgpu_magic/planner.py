@@ -19,10 +19,6 @@ Memory is counted in MiB throughout, which is what TensorFlow's
 
 from __future__ import annotations
 
-import math
-import re
-from fractions import Fraction
-
 from .errors import PlanError, excerpt
 from .frameworks.base import Capabilities, ConfigSnapshot
 from .inventory import DeviceInventory, GPUInfo
@@ -39,8 +35,6 @@ __all__ = [
     "check_fit",
     "configuration_after",
     "unconfigured",
-    "parse_memory",
-    "parse_memory_list",
     "usable_mib",
     "even_share_mib",
     "check_rank_request",
@@ -53,12 +47,6 @@ MIN_MEMORY_MIB = 64
 #: 1 PiB: anything larger is a typo (bytes given where MiB were meant, say).
 MAX_MEMORY_MIB = 1024**3
 
-_UNITS = {
-    **dict.fromkeys(("", "m", "mb", "mib"), 1),
-    **dict.fromkeys(("g", "gb", "gib"), 1024),
-    **dict.fromkeys(("t", "tb", "tib"), 1024**2),
-}
-_MEMORY_RE = re.compile(r"^\s*(?P<num>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[a-zA-Z]*)\s*$", re.ASCII)
 
 
 def usable_mib(gpu: GPUInfo, capabilities: Capabilities) -> int | None:
@@ -75,39 +63,6 @@ def even_share_mib(gpu: GPUInfo, capabilities: Capabilities, count: int) -> int 
     given: the usable memory split evenly; ``None`` when NVML could not tell."""
     usable = usable_mib(gpu, capabilities)
     return None if usable is None else usable // count
-
-
-def parse_memory(text: str) -> int:
-    """Parse one memory size into MiB: ``2048``, ``2048MB``, ``1.5G``, ``2GiB``.
-
-    A bare number is MiB (TensorFlow's "MB"); ``G``/``GB``/``GiB`` are 1024 MiB.
-    """
-    match = _MEMORY_RE.match(text)
-    unit = match.group("unit").lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise PlanError(
-            f"memory {excerpt(text)} is not a size; use MiB as a whole number (2048) or with a unit (2048MB, 1.5GB)"
-        )
-    number = match.group("num")
-    if len(number.split(".")[0]) > 16:
-        # Far beyond MAX_MEMORY_MIB; also keeps huge digit strings away from int().
-        raise PlanError(f"memory {excerpt(text)} is absurdly large; sizes are in MiB, e.g. --memory 2048 or 2GB")
-    if len(number) > 40:
-        raise PlanError(f"memory {excerpt(text)} has too many digits; use a whole number of MiB, e.g. 2048")
-    value = Fraction(number) * _UNITS[unit]
-    if value.denominator != 1:
-        raise PlanError(f"memory {excerpt(text)} is not a whole number of MiB; round it, e.g. {math.floor(value)}")
-    return int(value)
-
-
-def parse_memory_list(text: str) -> tuple[int, ...]:
-    """``"1024,2GB"`` -> ``(1024, 2048)``: the one grammar for memory lists (magic, API, config)."""
-    parts = text.split(",")
-    if any(not p.strip() for p in parts):
-        raise PlanError(
-            f"memory list {excerpt(text)} has an empty item; use sizes separated by commas, e.g. 1024,2048"
-        )
-    return tuple(parse_memory(p) for p in parts)
 
 
 def check_fit(limits: tuple[int, ...], gpu: GPUInfo, capabilities: Capabilities) -> FitVerdict:
