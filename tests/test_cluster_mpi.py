@@ -37,13 +37,14 @@ def test_torch_ranks_on_engines_started_by_mpiexec(monkeypatch):
             "import os, torch, torch.distributed as dist\n"
             "t = torch.tensor([float(dist.get_rank() + 1)])\n"
             "dist.all_reduce(t)\n"
-            "(int(os.environ['RANK']), int(os.environ['OMPI_COMM_WORLD_SIZE']), t.item())",
+            "(int(os.environ['RANK']), int(os.environ['OMPI_COMM_WORLD_RANK']), int(os.environ['OMPI_COMM_WORLD_SIZE']),"
+            " t.item())",
             output=True,
         )
     finally:
         ranks.stop()
-    # mpiexec launched them (its environment is there), torchrun's wiring ranks them, gloo sums across them.
-    assert found == [(0, 2, 3.0), (1, 2, 3.0)]
+    # mpiexec launched them (its environment is there) and its ranks are the ranks; gloo sums across them.
+    assert found == [(0, 0, 2, 3.0), (1, 1, 2, 3.0)]
     assert our_processes() <= before
 
 
