@@ -1,19 +1,27 @@
-"""Shared test fixtures.
+"""Shared test fixtures and helpers.
 
 TensorFlow's device configuration is process-global and one-way, so every
 scenario that configures devices runs in a fresh Python subprocess
-(:func:`run_python`) or a fresh kernel, never by resetting private state.
+(:func:`run_python`) or a fresh kernel (:func:`started_kernel`), never by
+resetting private state. Tests that start either are marked ``slow``.
+
+In-process magics run in IPython's test shell: the :func:`ip` fixture, with
+vgpu_magic loaded. Tests that start processes prove they leave none behind
+with :func:`our_processes` or the :func:`no_process_left_behind` fixture.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -24,6 +32,8 @@ ARTIFACTS = ROOT / "artifacts"
 CHILD_ENV = {
     **os.environ,
     "TF_CPP_MIN_LOG_LEVEL": "2",
+    # As in the Makefile: oneDNN's CPU allocator (the one with statistics) whatever the CPU's maker.
+    "TF_ENABLE_ONEDNN_OPTS": "1",
     "PYTHONUNBUFFERED": "1",
     "MPLBACKEND": "Agg",
 }
@@ -99,9 +109,78 @@ def kernel_run(kc, code: str, timeout: float = 240, on_message=None) -> list[dic
             return messages
 
 
+@contextlib.contextmanager
+def started_kernel(env: dict[str, str | None] | None = None) -> Iterator[tuple]:
+    """A fresh ipykernel running this interpreter, with vgpu_magic importable
+    from this checkout; yields ``(manager, client)`` and shuts it down after.
+    ``env`` adds variables to :data:`CHILD_ENV` (``None`` removes one)."""
+    from jupyter_client.manager import start_new_kernel
+
+    merged = {**CHILD_ENV, "PYTHONPATH": str(ROOT), **(env or {})}
+    km, kc = start_new_kernel(
+        kernel_name="python3", env={k: v for k, v in merged.items() if v is not None}, cwd=str(ROOT)
+    )
+    try:
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def kernel_stream(messages: list[dict], name: str = "stdout") -> str:
+    """Everything a request printed on ``name`` (``"stdout"`` or ``"stderr"``)."""
+    return "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream" and m["content"]["name"] == name)
+
+
 def kernel_stdout(messages: list[dict]) -> str:
     """Everything a request printed on stdout."""
-    return "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream" and m["content"]["name"] == "stdout")
+    return kernel_stream(messages, "stdout")
+
+
+def kernel_errors(messages: list[dict]) -> list[str]:
+    """The errors a request raised, as ``"ename: evalue"``."""
+    return [f"{m['content']['ename']}: {m['content']['evalue']}" for m in messages if m["msg_type"] == "error"]
+
+
+def kernel_output(kc, code: str, timeout: float = 120) -> dict[str, str]:
+    """Run ``code`` in the kernel: what it printed on ``stdout`` and ``stderr``, and its ``error``."""
+    messages = kernel_run(kc, code, timeout)
+    return {
+        "stdout": kernel_stream(messages, "stdout"),
+        "stderr": kernel_stream(messages, "stderr"),
+        "error": "\n".join(kernel_errors(messages)),
+    }
+
+
+def our_processes() -> set[int]:
+    """The live processes this test process started, directly or not."""
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+
+
+@pytest.fixture(scope="module")
+def no_process_left_behind():
+    """Fail the module if a process it started is still running at its end."""
+    before = our_processes()
+    yield
+    left = our_processes() - before
+    assert not left, f"processes left behind: {sorted(left)}"
+
+
+@pytest.fixture(scope="session")
+def ip():
+    """IPython's in-process test shell with vgpu_magic loaded (as ``%load_ext``
+    does; a test that unloads it loads it again). No persistent split is
+    applied at load, whatever this environment's VGPU_MAGIC_SPLIT says."""
+    from IPython.testing import globalipapp
+
+    # The module rebinds get_ipython after the first call; always look it up there.
+    shell = globalipapp.get_ipython()
+    with mock.patch.dict(os.environ):
+        os.environ.pop("VGPU_MAGIC_SPLIT", None)
+        shell.extension_manager.load_extension("vgpu_magic")
+    return shell
 
 
 def tf_device_configuration() -> dict:
@@ -116,6 +195,33 @@ def tf_device_configuration() -> dict:
         },
         "visible": [d.name for d in tf.config.get_visible_devices()],
     }
+
+
+def two_gpus(current=None):
+    """A two-GPU inventory shaped like NVML's report (``current``: the framework's configuration)."""
+    from vgpu_magic.frameworks.tensorflow import CAPABILITIES
+    from vgpu_magic.inventory import DeviceInventory, GPUInfo
+
+    gpus = tuple(
+        GPUInfo(i, "NVIDIA Test GPU", total_mib=24576, free_mib=24000, compute_capability=(8, 0), nvml_index=i)
+        for i in range(2)
+    )
+    return DeviceInventory(
+        gpus=gpus, version="2.21.0", nvml_available=True, current=current, capabilities=CAPABILITIES
+    )
+
+
+def two_gpu_snapshot(logical=None, visible=(0, 1), growth=(False, False)):
+    """TensorFlow's configuration of :func:`two_gpus`: logical devices, visible GPUs, memory growth."""
+    from vgpu_magic.frameworks.base import ConfigSnapshot
+
+    return ConfigSnapshot(
+        cpu_names=("/physical_device:CPU:0",),
+        gpu_names=("/physical_device:GPU:0", "/physical_device:GPU:1"),
+        logical=dict(logical or {}),
+        visible_gpus=tuple(visible),
+        memory_growth=tuple(growth),
+    )
 
 
 @pytest.fixture

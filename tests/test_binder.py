@@ -9,10 +9,8 @@ same in a fresh venv on a copy of the repository, then executes the quickstart w
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 import subprocess
-import sys
 import venv
 from pathlib import Path
 
@@ -63,7 +61,8 @@ import resource, sys
 import nbformat
 from nbclient import NotebookClient
 nb = nbformat.read({str(repo / "notebooks" / "01_quickstart.ipynb")!r}, as_version=4)
-NotebookClient(nb, timeout=600, kernel_name="python3", resources={{"metadata": {{"path": {str(repo / "notebooks")!r}}}}}).execute()
+where = {{"metadata": {{"path": {str(repo / "notebooks")!r}}}}}
+NotebookClient(nb, timeout=600, kernel_name="python3", resources=where).execute()
 nbformat.write(nb, {str(out)!r})
 print("peak-rss-kib", resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 """

@@ -44,6 +44,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CHILD_ENV
+from vgpu_magic.monitor.sampler import PROCESS_LABEL
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -122,10 +123,8 @@ def _stop(proc: subprocess.Popen, runtime_dir: Path) -> None:
         except ProcessLookupError:
             pass
     for pid in _pids_mentioning(str(runtime_dir)):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 #: Dialogs that mean the test cannot go on: fail with their text instead of dismissing them.
@@ -253,7 +252,7 @@ def lab(tmp_path_factory):
 
 def _open(chromium, served, front_end_path: str, name: str, cells: list[str]):
     """Write notebook ``name`` with ``cells`` and open it, alone, in a new page; returns the page."""
-    sync_api, browser = chromium
+    _, browser = chromium
     base, token, notebooks = served
     _write_notebook(notebooks / name, cells)
     page = browser.new_page(viewport={"width": 1280, "height": 1000})
@@ -443,7 +442,8 @@ from vgpu_magic.runtime import CellRef, RuntimeState
 MiB = 1024 * 1024
 StatusReport([FrameworkStatus(
     inventory=DeviceInventory(gpus=(a100,), nvml_available=True, capabilities=TENSORFLOW),
-    runtime=RuntimeState("tensorflow", "TensorFlow", imported=True, started=True, started_by=CellRef(7, "model.fit(dataset, epochs=3)")),
+    runtime=RuntimeState("tensorflow", "TensorFlow", imported=True, started=True,
+                         started_by=CellRef(7, "model.fit(dataset, epochs=3)")),
     logical=[LogicalDeviceStatus(f"/device:GPU:{i}", "/physical_device:GPU:0", 19232, (900 + 700 * i) * MiB,
                                  (1500 + 700 * i) * MiB) for i in range(2)],
     replicas=2,
@@ -538,15 +538,6 @@ def test_jupyterlab_panel_opens_on_the_live_split_and_reads_in_light_and_dark(ch
         page.close()
 
 
-try:
-    from vgpu_magic.monitor.display import DisplaySurface
-    from vgpu_magic.monitor.sampler import PROCESS_LABEL
-except ImportError:
-    # Until the monitor has its RSS series and gives its plot an output of its own (issue 10),
-    # the monitored-fit checks below cannot pass.
-    PROCESS_LABEL = DisplaySurface = None
-
-
 #: The tutorial-sized model of issue 10 (Dense(256) on 16 inputs, 4 logical CPUs, batch 32), fitted
 #: with Keras' default progress bar under %vgpu_monitor on.
 MONITOR_CELLS = [
@@ -611,10 +602,6 @@ def _saved_text_of_image(path: Path, cell: int, png: str, timeout: float = 30) -
 _PROGRESS = re.compile(r"^\s*(\d+)/(\d+)\b", re.MULTILINE)
 
 
-@pytest.mark.skipif(
-    PROCESS_LABEL is None or DisplaySurface is None,
-    reason="the monitor has no process RSS series / own plot output yet (issue 10, branch monitor)",
-)
 def test_jupyterlab_monitored_fit_keeps_the_progress_bar_whole_and_plots_cpu_memory(chromium, lab, artifacts_dir):
     sync_api, _ = chromium
     page = _open(chromium, lab, LAB_PATH, "monitor.ipynb", MONITOR_CELLS)
@@ -739,7 +726,7 @@ def _image_colour_contrasts(png: bytes, layers: list) -> dict[str, float]:
     for colour, count in zip(colours, counts):
         if count >= 150:
             rgb = tuple(int(c) for c in colour)
-            found["#%02x%02x%02x" % rgb] = _contrast(tuple(c / 255 for c in rgb), background)
+            found["#{:02x}{:02x}{:02x}".format(*rgb)] = _contrast(tuple(c / 255 for c in rgb), background)
     return found
 
 

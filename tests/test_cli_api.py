@@ -12,10 +12,15 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+from IPython.core.error import UsageError
 
 import vgpu_magic
-from conftest import CHILD_ENV, ROOT, last_json, run_python, tf_device_configuration
+import vgpu_magic.api
+from conftest import CHILD_ENV, ROOT, last_json, run_python, tf_device_configuration, two_gpus
+from vgpu_magic.errors import PlanError
+from vgpu_magic.planner import plan_split
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -265,3 +270,59 @@ def test_status_after_start_shows_host_memory_once_as_shared(after_start):
     assert report["host_memory_shared"]["peak"] >= report["host_memory_shared"]["current"]
     assert [d["current"] for d in report["logical"]] == [None, None, None]
     assert report["replicas"] == 3
+
+
+# -- the API takes numpy integers and iterators, and refuses the rest with ValueError ----------
+
+
+def test_numpy_integers_are_accepted(cpu_inventory):
+    before = tf_device_configuration()
+    plan = vgpu_magic.plan(np.int64(3))
+    assert plan.count == 3
+    result = vgpu_magic.split(np.int32(3), dry_run=True)
+    assert result.status == "planned" and result.replicas == 3
+    request = vgpu_magic.api.make_request(2, memory=np.int64(1024), gpu=np.int64(0), visible=[np.int64(0)])
+    assert (request.memory, request.gpu, request.visible) == (1024, 0, (0,))
+    assert tf_device_configuration() == before
+
+
+def test_an_iterator_for_visible_is_read_once():
+    request = vgpu_magic.api.make_request(4, gpu=1, visible=iter([1]))
+    assert request.visible == (1,)
+    assert plan_split(request, two_gpus()).visible_gpus == (1,)  # not "--visible none"
+
+
+@pytest.mark.parametrize(
+    "call, fragment",
+    [
+        (lambda: vgpu_magic.api.make_request(4, visible=0), "visible 0 is not a list of GPU indices"),
+        (lambda: vgpu_magic.api.make_request(4, visible=[0.5]), "visible [0.5] is not a list"),
+        (lambda: vgpu_magic.api.make_request(np.float64(2.0)), "count np.float64(2.0) is not a whole number"),
+        (lambda: vgpu_magic.api.make_request(2, memory=object()), "is not a size"),
+        (lambda: vgpu_magic.plan(3, dry_run=True, colour="red"), "unknown option 'colour'"),
+    ],
+)
+def test_bad_api_values_raise_value_error_not_type_error(call, fragment):
+    with pytest.raises(ValueError) as err:
+        call()
+    assert fragment in str(err.value)
+
+
+def test_plan_takes_splits_arguments(cpu_inventory):
+    assert vgpu_magic.plan(3, dry_run=True).count == 3
+
+
+def test_dir_lists_the_lazy_public_names():
+    names = dir(vgpu_magic)
+    for name in ("split", "plan", "status", "strategy", "panel", "MemoryMonitor", "SplitResult", "PlanError"):
+        assert name in names
+
+
+def test_long_bad_values_are_quoted_as_an_excerpt(cpu_inventory, ip):
+    huge = "x" * 10_000
+    with pytest.raises(UsageError) as err:
+        ip.run_line_magic("vgpu_split", huge)
+    assert len(str(err.value)) < 200 and "(10000 characters)" in str(err.value)
+    with pytest.raises(PlanError) as err:
+        vgpu_magic.api.make_request(2, memory=huge)
+    assert len(str(err.value)) < 200

@@ -12,18 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
-from conftest import CHILD_ENV, ROOT
+from conftest import CHILD_ENV, ROOT, our_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 SCRIPTS = Path(__file__).parent / "scripts"
-
-
-def our_processes() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
 
 
 @contextlib.contextmanager

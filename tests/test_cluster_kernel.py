@@ -11,17 +11,9 @@ import time
 import psutil
 import pytest
 
-from conftest import CHILD_ENV, ROOT, kernel_run, kernel_stdout
+from conftest import CHILD_ENV, ROOT, kernel_errors, kernel_run, kernel_stdout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-def run(kc, code: str, timeout: float = 180, on_message=None) -> list[dict]:
-    return kernel_run(kc, code, timeout, on_message)
-
-
-def errors(messages: list[dict]) -> list[tuple[str, str]]:
-    return [(m["content"]["ename"], m["content"]["evalue"]) for m in messages if m["msg_type"] == "error"]
 
 
 def test_ranks_from_a_real_kernel_interrupt_and_shutdown():
@@ -31,13 +23,13 @@ def test_ranks_from_a_real_kernel_interrupt_and_shutdown():
     km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(ROOT))
     pids: list[int] = []
     try:
-        reply = run(kc, "%load_ext vgpu_magic\n%vgpu_cluster start 2 --framework torch")
-        assert not errors(reply), errors(reply)
-        reply = run(kc, "import json, vgpu_magic\nprint(json.dumps(sorted(vgpu_magic.cluster()._owned)))")
+        reply = kernel_run(kc, "%load_ext vgpu_magic\n%vgpu_cluster start 2 --framework torch")
+        assert not kernel_errors(reply), kernel_errors(reply)
+        reply = kernel_run(kc, "import json, vgpu_magic\nprint(json.dumps(sorted(vgpu_magic.cluster()._owned)))")
         pids = json.loads(kernel_stdout(reply).strip().splitlines()[-1])
 
-        reply = run(kc, "%%vgpu_run\nimport os, time\nfor step in range(3):\n    print('step', step, 'on', os.environ['RANK'])\n    time.sleep(0.3)")
-        assert not errors(reply), errors(reply)
+        reply = kernel_run(kc, "%%vgpu_run\nimport os, time\nfor step in range(3):\n    print('step', step, 'on', os.environ['RANK'])\n    time.sleep(0.3)")
+        assert not kernel_errors(reply), kernel_errors(reply)
         lines = kernel_stdout(reply).splitlines()
         assert [x for x in lines if x.startswith("[rank 1]")] == [f"[rank 1] step {s} on 1" for s in range(3)]
         displays = [m for m in reply if m["msg_type"] == "display_data"]
@@ -57,13 +49,13 @@ def test_ranks_from_a_real_kernel_interrupt_and_shutdown():
                 sent.append(True)
                 km.interrupt_kernel()
 
-        reply = run(kc, "%%vgpu_run --no-plot\nimport time\nprint('sleeping', flush=True)\ntime.sleep(120)",
+        reply = kernel_run(kc, "%%vgpu_run --no-plot\nimport time\nprint('sleeping', flush=True)\ntime.sleep(120)",
                     on_message=interrupt_once_running)
-        assert [e[0] for e in errors(reply)] == ["KeyboardInterrupt"]
+        assert [e.split(":")[0] for e in kernel_errors(reply)] == ["KeyboardInterrupt"]
         # Both ranks came back from the interrupt: the same cluster runs the next cell.
-        reply = run(kc, "%%vgpu_run -o alive --no-plot\n'yes'\n")
-        assert not errors(reply), errors(reply)
-        reply = run(kc, "print(alive)")
+        reply = kernel_run(kc, "%%vgpu_run -o alive --no-plot\n'yes'\n")
+        assert not kernel_errors(reply), kernel_errors(reply)
+        reply = kernel_run(kc, "print(alive)")
         assert kernel_stdout(reply).strip() == "['yes', 'yes']"
     finally:
         kc.stop_channels()

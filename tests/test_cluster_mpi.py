@@ -10,8 +10,9 @@ import importlib.util
 import os
 import shutil
 
-import psutil
 import pytest
+
+from conftest import our_processes
 
 pytestmark = [
     pytest.mark.slow,
@@ -19,10 +20,6 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec (apt-get install openmpi-bin)"),
     pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="no mpi4py (pip install 'vgpu_magic[mpi]')"),
 ]
-
-
-def our_processes() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
 
 
 def test_torch_ranks_on_engines_started_by_mpiexec(monkeypatch):

@@ -21,25 +21,17 @@ import psutil
 import pytest
 from IPython.core.error import UsageError
 
-from conftest import CHILD_ENV, ROOT
+from conftest import CHILD_ENV, ROOT, our_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 PARITY_SCRIPT = Path(__file__).parent / "scripts" / "ddp_parity.py"
 
 
-def our_processes() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
-
-
 @pytest.fixture(scope="module")
-def shell():
-    from IPython.testing.globalipapp import get_ipython
-
+def shell(ip):
     from vgpu_magic.ranks import engine
 
-    ip = get_ipython()
-    ip.run_line_magic("load_ext", "vgpu_magic")
     before = our_processes()
     yield ip
     running = engine.current()
@@ -213,10 +205,15 @@ def test_timeout_interrupts_the_ranks_and_the_cluster_stays_usable(shell, ranks)
 
 
 def test_interrupting_the_kernel_interrupts_the_ranks(shell, ranks):
+    # A kernel turns SIGINT into KeyboardInterrupt; a suite started in the background inherits SIGINT ignored.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        shell.run_cell_magic("vgpu_run", "", "import time\nfor _ in range(1200):\n    time.sleep(0.1)")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            shell.run_cell_magic("vgpu_run", "", "import time\nfor _ in range(1200):\n    time.sleep(0.1)")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     # Both ranks came back from their sleep, so the same engines run the next cell.
     pids = list(ranks.pids)
     shell.run_cell_magic("vgpu_run", "-o after", "import os\nos.getpid()")

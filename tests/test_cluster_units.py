@@ -13,8 +13,8 @@ import pytest
 from IPython.core.error import UsageError
 
 from vgpu_magic.frameworks import get
+from vgpu_magic.grammar import parse_memory
 from vgpu_magic.inventory import GPUInfo
-from vgpu_magic.planner import parse_memory
 from vgpu_magic.ranks.hosts import HostReport, layout_ranks
 from vgpu_magic.ranks.run import (
     UnsendableName,
@@ -273,13 +273,8 @@ def test_lines_are_labelled_whole_and_never_interleaved():
 
 
 @pytest.fixture(scope="module")
-def shell():
-    from IPython.testing.globalipapp import get_ipython
-
-    from vgpu_magic.ranks.magics import ClusterMagics
-
-    ip = get_ipython()
-    ip.register_magics(ClusterMagics)
+def shell(ip):
+    """The in-process shell; loading vgpu_magic registers %vgpu_cluster."""
     return ip
 
 
@@ -355,6 +350,7 @@ def test_rank_memory_feeds_the_monitors_one_trace_and_view():
     assert seen.calls[0] == "start" and seen.calls[-1] == "finish"
 
 
+@pytest.mark.slow
 def test_loading_the_extension_starts_and_imports_nothing_of_the_cluster(py):
     proc = py(
         """

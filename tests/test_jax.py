@@ -11,26 +11,20 @@ from __future__ import annotations
 import sys
 import textwrap
 
-import psutil
 import pytest
 
 from conftest import last_json, run_python
 from vgpu_magic import frameworks
+from vgpu_magic.errors import PlanError
 from vgpu_magic.frameworks.jax import CAPABILITIES, FRAMEWORK, xla_flags_count, xla_flags_with_count
 from vgpu_magic.frameworks.tensorflow import CAPABILITIES as TENSORFLOW
 from vgpu_magic.frameworks.tensorflow import FRAMEWORK as TENSORFLOW_FRAMEWORK
 from vgpu_magic.inventory import DeviceInventory, GPUInfo
-from vgpu_magic.planner import PlanError, SplitRequest, plan_split
+from vgpu_magic.planner import SplitRequest, plan_split
+
+pytestmark = pytest.mark.usefixtures("no_process_left_behind")
 
 MIB = 1024 * 1024
-
-
-@pytest.fixture(autouse=True, scope="module")
-def no_process_left_behind():
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    yield
-    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    assert not left, f"processes left behind: {left}"
 
 
 def jax_inventory(gpus: int = 1, total_mib: int = 16384, free_mib: int = 15000) -> DeviceInventory:
@@ -43,6 +37,7 @@ def jax_inventory(gpus: int = 1, total_mib: int = 16384, free_mib: int = 15000) 
 
 
 # -- pure: the planner reads JAX's capabilities as data ---------------------------------
+@pytest.mark.slow
 def test_registered_and_imports_nothing():
     code = """
     import json, sys
@@ -76,7 +71,7 @@ def test_memory_caps_this_process_share_of_the_gpu():
 
 
 def test_cpu_devices_next_to_the_gpu_are_the_replicas():
-    from vgpu_magic.engine import apply_plan
+    from vgpu_magic.outcomes import apply_plan
     from vgpu_magic.runtime import RuntimeState
 
     inventory = jax_inventory()
@@ -152,6 +147,7 @@ def cell(source):
 """
 
 
+@pytest.mark.slow
 def test_magic_before_import_then_identical_is_quiet_and_different_names_the_cell():
     code = SHELL + textwrap.dedent("""
     steps = {}
@@ -176,6 +172,7 @@ def test_magic_before_import_then_identical_is_quiet_and_different_names_the_cel
     assert "nothing was configured" in warning and steps["after"] == 8
 
 
+@pytest.mark.slow
 def test_api_after_import_and_mesh():
     code = """
     import json, warnings
@@ -218,6 +215,7 @@ def test_api_after_import_and_mesh():
     assert out["keras"] == "jax" and out["dist"] == ["DataParallel", [f"cpu:{i}" for i in range(4)]]
 
 
+@pytest.mark.slow
 def test_xla_flags_where_jax_lacks_the_option():
     code = """
     import json, os
@@ -239,6 +237,7 @@ def test_xla_flags_where_jax_lacks_the_option():
     }
 
 
+@pytest.mark.slow
 def test_per_device_bytes_are_exact_for_a_placed_array():
     code = """
     import json
@@ -279,6 +278,7 @@ def test_per_device_bytes_are_exact_for_a_placed_array():
     assert out["status1"] == 4096
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_configures_nothing():
     code = SHELL + textwrap.dedent("""
     lines = ["0 --framework jax", "4 --framework jaxx", "4 --memory 1024 --framework jax",
@@ -300,12 +300,13 @@ def test_bad_input_is_one_line_and_configures_nothing():
     assert out["option"] == -1 and out["env"] == [] and out["n"] == 1
 
 
+@pytest.mark.slow
 def test_write_caps_and_growth_through_the_environment_and_undo_on_failure():
     code = """
     import json, os
     from vgpu_magic.frameworks import jax as fj
     from vgpu_magic.inventory import GPUInfo
-    from vgpu_magic.planner import PlanError
+    from vgpu_magic.errors import PlanError
     fw = fj.FRAMEWORK
     gpus = (GPUInfo(index=0, total_mib=16384, free_mib=16000),)
     fw._gpus = lambda: (gpus, True)   # a GPU-shaped machine, read without NVML
@@ -335,6 +336,7 @@ def test_write_caps_and_growth_through_the_environment_and_undo_on_failure():
     assert out["option_after_undo"] == -1 and out["fraction_after_undo"] == "0.25"
 
 
+@pytest.mark.slow
 def test_keras_on_another_backend_warns_and_status_shows_both_frameworks():
     code = SHELL + textwrap.dedent("""
     import os
@@ -362,6 +364,7 @@ def test_keras_on_another_backend_warns_and_status_shows_both_frameworks():
     assert "memory held on each logical CPU: CPU:0 " in out["text"]
 
 
+@pytest.mark.slow
 def test_jax_that_tensorflow_imported_is_not_a_second_framework():
     # TensorFlow imports JAX itself (tensorflow/lite/python/util.py) where JAX is installed.
     code = SHELL + textwrap.dedent("""
@@ -380,6 +383,7 @@ def test_jax_that_tensorflow_imported_is_not_a_second_framework():
     assert "TensorFlow and JAX are both imported" in (steps["ambiguous"]["error"] or "")
 
 
+@pytest.mark.slow
 def test_panel_splits_jax_and_hides_memory_on_cpu():
     code = """
     import json
@@ -413,6 +417,7 @@ def test_gpu_backend_is_read_from_the_installed_files(tmp_path, monkeypatch):
         fj.gpu_backend_installed.cache_clear()
 
 
+@pytest.mark.slow
 def test_persistent_split_for_jax_applies_at_load():
     code = SHELL + textwrap.dedent("""
     import jax
@@ -445,6 +450,7 @@ def test_monitor_reader_keeps_counting_within_its_time_budget():
     assert MemoryReader(None)._count(counter) == [3]  # no budget: a count on every call
 
 
+@pytest.mark.slow
 def test_magic_after_import_jax_picks_jax():
     code = SHELL + textwrap.dedent("""
     steps = {"import": cell("import jax"), "split": cell("%vgpu_split 2")}
@@ -471,6 +477,7 @@ def per_device(trace, step):
 """
 
 
+@pytest.mark.slow
 def test_monitor_context_manager_shows_a_placed_array_on_its_device_only():
     code = MONITOR + textwrap.dedent("""
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -496,6 +503,7 @@ def test_monitor_context_manager_shows_a_placed_array_on_its_device_only():
     assert out["tf"] is False
 
 
+@pytest.mark.slow
 def test_monitor_is_a_keras_callback_under_the_jax_backend():
     code = MONITOR + textwrap.dedent("""
     keras.distribution.set_distribution(vgpu_magic.distribution())

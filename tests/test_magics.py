@@ -8,27 +8,27 @@ fresh interpreter.
 
 from __future__ import annotations
 
-import pytest
-from IPython.testing import globalipapp
+import json
 
-from conftest import last_json, run_python
+import pytest
+
+from conftest import kernel_output, last_json, run_python, started_kernel
 
 
 @pytest.fixture
-def ip(monkeypatch):
-    """The in-process shell, with the extension not loaded and no persistent split."""
+def unloaded(ip, monkeypatch):
+    """The in-process shell with the extension unloaded (loaded again after the test), no persistent split."""
     monkeypatch.delenv("VGPU_MAGIC_SPLIT", raising=False)
-    # The module rebinds get_ipython after the first call; always look it up there.
-    shell = globalipapp.get_ipython()
-    shell.extension_manager.unload_extension("vgpu_magic")
-    yield shell
-    shell.extension_manager.load_extension("vgpu_magic")
+    ip.extension_manager.unload_extension("vgpu_magic")
+    yield ip
+    ip.extension_manager.load_extension("vgpu_magic")
 
 
 def callbacks(shell) -> dict[str, list]:
     return {event: list(funcs) for event, funcs in shell.events.callbacks.items()}
 
 
+@pytest.mark.usefixtures("unloaded")
 def test_unload_removes_exactly_what_load_added(ip):
     before_callbacks = callbacks(ip)
     before_configurables = list(ip.configurables)
@@ -47,11 +47,12 @@ def test_unload_removes_exactly_what_load_added(ip):
     assert "VGPUMagics" not in ip.magics_manager.registry
     assert ip.configurables == before_configurables
 
-    import vgpu_magic.api
+    import vgpu_magic.runtime
 
-    assert vgpu_magic.api.current_watcher() is None
+    assert vgpu_magic.runtime.active_watcher() is None
 
 
+@pytest.mark.usefixtures("unloaded")
 def test_load_twice_registers_hooks_once(ip):
     before = callbacks(ip)
     ip.run_line_magic("load_ext", "vgpu_magic")
@@ -177,3 +178,59 @@ def test_malformed_persistent_split_is_reported_and_not_applied(config, env, sou
     assert token in warning
     assert "Traceback" not in result["out"] + result["err"]
     assert (result["configured"], result["replicas"]) == (None, 1)
+
+
+# -- a persistent split in a real kernel's config, and the culprit across a reload --------------
+
+
+HOOKS = (
+    "import json; print(json.dumps({e: len(f) for e, f in get_ipython().events.callbacks.items()"
+    " if e in ('pre_run_cell', 'post_run_cell')}))"
+)
+VGPU_MAGICS = "print(sorted(n for n in get_ipython().magics_manager.magics['line'] if n.startswith('vgpu')))"
+CPU_SPLIT = (
+    "import tensorflow as tf; "
+    "print(len(tf.config.get_logical_device_configuration(tf.config.list_physical_devices('CPU')[0]) or []))"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "value, applied, warning",
+    [
+        ("4", True, None),
+        ("['4']", False, "c.VGPUMagics.split = ['4'] was not applied: give a %vgpu_split line as a string"),
+    ],
+)
+def test_a_non_string_config_value_loads_the_extension_anyway(tmp_path, value, applied, warning):
+    profile = tmp_path / "profile_default"
+    profile.mkdir()
+    (profile / "ipython_config.py").write_text(
+        f"c.InteractiveShellApp.extensions = ['vgpu_magic']\nc.VGPUMagics.split = {value}\n"
+    )
+    with started_kernel({"IPYTHONDIR": str(tmp_path)}) as (_, kc):
+        hooks = kernel_output(kc, HOOKS)
+        assert json.loads(hooks["stdout"]) == {"pre_run_cell": 1, "post_run_cell": 1}
+        magics = kernel_output(kc, VGPU_MAGICS)
+        assert "vgpu_split" in magics["stdout"] and "vgpu_status" in magics["stdout"]
+        split = kernel_output(kc, CPU_SPLIT)
+        assert split["stdout"].strip() == ("4" if applied else "0")
+        # What the kernel printed at start-up goes to its log, not to a cell: read the load again.
+        again = kernel_output(kc, "%reload_ext vgpu_magic")
+        if warning:
+            assert warning in again["stderr"] and len(again["stderr"].strip().splitlines()) == 1
+        else:
+            assert "applying c.VGPUMagics.split = '4'" in again["stdout"]
+        assert "Traceback" not in again["stderr"] + again["error"]
+
+
+@pytest.mark.slow
+def test_the_culprit_cell_survives_a_reload(tmp_path):
+    with started_kernel({"IPYTHONDIR": str(tmp_path)}) as (_, kc):
+        kernel_output(kc, "%load_ext vgpu_magic")
+        started = kernel_output(kc, "import tensorflow as tf\nx = tf.zeros(3)")
+        assert not started["error"]
+        kernel_output(kc, "%reload_ext vgpu_magic")
+        blocked = kernel_output(kc, "%vgpu_split 2")
+        assert "started by: the cell In [2], which begins `import tensorflow as tf`" in blocked["stderr"]
+        assert "before vgpu_magic was loaded" not in blocked["stderr"]

@@ -460,6 +460,7 @@ def test_text_view_prints_one_line_per_epoch_and_one_at_the_end():
     assert "variables per replica: CPU:0 3.0 MiB, CPU:1 3.0 MiB" in lines[1]
 
 
+@pytest.mark.slow
 def test_frontend_is_text_outside_a_kernel():
     assert detect_frontend() == "text"
     code = "import vgpu_magic.monitor.display as d; print(d.detect_frontend())"
@@ -718,6 +719,7 @@ except ImportError as exc:
 """
 
 
+@pytest.mark.slow
 def test_savefig_without_matplotlib_gives_the_install_hint_of_the_final_image():
     out = subprocess.run([sys.executable, "-c", SAVEFIG_WITHOUT_MATPLOTLIB], capture_output=True, text=True, check=True)
     lines = out.stdout.splitlines()

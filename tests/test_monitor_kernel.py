@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from conftest import CHILD_ENV, ROOT, kernel_run, kernel_stdout
+from conftest import kernel_errors, kernel_run, kernel_stdout, started_kernel
 
 pytestmark = pytest.mark.slow
 
@@ -51,25 +51,13 @@ y = rng.integers(0, 4, 1600)
 
 @pytest.fixture(scope="module")
 def kernel():
-    from jupyter_client.manager import start_new_kernel
-
-    env = {**CHILD_ENV, "PYTHONPATH": str(ROOT)}
-    env.pop("MPLBACKEND", None)
-    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(ROOT))
-    try:
+    with started_kernel({"MPLBACKEND": None}) as (km, kc):
         # the kernel must be this interpreter, with vgpu_magic importable
         reply = kernel_run(kc, "import sys; print(sys.executable)")
         assert kernel_stdout(reply).strip() == sys.executable
         reply = kernel_run(kc, SETUP, timeout=180)
-        assert not errors(reply), errors(reply)
+        assert not kernel_errors(reply), kernel_errors(reply)
         yield km, kc
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
-
-
-def errors(messages: list[dict]) -> list[str]:
-    return [f"{m['content']['ename']}: {m['content']['evalue']}" for m in messages if m["msg_type"] == "error"]
 
 
 def displays(messages: list[dict]) -> list[tuple[str, str | None, dict]]:
@@ -155,7 +143,7 @@ def test_fit_shows_one_live_view_fed_rows_several_times_a_second_then_the_final_
                        "view = mon.view\n"
                        "print(json.dumps({'samples': len(mon.trace), 'updates': len(view.update_costs), "
                        "'seconds': mon.trace.duration, 'cost': sum(view.update_costs)}))")
-    assert not errors(messages), errors(messages)
+    assert not kernel_errors(messages), kernel_errors(messages)
     updates = check_one_output_updated_in_place(messages, "done")
     result = json.loads(kernel_stdout(messages).strip().splitlines()[-1])
     # The view's updates reached the front end as messages (one each, unless it had no new rows);
@@ -176,7 +164,7 @@ def test_fit_shows_one_live_view_fed_rows_several_times_a_second_then_the_final_
 def test_vgpu_monitor_on_plots_a_fit_without_code_changes(kernel):
     km, kc = kernel
     messages = kernel_run(kc, "%vgpu_monitor on\nmodel.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[Pace()])")
-    assert not errors(messages), errors(messages)
+    assert not kernel_errors(messages), kernel_errors(messages)
     check_one_output_updated_in_place(messages, "done")
     messages = kernel_run(kc, "%vgpu_monitor off\nmodel.fit(x, y, batch_size=64, epochs=1, verbose=0)")
     assert displays(messages) == []
@@ -197,7 +185,7 @@ def test_interrupting_the_kernel_keeps_the_trace_and_a_final_frame(kernel):
         "model.fit(x, y, batch_size=16, epochs=1000, verbose=0, callbacks=[mon, Pace()])",
         on_message=interrupt_once_plotting,
     )
-    assert interrupted and [e.split(":")[0] for e in errors(messages)] == ["KeyboardInterrupt"]
+    assert interrupted and [e.split(":")[0] for e in kernel_errors(messages)] == ["KeyboardInterrupt"]
     check_one_output_updated_in_place(messages, "interrupted")
     after = kernel_run(kc, "print(json.dumps({'samples': len(mon.trace), 'interrupted': mon.trace.interrupted, "
                     "'active': mon.active}))")
@@ -210,7 +198,7 @@ def test_keras_progress_bar_stays_one_stream_output_under_the_plot(kernel):
     messages = kernel_run(kc, "%vgpu_monitor on\n"
                        "model.fit(x, y, batch_size=64, epochs=2, verbose=1, callbacks=[Pace()])\n"
                        "%vgpu_monitor off")
-    assert not errors(messages), errors(messages)
+    assert not kernel_errors(messages), kernel_errors(messages)
     outputs = notebook_outputs(messages)
     kinds = [(o["type"], o.get("name")) for o in outputs]
     plot = kinds.index(("display", None))
@@ -240,13 +228,13 @@ def test_an_interrupt_during_the_final_frame_neither_loses_it_nor_leaves_the_hoo
                     "    time.sleep(0.05)\n"
                     "    return _static(trace)\n"
                     "_live.static_image = _interrupted_static")
-    assert not errors(setup)
+    assert not kernel_errors(setup)
     try:
         messages = kernel_run(kc, "mon = vgpu_magic.MemoryMonitor()\n"
                            "model.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[mon, Pace()])")
     finally:
         kernel_run(kc, "_live.static_image = _static")
-    assert not errors(messages), errors(messages)
+    assert not kernel_errors(messages), kernel_errors(messages)
     text = "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream")
     assert "Error in callback" not in text and "KeyboardInterrupt" not in text, text
     check_one_output_updated_in_place(messages, "done")
@@ -269,12 +257,12 @@ def test_interrupting_a_tight_sampling_loop_never_tears_the_trace(kernel):
                 km.interrupt_kernel()
 
         messages = kernel_run(kc, "with mon:\n    while True:\n        mon.sample()", on_message=interrupt_when_running)
-        assert [e.split(":")[0] for e in errors(messages)] == ["KeyboardInterrupt"]
+        assert [e.split(":")[0] for e in kernel_errors(messages)] == ["KeyboardInterrupt"]
         after = kernel_run(kc, "import csv, io\n"
                         "path = mon.to_csv('/dev/null')\n"
                         "print(json.dumps({'rows': len(mon.trace.to_records()), 'samples': len(mon.trace), "
                         "'series': len(mon.trace.series)}))")
-        assert not errors(after), errors(after)
+        assert not kernel_errors(after), kernel_errors(after)
         result = json.loads(kernel_stdout(after).strip().splitlines()[-1])
         assert result["samples"] >= 2 and result["rows"] == result["samples"] * result["series"]
 
@@ -294,7 +282,7 @@ def test_the_cpu_plot_of_a_tutorial_sized_model_is_never_empty(kernel):
 
     km, kc = kernel
     messages = kernel_run(kc, TUTORIAL_MODEL)
-    assert not errors(messages), errors(messages)
+    assert not kernel_errors(messages), kernel_errors(messages)
     final = displays(messages)[-1][2]
     summary = final["text/plain"].splitlines()[1]
     rss = re.search(r"process RSS \(all memory of this Python process\): now ([0-9.]+) (MiB|GiB)", summary)

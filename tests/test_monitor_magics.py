@@ -7,25 +7,9 @@ from __future__ import annotations
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.testing import globalipapp
 
 from vgpu_magic.monitor import auto
-from vgpu_magic.monitor.magics import MonitorMagics, parse_monitor_line
-
-
-@pytest.fixture
-def ip():
-    """The in-process shell with ``MonitorMagics`` registered (what
-    ``%load_ext vgpu_magic`` registers through ``_MAGICS``)."""
-    shell = globalipapp.get_ipython()
-    before = shell.magics_manager.magics["line"].get("vgpu_monitor")
-    shell.register_magics(MonitorMagics)
-    yield shell
-    if before is not None:
-        shell.magics_manager.magics["line"]["vgpu_monitor"] = before
-    else:
-        shell.magics_manager.magics["line"].pop("vgpu_monitor", None)
-    shell.magics_manager.registry.pop("MonitorMagics", None)
+from vgpu_magic.monitor.magics import parse_monitor_line
 
 
 @pytest.mark.parametrize(
@@ -45,7 +29,8 @@ def ip():
         ("on --interval -1", "--interval '-1' is not a number of seconds; use e.g. --interval 0.05"),
         ("on --interval 0", "--interval '0' is out of range; use 0.001 to 3600 seconds"),
         ("on --interval 99999", "--interval '99999' is out of range; use 0.001 to 3600 seconds"),
-        ("x" * 500, "'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...' (500 characters) is not an action; use on, off or status"),
+        ("x" * 500, "'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...' (500 characters) "
+                    "is not an action; use on, off or status"),
     ],
 )
 def test_a_mistake_is_one_plain_sentence_and_changes_nothing(ip, line, message):

@@ -14,14 +14,23 @@ import pytest
 
 ipywidgets = pytest.importorskip("ipywidgets")
 
-from conftest import CHILD_ENV, ROOT, last_json, run_python  # noqa: E402
+from conftest import (  # noqa: E402
+    kernel_errors,
+    kernel_run,
+    kernel_stdout,
+    kernel_stream,
+    last_json,
+    run_python,
+    started_kernel,
+)
+from vgpu_magic.errors import PlanError  # noqa: E402
 from vgpu_magic.frameworks.tensorflow import CAPABILITIES as TENSORFLOW  # noqa: E402
-from vgpu_magic.inventory import DeviceInventory, GPUInfo  # noqa: E402
-from vgpu_magic.split_panel import SLIDER_MAX_DEVICES, SplitPanel  # noqa: E402
 from vgpu_magic.frameworks.tensorflow import system_reserve_mib  # noqa: E402
 from vgpu_magic.grammar import parse_split_line  # noqa: E402
-from vgpu_magic.planner import PlanError, plan_split  # noqa: E402
+from vgpu_magic.inventory import DeviceInventory, GPUInfo  # noqa: E402
+from vgpu_magic.planner import plan_split  # noqa: E402
 from vgpu_magic.runtime import CellRef, RuntimeState  # noqa: E402
+from vgpu_magic.split_panel import SLIDER_MAX_DEVICES, SplitPanel  # noqa: E402
 
 A100 = GPUInfo(0, "NVIDIA A100-SXM4-40GB", total_mib=40960, free_mib=40000, compute_capability=(8, 0), nvml_index=0)
 T4 = GPUInfo(1, "Tesla T4", total_mib=15360, free_mib=14900, compute_capability=(7, 5), nvml_index=1)
@@ -164,7 +173,8 @@ def test_counts_beyond_the_slider_are_typed_in_and_stay_linked():
 
 def test_unknown_free_memory_is_said_and_not_checked():
     gpu = GPUInfo(0, "Tesla V100", total_mib=None, free_mib=None)
-    panel = make_panel(DeviceInventory(gpus=(gpu,), notes=("NVML unavailable: GPU memory unknown",), capabilities=TENSORFLOW))
+    notes = ("NVML unavailable: GPU memory unknown",)
+    panel = make_panel(DeviceInventory(gpus=(gpu,), notes=notes, capabilities=TENSORFLOW))
     assert panel.target.options[0][0] == "GPU 0: Tesla V100 — memory unknown (NVML unavailable)"
     panel.count_slider.value = 2
     assert panel.fits is None and panel.usage_bar.bar_style == ""
@@ -203,7 +213,8 @@ def test_widgets_are_built_once_and_only_values_change():
 
 
 def test_started_runtime_disables_everything_and_names_the_cell():
-    state = RuntimeState("tensorflow", "TensorFlow", imported=True, started=True, started_by=CellRef(7, "model = tf.keras.Sequential()"))
+    started_by = CellRef(7, "model = tf.keras.Sequential()")
+    state = RuntimeState("tensorflow", "TensorFlow", imported=True, started=True, started_by=started_by)
     panel = SplitPanel(ONE_GPU, FixedRuntime(state))
     assert panel.locked
     assert panel.banner.layout.display == ""
@@ -222,7 +233,8 @@ def test_a_panel_shown_before_the_runtime_started_locks_when_next_used_and_says_
     used = SplitPanel(ONE_GPU, runtime)
     clicked = SplitPanel(ONE_GPU, runtime)
     assert not used.locked and not clicked.locked
-    runtime._state = RuntimeState("tensorflow", "TensorFlow", imported=True, started=True, started_by=CellRef(4, "import tensorflow as tf"))
+    started_by = CellRef(4, "import tensorflow as tf")
+    runtime._state = RuntimeState("tensorflow", "TensorFlow", imported=True, started=True, started_by=started_by)
     used.count_text.value = 3  # moving a control is enough: no Apply needed to learn it
     assert used.locked and used.apply_button.disabled and used.banner.layout.display == ""
     # The culprit's code is quoted as code, styled by the front end's theme.
@@ -235,6 +247,7 @@ def test_a_panel_shown_before_the_runtime_started_locks_when_next_used_and_says_
     assert shown.count("restart the kernel") == 1, shown
 
 
+@pytest.mark.slow
 def test_importing_the_package_and_loading_the_extension_imports_no_widgets():
     proc = run_python(
         """
@@ -342,30 +355,19 @@ def test_runtime_started_by_a_cell_locks_the_panel_and_names_that_cell():
     assert out["cpus"] == 1
 
 
-def _kernel_run(kc, code: str) -> list[dict]:
-    """Execute ``code`` in the kernel; return its iopub messages, failing on an error reply."""
-    messages: list[dict] = []
-    reply = kc.execute_interactive(code, output_hook=messages.append, timeout=180)
-    errors = [m["content"] for m in messages if m["msg_type"] == "error"]
-    assert reply["content"]["status"] == "ok", errors or reply["content"]
+def _ran(kc, code: str) -> list[dict]:
+    """Run ``code`` in the kernel; its iopub messages, failing the test on an error."""
+    messages = kernel_run(kc, code, timeout=180)
+    assert not kernel_errors(messages), kernel_errors(messages)
     return messages
-
-
-def _stdout(messages: list[dict]) -> str:
-    return "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream")
 
 
 @pytest.mark.slow
 def test_magic_shows_the_panel_in_a_real_kernel_and_apply_splits_the_cpu():
-    jupyter_client = pytest.importorskip("jupyter_client")
-    km = jupyter_client.KernelManager(kernel_name="python3")
-    km.start_kernel(env=CHILD_ENV, cwd=str(ROOT))
-    kc = km.client()
-    try:
-        kc.start_channels()
-        kc.wait_for_ready(timeout=120)
-        _kernel_run(kc, "%load_ext vgpu_magic")
-        shown = _kernel_run(kc, "%vgpu_split")
+    pytest.importorskip("jupyter_client")
+    with started_kernel() as (_, kc):
+        _ran(kc, "%load_ext vgpu_magic")
+        shown = _ran(kc, "%vgpu_split")
         views = [
             m["content"]["data"]["application/vnd.jupyter.widget-view+json"]
             for m in shown
@@ -374,7 +376,7 @@ def test_magic_shows_the_panel_in_a_real_kernel_and_apply_splits_the_cpu():
         assert len(views) == 1, shown
         model_id = views[0]["model_id"]
         # Find the controls by their CSS classes, as the browser test does, then drive them.
-        driven = _kernel_run(
+        driven = _ran(
             kc,
             textwrap.dedent(
                 f"""
@@ -398,17 +400,14 @@ def test_magic_shows_the_panel_in_a_real_kernel_and_apply_splits_the_cpu():
                 """
             ),
         )
-        checked = _kernel_run(
+        checked = _ran(
             kc,
             "import json, tensorflow as tf\n"
             "print(json.dumps({'started_when_shown': started_when_shown,"
             " 'logical': [d.name for d in tf.config.list_logical_devices('CPU')]}))",
         )
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
-    text = _stdout(driven)
+    text = kernel_stream(driven, "stdout") + kernel_stream(driven, "stderr")
     assert "TensorFlow configured 3 logical CPUs" in text
     assert "MirroredStrategy() will use 3 replicas: /device:CPU:0, /device:CPU:1, /device:CPU:2" in text
-    out = json.loads(_stdout(checked).strip().splitlines()[-1])
+    out = json.loads(kernel_stdout(checked).strip().splitlines()[-1])
     assert out == {"started_when_shown": False, "logical": ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]}

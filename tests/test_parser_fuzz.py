@@ -16,22 +16,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from IPython.core.error import UsageError
-from IPython.testing import globalipapp
 
+import vgpu_magic.api
 from conftest import tf_device_configuration
 from vgpu_magic.api import make_request
 from vgpu_magic.frameworks.tensorflow import CAPABILITIES as TENSORFLOW
+from vgpu_magic.frameworks.tensorflow import system_reserve_mib
+from vgpu_magic.grammar import parse_memory, parse_seconds, parse_split_line
 from vgpu_magic.inventory import DeviceInventory, GPUInfo
 from vgpu_magic.planner import (
     MAX_DEVICES,
     MAX_MEMORY_MIB,
     MIN_MEMORY_MIB,
     PlanError,
-    parse_memory,
     plan_split,
 )
-from vgpu_magic.frameworks.tensorflow import system_reserve_mib
-from vgpu_magic.grammar import parse_split_line
 
 # (line, a fragment the one-line message must contain: the bad token or option)
 MALFORMED = [
@@ -87,18 +86,7 @@ MALFORMED = [
 ]
 
 
-@pytest.fixture
-def ip(monkeypatch, cpu_inventory):
-    """The in-process shell with the extension loaded, no persistent split, and a CPU-only machine."""
-    monkeypatch.delenv("VGPU_MAGIC_SPLIT", raising=False)
-    # The module rebinds get_ipython after the first call; always look it up there.
-    shell = globalipapp.get_ipython()
-    shell.run_line_magic("load_ext", "vgpu_magic")
-    return shell
-
-
-
-
+@pytest.mark.usefixtures("cpu_inventory")
 @pytest.mark.parametrize("line, fragment", MALFORMED, ids=[repr(line) for line, _ in MALFORMED])
 def test_malformed_line_is_one_line_usage_error_and_configures_nothing(ip, line, fragment):
     from vgpu_magic.frameworks import get as _framework
@@ -115,6 +103,7 @@ def test_malformed_line_is_one_line_usage_error_and_configures_nothing(ip, line,
     assert tf_runtime_started() == started_before
 
 
+@pytest.mark.usefixtures("cpu_inventory")
 def test_malformed_line_in_a_cell_shows_no_traceback(ip, capsys):
     result = ip.run_cell("%vgpu_split four", store_history=False)
     captured = capsys.readouterr()
@@ -123,8 +112,9 @@ def test_malformed_line_in_a_cell_shows_no_traceback(ip, capsys):
     assert "Traceback" not in captured.out + captured.err
 
 
+@pytest.mark.usefixtures("cpu_inventory")
 def test_status_rejects_unknown_options(ip):
-    with pytest.raises(UsageError, match="unknown option '--verbose' for %vgpu_status"):
+    with pytest.raises(UsageError, match="unknown option '--verbose'; %vgpu_status takes --json"):
         ip.run_line_magic("vgpu_status", "--verbose")
 
 
@@ -274,3 +264,19 @@ def test_fuzz_parse_memory(text):
         assert_one_line(exc)
         return
     assert isinstance(mib, int) and mib >= 0
+
+
+def test_memory_lists_get_one_message_from_the_api_and_the_magic():
+    with pytest.raises(PlanError) as api_error:
+        vgpu_magic.api.make_request(2, memory="1024,,2048")
+    with pytest.raises(PlanError) as magic_error:
+        parse_split_line("2 --memory 1024,,2048")
+    assert str(api_error.value) == str(magic_error.value)
+    assert "has an empty item" in str(api_error.value)
+
+
+def test_one_number_grammar_for_seconds():
+    assert parse_seconds("0.05") == 0.05
+    for text in ("inf", "1e308", "５", "1_0", "-1", "0", "nan", ""):
+        with pytest.raises(PlanError):
+            parse_seconds(text)

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import pytest
 
+import vgpu_magic.api
+from conftest import two_gpu_snapshot, two_gpus
+from vgpu_magic.frameworks.base import ConfigSnapshot
 from vgpu_magic.frameworks.tensorflow import CAPABILITIES as TENSORFLOW
+from vgpu_magic.frameworks.tensorflow import system_reserve_mib
+from vgpu_magic.grammar import parse_memory, parse_split_line
 from vgpu_magic.inventory import DeviceInventory, GPUInfo
 from vgpu_magic.planner import (
     MAX_DEVICES,
@@ -19,12 +24,8 @@ from vgpu_magic.planner import (
     PlanError,
     SplitPlan,
     SplitRequest,
-    parse_memory,
     plan_split,
 )
-from vgpu_magic.frameworks.base import ConfigSnapshot
-from vgpu_magic.frameworks.tensorflow import system_reserve_mib
-from vgpu_magic.grammar import parse_split_line
 from vgpu_magic.planner import configuration_after as _wanted
 
 CPU_ONLY = DeviceInventory(gpus=(), cpus=1, version="2.21.0", capabilities=TENSORFLOW)
@@ -43,7 +44,9 @@ FREE_MIB = (1500, 8000, 24000, 80000)
 CAPABILITIES = tuple(RESERVE_MIB)
 
 
-def gpu_inventory(*free_mib: int | None, cc: tuple[int, int] | None = (8, 0), total_mib: int = 81559) -> DeviceInventory:
+def gpu_inventory(
+    *free_mib: int | None, cc: tuple[int, int] | None = (8, 0), total_mib: int = 81559
+) -> DeviceInventory:
     """An inventory of ``len(free_mib)`` GPUs shaped like NVML's report."""
     gpus = tuple(
         GPUInfo(
@@ -56,9 +59,8 @@ def gpu_inventory(*free_mib: int | None, cc: tuple[int, int] | None = (8, 0), to
         )
         for i, free in enumerate(free_mib)
     )
-    return DeviceInventory(
-        gpus=gpus, cpus=1, version="2.21.0", nvml_available=any(f is not None for f in free_mib), capabilities=TENSORFLOW
-    )
+    known = any(f is not None for f in free_mib)
+    return DeviceInventory(gpus=gpus, cpus=1, version="2.21.0", nvml_available=known, capabilities=TENSORFLOW)
 
 
 def expected_usable(free: int, cc) -> int:
@@ -74,7 +76,7 @@ def plan_line(line: str, inventory: DeviceInventory) -> SplitPlan:
 
 
 @pytest.mark.parametrize("cc", CAPABILITIES)
-@pytest.mark.parametrize("free", FREE_MIB + (2047, 2048))
+@pytest.mark.parametrize("free", (*FREE_MIB, 2047, 2048))
 def test_system_reserve_follows_tensorflow_rule(free, cc):
     assert system_reserve_mib(free, cc) == free - expected_usable(free, cc)
 
@@ -506,3 +508,38 @@ def test_one_uncapped_cpu_on_an_unconfigured_cpu_is_no_change():
     assert two != snap
     # Going back to one device is a change once the CPU was split.
     assert _wanted(plan_line("1", CPU_ONLY), two).logical == {CPU0: (None,)}
+
+
+# -- TensorFlow's start-time rules and the --cpu/--gpu contradiction, refused by the planner --------
+
+
+def test_growth_after_a_split_is_refused_by_the_planner():
+    # `%vgpu_split 2 --memory 1024` then `%vgpu_split --growth` raised TensorFlow's raw ValueError.
+    split = two_gpu_snapshot(logical={"/physical_device:GPU:0": (1024, 1024)}, visible=(0,))
+    with pytest.raises(PlanError, match="GPU 0 is already split into 2 logical devices, and TensorFlow refuses"):
+        plan_line("--growth", two_gpus(split))
+
+
+def test_a_split_after_growth_is_refused_by_the_planner():
+    grown = two_gpu_snapshot(visible=(0,), growth=(True, False))
+    with pytest.raises(PlanError, match="GPU 0 already has memory growth on"):
+        plan_line("2 --memory 1024", two_gpus(grown))
+
+
+def test_growth_that_would_differ_between_visible_gpus_is_refused():
+    # `--growth --visible 0` then `--visible 0,1` was accepted, then TensorFlow refused to start.
+    first = plan_line("--growth --visible 0", two_gpus(two_gpu_snapshot()))
+    assert first.memory_growth and first.visible_gpus == (0,)
+    grown = two_gpu_snapshot(visible=(0,), growth=(True, False))
+    with pytest.raises(PlanError, match=r"memory growth would be on for GPU 0 but off for GPU 1.*add --growth"):
+        plan_line("--visible 0,1", two_gpus(grown))
+    assert plan_line("--visible 0,1 --growth", two_gpus(grown)).memory_growth
+
+
+def test_cpu_and_gpu_contradiction_is_checked_once_in_the_planner():
+    inventory = two_gpus()
+    for request in (vgpu_magic.api.make_request(2, cpu=True, gpu=0), parse_split_line("2 --cpu --gpu 0")[0]):
+        with pytest.raises(PlanError, match="--cpu and --gpu contradict each other"):
+            plan_split(request, inventory)
+    # GPU 0 named explicitly is no longer confused with the default.
+    assert plan_split(vgpu_magic.api.make_request(2, cpu=True), inventory).device_type == "CPU"

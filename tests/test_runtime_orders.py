@@ -111,7 +111,8 @@ def test_identical_split_after_start_is_quiet_and_a_different_one_is_blocked():
     assert cells[3]["result"]["status"] == "unchanged"
     assert cells[3]["err"] == ""
     # A quiet no-op: one line.
-    assert cells[3]["out"].splitlines()[0] == "vgpu_magic: TensorFlow already has 2 logical CPUs on CPU:0; nothing changed"
+    first = cells[3]["out"].splitlines()[0]
+    assert first == "vgpu_magic: TensorFlow already has 2 logical CPUs on CPU:0; nothing changed"
     assert len([line for line in cells[3]["out"].splitlines() if line.startswith(("vgpu_magic", "  "))]) == 1
     assert_blocked(cells[4], "the cell In [3], which begins `import tensorflow as tf`")
     assert "it keeps its 2 replica devices" in cells[4]["err"]
@@ -139,7 +140,10 @@ def test_extension_loaded_after_the_runtime_started():
     )
     warning = cells[2]["err"].strip()
     assert len(warning.splitlines()) == 1, warning
-    assert warning.startswith("vgpu_magic warning: TensorFlow's runtime already started (a cell run before vgpu_magic")
+    assert warning.startswith(
+        "vgpu_magic warning: TensorFlow's runtime already started, so devices can no longer change. "
+        "Started by: a cell run before vgpu_magic"
+    )
     assert "Restart the kernel and load vgpu_magic before any TensorFlow code" in warning
     assert_blocked(cells[3], "a cell run before vgpu_magic was loaded")
     assert cells[4]["result"]["status"] == "unchanged"

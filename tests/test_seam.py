@@ -15,12 +15,11 @@ import types
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.testing import globalipapp
 
 from vgpu_magic import frameworks
 from vgpu_magic.frameworks import Capabilities, Framework, FrameworkChoiceError
 from vgpu_magic.inventory import DeviceInventory, GPUInfo
-from vgpu_magic.planner import PlanError, unconfigured
+from vgpu_magic.planner import unconfigured
 
 FAKE_CAPS = Capabilities(
     name="fakefw",
@@ -85,14 +84,6 @@ def fake(monkeypatch):
     frameworks.REGISTRY.clear()
     frameworks.REGISTRY.update(saved)
     frameworks._instances.pop("fakefw", None)
-
-
-@pytest.fixture
-def ip(monkeypatch):
-    monkeypatch.delenv("VGPU_MAGIC_SPLIT", raising=False)
-    shell = globalipapp.get_ipython()
-    shell.extension_manager.load_extension("vgpu_magic")
-    return shell
 
 
 def test_magic_applies_then_is_a_quiet_no_op_then_blocks_on_the_fake(ip, fake, capsys):
@@ -211,6 +202,7 @@ def test_select_follows_named_then_imported_then_installed_then_default(registry
         frameworks.select("mxnet")
 
 
+@pytest.mark.slow
 def test_importing_the_seam_imports_no_framework():
     import subprocess
 

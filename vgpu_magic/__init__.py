@@ -19,12 +19,12 @@ _LAZY = {
     "status": "api",
     "strategy": "api",
     "RuntimeStartedWarning": "api",
-    "PlanError": "planner",
+    "PlanError": "errors",
     "SplitPlan": "plans",
     "SplitRequest": "plans",
     "DeviceInventory": "inventory",
     "GPUInfo": "inventory",
-    "SplitResult": "engine",
+    "SplitResult": "outcomes",
     "StatusReport": "report",
     "MemoryMonitor": "monitor",
     "MemoryTrace": "monitor",
@@ -65,9 +65,8 @@ def load_ipython_extension(ipython) -> None:
     """
     import importlib
 
-    from . import api
     from .magics import VGPUMagics
-    from .runtime import RuntimeWatcher
+    from .runtime import RuntimeWatcher, activate
 
     if id(ipython) in _loaded:
         return
@@ -82,13 +81,13 @@ def load_ipython_extension(ipython) -> None:
     for magics in (main, *extra):
         ipython.register_magics(magics)
     _loaded[id(ipython)] = (watcher, [main, *extra])
-    api._watcher = watcher
+    activate(watcher)
     main.on_load()
 
 
 def unload_ipython_extension(ipython) -> None:
     """Remove exactly what :func:`load_ipython_extension` registered."""
-    from . import api
+    from .runtime import deactivate
 
     watcher, all_magics = _loaded.pop(id(ipython), (None, []))
     if watcher is None:
@@ -108,5 +107,4 @@ def unload_ipython_extension(ipython) -> None:
         ipython.magics_manager.registry.pop(type(magics).__name__, None)
         if magics in getattr(ipython, "configurables", []):
             ipython.configurables.remove(magics)
-    if api._watcher is watcher:
-        api._watcher = None
+    deactivate(watcher)

@@ -32,21 +32,20 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("line", nargs=argparse.REMAINDER, help="the %%vgpu_split arguments, e.g. 4 --memory 1024")
     args = parser.parse_args(argv)
 
-    from . import api
-    from .frameworks import FrameworkChoiceError, FrameworkImportError
+    from .errors import USER_ERRORS
     from .grammar import parse_split_line
-    from .inventory import NVMLReadError
-    from .planner import PlanError
+    from .outcomes import execute
+    from .report import collect_status
 
     try:
         if args.command == "status":
-            report = api.status(args.framework)
+            report = collect_status(None, args.framework)
             print(report.to_json() if args.json else report)
             return 0
         # Re-quote each word: a size list given as one argument ("1024, 2048") stays one argument.
         request, _ = parse_split_line(shlex.join(args.line))
-        result = api.execute(request, dry_run=True)
-    except (PlanError, FrameworkChoiceError, FrameworkImportError, NVMLReadError) as exc:
+        result = execute(request, dry_run=True)
+    except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result.to_dict(), indent=2))

@@ -4,7 +4,7 @@
     >>> vgpu_magic.split(4)                      # doctest: +SKIP
     >>> strategy = vgpu_magic.strategy()         # doctest: +SKIP
 
-Bad input raises :class:`ValueError` (:class:`~vgpu_magic.planner.PlanError`)
+Bad input raises :class:`ValueError` (:class:`~vgpu_magic.errors.PlanError`)
 and configures nothing. A different split after the framework's runtime
 started issues a :class:`RuntimeStartedWarning` and returns a result whose
 ``status`` is ``"blocked"``. A framework that is missing or fails to import
@@ -19,12 +19,12 @@ import warnings
 from collections.abc import Iterable, Sequence
 
 from . import frameworks
-from .engine import SplitResult, apply_plan, summary_lines
-from .frameworks import Framework, FrameworkChoiceError
-from .inventory import DeviceInventory
-from .planner import PlanError, SplitPlan, SplitRequest, excerpt, parse_memory_list, plan_split
+from .errors import PlanError, excerpt
+from .frameworks import FrameworkChoiceError
+from .grammar import parse_memory_list
+from .outcomes import SplitResult, execute, framework_for, summary_lines
+from .planner import SplitPlan, SplitRequest, plan_split
 from .report import StatusReport, collect_status
-from .runtime import RuntimeWatcher, runtime_state
 
 __all__ = [
     "RuntimeStartedWarning",
@@ -32,22 +32,12 @@ __all__ = [
     "split",
     "status",
     "strategy",
-    "execute",
     "make_request",
-    "current_watcher",
-    "framework_for",
 ]
-
-#: Set by the IPython extension while loaded, so the API can name culprit cells too.
-_watcher: RuntimeWatcher | None = None
 
 
 class RuntimeStartedWarning(UserWarning):
     """The framework's runtime already started, so the requested split was not applied."""
-
-
-def current_watcher() -> RuntimeWatcher | None:
-    return _watcher
 
 
 def _whole(value: object) -> bool:
@@ -130,37 +120,6 @@ def make_request(
     )
 
 
-def framework_for(name: str | None = None) -> Framework:
-    """The framework a call applies to (:func:`vgpu_magic.frameworks.select`), as a
-    :class:`ValueError` when the choice cannot be made."""
-    try:
-        return frameworks.select(name)
-    except FrameworkChoiceError as exc:
-        raise PlanError(str(exc)) from None
-
-
-def execute(
-    request: SplitRequest,
-    watcher: RuntimeWatcher | None = None,
-    dry_run: bool = False,
-    inventory: DeviceInventory | None = None,
-) -> SplitResult:
-    """Plan ``request`` against this machine and apply it (the engine every face calls).
-
-    Raises :class:`PlanError` before touching any configuration when the request
-    is invalid.
-    """
-    fw = framework_for(request.framework) if inventory is None else frameworks.get(inventory.framework)
-    if inventory is None:
-        inventory = fw.probe_inventory()
-    plan_ = plan_split(request, inventory)
-    # A CUDA context held elsewhere only matters where the framework sees a GPU (and NVML costs ~10 ms).
-    state = runtime_state(watcher or _watcher, fw, check_cuda=bool(inventory.gpus))
-    keras = fw.keras_backend_warning()
-    extra = [keras] if keras else []
-    return apply_plan(fw, plan_, state, dry_run=dry_run, current=inventory.current, warnings=extra)
-
-
 def plan(count: int | None = None, memory=None, **options) -> SplitPlan:
     """Validate a split against this machine without applying it.
 
@@ -196,26 +155,26 @@ def split(
 
     Parameters
     ----------
-    count:
+    count
         Number of logical devices, 1..64.
-    memory:
+    memory
         MiB per logical GPU: one value for all, one per device, or ``None`` to
         divide free memory (minus the framework's reserve) evenly. Strings with
         units (``"2GB"``, ``"1024,2048"``) are accepted. Not allowed on CPU.
-    cpu:
+    cpu
         Split the CPU even when a GPU is present.
-    gpu:
+    gpu
         Physical GPU to split (default 0).
-    others:
+    others
         ``"hide"`` (default) or ``"keep"`` the other GPUs of a multi-GPU machine.
-    visible:
+    visible
         Physical GPUs the framework may use, e.g. ``[0, 2]``; ``[]`` hides all.
-    growth:
+    growth
         Turn on memory growth for visible GPUs instead of splitting.
-    framework:
+    framework
         A name in :data:`vgpu_magic.frameworks.REGISTRY` or an alias; default: the
         one imported, else the one installed, else TensorFlow.
-    dry_run:
+    dry_run
         Validate and report without configuring.
 
     Returns
@@ -247,7 +206,7 @@ def status(framework: str | None = None) -> StatusReport:
     """Physical and logical devices, caps, memory (if running), replicas and
     runtime state of every imported framework (or the selected one). Never
     starts a runtime."""
-    return collect_status(_watcher, framework)
+    return collect_status(None, framework)
 
 
 def strategy(framework: str | None = None):

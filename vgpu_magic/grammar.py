@@ -1,41 +1,136 @@
-"""The argument grammar of the faces: ``%vgpu_split`` lines, the persistent
-split (config trait, environment variable) and the CLI all parse here into a
-:class:`~vgpu_magic.planner.SplitRequest`; the planner then validates it.
+"""The argument grammar of the faces.
 
-Nothing is evaluated: a line is split like a shell line and read by argparse,
-whose messages are turned into one plain sentence that quotes the bad token
-(an excerpt of it) and says what would work. Numbers have one grammar for
+Every magic declares its arguments with IPython's ``@magic_arguments()`` /
+``@argument(...)``, so ``%vgpu_split?`` help is generated from the same
+declarations that parse the line. Option values are checked by the ``type=``
+callables here: each turns a token into a value or refuses it with one plain
+sentence that quotes it (an excerpt of it) and says what would work.
+:func:`parse_arguments` reads a line with such a parser and turns what
+argparse itself refuses (an unknown option, a missing value, words left over)
+into one such sentence too, raised as :class:`~vgpu_magic.errors.PlanError`.
+
+``%vgpu_split`` lines, the persistent split (config trait, environment
+variable) and the CLI all parse here into a
+:class:`~vgpu_magic.plans.SplitRequest` (:func:`parse_split_line`); the
+planner then validates it. Nothing is evaluated. Numbers have one grammar for
 every option: ASCII digits (``int()`` would also take ``"1_0"``, ``"+3"`` or
-``"٣"``), finite and bounded.
+``"٣"``), finite and bounded; memory sizes are MiB, bare or with a unit
+(:func:`parse_memory`), for the magics and the API alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
-import functools
 import math
 import re
 import shlex
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from . import frameworks
-from .planner import MAX_DEVICES, PlanError, SplitRequest, excerpt, parse_memory_list
+from .errors import PlanError, excerpt
+from .planner import MAX_DEVICES, SplitRequest
 
 __all__ = [
+    "parse_arguments",
     "parse_split_line",
-    "split_argument_parser",
+    "split_arguments",
+    "split_request",
     "parse_whole_number",
+    "parse_memory",
+    "parse_memory_list",
+    "choice",
+    "seconds",
     "parse_seconds",
-    "friendly_argparse_error",
+    "framework_name",
 ]
 
 _WHOLE = re.compile(r"[0-9]{1,18}", re.ASCII)
 _DECIMAL = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?|\.[0-9]{1,9}", re.ASCII)
+_NEGATIVE = re.compile(r"-[0-9]+", re.ASCII)
+
+
+_UNITS = {
+    **dict.fromkeys(("", "m", "mb", "mib"), 1),
+    **dict.fromkeys(("g", "gb", "gib"), 1024),
+    **dict.fromkeys(("t", "tb", "tib"), 1024**2),
+}
+_MEMORY_RE = re.compile(r"^\s*(?P<num>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[a-zA-Z]*)\s*$", re.ASCII)
 
 
 def parse_whole_number(text: str) -> int | None:
     """ASCII digits only, at most 18 of them; ``None`` otherwise."""
     return int(text) if _WHOLE.fullmatch(text) else None
+
+
+def parse_memory(text: str) -> int:
+    """Parse one memory size into MiB: ``2048``, ``2048MB``, ``1.5G``, ``2GiB``.
+
+    A bare number is MiB (TensorFlow's "MB"); ``G``/``GB``/``GiB`` are 1024 MiB.
+    """
+    match = _MEMORY_RE.match(text)
+    unit = match.group("unit").lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise PlanError(
+            f"memory {excerpt(text)} is not a size; use MiB as a whole number (2048) or with a unit (2048MB, 1.5GB)"
+        )
+    number = match.group("num")
+    if len(number.split(".")[0]) > 16:
+        # Far beyond MAX_MEMORY_MIB; also keeps huge digit strings away from int().
+        raise PlanError(f"memory {excerpt(text)} is absurdly large; sizes are in MiB, e.g. --memory 2048 or 2GB")
+    if len(number) > 40:
+        raise PlanError(f"memory {excerpt(text)} has too many digits; use a whole number of MiB, e.g. 2048")
+    value = Fraction(number) * _UNITS[unit]
+    if value.denominator != 1:
+        raise PlanError(f"memory {excerpt(text)} is not a whole number of MiB; round it, e.g. {math.floor(value)}")
+    return int(value)
+
+
+def parse_memory_list(text: str) -> tuple[int, ...]:
+    """``"1024,2GB"`` -> ``(1024, 2048)``: the one grammar for memory lists (magic, API, config)."""
+    parts = text.split(",")
+    if any(not p.strip() for p in parts):
+        raise PlanError(
+            f"memory list {excerpt(text)} has an empty item; use sizes separated by commas, e.g. 1024,2048"
+        )
+    return tuple(parse_memory(p) for p in parts)
+
+
+def _example(text: str) -> Callable[[Callable], Callable]:
+    """Attach the example :func:`parse_arguments` shows when the option's value is missing."""
+
+    def attach(func: Callable) -> Callable:
+        func.example = text  # type: ignore[attr-defined]
+        return func
+
+    return attach
+
+
+def choice(values: Sequence[str], refusal: str, example: str) -> Callable[[str], str]:
+    """A ``type=`` accepting one of ``values``.
+
+    Parameters
+    ----------
+    values
+        The words accepted.
+    refusal
+        The sentence for anything else, with ``{value}`` where the quoted token goes.
+    example
+        An option line that works, shown when the value is missing.
+    """
+
+    @_example(example)
+    def one_of(text: str) -> str:
+        if text not in values:
+            raise argparse.ArgumentTypeError(refusal.format(value=excerpt(text)))
+        return text
+
+    return one_of
 
 
 def parse_seconds(text: str, *, minimum: float = 0.001, maximum: float = 3600.0, option: str = "--interval") -> float:
@@ -49,51 +144,32 @@ def parse_seconds(text: str, *, minimum: float = 0.001, maximum: float = 3600.0,
     return value
 
 
-def friendly_argparse_error(message: str, options: list[str], magic: str) -> str:
-    """Turn argparse's wording into one plain sentence."""
-    match = re.match(r"unrecognized arguments: (.+)$", message, re.S)
-    if match:
-        rest = match.group(1)
-        token = rest.split()[0] if rest.split() else rest
-        if token.startswith("-"):
-            close = difflib.get_close_matches(token.split("=")[0], options, n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]}?" if close else f"see {magic}? for the options"
-            return f"unknown option {excerpt(token)}; {hint}"
-        return f"unexpected {excerpt(rest)}; see {magic}? for the options"
-    match = re.match(r"argument (\S+?)(?:/\S+)?: invalid choice: (.+?) \(choose from (.+)\)$", message)
-    if match:
-        name, value, choices = match.groups()
-        choices = ", ".join(c.strip(" '") for c in choices.split(","))
-        shown = excerpt(value.strip("'"))
-        return f"{shown} is not a valid {name.lstrip('-')}; use one of {choices}"
-    match = re.match(r"argument (\S+?)(?:/\S+)?: expected one argument", message)
-    if match:
-        return f"{match.group(1)} needs a value; see {magic}? for examples"
-    # Our own type errors already say what would work: drop argparse's "argument X: " prefix.
-    return re.sub(r"^argument \S+: ", "", message)
+def seconds(option: str, minimum: float, maximum: float) -> Callable[[str], float]:
+    """A ``type=`` for :func:`parse_seconds`."""
+
+    @_example(f"{option} 0.05")
+    def number_of_seconds(text: str) -> float:
+        try:
+            return parse_seconds(text, minimum=minimum, maximum=maximum, option=option)
+        except PlanError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return number_of_seconds
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    """argparse that raises :class:`PlanError` with one plain sentence instead of printing and exiting."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        options = [s for a in self._actions for s in a.option_strings]
-        raise PlanError(friendly_argparse_error(message, options, self.prog))
-
-    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
-        raise PlanError((message or "invalid arguments").strip())
+def _short(word: str) -> str:
+    return word if len(word) <= 20 else excerpt(word)
 
 
-#: Options taking a value, and what a valid value looks like.
-_VALUE_OPTIONS = {
-    "--memory": "sizes are positive MiB, e.g. --memory 2048",
-    "-m": "sizes are positive MiB, e.g. -m 2048",
-    "--gpu": "GPU indices start at 0, e.g. --gpu 1",
-    "--visible": "GPU indices start at 0, e.g. --visible 0,1",
-}
+def _refuse_negative(text: str, subject: str, hint: str) -> None:
+    # argparse hands "-3" to the type (it has no option that looks like a number), so say what is wrong with it.
+    if _NEGATIVE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{subject} {_short(text)} is negative; {hint}")
 
 
-def _count_type(text: str) -> int:
+@_example("%vgpu_split 4")
+def _count(text: str) -> int:
+    _refuse_negative(text, "device count", f"use 1..{MAX_DEVICES}, e.g. %vgpu_split 4")
     count = parse_whole_number(text)
     if count is None:
         raise argparse.ArgumentTypeError(
@@ -102,21 +178,27 @@ def _count_type(text: str) -> int:
     return count
 
 
-def _index_type(text: str) -> int:
+@_example("--gpu 1")
+def _gpu_index(text: str) -> int:
+    _refuse_negative(text, "--gpu", "GPU indices start at 0, e.g. --gpu 1")
     index = parse_whole_number(text)
     if index is None:
         raise argparse.ArgumentTypeError(f"{excerpt(text)} is not a GPU index; use 0, 1, ...")
     return index
 
 
-def _memory_type(text: str) -> tuple[int, ...]:
+@_example("--memory 2048")
+def _memory(text: str) -> tuple[int, ...]:
+    _refuse_negative(text, "--memory", "sizes are positive MiB, e.g. --memory 2048")
     try:
         return parse_memory_list(text)
     except PlanError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _visible_type(text: str) -> tuple[int, ...]:
+@_example("--visible 0,1")
+def _visible(text: str) -> tuple[int, ...]:
+    _refuse_negative(text, "--visible", "GPU indices start at 0, e.g. --visible 0,1")
     if text.strip().lower() == "none":
         return ()
     parts = [p.strip() for p in text.split(",")]
@@ -127,7 +209,9 @@ def _visible_type(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
-def _framework_type(text: str) -> str:
+@_example("--framework jax")
+def framework_name(text: str) -> str:
+    """A ``type=`` for ``--framework``: the registry's name for ``text`` (aliases resolved)."""
     from .frameworks import FrameworkChoiceError, resolve_name
 
     try:
@@ -136,87 +220,135 @@ def _framework_type(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-@functools.lru_cache(maxsize=4)
-def split_argument_parser(prog: str = "%vgpu_split") -> argparse.ArgumentParser:
-    """The argument grammar shared by ``%vgpu_split``, the config trait, the
-    environment variable and the CLI (built once: parsing never changes it)."""
-    parser = _ArgumentParser(
-        prog=prog,
-        add_help=False,
-        allow_abbrev=False,
-        description=(
-            "Split the GPU (or, without one, the CPU) into COUNT logical devices so a data-parallel strategy "
-            "sees COUNT replicas. Must run before the framework's runtime starts."
-        ),
-    )
-    parser.add_argument("count", nargs="?", type=_count_type, help=f"number of logical devices, 1..{MAX_DEVICES}")
-    parser.add_argument(
+_others = choice(("hide", "keep"), "--others {value} is not a choice; use hide or keep", "--others keep")
+
+#: ``%vgpu_split``'s arguments, in the order ``%vgpu_split?`` lists them.
+_SPLIT_ARGUMENTS = (
+    argument("count", nargs="?", type=_count, help=f"number of logical devices, 1..{MAX_DEVICES}"),
+    argument(
         "--memory",
         "-m",
-        type=_memory_type,
+        type=_memory,
         metavar="MB[,MB...]",
         help="memory cap per logical GPU in MiB (units MB/GB accepted): one size for every device or one per "
         "device. Default: free memory minus the framework's reserve, split evenly. `1 --memory N` caps without "
         "splitting.",
-    )
-    parser.add_argument("--gpu", type=_index_type, default=None, metavar="INDEX", help="physical GPU to split (default 0)")
-    parser.add_argument("--cpu", action="store_true", help="split the CPU even if a GPU is present")
-    parser.add_argument(
+    ),
+    argument("--gpu", type=_gpu_index, default=None, metavar="INDEX", help="physical GPU to split (default 0)"),
+    argument("--cpu", action="store_true", help="split the CPU even if a GPU is present"),
+    argument(
         "--others",
-        choices=("hide", "keep"),
+        type=_others,
         default="hide",
+        metavar="hide|keep",
         help="with several GPUs: hide the others (default) or keep them visible as whole GPUs",
-    )
-    parser.add_argument(
-        "--visible",
-        type=_visible_type,
-        metavar="I[,J...]",
-        help="physical GPUs the framework may use; 'none' hides all GPUs",
-    )
-    parser.add_argument(
-        "--growth", action="store_true", help="turn on memory growth for visible GPUs instead of splitting"
-    )
-    parser.add_argument(
+    ),
+    argument(
+        "--visible", type=_visible, metavar="I[,J...]", help="physical GPUs the framework may use; 'none' hides all"
+    ),
+    argument("--growth", action="store_true", help="turn on memory growth for visible GPUs instead of splitting"),
+    argument(
         "--framework",
         "-f",
-        type=_framework_type,
+        type=framework_name,
         metavar="NAME",
         help=f"{frameworks.choices()}; default: the one imported in the kernel, else the one installed, "
         "else TensorFlow",
-    )
-    parser.add_argument("--dry-run", "-n", action="store_true", help="plan and print, configure nothing")
-    parser.add_argument("--return", "-r", dest="return_result", action="store_true", help="return the result object")
-    parser.add_argument("--quiet", "-q", action="store_true", help="print nothing unless something is wrong")
-    return parser
+    ),
+    argument("--dry-run", "-n", action="store_true", help="plan and print, configure nothing"),
+    argument("--return", "-r", dest="return_result", action="store_true", help="return the result object"),
+    argument("--quiet", "-q", action="store_true", help="print nothing unless something is wrong"),
+)
 
 
-def _short(word: str) -> str:
-    return word if len(word) <= 20 else excerpt(word)
+def split_arguments(func: Callable) -> Callable:
+    """Declare ``%vgpu_split``'s arguments on ``func`` (put it under ``@magic_arguments()``)."""
+    for declared in reversed(_SPLIT_ARGUMENTS):
+        func = declared(func)
+    return func
 
 
-def parse_split_line(line: str) -> tuple[SplitRequest, argparse.Namespace]:
-    """Parse a ``%vgpu_split`` argument line into a :class:`SplitRequest`.
+@magic_arguments("vgpu_split")
+@split_arguments
+def _split_grammar(line: str = "") -> None:
+    """Split the GPU (or, without one, the CPU) into COUNT logical devices so a
+    data-parallel strategy sees COUNT replicas. Must run before the framework's
+    runtime starts."""
 
-    The text is split like a shell line and parsed with argparse; nothing is
-    evaluated. Returns the request and the namespace (for the face-only flags
-    ``--dry-run``, ``--return`` and ``--quiet``).
+
+def _action(parser: argparse.ArgumentParser, name: str | None) -> argparse.Action | None:
+    for action in parser._actions:
+        if name in ("/".join(action.option_strings), action.metavar, action.dest):
+            return action
+    return None
+
+
+def _refused(parser: argparse.ArgumentParser, err: argparse.ArgumentError, magic: str) -> str:
+    """One sentence for an option argparse refused."""
+    if isinstance(err.__context__, argparse.ArgumentTypeError):
+        return err.message  # a type= callable's own sentence
+    action = _action(parser, err.argument_name)
+    option = action.option_strings[0] if action is not None and action.option_strings else err.argument_name
+    if action is not None and action.nargs == 0:
+        return f"{option} takes no value; write {option} alone"
+    example = getattr(getattr(action, "type", None), "example", None)
+    return f"{option} needs a value, " + (f"e.g. {example}" if example else f"see {magic}? for examples")
+
+
+def parse_arguments(
+    parser: argparse.ArgumentParser, line: str, *, example: str, options_hint: str | None = None
+) -> argparse.Namespace:
+    """Read ``line`` with a magic's parser (``magic_func.parser`` of
+    ``@magic_arguments()``) the way ``parse_argstring`` does, but with every
+    refusal as one sentence.
+
+    Parameters
+    ----------
+    parser
+        The parser ``@magic_arguments()`` built.
+    line
+        The magic's argument line, split like a shell line.
+    example
+        A line that works, shown when words are left over.
+    options_hint
+        What to say after an unknown option that resembles none (default: see the magic's help).
+
+    Raises
+    ------
+    PlanError
+        One line that quotes the bad token and says what would work.
     """
+    magic = f"%{parser.prog}"
     try:
         words = shlex.split(line)
     except ValueError as exc:
         raise PlanError(f"cannot read {excerpt(line)}: {exc}; quote values with matching quotes") from None
-    for i, word in enumerate(words):
-        # argparse would read "-3" as an unknown option; say what is wrong with it.
-        if re.fullmatch(r"-[0-9]+", word):
-            option = words[i - 1] if i and words[i - 1] in _VALUE_OPTIONS else None
-            if option is not None:
-                raise PlanError(f"{option} {_short(word)} is negative; {_VALUE_OPTIONS[option]}")
-            raise PlanError(f"device count {_short(word)} is negative; use 1..{MAX_DEVICES}, e.g. %vgpu_split 4")
-    args = split_argument_parser().parse_args(words)
+    # Structured errors instead of argparse's printed English; and no abbreviations (--mem is not --memory).
+    parser.exit_on_error = False
+    parser.allow_abbrev = False
+    try:
+        args, extras = parser.parse_known_args(words)
+    except argparse.ArgumentError as err:
+        raise PlanError(_refused(parser, err, magic)) from None
+    except UsageError as exc:  # what argparse still reports through parser.error()
+        raise PlanError(str(exc)) from None
+    if extras:
+        first = extras[0]
+        if first.startswith("-") and not _NEGATIVE.fullmatch(first):
+            options = [s for a in parser._actions for s in a.option_strings]
+            close = difflib.get_close_matches(first.split("=")[0], options, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}?" if close else (options_hint or f"see {magic}? for the options")
+            raise PlanError(f"unknown option {excerpt(first)}; {hint}")
+        raise PlanError(f"{excerpt(' '.join(extras))} is not understood here; use e.g. {example}")
+    return args
+
+
+def split_request(args: argparse.Namespace) -> SplitRequest:
+    """The :class:`SplitRequest` a parsed ``%vgpu_split`` line stands for."""
     memory: int | tuple[int, ...] | None = None
     if args.memory is not None:
         memory = args.memory[0] if len(args.memory) == 1 else args.memory
-    request = SplitRequest(
+    return SplitRequest(
         count=args.count,
         memory=memory,
         target="cpu" if args.cpu else "auto",
@@ -226,4 +358,24 @@ def parse_split_line(line: str) -> tuple[SplitRequest, argparse.Namespace]:
         memory_growth=args.growth,
         framework=args.framework,
     )
-    return request, args
+
+
+def parse_split_line(line: str, parser: Any = None) -> tuple[SplitRequest, argparse.Namespace]:
+    """Parse a ``%vgpu_split`` argument line into a :class:`SplitRequest`.
+
+    Parameters
+    ----------
+    line
+        The arguments, e.g. ``"2 --memory 2048"``; nothing is evaluated.
+    parser
+        The magic's own parser (``VGPUMagics.vgpu_split.parser``); by default
+        one built from the same declarations, for the persistent split and the CLI.
+
+    Returns
+    -------
+    tuple
+        The request and the namespace (for the face-only flags ``--dry-run``,
+        ``--return`` and ``--quiet``).
+    """
+    args = parse_arguments(parser or _split_grammar.parser, line, example="%vgpu_split 4 --memory 2048")
+    return split_request(args), args

@@ -12,11 +12,13 @@ one line.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .frameworks.base import Capabilities, ConfigSnapshot
+from .units import MIB
 
 __all__ = [
     "GPUInfo",
@@ -29,8 +31,6 @@ __all__ = [
     "cuda_to_nvml_order",
     "cuda_gpus",
 ]
-
-_MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -148,20 +148,20 @@ def nvml_gpus() -> list[dict[str, Any]]:
                 {
                     "nvml_index": i,
                     "model": _text(nvml.nvmlDeviceGetName(handle)),
-                    "total_mib": int(mem.total // _MIB),
+                    "total_mib": int(mem.total // MIB),
                     "total_bytes": int(mem.total),
-                    "free_mib": int(mem.free // _MIB),
+                    "free_mib": int(mem.free // MIB),
                     "compute_capability": cc,
                     "uuid": _text(nvml.nvmlDeviceGetUUID(handle)),
                 }
             )
     except nvml.NVMLError as exc:
-        raise NVMLReadError(f"NVML could not read the GPUs ({exc}); check nvidia-smi, or give --memory explicitly") from None
+        raise NVMLReadError(
+            f"NVML could not read the GPUs ({exc}); check nvidia-smi, or give --memory explicitly"
+        ) from None
     finally:
-        try:
+        with contextlib.suppress(nvml.NVMLError):
             nvml.nvmlShutdown()
-        except nvml.NVMLError:
-            pass
     return gpus
 
 
@@ -185,10 +185,8 @@ def nvml_pids_with_context() -> dict[int, set[int]]:
     except nvml.NVMLError:
         pass
     finally:
-        try:
+        with contextlib.suppress(nvml.NVMLError):
             nvml.nvmlShutdown()
-        except nvml.NVMLError:
-            pass
     return holders
 
 

@@ -1,9 +1,9 @@
 """The IPython face: ``%vgpu_split`` and ``%vgpu_status``.
 
 Each magic parses its line (:mod:`vgpu_magic.grammar`) and calls the engine
-(:func:`vgpu_magic.api.execute`); validation lives in
+(:func:`vgpu_magic.outcomes.execute`); validation lives in
 :mod:`vgpu_magic.planner`, outcomes are worded by
-:func:`vgpu_magic.engine.summary_lines`. User mistakes become a one-line
+:func:`vgpu_magic.outcomes.summary_lines`. User mistakes become a one-line
 :class:`~IPython.core.error.UsageError`.
 """
 
@@ -16,16 +16,15 @@ from contextlib import contextmanager
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
 from traitlets import Any as AnyTrait
 from traitlets import Bool
 
-from . import api
-from .engine import SplitResult, summary_lines
 from . import frameworks
-from .frameworks import FrameworkChoiceError, FrameworkImportError
-from .grammar import parse_split_line, split_argument_parser
-from .inventory import NVMLReadError
-from .planner import PlanError, excerpt
+from .errors import USER_ERRORS, excerpt
+from .grammar import framework_name, parse_arguments, parse_split_line, split_arguments
+from .outcomes import SplitResult, as_sentence, execute, runtime_started_lines, summary_lines
+from .report import collect_status
 from .runtime import RuntimeWatcher
 
 __all__ = ["VGPUMagics", "ENV_SPLIT", "print_result"]
@@ -43,7 +42,7 @@ def _usage_errors():
     """Every error a user can cause, as one line."""
     try:
         yield
-    except (PlanError, FrameworkChoiceError, FrameworkImportError, NVMLReadError) as exc:
+    except USER_ERRORS as exc:
         raise UsageError(str(exc)) from None
 
 
@@ -58,33 +57,6 @@ def print_result(result: SplitResult, quiet: bool = False) -> None:
         elif not quiet:
             prefix = "vgpu_magic: " if line.level == "info" else "  "
             print(prefix + line.text)
-
-
-def _split_doc() -> str:
-    return (
-        """Split one GPU (or the CPU) into logical devices for TensorFlow or JAX.
-
-Examples
---------
-::
-
-  In [1]: %load_ext vgpu_magic
-
-  In [2]: %vgpu_split 4                  # 4 logical GPUs (memory split evenly), or 4 logical CPUs
-  In [3]: %vgpu_split 2 --memory 2048    # 2 logical GPUs of 2048 MiB each
-  In [4]: %vgpu_split 3 --memory 1024,2048,512
-  In [5]: %vgpu_split 1 --memory 4GB     # cap GPU memory without splitting
-  In [6]: %vgpu_split --growth           # memory growth instead of a split
-  In [7]: %vgpu_split 8 --framework jax  # 8 JAX CPU devices (also before `import jax`)
-  In [8]: %vgpu_split                    # the widget panel (in a notebook)
-
-Run it before any framework code starts the runtime; afterwards only the
-identical split is accepted. Splitting gives no speedup: it is for testing
-distributed code.
-
-"""
-        + split_argument_parser().format_help()
-    )
 
 
 def _persistent_value(value: object, source: str) -> str | None:
@@ -120,17 +92,38 @@ class VGPUMagics(Magics):
 
     # -- %vgpu_split --------------------------------------------------------
     @line_magic
+    @magic_arguments()
+    @split_arguments
     def vgpu_split(self, line: str = ""):
+        """
+        Split one GPU (or the CPU) into logical devices for TensorFlow or JAX.
+
+        Examples
+        --------
+        ::
+
+          In [1]: %load_ext vgpu_magic
+
+          In [2]: %vgpu_split 4                  # 4 logical GPUs (memory split evenly), or 4 logical CPUs
+          In [3]: %vgpu_split 2 --memory 2048    # 2 logical GPUs of 2048 MiB each
+          In [4]: %vgpu_split 3 --memory 1024,2048,512
+          In [5]: %vgpu_split 1 --memory 4GB     # cap GPU memory without splitting
+          In [6]: %vgpu_split --growth           # memory growth instead of a split
+          In [7]: %vgpu_split 8 --framework jax  # 8 JAX CPU devices (also before `import jax`)
+          In [8]: %vgpu_split                    # the widget panel (in a notebook)
+
+        Run it before any framework code starts the runtime; afterwards only the
+        identical split is accepted. Splitting gives no speedup: it is for testing
+        distributed code.
+        """
         with _usage_errors():
-            request, args = parse_split_line(line)
+            request, args = parse_split_line(line, self.vgpu_split.parser)
             says_nothing = request == type(request)(framework=request.framework)
             if says_nothing and not (args.dry_run or args.return_result or args.quiet):
                 return self._show_panel(request.framework)
-            result = api.execute(request, self.watcher, dry_run=args.dry_run)
+            result = execute(request, self.watcher, dry_run=args.dry_run)
         print_result(result, quiet=args.quiet)
         return result if args.return_result else None
-
-    vgpu_split.__doc__ = _split_doc()
 
     def _show_panel(self, framework: str | None = None) -> None:
         """``%vgpu_split`` alone: display the widget panel (notebooks only)."""
@@ -151,11 +144,20 @@ class VGPUMagics(Magics):
 
     # -- %vgpu_status -------------------------------------------------------
     @line_magic
+    @magic_arguments()
+    @argument("--json", action="store_true", help="print JSON instead of the table")
+    @argument("--return", "-r", dest="return_result", action="store_true", help="also return the StatusReport")
+    @argument(
+        "--framework", "-f", type=framework_name, metavar="NAME", help="only this framework (tensorflow, tf or jax)"
+    )
     def vgpu_status(self, line: str = ""):
-        """Show physical and logical devices, caps, memory, replicas and whether
+        """
+        Show physical and logical devices, caps, memory, replicas and whether
         each framework's runtime started. Never starts the runtime.
 
-        Usage::
+        Examples
+        --------
+        ::
 
           In [1]: %vgpu_status           # HTML in a notebook, text in a terminal
           In [2]: %vgpu_status --json    # JSON
@@ -165,37 +167,21 @@ class VGPUMagics(Magics):
         Every framework imported in the kernel gets a section (or the one
         ``%vgpu_split`` would configure, when none is imported).
         """
-        words = line.split()
-        framework = None
-        rest = []
-        i = 0
-        while i < len(words):
-            if words[i] in ("--framework", "-f"):
-                if i + 1 >= len(words):
-                    raise UsageError(f"--framework needs a name; use {frameworks.choices()}")
-                framework = words[i + 1]
-                i += 2
-                continue
-            rest.append(words[i])
-            i += 1
-        unknown = [w for w in rest if w not in ("--json", "-r", "--return")]
-        if unknown:
-            raise UsageError(
-                f"unknown option {excerpt(unknown[0])} for %vgpu_status; use --json, -r and/or --framework NAME"
-            )
         with _usage_errors():
-            if framework is not None:
-                from .frameworks import resolve_name
-
-                framework = resolve_name(framework)
-            report = api.collect_status(self.watcher, framework)
-        if "--json" in rest:
+            args = parse_arguments(
+                self.vgpu_status.parser,
+                line,
+                example="%vgpu_status --json",
+                options_hint="%vgpu_status takes --json, -r and --framework NAME",
+            )
+            report = collect_status(self.watcher, args.framework)
+        if args.json:
             print(report.to_json())
         else:
             from IPython.display import display
 
             display(report)
-        return report if ("-r" in rest or "--return" in rest) else None
+        return report if args.return_result else None
 
     # -- load-time behaviour -----------------------------------------------
     def persistent_line(self) -> tuple[str, str] | None:
@@ -214,17 +200,16 @@ class VGPUMagics(Magics):
         for fw in frameworks.imported():
             state = self.watcher.state(fw, check_cuda=False)
             if self.warn_on_load and state.started:
-                _warn(
-                    f"{fw.label}'s runtime already started ({state.culprit}); %vgpu_split can no longer change "
-                    f"its devices. Restart the kernel and load vgpu_magic before any {fw.label} code."
-                )
+                what, started_by = runtime_started_lines(fw.label, state.culprit)
+                todo = f"restart the kernel and load vgpu_magic before any {fw.label} code"
+                _warn(" ".join([what, as_sentence(started_by), as_sentence(todo)]))
         if persistent is None:
             return
         line, source = persistent
         try:
             request, args = parse_split_line(line)
-            result = api.execute(request, self.watcher, dry_run=args.dry_run)
-        except (PlanError, FrameworkChoiceError, FrameworkImportError, NVMLReadError) as exc:
+            result = execute(request, self.watcher, dry_run=args.dry_run)
+        except USER_ERRORS as exc:
             _warn(f"{source} = {excerpt(line)} was not applied: {exc}")
             return
         print(f"vgpu_magic: applying {source} = {excerpt(line)}")

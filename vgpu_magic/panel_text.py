@@ -1,15 +1,32 @@
-"""What the split panel says and how it looks: labels and the theme-aware
-runtime banner (plain functions, no widgets), kept apart from the widget logic
-in :mod:`vgpu_magic.split_panel`."""
+"""What the split panel says and shows: labels, the theme-aware runtime banner,
+the choice it opens on and its slider range (plain functions of plain data, no
+widgets), kept apart from the widget logic in :mod:`vgpu_magic.split_panel`."""
 
 from __future__ import annotations
 
 import html
 
-from .inventory import GPUInfo
+from .inventory import DeviceInventory, GPUInfo
+from .outcomes import as_sentence, remedy, runtime_started_lines
+from .planner import MIN_MEMORY_MIB
+from .plans import FitVerdict
 from .report import code_spans
 
-__all__ = ["TEXT_STYLE", "BANNER_STYLE", "ERROR_STYLE", "gpu_key", "gpu_label", "banner_html"]
+__all__ = [
+    "TEXT_STYLE",
+    "BANNER_STYLE",
+    "ERROR_STYLE",
+    "CPU_KEY",
+    "gpu_key",
+    "opening_choice",
+    "slider_capacity_mib",
+    "gpu_label",
+    "heading_html",
+    "no_caps_html",
+    "usage_html",
+    "magic_line_html",
+    "banner_html",
+]
 
 #: Widgets' HTML inherits the height of one control row (28 px in JupyterLab): text that wraps
 #: would read double-spaced, so the panel's own text sets an ordinary line height.
@@ -24,8 +41,38 @@ BANNER_STYLE = (
 ERROR_STYLE = "color:var(--jp-error-color1, #c62828)"
 
 
+#: The device dropdown's value for the CPU (a GPU's is :func:`gpu_key`).
+CPU_KEY = "CPU"
+#: Slider range for a GPU whose memory NVML cannot tell (the planner then checks nothing either).
+UNKNOWN_GPU_MIB = 16384
+
+
 def gpu_key(gpu: GPUInfo) -> str:
     return f"GPU:{gpu.index}"
+
+
+def opening_choice(inventory: DeviceInventory) -> tuple[str, int] | None:
+    """The device (dropdown value) and count the framework's live (or planned)
+    configuration already has, so the panel opens there; ``None``: nothing split yet."""
+    current = inventory.current
+    if current is None:
+        return None
+    for i, name in enumerate(current.gpu_names):
+        limits = current.logical.get(name)
+        if limits and i < len(inventory.gpus):
+            return gpu_key(inventory.gpus[i]), len(limits)
+    for name in current.cpu_names[:1]:
+        limits = current.logical.get(name)
+        if limits:
+            return CPU_KEY, len(limits)
+    return None
+
+
+def slider_capacity_mib(gpu: GPUInfo | None, usable: int | None) -> int:
+    """The top of the memory sliders: what the GPU can give, else its total, else a guess."""
+    if usable is not None:
+        return max(usable, MIN_MEMORY_MIB)
+    return max(gpu.total_mib or UNKNOWN_GPU_MIB, MIN_MEMORY_MIB) if gpu is not None else MIN_MEMORY_MIB
 
 
 def gpu_label(gpu: GPUInfo) -> str:
@@ -36,16 +83,40 @@ def gpu_label(gpu: GPUInfo) -> str:
     return f"GPU {gpu.index}: {model} — {total}{gpu.free_mib} MiB free"
 
 
+def heading_html(label: str, notes: tuple[str, ...] | list[str]) -> str:
+    """The panel's first line, with the inventory's notes under it."""
+    shown = "".join(f"<div>note: {html.escape(n)}</div>" for n in notes)
+    return f"<b>vgpu_magic</b> — split a device into logical {html.escape(label)} devices{shown}"
 
 
-def banner_html(label: str, culprit: str, remedy: bool) -> str:
-    """The "runtime already started" banner in short lines: what happened, which
-    cell, and (unless the output right below already says it) what to do."""
-    label = html.escape(label)
-    lines = [
-        f"<b>{label}'s runtime already started</b>, so devices can no longer change.",
-        f"Started by: {code_spans(culprit)}.",
-    ]
-    if remedy:
-        lines.append(f"To split differently: restart the kernel and run the split before any {label} code.")
+def no_caps_html(label: str) -> str:
+    """Shown instead of the memory controls on the CPU: why there is nothing to set."""
+    text = f"Memory: {label} cannot cap logical CPU devices; they share the host's memory, so there is nothing to set."
+    return f"<div style='{TEXT_STYLE};margin:4px 0'><i>{html.escape(text)}</i></div>"
+
+
+def usage_html(verdict: FitVerdict) -> str:
+    """The planner's verdict on the memory asked for, beside the bar."""
+    text = html.escape(verdict.describe())
+    if verdict.fits is False:
+        text = text.replace("does not fit", "<b>does not fit</b>")
+    return f"<div style='{TEXT_STYLE};padding-top:4px'>{text}</div>"
+
+
+def magic_line_html(line: str | None, refusal: str = "") -> str:
+    """The equivalent ``%vgpu_split`` line, or the planner's refusal when there is none."""
+    if line is None:
+        return f"<div style='{ERROR_STYLE};{TEXT_STYLE}'>cannot apply: {html.escape(refusal)}</div>"
+    return f"Same as: <code>{html.escape(line)}</code>"
+
+
+def banner_html(label: str, culprit: str, with_remedy: bool) -> str:
+    """The "runtime already started" banner, worded by
+    :func:`~vgpu_magic.outcomes.runtime_started_lines` as short sentences: what
+    happened, which cell, and (unless the output right below already says it)
+    what to do."""
+    what, started_by = runtime_started_lines(html.escape(label), code_spans(culprit))
+    lines = [f"<b>{what}</b>", as_sentence(started_by)]
+    if with_remedy:
+        lines.append(as_sentence("to split differently: " + remedy(html.escape(label))))
     return f"<div class='vgpu-banner-message' style='{BANNER_STYLE}'>" + "<br>".join(lines) + "</div>"

@@ -19,10 +19,7 @@ Memory is counted in MiB throughout, which is what TensorFlow's
 
 from __future__ import annotations
 
-import math
-import re
-from fractions import Fraction
-
+from .errors import PlanError, excerpt
 from .frameworks.base import Capabilities, ConfigSnapshot
 from .inventory import DeviceInventory, GPUInfo
 from .plans import FitVerdict, SplitPlan, SplitRequest
@@ -31,7 +28,6 @@ __all__ = [
     "MAX_DEVICES",
     "MIN_MEMORY_MIB",
     "MAX_MEMORY_MIB",
-    "PlanError",
     "SplitRequest",
     "SplitPlan",
     "FitVerdict",
@@ -39,10 +35,8 @@ __all__ = [
     "check_fit",
     "configuration_after",
     "unconfigured",
-    "parse_memory",
-    "parse_memory_list",
-    "excerpt",
     "usable_mib",
+    "even_share_mib",
     "check_rank_request",
     "rank_share_mib",
 ]
@@ -53,31 +47,6 @@ MIN_MEMORY_MIB = 64
 #: 1 PiB: anything larger is a typo (bytes given where MiB were meant, say).
 MAX_MEMORY_MIB = 1024**3
 
-_UNITS = {"": 1, "m": 1, "mb": 1, "mib": 1, "g": 1024, "gb": 1024, "gib": 1024, "t": 1024**2, "tb": 1024**2, "tib": 1024**2}
-_MEMORY_RE = re.compile(r"^\s*(?P<num>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[a-zA-Z]*)\s*$", re.ASCII)
-
-#: Characters ``str.splitlines`` breaks on; quoted user tokens may contain them.
-_LINE_BREAKS = str.maketrans({c: repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
-
-#: Longest user text quoted back in a message.
-EXCERPT_CHARS = 40
-
-
-def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
-    """``repr`` of a user value, shortened to an excerpt: a 10 kB line is not echoed whole."""
-    text = value if isinstance(value, str) else repr(value)
-    if len(text) > limit:
-        return repr(text[: limit - 3] + "...") + f" ({len(text)} characters)"
-    return repr(text) if isinstance(value, str) else text
-
-
-class PlanError(ValueError):
-    """A request that cannot be planned. The message is one line that quotes the
-    offending value and says what would work."""
-
-    def __init__(self, message: str) -> None:
-        # A bad token echoed back (argparse does not quote them) must not break the line.
-        super().__init__(str(message).translate(_LINE_BREAKS))
 
 
 def usable_mib(gpu: GPUInfo, capabilities: Capabilities) -> int | None:
@@ -89,37 +58,11 @@ def usable_mib(gpu: GPUInfo, capabilities: Capabilities) -> int | None:
     return gpu.free_mib - (reserve(gpu.free_mib, gpu.compute_capability) if reserve else 0)
 
 
-def parse_memory(text: str) -> int:
-    """Parse one memory size into MiB: ``2048``, ``2048MB``, ``1.5G``, ``2GiB``.
-
-    A bare number is MiB (TensorFlow's "MB"); ``G``/``GB``/``GiB`` are 1024 MiB.
-    """
-    match = _MEMORY_RE.match(text)
-    unit = match.group("unit").lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise PlanError(
-            f"memory {excerpt(text)} is not a size; use MiB as a whole number (2048) or with a unit (2048MB, 1.5GB)"
-        )
-    number = match.group("num")
-    if len(number.split(".")[0]) > 16:
-        # Far beyond MAX_MEMORY_MIB; also keeps huge digit strings away from int().
-        raise PlanError(f"memory {excerpt(text)} is absurdly large; sizes are in MiB, e.g. --memory 2048 or 2GB")
-    if len(number) > 40:
-        raise PlanError(f"memory {excerpt(text)} has too many digits; use a whole number of MiB, e.g. 2048")
-    value = Fraction(number) * _UNITS[unit]
-    if value.denominator != 1:
-        raise PlanError(f"memory {excerpt(text)} is not a whole number of MiB; round it, e.g. {math.floor(value)}")
-    return int(value)
-
-
-def parse_memory_list(text: str) -> tuple[int, ...]:
-    """``"1024,2GB"`` -> ``(1024, 2048)``: the one grammar for memory lists (magic, API, config)."""
-    parts = text.split(",")
-    if any(not p.strip() for p in parts):
-        raise PlanError(
-            f"memory list {excerpt(text)} has an empty item; use sizes separated by commas, e.g. 1024,2048"
-        )
-    return tuple(parse_memory(p) for p in parts)
+def even_share_mib(gpu: GPUInfo, capabilities: Capabilities, count: int) -> int | None:
+    """What each of ``count`` logical devices on ``gpu`` gets when no sizes are
+    given: the usable memory split evenly; ``None`` when NVML could not tell."""
+    usable = usable_mib(gpu, capabilities)
+    return None if usable is None else usable // count
 
 
 def check_fit(limits: tuple[int, ...], gpu: GPUInfo, capabilities: Capabilities) -> FitVerdict:
@@ -181,10 +124,11 @@ def configuration_after(plan: SplitPlan, snap: ConfigSnapshot) -> ConfigSnapshot
 def _check_start_rules(plan: SplitPlan, inventory: DeviceInventory) -> None:
     """Refuse a plan whose resulting configuration the framework would reject
     (now, or when its runtime starts)."""
-    caps = inventory.capabilities
+    capabilities = inventory.capabilities
+    label = capabilities.label
     current = inventory.current or unconfigured(inventory)
     after = configuration_after(plan, current)
-    if not caps.growth_with_split:
+    if not capabilities.growth_with_split:
         for i, name in enumerate(after.gpu_names):
             grows = i < len(after.memory_growth) and after.memory_growth[i]
             if not (grows and name in after.logical):
@@ -193,21 +137,21 @@ def _check_start_rules(plan: SplitPlan, inventory: DeviceInventory) -> None:
                 n = len(after.logical[name])
                 raise PlanError(
                     f"GPU {i} is already split into {n} logical device{'s' if n != 1 else ''}, and "
-                    f"{caps.label} refuses memory growth on a split GPU; keep the split, or restart the kernel "
+                    f"{label} refuses memory growth on a split GPU; keep the split, or restart the kernel "
                     "and use --growth instead"
                 )
             raise PlanError(
-                f"GPU {i} already has memory growth on (an earlier --growth), and {caps.label} ignores growth "
+                f"GPU {i} already has memory growth on (an earlier --growth), and {label} ignores growth "
                 "on a split GPU; restart the kernel and split without --growth"
             )
-    if caps.uniform_growth and not after.logical.keys() & set(after.gpu_names):
+    if capabilities.uniform_growth and not after.logical.keys() & set(after.gpu_names):
         visible = [i for i in after.visible_gpus if i < len(after.memory_growth)]
         values = {after.memory_growth[i] for i in visible}
         if len(values) > 1:
             on = ",".join(str(i) for i in visible if after.memory_growth[i])
             off = ",".join(str(i) for i in visible if not after.memory_growth[i])
             raise PlanError(
-                f"memory growth would be on for GPU {on} but off for GPU {off}, and {caps.label} refuses to start "
+                f"memory growth would be on for GPU {on} but off for GPU {off}, and {label} refuses to start "
                 f"when visible GPUs differ; add --growth to turn it on for every visible GPU"
             )
 
@@ -220,11 +164,11 @@ def plan_split(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
     PlanError
         With a one-line message that quotes the bad value and says what works.
     """
-    caps = inventory.capabilities
-    if not caps.splits_in_process:
+    capabilities = inventory.capabilities
+    if not capabilities.splits_in_process:
         raise PlanError(
-            f"{caps.label} uses one device per process, so one process cannot be split; rehearse several devices "
-            f"as several processes: %vgpu_cluster start N --framework {caps.name}"
+            f"{capabilities.label} uses one device per process, so one process cannot be split; rehearse several "
+            f"devices as several processes: %vgpu_cluster start N --framework {capabilities.name}"
         )
     plan = _plan(request, inventory)
     _check_start_rules(plan, inventory)
@@ -232,8 +176,38 @@ def plan_split(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
 
 
 def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
-    caps = inventory.capabilities
-    label = caps.label
+    """The plan ``request`` stands for on ``inventory``, in the order a person checks it:
+    the words, the count, visibility and growth, then the device it splits."""
+    capabilities = inventory.capabilities
+    label = capabilities.label
+    _check_choices(request)
+    gpu_index = 0 if request.gpu is None else request.gpu
+    target = "gpu" if request.gpu is not None and request.target == "auto" else request.target
+    sizes = _requested_sizes(request)
+    count = request.count
+    if count is None:
+        count = len(sizes) if sizes is not None and not isinstance(request.memory, int) else 1
+    _check_count(count)
+    if request.visible is not None:
+        _check_visible(request.visible, inventory)
+    split_requested = request.count is not None or sizes is not None or target == "cpu"
+    if request.memory_growth:
+        _check_growth(split_requested, inventory)
+    if not split_requested:
+        if request.visible is None and not request.memory_growth:
+            raise PlanError("nothing to do; give a device count, e.g. %vgpu_split 4 (see %vgpu_split? for options)")
+        return SplitPlan(
+            "GPU", None, (), request.visible, request.memory_growth, framework=capabilities.name,
+            framework_named=request.framework,
+        )
+    if target == "gpu" and not inventory.gpus:
+        raise PlanError(f"GPU {gpu_index} does not exist: {label} sees no GPU here; drop --gpu to split the CPU")
+    if not inventory.gpus or target == "cpu":
+        return _cpu_plan(request, count, sizes, inventory, forced=target == "cpu")
+    return _gpu_plan(request, count, sizes, _pick_gpu(gpu_index, inventory), inventory)
+
+
+def _check_choices(request: SplitRequest) -> None:
     if request.others not in ("hide", "keep"):
         raise PlanError(f"--others {excerpt(request.others)} is not a choice; use hide or keep")
     if request.target not in ("auto", "gpu", "cpu"):
@@ -242,82 +216,85 @@ def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
         raise PlanError(f"GPU index {request.gpu} is negative; GPU indices start at 0")
     if request.target == "cpu" and request.gpu is not None:
         raise PlanError("--cpu and --gpu contradict each other; give one of them")
-    gpu_index = 0 if request.gpu is None else request.gpu
-    target = "gpu" if request.gpu is not None and request.target == "auto" else request.target
 
-    sizes: tuple[int, ...] | None = None
+
+def _requested_sizes(request: SplitRequest) -> tuple[int, ...] | None:
+    """The sizes asked for (one for every device, or one per device); ``None`` for none."""
+    if request.memory is None:
+        return None
     if isinstance(request.memory, int):
-        sizes = (request.memory,)
-    elif request.memory is not None:
-        sizes = tuple(request.memory)
-        if not sizes:
-            raise PlanError("memory list is empty; give one size (--memory 2048) or one per device")
+        return (request.memory,)
+    sizes = tuple(request.memory)
+    if not sizes:
+        raise PlanError("memory list is empty; give one size (--memory 2048) or one per device")
+    return sizes
 
-    count = request.count
-    if count is None:
-        count = len(sizes) if sizes is not None and not isinstance(request.memory, int) else 1
-    _check_count(count)
 
-    if request.visible is not None:
-        if not caps.gpu_visibility:
-            raise PlanError(
-                f"{label} cannot hide GPUs from this process once started; set CUDA_VISIBLE_DEVICES before "
-                "starting the kernel instead of --visible"
-            )
-        known = {g.index for g in inventory.gpus}
-        unknown = [i for i in request.visible if i not in known]
-        if unknown:
-            have = ", ".join(str(i) for i in sorted(known)) or "none"
-            raise PlanError(f"--visible names GPU {unknown[0]}, which does not exist; GPUs here: {have}")
-        if len(set(request.visible)) != len(request.visible):
-            raise PlanError(f"--visible {','.join(map(str, request.visible))!r} repeats a GPU; name each once")
-
-    split_requested = request.count is not None or sizes is not None or target == "cpu"
-    if request.memory_growth:
-        if not caps.memory_growth:
-            raise PlanError(f"{label} has no memory growth setting; drop --growth")
-        if split_requested and not caps.growth_with_split:
-            raise PlanError(
-                f"--growth cannot be combined with a split or a memory cap ({label} refuses memory growth on "
-                "virtual devices); use either --growth or a split"
-            )
-        if not inventory.gpus:
-            raise PlanError(f"--growth needs a GPU and none is visible to {label}; drop --growth on a CPU machine")
-    if not split_requested:
-        if request.visible is None and not request.memory_growth:
-            raise PlanError("nothing to do; give a device count, e.g. %vgpu_split 4 (see %vgpu_split? for options)")
-        return SplitPlan(
-            "GPU", None, (), request.visible, request.memory_growth, framework=caps.name,
-            framework_named=request.framework,
+def _check_visible(visible: tuple[int, ...], inventory: DeviceInventory) -> None:
+    capabilities = inventory.capabilities
+    label = capabilities.label
+    if not capabilities.gpu_visibility:
+        raise PlanError(
+            f"{label} cannot hide GPUs from this process once started; set CUDA_VISIBLE_DEVICES before "
+            "starting the kernel instead of --visible"
         )
+    known = {g.index for g in inventory.gpus}
+    unknown = [i for i in visible if i not in known]
+    if unknown:
+        have = ", ".join(str(i) for i in sorted(known)) or "none"
+        raise PlanError(f"--visible names GPU {unknown[0]}, which does not exist; GPUs here: {have}")
+    if len(set(visible)) != len(visible):
+        raise PlanError(f"--visible {','.join(map(str, visible))!r} repeats a GPU; name each once")
 
-    use_gpu = bool(inventory.gpus) and target != "cpu"
-    if target == "gpu" and not inventory.gpus:
-        raise PlanError(f"GPU {gpu_index} does not exist: {label} sees no GPU here; drop --gpu to split the CPU")
 
-    if not use_gpu:
-        if sizes is not None and not caps.cpu_caps:
-            raise PlanError(
-                f"memory caps are not supported on CPU devices ({label} cannot cap logical CPUs); "
-                f"drop --memory, e.g. %vgpu_split {count}"
-            )
-        if not caps.splits_cpu and count > 1:
-            raise PlanError(f"{label} cannot split the CPU into devices; use %vgpu_split 1")
-        notes: tuple[str, ...] = ()
-        visible = request.visible
-        if not inventory.gpus:
-            notes = (f"no GPU visible to {label}: splitting the CPU instead",)
-        elif visible is None and caps.gpu_visibility:
-            # A data-parallel strategy prefers GPUs: the logical CPUs are only its replicas with the GPUs hidden.
-            visible = ()
-            notes = (f"GPUs hidden so {caps.replicas_by} uses the logical CPUs (add --visible 0 to keep GPU 0)",)
-        return SplitPlan(
-            "CPU", 0, (None,) * count, visible, request.memory_growth, None, notes, cpu_forced=target == "cpu",
-            framework=caps.name, framework_named=request.framework,
+def _check_growth(split_requested: bool, inventory: DeviceInventory) -> None:
+    capabilities = inventory.capabilities
+    label = capabilities.label
+    if not capabilities.memory_growth:
+        raise PlanError(f"{label} has no memory growth setting; drop --growth")
+    if split_requested and not capabilities.growth_with_split:
+        raise PlanError(
+            f"--growth cannot be combined with a split or a memory cap ({label} refuses memory growth on "
+            "virtual devices); use either --growth or a split"
         )
+    if not inventory.gpus:
+        raise PlanError(f"--growth needs a GPU and none is visible to {label}; drop --growth on a CPU machine")
 
-    gpu = _pick_gpu(gpu_index, inventory)
-    if count > 1 and not caps.splits_gpu:
+
+def _cpu_plan(
+    request: SplitRequest, count: int, sizes: tuple[int, ...] | None, inventory: DeviceInventory, forced: bool
+) -> SplitPlan:
+    """``count`` logical CPUs (the CPU was asked for, or there is no GPU)."""
+    capabilities = inventory.capabilities
+    label = capabilities.label
+    if sizes is not None and not capabilities.cpu_caps:
+        raise PlanError(
+            f"memory caps are not supported on CPU devices ({label} cannot cap logical CPUs); "
+            f"drop --memory, e.g. %vgpu_split {count}"
+        )
+    if not capabilities.splits_cpu and count > 1:
+        raise PlanError(f"{label} cannot split the CPU into devices; use %vgpu_split 1")
+    notes: tuple[str, ...] = ()
+    visible = request.visible
+    if not inventory.gpus:
+        notes = (f"no GPU visible to {label}: splitting the CPU instead",)
+    elif visible is None and capabilities.gpu_visibility:
+        # A data-parallel strategy prefers GPUs: the logical CPUs are only its replicas with the GPUs hidden.
+        visible = ()
+        notes = (f"GPUs hidden so {capabilities.replicas_by} uses the logical CPUs (add --visible 0 to keep GPU 0)",)
+    return SplitPlan(
+        "CPU", 0, (None,) * count, visible, request.memory_growth, None, notes, cpu_forced=forced,
+        framework=capabilities.name, framework_named=request.framework,
+    )
+
+
+def _gpu_plan(
+    request: SplitRequest, count: int, sizes: tuple[int, ...] | None, gpu: GPUInfo, inventory: DeviceInventory
+) -> SplitPlan:
+    """``count`` logical GPUs on ``gpu``, with their memory caps and what else stays visible."""
+    capabilities = inventory.capabilities
+    label = capabilities.label
+    if count > 1 and not capabilities.splits_gpu:
         raise PlanError(
             f"{label} cannot split one GPU into several devices; use %vgpu_split {count} --cpu for {count} CPU "
             f"devices next to the GPU, or %vgpu_split 1 --memory SIZE to cap this process's share of GPU {gpu.index}"
@@ -327,33 +304,8 @@ def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
         _check_sizes(sizes)
     if request.visible is not None and gpu.index not in request.visible:
         raise PlanError(f"GPU {gpu.index} is split but --visible hides it; add {gpu.index} to --visible")
-
-    usable = usable_mib(gpu, caps)
-
-    if sizes is None:
-        if not caps.gpu_caps_required:
-            limits: tuple[int | None, ...] = (None,) * count
-        elif usable is None:
-            raise PlanError(
-                f"free memory of GPU {gpu.index} is unknown (NVML unavailable); give sizes, e.g. --memory 2048"
-            )
-        else:
-            each = usable // count
-            if each < MIN_MEMORY_MIB:
-                raise PlanError(
-                    f"GPU {gpu.index} has {max(usable, 0)} MiB usable; {count} devices would get {max(each, 0)} MiB "
-                    f"each (minimum {MIN_MEMORY_MIB}); use fewer devices"
-                )
-            limits = (each,) * count
-    elif len(sizes) == 1:
-        limits = sizes * count
-    elif len(sizes) != count:
-        raise PlanError(
-            f"--memory lists {len(sizes)} sizes for {count} devices; give one size for all or exactly {count}"
-        )
-    else:
-        limits = sizes
-
+    usable = usable_mib(gpu, capabilities)
+    limits = _gpu_limits(count, sizes, gpu, capabilities)
     capped = [m for m in limits if m is not None]
     total = sum(capped)
     if usable is not None and capped and total > usable:
@@ -361,28 +313,60 @@ def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
             f"{total} MiB requested does not fit GPU {gpu.index}: {gpu.free_mib} MiB free minus {label}'s "
             f"{gpu.free_mib - usable} MiB reserve leaves {usable} MiB; ask for less"
         )
-
     notes = []
     if usable is None and capped:
         notes.append("free GPU memory unknown (NVML unavailable): sizes not checked against the card")
-    if request.visible is not None:
-        visible = request.visible
-        if request.others == "hide" and len(visible) > 1:
-            raise PlanError("--visible keeps several GPUs but --others hide hides them; add --others keep")
-    elif len(inventory.gpus) > 1 and caps.gpu_visibility:
-        if request.others == "hide":
-            visible = (gpu.index,)
-            notes.append(
-                f"other GPUs hidden so GPU {gpu.index} is the only one {label} uses (--others keep to keep them)"
-            )
-        else:
-            visible = tuple(g.index for g in inventory.gpus)
-    else:
-        visible = None
+    visible = _visible_beside(request, gpu, inventory, notes)
     return SplitPlan(
         "GPU", gpu.index, tuple(limits), visible, request.memory_growth, usable, tuple(notes),
-        framework=caps.name, sizes_chosen=sizes is not None, framework_named=request.framework,
+        framework=capabilities.name, sizes_chosen=sizes is not None, framework_named=request.framework,
     )
+
+
+def _gpu_limits(
+    count: int, sizes: tuple[int, ...] | None, gpu: GPUInfo, capabilities: Capabilities
+) -> tuple[int | None, ...]:
+    """MiB per logical GPU: the sizes given, else the even share (uncapped where the framework allows)."""
+    if sizes is None:
+        if not capabilities.gpu_caps_required:
+            return (None,) * count
+        each = even_share_mib(gpu, capabilities, count)
+        if each is None:
+            raise PlanError(
+                f"free memory of GPU {gpu.index} is unknown (NVML unavailable); give sizes, e.g. --memory 2048"
+            )
+        if each < MIN_MEMORY_MIB:
+            usable = usable_mib(gpu, capabilities) or 0
+            raise PlanError(
+                f"GPU {gpu.index} has {max(usable, 0)} MiB usable; {count} devices would get {max(each, 0)} MiB "
+                f"each (minimum {MIN_MEMORY_MIB}); use fewer devices"
+            )
+        return (each,) * count
+    if len(sizes) == 1:
+        return sizes * count
+    if len(sizes) != count:
+        raise PlanError(
+            f"--memory lists {len(sizes)} sizes for {count} devices; give one size for all or exactly {count}"
+        )
+    return sizes
+
+
+def _visible_beside(
+    request: SplitRequest, gpu: GPUInfo, inventory: DeviceInventory, notes: list[str]
+) -> tuple[int, ...] | None:
+    """The GPUs visible beside the split one (``None``: leave visibility as it is); adds a note when it hides some."""
+    capabilities = inventory.capabilities
+    label = capabilities.label
+    if request.visible is not None:
+        if request.others == "hide" and len(request.visible) > 1:
+            raise PlanError("--visible keeps several GPUs but --others hide hides them; add --others keep")
+        return request.visible
+    if len(inventory.gpus) <= 1 or not capabilities.gpu_visibility:
+        return None
+    if request.others == "keep":
+        return tuple(g.index for g in inventory.gpus)
+    notes.append(f"other GPUs hidden so GPU {gpu.index} is the only one {label} uses (--others keep to keep them)")
+    return (gpu.index,)
 
 
 # -- ranks: each rank's share, checked here so %vgpu_cluster and %vgpu_split agree ------------
@@ -413,7 +397,8 @@ def rank_share_mib(gpu: GPUInfo, shared_by: int, memory: int | None, capabilitie
     if usable is None:
         if memory is None:
             raise PlanError(
-                f"free memory of GPU {gpu.index} is unknown (NVML unavailable); give each rank's cap, e.g. --memory 2048"
+                f"free memory of GPU {gpu.index} is unknown (NVML unavailable); give each rank's cap, "
+                "e.g. --memory 2048"
             )
         return memory
     if memory is not None:

@@ -18,11 +18,9 @@ from typing import Any
 
 from .inventory import DeviceInventory
 from .runtime import RuntimeState
-from .units import format_bytes
+from .units import MIB, format_bytes
 
 __all__ = ["LogicalDeviceStatus", "FrameworkStatus", "StatusReport", "collect_status", "code_spans"]
-
-_MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -70,7 +68,9 @@ class FrameworkStatus:
             },
             "physical": {
                 "cpus": self.inventory.cpus,
-                "gpus": [dict(asdict(g), name=g.name, visible=g.index in self.visible_gpus) for g in self.inventory.gpus],
+                "gpus": [
+                    dict(asdict(g), name=g.name, visible=g.index in self.visible_gpus) for g in self.inventory.gpus
+                ],
             },
             "logical": [asdict(d) for d in self.logical],
             "host_memory_shared": self.host_memory,
@@ -105,7 +105,7 @@ class FrameworkStatus:
             cap = f"{d.cap_mib} MiB" if d.cap_mib is not None else "whole GPU"
             cur, peak = format_bytes(d.current), format_bytes(d.peak)
             if d.cap_mib and d.current is not None:
-                cur += f" ({100 * d.current / (d.cap_mib * _MIB):.0f}% of cap)"
+                cur += f" ({100 * d.current / (d.cap_mib * MIB):.0f}% of cap)"
             rows.append((d.name, d.physical, cap, cur, peak))
         return rows
 
@@ -184,7 +184,8 @@ class StatusReport:
             out.append("Physical devices:")
             out.append("  /physical_device:CPU:0 (host)" if s.inventory.cpus else "  no CPU device")
             out += [f"  {line}" for line in s.gpu_lines()]
-            out.append("Logical devices" + ("" if s.runtime.started else " (planned; created when the runtime starts)") + ":")
+            planned = "" if s.runtime.started else " (planned; created when the runtime starts)"
+            out.append(f"Logical devices{planned}:")
             if s.cpu_devices():
                 out.append(f"  {s.cpu_line()}")
             rows = s.gpu_rows()
@@ -280,8 +281,5 @@ def collect_status(watcher=None, framework: str | None = None) -> StatusReport:
     selected one when none is imported). Never starts a runtime."""
     from . import frameworks
 
-    if framework is not None:
-        chosen = [frameworks.get(framework)]
-    else:
-        chosen = frameworks.imported() or [frameworks.select()]
+    chosen = [frameworks.get(framework)] if framework is not None else frameworks.imported() or [frameworks.select()]
     return StatusReport([collect_framework(fw, watcher) for fw in chosen])

@@ -16,7 +16,21 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["CellRef", "RuntimeState", "RuntimeWatcher", "cuda_context_holders", "runtime_state", "first_line"]
+__all__ = [
+    "CellRef",
+    "NO_LONGER_CHANGE",
+    "RuntimeState",
+    "RuntimeWatcher",
+    "cuda_context_holders",
+    "runtime_state",
+    "first_line",
+    "active_watcher",
+    "activate",
+    "deactivate",
+]
+
+#: What a started runtime means for a split; the status and every outcome say it in these words.
+NO_LONGER_CHANGE = "devices can no longer change"
 
 
 def cuda_context_holders(
@@ -88,7 +102,7 @@ class RuntimeState:
         elif not self.started:
             text = "not started — devices can still be configured"
         else:
-            text = f"started by {self.culprit} — devices can no longer change"
+            text = f"started by {self.culprit} — {NO_LONGER_CHANGE}"
         if self.cuda_holders:
             text += "; CUDA context already held by " + ", ".join(self.cuda_holders)
         return text
@@ -177,9 +191,9 @@ class RuntimeWatcher:
         started = fw.runtime_started()
         started_by = self.started_by.get(fw.name)
         before_load = fw.name in self.started_before_load
-        if started and started_by is None and not before_load and fw.name not in self._started_at_cell_start:
-            if self._current_line is not None:
-                started_by = CellRef(self._running_count(), self._current_line)
+        started_now = started and started_by is None and not before_load
+        if started_now and fw.name not in self._started_at_cell_start and self._current_line is not None:
+            started_by = CellRef(self._running_count(), self._current_line)
         return RuntimeState(
             imported=fw.imported(),
             started=started,
@@ -200,8 +214,32 @@ def _resolve(framework):
     return framework
 
 
+#: The loaded extension's watcher (see :func:`activate`).
+_active: RuntimeWatcher | None = None
+
+
+def active_watcher() -> RuntimeWatcher | None:
+    """The watcher of the loaded extension, or ``None`` when it is not loaded."""
+    return _active
+
+
+def activate(watcher: RuntimeWatcher) -> None:
+    """Make ``watcher`` the one every face and the API ask (``load_ipython_extension``)."""
+    global _active
+    _active = watcher
+
+
+def deactivate(watcher: RuntimeWatcher) -> None:
+    """Undo :func:`activate` for ``watcher`` (``unload_ipython_extension``); another one stays."""
+    global _active
+    if _active is watcher:
+        _active = None
+
+
 def runtime_state(watcher: RuntimeWatcher | None = None, framework=None, check_cuda: bool = True) -> RuntimeState:
-    """The runtime state of ``framework``, with the culprit cell when a watcher is active."""
+    """The runtime state of ``framework``, with the culprit cell when a watcher is
+    given or the extension's is active."""
+    watcher = watcher or _active
     if watcher is not None:
         return watcher.state(framework, check_cuda=check_cuda)
     fw = _resolve(framework)

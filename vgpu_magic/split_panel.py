@@ -5,8 +5,8 @@ The panel holds widgets and nothing else of its own: every verdict it shows
 comes from the engine — whether the request is valid and the line that
 reproduces it from :func:`~vgpu_magic.planner.plan_split`, whether it fits from
 :func:`~vgpu_magic.planner.check_fit`, what Apply did (applied, unchanged,
-blocked) from :func:`vgpu_magic.api.execute` worded by
-:func:`~vgpu_magic.engine.summary_lines` — so the panel, the magic and the API
+blocked) from :func:`vgpu_magic.outcomes.execute` worded by
+:func:`~vgpu_magic.outcomes.summary_lines` — so the panel, the magic and the API
 cannot disagree. It opens on the framework's live (or planned) configuration.
 The widget tree is built once; afterwards only trait values change. Colours
 come from the front end's theme variables.
@@ -23,8 +23,8 @@ Example
 
 from __future__ import annotations
 
-import html
 import sys
+from dataclasses import replace
 
 try:
     import ipywidgets as widgets
@@ -35,58 +35,57 @@ except ImportError as exc:  # pragma: no cover - exercised only without the widg
         name="ipywidgets",
     ) from exc
 
-from . import api
-from .engine import SplitResult, summary_lines
-from .frameworks import FrameworkChoiceError, FrameworkImportError
-from .inventory import DeviceInventory, GPUInfo, NVMLReadError
+from . import panel_text
+from .errors import USER_ERRORS, PlanError
+from .frameworks.base import ConfigSnapshot
+from .inventory import DeviceInventory, GPUInfo
+from .outcomes import SplitResult, execute, framework_for, summary_lines
+from .panel_text import CPU_KEY, gpu_key
 from .planner import (
     MAX_DEVICES,
     MIN_MEMORY_MIB,
     FitVerdict,
-    PlanError,
     SplitPlan,
     SplitRequest,
     check_fit,
-    configuration_after,
+    even_share_mib,
     plan_split,
     unconfigured,
 )
-from .panel_text import ERROR_STYLE, TEXT_STYLE, banner_html, gpu_key, gpu_label
 from .runtime import RuntimeState, RuntimeWatcher, runtime_state
 
 __all__ = ["SplitPanel", "panel", "SLIDER_MAX_DEVICES"]
 
 #: The count slider stops here; larger counts (up to the planner's limit) are typed in.
 SLIDER_MAX_DEVICES = 16
-#: Slider range for a GPU whose memory NVML cannot tell (the planner then checks nothing either).
-_UNKNOWN_GPU_MIB = 16384
-_CPU = "CPU"
 _WIDE = {"description_width": "9em"}
 _SLIDER = {"width": "36em"}
+
+
 class SplitPanel:
     """Widgets that build a :class:`~vgpu_magic.planner.SplitRequest` and apply it.
 
     Parameters
     ----------
-    inventory:
+    inventory
         The devices to offer (plain data; :func:`panel` probes this machine).
-    watcher:
+    watcher
         Names the cell that started TensorFlow's runtime, for the banner; ``None``
         uses the extension's watcher if it is loaded.
-    framework_named:
+    framework_named
         The framework the user named (``panel(framework="jax")``); the line the
         panel shows then names it too, so it reproduces the same split.
 
     Attributes
     ----------
     target, count_slider, count_text, custom, even_memory, device_memory,
-    usage_bar, usage_label, memory_note, banner, magic, apply_button, output:
+    usage_bar, usage_label, memory_note, banner, magic, apply_button, output
         The widgets, for tests and for people who want to rearrange them.
-    root:
+    root
         The box that is displayed (``display(panel)`` shows it).
-    last_result:
-        The :class:`~vgpu_magic.engine.SplitResult` of the last Apply, or ``None``.
-    last_message:
+    last_result
+        The :class:`~vgpu_magic.outcomes.SplitResult` of the last Apply, or ``None``.
+    last_message
         The text the last Apply printed into :attr:`output`.
     """
 
@@ -105,37 +104,34 @@ class SplitPanel:
         self._syncing_count = False
         self._locked = False
         self._device_sliders: list[widgets.IntSlider] = []
+        self._build_controls()
+        self.root = self._layout()
+        self._observe()
+        self._open_on_current()
+        self._on_target()
+        self.refresh()
 
-        options = [(gpu_label(g), gpu_key(g)) for g in inventory.gpus]
+    def _build_controls(self) -> None:
+        options = [(panel_text.gpu_label(g), gpu_key(g)) for g in self.inventory.gpus]
         label = self.capabilities.label
-        cpu_label = "CPU (split the CPU instead of the GPU)" if inventory.gpus else f"CPU (no GPU visible to {label})"
-        options.append((cpu_label, _CPU))
+        cpu_label = f"CPU (no GPU visible to {label})"
+        if self.inventory.gpus:
+            cpu_label = "CPU (split the CPU instead of the GPU)"
+        options.append((cpu_label, CPU_KEY))
         self.target = widgets.Dropdown(options=options, value=options[0][1], description="Split", style=_WIDE)
         self.target.layout.width = "50em"
-
         # The slider has no readout of its own: the typed box is the one number shown, so the two can
         # never disagree (the slider stops at 16; larger counts are typed, and the planner says what is allowed).
         self.count_slider = widgets.IntSlider(
-            value=1,
-            min=1,
-            max=SLIDER_MAX_DEVICES,
-            description="Logical devices",
-            readout=False,
-            style=_WIDE,
+            value=1, min=1, max=SLIDER_MAX_DEVICES, description="Logical devices", readout=False, style=_WIDE,
             layout=_SLIDER,
         )
         self.count_text = widgets.IntText(value=1, layout=widgets.Layout(width="6em"))
         self.count_text.tooltip = f"1..{MAX_DEVICES}; the slider stops at {SLIDER_MAX_DEVICES}"
-
         self.custom = widgets.Checkbox(value=False, description="custom size per device", indent=False)
         self.even_memory = widgets.IntSlider(
-            value=MIN_MEMORY_MIB,
-            min=MIN_MEMORY_MIB,
-            max=MIN_MEMORY_MIB,
-            description="MiB each",
-            readout_format="d",
-            style=_WIDE,
-            layout=_SLIDER,
+            value=MIN_MEMORY_MIB, min=MIN_MEMORY_MIB, max=MIN_MEMORY_MIB, description="MiB each", readout_format="d",
+            style=_WIDE, layout=_SLIDER,
         )
         self.device_memory = widgets.VBox()
         self.memory_note = widgets.HTML()
@@ -147,20 +143,15 @@ class SplitPanel:
         self.apply_button = widgets.Button(description="Apply", button_style="primary", icon="check")
         self.output = widgets.Output()
 
-        for widget, name in [
-            (self.count_slider, "count-slider"),
-            (self.count_text, "count-text"),
-            (self.apply_button, "apply"),
-            (self.output, "output"),
-            (self.banner, "banner"),
-            (self.magic, "magic-line"),
-        ]:
+    def _layout(self) -> widgets.VBox:
+        # Class names for the browser test and for people styling the panel.
+        named = {"count-slider": self.count_slider, "count-text": self.count_text, "apply": self.apply_button}
+        named.update({"output": self.output, "banner": self.banner, "magic-line": self.magic})
+        for name, widget in named.items():
             widget.add_class(f"vgpu-{name}")
-
-        notes = "".join(f"<div>note: {html.escape(n)}</div>" for n in inventory.notes)
-        self.root = widgets.VBox(
+        root = widgets.VBox(
             [
-                widgets.HTML(f"<b>vgpu_magic</b> — split a device into logical {html.escape(label)} devices{notes}"),
+                widgets.HTML(panel_text.heading_html(self.capabilities.label, self.inventory.notes)),
                 self.banner,
                 self.target,
                 widgets.HBox([self.count_slider, self.count_text]),
@@ -174,8 +165,10 @@ class SplitPanel:
                 self.output,
             ]
         )
-        self.root.add_class("vgpu-split-panel")
+        root.add_class("vgpu-split-panel")
+        return root
 
+    def _observe(self) -> None:
         self.count_slider.observe(self._on_slider, "value")
         self.count_text.observe(self._on_count, "value")
         self.target.observe(self._on_target, "value")
@@ -187,10 +180,6 @@ class SplitPanel:
         # JupyterLab unless an Output widget captures them.
         self.apply_button.on_click(self.output.capture(clear_output=True, wait=True)(self._on_apply))
 
-        self._open_on_current()
-        self._on_target()
-        self.refresh()
-
     # -- what the widgets say ---------------------------------------------
     @property
     def count(self) -> int:
@@ -200,7 +189,7 @@ class SplitPanel:
     @property
     def gpu(self) -> GPUInfo | None:
         """The GPU chosen in the dropdown, or ``None`` for the CPU."""
-        if self.target.value == _CPU:
+        if self.target.value == CPU_KEY:
             return None
         return next(g for g in self.inventory.gpus if gpu_key(g) == self.target.value)
 
@@ -250,7 +239,7 @@ class SplitPanel:
         return SplitRequest(count=self.count, memory=memory, gpu=gpu.index, framework=self.framework_named)
 
     def plan(self) -> SplitPlan:
-        """Validate :meth:`request` with the planner; raises :class:`~vgpu_magic.planner.PlanError`."""
+        """Validate :meth:`request` with the planner; raises :class:`~vgpu_magic.errors.PlanError`."""
         return plan_split(self.request(), self.inventory)
 
     @property
@@ -278,12 +267,7 @@ class SplitPanel:
         on_cpu = self.gpu is None
         for widget in (self.custom, self.even_memory, *self._device_sliders):
             widget.disabled = on_cpu or self.locked
-        no_caps = (
-            f"Memory: {self.capabilities.label} cannot cap logical CPU devices; they share the host's memory, "
-            "so there is nothing to set."
-        )
-        note = f"<div style='{TEXT_STYLE};margin:4px 0'><i>{html.escape(no_caps)}</i></div>"
-        self.memory_note.value = note if on_cpu else ""
+        self.memory_note.value = panel_text.no_caps_html(self.capabilities.label) if on_cpu else ""
         # On the CPU a sizes checkbox would be a control with nothing to control: the note says why.
         self.custom.layout.display = "none" if on_cpu else ""
         self.usage.layout.display = "none" if on_cpu else ""
@@ -304,14 +288,15 @@ class SplitPanel:
         self.device_memory.layout.display = "" if custom else "none"
 
     def _capacity_mib(self) -> int:
-        gpu = self.gpu
-        usable = self.usable_mib
-        if usable is not None:
-            return max(usable, MIN_MEMORY_MIB)
-        return max(gpu.total_mib or _UNKNOWN_GPU_MIB, MIN_MEMORY_MIB) if gpu is not None else MIN_MEMORY_MIB
+        return panel_text.slider_capacity_mib(self.gpu, self.usable_mib)
 
     def _even_default(self) -> int:
-        return max(self._capacity_mib() // max(self.count, 1), MIN_MEMORY_MIB)
+        """The planner's even share of the chosen GPU (what ``%vgpu_split N`` gives each device); where NVML
+        cannot tell, an even share of the slider range."""
+        count = max(self.count, 1)
+        gpu = self.gpu
+        share = None if gpu is None else even_share_mib(gpu, self.capabilities, count)
+        return max(self._capacity_mib() // count if share is None else share, MIN_MEMORY_MIB)
 
     def _fit_memory_controls(self) -> None:
         """Re-range the memory sliders for the chosen device and count; the even
@@ -327,14 +312,8 @@ class SplitPanel:
             self.even_memory.max = each
         while len(self._device_sliders) < min(max(self.count, 1), MAX_DEVICES):
             slider = widgets.IntSlider(
-                value=each,
-                min=MIN_MEMORY_MIB,
-                max=capacity,
-                readout_format="d",
-                description=f"device {len(self._device_sliders)} MiB",
-                style=_WIDE,
-                layout=_SLIDER,
-                disabled=self.locked,
+                value=each, min=MIN_MEMORY_MIB, max=capacity, readout_format="d", style=_WIDE, layout=_SLIDER,
+                description=f"device {len(self._device_sliders)} MiB", disabled=self.locked,
             )
             slider.observe(self._update, "value")
             slider.observe(self._notice_start, "value")
@@ -356,37 +335,21 @@ class SplitPanel:
                 self.usage_bar.max = float(max(verdict.usable_mib, 1))
                 self.usage_bar.value = float(min(verdict.total_mib, max(verdict.usable_mib, 1)))
                 self.usage_bar.bar_style = "danger" if verdict.fits is False else "success"
-            text = html.escape(verdict.describe())
-            if verdict.fits is False:
-                text = text.replace("does not fit", "<b>does not fit</b>")
-            self.usage_label.value = f"<div style='{TEXT_STYLE};padding-top:4px'>{text}</div>"
+            self.usage_label.value = panel_text.usage_html(verdict)
         try:
-            line = self.plan().magic_line()
+            self.magic.value = panel_text.magic_line_html(self.plan().magic_line())
         except PlanError as exc:
-            self.magic.value = f"<div style='{ERROR_STYLE};{TEXT_STYLE}'>cannot apply: {html.escape(str(exc))}</div>"
-            valid = False
+            self.magic.value = panel_text.magic_line_html(None, str(exc))
+            self.apply_button.disabled = True
         else:
-            self.magic.value = f"Same as: <code>{html.escape(line)}</code>"
-            valid = True
-        self.apply_button.disabled = self.locked or not valid
+            self.apply_button.disabled = self.locked
 
     # -- runtime state -----------------------------------------------------
     def _open_on_current(self) -> None:
         """Start from the framework's live (or planned) configuration, not from 1 device."""
-        current = self.inventory.current
-        if current is None:
-            return
-        for i, name in enumerate(current.gpu_names):
-            limits = current.logical.get(name)
-            if limits and self.inventory.gpus and i < len(self.inventory.gpus):
-                self.target.value = gpu_key(self.inventory.gpus[i])
-                self.count_text.value = len(limits)
-                return
-        for name in current.cpu_names[:1]:
-            limits = current.logical.get(name)
-            if limits:
-                self.target.value = _CPU
-                self.count_text.value = len(limits)
+        opening = panel_text.opening_choice(self.inventory)
+        if opening is not None:
+            self.target.value, self.count_text.value = opening
 
     @property
     def locked(self) -> bool:
@@ -398,7 +361,7 @@ class SplitPanel:
         controls and show the banner: what happened, which cell, what to do."""
         state = runtime_state(self.watcher, self.inventory.framework, check_cuda=check_cuda)
         if state.started and not self._locked:
-            self._lock(state, remedy=True)
+            self._lock(state, with_remedy=True)
         return state
 
     def _notice_start(self, change=None) -> None:
@@ -407,21 +370,14 @@ class SplitPanel:
         if not self._locked:
             self.refresh(check_cuda=False)
 
-    def _lock(self, state: RuntimeState, remedy: bool) -> None:
-        """Disable every control and show the banner, in short lines. ``remedy=False`` when
+    def _lock(self, state: RuntimeState, with_remedy: bool) -> None:
+        """Disable every control and show the banner, in short lines. ``with_remedy=False`` when
         Apply's output just below already says what to do (said once, not twice)."""
         self._locked = True
-        self.banner.value = banner_html(self.capabilities.label, state.culprit, remedy)
+        self.banner.value = panel_text.banner_html(self.capabilities.label, state.culprit, with_remedy)
         self.banner.layout.display = ""
-        for widget in (
-            self.target,
-            self.count_slider,
-            self.count_text,
-            self.custom,
-            self.even_memory,
-            self.apply_button,
-            *self._device_sliders,
-        ):
+        controls = (self.target, self.count_slider, self.count_text, self.custom, self.even_memory, self.apply_button)
+        for widget in (*controls, *self._device_sliders):
             widget.disabled = True
 
     # -- Apply ---------------------------------------------------------------
@@ -435,7 +391,7 @@ class SplitPanel:
     def apply(self) -> SplitResult | None:
         """Plan and apply what the widgets say, printing the engine's summary.
 
-        Returns the :class:`~vgpu_magic.engine.SplitResult` (``"blocked"``
+        Returns the :class:`~vgpu_magic.outcomes.SplitResult` (``"blocked"``
         when the runtime already started with another configuration,
         ``"unchanged"`` for an identical re-apply, as the magic does), or
         ``None`` when the planner refused the request (its message is printed).
@@ -443,8 +399,8 @@ class SplitPanel:
         self.last_message = ""
         self.last_result = None
         try:
-            result = api.execute(self.request(), self.watcher, inventory=self.inventory)
-        except (PlanError, FrameworkChoiceError, FrameworkImportError, NVMLReadError) as exc:
+            result = execute(self.request(), self.watcher, inventory=self.inventory)
+        except USER_ERRORS as exc:
             self._say(f"Not applied: {exc}", error=True)
             return None
         self.last_result = result
@@ -453,10 +409,10 @@ class SplitPanel:
                 self._say(line.text, error=True)
             else:
                 self._say(line.text if line.level == "info" else f"  {line.text}")
-        if result.status in ("applied", "unchanged") and self.inventory.current is not None:
-            self.inventory = _with_current(self.inventory, configuration_after(result.plan, self.inventory.current))
+        if result.configuration is not None:
+            self.inventory = _with_current(self.inventory, result.configuration)
         if result.status == "blocked" and result.runtime is not None and not self._locked:
-            self._lock(result.runtime, remedy=False)
+            self._lock(result.runtime, with_remedy=False)
         self.refresh()
         return result
 
@@ -465,9 +421,7 @@ class SplitPanel:
         return self.root._repr_mimebundle_(**kwargs)
 
 
-def _with_current(inventory: DeviceInventory, current) -> DeviceInventory:
-    from dataclasses import replace
-
+def _with_current(inventory: DeviceInventory, current: ConfigSnapshot) -> DeviceInventory:
     return replace(inventory, current=current)
 
 
@@ -479,10 +433,10 @@ def panel(watcher: RuntimeWatcher | None = None, framework: str | None = None) -
 
     Parameters
     ----------
-    watcher:
+    watcher
         Names the cell that started the runtime; defaults to the loaded
         extension's watcher.
-    framework:
+    framework
         ``"tensorflow"`` / ``"tf"`` or ``"jax"``.
 
     Returns
@@ -490,6 +444,6 @@ def panel(watcher: RuntimeWatcher | None = None, framework: str | None = None) -
     SplitPanel
         Shown when it is the last expression of a cell, or with ``display()``.
     """
-    chosen = api.framework_for(framework)
+    chosen = framework_for(framework)
     named = chosen.name if framework is not None else None
-    return SplitPanel(chosen.probe_inventory(), watcher or api.current_watcher(), framework_named=named)
+    return SplitPanel(chosen.probe_inventory(), watcher, framework_named=named)

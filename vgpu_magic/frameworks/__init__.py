@@ -132,7 +132,9 @@ def select(requested: str | None = None) -> Framework:
     found = imported()
     if len(found) == 1:
         return found[0]
-    backend = ALIASES.get(os.environ.get("KERAS_BACKEND", "").strip().lower(), os.environ.get("KERAS_BACKEND", "").strip().lower())
+    backend = ALIASES.get(
+        os.environ.get("KERAS_BACKEND", "").strip().lower(), os.environ.get("KERAS_BACKEND", "").strip().lower()
+    )
     if len(found) > 1:
         for fw in found:
             if fw.name == backend:

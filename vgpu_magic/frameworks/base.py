@@ -221,7 +221,9 @@ class Framework:
         """The one-line error for a failed import of the framework."""
         missing = isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == self.module
         if missing:
-            return FrameworkImportError(f"{self.label} is not installed in this kernel; {self.capabilities.install_hint}")
+            return FrameworkImportError(
+                f"{self.label} is not installed in this kernel; {self.capabilities.install_hint}"
+            )
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return FrameworkImportError(f"{self.label} failed to import: {reason}")
 
@@ -280,7 +282,9 @@ class Framework:
         raise NotImplementedError(f"{self.label} has no strategy helper")
 
     # -- ranks -------------------------------------------------------------------
-    def plan_ranks(self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None) -> list[RankPlan]:
+    def plan_ranks(
+        self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
+    ) -> list[RankPlan]:
         """One :class:`RankPlan` per rank, in rank order, from the ranks' hosts.
 
         ``layout`` says where each rank runs, its GPU, free ports chosen on its host, the launcher's own

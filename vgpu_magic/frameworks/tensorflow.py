@@ -327,7 +327,9 @@ class TensorFlow(Framework):
         return tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=cross)
 
     # -- ranks -----------------------------------------------------------------------
-    def plan_ranks(self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None) -> list[RankPlan]:
+    def plan_ranks(
+        self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
+    ) -> list[RankPlan]:
         from ..planner import check_rank_request, plan_split, rank_share_mib
         from ..plans import SplitRequest
 
@@ -348,21 +350,32 @@ class TensorFlow(Framework):
         ]
         plans = []
         for place in places:
-            env = {"TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": place.rank}})}
+            env = {
+                "TF_CONFIG": json.dumps(
+                    {"cluster": {"worker": workers}, "task": {"type": "worker", "index": place.rank}}
+                )
+            }
             if not on_gpu:
                 plans.append(RankPlan(place.rank, env, "", ()))
                 continue
             each = rank_share_mib(place.gpu, place.gpu_shared_by, memory_mib, CAPABILITIES) // per_worker
-            # The worker plans again on its own devices (setup_rank); this is the same check, made before anything starts.
+            # The worker plans again on its own devices (setup_rank); this is the same check, made before
+            # anything starts.
             seen = DeviceInventory(
                 gpus=place.gpus_seen, nvml_available=place.gpu.free_mib is not None, capabilities=CAPABILITIES
             )
             plan_split(SplitRequest(count=per_worker, memory=each, gpu=place.gpu.index, others="hide"), seen)
-            plans.append(RankPlan(place.rank, env, "vgpu_magic.frameworks.tensorflow:setup_rank", (place.gpu.index, per_worker, each)))
+            plans.append(
+                RankPlan(
+                    place.rank, env, "vgpu_magic.frameworks.tensorflow:setup_rank", (place.gpu.index, per_worker, each)
+                )
+            )
         if on_gpu:
             notes.append(f"each worker: {per_worker} logical GPU(s) of {plans[0].args[2]} MiB")
         else:
-            notes.append("on CPU each worker is one replica (MultiWorkerMirroredStrategy uses one CPU device per worker)")
+            notes.append(
+                "on CPU each worker is one replica (MultiWorkerMirroredStrategy uses one CPU device per worker)"
+            )
         return [RankPlan(p.rank, p.env, p.setup, p.args, tuple(notes)) for p in plans]
 
 

@@ -105,12 +105,15 @@ class Torch(Framework):
         raise NotImplementedError("PyTorch has no device configuration to write; the planner refuses its splits")
 
     # -- ranks -----------------------------------------------------------------------
-    def plan_ranks(self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None) -> list[RankPlan]:
+    def plan_ranks(
+        self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
+    ) -> list[RankPlan]:
         from ..planner import check_rank_request, rank_share_mib
 
         if split is not None:
             raise ValueError(
-                f"--split {split} has no meaning for torch: a rank is one process with one device; start more ranks instead"
+                f"--split {split} has no meaning for torch: a rank is one process with one device; "
+                "start more ranks instead"
             )
         places = layout.places
         check_rank_request(split, memory_mib, [p.gpu for p in places])
@@ -123,7 +126,9 @@ class Torch(Framework):
             notes.append("ranks share a GPU, so gloo: NCCL refuses two ranks on one GPU")
         caps = [rank_share_mib(p.gpu, p.gpu_shared_by, memory_mib, CAPABILITIES) if p.gpu else None for p in places]
         if any(caps):
-            notes.append(f"each rank capped at {min(c for c in caps if c)} MiB of its GPU (set_per_process_memory_fraction)")
+            notes.append(
+                f"each rank capped at {min(c for c in caps if c)} MiB of its GPU (set_per_process_memory_fraction)"
+            )
         run_id = uuid.uuid4().hex
         hosts = len({p.node_rank for p in places})
         plans = []
@@ -149,7 +154,9 @@ class Torch(Framework):
             gpu_args: tuple = ()
             if place.gpu is not None:
                 gpu_args = (place.gpu.index, cap / place.gpu.total_mib if place.gpu.total_mib else 1.0)
-            plans.append(RankPlan(place.rank, env, "vgpu_magic.frameworks.torch:setup_rank", (backend, *gpu_args), tuple(notes)))
+            plans.append(
+                RankPlan(place.rank, env, "vgpu_magic.frameworks.torch:setup_rank", (backend, *gpu_args), tuple(notes))
+            )
         return plans
 
 

@@ -8,28 +8,35 @@ the bad token and says what would work.
 
 from __future__ import annotations
 
-import difflib
-
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from ..errors import PlanError
+from ..grammar import choice, parse_arguments, seconds
+
 __all__ = ["MonitorMagics", "parse_monitor_line"]
 
 ACTIONS = ("on", "off", "status")
-_OPTIONS = ("--display", "--interval")
 
 
-def _seconds(text: str) -> float:
-    """``--interval``'s value through the one number grammar of every option."""
-    from ..grammar import parse_seconds
-    from ..planner import PlanError
+def _display_mode(text: str) -> str:
+    """``--display``'s value: one of the display modes (read when used, so loading stays cheap)."""
+    from .display import DISPLAY_MODES
+
+    refusal = "--display {value} is not a display mode; use " + ", ".join(DISPLAY_MODES)
+    return choice(DISPLAY_MODES, refusal, "--display text")(text)
+
+
+def _interval(text: str) -> float:
+    """``--interval``'s value, within the bounds ``MemoryMonitor(interval=...)`` accepts."""
     from .recorder import MAX_INTERVAL, MIN_INTERVAL
 
-    try:
-        return parse_seconds(text, minimum=MIN_INTERVAL, maximum=MAX_INTERVAL, option="--interval")
-    except PlanError as exc:
-        raise UsageError(str(exc)) from None
+    return seconds("--interval", MIN_INTERVAL, MAX_INTERVAL)(text)
+
+
+_display_mode.example = "--display text"  # type: ignore[attr-defined]
+_interval.example = "--interval 0.05"  # type: ignore[attr-defined]
 
 
 def parse_monitor_line(line: str) -> tuple[str, dict[str, object]]:
@@ -38,39 +45,19 @@ def parse_monitor_line(line: str) -> tuple[str, dict[str, object]]:
     Raises :class:`~IPython.core.error.UsageError` with one sentence for
     anything else; changes nothing.
     """
-    from ..planner import excerpt
-    from .display import DISPLAY_MODES
-
-    words = line.split()
-    action = "status"
-    if words and not words[0].startswith("-"):
-        action = words.pop(0)
-        if action not in ACTIONS:
-            raise UsageError(f"{excerpt(action)} is not an action; use on, off or status")
-    options: dict[str, object] = {}
-    while words:
-        word = words.pop(0)
-        name, has_value, value = word.partition("=")
-        if name not in _OPTIONS:
-            if not name.startswith("-"):
-                raise UsageError(f"{excerpt(word)} is not understood here; use e.g. %vgpu_monitor on --display text")
-            close = difflib.get_close_matches(name, _OPTIONS, n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]}?" if close else "the options are --display and --interval"
-            raise UsageError(f"unknown option {excerpt(name)}; {hint}")
-        if not has_value:
-            if not words or words[0].startswith("--"):
-                example = "--display text" if name == "--display" else "--interval 0.05"
-                raise UsageError(f"{name} needs a value, e.g. {example}")
-            value = words.pop(0)
-        if name == "--display":
-            if value not in DISPLAY_MODES:
-                raise UsageError(f"--display {excerpt(value)} is not a display mode; use {', '.join(DISPLAY_MODES)}")
-            options["display"] = value
-        else:
-            options["interval"] = _seconds(value)
-    if options and action != "on":
+    try:
+        args = parse_arguments(
+            MonitorMagics.vgpu_monitor.parser,
+            line,
+            example="%vgpu_monitor on --display text",
+            options_hint="the options are --display and --interval",
+        )
+    except PlanError as exc:
+        raise UsageError(str(exc)) from None
+    options = {name: value for name, value in vars(args).items() if name != "action" and value is not None}
+    if options and args.action != "on":
         raise UsageError("options go with 'on', e.g. %vgpu_monitor on --display text")
-    return action, options
+    return args.action, options
 
 
 @magics_class
@@ -83,17 +70,30 @@ class MonitorMagics(Magics):
 
         auto.disable()
 
+    @line_magic
     @magic_arguments()
-    @argument("action", nargs="?", default="status", help="on, off or status (default: status)")
+    @argument(
+        "action",
+        nargs="?",
+        default="status",
+        type=choice(ACTIONS, "{value} is not an action; use on, off or status", "%vgpu_monitor on"),
+        help="on, off or status (default: status)",
+    )
     @argument(
         "--display",
-        default=None,
+        type=_display_mode,
+        metavar="MODE",
         help="how each monitor shows memory: auto (a live plot in a notebook, text elsewhere), rich, text or none",
     )
-    @argument("--interval", default=None, help="seconds between samples, 0.001 to 3600 (default 0.05)")
-    @line_magic
+    @argument(
+        "--interval",
+        type=_interval,
+        metavar="SECONDS",
+        help="seconds between samples, 0.001 to 3600 (default 0.05)",
+    )
     def vgpu_monitor(self, line: str = "") -> None:
-        """Monitor the memory of every logical device in every Keras
+        """
+        Monitor the memory of every logical device in every Keras
         ``fit``/``evaluate``/``predict``, without changing the code.
 
         Examples

@@ -92,7 +92,7 @@ class ClusterMagics(Magics):
         if args.action == "start":
             if args.n is None or args.framework is None:
                 raise UsageError("say how many ranks and which framework, e.g. %vgpu_cluster start 2 --framework torch")
-            from ..planner import parse_memory
+            from ..grammar import parse_memory
             from ..units import MIB
 
             try:

@@ -350,7 +350,9 @@ class Jax(Framework):
         return any(name in _GPU_PLATFORMS for name in backends)
 
     # -- ranks -----------------------------------------------------------------------
-    def plan_ranks(self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None) -> list[RankPlan]:
+    def plan_ranks(
+        self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
+    ) -> list[RankPlan]:
         """See :mod:`vgpu_magic.frameworks.jax.ranks`."""
         from .ranks import plan_ranks
 

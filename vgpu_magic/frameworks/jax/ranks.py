@@ -59,11 +59,15 @@ def plan_ranks(layout: RankLayout, split: int | None, memory_mib: int | None, po
             args = (coordinator, n, place.rank, place.gpu.index, 1, cap)
             plans.append(RankPlan(place.rank, {}, "vgpu_magic.frameworks.jax.ranks:setup_rank", args, notes))
     else:
-        notes = (f"jax.distributed on {coordinator}: {n} processes × {per_process} CPU devices = {n * per_process} devices",)
+        notes = (
+            f"jax.distributed on {coordinator}: {n} processes × {per_process} CPU devices = {n * per_process} devices",
+        )
         for place in places:
             args = (coordinator, n, place.rank, None, per_process, None)
             plans.append(
-                RankPlan(place.rank, {"JAX_PLATFORMS": "cpu"}, "vgpu_magic.frameworks.jax.ranks:setup_rank", args, notes)
+                RankPlan(
+                    place.rank, {"JAX_PLATFORMS": "cpu"}, "vgpu_magic.frameworks.jax.ranks:setup_rank", args, notes
+                )
             )
     return plans
 

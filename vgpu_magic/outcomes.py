@@ -1,11 +1,13 @@
-"""Apply a validated plan through a framework, and say what happened.
+"""Outcomes: apply a validated plan through a framework, and say what happened.
 
 :func:`apply_plan` reads the framework's configuration first (without starting
 its runtime): an identical configuration is a quiet no-op, even after the
 runtime started; a different one after start is refused with the reason and
 the remedy, never half-applied. :class:`SplitResult` is the one vocabulary of
-outcomes, and :func:`summary_lines` the one place that turns it into the lines
-the magic, the panel and the API print.
+outcomes (with the configuration it leaves), :func:`summary_lines` the one
+place that turns it into the lines the magic, the panel and the API print, and
+:func:`runtime_started_lines` the one wording of "the runtime already started"
+for every face.
 """
 
 from __future__ import annotations
@@ -13,22 +15,53 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .frameworks.base import ConfigSnapshot, Framework
-from .planner import SplitPlan, configuration_after
-from .runtime import RuntimeState
+from . import frameworks
+from .errors import PlanError
+from .frameworks import Framework, FrameworkChoiceError
+from .frameworks.base import ConfigSnapshot
+from .inventory import DeviceInventory
+from .planner import SplitPlan, SplitRequest, configuration_after, plan_split
+from .runtime import NO_LONGER_CHANGE, RuntimeState, RuntimeWatcher, runtime_state
 
-__all__ = ["SplitResult", "SummaryLine", "apply_plan", "summary_lines", "remedy", "STATUSES"]
+__all__ = [
+    "SplitResult",
+    "SummaryLine",
+    "execute",
+    "framework_for",
+    "apply_plan",
+    "summary_lines",
+    "remedy",
+    "runtime_started_lines",
+    "as_sentence",
+]
 
-#: Every outcome: configured now, already so, validated only, or refused because the runtime started.
-STATUSES = ("applied", "unchanged", "planned", "blocked")
 
-
-def remedy(plan: SplitPlan, label: str) -> str:
-    """What to do when the runtime already started."""
+def remedy(label: str, line: str = "the split") -> str:
+    """What to do when the runtime already started: ``line`` is the split to run
+    after a restart (a ``%vgpu_split`` line, when one is known)."""
     return (
-        f"restart the kernel and run {plan.magic_line()} before any {label} code, or make the split persistent "
+        f"restart the kernel and run {line} before any {label} code, or make the split persistent "
         "(VGPU_MAGIC_SPLIT or c.VGPUMagics.split) so it is applied when the extension loads"
     )
+
+
+def runtime_started_lines(label: str, culprit: str) -> list[str]:
+    """The one wording of "the runtime already started": what that means, and
+    which cell did it. The faces add their own remedy line.
+
+    Parameters
+    ----------
+    label
+        The framework as people write it, e.g. ``"TensorFlow"``.
+    culprit
+        :attr:`~vgpu_magic.runtime.RuntimeState.culprit`, e.g. ``"the cell In [2], which begins `import jax`"``.
+    """
+    return [f"{label}'s runtime already started, so {NO_LONGER_CHANGE}.", f"started by: {culprit}"]
+
+
+def as_sentence(line: str) -> str:
+    """A summary line as a sentence of running text: capitalised, ending in a full stop."""
+    return line[:1].upper() + line[1:] + ("" if line.endswith(".") else ".")
 
 
 @dataclass
@@ -37,24 +70,28 @@ class SplitResult:
 
     Attributes
     ----------
-    status:
+    status
         ``"applied"``, ``"unchanged"`` (already configured exactly so), ``"planned"``
         (dry run) or ``"blocked"`` (the runtime already started with a different
         configuration; nothing changed).
-    plan:
+    plan
         The validated plan.
-    framework:
+    framework
         ``"tensorflow"``, ``"jax"``...
-    devices:
+    devices
         The replica devices after this call (for ``"blocked"``: the ones it has).
-    blocked_reason:
+    blocked_reason
         Why nothing was configured, when ``status == "blocked"``; else ``""``.
-    replaced:
+    replaced
         The configuration this call replaced (``status == "applied"`` only), as
         a short phrase, e.g. ``"3 logical CPUs"``; ``""`` when nothing was configured before.
-    warnings:
+    warnings
         Problems worth a warning that did not stop the call (a CUDA context held
         by another framework, Keras imported with another backend).
+    configuration
+        The framework's configuration after this call (for ``"planned"``: the one
+        it would have; for ``"blocked"``: the one it keeps), so a face that shows
+        it need not work it out again.
     """
 
     status: str
@@ -70,6 +107,7 @@ class SplitResult:
     warnings: list[str] = field(default_factory=list)
     #: ``status == "unchanged"`` because nothing was ever configured: the plan is the framework's default.
     is_default: bool = False
+    configuration: ConfigSnapshot | None = None
 
     @property
     def replicas(self) -> int:
@@ -120,12 +158,12 @@ def summary_lines(result: SplitResult) -> list[SummaryLine]:
     plan, label = result.plan, result.label
     lines: list[SummaryLine] = []
     if result.status == "blocked":
-        lines.append(SummaryLine("warning", f"{label}'s runtime already started, so devices can no longer change."))
-        lines.append(SummaryLine("warning", f"  started by: {result.blocked_reason}"))
-        lines.append(
-            SummaryLine("warning", f"  it keeps its {_plural(result.replicas, 'replica device')}; nothing was configured")
-        )
-        lines.append(SummaryLine("warning", f"  to get {plan.describe()}: {remedy(plan, label)}"))
+        what, culprit = runtime_started_lines(label, result.blocked_reason)
+        lines.append(SummaryLine("warning", what))
+        lines.append(SummaryLine("warning", f"  {culprit}"))
+        kept = _plural(result.replicas, "replica device")
+        lines.append(SummaryLine("warning", f"  it keeps its {kept}; nothing was configured"))
+        lines.append(SummaryLine("warning", f"  to get {plan.describe()}: {remedy(label, plan.magic_line())}"))
     elif result.status == "unchanged" and result.is_default:
         lines.append(SummaryLine("info", f"{plan.describe()} is {label}'s default; nothing to configure"))
     elif result.status == "unchanged":
@@ -174,29 +212,66 @@ def apply_plan(
     """
     old = current if current is not None else framework.read_configuration()
     new = configuration_after(plan, old)
-    caps = framework.capabilities
+    capabilities = framework.capabilities
     notes = list(warnings or ())
     if runtime.cuda_holders:
         notes.append(
             "this process already holds a CUDA context through "
             + ", ".join(runtime.cuda_holders)
-            + f"; the memory it uses is not available to {caps.label}'s devices"
+            + f"; the memory it uses is not available to {capabilities.label}'s devices"
         )
-    common: dict[str, Any] = dict(
-        framework=caps.name, label=caps.label, runtime=runtime, warnings=notes, replicas_by=caps.replicas_by
-    )
-    split_cpu_first = caps.replicas_on_split_cpu
+    common: dict[str, Any] = {
+        "framework": capabilities.name,
+        "label": capabilities.label,
+        "runtime": runtime,
+        "warnings": notes,
+        "replicas_by": capabilities.replicas_by,
+    }
+    split_cpu_first = capabilities.replicas_on_split_cpu
     if dry_run:
-        return SplitResult("planned", plan, devices=new.replica_devices(split_cpu_first), **common)
+        return SplitResult("planned", plan, devices=new.replica_devices(split_cpu_first), configuration=new, **common)
     if new == old:
         default = plan.splits and not old.logical
         devices = new.replica_devices(split_cpu_first)
-        return SplitResult("unchanged", plan, devices=devices, is_default=default, **common)
+        return SplitResult("unchanged", plan, devices=devices, is_default=default, configuration=new, **common)
     if runtime.started:
+        devices = old.replica_devices(split_cpu_first)
         return SplitResult(
-            "blocked", plan, devices=old.replica_devices(split_cpu_first), blocked_reason=runtime.culprit, **common
+            "blocked", plan, devices=devices, blocked_reason=runtime.culprit, configuration=old, **common
         )
     framework.write_configuration(old, new)
+    devices = new.replica_devices(split_cpu_first)
     return SplitResult(
-        "applied", plan, devices=new.replica_devices(split_cpu_first), replaced=_describe_config(old, plan), **common
+        "applied", plan, devices=devices, replaced=_describe_config(old, plan), configuration=new, **common
     )
+
+
+def framework_for(name: str | None = None) -> Framework:
+    """The framework a call applies to (:func:`vgpu_magic.frameworks.select`), as a
+    :class:`ValueError` when the choice cannot be made."""
+    try:
+        return frameworks.select(name)
+    except FrameworkChoiceError as exc:
+        raise PlanError(str(exc)) from None
+
+
+def execute(
+    request: SplitRequest,
+    watcher: RuntimeWatcher | None = None,
+    dry_run: bool = False,
+    inventory: DeviceInventory | None = None,
+) -> SplitResult:
+    """Plan ``request`` against this machine and apply it (what every face calls).
+
+    Raises :class:`PlanError` before touching any configuration when the request
+    is invalid.
+    """
+    fw = framework_for(request.framework) if inventory is None else frameworks.get(inventory.framework)
+    if inventory is None:
+        inventory = fw.probe_inventory()
+    plan_ = plan_split(request, inventory)
+    # A CUDA context held elsewhere only matters where the framework sees a GPU (and NVML costs ~10 ms).
+    state = runtime_state(watcher, fw, check_cuda=bool(inventory.gpus))
+    keras = fw.keras_backend_warning()
+    extra = [keras] if keras else []
+    return apply_plan(fw, plan_, state, dry_run=dry_run, current=inventory.current, warnings=extra)
