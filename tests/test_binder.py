@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CHILD_ENV, ROOT
+from support import CHILD_ENV, ROOT
 
 BINDER_MEMORY_LIMIT = 2 * 1024**3
 

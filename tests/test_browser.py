@@ -43,7 +43,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CHILD_ENV
+from support import CHILD_ENV
 from vgpu_magic.monitor.sampler import PROCESS_LABEL
 
 CHROMIUM = Path("/usr/bin/chromium")

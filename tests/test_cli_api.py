@@ -18,7 +18,7 @@ from IPython.core.error import UsageError
 
 import vgpu_magic
 import vgpu_magic.api
-from conftest import CHILD_ENV, ROOT, last_json, run_python, tf_device_configuration, two_gpus
+from support import CHILD_ENV, ROOT, last_json, run_python, tf_device_configuration, two_gpus
 from vgpu_magic.errors import PlanError
 from vgpu_magic.planner import plan_split
 

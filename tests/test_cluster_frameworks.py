@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CHILD_ENV, ROOT, our_processes
+from support import CHILD_ENV, ROOT, our_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from conftest import our_processes
+from support import our_processes
 
 pytestmark = [
     pytest.mark.slow,

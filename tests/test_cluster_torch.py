@@ -21,7 +21,7 @@ import psutil
 import pytest
 from IPython.core.error import UsageError
 
-from conftest import CHILD_ENV, ROOT, our_processes
+from support import CHILD_ENV, ROOT, our_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

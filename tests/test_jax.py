@@ -2,7 +2,7 @@
 
 JAX's device configuration is process-global and fixed once its backend
 starts, so every scenario that configures it runs in a fresh interpreter
-(:func:`conftest.run_python`). The planner's GPU rules for JAX are checked
+(:func:`support.run_python`). The planner's GPU rules for JAX are checked
 in-process with GPU-shaped inventories (pure data), so they hold on any machine.
 """
 
@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from conftest import last_json, run_python
+from support import last_json, run_python
 from vgpu_magic import frameworks
 from vgpu_magic.errors import PlanError
 from vgpu_magic.frameworks.jax import CAPABILITIES, FRAMEWORK, xla_flags_count, xla_flags_with_count

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from conftest import kernel_output, last_json, run_python, started_kernel
+from support import kernel_output, last_json, run_python, started_kernel
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import last_json, run_python
+from support import last_json, run_python
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from conftest import kernel_errors, kernel_run, kernel_stdout, started_kernel
+from support import kernel_errors, kernel_run, kernel_stdout, started_kernel
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import pytest
 
 ipywidgets = pytest.importorskip("ipywidgets")
 
-from conftest import (  # noqa: E402
+from support import (  # noqa: E402
     kernel_errors,
     kernel_run,
     kernel_stdout,

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
 import vgpu_magic.api
-from conftest import tf_device_configuration
+from support import tf_device_configuration
 from vgpu_magic.api import make_request
 from vgpu_magic.frameworks.tensorflow import CAPABILITIES as TENSORFLOW
 from vgpu_magic.frameworks.tensorflow import system_reserve_mib

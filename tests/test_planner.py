@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 import vgpu_magic.api
-from conftest import two_gpu_snapshot, two_gpus
+from support import two_gpu_snapshot, two_gpus
 from vgpu_magic.frameworks.base import ConfigSnapshot
 from vgpu_magic.frameworks.tensorflow import CAPABILITIES as TENSORFLOW
 from vgpu_magic.frameworks.tensorflow import system_reserve_mib

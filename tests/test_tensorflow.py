@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from conftest import two_gpu_snapshot
+from support import two_gpu_snapshot
 from vgpu_magic.inventory import NVMLReadError
 
 

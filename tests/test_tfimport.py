@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import CHILD_ENV, last_json, run_python
+from support import CHILD_ENV, last_json, run_python
 
 pytestmark = pytest.mark.slow
 

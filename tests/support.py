@@ -1,0 +1,166 @@
+"""Helpers the tests import (plain functions and constants; the fixtures are in conftest.py).
+
+Tests import these from ``support``, never from ``conftest``: pytest imports every conftest.py as a module
+named ``conftest``, so with ``tests`` and ``notebooks`` collected together that name is not this folder's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "artifacts"
+
+#: Environment for child processes: quiet TensorFlow, no GPU probing surprises.
+CHILD_ENV = {
+    **os.environ,
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+    # As in the Makefile: oneDNN's CPU allocator (the one with statistics) whatever the CPU's maker.
+    "TF_ENABLE_ONEDNN_OPTS": "1",
+    "PYTHONUNBUFFERED": "1",
+    "MPLBACKEND": "Agg",
+}
+CHILD_ENV.pop("VGPU_MAGIC_SPLIT", None)
+
+
+def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter; fail the test with its output if it exits non-zero."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**CHILD_ENV, **(env or {})},
+        cwd=ROOT,
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"subprocess failed ({proc.returncode}):\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    return proc
+
+
+def last_json(stdout: str):
+    """The last line of ``stdout`` that parses as JSON (scripts print their result last)."""
+    for line in reversed(stdout.strip().splitlines()):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    raise AssertionError(f"no JSON line in output:\n{stdout}")
+
+
+def kernel_run(kc, code: str, timeout: float = 240, on_message=None) -> list[dict]:
+    """Execute ``code`` in a jupyter_client kernel; return the iopub messages of that
+    request, up to idle (``on_message`` sees each as it arrives)."""
+    msg_id = kc.execute(code)
+    messages = []
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = kc.get_iopub_msg(timeout=max(1.0, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        messages.append(msg)
+        if on_message is not None:
+            on_message(msg)
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return messages
+
+
+@contextlib.contextmanager
+def started_kernel(env: dict[str, str | None] | None = None) -> Iterator[tuple]:
+    """A fresh ipykernel running this interpreter, with vgpu_magic importable
+    from this checkout; yields ``(manager, client)`` and shuts it down after.
+    ``env`` adds variables to :data:`CHILD_ENV` (``None`` removes one)."""
+    from jupyter_client.manager import start_new_kernel
+
+    merged = {**CHILD_ENV, "PYTHONPATH": str(ROOT), **(env or {})}
+    km, kc = start_new_kernel(
+        kernel_name="python3", env={k: v for k, v in merged.items() if v is not None}, cwd=str(ROOT)
+    )
+    try:
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def kernel_stream(messages: list[dict], name: str = "stdout") -> str:
+    """Everything a request printed on ``name`` (``"stdout"`` or ``"stderr"``)."""
+    return "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream" and m["content"]["name"] == name)
+
+
+def kernel_stdout(messages: list[dict]) -> str:
+    """Everything a request printed on stdout."""
+    return kernel_stream(messages, "stdout")
+
+
+def kernel_errors(messages: list[dict]) -> list[str]:
+    """The errors a request raised, as ``"ename: evalue"``."""
+    return [f"{m['content']['ename']}: {m['content']['evalue']}" for m in messages if m["msg_type"] == "error"]
+
+
+def kernel_output(kc, code: str, timeout: float = 120) -> dict[str, str]:
+    """Run ``code`` in the kernel: what it printed on ``stdout`` and ``stderr``, and its ``error``."""
+    messages = kernel_run(kc, code, timeout)
+    return {
+        "stdout": kernel_stream(messages, "stdout"),
+        "stderr": kernel_stream(messages, "stderr"),
+        "error": "\n".join(kernel_errors(messages)),
+    }
+
+
+def our_processes() -> set[int]:
+    """The live processes this test process started, directly or not."""
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+
+
+def tf_device_configuration() -> dict:
+    """Logical-device configuration and visibility of every physical device
+    TensorFlow sees. Reading these does not start TensorFlow's runtime."""
+    import tensorflow as tf
+
+    physical = tf.config.list_physical_devices()
+    return {
+        "logical": {
+            d.name: [c.memory_limit for c in tf.config.get_logical_device_configuration(d) or ()] for d in physical
+        },
+        "visible": [d.name for d in tf.config.get_visible_devices()],
+    }
+
+
+def two_gpus(current=None):
+    """A two-GPU inventory shaped like NVML's report (``current``: the framework's configuration)."""
+    from vgpu_magic.frameworks.tensorflow import CAPABILITIES
+    from vgpu_magic.inventory import DeviceInventory, GPUInfo
+
+    gpus = tuple(
+        GPUInfo(i, "NVIDIA Test GPU", total_mib=24576, free_mib=24000, compute_capability=(8, 0), nvml_index=i)
+        for i in range(2)
+    )
+    return DeviceInventory(
+        gpus=gpus, version="2.21.0", nvml_available=True, current=current, capabilities=CAPABILITIES
+    )
+
+
+def two_gpu_snapshot(logical=None, visible=(0, 1), growth=(False, False)):
+    """TensorFlow's configuration of :func:`two_gpus`: logical devices, visible GPUs, memory growth."""
+    from vgpu_magic.frameworks.base import ConfigSnapshot
+
+    return ConfigSnapshot(
+        cpu_names=("/physical_device:CPU:0",),
+        gpu_names=("/physical_device:GPU:0", "/physical_device:GPU:1"),
+        logical=dict(logical or {}),
+        visible_gpus=tuple(visible),
+        memory_growth=tuple(growth),
+    )
