@@ -22,6 +22,7 @@ machine's ``~/.ssh`` is never read or written (``-F /dev/null``).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import random
@@ -54,7 +55,11 @@ def why_not_hosts() -> str | None:
     """Why a second host (network namespace + sshd) cannot be made here, or None."""
     if not sys.platform.startswith("linux") or os.geteuid() != 0:
         return "a second host (network namespace) needs root on Linux"
-    missing = [c for c in ("ip", "unshare", "nsenter", "sshd", "ssh", "scp", "ssh-keygen") if shutil.which(c, path=_SBIN) is None]
+    missing = [
+        c
+        for c in ("ip", "unshare", "nsenter", "sshd", "ssh", "scp", "ssh-keygen")
+        if shutil.which(c, path=_SBIN) is None
+    ]
     if missing:
         return f"no {', '.join(missing)} (apt-get install iproute2 openssh-server openssh-client)"
     return None
@@ -69,9 +74,15 @@ def _run(*argv: str) -> str:
 
 def _pick_subnet() -> ipaddress.IPv4Network:
     """A /30 in 10.0.0.0/8 that no interface of this machine is on."""
-    used = [ipaddress.ip_interface(a).network for a in _run("ip", "-4", "-o", "addr", "show").split() if "/" in a and a[0].isdigit()]
+    used = [
+        ipaddress.ip_interface(a).network
+        for a in _run("ip", "-4", "-o", "addr", "show").split()
+        if "/" in a and a[0].isdigit()
+    ]
     for _ in range(100):
-        net = ipaddress.ip_network(f"10.{random.randint(128, 254)}.{random.randint(0, 255)}.{4 * random.randint(0, 63)}/30")
+        net = ipaddress.ip_network(
+            f"10.{random.randint(128, 254)}.{random.randint(0, 255)}.{4 * random.randint(0, 63)}/30"
+        )
         if not any(net.overlaps(u) for u in used):
             return net
     raise RuntimeError("no free /30 in 10.128.0.0/9 for the test's veth pair")
@@ -106,9 +117,20 @@ class TwoHosts:
     def ssh_args(self) -> list[str]:
         """ssh arguments that reach both hosts with the test's key only."""
         return [
-            "-F", "/dev/null", "-i", str(self.folder / "id_ed25519"), "-o", "IdentitiesOnly=yes",
-            "-o", "StrictHostKeyChecking=no", "-o", f"UserKnownHostsFile={self.folder / 'known_hosts'}",
-            "-o", "BatchMode=yes", "-o", "LogLevel=ERROR",
+            "-F",
+            "/dev/null",
+            "-i",
+            str(self.folder / "id_ed25519"),
+            "-o",
+            "IdentitiesOnly=yes",
+            "-o",
+            "StrictHostKeyChecking=no",
+            "-o",
+            f"UserKnownHostsFile={self.folder / 'known_hosts'}",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "LogLevel=ERROR",
         ]
 
     def ssh(self, host: SSHHost, command: str) -> str:
@@ -122,8 +144,11 @@ class TwoHosts:
         net = _pick_subnet()
         root_side, ns_side = (str(a) for a in list(net.hosts())[:2])
         hosts = cls(
-            folder, f"vgpu-{tag}", f"vg{tag}a",
-            SSHHost(root_side, 0, socket.gethostname()), SSHHost(ns_side, 0, SECOND_HOSTNAME),
+            folder,
+            f"vgpu-{tag}",
+            f"vg{tag}a",
+            SSHHost(root_side, 0, socket.gethostname()),
+            SSHHost(ns_side, 0, SECOND_HOSTNAME),
         )
         try:
             hosts._make_namespace(tag, net.prefixlen)
@@ -162,7 +187,8 @@ class TwoHosts:
         """The two hosts' names and addresses, as a cluster's DNS would give them (gloo and
         JAX find their own address from the host name)."""
         (self.folder / "hosts").write_text(
-            f"127.0.0.1 localhost\n{self.first.address} {self.first.hostname}\n{self.second.address} {self.second.hostname}\n"
+            f"127.0.0.1 localhost\n{self.first.address} {self.first.hostname}\n"
+            f"{self.second.address} {self.second.hostname}\n"
         )
 
     def prefix(self, host: SSHHost) -> list[str]:
@@ -179,27 +205,32 @@ class TwoHosts:
         host.port = free_port(host.address, self.namespace if host is self.second else None)
         config = self.folder / f"sshd_{host.address}.conf"
         config.write_text(
-            "\n".join([
-                f"Port {host.port}",
-                f"ListenAddress {host.address}",
-                f"HostKey {self.folder / 'host_ed25519'}",
-                f"AuthorizedKeysFile {self.folder / 'authorized_keys'}",
-                f"PidFile {self.folder / ('sshd_' + host.address + '.pid')}",
-                "PermitRootLogin prohibit-password",
-                "PasswordAuthentication no",
-                "KbdInteractiveAuthentication no",
-                "UsePAM no",
-                "StrictModes no",
-                "PrintMotd no",
-                "Subsystem sftp /usr/lib/openssh/sftp-server",
-            ]) + "\n"
+            "\n".join(
+                [
+                    f"Port {host.port}",
+                    f"ListenAddress {host.address}",
+                    f"HostKey {self.folder / 'host_ed25519'}",
+                    f"AuthorizedKeysFile {self.folder / 'authorized_keys'}",
+                    f"PidFile {self.folder / ('sshd_' + host.address + '.pid')}",
+                    "PermitRootLogin prohibit-password",
+                    "PasswordAuthentication no",
+                    "KbdInteractiveAuthentication no",
+                    "UsePAM no",
+                    "StrictModes no",
+                    "PrintMotd no",
+                    "Subsystem sftp /usr/lib/openssh/sftp-server",
+                ]
+            )
+            + "\n"
         )
         sshd = shutil.which("sshd", path=_SBIN)
         # SIGINT back to its default for what the sshd starts (a background test run ignores it).
         argv = ["env", "--default-signal=INT", *self.prefix(host), sshd, "-D", "-e", "-f", str(config)]
         with open(self.folder / f"sshd_{host.address}.log", "wb") as log:
             self.processes.append(
-                subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                subprocess.Popen(
+                    argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+                )
             )
 
     def _wait_ssh(self, host: SSHHost) -> None:
@@ -229,16 +260,12 @@ class TwoHosts:
             except psutil.Error:
                 pass
         for proc in procs:
-            try:
+            with contextlib.suppress(psutil.Error):
                 proc.send_signal(signal.SIGTERM)
-            except psutil.Error:
-                pass
         _, alive = psutil.wait_procs(procs, timeout=5)
         for proc in alive:
-            try:
+            with contextlib.suppress(psutil.Error):
                 proc.kill()
-            except psutil.Error:
-                pass
         psutil.wait_procs(alive, timeout=5)
         for proc in self.processes:
             proc.wait(timeout=5)

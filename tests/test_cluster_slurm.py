@@ -31,25 +31,27 @@ def srun_tasks(job_id: int, nodelist: str, hosts: list[str], per_node: int, per_
     tasks = []
     for procid in range(ntasks):
         node = procid // per_node
-        tasks.append({
-            "SLURM_JOB_ID": str(job_id),
-            "SLURM_JOBID": str(job_id),
-            "SLURM_STEP_ID": "0",
-            "SLURM_PROCID": str(procid),
-            "SLURM_LOCALID": str(procid % per_node),
-            "SLURM_NODEID": str(node),
-            "SLURM_NTASKS": str(ntasks),
-            "SLURM_NPROCS": str(ntasks),
-            "SLURM_STEP_NUM_TASKS": str(ntasks),
-            "SLURM_STEP_NUM_NODES": str(len(hosts)),
-            "SLURM_JOB_NUM_NODES": str(len(hosts)),
-            "SLURM_STEP_NODELIST": nodelist,
-            "SLURM_JOB_NODELIST": nodelist,
-            "SLURM_NODELIST": nodelist,
-            "SLURM_TASKS_PER_NODE": per_node_text,
-            "SLURM_STEP_TASKS_PER_NODE": per_node_text,
-            "SLURMD_NODENAME": hosts[node],
-        })
+        tasks.append(
+            {
+                "SLURM_JOB_ID": str(job_id),
+                "SLURM_JOBID": str(job_id),
+                "SLURM_STEP_ID": "0",
+                "SLURM_PROCID": str(procid),
+                "SLURM_LOCALID": str(procid % per_node),
+                "SLURM_NODEID": str(node),
+                "SLURM_NTASKS": str(ntasks),
+                "SLURM_NPROCS": str(ntasks),
+                "SLURM_STEP_NUM_TASKS": str(ntasks),
+                "SLURM_STEP_NUM_NODES": str(len(hosts)),
+                "SLURM_JOB_NUM_NODES": str(len(hosts)),
+                "SLURM_STEP_NODELIST": nodelist,
+                "SLURM_JOB_NODELIST": nodelist,
+                "SLURM_NODELIST": nodelist,
+                "SLURM_TASKS_PER_NODE": per_node_text,
+                "SLURM_STEP_TASKS_PER_NODE": per_node_text,
+                "SLURMD_NODENAME": hosts[node],
+            }
+        )
     return tasks
 
 
@@ -69,8 +71,17 @@ def reports(tasks: list[dict[str, str]]) -> list[HostReport]:
             for i in range(GPUS_PER_NODE)
         )
         launcher = {k: v for k, v in env.items() if k in LAUNCHER_VARIABLES}
-        found.append(HostReport(engine_id, env["SLURMD_NODENAME"], f"10.0.0.{node + 1}", 100 + engine_id, gpus,
-                                30000 + engine_id, launcher))
+        found.append(
+            HostReport(
+                engine_id,
+                env["SLURMD_NODENAME"],
+                f"10.0.0.{node + 1}",
+                100 + engine_id,
+                gpus,
+                30000 + engine_id,
+                launcher,
+            )
+        )
     return found
 
 
@@ -129,7 +140,9 @@ def test_torch_environment_is_the_usual_torchrun_mapping_of_slurm(tasks):
             "LOCAL_RANK": env["SLURM_LOCALID"],
             "WORLD_SIZE": env["SLURM_NTASKS"],
             "GROUP_RANK": env["SLURM_NODEID"],
-            "LOCAL_WORLD_SIZE": str(resolver.expand_tasks_per_node(env["SLURM_TASKS_PER_NODE"])[int(env["SLURM_NODEID"])]),
+            "LOCAL_WORLD_SIZE": str(
+                resolver.expand_tasks_per_node(env["SLURM_TASKS_PER_NODE"])[int(env["SLURM_NODEID"])]
+            ),
             "MASTER_ADDR": first_host,
         }
         assert {k: plans[rank].env[k] for k in expected} == expected
@@ -143,7 +156,10 @@ def test_ranks_follow_slurm_not_the_engines_order():
     assert [p.rank for p in layout.places] == [0, 1, 2, 3]
     assert [p.engine_id for p in layout.places] == [3, 2, 1, 0]
     assert [(p.hostname, p.node_rank, p.local_rank, p.local_world_size) for p in layout.places] == [
-        ("gpu01", 0, 0, 2), ("gpu01", 0, 1, 2), ("gpu02", 1, 0, 2), ("gpu02", 1, 1, 2),
+        ("gpu01", 0, 0, 2),
+        ("gpu01", 0, 1, 2),
+        ("gpu02", 1, 0, 2),
+        ("gpu02", 1, 1, 2),
     ]
 
 

@@ -19,7 +19,13 @@ from vgpu_magic.ranks.launchers import plan_launcher, route_address, ssh_target
 def slurm_on_path(monkeypatch):
     """``sbatch`` and friends on PATH, whether or not this machine has SLURM."""
     real = shutil.which
-    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: f"/usr/bin/{name}" if name in {"sbatch", "srun", "scancel", "squeue"} else real(name, *a, **k))
+    monkeypatch.setattr(
+        shutil,
+        "which",
+        lambda name, *a, **k: (
+            f"/usr/bin/{name}" if name in {"sbatch", "srun", "scancel", "squeue"} else real(name, *a, **k)
+        ),
+    )
 
 
 def batch_script(plan, tmp_path, n=2) -> str:
@@ -36,17 +42,28 @@ def batch_script(plan, tmp_path, n=2) -> str:
 
 def test_slurm_options_become_sbatch_lines_around_ipyparallels_srun(slurm_on_path, tmp_path):
     plan = plan_launcher(
-        "slurm", 2,
+        "slurm",
+        2,
         {
-            "partition": "gpu", "account": "proj1", "time": "01:00:00", "sbatch": ["--mem=4G", "#SBATCH --gres=gpu:1"],
-            "srun": ["--cpu-bind=none"], "environment": {"NCCL_DEBUG": "INFO {x}"},
+            "partition": "gpu",
+            "account": "proj1",
+            "time": "01:00:00",
+            "sbatch": ["--mem=4G", "#SBATCH --gres=gpu:1"],
+            "srun": ["--cpu-bind=none"],
+            "environment": {"NCCL_DEBUG": "INFO {x}"},
         },
     )
     script = batch_script(plan, tmp_path)
     lines = script.splitlines()
     for line in (
-        "#SBATCH --export=ALL", "#SBATCH --ntasks=2", "#SBATCH --job-name=ipengine-c1", "#SBATCH --partition=gpu",
-        "#SBATCH --account=proj1", "#SBATCH --time=01:00:00", "#SBATCH --mem=4G", "#SBATCH --gres=gpu:1",
+        "#SBATCH --export=ALL",
+        "#SBATCH --ntasks=2",
+        "#SBATCH --job-name=ipengine-c1",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=proj1",
+        "#SBATCH --time=01:00:00",
+        "#SBATCH --mem=4G",
+        "#SBATCH --gres=gpu:1",
         "export NCCL_DEBUG='INFO {x}'",
     ):
         assert line in lines
@@ -78,9 +95,17 @@ def test_ssh_hosts_are_spread_in_blocks_with_their_own_ports():
 
 
 def test_ssh_host_counts_and_the_engines_environment():
-    plan = plan_launcher("ssh", 3, {"hosts": {"127.0.0.1": 3}, "python": "/opt/py/bin/python", "environment": {"A": "1"}})
+    plan = plan_launcher(
+        "ssh", 3, {"hosts": {"127.0.0.1": 3}, "python": "/opt/py/bin/python", "environment": {"A": "1"}}
+    )
     assert plan.config["SSHEngineSetLauncher"]["engines"]["127.0.0.1"]["n"] == 3
-    assert plan.config["SSHEngineSetLauncher"]["engine_cmd"] == ["env", "A=1", "/opt/py/bin/python", "-m", "ipyparallel.engine"]
+    assert plan.config["SSHEngineSetLauncher"]["engine_cmd"] == [
+        "env",
+        "A=1",
+        "/opt/py/bin/python",
+        "-m",
+        "ipyparallel.engine",
+    ]
     assert ssh_target("me@node:22") == ("me@node", "22") and ssh_target("node") == ("node", None)
     assert route_address("someone@127.0.0.1") == "127.0.0.1"
 
@@ -132,7 +157,10 @@ def shell():
         ("start 2 --framework torch --launcher ssh", "the ssh launcher needs hosts"),
         ("start 2 --framework torch --partition gpu", "--partition goes with --launcher slurm, not local"),
         ("start 2 --framework torch --launcher ssh --hosts a --time 5", "--time goes with --launcher slurm, not ssh"),
-        ("start 2 --framework torch --launcher mpi --controller-address x", "--controller-address goes with --launcher slurm or ssh"),
+        (
+            "start 2 --framework torch --launcher mpi --controller-address x",
+            "--controller-address goes with --launcher slurm or ssh",
+        ),
         ("status --hosts a,b", "'--hosts' only goes with start"),
     ],
 )
@@ -161,7 +189,10 @@ def test_the_magic_passes_the_launcher_flags_through(shell, monkeypatch, slurm_o
         )
     assert seen["launcher"] == "slurm"
     assert seen["options"] == {
-        "partition": "gpu", "account": "p1", "time": "30", "sbatch": ["--mem=4G", "--gres=gpu:1"],
+        "partition": "gpu",
+        "account": "p1",
+        "time": "30",
+        "sbatch": ["--mem=4G", "--gres=gpu:1"],
         "controller_address": "10.1.2.3",
     }
     assert seen["plan"].controller_location == "10.1.2.3"

@@ -24,13 +24,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 RUN_TIMEOUT = 120
 
 
-
 def identity(rank: str) -> str:
     """Code binding ``_who``: the rank as the wiring gave it (``rank``, an expression), then
     the rank, job and task count as SLURM gave them."""
     return (
         "import json, os, socket\n"
-        f"_who = ({rank}, int(os.environ['SLURM_PROCID']), os.environ['SLURM_JOB_ID'], int(os.environ['SLURM_NTASKS']))\n"
+        f"_who = ({rank}, int(os.environ['SLURM_PROCID']), os.environ['SLURM_JOB_ID'], "
+        "int(os.environ['SLURM_NTASKS']))\n"
     )
 
 
@@ -48,7 +48,11 @@ def processes_of(cluster_id: str) -> list[psutil.Process]:
 
 
 def step_daemons() -> set[int]:
-    return {p.pid for p in psutil.process_iter(["name", "status"]) if p.info["name"] == "slurmstepd" and p.info["status"] != psutil.STATUS_ZOMBIE}
+    return {
+        p.pid
+        for p in psutil.process_iter(["name", "status"])
+        if p.info["name"] == "slurmstepd" and p.info["status"] != psutil.STATUS_ZOMBIE
+    }
 
 
 @contextlib.contextmanager
@@ -192,7 +196,8 @@ def test_jax_distributed_across_two_slurm_nodes(two_nodes, two_hosts):
     with slurm_ranks(two_nodes, "jax", 2, on_two_nodes(two_hosts)) as ranks:
         found = quiet_run(
             ranks,
-            "import jax, jax.numpy as jnp\nfrom jax.experimental import multihost_utils\nfrom jax._src import distributed\n"
+            "import jax, jax.numpy as jnp\nfrom jax.experimental import multihost_utils\n"
+            "from jax._src import distributed\n"
             + identity("jax.process_index()")
             + "gathered = multihost_utils.process_allgather(jnp.array([jax.process_index() + 10]))\n"
             "(*_who, socket.gethostname(), distributed.global_state.coordinator_address, gathered.ravel().tolist())",

@@ -130,7 +130,8 @@ def _plan_slurm(n: int, options: dict[str, Any]) -> LauncherPlan:
     for command in ("sbatch", "srun", "scancel", "squeue"):
         if shutil.which(command) is None:
             raise ValueError(
-                f"the slurm launcher needs {command} on PATH (run it on a SLURM login node, or apt-get install slurm-client)"
+                f"the slurm launcher needs {command} on PATH "
+                "(run it on a SLURM login node, or apt-get install slurm-client)"
             )
     lines = []
     for key, flag in (("partition", "--partition"), ("account", "--account"), ("time", "--time"), ("qos", "--qos")):
@@ -147,7 +148,9 @@ def _plan_slurm(n: int, options: dict[str, Any]) -> LauncherPlan:
                 raise ValueError(f"sbatch line {line!r} is neither '#SBATCH ...' nor an option; e.g. '--mem=4G'")
             text = f"#SBATCH {text}"
         if text.split()[1:2] and text.split()[1].split("=")[0] in ("--ntasks", "-n", "--export", "--output"):
-            raise ValueError(f"sbatch line {line!r} sets what the launcher sets itself (one task per rank, --export=ALL)")
+            raise ValueError(
+                f"sbatch line {line!r} sets what the launcher sets itself (one task per rank, --export=ALL)"
+            )
         lines.append(text)
     srun = " ".join(shlex.quote(a) for a in _strings("srun", options.get("srun", [])))
     # The job gets the kernel's environment (--export=ALL); extra variables are exported by the script.
@@ -168,7 +171,9 @@ def _plan_ssh(n: int, options: dict[str, Any], cluster_id: str) -> LauncherPlan:
         raise ValueError("the ssh launcher needs ssh and scp on PATH (apt-get install openssh-client)")
     hosts = options.get("hosts")
     if not hosts:
-        raise ValueError("the ssh launcher needs hosts, e.g. --hosts node1,node2 or launcher_options={'hosts': ['node1']}")
+        raise ValueError(
+            "the ssh launcher needs hosts, e.g. --hosts node1,node2 or launcher_options={'hosts': ['node1']}"
+        )
     if isinstance(hosts, str):
         hosts = [h for h in hosts.split(",") if h.strip()]
     if isinstance(hosts, dict):
@@ -177,13 +182,17 @@ def _plan_ssh(n: int, options: dict[str, Any], cluster_id: str) -> LauncherPlan:
         if bad:
             raise ValueError(f"hosts {{{bad[0][0]!r}: {bad[0][1]!r}}} needs a positive rank count")
         if sum(counts.values()) != n:
-            raise ValueError(f"hosts {hosts!r} hold {sum(counts.values())} ranks, not {n}; make the counts add up to {n}")
+            raise ValueError(
+                f"hosts {hosts!r} hold {sum(counts.values())} ranks, not {n}; make the counts add up to {n}"
+            )
     else:
         names = [str(h).strip() for h in hosts]
         if len(set(names)) != len(names):
             raise ValueError(f"hosts {names!r} names a host twice; give {{host: count}} to put several ranks on one")
         if len(names) > n:
-            raise ValueError(f"{len(names)} hosts for {n} rank{'s' if n > 1 else ''}; give at most {n} or start more ranks")
+            raise ValueError(
+                f"{len(names)} hosts for {n} rank{'s' if n > 1 else ''}; give at most {n} or start more ranks"
+            )
         # As many engines on each host as evenly possible, the first hosts taking one more.
         counts = {h: n // len(names) + (1 if i < n % len(names) else 0) for i, h in enumerate(names)}
     ssh_args = _strings("ssh_args", options.get("ssh_args", []))
@@ -210,7 +219,9 @@ def _plan_ssh(n: int, options: dict[str, Any], cluster_id: str) -> LauncherPlan:
             "remote_profile_dir": f"/tmp/vgpu_magic-{cluster_id}",
         },
     }
-    return LauncherPlan("ssh", "ssh", config, controller_ip="*", controller_location=str(address), ssh_hosts=tuple(targets))
+    return LauncherPlan(
+        "ssh", "ssh", config, controller_ip="*", controller_location=str(address), ssh_hosts=tuple(targets)
+    )
 
 
 def ssh_target(host: str) -> tuple[str, str | None]:
@@ -227,7 +238,9 @@ def route_address(host: str) -> str:
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(name, 22, proto=socket.IPPROTO_UDP)[0]
     except OSError as exc:
-        raise ValueError(f"ssh host {name!r} does not resolve ({exc.strerror}); give its address or fix its name") from None
+        raise ValueError(
+            f"ssh host {name!r} does not resolve ({exc.strerror}); give its address or fix its name"
+        ) from None
     with socket.socket(family, socket.SOCK_DGRAM) as sock:
         sock.connect(sockaddr)
         return sock.getsockname()[0]
@@ -251,4 +264,3 @@ def _environment(options: dict[str, Any]) -> dict[str, str]:
 def _escape(text: str) -> str:
     """Braces in user text survive ipyparallel's template formatting."""
     return text.replace("{", "{{").replace("}", "}}")
-

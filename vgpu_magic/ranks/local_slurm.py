@@ -109,7 +109,9 @@ class LocalSlurm:
             os.environ["SLURM_CONF"] = str(self.conf)
             self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
             for node in self.nodes:
-                self._spawn(f"slurmd-{node.name}", [*node.prefix, "slurmd", "-D", "-N", node.name, "-f", str(self.conf)])
+                self._spawn(
+                    f"slurmd-{node.name}", [*node.prefix, "slurmd", "-D", "-N", node.name, "-f", str(self.conf)]
+                )
             self._wait_idle()
         except BaseException:
             self.stop()
@@ -170,8 +172,12 @@ class LocalSlurm:
         # the jobs' tasks would inherit that (the ranks are interrupted with SIGINT).
         with open(self.folder / f"{name}.out", "wb") as log:
             proc = subprocess.Popen(
-                ["env", "--default-signal=INT", *argv], env=self.env() if self.conf else os.environ.copy(), stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                ["env", "--default-signal=INT", *argv],
+                env=self.env() if self.conf else os.environ.copy(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         self.processes.append(proc)
         return proc
@@ -186,8 +192,13 @@ class LocalSlurm:
         self._spawn(
             "munged",
             [
-                "munged", "--foreground", "--force", f"--socket={self.munge_socket}", f"--key-file={key}",
-                f"--log-file={munge / 'munged.log'}", f"--pid-file={munge / 'munged.pid'}",
+                "munged",
+                "--foreground",
+                "--force",
+                f"--socket={self.munge_socket}",
+                f"--key-file={key}",
+                f"--log-file={munge / 'munged.log'}",
+                f"--pid-file={munge / 'munged.pid'}",
                 f"--seed-file={munge / 'munged.seed'}",
             ],
         )
@@ -233,7 +244,8 @@ class LocalSlurm:
             "KillWait=5",
             "InactiveLimit=0",
             *(f"NodeName={node.name} NodeAddr={node.address} CPUs={self.cpus} State=UNKNOWN" for node in self.nodes),
-            f"PartitionName=debug Nodes={','.join(node.name for node in self.nodes)} Default=YES MaxTime=INFINITE State=UP",
+            f"PartitionName=debug Nodes={','.join(node.name for node in self.nodes)} "
+            "Default=YES MaxTime=INFINITE State=UP",
         ]
         conf = folder / "slurm.conf"
         conf.write_text("\n".join(lines) + "\n")
@@ -246,9 +258,16 @@ class LocalSlurm:
         while time.monotonic() < deadline:
             for proc, name in zip(self.processes, names):
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited ({proc.returncode}): {self._tail(name + '.out')} {self._tail(name + '.log')}")
+                    raise RuntimeError(
+                        f"{name} exited ({proc.returncode}): {self._tail(name + '.out')} {self._tail(name + '.log')}"
+                    )
             result = subprocess.run(
-                ["sinfo", "-h", "-N", "-o", "%T"], env=self.env(), capture_output=True, text=True, timeout=30, check=False
+                ["sinfo", "-h", "-N", "-o", "%T"],
+                env=self.env(),
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
             )
             state = result.stdout.strip() or result.stderr.strip()
             if result.returncode == 0 and state.split() == ["idle"] * len(self.nodes):
