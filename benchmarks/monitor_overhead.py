@@ -223,6 +223,8 @@ def main() -> None:
             order = (False, True) if i % 2 == 0 else (True, False)
             runs = {monitored: fit(kc, monitored) for monitored in order}
             pairs.append((runs[False], runs[True]))
+            # Progress, so a slow machine shows where it is.
+            print(f"pair {i + 1}/{args.pairs}: {runs[True]['seconds'] / runs[False]['seconds']:.3f}", flush=True)
         long = fit(kc, True, f"ds.repeat({args.long})")
         widgets = None
         if importlib.util.find_spec("bqplot") is not None:

@@ -141,13 +141,14 @@ function drawPanel(s, series, indices, unit, title, marks, xmax, state, last) {
   }
   out.push(`<line x1="${LEFT}" x2="${W - RIGHT}" y1="${TOP + plotH}" y2="${TOP + plotH}" stroke="${AXIS}"/>`);
   out.push(`<line x1="${LEFT}" x2="${LEFT}" y1="${TOP}" y2="${TOP + plotH}" stroke="${AXIS}"/>`);
-  // Epoch marks: a dotted line each; a label only where it does not run into the one before.
-  let lastLabel = -Infinity;
+  // Epoch marks: a dotted line each; a label above the data, only where it runs neither into the
+  // panel's title nor into the label before.
+  let lastLabel = LEFT + 7 * (title.length + unitName.length + 3);
   for (const [t, epoch] of marks) {
     const xx = x(t);
     out.push(`<line x1="${xx.toFixed(1)}" x2="${xx.toFixed(1)}" y1="${TOP}" y2="${TOP + plotH}" stroke="${MUTED}" stroke-dasharray="2,3"/>`);
     if (xx - lastLabel >= 30) {
-      out.push(`<text x="${(xx + 3).toFixed(1)}" y="${TOP + 10}" font-size="10" fill="${MUTED}">e${epoch + 1}</text>`);
+      out.push(`<text x="${(xx + 2).toFixed(1)}" y="${TOP - 3}" font-size="10" fill="${MUTED}">e${epoch + 1}</text>`);
       lastLabel = xx;
     }
   }

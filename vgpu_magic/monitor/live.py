@@ -112,7 +112,7 @@ class LiveMemoryView(View):
         of :mod:`vgpu_magic.monitor.plot`, or the text alone without matplotlib.
 
     ``update_costs`` and ``update_times`` keep each update's kernel seconds
-    and start time, ``final_cost`` the final image's, for the benchmark and
+    (the thread's CPU time, ``cost_clock``) and start time, ``final_cost`` the final image's, for the benchmark and
     the tests.
     """
 
@@ -122,6 +122,7 @@ class LiveMemoryView(View):
         throttle: RedrawThrottle | None = None,
         widget: Callable[..., Any] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        cost_clock: Callable[[], float] = time.thread_time,
         defer: Callable[[Callable[[], None]], None] | None = None,
         final_image: Callable[[MemoryTrace], tuple[bytes | None, str]] | None = None,
     ) -> None:
@@ -133,6 +134,7 @@ class LiveMemoryView(View):
         self.throttle = throttle or RedrawThrottle()
         self._make_widget = widget or memory_widget
         self.clock = clock
+        self.cost_clock = cost_clock
         self._defer = defer
         self._final_image = final_image or static_image
         self.widget: Any = None
@@ -173,7 +175,7 @@ class LiveMemoryView(View):
         when the trace merged older rows into its envelope meanwhile)."""
         if self.widget is None:
             return
-        start = self.clock()
+        start, cpu = self.clock(), self.cost_clock()
         reset = trace.decimated != self._bucket or len(trace) < self._sent
         first = 0 if reset else self._sent
         n = len(trace)
@@ -197,7 +199,9 @@ class LiveMemoryView(View):
         note = trace.variables_text()
         if self.widget.note != note:
             self.widget.note = note
-        cost = self.clock() - start
+        # The kernel's own work (this thread's CPU time): on a busy machine the wall clock
+        # would also count the time other processes had the core, and starve the view.
+        cost = self.cost_clock() - cpu
         self.throttle.record(start, cost)
         self.update_costs.append(cost)
         self.update_times.append(start)

@@ -154,7 +154,8 @@ class MemoryFigure:
         entries = len(trace.series) + 1
         ncol = 1 if entries <= 2 else 2
         rows = math.ceil(entries / ncol)
-        title_h, legend_h, panel_h, gap_h, bottom_h = 0.36, 0.2 * rows + 0.1, 1.7, 0.5, 0.5
+        # title, legend (with room under it for the epoch labels above the top panel), panels
+        title_h, legend_h, panel_h, gap_h, bottom_h = 0.36, 0.2 * rows + 0.25, 1.7, 0.5, 0.5
         height = title_h + legend_h + len(panels) * panel_h + (len(panels) - 1) * gap_h + bottom_h
         self.fig = Figure(figsize=(width, height), dpi=dpi)
         self.fig.patch.set_alpha(0.0)
@@ -253,8 +254,9 @@ class MemoryFigure:
                 ax.axvline(t, color=TEXT, ls=":", lw=0.9)
             where = t / panels[0].get_xlim()[1]
             if where - last_label >= 0.045:
-                panels[0].text(t, 0.98, f" e{epoch + 1}", transform=panels[0].get_xaxis_transform(),
-                               fontsize=_NOTE_PT, color=TEXT, va="top")
+                # Above the top panel, never over its data.
+                panels[0].text(t, 1.01, f"e{epoch + 1}", transform=panels[0].get_xaxis_transform(),
+                               fontsize=_NOTE_PT, color=TEXT, va="bottom", ha="center")
                 last_label = where
 
     def _draw_variables(self) -> None:
