@@ -8,7 +8,8 @@ framework wiring (:mod:`.wiring`), the fault policy (:mod:`.run`) and a stop
 that leaves nothing behind: ipyparallel sends SIGTERM and only later SIGKILL
 (TensorFlow workers were measured still alive 5 s after SIGTERM), so
 :meth:`RankCluster.stop` escalates itself and checks with psutil that every
-process it started is gone.
+process it started is gone. A kernel that dies without a stop takes them all
+with it (:mod:`.lifetime`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ import signal
 import socket
 import sys
 import threading
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from . import lifetime
 from .run import RankRun, RankRunError, names_to_send, names_written, pack_names, process_alive, split_last_expression
 from .wiring import GPU, RankPlan, get_wiring, prepare_rank
 
@@ -162,6 +166,11 @@ class RankCluster:
         #: Names cells run on the ranks assigned: rank state, never overwritten from the notebook.
         self.rank_names: set[str] = set()
         self._owned: set[int] = set()
+        #: Engine launchers by PID, kept after ipyparallel forgets a stopped one (for exit statuses).
+        self._launchers: dict[int, Any] = {}
+        #: Carried by every process of this cluster (:func:`.lifetime.processes_of`).
+        self._token = ""
+        self._started_at = 0.0
 
     @property
     def framework(self) -> str:
@@ -192,10 +201,14 @@ class RankCluster:
             previous, _current = _current, self
         if previous is not None and previous is not self:
             previous.stop()
+        self._token, self._started_at = uuid.uuid4().hex, time.time()
         try:
             # ERROR: ipyparallel logs an engine's whole log file as a warning when it exits non-zero, which
             # every stop after a killed rank would print into the cell; this class reports failures itself.
-            self.cluster = ipp.Cluster(n=self.n, engines=self.launcher, log_level=logging.ERROR)
+            self.cluster = ipp.Cluster(
+                n=self.n, engines=_engine_launcher(self.launcher), log_level=logging.ERROR,
+                config=_watched_config(self._token),
+            )
             self.cluster.start_cluster_sync(n=self.n)
             # Remembered at once, so that even engines that never register are stopped.
             self._remember_processes()
@@ -234,6 +247,7 @@ class RankCluster:
             pid = getattr(launcher, "pid", -1)
             if pid and pid > 0:
                 self._owned.add(pid)
+                self._launchers[pid] = launcher
 
     def _wire(self) -> None:
         """Set each rank's environment and run its setup, all ranks at once (a rendezvous)."""
@@ -257,19 +271,11 @@ class RankCluster:
             pass
 
     def _exit_code(self, rank: int) -> int | None:
-        """How rank ``rank``'s process exited, as its launcher saw it (negative: the signal)."""
-        pid = self.pids[rank]
-        for engine_set in (self.cluster.engines.values() if self.cluster else []):
-            for launcher in getattr(engine_set, "launchers", {}).values():
-                if getattr(launcher, "pid", None) == pid:
-                    code = (getattr(launcher, "stop_data", None) or {}).get("exit_code")
-                    if code is None and launcher.process is not None:
-                        try:
-                            code = launcher.process.wait(timeout=0)
-                        except Exception:
-                            code = None
-                    return None if code is None else int(code)
-        return None
+        """How rank ``rank``'s process exited (negative: the signal), as the wait that reaped it
+        returned it; ``None`` where no such wait is ours (engines started by mpiexec)."""
+        launcher = self._launchers.get(self.pids[rank])
+        code = getattr(getattr(launcher, "process", None), "exit_code", None)
+        return None if code is None else int(code)
 
     def stop(self) -> None:
         """Stop every process this cluster started and check that none is left.
@@ -280,14 +286,18 @@ class RankCluster:
         global _current
         import psutil
 
-        procs = []
+        procs: dict[int, Any] = {}
         for pid in sorted(self._owned):
             try:
                 proc = psutil.Process(pid)
-                procs.append(proc)
-                procs.extend(proc.children(recursive=True))
+                procs[pid] = proc
+                procs.update((child.pid, child) for child in proc.children(recursive=True))
             except psutil.Error:
                 continue
+        if self._token:
+            # Also those whose parent died first (the controller's children once its main process is gone).
+            procs.update((proc.pid, proc) for proc in lifetime.processes_of(self._token, self._started_at))
+        procs = list(procs.values())
         if self.client is not None:
             try:
                 self.client.close()
@@ -313,7 +323,7 @@ class RankCluster:
                 # Its processes are gone (checked above); this only removes ipyparallel's cluster files.
                 pass
         self.cluster = self.client = self.view = None
-        self.engine_ids, self.pids, self._owned = [], [], set()
+        self.engine_ids, self.pids, self._owned, self._launchers, self._token = [], [], set(), {}, ""
         self.rank_names = set()
         self.must_restart = None
         atexit.unregister(self.stop)
@@ -427,3 +437,49 @@ class RankCluster:
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return f"<RankCluster {self.n} × {self.framework}, {state}>"
+
+
+def _watched_config(token: str) -> Any:
+    """ipyparallel configuration that starts the controller and the engines under
+    :mod:`.lifetime`'s watch of this kernel, marked with the cluster's ``token``."""
+    from traitlets.config import Config
+
+    env = {lifetime.OWNER_ENV: lifetime.owner_of_this_process(), lifetime.CLUSTER_ENV: token}
+    config = Config()
+    config.LocalControllerLauncher.controller_cmd = lifetime.watched_command("ipyparallel.controller")
+    config.LocalControllerLauncher.environment = dict(env)
+    for launcher in ("LocalEngineSetLauncher", "MPIEngineSetLauncher"):
+        config[launcher].engine_cmd = lifetime.watched_command("ipyparallel.engine")
+        config[launcher].environment = dict(env)
+    return config
+
+
+def _engine_launcher(launcher: str) -> Any:
+    """The ipyparallel engine launcher for ``launcher``; local engines record how they exit.
+
+    ipyparallel's launcher reaps an engine in a thread and hands its exit status to
+    its event loop, which may never run it (the kernel's loop is busy running the cell
+    that watches the ranks): without this, a dead rank's status is lost.
+    """
+    if launcher != "local":
+        return launcher
+    import psutil
+    from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
+
+    class ExitRecordingProcess(psutil.Process):
+        exit_code: int | None = None
+
+        def wait(self, timeout: float | None = None) -> int | None:
+            code = super().wait(timeout)
+            self.exit_code = code
+            return code
+
+    class ExitRecordingEngineLauncher(LocalEngineLauncher):
+        def _start_waiting(self) -> None:
+            self.process = ExitRecordingProcess(self.process.pid)
+            super()._start_waiting()
+
+    class ExitRecordingEngineSetLauncher(LocalEngineSetLauncher):
+        launcher_class = ExitRecordingEngineLauncher
+
+    return ExitRecordingEngineSetLauncher
