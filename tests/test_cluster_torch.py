@@ -26,6 +26,7 @@ from conftest import CHILD_ENV, ROOT
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 PARITY_SCRIPT = Path(__file__).parent / "scripts" / "ddp_parity.py"
+TRAIN_SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
 
 
 def our_processes() -> set[int]:
@@ -48,18 +49,29 @@ def shell():
     assert our_processes() <= before
 
 
-@pytest.fixture
-def ranks(shell):
+def torch_ranks(shell, join: bool):
     """The running 2-rank torch cluster (started once, restarted where a test broke it)."""
     import vgpu_magic
     from vgpu_magic.ranks import engine
 
     running = engine.current()
-    if running is None or running.framework != "torch":
-        shell.run_line_magic("vgpu_cluster", "start 2 --framework torch")
+    if running is None or running.framework != "torch" or running.n != 2 or running.join != join:
+        shell.run_line_magic("vgpu_cluster", "start 2 --framework torch" + (" --join" if join else ""))
     elif running.must_restart:
         shell.run_line_magic("vgpu_cluster", "restart")
     return vgpu_magic.cluster()
+
+
+@pytest.fixture
+def ranks(shell):
+    """2 torch ranks that joined the process group at start (--join)."""
+    return torch_ranks(shell, join=True)
+
+
+@pytest.fixture
+def launcher_ranks(shell):
+    """2 torch ranks with torchrun's environment only: the code joins, as under torchrun."""
+    return torch_ranks(shell, join=False)
 
 
 def test_ranks_get_torchruns_environment_in_rank_order(shell, ranks, capsys):
@@ -78,7 +90,7 @@ def test_ranks_get_torchruns_environment_in_rank_order(shell, ranks, capsys):
 
 def test_the_same_start_again_keeps_the_running_ranks(shell, ranks, capsys):
     pids = list(ranks.pids)
-    shell.run_line_magic("vgpu_cluster", "start 2 --framework torch")
+    shell.run_line_magic("vgpu_cluster", "start 2 --framework torch --join")
     assert "already running" in capsys.readouterr().out
     assert ranks.running and ranks.pids == pids
 
@@ -156,6 +168,46 @@ def test_same_weights_as_torchrun(shell, ranks, tmp_path):
     assert by_torchrun[0] == by_torchrun[1]
 
 
+def engine_sys_argv(ranks) -> list[list[str]]:
+    ranks.view.execute("import sys as _sys\n_argv = list(_sys.argv)", block=True)
+    return ranks.view.pull("_argv", block=True)
+
+
+def test_an_unchanged_ddp_script_runs_twice_with_torchruns_weights(shell, launcher_ranks, tmp_path, capsys):
+    """argparse, __main__, its own init_process_group and destroy_process_group: the script needs no
+    edit, and running it again works as a fresh torchrun would."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(TRAIN_SCRIPT), "--epochs", "12", "--out", str(tmp_path / "torchrun")],
+        capture_output=True, text=True, timeout=240, env=CHILD_ENV, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    by_torchrun = [json.loads((tmp_path / f"torchrun.{r}").read_text()) for r in range(2)]
+    assert by_torchrun[0]["name"] == "__main__" and by_torchrun[0]["argv"] == TRAIN_SCRIPT.name
+    engine_argv = engine_sys_argv(launcher_ranks)
+    for run in range(2):
+        capsys.readouterr()
+        shell.run_line_magic("vgpu_run", f"--timeout 120 {TRAIN_SCRIPT} --epochs 12 --out {tmp_path / f'ours{run}'}")
+        ours = [json.loads((tmp_path / f"ours{run}.{r}").read_text()) for r in range(2)]
+        assert ours == by_torchrun
+        out = capsys.readouterr().out.splitlines()
+        assert sorted(line.split(":")[0] for line in out if "final loss" in line) == ["[rank 0] rank 0", "[rank 1] rank 1"]
+    # The engines' own argv is theirs again.
+    assert engine_sys_argv(launcher_ranks) == engine_argv
+
+
+def test_a_script_that_fails_is_reported_as_a_cell_and_help_exits_quietly(shell, launcher_ranks, tmp_path, capsys):
+    from vgpu_magic.ranks import RankRunError
+
+    shell.run_line_magic("vgpu_run", f"{TRAIN_SCRIPT} --help")
+    assert "[rank 1] usage: ddp_train.py" in capsys.readouterr().out
+    with pytest.raises(RankRunError, match=r"rank 0 raised SystemExit: 2") as info:
+        shell.run_line_magic("vgpu_run", f"{TRAIN_SCRIPT} --epochs many --out x")
+    assert "invalid int value: 'many'" in "\n".join(info.value._render_traceback_()) + capsys.readouterr().err
+    with pytest.raises(UsageError, match="script 'no_such.py' is not a file"):
+        shell.run_line_magic("vgpu_run", "no_such.py")
+
+
 def test_a_rank_raising_before_a_barrier_stops_every_rank(shell, ranks):
     from vgpu_magic.ranks import RankRunError
 
@@ -219,7 +271,8 @@ def test_interrupting_the_kernel_interrupts_the_ranks(shell, ranks):
     assert shell.user_ns["after"] == pids
 
 
-def test_coordinator_port_in_use_fails_cleanly(shell):
+@pytest.mark.parametrize("framework", ["torch", "jax", "tensorflow"])
+def test_a_coordinator_port_in_use_is_refused_before_anything_starts(shell, framework):
     from vgpu_magic.ranks import engine
 
     running = engine.current()
@@ -231,8 +284,8 @@ def test_coordinator_port_in_use_fails_cleanly(shell):
     blocker.listen()
     port = blocker.getsockname()[1]
     try:
-        with pytest.raises(UsageError, match=rf"wiring PyTorch failed: rank 0 raised .*{port}.*; nothing was left running$"):
-            shell.run_line_magic("vgpu_cluster", f"start 2 --framework torch --port {port}")
+        with pytest.raises(UsageError, match=rf"^--port {port} is in use on this machine.*leave --port out for a free one$"):
+            shell.run_line_magic("vgpu_cluster", f"start 2 --framework {framework} --port {port}")
     finally:
         blocker.close()
     assert engine.current() is None

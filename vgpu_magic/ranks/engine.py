@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import lifetime
-from .run import RankRun, RankRunError, names_to_send, names_written, pack_names, process_alive, split_last_expression
+from .run import RankRun, RankRunError, names_to_send, names_written, pack_names, process_alive, script_code, split_last_expression
 from .wiring import GPU, RankPlan, get_wiring, prepare_rank
 
 __all__ = ["RankCluster", "RankInfo", "ClusterStartError", "current", "free_ports"]
@@ -104,6 +104,11 @@ class RankCluster:
         How ipyparallel starts the engines: ``"local"`` (processes of this
         kernel) or ``"mpi"`` (one ``mpiexec`` job; needs ``mpiexec`` and
         ``mpi4py``). The ranks are wired the same way either way.
+    join:
+        Also make the call a script makes to join the others
+        (``init_process_group``, ``jax.distributed.initialize``) on each rank
+        at start. By default a rank gets only what its real launcher gives a
+        process, and the user's code makes that call, as under ``torchrun``.
 
     Raises
     ------
@@ -112,7 +117,7 @@ class RankCluster:
 
     Examples
     --------
-    >>> ranks = RankCluster(2, "torch").start()          # doctest: +SKIP
+    >>> ranks = RankCluster(2, "torch", join=True).start()  # doctest: +SKIP
     >>> ranks.run("import torch.distributed as dist; dist.get_rank()", output=True)  # doctest: +SKIP
     [0, 1]
     >>> ranks.stop()                                      # doctest: +SKIP
@@ -127,6 +132,7 @@ class RankCluster:
         port: int | None = None,
         gpus: list[tuple[int, int]] | None = None,
         launcher: str = "local",
+        join: bool = False,
     ) -> None:
         if not isinstance(n, int) or not 1 <= n <= 64:
             raise ValueError(f"rank count {n!r} is out of range; use 1..64")
@@ -141,6 +147,7 @@ class RankCluster:
             if importlib.util.find_spec("mpi4py") is None:
                 raise ValueError("the mpi launcher needs mpi4py on the engines: pip install 'vgpu_magic[mpi]'")
         self.launcher = launcher
+        self.join = bool(join)
         missing = [m for m in ("ipyparallel", "psutil", "cloudpickle") if importlib.util.find_spec(m) is None]
         if missing:
             raise ValueError(f"the ranks need {', '.join(missing)}: pip install 'vgpu_magic[cluster]'")
@@ -182,8 +189,9 @@ class RankCluster:
 
     def same_request(self, other: RankCluster) -> bool:
         """Does ``other`` ask for the same ranks and wiring as this cluster?"""
-        mine = (self.n, self.framework, self.split, self.memory, self.port, self.gpus, self.launcher)
-        return mine == (other.n, other.framework, other.split, other.memory, other.port, other.gpus, other.launcher)
+        mine = (self.n, self.framework, self.split, self.memory, self.port, self.gpus, self.launcher, self.join)
+        theirs = (other.n, other.framework, other.split, other.memory, other.port, other.gpus, other.launcher, other.join)
+        return mine == theirs
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> RankCluster:
@@ -203,6 +211,8 @@ class RankCluster:
             previous.stop()
         self._token, self._started_at = uuid.uuid4().hex, time.time()
         try:
+            if self.port is not None:
+                _check_port_free(self.port)
             # ERROR: ipyparallel logs an engine's whole log file as a warning when it exits non-zero, which
             # every stop after a killed rank would print into the cell; this class reports failures itself.
             self.cluster = ipp.Cluster(
@@ -255,7 +265,9 @@ class RankCluster:
 
         def submit(rank: int) -> Any:
             plan = plans[rank]
-            return self.client[self.engine_ids[rank]].apply_async(prepare_rank, plan.env, plan.setup, plan.args)
+            return self.client[self.engine_ids[rank]].apply_async(
+                prepare_rank, plan.env, plan.setup, plan.args, self.join
+            )
 
         RankRun(self.pids, submit, self._exit_code, timeout=SETUP_TIMEOUT, stdout=sys.stdout, stderr=sys.stderr).run()
 
@@ -401,6 +413,24 @@ class RankCluster:
                 print(f"[rank {rank}] Out: {shown}")
         return None
 
+    def run_script(self, path: str, args: list[str] | tuple[str, ...] = (), timeout: float | None = None, plot: bool = False) -> None:
+        """Run the script ``path`` with ``args`` on every rank, as ``torchrun ...
+        path ARGS`` runs it (:func:`~.run.script_code`), under the same fault
+        policy as :meth:`run`.
+
+        Each run is a fresh launch, as each ``torchrun`` is: the ranks get new
+        coordinator ports (and torch a new run id) first. A process group the
+        previous run destroyed can still hold its TCP store open (measured with
+        a DDP model, torch 2.14), and a new ``init_process_group`` on the old
+        port would meet that stale store.
+        """
+        self._require_running()
+        ports = free_ports(self.wiring.ports_needed(self.n))
+        self.plans = self.wiring.plan(self.n, ports, self.split, self.memory, self.gpus)
+        for rank, plan in enumerate(self.plans):
+            self.client[self.engine_ids[rank]].apply_sync(prepare_rank, plan.env, "", ())
+        self.run(script_code(os.path.abspath(path), list(args)), timeout=timeout, plot=plot)
+
     def status(self) -> list[RankInfo]:
         """Each rank's PID, liveness and memory (RSS, and GPU memory where NVML has it)."""
         from .memory import RankMemorySampler
@@ -425,6 +455,10 @@ class RankCluster:
         where = "local ipyparallel engines" if self.launcher == "local" else "ipyparallel engines started by mpiexec"
         lines = [f"{self.n} {self.wiring.label} rank{'s' if self.n > 1 else ''} on {where}"]
         lines.extend(self.plans[0].notes if self.plans else ())
+        if self.wiring.join_call and self.join:
+            lines.append(f"each rank has joined ({self.wiring.join_call} at start, --join): your code must not call it again")
+        elif self.wiring.join_call:
+            lines.append(f"each rank has its launcher's environment; your code calls {self.wiring.join_call}, as under its launcher")
         for info in self.status():
             state = f"alive, RSS {format_bytes(info.rss)}" if info.alive else "dead"
             if info.alive and info.gpu is not None:
@@ -437,6 +471,34 @@ class RankCluster:
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return f"<RankCluster {self.n} × {self.framework}, {state}>"
+
+
+def _check_port_free(port: int) -> None:
+    """:class:`ClusterStartError` naming ``port`` (and who holds it) if it cannot be bound here.
+
+    Checked before anything starts: otherwise JAX's coordinator only says "rank 0
+    died", and TensorFlow starts and then fails in the user's first
+    ``MultiWorkerMirroredStrategy()``."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("", port))
+    except OSError as exc:
+        holder = ""
+        try:
+            import psutil
+
+            pids = {c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.pid}
+            if pids:
+                holder = f" by pid {', '.join(map(str, sorted(pids)))}"
+        except Exception:
+            # Naming the holder is a courtesy; where psutil may not list connections, the port alone is said.
+            pass
+        raise ClusterStartError(
+            f"--port {port} is in use on this machine{holder} ({exc.strerror}); "
+            "choose another, or leave --port out for a free one"
+        ) from None
+    finally:
+        sock.close()
 
 
 def _watched_config(token: str) -> Any:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import os
 from concurrent import futures
 import signal
 import sys
@@ -44,6 +45,7 @@ __all__ = [
     "names_written",
     "pack_names",
     "split_last_expression",
+    "script_code",
     "process_alive",
 ]
 
@@ -243,6 +245,31 @@ def split_last_expression(code: str, target: str) -> str:
     else:
         tree.body.append(ast.Assign(targets=[ast.Name(id=target, ctx=ast.Store())], value=ast.Constant(None)))
     return ast.unparse(ast.fix_missing_locations(tree))
+
+
+def script_code(path: str, args: list[str]) -> str:
+    """Code that runs the script ``path`` on a rank as ``python path ARGS`` would
+    (``sys.argv``, ``__name__ == "__main__"``, its folder first on ``sys.path``, a
+    namespace of its own), then puts the engine's ``sys.argv`` and ``sys.path``
+    back, and collects the script's garbage. ``sys.exit(0)`` (argparse's ``--help``) ends it quietly;
+    another status is a failure."""
+    folder = os.path.dirname(path)
+    return (
+        "import runpy as _vgpu_runpy, sys as _vgpu_sys\n"
+        "_vgpu_saved = (_vgpu_sys.argv, list(_vgpu_sys.path))\n"
+        f"_vgpu_sys.argv = {[path, *args]!r}\n"
+        f"_vgpu_sys.path.insert(0, {folder!r})\n"
+        "try:\n"
+        f"    _vgpu_runpy.run_path({path!r}, run_name='__main__')\n"
+        "except SystemExit as _vgpu_exit:\n"
+        "    if _vgpu_exit.code not in (0, None):\n"
+        "        raise\n"
+        "finally:\n"
+        "    _vgpu_sys.argv, _vgpu_sys.path[:] = _vgpu_saved\n"
+        "    del _vgpu_runpy, _vgpu_sys, _vgpu_saved\n"
+        # The script's objects (a model, its data) go now, as they go with its process under torchrun.
+        "    import gc as _vgpu_gc; _vgpu_gc.collect(); del _vgpu_gc\n"
+    )
 
 
 # -- watching the ranks ---------------------------------------------------------------

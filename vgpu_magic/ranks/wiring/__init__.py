@@ -9,9 +9,11 @@ A wiring answers, as plain data and small functions:
   each rank runs, as a :class:`RankPlan` (pure: ports and GPUs are inputs, so
   the GPU path is tested on GPU-shaped data);
 * the setup function itself, which runs *on the engine* after the
-  environment is set (``init_process_group``, ``jax.distributed.initialize``,
-  TensorFlow's logical GPUs). Setup functions import their framework only
-  there, and never start TensorFlow's runtime.
+  environment is set (a GPU and its cap, TensorFlow's logical GPUs) and,
+  only with ``join=True``, makes the call a script makes under its launcher
+  (``init_process_group``, ``jax.distributed.initialize``); by default that
+  call is the user's, as under ``torchrun``. Setup functions import their
+  framework only there, and never start TensorFlow's runtime.
 
 Adding a framework is one module and one line in :data:`WIRINGS`.
 """
@@ -66,6 +68,8 @@ class RankWiring:
     extra: str = ""
     #: Loopback ports the cluster must reserve: a function of the rank count.
     ports_per_cluster: str = "one"  # "one" or "per_rank"
+    #: The call a script makes under the real launcher to join the others ("": none to make).
+    join_call: str = ""
 
     def ports_needed(self, n: int) -> int:
         """How many loopback ports ``n`` ranks need (one coordinator, or one per TensorFlow worker)."""
@@ -141,14 +145,16 @@ def parse_memory(text: str) -> int:
     return int(value * units[unit])
 
 
-def prepare_rank(env: dict[str, str], setup: str, args: tuple[Any, ...]) -> str:
+def prepare_rank(env: dict[str, str], setup: str, args: tuple[Any, ...], join: bool = False) -> str:
     """Run on the rank (through ipyparallel's ``apply``): set its environment, as
     a launcher would before the process starts (no framework is imported on an
-    engine before this), then run its framework's setup, if any."""
+    engine before this), then run its framework's setup, if any. ``join``: the
+    setup also makes the call the user's script would make
+    (``init_process_group``, ``jax.distributed.initialize``)."""
     import os
 
     os.environ.update(env)
     if not setup:
         return "environment set"
     module, _, function = setup.partition(":")
-    return getattr(importlib.import_module(module), function)(*args)
+    return getattr(importlib.import_module(module), function)(*args, join=join)

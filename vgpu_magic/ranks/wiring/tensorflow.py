@@ -61,10 +61,11 @@ class TensorFlowWiring(RankWiring):
         return plans
 
 
-def setup_rank(gpu: int, count: int, cap_mib: int) -> str:
+def setup_rank(gpu: int, count: int, cap_mib: int, join: bool = False) -> str:
     """Run on a worker with a GPU: only its GPU visible, split into ``count``
     capped logical GPUs. Writes configuration only; the runtime starts later,
-    in the user's code."""
+    in the user's code. ``join`` changes nothing: a worker joins its cluster in
+    the user's ``MultiWorkerMirroredStrategy()``."""
     import tensorflow as tf
 
     physical = tf.config.list_physical_devices("GPU")

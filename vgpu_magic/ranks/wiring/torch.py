@@ -1,5 +1,5 @@
-"""PyTorch: the environment ``torchrun --standalone`` gives each process, then
-``init_process_group``.
+"""PyTorch: the environment ``torchrun --standalone`` gives each process; the
+script's own ``init_process_group`` joins (or, with ``join``, the setup does).
 
 Measured with ``torchrun --standalone --nproc-per-node 2`` (torch 2.14): each
 worker gets ``MASTER_ADDR=localhost``, ``MASTER_PORT``, ``RANK``,
@@ -34,6 +34,7 @@ class TorchWiring(RankWiring):
     module = "torch"
     extra = "torch"
     ports_per_cluster = "one"
+    join_call = "init_process_group()"
 
     def validate(self, n: int, split: int | None, memory: int | None, gpus: list[GPU]) -> None:
         if split is not None:
@@ -79,15 +80,19 @@ class TorchWiring(RankWiring):
         return plans
 
 
-def setup_rank(backend: str, gpu: int | None = None, fraction: float | None = None) -> str:
-    """Run on the rank: pick and cap its GPU, then join the process group
-    (``env://``, exactly as under torchrun)."""
+def setup_rank(backend: str, gpu: int | None = None, fraction: float | None = None, join: bool = False) -> str:
+    """Run on the rank: pick and cap its GPU; with ``join``, also join the process
+    group (``env://``, as the script's own ``init_process_group`` would under torchrun)."""
+    if gpu is None and not join:
+        return "torchrun's environment set"
     import torch
     import torch.distributed as dist
 
     if gpu is not None:
         torch.cuda.set_device(gpu)
         torch.cuda.set_per_process_memory_fraction(min(fraction, 1.0), gpu)
+    if not join:
+        return f"GPU {gpu}, capped at {min(fraction, 1.0):.2f} of its memory"
     dist.init_process_group(backend)
     return f"rank {dist.get_rank()} of {dist.get_world_size()} ({backend})"
 
