@@ -154,6 +154,63 @@ def test_an_unsendable_name_is_named_and_nothing_runs(shell, ranks):
     assert ranks.view.pull("_seen", block=True) == [False, False]
 
 
+def test_a_comprehension_variable_does_not_hide_the_notebooks_name(shell, ranks):
+    # Issue 16, defect 2: this gave [11, 11], the first x sent, never again.
+    shell.user_ns["x"] = 10
+    shell.run_cell_magic("vgpu_run", "-o ys", "ys = [x * 2 for x in range(3)]\nys")
+    assert shell.user_ns["ys"] == [[0, 2, 4]] * 2
+    shell.user_ns["x"] = 20
+    shell.run_cell_magic("vgpu_run", "-o b", "x + 1")
+    assert shell.user_ns["b"] == [21, 21]
+
+
+def test_a_name_deleted_on_the_ranks_or_never_assigned_is_sent_again(shell, ranks):
+    # Issue 16, defect 8: NameError on the ranks although the notebook has the name.
+    shell.user_ns["lr"] = 0.5
+    shell.run_cell_magic("vgpu_run", "", "lr = 0.1\ndel lr")
+    shell.run_cell_magic("vgpu_run", "-o seen", "lr")
+    assert shell.user_ns["seen"] == [0.5, 0.5]
+    shell.user_ns["momentum"] = 0.9
+    shell.run_cell_magic("vgpu_run", "", "if False:\n    momentum = 0.0")
+    shell.user_ns["momentum"] = 0.8
+    shell.run_cell_magic("vgpu_run", "-o seen", "momentum")
+    assert shell.user_ns["seen"] == [0.8, 0.8]
+
+
+def test_progress_lines_show_their_final_text(shell, ranks, capsys):
+    # Issue 16, defect 3: this showed "[rank 0] progress 0/300".
+    shell.run_cell_magic(
+        "vgpu_run", "", "import time\nfor i in range(30):\n    print(f'\\rprogress {i + 1}/30', end='', flush=True)\n"
+        "    time.sleep(0.01)\nprint()\nprint('after')"
+    )
+    lines = capsys.readouterr().out.splitlines()
+    for rank in range(2):
+        assert [line for line in lines if line.startswith(f"[rank {rank}]")] == [
+            f"[rank {rank}] progress 30/30", f"[rank {rank}] after"
+        ]
+
+
+def test_a_name_the_ranks_cannot_unpickle_and_a_value_that_cannot_come_back_are_named(shell, ranks, tmp_path, monkeypatch):
+    # Issue 16, defect 6: raw CompositeError / RemoteError of 15-25 lines, without the name.
+    (tmp_path / "kernel_only.py").write_text("class Settings:\n    lr = 0.1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import kernel_only
+
+    shell.user_ns["settings"] = kernel_only.Settings()
+    with pytest.raises(UsageError) as info:
+        shell.run_cell_magic("vgpu_run", "", "print(settings.lr)")
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("cannot send 'settings' (Settings) to the ranks: rank 0 cannot unpickle it (ModuleNotFoundError: No module named 'kernel_only')")
+    with pytest.raises(UsageError) as info:
+        shell.run_cell_magic("vgpu_run", "-o g", "(i for i in range(3))")
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("the cell's last value on rank 0 (generator) cannot be sent back")
+    assert "g" not in shell.user_ns
+    shell.run_cell_magic("vgpu_run", "-o after", "'still usable'")
+    assert shell.user_ns["after"] == ["still usable"] * 2
+
+
 def test_same_weights_as_torchrun(shell, ranks, tmp_path):
     env = {**CHILD_ENV, "PARITY_OUT": str(tmp_path / "weights")}
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -201,7 +258,7 @@ def test_a_script_that_fails_is_reported_as_a_cell_and_help_exits_quietly(shell,
 
     shell.run_line_magic("vgpu_run", f"{TRAIN_SCRIPT} --help")
     assert "[rank 1] usage: ddp_train.py" in capsys.readouterr().out
-    with pytest.raises(RankRunError, match=r"rank 0 raised SystemExit: 2") as info:
+    with pytest.raises(RankRunError, match=r"rank \d raised ScriptExited: ddp_train.py exited with status 2") as info:
         shell.run_line_magic("vgpu_run", f"{TRAIN_SCRIPT} --epochs many --out x")
     assert "invalid int value: 'many'" in "\n".join(info.value._render_traceback_()) + capsys.readouterr().err
     with pytest.raises(UsageError, match="script 'no_such.py' is not a file"):
@@ -250,10 +307,20 @@ def test_kill_9_of_a_rank_mid_training_is_reported_with_its_signal(shell, ranks)
     assert victim not in our_processes() and not (set(ranks.pids) & (before - {victim}))
 
 
+def test_a_rank_that_exits_is_reported_with_its_status(shell, ranks):
+    from vgpu_magic.ranks import RankRunError
+
+    # Issue 16, defect 4: always "died (exit status unknown)".
+    with pytest.raises(RankRunError, match=r"^rank 1 exited with status 3 \(pid \d+\)") as info:
+        shell.run_cell_magic("vgpu_run", "--timeout 60", "import os, time\nif os.environ['RANK'] == '1':\n    os._exit(3)\ntime.sleep(30)")
+    assert info.value.failure.kind == "died" and info.value.must_restart
+    shell.run_line_magic("vgpu_cluster", "restart")
+
+
 def test_timeout_interrupts_the_ranks_and_the_cluster_stays_usable(shell, ranks):
     from vgpu_magic.ranks import RankRunError
 
-    with pytest.raises(RankRunError, match=r"did not finish within --timeout 1 s") as info:
+    with pytest.raises(RankRunError, match=r"did not finish within --timeout 1 s \(still running: ranks 0, 1\)") as info:
         shell.run_cell_magic("vgpu_run", "--timeout 1", "import time\ntime.sleep(120)")
     assert info.value.killed == [] and not info.value.must_restart
     shell.run_cell_magic("vgpu_run", "-o after", "'still usable'")

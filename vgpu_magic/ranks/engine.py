@@ -29,7 +29,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import lifetime
-from .run import RankRun, RankRunError, names_to_send, names_written, pack_names, process_alive, script_code, split_last_expression
+from .run import (
+    RankRun,
+    RankRunError,
+    UnsendableName,
+    names_to_send,
+    names_written,
+    pack_names,
+    process_alive,
+    script_code,
+    split_last_expression,
+)
 from .wiring import GPU, RankPlan, get_wiring, prepare_rank
 
 __all__ = ["RankCluster", "RankInfo", "ClusterStartError", "current", "free_ports"]
@@ -378,13 +388,8 @@ class RankCluster:
         namespace = namespace or {}
         compile(code, "<cell>", "exec")
         names = names_to_send(code, namespace, self.rank_names)
-        blob = pack_names(namespace, names) if names else None
-        if blob is not None:
-            self.view.push({"_vgpu_names": blob}, block=True)
-            self.view.execute(
-                "import cloudpickle as _vgpu_cp; globals().update(_vgpu_cp.loads(_vgpu_names)); del _vgpu_cp, _vgpu_names",
-                block=True,
-            )
+        if names:
+            self._send(pack_names(namespace, names), {name: type(namespace[name]).__name__ for name in names})
         if output:
             code = split_last_expression(code, "_vgpu_out")
 
@@ -392,26 +397,71 @@ class RankCluster:
             return self.client[self.engine_ids[rank]].execute(code, silent=False, block=False)
 
         runner = RankRun(self.pids, submit, self._exit_code, timeout=timeout, plot=plot, gpu=bool(self.gpus))
-        # Counted before the run: a cell that fails half-way may still have bound them on the ranks.
-        self.rank_names |= names_written(code)
+        candidates = names_written(code)
         self.last_run = runner
         try:
             results = runner.run()
         except RankRunError as exc:
             if exc.must_restart:
                 self.must_restart = exc.headline().split(";")[0]
+            else:
+                self._settle_rank_names(candidates)
             raise
         except KeyboardInterrupt:
             if runner.killed:
-                self.must_restart = f"ranks {', '.join(map(str, runner.killed))} were killed after an interrupt"
+                killed = runner.killed
+                self.must_restart = f"rank{'s' if len(killed) > 1 else ''} {', '.join(map(str, killed))} {'were' if len(killed) > 1 else 'was'} killed after an interrupt"
+            else:
+                self._settle_rank_names(candidates)
             raise
+        self._settle_rank_names(candidates)
         if output:
-            return [self.client[e].pull("_vgpu_out", block=True) for e in self.engine_ids]
+            return self._pull_values()
         for rank, ar in enumerate(results):
             shown = (ar.execute_result or {}).get("data", {}).get("text/plain") if hasattr(ar, "execute_result") else None
             if shown is not None:
                 print(f"[rank {rank}] Out: {shown}")
         return None
+
+    def _send(self, blobs: dict[str, bytes], kinds: dict[str, str]) -> None:
+        """Bind the pickled names on every rank; :class:`~.run.UnsendableName` naming the first
+        that a rank cannot unpickle (a module only the kernel can import), with the rank's reason."""
+        self.view.push({"_vgpu_names": blobs}, block=True)
+        self.view.execute(_UNPACK_NAMES, block=True)
+        for rank, failed in enumerate(self.view.pull("_vgpu_failed", block=True)):
+            if failed:
+                name, reason = failed
+                raise UnsendableName(
+                    f"cannot send {name!r} ({kinds[name]}) to the ranks: rank {rank} cannot unpickle it "
+                    f"({reason}); make it importable on the ranks, or create it inside the cell"
+                )
+
+    def _pull_values(self) -> list[Any]:
+        """Each rank's ``_vgpu_out``; :class:`~.run.UnsendableName` in one line if one cannot come back."""
+        self.view.execute(_CHECK_OUT, block=True)
+        for rank, failed in enumerate(self.view.pull("_vgpu_out_failed", block=True)):
+            if failed:
+                kind, reason = failed
+                raise UnsendableName(
+                    f"the cell's last value on rank {rank} ({kind}) cannot be sent back to the notebook: {reason}; "
+                    "end the cell with plain values (numbers, lists, arrays), e.g. list(...) of a generator"
+                )
+        return [self.client[e].pull("_vgpu_out", block=True) for e in self.engine_ids]
+
+    def _settle_rank_names(self, candidates: set[str]) -> None:
+        """:attr:`rank_names` becomes what exists on the ranks of the names cells may have bound: a
+        name deleted there, or whose assignment never ran, is the notebook's again."""
+        asked = sorted(self.rank_names | candidates)
+        if not asked:
+            return
+        try:
+            self.view.execute(f"_vgpu_present = [n for n in {asked!r} if n in globals()]", block=True)
+            present = self.view.pull("_vgpu_present", block=True)
+        except Exception:
+            # A rank that cannot answer (it died): keep every candidate as rank state, the safe side.
+            self.rank_names |= candidates
+            return
+        self.rank_names = set().union(*map(set, present))
 
     def run_script(self, path: str, args: list[str] | tuple[str, ...] = (), timeout: float | None = None, plot: bool = False) -> None:
         """Run the script ``path`` with ``args`` on every rank, as ``torchrun ...
@@ -471,6 +521,31 @@ class RankCluster:
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return f"<RankCluster {self.n} × {self.framework}, {state}>"
+
+
+#: Run on the ranks: bind each pushed name, stopping at the first that cannot be unpickled there.
+_UNPACK_NAMES = """
+import cloudpickle as _vgpu_cp
+_vgpu_failed = None
+for _vgpu_name, _vgpu_blob in _vgpu_names.items():
+    try:
+        globals()[_vgpu_name] = _vgpu_cp.loads(_vgpu_blob)
+    except Exception as _vgpu_error:
+        _vgpu_failed = (_vgpu_name, f"{type(_vgpu_error).__name__}: {str(_vgpu_error).splitlines()[0] if str(_vgpu_error) else ''}".rstrip(": "))
+        break
+del _vgpu_cp, _vgpu_names
+"""
+
+#: Run on the ranks: can the cell's last value be pickled back to the kernel?
+_CHECK_OUT = """
+import pickle as _vgpu_pickle
+_vgpu_out_failed = None
+try:
+    _vgpu_pickle.dumps(_vgpu_out)
+except Exception as _vgpu_error:
+    _vgpu_out_failed = (type(_vgpu_out).__name__, f"{type(_vgpu_error).__name__}: {_vgpu_error}")
+del _vgpu_pickle
+"""
 
 
 def _check_port_free(port: int) -> None:
