@@ -331,3 +331,22 @@ def test_a_failing_rank_is_summed_up_in_one_line():
     error = RankRunError(failure, interrupted=[1], killed=[], must_restart=False)
     assert "\n" not in str(error)
     assert error._render_traceback_()[0] == "[rank 0] Traceback (most recent call last):"
+
+
+def test_a_start_that_would_not_fit_in_memory_is_refused_in_one_line(monkeypatch):
+    # Issue 16, defect 9: 64 torch ranks passed validation on a 24 GiB machine (~34 GB).
+    import types
+
+    from vgpu_magic.ranks import ClusterStartError, RankCluster, engine
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=8 * GIB))
+    before = psutil.Process().children(recursive=True)
+    with pytest.raises(ClusterStartError) as info:
+        RankCluster(64, "torch", gpus=[]).start()
+    message = str(info.value)
+    one = engine.rank_footprint("torch")
+    assert one > 100 * 1024**2  # measured: a fresh interpreter with torch imported
+    assert "\n" not in message and message.startswith("64 PyTorch ranks need about")
+    assert f"but 8.00 GiB is available; start at most {8 * GIB // one} ranks" in message
+    assert engine.current() is None
+    assert psutil.Process().children(recursive=True) == before

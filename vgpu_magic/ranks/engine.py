@@ -221,6 +221,7 @@ class RankCluster:
             previous.stop()
         self._token, self._started_at = uuid.uuid4().hex, time.time()
         try:
+            _check_memory_fits(self.n, self.wiring)
             if self.port is not None:
                 _check_port_free(self.port)
             # ERROR: ipyparallel logs an engine's whole log file as a warning when it exits non-zero, which
@@ -521,6 +522,43 @@ class RankCluster:
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return f"<RankCluster {self.n} × {self.framework}, {state}>"
+
+
+#: Host memory one rank is assumed to need at most before one is measured (torch on CPU measured ~530 MiB).
+RANK_MEMORY_BOUND = 2 * 1024**3
+_footprints: dict[str, int] = {}
+
+
+def rank_footprint(module: str) -> int:
+    """Resident bytes of one rank once it has imported ``module`` (an engine's own
+    imports too), measured once per kernel in a fresh interpreter."""
+    import subprocess
+
+    if module not in _footprints:
+        code = f"import psutil, ipyparallel.engine.app, {module}; print(psutil.Process().memory_info().rss)"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        _footprints[module] = int(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else 0
+    return _footprints[module]
+
+
+def _check_memory_fits(n: int, wiring: Any) -> None:
+    """:class:`ClusterStartError` in one line if ``n`` ranks would not fit in the host's available
+    memory, estimated from one measured rank. Measured only where the bound leaves doubt."""
+    import psutil
+
+    from ..units import format_bytes
+
+    available = psutil.virtual_memory().available
+    if n * RANK_MEMORY_BOUND <= available:
+        return
+    one = rank_footprint(wiring.module)
+    if not one or n * one <= available:
+        return
+    raise ClusterStartError(
+        f"{n} {wiring.label} ranks need about {format_bytes(n * one)} of memory (one rank with {wiring.module} "
+        f"imported: {format_bytes(one)}), but {format_bytes(available)} is available; start at most "
+        f"{max(1, available // one)} ranks"
+    )
 
 
 #: Run on the ranks: bind each pushed name, stopping at the first that cannot be unpickled there.
