@@ -16,7 +16,6 @@ import time
 
 import psutil
 import pytest
-
 from conftest import CHILD_ENV, ROOT, kernel_run, kernel_stdout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -120,3 +119,26 @@ def test_an_owner_on_another_host_or_none_is_not_watched(monkeypatch):
     monkeypatch.delenv(lifetime.OWNER_ENV, raising=False)
     assert lifetime.watch_owner() is False
     assert lifetime.watch_owner(f"elsewhere.example:{os.getpid()}:0.000") is False
+
+
+def test_then_runs_its_command_when_the_owner_dies(tmp_path):
+    """How a launcher whose processes live on other hosts (SLURM, ssh) ends them: a local watcher runs
+    `scancel JOBID` (here: touch a file) when the kernel dies."""
+    from vgpu_magic.ranks import lifetime
+
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    marker = tmp_path / "cancelled"
+    try:
+        name = f"{lifetime.socket.gethostname()}:{owner.pid}:{psutil.Process(owner.pid).create_time():.3f}"
+        watcher = subprocess.Popen(
+            [sys.executable, "-m", "vgpu_magic.ranks.lifetime", "--then", f"touch {marker}"],
+            env={**CHILD_ENV, "PYTHONPATH": str(ROOT), lifetime.OWNER_ENV: name},
+        )
+        time.sleep(1.0)
+        assert watcher.poll() is None and not marker.exists()
+        owner.kill()
+        assert watcher.wait(15) == -signal.SIGKILL
+        assert marker.exists()
+    finally:
+        owner.kill()
+        owner.wait()

@@ -211,6 +211,14 @@ def test_a_name_the_ranks_cannot_unpickle_and_a_value_that_cannot_come_back_are_
     assert shell.user_ns["after"] == ["still usable"] * 2
 
 
+def test_ipython_syntax_in_a_cell_runs_on_the_ranks(shell, ranks, capsys):
+    # Issue 16, defect 10: `%time` / `!cmd` said only "the cell does not parse"; the engines are IPython kernels.
+    shell.run_cell_magic("vgpu_run", "-o seen", "%time total = sum(range(10))\n!echo shell says hi\ntotal")
+    assert shell.user_ns["seen"] == [45, 45]
+    out = capsys.readouterr().out
+    assert out.count("shell says hi") == 2 and "[rank 1] Wall time" in out
+
+
 def test_same_weights_as_torchrun(shell, ranks, tmp_path):
     env = {**CHILD_ENV, "PARITY_OUT": str(tmp_path / "weights")}
     torchrun = Path(sys.executable).with_name("torchrun")

@@ -139,7 +139,7 @@ def test_comprehension_variables_are_the_comprehensions_own():
     assert names_to_send("ys = [x * 2 for x in range(3)]", {"x": 10}) == []
     assert names_written("ys = [x * 2 for x in range(3)]") == {"ys"}
     # What a comprehension reads from outside it is sent: its first iterable, conditions, later iterables.
-    ns = dict(n=1, k=2, a=3, b=4, c=5, w=6, q=7)
+    ns = {"n": 1, "k": 2, "a": 3, "b": 4, "c": 5, "w": 6, "q": 7}
     assert names_to_send("y = [a + b for a in range(n) if a > k for b in c(a)]", ns) == ["n", "k", "c"]
     assert names_to_send("{a: w for a in range(3)}", ns) == ["w"]
     assert names_to_send("f = lambda q: q + w", ns) == ["w"]

@@ -455,10 +455,12 @@ class RankCluster:
         asked = sorted(self.rank_names | candidates)
         if not asked:
             return
+        from ipyparallel.error import IPythonError
+
         try:
             self.view.execute(f"_vgpu_present = [n for n in {asked!r} if n in globals()]", block=True)
             present = self.view.pull("_vgpu_present", block=True)
-        except Exception:
+        except (IPythonError, OSError, TimeoutError):
             # A rank that cannot answer (it died): keep every candidate as rank state, the safe side.
             self.rank_names |= candidates
             return
@@ -536,7 +538,7 @@ def rank_footprint(module: str) -> int:
 
     if module not in _footprints:
         code = f"import psutil, ipyparallel.engine.app, {module}; print(psutil.Process().memory_info().rss)"
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
         _footprints[module] = int(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else 0
     return _footprints[module]
 
@@ -603,7 +605,7 @@ def _check_port_free(port: int) -> None:
             pids = {c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.pid}
             if pids:
                 holder = f" by pid {', '.join(map(str, sorted(pids)))}"
-        except Exception:
+        except psutil.Error:
             # Naming the holder is a courtesy; where psutil may not list connections, the port alone is said.
             pass
         raise ClusterStartError(

@@ -1,19 +1,26 @@
-"""``%vgpu_cluster`` and ``%%vgpu_run``: thin faces over :class:`~.engine.RankCluster`.
+"""``%vgpu_cluster`` and ``%vgpu_run`` / ``%%vgpu_run``: thin faces over :class:`~.engine.RankCluster`.
 
 ::
 
     In [1]: %vgpu_cluster start 2 --framework torch
     2 PyTorch ranks on local ipyparallel engines
     init_process_group('gloo') on localhost:41237, world size 2
-      rank 0: pid 5120, alive, RSS 310.2 MiB
-      rank 1: pid 5122, alive, RSS 309.8 MiB
+    each rank has its launcher's environment; your code calls init_process_group(), as under its launcher
+      rank 0: pid 5120, alive, RSS 70.9 MiB
+      rank 1: pid 5122, alive, RSS 71.0 MiB
 
-    In [2]: %%vgpu_run -o ranks
+    In [2]: %vgpu_run train.py --epochs 2
+    [rank 0] epoch 0 loss 0.91
+    [rank 1] epoch 0 loss 0.88
+    ...
+
+    In [3]: %%vgpu_run -o ranks
        ...: import torch.distributed as dist
+       ...: dist.init_process_group("gloo")
        ...: dist.get_rank()
 
-    In [3]: ranks
-    Out[3]: [0, 1]
+    In [4]: ranks
+    Out[4]: [0, 1]
 
 Bad input is a one-line :class:`~IPython.core.error.UsageError` raised before
 anything starts.

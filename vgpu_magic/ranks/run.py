@@ -25,11 +25,11 @@ from __future__ import annotations
 import ast
 import builtins
 import os
-from concurrent import futures
 import signal
 import sys
 import time
 from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
