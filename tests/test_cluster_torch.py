@@ -318,7 +318,7 @@ def test_kill_9_of_a_rank_mid_training_is_reported_with_its_signal(shell, ranks)
 def test_a_rank_that_exits_is_reported_with_its_status(shell, ranks):
     from vgpu_magic.ranks import RankRunError
 
-    # Issue 16, defect 4: always "died (exit status unknown)".
+    # The status the process exited with (in a real kernel this used to be unknown: test_cluster_kernel.py).
     with pytest.raises(RankRunError, match=r"^rank 1 exited with status 3 \(pid \d+\)") as info:
         shell.run_cell_magic("vgpu_run", "--timeout 60", "import os, time\nif os.environ['RANK'] == '1':\n    os._exit(3)\ntime.sleep(30)")
     assert info.value.failure.kind == "died" and info.value.must_restart
