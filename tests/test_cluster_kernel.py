@@ -79,8 +79,10 @@ def test_a_dead_rank_is_reported_with_its_exit_status_from_a_real_kernel():
         assert not kernel_errors(reply), kernel_errors(reply)
         reply = kernel_run(kc, "import json, vgpu_magic\nprint(json.dumps(sorted(vgpu_magic.cluster()._owned)))")
         pids = json.loads(kernel_stdout(reply).strip().splitlines()[-1])
-        for death, said in (("os._exit(3)", "exited with status 3"), ("os.kill(os.getpid(), 9)", "was killed by SIGKILL")):
-            reply = kernel_run(kc, f"%%vgpu_run --no-plot --timeout 60\nimport os, time\nif os.environ['RANK'] == '1':\n    {death}\ntime.sleep(30)")
+        deaths = (("os._exit(3)", "exited with status 3"), ("os.kill(os.getpid(), 9)", "was killed by SIGKILL"))
+        for death, said in deaths:
+            cell = f"import os, time\nif os.environ['RANK'] == '1':\n    {death}\ntime.sleep(30)"
+            reply = kernel_run(kc, f"%%vgpu_run --no-plot --timeout 60\n{cell}")
             [error] = kernel_errors(reply)
             assert error.startswith(f"RankRunError: rank 1 {said} (pid "), error
             reply = kernel_run(kc, "%vgpu_cluster restart")

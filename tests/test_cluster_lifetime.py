@@ -45,7 +45,8 @@ def test_a_kernel_that_dies_without_atexit_takes_every_cluster_process_with_it(d
     try:
         reply = kernel_run(kc, "%load_ext vgpu_magic\n%vgpu_cluster start 2 --framework torch")
         assert not [m for m in reply if m["msg_type"] == "error"]
-        reply = kernel_run(kc, "import json, os, psutil\nprint(json.dumps([os.getpid()] + [p.pid for p in psutil.Process().children(recursive=True)]))")
+        family = "[os.getpid()] + [p.pid for p in psutil.Process().children(recursive=True)]"
+        reply = kernel_run(kc, f"import json, os, psutil\nprint(json.dumps({family}))")
         kernel, *pids = json.loads(kernel_stdout(reply).strip().splitlines()[-1])
         # The controller (main and children), 2 engines and their 2 nannies.
         assert len(pids) >= 5

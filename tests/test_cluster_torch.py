@@ -186,7 +186,9 @@ def test_progress_lines_show_their_final_text(shell, ranks, capsys):
         ]
 
 
-def test_a_name_the_ranks_cannot_unpickle_and_a_value_that_cannot_come_back_are_named(shell, ranks, tmp_path, monkeypatch):
+def test_a_name_the_ranks_cannot_unpickle_and_a_value_that_cannot_come_back_are_named(
+    shell, ranks, tmp_path, monkeypatch
+):
     # Issue 16, defect 6: raw CompositeError / RemoteError of 15-25 lines, without the name.
     (tmp_path / "kernel_only.py").write_text("class Settings:\n    lr = 0.1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -197,7 +199,10 @@ def test_a_name_the_ranks_cannot_unpickle_and_a_value_that_cannot_come_back_are_
         shell.run_cell_magic("vgpu_run", "", "print(settings.lr)")
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith("cannot send 'settings' (Settings) to the ranks: rank 0 cannot unpickle it (ModuleNotFoundError: No module named 'kernel_only')")
+    assert message.startswith(
+        "cannot send 'settings' (Settings) to the ranks: "
+        "rank 0 cannot unpickle it (ModuleNotFoundError: No module named 'kernel_only')"
+    )
     with pytest.raises(UsageError) as info:
         shell.run_cell_magic("vgpu_run", "-o g", "(i for i in range(3))")
     message = str(info.value)
@@ -239,7 +244,8 @@ def test_an_unchanged_ddp_script_runs_twice_with_torchruns_weights(shell, launch
     edit, and running it again works as a fresh torchrun would."""
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(TRAIN_SCRIPT), "--epochs", "12", "--out", str(tmp_path / "torchrun")],
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(TRAIN_SCRIPT),
+         "--epochs", "12", "--out", str(tmp_path / "torchrun")],
         capture_output=True, text=True, timeout=240, env=CHILD_ENV, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -252,7 +258,8 @@ def test_an_unchanged_ddp_script_runs_twice_with_torchruns_weights(shell, launch
         ours = [json.loads((tmp_path / f"ours{run}.{r}").read_text()) for r in range(2)]
         assert ours == by_torchrun
         out = capsys.readouterr().out.splitlines()
-        assert sorted(line.split(":")[0] for line in out if "final loss" in line) == ["[rank 0] rank 0", "[rank 1] rank 1"]
+        finals = sorted(line.split(":")[0] for line in out if "final loss" in line)
+        assert finals == ["[rank 0] rank 0", "[rank 1] rank 1"]
     # The engines' own argv is theirs again.
     assert engine_sys_argv(launcher_ranks) == engine_argv
 
@@ -265,7 +272,7 @@ def test_a_script_that_fails_is_reported_as_a_cell_and_help_exits_quietly(shell,
     with pytest.raises(RankRunError, match=r"rank \d raised ScriptExited: ddp_train.py exited with status 2") as info:
         shell.run_line_magic("vgpu_run", f"{TRAIN_SCRIPT} --epochs many --out x")
     assert "invalid int value: 'many'" in "\n".join(info.value._render_traceback_()) + capsys.readouterr().err
-    with pytest.raises(UsageError, match="script 'no_such.py' is not a file"):
+    with pytest.raises(UsageError, match=r"script 'no_such\.py' is not a file"):
         shell.run_line_magic("vgpu_run", "no_such.py")
 
 
@@ -316,7 +323,8 @@ def test_a_rank_that_exits_is_reported_with_its_status(shell, ranks):
 
     # The status the process exited with (in a real kernel this used to be unknown: test_cluster_kernel.py).
     with pytest.raises(RankRunError, match=r"^rank 1 exited with status 3 \(pid \d+\)") as info:
-        shell.run_cell_magic("vgpu_run", "--timeout 60", "import os, time\nif os.environ['RANK'] == '1':\n    os._exit(3)\ntime.sleep(30)")
+        cell = "import os, time\nif os.environ['RANK'] == '1':\n    os._exit(3)\ntime.sleep(30)"
+        shell.run_cell_magic("vgpu_run", "--timeout 60", cell)
     assert info.value.failure.kind == "died" and info.value.must_restart
     shell.run_line_magic("vgpu_cluster", "restart")
 
@@ -324,7 +332,8 @@ def test_a_rank_that_exits_is_reported_with_its_status(shell, ranks):
 def test_timeout_interrupts_the_ranks_and_the_cluster_stays_usable(shell, ranks):
     from vgpu_magic.ranks import RankRunError
 
-    with pytest.raises(RankRunError, match=r"did not finish within --timeout 1 s \(still running: ranks 0, 1\)") as info:
+    still_running = r"did not finish within --timeout 1 s \(still running: ranks 0, 1\)"
+    with pytest.raises(RankRunError, match=still_running) as info:
         shell.run_cell_magic("vgpu_run", "--timeout 1", "import time\ntime.sleep(120)")
     assert info.value.killed == [] and not info.value.must_restart
     shell.run_cell_magic("vgpu_run", "-o after", "'still usable'")
@@ -360,7 +369,8 @@ def test_a_coordinator_port_in_use_is_refused_before_anything_starts(shell, fram
     blocker.listen()
     port = blocker.getsockname()[1]
     try:
-        with pytest.raises(UsageError, match=rf"^--port {port} is in use on this machine.*leave --port out for a free one$"):
+        in_use = rf"^--port {port} is in use on this machine.*leave --port out for a free one$"
+        with pytest.raises(UsageError, match=in_use):
             shell.run_line_magic("vgpu_cluster", f"start 2 --framework {framework} --port {port}")
     finally:
         blocker.close()

@@ -462,7 +462,8 @@ class RankCluster:
         except KeyboardInterrupt:
             if runner.killed:
                 killed = runner.killed
-                self.must_restart = f"rank{'s' if len(killed) > 1 else ''} {', '.join(map(str, killed))} {'were' if len(killed) > 1 else 'was'} killed after an interrupt"
+                ranks = f"rank{'s' if len(killed) > 1 else ''} {', '.join(map(str, killed))}"
+                self.must_restart = f"{ranks} {'were' if len(killed) > 1 else 'was'} killed after an interrupt"
             else:
                 self._settle_rank_names(candidates)
             raise
@@ -517,7 +518,9 @@ class RankCluster:
             return
         self.rank_names = set().union(*map(set, present))
 
-    def run_script(self, path: str, args: list[str] | tuple[str, ...] = (), timeout: float | None = None, plot: bool = False) -> None:
+    def run_script(
+        self, path: str, args: list[str] | tuple[str, ...] = (), timeout: float | None = None, plot: bool = False
+    ) -> None:
         """Run the script ``path`` with ``args`` on every rank, as ``torchrun ...
         path ARGS`` runs it (:func:`~.run.script_code`), under the same fault
         policy as :meth:`run`.
@@ -568,7 +571,9 @@ class RankCluster:
         if join_call and self.join:
             lines.append(f"each rank has joined ({join_call} at start, --join): your code must not call it again")
         elif join_call:
-            lines.append(f"each rank has its launcher's environment; your code calls {join_call}, as under its launcher")
+            lines.append(
+                f"each rank has its launcher's environment; your code calls {join_call}, as under its launcher"
+            )
         infos = self.status()
         # One host needs no naming on every line; ranks on several hosts say where each runs.
         several_hosts = len({info.host for info in infos}) > 1
@@ -632,7 +637,8 @@ for _vgpu_name, _vgpu_blob in _vgpu_names.items():
     try:
         globals()[_vgpu_name] = _vgpu_cp.loads(_vgpu_blob)
     except Exception as _vgpu_error:
-        _vgpu_failed = (_vgpu_name, f"{type(_vgpu_error).__name__}: {str(_vgpu_error).splitlines()[0] if str(_vgpu_error) else ''}".rstrip(": "))
+        _vgpu_first = str(_vgpu_error).splitlines()[0] if str(_vgpu_error) else ""
+        _vgpu_failed = (_vgpu_name, f"{type(_vgpu_error).__name__}: {_vgpu_first}".rstrip(": "))
         break
 del _vgpu_cp, _vgpu_names
 """

@@ -38,6 +38,7 @@ the remote processes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import select
@@ -124,10 +125,8 @@ def _end_this_process_tree() -> None:
     except psutil.Error:
         below = []
     for proc in below:
-        try:
+        with contextlib.suppress(psutil.Error):
             proc.kill()
-        except psutil.Error:
-            pass
     os.kill(os.getpid(), signal.SIGKILL)
 
 

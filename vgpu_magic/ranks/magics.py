@@ -89,9 +89,11 @@ class ClusterMagics(Magics):
         from . import engine
 
         if args.action != "start":
-            extra = [name if value is True else f"{name} {value}" for name, value in (("N", args.n), ("--framework", args.framework),
-                     ("--split", args.split), ("--memory", args.memory), ("--port", args.port),
-                ("--launcher", args.launcher), ("--join", args.join or None)) if value is not None]
+            given = (
+                ("N", args.n), ("--framework", args.framework), ("--split", args.split), ("--memory", args.memory),
+                ("--port", args.port), ("--launcher", args.launcher), ("--join", args.join or None),
+            )
+            extra = [name if value is True else f"{name} {value}" for name, value in given if value is not None]
             if extra:
                 raise UsageError(f"{extra[0]!r} only goes with start, e.g. %vgpu_cluster start 2 --framework torch")
         running = engine.current()
@@ -173,10 +175,14 @@ class ClusterMagics(Magics):
             except ValueError:
                 timeout = math.nan
             if not (math.isfinite(timeout) and timeout > 0):
-                raise UsageError(f"--timeout {args.timeout!r} is not a positive number of seconds; use e.g. --timeout 60")
+                raise UsageError(
+                    f"--timeout {args.timeout!r} is not a positive number of seconds; use e.g. --timeout 60"
+                )
         if cell is None:
             if args.script is None:
-                raise UsageError("say which script to run, e.g. %vgpu_run train.py --epochs 2, or use %%vgpu_run with a cell")
+                raise UsageError(
+                    "say which script to run, e.g. %vgpu_run train.py --epochs 2, or use %%vgpu_run with a cell"
+                )
             if args.output is not None:
                 raise UsageError("-o takes a cell's last value; a script has none: have it save what you need")
             path = os.path.abspath(os.path.expanduser(args.script))

@@ -257,7 +257,10 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
                 self.visit(base)
         self._store(node.name)
         # The body runs later, when it is called; its free names are read then.
-        local = set() if isinstance(node, ast.ClassDef) else {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
+        if isinstance(node, ast.ClassDef):
+            local = set()
+        else:
+            local = {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
         inner = _ReadsBeforeWrites(self.written | local)
         for statement in node.body:
             inner.visit(statement)
@@ -349,7 +352,8 @@ def script_code(path: str, args: list[str]) -> str:
         # IPython takes a SystemExit for "quit the shell" and only warns; the run must fail instead.
         "        class ScriptExited(Exception):\n"
         "            pass\n"
-        f"        raise ScriptExited({os.path.basename(path)!r} + f' exited with status {{_vgpu_exit.code}}') from None\n"
+        f"        raise ScriptExited({os.path.basename(path)!r} "
+        "+ f' exited with status {_vgpu_exit.code}') from None\n"
         "finally:\n"
         "    _vgpu_sys.argv, _vgpu_sys.path[:] = _vgpu_saved\n"
         "    del _vgpu_runpy, _vgpu_sys, _vgpu_saved\n"
@@ -511,7 +515,9 @@ class RankRun:
                 if failure is None and self.timeout is not None and now - start > self.timeout:
                     late = [r for r, ar in enumerate(results) if not ar.ready()]
                     failure = RankFailure(
-                        late[0], "timeout", f"did not finish within --timeout {self.timeout:g} s (still running: {_rank_s(late)})",
+                        late[0],
+                        "timeout",
+                        f"did not finish within --timeout {self.timeout:g} s (still running: {_rank_s(late)})",
                         (f"timed out after {self.timeout:g} s",),
                     )
                 if failure is not None or all(ar.ready() for ar in results):
@@ -526,7 +532,8 @@ class RankRun:
             if killed:
                 self.stderr.write(
                     f"{_rank_s(killed)} did not stop within {GRACE:g} s of SIGINT and "
-                    f"{'was' if len(killed) == 1 else 'were'} killed; the cluster must be restarted: %vgpu_cluster restart\n"
+                    f"{'was' if len(killed) == 1 else 'were'} killed; "
+                    "the cluster must be restarted: %vgpu_cluster restart\n"
                 )
             raise
         if failure is not None:
