@@ -76,10 +76,12 @@ def test_tensorflow_workers_match_plain_tf_config_processes(tmp_path):
 
 
 def test_jax_two_processes_of_two_cpu_devices():
+    # The cell's own jax.distributed.initialize(), with no arguments, as a script calls it under a launcher.
     with ranks_of("jax", 2, split=2) as ranks:
         seen, _ = quiet_run(
             ranks,
             "import jax, jax.numpy as jnp\nfrom jax.experimental import multihost_utils\n"
+            "jax.distributed.initialize()\n"
             "gathered = multihost_utils.process_allgather(jnp.array([jax.process_index() + 10]))\n"
             "(jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count(), gathered.ravel().tolist())",
         )

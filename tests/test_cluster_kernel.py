@@ -65,3 +65,33 @@ def test_ranks_from_a_real_kernel_interrupt_and_shutdown():
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.2)
     assert pids and [p for p in pids if psutil.pid_exists(p)] == []
+
+
+def test_a_dead_rank_is_reported_with_its_exit_status_from_a_real_kernel():
+    """Issue 16, defect 4: in a kernel, ipyparallel had already dropped the dead engine's launcher when
+    its status was read, so every death said "died (exit status unknown)"."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", env={**CHILD_ENV, "PYTHONPATH": str(ROOT)}, cwd=str(ROOT))
+    pids: list[int] = []
+    try:
+        reply = kernel_run(kc, "%load_ext vgpu_magic\n%vgpu_cluster start 2 --framework torch")
+        assert not kernel_errors(reply), kernel_errors(reply)
+        reply = kernel_run(kc, "import json, vgpu_magic\nprint(json.dumps(sorted(vgpu_magic.cluster()._owned)))")
+        pids = json.loads(kernel_stdout(reply).strip().splitlines()[-1])
+        deaths = (("os._exit(3)", "exited with status 3"), ("os.kill(os.getpid(), 9)", "was killed by SIGKILL"))
+        for death, said in deaths:
+            cell = f"import os, time\nif os.environ['RANK'] == '1':\n    {death}\ntime.sleep(30)"
+            reply = kernel_run(kc, f"%%vgpu_run --no-plot --timeout 60\n{cell}")
+            [error] = kernel_errors(reply)
+            assert error.startswith(f"RankRunError: rank 1 {said} (pid "), error
+            reply = kernel_run(kc, "%vgpu_cluster restart")
+            assert not kernel_errors(reply), kernel_errors(reply)
+        reply = kernel_run(kc, "%vgpu_cluster stop")
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+        time.sleep(0.2)
+    assert pids and [p for p in pids if psutil.pid_exists(p)] == []

@@ -30,7 +30,7 @@ def test_torch_ranks_on_engines_started_by_mpiexec(monkeypatch):
         monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT", "1")
         monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     before = our_processes()
-    ranks = RankCluster(2, "torch", launcher="mpi").start()
+    ranks = RankCluster(2, "torch", launcher="mpi", join=True).start()
     try:
         assert "ipyparallel engines started by mpiexec" in ranks.describe()[0]
         found = ranks.run(

@@ -26,6 +26,7 @@ from support import CHILD_ENV, ROOT, our_processes
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 PARITY_SCRIPT = Path(__file__).parent / "scripts" / "ddp_parity.py"
+TRAIN_SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +41,29 @@ def shell(ip):
     assert our_processes() <= before
 
 
-@pytest.fixture
-def ranks(shell):
+def torch_ranks(shell, join: bool):
     """The running 2-rank torch cluster (started once, restarted where a test broke it)."""
     import vgpu_magic
     from vgpu_magic.ranks import engine
 
     running = engine.current()
-    if running is None or running.framework != "torch":
-        shell.run_line_magic("vgpu_cluster", "start 2 --framework torch")
+    if running is None or running.framework != "torch" or running.n != 2 or running.join != join:
+        shell.run_line_magic("vgpu_cluster", "start 2 --framework torch" + (" --join" if join else ""))
     elif running.must_restart:
         shell.run_line_magic("vgpu_cluster", "restart")
     return vgpu_magic.cluster()
+
+
+@pytest.fixture
+def ranks(shell):
+    """2 torch ranks that joined the process group at start (--join)."""
+    return torch_ranks(shell, join=True)
+
+
+@pytest.fixture
+def launcher_ranks(shell):
+    """2 torch ranks with torchrun's environment only: the code joins, as under torchrun."""
+    return torch_ranks(shell, join=False)
 
 
 def test_ranks_get_torchruns_environment_in_rank_order(shell, ranks, capsys):
@@ -74,7 +86,7 @@ def test_ranks_get_torchruns_environment_in_rank_order(shell, ranks, capsys):
 
 def test_the_same_start_again_keeps_the_running_ranks(shell, ranks, capsys):
     pids = list(ranks.pids)
-    shell.run_line_magic("vgpu_cluster", "start 2 --framework torch")
+    shell.run_line_magic("vgpu_cluster", "start 2 --framework torch --join")
     assert "already running" in capsys.readouterr().out
     assert ranks.running and ranks.pids == pids
 
@@ -138,6 +150,76 @@ def test_an_unsendable_name_is_named_and_nothing_runs(shell, ranks):
     assert ranks.view.pull("_seen", block=True) == [False, False]
 
 
+def test_a_comprehension_variable_does_not_hide_the_notebooks_name(shell, ranks):
+    # Issue 16, defect 2: this gave [11, 11], the first x sent, never again.
+    shell.user_ns["x"] = 10
+    shell.run_cell_magic("vgpu_run", "-o ys", "ys = [x * 2 for x in range(3)]\nys")
+    assert shell.user_ns["ys"] == [[0, 2, 4]] * 2
+    shell.user_ns["x"] = 20
+    shell.run_cell_magic("vgpu_run", "-o b", "x + 1")
+    assert shell.user_ns["b"] == [21, 21]
+
+
+def test_a_name_deleted_on_the_ranks_or_never_assigned_is_sent_again(shell, ranks):
+    # Issue 16, defect 8: NameError on the ranks although the notebook has the name.
+    shell.user_ns["lr"] = 0.5
+    shell.run_cell_magic("vgpu_run", "", "lr = 0.1\ndel lr")
+    shell.run_cell_magic("vgpu_run", "-o seen", "lr")
+    assert shell.user_ns["seen"] == [0.5, 0.5]
+    shell.user_ns["momentum"] = 0.9
+    shell.run_cell_magic("vgpu_run", "", "if False:\n    momentum = 0.0")
+    shell.user_ns["momentum"] = 0.8
+    shell.run_cell_magic("vgpu_run", "-o seen", "momentum")
+    assert shell.user_ns["seen"] == [0.8, 0.8]
+
+
+def test_progress_lines_show_their_final_text(shell, ranks, capsys):
+    # Issue 16, defect 3: this showed "[rank 0] progress 0/300".
+    shell.run_cell_magic(
+        "vgpu_run", "", "import time\nfor i in range(30):\n    print(f'\\rprogress {i + 1}/30', end='', flush=True)\n"
+        "    time.sleep(0.01)\nprint()\nprint('after')"
+    )
+    lines = capsys.readouterr().out.splitlines()
+    for rank in range(2):
+        assert [line for line in lines if line.startswith(f"[rank {rank}]")] == [
+            f"[rank {rank}] progress 30/30", f"[rank {rank}] after"
+        ]
+
+
+def test_a_name_the_ranks_cannot_unpickle_and_a_value_that_cannot_come_back_are_named(
+    shell, ranks, tmp_path, monkeypatch
+):
+    # Issue 16, defect 6: raw CompositeError / RemoteError of 15-25 lines, without the name.
+    (tmp_path / "kernel_only.py").write_text("class Settings:\n    lr = 0.1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import kernel_only
+
+    shell.user_ns["settings"] = kernel_only.Settings()
+    with pytest.raises(UsageError) as info:
+        shell.run_cell_magic("vgpu_run", "", "print(settings.lr)")
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "cannot send 'settings' (Settings) to the ranks: "
+        "rank 0 cannot unpickle it (ModuleNotFoundError: No module named 'kernel_only')"
+    )
+    with pytest.raises(UsageError) as info:
+        shell.run_cell_magic("vgpu_run", "-o g", "(i for i in range(3))")
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("the cell's last value on rank 0 (generator) cannot be sent back")
+    assert "g" not in shell.user_ns
+    shell.run_cell_magic("vgpu_run", "-o after", "'still usable'")
+    assert shell.user_ns["after"] == ["still usable"] * 2
+
+
+def test_ipython_syntax_in_a_cell_runs_on_the_ranks(shell, ranks, capsys):
+    # Issue 16, defect 10: `%time` / `!cmd` said only "the cell does not parse"; the engines are IPython kernels.
+    shell.run_cell_magic("vgpu_run", "-o seen", "%time total = sum(range(10))\n!echo shell says hi\ntotal")
+    assert shell.user_ns["seen"] == [45, 45]
+    out = capsys.readouterr().out
+    assert out.count("shell says hi") == 2 and "[rank 1] Wall time" in out
+
+
 def test_same_weights_as_torchrun(shell, ranks, tmp_path):
     env = {**CHILD_ENV, "PARITY_OUT": str(tmp_path / "weights")}
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -150,6 +232,48 @@ def test_same_weights_as_torchrun(shell, ranks, tmp_path):
     shell.run_cell_magic("vgpu_run", "-o ours", PARITY_SCRIPT.read_text())
     assert shell.user_ns["ours"] == by_torchrun
     assert by_torchrun[0] == by_torchrun[1]
+
+
+def engine_sys_argv(ranks) -> list[list[str]]:
+    ranks.view.execute("import sys as _sys\n_argv = list(_sys.argv)", block=True)
+    return ranks.view.pull("_argv", block=True)
+
+
+def test_an_unchanged_ddp_script_runs_twice_with_torchruns_weights(shell, launcher_ranks, tmp_path, capsys):
+    """argparse, __main__, its own init_process_group and destroy_process_group: the script needs no
+    edit, and running it again works as a fresh torchrun would."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(TRAIN_SCRIPT),
+         "--epochs", "12", "--out", str(tmp_path / "torchrun")],
+        capture_output=True, text=True, timeout=240, env=CHILD_ENV, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    by_torchrun = [json.loads((tmp_path / f"torchrun.{r}").read_text()) for r in range(2)]
+    assert by_torchrun[0]["name"] == "__main__" and by_torchrun[0]["argv"] == TRAIN_SCRIPT.name
+    engine_argv = engine_sys_argv(launcher_ranks)
+    for run in range(2):
+        capsys.readouterr()
+        shell.run_line_magic("vgpu_run", f"--timeout 120 {TRAIN_SCRIPT} --epochs 12 --out {tmp_path / f'ours{run}'}")
+        ours = [json.loads((tmp_path / f"ours{run}.{r}").read_text()) for r in range(2)]
+        assert ours == by_torchrun
+        out = capsys.readouterr().out.splitlines()
+        finals = sorted(line.split(":")[0] for line in out if "final loss" in line)
+        assert finals == ["[rank 0] rank 0", "[rank 1] rank 1"]
+    # The engines' own argv is theirs again.
+    assert engine_sys_argv(launcher_ranks) == engine_argv
+
+
+def test_a_script_that_fails_is_reported_as_a_cell_and_help_exits_quietly(shell, launcher_ranks, tmp_path, capsys):
+    from vgpu_magic.ranks import RankRunError
+
+    shell.run_line_magic("vgpu_run", f"{TRAIN_SCRIPT} --help")
+    assert "[rank 1] usage: ddp_train.py" in capsys.readouterr().out
+    with pytest.raises(RankRunError, match=r"rank \d raised ScriptExited: ddp_train.py exited with status 2") as info:
+        shell.run_line_magic("vgpu_run", f"{TRAIN_SCRIPT} --epochs many --out x")
+    assert "invalid int value: 'many'" in "\n".join(info.value._render_traceback_()) + capsys.readouterr().err
+    with pytest.raises(UsageError, match=r"script 'no_such\.py' is not a file"):
+        shell.run_line_magic("vgpu_run", "no_such.py")
 
 
 def test_a_rank_raising_before_a_barrier_stops_every_rank(shell, ranks):
@@ -194,10 +318,22 @@ def test_kill_9_of_a_rank_mid_training_is_reported_with_its_signal(shell, ranks)
     assert victim not in our_processes() and not (set(ranks.pids) & (before - {victim}))
 
 
+def test_a_rank_that_exits_is_reported_with_its_status(shell, ranks):
+    from vgpu_magic.ranks import RankRunError
+
+    # The status the process exited with (in a real kernel this used to be unknown: test_cluster_kernel.py).
+    with pytest.raises(RankRunError, match=r"^rank 1 exited with status 3 \(pid \d+\)") as info:
+        cell = "import os, time\nif os.environ['RANK'] == '1':\n    os._exit(3)\ntime.sleep(30)"
+        shell.run_cell_magic("vgpu_run", "--timeout 60", cell)
+    assert info.value.failure.kind == "died" and info.value.must_restart
+    shell.run_line_magic("vgpu_cluster", "restart")
+
+
 def test_timeout_interrupts_the_ranks_and_the_cluster_stays_usable(shell, ranks):
     from vgpu_magic.ranks import RankRunError
 
-    with pytest.raises(RankRunError, match=r"did not finish within --timeout 1 s") as info:
+    still_running = r"did not finish within --timeout 1 s \(still running: ranks 0, 1\)"
+    with pytest.raises(RankRunError, match=still_running) as info:
         shell.run_cell_magic("vgpu_run", "--timeout 1", "import time\ntime.sleep(120)")
     assert info.value.killed == [] and not info.value.must_restart
     shell.run_cell_magic("vgpu_run", "-o after", "'still usable'")
@@ -220,7 +356,8 @@ def test_interrupting_the_kernel_interrupts_the_ranks(shell, ranks):
     assert shell.user_ns["after"] == pids
 
 
-def test_coordinator_port_in_use_fails_cleanly(shell):
+@pytest.mark.parametrize("framework", ["torch", "jax", "tensorflow"])
+def test_a_coordinator_port_in_use_is_refused_before_anything_starts(shell, framework):
     from vgpu_magic.ranks import engine
 
     running = engine.current()
@@ -232,8 +369,9 @@ def test_coordinator_port_in_use_fails_cleanly(shell):
     blocker.listen()
     port = blocker.getsockname()[1]
     try:
-        with pytest.raises(UsageError, match=rf"wiring PyTorch failed: rank 0 raised .*{port}.*; nothing was left running$"):
-            shell.run_line_magic("vgpu_cluster", f"start 2 --framework torch --port {port}")
+        in_use = rf"^--port {port} is in use on this machine.*leave --port out for a free one$"
+        with pytest.raises(UsageError, match=in_use):
+            shell.run_line_magic("vgpu_cluster", f"start 2 --framework {framework} --port {port}")
     finally:
         blocker.close()
     assert engine.current() is None

@@ -25,6 +25,7 @@ from vgpu_magic.ranks.run import (
 )
 
 GIB_MIB = 1024
+GIB = 1024**3
 #: What `torchrun --standalone --nproc-per-node 2` gave each worker (torch 2.14), minus its agent's own
 #: variables (TORCHELASTIC_USE_AGENT_STORE, _ERROR_FILE, _SIGNALS_TO_HANDLE): there is no agent.
 TORCHRUN_KEYS = {
@@ -105,12 +106,23 @@ def test_tensorflow_split_on_gpu_shaped_data_and_refused_on_cpu():
 
 def test_jax_coordinator_and_devices():
     plans = plan("jax", 2, split=2, ports=[5000, 5001])
-    assert [p.env for p in plans] == [{"JAX_PLATFORMS": "cpu"}] * 2
+    assert [p.env for p in plans] == [
+        {
+            "JAX_PLATFORMS": "cpu",
+            "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+            # What an argument-less jax.distributed.initialize() on the rank reads.
+            "JAX_COORDINATOR_ADDRESS": "127.0.0.1:5000",
+            "VGPU_MAGIC_JAX_NUM_PROCESSES": "2",
+            "VGPU_MAGIC_JAX_PROCESS_ID": str(rank),
+        }
+        for rank in range(2)
+    ]
     # The devices are planned on the rank (setup_rank): 2 CPU devices each, no cap.
     assert [p.args for p in plans] == [("127.0.0.1:5000", 2, 0, None, 2, None), ("127.0.0.1:5000", 2, 1, None, 2, None)]
     gpu_plans = plan("jax", 2, gpus=[GPU(0, 40)])
     assert [p.args[3:] for p in gpu_plans] == [(0, 1, 20 * GIB_MIB)] * 2
     assert "memory fraction 0.50 each" in gpu_plans[0].notes[0]
+    assert [p.env["JAX_LOCAL_DEVICE_IDS"] for p in gpu_plans] == ["0", "0"]
     with pytest.raises(ValueError, match="cannot split one GPU"):
         plan("jax", 2, split=2, gpus=[GPU(0, 40)])
 
@@ -212,8 +224,11 @@ def test_status_names_each_ranks_host_when_they_run_on_several():
     finally:
         ranks.cluster = None
     assert lines[1] == "jax.distributed on 10.0.0.1:43000: 2 processes × 1 CPU devices = 2 devices"
-    assert lines[2].startswith(f"  rank 0: pid {os.getpid()} on host0, alive")
-    assert lines[3].startswith(f"  rank 1: pid {os.getpid()} on host1, alive")
+    assert lines[2] == (
+        "each rank has its launcher's environment; your code calls jax.distributed.initialize(), as under its launcher"
+    )
+    assert lines[3].startswith(f"  rank 0: pid {os.getpid()} on host0, alive")
+    assert lines[4].startswith(f"  rank 1: pid {os.getpid()} on host1, alive")
 
 
 def test_split_refuses_torch_and_points_at_the_ranks():
@@ -247,10 +262,54 @@ def test_names_the_ranks_assigned_are_never_sent():
     assert names_to_send("model.step(lr)", {"model": 1, "lr": 0.1}, on_ranks={"model"}) == ["lr"]
 
 
+def test_comprehension_variables_are_the_comprehensions_own():
+    from vgpu_magic.ranks.run import names_written
+
+    # Issue 16, defect 2: `x` here is not the notebook's, and not rank state either.
+    assert names_to_send("ys = [x * 2 for x in range(3)]", {"x": 10}) == []
+    assert names_written("ys = [x * 2 for x in range(3)]") == {"ys"}
+    # What a comprehension reads from outside it is sent: its first iterable, conditions, later iterables.
+    ns = {"n": 1, "k": 2, "a": 3, "b": 4, "c": 5, "w": 6, "q": 7}
+    assert names_to_send("y = [a + b for a in range(n) if a > k for b in c(a)]", ns) == ["n", "k", "c"]
+    assert names_to_send("{a: w for a in range(3)}", ns) == ["w"]
+    assert names_to_send("f = lambda q: q + w", ns) == ["w"]
+    # `z :=` in a comprehension binds the cell's z, if the comprehension runs at all.
+    assert names_to_send("[(z := a) for a in range(n)]\nz", {"n": 1, "z": 2}) == ["n", "z"]
+    assert names_written("[(z := a) for a in range(n)]") == {"z"}
+
+
+def test_names_bound_only_on_some_paths_are_still_sent():
+    # Issue 16, defect 8: an assignment that never runs, and `del`, need the notebook's value.
+    ns = {"lr": 0.1, "t": 1}
+    assert names_to_send("if False:\n    lr = 1\nprint(lr)", ns) == ["lr"]
+    assert names_to_send("if True:\n    lr = 1\nelse:\n    lr = 2\nprint(lr)", ns) == []
+    assert names_to_send("for i in range(0):\n    t = i\nprint(t)", ns) == ["t"]
+    assert names_to_send("del lr", ns) == ["lr"]
+
+
 def test_an_unpicklable_name_is_named():
     ns = {"lock": threading.Lock(), "ok": 1}
     with pytest.raises(UnsendableName, match=r"cannot send 'lock' \(lock\) to the ranks: cannot pickle"):
         pack_names(ns, ["ok", "lock"])
+    assert set(pack_names(ns, ["ok"])) == {"ok"}
+
+
+def test_carriage_returns_show_as_a_terminal_shows_them():
+    from vgpu_magic.ranks.run import as_terminal_shows
+
+    assert as_terminal_shows("progress 1/30\rprogress 30/30") == "progress 30/30"
+    assert as_terminal_shows("long line\rshort") == "shortline"
+    assert as_terminal_shows("done\r") == "done"
+    # ipyparallel rewrites the collected text on "\r" (it can shrink): lines are counted, not characters.
+    out = io.StringIO()
+    stream = _LineStream("[rank 0] ", out)
+    text = ""
+    for i in range(30):
+        text += f"\rprogress {i + 1}/30"
+        stream.feed(text.split("\r")[-1] if i % 2 else text)
+    stream.feed("progress 30/30\nnext line\n")
+    stream.feed("progress 30/30\nnext line\nlast", final=True)
+    assert out.getvalue().splitlines() == ["[rank 0] progress 30/30", "[rank 0] next line", "[rank 0] last"]
 
 
 def test_last_expression_is_captured():
@@ -303,14 +362,22 @@ def test_bad_cluster_lines_change_nothing(shell, line, match):
     ("line", "cell", "match"),
     [
         ("-o 1x", "1", "-o '1x' is not a Python name"),
-        ("--timeout -1", "1", "--timeout -1 must be positive"),
+        ("--timeout -1", "1", "--timeout '-1' is not a positive number of seconds"),
+        ("--timeout nan", "1", "--timeout 'nan' is not a positive number of seconds"),
+        ("--timeout inf", "1", "--timeout 'inf' is not a positive number of seconds"),
+        ("", None, "say which script to run"),
+        ("-o x train.py", None, "-o takes a cell's last value; a script has none"),
+        ("train.py", "1", "%%vgpu_run runs its cell; to run a script use the line form"),
         ("", "def (", "the cell does not parse"),
         ("", "1", "no cluster running"),
     ],
 )
 def test_bad_run_lines(shell, line, cell, match):
     with pytest.raises(UsageError, match=match):
-        shell.run_cell_magic("vgpu_run", line, cell)
+        if cell is None:
+            shell.run_line_magic("vgpu_run", line)
+        else:
+            shell.run_cell_magic("vgpu_run", line, cell)
 
 
 def test_rank_memory_feeds_the_monitors_one_trace_and_view():
@@ -406,3 +473,22 @@ def test_a_failing_rank_is_summed_up_in_one_line():
     error = RankRunError(failure, interrupted=[1], killed=[], must_restart=False)
     assert "\n" not in str(error)
     assert error._render_traceback_()[0] == "[rank 0] Traceback (most recent call last):"
+
+
+def test_a_start_that_would_not_fit_in_memory_is_refused_in_one_line(monkeypatch):
+    # Issue 16, defect 9: 64 torch ranks passed validation on a 24 GiB machine (~34 GB).
+    import types
+
+    from vgpu_magic.ranks import ClusterStartError, RankCluster, engine
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=8 * GIB))
+    before = psutil.Process().children(recursive=True)
+    with pytest.raises(ClusterStartError) as info:
+        RankCluster(64, "torch", gpus=[]).start()
+    message = str(info.value)
+    one = engine.rank_footprint("torch")
+    assert one > 100 * 1024**2  # measured: a fresh interpreter with torch imported
+    assert "\n" not in message and message.startswith("64 PyTorch ranks need about")
+    assert f"but 8.00 GiB is available; start at most {8 * GIB // one} ranks" in message
+    assert engine.current() is None
+    assert psutil.Process().children(recursive=True) == before

@@ -184,6 +184,8 @@ class Framework:
     module: str = ""
     #: The Keras 3 backend that runs on this framework, or ``None`` when Keras has none.
     keras_backend: str | None = None
+    #: The call a script makes under the framework's real launcher to join the other ranks ("": none to make).
+    join_call: str = ""
 
     @property
     def name(self) -> str:

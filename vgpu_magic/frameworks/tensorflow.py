@@ -394,12 +394,13 @@ def _workers(layout: RankLayout, port: int | None) -> list[str]:
     return [f"{p.address}:{port if port and p.rank == 0 else p.port}" for p in layout.places]
 
 
-def setup_rank(gpu: int, count: int, cap_mib: int) -> str:
+def setup_rank(gpu: int, count: int, cap_mib: int, join: bool = False) -> str:
     """Run on a worker with a GPU: GPU ``gpu`` (CUDA's index on its host) split
     into ``count`` logical GPUs of ``cap_mib`` each, the other GPUs hidden,
     planned by the planner on this worker's own devices (its reserve, its NVML
     order) exactly as ``%vgpu_split`` plans. Writes configuration only; the
-    runtime starts later, in the user's code."""
+    runtime starts later, in the user's code. ``join`` changes nothing: a
+    worker joins its cluster in the user's ``MultiWorkerMirroredStrategy()``."""
     from ..planner import configuration_after, plan_split
     from ..plans import SplitRequest
 

@@ -1,5 +1,6 @@
 """PyTorch: one device per process, so several devices are several processes,
-wired as ``torchrun`` wires them.
+wired as ``torchrun`` wires them; the script's own ``init_process_group``
+joins (or, with ``join``, the rank's setup does).
 
 What PyTorch cannot do, as :data:`CAPABILITIES`: it has no logical devices,
 so one process cannot be split (``%vgpu_split --framework torch`` is refused
@@ -61,6 +62,7 @@ class Torch(Framework):
     capabilities = CAPABILITIES
     module = "torch"
     keras_backend = "torch"
+    join_call = "init_process_group()"
 
     def runtime_started(self) -> bool:
         """PyTorch's devices are fixed once CUDA is initialised in the process."""
@@ -160,15 +162,20 @@ class Torch(Framework):
         return plans
 
 
-def setup_rank(backend: str, gpu: int | None = None, fraction: float | None = None) -> str:
+def setup_rank(backend: str, gpu: int | None = None, fraction: float | None = None, join: bool = False) -> str:
     """Run on the rank: pick and cap its GPU (``gpu`` is CUDA's index on its
-    host), then join the process group (``env://``, exactly as under torchrun)."""
+    host); with ``join``, also join the process group (``env://``, as the
+    script's own ``init_process_group`` would under torchrun)."""
+    if gpu is None and not join:
+        return "torchrun's environment set"
     import torch
     import torch.distributed as dist
 
     if gpu is not None:
         torch.cuda.set_device(gpu)
         torch.cuda.set_per_process_memory_fraction(min(fraction, 1.0), gpu)
+    if not join:
+        return f"GPU {gpu}, capped at {min(fraction, 1.0):.2f} of its memory"
     dist.init_process_group(backend)
     return f"rank {dist.get_rank()} of {dist.get_world_size()} ({backend})"
 

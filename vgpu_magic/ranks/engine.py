@@ -9,7 +9,8 @@ their order (:mod:`.hosts`), the framework's wiring (each framework's
 that leaves nothing behind: ipyparallel sends SIGTERM and only later SIGKILL
 (TensorFlow workers were measured still alive 5 s after SIGTERM), so
 :meth:`RankCluster.stop` escalates itself and checks with psutil that every
-process it started is gone.
+process it started is gone. A kernel that dies without a stop takes them all
+with it (:mod:`.lifetime`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import atexit
 import contextlib
 import importlib.util
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -32,9 +34,20 @@ from .. import frameworks
 from ..frameworks.base import RankPlan
 from ..inventory import GPUInfo, NVMLReadError
 from ..units import MIB
+from . import lifetime
 from .hosts import HostReport, RankLayout, layout_ranks, prepare_rank, report_host, visible_gpus
 from .launchers import LAUNCHERS, LauncherPlan, plan_launcher
-from .run import RankRun, RankRunError, names_to_send, names_written, pack_names, process_alive, split_last_expression
+from .run import (
+    RankRun,
+    RankRunError,
+    UnsendableName,
+    names_to_send,
+    names_written,
+    pack_names,
+    process_alive,
+    script_code,
+    split_last_expression,
+)
 
 __all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current", "free_ports"]
 
@@ -160,6 +173,11 @@ class RankCluster:
         What the launcher needs (see :mod:`.launchers`): SLURM ``partition``,
         ``account``, ``time``, extra ``sbatch`` lines and ``srun`` arguments;
         SSH ``hosts``, ``ssh_args``, ``python``; ``controller_address``.
+    join:
+        Also make the call a script makes to join the others
+        (``init_process_group``, ``jax.distributed.initialize``) on each rank
+        at start. By default a rank gets only what its real launcher gives a
+        process, and the user's code makes that call, as under ``torchrun``.
 
     Raises
     ------
@@ -168,7 +186,7 @@ class RankCluster:
 
     Examples
     --------
-    >>> ranks = RankCluster(2, "torch").start()          # doctest: +SKIP
+    >>> ranks = RankCluster(2, "torch", join=True).start()  # doctest: +SKIP
     >>> ranks.run("import torch.distributed as dist; dist.get_rank()", output=True)  # doctest: +SKIP
     [0, 1]
     >>> ranks.stop()                                      # doctest: +SKIP
@@ -184,6 +202,7 @@ class RankCluster:
         gpus: list[tuple[int, int]] | None = None,
         launcher: str = "local",
         launcher_options: dict[str, Any] | None = None,
+        join: bool = False,
     ) -> None:
         if not isinstance(n, int) or not 1 <= n <= 64:
             raise ValueError(f"rank count {n!r} is out of range; use 1..64")
@@ -194,6 +213,7 @@ class RankCluster:
         self.launcher_plan: LauncherPlan = plan_launcher(launcher, n, launcher_options, self.cluster_id)
         self.launcher = launcher
         self.launcher_options = dict(launcher_options or {})
+        self.join = bool(join)
         missing = [m for m in ("ipyparallel", "psutil", "cloudpickle") if importlib.util.find_spec(m) is None]
         if missing:
             raise ValueError(f"the ranks need {', '.join(missing)}: pip install 'vgpu_magic[cluster]'")
@@ -224,6 +244,11 @@ class RankCluster:
         #: Names cells run on the ranks assigned: rank state, never overwritten from the notebook.
         self.rank_names: set[str] = set()
         self._owned: set[int] = set()
+        #: Engine launchers by PID, kept after ipyparallel forgets a stopped one (for exit statuses).
+        self._launchers: dict[int, Any] = {}
+        #: Carried by every process of this cluster (:func:`.lifetime.processes_of`).
+        self._token = ""
+        self._started_at = 0.0
 
     @property
     def framework(self) -> str:
@@ -240,7 +265,7 @@ class RankCluster:
     def same_request(self, other: RankCluster) -> bool:
         """Does ``other`` ask for the same ranks and wiring as this cluster?"""
         def request(c: RankCluster) -> tuple:
-            return (c.n, c.framework, c.split, c.memory, c.port, c.given_gpus, c.launcher, c.launcher_options)
+            return (c.n, c.framework, c.split, c.memory, c.port, c.given_gpus, c.launcher, c.launcher_options, c.join)
 
         return request(self) == request(other)
 
@@ -260,7 +285,11 @@ class RankCluster:
             previous, _current = _current, self
         if previous is not None and previous is not self:
             previous.stop()
+        self._token, self._started_at = uuid.uuid4().hex, time.time()
         try:
+            _check_memory_fits(self.n, self.fw)
+            if self.port is not None:
+                _check_port_free(self.port)
             self.cluster = self._new_cluster(ipp)
             self.cluster.start_cluster_sync(n=self.n)
             # Remembered at once, so that even engines that never register are stopped.
@@ -328,9 +357,17 @@ class RankCluster:
             kwargs.update(controller_ip=plan.controller_ip, controller_location=plan.controller_location)
         # ERROR: ipyparallel logs an engine's whole log file as a warning when it exits non-zero, which
         # every stop after a killed rank would print into the cell; this class reports failures itself.
+        # The controller and the local and mpiexec engines run under lifetime's watch of this kernel.
+        config = _watched_config(self._token)
+        config.merge(Config(copy.deepcopy(plan.config)))
         cluster = ipp.Cluster(
-            n=self.n, engines=plan.engines, cluster_id=self.cluster_id, log_level=logging.ERROR,
-            controller_args=list(CONTROLLER_ARGS), config=Config(copy.deepcopy(plan.config)), **kwargs,
+            n=self.n,
+            engines=_engine_launcher(plan.engines),
+            cluster_id=self.cluster_id,
+            log_level=logging.ERROR,
+            controller_args=list(CONTROLLER_ARGS),
+            config=config,
+            **kwargs,
         )
         if plan.name == "slurm":
             # ipyparallel writes the batch script into the kernel's working folder (the user's notebooks);
@@ -359,6 +396,7 @@ class RankCluster:
             pid = getattr(launcher, "pid", -1)
             if pid and pid > 0:
                 self._owned.add(pid)
+                self._launchers[pid] = launcher
 
     def _wire(self) -> None:
         """Set each rank's environment and run its setup, all ranks at once (a rendezvous)."""
@@ -366,7 +404,9 @@ class RankCluster:
 
         def submit(rank: int) -> Any:
             plan = plans[rank]
-            return self.client[self.engine_ids[rank]].apply_async(prepare_rank, plan.env, plan.setup, plan.args)
+            return self.client[self.engine_ids[rank]].apply_async(
+                prepare_rank, plan.env, plan.setup, plan.args, self.join
+            )
 
         RankRun(self.pids, submit, self._exit_code, timeout=SETUP_TIMEOUT, stdout=sys.stdout, stderr=sys.stderr).run()
 
@@ -382,19 +422,11 @@ class RankCluster:
             pass
 
     def _exit_code(self, rank: int) -> int | None:
-        """How rank ``rank``'s process exited, as its launcher saw it (negative: the signal)."""
-        pid = self.pids[rank]
-        for engine_set in (self.cluster.engines.values() if self.cluster else []):
-            for launcher in getattr(engine_set, "launchers", {}).values():
-                if getattr(launcher, "pid", None) == pid:
-                    code = (getattr(launcher, "stop_data", None) or {}).get("exit_code")
-                    if code is None and launcher.process is not None:
-                        try:
-                            code = launcher.process.wait(timeout=0)
-                        except Exception:
-                            code = None
-                    return None if code is None else int(code)
-        return None
+        """How rank ``rank``'s process exited (negative: the signal), as the wait that reaped it
+        returned it; ``None`` where no such wait is ours (engines started by mpiexec)."""
+        launcher = self._launchers.get(self.pids[rank])
+        code = getattr(getattr(launcher, "process", None), "exit_code", None)
+        return None if code is None else int(code)
 
     def stop(self) -> None:
         """Stop every process this cluster started and check that none is left.
@@ -405,14 +437,18 @@ class RankCluster:
         global _current
         import psutil
 
-        procs = []
+        procs: dict[int, Any] = {}
         for pid in sorted(self._owned):
             try:
                 proc = psutil.Process(pid)
-                procs.append(proc)
-                procs.extend(proc.children(recursive=True))
+                procs[pid] = proc
+                procs.update((child.pid, child) for child in proc.children(recursive=True))
             except psutil.Error:
                 continue
+        if self._token:
+            # Also those whose parent died first (the controller's children once its main process is gone).
+            procs.update((proc.pid, proc) for proc in lifetime.processes_of(self._token, self._started_at))
+        procs = list(procs.values())
         if self.client is not None:
             try:
                 self.client.close()
@@ -447,7 +483,7 @@ class RankCluster:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self._batch_file(self.cluster))
         self.cluster = self.client = self.view = None
-        self.engine_ids, self.pids, self._owned = [], [], set()
+        self.engine_ids, self.pids, self._owned, self._launchers, self._token = [], [], set(), {}, ""
         self.hosts, self.layout = [], None
         self.rank_names = set()
         self.must_restart = None
@@ -524,13 +560,8 @@ class RankCluster:
         namespace = namespace or {}
         compile(code, "<cell>", "exec")
         names = names_to_send(code, namespace, self.rank_names)
-        blob = pack_names(namespace, names) if names else None
-        if blob is not None:
-            self.view.push({"_vgpu_names": blob}, block=True)
-            self.view.execute(
-                "import cloudpickle as _vgpu_cp; globals().update(_vgpu_cp.loads(_vgpu_names)); del _vgpu_cp, _vgpu_names",
-                block=True,
-            )
+        if names:
+            self._send(pack_names(namespace, names), {name: type(namespace[name]).__name__ for name in names})
         if output:
             code = split_last_expression(code, "_vgpu_out")
 
@@ -539,26 +570,95 @@ class RankCluster:
 
         gpu = self.layout is not None and any(p.gpu for p in self.layout.places)
         runner = RankRun(self.pids, submit, self._exit_code, timeout=timeout, plot=plot, gpu=gpu)
-        # Counted before the run: a cell that fails half-way may still have bound them on the ranks.
-        self.rank_names |= names_written(code)
+        candidates = names_written(code)
         self.last_run = runner
         try:
             results = runner.run()
         except RankRunError as exc:
             if exc.must_restart:
                 self.must_restart = exc.headline().split(";")[0]
+            else:
+                self._settle_rank_names(candidates)
             raise
         except KeyboardInterrupt:
             if runner.killed:
-                self.must_restart = f"ranks {', '.join(map(str, runner.killed))} were killed after an interrupt"
+                killed = runner.killed
+                ranks = f"rank{'s' if len(killed) > 1 else ''} {', '.join(map(str, killed))}"
+                self.must_restart = f"{ranks} {'were' if len(killed) > 1 else 'was'} killed after an interrupt"
+            else:
+                self._settle_rank_names(candidates)
             raise
+        self._settle_rank_names(candidates)
         if output:
-            return [self.client[e].pull("_vgpu_out", block=True) for e in self.engine_ids]
+            return self._pull_values()
         for rank, ar in enumerate(results):
             shown = (ar.execute_result or {}).get("data", {}).get("text/plain") if hasattr(ar, "execute_result") else None
             if shown is not None:
                 print(f"[rank {rank}] Out: {shown}")
         return None
+
+    def _send(self, blobs: dict[str, bytes], kinds: dict[str, str]) -> None:
+        """Bind the pickled names on every rank; :class:`~.run.UnsendableName` naming the first
+        that a rank cannot unpickle (a module only the kernel can import), with the rank's reason."""
+        self.view.push({"_vgpu_names": blobs}, block=True)
+        self.view.execute(_UNPACK_NAMES, block=True)
+        for rank, failed in enumerate(self.view.pull("_vgpu_failed", block=True)):
+            if failed:
+                name, reason = failed
+                raise UnsendableName(
+                    f"cannot send {name!r} ({kinds[name]}) to the ranks: rank {rank} cannot unpickle it "
+                    f"({reason}); make it importable on the ranks, or create it inside the cell"
+                )
+
+    def _pull_values(self) -> list[Any]:
+        """Each rank's ``_vgpu_out``; :class:`~.run.UnsendableName` in one line if one cannot come back."""
+        self.view.execute(_CHECK_OUT, block=True)
+        for rank, failed in enumerate(self.view.pull("_vgpu_out_failed", block=True)):
+            if failed:
+                kind, reason = failed
+                raise UnsendableName(
+                    f"the cell's last value on rank {rank} ({kind}) cannot be sent back to the notebook: {reason}; "
+                    "end the cell with plain values (numbers, lists, arrays), e.g. list(...) of a generator"
+                )
+        return [self.client[e].pull("_vgpu_out", block=True) for e in self.engine_ids]
+
+    def _settle_rank_names(self, candidates: set[str]) -> None:
+        """:attr:`rank_names` becomes what exists on the ranks of the names cells may have bound: a
+        name deleted there, or whose assignment never ran, is the notebook's again."""
+        asked = sorted(self.rank_names | candidates)
+        if not asked:
+            return
+        from ipyparallel.error import IPythonError
+
+        try:
+            self.view.execute(f"_vgpu_present = [n for n in {asked!r} if n in globals()]", block=True)
+            present = self.view.pull("_vgpu_present", block=True)
+        except (IPythonError, OSError, TimeoutError):
+            # A rank that cannot answer (it died): keep every candidate as rank state, the safe side.
+            self.rank_names |= candidates
+            return
+        self.rank_names = set().union(*map(set, present))
+
+    def run_script(
+        self, path: str, args: list[str] | tuple[str, ...] = (), timeout: float | None = None, plot: bool = False
+    ) -> None:
+        """Run the script ``path`` with ``args`` on every rank, as ``torchrun ...
+        path ARGS`` runs it (:func:`~.run.script_code`), under the same fault
+        policy as :meth:`run`.
+
+        Each run is a fresh launch, as each ``torchrun`` is: the ranks get new
+        coordinator ports (and torch a new run id) first. A process group the
+        previous run destroyed can still hold its TCP store open (measured with
+        a DDP model, torch 2.14), and a new ``init_process_group`` on the old
+        port would meet that stale store.
+        """
+        self._require_running()
+        self.hosts = self._read_hosts(self.engine_ids)
+        self.layout = self._layout(self.hosts)
+        self.plans = self.fw.plan_ranks(self.layout, self.split, self.memory_mib, self.port)
+        for place, plan in zip(self.layout.places, self.plans):
+            self.client[place.engine_id].apply_sync(prepare_rank, plan.env, "", ())
+        self.run(script_code(os.path.abspath(path), list(args)), timeout=timeout, plot=plot)
 
     def status(self) -> list[RankInfo]:
         """Each rank's PID, liveness and memory (RSS, and GPU memory where NVML has it)."""
@@ -599,6 +699,13 @@ class RankCluster:
         where += "".join(f", job {es.job_id}" for es in engine_sets if getattr(es, "job_id", ""))
         lines = [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} on {where}"]
         lines.extend(self.plans[0].notes if self.plans else ())
+        join_call = self.fw.join_call
+        if join_call and self.join:
+            lines.append(f"each rank has joined ({join_call} at start, --join): your code must not call it again")
+        elif join_call:
+            lines.append(
+                f"each rank has its launcher's environment; your code calls {join_call}, as under its launcher"
+            )
         infos = self.status()
         # One host needs no naming on every line; ranks on several hosts say where each runs.
         several_hosts = len({info.host for info in infos}) > 1
@@ -617,3 +724,140 @@ class RankCluster:
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return f"<RankCluster {self.n} × {self.framework}, {state}>"
+
+
+#: Host memory one rank is assumed to need at most before one is measured (torch on CPU measured ~530 MiB).
+RANK_MEMORY_BOUND = 2 * 1024**3
+_footprints: dict[str, int] = {}
+
+
+def rank_footprint(module: str) -> int:
+    """Resident bytes of one rank once it has imported ``module`` (an engine's own
+    imports too), measured once per kernel in a fresh interpreter."""
+    import subprocess
+
+    if module not in _footprints:
+        code = f"import psutil, ipyparallel.engine.app, {module}; print(psutil.Process().memory_info().rss)"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+        _footprints[module] = int(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else 0
+    return _footprints[module]
+
+
+def _check_memory_fits(n: int, fw: Any) -> None:
+    """:class:`ClusterStartError` in one line if ``n`` ranks would not fit in the host's available
+    memory, estimated from one measured rank. Measured only where the bound leaves doubt."""
+    import psutil
+
+    from ..units import format_bytes
+
+    available = psutil.virtual_memory().available
+    if n * RANK_MEMORY_BOUND <= available:
+        return
+    one = rank_footprint(fw.module)
+    if not one or n * one <= available:
+        return
+    raise ClusterStartError(
+        f"{n} {fw.label} ranks need about {format_bytes(n * one)} of memory (one rank with {fw.module} "
+        f"imported: {format_bytes(one)}), but {format_bytes(available)} is available; start at most "
+        f"{max(1, available // one)} ranks"
+    )
+
+
+#: Run on the ranks: bind each pushed name, stopping at the first that cannot be unpickled there.
+_UNPACK_NAMES = """
+import cloudpickle as _vgpu_cp
+_vgpu_failed = None
+for _vgpu_name, _vgpu_blob in _vgpu_names.items():
+    try:
+        globals()[_vgpu_name] = _vgpu_cp.loads(_vgpu_blob)
+    except Exception as _vgpu_error:
+        _vgpu_first = str(_vgpu_error).splitlines()[0] if str(_vgpu_error) else ""
+        _vgpu_failed = (_vgpu_name, f"{type(_vgpu_error).__name__}: {_vgpu_first}".rstrip(": "))
+        break
+del _vgpu_cp, _vgpu_names
+"""
+
+#: Run on the ranks: can the cell's last value be pickled back to the kernel?
+_CHECK_OUT = """
+import pickle as _vgpu_pickle
+_vgpu_out_failed = None
+try:
+    _vgpu_pickle.dumps(_vgpu_out)
+except Exception as _vgpu_error:
+    _vgpu_out_failed = (type(_vgpu_out).__name__, f"{type(_vgpu_error).__name__}: {_vgpu_error}")
+del _vgpu_pickle
+"""
+
+
+def _check_port_free(port: int) -> None:
+    """:class:`ClusterStartError` naming ``port`` (and who holds it) if it cannot be bound here.
+
+    Checked before anything starts: otherwise JAX's coordinator only says "rank 0
+    died", and TensorFlow starts and then fails in the user's first
+    ``MultiWorkerMirroredStrategy()``."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("", port))
+    except OSError as exc:
+        holder = ""
+        try:
+            import psutil
+
+            pids = {c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.pid}
+            if pids:
+                holder = f" by pid {', '.join(map(str, sorted(pids)))}"
+        except psutil.Error:
+            # Naming the holder is a courtesy; where psutil may not list connections, the port alone is said.
+            pass
+        raise ClusterStartError(
+            f"--port {port} is in use on this machine{holder} ({exc.strerror}); "
+            "choose another, or leave --port out for a free one"
+        ) from None
+    finally:
+        sock.close()
+
+
+def _watched_config(token: str) -> Any:
+    """ipyparallel configuration that starts the controller and the engines under
+    :mod:`.lifetime`'s watch of this kernel, marked with the cluster's ``token``."""
+    from traitlets.config import Config
+
+    env = {lifetime.OWNER_ENV: lifetime.owner_of_this_process(), lifetime.CLUSTER_ENV: token}
+    config = Config()
+    config.LocalControllerLauncher.controller_cmd = lifetime.watched_command("ipyparallel.controller")
+    config.LocalControllerLauncher.environment = dict(env)
+    for launcher in ("LocalEngineSetLauncher", "MPIEngineSetLauncher"):
+        config[launcher].engine_cmd = lifetime.watched_command("ipyparallel.engine")
+        config[launcher].environment = dict(env)
+    return config
+
+
+def _engine_launcher(launcher: str) -> Any:
+    """The ipyparallel engine launcher for ``launcher``; local engines record how they exit.
+
+    ipyparallel's launcher reaps an engine in a thread and hands its exit status to
+    its event loop, which may never run it (the kernel's loop is busy running the cell
+    that watches the ranks): without this, a dead rank's status is lost.
+    """
+    if launcher != "local":
+        return launcher
+    import psutil
+    from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
+
+    class ExitRecordingProcess(psutil.Process):
+        exit_code: int | None = None
+
+        def wait(self, timeout: float | None = None) -> int | None:
+            code = super().wait(timeout)
+            self.exit_code = code
+            return code
+
+    class ExitRecordingEngineLauncher(LocalEngineLauncher):
+        def _start_waiting(self) -> None:
+            self.process = ExitRecordingProcess(self.process.pid)
+            super()._start_waiting()
+
+    class ExitRecordingEngineSetLauncher(LocalEngineSetLauncher):
+        launcher_class = ExitRecordingEngineLauncher
+
+    return ExitRecordingEngineSetLauncher

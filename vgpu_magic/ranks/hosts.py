@@ -346,14 +346,16 @@ def report_host(engine_id: int, controller: str) -> HostReport:
     )
 
 
-def prepare_rank(env: dict[str, str], setup: str, args: tuple[Any, ...]) -> str:
+def prepare_rank(env: dict[str, str], setup: str, args: tuple[Any, ...], join: bool = False) -> str:
     """Run on the rank (through ipyparallel's ``apply``): set its environment, as
     a launcher would before the process starts (no framework is imported on an
-    engine before this), then run its framework's setup, if any."""
+    engine before this), then run its framework's setup, if any. ``join``: the
+    setup also makes the call the user's script would make
+    (``init_process_group``, ``jax.distributed.initialize``)."""
     import os
 
     os.environ.update(env)
     if not setup:
         return "environment set"
     module, _, function = setup.partition(":")
-    return getattr(importlib.import_module(module), function)(*args)
+    return getattr(importlib.import_module(module), function)(*args, join=join)

@@ -1,19 +1,26 @@
-"""``%vgpu_cluster`` and ``%%vgpu_run``: thin faces over :class:`~.engine.RankCluster`.
+"""``%vgpu_cluster`` and ``%vgpu_run`` / ``%%vgpu_run``: thin faces over :class:`~.engine.RankCluster`.
 
 ::
 
     In [1]: %vgpu_cluster start 2 --framework torch
     2 PyTorch ranks on local ipyparallel engines
     init_process_group('gloo') on localhost:41237, world size 2
-      rank 0: pid 5120, alive, RSS 310.2 MiB
-      rank 1: pid 5122, alive, RSS 309.8 MiB
+    each rank has its launcher's environment; your code calls init_process_group(), as under its launcher
+      rank 0: pid 5120, alive, RSS 70.9 MiB
+      rank 1: pid 5122, alive, RSS 71.0 MiB
 
-    In [2]: %%vgpu_run -o ranks
+    In [2]: %vgpu_run train.py --epochs 2
+    [rank 0] epoch 0 loss 0.91
+    [rank 1] epoch 0 loss 0.88
+    ...
+
+    In [3]: %%vgpu_run -o ranks
        ...: import torch.distributed as dist
+       ...: dist.init_process_group("gloo")
        ...: dist.get_rank()
 
-    In [3]: ranks
-    Out[3]: [0, 1]
+    In [4]: ranks
+    Out[4]: [0, 1]
 
 Bad input is a one-line :class:`~IPython.core.error.UsageError` raised before
 anything starts.
@@ -21,10 +28,13 @@ anything starts.
 
 from __future__ import annotations
 
+import argparse
+import math
+import os
 import sys
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ..frameworks import choices
@@ -59,9 +69,20 @@ class ClusterMagics(Magics):
     @argument("--partition", help="slurm: the partition (#SBATCH --partition)")
     @argument("--account", help="slurm: the account to charge (#SBATCH --account)")
     @argument("--time", help="slurm: the job's time limit, e.g. 30 or 01:00:00 (#SBATCH --time)")
-    @argument("--sbatch", action="append", metavar="OPTION", help="slurm: one more #SBATCH option, e.g. --sbatch=--mem=4G (repeatable)")
+    @argument(
+        "--sbatch",
+        action="append",
+        metavar="OPTION",
+        help="slurm: one more #SBATCH option, e.g. --sbatch=--mem=4G (repeatable)",
+    )
     @argument("--hosts", help="ssh: the hosts, comma-separated (user@host or host:port); ranks spread evenly")
     @argument("--controller-address", help="slurm/ssh: the address engines reach this kernel's controller at")
+    @argument(
+        "--join",
+        action="store_true",
+        help="join the ranks for your code at start (init_process_group / jax.distributed.initialize); "
+        "by default your code makes that call, as under its launcher",
+    )
     @line_magic
     def vgpu_cluster(self, line: str) -> None:
         """Start, inspect, stop or restart the ranks.
@@ -73,6 +94,7 @@ class ClusterMagics(Magics):
             %vgpu_cluster start 2 --framework torch --launcher mpi   # engines started by mpiexec
             %vgpu_cluster start 4 --framework torch --launcher slurm --partition gpu --time 30
             %vgpu_cluster start 2 --framework jax --launcher ssh --hosts node1,node2
+            %vgpu_cluster start 2 --framework torch --join   # init_process_group() done for you
             %vgpu_cluster status
             %vgpu_cluster restart
             %vgpu_cluster stop
@@ -82,9 +104,11 @@ class ClusterMagics(Magics):
 
         options = _launcher_options(args)
         if args.action != "start":
-            extra = [f"{name} {value}" for name, value in (("N", args.n), ("--framework", args.framework),
-                     ("--split", args.split), ("--memory", args.memory), ("--port", args.port),
-                ("--launcher", args.launcher)) if value is not None]
+            given = (
+                ("N", args.n), ("--framework", args.framework), ("--split", args.split), ("--memory", args.memory),
+                ("--port", args.port), ("--launcher", args.launcher), ("--join", args.join or None),
+            )
+            extra = [name if value is True else f"{name} {value}" for name, value in given if value is not None]
             extra += [f"--{key.replace('_', '-')}" for key in options]
             if extra:
                 raise UsageError(f"{extra[0]!r} only goes with start, e.g. %vgpu_cluster start 2 --framework torch")
@@ -99,7 +123,7 @@ class ClusterMagics(Magics):
                 memory = parse_memory(args.memory) * MIB if args.memory is not None else None
                 ranks = engine.RankCluster(
                     args.n, args.framework, split=args.split, memory=memory, port=args.port,
-                    launcher=args.launcher or "local", launcher_options=options,
+                    launcher=args.launcher or "local", launcher_options=options, join=args.join,
                 )
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
@@ -135,28 +159,62 @@ class ClusterMagics(Magics):
 
     @magic_arguments()
     @argument("-o", "--output", metavar="NAME", help="store the cell's last value on each rank as NAME, a list in rank order")
-    @argument("--timeout", type=float, help="seconds the run may take before every rank is interrupted")
+    @argument("--timeout", help="seconds the run may take before every rank is interrupted")
     @argument("--no-plot", action="store_true", help="no live per-rank memory plot")
-    @cell_magic
-    def vgpu_run(self, line: str, cell: str) -> None:
-        """Run the cell on every rank: notebook names it reads are sent by value,
-        output streams labelled by rank, and one failing rank stops them all.
+    @argument("script", nargs="?", help="line form: a script to run on every rank, as torchrun runs it")
+    @argument("script_args", nargs=argparse.REMAINDER, help="line form: the script's own arguments (its sys.argv[1:])")
+    @line_cell_magic
+    def vgpu_run(self, line: str, cell: str | None = None) -> None:
+        """Run the cell, or a script, on every rank: notebook names a cell reads are
+        sent by value, output streams labelled by rank, and one failing rank stops them all.
 
         ::
 
             %%vgpu_run -o losses --timeout 120
             loss = train_one_epoch()
             loss
+
+            %vgpu_run --timeout 600 train.py --epochs 2 --lr 0.1
+
+        The line form runs ``train.py ARGS`` as ``torchrun ... train.py ARGS``
+        would on each rank: ``sys.argv`` is ``['train.py', ARGS...]``,
+        ``__name__`` is ``"__main__"``, the script's folder is first on
+        ``sys.path``, and it runs in a namespace of its own.
         """
         args = parse_argstring(self.vgpu_run, line)
         if args.output is not None and not args.output.isidentifier():
             raise UsageError(f"-o {args.output!r} is not a Python name; use e.g. -o results")
-        if args.timeout is not None and args.timeout <= 0:
-            raise UsageError(f"--timeout {args.timeout:g} must be positive seconds, e.g. --timeout 60")
-        try:
-            compile(cell, "<cell>", "exec")
-        except SyntaxError as exc:
-            raise UsageError(f"the cell does not parse: {exc.msg} (line {exc.lineno})") from None
+        timeout = None
+        if args.timeout is not None:
+            try:
+                timeout = float(args.timeout)
+            except ValueError:
+                timeout = math.nan
+            if not (math.isfinite(timeout) and timeout > 0):
+                raise UsageError(
+                    f"--timeout {args.timeout!r} is not a positive number of seconds; use e.g. --timeout 60"
+                )
+        if cell is None:
+            if args.script is None:
+                raise UsageError(
+                    "say which script to run, e.g. %vgpu_run train.py --epochs 2, or use %%vgpu_run with a cell"
+                )
+            if args.output is not None:
+                raise UsageError("-o takes a cell's last value; a script has none: have it save what you need")
+            path = os.path.abspath(os.path.expanduser(args.script))
+            if not os.path.isfile(path):
+                raise UsageError(f"script {args.script!r} is not a file (looked in {os.getcwd()})")
+        elif args.script is not None:
+            raise UsageError(
+                f"{args.script!r}: %%vgpu_run runs its cell; to run a script use the line form, %vgpu_run {args.script}"
+            )
+        else:
+            try:
+                # The engines are IPython kernels: `%time ...` and `!cmd` become the calls they run there.
+                cell = self.shell.transform_cell(cell)
+                compile(cell, "<cell>", "exec")
+            except SyntaxError as exc:
+                raise UsageError(f"the cell does not parse: {exc.msg} (line {exc.lineno})") from None
         from . import engine
         from .run import UnsendableName
 
@@ -166,9 +224,12 @@ class ClusterMagics(Magics):
         if running.must_restart:
             raise UsageError(f"the cluster must be restarted ({running.must_restart}): %vgpu_cluster restart")
         plot = not args.no_plot and _rich_frontend(self.shell) and "matplotlib" in _installed()
+        if cell is None:
+            running.run_script(path, list(args.script_args), timeout=timeout, plot=plot)
+            return
         try:
             values = running.run(
-                cell, namespace=self.shell.user_ns, timeout=args.timeout, output=args.output is not None, plot=plot
+                cell, namespace=self.shell.user_ns, timeout=timeout, output=args.output is not None, plot=plot
             )
         except UnsendableName as exc:
             raise UsageError(str(exc)) from None

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import ast
 import builtins
-from concurrent import futures
+import os
 import signal
 import sys
 import time
 from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -44,6 +45,7 @@ __all__ = [
     "names_written",
     "pack_names",
     "split_last_expression",
+    "script_code",
     "process_alive",
 ]
 
@@ -102,6 +104,11 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks)
 
 
+def _rank_s(ranks: list[int]) -> str:
+    """``"rank 0"`` or ``"ranks 0, 1"``."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}"
+
+
 class UnsendableName(ValueError):
     """A notebook name the cell reads cannot be pickled for the ranks."""
 
@@ -114,21 +121,55 @@ _SHELL_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
 
 class _ReadsBeforeWrites(ast.NodeVisitor):
     """Names whose first use, in evaluation order, is a read (so the cell needs
-    the notebook's value). Right-hand sides are visited before their targets."""
+    the notebook's value). Right-hand sides are visited before their targets.
 
-    def __init__(self) -> None:
+    ``written`` holds the names bound on every path so far (a name bound only in
+    one branch of an ``if``, or in a loop body that may not run, is still read
+    from the notebook after it); ``bound`` holds every name bound anywhere.
+    Comprehensions, lambdas and function bodies are scopes of their own: their
+    targets and parameters are neither reads nor notebook names.
+    """
+
+    def __init__(self, written: set[str] | None = None) -> None:
         self.read: list[str] = []
-        self.written: set[str] = set()
+        self.written: set[str] = set(written or ())
+        self.bound: set[str] = set()
 
     def _store(self, name: str) -> None:
         self.written.add(name)
+        self.bound.add(name)
+
+    def _load(self, name: str) -> None:
+        if name not in self.written and name not in self.read:
+            self.read.append(name)
+
+    def _inner(self, node: Any, local: set[str], parts: list[Any]) -> None:
+        """Reads of a nested scope (``local`` bound in it) that come from this one."""
+        inner = _ReadsBeforeWrites(self.written | local)
+        for part in parts:
+            inner.visit(part)
+        for name in inner.read:
+            if name not in self.read and name not in self.written:
+                self.read.append(name)
+        # `(y := ...)` inside a comprehension binds y in the enclosing scope.
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.NamedExpr) and isinstance(sub.target, ast.Name):
+                self.bound.add(sub.target.id)
+
+    def _branch(self, statements: list[ast.stmt]) -> set[str]:
+        """Visit statements that may not run; return what they bind, leaving ``written`` as it was."""
+        before = set(self.written)
+        for statement in statements:
+            self.visit(statement)
+        added, self.written = self.written - before, before
+        return added
 
     def visit_Name(self, node: ast.Name) -> None:
-        if isinstance(node.ctx, ast.Load):
-            if node.id not in self.written and node.id not in self.read:
-                self.read.append(node.id)
-        else:
+        if isinstance(node.ctx, ast.Store):
             self._store(node.id)
+        else:
+            # Load, and Del: `del name` needs the name to exist.
+            self._load(node.id)
 
     def visit_Assign(self, node: ast.Assign) -> None:
         self.visit(node.value)
@@ -138,19 +179,46 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
     def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
         if node.value is not None:
             self.visit(node.value)
-        self.visit(node.target)
+            self.visit(node.target)
 
     def visit_AugAssign(self, node: ast.AugAssign) -> None:
         self.visit(node.value)
         if isinstance(node.target, ast.Name):
-            self.visit_Name(ast.Name(id=node.target.id, ctx=ast.Load()))
+            self._load(node.target.id)
         self.visit(node.target)
+
+    def visit_NamedExpr(self, node: ast.NamedExpr) -> None:
+        self.visit(node.value)
+        self.visit(node.target)
+
+    def visit_If(self, node: ast.If) -> None:
+        self.visit(node.test)
+        both = self._branch(node.body) & self._branch(node.orelse)
+        self.written |= both
+
+    def visit_While(self, node: ast.While) -> None:
+        self.visit(node.test)
+        self._branch(node.body)
+        self._branch(node.orelse)
 
     def visit_For(self, node: ast.For) -> None:
         self.visit(node.iter)
-        self.visit(node.target)
-        for stmt in node.body + node.orelse:
-            self.visit(stmt)
+        self._branch([ast.Assign(targets=[node.target], value=ast.Constant(None)), *node.body])
+        self._branch(node.orelse)
+
+    visit_AsyncFor = visit_For
+
+    def visit_Try(self, node: ast.Try) -> None:
+        self._branch(node.body)
+        for handler in node.handlers:
+            if handler.type is not None:
+                self.visit(handler.type)
+            self._branch(handler.body)
+        self._branch(node.orelse)
+        for statement in node.finalbody:
+            self.visit(statement)
+
+    visit_TryStar = visit_Try
 
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
@@ -159,6 +227,24 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
         for alias in node.names:
             self._store(alias.asname or alias.name)
+
+    def _comprehension(self, node: Any) -> None:
+        first, *rest = node.generators
+        # The first iterable is evaluated in the enclosing scope; everything else in the comprehension's own.
+        self.visit(first.iter)
+        local = {n.id for g in node.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)}
+        parts: list[Any] = [*first.ifs]
+        for generator in rest:
+            parts.extend([generator.iter, *generator.ifs])
+        parts.extend([node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt])
+        self._inner(node, local, parts)
+
+    visit_ListComp = visit_SetComp = visit_GeneratorExp = visit_DictComp = _comprehension
+
+    def visit_Lambda(self, node: ast.Lambda) -> None:
+        for default in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
+            self.visit(default)
+        self._inner(node, {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}, [node.body])
 
     def _definition(self, node: Any) -> None:
         for decorator in node.decorator_list:
@@ -171,12 +257,13 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
                 self.visit(base)
         self._store(node.name)
         # The body runs later, when it is called; its free names are read then.
-        inner = _ReadsBeforeWrites()
-        inner.written = set(self.written)
-        if not isinstance(node, ast.ClassDef):
-            inner.written |= {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
-        for stmt in node.body:
-            inner.visit(stmt)
+        if isinstance(node, ast.ClassDef):
+            local = set()
+        else:
+            local = {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
+        inner = _ReadsBeforeWrites(self.written | local)
+        for statement in node.body:
+            inner.visit(statement)
         for name in inner.read:
             if name not in self.read and name not in self.written:
                 self.read.append(name)
@@ -205,30 +292,31 @@ def names_to_send(code: str, namespace: dict[str, Any], on_ranks: set[str] = fro
 
 
 def names_written(code: str) -> set[str]:
-    """The names ``code`` binds at its top level (assignments, imports, definitions, loop targets)."""
+    """The names ``code`` may bind at its top level (assignments, imports,
+    definitions, loop targets, on any path; not comprehension variables). Which
+    of them a run did bind is asked of the ranks afterwards
+    (:meth:`~.engine.RankCluster.run`)."""
     visitor = _ReadsBeforeWrites()
-    for statement in ast.parse(code).body:
-        if not isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            visitor.visit(statement)
-        else:
-            visitor.written.add(statement.name)
-    return visitor.written
+    visitor.visit(ast.parse(code))
+    return visitor.bound
 
 
-def pack_names(namespace: dict[str, Any], names: list[str]) -> bytes:
-    """cloudpickle the named values; :class:`UnsendableName` names the first that cannot be sent."""
+def pack_names(namespace: dict[str, Any], names: list[str]) -> dict[str, bytes]:
+    """Each named value cloudpickled on its own (so a rank that cannot unpickle one can say
+    which); :class:`UnsendableName` names the first that cannot be pickled."""
     import cloudpickle
 
+    blobs = {}
     for name in names:
         try:
-            cloudpickle.dumps(namespace[name])
+            blobs[name] = cloudpickle.dumps(namespace[name])
         except Exception as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise UnsendableName(
                 f"cannot send {name!r} ({type(namespace[name]).__name__}) to the ranks: {reason}; "
                 "create it inside the cell instead"
             ) from None
-    return cloudpickle.dumps({name: namespace[name] for name in names})
+    return blobs
 
 
 def split_last_expression(code: str, target: str) -> str:
@@ -245,31 +333,77 @@ def split_last_expression(code: str, target: str) -> str:
     return ast.unparse(ast.fix_missing_locations(tree))
 
 
+def script_code(path: str, args: list[str]) -> str:
+    """Code that runs the script ``path`` on a rank as ``python path ARGS`` would
+    (``sys.argv``, ``__name__ == "__main__"``, its folder first on ``sys.path``, a
+    namespace of its own), then puts the engine's ``sys.argv`` and ``sys.path``
+    back, and collects the script's garbage. ``sys.exit(0)`` (argparse's ``--help``) ends it quietly;
+    another status is a failure."""
+    folder = os.path.dirname(path)
+    return (
+        "import runpy as _vgpu_runpy, sys as _vgpu_sys\n"
+        "_vgpu_saved = (_vgpu_sys.argv, list(_vgpu_sys.path))\n"
+        f"_vgpu_sys.argv = {[path, *args]!r}\n"
+        f"_vgpu_sys.path.insert(0, {folder!r})\n"
+        "try:\n"
+        f"    _vgpu_runpy.run_path({path!r}, run_name='__main__')\n"
+        "except SystemExit as _vgpu_exit:\n"
+        "    if _vgpu_exit.code not in (0, None):\n"
+        # IPython takes a SystemExit for "quit the shell" and only warns; the run must fail instead.
+        "        class ScriptExited(Exception):\n"
+        "            pass\n"
+        f"        raise ScriptExited({os.path.basename(path)!r} "
+        "+ f' exited with status {_vgpu_exit.code}') from None\n"
+        "finally:\n"
+        "    _vgpu_sys.argv, _vgpu_sys.path[:] = _vgpu_saved\n"
+        "    del _vgpu_runpy, _vgpu_sys, _vgpu_saved\n"
+        # The script's objects (a model, its data) go now, as they go with its process under torchrun.
+        "    import gc as _vgpu_gc; _vgpu_gc.collect(); del _vgpu_gc\n"
+    )
+
+
 # -- watching the ranks ---------------------------------------------------------------
 
 
 class _LineStream:
-    """Whole lines of one rank's stream, labelled; the partial tail waits."""
+    """Whole lines of one rank's stream, labelled; the partial tail waits.
+
+    ``feed`` gets the rank's whole output so far. It is counted in lines, not
+    characters: ipyparallel rewrites the collected text when a ``\\r`` arrives
+    (it keeps what follows the last ``\\r`` of a line), so the text can shrink,
+    but never loses a newline. Each line is shown as a terminal leaves it
+    (:func:`as_terminal_shows`): a progress line's final text.
+    """
 
     def __init__(self, label: str, out: TextIO) -> None:
         self.label = label
         self.out = out
-        self.seen = 0
-        self.partial = ""
+        self.emitted = 0
+        self.last = ""
 
     def feed(self, text: str, final: bool = False) -> None:
-        new = text[self.seen:]
-        self.seen = len(text)
-        if not new and not (final and self.partial):
+        if text == self.last and not final:
             return
-        data = self.partial + new
-        lines = data.split("\n")
-        self.partial = "" if final else lines.pop()
-        if final and lines and lines[-1] == "":
-            lines.pop()
-        if lines:
-            self.out.write("".join(f"{self.label}{line}\n" for line in lines))
-            self.out.flush()
+        self.last = text
+        lines = text.split("\n")
+        tail = lines.pop()
+        if final and tail:
+            lines.append(tail)
+        new = lines[self.emitted:]
+        if not new:
+            return
+        self.emitted = len(lines)
+        self.out.write("".join(f"{self.label}{as_terminal_shows(line)}\n" for line in new))
+        self.out.flush()
+
+
+def as_terminal_shows(line: str) -> str:
+    """The text a terminal shows for ``line``: each ``\\r`` returns to the start,
+    and what follows overwrites what was there (``'10/30\\r20/30'`` -> ``'20/30'``)."""
+    shown = ""
+    for part in line.split("\r"):
+        shown = part + shown[len(part):]
+    return shown
 
 
 @dataclass
@@ -381,7 +515,9 @@ class RankRun:
                 if failure is None and self.timeout is not None and now - start > self.timeout:
                     late = [r for r, ar in enumerate(results) if not ar.ready()]
                     failure = RankFailure(
-                        late[0], "timeout", f"did not finish within --timeout {self.timeout:g} s (still running: ranks {_ranks(late)})",
+                        late[0],
+                        "timeout",
+                        f"did not finish within --timeout {self.timeout:g} s (still running: {_rank_s(late)})",
                         (f"timed out after {self.timeout:g} s",),
                     )
                 if failure is not None or all(ar.ready() for ar in results):
@@ -395,7 +531,8 @@ class RankRun:
             self.trace = memory.finish(interrupted=True)
             if killed:
                 self.stderr.write(
-                    f"ranks {_ranks(killed)} did not stop within {GRACE:g} s of SIGINT and were killed; "
+                    f"{_rank_s(killed)} did not stop within {GRACE:g} s of SIGINT and "
+                    f"{'was' if len(killed) == 1 else 'were'} killed; "
                     "the cluster must be restarted: %vgpu_cluster restart\n"
                 )
             raise

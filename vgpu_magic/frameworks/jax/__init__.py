@@ -170,6 +170,7 @@ class Jax(Framework):
     capabilities = CAPABILITIES
     module = "jax"
     keras_backend = "jax"
+    join_call = "jax.distributed.initialize()"
 
     def __init__(self) -> None:
         self._peaks: dict[str, int] = {}

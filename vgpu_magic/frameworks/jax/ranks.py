@@ -1,5 +1,12 @@
-"""JAX's ranks: ``jax.distributed.initialize`` with the coordinator on rank 0's
-host, and each process's devices planned on the rank by the planner.
+"""JAX's ranks: a coordinator on rank 0's host for ``jax.distributed.initialize``,
+and each process's devices planned on the rank by the planner.
+
+An unchanged ``jax.distributed.initialize()`` (no arguments) works on a rank,
+as under a cluster JAX detects itself (SLURM, Open MPI): the rank's
+environment has ``JAX_COORDINATOR_ADDRESS`` (read by JAX) and
+``VGPU_MAGIC_JAX_NUM_PROCESSES`` / ``VGPU_MAGIC_JAX_PROCESS_ID``, which a
+cluster environment registered with JAX's auto-detection on the rank
+(:func:`setup_rank`) hands to it. With ``join`` the setup makes that call.
 
 The coordinator is rank 0's address and a port chosen on its host; under
 SLURM it is what JAX's own SLURM support computes (``jax._src.clusters.
@@ -50,6 +57,14 @@ def plan_ranks(layout: RankLayout, split: int | None, memory_mib: int | None, po
     coordinator = f"{layout.leader}:{port}"
     per_process = split or 1
     plans = []
+
+    def joining(place) -> dict[str, str]:
+        return {
+            "JAX_COORDINATOR_ADDRESS": coordinator,
+            "VGPU_MAGIC_JAX_NUM_PROCESSES": str(n),
+            "VGPU_MAGIC_JAX_PROCESS_ID": str(place.rank),
+        }
+
     if on_gpu:
         caps = [rank_share_mib(p.gpu, p.gpu_shared_by, memory_mib, CAPABILITIES) for p in places]
         fraction = caps[0] / places[0].gpu.total_mib if places[0].gpu.total_mib else None
@@ -57,29 +72,34 @@ def plan_ranks(layout: RankLayout, split: int | None, memory_mib: int | None, po
         notes = (f"jax.distributed on {coordinator}: {n} processes × 1 GPU device{shown}",)
         for place, cap in zip(places, caps):
             args = (coordinator, n, place.rank, place.gpu.index, 1, cap)
-            plans.append(RankPlan(place.rank, {}, "vgpu_magic.frameworks.jax.ranks:setup_rank", args, notes))
+            env = {"JAX_LOCAL_DEVICE_IDS": str(place.gpu.index), **joining(place)}
+            plans.append(RankPlan(place.rank, env, "vgpu_magic.frameworks.jax.ranks:setup_rank", args, notes))
     else:
         notes = (
             f"jax.distributed on {coordinator}: {n} processes × {per_process} CPU devices = {n * per_process} devices",
         )
         for place in places:
             args = (coordinator, n, place.rank, None, per_process, None)
-            plans.append(
-                RankPlan(
-                    place.rank, {"JAX_PLATFORMS": "cpu"}, "vgpu_magic.frameworks.jax.ranks:setup_rank", args, notes
-                )
-            )
+            env = {"JAX_PLATFORMS": "cpu", "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo", **joining(place)}
+            plans.append(RankPlan(place.rank, env, "vgpu_magic.frameworks.jax.ranks:setup_rank", args, notes))
     return plans
 
 
 def setup_rank(
-    coordinator: str, num_processes: int, process_id: int, gpu: int | None, count: int, cap_mib: int | None
+    coordinator: str,
+    num_processes: int,
+    process_id: int,
+    gpu: int | None,
+    count: int,
+    cap_mib: int | None,
+    join: bool = False,
 ) -> str:
     """Run on the rank: plan its devices with the planner on its own inventory
     (``count`` CPU devices, or GPU ``gpu``, CUDA's index on its host, capped at
-    ``cap_mib`` with memory growth), then join the coordinator (rank 0 hosts it)."""
-    import jax
-
+    ``cap_mib`` with memory growth), then make an unchanged
+    ``jax.distributed.initialize()`` find this rank's place; with ``join``, also
+    make that call (rank 0 hosts the coordinator). The devices are planned
+    first: JAX reads their configuration when it initializes."""
     from ...planner import configuration_after, plan_split
     from ...plans import SplitRequest
     from . import FRAMEWORK
@@ -91,8 +111,11 @@ def setup_rank(
         request = SplitRequest(count=1, memory=cap_mib, gpu=gpu, memory_growth=True)
     plan = plan_split(request, inventory)
     FRAMEWORK.write_configuration(inventory.current, configuration_after(plan, inventory.current))
-    if gpu is None:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    _register_cluster_environment()
+    if not join:
+        return f"jax.distributed.initialize() joins {coordinator} as process {process_id} of {num_processes}"
+    import jax
+
     jax.distributed.initialize(
         coordinator_address=coordinator,
         num_processes=num_processes,
@@ -100,3 +123,41 @@ def setup_rank(
         local_device_ids=None if gpu is None else [gpu],
     )
     return f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local devices"
+
+
+_registered: list[type] = []
+
+
+def _register_cluster_environment() -> None:
+    """Put a cluster environment reading the rank's ``VGPU_MAGIC_JAX_*`` variables
+    first in JAX's auto-detection (JAX registers every ``ClusterEnv`` subclass
+    when it is defined), ahead of any SLURM or MPI variables the kernel had."""
+    import os
+
+    from jax._src import clusters
+
+    if _registered:
+        return
+
+    class VgpuMagicRanks(clusters.ClusterEnv):
+        name = "vgpu_magic"
+
+        @classmethod
+        def is_env_present(cls) -> bool:
+            return "VGPU_MAGIC_JAX_PROCESS_ID" in os.environ
+
+        @classmethod
+        def get_coordinator_address(cls, timeout_secs: int | None, override_coordinator_port: str | None) -> str:
+            return os.environ["JAX_COORDINATOR_ADDRESS"]
+
+        @classmethod
+        def get_process_count(cls) -> int:
+            return int(os.environ["VGPU_MAGIC_JAX_NUM_PROCESSES"])
+
+        @classmethod
+        def get_process_id(cls) -> int:
+            return int(os.environ["VGPU_MAGIC_JAX_PROCESS_ID"])
+
+    clusters.ClusterEnv._cluster_types.remove(VgpuMagicRanks)
+    clusters.ClusterEnv._cluster_types.insert(0, VgpuMagicRanks)
+    _registered.append(VgpuMagicRanks)

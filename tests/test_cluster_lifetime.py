@@ -1,0 +1,146 @@
+"""Nothing a cluster starts outlives its kernel (issue 16, defects 1 and 7): a
+real kernel killed by SIGKILL or ``os.abort()`` (no atexit runs) takes the
+controller, its children, the engines and their nannies with it; a controller
+killed first leaves nothing after stop; and the watch itself, on plain
+processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from conftest import CHILD_ENV, ROOT, kernel_run, kernel_stdout
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` still running (a zombie nobody reaps is dead)."""
+    from vgpu_magic.ranks.run import process_alive
+
+    return [pid for pid in pids if process_alive(pid)]
+
+
+def gone_within(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and alive(pids):
+        time.sleep(0.2)
+    return alive(pids)
+
+
+@pytest.mark.parametrize("death", ["SIGKILL", "os.abort()"])
+def test_a_kernel_that_dies_without_atexit_takes_every_cluster_process_with_it(death):
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", env={**CHILD_ENV, "PYTHONPATH": str(ROOT)}, cwd=str(ROOT))
+    pids: list[int] = []
+    try:
+        reply = kernel_run(kc, "%load_ext vgpu_magic\n%vgpu_cluster start 2 --framework torch")
+        assert not [m for m in reply if m["msg_type"] == "error"]
+        family = "[os.getpid()] + [p.pid for p in psutil.Process().children(recursive=True)]"
+        reply = kernel_run(kc, f"import json, os, psutil\nprint(json.dumps({family}))")
+        kernel, *pids = json.loads(kernel_stdout(reply).strip().splitlines()[-1])
+        # The controller (main and children), 2 engines and their 2 nannies.
+        assert len(pids) >= 5
+        if death == "SIGKILL":
+            os.kill(kernel, signal.SIGKILL)
+        else:
+            kc.execute("import os; os.abort()")
+        assert gone_within([kernel], 30) == []
+        assert gone_within(pids, 15) == []
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+        for pid in alive(pids):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_stop_after_the_controller_was_killed_leaves_nothing():
+    from vgpu_magic.ranks import RankCluster
+
+    ranks = RankCluster(1, "tensorflow", gpus=[]).start()
+    try:
+        controller = psutil.Process(ranks.cluster.controller.pid)
+        children = [p.pid for p in controller.children(recursive=True)]
+        everything = [p.pid for p in psutil.Process().children(recursive=True)]
+        assert len(children) >= 4
+        controller.kill()
+        assert gone_within([controller.pid], 10) == []
+        # Its children were re-parented: no longer below this process, still running.
+        assert alive(children) == children
+    finally:
+        ranks.stop()
+    assert alive(everything) == []
+
+
+WATCHED = """
+import json, os, sys, time
+from vgpu_magic.ranks import lifetime
+assert lifetime.watch_owner(sys.argv[1])
+child = os.fork()
+if child == 0:
+    time.sleep(600)
+    os._exit(0)
+print(json.dumps([os.getpid(), child]), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_watched_process_and_what_it_forked_end_with_their_owner():
+    from vgpu_magic.ranks import lifetime
+
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        created = psutil.Process(owner.pid).create_time()
+        name = f"{lifetime.socket.gethostname()}:{owner.pid}:{created:.3f}"
+        watched = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(WATCHED), name],
+            stdout=subprocess.PIPE, text=True, env={**CHILD_ENV, "PYTHONPATH": str(ROOT)},
+        )
+        pids = json.loads(watched.stdout.readline())
+        assert alive(pids) == pids
+        owner.kill()
+        assert gone_within(pids, 15) == []
+        assert watched.wait(5) == -signal.SIGKILL
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+def test_an_owner_on_another_host_or_none_is_not_watched(monkeypatch):
+    from vgpu_magic.ranks import lifetime
+
+    monkeypatch.delenv(lifetime.OWNER_ENV, raising=False)
+    assert lifetime.watch_owner() is False
+    assert lifetime.watch_owner(f"elsewhere.example:{os.getpid()}:0.000") is False
+
+
+def test_then_runs_its_command_when_the_owner_dies(tmp_path):
+    """How a launcher whose processes live on other hosts (SLURM, ssh) ends them: a local watcher runs
+    `scancel JOBID` (here: touch a file) when the kernel dies."""
+    from vgpu_magic.ranks import lifetime
+
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    marker = tmp_path / "cancelled"
+    try:
+        name = f"{lifetime.socket.gethostname()}:{owner.pid}:{psutil.Process(owner.pid).create_time():.3f}"
+        watcher = subprocess.Popen(
+            [sys.executable, "-m", "vgpu_magic.ranks.lifetime", "--then", f"touch {marker}"],
+            env={**CHILD_ENV, "PYTHONPATH": str(ROOT), lifetime.OWNER_ENV: name},
+        )
+        time.sleep(1.0)
+        assert watcher.poll() is None and not marker.exists()
+        owner.kill()
+        assert watcher.wait(15) == -signal.SIGKILL
+        assert marker.exists()
+    finally:
+        owner.kill()
+        owner.wait()

@@ -1,0 +1,208 @@
+"""Nothing a cluster starts outlives its kernel.
+
+A kernel can die without running ``atexit`` (SIGKILL, the OOM killer,
+``os.abort()`` as XLA:CPU's fatal collective timeout does, a segfault), so
+:meth:`~.engine.RankCluster.stop` cannot be the only way the ranks go. Each
+process a cluster starts therefore watches its *owner* (the kernel) itself:
+
+* the owner is named in the environment, :data:`OWNER_ENV` =
+  ``"host:pid:start-time"`` (the start time tells the kernel from a later
+  process that reuses its PID; the host keeps a process started on another
+  machine by SLURM or ssh from mistaking a local PID for its kernel);
+* :func:`watch_owner` starts a daemon thread that waits for the owner to exit
+  (``pidfd_open`` where Linux has it: woken by the kernel's exit, no polling)
+  and then SIGKILLs this process and everything below it. SIGKILL, not
+  SIGTERM: a rank blocked in a collective never gets back to Python to
+  handle a signal;
+* a process forked by a watched one (the controller's schedulers are forked
+  by :mod:`multiprocessing`) starts its own watch (:func:`os.register_at_fork`),
+  so it goes too when its parent was killed first;
+* every process also carries its cluster's :data:`CLUSTER_ENV` token, so
+  :func:`processes_of` finds all of them, even those whose parent died and
+  that were re-parented (the controller's children after its main process
+  was killed).
+
+ipyparallel starts the controller and the engines as ``python -m
+ipyparallel.controller`` / ``-m ipyparallel.engine``; :data:`WATCHED` puts
+this module in front (``python -m vgpu_magic.ranks.lifetime
+ipyparallel.engine ARGS``), which starts the watch and then runs the module
+as ``__main__`` in the same process. The engines' nannies watch their engine
+already (ipyparallel's ``KernelNanny``) and exit with it.
+
+Processes started on other hosts (a SLURM job, ssh) cannot see the kernel's
+PID. There the launcher runs ``python -m vgpu_magic.ranks.lifetime --then
+'scancel JOBID'`` next to the kernel (a watched local process that runs its
+command when the kernel dies; see :func:`main`), so the batch system ends
+the remote processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import select
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+__all__ = [
+    "OWNER_ENV",
+    "CLUSTER_ENV",
+    "owner_of_this_process",
+    "watch_owner",
+    "watched_command",
+    "processes_of",
+    "main",
+]
+
+#: ``"host:pid:start-time"`` of the process whose death ends this one.
+OWNER_ENV = "VGPU_MAGIC_OWNER"
+#: A token shared by every process of one cluster (:func:`processes_of`).
+CLUSTER_ENV = "VGPU_MAGIC_CLUSTER"
+#: Seconds between looks at the owner where ``pidfd_open`` is missing.
+POLL = 0.5
+
+_watching: dict[str, str] = {}
+
+
+def owner_of_this_process() -> str:
+    """The :data:`OWNER_ENV` value naming this process (the kernel) as owner."""
+    import psutil
+
+    return f"{socket.gethostname()}:{os.getpid()}:{psutil.Process().create_time():.3f}"
+
+
+def _parse(owner: str) -> tuple[str, int, float]:
+    host, pid, created = owner.rsplit(":", 2)
+    return host, int(pid), float(created)
+
+
+def _owner_alive(pid: int, created: float) -> bool:
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return abs(proc.create_time() - created) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_for_exit(pid: int, created: float) -> None:
+    """Return once the owner has exited (or never existed)."""
+    fd = None
+    if hasattr(os, "pidfd_open"):
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            fd = None
+    try:
+        # Checked after opening the pidfd: a PID reused since is not our owner.
+        if not _owner_alive(pid, created):
+            return
+        if fd is not None:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            while not poller.poll():
+                pass
+            return
+        while _owner_alive(pid, created):
+            time.sleep(POLL)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _end_this_process_tree() -> None:
+    import psutil
+
+    try:
+        below = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        below = []
+    for proc in below:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def watch_owner(owner: str | None = None, then: str | None = None) -> bool:
+    """Start the watch: when ``owner`` (default: :data:`OWNER_ENV`) exits, run
+    ``then`` (a shell command, if any), then SIGKILL this process and its
+    descendants.
+
+    Returns whether a watch runs: not without an owner, nor where the owner
+    lives on another host (its PID means nothing here).
+    """
+    owner = owner or os.environ.get(OWNER_ENV)
+    if not owner:
+        return False
+    host, pid, created = _parse(owner)
+    if host != socket.gethostname():
+        return False
+    _watching.update(owner=owner, then=then or "")
+
+    def watch() -> None:
+        _wait_for_exit(pid, created)
+        if then:
+            subprocess.run(shlex.split(then), check=False, timeout=60)
+        _end_this_process_tree()
+
+    threading.Thread(target=watch, name=f"vgpu_magic-owner-watch({pid})", daemon=True).start()
+    return True
+
+
+def _watch_again_after_fork() -> None:
+    # Threads do not survive fork; a forked child watches for itself.
+    if _watching:
+        watch_owner(_watching["owner"], _watching["then"] or None)
+
+
+os.register_at_fork(after_in_child=_watch_again_after_fork)
+
+
+def watched_command(module: str) -> list[str]:
+    """``python -m MODULE`` run under the watch: ``[python, -m, vgpu_magic.ranks.lifetime, MODULE]``."""
+    return [sys.executable, "-m", __name__, module]
+
+
+def processes_of(token: str, since: float = 0.0) -> list:
+    """Every process of this user carrying ``CLUSTER_ENV=token`` (started at or after ``since``)."""
+    import psutil
+
+    me = psutil.Process().username()
+    found = []
+    for proc in psutil.process_iter(["username", "create_time"]):
+        try:
+            if proc.info["username"] != me or proc.info["create_time"] < since - 1 or proc.pid == os.getpid():
+                continue
+            if proc.environ().get(CLUSTER_ENV) == token:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m vgpu_magic.ranks.lifetime MODULE ARGS...``: run ``MODULE`` as
+    ``__main__`` under the watch. ``python -m vgpu_magic.ranks.lifetime --then
+    CMD``: wait for the owner, then run ``CMD`` (e.g. ``scancel JOBID``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--then"] and len(argv) == 2:
+        if not watch_owner(then=argv[1]):
+            sys.exit(f"{OWNER_ENV} names no owner on this host; nothing to watch")
+        threading.Event().wait()
+    if not argv:
+        sys.exit("usage: python -m vgpu_magic.ranks.lifetime MODULE [ARGS...] | --then COMMAND")
+    watch_owner()
+    module = argv[0]
+    sys.argv = [module, *argv[1:]]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
