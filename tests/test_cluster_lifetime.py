@@ -17,7 +17,7 @@ import time
 import psutil
 import pytest
 
-from conftest import CHILD_ENV, ROOT, kernel_run, kernel_stdout
+from support import CHILD_ENV, ROOT, kernel_run, kernel_stdout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

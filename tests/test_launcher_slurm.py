@@ -62,7 +62,9 @@ def slurm_ranks(slurm, framework: str, n: int, launcher_options: dict | None = N
 
     steps = step_daemons()
     launcher_options = {"time": "10", **(launcher_options or {})}
-    ranks = RankCluster(n, framework, launcher="slurm", launcher_options=launcher_options, **options).start()
+    ranks = RankCluster(
+        n, framework, launcher="slurm", launcher_options=launcher_options, join=True, **options
+    ).start()
     cluster_id = ranks.cluster_id
     profile = Path(ranks.cluster.profile_dir)
     try:
@@ -209,3 +211,49 @@ def test_jax_distributed_across_two_slurm_nodes(two_nodes, two_hosts):
     coordinator = found[0][5].rsplit(":", 1)[0]
     assert coordinator in (first_host, addresses[first_host]) and found[1][5] == found[0][5]
     assert [f[6] for f in found] == [[10, 11]] * 2
+
+
+def test_a_killed_kernel_takes_its_slurm_job_with_it(slurm):
+    """A kernel killed by SIGKILL runs no atexit and no stop(): the watch started next to it
+    (``lifetime --then 'scancel JOBID'``) cancels the batch job, and the job's engines go."""
+    import json
+    import os
+    import signal
+    import subprocess
+
+    from jupyter_client.manager import start_new_kernel
+
+    from support import CHILD_ENV, ROOT, kernel_run, kernel_stdout
+
+    env = {**CHILD_ENV, "PYTHONPATH": str(ROOT), "SLURM_CONF": str(slurm.conf)}
+    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(ROOT))
+    job = ""
+    try:
+        reply = kernel_run(kc, "%load_ext vgpu_magic\n%vgpu_cluster start 2 --framework tensorflow --launcher slurm")
+        assert not [m for m in reply if m["msg_type"] == "error"], kernel_stdout(reply)
+        reply = kernel_run(
+            kc,
+            "import json, os, vgpu_magic\n"
+            "r = vgpu_magic.cluster()\n"
+            "print(json.dumps([os.getpid(), [es.job_id for es in r.cluster.engines.values()][0], r.cluster_id]))",
+        )
+        kernel, job, cluster_id = json.loads(kernel_stdout(reply).strip().splitlines()[-1])
+        assert job and queued(job)
+        os.kill(kernel, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and (queued(job) or processes_of(cluster_id)):
+            time.sleep(0.25)
+        assert not queued(job), f"job {job} still in squeue 15 s after its kernel was killed"
+        assert processes_of(cluster_id) == []
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+        if job:
+            subprocess.run(["scancel", "-s", "KILL", job], capture_output=True, check=False)
+
+
+def queued(job: str) -> bool:
+    import subprocess
+
+    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%i"], capture_output=True, text=True, check=False)
+    return out.returncode == 0 and bool(out.stdout.strip())

@@ -51,7 +51,7 @@ def ranks_on_two_hosts(two_hosts, framework: str, **options):
         "environment": env,
     }
     before = our_processes()
-    ranks = RankCluster(2, framework, launcher="ssh", launcher_options=launcher_options, **options).start()
+    ranks = RankCluster(2, framework, launcher="ssh", launcher_options=launcher_options, join=True, **options).start()
     cluster_id = ranks.cluster_id
     try:
         yield ranks

@@ -294,6 +294,7 @@ class RankCluster:
             self.cluster.start_cluster_sync(n=self.n)
             # Remembered at once, so that even engines that never register are stopped.
             self._remember_processes()
+            self._watch_remote()
             self.client = self.cluster.connect_client_sync()
             # interactive=False: no progress bar in the cell (the start summary says what started).
             self.client.wait_for_engines(self.n, timeout=ENGINE_TIMEOUT, block=True, interactive=False)
@@ -495,6 +496,33 @@ class RankCluster:
             raise RuntimeError(f"processes {sorted(p.pid for p in alive)} did not exit after SIGKILL")
         if left:
             raise RuntimeError(f"after stopping, {'; '.join(left)}")
+
+    def _watch_remote(self) -> None:
+        """Engines on other hosts (a SLURM job's tasks, SSH engines) cannot watch this kernel's PID,
+        so a watched process next to the kernel ends them through their launcher when the kernel dies
+        without :meth:`stop` (``python -m vgpu_magic.ranks.lifetime --then COMMAND``). It carries the
+        cluster's token, so :meth:`stop` ends it with the rest."""
+        import shlex
+
+        jobs = [getattr(es, "job_id", "") for es in self.cluster.engines.values()]
+        commands = [shlex.join(["scancel", job]) for job in jobs if job]
+        if self.launcher_plan.ssh_hosts:
+            remote_dir = self.launcher_plan.config["SSHEngineSetLauncher"]["remote_profile_dir"]
+            engines = self._ssh_engines()
+            for location, args in self.launcher_plan.ssh_hosts:
+                pids = " ".join(str(pid) for where, pid in engines if where == location)
+                cleanup = f"kill {pids} 2>/dev/null; " + _REMOTE_CLEANUP.format(pids=pids, folder=remote_dir)
+                commands.append(shlex.join(["ssh", *args, location, cleanup]))
+        env = {**os.environ, lifetime.OWNER_ENV: lifetime.owner_of_this_process(), lifetime.CLUSTER_ENV: self._token}
+        for command in commands:
+            subprocess.Popen(
+                [sys.executable, "-m", "vgpu_magic.ranks.lifetime", "--then", command],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def _ssh_engines(self) -> list[tuple[str, int]]:
         """``(ssh location, PID there)`` of each engine started over SSH, in start order."""
