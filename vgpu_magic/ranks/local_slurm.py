@@ -93,6 +93,7 @@ class LocalSlurm:
         self.conf: Path | None = None
         self.processes: list[subprocess.Popen] = []
         self._previous_conf: str | None = None
+        self._watcher: subprocess.Popen | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> LocalSlurm:
@@ -113,13 +114,52 @@ class LocalSlurm:
                     f"slurmd-{node.name}", [*node.prefix, "slurmd", "-D", "-N", node.name, "-f", str(self.conf)]
                 )
             self._wait_idle()
+            self._watch_owner()
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _sweep_script(self, daemons: bool = True) -> str:
+        """Shell lines that SIGKILL this cluster's daemons (with ``daemons``; not once
+        they were reaped, when their PIDs may be another's) and the step daemons of its
+        jobs (found by the ``SLURM_CONF`` in their environment: ``slurmd`` leaves them
+        to init when it stops), then remove the folder."""
+        pids = " ".join(str(proc.pid) for proc in self.processes) if daemons else ""
+        return (
+            (f"kill -9 {pids} 2>/dev/null; " if pids else "")
+            + "for p in $(pgrep -x slurmstepd); do "
+            f"grep -qa 'SLURM_CONF={self.conf}' /proc/$p/environ 2>/dev/null && pkill -9 -P $p; "
+            f"grep -qa 'SLURM_CONF={self.conf}' /proc/$p/environ 2>/dev/null && kill -9 $p; done; "
+            + f"rm -rf '{self.folder}'"
+        )
+
+    def _watch_owner(self) -> None:
+        """The daemons are not ours to stop if this process dies without :meth:`stop`
+        (a kernel killed by SIGKILL): a watched process (:mod:`.lifetime`) runs the
+        sweep then."""
+        import shlex
+        import sys
+
+        from . import lifetime
+
+        env = {**os.environ, lifetime.OWNER_ENV: lifetime.owner_of_this_process()}
+        sweep = shlex.join(["sh", "-c", self._sweep_script()])
+        self._watcher = subprocess.Popen(
+            [sys.executable, "-m", "vgpu_magic.ranks.lifetime", "--then", sweep],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
     def stop(self) -> None:
         """Cancel every job, stop the daemons and remove the folder. Safe to call twice."""
+        if self._watcher is not None:
+            self._watcher.kill()
+            self._watcher.wait(timeout=10)
+            self._watcher = None
         if self.conf is not None and self.processes:
             subprocess.run(
                 ["scancel", "--full", "--user", "root"], env=self.env(), capture_output=True, timeout=30, check=False
@@ -133,6 +173,10 @@ class LocalSlurm:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+        if self.conf is not None and self.processes:
+            # Step daemons of jobs still running when slurmd stopped are left to init.
+            sweep = ["sh", "-c", self._sweep_script(daemons=False)]
+            subprocess.run(sweep, capture_output=True, timeout=30, check=False)
         self.processes = []
         if self.conf is not None and os.environ.get("SLURM_CONF") == str(self.conf):
             if self._previous_conf is None:
