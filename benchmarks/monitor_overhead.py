@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import statistics
@@ -103,12 +104,13 @@ def timed_fit(monitored, data=None):
     start = time.perf_counter()
     model.fit(data or ds, epochs=1, verbose=0, callbacks=[begin, *([mon] if mon else []), end])
     call = time.perf_counter() - start
-    out = {{"monitored": monitored, "seconds": end.end - begin.start, "cpu": end.cpu_end - begin.cpu_start, "call": call}}
+    seconds, cpu = end.end - begin.start, end.cpu_end - begin.cpu_start
+    out = {{"monitored": monitored, "seconds": seconds, "cpu": cpu, "call": call}}
     if mon is not None:
         view, stats = mon.view, mon.stats
         out.update(
-            samples=stats.samples, sample_seconds=stats.sample_seconds, sample_costs=list(stats.costs), devices=stats.devices,
-            series=[s.label for s in mon.trace.series], update_costs=view.update_costs,
+            samples=stats.samples, sample_seconds=stats.sample_seconds, sample_costs=list(stats.costs),
+            devices=stats.devices, series=[s.label for s in mon.trace.series], update_costs=view.update_costs,
             update_times=[t - view.update_times[0] for t in view.update_times], duration=mon.trace.duration,
             rows=len(mon.trace),
         )
@@ -238,20 +240,21 @@ def main() -> None:
     ratios = [b["seconds"] / a["seconds"] for a, b in pairs]
     cpu_ratios = [b["cpu"] / a["cpu"] for a, b in pairs]
     call_ratios = [b["call"] / a["call"] for a, b in pairs]
-    samples = sum(r["samples"] for r in on + [long])
-    per_sample = sum(r["sample_seconds"] for r in on + [long]) / samples
-    median_sample = statistics.median(c for r in on + [long] for c in r["sample_costs"])
+    monitored_runs = [*on, long]
+    samples = sum(r["samples"] for r in monitored_runs)
+    per_sample = sum(r["sample_seconds"] for r in monitored_runs) / samples
+    median_sample = statistics.median(c for r in monitored_runs for c in r["sample_costs"])
     devices = on[0]["devices"]
-    updates = [c for r in on + [long] for c in r["update_costs"]]
-    finals = [r["final_cost"] for r in on + [long]]
+    updates = [c for r in monitored_runs for c in r["update_costs"]]
+    finals = [r["final_cost"] for r in monitored_runs]
     share = [sum(r["update_costs"]) / r["seconds"] for r in on]
     live_times = long["update_times"]
-    gaps = [b - a for a, b in zip(live_times[:-1], live_times[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(live_times)]
     # One display (the widget, opened at the run start), one update (the final image in its place); the live
     # updates are comm messages, one per update that had new rows.
     one_output = all(
         r["displays"] == 1 and r["updates"] == 1 and r["ids"] == 1 and 0 < r["messages"] <= len(r["update_costs"])
-        for r in on + [long]
+        for r in monitored_runs
     )
     off_median = statistics.median(r["seconds"] for r in off)
 
@@ -271,15 +274,17 @@ def main() -> None:
           f"({len(updates)} updates: the new rows as one comm message, and the traits that changed)")
     print(f"  view's kernel share   median {100 * statistics.median(share):.3f} % of each paired monitored run, "
           f"{100 * sum(long['update_costs']) / long['seconds']:.3f} % of the long run (goal <= 0.5 %)")
-    print(f"  updates per second    {len(live_times) / long['seconds']:.2f} in the long run ({long['seconds']:.1f} s, "
-          f"{len(live_times)} updates; goal >= 4); median gap " + (f"{statistics.median(gaps):.2f} s" if gaps else "—"))
+    median_gap = f"{statistics.median(gaps):.2f} s" if gaps else "—"
+    print(f"  updates per second    {len(live_times) / long['seconds']:.2f} in the long run "
+          f"({long['seconds']:.1f} s, {len(live_times)} updates; goal >= 4); median gap {median_gap}")
     print(f"  final image           {median_ms(finals)}, drawn when the cell ends, after the training")
     print(f"  display               one output per run, the widget then the final image in its place: {one_output}")
     if widgets:
         print("  one update, by widget " + "; ".join(f"{k}: {1000 * v:.3f} ms" for k, v in widgets.items()))
     print(f"  took                  {time.perf_counter() - began:.0f} s")
     if args.json:
-        print(json.dumps({"pairs": [[a, b] for a, b in pairs], "long": long, "ratios": ratios, "cpu_ratios": cpu_ratios}))
+        report = {"pairs": [[a, b] for a, b in pairs], "long": long, "ratios": ratios, "cpu_ratios": cpu_ratios}
+        print(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import subprocess
 import sys
 
@@ -67,7 +68,8 @@ class FakeWidget:
     def __init__(self, **traits) -> None:
         self.sent: list = []
         self.closed = False
-        self.series, self.units, self.title, self.note = traits["series"], traits["units"], traits["title"], traits["note"]
+        self.series, self.units = traits["series"], traits["units"]
+        self.title, self.note = traits["title"], traits["note"]
         self.marks: list = []
 
     def send(self, content) -> None:
@@ -117,7 +119,7 @@ def png_size(data: bytes) -> tuple[int, int]:
 
 def cpu_trace(samples: int = 20) -> MemoryTrace:
     trace = MemoryTrace(build_series(CPUS), kind="fit", baseline_peak=(MIB,), epochs_total=2)
-    trace.variable_bytes = {d: 3 * MIB for d in CPUS}
+    trace.variable_bytes = dict.fromkeys(CPUS, 3 * MIB)
     for k in range(samples):
         if k in (0, samples // 2):
             trace.mark_epoch(k * 0.1, 0 if k == 0 else 1)
@@ -363,7 +365,7 @@ def test_final_image_can_wait_until_the_training_is_over():
 
 def cpu_run(samples: int, base: int) -> MemoryTrace:
     trace = MemoryTrace(build_series(CPUS), kind="fit", baseline_peak=(90 * MIB,), epochs_total=1)
-    trace.variable_bytes = {d: 3 * MIB for d in CPUS}
+    trace.variable_bytes = dict.fromkeys(CPUS, 3 * MIB)
     trace.mark_epoch(0.0, 0)
     for k in range(samples):
         trace.append(k * 0.05, k, 0, "fit", [(base + (k % 7) * MIB, 80 * MIB)])
@@ -433,7 +435,7 @@ def test_epoch_labels_do_not_overprint():
     labels = sorted(t.get_position()[0] for t in ax.texts if t.get_text().strip().startswith("e"))
     assert len([line for line in ax.lines if line.get_linestyle() == ":"]) == 59  # every mark drawn
     assert 5 <= len(labels) < 59  # ... but only labels with room
-    assert min(b - a for a, b in zip(labels, labels[1:])) >= 0.045 * 6.0 - 1e-9
+    assert min(b - a for a, b in itertools.pairwise(labels)) >= 0.045 * 6.0 - 1e-9
 
 
 def test_savefig_writes_a_real_png(tmp_path):
@@ -667,7 +669,7 @@ def test_rss_gets_its_own_panel_so_an_allocator_reporting_nothing_stays_readable
 
 
 def test_equal_caps_on_several_gpus_all_show_and_are_labelled_once():
-    caps = {d: 2 * GIB for d in GPUS}
+    caps = dict.fromkeys(GPUS, 2 * GIB)
     trace = MemoryTrace(build_series(GPUS, caps), kind="fit", baseline_peak=(0,) * 4)
     for k in range(10):
         trace.append(k * 0.1, k, 0, "fit", [(GIB // 2, GIB // 2)] * 4)

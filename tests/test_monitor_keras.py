@@ -80,7 +80,9 @@ print(json.dumps({{
 )
 
 
-@pytest.mark.parametrize(("count", "scope"), [(2, True), (4, True), (4, False)], ids=["2-scope", "4-scope", "4-no-scope"])
+@pytest.mark.parametrize(
+    ("count", "scope"), [(2, True), (4, True), (4, False)], ids=["2-scope", "4-scope", "4-no-scope"]
+)
 def test_fit_evaluate_predict_under_a_cpu_split(count, scope, tmp_path):
     result = last_json(run_python(FIT_EVALUATE_PREDICT.format(count=count, scope=scope, tmp=tmp_path)).stdout)
     devices = [f"/device:CPU:{i}" for i in range(count)]
@@ -102,7 +104,7 @@ def test_fit_evaluate_predict_under_a_cpu_split(count, scope, tmp_path):
     assert result["monotone_time"] and all(result["finished"])
     # Each replica's own copy of the variables, exactly; without a strategy they all live on CPU:0.
     if scope:
-        assert result["variable_bytes"] == {d: result["per_replica"] for d in devices}
+        assert result["variable_bytes"] == dict.fromkeys(devices, result["per_replica"])
     else:
         assert result["variable_bytes"] == {d: result["per_replica"] if d.endswith(":0") else 0 for d in devices}
 
@@ -110,7 +112,8 @@ def test_fit_evaluate_predict_under_a_cpu_split(count, scope, tmp_path):
     assert [line.split(" · ")[1] for line in lines[:2]] == ["epoch 1/2", "epoch 2/2"]
     assert all(f"host allocator (shared by {count} logical CPUs): " in line for line in lines)
     assert all("process RSS (all memory of this Python process): now " in line for line in lines)
-    assert [line.split(" · ")[1].split(" in ")[0] for line in lines[2:]] == ["fit done", "evaluate done", "predict done"]
+    ends = [line.split(" · ")[1].split(" in ")[0] for line in lines[2:]]
+    assert ends == ["fit done", "evaluate done", "predict done"]
     assert len(lines) == 5
 
     csv_lines = (tmp_path / "predict.csv").read_text().splitlines()
@@ -405,7 +408,9 @@ def test_vgpu_monitor_on_off_patches_and_restores_keras_exactly():
     assert result["after_fit"] == 1 and result["fit_phases"] == ["fit", "validate"]
     # a call that brings its own monitor gets no second one
     assert result["kinds"] == ["fit", "evaluate", "predict"] and result["mine"] == ["fit"]
-    assert result["status_on"] == "automatic memory monitoring is on for keras.Model.fit/evaluate/predict (display='none')"
+    assert result["status_on"] == (
+        "automatic memory monitoring is on for keras.Model.fit/evaluate/predict (display='none')"
+    )
     assert result["off"] == {"fit": True, "evaluate": True, "predict": True}
     assert result["own_off"] == {"fit": False, "evaluate": False, "predict": False}
     assert result["unloaded"] == {"fit": True, "evaluate": True, "predict": True}

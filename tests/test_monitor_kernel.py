@@ -137,7 +137,7 @@ def rendered(text: str) -> list[str]:
 
 
 def test_fit_shows_one_live_view_fed_rows_several_times_a_second_then_the_final_image(kernel):
-    km, kc = kernel
+    _km, kc = kernel
     messages = kernel_run(kc, "mon = vgpu_magic.MemoryMonitor()\n"
                        "model.fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=[mon, Pace()])\n"
                        "view = mon.view\n"
@@ -153,7 +153,10 @@ def test_fit_shows_one_live_view_fed_rows_several_times_a_second_then_the_final_
     assert len(rows) == result["samples"] >= 10
     rate = updates / result["seconds"]
     share = result["cost"] / result["seconds"]
-    print(f"live updates: {updates} in {result['seconds']:.1f} s = {rate:.1f}/s; view's kernel cost {100 * share:.3f} %")
+    print(
+        f"live updates: {updates} in {result['seconds']:.1f} s = {rate:.1f}/s; "
+        f"view's kernel cost {100 * share:.3f} %"
+    )
     # The goal is >= 4 a second at <= 0.5 % of the time; the bounds here are loose (a loaded machine).
     assert rate >= 2.0 and share <= 0.02
     # The final image came after the fit's own output, at the end of the cell.
@@ -162,8 +165,10 @@ def test_fit_shows_one_live_view_fed_rows_several_times_a_second_then_the_final_
 
 
 def test_vgpu_monitor_on_plots_a_fit_without_code_changes(kernel):
-    km, kc = kernel
-    messages = kernel_run(kc, "%vgpu_monitor on\nmodel.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[Pace()])")
+    _km, kc = kernel
+    messages = kernel_run(
+        kc, "%vgpu_monitor on\nmodel.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[Pace()])"
+    )
     assert not kernel_errors(messages), kernel_errors(messages)
     check_one_output_updated_in_place(messages, "done")
     messages = kernel_run(kc, "%vgpu_monitor off\nmodel.fit(x, y, batch_size=64, epochs=1, verbose=0)")
@@ -197,7 +202,7 @@ def test_interrupting_the_kernel_keeps_the_trace_and_a_final_frame(kernel):
 
 
 def test_keras_progress_bar_stays_one_stream_output_under_the_plot(kernel):
-    km, kc = kernel
+    _km, kc = kernel
     messages = kernel_run(kc, "%vgpu_monitor on\n"
                        "model.fit(x, y, batch_size=64, epochs=2, verbose=1, callbacks=[Pace()])\n"
                        "%vgpu_monitor off")
@@ -220,7 +225,7 @@ def test_keras_progress_bar_stays_one_stream_output_under_the_plot(kernel):
 
 
 def test_an_interrupt_during_the_final_frame_neither_loses_it_nor_leaves_the_hook(kernel):
-    km, kc = kernel
+    _km, kc = kernel
     # A real SIGINT to the kernel process, delivered while the final frame
     # (drawn when the cell ends) is being rendered.
     setup = kernel_run(kc, "import os, signal\n"
@@ -250,15 +255,16 @@ def test_an_interrupt_during_the_final_frame_neither_loses_it_nor_leaves_the_hoo
 def test_interrupting_a_tight_sampling_loop_never_tears_the_trace(kernel):
     km, kc = kernel
     kernel_run(kc, "mon = vgpu_magic.MemoryMonitor(display='none', interval=0.001)")
+    sent = []
+
+    def interrupt_when_running(msg):
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "busy" and not sent:
+            sent.append(True)
+            time.sleep(0.3)
+            km.interrupt_kernel()
+
     for _ in range(3):
-        sent = []
-
-        def interrupt_when_running(msg):
-            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "busy" and not sent:
-                sent.append(True)
-                time.sleep(0.3)
-                km.interrupt_kernel()
-
+        sent.clear()  # one interrupt per run
         messages = kernel_run(kc, "with mon:\n    while True:\n        mon.sample()", on_message=interrupt_when_running)
         assert [e.split(":")[0] for e in kernel_errors(messages)] == ["KeyboardInterrupt"]
         after = kernel_run(kc, "import csv, io\n"
@@ -283,7 +289,7 @@ def test_the_cpu_plot_of_a_tutorial_sized_model_is_never_empty(kernel):
     import numpy as np
     from PIL import Image
 
-    km, kc = kernel
+    _km, kc = kernel
     messages = kernel_run(kc, TUTORIAL_MODEL)
     assert not kernel_errors(messages), kernel_errors(messages)
     final = displays(messages)[-1][2]

@@ -46,7 +46,8 @@ class MemoryMonitor(MonitorSession):
     """
 
     _model: Any = None
-    params: dict = {}
+    #: Set by Keras (``set_params``) for each run; ``None`` before, as in ``keras.callbacks.Callback``.
+    params: dict | None = None
 
     def _current_model(self) -> Any:
         return self._model_hint if self._model_hint is not None else self._model

@@ -158,7 +158,7 @@ class MemoryRecorder:
             return
         try:
             getattr(self.view, method)(*args)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a plotting error must never stop training
             self.view = None
             self.report_once(
                 "view",
@@ -194,7 +194,7 @@ class MemoryRecorder:
             if self._sampler is None:
                 self._sampler = self._sampler_factory()
             baseline = tuple(peak for _, peak in self._sampler.read())
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any framework's read error; a monitor never stops training
             self._sampling_ok = False
             self.report_once("sampler", f"memory cannot be read, monitoring is off ({type(exc).__name__}: {exc})")
             return False
@@ -235,7 +235,7 @@ class MemoryRecorder:
             begin = time.perf_counter()
             readings = self._sampler.read()
             self.stats.add(time.perf_counter() - begin)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any framework's read error; a monitor never stops training
             self._sampling_ok = False
             self.active = False
             self.report_once("sampler", f"memory cannot be read, monitoring is off ({type(exc).__name__}: {exc})")
@@ -267,7 +267,7 @@ class MemoryRecorder:
             found = self._variables()
             if found is not None:
                 self.trace.variable_bytes = variable_bytes(found, self._sampler.devices)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any framework's variables; a monitor never stops training
             self.report_once("variables", f"variable sizes cannot be read ({type(exc).__name__}: {exc})")
 
     def finish(self, interrupted: bool = False) -> MemoryTrace | None:

@@ -10,16 +10,23 @@ onto it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..frameworks import FrameworkChoiceError
 from .display import DISPLAY_MODES, detect_frontend, interrupts_deferred
 from .plot import save_trace_figure
 from .recorder import MemoryRecorder, RecorderStats, check_interval
 from .sampler import PROCESS_LABEL, DeviceSampler, choose_framework, model_variables
 from .trace import MemoryTrace, SeriesInfo
 from .views import NullView, TextSummaryView
+
+if TYPE_CHECKING:
+    # ``start`` and ``__enter__`` return the monitor itself, a MonitorSession or
+    # its Keras subclass; typing.Self is Python 3.11+.
+    from typing_extensions import Self
 
 __all__ = ["MonitorSession", "process_sampler", "KEPT_TRACES"]
 
@@ -141,7 +148,7 @@ class MonitorSession:
         if self._framework is None:
             try:
                 self._framework = choose_framework(self._preferred_framework())
-            except Exception as exc:
+            except FrameworkChoiceError as exc:
                 self._report(f"memory is read for the process only ({exc})")
                 return process_sampler()
         if not self._framework.runtime_started():
@@ -155,7 +162,7 @@ class MonitorSession:
                 self._framework, self._devices, model=self._current_model(), strategy=self._strategy
             )
             sampler.read()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any framework's error; a monitor never stops training
             # e.g. TensorFlow's host allocator without statistics: the process' memory is still true.
             # Said once per process: every later run would read the same.
             self._report_once_per_process(
@@ -250,10 +257,8 @@ class MonitorSession:
 
     def _unwatch_cell(self) -> None:
         if self._shell_watched is not None:
-            try:
+            with contextlib.suppress(ValueError):  # already unregistered
                 self._shell_watched.events.unregister("post_run_cell", self._cell_finished)
-            except ValueError:
-                pass
             self._shell_watched = None
 
     def _defer_to_cell_end(self, draw) -> None:
@@ -267,7 +272,7 @@ class MonitorSession:
         for draw in pending:
             try:
                 draw()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - one failed image must not stop the others or lose the trace
                 self._report(
                     f"the memory view's final image failed ({type(exc).__name__}: {exc}); the trace is kept"
                 )
@@ -284,7 +289,7 @@ class MonitorSession:
             self._run_pending()
 
     # -- the public API -------------------------------------------------------------
-    def start(self, kind: str = "custom") -> MemoryMonitor:
+    def start(self, kind: str = "custom") -> Self:
         """Begin a run by hand (custom loops); it ends with :meth:`finish` or,
         in IPython, with the cell at the latest."""
         self._fresh = True
@@ -314,7 +319,7 @@ class MonitorSession:
             self._close(interrupted=interrupted)
         return self.trace
 
-    def __enter__(self) -> MemoryMonitor:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, exc_type, exc, tb) -> None:

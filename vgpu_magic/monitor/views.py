@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, TextIO
+from typing import TextIO
 
 from ..units import GIB, MIB, format_bytes
 from .trace import MemoryTrace
