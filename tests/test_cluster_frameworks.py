@@ -83,6 +83,7 @@ def test_jax_two_processes_of_two_cpu_devices():
             "import jax, jax.numpy as jnp\nfrom jax.experimental import multihost_utils\n"
             "jax.distributed.initialize()\n"
             "gathered = multihost_utils.process_allgather(jnp.array([jax.process_index() + 10]))\n"
-            "(jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count(), gathered.ravel().tolist())",
+            "(jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count(),"
+            " gathered.ravel().tolist())",
         )
     assert seen == [(0, 2, 2, 4, [10, 11]), (1, 2, 2, 4, [10, 11])]

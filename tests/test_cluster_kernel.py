@@ -28,7 +28,11 @@ def test_ranks_from_a_real_kernel_interrupt_and_shutdown():
         reply = kernel_run(kc, "import json, vgpu_magic\nprint(json.dumps(sorted(vgpu_magic.cluster()._owned)))")
         pids = json.loads(kernel_stdout(reply).strip().splitlines()[-1])
 
-        reply = kernel_run(kc, "%%vgpu_run\nimport os, time\nfor step in range(3):\n    print('step', step, 'on', os.environ['RANK'])\n    time.sleep(0.3)")
+        reply = kernel_run(
+            kc,
+            "%%vgpu_run\nimport os, time\nfor step in range(3):\n"
+            "    print('step', step, 'on', os.environ['RANK'])\n    time.sleep(0.3)",
+        )
         assert not kernel_errors(reply), kernel_errors(reply)
         lines = kernel_stdout(reply).splitlines()
         assert [x for x in lines if x.startswith("[rank 1]")] == [f"[rank 1] step {s} on 1" for s in range(3)]
@@ -49,8 +53,11 @@ def test_ranks_from_a_real_kernel_interrupt_and_shutdown():
                 sent.append(True)
                 km.interrupt_kernel()
 
-        reply = kernel_run(kc, "%%vgpu_run --no-plot\nimport time\nprint('sleeping', flush=True)\ntime.sleep(120)",
-                    on_message=interrupt_once_running)
+        reply = kernel_run(
+            kc,
+            "%%vgpu_run --no-plot\nimport time\nprint('sleeping', flush=True)\ntime.sleep(120)",
+            on_message=interrupt_once_running,
+        )
         assert [e.split(":")[0] for e in kernel_errors(reply)] == ["KeyboardInterrupt"]
         # Both ranks came back from the interrupt: the same cluster runs the next cell.
         reply = kernel_run(kc, "%%vgpu_run -o alive --no-plot\n'yes'\n")
@@ -59,7 +66,8 @@ def test_ranks_from_a_real_kernel_interrupt_and_shutdown():
         assert kernel_stdout(reply).strip() == "['yes', 'yes']"
     finally:
         kc.stop_channels()
-        # A graceful shutdown, as the notebook's "Shut down kernel" does: the kernel exits and its atexit stops the ranks.
+        # A graceful shutdown, as the notebook's "Shut down kernel" does: the kernel exits and its atexit
+        # stops the ranks.
         km.shutdown_kernel(now=False)
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):

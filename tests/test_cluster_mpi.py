@@ -37,8 +37,8 @@ def test_torch_ranks_on_engines_started_by_mpiexec(monkeypatch):
             "import os, torch, torch.distributed as dist\n"
             "t = torch.tensor([float(dist.get_rank() + 1)])\n"
             "dist.all_reduce(t)\n"
-            "(int(os.environ['RANK']), int(os.environ['OMPI_COMM_WORLD_RANK']), int(os.environ['OMPI_COMM_WORLD_SIZE']),"
-            " t.item())",
+            "(int(os.environ['RANK']), int(os.environ['OMPI_COMM_WORLD_RANK']),"
+            " int(os.environ['OMPI_COMM_WORLD_SIZE']), t.item())",
             output=True,
         )
     finally:

@@ -70,7 +70,8 @@ def test_ranks_get_torchruns_environment_in_rank_order(shell, ranks, capsys):
     shell.run_cell_magic(
         "vgpu_run",
         "-o seen",
-        "import os, torch.distributed as dist\n(dist.get_rank(), dist.get_world_size(), os.environ['RANK'], os.environ['LOCAL_WORLD_SIZE'])",
+        "import os, torch.distributed as dist\n"
+        "(dist.get_rank(), dist.get_world_size(), os.environ['RANK'], os.environ['LOCAL_WORLD_SIZE'])",
     )
     assert shell.user_ns["seen"] == [(0, 2, "0", "2"), (1, 2, "1", "2")]
     # The view ipyparallel users get is in rank order too.
@@ -94,7 +95,11 @@ def test_the_same_start_again_keeps_the_running_ranks(shell, ranks, capsys):
 def test_notebook_names_are_sent_and_output_is_labelled(shell, ranks, capsys):
     shell.user_ns["scale"] = 7
     shell.user_ns["double"] = lambda v: 2 * v
-    shell.run_cell_magic("vgpu_run", "", "import os\nfor step in range(2):\n    print('step', step, double(scale * int(os.environ['RANK'])))")
+    shell.run_cell_magic(
+        "vgpu_run",
+        "",
+        "import os\nfor step in range(2):\n    print('step', step, double(scale * int(os.environ['RANK'])))",
+    )
     lines = capsys.readouterr().out.splitlines()
     assert [line for line in lines if line.startswith("[rank 0]")] == ["[rank 0] step 0 0", "[rank 0] step 1 0"]
     assert [line for line in lines if line.startswith("[rank 1]")] == ["[rank 1] step 0 14", "[rank 1] step 1 14"]
@@ -120,7 +125,12 @@ def test_output_streams_while_the_ranks_run(shell, ranks, tmp_path, monkeypatch)
         "import os, time\nprint('waiting', flush=True)\nmine = os.path.join(folder, 'rank_' + os.environ['RANK'])\n"
         "while not os.path.exists(mine):\n    time.sleep(0.05)\nprint('done')",
     )
-    assert sorted(out.getvalue().splitlines()) == ["[rank 0] done", "[rank 0] waiting", "[rank 1] done", "[rank 1] waiting"]
+    assert sorted(out.getvalue().splitlines()) == [
+        "[rank 0] done",
+        "[rank 0] waiting",
+        "[rank 1] done",
+        "[rank 1] waiting",
+    ]
 
 
 def test_the_last_line_of_every_rank_arrives(shell, ranks, capsys):
@@ -129,7 +139,10 @@ def test_the_last_line_of_every_rank_arrives(shell, ranks, capsys):
     for _ in range(30):
         shell.run_cell_magic("vgpu_run", "", "print('first', flush=True)\nprint('last')")
         assert sorted(capsys.readouterr().out.splitlines()) == [
-            "[rank 0] first", "[rank 0] last", "[rank 1] first", "[rank 1] last"
+            "[rank 0] first",
+            "[rank 0] last",
+            "[rank 1] first",
+            "[rank 1] last",
         ]
 
 
@@ -176,13 +189,16 @@ def test_a_name_deleted_on_the_ranks_or_never_assigned_is_sent_again(shell, rank
 def test_progress_lines_show_their_final_text(shell, ranks, capsys):
     # Issue 16, defect 3: this showed "[rank 0] progress 0/300".
     shell.run_cell_magic(
-        "vgpu_run", "", "import time\nfor i in range(30):\n    print(f'\\rprogress {i + 1}/30', end='', flush=True)\n"
-        "    time.sleep(0.01)\nprint()\nprint('after')"
+        "vgpu_run",
+        "",
+        "import time\nfor i in range(30):\n    print(f'\\rprogress {i + 1}/30', end='', flush=True)\n"
+        "    time.sleep(0.01)\nprint()\nprint('after')",
     )
     lines = capsys.readouterr().out.splitlines()
     for rank in range(2):
         assert [line for line in lines if line.startswith(f"[rank {rank}]")] == [
-            f"[rank {rank}] progress 30/30", f"[rank {rank}] after"
+            f"[rank {rank}] progress 30/30",
+            f"[rank {rank}] after",
         ]
 
 
@@ -225,7 +241,11 @@ def test_same_weights_as_torchrun(shell, ranks, tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run(
         [str(torchrun), "--standalone", "--nproc-per-node", "2", str(PARITY_SCRIPT)],
-        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     by_torchrun = [json.loads((tmp_path / f"weights.{r}").read_text()) for r in range(2)]
@@ -244,9 +264,22 @@ def test_an_unchanged_ddp_script_runs_twice_with_torchruns_weights(shell, launch
     edit, and running it again works as a fresh torchrun would."""
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(TRAIN_SCRIPT),
-         "--epochs", "12", "--out", str(tmp_path / "torchrun")],
-        capture_output=True, text=True, timeout=240, env=CHILD_ENV, cwd=ROOT,
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(TRAIN_SCRIPT),
+            "--epochs",
+            "12",
+            "--out",
+            str(tmp_path / "torchrun"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=CHILD_ENV,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     by_torchrun = [json.loads((tmp_path / f"torchrun.{r}").read_text()) for r in range(2)]
@@ -279,7 +312,10 @@ def test_a_script_that_fails_is_reported_as_a_cell_and_help_exits_quietly(shell,
 def test_a_rank_raising_before_a_barrier_stops_every_rank(shell, ranks):
     from vgpu_magic.ranks import RankRunError
 
-    code = "import torch.distributed as dist\nif dist.get_rank() == 1:\n    raise ValueError('bad batch on rank 1')\ndist.barrier()"
+    code = (
+        "import torch.distributed as dist\nif dist.get_rank() == 1:\n    raise ValueError('bad batch on rank 1')\n"
+        "dist.barrier()"
+    )
     with pytest.raises(RankRunError) as info:
         shell.run_cell_magic("vgpu_run", "", code)
     err = info.value

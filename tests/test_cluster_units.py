@@ -29,17 +29,33 @@ GIB = 1024**3
 #: What `torchrun --standalone --nproc-per-node 2` gave each worker (torch 2.14), minus its agent's own
 #: variables (TORCHELASTIC_USE_AGENT_STORE, _ERROR_FILE, _SIGNALS_TO_HANDLE): there is no agent.
 TORCHRUN_KEYS = {
-    "GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "OMP_NUM_THREADS", "RANK", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_MAX_RESTARTS",
-    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMP_NUM_THREADS",
+    "RANK",
+    "ROLE_NAME",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "WORLD_SIZE",
 }
 
 
 def GPU(index: int, total_gib: int, free_gib: int | None = None, cc=None, nvml_index: int | None = None) -> GPUInfo:
     """A GPU as an engine reports it: CUDA's index on its host, NVML's details."""
     return GPUInfo(
-        index, total_mib=total_gib * GIB_MIB, free_mib=None if free_gib is None else free_gib * GIB_MIB,
-        compute_capability=cc, nvml_index=index if nvml_index is None else nvml_index,
+        index,
+        total_mib=total_gib * GIB_MIB,
+        free_mib=None if free_gib is None else free_gib * GIB_MIB,
+        compute_capability=cc,
+        nvml_index=index if nvml_index is None else nvml_index,
     )
 
 
@@ -149,11 +165,17 @@ def test_ranks_on_two_hosts_are_grouped_by_host_and_wired_per_host():
     reports = [HostReport(e, hosts[e % 2][0], hosts[e % 2][1], 500 + e, hosts[e % 2][2], 41000 + e) for e in range(4)]
     layout = layout_ranks(reports)
     assert [(p.engine_id, p.hostname, p.local_rank, p.node_rank) for p in layout.places] == [
-        (0, "a", 0, 0), (2, "a", 1, 0), (1, "b", 0, 1), (3, "b", 1, 1),
+        (0, "a", 0, 0),
+        (2, "a", 1, 0),
+        (1, "b", 0, 1),
+        (3, "b", 1, 1),
     ]
     torch = get("torch").plan_ranks(layout, None, None, None)
     assert [(p.env["RANK"], p.env["LOCAL_RANK"], p.env["LOCAL_WORLD_SIZE"], p.env["GROUP_RANK"]) for p in torch] == [
-        ("0", "0", "2", "0"), ("1", "1", "2", "0"), ("2", "0", "2", "1"), ("3", "1", "2", "1"),
+        ("0", "0", "2", "0"),
+        ("1", "1", "2", "0"),
+        ("2", "0", "2", "1"),
+        ("3", "1", "2", "1"),
     ]
     assert {(p.env["MASTER_ADDR"], p.env["MASTER_PORT"], p.env["GROUP_WORLD_SIZE"]) for p in torch} == {
         ("10.0.0.1", "41000", "2")
@@ -186,7 +208,12 @@ def test_a_rank_reports_its_host():
     from vgpu_magic.ranks.hosts import report_host
 
     report = report_host(7, "127.0.0.1")
-    assert (report.engine_id, report.hostname, report.address, report.pid) == (7, socket.gethostname(), "127.0.0.1", os.getpid())
+    assert (report.engine_id, report.hostname, report.address, report.pid) == (
+        7,
+        socket.gethostname(),
+        "127.0.0.1",
+        os.getpid(),
+    )
     assert 0 < report.port < 65536
 
 
@@ -195,8 +222,15 @@ def test_a_rank_reports_its_gpus_in_cudas_order_never_nvmls(monkeypatch):
     from vgpu_magic.ranks.hosts import visible_gpus
 
     nvml = [
-        {"nvml_index": i, "model": f"GPU{i}", "total_mib": 81920, "total_bytes": 81920 << 20, "free_mib": 80000,
-         "compute_capability": (9, 0), "uuid": f"GPU-{i}"}
+        {
+            "nvml_index": i,
+            "model": f"GPU{i}",
+            "total_mib": 81920,
+            "total_bytes": 81920 << 20,
+            "free_mib": 80000,
+            "compute_capability": (9, 0),
+            "uuid": f"GPU-{i}",
+        }
         for i in range(2)
     ]
     monkeypatch.setattr(inventory, "nvml_gpus", lambda: nvml)
@@ -235,7 +269,9 @@ def test_split_refuses_torch_and_points_at_the_ranks():
     from vgpu_magic import api
     from vgpu_magic.planner import PlanError
 
-    with pytest.raises(PlanError, match=r"^PyTorch uses one device per process.*%vgpu_cluster start N --framework torch$"):
+    with pytest.raises(
+        PlanError, match=r"^PyTorch uses one device per process.*%vgpu_cluster start N --framework torch$"
+    ):
         api.plan(4, framework="pytorch")
 
 
@@ -249,7 +285,10 @@ def test_parse_memory():
 
 def test_names_the_cell_reads_before_writing():
     ns = {"model": 1, "lr": 0.1, "x": 2, "steps": 3, "helper": 4, "_hidden": 5, "In": [], "print": print}
-    code = "x = x + 1\nmodel2 = model\nsteps = 10\nfor i in range(steps): pass\ndef f(a=lr):\n    return helper(a)\nprint(_hidden)"
+    code = (
+        "x = x + 1\nmodel2 = model\nsteps = 10\nfor i in range(steps): pass\n"
+        "def f(a=lr):\n    return helper(a)\nprint(_hidden)"
+    )
     assert names_to_send(code, ns) == ["x", "model", "lr", "helper"]
 
 
@@ -426,7 +465,8 @@ def test_loading_the_extension_starts_and_imports_nothing_of_the_cluster(py):
         shell = InteractiveShell.instance()
         shell.run_line_magic("load_ext", "vgpu_magic")
         import vgpu_magic
-        assert "vgpu_cluster" in shell.magics_manager.magics["line"] and "vgpu_run" in shell.magics_manager.magics["cell"]
+        magics = shell.magics_manager.magics
+        assert "vgpu_cluster" in magics["line"] and "vgpu_run" in magics["cell"]
         heavy = ("ipyparallel", "torch", "tensorflow", "jax", "cloudpickle", "psutil", "zmq")
         print(json.dumps([m for m in heavy if m in sys.modules]))
         """
@@ -434,8 +474,13 @@ def test_loading_the_extension_starts_and_imports_nothing_of_the_cluster(py):
     assert proc.stdout.strip().splitlines()[-1] == "[]"
 
 
-@pytest.mark.parametrize(("absent", "match"), [("ipyparallel", r"need ipyparallel: pip install 'vgpu_magic\[cluster\]'"),
-                                               ("jax", r"JAX is not installed in this kernel; install it with pip install 'vgpu_magic\[jax\]'")])
+@pytest.mark.parametrize(
+    ("absent", "match"),
+    [
+        ("ipyparallel", r"need ipyparallel: pip install 'vgpu_magic\[cluster\]'"),
+        ("jax", r"JAX is not installed in this kernel; install it with pip install 'vgpu_magic\[jax\]'"),
+    ],
+)
 def test_missing_packages_are_named_before_anything_starts(monkeypatch, absent, match):
     import importlib.util
 

@@ -64,7 +64,10 @@ REMOTE_STOP_TIMEOUT = 30.0
 #: every 200 ms costs the idle cluster under 1 % of one core; 150 misses keep ipyparallel's 30 s before a silent
 #: engine counts as dead.
 HEARTBEAT_MS = 200
-CONTROLLER_ARGS = (f"--HeartMonitor.period={HEARTBEAT_MS}", f"--HeartMonitor.max_heartmonitor_misses={30_000 // HEARTBEAT_MS}")
+CONTROLLER_ARGS = (
+    f"--HeartMonitor.period={HEARTBEAT_MS}",
+    f"--HeartMonitor.max_heartmonitor_misses={30_000 // HEARTBEAT_MS}",
+)
 
 _current: RankCluster | None = None
 _lock = threading.Lock()
@@ -104,9 +107,11 @@ def free_ports(count: int) -> list[int]:
 #: Run on an SSH host at stop: wait for the engines (PIDs there) to exit, SIGKILL what
 #: survived, remove the cluster's folder, and say which PIDs are left.
 _REMOTE_CLEANUP = (
-    "pids='{pids}'; for i in $(seq 40); do alive=''; for p in $pids; do kill -0 $p 2>/dev/null && alive=\"$alive $p\"; done; "
-    "[ -z \"$alive\" ] && break; sleep 0.25; done; [ -n \"$alive\" ] && kill -9 $alive 2>/dev/null && sleep 0.5; "
-    "still=''; for p in $pids; do kill -0 $p 2>/dev/null && still=\"$still $p\"; done; rm -rf '{folder}'; echo left:$still"
+    "pids='{pids}'; for i in $(seq 40); do alive=''; "
+    "for p in $pids; do kill -0 $p 2>/dev/null && alive=\"$alive $p\"; done; "
+    '[ -z "$alive" ] && break; sleep 0.25; done; [ -n "$alive" ] && kill -9 $alive 2>/dev/null && sleep 0.5; '
+    "still=''; for p in $pids; do kill -0 $p 2>/dev/null && still=\"$still $p\"; done; "
+    "rm -rf '{folder}'; echo left:$still"
 )
 
 
@@ -114,8 +119,12 @@ def _ssh(location: str, args: tuple[str, ...], command: str) -> str | None:
     """Run ``command`` on ``location`` over ssh; its stdout, or None if ssh failed."""
     try:
         proc = subprocess.run(
-            ["ssh", *args, location, command], capture_output=True, text=True, timeout=REMOTE_STOP_TIMEOUT,
-            stdin=subprocess.DEVNULL, check=False,
+            ["ssh", *args, location, command],
+            capture_output=True,
+            text=True,
+            timeout=REMOTE_STOP_TIMEOUT,
+            stdin=subprocess.DEVNULL,
+            check=False,
         )
     except subprocess.TimeoutExpired:
         return None
@@ -220,8 +229,10 @@ class RankCluster:
         if importlib.util.find_spec(self.fw.module) is None:
             raise ValueError(f"{self.label} is not installed in this kernel; {self.fw.capabilities.install_hint}")
         #: The GPUs the caller planned for (every host then plans with them), or ``None``: each engine's own.
-        self.given_gpus = None if gpus is None else tuple(
-            GPUInfo(index, total_mib=total // MIB, nvml_index=index) for index, total in gpus
+        self.given_gpus = (
+            None
+            if gpus is None
+            else tuple(GPUInfo(index, total_mib=total // MIB, nvml_index=index) for index, total in gpus)
         )
         memory_mib = None if memory is None else memory // MIB
         # Planned once on this host's view of the ranks, so a request that cannot work fails before anything starts;
@@ -264,6 +275,7 @@ class RankCluster:
 
     def same_request(self, other: RankCluster) -> bool:
         """Does ``other`` ask for the same ranks and wiring as this cluster?"""
+
         def request(c: RankCluster) -> tuple:
             return (c.n, c.framework, c.split, c.memory, c.port, c.given_gpus, c.launcher, c.launcher_options, c.join)
 
@@ -413,14 +425,12 @@ class RankCluster:
 
     def _activate_px(self) -> None:
         """``%px`` / ``%%px`` on the ranks, as ipyparallel users expect."""
-        try:
+        # A convenience only: the ranks work without %px, so a shell that cannot take the magics is no error.
+        with contextlib.suppress(Exception):
             from IPython import get_ipython
 
             if get_ipython() is not None:
                 self.view.activate()
-        except Exception:
-            # A convenience only: the ranks work without %px, so a shell that cannot take the magics is no error.
-            pass
 
     def _exit_code(self, rank: int) -> int | None:
         """How rank ``rank``'s process exited (negative: the signal), as the wait that reaped it
@@ -451,32 +461,24 @@ class RankCluster:
             procs.update((proc.pid, proc) for proc in lifetime.processes_of(self._token, self._started_at))
         procs = list(procs.values())
         if self.client is not None:
-            try:
+            # A client whose controller already died can fail to close; its sockets go with it.
+            with contextlib.suppress(Exception):
                 self.client.close()
-            except Exception:
-                # A client whose controller already died can fail to close; its sockets go with it.
-                pass
         for proc in procs:
-            try:
+            with contextlib.suppress(psutil.Error):
                 proc.send_signal(signal.SIGTERM)
-            except psutil.Error:
-                pass
         _, alive = psutil.wait_procs(procs, timeout=STOP_GRACE)
         for proc in alive:
-            try:
+            with contextlib.suppress(psutil.Error):
                 proc.kill()
-            except psutil.Error:
-                pass
         _, alive = psutil.wait_procs(alive, timeout=5)
         jobs = [getattr(es, "job_id", "") for es in self.cluster.engines.values()] if self.cluster is not None else []
         ssh_engines = self._ssh_engines()
         if self.cluster is not None:
-            try:
-                # For a batch launcher this is the scancel of the job; for SSH, SIGTERM over ssh.
+            # For a batch launcher this is the scancel of the job; for SSH, SIGTERM over ssh. If it fails,
+            # local processes are gone (checked above) and remote ones are checked below.
+            with contextlib.suppress(Exception):
                 self.cluster.stop_cluster_sync()
-            except Exception:
-                # Local processes are gone (checked above); remote ones are checked below.
-                pass
         left = self._stop_remote([job for job in jobs if job], ssh_engines)
         if self.cluster is not None and self.launcher_plan.name == "slurm":
             import os
@@ -552,7 +554,9 @@ class RankCluster:
                 pids = " ".join(str(pid) for where, pid in ssh_engines if where == location)
                 out = _ssh(location, args, _REMOTE_CLEANUP.format(pids=pids, folder=remote_dir))
                 if out is None or "left:" not in out or out.split("left:")[1].strip():
-                    left.append(f"{location}: engines {out.split('left:')[1].strip() if out and 'left:' in out else '?'} left")
+                    left.append(
+                        f"{location}: engines {out.split('left:')[1].strip() if out and 'left:' in out else '?'} left"
+                    )
         return left
 
     def restart(self) -> RankCluster:
@@ -620,7 +624,9 @@ class RankCluster:
         if output:
             return self._pull_values()
         for rank, ar in enumerate(results):
-            shown = (ar.execute_result or {}).get("data", {}).get("text/plain") if hasattr(ar, "execute_result") else None
+            shown = (
+                (ar.execute_result or {}).get("data", {}).get("text/plain") if hasattr(ar, "execute_result") else None
+            )
             if shown is not None:
                 print(f"[rank {rank}] Out: {shown}")
         return None
@@ -710,7 +716,12 @@ class RankCluster:
         ]
         return [
             RankInfo(
-                rank, self.engine_ids[rank], pid, alive[rank], rss[rank] if alive[rank] else None, gpu[rank],
+                rank,
+                self.engine_ids[rank],
+                pid,
+                alive[rank],
+                rss[rank] if alive[rank] else None,
+                gpu[rank],
                 places[rank].hostname,
             )
             for rank, pid in enumerate(self.pids)

@@ -57,7 +57,9 @@ class ClusterMagics(Magics):
     @argument("action", choices=_ACTIONS, help="start N ranks, show their status, stop or restart them")
     @argument("n", nargs="?", type=int, help="number of ranks (start only)")
     @argument("--framework", "-f", help=f"{choices()}: how the ranks are wired")
-    @argument("--split", type=int, help="TensorFlow on GPU: logical GPUs per worker; JAX on CPU: CPU devices per process")
+    @argument(
+        "--split", type=int, help="TensorFlow on GPU: logical GPUs per worker; JAX on CPU: CPU devices per process"
+    )
     @argument("--memory", help="per-rank GPU memory cap (2048 = MiB, 2GB, 1.5G); default an even share")
     @argument("--port", type=int, help="coordinator port (default: a free port from the OS)")
     @argument(
@@ -105,8 +107,13 @@ class ClusterMagics(Magics):
         options = _launcher_options(args)
         if args.action != "start":
             given = (
-                ("N", args.n), ("--framework", args.framework), ("--split", args.split), ("--memory", args.memory),
-                ("--port", args.port), ("--launcher", args.launcher), ("--join", args.join or None),
+                ("N", args.n),
+                ("--framework", args.framework),
+                ("--split", args.split),
+                ("--memory", args.memory),
+                ("--port", args.port),
+                ("--launcher", args.launcher),
+                ("--join", args.join or None),
             )
             extra = [name if value is True else f"{name} {value}" for name, value in given if value is not None]
             extra += [f"--{key.replace('_', '-')}" for key in options]
@@ -122,8 +129,14 @@ class ClusterMagics(Magics):
             try:
                 memory = parse_memory(args.memory) * MIB if args.memory is not None else None
                 ranks = engine.RankCluster(
-                    args.n, args.framework, split=args.split, memory=memory, port=args.port,
-                    launcher=args.launcher or "local", launcher_options=options, join=args.join,
+                    args.n,
+                    args.framework,
+                    split=args.split,
+                    memory=memory,
+                    port=args.port,
+                    launcher=args.launcher or "local",
+                    launcher_options=options,
+                    join=args.join,
                 )
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
@@ -133,7 +146,10 @@ class ClusterMagics(Magics):
                 print("\n".join(running.describe()))
                 return
             if running is not None:
-                print(f"stopping the running cluster ({running.n} {running.label} rank{'s' if running.n > 1 else ''}) first")
+                print(
+                    f"stopping the running cluster ({running.n} {running.label} "
+                    f"rank{'s' if running.n > 1 else ''}) first"
+                )
             try:
                 ranks.start()
             except engine.ClusterStartError as exc:
@@ -158,7 +174,9 @@ class ClusterMagics(Magics):
             print("\n".join(running.describe()))
 
     @magic_arguments()
-    @argument("-o", "--output", metavar="NAME", help="store the cell's last value on each rank as NAME, a list in rank order")
+    @argument(
+        "-o", "--output", metavar="NAME", help="store the cell's last value on each rank as NAME, a list in rank order"
+    )
     @argument("--timeout", help="seconds the run may take before every rank is interrupted")
     @argument("--no-plot", action="store_true", help="no live per-rank memory plot")
     @argument("script", nargs="?", help="line form: a script to run on every rank, as torchrun runs it")
@@ -246,8 +264,12 @@ class ClusterMagics(Magics):
 
 #: Magic flag -> launcher option, and the launchers that take it.
 _LAUNCHER_FLAGS = {
-    "partition": ("slurm",), "account": ("slurm",), "time": ("slurm",), "sbatch": ("slurm",),
-    "hosts": ("ssh",), "controller_address": ("slurm", "ssh"),
+    "partition": ("slurm",),
+    "account": ("slurm",),
+    "time": ("slurm",),
+    "sbatch": ("slurm",),
+    "hosts": ("ssh",),
+    "controller_address": ("slurm", "ssh"),
 }
 
 

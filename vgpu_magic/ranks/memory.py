@@ -14,6 +14,7 @@ into the monitor's one trace and view.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from ..monitor.trace import MemoryTrace, SeriesInfo
@@ -43,9 +44,7 @@ class RankMemorySampler:
         self._nvml = open_nvml() if gpu else None
         self._handles = []
         if self._nvml is not None:
-            self._handles = [
-                self._nvml.nvmlDeviceGetHandleByIndex(i) for i in range(self._nvml.nvmlDeviceGetCount())
-            ]
+            self._handles = [self._nvml.nvmlDeviceGetHandleByIndex(i) for i in range(self._nvml.nvmlDeviceGetCount())]
         ranks = range(len(pids))
         gpu_series = [SeriesInfo(f"rank{r}:gpu", f"rank {r} GPU", (), None) for r in ranks] if self._nvml else []
         rss_series = [SeriesInfo(f"rank{r}:rss", f"rank {r} RSS", (), None, panel="process") for r in ranks]
@@ -54,11 +53,14 @@ class RankMemorySampler:
         self._peaks = [0] * len(self.series)
 
     def rss(self) -> list[int | None]:
+        import psutil
+
         values: list[int | None] = []
         for proc in self._procs:
             try:
                 values.append(proc.memory_info().rss if proc is not None else None)
-            except Exception:
+            except psutil.Error:
+                # The rank died or its /proc entry went away between two samples.
                 values.append(None)
         return values
 
@@ -87,10 +89,8 @@ class RankMemorySampler:
 
     def close(self) -> None:
         if self._nvml is not None:
-            try:
+            with contextlib.suppress(self._nvml.NVMLError):
                 self._nvml.nvmlShutdown()
-            except self._nvml.NVMLError:
-                pass
             self._nvml = None
 
 
@@ -112,7 +112,9 @@ class RankMonitor:
         if view is None and live:
             view = _live_view()
         self.recorder = MemoryRecorder(
-            lambda: self.sampler, view if view is not None else NullView(), runtime_started=lambda: True,
+            lambda: self.sampler,
+            view if view is not None else NullView(),
+            runtime_started=lambda: True,
             interval=interval,
         )
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import os
 import signal
 import sys
@@ -87,7 +88,10 @@ class RankRunError(RuntimeError):
         if self.interrupted:
             parts.append(f"interrupted rank{'s' if len(self.interrupted) > 1 else ''} {_ranks(self.interrupted)}")
         if self.killed:
-            parts.append(f"killed rank{'s' if len(self.killed) > 1 else ''} {_ranks(self.killed)} (did not stop within {GRACE:g} s of SIGINT)")
+            parts.append(
+                f"killed rank{'s' if len(self.killed) > 1 else ''} {_ranks(self.killed)} "
+                f"(did not stop within {GRACE:g} s of SIGINT)"
+            )
         if state and self.must_restart:
             parts.append("the cluster must be restarted: %vgpu_cluster restart")
         elif state:
@@ -310,7 +314,7 @@ def pack_names(namespace: dict[str, Any], names: list[str]) -> dict[str, bytes]:
     for name in names:
         try:
             blobs[name] = cloudpickle.dumps(namespace[name])
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - pickling user objects raises anything (TypeError, PicklingError, ...)
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise UnsendableName(
                 f"cannot send {name!r} ({type(namespace[name]).__name__}) to the ranks: {reason}; "
@@ -389,7 +393,7 @@ class _LineStream:
         tail = lines.pop()
         if final and tail:
             lines.append(tail)
-        new = lines[self.emitted:]
+        new = lines[self.emitted :]
         if not new:
             return
         self.emitted = len(lines)
@@ -402,7 +406,7 @@ def as_terminal_shows(line: str) -> str:
     and what follows overwrites what was there (``'10/30\\r20/30'`` -> ``'20/30'``)."""
     shown = ""
     for part in line.split("\r"):
-        shown = part + shown[len(part):]
+        shown = part + shown[len(part) :]
     return shown
 
 
@@ -445,10 +449,7 @@ class RankRun:
 
     def _failure(self, rank: int, ar: Any) -> RankFailure:
         exc = ar.exception(timeout=0)
-        if hasattr(exc, "render_traceback"):
-            tb = tuple(exc.render_traceback())
-        else:
-            tb = (str(exc),)
+        tb = tuple(exc.render_traceback()) if hasattr(exc, "render_traceback") else (str(exc),)
         ename = getattr(exc, "ename", type(exc).__name__)
         evalue = getattr(exc, "evalue", str(exc))
         if ename == "EngineError" or not self._alive(rank):
@@ -493,7 +494,9 @@ class RankRun:
     def run(self) -> list[Any]:
         """Run to the end; the per-rank AsyncResults, or :class:`RankRunError`."""
         n = len(self.pids)
-        streams = [(_LineStream(f"[rank {r}] ", self.stdout), _LineStream(f"[rank {r}] ", self.stderr)) for r in range(n)]
+        streams = [
+            (_LineStream(f"[rank {r}] ", self.stdout), _LineStream(f"[rank {r}] ", self.stderr)) for r in range(n)
+        ]
         memory = RankMonitor(self.pids, self.gpu, live=self.plot, interval=SAMPLE_EVERY)
         start = time.monotonic()
         results: list[Any] = []
@@ -523,7 +526,9 @@ class RankRun:
                 if failure is not None or all(ar.ready() for ar in results):
                     break
                 # AsyncResults are futures: wake as soon as one finishes, else look again after POLL.
-                futures.wait([ar for ar in results if not ar.ready()], timeout=POLL, return_when=futures.FIRST_COMPLETED)
+                futures.wait(
+                    [ar for ar in results if not ar.ready()], timeout=POLL, return_when=futures.FIRST_COMPLETED
+                )
         except KeyboardInterrupt:
             _, killed = self._stop_others(results, None)
             self._drain(results)
@@ -560,7 +565,5 @@ def process_alive(pid: int) -> bool:
 def _signal(pid: int, sig: int) -> None:
     import os
 
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
