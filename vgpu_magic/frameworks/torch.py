@@ -123,7 +123,7 @@ class Torch(Framework):
         master_port = port or places[0].port
         own_gpus = all(p.gpu is not None for p in places) and not layout.gpus_shared
         backend = "nccl" if own_gpus else "gloo"
-        notes = [f"init_process_group({backend!r}) on {layout.leader}:{master_port}, world size {n}"]
+        notes = [f"MASTER_ADDR:MASTER_PORT = {layout.leader}:{master_port}, world size {n}, backend {backend!r}"]
         if layout.gpus_shared:
             notes.append("ranks share a GPU, so gloo: NCCL refuses two ranks on one GPU")
         caps = [rank_share_mib(p.gpu, p.gpu_shared_by, memory_mib, CAPABILITIES) if p.gpu else None for p in places]

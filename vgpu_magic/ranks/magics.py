@@ -4,7 +4,7 @@
 
     In [1]: %vgpu_cluster start 2 --framework torch
     2 PyTorch ranks on local ipyparallel engines
-    init_process_group('gloo') on localhost:41237, world size 2
+    MASTER_ADDR:MASTER_PORT = 127.0.0.1:41237, world size 2, backend 'gloo'
     each rank has its launcher's environment; your code calls init_process_group(), as under its launcher
       rank 0: pid 5120, alive, RSS 70.9 MiB
       rank 1: pid 5122, alive, RSS 71.0 MiB
