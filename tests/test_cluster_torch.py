@@ -31,11 +31,11 @@ TRAIN_SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
 
 @pytest.fixture(scope="module")
 def shell(ip):
-    from vgpu_magic.ranks import engine
+    from vgpu_magic.ranks import rank_cluster
 
     before = our_processes()
     yield ip
-    running = engine.current()
+    running = rank_cluster.current()
     if running is not None:
         running.stop()
     assert our_processes() <= before
@@ -44,9 +44,9 @@ def shell(ip):
 def torch_ranks(shell, join: bool):
     """The running 2-rank torch cluster (started once, restarted where a test broke it)."""
     import vgpu_magic
-    from vgpu_magic.ranks import engine
+    from vgpu_magic.ranks import rank_cluster
 
-    running = engine.current()
+    running = rank_cluster.current()
     if running is None or running.framework != "torch" or running.n != 2 or running.join != join:
         shell.run_line_magic("vgpu_cluster", "start 2 --framework torch" + (" --join" if join else ""))
     elif running.must_restart:
@@ -394,9 +394,9 @@ def test_interrupting_the_kernel_interrupts_the_ranks(shell, ranks):
 
 @pytest.mark.parametrize("framework", ["torch", "jax", "tensorflow"])
 def test_a_coordinator_port_in_use_is_refused_before_anything_starts(shell, framework):
-    from vgpu_magic.ranks import engine
+    from vgpu_magic.ranks import rank_cluster
 
-    running = engine.current()
+    running = rank_cluster.current()
     if running is not None:
         running.stop()
     before = our_processes()
@@ -410,14 +410,14 @@ def test_a_coordinator_port_in_use_is_refused_before_anything_starts(shell, fram
             shell.run_line_magic("vgpu_cluster", f"start 2 --framework {framework} --port {port}")
     finally:
         blocker.close()
-    assert engine.current() is None
+    assert rank_cluster.current() is None
     assert our_processes() <= before
 
 
 def test_stop_start_five_times_leaves_nothing(shell, capsys):
-    from vgpu_magic.ranks import engine
+    from vgpu_magic.ranks import rank_cluster
 
-    running = engine.current()
+    running = rank_cluster.current()
     if running is not None:
         running.stop()
     before = our_processes()
@@ -425,7 +425,7 @@ def test_stop_start_five_times_leaves_nothing(shell, capsys):
     # two-rank rendezvous is covered above.
     for _ in range(5):
         shell.run_line_magic("vgpu_cluster", "start 1 --framework torch")
-        pids = engine.current().pids
+        pids = rank_cluster.current().pids
         assert len(pids) == 1 and set(pids) <= our_processes()
         shell.run_line_magic("vgpu_cluster", "stop")
         assert our_processes() <= before
@@ -433,7 +433,7 @@ def test_stop_start_five_times_leaves_nothing(shell, capsys):
 
 
 def test_a_new_start_replaces_the_running_cluster_and_unload_ext_stops_it(shell):
-    from vgpu_magic.ranks import engine
+    from vgpu_magic.ranks import rank_cluster
 
     before = our_processes()
     shell.run_line_magic("vgpu_cluster", "start 1 --framework torch")
@@ -445,7 +445,7 @@ def test_a_new_start_replaces_the_running_cluster_and_unload_ext_stops_it(shell)
     assert len(our_processes() - before) >= 2
     shell.run_line_magic("unload_ext", "vgpu_magic")
     try:
-        assert engine.current() is None
+        assert rank_cluster.current() is None
         assert our_processes() <= before
     finally:
         shell.run_line_magic("load_ext", "vgpu_magic")

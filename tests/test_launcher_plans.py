@@ -172,15 +172,15 @@ def test_bad_launcher_lines_change_nothing(shell, line, match):
 
 
 def test_the_magic_passes_the_launcher_flags_through(shell, monkeypatch, slurm_on_path):
-    from vgpu_magic.ranks import engine
+    from vgpu_magic.ranks import rank_cluster
 
     seen = {}
 
     def record(self):
         seen.update(launcher=self.launcher, options=self.launcher_options, plan=self.launcher_plan)
-        raise engine.ClusterStartError("recorded")
+        raise rank_cluster.ClusterStartError("recorded")
 
-    monkeypatch.setattr(engine.RankCluster, "start", record)
+    monkeypatch.setattr(rank_cluster.RankCluster, "start", record)
     with pytest.raises(UsageError, match="recorded"):
         shell.run_line_magic(
             "vgpu_cluster",

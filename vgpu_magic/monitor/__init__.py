@@ -105,7 +105,7 @@ framework's runtime, and importing this package imports no framework, no
 widget library and no matplotlib.
 
 Modules: :mod:`.trace` (the data), :mod:`.sampler` (reading memory through
-the framework), :mod:`.recorder` (the engine), :mod:`.session` (the
+the framework), :mod:`.recorder` (sampling into the trace, feeding a view), :mod:`.session` (the
 Keras-free monitor session), :mod:`.views` (the view contract, the text
 view), :mod:`.live` and ``live.js`` (the live widget), :mod:`.plot` (the
 static image), :mod:`.display` (the notebook output), :mod:`.callback` (the

@@ -1,4 +1,4 @@
-"""The engine: samples memory into a :class:`MemoryTrace` and feeds a view.
+"""The recorder: samples memory into a :class:`MemoryTrace` and feeds a view.
 
 :class:`MemoryRecorder` knows nothing about Keras: the Keras callback, the
 context manager for custom loops and the tests all drive the same calls

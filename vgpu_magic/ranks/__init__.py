@@ -2,7 +2,7 @@
 launchers wire them (torchrun's environment, ``TF_CONFIG``,
 ``jax.distributed``), run under one fault policy.
 
-* :mod:`.engine`: :class:`RankCluster` (start, wire, run, stop);
+* :mod:`.rank_cluster`: :class:`RankCluster` (start, wire, run, stop);
 * :mod:`.hosts`: each engine's report of its host, and the ranks laid out on
   the hosts (each framework's module in :mod:`vgpu_magic.frameworks` plans
   its launcher's wiring from that layout);
@@ -12,7 +12,7 @@ launchers wire them (torchrun's environment, ``TF_CONFIG``,
   SLURM path on one machine;
 * :mod:`.run`: running work on every rank, streaming output, the fault policy;
 * :mod:`.memory`: per-rank memory sampled from the kernel, and its live plot;
-* :mod:`.magics`: ``%vgpu_cluster`` and ``%%vgpu_run``, thin faces over the engine.
+* :mod:`.magics`: ``%vgpu_cluster`` and ``%%vgpu_run``, thin faces over :class:`RankCluster`.
 
 Importing this package imports neither ipyparallel nor any framework.
 """
@@ -23,11 +23,11 @@ from typing import Any
 
 __all__ = ["RankCluster", "RankInfo", "ClusterStartError", "RankRunError", "UnsendableName", "cluster"]
 
-# Resolved on first use: loading the extension (which imports .magics) must not pay for the engine.
+# Resolved on first use: loading the extension (which imports .magics) must not pay for the cluster machinery.
 _LAZY = {
-    "RankCluster": "engine",
-    "RankInfo": "engine",
-    "ClusterStartError": "engine",
+    "RankCluster": "rank_cluster",
+    "RankInfo": "rank_cluster",
+    "ClusterStartError": "rank_cluster",
     "RankRunError": "run",
     "UnsendableName": "run",
 }
@@ -42,7 +42,7 @@ def __getattr__(name: str) -> Any:
 
 
 def cluster():
-    """The running :class:`~vgpu_magic.ranks.engine.RankCluster` (``.view`` is its
+    """The running :class:`~vgpu_magic.ranks.rank_cluster.RankCluster` (``.view`` is its
     ipyparallel DirectView in rank order).
 
     Raises
@@ -51,7 +51,7 @@ def cluster():
         When no cluster runs.
     """
     from ..frameworks import REGISTRY
-    from .engine import current
+    from .rank_cluster import current
 
     found = current()
     if found is None or not found.running:

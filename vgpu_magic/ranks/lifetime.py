@@ -2,7 +2,7 @@
 
 A kernel can die without running ``atexit`` (SIGKILL, the OOM killer,
 ``os.abort()`` as XLA:CPU's fatal collective timeout does, a segfault), so
-:meth:`~.engine.RankCluster.stop` cannot be the only way the ranks go. Each
+:meth:`~.rank_cluster.RankCluster.stop` cannot be the only way the ranks go. Each
 process a cluster starts therefore watches its *owner* (the kernel) itself:
 
 * the owner is named in the environment, :data:`OWNER_ENV` =

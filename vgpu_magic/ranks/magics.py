@@ -1,4 +1,4 @@
-"""``%vgpu_cluster`` and ``%vgpu_run`` / ``%%vgpu_run``: thin faces over :class:`~.engine.RankCluster`.
+"""``%vgpu_cluster`` and ``%vgpu_run`` / ``%%vgpu_run``: thin faces over :class:`~.rank_cluster.RankCluster`.
 
 ::
 
@@ -102,7 +102,7 @@ class ClusterMagics(Magics):
             %vgpu_cluster stop
         """
         args = parse_argstring(self.vgpu_cluster, line)
-        from . import engine
+        from . import rank_cluster
 
         options = _launcher_options(args)
         if args.action != "start":
@@ -119,7 +119,7 @@ class ClusterMagics(Magics):
             extra += [f"--{key.replace('_', '-')}" for key in options]
             if extra:
                 raise UsageError(f"{extra[0]!r} only goes with start, e.g. %vgpu_cluster start 2 --framework torch")
-        running = engine.current()
+        running = rank_cluster.current()
         if args.action == "start":
             if args.n is None or args.framework is None:
                 raise UsageError("say how many ranks and which framework, e.g. %vgpu_cluster start 2 --framework torch")
@@ -128,7 +128,7 @@ class ClusterMagics(Magics):
 
             try:
                 memory = parse_memory(args.memory) * MIB if args.memory is not None else None
-                ranks = engine.RankCluster(
+                ranks = rank_cluster.RankCluster(
                     args.n,
                     args.framework,
                     split=args.split,
@@ -152,7 +152,7 @@ class ClusterMagics(Magics):
                 )
             try:
                 ranks.start()
-            except engine.ClusterStartError as exc:
+            except rank_cluster.ClusterStartError as exc:
                 raise UsageError(str(exc)) from None
             print("\n".join(ranks.describe()))
             return
@@ -169,7 +169,7 @@ class ClusterMagics(Magics):
         else:
             try:
                 running.restart()
-            except engine.ClusterStartError as exc:
+            except rank_cluster.ClusterStartError as exc:
                 raise UsageError(str(exc)) from None
             print("\n".join(running.describe()))
 
@@ -233,10 +233,10 @@ class ClusterMagics(Magics):
                 compile(cell, "<cell>", "exec")
             except SyntaxError as exc:
                 raise UsageError(f"the cell does not parse: {exc.msg} (line {exc.lineno})") from None
-        from . import engine
+        from . import rank_cluster
         from .run import UnsendableName
 
-        running = engine.current()
+        running = rank_cluster.current()
         if running is None:
             raise UsageError("no cluster running; start one with %vgpu_cluster start 2 --framework torch")
         if running.must_restart:
@@ -256,8 +256,8 @@ class ClusterMagics(Magics):
 
     def on_unload(self) -> None:
         """``%unload_ext vgpu_magic`` stops the cluster."""
-        if "vgpu_magic.ranks.engine" in sys.modules:
-            running = sys.modules["vgpu_magic.ranks.engine"].current()
+        if "vgpu_magic.ranks.rank_cluster" in sys.modules:
+            running = sys.modules["vgpu_magic.ranks.rank_cluster"].current()
             if running is not None:
                 running.stop()
 

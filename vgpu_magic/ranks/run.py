@@ -299,7 +299,7 @@ def names_written(code: str) -> set[str]:
     """The names ``code`` may bind at its top level (assignments, imports,
     definitions, loop targets, on any path; not comprehension variables). Which
     of them a run did bind is asked of the ranks afterwards
-    (:meth:`~.engine.RankCluster.run`)."""
+    (:meth:`~.rank_cluster.RankCluster.run`)."""
     visitor = _ReadsBeforeWrites()
     visitor.visit(ast.parse(code))
     return visitor.bound

@@ -1,7 +1,7 @@
 """The ranks: N local ipyparallel engines, wired as a framework's launcher wires
 its processes.
 
-:class:`RankCluster` is the engine behind ``%vgpu_cluster`` and
+:class:`RankCluster` does the work behind ``%vgpu_cluster`` and
 ``%%vgpu_run``; it needs no shell. ipyparallel's :class:`~ipyparallel.Cluster`
 starts, signals and stops the processes; this class adds the ranks' hosts and
 their order (:mod:`.hosts`), the framework's wiring (each framework's
