@@ -16,13 +16,8 @@ from vgpu_magic.frameworks import get
 from vgpu_magic.grammar import parse_memory
 from vgpu_magic.inventory import GPUInfo
 from vgpu_magic.ranks.hosts import HostReport, layout_ranks
-from vgpu_magic.ranks.run import (
-    UnsendableName,
-    _LineStream,
-    names_to_send,
-    pack_names,
-    split_last_expression,
-)
+from vgpu_magic.ranks.names import UnsendableName, names_to_send, pack_names, split_last_expression
+from vgpu_magic.ranks.run import _LineStream
 
 GIB_MIB = 1024
 GIB = 1024**3
@@ -293,7 +288,7 @@ def test_names_the_cell_reads_before_writing():
 
 
 def test_names_the_ranks_assigned_are_never_sent():
-    from vgpu_magic.ranks.run import names_written
+    from vgpu_magic.ranks.names import names_written
 
     code = "import torch as T\nmodel = DDP(net)\nfor step in range(3): pass\ndef train(): local = 1\nclass Net: pass"
     assert names_written(code) == {"T", "model", "step", "train", "Net"}
@@ -302,7 +297,7 @@ def test_names_the_ranks_assigned_are_never_sent():
 
 
 def test_comprehension_variables_are_the_comprehensions_own():
-    from vgpu_magic.ranks.run import names_written
+    from vgpu_magic.ranks.names import names_written
 
     # Issue 16, defect 2: `x` here is not the notebook's, and not rank state either.
     assert names_to_send("ys = [x * 2 for x in range(3)]", {"x": 10}) == []

@@ -11,6 +11,7 @@ launchers wire them (torchrun's environment, ``TF_CONFIG``,
 * :mod:`.local_slurm`: a throwaway single-node SLURM cluster, to rehearse the
   SLURM path on one machine;
 * :mod:`.run`: running work on every rank, streaming output, the fault policy;
+* :mod:`.names`: which notebook names a cell reads and binds, and how they travel to the ranks;
 * :mod:`.memory`: per-rank memory sampled from the kernel, and its live plot;
 * :mod:`.magics`: ``%vgpu_cluster`` and ``%%vgpu_run``, thin faces over :class:`RankCluster`.
 
@@ -29,7 +30,7 @@ _LAZY = {
     "RankInfo": "rank_cluster",
     "ClusterStartError": "rank_cluster",
     "RankRunError": "run",
-    "UnsendableName": "run",
+    "UnsendableName": "names",
 }
 
 

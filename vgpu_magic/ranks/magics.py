@@ -234,7 +234,7 @@ class ClusterMagics(Magics):
             except SyntaxError as exc:
                 raise UsageError(f"the cell does not parse: {exc.msg} (line {exc.lineno})") from None
         from . import rank_cluster
-        from .run import UnsendableName
+        from .names import UnsendableName
 
         running = rank_cluster.current()
         if running is None:

@@ -37,17 +37,8 @@ from ..units import MIB
 from . import lifetime
 from .hosts import HostReport, RankLayout, layout_ranks, prepare_rank, report_host, visible_gpus
 from .launchers import LAUNCHERS, LauncherPlan, plan_launcher
-from .run import (
-    RankRun,
-    RankRunError,
-    UnsendableName,
-    names_to_send,
-    names_written,
-    pack_names,
-    process_alive,
-    script_code,
-    split_last_expression,
-)
+from .names import UnsendableName, names_to_send, names_written, pack_names, script_code, split_last_expression
+from .run import RankRun, RankRunError, process_alive
 
 __all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current", "free_ports"]
 
@@ -584,7 +575,7 @@ class RankCluster:
         Names ``code`` reads from ``namespace`` are sent by value first,
         except names earlier cells assigned on the ranks (:attr:`rank_names`).
         Returns the value of the last expression on each rank, in rank order,
-        when ``output`` is true. Raises :class:`~.run.UnsendableName`,
+        when ``output`` is true. Raises :class:`~.names.UnsendableName`,
         :class:`~.run.RankRunError`, or :class:`RuntimeError` if the cluster
         is not usable.
         """
@@ -632,7 +623,7 @@ class RankCluster:
         return None
 
     def _send(self, blobs: dict[str, bytes], kinds: dict[str, str]) -> None:
-        """Bind the pickled names on every rank; :class:`~.run.UnsendableName` naming the first
+        """Bind the pickled names on every rank; :class:`~.names.UnsendableName` naming the first
         that a rank cannot unpickle (a module only the kernel can import), with the rank's reason."""
         self.view.push({"_vgpu_names": blobs}, block=True)
         self.view.execute(_UNPACK_NAMES, block=True)
@@ -645,7 +636,7 @@ class RankCluster:
                 )
 
     def _pull_values(self) -> list[Any]:
-        """Each rank's ``_vgpu_out``; :class:`~.run.UnsendableName` in one line if one cannot come back."""
+        """Each rank's ``_vgpu_out``; :class:`~.names.UnsendableName` in one line if one cannot come back."""
         self.view.execute(_CHECK_OUT, block=True)
         for rank, failed in enumerate(self.view.pull("_vgpu_out_failed", block=True)):
             if failed:
@@ -677,7 +668,7 @@ class RankCluster:
         self, path: str, args: list[str] | tuple[str, ...] = (), timeout: float | None = None, plot: bool = False
     ) -> None:
         """Run the script ``path`` with ``args`` on every rank, as ``torchrun ...
-        path ARGS`` runs it (:func:`~.run.script_code`), under the same fault
+        path ARGS`` runs it (:func:`~.names.script_code`), under the same fault
         policy as :meth:`run`.
 
         Each run is a fresh launch, as each ``torchrun`` is: the ranks get new

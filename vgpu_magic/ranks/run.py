@@ -16,14 +16,11 @@
 * an interrupt of the kernel (KeyboardInterrupt while watching) interrupts
   the ranks the same way.
 
-This module also finds which notebook names a cell reads and packs them
-with cloudpickle (:func:`names_to_send`, :func:`pack_names`).
+Which notebook names a cell reads, and how they are sent, is :mod:`.names`.
 """
 
 from __future__ import annotations
 
-import ast
-import builtins
 import contextlib
 import os
 import signal
@@ -41,12 +38,6 @@ __all__ = [
     "RankFailure",
     "RankRunError",
     "RankRun",
-    "UnsendableName",
-    "names_to_send",
-    "names_written",
-    "pack_names",
-    "split_last_expression",
-    "script_code",
     "process_alive",
 ]
 
@@ -111,259 +102,6 @@ def _ranks(ranks: list[int]) -> str:
 def _rank_s(ranks: list[int]) -> str:
     """``"rank 0"`` or ``"ranks 0, 1"``."""
     return f"rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}"
-
-
-class UnsendableName(ValueError):
-    """A notebook name the cell reads cannot be pickled for the ranks."""
-
-
-# -- names a cell reads ---------------------------------------------------------------
-
-#: Names IPython puts in every namespace; never sent.
-_SHELL_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
-
-
-class _ReadsBeforeWrites(ast.NodeVisitor):
-    """Names whose first use, in evaluation order, is a read (so the cell needs
-    the notebook's value). Right-hand sides are visited before their targets.
-
-    ``written`` holds the names bound on every path so far (a name bound only in
-    one branch of an ``if``, or in a loop body that may not run, is still read
-    from the notebook after it); ``bound`` holds every name bound anywhere.
-    Comprehensions, lambdas and function bodies are scopes of their own: their
-    targets and parameters are neither reads nor notebook names.
-    """
-
-    def __init__(self, written: set[str] | None = None) -> None:
-        self.read: list[str] = []
-        self.written: set[str] = set(written or ())
-        self.bound: set[str] = set()
-
-    def _store(self, name: str) -> None:
-        self.written.add(name)
-        self.bound.add(name)
-
-    def _load(self, name: str) -> None:
-        if name not in self.written and name not in self.read:
-            self.read.append(name)
-
-    def _inner(self, node: Any, local: set[str], parts: list[Any]) -> None:
-        """Reads of a nested scope (``local`` bound in it) that come from this one."""
-        inner = _ReadsBeforeWrites(self.written | local)
-        for part in parts:
-            inner.visit(part)
-        for name in inner.read:
-            if name not in self.read and name not in self.written:
-                self.read.append(name)
-        # `(y := ...)` inside a comprehension binds y in the enclosing scope.
-        for sub in ast.walk(node):
-            if isinstance(sub, ast.NamedExpr) and isinstance(sub.target, ast.Name):
-                self.bound.add(sub.target.id)
-
-    def _branch(self, statements: list[ast.stmt]) -> set[str]:
-        """Visit statements that may not run; return what they bind, leaving ``written`` as it was."""
-        before = set(self.written)
-        for statement in statements:
-            self.visit(statement)
-        added, self.written = self.written - before, before
-        return added
-
-    def visit_Name(self, node: ast.Name) -> None:
-        if isinstance(node.ctx, ast.Store):
-            self._store(node.id)
-        else:
-            # Load, and Del: `del name` needs the name to exist.
-            self._load(node.id)
-
-    def visit_Assign(self, node: ast.Assign) -> None:
-        self.visit(node.value)
-        for target in node.targets:
-            self.visit(target)
-
-    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
-        if node.value is not None:
-            self.visit(node.value)
-            self.visit(node.target)
-
-    def visit_AugAssign(self, node: ast.AugAssign) -> None:
-        self.visit(node.value)
-        if isinstance(node.target, ast.Name):
-            self._load(node.target.id)
-        self.visit(node.target)
-
-    def visit_NamedExpr(self, node: ast.NamedExpr) -> None:
-        self.visit(node.value)
-        self.visit(node.target)
-
-    def visit_If(self, node: ast.If) -> None:
-        self.visit(node.test)
-        both = self._branch(node.body) & self._branch(node.orelse)
-        self.written |= both
-
-    def visit_While(self, node: ast.While) -> None:
-        self.visit(node.test)
-        self._branch(node.body)
-        self._branch(node.orelse)
-
-    def visit_For(self, node: ast.For) -> None:
-        self.visit(node.iter)
-        self._branch([ast.Assign(targets=[node.target], value=ast.Constant(None)), *node.body])
-        self._branch(node.orelse)
-
-    visit_AsyncFor = visit_For
-
-    def visit_Try(self, node: ast.Try) -> None:
-        self._branch(node.body)
-        for handler in node.handlers:
-            if handler.type is not None:
-                self.visit(handler.type)
-            self._branch(handler.body)
-        self._branch(node.orelse)
-        for statement in node.finalbody:
-            self.visit(statement)
-
-    visit_TryStar = visit_Try
-
-    def visit_Import(self, node: ast.Import) -> None:
-        for alias in node.names:
-            self._store(alias.asname or alias.name.split(".")[0])
-
-    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
-        for alias in node.names:
-            self._store(alias.asname or alias.name)
-
-    def _comprehension(self, node: Any) -> None:
-        first, *rest = node.generators
-        # The first iterable is evaluated in the enclosing scope; everything else in the comprehension's own.
-        self.visit(first.iter)
-        local = {n.id for g in node.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)}
-        parts: list[Any] = [*first.ifs]
-        for generator in rest:
-            parts.extend([generator.iter, *generator.ifs])
-        parts.extend([node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt])
-        self._inner(node, local, parts)
-
-    visit_ListComp = visit_SetComp = visit_GeneratorExp = visit_DictComp = _comprehension
-
-    def visit_Lambda(self, node: ast.Lambda) -> None:
-        for default in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
-            self.visit(default)
-        self._inner(node, {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}, [node.body])
-
-    def _definition(self, node: Any) -> None:
-        for decorator in node.decorator_list:
-            self.visit(decorator)
-        if not isinstance(node, ast.ClassDef):
-            for default in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
-                self.visit(default)
-        else:
-            for base in node.bases:
-                self.visit(base)
-        self._store(node.name)
-        # The body runs later, when it is called; its free names are read then.
-        if isinstance(node, ast.ClassDef):
-            local = set()
-        else:
-            local = {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
-        inner = _ReadsBeforeWrites(self.written | local)
-        for statement in node.body:
-            inner.visit(statement)
-        for name in inner.read:
-            if name not in self.read and name not in self.written:
-                self.read.append(name)
-
-    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _definition
-
-
-def names_to_send(code: str, namespace: dict[str, Any], on_ranks: set[str] = frozenset()) -> list[str]:
-    """The notebook names ``code`` reads before assigning them, that ``namespace`` holds.
-
-    Names in ``on_ranks`` (assigned by earlier cells run on the ranks: a DDP
-    model, an optimizer) live on the ranks and are never overwritten from the
-    notebook, even where the notebook has a variable of the same name.
-    """
-    visitor = _ReadsBeforeWrites()
-    visitor.visit(ast.parse(code))
-    return [
-        name
-        for name in visitor.read
-        if name in namespace
-        and name not in on_ranks
-        and not name.startswith("_")
-        and name not in _SHELL_NAMES
-        and not (hasattr(builtins, name) and namespace[name] is getattr(builtins, name))
-    ]
-
-
-def names_written(code: str) -> set[str]:
-    """The names ``code`` may bind at its top level (assignments, imports,
-    definitions, loop targets, on any path; not comprehension variables). Which
-    of them a run did bind is asked of the ranks afterwards
-    (:meth:`~.rank_cluster.RankCluster.run`)."""
-    visitor = _ReadsBeforeWrites()
-    visitor.visit(ast.parse(code))
-    return visitor.bound
-
-
-def pack_names(namespace: dict[str, Any], names: list[str]) -> dict[str, bytes]:
-    """Each named value cloudpickled on its own (so a rank that cannot unpickle one can say
-    which); :class:`UnsendableName` names the first that cannot be pickled."""
-    import cloudpickle
-
-    blobs = {}
-    for name in names:
-        try:
-            blobs[name] = cloudpickle.dumps(namespace[name])
-        except Exception as exc:  # noqa: BLE001 - pickling user objects raises anything (TypeError, PicklingError, ...)
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise UnsendableName(
-                f"cannot send {name!r} ({type(namespace[name]).__name__}) to the ranks: {reason}; "
-                "create it inside the cell instead"
-            ) from None
-    return blobs
-
-
-def split_last_expression(code: str, target: str) -> str:
-    """``code`` with its last statement, if an expression, assigned to ``target``
-    (so ``-o NAME`` can pull the value); else ``code`` plus ``target = None``."""
-    tree = ast.parse(code)
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = tree.body[-1]
-        tree.body[-1] = ast.copy_location(
-            ast.Assign(targets=[ast.Name(id=target, ctx=ast.Store())], value=last.value), last
-        )
-    else:
-        tree.body.append(ast.Assign(targets=[ast.Name(id=target, ctx=ast.Store())], value=ast.Constant(None)))
-    return ast.unparse(ast.fix_missing_locations(tree))
-
-
-def script_code(path: str, args: list[str]) -> str:
-    """Code that runs the script ``path`` on a rank as ``python path ARGS`` would
-    (``sys.argv``, ``__name__ == "__main__"``, its folder first on ``sys.path``, a
-    namespace of its own), then puts the engine's ``sys.argv`` and ``sys.path``
-    back, and collects the script's garbage. ``sys.exit(0)`` (argparse's ``--help``) ends it quietly;
-    another status is a failure."""
-    folder = os.path.dirname(path)
-    return (
-        "import runpy as _vgpu_runpy, sys as _vgpu_sys\n"
-        "_vgpu_saved = (_vgpu_sys.argv, list(_vgpu_sys.path))\n"
-        f"_vgpu_sys.argv = {[path, *args]!r}\n"
-        f"_vgpu_sys.path.insert(0, {folder!r})\n"
-        "try:\n"
-        f"    _vgpu_runpy.run_path({path!r}, run_name='__main__')\n"
-        "except SystemExit as _vgpu_exit:\n"
-        "    if _vgpu_exit.code not in (0, None):\n"
-        # IPython takes a SystemExit for "quit the shell" and only warns; the run must fail instead.
-        "        class ScriptExited(Exception):\n"
-        "            pass\n"
-        f"        raise ScriptExited({os.path.basename(path)!r} "
-        "+ f' exited with status {_vgpu_exit.code}') from None\n"
-        "finally:\n"
-        "    _vgpu_sys.argv, _vgpu_sys.path[:] = _vgpu_saved\n"
-        "    del _vgpu_runpy, _vgpu_sys, _vgpu_saved\n"
-        # The script's objects (a model, its data) go now, as they go with its process under torchrun.
-        "    import gc as _vgpu_gc; _vgpu_gc.collect(); del _vgpu_gc\n"
-    )
 
 
 # -- watching the ranks ---------------------------------------------------------------
@@ -563,7 +301,6 @@ def process_alive(pid: int) -> bool:
 
 
 def _signal(pid: int, sig: int) -> None:
-    import os
 
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
