@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--frameworks", default="torch,tensorflow,jax")
     parser.add_argument("--starts", type=int, default=3, help="interleaved repeats of each start and bare import")
     args = parser.parse_args()
-    from vgpu_magic.ranks.rank_cluster import CONTROLLER_ARGS
+    from vgpu_magic.ranks.processes import CONTROLLER_ARGS
 
     print(f"(a) cluster start vs one bare framework import (fresh interpreters), medians of {args.starts}")
     registered = {"default": [], "ours": []}

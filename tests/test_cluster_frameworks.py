@@ -42,7 +42,7 @@ def quiet_run(ranks, code: str):
 
 
 def test_tensorflow_workers_match_plain_tf_config_processes(tmp_path):
-    from vgpu_magic.ranks.rank_cluster import free_ports
+    from vgpu_magic.ranks.processes import free_ports
 
     workers = [f"localhost:{p}" for p in free_ports(2)]
     procs = [

@@ -519,14 +519,14 @@ def test_a_start_that_would_not_fit_in_memory_is_refused_in_one_line(monkeypatch
     # Issue 16, defect 9: 64 torch ranks passed validation on a 24 GiB machine (~34 GB).
     import types
 
-    from vgpu_magic.ranks import ClusterStartError, RankCluster, rank_cluster
+    from vgpu_magic.ranks import ClusterStartError, RankCluster, processes, rank_cluster
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=8 * GIB))
     before = psutil.Process().children(recursive=True)
     with pytest.raises(ClusterStartError) as info:
         RankCluster(64, "torch", gpus=[]).start()
     message = str(info.value)
-    one = rank_cluster.rank_footprint("torch")
+    one = processes.rank_footprint("torch")
     assert one > 100 * 1024**2  # measured: a fresh interpreter with torch imported
     assert "\n" not in message and message.startswith("64 PyTorch ranks need about")
     assert f"but 8.00 GiB is available; start at most {8 * GIB // one} ranks" in message

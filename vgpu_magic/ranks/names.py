@@ -5,7 +5,10 @@ AST walk, :class:`_ReadsBeforeWrites`), :func:`pack_names` cloudpickles each
 on its own, :func:`names_written` says which names a cell may bind on the
 ranks (rank state, never overwritten from the notebook). Also the code a rank
 runs: the cell with its last value kept (:func:`split_last_expression`) and a
-script run as ``python path ARGS`` runs it (:func:`script_code`).
+script run as ``python path ARGS`` runs it (:func:`script_code`). And the
+traffic itself: :func:`send_names` binds the names on the ranks,
+:func:`pull_values` brings each rank's last value back, :func:`names_on_ranks`
+asks which names exist there.
 """
 
 from __future__ import annotations
@@ -15,7 +18,17 @@ import builtins
 import os
 from typing import Any
 
-__all__ = ["UnsendableName", "names_to_send", "names_written", "pack_names", "script_code", "split_last_expression"]
+__all__ = [
+    "UnsendableName",
+    "names_on_ranks",
+    "names_to_send",
+    "names_written",
+    "pack_names",
+    "pull_values",
+    "script_code",
+    "send_names",
+    "split_last_expression",
+]
 
 
 class UnsendableName(ValueError):
@@ -269,3 +282,70 @@ def script_code(path: str, args: list[str]) -> str:
         # The script's objects (a model, its data) go now, as they go with its process under torchrun.
         "    import gc as _vgpu_gc; _vgpu_gc.collect(); del _vgpu_gc\n"
     )
+
+
+#: Run on the ranks: bind each pushed name, stopping at the first that cannot be unpickled there.
+_UNPACK_NAMES = """
+import cloudpickle as _vgpu_cp
+_vgpu_failed = None
+for _vgpu_name, _vgpu_blob in _vgpu_names.items():
+    try:
+        globals()[_vgpu_name] = _vgpu_cp.loads(_vgpu_blob)
+    except Exception as _vgpu_error:
+        _vgpu_first = str(_vgpu_error).splitlines()[0] if str(_vgpu_error) else ""
+        _vgpu_failed = (_vgpu_name, f"{type(_vgpu_error).__name__}: {_vgpu_first}".rstrip(": "))
+        break
+del _vgpu_cp, _vgpu_names
+"""
+
+#: Run on the ranks: can the cell's last value be pickled back to the kernel?
+_CHECK_OUT = """
+import pickle as _vgpu_pickle
+_vgpu_out_failed = None
+try:
+    _vgpu_pickle.dumps(_vgpu_out)
+except Exception as _vgpu_error:
+    _vgpu_out_failed = (type(_vgpu_out).__name__, f"{type(_vgpu_error).__name__}: {_vgpu_error}")
+del _vgpu_pickle
+"""
+
+
+def send_names(view: Any, blobs: dict[str, bytes], kinds: dict[str, str]) -> None:
+    """Bind the pickled names on every rank of ``view``; :class:`UnsendableName` naming the first
+    that a rank cannot unpickle (a module only the kernel can import), with the rank's reason.
+    ``kinds``: each name's type, for the message."""
+    view.push({"_vgpu_names": blobs}, block=True)
+    view.execute(_UNPACK_NAMES, block=True)
+    for rank, failed in enumerate(view.pull("_vgpu_failed", block=True)):
+        if failed:
+            name, reason = failed
+            raise UnsendableName(
+                f"cannot send {name!r} ({kinds[name]}) to the ranks: rank {rank} cannot unpickle it "
+                f"({reason}); make it importable on the ranks, or create it inside the cell"
+            )
+
+
+def pull_values(view: Any, ranks: list[Any]) -> list[Any]:
+    """Each rank's ``_vgpu_out`` (``ranks``: one view per rank, in rank order);
+    :class:`UnsendableName` in one line if one cannot come back."""
+    view.execute(_CHECK_OUT, block=True)
+    for rank, failed in enumerate(view.pull("_vgpu_out_failed", block=True)):
+        if failed:
+            kind, reason = failed
+            raise UnsendableName(
+                f"the cell's last value on rank {rank} ({kind}) cannot be sent back to the notebook: {reason}; "
+                "end the cell with plain values (numbers, lists, arrays), e.g. list(...) of a generator"
+            )
+    return [one.pull("_vgpu_out", block=True) for one in ranks]
+
+
+def names_on_ranks(view: Any, asked: list[str]) -> set[str] | None:
+    """Which of ``asked`` exist on any rank of ``view``; ``None`` if a rank cannot answer (it died)."""
+    from ipyparallel.error import IPythonError
+
+    try:
+        view.execute(f"_vgpu_present = [n for n in {asked!r} if n in globals()]", block=True)
+        present = view.pull("_vgpu_present", block=True)
+    except (IPythonError, OSError, TimeoutError):
+        return None
+    return set().union(*map(set, present))

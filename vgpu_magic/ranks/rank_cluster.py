@@ -18,11 +18,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib.util
-import logging
 import os
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -34,38 +31,42 @@ from .. import frameworks
 from ..frameworks.base import RankPlan
 from ..inventory import GPUInfo, NVMLReadError
 from ..units import MIB
-from . import lifetime
 from .hosts import HostReport, RankLayout, layout_ranks, prepare_rank, report_host, visible_gpus
 from .launchers import LAUNCHERS, LauncherPlan, plan_launcher
-from .names import UnsendableName, names_to_send, names_written, pack_names, script_code, split_last_expression
+from .names import (
+    names_on_ranks,
+    names_to_send,
+    names_written,
+    pack_names,
+    pull_values,
+    script_code,
+    send_names,
+    split_last_expression,
+)
+from .processes import (
+    ClusterStartError,
+    batch_file,
+    batch_jobs,
+    check_memory_fits,
+    check_port_free,
+    local_launchers,
+    new_ipp_cluster,
+    processes_started,
+    ssh_engines,
+    stop_remote,
+    terminate,
+    watch_remote,
+)
 from .run import RankRun, RankRunError, process_alive
 
-__all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current", "free_ports"]
+__all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current"]
 
-#: Seconds processes get after SIGTERM before SIGKILL when the cluster stops.
-STOP_GRACE = 2.0
 #: Seconds the engines may take to register with the controller.
 ENGINE_TIMEOUT = 120.0
 #: Seconds the wiring (process group / coordinator rendezvous) may take.
 SETUP_TIMEOUT = 120.0
-#: Seconds a cancelled batch job may take to leave the queue, and remote engines to exit.
-REMOTE_STOP_TIMEOUT = 30.0
-#: The controller's heartbeat. The hub accepts a registering engine only once its heart has answered a ping, so
-#: ipyparallel's default 3 s period made every start wait 3-6 s for nothing (``benchmarks/cluster.py``). Beating
-#: every 200 ms costs the idle cluster under 1 % of one core; 150 misses keep ipyparallel's 30 s before a silent
-#: engine counts as dead.
-HEARTBEAT_MS = 200
-CONTROLLER_ARGS = (
-    f"--HeartMonitor.period={HEARTBEAT_MS}",
-    f"--HeartMonitor.max_heartmonitor_misses={30_000 // HEARTBEAT_MS}",
-)
-
 _current: RankCluster | None = None
 _lock = threading.Lock()
-
-
-class ClusterStartError(RuntimeError):
-    """The cluster could not start or be wired; nothing it started is left running."""
 
 
 @dataclass(frozen=True)
@@ -79,62 +80,6 @@ class RankInfo:
     rss: int | None
     gpu: int | None
     host: str
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free loopback ports, chosen by the OS (bind to port 0)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-#: Run on an SSH host at stop: wait for the engines (PIDs there) to exit, SIGKILL what
-#: survived, remove the cluster's folder, and say which PIDs are left.
-_REMOTE_CLEANUP = (
-    "pids='{pids}'; for i in $(seq 40); do alive=''; "
-    "for p in $pids; do kill -0 $p 2>/dev/null && alive=\"$alive $p\"; done; "
-    '[ -z "$alive" ] && break; sleep 0.25; done; [ -n "$alive" ] && kill -9 $alive 2>/dev/null && sleep 0.5; '
-    "still=''; for p in $pids; do kill -0 $p 2>/dev/null && still=\"$still $p\"; done; "
-    "rm -rf '{folder}'; echo left:$still"
-)
-
-
-def _ssh(location: str, args: tuple[str, ...], command: str) -> str | None:
-    """Run ``command`` on ``location`` over ssh; its stdout, or None if ssh failed."""
-    try:
-        proc = subprocess.run(
-            ["ssh", *args, location, command],
-            capture_output=True,
-            text=True,
-            timeout=REMOTE_STOP_TIMEOUT,
-            stdin=subprocess.DEVNULL,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return None
-    return proc.stdout if proc.returncode == 0 else None
-
-
-def _wait_job_gone(job: str, timeout: float) -> bool:
-    """Has SLURM job ``job`` left ``squeue`` within ``timeout`` seconds?"""
-    deadline = time.monotonic() + timeout
-    while True:
-        proc = subprocess.run(
-            ["squeue", "-h", "-j", job, "-o", "%i"], capture_output=True, text=True, timeout=30, check=False
-        )
-        # squeue exits non-zero for a job id it no longer knows: gone as well.
-        if proc.returncode != 0 or not proc.stdout.strip():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.25)
 
 
 def current() -> RankCluster | None:
@@ -290,9 +235,9 @@ class RankCluster:
             previous.stop()
         self._token, self._started_at = uuid.uuid4().hex, time.time()
         try:
-            _check_memory_fits(self.n, self.fw)
+            check_memory_fits(self.n, self.fw)
             if self.port is not None:
-                _check_port_free(self.port)
+                check_port_free(self.port)
             self.cluster = self._new_cluster(ipp)
             self.cluster.start_cluster_sync(n=self.n)
             # Remembered at once, so that even engines that never register are stopped.
@@ -351,56 +296,14 @@ class RankCluster:
 
     def _new_cluster(self, ipp: Any) -> Any:
         """ipyparallel's cluster, configured with the launcher plan."""
-        import copy
-
-        from traitlets.config import Config
-
-        plan = self.launcher_plan
-        kwargs: dict[str, Any] = {}
-        if plan.controller_ip:
-            kwargs.update(controller_ip=plan.controller_ip, controller_location=plan.controller_location)
-        # ERROR: ipyparallel logs an engine's whole log file as a warning when it exits non-zero, which
-        # every stop after a killed rank would print into the cell; this class reports failures itself.
-        # The controller and the local and mpiexec engines run under lifetime's watch of this kernel.
-        config = _watched_config(self._token)
-        config.merge(Config(copy.deepcopy(plan.config)))
-        cluster = ipp.Cluster(
-            n=self.n,
-            engines=_engine_launcher(plan.engines),
-            cluster_id=self.cluster_id,
-            log_level=logging.ERROR,
-            controller_args=list(CONTROLLER_ARGS),
-            config=config,
-            **kwargs,
-        )
-        if plan.name == "slurm":
-            # ipyparallel writes the batch script into the kernel's working folder (the user's notebooks);
-            # an absolute name puts it with the engines' log in the profile instead, removed by stop().
-            cluster.config.SlurmEngineSetLauncher.batch_file_name = self._batch_file(cluster)
-        return cluster
-
-    def _batch_file(self, cluster: Any) -> str:
-        import os
-
-        return os.path.join(cluster.profile_dir, "log", f"ipengine-{self.cluster_id}.sbatch")
+        return new_ipp_cluster(ipp, self.launcher_plan, self.n, self.cluster_id, self._token)
 
     def _remember_processes(self) -> None:
-        """Every process ipyparallel started for us on this host (controller, local and
-        mpiexec engines), for :meth:`stop`. SSH engines' PIDs are PIDs on their hosts,
-        and a batch job's tasks belong to SLURM: :meth:`stop` ends those through
-        their launcher."""
-        from ipyparallel.cluster.launcher import LocalProcessLauncher, SSHLauncher
-
-        launchers = [self.cluster.controller]
-        for engine_set in self.cluster.engines.values():
-            launchers.extend(getattr(engine_set, "launchers", {}).values() or [engine_set])
-        for launcher in launchers:
-            if not isinstance(launcher, LocalProcessLauncher) or isinstance(launcher, SSHLauncher):
-                continue
-            pid = getattr(launcher, "pid", -1)
-            if pid and pid > 0:
-                self._owned.add(pid)
-                self._launchers[pid] = launcher
+        """Every process ipyparallel started for us on this host, for :meth:`stop`
+        (:func:`~.processes.local_launchers`)."""
+        launchers = local_launchers(self.cluster)
+        self._owned.update(launchers)
+        self._launchers.update(launchers)
 
     def _wire(self) -> None:
         """Set each rank's environment and run its setup, all ranks at once (a rendezvous)."""
@@ -433,49 +336,27 @@ class RankCluster:
     def stop(self) -> None:
         """Stop every process this cluster started and check that none is left.
 
-        SIGTERM, then SIGKILL after :data:`STOP_GRACE` seconds for what is
+        SIGTERM, then SIGKILL after :data:`~.processes.STOP_GRACE` seconds for what is
         still alive; ipyparallel then removes its files. Safe to call twice.
         """
         global _current
-        import psutil
-
-        procs: dict[int, Any] = {}
-        for pid in sorted(self._owned):
-            try:
-                proc = psutil.Process(pid)
-                procs[pid] = proc
-                procs.update((child.pid, child) for child in proc.children(recursive=True))
-            except psutil.Error:
-                continue
-        if self._token:
-            # Also those whose parent died first (the controller's children once its main process is gone).
-            procs.update((proc.pid, proc) for proc in lifetime.processes_of(self._token, self._started_at))
-        procs = list(procs.values())
+        procs = processes_started(self._owned, self._token, self._started_at)
         if self.client is not None:
             # A client whose controller already died can fail to close; its sockets go with it.
             with contextlib.suppress(Exception):
                 self.client.close()
-        for proc in procs:
-            with contextlib.suppress(psutil.Error):
-                proc.send_signal(signal.SIGTERM)
-        _, alive = psutil.wait_procs(procs, timeout=STOP_GRACE)
-        for proc in alive:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        _, alive = psutil.wait_procs(alive, timeout=5)
-        jobs = [getattr(es, "job_id", "") for es in self.cluster.engines.values()] if self.cluster is not None else []
-        ssh_engines = self._ssh_engines()
+        alive = terminate(procs)
+        jobs = batch_jobs(self.cluster) if self.cluster is not None else []
+        remote_engines = self._ssh_engines()
         if self.cluster is not None:
             # For a batch launcher this is the scancel of the job; for SSH, SIGTERM over ssh. If it fails,
             # local processes are gone (checked above) and remote ones are checked below.
             with contextlib.suppress(Exception):
                 self.cluster.stop_cluster_sync()
-        left = self._stop_remote([job for job in jobs if job], ssh_engines)
+        left = stop_remote([job for job in jobs if job], self.launcher_plan, remote_engines)
         if self.cluster is not None and self.launcher_plan.name == "slurm":
-            import os
-
             with contextlib.suppress(FileNotFoundError):
-                os.remove(self._batch_file(self.cluster))
+                os.remove(batch_file(self.cluster, self.cluster_id))
         self.cluster = self.client = self.view = None
         self.engine_ids, self.pids, self._owned, self._launchers, self._token = [], [], set(), {}, ""
         self.hosts, self.layout = [], None
@@ -491,64 +372,14 @@ class RankCluster:
             raise RuntimeError(f"after stopping, {'; '.join(left)}")
 
     def _watch_remote(self) -> None:
-        """Engines on other hosts (a SLURM job's tasks, SSH engines) cannot watch this kernel's PID,
-        so a watched process next to the kernel ends them through their launcher when the kernel dies
-        without :meth:`stop` (``python -m vgpu_magic.ranks.lifetime --then COMMAND``). It carries the
-        cluster's token, so :meth:`stop` ends it with the rest."""
-        import shlex
-
-        jobs = [getattr(es, "job_id", "") for es in self.cluster.engines.values()]
-        commands = [shlex.join(["scancel", job]) for job in jobs if job]
-        if self.launcher_plan.ssh_hosts:
-            remote_dir = self.launcher_plan.config["SSHEngineSetLauncher"]["remote_profile_dir"]
-            engines = self._ssh_engines()
-            for location, args in self.launcher_plan.ssh_hosts:
-                pids = " ".join(str(pid) for where, pid in engines if where == location)
-                cleanup = f"kill {pids} 2>/dev/null; " + _REMOTE_CLEANUP.format(pids=pids, folder=remote_dir)
-                commands.append(shlex.join(["ssh", *args, location, cleanup]))
-        env = {**os.environ, lifetime.OWNER_ENV: lifetime.owner_of_this_process(), lifetime.CLUSTER_ENV: self._token}
-        for command in commands:
-            subprocess.Popen(
-                [sys.executable, "-m", "vgpu_magic.ranks.lifetime", "--then", command],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        """End engines on other hosts when the kernel dies without :meth:`stop` (:func:`~.processes.watch_remote`)."""
+        watch_remote(batch_jobs(self.cluster), self.launcher_plan, self._ssh_engines(), self._token)
 
     def _ssh_engines(self) -> list[tuple[str, int]]:
         """``(ssh location, PID there)`` of each engine started over SSH, in start order."""
         if self.cluster is None or self.launcher != "ssh":
             return []
-        return [
-            (launcher.location, launcher.pid)
-            for engine_set in self.cluster.engines.values()
-            for launcher in getattr(engine_set, "launchers", {}).values()
-            if getattr(launcher, "pid", None)
-        ]
-
-    def _stop_remote(self, jobs: list[str], ssh_engines: list[tuple[str, int]]) -> list[str]:
-        """Make sure nothing is left where the launcher ran engines: the batch job has
-        left the queue (``scancel``, then ``scancel -s KILL``), and on each SSH host
-        the engines are gone (SIGKILL for what survived SIGTERM) and this cluster's
-        folder removed. Returns what is still left, in words."""
-        left = []
-        for job in jobs:
-            if not _wait_job_gone(job, REMOTE_STOP_TIMEOUT / 2):
-                subprocess.run(["scancel", "-s", "KILL", job], capture_output=True, timeout=30, check=False)
-                if not _wait_job_gone(job, REMOTE_STOP_TIMEOUT / 2):
-                    left.append(f"SLURM job {job} is still in squeue")
-        if self.launcher_plan.ssh_hosts:
-            remote_dir = self.launcher_plan.config["SSHEngineSetLauncher"]["remote_profile_dir"]
-            for location, args in self.launcher_plan.ssh_hosts:
-                pids = " ".join(str(pid) for where, pid in ssh_engines if where == location)
-                out = _ssh(location, args, _REMOTE_CLEANUP.format(pids=pids, folder=remote_dir))
-                if out is None or "left:" not in out or out.split("left:")[1].strip():
-                    left.append(
-                        f"{location}: engines {out.split('left:')[1].strip() if out and 'left:' in out else '?'} left"
-                    )
-        return left
+        return ssh_engines(self.cluster)
 
     def restart(self) -> RankCluster:
         """Stop and start again with the same ranks and wiring."""
@@ -584,7 +415,7 @@ class RankCluster:
         compile(code, "<cell>", "exec")
         names = names_to_send(code, namespace, self.rank_names)
         if names:
-            self._send(pack_names(namespace, names), {name: type(namespace[name]).__name__ for name in names})
+            send_names(self.view, pack_names(namespace, names), {n: type(namespace[n]).__name__ for n in names})
         if output:
             code = split_last_expression(code, "_vgpu_out")
 
@@ -613,7 +444,7 @@ class RankCluster:
             raise
         self._settle_rank_names(candidates)
         if output:
-            return self._pull_values()
+            return pull_values(self.view, [self.client[e] for e in self.engine_ids])
         for rank, ar in enumerate(results):
             shown = (
                 (ar.execute_result or {}).get("data", {}).get("text/plain") if hasattr(ar, "execute_result") else None
@@ -622,47 +453,15 @@ class RankCluster:
                 print(f"[rank {rank}] Out: {shown}")
         return None
 
-    def _send(self, blobs: dict[str, bytes], kinds: dict[str, str]) -> None:
-        """Bind the pickled names on every rank; :class:`~.names.UnsendableName` naming the first
-        that a rank cannot unpickle (a module only the kernel can import), with the rank's reason."""
-        self.view.push({"_vgpu_names": blobs}, block=True)
-        self.view.execute(_UNPACK_NAMES, block=True)
-        for rank, failed in enumerate(self.view.pull("_vgpu_failed", block=True)):
-            if failed:
-                name, reason = failed
-                raise UnsendableName(
-                    f"cannot send {name!r} ({kinds[name]}) to the ranks: rank {rank} cannot unpickle it "
-                    f"({reason}); make it importable on the ranks, or create it inside the cell"
-                )
-
-    def _pull_values(self) -> list[Any]:
-        """Each rank's ``_vgpu_out``; :class:`~.names.UnsendableName` in one line if one cannot come back."""
-        self.view.execute(_CHECK_OUT, block=True)
-        for rank, failed in enumerate(self.view.pull("_vgpu_out_failed", block=True)):
-            if failed:
-                kind, reason = failed
-                raise UnsendableName(
-                    f"the cell's last value on rank {rank} ({kind}) cannot be sent back to the notebook: {reason}; "
-                    "end the cell with plain values (numbers, lists, arrays), e.g. list(...) of a generator"
-                )
-        return [self.client[e].pull("_vgpu_out", block=True) for e in self.engine_ids]
-
     def _settle_rank_names(self, candidates: set[str]) -> None:
         """:attr:`rank_names` becomes what exists on the ranks of the names cells may have bound: a
         name deleted there, or whose assignment never ran, is the notebook's again."""
         asked = sorted(self.rank_names | candidates)
         if not asked:
             return
-        from ipyparallel.error import IPythonError
-
-        try:
-            self.view.execute(f"_vgpu_present = [n for n in {asked!r} if n in globals()]", block=True)
-            present = self.view.pull("_vgpu_present", block=True)
-        except (IPythonError, OSError, TimeoutError):
-            # A rank that cannot answer (it died): keep every candidate as rank state, the safe side.
-            self.rank_names |= candidates
-            return
-        self.rank_names = set().union(*map(set, present))
+        present = names_on_ranks(self.view, asked)
+        # None: a rank that cannot answer (it died); every candidate stays rank state, the safe side.
+        self.rank_names = self.rank_names | candidates if present is None else present
 
     def run_script(
         self, path: str, args: list[str] | tuple[str, ...] = (), timeout: float | None = None, plot: bool = False
@@ -754,140 +553,3 @@ class RankCluster:
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return f"<RankCluster {self.n} × {self.framework}, {state}>"
-
-
-#: Host memory one rank is assumed to need at most before one is measured (torch on CPU measured ~530 MiB).
-RANK_MEMORY_BOUND = 2 * 1024**3
-_footprints: dict[str, int] = {}
-
-
-def rank_footprint(module: str) -> int:
-    """Resident bytes of one rank once it has imported ``module`` (an engine's own
-    imports too), measured once per kernel in a fresh interpreter."""
-    import subprocess
-
-    if module not in _footprints:
-        code = f"import psutil, ipyparallel.engine.app, {module}; print(psutil.Process().memory_info().rss)"
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
-        _footprints[module] = int(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else 0
-    return _footprints[module]
-
-
-def _check_memory_fits(n: int, fw: Any) -> None:
-    """:class:`ClusterStartError` in one line if ``n`` ranks would not fit in the host's available
-    memory, estimated from one measured rank. Measured only where the bound leaves doubt."""
-    import psutil
-
-    from ..units import format_bytes
-
-    available = psutil.virtual_memory().available
-    if n * RANK_MEMORY_BOUND <= available:
-        return
-    one = rank_footprint(fw.module)
-    if not one or n * one <= available:
-        return
-    raise ClusterStartError(
-        f"{n} {fw.label} ranks need about {format_bytes(n * one)} of memory (one rank with {fw.module} "
-        f"imported: {format_bytes(one)}), but {format_bytes(available)} is available; start at most "
-        f"{max(1, available // one)} ranks"
-    )
-
-
-#: Run on the ranks: bind each pushed name, stopping at the first that cannot be unpickled there.
-_UNPACK_NAMES = """
-import cloudpickle as _vgpu_cp
-_vgpu_failed = None
-for _vgpu_name, _vgpu_blob in _vgpu_names.items():
-    try:
-        globals()[_vgpu_name] = _vgpu_cp.loads(_vgpu_blob)
-    except Exception as _vgpu_error:
-        _vgpu_first = str(_vgpu_error).splitlines()[0] if str(_vgpu_error) else ""
-        _vgpu_failed = (_vgpu_name, f"{type(_vgpu_error).__name__}: {_vgpu_first}".rstrip(": "))
-        break
-del _vgpu_cp, _vgpu_names
-"""
-
-#: Run on the ranks: can the cell's last value be pickled back to the kernel?
-_CHECK_OUT = """
-import pickle as _vgpu_pickle
-_vgpu_out_failed = None
-try:
-    _vgpu_pickle.dumps(_vgpu_out)
-except Exception as _vgpu_error:
-    _vgpu_out_failed = (type(_vgpu_out).__name__, f"{type(_vgpu_error).__name__}: {_vgpu_error}")
-del _vgpu_pickle
-"""
-
-
-def _check_port_free(port: int) -> None:
-    """:class:`ClusterStartError` naming ``port`` (and who holds it) if it cannot be bound here.
-
-    Checked before anything starts: otherwise JAX's coordinator only says "rank 0
-    died", and TensorFlow starts and then fails in the user's first
-    ``MultiWorkerMirroredStrategy()``."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("", port))
-    except OSError as exc:
-        holder = ""
-        try:
-            import psutil
-
-            pids = {c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.pid}
-            if pids:
-                holder = f" by pid {', '.join(map(str, sorted(pids)))}"
-        except psutil.Error:
-            # Naming the holder is a courtesy; where psutil may not list connections, the port alone is said.
-            pass
-        raise ClusterStartError(
-            f"--port {port} is in use on this machine{holder} ({exc.strerror}); "
-            "choose another, or leave --port out for a free one"
-        ) from None
-    finally:
-        sock.close()
-
-
-def _watched_config(token: str) -> Any:
-    """ipyparallel configuration that starts the controller and the engines under
-    :mod:`.lifetime`'s watch of this kernel, marked with the cluster's ``token``."""
-    from traitlets.config import Config
-
-    env = {lifetime.OWNER_ENV: lifetime.owner_of_this_process(), lifetime.CLUSTER_ENV: token}
-    config = Config()
-    config.LocalControllerLauncher.controller_cmd = lifetime.watched_command("ipyparallel.controller")
-    config.LocalControllerLauncher.environment = dict(env)
-    for launcher in ("LocalEngineSetLauncher", "MPIEngineSetLauncher"):
-        config[launcher].engine_cmd = lifetime.watched_command("ipyparallel.engine")
-        config[launcher].environment = dict(env)
-    return config
-
-
-def _engine_launcher(launcher: str) -> Any:
-    """The ipyparallel engine launcher for ``launcher``; local engines record how they exit.
-
-    ipyparallel's launcher reaps an engine in a thread and hands its exit status to
-    its event loop, which may never run it (the kernel's loop is busy running the cell
-    that watches the ranks): without this, a dead rank's status is lost.
-    """
-    if launcher != "local":
-        return launcher
-    import psutil
-    from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
-
-    class ExitRecordingProcess(psutil.Process):
-        exit_code: int | None = None
-
-        def wait(self, timeout: float | None = None) -> int | None:
-            code = super().wait(timeout)
-            self.exit_code = code
-            return code
-
-    class ExitRecordingEngineLauncher(LocalEngineLauncher):
-        def _start_waiting(self) -> None:
-            self.process = ExitRecordingProcess(self.process.pid)
-            super()._start_waiting()
-
-    class ExitRecordingEngineSetLauncher(LocalEngineSetLauncher):
-        launcher_class = ExitRecordingEngineLauncher
-
-    return ExitRecordingEngineSetLauncher

@@ -1,0 +1,380 @@
+"""The ranks' processes: started under ipyparallel and watched by this kernel,
+checked before they start, and made sure of when they stop.
+
+Before a start: the host's memory fits the ranks (:func:`check_memory_fits`)
+and a requested port is free (:func:`check_port_free`). The start: ipyparallel's
+cluster configured so that the controller and the local and mpiexec engines
+run under :mod:`.lifetime`'s watch of this kernel (:func:`new_ipp_cluster`),
+and a watcher for engines on other hosts (:func:`watch_remote`). The stop:
+SIGTERM, SIGKILL for what survived (:func:`terminate`), then a batch job out
+of the queue and SSH hosts cleaned (:func:`stop_remote`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from . import lifetime
+from .launchers import LauncherPlan
+
+__all__ = [
+    "CONTROLLER_ARGS",
+    "ClusterStartError",
+    "check_memory_fits",
+    "check_port_free",
+    "free_ports",
+    "new_ipp_cluster",
+    "rank_footprint",
+    "stop_remote",
+    "terminate",
+    "watch_remote",
+]
+
+#: Seconds processes get after SIGTERM before SIGKILL when the cluster stops.
+STOP_GRACE = 2.0
+
+#: Seconds a cancelled batch job may take to leave the queue, and remote engines to exit.
+REMOTE_STOP_TIMEOUT = 30.0
+#: The controller's heartbeat. The hub accepts a registering engine only once its heart has answered a ping, so
+#: ipyparallel's default 3 s period made every start wait 3-6 s for nothing (``benchmarks/cluster.py``). Beating
+#: every 200 ms costs the idle cluster under 1 % of one core; 150 misses keep ipyparallel's 30 s before a silent
+#: engine counts as dead.
+HEARTBEAT_MS = 200
+CONTROLLER_ARGS = (
+    f"--HeartMonitor.period={HEARTBEAT_MS}",
+    f"--HeartMonitor.max_heartmonitor_misses={30_000 // HEARTBEAT_MS}",
+)
+
+
+class ClusterStartError(RuntimeError):
+    """The cluster could not start or be wired; nothing it started is left running."""
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports, chosen by the OS (bind to port 0)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+#: Run on an SSH host at stop: wait for the engines (PIDs there) to exit, SIGKILL what
+#: survived, remove the cluster's folder, and say which PIDs are left.
+REMOTE_CLEANUP = (
+    "pids='{pids}'; for i in $(seq 40); do alive=''; "
+    'for p in $pids; do kill -0 $p 2>/dev/null && alive="$alive $p"; done; '
+    '[ -z "$alive" ] && break; sleep 0.25; done; [ -n "$alive" ] && kill -9 $alive 2>/dev/null && sleep 0.5; '
+    "still=''; for p in $pids; do kill -0 $p 2>/dev/null && still=\"$still $p\"; done; "
+    "rm -rf '{folder}'; echo left:$still"
+)
+
+
+def ssh(location: str, args: tuple[str, ...], command: str) -> str | None:
+    """Run ``command`` on ``location`` over ssh; its stdout, or None if ssh failed."""
+    try:
+        proc = subprocess.run(
+            ["ssh", *args, location, command],
+            capture_output=True,
+            text=True,
+            timeout=REMOTE_STOP_TIMEOUT,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def wait_job_gone(job: str, timeout: float) -> bool:
+    """Has SLURM job ``job`` left ``squeue`` within ``timeout`` seconds?"""
+    deadline = time.monotonic() + timeout
+    while True:
+        proc = subprocess.run(
+            ["squeue", "-h", "-j", job, "-o", "%i"], capture_output=True, text=True, timeout=30, check=False
+        )
+        # squeue exits non-zero for a job id it no longer knows: gone as well.
+        if proc.returncode != 0 or not proc.stdout.strip():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+
+
+#: Host memory one rank is assumed to need at most before one is measured (torch on CPU measured ~530 MiB).
+RANK_MEMORY_BOUND = 2 * 1024**3
+_footprints: dict[str, int] = {}
+
+
+def rank_footprint(module: str) -> int:
+    """Resident bytes of one rank once it has imported ``module`` (an engine's own
+    imports too), measured once per kernel in a fresh interpreter."""
+    import subprocess
+
+    if module not in _footprints:
+        code = f"import psutil, ipyparallel.engine.app, {module}; print(psutil.Process().memory_info().rss)"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+        _footprints[module] = int(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else 0
+    return _footprints[module]
+
+
+def check_memory_fits(n: int, fw: Any) -> None:
+    """:class:`ClusterStartError` in one line if ``n`` ranks would not fit in the host's available
+    memory, estimated from one measured rank. Measured only where the bound leaves doubt."""
+    import psutil
+
+    from ..units import format_bytes
+
+    available = psutil.virtual_memory().available
+    if n * RANK_MEMORY_BOUND <= available:
+        return
+    one = rank_footprint(fw.module)
+    if not one or n * one <= available:
+        return
+    raise ClusterStartError(
+        f"{n} {fw.label} ranks need about {format_bytes(n * one)} of memory (one rank with {fw.module} "
+        f"imported: {format_bytes(one)}), but {format_bytes(available)} is available; start at most "
+        f"{max(1, available // one)} ranks"
+    )
+
+
+def check_port_free(port: int) -> None:
+    """:class:`ClusterStartError` naming ``port`` (and who holds it) if it cannot be bound here.
+
+    Checked before anything starts: otherwise JAX's coordinator only says "rank 0
+    died", and TensorFlow starts and then fails in the user's first
+    ``MultiWorkerMirroredStrategy()``."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("", port))
+    except OSError as exc:
+        holder = ""
+        try:
+            import psutil
+
+            pids = {c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.pid}
+            if pids:
+                holder = f" by pid {', '.join(map(str, sorted(pids)))}"
+        except psutil.Error:
+            # Naming the holder is a courtesy; where psutil may not list connections, the port alone is said.
+            pass
+        raise ClusterStartError(
+            f"--port {port} is in use on this machine{holder} ({exc.strerror}); "
+            "choose another, or leave --port out for a free one"
+        ) from None
+    finally:
+        sock.close()
+
+
+def watched_config(token: str) -> Any:
+    """ipyparallel configuration that starts the controller and the engines under
+    :mod:`.lifetime`'s watch of this kernel, marked with the cluster's ``token``."""
+    from traitlets.config import Config
+
+    env = {lifetime.OWNER_ENV: lifetime.owner_of_this_process(), lifetime.CLUSTER_ENV: token}
+    config = Config()
+    config.LocalControllerLauncher.controller_cmd = lifetime.watched_command("ipyparallel.controller")
+    config.LocalControllerLauncher.environment = dict(env)
+    for launcher in ("LocalEngineSetLauncher", "MPIEngineSetLauncher"):
+        config[launcher].engine_cmd = lifetime.watched_command("ipyparallel.engine")
+        config[launcher].environment = dict(env)
+    return config
+
+
+def engine_launcher(launcher: str) -> Any:
+    """The ipyparallel engine launcher for ``launcher``; local engines record how they exit.
+
+    ipyparallel's launcher reaps an engine in a thread and hands its exit status to
+    its event loop, which may never run it (the kernel's loop is busy running the cell
+    that watches the ranks): without this, a dead rank's status is lost.
+    """
+    if launcher != "local":
+        return launcher
+    import psutil
+    from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
+
+    class ExitRecordingProcess(psutil.Process):
+        exit_code: int | None = None
+
+        def wait(self, timeout: float | None = None) -> int | None:
+            code = super().wait(timeout)
+            self.exit_code = code
+            return code
+
+    class ExitRecordingEngineLauncher(LocalEngineLauncher):
+        def _start_waiting(self) -> None:
+            self.process = ExitRecordingProcess(self.process.pid)
+            super()._start_waiting()
+
+    class ExitRecordingEngineSetLauncher(LocalEngineSetLauncher):
+        launcher_class = ExitRecordingEngineLauncher
+
+    return ExitRecordingEngineSetLauncher
+
+
+def new_ipp_cluster(ipp: Any, plan: LauncherPlan, n: int, cluster_id: str, token: str) -> Any:
+    """ipyparallel's cluster for ``n`` engines, configured with the launcher ``plan``, its
+    processes marked with the cluster's ``token``."""
+    import copy
+
+    from traitlets.config import Config
+
+    kwargs: dict[str, Any] = {}
+    if plan.controller_ip:
+        kwargs.update(controller_ip=plan.controller_ip, controller_location=plan.controller_location)
+    # ERROR: ipyparallel logs an engine's whole log file as a warning when it exits non-zero, which
+    # every stop after a killed rank would print into the cell; RankCluster reports failures itself.
+    # The controller and the local and mpiexec engines run under lifetime's watch of this kernel.
+    config = watched_config(token)
+    config.merge(Config(copy.deepcopy(plan.config)))
+    cluster = ipp.Cluster(
+        n=n,
+        engines=engine_launcher(plan.engines),
+        cluster_id=cluster_id,
+        log_level=logging.ERROR,
+        controller_args=list(CONTROLLER_ARGS),
+        config=config,
+        **kwargs,
+    )
+    if plan.name == "slurm":
+        # ipyparallel writes the batch script into the kernel's working folder (the user's notebooks);
+        # an absolute name puts it with the engines' log in the profile instead, removed by stop().
+        cluster.config.SlurmEngineSetLauncher.batch_file_name = batch_file(cluster, cluster_id)
+    return cluster
+
+
+def batch_file(cluster: Any, cluster_id: str) -> str:
+    """Where the SLURM batch script of ``cluster`` is written: with the engines' log in its profile."""
+    return os.path.join(cluster.profile_dir, "log", f"ipengine-{cluster_id}.sbatch")
+
+
+def local_launchers(cluster: Any) -> dict[int, Any]:
+    """The launcher of every process ipyparallel started for ``cluster`` on this host
+    (controller, local and mpiexec engines), by PID. SSH engines' PIDs are PIDs on
+    their hosts, and a batch job's tasks belong to SLURM: those are ended through
+    their launcher (:func:`stop_remote`)."""
+    from ipyparallel.cluster.launcher import LocalProcessLauncher, SSHLauncher
+
+    launchers = [cluster.controller]
+    for engine_set in cluster.engines.values():
+        launchers.extend(getattr(engine_set, "launchers", {}).values() or [engine_set])
+    found = {}
+    for launcher in launchers:
+        if not isinstance(launcher, LocalProcessLauncher) or isinstance(launcher, SSHLauncher):
+            continue
+        pid = getattr(launcher, "pid", -1)
+        if pid and pid > 0:
+            found[pid] = launcher
+    return found
+
+
+def batch_jobs(cluster: Any) -> list[str]:
+    """The batch job ids of ``cluster``'s engine sets (SLURM); ``""`` for one that is no batch job."""
+    return [getattr(es, "job_id", "") for es in cluster.engines.values()]
+
+
+def ssh_engines(cluster: Any) -> list[tuple[str, int]]:
+    """``(ssh location, PID there)`` of each engine of ``cluster`` started over SSH, in start order."""
+    return [
+        (launcher.location, launcher.pid)
+        for engine_set in cluster.engines.values()
+        for launcher in getattr(engine_set, "launchers", {}).values()
+        if getattr(launcher, "pid", None)
+    ]
+
+
+def watch_remote(jobs: list[str], plan: LauncherPlan, engines: list[tuple[str, int]], token: str) -> None:
+    """Engines on other hosts (a SLURM job's tasks, SSH engines) cannot watch this kernel's PID,
+    so a watched process next to the kernel ends them through their launcher when the kernel dies
+    without a stop (``python -m vgpu_magic.ranks.lifetime --then COMMAND``). It carries the
+    cluster's ``token``, so the stop ends it with the rest."""
+    import shlex
+
+    commands = [shlex.join(["scancel", job]) for job in jobs if job]
+    if plan.ssh_hosts:
+        remote_dir = plan.config["SSHEngineSetLauncher"]["remote_profile_dir"]
+        for location, args in plan.ssh_hosts:
+            pids = " ".join(str(pid) for where, pid in engines if where == location)
+            cleanup = f"kill {pids} 2>/dev/null; " + REMOTE_CLEANUP.format(pids=pids, folder=remote_dir)
+            commands.append(shlex.join(["ssh", *args, location, cleanup]))
+    env = {**os.environ, lifetime.OWNER_ENV: lifetime.owner_of_this_process(), lifetime.CLUSTER_ENV: token}
+    for command in commands:
+        subprocess.Popen(
+            [sys.executable, "-m", "vgpu_magic.ranks.lifetime", "--then", command],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
+def processes_started(owned: set[int], token: str, started_at: float) -> list[Any]:
+    """The processes (``psutil.Process``) a cluster started on this host: those in ``owned``
+    and their children, and every process carrying its ``token`` (also those whose
+    parent died first: the controller's children once its main process is gone)."""
+    import psutil
+
+    procs: dict[int, Any] = {}
+    for pid in sorted(owned):
+        try:
+            proc = psutil.Process(pid)
+            procs[pid] = proc
+            procs.update((child.pid, child) for child in proc.children(recursive=True))
+        except psutil.Error:
+            continue
+    if token:
+        procs.update((proc.pid, proc) for proc in lifetime.processes_of(token, started_at))
+    return list(procs.values())
+
+
+def terminate(procs: list[Any]) -> list[Any]:
+    """SIGTERM to ``procs``, then SIGKILL after :data:`STOP_GRACE` seconds for what is
+    still alive; returns those that survived even that."""
+    import psutil
+
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=STOP_GRACE)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    _, alive = psutil.wait_procs(alive, timeout=5)
+    return alive
+
+
+def stop_remote(jobs: list[str], plan: LauncherPlan, engines: list[tuple[str, int]]) -> list[str]:
+    """Make sure nothing is left where the launcher ran engines: the batch ``jobs`` have
+    left the queue (``scancel``, then ``scancel -s KILL``), and on each SSH host
+    the ``engines`` are gone (SIGKILL for what survived SIGTERM) and the cluster's
+    folder removed. Returns what is still left, in words."""
+    left = []
+    for job in jobs:
+        if not wait_job_gone(job, REMOTE_STOP_TIMEOUT / 2):
+            subprocess.run(["scancel", "-s", "KILL", job], capture_output=True, timeout=30, check=False)
+            if not wait_job_gone(job, REMOTE_STOP_TIMEOUT / 2):
+                left.append(f"SLURM job {job} is still in squeue")
+    if plan.ssh_hosts:
+        remote_dir = plan.config["SSHEngineSetLauncher"]["remote_profile_dir"]
+        for location, args in plan.ssh_hosts:
+            pids = " ".join(str(pid) for where, pid in engines if where == location)
+            out = ssh(location, args, REMOTE_CLEANUP.format(pids=pids, folder=remote_dir))
+            if out is None or "left:" not in out or out.split("left:")[1].strip():
+                left.append(
+                    f"{location}: engines {out.split('left:')[1].strip() if out and 'left:' in out else '?'} left"
+                )
+    return left
