@@ -3,6 +3,8 @@ launchers wire them (torchrun's environment, ``TF_CONFIG``,
 ``jax.distributed``), run under one fault policy.
 
 * :mod:`.rank_cluster`: :class:`RankCluster` (start, wire, run, stop);
+* :mod:`.processes`: the ranks' processes: checked before a start, started
+  under ipyparallel and watched by this kernel, made sure of at a stop;
 * :mod:`.hosts`: each engine's report of its host, and the ranks laid out on
   the hosts (each framework's module in :mod:`vgpu_magic.frameworks` plans
   its launcher's wiring from that layout);
@@ -13,6 +15,7 @@ launchers wire them (torchrun's environment, ``TF_CONFIG``,
 * :mod:`.run`: running work on every rank, streaming output, the fault policy;
 * :mod:`.names`: which notebook names a cell reads and binds, and how they travel to the ranks;
 * :mod:`.memory`: per-rank memory sampled from the kernel, and its live plot;
+* :mod:`.status`: what ``%vgpu_cluster status`` says of each rank;
 * :mod:`.magics`: ``%vgpu_cluster`` and ``%%vgpu_run``, thin faces over :class:`RankCluster`.
 
 Importing this package imports neither ipyparallel nor any framework.
@@ -27,8 +30,8 @@ __all__ = ["RankCluster", "RankInfo", "ClusterStartError", "RankRunError", "Unse
 # Resolved on first use: loading the extension (which imports .magics) must not pay for the cluster machinery.
 _LAZY = {
     "RankCluster": "rank_cluster",
-    "RankInfo": "rank_cluster",
-    "ClusterStartError": "rank_cluster",
+    "RankInfo": "status",
+    "ClusterStartError": "processes",
     "RankRunError": "run",
     "UnsendableName": "names",
 }

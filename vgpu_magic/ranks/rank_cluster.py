@@ -24,40 +24,18 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from .. import frameworks
 from ..frameworks.base import RankPlan
 from ..inventory import GPUInfo, NVMLReadError
 from ..units import MIB
+from . import names, processes
 from .hosts import HostReport, RankLayout, layout_ranks, prepare_rank, report_host, visible_gpus
 from .launchers import LAUNCHERS, LauncherPlan, plan_launcher
-from .names import (
-    names_on_ranks,
-    names_to_send,
-    names_written,
-    pack_names,
-    pull_values,
-    script_code,
-    send_names,
-    split_last_expression,
-)
-from .processes import (
-    ClusterStartError,
-    batch_file,
-    batch_jobs,
-    check_memory_fits,
-    check_port_free,
-    local_launchers,
-    new_ipp_cluster,
-    processes_started,
-    ssh_engines,
-    stop_remote,
-    terminate,
-    watch_remote,
-)
-from .run import RankRun, RankRunError, process_alive
+from .processes import ClusterStartError
+from .run import RankRun, RankRunError
+from .status import RankInfo, rank_infos, status_lines
 
 __all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current"]
 
@@ -67,19 +45,6 @@ ENGINE_TIMEOUT = 120.0
 SETUP_TIMEOUT = 120.0
 _current: RankCluster | None = None
 _lock = threading.Lock()
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """One rank as ``%vgpu_cluster status`` shows it."""
-
-    rank: int
-    engine_id: int
-    pid: int
-    alive: bool
-    rss: int | None
-    gpu: int | None
-    host: str
 
 
 def current() -> RankCluster | None:
@@ -235,9 +200,9 @@ class RankCluster:
             previous.stop()
         self._token, self._started_at = uuid.uuid4().hex, time.time()
         try:
-            check_memory_fits(self.n, self.fw)
+            processes.check_memory_fits(self.n, self.fw)
             if self.port is not None:
-                check_port_free(self.port)
+                processes.check_port_free(self.port)
             self.cluster = self._new_cluster(ipp)
             self.cluster.start_cluster_sync(n=self.n)
             # Remembered at once, so that even engines that never register are stopped.
@@ -296,12 +261,12 @@ class RankCluster:
 
     def _new_cluster(self, ipp: Any) -> Any:
         """ipyparallel's cluster, configured with the launcher plan."""
-        return new_ipp_cluster(ipp, self.launcher_plan, self.n, self.cluster_id, self._token)
+        return processes.new_ipp_cluster(ipp, self.launcher_plan, self.n, self.cluster_id, self._token)
 
     def _remember_processes(self) -> None:
         """Every process ipyparallel started for us on this host, for :meth:`stop`
         (:func:`~.processes.local_launchers`)."""
-        launchers = local_launchers(self.cluster)
+        launchers = processes.local_launchers(self.cluster)
         self._owned.update(launchers)
         self._launchers.update(launchers)
 
@@ -340,23 +305,23 @@ class RankCluster:
         still alive; ipyparallel then removes its files. Safe to call twice.
         """
         global _current
-        procs = processes_started(self._owned, self._token, self._started_at)
+        procs = processes.processes_started(self._owned, self._token, self._started_at)
         if self.client is not None:
             # A client whose controller already died can fail to close; its sockets go with it.
             with contextlib.suppress(Exception):
                 self.client.close()
-        alive = terminate(procs)
-        jobs = batch_jobs(self.cluster) if self.cluster is not None else []
+        alive = processes.terminate(procs)
+        jobs = processes.batch_jobs(self.cluster) if self.cluster is not None else []
         remote_engines = self._ssh_engines()
         if self.cluster is not None:
             # For a batch launcher this is the scancel of the job; for SSH, SIGTERM over ssh. If it fails,
             # local processes are gone (checked above) and remote ones are checked below.
             with contextlib.suppress(Exception):
                 self.cluster.stop_cluster_sync()
-        left = stop_remote([job for job in jobs if job], self.launcher_plan, remote_engines)
+        left = processes.stop_remote([job for job in jobs if job], self.launcher_plan, remote_engines)
         if self.cluster is not None and self.launcher_plan.name == "slurm":
             with contextlib.suppress(FileNotFoundError):
-                os.remove(batch_file(self.cluster, self.cluster_id))
+                os.remove(processes.batch_file(self.cluster, self.cluster_id))
         self.cluster = self.client = self.view = None
         self.engine_ids, self.pids, self._owned, self._launchers, self._token = [], [], set(), {}, ""
         self.hosts, self.layout = [], None
@@ -373,13 +338,13 @@ class RankCluster:
 
     def _watch_remote(self) -> None:
         """End engines on other hosts when the kernel dies without :meth:`stop` (:func:`~.processes.watch_remote`)."""
-        watch_remote(batch_jobs(self.cluster), self.launcher_plan, self._ssh_engines(), self._token)
+        processes.watch_remote(processes.batch_jobs(self.cluster), self.launcher_plan, self._ssh_engines(), self._token)
 
     def _ssh_engines(self) -> list[tuple[str, int]]:
         """``(ssh location, PID there)`` of each engine started over SSH, in start order."""
         if self.cluster is None or self.launcher != "ssh":
             return []
-        return ssh_engines(self.cluster)
+        return processes.ssh_engines(self.cluster)
 
     def restart(self) -> RankCluster:
         """Stop and start again with the same ranks and wiring."""
@@ -413,18 +378,19 @@ class RankCluster:
         self._require_running()
         namespace = namespace or {}
         compile(code, "<cell>", "exec")
-        names = names_to_send(code, namespace, self.rank_names)
-        if names:
-            send_names(self.view, pack_names(namespace, names), {n: type(namespace[n]).__name__ for n in names})
+        to_send = names.names_to_send(code, namespace, self.rank_names)
+        if to_send:
+            kinds = {name: type(namespace[name]).__name__ for name in to_send}
+            names.send_names(self.view, names.pack_names(namespace, to_send), kinds)
         if output:
-            code = split_last_expression(code, "_vgpu_out")
+            code = names.split_last_expression(code, "_vgpu_out")
 
         def submit(rank: int) -> Any:
             return self.client[self.engine_ids[rank]].execute(code, silent=False, block=False)
 
         gpu = self.layout is not None and any(p.gpu for p in self.layout.places)
         runner = RankRun(self.pids, submit, self._exit_code, timeout=timeout, plot=plot, gpu=gpu)
-        candidates = names_written(code)
+        candidates = names.names_written(code)
         self.last_run = runner
         try:
             results = runner.run()
@@ -444,7 +410,7 @@ class RankCluster:
             raise
         self._settle_rank_names(candidates)
         if output:
-            return pull_values(self.view, [self.client[e] for e in self.engine_ids])
+            return names.pull_values(self.view, [self.client[e] for e in self.engine_ids])
         for rank, ar in enumerate(results):
             shown = (
                 (ar.execute_result or {}).get("data", {}).get("text/plain") if hasattr(ar, "execute_result") else None
@@ -459,7 +425,7 @@ class RankCluster:
         asked = sorted(self.rank_names | candidates)
         if not asked:
             return
-        present = names_on_ranks(self.view, asked)
+        present = names.names_on_ranks(self.view, asked)
         # None: a rank that cannot answer (it died); every candidate stays rank state, the safe side.
         self.rank_names = self.rank_names | candidates if present is None else present
 
@@ -482,45 +448,17 @@ class RankCluster:
         self.plans = self.fw.plan_ranks(self.layout, self.split, self.memory_mib, self.port)
         for place, plan in zip(self.layout.places, self.plans):
             self.client[place.engine_id].apply_sync(prepare_rank, plan.env, "", ())
-        self.run(script_code(os.path.abspath(path), list(args)), timeout=timeout, plot=plot)
+        self.run(names.script_code(os.path.abspath(path), list(args)), timeout=timeout, plot=plot)
 
     def status(self) -> list[RankInfo]:
         """Each rank's PID, liveness and memory (RSS, and GPU memory where NVML has it)."""
-        from .memory import RankMemorySampler
-
         if not self.running:
             return []
-        places = self.layout.places
-        here = socket.gethostname()
-        # A PID on another host names nothing here: such ranks are alive while their engine is registered.
-        local = [not self.launcher_plan.remote or place.hostname == here for place in places]
-        sampler = RankMemorySampler([pid for pid, mine in zip(self.pids, local) if mine], any(p.gpu for p in places))
-        local_rss, local_gpu = iter(sampler.rss()), iter(sampler.gpu())
-        sampler.close()
-        rss = [next(local_rss) if mine else None for mine in local]
-        gpu = [next(local_gpu) if mine else None for mine in local]
         registered = set(self.client.ids) if self.client is not None else set()
-        alive = [
-            process_alive(pid) if mine else engine in registered
-            for pid, mine, engine in zip(self.pids, local, self.engine_ids)
-        ]
-        return [
-            RankInfo(
-                rank,
-                self.engine_ids[rank],
-                pid,
-                alive[rank],
-                rss[rank] if alive[rank] else None,
-                gpu[rank],
-                places[rank].hostname,
-            )
-            for rank, pid in enumerate(self.pids)
-        ]
+        return rank_infos(self.layout.places, self.pids, self.engine_ids, self.launcher_plan.remote, registered)
 
     def describe(self) -> list[str]:
         """Lines for ``%vgpu_cluster start`` / ``status``."""
-        from ..units import format_bytes
-
         if not self.running:
             return ["no cluster running"]
         where = self.launcher_plan.describe()
@@ -535,17 +473,7 @@ class RankCluster:
             lines.append(
                 f"each rank has its launcher's environment; your code calls {join_call}, as under its launcher"
             )
-        infos = self.status()
-        # One host needs no naming on every line; ranks on several hosts say where each runs.
-        several_hosts = len({info.host for info in infos}) > 1
-        for info in infos:
-            state = "alive" if info.alive else "dead"
-            if info.alive and info.rss is not None:
-                state += f", RSS {format_bytes(info.rss)}"
-            if info.alive and info.gpu is not None:
-                state += f", GPU {format_bytes(info.gpu)}"
-            where = f" on {info.host}" if several_hosts else ""
-            lines.append(f"  rank {info.rank}: pid {info.pid}{where}, {state}")
+        lines.extend(status_lines(self.status()))
         if self.must_restart:
             lines.append(f"must be restarted ({self.must_restart}): %vgpu_cluster restart")
         return lines
