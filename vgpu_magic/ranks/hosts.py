@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..inventory import GPUInfo
+from ..inventory import GPUInfo, NVMLReadError
 
 __all__ = [
     "LAUNCHER_VARIABLES",
@@ -34,6 +34,7 @@ __all__ = [
     "SlurmStep",
     "report_host",
     "layout_ranks",
+    "predicted_layout",
     "expand_hostlist",
     "expand_tasks_per_node",
     "prepare_rank",
@@ -199,7 +200,7 @@ def expand_tasks_per_node(text: str) -> list[int]:
     return counts
 
 
-def layout_ranks(reports: list[HostReport]) -> RankLayout:
+def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = None) -> RankLayout:
     """Order the ranks and place them on their hosts. Pure.
 
     Ranks follow the launcher's rank where every engine has one (SLURM,
@@ -208,6 +209,7 @@ def layout_ranks(reports: list[HostReport]) -> RankLayout:
     gives them, else the order within and among hosts. Rank 0's address is the
     leader, except under SLURM, where it is the first host of
     ``SLURM_STEP_NODELIST`` (what JAX's and torch's SLURM conventions use).
+    ``gpus``: the GPUs every host is planned with, where the caller gave them.
     """
     if not reports:
         raise ValueError("no engine reported its host")
@@ -248,7 +250,21 @@ def layout_ranks(reports: list[HostReport]) -> RankLayout:
         )
     leader = slurm.hosts[0] if slurm is not None else places[0].address
     layout = RankLayout(tuple(places), leader, slurm)
-    return _assign_gpus(layout, {rank: report.gpus for rank, report in enumerate(ordered)})
+    layout = _assign_gpus(layout, {rank: report.gpus for rank, report in enumerate(ordered)})
+    return layout if gpus is None else layout.with_gpus(gpus)
+
+
+def predicted_layout(n: int, gpus: tuple[GPUInfo, ...] | None = None) -> RankLayout:
+    """The layout ``n`` engines started on this host would report (checked before starting);
+    ``gpus`` as in :func:`layout_ranks`, else the GPUs this host sees."""
+    import socket
+
+    host = socket.gethostname()
+    try:
+        seen = gpus if gpus is not None else visible_gpus()
+    except NVMLReadError as exc:
+        raise ValueError(str(exc)) from None
+    return layout_ranks([HostReport(e, host, "127.0.0.1", 0, seen, 0) for e in range(n)], gpus)
 
 
 def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> RankLayout:

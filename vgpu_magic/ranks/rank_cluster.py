@@ -19,7 +19,6 @@ import atexit
 import contextlib
 import importlib.util
 import os
-import socket
 import sys
 import threading
 import time
@@ -28,14 +27,14 @@ from typing import Any
 
 from .. import frameworks
 from ..frameworks.base import RankPlan
-from ..inventory import GPUInfo, NVMLReadError
+from ..inventory import GPUInfo
 from ..units import MIB
 from . import names, processes
-from .hosts import HostReport, RankLayout, layout_ranks, prepare_rank, report_host, visible_gpus
+from .hosts import HostReport, RankLayout, layout_ranks, predicted_layout, prepare_rank, report_host
 from .launchers import LAUNCHERS, LauncherPlan, plan_launcher
 from .processes import ClusterStartError
 from .run import RankRun, RankRunError
-from .status import RankInfo, rank_infos, status_lines
+from .status import RankInfo, cluster_lines, rank_infos
 
 __all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current"]
 
@@ -45,6 +44,16 @@ ENGINE_TIMEOUT = 120.0
 SETUP_TIMEOUT = 120.0
 _current: RankCluster | None = None
 _lock = threading.Lock()
+
+
+def _require_installed(fw: Any) -> None:
+    """:class:`ValueError` naming what the ranks need and this kernel lacks: the cluster's
+    packages, or the framework ``fw`` itself."""
+    missing = [m for m in ("ipyparallel", "psutil", "cloudpickle") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"the ranks need {', '.join(missing)}: pip install 'vgpu_magic[cluster]'")
+    if importlib.util.find_spec(fw.module) is None:
+        raise ValueError(f"{fw.label} is not installed in this kernel; {fw.capabilities.install_hint}")
 
 
 def current() -> RankCluster | None:
@@ -124,11 +133,7 @@ class RankCluster:
         self.launcher = launcher
         self.launcher_options = dict(launcher_options or {})
         self.join = bool(join)
-        missing = [m for m in ("ipyparallel", "psutil", "cloudpickle") if importlib.util.find_spec(m) is None]
-        if missing:
-            raise ValueError(f"the ranks need {', '.join(missing)}: pip install 'vgpu_magic[cluster]'")
-        if importlib.util.find_spec(self.fw.module) is None:
-            raise ValueError(f"{self.label} is not installed in this kernel; {self.fw.capabilities.install_hint}")
+        _require_installed(self.fw)
         #: The GPUs the caller planned for (every host then plans with them), or ``None``: each engine's own.
         self.given_gpus = (
             None
@@ -138,7 +143,7 @@ class RankCluster:
         memory_mib = None if memory is None else memory // MIB
         # Planned once on this host's view of the ranks, so a request that cannot work fails before anything starts;
         # start() plans again from what the engines report.
-        self.fw.plan_ranks(self._predicted_layout(n), split, memory_mib, port)
+        self.fw.plan_ranks(predicted_layout(n, self.given_gpus), split, memory_mib, port)
         self.n = n
         self.split = split
         self.memory = memory
@@ -212,7 +217,7 @@ class RankCluster:
             # interactive=False: no progress bar in the cell (the start summary says what started).
             self.client.wait_for_engines(self.n, timeout=ENGINE_TIMEOUT, block=True, interactive=False)
             self.hosts = self._read_hosts(sorted(self.client.ids)[: self.n])
-            self.layout = self._layout(self.hosts)
+            self.layout = layout_ranks(self.hosts, self.given_gpus)
             # Rank order: the launcher's ranks, else the engines', grouped by host.
             self.engine_ids = [place.engine_id for place in self.layout.places]
             self.pids = [place.pid for place in self.layout.places]
@@ -244,20 +249,6 @@ class RankCluster:
         controller = self.cluster.controller_location or self.cluster.controller_ip or "127.0.0.1"
         pending = [self.client[e].apply_async(report_host, e, controller) for e in engine_ids]
         return [ar.get(timeout=ENGINE_TIMEOUT) for ar in pending]
-
-    def _layout(self, hosts: list[HostReport]) -> RankLayout:
-        """The ranks laid out on ``hosts``, planned with the caller's GPUs where given."""
-        layout = layout_ranks(hosts)
-        return layout if self.given_gpus is None else layout.with_gpus(self.given_gpus)
-
-    def _predicted_layout(self, n: int) -> RankLayout:
-        """The layout ``n`` engines started on this host would report (checked before starting)."""
-        host = socket.gethostname()
-        try:
-            gpus = self.given_gpus if self.given_gpus is not None else visible_gpus()
-        except NVMLReadError as exc:
-            raise ValueError(str(exc)) from None
-        return self._layout([HostReport(e, host, "127.0.0.1", 0, gpus, 0) for e in range(n)])
 
     def _new_cluster(self, ipp: Any) -> Any:
         """ipyparallel's cluster, configured with the launcher plan."""
@@ -376,12 +367,8 @@ class RankCluster:
         is not usable.
         """
         self._require_running()
-        namespace = namespace or {}
         compile(code, "<cell>", "exec")
-        to_send = names.names_to_send(code, namespace, self.rank_names)
-        if to_send:
-            kinds = {name: type(namespace[name]).__name__ for name in to_send}
-            names.send_names(self.view, names.pack_names(namespace, to_send), kinds)
+        self._send_names(code, namespace or {})
         if output:
             code = names.split_last_expression(code, "_vgpu_out")
 
@@ -390,8 +377,30 @@ class RankCluster:
 
         gpu = self.layout is not None and any(p.gpu for p in self.layout.places)
         runner = RankRun(self.pids, submit, self._exit_code, timeout=timeout, plot=plot, gpu=gpu)
-        candidates = names.names_written(code)
         self.last_run = runner
+        results = self._watch(runner, names.names_written(code))
+        if output:
+            return names.pull_values(self.view, [self.client[e] for e in self.engine_ids])
+        for rank, ar in enumerate(results):
+            shown = (
+                (ar.execute_result or {}).get("data", {}).get("text/plain") if hasattr(ar, "execute_result") else None
+            )
+            if shown is not None:
+                print(f"[rank {rank}] Out: {shown}")
+        return None
+
+    def _send_names(self, code: str, namespace: dict[str, Any]) -> None:
+        """Send the names ``code`` reads from ``namespace`` to the ranks, by value
+        (:func:`~.names.names_to_send`), except names that are rank state."""
+        to_send = names.names_to_send(code, namespace, self.rank_names)
+        if to_send:
+            kinds = {name: type(namespace[name]).__name__ for name in to_send}
+            names.send_names(self.view, names.pack_names(namespace, to_send), kinds)
+
+    def _watch(self, runner: RankRun, candidates: set[str]) -> list[Any]:
+        """Run ``runner`` to its end; on a failure or an interrupt, mark the cluster for a
+        restart where ranks had to be killed, else settle which of ``candidates`` (the
+        names the code may bind) are now rank state."""
         try:
             results = runner.run()
         except RankRunError as exc:
@@ -409,15 +418,7 @@ class RankCluster:
                 self._settle_rank_names(candidates)
             raise
         self._settle_rank_names(candidates)
-        if output:
-            return names.pull_values(self.view, [self.client[e] for e in self.engine_ids])
-        for rank, ar in enumerate(results):
-            shown = (
-                (ar.execute_result or {}).get("data", {}).get("text/plain") if hasattr(ar, "execute_result") else None
-            )
-            if shown is not None:
-                print(f"[rank {rank}] Out: {shown}")
-        return None
+        return results
 
     def _settle_rank_names(self, candidates: set[str]) -> None:
         """:attr:`rank_names` becomes what exists on the ranks of the names cells may have bound: a
@@ -444,7 +445,7 @@ class RankCluster:
         """
         self._require_running()
         self.hosts = self._read_hosts(self.engine_ids)
-        self.layout = self._layout(self.hosts)
+        self.layout = layout_ranks(self.hosts, self.given_gpus)
         self.plans = self.fw.plan_ranks(self.layout, self.split, self.memory_mib, self.port)
         for place, plan in zip(self.layout.places, self.plans):
             self.client[place.engine_id].apply_sync(prepare_rank, plan.env, "", ())
@@ -458,25 +459,8 @@ class RankCluster:
         return rank_infos(self.layout.places, self.pids, self.engine_ids, self.launcher_plan.remote, registered)
 
     def describe(self) -> list[str]:
-        """Lines for ``%vgpu_cluster start`` / ``status``."""
-        if not self.running:
-            return ["no cluster running"]
-        where = self.launcher_plan.describe()
-        engine_sets = getattr(self.cluster, "engines", {}).values()
-        where += "".join(f", job {es.job_id}" for es in engine_sets if getattr(es, "job_id", ""))
-        lines = [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} on {where}"]
-        lines.extend(self.plans[0].notes if self.plans else ())
-        join_call = self.fw.join_call
-        if join_call and self.join:
-            lines.append(f"each rank has joined ({join_call} at start, --join): your code must not call it again")
-        elif join_call:
-            lines.append(
-                f"each rank has its launcher's environment; your code calls {join_call}, as under its launcher"
-            )
-        lines.extend(status_lines(self.status()))
-        if self.must_restart:
-            lines.append(f"must be restarted ({self.must_restart}): %vgpu_cluster restart")
-        return lines
+        """Lines for ``%vgpu_cluster start`` / ``status`` (:func:`~.status.cluster_lines`)."""
+        return cluster_lines(self)
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"

@@ -1,6 +1,7 @@
 """What ``%vgpu_cluster status`` says of each rank: its PID, whether it is alive,
 its memory, its host (:class:`RankInfo`), read by :func:`rank_infos` and put
-into lines by :func:`status_lines`.
+into lines by :func:`status_lines`; :func:`cluster_lines` is all that
+``%vgpu_cluster start`` / ``status`` print of a cluster.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 from .run import process_alive
 
-__all__ = ["RankInfo", "rank_infos", "status_lines"]
+__all__ = ["RankInfo", "cluster_lines", "rank_infos", "status_lines"]
 
 
 @dataclass(frozen=True)
@@ -83,4 +84,25 @@ def status_lines(infos: list[RankInfo]) -> list[str]:
             state += f", GPU {format_bytes(info.gpu)}"
         where = f" on {info.host}" if several_hosts else ""
         lines.append(f"  rank {info.rank}: pid {info.pid}{where}, {state}")
+    return lines
+
+
+def cluster_lines(cluster: Any) -> list[str]:
+    """Lines for ``%vgpu_cluster start`` / ``status`` of ``cluster`` (a :class:`~.rank_cluster.RankCluster`):
+    where its ranks run, its framework's notes, how the ranks join, each rank, and whether it must restart."""
+    if not cluster.running:
+        return ["no cluster running"]
+    where = cluster.launcher_plan.describe()
+    engine_sets = getattr(cluster.cluster, "engines", {}).values()
+    where += "".join(f", job {es.job_id}" for es in engine_sets if getattr(es, "job_id", ""))
+    lines = [f"{cluster.n} {cluster.label} rank{'s' if cluster.n > 1 else ''} on {where}"]
+    lines.extend(cluster.plans[0].notes if cluster.plans else ())
+    join_call = cluster.fw.join_call
+    if join_call and cluster.join:
+        lines.append(f"each rank has joined ({join_call} at start, --join): your code must not call it again")
+    elif join_call:
+        lines.append(f"each rank has its launcher's environment; your code calls {join_call}, as under its launcher")
+    lines.extend(status_lines(cluster.status()))
+    if cluster.must_restart:
+        lines.append(f"must be restarted ({cluster.must_restart}): %vgpu_cluster restart")
     return lines
