@@ -32,6 +32,7 @@ import argparse
 import math
 import os
 import sys
+from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
@@ -106,55 +107,10 @@ class ClusterMagics(Magics):
 
         options = _launcher_options(args)
         if args.action != "start":
-            given = (
-                ("N", args.n),
-                ("--framework", args.framework),
-                ("--split", args.split),
-                ("--memory", args.memory),
-                ("--port", args.port),
-                ("--launcher", args.launcher),
-                ("--join", args.join or None),
-            )
-            extra = [name if value is True else f"{name} {value}" for name, value in given if value is not None]
-            extra += [f"--{key.replace('_', '-')}" for key in options]
-            if extra:
-                raise UsageError(f"{extra[0]!r} only goes with start, e.g. %vgpu_cluster start 2 --framework torch")
+            _refuse_start_options(args, options)
         running = rank_cluster.current()
         if args.action == "start":
-            if args.n is None or args.framework is None:
-                raise UsageError("say how many ranks and which framework, e.g. %vgpu_cluster start 2 --framework torch")
-            from ..grammar import parse_memory
-            from ..units import MIB
-
-            try:
-                memory = parse_memory(args.memory) * MIB if args.memory is not None else None
-                ranks = rank_cluster.RankCluster(
-                    args.n,
-                    args.framework,
-                    split=args.split,
-                    memory=memory,
-                    port=args.port,
-                    launcher=args.launcher or "local",
-                    launcher_options=options,
-                    join=args.join,
-                )
-            except ValueError as exc:
-                raise UsageError(str(exc)) from None
-            if running is not None and running.same_request(ranks) and not running.must_restart:
-                # "Run all" re-runs the start cell: keep the ranks and their state rather than start afresh.
-                print("already running (%vgpu_cluster restart starts afresh)")
-                print("\n".join(running.describe()))
-                return
-            if running is not None:
-                print(
-                    f"stopping the running cluster ({running.n} {running.label} "
-                    f"rank{'s' if running.n > 1 else ''}) first"
-                )
-            try:
-                ranks.start()
-            except rank_cluster.ClusterStartError as exc:
-                raise UsageError(str(exc)) from None
-            print("\n".join(ranks.describe()))
+            _start(args, options, running)
             return
         if running is None:
             if args.action == "restart":
@@ -288,3 +244,58 @@ def _installed() -> set[str]:
     import importlib.util
 
     return {name for name in ("matplotlib",) if importlib.util.find_spec(name) is not None}
+
+
+def _refuse_start_options(args: Any, options: dict[str, Any]) -> None:
+    """:class:`UsageError` quoting the first option given that only ``start`` takes."""
+    given = (
+        ("N", args.n),
+        ("--framework", args.framework),
+        ("--split", args.split),
+        ("--memory", args.memory),
+        ("--port", args.port),
+        ("--launcher", args.launcher),
+        ("--join", args.join or None),
+    )
+    extra = [name if value is True else f"{name} {value}" for name, value in given if value is not None]
+    extra += [f"--{key.replace('_', '-')}" for key in options]
+    if extra:
+        raise UsageError(f"{extra[0]!r} only goes with start, e.g. %vgpu_cluster start 2 --framework torch")
+
+
+def _start(args: Any, options: dict[str, Any], running: Any) -> None:
+    """``%vgpu_cluster start``: the ranks ``args`` ask for, unless ``running`` already is
+    that cluster; a running cluster asked for differently is stopped first."""
+    from . import rank_cluster
+
+    if args.n is None or args.framework is None:
+        raise UsageError("say how many ranks and which framework, e.g. %vgpu_cluster start 2 --framework torch")
+    from ..grammar import parse_memory
+    from ..units import MIB
+
+    try:
+        memory = parse_memory(args.memory) * MIB if args.memory is not None else None
+        ranks = rank_cluster.RankCluster(
+            args.n,
+            args.framework,
+            split=args.split,
+            memory=memory,
+            port=args.port,
+            launcher=args.launcher or "local",
+            launcher_options=options,
+            join=args.join,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if running is not None and running.same_request(ranks) and not running.must_restart:
+        # "Run all" re-runs the start cell: keep the ranks and their state rather than start afresh.
+        print("already running (%vgpu_cluster restart starts afresh)")
+        print("\n".join(running.describe()))
+        return
+    if running is not None:
+        print(f"stopping the running cluster ({running.n} {running.label} rank{'s' if running.n > 1 else ''}) first")
+    try:
+        ranks.start()
+    except rank_cluster.ClusterStartError as exc:
+        raise UsageError(str(exc)) from None
+    print("\n".join(ranks.describe()))
