@@ -158,26 +158,9 @@ class ClusterMagics(Magics):
         args = parse_argstring(self.vgpu_run, line)
         if args.output is not None and not args.output.isidentifier():
             raise UsageError(f"-o {args.output!r} is not a Python name; use e.g. -o results")
-        timeout = None
-        if args.timeout is not None:
-            try:
-                timeout = float(args.timeout)
-            except ValueError:
-                timeout = math.nan
-            if not (math.isfinite(timeout) and timeout > 0):
-                raise UsageError(
-                    f"--timeout {args.timeout!r} is not a positive number of seconds; use e.g. --timeout 60"
-                )
+        timeout = _timeout(args.timeout)
         if cell is None:
-            if args.script is None:
-                raise UsageError(
-                    "say which script to run, e.g. %vgpu_run train.py --epochs 2, or use %%vgpu_run with a cell"
-                )
-            if args.output is not None:
-                raise UsageError("-o takes a cell's last value; a script has none: have it save what you need")
-            path = os.path.abspath(os.path.expanduser(args.script))
-            if not os.path.isfile(path):
-                raise UsageError(f"script {args.script!r} is not a file (looked in {os.getcwd()})")
+            path = _script_path(args)
         elif args.script is not None:
             raise UsageError(
                 f"{args.script!r}: %%vgpu_run runs its cell; to run a script use the line form, %vgpu_run {args.script}"
@@ -299,3 +282,29 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
     except rank_cluster.ClusterStartError as exc:
         raise UsageError(str(exc)) from None
     print("\n".join(ranks.describe()))
+
+
+def _timeout(given: str | None) -> float | None:
+    """``--timeout`` in seconds; :class:`UsageError` quoting it unless a positive number."""
+    if given is None:
+        return None
+    try:
+        timeout = float(given)
+    except ValueError:
+        timeout = math.nan
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise UsageError(f"--timeout {given!r} is not a positive number of seconds; use e.g. --timeout 60")
+    return timeout
+
+
+def _script_path(args: Any) -> str:
+    """The absolute path of the script the line form of ``%vgpu_run`` runs; :class:`UsageError`
+    if none is given, ``-o`` is (a script has no last value), or it is not a file."""
+    if args.script is None:
+        raise UsageError("say which script to run, e.g. %vgpu_run train.py --epochs 2, or use %%vgpu_run with a cell")
+    if args.output is not None:
+        raise UsageError("-o takes a cell's last value; a script has none: have it save what you need")
+    path = os.path.abspath(os.path.expanduser(args.script))
+    if not os.path.isfile(path):
+        raise UsageError(f"script {args.script!r} is not a file (looked in {os.getcwd()})")
+    return path
