@@ -50,11 +50,11 @@ def bare_import(module: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def cluster_start(framework: str, n: int) -> float:
+def cluster_start(framework: str, n: int, join: bool = False) -> float:
     from vgpu_magic.ranks import RankCluster
 
     t = time.perf_counter()
-    ranks = RankCluster(n, framework).start()
+    ranks = RankCluster(n, framework, join=join).start()
     elapsed = time.perf_counter() - t
     ranks.stop()
     return elapsed
@@ -85,7 +85,7 @@ def run_overhead(repeats: int) -> tuple[float, float]:
     ip = get_ipython()
     ip.run_line_magic("load_ext", "vgpu_magic")
     with contextlib.redirect_stdout(io.StringIO()):
-        ip.run_line_magic("vgpu_cluster", "start 2 --framework torch")
+        ip.run_line_magic("vgpu_cluster", "start 2 --framework torch --join")
     ranks = vgpu_magic.cluster()
     ours, plain = [], []
     for _ in range(repeats):
@@ -145,16 +145,18 @@ def main() -> None:
         f"heartbeat, {statistics.median(registered['ours']):.2f} s with ours ({' '.join(CONTROLLER_ARGS)})"
     )
     for framework in args.frameworks.split(","):
-        bases, starts = [], {2: [], 4: []}
+        # --join: the ranks also import the framework and join (init_process_group, jax.distributed) at start;
+        # without it that cost moves to the user's first cell, as under the real launcher.
+        bases, starts = [], {(2, False): [], (4, False): [], (2, True): []}
         for _ in range(args.starts):
             bases.append(bare_import(MODULES[framework]))
-            for n in starts:
-                starts[n].append(cluster_start(framework, n))
+            for n, join in starts:
+                starts[n, join].append(cluster_start(framework, n, join))
         base = statistics.median(bases)
         cells = []
-        for n, times in starts.items():
+        for (n, join), times in starts.items():
             ratio = statistics.median(t / b for t, b in zip(times, bases))
-            cells.append(f"{n} ranks {statistics.median(times):5.2f} s ({ratio:4.1f}x)")
+            cells.append(f"{n} ranks{' --join' if join else ''} {statistics.median(times):5.2f} s ({ratio:4.1f}x)")
         print(f"    {framework:<10} import {base:5.2f} s | " + " | ".join(cells))
     ours, plain = run_overhead(args.repeats)
     print(f"(b) trivial cell on 2 ranks: %%vgpu_run {ours * 1e3:.1f} ms, ipyparallel view.execute {plain * 1e3:.1f} ms "
