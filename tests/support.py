@@ -118,6 +118,18 @@ def kernel_output(kc, code: str, timeout: float = 120) -> dict[str, str]:
     }
 
 
+def processes_of(cluster_id: str) -> list:
+    """Live processes on this machine started for the cluster ``cluster_id`` (its engines carry
+    the id in their arguments; the tests' second host shares this machine's PIDs)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and any(cluster_id in a for a in proc.info["cmdline"] or ()):
+            found.append(proc)
+    return found
+
+
 def our_processes() -> set[int]:
     """The live processes this test process started, directly or not."""
     import psutil

@@ -18,6 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from support import processes_of
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 #: Seconds a cell may run on the ranks (a collective that cannot connect fails instead of hanging).
@@ -36,15 +38,6 @@ def identity(rank: str) -> str:
 
 TORCH_RANK = "int(os.environ['RANK'])"
 TF_RANK = "json.loads(os.environ['TF_CONFIG'])['task']['index']"
-
-
-def processes_of(cluster_id: str) -> list[psutil.Process]:
-    """Processes on this machine started for the cluster (engines carry its id in their arguments)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        if proc.info["status"] != psutil.STATUS_ZOMBIE and any(cluster_id in a for a in proc.info["cmdline"] or ()):
-            found.append(proc)
-    return found
 
 
 def step_daemons() -> set[int]:

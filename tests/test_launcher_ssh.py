@@ -14,26 +14,14 @@ import io
 import os
 import time
 
-import psutil
 import pytest
+
+from support import our_processes, processes_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 #: Seconds a cell may run on the ranks (a collective that cannot connect fails instead of hanging).
 RUN_TIMEOUT = 120
-
-
-def processes_of(cluster_id: str) -> list[psutil.Process]:
-    """Processes on this machine (both hosts share its PIDs) started for the cluster."""
-    found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        if proc.info["status"] != psutil.STATUS_ZOMBIE and any(cluster_id in a for a in proc.info["cmdline"] or ()):
-            found.append(proc)
-    return found
-
-
-def our_processes() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
 
 
 @contextlib.contextmanager
