@@ -214,33 +214,29 @@ def test_a_killed_kernel_takes_its_slurm_job_with_it(slurm):
     import signal
     import subprocess
 
-    from jupyter_client.manager import start_new_kernel
+    from support import kernel_run, kernel_stdout, started_kernel
 
-    from support import CHILD_ENV, ROOT, kernel_run, kernel_stdout
-
-    env = {**CHILD_ENV, "PYTHONPATH": str(ROOT), "SLURM_CONF": str(slurm.conf)}
-    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(ROOT))
     job = ""
     try:
-        reply = kernel_run(kc, "%load_ext vgpu_magic\n%vgpu_cluster start 2 --framework tensorflow --launcher slurm")
-        assert not [m for m in reply if m["msg_type"] == "error"], kernel_stdout(reply)
-        reply = kernel_run(
-            kc,
-            "import json, os, vgpu_magic\n"
-            "r = vgpu_magic.cluster()\n"
-            "print(json.dumps([os.getpid(), [es.job_id for es in r.cluster.engines.values()][0], r.cluster_id]))",
-        )
-        kernel, job, cluster_id = json.loads(kernel_stdout(reply).strip().splitlines()[-1])
-        assert job and queued(job)
-        os.kill(kernel, signal.SIGKILL)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and (queued(job) or processes_of(cluster_id)):
-            time.sleep(0.25)
-        assert not queued(job), f"job {job} still in squeue 15 s after its kernel was killed"
-        assert processes_of(cluster_id) == []
+        with started_kernel({"SLURM_CONF": str(slurm.conf)}) as (_km, kc):
+            start = "%load_ext vgpu_magic\n%vgpu_cluster start 2 --framework tensorflow --launcher slurm"
+            reply = kernel_run(kc, start)
+            assert not [m for m in reply if m["msg_type"] == "error"], kernel_stdout(reply)
+            reply = kernel_run(
+                kc,
+                "import json, os, vgpu_magic\n"
+                "r = vgpu_magic.cluster()\n"
+                "print(json.dumps([os.getpid(), [es.job_id for es in r.cluster.engines.values()][0], r.cluster_id]))",
+            )
+            kernel, job, cluster_id = json.loads(kernel_stdout(reply).strip().splitlines()[-1])
+            assert job and queued(job)
+            os.kill(kernel, signal.SIGKILL)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and (queued(job) or processes_of(cluster_id)):
+                time.sleep(0.25)
+            assert not queued(job), f"job {job} still in squeue 15 s after its kernel was killed"
+            assert processes_of(cluster_id) == []
     finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
         if job:
             subprocess.run(["scancel", "-s", "KILL", job], capture_output=True, check=False)
 
