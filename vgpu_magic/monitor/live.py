@@ -19,10 +19,11 @@ setting a bqplot ``Lines``' arrays re-sends every point of every series,
 also puts the legend and the epoch labels where they never cover data, and
 takes its text, axis and grid colours from the front end's theme variables.
 
-Update throttle: the next update waits ``max(min_interval, budget_factor ×
-last cost)``, 0.2 s and 200 by default, so the view takes at most 0.5 % of
-the kernel's time and, at 0.08 ms an update, updates five times a second
-(updates come at samples, so at batch starts).
+Update throttle (:class:`~vgpu_magic.monitor.views.RedrawThrottle`): one
+update every 0.2 s on average, kept in rhythm although updates only come at
+samples (so at batch starts), and never sooner than 200 × the last update's
+cost after it, so the view takes at most 0.5 % of the kernel's time and, at
+0.08 ms an update, updates five times a second.
 """
 
 from __future__ import annotations

@@ -15,10 +15,18 @@ colours (:data:`PALETTE`) and each panel's unit (:func:`panel_unit`).
 Update throttle
 ---------------
 Whatever a view does at a sample runs on the training thread.
-:class:`RedrawThrottle` allows the next update when ``now - last_start >=
-max(min_interval, budget_factor * last_cost)``: an update costing ``c`` is
-followed by at least ``(budget_factor - 1) c`` of training, so updating takes
-at most ``1 / budget_factor`` of the time whatever ``c`` is.
+:class:`RedrawThrottle` keeps a rhythm of one update every ``min_interval``
+(0.2 s): the next update is due ``min_interval`` after the one before was
+*due*, not after it came, so updates that can only come at samples (at batch
+starts) do not drift late and the view still updates five times a second
+when a step takes 70 ms. An update that came more than half an interval late
+starts a new rhythm, so updates are never closer than half an interval; one
+the view makes before it is due (at an epoch's end) leaves the rhythm as it
+is. On
+top of that the next update waits ``budget_factor * last_cost`` after the
+last one started: an update costing ``c`` is followed by at least
+``(budget_factor - 1) c`` of training, so updating takes at most
+``1 / budget_factor`` of the time whatever ``c`` is.
 """
 
 from __future__ import annotations
@@ -115,30 +123,41 @@ class TextSummaryView(View):
 
 
 class RedrawThrottle:
-    """Allows an update when ``now - last_start >= max(min_interval, budget_factor * last_cost)``.
+    """Allows an update at the next due time of a ``min_interval`` rhythm, and
+    no sooner than ``budget_factor * last_cost`` after the last update started.
 
-    See the module docstring for why this keeps updating at or under
-    ``1 / budget_factor`` of the time. Start it with :meth:`reset` at the run
-    start: the first update then comes ``min_interval`` into the run, not at
-    its very first step.
+    See the module docstring for why this updates every ``min_interval`` on
+    average and takes at most ``1 / budget_factor`` of the time. Start it with
+    :meth:`reset` at the run start: the first update is then due
+    ``min_interval`` into the run, not at its very first step.
     """
 
     def __init__(self, min_interval: float = 0.2, budget_factor: float = 200.0) -> None:
         self.min_interval = min_interval
         self.budget_factor = budget_factor
+        self.due = -math.inf
         self.last_start = -math.inf
         self.last_cost = 0.0
 
     def reset(self, now: float) -> None:
+        self.due = now + self.min_interval
         self.last_start = now
         self.last_cost = 0.0
 
     def next_allowed(self) -> float:
-        return self.last_start + max(self.min_interval, self.budget_factor * self.last_cost)
+        return max(self.due, self.last_start + self.budget_factor * self.last_cost)
 
     def ready(self, now: float) -> bool:
         return now >= self.next_allowed()
 
     def record(self, start: float, cost: float) -> None:
+        """An update started at ``start`` and took ``cost`` seconds."""
+        late = start - self.due
+        if late < 0:  # an update before it was due (an epoch's end): the rhythm stays
+            self.due = max(self.due, start + self.min_interval / 2)
+        elif late < self.min_interval / 2:  # a little late, as updates come at samples: keep the rhythm
+            self.due += self.min_interval
+        else:  # a slow step or a pause: a new rhythm from here
+            self.due = start + self.min_interval
         self.last_start = start
         self.last_cost = cost
