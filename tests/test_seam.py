@@ -28,6 +28,9 @@ FAKE_CAPS = Capabilities(
     splits_cpu=True,
     gpu_caps_required=True,
     gpu_reserve_mib=lambda free, cc: 1000,
+    memory_growth=True,
+    uniform_growth=True,
+    gpu_visibility=True,
     replicas_by="fake.Strategy()",
     install_hint="install it with pip install fakefw",
 )

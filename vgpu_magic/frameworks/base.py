@@ -46,6 +46,9 @@ class FrameworkImportError(ImportError):
 class Capabilities:
     """What a framework can and cannot do with devices: data the planner reads.
 
+    Every ability defaults to "cannot" (``False``, ``None``): a framework
+    declares only what it can do.
+
     Attributes
     ----------
     name, label:
@@ -89,15 +92,15 @@ class Capabilities:
     name: str
     label: str
     splits_in_process: bool = True
-    splits_gpu: bool = True
-    splits_cpu: bool = True
+    splits_gpu: bool = False
+    splits_cpu: bool = False
     cpu_caps: bool = False
-    gpu_caps_required: bool = True
+    gpu_caps_required: bool = False
     gpu_reserve_mib: Callable[[int, tuple[int, int] | None], int] | None = field(default=None, compare=False)
-    memory_growth: bool = True
+    memory_growth: bool = False
     growth_with_split: bool = False
-    uniform_growth: bool = True
-    gpu_visibility: bool = True
+    uniform_growth: bool = False
+    gpu_visibility: bool = False
     cpus_share_allocator: bool = False
     replicas_by: str = "the strategy"
     replicas_on_split_cpu: bool = False

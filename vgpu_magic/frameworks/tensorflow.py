@@ -69,21 +69,12 @@ def system_reserve_mib(free_mib: int, compute_capability: tuple[int, int] | None
 
 
 CAPABILITIES = Capabilities(
-    name="tensorflow",
-    label="TensorFlow",
-    splits_gpu=True,
-    splits_cpu=True,
-    cpu_caps=False,
-    gpu_caps_required=True,
-    gpu_reserve_mib=system_reserve_mib,
-    memory_growth=True,
-    growth_with_split=False,
-    uniform_growth=True,
-    gpu_visibility=True,
-    # Every logical CPU reports the one host allocator's figures.
-    cpus_share_allocator=True,
-    replicas_by="MirroredStrategy()",
+    name="tensorflow", label="TensorFlow",
     install_hint="install it with pip install 'vgpu_magic[cpu]' (or 'vgpu_magic[gpu]' for the CUDA build)",
+    splits_gpu=True, gpu_caps_required=True, gpu_reserve_mib=system_reserve_mib, gpu_visibility=True,
+    splits_cpu=True, cpus_share_allocator=True,  # every logical CPU reports the one host allocator's figures
+    memory_growth=True, uniform_growth=True,
+    replicas_by="MirroredStrategy()",
 )
 
 _INFO_LINE = re.compile(
@@ -287,11 +278,11 @@ class TensorFlow(Framework):
     def memory_reader(self) -> Reader:
         """Reads through the C function under the eager context's
         ``get_memory_info`` (which ``tf.config.experimental.get_memory_info``
-        wraps), bound to the context once: right after a training step every
-        Python call level costs microseconds (measured in a kernel: the first
-        read after a step 11.6 µs, one more through the context's method
-        6.6 µs, one more directly 1.0 µs). Only called once the runtime runs,
-        so the context is initialised and its handle stays valid."""
+        wraps), bound to the context once: right after a training step each
+        Python call level in between costs as much as the read itself
+        (``benchmarks/monitor_overhead.py`` measures a sample). Only called
+        once the runtime runs, so the context is initialised and its handle
+        stays valid."""
         from tensorflow.python import pywrap_tfe
         from tensorflow.python.eager import context
 

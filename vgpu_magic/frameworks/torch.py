@@ -44,17 +44,9 @@ if TYPE_CHECKING:
 __all__ = ["CAPABILITIES", "FRAMEWORK", "Torch", "setup_rank"]
 
 CAPABILITIES = Capabilities(
-    name="torch",
-    label="PyTorch",
-    splits_in_process=False,
-    splits_gpu=False,
-    splits_cpu=False,
-    gpu_caps_required=False,
-    memory_growth=False,
-    uniform_growth=False,
-    gpu_visibility=False,
+    name="torch", label="PyTorch", install_hint="install it with pip install 'vgpu_magic[torch]'",
+    splits_in_process=False,  # a process uses one device; several devices are several ranks
     replicas_by="DistributedDataParallel",
-    install_hint="install it with pip install 'vgpu_magic[torch]'",
 )
 
 
