@@ -17,6 +17,7 @@ from __future__ import annotations
 import numbers
 import warnings
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from . import frameworks
 from .errors import PlanError, excerpt
@@ -67,22 +68,23 @@ def _memory_arg(memory: object) -> int | tuple[int, ...] | None:
     return tuple(sizes)
 
 
-def make_request(
-    count: int | None = None,
-    memory: int | str | Sequence[int | str] | None = None,
-    *,
-    cpu: bool = False,
-    gpu: int | None = None,
-    others: str = "hide",
-    visible: Iterable[int] | None = None,
-    growth: bool = False,
-    framework: str | None = None,
-) -> SplitRequest:
+#: :func:`split`'s keyword options and their defaults.
+_OPTIONS = {"cpu": False, "gpu": None, "others": "hide", "visible": None, "growth": False, "framework": None}
+
+
+def make_request(count: int | None = None, memory: int | str | Sequence[int | str] | None = None,
+                 **options: Any) -> SplitRequest:
     """Build a :class:`SplitRequest` from Python values, checking their types.
 
+    ``options`` are :func:`split`'s keyword options (``cpu``, ``gpu``,
+    ``others``, ``visible``, ``growth``, ``framework``), with its defaults.
     Integers of any integral type are accepted (``numpy.int64`` too); anything
     else gets a :class:`ValueError` that says what would work.
     """
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise PlanError(f"unknown option {unknown[0]!r}; use {', '.join(sorted({*_OPTIONS, 'memory', 'dry_run'}))}")
+    cpu, gpu, others, visible, growth, framework = ({**_OPTIONS, **options}[key] for key in _OPTIONS)
     if count is not None and not _whole(count):
         raise PlanError(f"count {excerpt(count)} is not a whole number; use 1..64, e.g. split(4)")
     if gpu is not None and not _whole(gpu):
@@ -127,16 +129,8 @@ def plan(count: int | None = None, memory=None, **options) -> SplitPlan:
     changes nothing: a plan never configures).
     """
     options.pop("dry_run", None)
-    request = _request(count, memory, options)
+    request = make_request(count, memory, **options)
     return plan_split(request, framework_for(request.framework).probe_inventory())
-
-
-def _request(count, memory, options: dict) -> SplitRequest:
-    allowed = {"cpu", "gpu", "others", "visible", "growth", "framework"}
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise PlanError(f"unknown option {unknown[0]!r}; use {', '.join(sorted(allowed | {'memory', 'dry_run'}))}")
-    return make_request(count, memory, **options)
 
 
 def split(
