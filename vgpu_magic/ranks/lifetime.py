@@ -56,6 +56,7 @@ __all__ = [
     "owner_of_this_process",
     "watch_owner",
     "watched_command",
+    "run_when_this_process_dies",
     "processes_of",
     "main",
 ]
@@ -168,6 +169,24 @@ os.register_at_fork(after_in_child=_watch_again_after_fork)
 def watched_command(module: str) -> list[str]:
     """``python -m MODULE`` run under the watch: ``[python, -m, vgpu_magic.ranks.lifetime, MODULE]``."""
     return [sys.executable, "-m", __name__, module]
+
+
+def run_when_this_process_dies(command: str, token: str = "") -> subprocess.Popen:
+    """Start a watcher of this process in a session of its own that runs the shell ``command``
+    when this process dies without killing the watcher first (``python -m
+    vgpu_magic.ranks.lifetime --then COMMAND``). With ``token`` it carries ``CLUSTER_ENV``, so
+    the cluster's stop ends it with the rest."""
+    env = {**os.environ, OWNER_ENV: owner_of_this_process()}
+    if token:
+        env[CLUSTER_ENV] = token
+    return subprocess.Popen(
+        [sys.executable, "-m", __name__, "--then", command],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def processes_of(token: str, since: float = 0.0) -> list:

@@ -139,20 +139,10 @@ class LocalSlurm:
         (a kernel killed by SIGKILL): a watched process (:mod:`.lifetime`) runs the
         sweep then."""
         import shlex
-        import sys
 
         from . import lifetime
 
-        env = {**os.environ, lifetime.OWNER_ENV: lifetime.owner_of_this_process()}
-        sweep = shlex.join(["sh", "-c", self._sweep_script()])
-        self._watcher = subprocess.Popen(
-            [sys.executable, "-m", "vgpu_magic.ranks.lifetime", "--then", sweep],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        self._watcher = lifetime.run_when_this_process_dies(shlex.join(["sh", "-c", self._sweep_script()]))
 
     def stop(self) -> None:
         """Cancel every job, stop the daemons and remove the folder. Safe to call twice."""

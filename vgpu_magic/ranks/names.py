@@ -19,6 +19,7 @@ import os
 from typing import Any
 
 __all__ = [
+    "RankNames",
     "UnsendableName",
     "names_on_ranks",
     "names_to_send",
@@ -310,32 +311,40 @@ del _vgpu_pickle
 """
 
 
+def _first_failure(view: Any, variable: str) -> tuple[int, Any] | None:
+    """``(rank, value)`` of the first rank of ``view`` whose ``variable`` is set, or ``None``."""
+    for rank, failed in enumerate(view.pull(variable, block=True)):
+        if failed:
+            return rank, failed
+    return None
+
+
 def send_names(view: Any, blobs: dict[str, bytes], kinds: dict[str, str]) -> None:
     """Bind the pickled names on every rank of ``view``; :class:`UnsendableName` naming the first
     that a rank cannot unpickle (a module only the kernel can import), with the rank's reason.
     ``kinds``: each name's type, for the message."""
     view.push({"_vgpu_names": blobs}, block=True)
     view.execute(_UNPACK_NAMES, block=True)
-    for rank, failed in enumerate(view.pull("_vgpu_failed", block=True)):
-        if failed:
-            name, reason = failed
-            raise UnsendableName(
-                f"cannot send {name!r} ({kinds[name]}) to the ranks: rank {rank} cannot unpickle it "
-                f"({reason}); make it importable on the ranks, or create it inside the cell"
-            )
+    failure = _first_failure(view, "_vgpu_failed")
+    if failure:
+        rank, (name, reason) = failure
+        raise UnsendableName(
+            f"cannot send {name!r} ({kinds[name]}) to the ranks: rank {rank} cannot unpickle it "
+            f"({reason}); make it importable on the ranks, or create it inside the cell"
+        )
 
 
 def pull_values(view: Any, ranks: list[Any]) -> list[Any]:
     """Each rank's ``_vgpu_out`` (``ranks``: one view per rank, in rank order);
     :class:`UnsendableName` in one line if one cannot come back."""
     view.execute(_CHECK_OUT, block=True)
-    for rank, failed in enumerate(view.pull("_vgpu_out_failed", block=True)):
-        if failed:
-            kind, reason = failed
-            raise UnsendableName(
-                f"the cell's last value on rank {rank} ({kind}) cannot be sent back to the notebook: {reason}; "
-                "end the cell with plain values (numbers, lists, arrays), e.g. list(...) of a generator"
-            )
+    failure = _first_failure(view, "_vgpu_out_failed")
+    if failure:
+        rank, (kind, reason) = failure
+        raise UnsendableName(
+            f"the cell's last value on rank {rank} ({kind}) cannot be sent back to the notebook: {reason}; "
+            "end the cell with plain values (numbers, lists, arrays), e.g. list(...) of a generator"
+        )
     return [one.pull("_vgpu_out", block=True) for one in ranks]
 
 
@@ -349,3 +358,30 @@ def names_on_ranks(view: Any, asked: list[str]) -> set[str] | None:
     except (IPythonError, OSError, TimeoutError):
         return None
     return set().union(*map(set, present))
+
+
+class RankNames:
+    """The names cells run on the ranks assigned: rank state, never overwritten
+    from the notebook (:func:`names_to_send` leaves them out)."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def send(self, view: Any, code: str, namespace: dict[str, Any]) -> None:
+        """Send the names ``code`` reads from ``namespace`` to the ranks of ``view``,
+        by value (:func:`names_to_send`), except names that are rank state."""
+        to_send = names_to_send(code, namespace, self.names)
+        if to_send:
+            kinds = {name: type(namespace[name]).__name__ for name in to_send}
+            send_names(view, pack_names(namespace, to_send), kinds)
+
+    def settle(self, view: Any, candidates: set[str]) -> None:
+        """The rank state becomes what exists on the ranks of the names a cell may
+        have bound (``candidates``) and the earlier ones: a name deleted there, or
+        whose assignment never ran, is the notebook's again."""
+        asked = sorted(self.names | candidates)
+        if not asked:
+            return
+        present = names_on_ranks(view, asked)
+        # None: a rank that cannot answer (it died); every candidate stays rank state, the safe side.
+        self.names = self.names | candidates if present is None else present

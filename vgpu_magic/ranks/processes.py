@@ -33,6 +33,7 @@ __all__ = [
     "free_ports",
     "new_ipp_cluster",
     "rank_footprint",
+    "stop_launched",
     "stop_remote",
     "terminate",
     "watch_remote",
@@ -44,9 +45,8 @@ STOP_GRACE = 2.0
 #: Seconds a cancelled batch job may take to leave the queue, and remote engines to exit.
 REMOTE_STOP_TIMEOUT = 30.0
 #: The controller's heartbeat. The hub accepts a registering engine only once its heart has answered a ping, so
-#: ipyparallel's default 3 s period made every start wait 3-6 s for nothing (``benchmarks/cluster.py``). Beating
-#: every 200 ms costs the idle cluster under 1 % of one core; 150 misses keep ipyparallel's 30 s before a silent
-#: engine counts as dead.
+#: ipyparallel's default 3 s period made every start wait one or two periods for nothing (``benchmarks/cluster.py``
+#: measures both). 150 misses keep ipyparallel's 30 s before a silent engine counts as dead.
 HEARTBEAT_MS = 200
 CONTROLLER_ARGS = (
     f"--HeartMonitor.period={HEARTBEAT_MS}",
@@ -286,8 +286,11 @@ def batch_jobs(cluster: Any) -> list[str]:
     return [getattr(es, "job_id", "") for es in cluster.engines.values()]
 
 
-def ssh_engines(cluster: Any) -> list[tuple[str, int]]:
-    """``(ssh location, PID there)`` of each engine of ``cluster`` started over SSH, in start order."""
+def ssh_engines(cluster: Any, plan: LauncherPlan) -> list[tuple[str, int]]:
+    """``(ssh location, PID there)`` of each engine of ``cluster`` started over SSH, in start order
+    (none unless ``plan`` is the SSH launcher's)."""
+    if plan.name != "ssh":
+        return []
     return [
         (launcher.location, launcher.pid)
         for engine_set in cluster.engines.values()
@@ -310,16 +313,8 @@ def watch_remote(jobs: list[str], plan: LauncherPlan, engines: list[tuple[str, i
             pids = " ".join(str(pid) for where, pid in engines if where == location)
             cleanup = f"kill {pids} 2>/dev/null; " + REMOTE_CLEANUP.format(pids=pids, folder=remote_dir)
             commands.append(shlex.join(["ssh", *args, location, cleanup]))
-    env = {**os.environ, lifetime.OWNER_ENV: lifetime.owner_of_this_process(), lifetime.CLUSTER_ENV: token}
     for command in commands:
-        subprocess.Popen(
-            [sys.executable, "-m", "vgpu_magic.ranks.lifetime", "--then", command],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        lifetime.run_when_this_process_dies(command, token)
 
 
 def processes_started(owned: set[int], token: str, started_at: float) -> list[Any]:
@@ -355,6 +350,23 @@ def terminate(procs: list[Any]) -> list[Any]:
             proc.kill()
     _, alive = psutil.wait_procs(alive, timeout=5)
     return alive
+
+
+def stop_launched(cluster: Any, plan: LauncherPlan, cluster_id: str) -> list[str]:
+    """Stop what ipyparallel launched for ``cluster`` through its launchers (for a batch
+    launcher the ``scancel`` of the job, for SSH a SIGTERM over ssh), make sure nothing is
+    left on other hosts (:func:`stop_remote`) and remove the batch script. Returns what is
+    still left, in words."""
+    jobs = [job for job in batch_jobs(cluster) if job]
+    engines = ssh_engines(cluster, plan)
+    # If this fails, local processes are gone already (the caller checked) and remote ones are checked below.
+    with contextlib.suppress(Exception):
+        cluster.stop_cluster_sync()
+    left = stop_remote(jobs, plan, engines)
+    if plan.name == "slurm":
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(batch_file(cluster, cluster_id))
+    return left
 
 
 def stop_remote(jobs: list[str], plan: LauncherPlan, engines: list[tuple[str, int]]) -> list[str]:

@@ -128,6 +128,8 @@ class RankCluster:
         if port is not None and not 1 <= port <= 65535:
             raise ValueError(f"--port {port} is not a TCP port; use 1..65535, or leave it out for a free one")
         self.fw = frameworks.get(framework)
+        #: The framework's registry name (``"torch"``) and the name shown to people (``"PyTorch"``).
+        self.framework, self.label = self.fw.name, self.fw.label
         self.cluster_id = f"vgpu-{uuid.uuid4().hex[:8]}"
         self.launcher_plan: LauncherPlan = plan_launcher(launcher, n, launcher_options, self.cluster_id)
         self.launcher = launcher
@@ -158,22 +160,13 @@ class RankCluster:
         self.engine_ids: list[int] = []
         self.pids: list[int] = []
         self.must_restart: str | None = None
-        #: Names cells run on the ranks assigned: rank state, never overwritten from the notebook.
-        self.rank_names: set[str] = set()
+        self.rank_names = names.RankNames()
         self._owned: set[int] = set()
         #: Engine launchers by PID, kept after ipyparallel forgets a stopped one (for exit statuses).
         self._launchers: dict[int, Any] = {}
         #: Carried by every process of this cluster (:func:`.lifetime.processes_of`).
         self._token = ""
         self._started_at = 0.0
-
-    @property
-    def framework(self) -> str:
-        return self.fw.name
-
-    @property
-    def label(self) -> str:
-        return self.fw.label
 
     @property
     def running(self) -> bool:
@@ -212,7 +205,11 @@ class RankCluster:
             self.cluster.start_cluster_sync(n=self.n)
             # Remembered at once, so that even engines that never register are stopped.
             self._remember_processes()
-            self._watch_remote()
+            # Engines on other hosts end when the kernel dies without a stop.
+            processes.watch_remote(
+                processes.batch_jobs(self.cluster), self.launcher_plan,
+                processes.ssh_engines(self.cluster, self.launcher_plan), self._token,
+            )
             self.client = self.cluster.connect_client_sync()
             # interactive=False: no progress bar in the cell (the start summary says what started).
             self.client.wait_for_engines(self.n, timeout=ENGINE_TIMEOUT, block=True, interactive=False)
@@ -302,21 +299,13 @@ class RankCluster:
             with contextlib.suppress(Exception):
                 self.client.close()
         alive = processes.terminate(procs)
-        jobs = processes.batch_jobs(self.cluster) if self.cluster is not None else []
-        remote_engines = self._ssh_engines()
+        left = []
         if self.cluster is not None:
-            # For a batch launcher this is the scancel of the job; for SSH, SIGTERM over ssh. If it fails,
-            # local processes are gone (checked above) and remote ones are checked below.
-            with contextlib.suppress(Exception):
-                self.cluster.stop_cluster_sync()
-        left = processes.stop_remote([job for job in jobs if job], self.launcher_plan, remote_engines)
-        if self.cluster is not None and self.launcher_plan.name == "slurm":
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(processes.batch_file(self.cluster, self.cluster_id))
+            left = processes.stop_launched(self.cluster, self.launcher_plan, self.cluster_id)
         self.cluster = self.client = self.view = None
         self.engine_ids, self.pids, self._owned, self._launchers, self._token = [], [], set(), {}, ""
         self.hosts, self.layout = [], None
-        self.rank_names = set()
+        self.rank_names = names.RankNames()
         self.must_restart = None
         atexit.unregister(self.stop)
         with _lock:
@@ -326,16 +315,6 @@ class RankCluster:
             raise RuntimeError(f"processes {sorted(p.pid for p in alive)} did not exit after SIGKILL")
         if left:
             raise RuntimeError(f"after stopping, {'; '.join(left)}")
-
-    def _watch_remote(self) -> None:
-        """End engines on other hosts when the kernel dies without :meth:`stop` (:func:`~.processes.watch_remote`)."""
-        processes.watch_remote(processes.batch_jobs(self.cluster), self.launcher_plan, self._ssh_engines(), self._token)
-
-    def _ssh_engines(self) -> list[tuple[str, int]]:
-        """``(ssh location, PID there)`` of each engine started over SSH, in start order."""
-        if self.cluster is None or self.launcher != "ssh":
-            return []
-        return processes.ssh_engines(self.cluster)
 
     def restart(self) -> RankCluster:
         """Stop and start again with the same ranks and wiring."""
@@ -368,7 +347,7 @@ class RankCluster:
         """
         self._require_running()
         compile(code, "<cell>", "exec")
-        self._send_names(code, namespace or {})
+        self.rank_names.send(self.view, code, namespace or {})
         if output:
             code = names.split_last_expression(code, "_vgpu_out")
 
@@ -377,7 +356,6 @@ class RankCluster:
 
         gpu = self.layout is not None and any(p.gpu for p in self.layout.places)
         runner = RankRun(self.pids, submit, self._exit_code, timeout=timeout, plot=plot, gpu=gpu)
-        self.last_run = runner
         results = self._watch(runner, names.names_written(code))
         if output:
             return names.pull_values(self.view, [self.client[e] for e in self.engine_ids])
@@ -389,46 +367,18 @@ class RankCluster:
                 print(f"[rank {rank}] Out: {shown}")
         return None
 
-    def _send_names(self, code: str, namespace: dict[str, Any]) -> None:
-        """Send the names ``code`` reads from ``namespace`` to the ranks, by value
-        (:func:`~.names.names_to_send`), except names that are rank state."""
-        to_send = names.names_to_send(code, namespace, self.rank_names)
-        if to_send:
-            kinds = {name: type(namespace[name]).__name__ for name in to_send}
-            names.send_names(self.view, names.pack_names(namespace, to_send), kinds)
-
     def _watch(self, runner: RankRun, candidates: set[str]) -> list[Any]:
-        """Run ``runner`` to its end; on a failure or an interrupt, mark the cluster for a
-        restart where ranks had to be killed, else settle which of ``candidates`` (the
-        names the code may bind) are now rank state."""
+        """Run ``runner`` to its end; mark the cluster for a restart where ranks died or had
+        to be killed, else settle which of ``candidates`` (the names the code may bind) are
+        now rank state."""
         try:
-            results = runner.run()
-        except RankRunError as exc:
-            if exc.must_restart:
-                self.must_restart = exc.headline().split(";")[0]
-            else:
-                self._settle_rank_names(candidates)
+            return runner.run()
+        except (RankRunError, KeyboardInterrupt) as exc:
+            self.must_restart = runner.restart_reason(exc)
             raise
-        except KeyboardInterrupt:
-            if runner.killed:
-                killed = runner.killed
-                ranks = f"rank{'s' if len(killed) > 1 else ''} {', '.join(map(str, killed))}"
-                self.must_restart = f"{ranks} {'were' if len(killed) > 1 else 'was'} killed after an interrupt"
-            else:
-                self._settle_rank_names(candidates)
-            raise
-        self._settle_rank_names(candidates)
-        return results
-
-    def _settle_rank_names(self, candidates: set[str]) -> None:
-        """:attr:`rank_names` becomes what exists on the ranks of the names cells may have bound: a
-        name deleted there, or whose assignment never ran, is the notebook's again."""
-        asked = sorted(self.rank_names | candidates)
-        if not asked:
-            return
-        present = names.names_on_ranks(self.view, asked)
-        # None: a rank that cannot answer (it died); every candidate stays rank state, the safe side.
-        self.rank_names = self.rank_names | candidates if present is None else present
+        finally:
+            if not self.must_restart:
+                self.rank_names.settle(self.view, candidates)
 
     def run_script(
         self, path: str, args: list[str] | tuple[str, ...] = (), timeout: float | None = None, plot: bool = False

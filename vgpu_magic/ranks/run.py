@@ -229,6 +229,17 @@ class RankRun:
         self.killed = stuck
         return running, stuck
 
+    def restart_reason(self, exc: BaseException) -> str | None:
+        """Why the cluster must be restarted after this run ended with ``exc``
+        (ranks died or were killed), or ``None`` when it is still usable."""
+        if isinstance(exc, RankRunError):
+            return exc.headline().split(";")[0] if exc.must_restart else None
+        if isinstance(exc, KeyboardInterrupt) and self.killed:
+            killed = self.killed
+            ranks = f"rank{'s' if len(killed) > 1 else ''} {', '.join(map(str, killed))}"
+            return f"{ranks} {'were' if len(killed) > 1 else 'was'} killed after an interrupt"
+        return None
+
     def run(self) -> list[Any]:
         """Run to the end; the per-rank AsyncResults, or :class:`RankRunError`."""
         n = len(self.pids)
