@@ -270,7 +270,7 @@ def execute(
     if inventory is None:
         inventory = fw.probe_inventory()
     plan_ = plan_split(request, inventory)
-    # A CUDA context held elsewhere only matters where the framework sees a GPU (and NVML costs ~10 ms).
+    # A CUDA context held elsewhere only matters where the framework sees a GPU (and asking NVML takes a while).
     state = runtime_state(watcher, fw, check_cuda=bool(inventory.gpus))
     keras = fw.keras_backend_warning()
     extra = [keras] if keras else []

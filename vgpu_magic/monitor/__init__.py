@@ -95,9 +95,9 @@ Cost
 Steps are counted in Keras' ``on_*_batch_begin`` hooks (no logs, no sync);
 memory is read at most every ``interval`` seconds (0.05 by default), once per
 logical GPU or once for all shared logical CPUs (RSS at most every 0.5 s).
-A live update sends the new rows as one comm message (about 0.1 ms of the
-kernel's time) and waits ``max(0.2 s, 200 × the last update's cost)``, so the
-view stays under 0.5 % of the time; the final image, drawn with matplotlib,
+A live update sends the new rows as one comm message, five a second, and the
+next waits at least 200 × the last update's cost, so the view stays under
+0.5 % of the time; the final image, drawn with matplotlib,
 waits for the end of the cell (see :mod:`vgpu_magic.monitor.live`).
 ``benchmarks/monitor_overhead.py`` measures all of it in a real kernel. View
 errors are reported once and never stop training. Nothing here starts a

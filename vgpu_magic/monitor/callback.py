@@ -111,21 +111,8 @@ class MemoryMonitor(MonitorSession):
         self._recorder.tick(batch)
 
     @_keras_default
-    def on_batch_begin(self, batch, logs=None) -> None:
-        pass
+    def _no_batch_hook(self, batch, logs=None) -> None:
+        """Nothing to do at this batch hook: marked so Keras can skip calling it."""
 
-    @_keras_default
-    def on_batch_end(self, batch, logs=None) -> None:
-        pass
-
-    @_keras_default
-    def on_train_batch_end(self, batch, logs=None) -> None:
-        pass
-
-    @_keras_default
-    def on_test_batch_end(self, batch, logs=None) -> None:
-        pass
-
-    @_keras_default
-    def on_predict_batch_end(self, batch, logs=None) -> None:
-        pass
+    on_batch_begin = on_batch_end = _no_batch_hook
+    on_train_batch_end = on_test_batch_end = on_predict_batch_end = _no_batch_hook

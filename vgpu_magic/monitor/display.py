@@ -53,7 +53,7 @@ def detect_frontend() -> str:
 def encode_png(pixels: Any, compress_level: int = 1) -> bytes:
     """An RGB or RGBA ``uint8`` array as PNG: every row unfiltered, then zlib.
 
-    About 40 % cheaper than Pillow's encoder, whose adaptive per-row filters
+    Cheaper than Pillow's encoder, whose adaptive per-row filters
     buy nothing on a plot that is mostly flat colour.
     """
     import numpy as np

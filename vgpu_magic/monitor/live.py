@@ -12,18 +12,17 @@ themes) with the summary as its text, so saved notebooks, nbviewer and nbval
 keep the final picture; the widget is then closed.
 
 Why an anywidget of ours and not bqplot: an update here is one comm message
-of the new rows, about 0.08 ms of the kernel's time however long the run;
-setting a bqplot ``Lines``' arrays re-sends every point of every series,
-0.36 ms at 400 rows and more as the run grows (medians in a kernel on a
-2-core machine; ``benchmarks/monitor_overhead.py`` measures both again). Ours
+of the new rows, whose cost does not grow with the run; setting a bqplot
+``Lines``' arrays re-sends every point of every series, several times the
+cost at 400 rows and more as the run grows (``benchmarks/monitor_overhead.py``
+measures both in a kernel). Ours
 also puts the legend and the epoch labels where they never cover data, and
 takes its text, axis and grid colours from the front end's theme variables.
 
 Update throttle (:class:`~vgpu_magic.monitor.views.RedrawThrottle`): one
 update every 0.2 s on average, kept in rhythm although updates only come at
 samples (so at batch starts), and never sooner than 200 × the last update's
-cost after it, so the view takes at most 0.5 % of the kernel's time and, at
-0.08 ms an update, updates five times a second.
+cost after it, so the view takes at most 0.5 % of the kernel's time.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from time import perf_counter
 from typing import Any
 
+from ..units import MIB
 from .trace import SeriesInfo, short_name
 
 __all__ = [
@@ -48,8 +49,6 @@ __all__ = [
     "model_variables",
     "PROCESS_LABEL",
 ]
-
-_MIB = 1024 * 1024
 
 #: The legend of the process series.
 PROCESS_LABEL = "process RSS (all memory of this Python process)"
@@ -145,7 +144,7 @@ def monitored_devices(
 def device_caps(framework: Any) -> dict[str, int | None]:
     """Logical device name -> cap in bytes (``None`` where uncapped)."""
     caps = framework.read_configuration().caps_mib()
-    return {name: None if mib is None else int(mib) * _MIB for name, mib in caps.items()}
+    return {name: None if mib is None else int(mib) * MIB for name, mib in caps.items()}
 
 
 # -- the process' resident memory ----------------------------------------------------------
@@ -153,8 +152,9 @@ def process_memory_reader() -> Callable[[], tuple[int, int]]:
     """``read() -> (rss, peak_rss)`` in bytes for this process.
 
     On Linux it reads ``/proc/self/statm`` through a descriptor kept open
-    (``pread``, ~2 µs idle) and the peak from ``getrusage`` (~1 µs): psutil's
-    ``memory_info()`` reads the same file but costs ~15 µs idle. Elsewhere
+    (``pread``) and the peak from ``getrusage``: psutil's ``memory_info()``
+    reads the same file but opens it and builds an object each time, several
+    times the cost. Elsewhere
     psutil gives the RSS and ``getrusage`` (or, on Windows, psutil's peak
     working set) the peak.
     """
@@ -276,8 +276,8 @@ class DeviceSampler:
 
     The process' RSS is read at most every :data:`PROCESS_EVERY` seconds;
     samples in between repeat the last reading. Right after a training step a
-    ``/proc`` read costs ~20 µs, as much as all the allocators of four logical
-    devices together, while RSS moves slowly and its peak is the kernel's own
+    ``/proc`` read costs as much as reading all the allocators of four logical
+    devices (``benchmarks/monitor_overhead.py``), while RSS moves slowly and its peak is the kernel's own
     high-water mark, so nothing is lost but the moment a change is seen.
 
     Parameters
@@ -318,7 +318,7 @@ class DeviceSampler:
         """A sampler over :func:`monitored_devices` of ``framework``, with its
         caps, its CPU grouping and, where CPUs are watched, the process' RSS."""
         names = monitored_devices(framework, devices, model=model, strategy=strategy)
-        shared = bool(getattr(framework.capabilities, "cpus_share_allocator", False))
+        shared = framework.capabilities.cpus_share_allocator
         series = build_series(names, device_caps(framework), shared_cpus=shared, process=True)
         return cls(series, framework.memory_reader())
 

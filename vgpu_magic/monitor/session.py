@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ..frameworks import FrameworkChoiceError
 from .display import DISPLAY_MODES, detect_frontend, interrupts_deferred
 from .plot import save_trace_figure
-from .recorder import MemoryRecorder, RecorderStats, check_interval
+from .recorder import MemoryRecorder, check_interval
 from .sampler import PROCESS_LABEL, DeviceSampler, choose_framework, model_variables
 from .trace import MemoryTrace, SeriesInfo
 from .views import NullView, TextSummaryView
@@ -325,24 +325,14 @@ class MonitorSession:
     def __exit__(self, exc_type, exc, tb) -> None:
         self.finish(interrupted=exc_type is not None)
 
-    @property
-    def trace(self) -> MemoryTrace | None:
-        """The current (or last) run's trace."""
-        return self._recorder.trace
-
-    @property
-    def stats(self) -> RecorderStats:
-        """Samples taken in the current (or last) run and what they cost."""
-        return self._recorder.stats
-
-    @property
-    def view(self) -> Any:
-        """The view of the current (or last) run; ``None`` after it failed."""
-        return self._recorder.view
-
-    @property
-    def active(self) -> bool:
-        return self._recorder.active
+    # What the recorder knows, read-only.
+    trace = property(lambda self: self._recorder.trace,
+                     doc="The current (or last) run's :class:`MemoryTrace`; ``None`` before the first run.")
+    stats = property(lambda self: self._recorder.stats,
+                     doc="Samples taken in the current (or last) run and what they cost (a ``RecorderStats``).")
+    view = property(lambda self: self._recorder.view,
+                    doc="The view of the current (or last) run; ``None`` after it failed.")
+    active = property(lambda self: self._recorder.active, doc="Whether a run is being recorded now.")
 
     def _require_trace(self) -> MemoryTrace:
         if self.trace is None or not len(self.trace):

@@ -63,11 +63,11 @@ class LiveArrayBytes:
     ``jax.live_arrays()`` lists each of them, so a buffer counts once: single-device
     arrays are told apart by their buffer's address, and one that has the shape,
     dtype and device of a sharded array's shard is checked against that array's
-    buffers (the only time those are looked at: it costs ~50 µs per sharded array).
+    buffers (the only time those are looked at: reading them is the costly part).
 
     What each array holds is worked out once and kept by the array's id, guarded
-    by a weak reference (buffers never change under an array), so a read costs
-    about a microsecond per live array (``benchmarks/jax_split.py``).
+    by a weak reference (buffers never change under an array), so a read is a
+    lookup per live array (``benchmarks/jax_split.py`` measures it).
     """
 
     def __init__(self, jax: Any, platform: str) -> None:
