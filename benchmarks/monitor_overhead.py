@@ -55,6 +55,7 @@ import argparse
 import importlib.util
 import itertools
 import json
+import math
 import os
 import statistics
 import sys
@@ -188,10 +189,25 @@ def fit(kc, monitored: bool, data: str = "None") -> dict:
     return result
 
 
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median of ``values``: the order statistics
+    ``k`` and ``n + 1 - k`` with the largest ``k`` for which the binomial tails
+    leave at least ``confidence`` between them."""
+    n, ordered = len(values), sorted(values)
+    tail = (1 - confidence) / 2
+    k, below = 0, 0.0
+    while k < n // 2 and below + math.comb(n, k) / 2**n <= tail:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    return (ordered[k - 1], ordered[n - k]) if k else (ordered[0], ordered[-1])
+
+
 def spread(values: list[float]) -> str:
-    """``'quartiles 0.99..1.03, pairs 0.91..1.20'``."""
+    """``'95 % interval of the median 0.98..1.05, quartiles 0.99..1.03, pairs 0.91..1.20'``."""
     q1, _, q3 = statistics.quantiles(values, n=4)
-    return f"quartiles {q1:.3f}..{q3:.3f}, pairs {min(values):.3f}..{max(values):.3f}"
+    low, high = median_interval(values)
+    return (f"95 % interval of the median {low:.3f}..{high:.3f}, quartiles {q1:.3f}..{q3:.3f}, "
+            f"pairs {min(values):.3f}..{max(values):.3f}")
 
 
 def median_ms(values: list[float]) -> str:
@@ -248,6 +264,8 @@ def main() -> None:
     updates = [c for r in monitored_runs for c in r["update_costs"]]
     finals = [r["final_cost"] for r in monitored_runs]
     share = [sum(r["update_costs"]) / r["seconds"] for r in on]
+    # Everything the monitor does in the kernel during a run: its samples and its view's updates.
+    own = [(r["sample_seconds"] + sum(r["update_costs"])) / r["seconds"] for r in on]
     live_times = long["update_times"]
     gaps = [b - a for a, b in itertools.pairwise(live_times)]
     # One display (the widget, opened at the run start), one update (the final image in its place); the live
@@ -275,6 +293,8 @@ def main() -> None:
     print(f"  view's kernel share   median {100 * statistics.median(share):.3f} % of each paired monitored run, "
           f"{100 * sum(long['update_costs']) / long['seconds']:.3f} % of the long run (goal <= 0.5 %)")
     median_gap = f"{statistics.median(gaps):.2f} s" if gaps else "—"
+    print(f"  monitor's own share   median {100 * statistics.median(own):.3f} % of each paired monitored run "
+          "(its samples and live updates: the ratio a run free of noise would show is 1 + this)")
     print(f"  updates per second    {len(live_times) / long['seconds']:.2f} in the long run "
           f"({long['seconds']:.1f} s, {len(live_times)} updates; goal >= 4); median gap {median_gap}")
     print(f"  final image           {median_ms(finals)}, drawn when the cell ends, after the training")

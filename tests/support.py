@@ -76,10 +76,12 @@ def kernel_run(kc, code: str, timeout: float = 240, on_message=None) -> list[dic
 
 
 @contextlib.contextmanager
-def started_kernel(env: dict[str, str | None] | None = None) -> Iterator[tuple]:
+def started_kernel(env: dict[str, str | None] | None = None, graceful: bool = False) -> Iterator[tuple]:
     """A fresh ipykernel running this interpreter, with vgpu_magic importable
     from this checkout; yields ``(manager, client)`` and shuts it down after.
-    ``env`` adds variables to :data:`CHILD_ENV` (``None`` removes one)."""
+    ``env`` adds variables to :data:`CHILD_ENV` (``None`` removes one).
+    ``graceful``: shut down as a notebook's "Shut down kernel" does (the kernel
+    exits and runs its atexit), instead of killing it."""
     from jupyter_client.manager import start_new_kernel
 
     merged = {**CHILD_ENV, "PYTHONPATH": str(ROOT), **(env or {})}
@@ -90,7 +92,7 @@ def started_kernel(env: dict[str, str | None] | None = None) -> Iterator[tuple]:
         yield km, kc
     finally:
         kc.stop_channels()
-        km.shutdown_kernel(now=True)
+        km.shutdown_kernel(now=not graceful)
 
 
 def kernel_stream(messages: list[dict], name: str = "stdout") -> str:

@@ -11,18 +11,16 @@ import time
 import psutil
 import pytest
 
-from support import CHILD_ENV, ROOT, kernel_errors, kernel_run, kernel_stdout
+from support import kernel_errors, kernel_run, kernel_stdout, started_kernel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def test_ranks_from_a_real_kernel_interrupt_and_shutdown():
-    from jupyter_client.manager import start_new_kernel
-
-    env = {**CHILD_ENV, "PYTHONPATH": str(ROOT)}
-    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(ROOT))
     pids: list[int] = []
-    try:
+    # A graceful shutdown at the end, as the notebook's "Shut down kernel" does: the kernel exits and its atexit
+    # stops the ranks.
+    with started_kernel(graceful=True) as (km, kc):
         reply = kernel_run(kc, "%load_ext vgpu_magic\n%vgpu_cluster start 2 --framework torch")
         assert not kernel_errors(reply), kernel_errors(reply)
         reply = kernel_run(kc, "import json, vgpu_magic\nprint(json.dumps(sorted(vgpu_magic.cluster()._owned)))")
@@ -64,11 +62,6 @@ def test_ranks_from_a_real_kernel_interrupt_and_shutdown():
         assert not kernel_errors(reply), kernel_errors(reply)
         reply = kernel_run(kc, "print(alive)")
         assert kernel_stdout(reply).strip() == "['yes', 'yes']"
-    finally:
-        kc.stop_channels()
-        # A graceful shutdown, as the notebook's "Shut down kernel" does: the kernel exits and its atexit
-        # stops the ranks.
-        km.shutdown_kernel(now=False)
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.2)
@@ -78,11 +71,10 @@ def test_ranks_from_a_real_kernel_interrupt_and_shutdown():
 def test_a_dead_rank_is_reported_with_its_exit_status_from_a_real_kernel():
     """Issue 16, defect 4: in a kernel, ipyparallel had already dropped the dead engine's launcher when
     its status was read, so every death said "died (exit status unknown)"."""
-    from jupyter_client.manager import start_new_kernel
-
-    km, kc = start_new_kernel(kernel_name="python3", env={**CHILD_ENV, "PYTHONPATH": str(ROOT)}, cwd=str(ROOT))
     pids: list[int] = []
-    try:
+    # A graceful shutdown at the end, as the notebook's "Shut down kernel" does: the kernel exits and its atexit
+    # stops the ranks.
+    with started_kernel(graceful=True) as (_km, kc):
         reply = kernel_run(kc, "%load_ext vgpu_magic\n%vgpu_cluster start 2 --framework torch")
         assert not kernel_errors(reply), kernel_errors(reply)
         reply = kernel_run(kc, "import json, vgpu_magic\nprint(json.dumps(sorted(vgpu_magic.cluster()._owned)))")
@@ -96,9 +88,6 @@ def test_a_dead_rank_is_reported_with_its_exit_status_from_a_real_kernel():
             reply = kernel_run(kc, "%vgpu_cluster restart")
             assert not kernel_errors(reply), kernel_errors(reply)
         reply = kernel_run(kc, "%vgpu_cluster stop")
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=False)
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.2)
