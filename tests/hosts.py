@@ -10,7 +10,8 @@ is skipped otherwise. The fixtures that use them live in ``conftest.py``.
 
 The second host: a veth pair between the root namespace and a new one, with
 two addresses of a /30 the fixture picks (no other address is ever used), an
-sshd in the new namespace under ``unshare --uts`` (host name ``vgpu-host2``)
+sshd in the new namespace under ``unshare --uts --pid`` (host name
+``vgpu-host2``, and process IDs of its own, as a real second host has)
 and a second sshd in the root namespace bound to the root side's address
 only, so ranks on "this host" are started over SSH too. Each sshd runs in a
 mount namespace of its own with an ``/etc/hosts`` naming both hosts (as a
@@ -197,9 +198,15 @@ class TwoHosts:
         the machine's own file is not changed)."""
         # nsenter rather than `ip netns exec`, which mounts a sysfs of its own over /sys and so hides
         # /sys/fs/cgroup, which slurmd needs.
-        netns = ["nsenter", f"--net=/run/netns/{self.namespace}"] if host is self.second else []
+        if host is self.second:
+            # Its own network, and its own process IDs (as on a real second host: a PID its
+            # processes report names nothing, or something else, here); its own /proc to match.
+            netns = ["nsenter", f"--net=/run/netns/{self.namespace}"]
+            pids = ["--pid", "--fork", "--kill-child", "--mount-proc"]
+        else:
+            netns, pids = [], []
         script = f'mount --bind "$0" /etc/hosts && hostname {host.hostname} && exec "$@"'
-        return [*netns, "unshare", "--uts", "--mount", "sh", "-c", script, str(self.folder / "hosts")]
+        return [*netns, "unshare", "--uts", "--mount", *pids, "sh", "-c", script, str(self.folder / "hosts")]
 
     def _start_sshd(self, host: SSHHost) -> None:
         host.port = free_port(host.address, self.namespace if host is self.second else None)

@@ -496,7 +496,7 @@ def test_status_and_stop_without_a_cluster_say_so(shell, capsys):
 def test_a_failing_rank_is_summed_up_in_one_line():
     import os
 
-    from vgpu_magic.ranks.run import RankRun, RankRunError
+    from vgpu_magic.ranks.run import RankProcesses, RankRun, RankRunError
 
     class RemoteFailure(Exception):
         ename, evalue = "DistNetworkError", "The server socket has failed to listen.\nport: 1234\nname: EADDRINUSE"
@@ -508,11 +508,98 @@ def test_a_failing_rank_is_summed_up_in_one_line():
         def exception(self, timeout=None):
             return RemoteFailure()
 
-    failure = RankRun([os.getpid()], lambda rank: None, lambda rank: None)._failure(0, FinishedWithError())
+    failure = RankRun(RankProcesses([os.getpid()]), lambda rank: None)._failure(0, FinishedWithError())
     assert failure.summary == "raised DistNetworkError: The server socket has failed to listen."
     error = RankRunError(failure, interrupted=[1], killed=[], must_restart=False)
     assert "\n" not in str(error)
     assert error._render_traceback_()[0] == "[rank 0] Traceback (most recent call last):"
+
+
+class _Pending(__import__("concurrent.futures").futures.Future):
+    """A rank's AsyncResult as the fault policy reads it: a future with the rank's output so far."""
+
+    stdout = stderr = ""
+
+    def ready(self):
+        return self.done()
+
+    def successful(self):
+        return self.done() and self.exception(timeout=0) is None
+
+    def wait_for_output(self, timeout=None):
+        return True
+
+
+def _two_ranks_one_elsewhere(engine_alive, engine_signal, timeout=None):
+    """A run of rank 0 here (a real ``sleep`` this test owns) and rank 1 on another host whose PID
+    happens to name a process here (another ``sleep``: a bystander the run must never touch)."""
+    import subprocess
+
+    from vgpu_magic.ranks.run import RankProcesses, RankRun
+
+    here = subprocess.Popen(["sleep", "60"])
+    bystander = subprocess.Popen(["sleep", "60"])
+    results = [_Pending(), _Pending()]
+    procs = RankProcesses(
+        [here.pid, bystander.pid],
+        [True, False],
+        engine_alive=engine_alive,
+        engine_signal=lambda rank, signum: engine_signal(rank, signum, results),
+        hosts=["this-host", "node2"],
+    )
+    return RankRun(procs, lambda rank: results[rank], timeout=timeout), here, bystander
+
+
+def test_a_rank_on_another_host_is_watched_through_its_engine_never_through_a_pid_here():
+    import signal
+    import time
+
+    from vgpu_magic.ranks.run import RankRunError
+
+    gone_at = time.monotonic() + 0.3  # the engine's nanny unregisters it when its process exits
+    signalled = []
+    runner, here, bystander = _two_ranks_one_elsewhere(
+        lambda rank: time.monotonic() < gone_at, lambda rank, signum, results: signalled.append((rank, signum))
+    )
+    try:
+        with pytest.raises(RankRunError) as info:
+            runner.run()
+        failure = info.value.failure
+        assert (failure.rank, failure.kind) == (1, "died")
+        assert failure.summary == f"died (exit status unknown) (pid {bystander.pid} on node2)"
+        # Rank 0 (here) was interrupted by its PID; the dead rank's engine got no signal; the process
+        # here that has rank 1's PID was never signalled, nor its memory read.
+        assert here.wait(timeout=5) == -signal.SIGINT
+        assert signalled == [] and bystander.poll() is None
+        assert [s.label for s in runner.trace.series] == ["rank 0 RSS"]
+    finally:
+        for proc in (here, bystander):
+            proc.kill()
+            proc.wait()
+
+
+def test_an_interrupt_reaches_a_rank_on_another_host_through_its_engine():
+    import signal
+
+    from vgpu_magic.ranks.run import RankRunError
+
+    signalled = []
+
+    def engine_signal(rank, signum, results):
+        signalled.append((rank, signum))
+        results[rank].set_exception(KeyboardInterrupt())  # the engine's reply to the interrupt
+
+    runner, here, bystander = _two_ranks_one_elsewhere(lambda rank: True, engine_signal, timeout=0.3)
+    try:
+        with pytest.raises(RankRunError) as info:
+            runner.run()
+        assert info.value.failure.kind == "timeout" and info.value.killed == []
+        assert signalled == [(1, signal.SIGINT)]
+        assert here.wait(timeout=5) == -signal.SIGINT and bystander.poll() is None
+    finally:
+        for proc in (here, bystander):
+            proc.kill()
+            proc.wait()
 
 
 def test_a_start_that_would_not_fit_in_memory_is_refused_in_one_line(monkeypatch):

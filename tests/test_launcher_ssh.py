@@ -120,3 +120,33 @@ def test_jax_distributed_across_two_hosts(two_hosts):
     assert [f[2].rsplit(":", 1)[0] for f in found] == [leader.address, leader.address]
     assert [(f[0], f[3]) for f in found] == [(0, [10, 11]), (1, [10, 11])]
     assert {f[1] for f in found} == {two_hosts.first.hostname, two_hosts.second.hostname}
+
+
+def test_a_rank_on_the_second_host_is_interrupted_and_reported_through_its_engine(two_hosts):
+    """The second host has process IDs of its own, as a real one has: the PID its rank reports names
+    nothing (or another process) here. The fault policy reaches that rank through its engine: a
+    timeout interrupts it (through the engine's nanny) and it comes back, so the cluster stays usable;
+    when it dies, the run says so at once, naming its host."""
+    import socket
+
+    from vgpu_magic.ranks.run import RankRunError
+
+    with ranks_on_two_hosts(two_hosts, "torch") as ranks:
+        hosts = quiet_run(ranks, "import socket\nsocket.gethostname()")
+        there = hosts.index(two_hosts.second.hostname)
+        assert hosts[1 - there] == socket.gethostname()
+        with pytest.raises(RankRunError) as info, contextlib.redirect_stderr(io.StringIO()):
+            ranks.run("import time\ntime.sleep(60)", timeout=3)
+        assert info.value.failure.kind == "timeout"
+        assert sorted(info.value.interrupted) == [0, 1] and info.value.killed == []
+        assert quiet_run(ranks, "'back'") == ["back", "back"]
+
+        pid = ranks.pids[there]
+        with pytest.raises(RankRunError) as info, contextlib.redirect_stderr(io.StringIO()):
+            # Within RUN_TIMEOUT, or the failure would be a timeout: the nanny tells the controller at once.
+            ranks.run(f"import os, socket, time\nif socket.gethostname() == {hosts[there]!r}:\n"
+                      "    os._exit(3)\ntime.sleep(60)", timeout=RUN_TIMEOUT)
+        failure = info.value.failure
+        assert (failure.rank, failure.kind) == (there, "died")
+        assert failure.summary == f"died (exit status unknown) (pid {pid} on {two_hosts.second.hostname})"
+        assert ranks.must_restart

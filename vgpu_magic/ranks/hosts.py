@@ -34,6 +34,7 @@ __all__ = [
     "SlurmStep",
     "report_host",
     "layout_ranks",
+    "on_this_host",
     "predicted_layout",
     "expand_hostlist",
     "expand_tasks_per_node",
@@ -198,6 +199,16 @@ def expand_tasks_per_node(text: str) -> list[int]:
             raise ValueError(f"SLURM tasks per node {text!r} has a part {part!r} that is not N or N(xK)")
         counts.extend([int(match.group(1))] * int(match.group(2) or 1))
     return counts
+
+
+def on_this_host(places: list[RankPlace], remote: bool) -> list[bool]:
+    """Whether each rank's process runs on this host, so that its PID names it here: every
+    rank of a launcher that starts engines here; else (``remote``: SLURM, SSH) the ranks whose
+    host has this host's name. A PID on another host names nothing here, or another process."""
+    import socket
+
+    here = socket.gethostname()
+    return [not remote or place.hostname == here for place in places]
 
 
 def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = None) -> RankLayout:

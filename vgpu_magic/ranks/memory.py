@@ -23,31 +23,33 @@ __all__ = ["RankMemorySampler", "RankMonitor"]
 
 
 class RankMemorySampler:
-    """Reads each rank's RSS (psutil) and GPU memory (NVML, per PID) from the kernel.
+    """Reads each rank's RSS (psutil) and GPU memory (NVML, per PID) from the kernel,
+    for the ranks on this host (``pids[rank]`` is ``None`` for one on another host).
 
     The peaks it reports are the highest readings seen (neither psutil nor
     NVML keeps another process' high-water mark portably); a rank that is
     gone reads 0.
     """
 
-    def __init__(self, pids: list[int], gpu: bool) -> None:
+    def __init__(self, pids: list[int | None], gpu: bool) -> None:
         import psutil
 
+        #: The ranks read here: those with a PID on this host (``None``: a rank on another host).
+        self.ranks = [rank for rank, pid in enumerate(pids) if pid is not None]
         self._procs: list[Any] = []
-        for pid in pids:
+        for rank in self.ranks:
             try:
-                self._procs.append(psutil.Process(pid))
+                self._procs.append(psutil.Process(pids[rank]))
             except psutil.Error:
                 self._procs.append(None)
         from ..inventory import open_nvml
 
-        self._nvml = open_nvml() if gpu else None
+        self._nvml = open_nvml() if gpu and self.ranks else None
         self._handles = []
         if self._nvml is not None:
             self._handles = [self._nvml.nvmlDeviceGetHandleByIndex(i) for i in range(self._nvml.nvmlDeviceGetCount())]
-        ranks = range(len(pids))
-        gpu_series = [SeriesInfo(f"rank{r}:gpu", f"rank {r} GPU", (), None) for r in ranks] if self._nvml else []
-        rss_series = [SeriesInfo(f"rank{r}:rss", f"rank {r} RSS", (), None, panel="process") for r in ranks]
+        gpu_series = [SeriesInfo(f"rank{r}:gpu", f"rank {r} GPU", (), None) for r in self.ranks] if self._nvml else []
+        rss_series = [SeriesInfo(f"rank{r}:rss", f"rank {r} RSS", (), None, panel="process") for r in self.ranks]
         self.series = (*gpu_series, *rss_series)
         self.devices: tuple[str, ...] = ()
         self._peaks = [0] * len(self.series)
@@ -104,12 +106,16 @@ class RankMonitor:
     returns the trace.
     """
 
-    def __init__(self, pids: list[int], gpu: bool, live: bool, interval: float = 0.2, view: Any = None) -> None:
+    def __init__(
+        self, pids: list[int | None], gpu: bool, live: bool, interval: float = 0.2, view: Any = None
+    ) -> None:
         from ..monitor.recorder import MemoryRecorder
         from ..monitor.views import NullView
 
         self.sampler = RankMemorySampler(pids, gpu)
-        if view is None and live:
+        if not self.sampler.series:  # every rank on another host: nothing to show from here
+            view = None
+        elif view is None and live:
             view = _live_view()
         self.recorder = MemoryRecorder(
             lambda: self.sampler,

@@ -33,6 +33,7 @@ __all__ = [
     "free_ports",
     "new_ipp_cluster",
     "rank_footprint",
+    "signal_engine",
     "stop_launched",
     "stop_remote",
     "terminate",
@@ -350,6 +351,14 @@ def terminate(procs: list[Any]) -> list[Any]:
             proc.kill()
     _, alive = psutil.wait_procs(alive, timeout=5)
     return alive
+
+
+def signal_engine(client: Any, engine_id: int, signum: int, timeout: float = 5.0) -> None:
+    """Send ``signum`` to engine ``engine_id``'s process through its nanny (ipyparallel's
+    ``Client.send_signal``): for an engine on another host, whose PID names nothing here. An
+    engine (or nanny) already gone is no error."""
+    with contextlib.suppress(Exception):
+        client.send_signal(signum, targets=[engine_id], block=False).get(timeout=timeout)
 
 
 def stop_launched(cluster: Any, plan: LauncherPlan, cluster_id: str) -> list[str]:

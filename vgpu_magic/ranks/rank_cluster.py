@@ -30,10 +30,10 @@ from ..frameworks.base import RankPlan
 from ..inventory import GPUInfo
 from ..units import MIB
 from . import names, processes
-from .hosts import HostReport, RankLayout, layout_ranks, predicted_layout, prepare_rank, report_host
+from .hosts import HostReport, RankLayout, layout_ranks, on_this_host, predicted_layout, prepare_rank, report_host
 from .launchers import LAUNCHERS, LauncherPlan, plan_launcher
 from .processes import ClusterStartError
-from .run import RankRun, RankRunError
+from .run import RankProcesses, RankRun, RankRunError
 from .status import RankInfo, cluster_lines, rank_infos
 
 __all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current"]
@@ -268,7 +268,7 @@ class RankCluster:
                 prepare_rank, plan.env, plan.setup, plan.args, self.join
             )
 
-        RankRun(self.pids, submit, self._exit_code, timeout=SETUP_TIMEOUT, stdout=sys.stdout, stderr=sys.stderr).run()
+        RankRun(self._processes(), submit, timeout=SETUP_TIMEOUT, stdout=sys.stdout, stderr=sys.stderr).run()
 
     def _activate_px(self) -> None:
         """``%px`` / ``%%px`` on the ranks, as ipyparallel users expect."""
@@ -278,6 +278,18 @@ class RankCluster:
 
             if get_ipython() is not None:
                 self.view.activate()
+
+    def _processes(self) -> RankProcesses:
+        """How the fault policy reaches the ranks: by PID on this host, through their engines elsewhere."""
+        places = self.layout.places
+        return RankProcesses(
+            self.pids,
+            on_this_host(places, self.launcher_plan.remote),
+            self._exit_code,
+            engine_alive=lambda rank: self.client is not None and self.engine_ids[rank] in self.client.ids,
+            engine_signal=lambda rank, signum: processes.signal_engine(self.client, self.engine_ids[rank], signum),
+            hosts=[place.hostname for place in places],
+        )
 
     def _exit_code(self, rank: int) -> int | None:
         """How rank ``rank``'s process exited (negative: the signal), as the wait that reaped it
@@ -355,7 +367,7 @@ class RankCluster:
             return self.client[self.engine_ids[rank]].execute(code, silent=False, block=False)
 
         gpu = self.layout is not None and any(p.gpu for p in self.layout.places)
-        runner = RankRun(self.pids, submit, self._exit_code, timeout=timeout, plot=plot, gpu=gpu)
+        runner = RankRun(self._processes(), submit, timeout=timeout, plot=plot, gpu=gpu)
         results = self._watch(runner, names.names_written(code))
         if output:
             return names.pull_values(self.view, [self.client[e] for e in self.engine_ids])

@@ -16,6 +16,10 @@
 * an interrupt of the kernel (KeyboardInterrupt while watching) interrupts
   the ranks the same way.
 
+A rank's process is reached through :class:`RankProcesses`: by its PID where
+it runs on this host, and through its ipyparallel engine where it runs on
+another (a PID there names nothing, or someone else's process, here).
+
 Which notebook names a cell reads, and how they are sent, is :mod:`.names`.
 """
 
@@ -35,6 +39,7 @@ from .memory import RankMonitor
 
 __all__ = [
     "GRACE",
+    "RankProcesses",
     "RankFailure",
     "RankRunError",
     "RankRun",
@@ -149,16 +154,61 @@ def as_terminal_shows(line: str) -> str:
 
 
 @dataclass
-class RankRun:
-    """One run on every rank. ``submit(rank)`` returns that rank's AsyncResult.
+class RankProcesses:
+    """How the fault policy reaches each rank's process.
 
-    ``pids`` are the ranks' process IDs (for liveness, signals and memory);
-    ``exit_code(rank)`` returns how a dead rank exited, when known.
+    A rank on this host (``local[rank]``, all of them by default) is watched
+    by its PID and signalled with ``os.kill``; ``exit_code(rank)`` says how it
+    exited, when known. A rank on another host is alive while its engine is
+    registered with the controller (``engine_alive(rank)``: the engine's nanny
+    unregisters it as soon as it exits) and is signalled through that nanny
+    (``engine_signal(rank, signum)``); its exit status is not known here.
+    ``hosts`` names each rank's host, for messages.
     """
 
     pids: list[int]
+    local: list[bool] | None = None
+    exit_code: Callable[[int], int | None] = lambda rank: None
+    engine_alive: Callable[[int], bool] | None = None
+    engine_signal: Callable[[int, int], None] | None = None
+    hosts: list[str] | None = None
+
+    def on_this_host(self, rank: int) -> bool:
+        return self.local is None or self.local[rank]
+
+    def alive(self, rank: int) -> bool:
+        if self.on_this_host(rank):
+            return process_alive(self.pids[rank])
+        return self.engine_alive is not None and self.engine_alive(rank)
+
+    def signal(self, rank: int, signum: int) -> None:
+        if self.on_this_host(rank):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pids[rank], signum)
+        elif self.engine_signal is not None:
+            self.engine_signal(rank, signum)
+
+    def how_exited(self, rank: int) -> int | None:
+        return self.exit_code(rank) if self.on_this_host(rank) else None
+
+    def where(self, rank: int) -> str:
+        """``'pid 1234'``, and the host for a rank on another host: ``'pid 1234 on node2'``."""
+        if self.on_this_host(rank) or not self.hosts:
+            return f"pid {self.pids[rank]}"
+        return f"pid {self.pids[rank]} on {self.hosts[rank]}"
+
+    def memory_pids(self) -> list[int | None]:
+        """The PIDs the kernel can read memory of (``None`` for a rank on another host)."""
+        return [pid if self.on_this_host(rank) else None for rank, pid in enumerate(self.pids)]
+
+
+@dataclass
+class RankRun:
+    """One run on every rank. ``submit(rank)`` returns that rank's AsyncResult;
+    ``procs`` reaches the ranks' processes (liveness, signals, memory)."""
+
+    procs: RankProcesses
     submit: Callable[[int], Any]
-    exit_code: Callable[[int], int | None]
     timeout: float | None = None
     plot: bool = False
     gpu: bool = False
@@ -183,7 +233,7 @@ class RankRun:
                 ar.wait_for_output(max(0.0, deadline - time.monotonic()))
 
     def _alive(self, rank: int) -> bool:
-        return process_alive(self.pids[rank])
+        return self.procs.alive(rank)
 
     def _failure(self, rank: int, ar: Any) -> RankFailure:
         exc = ar.exception(timeout=0)
@@ -198,9 +248,9 @@ class RankRun:
 
     def _death(self, rank: int) -> RankFailure:
         code = None
-        deadline = time.monotonic() + 1.0
+        deadline = time.monotonic() + (1.0 if self.procs.on_this_host(rank) else 0.0)
         while code is None and time.monotonic() < deadline:
-            code = self.exit_code(rank)
+            code = self.procs.how_exited(rank)
             if code is None:
                 time.sleep(POLL)
         if code is not None and code < 0:
@@ -209,19 +259,19 @@ class RankRun:
             how = f"exited with status {code}"
         else:
             how = "died (exit status unknown)"
-        return RankFailure(rank, "died", f"{how} (pid {self.pids[rank]})", (f"rank {rank} {how}",))
+        return RankFailure(rank, "died", f"{how} ({self.procs.where(rank)})", (f"rank {rank} {how}",))
 
     def _stop_others(self, results: list[Any], culprit: int | None) -> tuple[list[int], list[int]]:
         """SIGINT every rank still running; kill those not back within GRACE."""
         running = [r for r, ar in enumerate(results) if not ar.ready() and r != culprit and self._alive(r)]
         for rank in running:
-            _signal(self.pids[rank], signal.SIGINT)
+            self.procs.signal(rank, signal.SIGINT)
         deadline = time.monotonic() + GRACE
         while time.monotonic() < deadline and any(not results[r].ready() and self._alive(r) for r in running):
             time.sleep(POLL)
         stuck = [r for r in running if not results[r].ready() and self._alive(r)]
         for rank in stuck:
-            _signal(self.pids[rank], signal.SIGKILL)
+            self.procs.signal(rank, signal.SIGKILL)
         # SIGKILL is delivered asynchronously: report the ranks killed once they are gone.
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline and any(self._alive(r) for r in stuck):
@@ -242,11 +292,11 @@ class RankRun:
 
     def run(self) -> list[Any]:
         """Run to the end; the per-rank AsyncResults, or :class:`RankRunError`."""
-        n = len(self.pids)
+        n = len(self.procs.pids)
         streams = [
             (_LineStream(f"[rank {r}] ", self.stdout), _LineStream(f"[rank {r}] ", self.stderr)) for r in range(n)
         ]
-        memory = RankMonitor(self.pids, self.gpu, live=self.plot, interval=SAMPLE_EVERY)
+        memory = RankMonitor(self.procs.memory_pids(), self.gpu, live=self.plot, interval=SAMPLE_EVERY)
         start = time.monotonic()
         results: list[Any] = []
         failure: RankFailure | None = None
@@ -309,9 +359,3 @@ def process_alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def _signal(pid: int, sig: int) -> None:
-
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, sig)

@@ -6,10 +6,10 @@ into lines by :func:`status_lines`; :func:`cluster_lines` is all that
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from typing import Any
 
+from .hosts import on_this_host
 from .run import process_alive
 
 __all__ = ["RankInfo", "cluster_lines", "rank_infos", "status_lines"]
@@ -46,9 +46,8 @@ def rank_infos(
     """
     from .memory import RankMemorySampler
 
-    here = socket.gethostname()
     # A PID on another host names nothing here: such ranks are alive while their engine is registered.
-    local = [not remote or place.hostname == here for place in places]
+    local = on_this_host(places, remote)
     sampler = RankMemorySampler([pid for pid, mine in zip(pids, local) if mine], any(p.gpu for p in places))
     local_rss, local_gpu = iter(sampler.rss()), iter(sampler.gpu())
     sampler.close()
