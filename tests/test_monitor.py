@@ -356,7 +356,7 @@ def test_epoch_marks_and_the_title_are_traits_set_when_they_change():
     view.epoch_end(trace, 0)
     assert widget.marks == [[1.0, 1]]  # the first epoch's start is the run's start: no mark
     assert widget.title == "memory · fit · epoch 2/2 · live"
-    assert widget.note == "variables per replica: CPU:0 3.0 MiB, CPU:1 3.0 MiB, CPU:2 3.0 MiB, CPU:3 3.0 MiB"
+    assert widget.note == "variables per replica: CPU:0…CPU:3, each 3.0 MiB"
 
 
 def test_final_image_can_wait_until_the_training_is_over():
@@ -470,7 +470,7 @@ def test_text_view_prints_one_line_per_epoch_and_one_at_the_end():
         "memory · epoch 1/2 · host allocator (shared by 4 logical CPUs): now 59.0 MiB, peak 79.0 MiB"
     )
     assert lines[1].startswith("memory · fit done in 2.0 s, 20 samples · host allocator")
-    assert "variables per replica: CPU:0 3.0 MiB, CPU:1 3.0 MiB" in lines[1]
+    assert "variables per replica: CPU:0…CPU:3, each 3.0 MiB" in lines[1]
 
 
 @pytest.mark.slow

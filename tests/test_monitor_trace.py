@@ -163,3 +163,15 @@ def test_text_summary_of_an_allocator_that_reports_nothing_says_so():
     line = out.getvalue()
     assert "host allocator (shared by 2 logical CPUs): nothing allocated" in line
     assert "process RSS (all memory of this Python process): now 300.0 MiB, peak 310.0 MiB" in line
+
+
+def test_three_or_more_alike_in_a_row_read_as_one():
+    from vgpu_magic.units import joined_alike
+
+    parts = [("CPU:0", "1020 B"), *[(f"CPU:{i}", "988 B") for i in range(1, 8)], ("RSS", "988 B")]
+    assert joined_alike(parts, ": ") == ["CPU:0: 1020 B", "CPU:1…RSS, each: 988 B"]
+    # Only within a group (a panel): the process' RSS is not one of the devices.
+    grouped = [(*part, "process" if part[0] == "RSS" else "device") for part in parts]
+    assert joined_alike(grouped, ": ") == ["CPU:0: 1020 B", "CPU:1…CPU:7, each: 988 B", "RSS: 988 B"]
+    assert joined_alike(parts[:3], " ") == ["CPU:0 1020 B", "CPU:1 988 B", "CPU:2 988 B"]  # two alike stay two
+    assert joined_alike([], ": ") == []

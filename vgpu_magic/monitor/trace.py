@@ -47,7 +47,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ..units import format_bytes
+from ..units import format_bytes, joined_alike
 
 __all__ = ["SeriesInfo", "MemorySample", "MemoryTrace", "short_name", "RECENT_SAMPLES"]
 
@@ -327,8 +327,8 @@ class MemoryTrace:
         """``'variables per replica: CPU:0 20.1 MiB, CPU:1 20.1 MiB'``, or ``''``."""
         if not self.variable_bytes:
             return ""
-        parts = [f"{short_name(d)} {format_bytes(b)}" for d, b in self.variable_bytes.items()]
-        return "variables per replica: " + ", ".join(parts)
+        parts = [(short_name(d), format_bytes(b)) for d, b in self.variable_bytes.items()]
+        return "variables per replica: " + ", ".join(joined_alike(parts, " "))
 
     def _key(self) -> tuple:
         fields = (

@@ -35,7 +35,7 @@ import math
 import sys
 from typing import TextIO
 
-from ..units import GIB, MIB, format_bytes
+from ..units import GIB, MIB, format_bytes, joined_alike
 from .trace import MemoryTrace
 
 __all__ = ["View", "RedrawThrottle", "TextSummaryView", "NullView", "summary_line", "panel_unit", "PALETTE"]
@@ -85,19 +85,21 @@ class NullView(View):
 
 def summary_line(trace: MemoryTrace) -> str:
     """``'host allocator (shared by 4 logical CPUs): now 72.5 MiB, peak 121.8 MiB'``
-    and the same for each further series, ``'; '``-separated."""
+    and the same for each further series, ``'; '``-separated (three or more series in a row
+    with the same figures as one: ``'CPU:0…CPU:7, each: now 988 B, peak 988 B'``)."""
     parts = []
     for i, s in enumerate(trace.series):
         latest = trace.latest(i)
         if latest is None:
-            parts.append(f"{s.label}: no samples")
+            parts.append((s.label, "no samples", s.panel))
             continue
         if trace.all_zero(i):
-            parts.append(f"{s.label}: nothing allocated")
+            parts.append((s.label, "nothing allocated", s.panel))
             continue
         cap = f" of cap {format_bytes(s.cap)}" if s.cap else ""
-        parts.append(f"{s.label}: now {format_bytes(latest[0])}, {trace.peak_text(i)}{cap}")
-    return "; ".join(parts)
+        parts.append((s.label, f"now {format_bytes(latest[0])}, {trace.peak_text(i)}{cap}", s.panel))
+    # Eight JAX CPU devices holding the same bytes read as one part, not eight.
+    return "; ".join(joined_alike(parts, ": "))
 
 
 class TextSummaryView(View):
