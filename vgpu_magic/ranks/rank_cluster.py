@@ -417,8 +417,7 @@ class RankCluster:
         """Each rank's PID, liveness and memory (RSS, and GPU memory where NVML has it)."""
         if not self.running:
             return []
-        registered = set(self.client.ids) if self.client is not None else set()
-        return rank_infos(self.layout.places, self.pids, self.engine_ids, self.launcher_plan.remote, registered)
+        return rank_infos(self.layout.places, self._processes(), self.engine_ids)
 
     def describe(self) -> list[str]:
         """Lines for ``%vgpu_cluster start`` / ``status`` (:func:`~.status.cluster_lines`)."""

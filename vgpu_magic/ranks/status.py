@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .hosts import on_this_host
-from .run import process_alive
+from .run import RankProcesses
 
 __all__ = ["RankInfo", "cluster_lines", "rank_infos", "status_lines"]
 
@@ -28,44 +27,30 @@ class RankInfo:
     host: str
 
 
-def rank_infos(
-    places: list[Any], pids: list[int], engine_ids: list[int], remote: bool, registered: set[int]
-) -> list[RankInfo]:
+def rank_infos(places: list[Any], procs: RankProcesses, engine_ids: list[int]) -> list[RankInfo]:
     """Each rank's PID, liveness and memory (RSS, and GPU memory where NVML has it).
 
     Parameters
     ----------
     places:
         The ranks' places in the layout (:class:`~.hosts.RankLayout`), in rank order.
-    pids, engine_ids:
-        Each rank's process (a PID on its host) and ipyparallel engine, in rank order.
-    remote:
-        Whether the launcher may have started ranks on other hosts.
-    registered:
-        The engines the controller has registered now.
+    procs:
+        How the ranks' processes are reached (:class:`~.run.RankProcesses`): a rank on another
+        host is alive while its engine is registered, and its memory is not read from here.
+    engine_ids:
+        Each rank's ipyparallel engine, in rank order.
     """
     from .memory import RankMemorySampler
 
-    # A PID on another host names nothing here: such ranks are alive while their engine is registered.
-    local = on_this_host(places, remote)
-    sampler = RankMemorySampler([pid for pid, mine in zip(pids, local) if mine], any(p.gpu for p in places))
-    local_rss, local_gpu = iter(sampler.rss()), iter(sampler.gpu())
+    sampler = RankMemorySampler(procs.memory_pids(), any(p.gpu for p in places))
+    rss, gpu = dict(zip(sampler.ranks, sampler.rss())), dict(zip(sampler.ranks, sampler.gpu()))
     sampler.close()
-    rss = [next(local_rss) if mine else None for mine in local]
-    gpu = [next(local_gpu) if mine else None for mine in local]
-    alive = [process_alive(pid) if mine else engine in registered for pid, mine, engine in zip(pids, local, engine_ids)]
-    return [
-        RankInfo(
-            rank,
-            engine_ids[rank],
-            pid,
-            alive[rank],
-            rss[rank] if alive[rank] else None,
-            gpu[rank],
-            places[rank].hostname,
-        )
-        for rank, pid in enumerate(pids)
-    ]
+    infos = []
+    for rank, pid in enumerate(procs.pids):
+        alive = procs.alive(rank)
+        rank_rss = rss.get(rank) if alive else None
+        infos.append(RankInfo(rank, engine_ids[rank], pid, alive, rank_rss, gpu.get(rank), places[rank].hostname))
+    return infos
 
 
 def status_lines(infos: list[RankInfo]) -> list[str]:
