@@ -122,7 +122,8 @@ def kernel_output(kc, code: str, timeout: float = 120) -> dict[str, str]:
 
 def processes_of(cluster_id: str) -> list:
     """Live processes on this machine started for the cluster ``cluster_id`` (its engines carry
-    the id in their arguments; the tests' second host shares this machine's PIDs)."""
+    the id in their arguments; the tests' second host's processes are seen here too, under
+    this namespace's PIDs, though that host has PIDs of its own)."""
     import psutil
 
     found = []
@@ -130,6 +131,31 @@ def processes_of(cluster_id: str) -> list:
         if proc.info["status"] != psutil.STATUS_ZOMBIE and any(cluster_id in a for a in proc.info["cmdline"] or ()):
             found.append(proc)
     return found
+
+
+#: A cell's code that makes one all-reduce across MultiWorkerMirroredStrategy's workers, binding
+#: ``strategy``, ``task`` (this worker's index) and ``total`` (the sum of ``task + 1`` over the workers).
+TF_ALL_REDUCE = (
+    "import tensorflow as tf\n"
+    "strategy = tf.distribute.MultiWorkerMirroredStrategy()\n"
+    "task = strategy.cluster_resolver.task_id\n"
+    "@tf.function\n"
+    "def step():\n"
+    "    context = tf.distribute.get_replica_context()\n"
+    "    return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.constant(float(task + 1)))\n"
+    "total = strategy.experimental_local_results(strategy.run(step))[0]\n"
+)
+
+
+def refused_changing_nothing(shell, magic: str, line: str, match: str) -> None:
+    """``%magic line`` raises a :class:`UsageError` matching ``match`` and starts no process."""
+    import psutil
+    from IPython.core.error import UsageError
+
+    before = psutil.Process().children(recursive=True)
+    with pytest.raises(UsageError, match=match):
+        shell.run_line_magic(magic, line)
+    assert psutil.Process().children(recursive=True) == before
 
 
 def our_processes() -> set[int]:

@@ -406,7 +406,9 @@ def test_contrast_arithmetic_matches_wcag_reference_values():
 
 
 def _switch_theme(page, sync_api, name: str, light: bool) -> None:
-    """Pick ``name`` in JupyterLab's Settings > Theme menu, as a user would."""
+    """Pick ``name`` in JupyterLab's Settings > Theme menu, as a user would, unless it is the theme already."""
+    if page.locator("body").get_attribute("data-jp-theme-name") == name:
+        return
     page.keyboard.press("Escape")
     page.locator(".lm-MenuBar-item", has_text="Settings").first.click()
     page.locator(".lm-Menu-item", has_text="Theme").first.hover()
@@ -515,8 +517,7 @@ def test_jupyterlab_panel_opens_on_the_live_split_and_reads_in_light_and_dark(ch
 
         measured = {}
         for theme, light in (("JupyterLab Light", True), ("JupyterLab Dark", False)):
-            if page.locator("body").get_attribute("data-jp-theme-name") != theme:
-                _switch_theme(page, sync_api, theme, light)
+            _switch_theme(page, sync_api, theme, light)
             suffix = "light" if light else "dark"
             late.scroll_into_view_if_needed()
             late.screenshot(path=str(artifacts_dir / f"browser_panel_{suffix}.png"))
@@ -748,14 +749,12 @@ def test_jupyterlab_live_memory_view_mid_fit_and_its_final_image_read_in_light_a
     try:
         for index in range(len(LIVE_CELLS) - 1):
             _run_cell(page, sync_api, index, timeout_ms=240_000)
-        if page.locator("body").get_attribute("data-jp-theme-name") != "JupyterLab Light":
-            _switch_theme(page, sync_api, "JupyterLab Light", True)
+        _switch_theme(page, sync_api, "JupyterLab Light", True)
         fit = page.locator(".jp-Notebook .jp-Cell").nth(len(LIVE_CELLS) - 1)
         _run_cell(page, sync_api, len(LIVE_CELLS) - 1, wait=False)
         view = fit.locator(".vgpu-live")
         for theme, light in (("JupyterLab Light", True), ("JupyterLab Dark", False)):
-            if page.locator("body").get_attribute("data-jp-theme-name") != theme:
-                _switch_theme(page, sync_api, theme, light)
+            _switch_theme(page, sync_api, theme, light)
             suffix = "light" if light else "dark"
             before = _wait_for_live_rows(page, view, 8)
             # Live: more samples arrive while the fit runs, with no new output and no image.
@@ -779,8 +778,7 @@ def test_jupyterlab_live_memory_view_mid_fit_and_its_final_image_read_in_light_a
         png = base64.b64decode((image.get_attribute("src") or "").split(",", 1)[1])
         (artifacts_dir / "browser_final.png").write_bytes(png)
         for theme, light in (("JupyterLab Dark", False), ("JupyterLab Light", True)):
-            if page.locator("body").get_attribute("data-jp-theme-name") != theme:
-                _switch_theme(page, sync_api, theme, light)
+            _switch_theme(page, sync_api, theme, light)
             suffix = "light" if light else "dark"
             image.scroll_into_view_if_needed()
             image.screenshot(path=str(artifacts_dir / f"browser_final_{suffix}.png"))

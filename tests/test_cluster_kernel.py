@@ -5,6 +5,7 @@ kernel shutdown leaving no rank behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -16,16 +17,26 @@ from support import kernel_errors, kernel_run, kernel_stdout, started_kernel
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def test_ranks_from_a_real_kernel_interrupt_and_shutdown():
+@contextlib.contextmanager
+def kernel_with_torch_ranks():
+    """A fresh kernel running 2 torch ranks: yields ``(manager, client)``. At the end a graceful
+    shutdown, as the notebook's "Shut down kernel" does: the kernel exits and its atexit stops the
+    ranks; then none of the ranks' first processes may be left."""
     pids: list[int] = []
-    # A graceful shutdown at the end, as the notebook's "Shut down kernel" does: the kernel exits and its atexit
-    # stops the ranks.
     with started_kernel(graceful=True) as (km, kc):
         reply = kernel_run(kc, "%load_ext vgpu_magic\n%vgpu_cluster start 2 --framework torch")
         assert not kernel_errors(reply), kernel_errors(reply)
         reply = kernel_run(kc, "import json, vgpu_magic\nprint(json.dumps(sorted(vgpu_magic.cluster()._owned)))")
         pids = json.loads(kernel_stdout(reply).strip().splitlines()[-1])
+        yield km, kc
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+        time.sleep(0.2)
+    assert pids and [p for p in pids if psutil.pid_exists(p)] == []
 
+
+def test_ranks_from_a_real_kernel_interrupt_and_shutdown():
+    with kernel_with_torch_ranks() as (km, kc):
         reply = kernel_run(
             kc,
             "%%vgpu_run\nimport os, time\nfor step in range(3):\n"
@@ -62,23 +73,12 @@ def test_ranks_from_a_real_kernel_interrupt_and_shutdown():
         assert not kernel_errors(reply), kernel_errors(reply)
         reply = kernel_run(kc, "print(alive)")
         assert kernel_stdout(reply).strip() == "['yes', 'yes']"
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
-        time.sleep(0.2)
-    assert pids and [p for p in pids if psutil.pid_exists(p)] == []
 
 
 def test_a_dead_rank_is_reported_with_its_exit_status_from_a_real_kernel():
     """Issue 16, defect 4: in a kernel, ipyparallel had already dropped the dead engine's launcher when
     its status was read, so every death said "died (exit status unknown)"."""
-    pids: list[int] = []
-    # A graceful shutdown at the end, as the notebook's "Shut down kernel" does: the kernel exits and its atexit
-    # stops the ranks.
-    with started_kernel(graceful=True) as (_km, kc):
-        reply = kernel_run(kc, "%load_ext vgpu_magic\n%vgpu_cluster start 2 --framework torch")
-        assert not kernel_errors(reply), kernel_errors(reply)
-        reply = kernel_run(kc, "import json, vgpu_magic\nprint(json.dumps(sorted(vgpu_magic.cluster()._owned)))")
-        pids = json.loads(kernel_stdout(reply).strip().splitlines()[-1])
+    with kernel_with_torch_ranks() as (_km, kc):
         deaths = (("os._exit(3)", "exited with status 3"), ("os.kill(os.getpid(), 9)", "was killed by SIGKILL"))
         for death, said in deaths:
             cell = f"import os, time\nif os.environ['RANK'] == '1':\n    {death}\ntime.sleep(30)"
@@ -88,7 +88,3 @@ def test_a_dead_rank_is_reported_with_its_exit_status_from_a_real_kernel():
             reply = kernel_run(kc, "%vgpu_cluster restart")
             assert not kernel_errors(reply), kernel_errors(reply)
         reply = kernel_run(kc, "%vgpu_cluster stop")
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
-        time.sleep(0.2)
-    assert pids and [p for p in pids if psutil.pid_exists(p)] == []

@@ -236,11 +236,11 @@ def test_ipython_syntax_in_a_cell_runs_on_the_ranks(shell, ranks, capsys):
     assert out.count("shell says hi") == 2 and "[rank 1] Wall time" in out
 
 
-def test_same_weights_as_torchrun(shell, ranks, tmp_path):
-    env = {**CHILD_ENV, "PARITY_OUT": str(tmp_path / "weights")}
+def torchrun_two_ranks(script: Path, *args: str, env: dict[str, str]) -> None:
+    """Run ``script ARGS`` under ``torchrun --standalone --nproc-per-node 2``; it must succeed."""
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(PARITY_SCRIPT)],
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(script), *args],
         capture_output=True,
         text=True,
         timeout=240,
@@ -248,6 +248,10 @@ def test_same_weights_as_torchrun(shell, ranks, tmp_path):
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_same_weights_as_torchrun(shell, ranks, tmp_path):
+    torchrun_two_ranks(PARITY_SCRIPT, env={**CHILD_ENV, "PARITY_OUT": str(tmp_path / "weights")})
     by_torchrun = [json.loads((tmp_path / f"weights.{r}").read_text()) for r in range(2)]
     shell.run_cell_magic("vgpu_run", "-o ours", PARITY_SCRIPT.read_text())
     assert shell.user_ns["ours"] == by_torchrun
@@ -262,26 +266,7 @@ def engine_sys_argv(ranks) -> list[list[str]]:
 def test_an_unchanged_ddp_script_runs_twice_with_torchruns_weights(shell, launcher_ranks, tmp_path, capsys):
     """argparse, __main__, its own init_process_group and destroy_process_group: the script needs no
     edit, and running it again works as a fresh torchrun would."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run(
-        [
-            str(torchrun),
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(TRAIN_SCRIPT),
-            "--epochs",
-            "12",
-            "--out",
-            str(tmp_path / "torchrun"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=CHILD_ENV,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun_two_ranks(TRAIN_SCRIPT, "--epochs", "12", "--out", str(tmp_path / "torchrun"), env=CHILD_ENV)
     by_torchrun = [json.loads((tmp_path / f"torchrun.{r}").read_text()) for r in range(2)]
     assert by_torchrun[0]["name"] == "__main__" and by_torchrun[0]["argv"] == TRAIN_SCRIPT.name
     engine_argv = engine_sys_argv(launcher_ranks)

@@ -12,6 +12,7 @@ import psutil
 import pytest
 from IPython.core.error import UsageError
 
+from support import refused_changing_nothing
 from vgpu_magic.frameworks import get
 from vgpu_magic.grammar import parse_memory
 from vgpu_magic.inventory import GPUInfo
@@ -386,10 +387,7 @@ def shell(ip):
     ],
 )
 def test_bad_cluster_lines_change_nothing(shell, line, match):
-    before = psutil.Process().children(recursive=True)
-    with pytest.raises(UsageError, match=match):
-        shell.run_line_magic("vgpu_cluster", line)
-    assert psutil.Process().children(recursive=True) == before
+    refused_changing_nothing(shell, "vgpu_cluster", line, match)
 
 
 @pytest.mark.parametrize(

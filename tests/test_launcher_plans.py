@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import shutil
 
-import psutil
 import pytest
 from IPython.core.error import UsageError
 
+from support import refused_changing_nothing
 from vgpu_magic.ranks.launchers import plan_launcher, route_address, ssh_target
 
 
@@ -165,10 +165,7 @@ def shell():
     ],
 )
 def test_bad_launcher_lines_change_nothing(shell, line, match):
-    before = psutil.Process().children(recursive=True)
-    with pytest.raises(UsageError, match=match):
-        shell.run_line_magic("vgpu_cluster", line)
-    assert psutil.Process().children(recursive=True) == before
+    refused_changing_nothing(shell, "vgpu_cluster", line, match)
 
 
 def test_the_magic_passes_the_launcher_flags_through(shell, monkeypatch, slurm_on_path):

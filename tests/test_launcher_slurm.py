@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from support import processes_of
+from support import TF_ALL_REDUCE, processes_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -124,15 +124,7 @@ def test_tensorflow_multiworker_ranks_in_slurm(slurm):
     with slurm_ranks(slurm, "tensorflow", 2) as ranks:
         found = quiet_run(
             ranks,
-            identity(TF_RANK) + "import tensorflow as tf\n"
-            "strategy = tf.distribute.MultiWorkerMirroredStrategy()\n"
-            "task = strategy.cluster_resolver.task_id\n"
-            "@tf.function\n"
-            "def step():\n"
-            "    context = tf.distribute.get_replica_context()\n"
-            "    return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.constant(float(task + 1)))\n"
-            "total = strategy.experimental_local_results(strategy.run(step))[0]\n"
-            "(*_who, strategy.num_replicas_in_sync, task, float(total))",
+            identity(TF_RANK) + TF_ALL_REDUCE + "(*_who, strategy.num_replicas_in_sync, task, float(total))",
         )
     check_slurm_tasks(found, 2)
     assert [who[-3:] for who in found] == [(2, 0, 3.0), (2, 1, 3.0)]

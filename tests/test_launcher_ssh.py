@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from support import our_processes, processes_of
+from support import TF_ALL_REDUCE, our_processes, processes_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -87,15 +87,9 @@ def test_tensorflow_multiworker_across_two_hosts(two_hosts):
     with ranks_on_two_hosts(two_hosts, "tensorflow") as ranks:
         found = quiet_run(
             ranks,
-            "import json, os, socket, tensorflow as tf\n"
-            "strategy = tf.distribute.MultiWorkerMirroredStrategy()\n"
-            "task = strategy.cluster_resolver.task_id\n"
-            "@tf.function\n"
-            "def step():\n"
-            "    context = tf.distribute.get_replica_context()\n"
-            "    return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.constant(float(task + 1)))\n"
-            "total = strategy.experimental_local_results(strategy.run(step))[0]\n"
-            "(task, socket.gethostname(), json.loads(os.environ['TF_CONFIG'])['cluster']['worker'], float(total))",
+            "import json, os, socket\n"
+            + TF_ALL_REDUCE
+            + "(task, socket.gethostname(), json.loads(os.environ['TF_CONFIG'])['cluster']['worker'], float(total))",
         )
     # Each worker is listed at its own host's real address, in rank order, the same list on both.
     workers = [w.rsplit(":", 1)[0] for w in found[0][2]]
