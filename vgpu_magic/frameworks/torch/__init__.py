@@ -35,11 +35,11 @@ import sys
 import uuid
 from typing import TYPE_CHECKING
 
-from ..inventory import DeviceInventory, GPUInfo
-from .base import Capabilities, ConfigSnapshot, Framework, RankPlan
+from ...inventory import DeviceInventory, GPUInfo
+from ..base import Capabilities, ConfigSnapshot, Framework, RankPlan
 
 if TYPE_CHECKING:
-    from ..ranks.hosts import RankLayout
+    from ...ranks.hosts import RankLayout
 
 __all__ = ["CAPABILITIES", "FRAMEWORK", "Torch", "setup_rank"]
 
@@ -70,7 +70,7 @@ class Torch(Framework):
     def probe_inventory(self) -> DeviceInventory:
         """The GPUs CUDA shows this process (NVML; imports no PyTorch), for
         ``%vgpu_status`` and the planner's refusal."""
-        from ..ranks.hosts import visible_gpus
+        from ...ranks.hosts import visible_gpus
 
         gpus = visible_gpus()
         mod = sys.modules.get("torch")
@@ -102,7 +102,7 @@ class Torch(Framework):
     def plan_ranks(
         self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
     ) -> list[RankPlan]:
-        from ..planner import check_rank_request, rank_share_mib
+        from ...planner import check_rank_request, rank_share_mib
 
         if split is not None:
             raise ValueError(
