@@ -215,7 +215,7 @@ def test_a_rank_reports_its_host():
 
 def test_a_rank_reports_its_gpus_in_cudas_order_never_nvmls(monkeypatch):
     from vgpu_magic import inventory
-    from vgpu_magic.ranks.hosts import visible_gpus
+    from vgpu_magic.inventory import visible_gpus
 
     nvml = [
         {

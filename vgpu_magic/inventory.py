@@ -30,6 +30,7 @@ __all__ = [
     "open_nvml",
     "cuda_to_nvml_order",
     "cuda_gpus",
+    "visible_gpus",
 ]
 
 
@@ -229,6 +230,18 @@ def cuda_gpus(count: int, nvml: list[dict[str, Any]]) -> tuple[GPUInfo, ...]:
         )
         for i, details in enumerate(cuda_to_nvml_order(count, nvml))
     )
+
+
+def visible_gpus() -> tuple[GPUInfo, ...]:
+    """The GPUs CUDA shows this process, in CUDA's order, with NVML's details
+    (``CUDA_VISIBLE_DEVICES`` picks and orders them); starts no CUDA context."""
+    nvml = nvml_gpus()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    count = len(nvml) if visible is None or not visible.strip() else len(visible.split(","))
+    gpus = cuda_gpus(count, nvml)
+    # CUDA shows the devices listed before the first one it cannot find.
+    known = [g.nvml_index is not None for g in gpus]
+    return gpus[: known.index(False)] if False in known else gpus
 
 
 def probe_inventory(framework: str | None = None) -> DeviceInventory:

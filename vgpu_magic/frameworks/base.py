@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..ranks.hosts import RankLayout
+    from ..layout import RankLayout
 
 __all__ = ["Capabilities", "ConfigSnapshot", "Framework", "FrameworkImportError", "Reader", "RankPlan"]
 

@@ -42,7 +42,7 @@ from .base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader
 __all__ = ["TensorFlow", "FRAMEWORK", "CAPABILITIES", "system_reserve_mib", "setup_rank", "SLURM_PORT_BASE"]
 
 if TYPE_CHECKING:
-    from ..ranks.hosts import RankLayout
+    from ..layout import RankLayout
 
 #: The first port ``SlurmClusterResolver`` gives the tasks of a node (its ``port_base``).
 SLURM_PORT_BASE = 8888

@@ -41,7 +41,7 @@ from ..base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader
 from .memory import LiveArrayBytes, MemoryReader, devices_by_name
 
 if TYPE_CHECKING:
-    from ...ranks.hosts import RankLayout
+    from ...layout import RankLayout
 
 __all__ = [
     "CAPABILITIES",

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from ..base import RankPlan
 
 if TYPE_CHECKING:
-    from ...ranks.hosts import RankLayout
+    from ...layout import RankLayout
 
 __all__ = ["plan_ranks", "setup_rank", "slurm_coordinator_port"]
 

@@ -35,11 +35,11 @@ import sys
 import uuid
 from typing import TYPE_CHECKING
 
-from ...inventory import DeviceInventory, GPUInfo
+from ...inventory import DeviceInventory, GPUInfo, visible_gpus
 from ..base import Capabilities, ConfigSnapshot, Framework, RankPlan
 
 if TYPE_CHECKING:
-    from ...ranks.hosts import RankLayout
+    from ...layout import RankLayout
 
 __all__ = ["CAPABILITIES", "FRAMEWORK", "Torch", "setup_rank"]
 
@@ -70,8 +70,6 @@ class Torch(Framework):
     def probe_inventory(self) -> DeviceInventory:
         """The GPUs CUDA shows this process (NVML; imports no PyTorch), for
         ``%vgpu_status`` and the planner's refusal."""
-        from ...ranks.hosts import visible_gpus
-
         gpus = visible_gpus()
         mod = sys.modules.get("torch")
         return DeviceInventory(
