@@ -13,6 +13,7 @@ one line.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -31,7 +32,27 @@ __all__ = [
     "cuda_to_nvml_order",
     "cuda_gpus",
     "visible_gpus",
+    "cuda_total_bytes",
+    "nccl_version",
+    "MULTI_RANK_NCCL",
+    "CUDA_CONTEXT_MIB",
+    "cuda_context_mib",
 ]
+
+#: GPU memory a process takes outside its framework's allocator and cap (its CUDA context, the
+#: libraries' handles and workspaces): measured on an H100 (torch 2.11, CUDA 13) for a DDP rank
+#: after five steps, NVML's "used" for the process minus torch's reserved memory was 880 MiB.
+CUDA_CONTEXT_MIB = 1024
+
+
+def cuda_context_mib(free_mib: int, compute_capability: tuple[int, int] | None) -> int:
+    """What a framework that keeps nothing back itself must leave on a GPU for its process: the context."""
+    return CUDA_CONTEXT_MIB
+
+
+#: The first NCCL that lets several ranks use one GPU (``NCCL_MULTI_RANK_GPU_ENABLE=1``); older
+#: ones refuse at the first communicator ("Duplicate GPU detected", measured with NCCL 2.28.9).
+MULTI_RANK_NCCL = (2, 30)
 
 
 @dataclass(frozen=True)
@@ -195,12 +216,14 @@ def cuda_to_nvml_order(n_gpus: int, nvml: list[dict[str, Any]]) -> list[dict[str
     """Match a framework's GPU i (CUDA's numbering) to an NVML device.
 
     Frameworks number the GPUs CUDA shows them; ``CUDA_VISIBLE_DEVICES``
-    (indices or UUIDs) says which NVML devices those are. Without it the orders
+    (indices or UUIDs) says which NVML devices those are; set and empty, none. Without it the orders
     agree on the usual machines (``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes it certain).
     """
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None or not visible.strip():
+    if visible is None:
         order = nvml
+    elif not visible.strip():
+        order = []  # set and empty: CUDA shows no device at all
     else:
         order = []
         for token in (t.strip() for t in visible.split(",")):
@@ -237,11 +260,47 @@ def visible_gpus() -> tuple[GPUInfo, ...]:
     (``CUDA_VISIBLE_DEVICES`` picks and orders them); starts no CUDA context."""
     nvml = nvml_gpus()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    count = len(nvml) if visible is None or not visible.strip() else len(visible.split(","))
+    count = len(nvml) if visible is None else len(visible.split(",")) if visible.strip() else 0
     gpus = cuda_gpus(count, nvml)
     # CUDA shows the devices listed before the first one it cannot find.
     known = [g.nvml_index is not None for g in gpus]
     return gpus[: known.index(False)] if False in known else gpus
+
+
+@functools.lru_cache(maxsize=16)
+def cuda_total_bytes(index: int) -> int | None:
+    """CUDA's total memory of its device ``index`` (``cuDeviceTotalMem``: what
+    ``torch.cuda.mem_get_info()[1]`` reports and what torch's and XLA's memory
+    fractions multiply; below NVML's total, by 480 MiB on an H100). Read through
+    the driver library without creating a context; ``None`` without a driver."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    device, total = ctypes.c_int(), ctypes.c_size_t()
+    if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), index):
+        return None
+    if cuda.cuDeviceTotalMem_v2(ctypes.byref(total), device):
+        return None
+    return int(total.value)
+
+
+def nccl_version() -> tuple[int, ...] | None:
+    """The NCCL the frameworks here load (the ``nvidia-nccl-cu*`` wheel torch and
+    JAX's CUDA plugin depend on; the oldest where several are installed), read from
+    the installed files: loads no library. ``None`` where none is installed that way."""
+    import importlib.metadata
+
+    found = []
+    for dist in ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"):
+        try:
+            text = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        found.append(tuple(int(p) for p in text.split(".")[:3] if p.isdigit()))
+    return min(found) if found else None
 
 
 def probe_inventory(framework: str | None = None) -> DeviceInventory:

@@ -37,8 +37,8 @@ class HostReport:
 
     ``gpus`` are the GPUs this process sees, numbered as CUDA numbers them
     (``index``), with NVML's details (``nvml_index``, memory); ``port`` is a
-    free TCP port the OS gave on this host; ``launcher`` holds the
-    :data:`LAUNCHER_VARIABLES` that were set.
+    free TCP port the OS gave on this host; ``launcher`` holds the launcher's
+    variables that were set (``vgpu_magic.ranks.hosts.LAUNCHER_VARIABLES``).
     """
 
     engine_id: int
@@ -48,6 +48,8 @@ class HostReport:
     gpus: tuple[GPUInfo, ...] = ()
     port: int = 0
     launcher: dict[str, str] = field(default_factory=dict)
+    #: The NCCL version its frameworks load (``inventory.nccl_version``), where it can tell.
+    nccl: tuple[int, ...] | None = None
 
     @property
     def launcher_rank(self) -> int | None:
@@ -107,6 +109,8 @@ class RankPlace:
     gpu_shared_by: int
     #: Every GPU its process sees, in CUDA's order (``gpu`` is one of them).
     gpus_seen: tuple[GPUInfo, ...] = ()
+    #: Its host's NCCL version, where known (several ranks on one GPU need 2.30 or later).
+    nccl: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -219,6 +223,7 @@ def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = N
                 port=report.port,
                 gpu=None,
                 gpu_shared_by=1,
+                nccl=report.nccl,
             )
         )
     leader = slurm.hosts[0] if slurm is not None else places[0].address

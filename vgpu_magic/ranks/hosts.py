@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ..inventory import GPUInfo, NVMLReadError, visible_gpus
+from ..inventory import GPUInfo, NVMLReadError, nccl_version, visible_gpus
 from ..layout import (
     HostReport,
     RankLayout,
@@ -80,7 +80,8 @@ def predicted_layout(n: int, gpus: tuple[GPUInfo, ...] | None = None) -> RankLay
         seen = gpus if gpus is not None else visible_gpus()
     except NVMLReadError as exc:
         raise ValueError(str(exc)) from None
-    return layout_ranks([HostReport(e, host, "127.0.0.1", 0, seen, 0) for e in range(n)], gpus)
+    nccl = nccl_version()
+    return layout_ranks([HostReport(e, host, "127.0.0.1", 0, seen, 0, nccl=nccl) for e in range(n)], gpus)
 
 
 def _reachable_address(toward: str) -> str:
@@ -127,6 +128,7 @@ def report_host(engine_id: int, controller: str) -> HostReport:
         gpus=visible_gpus(),
         port=_free_port(address),
         launcher={name: os.environ[name] for name in LAUNCHER_VARIABLES if name in os.environ},
+        nccl=nccl_version(),
     )
 
 
