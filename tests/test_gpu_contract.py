@@ -120,3 +120,134 @@ def test_an_empty_cuda_visible_devices_shows_no_gpu(monkeypatch):
         assert inventory.visible_gpus() == ()
         assert fj.FRAMEWORK._gpu_count([H100]) == 0
         assert inventory.cuda_to_nvml_order(1, [H100]) == [None]
+
+
+# -- TensorFlow: GPUs injected into CPU TensorFlow's eager context, read by TensorFlow's own code ---------
+#: N GPUs as TensorFlow's eager context lists them before its runtime starts (what a CUDA build reads from
+#: the driver), and NVML answering for them as an H100 does. Nothing starts TensorFlow's runtime.
+INJECT = """
+import json
+import tensorflow as tf
+from tensorflow.python.eager import context
+import vgpu_magic
+from vgpu_magic.frameworks import tensorflow as ftf
+
+ctx = context.context()
+ctx._initialize_physical_devices()
+fake = [context.PhysicalDevice(f"/physical_device:GPU:{{i}}", "GPU") for i in range({n})]
+ctx._physical_devices = ctx._physical_devices + fake
+ctx._physical_device_to_index = {{d: i for i, d in enumerate(ctx._physical_devices)}}
+ctx._visible_device_list = ctx._visible_device_list + fake
+ctx._memory_growth_map.update({{d: None for d in fake}})
+h100 = {h100}
+ftf.nvml_gpus = lambda: [dict(h100, nvml_index=i, uuid=f"GPU-{{i}}") for i in range({n})]
+
+
+def gpu_options():
+    options = ctx._compute_gpu_options()  # what TensorFlow hands its runtime when it starts
+    return {{
+        "allow_growth": options.allow_growth,
+        "visible": options.visible_device_list,
+        "virtual": [list(v.memory_limit_mb) for v in options.experimental.virtual_devices],
+    }}
+
+
+def refused(call):
+    try:
+        call()
+    except ValueError as exc:
+        return str(exc)
+    return None
+"""
+
+
+def _inject(n: int) -> str:
+    return INJECT.format(n=n, h100=repr(H100))
+
+
+GROWTH_THEN_CPU_SPLIT = """
+growth = vgpu_magic.split(growth=True).status
+after_growth = gpu_options()
+# The CPU split with GPU 0 kept visible: TensorFlow would drop growth and preallocate the card.
+visible_cpu_split = refused(lambda: vgpu_magic.split(4, cpu=True, visible=[0]))
+unchanged = gpu_options()
+# What TensorFlow itself would do with that configuration, had it been written:
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 4
+)
+print(json.dumps({"growth": growth, "after_growth": after_growth, "refused": visible_cpu_split,
+                  "unchanged": unchanged, "tf_would": gpu_options()}))
+"""
+
+
+@pytest.mark.slow
+def test_growth_and_a_cpu_split_with_a_visible_gpu_cannot_both_be_claimed():
+    out = last_json(run_python(_inject(1) + GROWTH_THEN_CPU_SPLIT).stdout)
+    assert out["growth"] == "applied"
+    assert out["after_growth"] == {"allow_growth": True, "visible": "0", "virtual": []}
+    assert out["refused"].startswith("memory growth is on for GPU 0, and TensorFlow drops it once any device is split")
+    assert out["unchanged"] == out["after_growth"]
+    # TensorFlow's own options for the refused configuration: growth gone, GPU 0 one device of the whole card.
+    assert out["tf_would"] == {"allow_growth": False, "visible": "0", "virtual": [[]]}
+
+
+UNDO = """
+gpu0 = tf.config.list_physical_devices("GPU")[0]
+def failing_growth(device, enable):
+    raise RuntimeError("growth could not be set")
+tf.config.experimental.set_memory_growth = failing_growth
+old = ftf.FRAMEWORK.read_configuration()
+new = ftf.ConfigSnapshot(old.cpu_names, old.gpu_names, {gpu0.name: (1024, 1024)}, old.visible_gpus, (True,))
+try:
+    ftf.FRAMEWORK.write_configuration(old, new)
+    error = None
+except Exception as exc:
+    error = f"{type(exc).__name__}: {exc}"
+print(json.dumps({"error": error, "logical": tf.config.get_logical_device_configuration(gpu0),
+                  "options": gpu_options(), "back": ftf.FRAMEWORK.read_configuration() == old}))
+"""
+
+
+@pytest.mark.slow
+def test_a_failed_write_is_undone_back_to_no_logical_devices():
+    out = last_json(run_python(_inject(1) + UNDO).stdout)
+    assert out["error"] == "RuntimeError: growth could not be set"  # the failure itself, the undo worked
+    assert out["logical"] is None and out["back"] is True
+    assert out["options"] == {"allow_growth": False, "visible": "0", "virtual": []}
+
+
+CROSS_DEVICE_OPS = """
+from tensorflow.python.distribute import collective_util
+from tensorflow.python.distribute.mirrored_strategy import MirroredExtended
+
+result = vgpu_magic.split(2, memory=4096, gpu=0, dry_run=True)
+plan = result.plan
+snap = ftf.FRAMEWORK.read_configuration()
+from vgpu_magic.planner import configuration_after
+after = configuration_after(plan, snap)
+logical = [context.LogicalDevice(name, "GPU") for name in after.replica_devices()]
+# MirroredStrategy()'s own choice, asked with the devices the split gives (its runtime is not started).
+ctx.list_logical_devices = lambda device_type=None: logical
+extended = MirroredExtended.__new__(MirroredExtended)
+extended._devices = tuple(d.name for d in logical)
+extended._collective_key_base = 0
+extended._communication_options = collective_util.Options()
+extended._make_collective_ops_with_fallbacks()
+print(json.dumps({"notes": list(plan.notes), "devices": list(extended._devices),
+                  "implementation": extended._communication_options.implementation.name}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("gpus", "implementation"), [(1, "RING"), (2, "NCCL"), (4, "NCCL")])
+def test_a_split_that_makes_mirrored_strategy_choose_nccl_says_so(gpus, implementation):
+    out = last_json(run_python(_inject(gpus) + CROSS_DEVICE_OPS).stdout)
+    assert out["devices"] == ["/device:GPU:0", "/device:GPU:1"]
+    # AUTO where TensorFlow keeps its default: NCCL for GPUs (RING only with fewer physical GPUs than logical).
+    chosen = "NCCL" if out["implementation"] == "AUTO" else out["implementation"]
+    assert chosen == implementation
+    warned = [note for note in out["notes"] if "would pick NCCL" in note]
+    assert bool(warned) == (implementation == "NCCL")
+    if warned:
+        assert f"counts all {gpus} GPUs, hidden ones too, against 2 logical GPUs" in warned[0]
+        assert "vgpu_magic.strategy()" in warned[0]

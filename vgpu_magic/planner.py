@@ -131,6 +131,14 @@ def _check_start_rules(plan: SplitPlan, inventory: DeviceInventory) -> None:
     if not capabilities.growth_with_split:
         for i, name in enumerate(after.gpu_names):
             grows = i < len(after.memory_growth) and after.memory_growth[i]
+            if grows and i in after.visible_gpus and name not in after.logical and after.logical:
+                # TensorFlow turns growth off once any device has logical devices (context._compute_device_options),
+                # and a visible GPU with none configured is then preallocated whole.
+                raise PlanError(
+                    f"memory growth is on for GPU {i}, and {label} drops it once any device is split (here the "
+                    f"CPU), preallocating GPU {i} whole; keep the GPUs hidden (drop --visible), or restart the "
+                    "kernel and use one of --growth and the CPU split"
+                )
             if not (grows and name in after.logical):
                 continue
             if plan.memory_growth:
@@ -317,6 +325,14 @@ def _gpu_plan(
     if usable is None and capped:
         notes.append("free GPU memory unknown (NVML unavailable): sizes not checked against the card")
     visible = _visible_beside(request, gpu, inventory, notes)
+    physical = len(inventory.gpus)
+    logical = count + (len(inventory.gpus) if visible is None else len(visible)) - 1
+    if capabilities.replicas_nccl_unless_fewer_physical and count > 1 and physical >= logical:
+        notes.append(
+            f"a plain {capabilities.replicas_by} would pick NCCL here ({label} counts all {physical} GPUs, hidden ones "
+            f"too, against {logical} logical GPUs), and NCCL refuses two devices of one card: use "
+            "vgpu_magic.strategy(), or pass cross_device_ops=tf.distribute.ReductionToOneDevice()"
+        )
     return SplitPlan(
         "GPU", gpu.index, tuple(limits), visible, request.memory_growth, usable, tuple(notes),
         framework=capabilities.name, sizes_chosen=sizes is not None, framework_named=request.framework,
