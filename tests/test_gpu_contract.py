@@ -251,3 +251,57 @@ def test_a_split_that_makes_mirrored_strategy_choose_nccl_says_so(gpus, implemen
     if warned:
         assert f"counts all {gpus} GPUs, hidden ones too, against 2 logical GPUs" in warned[0]
         assert "vgpu_magic.strategy()" in warned[0]
+
+
+# -- MIG: a GPU in MIG mode is its MIG devices, each with its own memory --------------------------------
+class NVMLError(Exception):
+    pass
+
+
+def _nvml_with_mig():
+    """pynvml for one H100 in MIG mode with two 1g.10gb devices: the whole card's memory cannot be read
+    (NVML answers "Not Supported" for a MIG-enabled parent on some drivers), each MIG device's can."""
+    import types
+
+    card, migs = object(), [object(), object()]
+
+    def memory(handle):
+        if handle is card:
+            raise NVMLError("Not Supported")
+        return types.SimpleNamespace(total=10 * 1024 * MIB, free=9 * 1024 * MIB)
+
+    def mig_handle(handle, k):
+        if k >= len(migs):
+            raise NVMLError("Not Found")
+        return migs[k]
+
+    return types.SimpleNamespace(
+        NVMLError=NVMLError,
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda i: card,
+        nvmlDeviceGetMigMode=lambda handle: (1, 1),
+        nvmlDeviceGetMaxMigDeviceCount=lambda handle: 7,
+        nvmlDeviceGetMigDeviceHandleByIndex=mig_handle,
+        nvmlDeviceGetMemoryInfo=memory,
+        nvmlDeviceGetCudaComputeCapability=lambda handle: (9, 0),
+        nvmlDeviceGetName=lambda handle: "NVIDIA H100 80GB HBM3" + ("" if handle is card else " MIG 1g.10gb"),
+        nvmlDeviceGetUUID=lambda handle: "GPU-aaaa" if handle is card else f"MIG-{migs.index(handle)}bbb",
+    )
+
+
+def test_mig_devices_are_listed_with_their_own_memory_and_named_by_cuda_visible_devices(monkeypatch):
+    from vgpu_magic import inventory
+    from vgpu_magic.layout import HostReport, layout_ranks
+
+    monkeypatch.setattr(inventory, "open_nvml", _nvml_with_mig)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-1bbb")
+    gpus = inventory.visible_gpus()
+    assert [(g.index, g.uuid, g.total_mib, g.free_mib) for g in gpus] == [(0, "MIG-1bbb", 10240, 9216)]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    both = inventory.visible_gpus()
+    assert [g.uuid for g in both] == ["MIG-0bbb", "MIG-1bbb"]
+    # Two ranks, one on each MIG device of the same card: each has a device of its own.
+    layout = layout_ranks([HostReport(e, "h", "127.0.0.1", 0, both, 0) for e in range(2)])
+    assert [(p.gpu.uuid, p.gpu_shared_by) for p in layout.places] == [("MIG-0bbb", 1), ("MIG-1bbb", 1)]

@@ -65,6 +65,8 @@ class GPUInfo:
     free_mib: int | None = None
     compute_capability: tuple[int, int] | None = None
     nvml_index: int | None = None
+    #: NVML's UUID (``GPU-…``, or ``MIG-…`` for a MIG device), where known.
+    uuid: str | None = None
 
     @property
     def name(self) -> str:
@@ -150,7 +152,9 @@ def _text(value: Any) -> str:
 
 
 def nvml_gpus() -> list[dict[str, Any]]:
-    """Every GPU NVML can see, in NVML (PCI) order, as plain dicts.
+    """Every GPU NVML can see, in NVML (PCI) order, as plain dicts; a GPU in MIG
+    mode is its MIG devices, each with its own memory and ``MIG-…`` UUID (what
+    ``CUDA_VISIBLE_DEVICES`` names; the whole card's memory is not theirs to share).
 
     Raises :class:`NVMLReadError` when NVML fails part-way.
     """
@@ -161,22 +165,23 @@ def nvml_gpus() -> list[dict[str, Any]]:
     try:
         for i in range(nvml.nvmlDeviceGetCount()):
             handle = nvml.nvmlDeviceGetHandleByIndex(i)
-            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
-            try:
-                cc = tuple(nvml.nvmlDeviceGetCudaComputeCapability(handle))
-            except nvml.NVMLError:
-                cc = None
-            gpus.append(
-                {
-                    "nvml_index": i,
-                    "model": _text(nvml.nvmlDeviceGetName(handle)),
-                    "total_mib": int(mem.total // MIB),
-                    "total_bytes": int(mem.total),
-                    "free_mib": int(mem.free // MIB),
-                    "compute_capability": cc,
-                    "uuid": _text(nvml.nvmlDeviceGetUUID(handle)),
-                }
-            )
+            for device in _mig_devices(nvml, handle) or [handle]:
+                mem = nvml.nvmlDeviceGetMemoryInfo(device)
+                try:
+                    cc = tuple(nvml.nvmlDeviceGetCudaComputeCapability(handle))
+                except nvml.NVMLError:
+                    cc = None
+                gpus.append(
+                    {
+                        "nvml_index": i,
+                        "model": _text(nvml.nvmlDeviceGetName(device)),
+                        "total_mib": int(mem.total // MIB),
+                        "total_bytes": int(mem.total),
+                        "free_mib": int(mem.free // MIB),
+                        "compute_capability": cc,
+                        "uuid": _text(nvml.nvmlDeviceGetUUID(device)),
+                    }
+                )
     except nvml.NVMLError as exc:
         raise NVMLReadError(
             f"NVML could not read the GPUs ({exc}); check nvidia-smi, or give --memory explicitly"
@@ -185,6 +190,21 @@ def nvml_gpus() -> list[dict[str, Any]]:
         with contextlib.suppress(nvml.NVMLError):
             nvml.nvmlShutdown()
     return gpus
+
+
+def _mig_devices(nvml: Any, handle: Any) -> list[Any]:
+    """The MIG devices of a GPU in MIG mode (empty otherwise, or where NVML has no MIG calls)."""
+    try:
+        if nvml.nvmlDeviceGetMigMode(handle)[0] != 1:
+            return []
+        slots = nvml.nvmlDeviceGetMaxMigDeviceCount(handle)
+    except (nvml.NVMLError, AttributeError):
+        return []
+    found = []
+    for k in range(slots):
+        with contextlib.suppress(nvml.NVMLError):  # an empty slot
+            found.append(nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, k))
+    return found
 
 
 def nvml_pids_with_context() -> dict[int, set[int]]:
@@ -230,6 +250,8 @@ def cuda_to_nvml_order(n_gpus: int, nvml: list[dict[str, Any]]) -> list[dict[str
             match = None
             if token.isdigit():
                 match = next((g for g in nvml if g["nvml_index"] == int(token)), None)
+            elif token.startswith("MIG-"):
+                match = next((g for g in nvml if g["uuid"] == token), None)
             else:
                 match = next((g for g in nvml if g["uuid"].startswith(token) or token.startswith(g["uuid"])), None)
             order.append(match)
@@ -250,6 +272,7 @@ def cuda_gpus(count: int, nvml: list[dict[str, Any]]) -> tuple[GPUInfo, ...]:
             free_mib=details["free_mib"],
             compute_capability=details["compute_capability"],
             nvml_index=details["nvml_index"],
+            uuid=details.get("uuid"),
         )
         for i, details in enumerate(cuda_to_nvml_order(count, nvml))
     )

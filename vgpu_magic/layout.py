@@ -243,13 +243,13 @@ def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> Ra
         else:
             chosen[place.rank] = gpus[place.local_rank] if len(gpus) >= place.local_world_size else gpus[0]
 
-    def identity(place: RankPlace) -> tuple[str, int] | None:
+    def identity(place: RankPlace) -> tuple[str, int | str] | None:
         gpu = chosen[place.rank]
         if gpu is None:
             return None
-        return place.hostname, gpu.nvml_index if gpu.nvml_index is not None else gpu.index
+        return place.hostname, gpu.uuid or (gpu.nvml_index if gpu.nvml_index is not None else gpu.index)
 
-    counts: dict[tuple[str, int] | None, int] = {}
+    counts: dict[tuple[str, int | str] | None, int] = {}
     for place in layout.places:
         counts[identity(place)] = counts.get(identity(place), 0) + 1
     places = tuple(
