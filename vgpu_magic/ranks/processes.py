@@ -142,12 +142,12 @@ def start_failure(exc: BaseException, plan: LauncherPlan) -> str:
     cannot reach (ipyparallel only says "Unable to get remote shell information")."""
     while exc is not None:
         if isinstance(exc, subprocess.CalledProcessError) and _last_line(exc.stderr):
-            return _last_line(exc.stderr)
+            return _last_line(exc.stderr).rstrip(".")
         exc = exc.__cause__ or exc.__context__
     for location, args in plan.ssh_hosts:
         reached, reason = ssh(location, ("-o", "ConnectTimeout=10", *args), "true", timeout=15)
         if not reached:
-            return reason
+            return reason.rstrip(".")
     return ""
 
 
