@@ -287,7 +287,9 @@ def test_a_script_that_fails_is_reported_as_a_cell_and_help_exits_quietly(shell,
 
     shell.run_line_magic("vgpu_run", f"{TRAIN_SCRIPT} --help")
     assert "[rank 1] usage: ddp_train.py" in capsys.readouterr().out
-    with pytest.raises(RankRunError, match=r"rank \d raised ScriptExited: ddp_train.py exited with status 2") as info:
+    with pytest.raises(
+        RankRunError, match=r"^ranks 0, 1 raised ScriptExited: ddp_train.py exited with status 2;"
+    ) as info:
         shell.run_line_magic("vgpu_run", f"{TRAIN_SCRIPT} --epochs many --out x")
     assert "invalid int value: 'many'" in "\n".join(info.value._render_traceback_()) + capsys.readouterr().err
     with pytest.raises(UsageError, match=r"script 'no_such\.py' is not a file"):
