@@ -242,6 +242,10 @@ class RankRun:
         evalue = getattr(exc, "evalue", str(exc))
         if ename == "EngineError" or not self._alive(rank):
             return self._death(rank)
+        if ename == "ProcessExited":
+            # A launched script's process (:mod:`.launch`): how it ended, then the last it wrote to stderr.
+            how, *tail = str(evalue).splitlines()
+            return RankFailure(rank, "error", how, tuple(tail) or (how,))
         # The headline is one line; the whole message is in the traceback.
         first = (str(evalue).strip().splitlines() or [""])[0]
         return RankFailure(rank, "error", f"raised {ename}: {first}".rstrip(": "), tb)
