@@ -60,16 +60,16 @@ class ProcessExited(RuntimeError):
     the last of what it wrote to stderr."""
 
 
-def launch_request(plan: Any, path: str, args: list[str], cwd: str, join: bool, preload: list[str]) -> dict[str, Any]:
+def launch_request(plan: Any, path: str, args: list[str], cwd: str, preload: list[str]) -> dict[str, Any]:
     """What :func:`run_rank` needs to launch one rank (plain data, sent to its engine).
 
     ``plan`` is the rank's :class:`~vgpu_magic.frameworks.base.RankPlan`; ``preload``
-    the modules a spare imports (the framework's own)."""
+    the modules a spare imports (the framework's own). The script makes its own call
+    to join the others (``--join`` is for cells), as under its launcher."""
     return {
         "plan_env": dict(plan.env),
         "setup": plan.setup,
         "setup_args": list(plan.args),
-        "join": join,
         "argv": [path, *args],
         "cwd": cwd,
         "preload": list(preload),
@@ -172,7 +172,7 @@ def run_rank(request: dict[str, Any]) -> int:
             proc.discard()
         proc = _start(env, keys, request["preload"])
     try:
-        launch = {k: request[k] for k in ("setup", "setup_args", "join", "argv", "cwd")}
+        launch = {k: request[k] for k in ("setup", "setup_args", "argv", "cwd")}
         proc.control.sendall(json.dumps({**launch, "env": env}).encode())
         proc.control.shutdown(socket.SHUT_WR)
         code, tail = _follow(proc.popen)
@@ -291,7 +291,7 @@ def child() -> None:
     if launch["setup"]:
         from .hosts import prepare_rank
 
-        prepare_rank({}, launch["setup"], tuple(launch["setup_args"]), launch["join"])
+        prepare_rank({}, launch["setup"], tuple(launch["setup_args"]))
     # As on a terminal: each line reaches the notebook when printed.
     sys.stdout.reconfigure(line_buffering=True)
     main = types.ModuleType("__main__")

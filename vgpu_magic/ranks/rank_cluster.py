@@ -410,7 +410,7 @@ class RankCluster:
         self.hosts = self._read_hosts(self.engine_ids)
         self.layout = layout_ranks(self.hosts, self.given_gpus)
         self.plans = self.fw.plan_ranks(self.layout, self.split, self.memory_mib, self.port)
-        where, preload = (os.path.abspath(path), list(args), os.getcwd(), self.join), self._preload()
+        where, preload = (os.path.abspath(path), list(args), os.getcwd()), self._preload()
         requests = [launch.launch_request(plan, *where, preload) for plan in self.plans]
 
         def submit(rank: int) -> Any:

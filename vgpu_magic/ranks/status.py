@@ -83,7 +83,10 @@ def cluster_lines(cluster: Any) -> list[str]:
     lines.extend(cluster.plans[0].notes if cluster.plans else ())
     join_call = cluster.fw.join_call
     if join_call and cluster.join:
-        lines.append(f"each rank has joined ({join_call} at start, --join): your code must not call it again")
+        lines.append(
+            f"each rank has joined ({join_call} at start, --join): your cells must not call it again "
+            "(a script makes its own call, as under its launcher)"
+        )
     elif join_call:
         lines.append(f"each rank has its launcher's environment; your code calls {join_call}, as under its launcher")
     lines.append("cells (%%vgpu_run): run in these ranks, which keep their state from cell to cell")
