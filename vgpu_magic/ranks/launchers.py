@@ -40,7 +40,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["LAUNCHERS", "LauncherPlan", "plan_launcher", "route_address", "ssh_target"]
+__all__ = ["LAUNCHERS", "MAX_RANKS", "LauncherPlan", "plan_launcher", "route_address", "ssh_target"]
+
+#: The most ranks a cluster has.
+MAX_RANKS = 64
 
 #: Launcher name -> the options it accepts.
 LAUNCHERS: dict[str, tuple[str, ...]] = {

@@ -31,7 +31,7 @@ from ..inventory import GPUInfo
 from ..units import MIB
 from . import launch, names, processes
 from .hosts import HostReport, RankLayout, layout_ranks, on_this_host, predicted_layout, prepare_rank, report_host
-from .launchers import LAUNCHERS, LauncherPlan, plan_launcher
+from .launchers import LAUNCHERS, MAX_RANKS, LauncherPlan, plan_launcher
 from .processes import ClusterStartError
 from .run import RankProcesses, RankRun, RankRunError
 from .status import RankInfo, cluster_lines, rank_infos
@@ -69,7 +69,7 @@ class RankCluster:
     Parameters
     ----------
     n:
-        Number of ranks (1..64).
+        Number of ranks (1..:data:`~.launchers.MAX_RANKS`).
     framework:
         A name in :data:`vgpu_magic.frameworks.REGISTRY` (or an alias):
         ``"torch"``, ``"tensorflow"`` (``"tf"``), ``"jax"``.
@@ -125,8 +125,8 @@ class RankCluster:
         launcher_options: dict[str, Any] | None = None,
         join: bool = False,
     ) -> None:
-        if not isinstance(n, int) or not 1 <= n <= 64:
-            raise ValueError(f"rank count {n!r} is out of range; use 1..64")
+        if not isinstance(n, int) or not 1 <= n <= MAX_RANKS:
+            raise ValueError(f"rank count {n!r} is out of range; use 1..{MAX_RANKS}")
         if port is not None and not 1 <= port <= 65535:
             raise ValueError(f"--port {port} is not a TCP port; use 1..65535, or leave it out for a free one")
         self.fw = frameworks.get(framework)
