@@ -518,12 +518,15 @@ def test_a_failing_rank_is_summed_up_in_one_line():
             return ["Traceback (most recent call last):", "DistNetworkError: The server socket ..."]
 
     class FinishedWithError:
+        def ready(self):
+            return True
+
         def exception(self, timeout=None):
             return RemoteFailure()
 
     failure = RankRun(RankProcesses([os.getpid()]), lambda rank: None)._failure(0, FinishedWithError())
     assert failure.summary == "raised DistNetworkError: The server socket has failed to listen."
-    error = RankRunError(failure, interrupted=[1], killed=[], must_restart=False)
+    error = RankRunError([failure], interrupted=[1], killed=[], must_restart=False)
     assert "\n" not in str(error)
     assert error._render_traceback_()[0] == "[rank 0] Traceback (most recent call last):"
 

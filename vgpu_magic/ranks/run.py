@@ -7,12 +7,18 @@
   ``[rank r]`` (a partial line waits for its newline, so lines of different
   ranks never interleave);
 * each rank's memory is sampled (:mod:`.memory`) and plotted when asked;
-* the first rank that raises, dies, or outlives ``timeout`` ends the run:
-  every other rank still running gets SIGINT at once; a rank that has not
-  come back within :data:`GRACE` seconds (blocked in a collective, where a
+* the first rank that raises or dies ends the run, but not at once: the
+  others get :data:`COLLECT` seconds (from the latest failure) to finish on
+  their own, so that when every rank fails (the same bug everywhere) every
+  rank's own error is collected, and none is interrupted while it is
+  sending that error. Then every rank still running gets SIGINT (at once
+  where ``timeout`` ran out). A rank that has not come back within
+  :data:`GRACE` seconds and is still busy (blocked in a collective, where a
   signal cannot reach Python) is killed, and the cluster is then marked as
-  needing a restart. The run raises :class:`RankRunError` carrying the
-  failing rank's traceback labelled with its rank;
+  needing a restart; one whose engine went idle is not (its reply was lost
+  to the interrupt). The run raises :class:`RankRunError` naming every
+  failing rank's own error, the same ones grouped, each traceback labelled
+  with its ranks;
 * an interrupt of the kernel (KeyboardInterrupt while watching) interrupts
   the ranks the same way.
 
@@ -26,6 +32,7 @@ Which notebook names a cell reads, and how they are sent, is :mod:`.names`.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -46,6 +53,8 @@ __all__ = [
     "process_alive",
 ]
 
+#: Seconds the other ranks get, after the first failure, to finish (or fail) on their own.
+COLLECT = 1.0
 #: Seconds a rank has to come back after SIGINT before it is killed.
 GRACE = 3.0
 #: Seconds between looks at the ranks (output, completion, liveness).
@@ -68,26 +77,29 @@ class RankFailure:
 
 class RankRunError(RuntimeError):
     """A run on the ranks failed; IPython shows :meth:`_render_traceback_`
-    (the failing rank's traceback, each line labelled with its rank)."""
+    (each failing rank's traceback, each line labelled with its ranks; the
+    same traceback on several ranks once)."""
 
-    def __init__(self, failure: RankFailure, interrupted: list[int], killed: list[int], must_restart: bool) -> None:
-        self.failure = failure
-        self.rank = failure.rank
+    def __init__(
+        self, failures: list[RankFailure], interrupted: list[int], killed: list[int], must_restart: bool
+    ) -> None:
+        #: Every rank's own failure, the first seen first.
+        self.failures = list(failures)
+        self.failure = self.failures[0]
+        self.rank = self.failure.rank
         self.interrupted = interrupted
         self.killed = killed
         self.must_restart = must_restart
         super().__init__(self.headline())
 
     def headline(self, state: bool = True) -> str:
-        """One line: what failed, what was done to the others, and (``state``) whether the cluster is usable."""
-        parts = [f"rank {self.failure.rank} {self.failure.summary}"]
+        """One line: what failed (ranks with the same failure together), what was done to the others, and
+        (``state``) whether the cluster is usable."""
+        parts = [f"{_rank_s(ranks)} {summary}" for summary, ranks in _grouped(self.failures, "summary")]
         if self.interrupted:
-            parts.append(f"interrupted rank{'s' if len(self.interrupted) > 1 else ''} {_ranks(self.interrupted)}")
+            parts.append(f"interrupted {_rank_s(self.interrupted)}")
         if self.killed:
-            parts.append(
-                f"killed rank{'s' if len(self.killed) > 1 else ''} {_ranks(self.killed)} "
-                f"(did not stop within {GRACE:g} s of SIGINT)"
-            )
+            parts.append(f"killed {_rank_s(self.killed)} (did not stop within {GRACE:g} s of SIGINT)")
         if state and self.must_restart:
             parts.append("the cluster must be restarted: %vgpu_cluster restart")
         elif state:
@@ -95,9 +107,21 @@ class RankRunError(RuntimeError):
         return "; ".join(parts)
 
     def _render_traceback_(self) -> list[str]:
-        label = f"[rank {self.failure.rank}] "
-        lines = [label + line for block in self.failure.traceback for line in block.splitlines()]
+        lines = [
+            f"[{_rank_s(ranks)}] {line}"
+            for traceback, ranks in _grouped(self.failures, "traceback")
+            for block in traceback
+            for line in block.splitlines()
+        ]
         return [*lines, f"RankRunError: {self.headline()}"]
+
+
+def _grouped(failures: list[RankFailure], key: str) -> list[tuple[Any, list[int]]]:
+    """``[(value, ranks), ...]``: each ``key`` value of the failures with the ranks sharing it, first seen first."""
+    groups: dict[Any, list[int]] = {}
+    for failure in failures:
+        groups.setdefault(getattr(failure, key), []).append(failure.rank)
+    return list(groups.items())
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -105,8 +129,8 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _rank_s(ranks: list[int]) -> str:
-    """``"rank 0"`` or ``"ranks 0, 1"``."""
-    return f"rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}"
+    """``"rank 0"`` or ``"ranks 0, 1"``, in rank order."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {_ranks(sorted(ranks))}"
 
 
 # -- watching the ranks ---------------------------------------------------------------
@@ -236,8 +260,10 @@ class RankRun:
         return self.procs.alive(rank)
 
     def _failure(self, rank: int, ar: Any) -> RankFailure:
-        exc = ar.exception(timeout=0)
-        tb = tuple(exc.render_traceback()) if hasattr(exc, "render_traceback") else (str(exc),)
+        exc = _error(ar)
+        # A remote error's own traceback, without ipyparallel's "[engine:method]" line (the lines are labelled by rank).
+        text = getattr(exc, "traceback", None)
+        tb = (text,) if isinstance(text, str) and text else _traceback(exc)
         ename = getattr(exc, "ename", type(exc).__name__)
         evalue = getattr(exc, "evalue", str(exc))
         if ename == "EngineError" or not self._alive(rank):
@@ -265,23 +291,35 @@ class RankRun:
             how = "died (exit status unknown)"
         return RankFailure(rank, "died", f"{how} ({self.procs.where(rank)})", (f"rank {rank} {how}",))
 
-    def _stop_others(self, results: list[Any], culprit: int | None) -> tuple[list[int], list[int]]:
-        """SIGINT every rank still running; kill those not back within GRACE."""
-        running = [r for r, ar in enumerate(results) if not ar.ready() and r != culprit and self._alive(r)]
+    def _stop_others(self, results: list[Any], done: set[int]) -> tuple[list[int], list[int]]:
+        """SIGINT every rank still running (not in ``done``); kill those still busy after GRACE. A rank
+        whose engine went idle without a reply (an interrupt that came as it was replying) is not stuck."""
+        running = [r for r, ar in enumerate(results) if r not in done and not _settled(ar) and self._alive(r)]
         for rank in running:
             self.procs.signal(rank, signal.SIGINT)
         deadline = time.monotonic() + GRACE
-        while time.monotonic() < deadline and any(not results[r].ready() and self._alive(r) for r in running):
+        while time.monotonic() < deadline and any(not _settled(results[r]) and self._alive(r) for r in running):
             time.sleep(POLL)
-        stuck = [r for r in running if not results[r].ready() and self._alive(r)]
+        stuck = [r for r in running if not _settled(results[r]) and self._alive(r)]
         for rank in stuck:
             self.procs.signal(rank, signal.SIGKILL)
-        # SIGKILL is delivered asynchronously: report the ranks killed once they are gone.
+        # Replies may trail the engines' idle; SIGKILL is delivered asynchronously: report the killed once gone.
+        futures.wait([ar for r, ar in enumerate(results) if r not in stuck and _settled(ar)], timeout=COLLECT)
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline and any(self._alive(r) for r in stuck):
             time.sleep(POLL)
         self.killed = stuck
         return running, stuck
+
+    def _collect(self, results: list[Any], failures: dict[int, RankFailure]) -> None:
+        """Add to ``failures`` each rank that raised or died since the last look."""
+        for rank, ar in enumerate(results):
+            if rank in failures:
+                continue
+            if ar.ready() and not ar.successful():
+                failures[rank] = self._failure(rank, ar)
+            elif not ar.ready() and not self._alive(rank):
+                failures[rank] = self._death(rank)
 
     def restart_reason(self, exc: BaseException) -> str | None:
         """Why the cluster must be restarted after this run ended with ``exc``
@@ -303,37 +341,37 @@ class RankRun:
         memory = RankMonitor(self.procs.memory_pids(), self.gpu, live=self.plot, interval=SAMPLE_EVERY)
         start = time.monotonic()
         results: list[Any] = []
-        failure: RankFailure | None = None
+        failures: dict[int, RankFailure] = {}
+        timed_out: RankFailure | None = None
         try:
             memory.start()
             results = [self.submit(rank) for rank in range(n)]
+            collected_by = math.inf
             while True:
                 self._emit(results, streams)
-                now = time.monotonic()
                 memory.sample()
-                for rank, ar in enumerate(results):
-                    if ar.ready() and not ar.successful():
-                        failure = self._failure(rank, ar)
-                        break
-                    if not ar.ready() and not self._alive(rank):
-                        failure = self._death(rank)
-                        break
-                if failure is None and self.timeout is not None and now - start > self.timeout:
+                seen = len(failures)
+                self._collect(results, failures)
+                now = time.monotonic()
+                if len(failures) > seen:
+                    # The others get COLLECT seconds after each failure to finish, or fail, before any is interrupted.
+                    collected_by = now + COLLECT
+                elif not failures and self.timeout is not None and now - start > self.timeout:
                     late = [r for r, ar in enumerate(results) if not ar.ready()]
-                    failure = RankFailure(
+                    timed_out = RankFailure(
                         late[0],
                         "timeout",
                         f"did not finish within --timeout {self.timeout:g} s (still running: {_rank_s(late)})",
                         (f"timed out after {self.timeout:g} s",),
                     )
-                if failure is not None or all(ar.ready() for ar in results):
+                if timed_out or now >= collected_by or all(ar.ready() or r in failures for r, ar in enumerate(results)):
                     break
                 # AsyncResults are futures: wake as soon as one finishes, else look again after POLL.
                 futures.wait(
                     [ar for ar in results if not ar.ready()], timeout=POLL, return_when=futures.FIRST_COMPLETED
                 )
         except KeyboardInterrupt:
-            _, killed = self._stop_others(results, None)
+            _, killed = self._stop_others(results, set(failures))
             self._drain(results)
             self._emit(results, streams, final=True)
             self.trace = memory.finish(interrupted=True)
@@ -344,15 +382,44 @@ class RankRun:
                     "the cluster must be restarted: %vgpu_cluster restart\n"
                 )
             raise
-        if failure is not None:
-            culprit = None if failure.kind == "timeout" else failure.rank
-            interrupted, killed = self._stop_others(results, culprit)
+        interrupted: list[int] = []
+        killed: list[int] = []
+        if failures or timed_out:
+            interrupted, killed = self._stop_others(results, set(failures))
+            for rank, ar in enumerate(results):
+                # A rank that came back (from the interrupt, or as it was sent) with an error of its own failed too.
+                exc = _error(ar) if rank not in failures and rank not in killed else None
+                if exc is not None and getattr(exc, "ename", type(exc).__name__) != "KeyboardInterrupt":
+                    failures[rank] = self._failure(rank, ar)
+            interrupted = [r for r in interrupted if r not in failures]
         self._drain(results)
         self._emit(results, streams, final=True)
-        self.trace = memory.finish(interrupted=failure is not None)
-        if failure is not None:
-            raise RankRunError(failure, interrupted, killed, must_restart=bool(killed) or failure.kind == "died")
+        self.trace = memory.finish(interrupted=bool(failures or timed_out))
+        if failures or timed_out:
+            every = list(failures.values()) or [timed_out]
+            must_restart = bool(killed) or any(f.kind == "died" for f in every)
+            raise RankRunError(every, interrupted, killed, must_restart)
         return results
+
+
+def _traceback(exc: BaseException) -> tuple[str, ...]:
+    return tuple(exc.render_traceback()) if hasattr(exc, "render_traceback") else (str(exc),)
+
+
+def _settled(ar: Any) -> bool:
+    """Has the rank finished its work: its reply arrived, or its engine said it went idle (the status
+    ipyparallel resolves each message's output future with; ``ar.wait_for_output`` waits for the reply too)?"""
+    children = getattr(ar, "_children", ())
+    return ar.ready() or (bool(children) and all(child.output.done() for child in children))
+
+
+def _error(ar: Any) -> BaseException | None:
+    """The rank's error: its reply's, or (a reply lost to an interrupt) the one it published as output."""
+    if ar.ready():
+        return ar.exception(timeout=0)
+    metadata = getattr(ar, "metadata", None)
+    metadata = metadata[0] if isinstance(metadata, list) and metadata else metadata
+    return metadata.get("error") if isinstance(metadata, dict) else None
 
 
 def process_alive(pid: int) -> bool:
