@@ -56,8 +56,8 @@ _CHILD = "from vgpu_magic.ranks.launch import child; child()"
 
 class ProcessExited(RuntimeError):
     """Raised on the engine: the rank's process ended with a non-zero status.
-    The first line says how (``exited with status 3 (pid 123)``), the rest is
-    the last of what it wrote to stderr."""
+    The first line says how (``exited with status 3``), the rest is the last of
+    what it wrote to stderr."""
 
 
 def launch_request(plan: Any, path: str, args: list[str], cwd: str, preload: list[str]) -> dict[str, Any]:
@@ -182,7 +182,8 @@ def run_rank(request: dict[str, Any]) -> int:
     if code == 0:
         return proc.popen.pid
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-    raise ProcessExited("\n".join([f"{how} (pid {proc.popen.pid})", *tail]))
+    # No PID in the first line: ranks that ended alike are reported together.
+    raise ProcessExited("\n".join([how, *tail]))
 
 
 def _follow(popen: subprocess.Popen) -> tuple[int, list[str]]:
@@ -217,13 +218,16 @@ def _follow(popen: subprocess.Popen) -> tuple[int, list[str]]:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     popen.wait(0.2)
     except KeyboardInterrupt:
-        popen.terminate()
-        try:
-            popen.wait(TERM_GRACE)
-        except subprocess.TimeoutExpired:
-            popen.kill()
-            popen.wait()
-        raise
+        if popen.poll() is None:
+            popen.terminate()
+            try:
+                popen.wait(TERM_GRACE)
+            except subprocess.TimeoutExpired:
+                popen.kill()
+                popen.wait()
+        # A process that ended on its own as the interrupt came is reported as it ended.
+        if popen.returncode in (-signal.SIGTERM, -signal.SIGKILL):
+            raise
     finally:
         # What is still in the pipes, then stop: a grandchild that kept them open is not waited for.
         deadline = time.monotonic() + DRAIN
