@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import signal
 import socket
@@ -438,6 +439,44 @@ def test_a_launched_process_dies_with_its_engine(shell, launcher_ranks, tmp_path
         time.sleep(0.05)
     assert not psutil.pid_exists(orphan) or psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE
     shell.run_line_magic("vgpu_cluster", "restart")
+
+
+def test_ipyparallels_own_tools_load_the_cluster_from_a_throwaway_profile(shell, launcher_ranks, caplog):
+    """Issue 22, defect 11: the cluster file named a launcher class made inside a function, so ipyparallel's
+    ClusterManager (JupyterLab's extension, ipcluster list) logged "could not be imported" and showed nothing.
+    The suite's profile is a throwaway one (tests/conftest.py), never the user's."""
+    from ipyparallel.cluster.cluster import ClusterManager
+
+    profile = Path(launcher_ranks.cluster.profile_dir)
+    assert profile.is_relative_to(os.environ["IPYTHONDIR"]) and Path(launcher_ranks.cluster.cluster_file).exists()
+    log = logging.getLogger("test.ipyparallel.manager")
+    with caplog.at_level(logging.DEBUG, logger=log.name):
+        loaded = ClusterManager(log=log).load_clusters(profile_dir=str(profile))
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    found = [c for c in loaded.values() if c.cluster_id == launcher_ranks.cluster_id]
+    assert len(found) == 1 and found[0].engine_launcher_class.__name__ == "ExitRecordingEngineSetLauncher"
+    assert sorted(found[0].engines[next(iter(found[0].engines))].launchers) == ["0", "1"]
+
+
+def test_a_stop_says_nothing_of_a_log_file_already_gone(shell, capsys, monkeypatch):
+    """Issue 22, defect 9: ipyparallel's "Failed to remove ...ipcontroller-....log: [Errno 2] No such file"
+    (two of its stops racing to remove one file) was printed into the notebook."""
+    from ipyparallel.cluster import launcher
+
+    real_remove = os.remove
+
+    def already_gone(path: str) -> None:
+        if str(path).endswith(".log"):
+            real_remove(path)
+            raise FileNotFoundError(2, "No such file or directory", path)
+        real_remove(path)
+
+    shell.run_line_magic("vgpu_cluster", "start 1 --framework torch")
+    monkeypatch.setattr(launcher.os, "remove", already_gone)
+    capsys.readouterr()
+    shell.run_line_magic("vgpu_cluster", "stop")
+    printed = capsys.readouterr()
+    assert printed.out == "stopped 1 PyTorch rank\n" and "Failed to remove" not in printed.err
 
 
 def test_a_rank_raising_before_a_barrier_stops_every_rank(shell, ranks):

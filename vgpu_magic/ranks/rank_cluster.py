@@ -207,6 +207,7 @@ class RankCluster:
             self.cluster.start_cluster_sync(n=self.n)
             # Remembered at once, so that even engines that never register are stopped.
             self._remember_processes()
+            processes.remove_files_when_kernel_dies(self.cluster, self._token)
             # Engines on other hosts end when the kernel dies without a stop.
             processes.watch_remote(
                 processes.batch_jobs(self.cluster), self.launcher_plan,
