@@ -42,9 +42,12 @@ def quiet_run(ranks, code: str):
 
 
 def test_tensorflow_workers_match_plain_tf_config_processes(tmp_path):
-    from vgpu_magic.ranks.processes import free_ports
+    from vgpu_magic.ranks.hosts import free_port
 
-    workers = [f"localhost:{p}" for p in free_ports(2)]
+    ports = {free_port()}
+    while len(ports) < 2:
+        ports.add(free_port())
+    workers = [f"localhost:{p}" for p in sorted(ports)]
     procs = [
         subprocess.Popen(
             [sys.executable, str(SCRIPTS / "mwms_parity.py")],

@@ -81,47 +81,46 @@ def launch_request(plan: Any, path: str, args: list[str], cwd: str, preload: lis
 
 @dataclass
 class _Process:
-    """A started child: waiting for its launch (a spare), or running it."""
+    """A started child: a spare waiting for its launch, or the launched process."""
 
     popen: subprocess.Popen
     control: socket.socket
-    env: dict[str, str]
-    plan_keys: frozenset[str]
-
-    def usable_for(self, env: dict[str, str], plan_keys: frozenset[str]) -> bool:
-        """Alive, and started with ``env`` except the plan's variables (ports, run ids: read when the script joins)."""
-        keys = self.plan_keys | plan_keys
-
-        def outside(e: dict[str, str]) -> dict[str, str]:
-            return {k: v for k, v in e.items() if k not in keys}
-
-        return self.popen.poll() is None and outside(self.env) == outside(env)
+    #: Its environment outside the rank's plan (whose ports and ids change every run, read when the script joins).
+    base: dict[str, str]
 
     def discard(self) -> None:
         self.control.close()
-        with contextlib.suppress(ProcessLookupError):
-            self.popen.kill()
-        self.popen.wait()
-        for pipe in (self.popen.stdout, self.popen.stderr):
-            pipe.close()
+        self.popen.kill()
+        self.popen.communicate()
 
 
 _spare: _Process | None = None
 
 
-def _child_env(plan_env: dict[str, str]) -> dict[str, str]:
-    """The engine's environment without ipyparallel's own variables (its connection key
-    among them), with the rank's plan: what the launcher gives the process."""
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("IPP_")}, **plan_env}
+def _spare_for(plan_env: dict[str, str], preload: list[str]) -> _Process:
+    """The waiting spare, if it lives and was started with this environment; else a new child."""
+    global _spare
+    proc, _spare = _spare, None
+    if proc is not None and proc.popen.poll() is None and proc.base == _base(plan_env):
+        return proc
+    if proc is not None:
+        proc.discard()
+    return _start(plan_env, preload)
 
 
-def _start(env: dict[str, str], plan_keys: frozenset[str], preload: list[str]) -> _Process:
+def _base(plan_env: dict[str, str]) -> dict[str, str]:
+    """The engine's environment outside the plan, without ipyparallel's own variables (its key among them)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("IPP_") and k not in plan_env}
+
+
+def _start(plan_env: dict[str, str], preload: list[str]) -> _Process:
     """Start a child that imports ``preload`` and waits for its launch on a socket."""
     ours, theirs = socket.socketpair()
+    base = _base(plan_env)
     try:
         popen = subprocess.Popen(
             [sys.executable, "-c", _CHILD, str(os.getpid()), str(theirs.fileno()), *preload],
-            env=env,
+            env={**base, **plan_env},
             cwd="/",
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -130,25 +129,19 @@ def _start(env: dict[str, str], plan_keys: frozenset[str], preload: list[str]) -
         )
     finally:
         theirs.close()
-    return _Process(popen, ours, env, plan_keys)
+    return _Process(popen, ours, base)
 
 
-def warm(plan_env: dict[str, str], preload: list[str], wait: float = 0.0) -> int:
+def warm(plan_env: dict[str, str], preload: list[str], wait: float = 0.0) -> None:
     """Run on an engine: make sure a spare waits, started with the rank's plan ``plan_env``;
-    wait up to ``wait`` seconds for it to have imported ``preload``. Returns its PID."""
+    wait up to ``wait`` seconds for it to have imported ``preload``."""
     global _spare
-    env, keys = _child_env(plan_env), frozenset(plan_env)
-    if _spare is None or not _spare.usable_for(env, keys):
-        if _spare is not None:
-            _spare.discard()
-        _spare = _start(env, keys, preload)
-    if wait > 0:
-        _spare.control.settimeout(wait)
-        with contextlib.suppress(OSError):
-            # The spare says b"R" once its imports are done; the byte is read here only.
-            _spare.control.recv(1, socket.MSG_PEEK)
-        _spare.control.settimeout(None)
-    return _spare.popen.pid
+    _spare = _spare_for(plan_env, preload)
+    _spare.control.settimeout(wait)
+    with contextlib.suppress(OSError):
+        # The spare says b"R" once its imports are done; peeked at, never read.
+        _spare.control.recv(1, socket.MSG_PEEK)
+    _spare.control.settimeout(None)
 
 
 def run_rank(request: dict[str, Any]) -> int:
@@ -160,25 +153,19 @@ def run_rank(request: dict[str, Any]) -> int:
     before returning.
     """
     global _spare
-    plan_env = request["plan_env"]
-    env, keys = _child_env(plan_env), frozenset(plan_env)
-    path, cwd = request["argv"][0], request["cwd"]
+    plan_env, path, cwd = request["plan_env"], request["argv"][0], request["cwd"]
     for what, where, ok in (("folder", cwd, os.path.isdir), ("script", path, os.path.isfile)):
         if not ok(where):
             raise ProcessExited(f"could not start: the {what} {where} does not exist on {socket.gethostname()}")
-    proc, _spare = _spare, None
-    if proc is None or not proc.usable_for(env, keys):
-        if proc is not None:
-            proc.discard()
-        proc = _start(env, keys, request["preload"])
+    proc = _spare_for(plan_env, request["preload"])
     try:
         launch = {k: request[k] for k in ("setup", "setup_args", "argv", "cwd")}
-        proc.control.sendall(json.dumps({**launch, "env": env}).encode())
+        proc.control.sendall(json.dumps({**launch, "env": {**proc.base, **plan_env}}).encode())
         proc.control.shutdown(socket.SHUT_WR)
         code, tail = _follow(proc.popen)
     finally:
         proc.control.close()
-        _spare = _start(env, keys, request["preload"])
+        _spare = _start(plan_env, request["preload"])
     if code == 0:
         return proc.popen.pid
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"

@@ -30,7 +30,6 @@ __all__ = [
     "ClusterStartError",
     "check_memory_fits",
     "check_port_free",
-    "free_ports",
     "new_ipp_cluster",
     "rank_footprint",
     "signal_engine",
@@ -57,20 +56,6 @@ CONTROLLER_ARGS = (
 
 class ClusterStartError(RuntimeError):
     """The cluster could not start or be wired; nothing it started is left running."""
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free loopback ports, chosen by the OS (bind to port 0)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 #: Run on an SSH host at stop: wait for the engines (PIDs there) to exit, SIGKILL what
