@@ -464,6 +464,27 @@ def test_rank_memory_feeds_the_monitors_one_trace_and_view():
     assert seen.calls[0] == "start" and seen.calls[-1] == "finish"
 
 
+def test_a_launchs_memory_is_its_engines_and_the_process_it_started():
+    """A script run's ranks are processes their engines started (issue 22): a rank's memory counts them."""
+    import os
+    import subprocess
+    import sys
+
+    from vgpu_magic.ranks.memory import RankMemorySampler
+
+    mib = 1024**2
+    code = "import sys, time\nx = bytearray(300 * 1024**2)\nprint('ready', flush=True)\ntime.sleep(60)"
+    launched = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert launched.stdout.readline().strip() == "ready"
+        cell, script = (RankMemorySampler([os.getpid()], gpu=False, launched=flag) for flag in (False, True))
+        (alone,), (with_child,) = cell.rss(), script.rss()
+        assert with_child - alone > 290 * mib
+    finally:
+        launched.kill()
+        launched.communicate()
+
+
 @pytest.mark.slow
 def test_loading_the_extension_starts_and_imports_nothing_of_the_cluster(py):
     proc = py(

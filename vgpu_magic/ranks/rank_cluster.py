@@ -417,7 +417,7 @@ class RankCluster:
         def submit(rank: int) -> Any:
             return self.client[self.engine_ids[rank]].apply_async(launch.run_rank, requests[rank])
 
-        self._watch(RankRun(self._processes(), submit, timeout=timeout, plot=plot, gpu=self._gpu()), set())
+        self._watch(RankRun(self._processes(), submit, timeout, plot, self._gpu(), launched=True), set())
 
     def _preload(self) -> list[str]:
         """What a spare imports before its launch: the framework, and its rank setup's module."""

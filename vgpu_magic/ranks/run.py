@@ -236,6 +236,8 @@ class RankRun:
     timeout: float | None = None
     plot: bool = False
     gpu: bool = False
+    #: A script run: each rank's memory is its engine's and the process it launched (:mod:`.launch`).
+    launched: bool = False
     stdout: TextIO = field(default_factory=lambda: sys.stdout)
     stderr: TextIO = field(default_factory=lambda: sys.stderr)
 
@@ -338,7 +340,9 @@ class RankRun:
         streams = [
             (_LineStream(f"[rank {r}] ", self.stdout), _LineStream(f"[rank {r}] ", self.stderr)) for r in range(n)
         ]
-        memory = RankMonitor(self.procs.memory_pids(), self.gpu, live=self.plot, interval=SAMPLE_EVERY)
+        memory = RankMonitor(
+            self.procs.memory_pids(), self.gpu, live=self.plot, interval=SAMPLE_EVERY, launched=self.launched
+        )
         start = time.monotonic()
         results: list[Any] = []
         failures: dict[int, RankFailure] = {}
