@@ -164,6 +164,21 @@ def test_an_unsendable_name_is_named_and_nothing_runs(shell, ranks):
     assert ranks.view.pull("_seen", block=True) == [False, False]
 
 
+def test_what_a_rank_displays_arrives_labelled(shell, ranks, capsys):
+    """Issue 22, defect 5: display() on a rank (an engine is a kernel) was dropped without a word. In a
+    terminal its text arrives, labelled (tests/test_cluster_kernel.py: the rich output in a notebook)."""
+    shell.run_cell_magic(
+        "vgpu_run", "--no-plot", "from IPython.display import HTML, display\ndisplay(HTML('<b>x</b>'))\nprint('after')"
+    )
+    out = capsys.readouterr().out.splitlines()
+    for rank in range(2):
+        # The order of a display and a print that follows it is not kept (ipyparallel collects each kind apart).
+        assert sorted(line for line in out if line.startswith(f"[rank {rank}]")) == [
+            f"[rank {rank}] <IPython.core.display.HTML object>",
+            f"[rank {rank}] after",
+        ]
+
+
 def test_a_comprehension_variable_does_not_hide_the_notebooks_name(shell, ranks):
     # Issue 16, defect 2: this gave [11, 11], the first x sent, never again.
     shell.user_ns["x"] = 10
