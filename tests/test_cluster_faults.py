@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import shutil
 
 import pytest
 
@@ -73,3 +75,90 @@ def test_different_failures_are_named_each_and_the_same_ones_grouped():
         "[rank 1] KeyError: 'x'",
         f"RankRunError: {error}",
     ]
+
+
+def test_a_start_ssh_refuses_says_why_in_one_line(shell):
+    """Issue 25, row 2: a 139-line traceback ending in a false "after stopping, 127.0.0.1: engines ? left",
+    ssh's own reason only on the kernel's raw stderr."""
+    from IPython.core.error import UsageError
+
+    from vgpu_magic.ranks import rank_cluster
+    from vgpu_magic.ranks.hosts import free_port
+
+    if shutil.which("ssh") is None:
+        pytest.skip("no ssh client (apt-get install openssh-client)")
+    port = free_port()  # nothing listens there: ssh's connection is refused
+    before = our_processes()
+    with pytest.raises(UsageError) as info:
+        shell.run_line_magic("vgpu_cluster", f"start 2 --framework torch --launcher ssh --hosts 127.0.0.1:{port}")
+    assert str(info.value) == (
+        f"the ranks could not start: ssh: connect to host 127.0.0.1 port {port}: Connection refused; "
+        "nothing was left running"
+    )
+    assert rank_cluster.current() is None and our_processes() <= before
+
+
+def test_a_start_sbatch_refuses_says_why_in_one_line(shell, monkeypatch):
+    """Issue 25, row 5: "CalledProcessError: Command '['sbatch', ...]' returned non-zero exit status 1."."""
+    from IPython.core.error import UsageError
+
+    from vgpu_magic.ranks import rank_cluster
+
+    if shutil.which("sbatch") is None:
+        pytest.skip("no sbatch (apt-get install slurm-client)")
+    if os.path.exists("/etc/slurm/slurm.conf"):
+        pytest.skip("this machine has a SLURM configuration")
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    before = our_processes()
+    with pytest.raises(UsageError) as info:
+        shell.run_line_magic("vgpu_cluster", "start 2 --framework torch --launcher slurm")
+    assert str(info.value) == (
+        "the ranks could not start: sbatch: fatal: Could not establish a configuration source; nothing was left running"
+    )
+    assert rank_cluster.current() is None and our_processes() <= before
+
+
+def test_what_the_cleanup_finds_is_said_after_the_starts_own_error(monkeypatch):
+    from vgpu_magic.ranks import ClusterStartError, RankCluster, processes
+
+    def cannot_start(*args, **kwargs):
+        raise OSError("no such launcher")
+
+    def cleanup_finds(self):
+        raise RuntimeError("after stopping, node2: engines 12 left")
+
+    monkeypatch.setattr(processes, "new_ipp_cluster", cannot_start)
+    monkeypatch.setattr(RankCluster, "stop", cleanup_finds)
+    with pytest.raises(ClusterStartError) as info:
+        RankCluster(1, "tensorflow", gpus=[]).start()
+    assert str(info.value) == (
+        "the ranks could not start: OSError: no such launcher; after stopping, node2: engines 12 left"
+    )
+
+
+def test_an_interrupted_start_ends_every_process_it_began_before_it_returns():
+    """Issue 25, row 4: Ctrl-C 0.5-0.9 s into a start returned at once, the engines living on for ~10 s
+    while status said "no cluster". A real kernel, interrupted at several points of a start: when the
+    cell returns, no process of the cluster is left."""
+    import json
+    import threading
+
+    import psutil
+
+    from support import kernel_errors, kernel_run, kernel_stdout, started_kernel
+
+    with started_kernel() as (km, kc):
+        reply = kernel_run(kc, "%load_ext vgpu_magic\nimport os\nprint(os.getpid())")
+        kernel = psutil.Process(json.loads(kernel_stdout(reply)))
+        for delay in (0.3, 0.7, 1.2, 1.8):
+            timer = threading.Timer(delay, km.interrupt_kernel)
+            timer.start()
+            try:
+                reply = kernel_run(kc, "%vgpu_cluster start 2 --framework torch", timeout=120)
+            finally:
+                timer.cancel()
+            assert [e.split(":")[0] for e in kernel_errors(reply)] == ["KeyboardInterrupt"], (delay, reply)
+            left = [p for p in kernel.children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+            assert left == [], (delay, [p.cmdline() for p in left])
+            status = kernel_stdout(kernel_run(kc, "%vgpu_cluster status"))
+            assert status.startswith("no cluster running"), status

@@ -76,14 +76,15 @@ def test_a_kernel_that_dies_without_atexit_takes_every_cluster_process_with_it(d
 
 
 def test_stop_after_the_controller_was_killed_leaves_nothing():
-    from vgpu_magic.ranks import RankCluster
+    from vgpu_magic.ranks import RankCluster, lifetime
 
     # Processes of this test's own (other tests' session fixtures, such as SLURM daemons, are not the cluster's).
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     ranks = RankCluster(1, "tensorflow", gpus=[]).start()
     try:
         controller = psutil.Process(ranks.cluster.controller.pid)
-        children = [p.pid for p in controller.children(recursive=True)]
+        # Its watcher (beside it) goes with it; the children it forked stay.
+        children = [p.pid for p in controller.children(recursive=True) if p.name() != lifetime.WATCHER_NAME]
         everything = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
         assert len(children) >= 4
         controller.kill()
@@ -158,3 +159,34 @@ def test_then_runs_its_command_when_the_owner_dies(tmp_path):
     finally:
         owner.kill()
         owner.wait()
+
+
+def test_a_rank_busy_in_c_code_holding_the_gil_goes_with_its_kernel():
+    """Issue 25, row 3: the watch was a thread inside the engine, so a rank in C code that never lets go
+    of the GIL (a regular expression backtracking for hours) outlived its SIGKILLed kernel for as long
+    as the call ran. The watch now lives beside each engine, in a process of its own."""
+    from support import started_kernel
+
+    pids: list[int] = []
+    try:
+        with started_kernel() as (_km, kc):
+            reply = kernel_run(kc, "%load_ext vgpu_magic\n%vgpu_cluster start 2 --framework tensorflow")
+            assert not [m for m in reply if m["msg_type"] == "error"], kernel_stdout(reply)
+            family = "[os.getpid()] + [p.pid for p in psutil.Process().children(recursive=True)]"
+            reply = kernel_run(kc, f"import json, os, psutil\nprint(json.dumps({family}))")
+            kernel, *pids = json.loads(kernel_stdout(reply).strip().splitlines()[-1])
+            # Each rank says it is about to match, then holds the GIL in re's C code (2**40 steps).
+            cell = "%%vgpu_run --no-plot\nimport re\nprint('matching', flush=True)\nre.match(r'(a+)+$', 'a' * 40 + 'b')"
+            msg_id = kc.execute(cell)
+            deadline = time.monotonic() + 120
+            while True:
+                msg = kc.get_iopub_msg(timeout=max(1.0, deadline - time.monotonic()))
+                if msg["parent_header"].get("msg_id") == msg_id and "matching" in msg["content"].get("text", ""):
+                    break
+            time.sleep(0.5)
+            os.kill(kernel, signal.SIGKILL)
+            assert gone_within([kernel], 30) == []
+            assert gone_within(pids, 15) == []
+    finally:
+        for pid in alive(pids):
+            os.kill(pid, signal.SIGKILL)

@@ -144,3 +144,26 @@ def test_a_rank_on_the_second_host_is_interrupted_and_reported_through_its_engin
         assert (failure.rank, failure.kind) == (there, "died")
         assert failure.summary == f"died (exit status unknown) (pid {pid} on {two_hosts.second.hostname})"
         assert ranks.must_restart
+
+
+def test_a_host_that_refuses_the_key_is_named_with_sshs_own_reason(two_hosts, tmp_path):
+    """Issue 25, row 2: a start that fails says why in one line, in ssh's words (here: authentication)."""
+    import subprocess
+
+    from vgpu_magic.ranks import ClusterStartError, RankCluster
+
+    stranger = tmp_path / "stranger"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(stranger)], check=True, timeout=30)
+    key = str(two_hosts.folder / "id_ed25519")
+    options = {
+        "hosts": [two_hosts.second.target],
+        "ssh_args": [str(stranger) if a == key else a for a in two_hosts.ssh_args],
+    }
+    before = our_processes()
+    with pytest.raises(ClusterStartError) as info:
+        RankCluster(1, "torch", launcher="ssh", launcher_options=options).start()
+    assert str(info.value) == (
+        f"the ranks could not start: root@{two_hosts.second.address}: Permission denied (publickey); "
+        "nothing was left running"
+    )
+    assert our_processes() <= before

@@ -1,4 +1,5 @@
-"""ipyparallel's local engine launcher, recording how each engine exits.
+"""ipyparallel's engine launchers as the ranks use them: local engines record
+how they exit, SLURM's keeps what ``sbatch`` and ``scancel`` say.
 
 ipyparallel reaps an engine in a thread and hands its exit status to its
 event loop, which may never run it (the kernel's loop is busy running the
@@ -10,10 +11,13 @@ JupyterLab's extension). Importing this module imports ipyparallel.
 
 from __future__ import annotations
 
-import psutil
-from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
+import subprocess
+from typing import Any
 
-__all__ = ["ExitRecordingEngineLauncher", "ExitRecordingEngineSetLauncher"]
+import psutil
+from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher, SlurmEngineSetLauncher
+
+__all__ = ["ExitRecordingEngineLauncher", "ExitRecordingEngineSetLauncher", "ReasonedSlurmEngineSetLauncher"]
 
 
 class ExitRecordingProcess(psutil.Process):
@@ -41,3 +45,16 @@ class ExitRecordingEngineSetLauncher(LocalEngineSetLauncher):
     launcher_class = ExitRecordingEngineLauncher
     # What the cluster file names: ipyparallel's "module:Class" abbreviation does not import back.
     entrypoint_name = f"{__name__}.ExitRecordingEngineSetLauncher"
+
+
+class ReasonedSlurmEngineSetLauncher(SlurmEngineSetLauncher):
+    """ipyparallel's SLURM launcher, keeping what ``sbatch``/``scancel`` say on stderr (ipyparallel lets it
+    go to the kernel's terminal), so that a failing submit says why (:func:`~.processes.start_failure`)."""
+
+    entrypoint_name = f"{__name__}.ReasonedSlurmEngineSetLauncher"
+
+    def _run_command(self, command: list[str], **kwargs: Any) -> str:
+        proc = subprocess.run(command, capture_output=True, check=False, **kwargs)
+        if proc.returncode:
+            raise subprocess.CalledProcessError(proc.returncode, command, proc.stdout, proc.stderr)
+        return proc.stdout.decode("utf8", "replace")

@@ -9,14 +9,19 @@ process a cluster starts therefore watches its *owner* (the kernel) itself:
   ``"host:pid:start-time"`` (the start time tells the kernel from a later
   process that reuses its PID; the host keeps a process started on another
   machine by SLURM or ssh from mistaking a local PID for its kernel);
-* :func:`watch_owner` starts a daemon thread that waits for the owner to exit
-  (``pidfd_open`` where Linux has it: woken by the kernel's exit, no polling)
-  and then SIGKILLs this process and everything below it. SIGKILL, not
-  SIGTERM: a rank blocked in a collective never gets back to Python to
-  handle a signal;
+* :func:`watch_owner` waits for the owner to exit (``pidfd_open`` where Linux
+  has it: woken by the kernel's exit, no polling) and then SIGKILLs this
+  process and everything below it. SIGKILL, not SIGTERM: a rank blocked in a
+  collective never gets back to Python to handle a signal. The controller
+  and the engines are watched from *beside* them: a small process forked at
+  their start, before anything else is loaded, that needs nothing of the
+  watched interpreter (a rank in C code holding the GIL cannot starve it, as
+  it starved a thread inside the engine) and that goes with the process it
+  watches (``PR_SET_PDEATHSIG``). ipyparallel's nanny, also a process beside
+  each engine, is ipyparallel's own and is started only once the engine is up;
 * a process forked by a watched one (the controller's schedulers are forked
-  by :mod:`multiprocessing`) starts its own watch (:func:`os.register_at_fork`),
-  so it goes too when its parent was killed first;
+  by :mod:`multiprocessing`) starts its own watch, a thread
+  (:func:`os.register_at_fork`), so it goes too when its parent was killed first;
 * every process also carries its cluster's :data:`CLUSTER_ENV` token, so
   :func:`processes_of` finds all of them, even those whose parent died and
   that were re-parented (the controller's children after its main process
@@ -53,6 +58,7 @@ import time
 __all__ = [
     "OWNER_ENV",
     "CLUSTER_ENV",
+    "WATCHER_NAME",
     "owner_of_this_process",
     "watch_owner",
     "watched_command",
@@ -118,23 +124,55 @@ def _wait_for_exit(pid: int, created: float) -> None:
             os.close(fd)
 
 
-def _end_this_process_tree() -> None:
+def _end_process_tree(pid: int) -> None:
+    """SIGKILL ``pid`` (this process, unless its watcher's) and everything below it, but the caller."""
     import psutil
 
     try:
-        below = psutil.Process().children(recursive=True)
+        below = psutil.Process(pid).children(recursive=True)
     except psutil.Error:
         below = []
     for proc in below:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    os.kill(os.getpid(), signal.SIGKILL)
+        if proc.pid != os.getpid():
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
-def watch_owner(owner: str | None = None, then: str | None = None) -> bool:
+#: The name a watcher beside a process goes by (``ps -o comm``, ``psutil.Process.name()``).
+WATCHER_NAME = "vgpu-watch"
+
+
+def _watch_from_beside(pid: int, created: float) -> None:
+    """Fork a watcher of this process (named :data:`WATCHER_NAME`): it SIGKILLs this process and
+    everything below it when the owner exits, and is killed itself when this process exits
+    (``PR_SET_PDEATHSIG``)."""
+    watched = os.getpid()
+    if os.fork():
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: go with the watched process
+        libc.prctl(15, WATCHER_NAME.encode())  # PR_SET_NAME
+        # Nobody waits for this process's output: the watched one's pipes are not held open.
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        if os.getppid() == watched:  # else it is gone already
+            _wait_for_exit(pid, created)
+            _end_process_tree(watched)
+    finally:
+        os._exit(0)
+
+
+def watch_owner(owner: str | None = None, then: str | None = None, beside: bool = False) -> bool:
     """Start the watch: when ``owner`` (default: :data:`OWNER_ENV`) exits, run
     ``then`` (a shell command, if any), then SIGKILL this process and its
-    descendants.
+    descendants. The watch is a daemon thread, or with ``beside`` a process of its
+    own (:func:`_watch_from_beside`; call it before any thread starts).
 
     Returns whether a watch runs: not without an owner, nor where the owner
     lives on another host (its PID means nothing here).
@@ -145,13 +183,17 @@ def watch_owner(owner: str | None = None, then: str | None = None) -> bool:
     host, pid, created = _parse(owner)
     if host != socket.gethostname():
         return False
+    if beside and sys.platform.startswith("linux"):
+        _watch_from_beside(pid, created)
+        _watching.update(owner=owner, then="")
+        return True
     _watching.update(owner=owner, then=then or "")
 
     def watch() -> None:
         _wait_for_exit(pid, created)
         if then:
             subprocess.run(shlex.split(then), check=False, timeout=60)
-        _end_this_process_tree()
+        _end_process_tree(os.getpid())
 
     threading.Thread(target=watch, name=f"vgpu_magic-owner-watch({pid})", daemon=True).start()
     return True
@@ -217,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
         threading.Event().wait()
     if not argv:
         sys.exit("usage: python -m vgpu_magic.ranks.lifetime MODULE [ARGS...] | --then COMMAND")
-    watch_owner()
+    watch_owner(beside=True)
     module = argv[0]
     sys.argv = [module, *argv[1:]]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -58,6 +59,32 @@ class ClusterStartError(RuntimeError):
     """The cluster could not start or be wired; nothing it started is left running."""
 
 
+#: Seconds a start or stop under way may take to end after an interrupt, before it is left to itself.
+UNINTERRUPTED_LIMIT = 60.0
+
+
+def despite_interrupts(call: Any, limit: float = UNINTERRUPTED_LIMIT) -> Any:
+    """``call()`` run to its end even if the kernel is interrupted meanwhile (then the KeyboardInterrupt is
+    raised after it). A start that an interrupt abandons half-way goes on launching (in a kernel,
+    ipyparallel starts on a thread of its own), and what it launches after the stop is nobody's to end."""
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vgpu_magic-uninterrupted")
+    future = pool.submit(call)
+    pool.shutdown(wait=False)
+    interrupt, deadline = None, math.inf
+    while not future.done():
+        try:
+            concurrent.futures.wait([future], timeout=None if interrupt is None else deadline - time.monotonic())
+        except KeyboardInterrupt as exc:
+            interrupt, deadline = interrupt or exc, min(deadline, time.monotonic() + limit)
+        if time.monotonic() >= deadline:
+            break
+    if interrupt is not None:
+        raise interrupt
+    return future.result()
+
+
 #: Run on an SSH host at stop: wait for the engines (PIDs there) to exit, SIGKILL what
 #: survived, remove the cluster's folder, and say which PIDs are left.
 REMOTE_CLEANUP = (
@@ -69,20 +96,44 @@ REMOTE_CLEANUP = (
 )
 
 
-def ssh(location: str, args: tuple[str, ...], command: str) -> str | None:
-    """Run ``command`` on ``location`` over ssh; its stdout, or None if ssh failed."""
+def ssh(location: str, args: tuple[str, ...], command: str, timeout: float = REMOTE_STOP_TIMEOUT) -> tuple[bool, str]:
+    """Run ``command`` on ``location`` over ssh (never asking for a password): whether it ran, and its
+    stdout, or ssh's own reason why not (its last line on stderr: "Connection refused", ...)."""
     try:
         proc = subprocess.run(
-            ["ssh", *args, location, command],
+            ["ssh", "-o", "BatchMode=yes", *args, location, command],
             capture_output=True,
             text=True,
-            timeout=REMOTE_STOP_TIMEOUT,
+            timeout=timeout,
             stdin=subprocess.DEVNULL,
             check=False,
         )
     except subprocess.TimeoutExpired:
-        return None
-    return proc.stdout if proc.returncode == 0 else None
+        return False, f"ssh {location}: no answer within {timeout:g} s"
+    if proc.returncode == 0:
+        return True, proc.stdout
+    return False, _last_line(proc.stderr) or f"ssh {location} exited with status {proc.returncode}"
+
+
+def _last_line(text: str | bytes | None) -> str:
+    if isinstance(text, bytes):
+        text = text.decode("utf8", "replace")
+    return ([line.strip() for line in (text or "").splitlines() if line.strip()] or [""])[-1]
+
+
+def start_failure(exc: BaseException, plan: LauncherPlan) -> str:
+    """Why a start failed, in one line, in the launcher's own words where it gave them: a command's
+    reason on stderr (``sbatch: fatal: ...``), or, over SSH, ssh's reason for the first host it
+    cannot reach (ipyparallel only says "Unable to get remote shell information")."""
+    while exc is not None:
+        if isinstance(exc, subprocess.CalledProcessError) and _last_line(exc.stderr):
+            return _last_line(exc.stderr).rstrip(".")
+        exc = exc.__cause__ or exc.__context__
+    for location, args in plan.ssh_hosts:
+        reached, reason = ssh(location, ("-o", "ConnectTimeout=10", *args), "true", timeout=15)
+        if not reached:
+            return reason.rstrip(".")
+    return ""
 
 
 def wait_job_gone(job: str, timeout: float) -> bool:
@@ -181,8 +232,12 @@ def watched_config(token: str) -> Any:
 
 
 def engine_launcher(launcher: str) -> Any:
-    """The ipyparallel engine launcher for ``launcher``; local engines record how they exit
-    (:mod:`.engine_launcher`)."""
+    """The ipyparallel engine launcher for ``launcher``: local engines record how they exit, SLURM's keeps
+    what ``sbatch`` says (:mod:`.engine_launcher`)."""
+    if launcher == "slurm":
+        from .engine_launcher import ReasonedSlurmEngineSetLauncher
+
+        return ReasonedSlurmEngineSetLauncher
     if launcher != "local":
         return launcher
     from .engine_launcher import ExitRecordingEngineSetLauncher
@@ -279,7 +334,7 @@ def ssh_engines(cluster: Any, plan: LauncherPlan) -> list[tuple[str, int]]:
         (launcher.location, launcher.pid)
         for engine_set in cluster.engines.values()
         for launcher in getattr(engine_set, "launchers", {}).values()
-        if getattr(launcher, "pid", None)
+        if (getattr(launcher, "pid", None) or -1) > 0
     ]
 
 
@@ -368,6 +423,8 @@ def stop_launched(cluster: Any, plan: LauncherPlan, cluster_id: str) -> list[str
     # If this fails, local processes are gone already (the caller checked) and remote ones are checked below.
     with contextlib.suppress(Exception):
         cluster.stop_cluster_sync()
+    # Stopped here: ipyparallel's own stop at exit (or when the object goes) would only try again, noisily.
+    cluster.shutdown_atexit = False
     left = stop_remote(jobs, plan, engines)
     if plan.name == "slurm":
         with contextlib.suppress(FileNotFoundError):
@@ -390,9 +447,10 @@ def stop_remote(jobs: list[str], plan: LauncherPlan, engines: list[tuple[str, in
         remote_dir = plan.config["SSHEngineSetLauncher"]["remote_profile_dir"]
         for location, args in plan.ssh_hosts:
             pids = " ".join(str(pid) for where, pid in engines if where == location)
-            out = ssh(location, args, REMOTE_CLEANUP.format(pids=pids, folder=remote_dir))
-            if out is None or "left:" not in out or out.split("left:")[1].strip():
-                left.append(
-                    f"{location}: engines {out.split('left:')[1].strip() if out and 'left:' in out else '?'} left"
-                )
+            reached, out = ssh(location, args, REMOTE_CLEANUP.format(pids=pids, folder=remote_dir))
+            if not reached and pids:
+                left.append(f"{location}: engines {pids} may be left ({out})")
+            elif reached and out.partition("left:")[2].strip():
+                left.append(f"{location}: engines {out.partition('left:')[2].strip()} left")
+            # Not reached and no engine started there: nothing was left to end.
     return left

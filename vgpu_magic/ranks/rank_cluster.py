@@ -204,7 +204,7 @@ class RankCluster:
             if self.port is not None:
                 processes.check_port_free(self.port)
             self.cluster = self._new_cluster(ipp)
-            self.cluster.start_cluster_sync(n=self.n)
+            processes.despite_interrupts(lambda: self.cluster.start_cluster_sync(n=self.n))
             # Remembered at once, so that even engines that never register are stopped.
             self._remember_processes()
             processes.remove_files_when_kernel_dies(self.cluster, self._token)
@@ -231,13 +231,17 @@ class RankCluster:
             self._wire()
             self._warm()
         except BaseException as exc:
-            self.stop()
+            # The start's own error first; what the cleanup found after it, never instead of it.
+            try:
+                processes.despite_interrupts(self.stop)
+                left = "nothing was left running"
+            except RuntimeError as cleanup:
+                left = str(cleanup)
             if isinstance(exc, RankRunError):
-                raise ClusterStartError(
-                    f"wiring {self.label} failed: {exc.headline(state=False)}; nothing was left running"
-                ) from exc
+                raise ClusterStartError(f"wiring {self.label} failed: {exc.headline(state=False)}; {left}") from exc
             if isinstance(exc, Exception) and not isinstance(exc, ClusterStartError):
-                raise ClusterStartError(f"the ranks could not start: {type(exc).__name__}: {exc}") from exc
+                why = processes.start_failure(exc, self.launcher_plan) or f"{type(exc).__name__}: {exc}"
+                raise ClusterStartError(f"the ranks could not start: {why}; {left}") from exc
             raise
         atexit.register(self.stop)
         self._activate_px()
