@@ -19,6 +19,12 @@ Run by hand (``make bench``), never by the test suite::
 (c) ``dist.all_reduce`` of 64 MiB (float32) on 2 gloo ranks, as bus
     bandwidth in GB/s, next to memcpy bandwidth of the same 64 MiB
     (``torch`` ``copy_``) measured on a rank in the same run.
+(d) A script launch: ``%vgpu_run`` of a small DDP script (init, one
+    ``all_reduce``, destroy) on 2 ranks against ``torchrun --standalone
+    --nproc-per-node 2`` of the same script, interleaved ``--launches``
+    times (wall time of each, medians and the median of the paired
+    ratios); the first launch after ``start`` is reported on its own, and
+    launches back to back (the next spare still importing) too.
 
 Medians are reported. The ratios matter, not the absolute figures: this
 machine's cores are shared.
@@ -127,12 +133,63 @@ def allreduce() -> tuple[float, float]:
     return nbytes / reduce_s / 1e9, 2 * nbytes / copy_s / 1e9  # memcpy reads and writes each byte
 
 
+SMALL_DDP = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(4) * dist.get_rank()
+dist.all_reduce(t)
+dist.destroy_process_group()
+"""
+
+
+def launches(count: int) -> None:
+    import tempfile
+
+    from IPython.testing.globalipapp import get_ipython
+
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "vgpu_magic")
+    script = Path(tempfile.mkdtemp()) / "small_ddp.py"
+    script.write_text(SMALL_DDP)
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", str(script)]
+
+    def ours() -> float:
+        t = time.perf_counter()
+        ip.run_line_magic("vgpu_run", f"--no-plot {script}")
+        return time.perf_counter() - t
+
+    def theirs() -> float:
+        t = time.perf_counter()
+        subprocess.run(torchrun, check=True, capture_output=True, env=os.environ)
+        return time.perf_counter() - t
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        ip.run_line_magic("vgpu_cluster", "start 2 --framework torch")
+        first = ours()
+        pairs = [(theirs(), ours()) for _ in range(count)]
+        back_to_back = [ours() for _ in range(count)]
+        ip.run_line_magic("vgpu_cluster", "stop")
+    runs, ref = [p[1] for p in pairs], [p[0] for p in pairs]
+    ratio = statistics.median(o / t for t, o in pairs)
+    print(
+        f"(d) small DDP script on 2 ranks: %vgpu_run {statistics.median(runs):.2f} s, torchrun --standalone "
+        f"{statistics.median(ref):.2f} s ({ratio:.2f}x, median of {count} interleaved); first launch after start "
+        f"{first:.2f} s; back to back {statistics.median(back_to_back):.2f} s"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--frameworks", default="torch,tensorflow,jax")
     parser.add_argument("--starts", type=int, default=3, help="interleaved repeats of each start and bare import")
+    parser.add_argument("--launches", type=int, default=5, help="interleaved script launches, ours and torchrun's")
+    parser.add_argument("--parts", default="abcd", help="which of (a) to (d) to run")
     args = parser.parse_args()
+    if "d" in args.parts:
+        launches(args.launches)
+    if args.parts == "d":
+        return
     from vgpu_magic.ranks.processes import CONTROLLER_ARGS
 
     print(f"(a) cluster start vs one bare framework import (fresh interpreters), medians of {args.starts}")

@@ -7,18 +7,29 @@ resetting private state. Tests that start either are marked ``slow``.
 
 In-process magics run in IPython's test shell: the :func:`ip` fixture, with
 vgpu_magic loaded. Tests that start processes prove they leave none behind
-with :func:`our_processes` or the :func:`no_process_left_behind` fixture.
+with :func:`our_processes` or the :func:`no_process_left_behind` fixture. The
+session uses a throwaway IPython profile (``IPYTHONDIR``), never the user's.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from unittest import mock
+
+# A throwaway IPython profile for the whole session, never the user's: set before anything reads it (support's
+# CHILD_ENV, IPython), so the kernels, controllers and engines the tests start inherit it too.
+os.environ["IPYTHONDIR"] = tempfile.mkdtemp(prefix="vgpu-magic-tests-ipython-")
 
 import pytest
 
 from support import ARTIFACTS, last_json, our_processes, run_python
+
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(os.environ["IPYTHONDIR"], ignore_errors=True)
 
 
 @pytest.fixture

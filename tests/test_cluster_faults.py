@@ -83,11 +83,11 @@ def test_a_start_ssh_refuses_says_why_in_one_line(shell):
     from IPython.core.error import UsageError
 
     from vgpu_magic.ranks import rank_cluster
-    from vgpu_magic.ranks.processes import free_ports
+    from vgpu_magic.ranks.hosts import free_port
 
     if shutil.which("ssh") is None:
         pytest.skip("no ssh client (apt-get install openssh-client)")
-    port = free_ports(1)[0]  # nothing listens there: ssh's connection is refused
+    port = free_port()  # nothing listens there: ssh's connection is refused
     before = our_processes()
     with pytest.raises(UsageError) as info:
         shell.run_line_magic("vgpu_cluster", f"start 2 --framework torch --launcher ssh --hosts 127.0.0.1:{port}")

@@ -42,9 +42,12 @@ def quiet_run(ranks, code: str):
 
 
 def test_tensorflow_workers_match_plain_tf_config_processes(tmp_path):
-    from vgpu_magic.ranks.processes import free_ports
+    from vgpu_magic.ranks.hosts import free_port
 
-    workers = [f"localhost:{p}" for p in free_ports(2)]
+    ports = {free_port()}
+    while len(ports) < 2:
+        ports.add(free_port())
+    workers = [f"localhost:{p}" for p in sorted(ports)]
     procs = [
         subprocess.Popen(
             [sys.executable, str(SCRIPTS / "mwms_parity.py")],
@@ -87,3 +90,19 @@ def test_jax_two_processes_of_two_cpu_devices():
             " gathered.ravel().tolist())",
         )
     assert seen == [(0, 2, 2, 4, [10, 11]), (1, 2, 2, 4, [10, 11])]
+
+
+def test_a_jax_multi_process_script_runs_twice_in_a_row(tmp_path):
+    """Issue 22, defect 3: the second run of a script calling jax.distributed.initialize() failed ("must be
+    called before any JAX calls"): the ranks were the first run's processes. Each run is a launch now."""
+    script = SCRIPTS / "jax_processes.py"
+    with ranks_of("jax", 2, split=2) as ranks:
+        for run in range(2):
+            with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()):
+                ranks.run_script(str(script), ["--out", str(tmp_path / f"run{run}")])
+            assert sorted(line for line in out.getvalue().splitlines() if "process" in line) == [
+                "[rank 0] process 0 of 2",
+                "[rank 1] process 1 of 2",
+            ]
+            seen = [json.loads((tmp_path / f"run{run}.{p}").read_text()) for p in range(2)]
+            assert seen == [{"seen": [p, 2, 2, 4], "gathered": [0, 1, 10, 11]} for p in range(2)]

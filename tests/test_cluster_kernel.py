@@ -55,6 +55,15 @@ def test_ranks_from_a_real_kernel_interrupt_and_shutdown():
         assert "image/png" in final and final["text/plain"].startswith("memory · %%vgpu_run")
         assert "rank 0 RSS: now" in final["text/plain"] and "rank 1 RSS: now" in final["text/plain"]
 
+        # Issue 22, defect 5: what a rank displays reaches the notebook as itself, after a line naming its rank.
+        reply = kernel_run(
+            kc, "%%vgpu_run --no-plot\nfrom IPython.display import HTML, display\ndisplay(HTML('<b>x</b>'))"
+        )
+        shown = [m["content"] for m in reply if m["msg_type"] == "display_data"]
+        assert sorted(c["metadata"]["rank"] for c in shown) == [0, 1]
+        assert {c["data"]["text/html"] for c in shown} == {"<b>x</b>"}
+        assert sorted(kernel_stdout(reply).splitlines()) == ["[rank 0]", "[rank 1]"]
+
         sent: list[bool] = []
 
         def interrupt_once_running(msg: dict) -> None:

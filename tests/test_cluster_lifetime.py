@@ -48,6 +48,14 @@ def test_a_kernel_that_dies_without_atexit_takes_every_cluster_process_with_it(d
         family = "[os.getpid()] + [p.pid for p in psutil.Process().children(recursive=True)]"
         reply = kernel_run(kc, f"import json, os, psutil\nprint(json.dumps({family}))")
         kernel, *pids = json.loads(kernel_stdout(reply).strip().splitlines()[-1])
+        # Issue 22, defect 10: the cluster's file (which ipyparallel's tools list) and its logs go with it too.
+        reply = kernel_run(
+            kc,
+            "import glob, vgpu_magic\nc = vgpu_magic.cluster()\nprint(json.dumps("
+            "[c.cluster.cluster_file, *glob.glob(f'{c.cluster.profile_dir}/log/*{c.cluster_id}*')]))",
+        )
+        files = json.loads(kernel_stdout(reply).strip().splitlines()[-1])
+        assert len(files) >= 3 and all(os.path.exists(f) for f in files)
         # The controller (main and children), 2 engines and their 2 nannies.
         assert len(pids) >= 5
         if death == "SIGKILL":
@@ -56,6 +64,10 @@ def test_a_kernel_that_dies_without_atexit_takes_every_cluster_process_with_it(d
             kc.execute("import os; os.abort()")
         assert gone_within([kernel], 30) == []
         assert gone_within(pids, 15) == []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(os.path.exists(f) for f in files):
+            time.sleep(0.2)
+        assert [f for f in files if os.path.exists(f)] == []
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)

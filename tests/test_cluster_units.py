@@ -281,8 +281,14 @@ def test_status_names_each_ranks_host_when_they_run_on_several():
     assert lines[2] == (
         "each rank has its launcher's environment; your code calls jax.distributed.initialize(), as under its launcher"
     )
-    assert lines[3].startswith(f"  rank 0: pid {os.getpid()} on host0, alive")
-    assert lines[4].startswith(f"  rank 1: pid {os.getpid()} on host1, alive")
+    # The two modes, said plainly (issue 22).
+    assert lines[3] == "cells (%%vgpu_run): run in these ranks, which keep their state from cell to cell"
+    assert lines[4] == (
+        "scripts (%vgpu_run FILE): a fresh launch each run, new processes started by each rank's engine "
+        "(a spare waits with jax imported)"
+    )
+    assert lines[5].startswith(f"  rank 0: pid {os.getpid()} on host0, alive")
+    assert lines[6].startswith(f"  rank 1: pid {os.getpid()} on host1, alive")
 
 
 def test_split_refuses_torch_and_points_at_the_ranks():
@@ -404,8 +410,15 @@ def shell(ip):
         ("start 0 --framework torch", "rank count 0 is out of range; use 1..64"),
         ("start 2 --framework tf --split 2", "one CPU device per worker"),
         ("start 2 --framework torch --memory 1x", "'1x' is not a size"),
-        ("start 2 --framework torch --port 70000", "--port 70000 is not a TCP port"),
-        ("launch 2", "invalid choice: 'launch'"),
+        ("start 2 --framework torch --port 70000", r"--port 70000 is out of range; use 1\.\.65535"),
+        ("launch 2", "'launch' is not an action; use start, status, stop or restart"),
+        # Issue 22, defect 8: the shared grammar's numbers (int() took these: 1_0 started 10 ranks, +2 two).
+        ("start 1_0 --framework torch", r"rank count '1_0' is not a whole number; use 1\.\.64"),
+        ("start +2 --framework torch", r"rank count '\+2' is not a whole number"),
+        ("start 2 --framework jax --split 1_0", "--split '1_0' is not a whole number"),
+        ("start 2 --framework torch --port +29500", r"--port '\+29500' is not a whole number"),
+        ("start 2 --framework torch --launcher pbs", "--launcher 'pbs' is not a launcher; use local, mpi, slurm, ssh"),
+        ("start 2 --framwork torch", "unknown option '--framwork'; did you mean --framework?"),
         ("status 3", "'N 3' only goes with start"),
         ("restart", "no cluster to restart"),
     ],
@@ -418,9 +431,11 @@ def test_bad_cluster_lines_change_nothing(shell, line, match):
     ("line", "cell", "match"),
     [
         ("-o 1x", "1", "-o '1x' is not a Python name"),
-        ("--timeout -1", "1", "--timeout '-1' is not a positive number of seconds"),
-        ("--timeout nan", "1", "--timeout 'nan' is not a positive number of seconds"),
-        ("--timeout inf", "1", "--timeout 'inf' is not a positive number of seconds"),
+        ("--timeout -1", "1", "--timeout '-1' is not a number of seconds; use e.g. --timeout 600"),
+        ("--timeout nan", "1", "--timeout 'nan' is not a number of seconds"),
+        ("--timeout inf", "1", "--timeout 'inf' is not a number of seconds"),
+        ("--timeout 1_0", "1", "--timeout '1_0' is not a number of seconds"),
+        ("--timeout +5", "1", r"--timeout '\+5' is not a number of seconds"),
         ("", None, "say which script to run"),
         ("-o x train.py", None, "-o takes a cell's last value; a script has none"),
         ("train.py", "1", "%%vgpu_run runs its cell; to run a script use the line form"),
@@ -471,6 +486,27 @@ def test_rank_memory_feeds_the_monitors_one_trace_and_view():
     assert trace.kind == "%%vgpu_run" and trace.finished and len(trace) >= 2
     assert [s.label for s in trace.series] == ["rank 0 RSS"] and trace.latest(0)[0] > 10 * mib
     assert seen.calls[0] == "start" and seen.calls[-1] == "finish"
+
+
+def test_a_launchs_memory_is_its_engines_and_the_process_it_started():
+    """A script run's ranks are processes their engines started (issue 22): a rank's memory counts them."""
+    import os
+    import subprocess
+    import sys
+
+    from vgpu_magic.ranks.memory import RankMemorySampler
+
+    mib = 1024**2
+    code = "import sys, time\nx = bytearray(300 * 1024**2)\nprint('ready', flush=True)\ntime.sleep(60)"
+    launched = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert launched.stdout.readline().strip() == "ready"
+        cell, script = (RankMemorySampler([os.getpid()], gpu=False, launched=flag) for flag in (False, True))
+        (alone,), (with_child,) = cell.rss(), script.rss()
+        assert with_child - alone > 290 * mib
+    finally:
+        launched.kill()
+        launched.communicate()
 
 
 @pytest.mark.slow

@@ -12,7 +12,8 @@ import pytest
 from IPython.core.error import UsageError
 
 from support import refused_changing_nothing
-from vgpu_magic.ranks.launchers import plan_launcher, route_address, ssh_target
+from vgpu_magic.ranks.hosts import route_address
+from vgpu_magic.ranks.launchers import plan_launcher, ssh_target
 
 
 @pytest.fixture

@@ -120,6 +120,26 @@ def test_torch_ddp_ranks_are_tasks_of_one_slurm_job(slurm):
     assert "Partition=debug" in shown and "TimeLimit=00:07:00" in shown and "Comment=vgpu-test" in shown
 
 
+def test_a_ddp_script_runs_twice_from_the_jobs_tasks(slurm, tmp_path, monkeypatch):
+    """Issue 22: a script run is a launch under SLURM too: the job stays, its engines start new processes
+    each run (SLURM's variables theirs), and the second run resumes from the first one's snapshot."""
+    import json
+
+    scripts = Path(__file__).parent / "scripts"
+    for name in ("ddp_train.py", "ddp_settings.py"):
+        (tmp_path / name).write_text((scripts / name).read_text())
+    monkeypatch.chdir(tmp_path)
+    with slurm_ranks(slurm, "torch", 2) as ranks:
+        job = next(iter(ranks.cluster.engines.values())).job_id
+        for run, epochs in enumerate((4, 8)):
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                ranks.run_script("ddp_train.py", [str(epochs), "2", "--out", f"run{run}"], timeout=RUN_TIMEOUT)
+            found = [json.loads((tmp_path / f"run{run}.{r}").read_text()) for r in range(2)]
+            assert [f["resumed_at"] for f in found] == [(0, 4)[run]] * 2
+            assert found[0]["weights"] == found[1]["weights"]
+        assert slurm.squeue()[0].split()[0] == str(job)
+
+
 def test_tensorflow_multiworker_ranks_in_slurm(slurm):
     with slurm_ranks(slurm, "tensorflow", 2) as ranks:
         found = quiet_run(

@@ -47,6 +47,7 @@ __all__ = [
     "choice",
     "seconds",
     "parse_seconds",
+    "whole",
     "framework_name",
 ]
 
@@ -133,28 +134,49 @@ def choice(values: Sequence[str], refusal: str, example: str) -> Callable[[str],
     return one_of
 
 
-def parse_seconds(text: str, *, minimum: float = 0.001, maximum: float = 3600.0, option: str = "--interval") -> float:
+def parse_seconds(
+    text: str, *, minimum: float = 0.001, maximum: float = 3600.0, option: str = "--interval", example: str = "0.05"
+) -> float:
     """A positive, finite number of seconds in ``[minimum, maximum]`` written with
     ASCII digits (``0.05``, ``2``); raises :class:`PlanError` otherwise."""
     if not _DECIMAL.fullmatch(text.strip()):
-        raise PlanError(f"{option} {excerpt(text)} is not a number of seconds; use e.g. {option} 0.05")
+        raise PlanError(f"{option} {excerpt(text)} is not a number of seconds; use e.g. {option} {example}")
     value = float(text)
     if not (math.isfinite(value) and minimum <= value <= maximum):
         raise PlanError(f"{option} {excerpt(text)} is out of range; use {minimum:g} to {maximum:g} seconds")
     return value
 
 
-def seconds(option: str, minimum: float, maximum: float) -> Callable[[str], float]:
-    """A ``type=`` for :func:`parse_seconds`."""
+def seconds(option: str, minimum: float, maximum: float, example: str = "0.05") -> Callable[[str], float]:
+    """A ``type=`` for :func:`parse_seconds`; ``example``: a value that works."""
 
-    @_example(f"{option} 0.05")
+    @_example(f"{option} {example}")
     def number_of_seconds(text: str) -> float:
         try:
-            return parse_seconds(text, minimum=minimum, maximum=maximum, option=option)
+            return parse_seconds(text, minimum=minimum, maximum=maximum, option=option, example=example)
         except PlanError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return number_of_seconds
+
+
+def whole(subject: str, minimum: int, maximum: int, example: str) -> Callable[[str], int]:
+    """A ``type=`` for a whole number in ``[minimum, maximum]`` written with ASCII digits
+    (``"+2"`` and ``"1_0"`` are refused, as ``int()`` would take them); ``example``: a line that works."""
+
+    @_example(example)
+    def whole_number(text: str) -> int:
+        _refuse_negative(text, subject, f"use {minimum}..{maximum}, e.g. {example}")
+        value = parse_whole_number(text)
+        if value is None:
+            raise argparse.ArgumentTypeError(
+                f"{subject} {excerpt(text)} is not a whole number; use {minimum}..{maximum}, e.g. {example}"
+            )
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"{subject} {_short(text)} is out of range; use {minimum}..{maximum}")
+        return value
+
+    return whole_number
 
 
 def _short(word: str) -> str:

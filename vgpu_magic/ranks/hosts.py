@@ -39,7 +39,9 @@ __all__ = [
     "predicted_layout",
     "expand_hostlist",
     "expand_tasks_per_node",
+    "free_port",
     "prepare_rank",
+    "route_address",
 ]
 
 #: Variables a launcher sets that tell a process its place; reported as they are.
@@ -84,28 +86,33 @@ def predicted_layout(n: int, gpus: tuple[GPUInfo, ...] | None = None) -> RankLay
     return layout_ranks([HostReport(e, host, "127.0.0.1", 0, seen, 0, nccl=nccl) for e in range(n)], gpus)
 
 
-def _reachable_address(toward: str) -> str:
-    """The local address of a UDP socket "connected" toward ``toward``: the
-    interface the other hosts reach this one on (no packet is sent)."""
+def route_address(toward: str) -> str:
+    """This host's address on the route to ``toward`` (a host name or address, ``user@`` stripped): the
+    address hosts there reach this one at; loopback when ``toward`` is. A UDP ``connect`` only consults
+    the routing table (no packet is sent). :class:`ValueError` in one line when the name does not resolve."""
     import socket
 
-    if toward in ("", "*", "0.0.0.0", "localhost") or toward.startswith("127."):
+    name = toward.rpartition("@")[2]
+    if name in ("", "*", "0.0.0.0", "localhost") or name.startswith("127."):
         return "127.0.0.1"
-    family = socket.AF_INET6 if ":" in toward else socket.AF_INET
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(name, 9, proto=socket.IPPROTO_UDP)[0]
+    except OSError as exc:
+        raise ValueError(f"host {name!r} does not resolve ({exc.strerror}); give its address or fix its name") from None
     with socket.socket(family, socket.SOCK_DGRAM) as sock:
         try:
-            sock.connect((toward, 9))
+            sock.connect(sockaddr)
             return sock.getsockname()[0]
         except OSError:
             return socket.gethostbyname(socket.gethostname())
 
 
-def _free_port(address: str) -> int:
-    """A free TCP port on this host, chosen by the OS."""
+def free_port(address: str = "") -> int:
+    """A free TCP port on this host, chosen by the OS (bound on every interface: free whichever address
+    binds it; ``address`` only says IPv4 or IPv6)."""
     import socket
 
     with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # Every interface: the port is then free whichever address the framework binds.
         sock.bind(("", 0))
         return sock.getsockname()[1]
 
@@ -119,14 +126,14 @@ def report_host(engine_id: int, controller: str) -> HostReport:
     import os
     import socket
 
-    address = _reachable_address(controller)
+    address = route_address(controller)
     return HostReport(
         engine_id=engine_id,
         hostname=socket.gethostname(),
         address=address,
         pid=os.getpid(),
         gpus=visible_gpus(),
-        port=_free_port(address),
+        port=free_port(address),
         launcher={name: os.environ[name] for name in LAUNCHER_VARIABLES if name in os.environ},
         nccl=nccl_version(),
     )

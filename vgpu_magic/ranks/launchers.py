@@ -40,7 +40,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["LAUNCHERS", "LauncherPlan", "plan_launcher", "route_address", "ssh_target"]
+from .hosts import route_address
+
+__all__ = ["LAUNCHERS", "MAX_RANKS", "LauncherPlan", "plan_launcher", "route_address", "ssh_target"]
+
+#: The most ranks a cluster has.
+MAX_RANKS = 64
 
 #: Launcher name -> the options it accepts.
 LAUNCHERS: dict[str, tuple[str, ...]] = {
@@ -208,7 +213,10 @@ def _plan_ssh(n: int, options: dict[str, Any], cluster_id: str) -> LauncherPlan:
         args = ssh_args + (["-p", port] if port else [])
         targets.append((location, tuple(args)))
         engines[location] = {"n": count, "ssh_args": args, "scp_args": ["-P" if a == "-p" else a for a in args]}
-    address = options.get("controller_address") or route_address(targets[0][0])
+    try:
+        address = options.get("controller_address") or route_address(targets[0][0])
+    except ValueError as exc:
+        raise ValueError(f"ssh {exc}") from None
     config = {
         "SSHEngineSetLauncher": {
             "engines": engines,
@@ -228,22 +236,6 @@ def ssh_target(host: str) -> tuple[str, str | None]:
     """``"user@node:2222"`` -> ``("user@node", "2222")``; the port is None when not given."""
     location, _, port = host.partition(":")
     return location, port or None
-
-
-def route_address(host: str) -> str:
-    """This host's address on the route to ``host`` (``user@`` stripped): the
-    address engines there reach us at. A UDP ``connect`` only consults the
-    routing table; no packet is sent."""
-    name = host.rpartition("@")[2]
-    try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(name, 22, proto=socket.IPPROTO_UDP)[0]
-    except OSError as exc:
-        raise ValueError(
-            f"ssh host {name!r} does not resolve ({exc.strerror}); give its address or fix its name"
-        ) from None
-    with socket.socket(family, socket.SOCK_DGRAM) as sock:
-        sock.connect(sockaddr)
-        return sock.getsockname()[0]
 
 
 def _strings(key: str, value: Any) -> list[str]:

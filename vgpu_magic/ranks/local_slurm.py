@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .hosts import free_port
+
 __all__ = ["LocalSlurm", "SlurmNode", "missing_commands"]
 
 #: The commands a local cluster needs (Debian: apt-get install slurm-wlm munge).
@@ -49,12 +51,6 @@ def missing_commands() -> list[str]:
     """The commands :class:`LocalSlurm` needs that are not on PATH (or in /usr/sbin)."""
     path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
     return [name for name in COMMANDS if shutil.which(name, path=path) is None]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -250,8 +246,8 @@ class LocalSlurm:
         lines = [
             "ClusterName=vgpu",
             f"SlurmctldHost={host}({self.address})",
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
+            f"SlurmctldPort={free_port()}",
+            f"SlurmdPort={free_port()}",
             "SlurmUser=root",
             "SlurmdUser=root",
             f"AuthInfo=socket={self.munge_socket}",

@@ -29,20 +29,26 @@ anything starts.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
+from ..errors import PlanError
 from ..frameworks import choices
+from ..grammar import choice, framework_name, parse_arguments, seconds, whole
+from ..planner import MAX_DEVICES
+from .launchers import LAUNCHERS, MAX_RANKS
 
 __all__ = ["ClusterMagics"]
 
 _ACTIONS = ("start", "status", "stop", "restart")
+_START = "%vgpu_cluster start 2 --framework torch"
+#: Seconds ``--timeout`` accepts: up to a week of training.
+_MAX_TIMEOUT = 7 * 24 * 3600.0
 
 
 def _rich_frontend(shell) -> bool:
@@ -50,22 +56,40 @@ def _rich_frontend(shell) -> bool:
     return getattr(shell, "kernel", None) is not None
 
 
+def _parse(magic: Any, line: str, example: str) -> argparse.Namespace:
+    """``line`` read by ``magic``'s parser with the shared grammar (:func:`~vgpu_magic.grammar.parse_arguments`)."""
+    try:
+        return parse_arguments(magic.parser, line, example=example)
+    except PlanError as exc:
+        raise UsageError(str(exc)) from None
+
+
 @magics_class
 class ClusterMagics(Magics):
     """``%vgpu_cluster`` and ``%%vgpu_run``."""
 
     @magic_arguments()
-    @argument("action", choices=_ACTIONS, help="start N ranks, show their status, stop or restart them")
-    @argument("n", nargs="?", type=int, help="number of ranks (start only)")
-    @argument("--framework", "-f", help=f"{choices()}: how the ranks are wired")
     @argument(
-        "--split", type=int, help="TensorFlow on GPU: logical GPUs per worker; JAX on CPU: CPU devices per process"
+        "action",
+        type=choice(_ACTIONS, "{value} is not an action; use start, status, stop or restart", _START),
+        help="start N ranks, show their status, stop or restart them",
+    )
+    @argument("n", nargs="?", type=whole("rank count", 1, MAX_RANKS, _START), help="number of ranks (start only)")
+    @argument("--framework", "-f", type=framework_name, help=f"{choices()}: how the ranks are wired")
+    @argument(
+        "--split",
+        type=whole("--split", 1, MAX_DEVICES, "--split 2"),
+        help="TensorFlow on GPU: logical GPUs per worker; JAX on CPU: CPU devices per process",
     )
     @argument("--memory", help="per-rank GPU memory cap (2048 = MiB, 2GB, 1.5G); default an even share")
-    @argument("--port", type=int, help="coordinator port (default: a free port from the OS)")
+    @argument(
+        "--port",
+        type=whole("--port", 1, 65535, "--port 29500"),
+        help="coordinator port (default: a free port from the OS)",
+    )
     @argument(
         "--launcher",
-        choices=("local", "mpi", "slurm", "ssh"),
+        type=choice(LAUNCHERS, "--launcher {value} is not a launcher; use " + ", ".join(LAUNCHERS), "--launcher ssh"),
         help="how ipyparallel starts the engines: local processes (default), one mpiexec job, "
         "one SLURM job (sbatch + srun) or over SSH on --hosts",
     )
@@ -102,7 +126,7 @@ class ClusterMagics(Magics):
             %vgpu_cluster restart
             %vgpu_cluster stop
         """
-        args = parse_argstring(self.vgpu_cluster, line)
+        args = _parse(self.vgpu_cluster, line, _START)
         from . import rank_cluster
 
         options = _launcher_options(args)
@@ -133,7 +157,11 @@ class ClusterMagics(Magics):
     @argument(
         "-o", "--output", metavar="NAME", help="store the cell's last value on each rank as NAME, a list in rank order"
     )
-    @argument("--timeout", help="seconds the run may take before every rank is interrupted")
+    @argument(
+        "--timeout",
+        type=seconds("--timeout", 0.001, _MAX_TIMEOUT, "600"),
+        help="seconds the run may take before every rank is interrupted",
+    )
     @argument("--no-plot", action="store_true", help="no live per-rank memory plot")
     @argument("script", nargs="?", help="line form: a script to run on every rank, as torchrun runs it")
     @argument("script_args", nargs=argparse.REMAINDER, help="line form: the script's own arguments (its sys.argv[1:])")
@@ -155,10 +183,10 @@ class ClusterMagics(Magics):
         ``__name__`` is ``"__main__"``, the script's folder is first on
         ``sys.path``, and it runs in a namespace of its own.
         """
-        args = parse_argstring(self.vgpu_run, line)
+        args = _parse(self.vgpu_run, line, "%vgpu_run train.py --epochs 2")
         if args.output is not None and not args.output.isidentifier():
             raise UsageError(f"-o {args.output!r} is not a Python name; use e.g. -o results")
-        timeout = _timeout(args.timeout)
+        timeout = args.timeout
         if cell is None:
             path = _script_path(args)
         elif args.script is not None:
@@ -201,15 +229,8 @@ class ClusterMagics(Magics):
                 running.stop()
 
 
-#: Magic flag -> launcher option, and the launchers that take it.
-_LAUNCHER_FLAGS = {
-    "partition": ("slurm",),
-    "account": ("slurm",),
-    "time": ("slurm",),
-    "sbatch": ("slurm",),
-    "hosts": ("ssh",),
-    "controller_address": ("slurm", "ssh"),
-}
+#: The launcher options the magic has a flag for (``--controller-address`` for ``controller_address``).
+_LAUNCHER_FLAGS = ("partition", "account", "time", "sbatch", "hosts", "controller_address")
 
 
 def _launcher_options(args) -> dict:
@@ -217,9 +238,10 @@ def _launcher_options(args) -> dict:
     options = {key: getattr(args, key) for key in _LAUNCHER_FLAGS if getattr(args, key) is not None}
     launcher = args.launcher or "local"
     for key in options:
-        if args.action == "start" and launcher not in _LAUNCHER_FLAGS[key]:
+        if args.action == "start" and key not in LAUNCHERS[launcher]:
+            takes = [name for name, accepted in LAUNCHERS.items() if key in accepted]
             flag = f"--{key.replace('_', '-')}"
-            raise UsageError(f"{flag} goes with --launcher {' or '.join(_LAUNCHER_FLAGS[key])}, not {launcher}")
+            raise UsageError(f"{flag} goes with --launcher {' or '.join(takes)}, not {launcher}")
     return options
 
 
@@ -282,19 +304,6 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
     except rank_cluster.ClusterStartError as exc:
         raise UsageError(str(exc)) from None
     print("\n".join(ranks.describe()))
-
-
-def _timeout(given: str | None) -> float | None:
-    """``--timeout`` in seconds; :class:`UsageError` quoting it unless a positive number."""
-    if given is None:
-        return None
-    try:
-        timeout = float(given)
-    except ValueError:
-        timeout = math.nan
-    if not (math.isfinite(timeout) and timeout > 0):
-        raise UsageError(f"--timeout {given!r} is not a positive number of seconds; use e.g. --timeout 60")
-    return timeout
 
 
 def _script_path(args: Any) -> str:

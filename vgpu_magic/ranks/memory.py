@@ -31,8 +31,11 @@ class RankMemorySampler:
     gone reads 0.
     """
 
-    def __init__(self, pids: list[int | None], gpu: bool) -> None:
+    def __init__(self, pids: list[int | None], gpu: bool, launched: bool = False) -> None:
         import psutil
+
+        #: A script run (:mod:`.launch`): a rank's memory is its engine's and the processes it started.
+        self.launched = launched
 
         #: The ranks read here: those with a PID on this host (``None``: a rank on another host).
         self.ranks = [rank for rank, pid in enumerate(pids) if pid is not None]
@@ -54,16 +57,29 @@ class RankMemorySampler:
         self.devices: tuple[str, ...] = ()
         self._peaks = [0] * len(self.series)
 
+    def _family(self, proc: Any) -> list[Any]:
+        """The rank's process and, for a launch, what it started."""
+        import psutil
+
+        try:
+            return [proc, *(proc.children(recursive=True) if self.launched else ())]
+        except psutil.Error:
+            return [proc]
+
     def rss(self) -> list[int | None]:
         import psutil
 
         values: list[int | None] = []
         for proc in self._procs:
             try:
-                values.append(proc.memory_info().rss if proc is not None else None)
+                values.append(None if proc is None else proc.memory_info().rss)
             except psutil.Error:
                 # The rank died or its /proc entry went away between two samples.
                 values.append(None)
+                continue
+            for child in self._family(proc)[1:] if proc is not None else ():
+                with contextlib.suppress(psutil.Error):
+                    values[-1] += child.memory_info().rss
         return values
 
     def gpu(self) -> list[int | None]:
@@ -77,7 +93,7 @@ class RankMemorySampler:
                     used[info.pid] = used.get(info.pid, 0) + int(info.usedGpuMemory or 0)
             except self._nvml.NVMLError:
                 continue
-        return [used.get(p.pid, 0) if p is not None else None for p in self._procs]
+        return [sum(used.get(q.pid, 0) for q in self._family(p)) if p is not None else None for p in self._procs]
 
     def read(self) -> list[tuple[int, int]]:
         """``(current, peak)`` per series: GPU per rank (where a GPU exists), then RSS per rank."""
@@ -107,12 +123,18 @@ class RankMonitor:
     """
 
     def __init__(
-        self, pids: list[int | None], gpu: bool, live: bool, interval: float = 0.2, view: Any = None
+        self,
+        pids: list[int | None],
+        gpu: bool,
+        live: bool,
+        interval: float = 0.2,
+        view: Any = None,
+        launched: bool = False,
     ) -> None:
         from ..monitor.recorder import MemoryRecorder
         from ..monitor.views import NullView
 
-        self.sampler = RankMemorySampler(pids, gpu)
+        self.sampler = RankMemorySampler(pids, gpu, launched)
         if not self.sampler.series:  # every rank on another host: nothing to show from here
             view = None
         elif view is None and live:

@@ -4,9 +4,8 @@
 AST walk, :class:`_ReadsBeforeWrites`), :func:`pack_names` cloudpickles each
 on its own, :func:`names_written` says which names a cell may bind on the
 ranks (rank state, never overwritten from the notebook). Also the code a rank
-runs: the cell with its last value kept (:func:`split_last_expression`) and a
-script run as ``python path ARGS`` runs it (:func:`script_code`). And the
-traffic itself: :func:`send_names` binds the names on the ranks,
+runs: the cell with its last value kept (:func:`split_last_expression`). And
+the traffic itself: :func:`send_names` binds the names on the ranks,
 :func:`pull_values` brings each rank's last value back, :func:`names_on_ranks`
 asks which names exist there.
 """
@@ -15,7 +14,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import os
 from typing import Any
 
 __all__ = [
@@ -26,7 +24,6 @@ __all__ = [
     "names_written",
     "pack_names",
     "pull_values",
-    "script_code",
     "send_names",
     "split_last_expression",
 ]
@@ -254,35 +251,6 @@ def split_last_expression(code: str, target: str) -> str:
     else:
         tree.body.append(ast.Assign(targets=[ast.Name(id=target, ctx=ast.Store())], value=ast.Constant(None)))
     return ast.unparse(ast.fix_missing_locations(tree))
-
-
-def script_code(path: str, args: list[str]) -> str:
-    """Code that runs the script ``path`` on a rank as ``python path ARGS`` would
-    (``sys.argv``, ``__name__ == "__main__"``, its folder first on ``sys.path``, a
-    namespace of its own), then puts the engine's ``sys.argv`` and ``sys.path``
-    back, and collects the script's garbage. ``sys.exit(0)`` (argparse's ``--help``) ends it quietly;
-    another status is a failure."""
-    folder = os.path.dirname(path)
-    return (
-        "import runpy as _vgpu_runpy, sys as _vgpu_sys\n"
-        "_vgpu_saved = (_vgpu_sys.argv, list(_vgpu_sys.path))\n"
-        f"_vgpu_sys.argv = {[path, *args]!r}\n"
-        f"_vgpu_sys.path.insert(0, {folder!r})\n"
-        "try:\n"
-        f"    _vgpu_runpy.run_path({path!r}, run_name='__main__')\n"
-        "except SystemExit as _vgpu_exit:\n"
-        "    if _vgpu_exit.code not in (0, None):\n"
-        # IPython takes a SystemExit for "quit the shell" and only warns; the run must fail instead.
-        "        class ScriptExited(Exception):\n"
-        "            pass\n"
-        f"        raise ScriptExited({os.path.basename(path)!r} "
-        "+ f' exited with status {_vgpu_exit.code}') from None\n"
-        "finally:\n"
-        "    _vgpu_sys.argv, _vgpu_sys.path[:] = _vgpu_saved\n"
-        "    del _vgpu_runpy, _vgpu_sys, _vgpu_saved\n"
-        # The script's objects (a model, its data) go now, as they go with its process under torchrun.
-        "    import gc as _vgpu_gc; _vgpu_gc.collect(); del _vgpu_gc\n"
-    )
 
 
 #: Run on the ranks: bind each pushed name, stopping at the first that cannot be unpickled there.

@@ -31,7 +31,6 @@ __all__ = [
     "ClusterStartError",
     "check_memory_fits",
     "check_port_free",
-    "free_ports",
     "new_ipp_cluster",
     "rank_footprint",
     "signal_engine",
@@ -84,20 +83,6 @@ def despite_interrupts(call: Any, limit: float = UNINTERRUPTED_LIMIT) -> Any:
     if interrupt is not None:
         raise interrupt
     return future.result()
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free loopback ports, chosen by the OS (bind to port 0)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 #: Run on an SSH host at stop: wait for the engines (PIDs there) to exit, SIGKILL what
@@ -247,51 +232,35 @@ def watched_config(token: str) -> Any:
 
 
 def engine_launcher(launcher: str) -> Any:
-    """The ipyparallel engine launcher for ``launcher``; local engines record how they exit.
-
-    ipyparallel's launcher reaps an engine in a thread and hands its exit status to
-    its event loop, which may never run it (the kernel's loop is busy running the cell
-    that watches the ranks): without this, a dead rank's status is lost.
-    """
+    """The ipyparallel engine launcher for ``launcher``: local engines record how they exit, SLURM's keeps
+    what ``sbatch`` says (:mod:`.engine_launcher`)."""
     if launcher == "slurm":
-        return _slurm_engine_launcher()
+        from .engine_launcher import ReasonedSlurmEngineSetLauncher
+
+        return ReasonedSlurmEngineSetLauncher
     if launcher != "local":
         return launcher
-    import psutil
-    from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
-
-    class ExitRecordingProcess(psutil.Process):
-        exit_code: int | None = None
-
-        def wait(self, timeout: float | None = None) -> int | None:
-            code = super().wait(timeout)
-            self.exit_code = code
-            return code
-
-    class ExitRecordingEngineLauncher(LocalEngineLauncher):
-        def _start_waiting(self) -> None:
-            self.process = ExitRecordingProcess(self.process.pid)
-            super()._start_waiting()
-
-    class ExitRecordingEngineSetLauncher(LocalEngineSetLauncher):
-        launcher_class = ExitRecordingEngineLauncher
+    from .engine_launcher import ExitRecordingEngineSetLauncher
 
     return ExitRecordingEngineSetLauncher
 
 
-def _slurm_engine_launcher() -> Any:
-    """ipyparallel's SLURM launcher, keeping what ``sbatch``/``scancel`` say on stderr (ipyparallel lets it
-    go to the kernel's terminal), so that a failing submit says why (:func:`start_failure`)."""
-    from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
+class _CellStderr(logging.StreamHandler):
+    """Writes to ``sys.stderr`` as it is at each record (the stderr of the cell running then)."""
 
-    class ReasonedSlurmEngineSetLauncher(SlurmEngineSetLauncher):
-        def _run_command(self, command: list[str], **kwargs: Any) -> str:
-            proc = subprocess.run(command, capture_output=True, check=False, **kwargs)
-            if proc.returncode:
-                raise subprocess.CalledProcessError(proc.returncode, command, proc.stdout, proc.stderr)
-            return proc.stdout.decode("utf8", "replace")
+    stream = property(lambda self: sys.stderr, lambda self, value: None)
 
-    return ReasonedSlurmEngineSetLauncher
+
+def _ipp_log() -> logging.Logger:
+    """The clusters' own logger (not the kernel application's): errors only, to the cell's stderr, except
+    ipyparallel's "Failed to remove <log>: No such file" (two of its stops racing to remove one file)."""
+    log = logging.getLogger("vgpu_magic.ranks.ipyparallel")
+    if not log.handlers:
+        log.setLevel(logging.ERROR)
+        log.propagate = False
+        log.addHandler(_CellStderr())
+        log.addFilter(lambda record: not str(record.msg).startswith("Failed to remove"))
+    return log
 
 
 def new_ipp_cluster(ipp: Any, plan: LauncherPlan, n: int, cluster_id: str, token: str) -> Any:
@@ -313,6 +282,7 @@ def new_ipp_cluster(ipp: Any, plan: LauncherPlan, n: int, cluster_id: str, token
         n=n,
         engines=engine_launcher(plan.engines),
         cluster_id=cluster_id,
+        log=_ipp_log(),
         log_level=logging.ERROR,
         controller_args=list(CONTROLLER_ARGS),
         config=config,
@@ -384,6 +354,20 @@ def watch_remote(jobs: list[str], plan: LauncherPlan, engines: list[tuple[str, i
             commands.append(shlex.join(["ssh", *args, location, cleanup]))
     for command in commands:
         lifetime.run_when_this_process_dies(command, token)
+
+
+#: Run when the kernel dies without a stop: remove what matches each argument (a glob).
+_REMOVE = "import glob, os, sys; [os.remove(p) for pattern in sys.argv[1:] for p in glob.glob(pattern)]"
+
+
+def remove_files_when_kernel_dies(cluster: Any, token: str) -> None:
+    """The cluster's file (which ipyparallel's tools list) and its processes' logs in the profile go
+    when the kernel dies without a stop, as its processes go (:mod:`.lifetime`); a stop removes them itself."""
+    import shlex
+
+    logs = os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*")
+    command = shlex.join([sys.executable, "-c", _REMOVE, cluster.cluster_file, logs])
+    lifetime.run_when_this_process_dies(command, token)
 
 
 def processes_started(owned: set[int], token: str, started_at: float) -> list[Any]:

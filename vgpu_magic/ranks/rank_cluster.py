@@ -29,9 +29,9 @@ from .. import frameworks
 from ..frameworks.base import RankPlan
 from ..inventory import GPUInfo
 from ..units import MIB
-from . import names, processes
+from . import launch, names, processes
 from .hosts import HostReport, RankLayout, layout_ranks, on_this_host, predicted_layout, prepare_rank, report_host
-from .launchers import LAUNCHERS, LauncherPlan, plan_launcher
+from .launchers import LAUNCHERS, MAX_RANKS, LauncherPlan, plan_launcher
 from .processes import ClusterStartError
 from .run import RankProcesses, RankRun, RankRunError
 from .status import RankInfo, cluster_lines, rank_infos
@@ -42,6 +42,8 @@ __all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current
 ENGINE_TIMEOUT = 120.0
 #: Seconds the wiring (process group / coordinator rendezvous) may take.
 SETUP_TIMEOUT = 120.0
+#: Seconds a start waits for the spares (:mod:`.launch`) to import the framework.
+SPARE_TIMEOUT = 120.0
 _current: RankCluster | None = None
 _lock = threading.Lock()
 
@@ -67,7 +69,7 @@ class RankCluster:
     Parameters
     ----------
     n:
-        Number of ranks (1..64).
+        Number of ranks (1..:data:`~.launchers.MAX_RANKS`).
     framework:
         A name in :data:`vgpu_magic.frameworks.REGISTRY` (or an alias):
         ``"torch"``, ``"tensorflow"`` (``"tf"``), ``"jax"``.
@@ -123,8 +125,8 @@ class RankCluster:
         launcher_options: dict[str, Any] | None = None,
         join: bool = False,
     ) -> None:
-        if not isinstance(n, int) or not 1 <= n <= 64:
-            raise ValueError(f"rank count {n!r} is out of range; use 1..64")
+        if not isinstance(n, int) or not 1 <= n <= MAX_RANKS:
+            raise ValueError(f"rank count {n!r} is out of range; use 1..{MAX_RANKS}")
         if port is not None and not 1 <= port <= 65535:
             raise ValueError(f"--port {port} is not a TCP port; use 1..65535, or leave it out for a free one")
         self.fw = frameworks.get(framework)
@@ -205,6 +207,7 @@ class RankCluster:
             processes.despite_interrupts(lambda: self.cluster.start_cluster_sync(n=self.n))
             # Remembered at once, so that even engines that never register are stopped.
             self._remember_processes()
+            processes.remove_files_when_kernel_dies(self.cluster, self._token)
             # Engines on other hosts end when the kernel dies without a stop.
             processes.watch_remote(
                 processes.batch_jobs(self.cluster), self.launcher_plan,
@@ -226,6 +229,7 @@ class RankCluster:
             self.view.block = True
             self.plans = self.fw.plan_ranks(self.layout, self.split, self.memory_mib, self.port)
             self._wire()
+            self._warm()
         except BaseException as exc:
             # The start's own error first; what the cleanup found after it, never instead of it.
             try:
@@ -370,8 +374,7 @@ class RankCluster:
         def submit(rank: int) -> Any:
             return self.client[self.engine_ids[rank]].execute(code, silent=False, block=False)
 
-        gpu = self.layout is not None and any(p.gpu for p in self.layout.places)
-        runner = RankRun(self._processes(), submit, timeout=timeout, plot=plot, gpu=gpu)
+        runner = RankRun(self._processes(), submit, timeout=timeout, plot=plot, gpu=self._gpu())
         results = self._watch(runner, names.names_written(code))
         if output:
             return names.pull_values(self.view, [self.client[e] for e in self.engine_ids])
@@ -382,6 +385,9 @@ class RankCluster:
             if shown is not None:
                 print(f"[rank {rank}] Out: {shown}")
         return None
+
+    def _gpu(self) -> bool:
+        return self.layout is not None and any(p.gpu for p in self.layout.places)
 
     def _watch(self, runner: RankRun, candidates: set[str]) -> list[Any]:
         """Run ``runner`` to its end; mark the cluster for a restart where ranks died or had
@@ -399,23 +405,38 @@ class RankCluster:
     def run_script(
         self, path: str, args: list[str] | tuple[str, ...] = (), timeout: float | None = None, plot: bool = False
     ) -> None:
-        """Run the script ``path`` with ``args`` on every rank, as ``torchrun ...
-        path ARGS`` runs it (:func:`~.names.script_code`), under the same fault
-        policy as :meth:`run`.
-
-        Each run is a fresh launch, as each ``torchrun`` is: the ranks get new
-        coordinator ports (and torch a new run id) first. A process group the
-        previous run destroyed can still hold its TCP store open (measured with
-        a DDP model, torch 2.14), and a new ``init_process_group`` on the old
-        port would meet that stale store.
+        """Launch the script ``path`` with ``args`` on every rank, as ``torchrun ...
+        path ARGS`` does (:mod:`.launch`): new processes, started by each rank's
+        engine in this kernel's current folder, under the same fault policy as
+        :meth:`run`. Each launch gets fresh coordinator ports (and torch a new
+        run id), as each ``torchrun`` does.
         """
         self._require_running()
         self.hosts = self._read_hosts(self.engine_ids)
         self.layout = layout_ranks(self.hosts, self.given_gpus)
         self.plans = self.fw.plan_ranks(self.layout, self.split, self.memory_mib, self.port)
-        for place, plan in zip(self.layout.places, self.plans):
-            self.client[place.engine_id].apply_sync(prepare_rank, plan.env, "", ())
-        self.run(names.script_code(os.path.abspath(path), list(args)), timeout=timeout, plot=plot)
+        where, preload = (os.path.abspath(path), list(args), os.getcwd()), self._preload()
+        requests = [launch.launch_request(plan, *where, preload) for plan in self.plans]
+
+        def submit(rank: int) -> Any:
+            return self.client[self.engine_ids[rank]].apply_async(launch.run_rank, requests[rank])
+
+        self._watch(RankRun(self._processes(), submit, timeout, plot, self._gpu(), launched=True), set())
+
+    def _preload(self) -> list[str]:
+        """What a spare imports before its launch: the framework, and its rank setup's module."""
+        setups = {plan.setup.partition(":")[0] for plan in self.plans if plan.setup}
+        return [self.fw.module, *sorted(setups)]
+
+    def _warm(self) -> None:
+        """A spare on every engine, its imports done (so the first launch is as quick as the next)."""
+        preload = self._preload()
+        pending = [
+            self.client[e].apply_async(launch.warm, plan.env, preload, SPARE_TIMEOUT)
+            for e, plan in zip(self.engine_ids, self.plans)
+        ]
+        for ar in pending:
+            ar.get(timeout=SPARE_TIMEOUT + ENGINE_TIMEOUT)
 
     def status(self) -> list[RankInfo]:
         """Each rank's PID, liveness and memory (RSS, and GPU memory where NVML has it)."""

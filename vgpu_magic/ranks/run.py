@@ -177,6 +177,25 @@ def as_terminal_shows(line: str) -> str:
     return shown
 
 
+def show_display(rank: int, content: dict[str, Any], out: TextIO) -> None:
+    """What rank ``rank`` displayed (``display_data``: HTML, an image, a rich table): in a notebook a
+    ``[rank r]`` line then the output itself, in a terminal its text, labelled. A widget's model lives on
+    its rank's engine, not in this kernel: its text stands for it."""
+    from IPython import get_ipython
+
+    widget = "application/vnd.jupyter.widget-view+json"
+    data = {k: v for k, v in (content.get("data") or {}).items() if k != widget}
+    shell = get_ipython()
+    if getattr(shell, "kernel", None) is None or set(data) <= {"text/plain"}:
+        lines = str(data.get("text/plain", "")).splitlines() or [""]
+        out.write("".join(f"[rank {rank}] {as_terminal_shows(line)}\n" for line in lines))
+        out.flush()
+        return
+    out.write(f"[rank {rank}]\n")
+    out.flush()
+    shell.display_pub.publish(data=data, metadata={**(content.get("metadata") or {}), "rank": rank})
+
+
 @dataclass
 class RankProcesses:
     """How the fault policy reaches each rank's process.
@@ -236,17 +255,24 @@ class RankRun:
     timeout: float | None = None
     plot: bool = False
     gpu: bool = False
+    #: A script run: each rank's memory is its engine's and the process it launched (:mod:`.launch`).
+    launched: bool = False
     stdout: TextIO = field(default_factory=lambda: sys.stdout)
     stderr: TextIO = field(default_factory=lambda: sys.stderr)
 
     def __post_init__(self) -> None:
         self.trace = None  # the run's MemoryTrace, once it ended
         self.killed: list[int] = []
+        self._displayed: dict[int, int] = {}  # how many of each rank's display outputs were shown
 
     def _emit(self, results: list[Any], streams: list[tuple[_LineStream, _LineStream]], final: bool = False) -> None:
-        for ar, (out, err) in zip(results, streams):
+        for rank, (ar, (out, err)) in enumerate(zip(results, streams)):
             out.feed(ar.stdout or "", final)
             err.feed(ar.stderr or "", final)
+            displayed = ar.outputs or []
+            for content in displayed[self._displayed.get(rank, 0) :]:
+                show_display(rank, content, self.stdout)
+            self._displayed[rank] = len(displayed)
 
     def _drain(self, results: list[Any]) -> None:
         """Wait (briefly) for the last output of every finished, living rank: ipyparallel can deliver a
@@ -268,6 +294,10 @@ class RankRun:
         evalue = getattr(exc, "evalue", str(exc))
         if ename == "EngineError" or not self._alive(rank):
             return self._death(rank)
+        if ename == "ProcessExited":
+            # A launched script's process (:mod:`.launch`): how it ended, then the last it wrote to stderr.
+            how, *tail = str(evalue).splitlines()
+            return RankFailure(rank, "error", how, tuple(tail) or (how,))
         # The headline is one line; the whole message is in the traceback.
         first = (str(evalue).strip().splitlines() or [""])[0]
         return RankFailure(rank, "error", f"raised {ename}: {first}".rstrip(": "), tb)
@@ -334,7 +364,9 @@ class RankRun:
         streams = [
             (_LineStream(f"[rank {r}] ", self.stdout), _LineStream(f"[rank {r}] ", self.stderr)) for r in range(n)
         ]
-        memory = RankMonitor(self.procs.memory_pids(), self.gpu, live=self.plot, interval=SAMPLE_EVERY)
+        memory = RankMonitor(
+            self.procs.memory_pids(), self.gpu, live=self.plot, interval=SAMPLE_EVERY, launched=self.launched
+        )
         start = time.monotonic()
         results: list[Any] = []
         failures: dict[int, RankFailure] = {}

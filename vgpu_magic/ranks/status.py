@@ -83,9 +83,18 @@ def cluster_lines(cluster: Any) -> list[str]:
     lines.extend(cluster.plans[0].notes if cluster.plans else ())
     join_call = cluster.fw.join_call
     if join_call and cluster.join:
-        lines.append(f"each rank has joined ({join_call} at start, --join): your code must not call it again")
+        lines.append(
+            f"each rank has joined ({join_call} at start, --join): your cells must not call it again "
+            "(a script makes its own call, as under its launcher)"
+        )
     elif join_call:
         lines.append(f"each rank has its launcher's environment; your code calls {join_call}, as under its launcher")
+    lines.append("cells (%%vgpu_run): run in these ranks, which keep their state from cell to cell")
+    step = ", as steps of the job's allocation" if cluster.launcher == "slurm" else ""
+    lines.append(
+        f"scripts (%vgpu_run FILE): a fresh launch each run, new processes started by each rank's engine{step} "
+        f"(a spare waits with {cluster.fw.module} imported)"
+    )
     lines.extend(status_lines(cluster.status()))
     if cluster.must_restart:
         lines.append(f"must be restarted ({cluster.must_restart}): %vgpu_cluster restart")

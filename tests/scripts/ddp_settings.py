@@ -1,0 +1,1 @@
+LEARNING_RATE = 0.05
