@@ -32,6 +32,8 @@ _LAZY = {
     "cluster": "ranks",
     "mesh": "frameworks.jax.mesh",
     "distribution": "frameworks.jax.mesh",
+    "estimate": "memory_estimate",
+    "MemoryEstimate": "memory_estimate",
 }
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension", *_LAZY]
