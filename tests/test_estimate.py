@@ -178,3 +178,32 @@ def test_magic_estimates_stores_and_refuses(ip):
         ip.run_cell_magic("vgpu_estimate", "--ranks 2", "import torch\ntorch.nn.Linear(3, 3)(torch.ones(3))")
     with pytest.raises(UsageError, match="made no tensors"):
         ip.run_cell_magic("vgpu_estimate", "--ranks 2", "import torch\nx = 1")
+
+
+JAX_CELL = ROOT / "tests" / "scripts" / "jax_step_cell.py"
+
+
+@pytest.mark.slow
+def test_jax_step_on_eight_devices_matches_the_live_bytes_of_a_real_run(no_process_left_behind):
+    """Arguments and outputs per device, against a real 8-device run's live arrays on device 0
+    (CPU devices keep no allocator statistics, so temporaries are proved on a GPU only)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}  # fmt: skip
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "measure_jax_cell.py"), str(JAX_CELL)],
+                          capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    real = json.loads(proc.stdout.split("MEASURED ", 1)[1])["live_bytes"]
+    had_jax = "jax" in sys.modules
+    estimated = vgpu_magic.estimate(JAX_CELL.read_text(), ranks=8)
+    assert ("jax" in sys.modules) == had_jax  # compiled in a helper process: this one's JAX is untouched
+    parts = estimated.ranks[0].categories
+    assert estimated.parallelism == "SPMD over 8 devices" and estimated.framework == "JAX"
+    assert parts["temporaries"] > 0
+    assert abs(parts["arguments"] + parts["outputs"] - real) <= 0.10 * real, (parts, real)
+
+
+def test_jax_without_a_jitted_step_and_tensorflow_are_refused():
+    with pytest.raises(PlanError, match="no jitted step"):
+        vgpu_magic.estimate("import jax.numpy as jnp\nx = jnp.ones(3)", ranks=2)
+    with pytest.raises(PlanError, match="tensorflow cannot be estimated"):
+        vgpu_magic.estimate("import tensorflow as tf\nx = tf.ones(3)", ranks=2)

@@ -43,7 +43,7 @@ __all__ = ["load_ipython_extension", "unload_ipython_extension", *_LAZY]
 _MAGICS: tuple[str, ...] = (
     ".ranks.magics:ClusterMagics",
     ".monitor.magics:MonitorMagics",
-    ".memory_estimate:EstimateMagics",
+    ".estimate_magics:EstimateMagics",
 )
 
 _loaded: dict[int, tuple[Any, list[Any]]] = {}

@@ -12,23 +12,18 @@ estimated: it has neither fake tensors nor a compile-only memory analysis.
 
 from __future__ import annotations
 
-import argparse
 import html
 import json
+import os
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments
-
 from .errors import PlanError, excerpt
-from .grammar import framework_name, parse_arguments, parse_memory, parse_whole_number
 from .units import GIB, format_bytes
 
-__all__ = ["EstimateMagics", "MemoryEstimate", "RankMemory", "estimate", "parse_gpu", "CUDA_CONTEXT_MIB", "GPU_MODELS"]
+__all__ = ["MemoryEstimate", "RankMemory", "estimate", "parse_gpu", "CUDA_CONTEXT_MIB", "GPU_MODELS"]
 
 #: What one process's CUDA context takes on the device before any tensor: 621 MiB measured on an H100
 #: with torch 2.11 (the "gpu" helper's measurement); every rank pays it once.
@@ -56,6 +51,8 @@ def parse_gpu(text: str) -> tuple[int | None, int, str]:
     model = _MODEL_KEYS.get(re.sub(r"[\s_-]", "", what.lower()))
     if model:
         return count, GPU_MODELS[model], model
+    from .grammar import parse_memory
+
     try:
         mib = parse_memory(what)
     except PlanError:
@@ -215,6 +212,8 @@ def estimate(
         from .frameworks.jax.estimate import estimate_ranks
 
         found = list(zip(chosen, estimate_ranks(code_or_function, ranks, chosen, namespace)))
+    if name == "jax" and not any(f["peak_bytes"] for _, f in found):
+        raise PlanError("the cell ran no jitted step; wrap the training step in jax.jit and call it")
     if not any(f["peak_bytes"] for _, f in found):
         raise PlanError("the cell made no tensors; put the model and one training step in it")
     if name == "torch" and not any(f.get("backward") for _, f in found):
@@ -237,6 +236,9 @@ def estimate(
 
 def _kept_mib(name: str, gpu_mib: int) -> int:
     from .frameworks import get
+
+    if name == "jax":  # XLA's client takes 75 % of the card by default (XLA_PYTHON_CLIENT_MEM_FRACTION)
+        return gpu_mib - int(gpu_mib * float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")))
 
     reserve = get(name).capabilities.gpu_reserve_mib
     return CUDA_CONTEXT_MIB + (reserve(gpu_mib, None) if reserve else 0)
@@ -265,62 +267,3 @@ def _levers(result: MemoryEstimate, cell: Any, namespace: dict | None, name: str
             f"half the batch: about {format_bytes(activations // 2)} less",
         ]
     return levers
-
-
-def _option(name: str, check: Callable[[str], Any], example: str) -> Callable[[str], str]:
-    """A ``type=`` that refuses with ``check``'s sentence and keeps the text."""
-
-    def checked(text: str) -> str:
-        try:
-            check(text)
-        except PlanError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-        return text
-
-    checked.example = example  # type: ignore[attr-defined]
-    return checked
-
-
-def _whole(option: str, minimum: int) -> Callable[[str], None]:
-    def check(text: str) -> None:
-        value = parse_whole_number(text)
-        if value is None or value < minimum:
-            raise PlanError(f"{option} {excerpt(text)} is not a whole number ≥ {minimum}; use e.g. {option} 8")
-
-    return check
-
-
-@magics_class
-class EstimateMagics(Magics):
-    """``%%vgpu_estimate``: the face of :func:`estimate`."""
-
-    @cell_magic
-    @magic_arguments()
-    @argument("--ranks", "-n", type=_option("--ranks", _whole("--ranks", 1), "--ranks 8"), metavar="N",
-              help="ranks (devices); default: the count in --gpu 8x80GB")  # fmt: skip
-    @argument("--gpu", "-g", type=_option("--gpu", parse_gpu, "--gpu 80GB"), metavar="SIZE",
-              help=f"device memory: 80GB, 8x80GB or a model ({', '.join(GPU_MODELS)})")  # fmt: skip
-    @argument("--rank", "-r", type=_option("--rank", _whole("--rank", 0), "--rank 1"), default="0", metavar="R",
-              help="the rank to run as (default 0)")  # fmt: skip
-    @argument("--all-ranks", "-a", action="store_true", help=f"run as every rank (at most {MAX_ALL_RANKS})")
-    @argument("--framework", "-f", type=framework_name, metavar="NAME", help="torch or jax; default: the cell's")
-    @argument("-o", dest="output", metavar="NAME", help="store the MemoryEstimate in this variable too")
-    def vgpu_estimate(self, line: str, cell: str) -> MemoryEstimate:
-        """Estimate each rank's peak memory for a cell that builds a model and runs a
-        training step on N devices, without allocating its tensors.
-
-        In [1]: %%vgpu_estimate --ranks 8 --gpu 80GB
-           ...: model = Net(); fully_shard(model); model(x).sum().backward(); opt.step()
-        """
-        try:
-            args = parse_arguments(self.vgpu_estimate.parser, line, example="%%vgpu_estimate --ranks 8 --gpu 80GB")
-            if args.output is not None and not args.output.isidentifier():
-                raise PlanError(f"-o {excerpt(args.output)} is not a variable name; use e.g. -o fit")
-            ranks = None if args.ranks is None else int(args.ranks)
-            found = estimate(cell, ranks, args.gpu, args.framework, int(args.rank), all_ranks=args.all_ranks,
-                             namespace=self.shell.user_ns)  # fmt: skip
-        except PlanError as exc:
-            raise UsageError(str(exc)) from None
-        if args.output:
-            self.shell.user_ns[args.output] = found
-        return found

@@ -183,6 +183,11 @@ def _device_mesh_init(original: Callable) -> Callable:
     return init
 
 
+def _foreach_on_cpu(original: Callable, device_mode: _CudaOnCpu) -> Callable:
+    # Optimizers default to their foreach kernels on CUDA (whole-model temporaries in the step), not on CPU.
+    return lambda: [*original(), "cpu"] if device_mode.used else original()
+
+
 def _rounded_to_cuda_blocks(original: Callable, device_mode: _CudaOnCpu) -> Callable:
     def consumed(self) -> int:
         mem = original(self)
@@ -201,9 +206,11 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
         When this process already has a default process group (the estimate would have to replace it).
     """
     global _tracker
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.optim import optimizer
     from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 
     if dist.is_initialized():
         raise ValueError(
@@ -215,7 +222,12 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
 
     def noted_fully_shard(*args: Any, **kwargs: Any) -> Any:
         used["fsdp"] = True
-        return fully_shard(*args, **kwargs)
+        if _get_current_dispatch_mode() is not _tracker:
+            return fully_shard(*args, **kwargs)
+        # Sharding makes world-size views of every parameter, which the tracker would walk one by one
+        # (half an estimate's time at 64 ranks); the shards are counted from the module's first forward.
+        with _pop_mode_temporarily():
+            return fully_shard(*args, **kwargs)
 
     class DDP(_DDPStandIn):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -241,6 +253,9 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
             (torch.cuda, "set_device", lambda *a, **k: None),
             (torch.cuda, "current_device", lambda: 0),
             (DeviceMesh, "__init__", _device_mesh_init(DeviceMesh.__init__)),
+            (optimizer, "_get_foreach_kernels_supported_devices",
+             _foreach_on_cpu(optimizer._get_foreach_kernels_supported_devices, device_mode)),
+            (optimizer, "_foreach_supported_types", [*optimizer._foreach_supported_types, FakeTensor]),
             (mem_tracker._WeakRefInfo, "_calculate_mem_consumed",
              _rounded_to_cuda_blocks(mem_tracker._WeakRefInfo._calculate_mem_consumed, device_mode)),
         ):  # fmt: skip
