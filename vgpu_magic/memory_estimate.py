@@ -23,11 +23,23 @@ from typing import Any
 from .errors import PlanError, excerpt
 from .units import GIB, format_bytes
 
-__all__ = ["MemoryEstimate", "RankMemory", "estimate", "parse_gpu", "CUDA_CONTEXT_MIB", "GPU_MODELS"]
+__all__ = [
+    "MemoryEstimate",
+    "RankMemory",
+    "estimate",
+    "parse_gpu",
+    "CUDA_CONTEXT_MIB",
+    "CUBLAS_WORKSPACE_MIB",
+    "GPU_MODELS",
+]
 
 #: What one process's CUDA context takes on the device before any tensor: 621 MiB measured on an H100
 #: with torch 2.11 (the "gpu" helper's measurement); every rank pays it once.
 CUDA_CONTEXT_MIB = 621
+
+#: cuBLAS's workspaces, allocated by torch's caching allocator with a process's first matrix product:
+#: 64 MiB measured on an H100 with torch 2.11 (tests/test_estimate_gpu.py prints it).
+CUBLAS_WORKSPACE_MIB = 64
 
 #: Device memory as ``nvidia-smi`` reports it (MiB), by model; a name's spaces, dashes and case do not matter.
 GPU_MODELS = {
@@ -121,7 +133,7 @@ class MemoryEstimate:
             where = f" in the {r.phase}" if r.phase else ""
             rows.append((f"rank {r.rank}", f"peak {format_bytes(r.peak_bytes)}{where} ({parts})"))
         if self.verdict:
-            kept = f"{format_bytes(self.kept_bytes)} for CUDA and {self.framework}"
+            kept = f"{format_bytes(self.kept_bytes)} for CUDA, cuBLAS and {self.framework}"
             rows.append(("verdict", f"on {self.gpu_label}, less {kept}: {self.verdict}"))
         rows += [("lever", lever) for lever in self.levers] + [("note", note) for note in self.notes]
         return rows
@@ -241,7 +253,7 @@ def _kept_mib(name: str, gpu_mib: int) -> int:
         return gpu_mib - int(gpu_mib * float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")))
 
     reserve = get(name).capabilities.gpu_reserve_mib
-    return CUDA_CONTEXT_MIB + (reserve(gpu_mib, None) if reserve else 0)
+    return CUDA_CONTEXT_MIB + CUBLAS_WORKSPACE_MIB + (reserve(gpu_mib, None) if reserve else 0)
 
 
 def _levers(result: MemoryEstimate, cell: Any, namespace: dict | None, name: str) -> list[str]:

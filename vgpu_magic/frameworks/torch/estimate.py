@@ -46,6 +46,12 @@ class PeakTracker(mem_tracker.MemTracker):
 
     phase: str | None = None
     backward = False
+    untracked = 0  #: > 0 while DTensor propagates shapes with the estimate's own fake mode: nothing is allocated
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.untracked:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _pre_bw_hook(self, module: torch.nn.Module, args: Any) -> None:
         self.backward = True
@@ -183,6 +189,19 @@ def _device_mesh_init(original: Callable) -> Callable:
     return init
 
 
+def _untracked(original: Callable) -> Callable:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if _tracker is None:
+            return original(*args, **kwargs)
+        _tracker.untracked += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _tracker.untracked -= 1
+
+    return run
+
+
 def _foreach_on_cpu(original: Callable, device_mode: _CudaOnCpu) -> Callable:
     # Optimizers default to their foreach kernels on CUDA (whole-model temporaries in the step), not on CPU.
     return lambda: [*original(), "cpu"] if device_mode.used else original()
@@ -208,6 +227,7 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
     global _tracker
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
     from torch.optim import optimizer
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
@@ -255,6 +275,8 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
             (DeviceMesh, "__init__", _device_mesh_init(DeviceMesh.__init__)),
             (optimizer, "_get_foreach_kernels_supported_devices",
              _foreach_on_cpu(optimizer._get_foreach_kernels_supported_devices, device_mode)),
+            (ShardingPropagator, "_propagate_tensor_meta_non_cached",
+             _untracked(ShardingPropagator._propagate_tensor_meta_non_cached)),
             (optimizer, "_foreach_supported_types", [*optimizer._foreach_supported_types, FakeTensor]),
             (mem_tracker._WeakRefInfo, "_calculate_mem_consumed",
              _rounded_to_cuda_blocks(mem_tracker._WeakRefInfo._calculate_mem_consumed, device_mode)),
