@@ -1,27 +1,21 @@
-"""PyTorch's part of :func:`vgpu_magic.estimate`: a cell run as rank R of N
-without allocating its tensors.
+"""PyTorch's part of :func:`vgpu_magic.estimate`: a cell run as rank R of N, its tensors not allocated.
 
-The cell runs in this process under torch's own tools: the fake process group
-(``backend="fake"``, any world size, no communication), ``FakeTensorMode``
-(shapes and dtypes, no storage) and ``MemTracker`` (bytes per category, peak).
-Code written for ``cuda`` runs on CPU fake tensors, rounded as the CUDA
-caching allocator rounds (512 B), so an estimate never starts CUDA here.
-``DistributedDataParallel`` touches data in its C++ reducer, so it is stood in
-for by a module that keeps what DDP keeps: a flat gradient bucket per
-parameter dtype, from construction on, the gradients being views into it with
-``gradient_as_bucket_view=True`` and copied into it otherwise.
-Whatever the cell raises, what the estimate set up is undone: the fake process
-group destroyed, the environment and the patched functions restored.
+Torch's own tools: the fake process group (``backend="fake"``, any world size), ``FakeTensorMode`` and
+``MemTracker``. Code written for ``cuda`` runs on fake CPU tensors with CUDA's 512 B blocks and its
+optimizer defaults (foreach), so no CUDA context is made. ``DistributedDataParallel`` touches data in its
+C++ reducer, so a stand-in keeps what DDP keeps: one flat gradient bucket per dtype from construction on,
+the gradients copied into it (or, with ``gradient_as_bucket_view=True``, views of it). Whatever the cell
+raises, the process group, the environment and every patched function are restored.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -30,23 +24,19 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["PeakTracker", "estimate_rank"]
 
-#: MemTracker's reference types under the names the estimate shows.
-CATEGORIES = {
-    "Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Optstate": "optimizer state",
-    "Activation": "activations", "Temp": "temporaries", "Other": "communication buffers",
-}  # fmt: skip
+CATEGORIES = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Optstate": "optimizer state",
+              "Activation": "activations", "Temp": "temporaries", "Other": "communication buffers"}  # fmt: skip
+_CUDA = re.compile(r"cuda(:[0-9]+)?")
+_tracker: PeakTracker | None = None
 
 
 class PeakTracker(mem_tracker.MemTracker):
-    """``MemTracker`` over a whole cell: several iterations, and the phase of the peak.
-
-    The same class measures real runs (the tests' gloo ranks), so an estimate and
-    its measurement are read by one tool.
-    """
+    """``MemTracker`` over a whole cell (several iterations) that notes the phase of the peak. The tests
+    measure real runs with it too, so an estimate and its measurement are read by one tool."""
 
     phase: str | None = None
     backward = False
-    untracked = 0  #: > 0 while DTensor propagates shapes with the estimate's own fake mode: nothing is allocated
+    untracked = 0  #: > 0 while DTensor propagates shapes in the estimate's own fake mode (no memory)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.untracked:
@@ -58,66 +48,46 @@ class PeakTracker(mem_tracker.MemTracker):
         super()._pre_bw_hook(module, args)
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
-        # A root module called again is the next iteration: start its statistics afresh
-        # (MemTracker refuses a second iteration otherwise).
-        name = self._mod_tracker.get_known_fqn(module)
+        # A root module called again is the next iteration (MemTracker would refuse it): start afresh.
         again = module in self.memory_tracking and not self._mod_tracker.is_bw
-        if again and set(self._mod_tracker.parents) - {name} <= {"Global"}:
+        if again and set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} <= {"Global"}:
             self.reset_mod_stats()
         super()._pre_fw_hook(module, inputs)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
-        # Only the whole-process peak is wanted: skip MemTracker's per-module walk (its cost grows with the model).
+        # The process's peak only: MemTracker's per-module walk costs more the larger the model.
         for device, snap in self._curr_mem_snap.items():
-            if self._peak_mem.get(device, 0) < snap[mem_tracker._TOTAL_KEY]:
-                self._peak_mem[device] = snap[mem_tracker._TOTAL_KEY]
-                self._peak_mem_snap[device] = dict(snap)
-                self.phase = self._phase()
-
-    def _phase(self) -> str:
-        if self._in_opt:
-            return "optimizer step"
-        if self._mod_tracker.is_bw:
-            return "backward"
-        return "forward" if set(self._mod_tracker.parents) - {"Global"} else "outside the model's forward"
+            if self._peak_mem.get(device, 0) < snap["Total"]:
+                self._peak_mem[device], self._peak_mem_snap[device] = snap["Total"], dict(snap)
+                busy = set(self._mod_tracker.parents) - {"Global"}
+                self.phase = ("optimizer step" if self._in_opt else "backward" if self._mod_tracker.is_bw
+                              else "forward" if busy else "outside the model's forward")  # fmt: skip
 
     def result(self) -> dict[str, Any]:
-        """The peak (bytes), its parts by category and its phase, on the busiest device."""
-        snaps = self.get_tracker_snapshot("peak")
-        if not snaps:
-            return {"peak_bytes": 0, "categories": {}, "phase": None, "backward": self.backward}
-        snap = max(snaps.values(), key=lambda s: s[mem_tracker._TOTAL_KEY])
-        categories = {CATEGORIES.get(str(k.value), str(k.value)): v for k, v in snap.items() if k != "Total"}
-        return {"peak_bytes": snap["Total"], "categories": categories, "phase": self.phase, "backward": self.backward}
-
-
-_CUDA = re.compile(r"cuda(:[0-9]+)?")
-
-
-def _cpu(value: Any) -> Any:
-    if (isinstance(value, torch.device) and value.type == "cuda") or (
-        isinstance(value, str) and _CUDA.fullmatch(value)
-    ):
-        return torch.device("cpu")
-    return value
+        """The peak (bytes) on the busiest device, its parts by category, its phase."""
+        snap = max(self.get_tracker_snapshot("peak").values(), key=lambda s: s["Total"], default={"Total": 0})
+        parts = {CATEGORIES.get(k.value, k.value): v for k, v in snap.items() if k != "Total"}
+        return {"peak_bytes": snap["Total"], "categories": parts, "phase": self.phase, "backward": self.backward}
 
 
 class _CudaOnCpu(TorchFunctionMode):
-    """Creates on (fake) CPU what the cell asks to create on CUDA; notes that it did."""
+    """Makes on (fake) CPU what the cell asks to make on CUDA, and notes that it did."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.used = False
+    used = False
+
+    def _cpu(self, value: Any) -> Any:
+        if (isinstance(value, torch.device) and value.type == "cuda") or (
+            isinstance(value, str) and _CUDA.fullmatch(value)
+        ):
+            self.used = True
+            return torch.device("cpu")
+        return value
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             self.used = True
-            return args[0].to("cpu", **{k: v for k, v in kwargs.items() if k == "non_blocking"})
-        mapped_args, mapped_kwargs = tuple(map(_cpu, args)), {k: _cpu(v) for k, v in kwargs.items()}
-        if mapped_args != args or mapped_kwargs != kwargs:
-            self.used = True
-        return func(*mapped_args, **mapped_kwargs)
+            return args[0].to("cpu")
+        return func(*map(self._cpu, args), **{k: self._cpu(v) for k, v in (kwargs or {}).items()})
 
 
 class _DDPStandIn(torch.nn.Module):
@@ -125,22 +95,20 @@ class _DDPStandIn(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, *args: Any, gradient_as_bucket_view: bool = False, **kwargs: Any):
         super().__init__()
-        self.module = module
-        groups: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+        self.module, groups = module, {}
         for param in module.parameters():
             if param.requires_grad:
                 groups.setdefault((param.dtype, param.device), []).append(param)
-        self._buckets = []
-        for (dtype, device), params in groups.items():
-            bucket = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=device)
-            self._buckets.append(bucket)
+        self._buckets = [
+            torch.empty(sum(p.numel() for p in ps), dtype=d, device=dev) for (d, dev), ps in groups.items()
+        ]
+        for bucket, params in zip(self._buckets, groups.values()):
             offset = 0
             for param in params:
                 view = bucket[offset : offset + param.numel()].view_as(param)
                 offset += param.numel()
                 param.register_post_accumulate_grad_hook(_into_bucket(view, gradient_as_bucket_view))
-        if _tracker is not None:
-            _tracker.track_external(*self._buckets)  # "Other": the communication buffers
+        _tracker.track_external(*self._buckets)  # as "Other": the communication buffers
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -160,22 +128,9 @@ def _into_bucket(view: torch.Tensor, as_view: bool) -> Callable[[torch.Tensor], 
     return hook
 
 
-_tracker: PeakTracker | None = None
-
-
-@contextlib.contextmanager
-def _patched(target: Any, name: str, value: Any) -> Iterator[None]:
-    old = getattr(target, name)
-    setattr(target, name, value)
-    try:
-        yield
-    finally:
-        setattr(target, name, old)
-
-
 def _device_mesh_init(original: Callable) -> Callable:
-    # DeviceMesh reads its rank map's values; under FakeTensorMode they have none, and they are always
-    # arange(world) for the meshes a cell builds (init_device_mesh, fully_shard's default mesh).
+    # DeviceMesh reads its rank map's values, which fake tensors do not have; a cell's meshes (init_device_mesh,
+    # fully_shard's default) are always arange(world).
     from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
     def init(self, device_type: str, mesh: Any = None, **kwargs: Any) -> None:
@@ -191,8 +146,6 @@ def _device_mesh_init(original: Callable) -> Callable:
 
 def _untracked(original: Callable) -> Callable:
     def run(*args: Any, **kwargs: Any) -> Any:
-        if _tracker is None:
-            return original(*args, **kwargs)
         _tracker.untracked += 1
         try:
             return original(*args, **kwargs)
@@ -202,68 +155,41 @@ def _untracked(original: Callable) -> Callable:
     return run
 
 
-def _foreach_on_cpu(original: Callable, device_mode: _CudaOnCpu) -> Callable:
-    # Optimizers default to their foreach kernels on CUDA (whole-model temporaries in the step), not on CPU.
-    return lambda: [*original(), "cpu"] if device_mode.used else original()
-
-
-def _rounded_to_cuda_blocks(original: Callable, device_mode: _CudaOnCpu) -> Callable:
-    def consumed(self) -> int:
-        mem = original(self)
-        return math.ceil(mem / 512) * 512 if device_mode.used else mem
-
-    return consumed
-
-
 def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespace: dict | None) -> dict[str, Any]:
-    """Run ``cell`` (code or a function of no arguments) as ``rank`` of ``world``;
-    return its peak, the peak's parts and phase, and what it used (``fsdp``, ``ddp``).
-
-    Raises
-    ------
-    ValueError
-        When this process already has a default process group (the estimate would have to replace it).
-    """
+    """Run ``cell`` (code, or a function of no arguments) as ``rank`` of ``world``: its peak, the peak's
+    parts and phase, whether a backward pass ran, and its parallelism. Refuses (``ValueError``) in a
+    process that has its own default process group, which the estimate would have to replace."""
     global _tracker
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
     from torch.optim import optimizer
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+    from torch.utils._python_dispatch import _pop_mode_temporarily
 
     if dist.is_initialized():
-        raise ValueError(
-            "this kernel has its own torch.distributed process group; estimate in a kernel without one "
-            "(destroy_process_group() first)"
-        )
-    used = {"fsdp": False, "ddp": False}
-    fully_shard = torch.distributed.fsdp.fully_shard
+        raise ValueError("this kernel has its own torch.distributed process group; estimate in a kernel without "
+                         "one (destroy_process_group() first)")  # fmt: skip
+    used, fully_shard, ddp_class = set(), torch.distributed.fsdp.fully_shard, torch.nn.parallel.DistributedDataParallel
 
     def noted_fully_shard(*args: Any, **kwargs: Any) -> Any:
-        used["fsdp"] = True
-        if _get_current_dispatch_mode() is not _tracker:
-            return fully_shard(*args, **kwargs)
-        # Sharding makes world-size views of every parameter, which the tracker would walk one by one
-        # (half an estimate's time at 64 ranks); the shards are counted from the module's first forward.
-        with _pop_mode_temporarily():
+        used.add("FSDP2")
+        with _pop_mode_temporarily():  # its world-size views of every parameter allocate nothing
             return fully_shard(*args, **kwargs)
 
     class DDP(_DDPStandIn):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            used["ddp"] = True
+            used.add("DDP")
             super().__init__(*args, **kwargs)
 
-    ddp_class = torch.nn.parallel.DistributedDataParallel
     namespace = {k: DDP if v is ddp_class else noted_fully_shard if v is fully_shard else v
                  for k, v in (namespace or {}).items()}  # fmt: skip
-    env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # fmt: skip
-    saved_env = {k: os.environ.get(k) for k in env}
-    device_mode = _CudaOnCpu()
+    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world,
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}  # fmt: skip
+    cuda, blocks = _CudaOnCpu(), mem_tracker._WeakRefInfo._calculate_mem_consumed
+    foreach = optimizer._get_foreach_kernels_supported_devices  # CUDA's optimizers default to foreach, CPU's do not
     with contextlib.ExitStack() as stack:
-        os.environ.update(env)
-        stack.callback(_restore_env, saved_env)
+        stack.enter_context(mock.patch.dict("os.environ", {k: str(v) for k, v in env.items()}))
         for target, name, value in (
             (torch.nn.parallel, "DistributedDataParallel", DDP),
             (torch.nn.parallel.distributed, "DistributedDataParallel", DDP),
@@ -273,33 +199,19 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
             (torch.cuda, "set_device", lambda *a, **k: None),
             (torch.cuda, "current_device", lambda: 0),
             (DeviceMesh, "__init__", _device_mesh_init(DeviceMesh.__init__)),
-            (optimizer, "_get_foreach_kernels_supported_devices",
-             _foreach_on_cpu(optimizer._get_foreach_kernels_supported_devices, device_mode)),
             (ShardingPropagator, "_propagate_tensor_meta_non_cached",
              _untracked(ShardingPropagator._propagate_tensor_meta_non_cached)),
+            (optimizer, "_get_foreach_kernels_supported_devices", lambda: [*foreach(), *["cpu"] * cuda.used]),
             (optimizer, "_foreach_supported_types", [*optimizer._foreach_supported_types, FakeTensor]),
             (mem_tracker._WeakRefInfo, "_calculate_mem_consumed",
-             _rounded_to_cuda_blocks(mem_tracker._WeakRefInfo._calculate_mem_consumed, device_mode)),
+             lambda info: math.ceil(blocks(info) / 512) * 512 if cuda.used else blocks(info)),
         ):  # fmt: skip
-            stack.enter_context(_patched(target, name, value))
+            stack.enter_context(mock.patch.object(target, name, value))
         dist.distributed_c10d.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         stack.callback(dist.distributed_c10d.destroy_process_group)
         tracker = _tracker = PeakTracker()
         stack.callback(globals().__setitem__, "_tracker", None)
-        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-        stack.enter_context(device_mode)
-        stack.enter_context(tracker)
-        if callable(cell):
-            cell()
-        else:
-            exec(compile(cell, "<vgpu_estimate cell>", "exec"), namespace)
-    parallelism = "FSDP2" if used["fsdp"] else "DDP" if used["ddp"] else "single device"
-    return {**tracker.result(), "parallelism": parallelism}
-
-
-def _restore_env(saved: dict[str, str | None]) -> None:
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+        for mode in (FakeTensorMode(allow_non_fake_inputs=True), cuda, tracker):
+            stack.enter_context(mode)
+        cell() if callable(cell) else exec(compile(cell, "<vgpu_estimate cell>", "exec"), namespace)
+    return {**tracker.result(), "parallelism": next(iter(sorted(used, reverse=True)), "single device")}
