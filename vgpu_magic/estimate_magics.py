@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
@@ -22,27 +21,29 @@ from .memory_estimate import GPU_MODELS, MAX_ALL_RANKS, MemoryEstimate, estimate
 __all__ = ["EstimateMagics"]
 
 
-def _option(name: str, check: Callable[[str], Any], example: str) -> Callable[[str], str]:
-    """A ``type=`` that refuses with ``check``'s sentence and keeps the text."""
+def _whole(option: str, minimum: int) -> Callable[[str], int]:
+    """A ``type=`` for a whole number ≥ ``minimum``."""
 
-    def checked(text: str) -> str:
-        try:
-            check(text)
-        except PlanError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-        return text
-
-    checked.example = example  # type: ignore[attr-defined]
-    return checked
-
-
-def _whole(option: str, minimum: int) -> Callable[[str], None]:
-    def check(text: str) -> None:
+    def whole(text: str) -> int:
         value = parse_whole_number(text)
         if value is None or value < minimum:
-            raise PlanError(f"{option} {excerpt(text)} is not a whole number ≥ {minimum}; use e.g. {option} 8")
+            raise argparse.ArgumentTypeError(f"{option} {excerpt(text)} is not a whole number ≥ {minimum}; "
+                                             f"use e.g. {option} 8")  # fmt: skip
+        return value
 
-    return check
+    whole.example = f"{option} 8"  # type: ignore[attr-defined]
+    return whole
+
+
+def _gpu(text: str) -> str:
+    try:
+        parse_gpu(text)
+    except PlanError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+_gpu.example = "--gpu 80GB"  # type: ignore[attr-defined]
 
 
 @magics_class
@@ -51,12 +52,9 @@ class EstimateMagics(Magics):
 
     @cell_magic
     @magic_arguments()
-    @argument("--ranks", "-n", type=_option("--ranks", _whole("--ranks", 1), "--ranks 8"), metavar="N",
-              help="ranks (devices); default: the count in --gpu 8x80GB")  # fmt: skip
-    @argument("--gpu", "-g", type=_option("--gpu", parse_gpu, "--gpu 80GB"), metavar="SIZE",
-              help=f"device memory: 80GB, 8x80GB or a model ({', '.join(GPU_MODELS)})")  # fmt: skip
-    @argument("--rank", "-r", type=_option("--rank", _whole("--rank", 0), "--rank 1"), default="0", metavar="R",
-              help="the rank to run as (default 0)")  # fmt: skip
+    @argument("--ranks", "-n", type=_whole("--ranks", 1), metavar="N", help="ranks; default: the count in --gpu 8x80GB")
+    @argument("--gpu", "-g", type=_gpu, metavar="SIZE", help=f"80GB, 8x80GB or a model ({', '.join(GPU_MODELS)})")
+    @argument("--rank", "-r", type=_whole("--rank", 0), default=0, metavar="R", help="the rank to run as (default 0)")
     @argument("--all-ranks", "-a", action="store_true", help=f"run as every rank (at most {MAX_ALL_RANKS})")
     @argument("--framework", "-f", type=framework_name, metavar="NAME", help="torch or jax; default: the cell's")
     @argument("-o", dest="output", metavar="NAME", help="store the MemoryEstimate in this variable too")
@@ -71,8 +69,7 @@ class EstimateMagics(Magics):
             args = parse_arguments(self.vgpu_estimate.parser, line, example="%%vgpu_estimate --ranks 8 --gpu 80GB")
             if args.output is not None and not args.output.isidentifier():
                 raise PlanError(f"-o {excerpt(args.output)} is not a variable name; use e.g. -o fit")
-            ranks = None if args.ranks is None else int(args.ranks)
-            found = estimate(cell, ranks, args.gpu, args.framework, int(args.rank), all_ranks=args.all_ranks,
+            found = estimate(cell, args.ranks, args.gpu, args.framework, args.rank, all_ranks=args.all_ranks,
                              namespace=self.shell.user_ns)  # fmt: skip
         except PlanError as exc:
             raise UsageError(str(exc)) from None

@@ -1,13 +1,10 @@
 """Will it fit? Each rank's peak memory on N devices, before anyone rents them.
 
-:func:`estimate` runs a cell (model building and one or more training steps)
-as rank R of N with the framework's own tools, allocating none of its tensors
-(PyTorch: :mod:`vgpu_magic.frameworks.torch.estimate`; JAX:
-:mod:`vgpu_magic.frameworks.jax.estimate`), and returns a
-:class:`MemoryEstimate`: per rank the peak, its parts and the phase where it
-peaks; with a device size, the verdict after what CUDA and the framework keep
-for themselves, and the levers that would change it. TensorFlow cannot be
-estimated: it has neither fake tensors nor a compile-only memory analysis.
+:func:`estimate` runs a cell (model building and training steps) as rank R of N with the framework's own
+tools (``frameworks/torch/estimate.py``, ``frameworks/jax/estimate.py``), allocating none of its tensors,
+and returns a :class:`MemoryEstimate`: per rank the peak, its parts and its phase; with a device size, the
+verdict after what CUDA and the framework keep, and the levers. TensorFlow cannot be estimated: it has
+neither fake tensors nor a compile-only memory analysis.
 """
 
 from __future__ import annotations
@@ -23,23 +20,11 @@ from typing import Any
 from .errors import PlanError, excerpt
 from .units import GIB, format_bytes
 
-__all__ = [
-    "MemoryEstimate",
-    "RankMemory",
-    "estimate",
-    "parse_gpu",
-    "CUDA_CONTEXT_MIB",
-    "CUBLAS_WORKSPACE_MIB",
-    "GPU_MODELS",
-]
+__all__ = ["MemoryEstimate", "RankMemory", "estimate", "parse_gpu", "CUDA_CONTEXT_MIB", "GPU_MODELS"]
 
-#: What one process's CUDA context takes on the device before any tensor: 621 MiB measured on an H100
-#: with torch 2.11 (the "gpu" helper's measurement); every rank pays it once.
-CUDA_CONTEXT_MIB = 621
-
-#: cuBLAS's workspaces, allocated by torch's caching allocator with a process's first matrix product:
-#: 64 MiB measured on an H100 with torch 2.11 (tests/test_estimate_gpu.py prints it).
-CUBLAS_WORKSPACE_MIB = 64
+#: What each process keeps on its GPU before any tensor, measured on an H100 with torch 2.11: the CUDA
+#: context (621 MiB) and cuBLAS's workspaces, made with the first matrix product (64 MiB; test_estimate_gpu.py).
+CUDA_CONTEXT_MIB, CUBLAS_WORKSPACE_MIB = 621, 64
 
 #: Device memory as ``nvidia-smi`` reports it (MiB), by model; a name's spaces, dashes and case do not matter.
 GPU_MODELS = {
@@ -52,12 +37,9 @@ MAX_ALL_RANKS = 64
 
 
 def parse_gpu(text: str) -> tuple[int | None, int, str]:
-    """``"8x80GB"`` -> ``(8, 81920, "80 GiB")``; ``"H100"`` -> ``(None, 81559, "H100 80GB")``.
-
-    Raises :class:`PlanError` with one sentence for anything else.
-    """
+    """``"8x80GB"`` -> ``(8, 81920, "80.00 GiB")``; ``"H100"`` -> ``(None, 81559, "H100 80GB")``; else PlanError."""
     match = _GPU_RE.fullmatch(text)
-    count, what = (int(match.group(1)) if match.group(1) else None, match.group(2)) if match else (None, text)
+    count, what = (match.group(1) and int(match.group(1)), match.group(2)) if match else (None, text)
     if count == 0:
         raise PlanError(f"--gpu {excerpt(text)} counts no GPUs; use e.g. 8x80GB")
     model = _MODEL_KEYS.get(re.sub(r"[\s_-]", "", what.lower()))
@@ -68,12 +50,10 @@ def parse_gpu(text: str) -> tuple[int | None, int, str]:
     try:
         mib = parse_memory(what)
     except PlanError:
-        raise PlanError(
-            f"--gpu {excerpt(text)} is neither a size nor a GPU model known here; use a size (80GB, 8x80GB) "
-            f"or one of {', '.join(GPU_MODELS)}"
-        ) from None
+        mib = 0
     if mib == 0:
-        raise PlanError(f"--gpu {excerpt(text)} is no memory at all; use e.g. 80GB")
+        raise PlanError(f"--gpu {excerpt(text)} is neither a size nor a GPU model known here; use a size "
+                        f"(80GB, 8x80GB) or one of {', '.join(GPU_MODELS)}")  # fmt: skip
     return count, mib, format_bytes(mib * 2**20)
 
 
@@ -179,28 +159,12 @@ def estimate(
     all_ranks: bool = False,
     namespace: dict | None = None,
 ) -> MemoryEstimate:
-    """Estimate each rank's peak memory when ``code_or_function`` runs on ``ranks`` devices.
-
-    Parameters
-    ----------
-    code_or_function
-        A cell's code, or a function of no arguments, that builds the model and runs
-        at least one training step.
-    ranks
-        How many ranks (devices); by default the count in ``gpu`` (``"8x80GB"``).
-    gpu
-        The device: a size (``"80GB"``), ``"8x80GB"`` or a model in :data:`GPU_MODELS`.
-    framework
-        ``"torch"`` or ``"jax"``; by default the one the code names.
-    rank, all_ranks
-        Which rank to run as (ranks of FSDP and DDP differ only by uneven shards), or all of them.
-    namespace
-        Names the code may use (a notebook's); it runs in a copy, so nothing it assigns stays.
-
-    Raises
-    ------
-    PlanError
-        Bad input (one line, nothing changed), TensorFlow, or a cell without a training step.
+    """Each rank's peak memory when ``code_or_function`` (a cell's code, or a function of no arguments,
+    that builds the model and runs a training step) runs on ``ranks`` devices (default: the count in
+    ``gpu``: a size ``"80GB"``, ``"8x80GB"`` or a model in :data:`GPU_MODELS`). ``framework``: torch or
+    jax (default: the one the code names). ``rank`` / ``all_ranks``: which ranks to run as (FSDP's uneven
+    shards make them differ). ``namespace``: names the code may use; it runs in a copy, nothing stays.
+    Raises :class:`PlanError` (one line, nothing changed) for bad input, TensorFlow, or no training step.
     """
     count, gpu_mib, gpu_label = parse_gpu(gpu) if gpu is not None else (None, None, None)
     ranks = ranks if ranks is not None else count
@@ -224,24 +188,17 @@ def estimate(
         from .frameworks.jax.estimate import estimate_ranks
 
         found = list(zip(chosen, estimate_ranks(code_or_function, ranks, chosen, namespace)))
-    if name == "jax" and not any(f["peak_bytes"] for _, f in found):
-        raise PlanError("the cell ran no jitted step; wrap the training step in jax.jit and call it")
     if not any(f["peak_bytes"] for _, f in found):
-        raise PlanError("the cell made no tensors; put the model and one training step in it")
-    if name == "torch" and not any(f.get("backward") for _, f in found):
+        raise PlanError("the cell ran no jitted step; wrap the training step in jax.jit and call it" if name == "jax"
+                        else "the cell made no tensors; put the model and one training step in it")  # fmt: skip
+    if name == "torch" and not any(f["backward"] for _, f in found):
         raise PlanError("the cell has no training step (no backward pass ran); add one, e.g. loss.backward()")
     first = found[0][1]
-    result = MemoryEstimate(
-        framework={"torch": "PyTorch", "jax": "JAX"}[name],
-        world=ranks,
-        ranks=[RankMemory(r, f["peak_bytes"], f["categories"], f.get("phase")) for r, f in found],
-        parallelism=first.get("parallelism", "single device"),
-        gpu_label=gpu_label,
-        gpu_bytes=None if gpu_mib is None else gpu_mib * 2**20,
-        kept_bytes=0 if gpu_mib is None else _kept_mib(name, gpu_mib) * 2**20,
-        notes=list(first.get("notes", [])),
-    )
-    if gpu is not None:
+    result = MemoryEstimate({"torch": "PyTorch", "jax": "JAX"}[name], ranks,
+                            [RankMemory(r, f["peak_bytes"], f["categories"], f["phase"]) for r, f in found],
+                            first["parallelism"], gpu_label, notes=list(first.get("notes", [])))  # fmt: skip
+    if gpu_mib is not None:
+        result.gpu_bytes, result.kept_bytes = gpu_mib * 2**20, _kept_mib(name, gpu_mib) * 2**20
         result.levers = _levers(result, code_or_function, namespace, name)
     return result
 
@@ -251,15 +208,13 @@ def _kept_mib(name: str, gpu_mib: int) -> int:
 
     if name == "jax":  # XLA's client takes 75 % of the card by default (XLA_PYTHON_CLIENT_MEM_FRACTION)
         return gpu_mib - int(gpu_mib * float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")))
-
     reserve = get(name).capabilities.gpu_reserve_mib
     return CUDA_CONTEXT_MIB + CUBLAS_WORKSPACE_MIB + (reserve(gpu_mib, None) if reserve else 0)
 
 
 def _levers(result: MemoryEstimate, cell: Any, namespace: dict | None, name: str) -> list[str]:
     """What would change the verdict, each with its effect where that is cheap to know."""
-    peak = max(result.ranks, key=lambda r: r.peak_bytes)
-    parts = peak.categories
+    parts = max(result.ranks, key=lambda r: r.peak_bytes).categories
     activations = parts.get("activations", 0) + parts.get("temporaries", 0)
     state = sum(parts.get(k, 0) for k in ("parameters", "gradients", "optimizer state"))
     levers = []

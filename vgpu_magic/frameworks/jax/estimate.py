@@ -1,18 +1,10 @@
-"""JAX's part of :func:`vgpu_magic.estimate`: the cell's jitted steps compiled,
-not run, on N devices, and read with XLA's ``memory_analysis()``.
+"""JAX's part of :func:`vgpu_magic.estimate`: the cell's jitted steps compiled, not run, and read with XLA's
+``memory_analysis()`` (arguments, outputs, temporaries per device; donated buffers once).
 
-The cell runs in a helper process with N CPU devices
-(``--xla_force_host_platform_device_count``), so the kernel's own JAX, its
-devices and its split are untouched, and N need not be the kernel's split.
-There ``jax.jit`` is wrapped: calling a jitted function lowers and compiles
-it for its arguments' shapes and shardings, records the compiled program's
-bytes per device (arguments, outputs, temporaries; donated buffers counted
-once) and returns its outputs as ``jax.ShapeDtypeStruct`` with their
-shardings, so a following step compiles from them and nothing of the
-step's size is allocated. Arrays the cell makes outside jitted functions are
-real (they are small, or they belong in a jitted ``init``). ``jax.device_put``
-places such shapes as it would place their arrays. The cell's code
-must stand alone: the helper sees none of the kernel's names.
+The cell runs in a helper process with N CPU devices, so the kernel's JAX is untouched and N need not be its
+split; the cell must stand alone. There a jitted function, called, is compiled for its arguments' shapes and
+shardings and returns its outputs as ``jax.ShapeDtypeStruct`` (``jax.device_put`` places them), so the next
+step compiles from them and nothing of a step's size is allocated.
 """
 
 from __future__ import annotations
