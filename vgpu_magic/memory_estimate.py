@@ -37,7 +37,7 @@ MAX_ALL_RANKS = 64
 
 
 def parse_gpu(text: str) -> tuple[int | None, int, str]:
-    """``"8x80GB"`` -> ``(8, 81920, "80.00 GiB")``; ``"H100"`` -> ``(None, 81559, "H100 80GB")``; else PlanError."""
+    """``"8x80GB"`` -> ``(8, 81920, "80 GiB")``; ``"H100"`` -> ``(None, 81559, "H100 80GB")``; else PlanError."""
     match = _GPU_RE.fullmatch(text)
     count, what = (match.group(1) and int(match.group(1)), match.group(2)) if match else (None, text)
     if count == 0:
@@ -54,7 +54,7 @@ def parse_gpu(text: str) -> tuple[int | None, int, str]:
     if mib == 0:
         raise PlanError(f"--gpu {excerpt(text)} is neither a size nor a GPU model known here; use a size "
                         f"(80GB, 8x80GB) or one of {', '.join(GPU_MODELS)}")  # fmt: skip
-    return count, mib, format_bytes(mib * 2**20)
+    return count, mib, f"{mib / 1024:g} GiB"
 
 
 @dataclass
@@ -67,7 +67,7 @@ class RankMemory:
     phase: str | None = None
 
 
-@dataclass
+@dataclass(repr=False)
 class MemoryEstimate:
     """What :func:`estimate` found; ``str()`` for terminals, HTML in notebooks, :meth:`to_json`."""
 
@@ -118,7 +118,7 @@ class MemoryEstimate:
         rows += [("lever", lever) for lever in self.levers] + [("note", note) for note in self.notes]
         return rows
 
-    def __str__(self) -> str:
+    def __repr__(self) -> str:
         return "\n".join(f"{label}: {text}" if label else f"Estimated peak memory per rank ({text})"
                          for label, text in self._lines())  # fmt: skip
 
