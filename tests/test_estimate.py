@@ -39,17 +39,32 @@ DDP_CELL = FSDP_CELL.replace(
     "for layer in model:\n    fully_shard(layer)\nfully_shard(model)",
     "model = torch.nn.parallel.DistributedDataParallel(model{options})",
 )
+TP_CELL = """
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+torch.manual_seed(0)
+mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024))
+model = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+opt = torch.optim.Adam(model.parameters())
+x = torch.randn(64, 1024)
+for _ in range(2):
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
 PLAIN_CELL = FSDP_CELL.replace("for layer in model:\n    fully_shard(layer)\nfully_shard(model)\n", "")
 
 
-def measured_on_two_gloo_ranks(cell: str, tmp_path: Path) -> list[int]:
-    """Each rank's peak on 2 real gloo ranks under torchrun, by rank."""
+def measured_on_gloo_ranks(cell: str, ranks: int, tmp_path: Path) -> list[int]:
+    """Each rank's peak on real gloo ranks under torchrun, by rank."""
     script = tmp_path / "cell.py"
     script.write_text(cell)
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(MEASURE), str(script)],
+        [str(torchrun), "--standalone", "--nproc-per-node", str(ranks), str(MEASURE), str(script)],
         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -59,14 +74,15 @@ def measured_on_two_gloo_ranks(cell: str, tmp_path: Path) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "cell",
-    [FSDP_CELL, DDP_CELL.format(options=""), DDP_CELL.format(options=", gradient_as_bucket_view=True")],
-    ids=["fsdp2", "ddp", "ddp-bucket-view"],
-)
-def test_each_rank_within_ten_percent_of_a_real_gloo_run(cell, tmp_path, no_process_left_behind):
-    real = measured_on_two_gloo_ranks(cell, tmp_path)
-    estimated = vgpu_magic.estimate(cell, ranks=2, all_ranks=True)
-    assert len(real) == 2
+    ("cell", "ranks", "parallelism"),
+    [(FSDP_CELL, 2, "FSDP2"), (FSDP_CELL, 4, "FSDP2"), (DDP_CELL.format(options=""), 2, "DDP"),
+     (DDP_CELL.format(options=", gradient_as_bucket_view=True"), 2, "DDP"), (TP_CELL, 2, "TP (DTensor)")],
+    ids=["fsdp2", "fsdp2-4-ranks", "ddp", "ddp-bucket-view", "tensor-parallel"],
+)  # fmt: skip
+def test_each_rank_within_ten_percent_of_a_real_gloo_run(cell, ranks, parallelism, tmp_path, no_process_left_behind):
+    real = measured_on_gloo_ranks(cell, ranks, tmp_path)
+    estimated = vgpu_magic.estimate(cell, ranks=ranks, all_ranks=True)
+    assert len(real) == ranks and estimated.parallelism == parallelism
     for rank, peak in enumerate(real):
         assert abs(estimated.ranks[rank].peak_bytes - peak) <= 0.10 * peak, (rank, estimated, real)
 

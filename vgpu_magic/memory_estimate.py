@@ -218,14 +218,15 @@ def _levers(result: MemoryEstimate, cell: Any, namespace: dict | None, name: str
     activations = parts.get("activations", 0) + parts.get("temporaries", 0)
     state = sum(parts.get(k, 0) for k in ("parameters", "gradients", "optimizer state"))
     levers = []
-    if result.parallelism.startswith("FSDP") and result.fits is False:
+    fsdp = "FSDP" in result.parallelism
+    if fsdp and result.fits is False:
         more = estimate(cell, 2 * result.world, framework=name, namespace=namespace)
         levers.append(f"FSDP over {2 * result.world} ranks: peak {format_bytes(more.peak_bytes)} (re-estimated)")
-    elif not result.parallelism.startswith("FSDP") and result.world > 1 and name == "torch":
+    elif not fsdp and result.world > 1 and name == "torch":
         saved = state * (result.world - 1) // result.world
         levers.append(f"shard with FSDP2 (fully_shard): about {format_bytes(saved)} less (parameters, gradients, "
                       "optimizer state ÷ ranks)")  # fmt: skip
-    if result.parallelism.startswith("FSDP"):
+    if fsdp:
         levers.append("reshard_after_forward=True (the default) keeps only a shard of each layer between passes")
     if activations:
         levers += [

@@ -2,6 +2,7 @@
 the estimate's own tracker in real mode: ``MEASURED {"rank": ..., "peak_bytes": ...}``."""
 
 import json
+import os
 import sys
 
 import torch.distributed as dist
@@ -13,5 +14,6 @@ with open(sys.argv[1]) as f:
     cell = f.read()
 with PeakTracker() as tracker:
     exec(compile(cell, sys.argv[1], "exec"), {"__name__": "__main__"})
-print("MEASURED", json.dumps({"rank": dist.get_rank(), **tracker.result()}), flush=True)
+# One write, shorter than a pipe's atomic size: the ranks' lines never interleave.
+os.write(1, f"MEASURED {json.dumps({'rank': dist.get_rank(), **tracker.result()})}\n".encode())
 dist.destroy_process_group()

@@ -170,20 +170,31 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
     if dist.is_initialized():
         raise ValueError("this kernel has its own torch.distributed process group; estimate in a kernel without "
                          "one (destroy_process_group() first)")  # fmt: skip
-    used, fully_shard, ddp_class = set(), torch.distributed.fsdp.fully_shard, torch.nn.parallel.DistributedDataParallel
+    from torch.distributed.tensor import parallel
 
-    def noted_fully_shard(*args: Any, **kwargs: Any) -> Any:
-        used.add("FSDP2")
-        with _pop_mode_temporarily():  # its world-size views of every parameter allocate nothing
-            return fully_shard(*args, **kwargs)
+    used: set[str] = set()
+
+    def noted(label: str, function: Callable, untracked: bool = False) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            used.add(label)
+            with _pop_mode_temporarily() if untracked else contextlib.nullcontext():
+                return function(*args, **kwargs)
+
+        return call
 
     class DDP(_DDPStandIn):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             used.add("DDP")
             super().__init__(*args, **kwargs)
 
-    namespace = {k: DDP if v is ddp_class else noted_fully_shard if v is fully_shard else v
-                 for k, v in (namespace or {}).items()}  # fmt: skip
+    # fully_shard's world-size views of every parameter allocate nothing: the tracker need not walk them.
+    fully_shard, tensor_parallel = (
+        noted("FSDP2", torch.distributed.fsdp.fully_shard, True),
+        noted("TP (DTensor)", parallel.parallelize_module),
+    )
+    ours = {torch.nn.parallel.DistributedDataParallel: DDP, torch.distributed.fsdp.fully_shard: fully_shard,
+            parallel.parallelize_module: tensor_parallel}  # fmt: skip
+    namespace = {k: ours.get(v, v) if callable(v) else v for k, v in (namespace or {}).items()}
     env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world,
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}  # fmt: skip
     cuda, blocks = _CudaOnCpu(), mem_tracker._WeakRefInfo._calculate_mem_consumed
@@ -193,7 +204,8 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
         for target, name, value in (
             (torch.nn.parallel, "DistributedDataParallel", DDP),
             (torch.nn.parallel.distributed, "DistributedDataParallel", DDP),
-            (torch.distributed.fsdp, "fully_shard", noted_fully_shard),
+            (torch.distributed.fsdp, "fully_shard", fully_shard),
+            (parallel, "parallelize_module", tensor_parallel),
             (dist, "init_process_group", lambda *a, **k: None),
             (dist, "destroy_process_group", lambda *a, **k: None),
             (torch.cuda, "set_device", lambda *a, **k: None),
@@ -214,4 +226,4 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
         for mode in (FakeTensorMode(allow_non_fake_inputs=True), cuda, tracker):
             stack.enter_context(mode)
         cell() if callable(cell) else exec(compile(cell, "<vgpu_estimate cell>", "exec"), namespace)
-    return {**tracker.result(), "parallelism": next(iter(sorted(used, reverse=True)), "single device")}
+    return {**tracker.result(), "parallelism": " + ".join(sorted(used, reverse=True)) or "single device"}
