@@ -32,13 +32,19 @@ _LAZY = {
     "cluster": "ranks",
     "mesh": "frameworks.jax.mesh",
     "distribution": "frameworks.jax.mesh",
+    "estimate": "memory_estimate",
+    "MemoryEstimate": "memory_estimate",
 }
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension", *_LAZY]
 
 #: The Magics classes the extension registers besides :class:`~vgpu_magic.magics.VGPUMagics`,
 #: as "module:Class" (imported at load, never at package import).
-_MAGICS: tuple[str, ...] = (".ranks.magics:ClusterMagics", ".monitor.magics:MonitorMagics")
+_MAGICS: tuple[str, ...] = (
+    ".ranks.magics:ClusterMagics",
+    ".monitor.magics:MonitorMagics",
+    ".estimate_magics:EstimateMagics",
+)
 
 _loaded: dict[int, tuple[Any, list[Any]]] = {}
 

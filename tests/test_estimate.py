@@ -1,0 +1,226 @@
+"""``vgpu_magic.estimate()`` and ``%%vgpu_estimate``: each estimate proved against a
+real run measured by the same tracker (torch's MemTracker) in real mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from IPython.core.error import UsageError
+
+import vgpu_magic
+from vgpu_magic.errors import PlanError
+from vgpu_magic.memory_estimate import MemoryEstimate, RankMemory, parse_gpu
+
+ROOT = Path(__file__).resolve().parents[1]
+MEASURE = ROOT / "tests" / "scripts" / "measure_cell.py"
+GIB = 2**30
+
+FSDP_CELL = """
+import torch
+from torch.distributed.fsdp import fully_shard
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(1000, 1000) for _ in range(8)])
+for layer in model:
+    fully_shard(layer)
+fully_shard(model)
+opt = torch.optim.Adam(model.parameters())
+x = torch.randn(64, 1000)
+for _ in range(2):
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+DDP_CELL = FSDP_CELL.replace(
+    "for layer in model:\n    fully_shard(layer)\nfully_shard(model)",
+    "model = torch.nn.parallel.DistributedDataParallel(model{options})",
+)
+TP_CELL = """
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+torch.manual_seed(0)
+mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024))
+model = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+opt = torch.optim.Adam(model.parameters())
+x = torch.randn(64, 1024)
+for _ in range(2):
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+PLAIN_CELL = FSDP_CELL.replace("for layer in model:\n    fully_shard(layer)\nfully_shard(model)\n", "")
+
+
+def measured_on_gloo_ranks(cell: str, ranks: int, tmp_path: Path) -> list[int]:
+    """Each rank's peak on real gloo ranks under torchrun, by rank."""
+    script = tmp_path / "cell.py"
+    script.write_text(cell)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", str(ranks), str(MEASURE), str(script)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("MEASURED ")]
+    return [r["peak_bytes"] for r in sorted(found, key=lambda r: r["rank"])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("cell", "ranks", "parallelism"),
+    [(FSDP_CELL, 2, "FSDP2"), (FSDP_CELL, 4, "FSDP2"), (DDP_CELL.format(options=""), 2, "DDP"),
+     (DDP_CELL.format(options=", gradient_as_bucket_view=True"), 2, "DDP"), (TP_CELL, 2, "TP (DTensor)")],
+    ids=["fsdp2", "fsdp2-4-ranks", "ddp", "ddp-bucket-view", "tensor-parallel"],
+)  # fmt: skip
+def test_each_rank_within_ten_percent_of_a_real_gloo_run(cell, ranks, parallelism, tmp_path, no_process_left_behind):
+    real = measured_on_gloo_ranks(cell, ranks, tmp_path)
+    estimated = vgpu_magic.estimate(cell, ranks=ranks, all_ranks=True)
+    assert len(real) == ranks and estimated.parallelism == parallelism
+    for rank, peak in enumerate(real):
+        assert abs(estimated.ranks[rank].peak_bytes - peak) <= 0.10 * peak, (rank, estimated, real)
+
+
+def test_single_device_estimate_equals_the_same_step_run_for_real():
+    from vgpu_magic.frameworks.torch.estimate import PeakTracker
+
+    with PeakTracker() as tracker:
+        exec(PLAIN_CELL, {})
+    real = tracker.result()
+    estimated = vgpu_magic.estimate(PLAIN_CELL, ranks=1)
+    assert estimated.peak_bytes == real["peak_bytes"]
+    assert estimated.ranks[0].categories == real["categories"]
+    assert estimated.ranks[0].phase == real["phase"] == "optimizer step"
+    assert estimated.parallelism == "single device"
+
+
+def test_fsdp_over_more_ranks_needs_less_per_rank_and_ddp_keeps_its_buckets():
+    two = vgpu_magic.estimate(FSDP_CELL, ranks=2)
+    eight = vgpu_magic.estimate(FSDP_CELL, ranks=8)
+    assert two.parallelism == "FSDP2"
+    assert eight.ranks[0].categories["parameters"] < two.ranks[0].categories["parameters"] / 3
+    ddp = vgpu_magic.estimate(DDP_CELL.format(options=""), ranks=8)
+    params = ddp.ranks[0].categories["parameters"]
+    assert ddp.parallelism == "DDP"
+    assert ddp.ranks[0].categories["communication buffers"] == params  # one flat bucket per dtype
+
+
+def test_cuda_code_is_estimated_without_a_gpu_with_cudas_defaults():
+    """CUDA's 512 B blocks, and the optimizer's foreach kernels that it takes by default on CUDA."""
+    cpu = vgpu_magic.estimate(FSDP_CELL.replace("parameters())", "parameters(), foreach=True)"), ranks=2)
+    cuda = vgpu_magic.estimate(
+        FSDP_CELL.replace("1000)", "1000, device='cuda')").replace("64, 1000)", "64, 1000, device='cuda')")
+        + "\nassert x.device.type == 'cpu' and not torch.cuda.is_initialized()",
+        ranks=2,
+    )
+    assert cpu.peak_bytes <= cuda.peak_bytes <= cpu.peak_bytes * 1.01
+    assert all(v % 512 == 0 for v in cuda.ranks[0].categories.values())
+
+
+def test_the_kernel_is_untouched_whatever_the_cell_raised():
+    import torch
+    import torch.distributed as dist
+
+    before = (dict(os.environ), torch.nn.parallel.DistributedDataParallel, dist.init_process_group)
+    namespace = {"keep": 1}
+    with pytest.raises(ZeroDivisionError):
+        vgpu_magic.estimate(FSDP_CELL + "\nkeep = 2\n1 / 0", ranks=4, namespace=namespace)
+    assert not dist.is_initialized()
+    assert (dict(os.environ), torch.nn.parallel.DistributedDataParallel, dist.init_process_group) == before
+    assert namespace == {"keep": 1}
+    assert torch.ones(2).sum().item() == 2.0  # no fake mode left on
+
+
+def test_verdict_after_cuda_context_and_levers():
+    fits = vgpu_magic.estimate(FSDP_CELL, gpu="2xT4")
+    assert fits.world == 2 and fits.fits is True
+    assert fits.spare_bytes == (15360 - 621 - 64) * 2**20 - fits.peak_bytes
+    assert fits.verdict == f"fits, {fits.spare_bytes / GIB:.1f} GiB to spare"
+    tight = vgpu_magic.estimate(FSDP_CELL, ranks=2, gpu="600MB")
+    assert tight.fits is False and tight.verdict.startswith("does not fit by ")
+    more = next(lever for lever in tight.levers if lever.startswith("FSDP over 4 ranks"))
+    assert "re-estimated" in more
+    data = json.loads(tight.to_json())
+    assert data["fits"] is False and data["ranks"][0]["peak_bytes"] == tight.peak_bytes
+    assert "does not fit by" in str(tight) and "<table>" in tight._repr_html_()
+
+
+def test_a_memory_estimate_renders_its_figures():
+    rank = RankMemory(0, 3 * GIB, {"parameters": GIB, "activations": 2 * GIB}, "backward")
+    found = MemoryEstimate("PyTorch", 2, [rank], gpu_label="4 GiB", gpu_bytes=4 * GIB, kept_bytes=GIB // 2)
+    assert found.verdict == "fits, 0.5 GiB to spare"
+    assert "rank 0: peak 3.00 GiB in the backward (parameters 1.00 GiB · activations 2.00 GiB)" in str(found)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("80GB", (None, 81920)), ("8x80GB", (8, 81920)), ("H100", (None, 81559)), ("8 x a100-40gb", (8, 40960)),
+     ("rtx 4090", (None, 24564)), ("2048", (None, 2048))],
+)  # fmt: skip
+def test_gpu_sizes_and_models(text, expected):
+    assert parse_gpu(text)[:2] == expected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"gpu": "H900"}, "'H900' is neither a size nor a GPU model"), ({"ranks": 0}, "ranks 0 is not"),
+     ({"ranks": 2, "rank": 2}, "rank 2 is not a rank of 2"), ({"gpu": "4x80GB", "ranks": 2}, "make them agree"),
+     ({"ranks": 2, "framework": "tf"}, "tensorflow cannot be estimated"), ({"gpu": "0x80GB"}, "counts no GPUs")],
+)  # fmt: skip
+def test_bad_input_is_one_line_before_anything_runs(kwargs, match):
+    with pytest.raises(PlanError, match=match):
+        vgpu_magic.estimate("raise AssertionError('ran')\nimport torch", **kwargs)
+
+
+def test_magic_estimates_stores_and_refuses(ip):
+    found = ip.run_cell_magic("vgpu_estimate", "--gpu 2xL4 -o fit", FSDP_CELL)
+    assert ip.user_ns["fit"] is found and found.fits is True and found.world == 2
+    assert "model" not in ip.user_ns
+    for line, match in [
+        ("--ranks 0", "--ranks '0' is not a whole number ≥ 1"),
+        ("--ranks 2 --gpu H900", "'H900' is neither"),
+        ("--ranks 2 --rank -1", "--rank '-1' is not a whole number"),
+        ("--ranks 2 -o 1a", "not a variable name"),
+        ("--ranks 2 --gpu", "--gpu needs a value"),
+    ]:
+        with pytest.raises(UsageError, match=match):
+            ip.run_cell_magic("vgpu_estimate", line, "raise AssertionError('ran')\nimport torch")
+    with pytest.raises(UsageError, match="no training step"):
+        ip.run_cell_magic("vgpu_estimate", "--ranks 2", "import torch\ntorch.nn.Linear(3, 3)(torch.ones(3))")
+    with pytest.raises(UsageError, match="made no tensors"):
+        ip.run_cell_magic("vgpu_estimate", "--ranks 2", "import torch\nx = 1")
+
+
+JAX_CELL = ROOT / "tests" / "scripts" / "jax_step_cell.py"
+
+
+@pytest.mark.slow
+def test_jax_step_on_eight_devices_matches_the_live_bytes_of_a_real_run(no_process_left_behind):
+    """Arguments and outputs per device, against a real 8-device run's live arrays on device 0
+    (CPU devices keep no allocator statistics, so temporaries are proved on a GPU only)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}  # fmt: skip
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "measure_jax_cell.py"), str(JAX_CELL)],
+                          capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    real = json.loads(proc.stdout.split("MEASURED ", 1)[1])["live_bytes"]
+    had_jax = "jax" in sys.modules
+    estimated = vgpu_magic.estimate(JAX_CELL.read_text(), ranks=8)
+    assert ("jax" in sys.modules) == had_jax  # compiled in a helper process: this one's JAX is untouched
+    parts = estimated.ranks[0].categories
+    assert estimated.parallelism == "SPMD over 8 devices" and estimated.framework == "JAX"
+    assert parts["temporaries"] > 0
+    assert abs(parts["arguments"] + parts["outputs"] - real) <= 0.10 * real, (parts, real)
+
+
+def test_jax_without_a_jitted_step_and_tensorflow_are_refused():
+    with pytest.raises(PlanError, match="no jitted step"):
+        vgpu_magic.estimate("import jax.numpy as jnp\nx = jnp.ones(3)", ranks=2)
+    with pytest.raises(PlanError, match="tensorflow cannot be estimated"):
+        vgpu_magic.estimate("import tensorflow as tf\nx = tf.ones(3)", ranks=2)

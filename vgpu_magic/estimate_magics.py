@@ -1,0 +1,78 @@
+"""The ``%%vgpu_estimate`` magic: a thin face over :func:`vgpu_magic.memory_estimate.estimate`.
+
+Its line is parsed and checked whole (the same checks as the Python API's)
+before the cell runs; a mistake is one plain sentence that quotes the bad
+token and says what would work, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from .errors import PlanError, excerpt
+from .grammar import framework_name, parse_arguments, parse_whole_number
+from .memory_estimate import GPU_MODELS, MAX_ALL_RANKS, MemoryEstimate, estimate, parse_gpu
+
+__all__ = ["EstimateMagics"]
+
+
+def _whole(option: str, minimum: int) -> Callable[[str], int]:
+    """A ``type=`` for a whole number ≥ ``minimum``."""
+
+    def whole(text: str) -> int:
+        value = parse_whole_number(text)
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"{option} {excerpt(text)} is not a whole number ≥ {minimum}; "
+                                             f"use e.g. {option} 8")  # fmt: skip
+        return value
+
+    whole.example = f"{option} 8"  # type: ignore[attr-defined]
+    return whole
+
+
+def _gpu(text: str) -> str:
+    try:
+        parse_gpu(text)
+    except PlanError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+_gpu.example = "--gpu 80GB"  # type: ignore[attr-defined]
+
+
+@magics_class
+class EstimateMagics(Magics):
+    """``%%vgpu_estimate``: the face of :func:`estimate`."""
+
+    @cell_magic
+    @magic_arguments()
+    @argument("--ranks", "-n", type=_whole("--ranks", 1), metavar="N", help="ranks; default: the count in --gpu 8x80GB")
+    @argument("--gpu", "-g", type=_gpu, metavar="SIZE", help=f"80GB, 8x80GB or a model ({', '.join(GPU_MODELS)})")
+    @argument("--rank", "-r", type=_whole("--rank", 0), default=0, metavar="R", help="the rank to run as (default 0)")
+    @argument("--all-ranks", "-a", action="store_true", help=f"run as every rank (at most {MAX_ALL_RANKS})")
+    @argument("--framework", "-f", type=framework_name, metavar="NAME", help="torch or jax; default: the cell's")
+    @argument("-o", dest="output", metavar="NAME", help="store the MemoryEstimate in this variable too")
+    def vgpu_estimate(self, line: str, cell: str) -> MemoryEstimate:
+        """Estimate each rank's peak memory for a cell that builds a model and runs a
+        training step on N devices, without allocating its tensors.
+
+        In [1]: %%vgpu_estimate --ranks 8 --gpu 80GB
+           ...: model = Net(); fully_shard(model); model(x).sum().backward(); opt.step()
+        """
+        try:
+            args = parse_arguments(self.vgpu_estimate.parser, line, example="%%vgpu_estimate --ranks 8 --gpu 80GB")
+            if args.output is not None and not args.output.isidentifier():
+                raise PlanError(f"-o {excerpt(args.output)} is not a variable name; use e.g. -o fit")
+            found = estimate(cell, args.ranks, args.gpu, args.framework, args.rank, all_ranks=args.all_ranks,
+                             namespace=self.shell.user_ns)  # fmt: skip
+        except PlanError as exc:
+            raise UsageError(str(exc)) from None
+        if args.output:
+            self.shell.user_ns[args.output] = found
+        return found

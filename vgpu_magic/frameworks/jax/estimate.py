@@ -1,0 +1,88 @@
+"""JAX's part of :func:`vgpu_magic.estimate`: the cell's jitted steps compiled, not run, and read with XLA's
+``memory_analysis()`` (arguments, outputs, temporaries per device; donated buffers once).
+
+The cell runs in a helper process with N CPU devices, so the kernel's JAX is untouched and N need not be its
+split; the cell must stand alone. There a jitted function, called, is compiled for its arguments' shapes and
+shardings and returns its outputs as ``jax.ShapeDtypeStruct`` (``jax.device_put`` places them), so the next
+step compiles from them and nothing of a step's size is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+__all__ = ["estimate_ranks"]
+
+_MARK = "VGPU_ESTIMATE "
+
+
+def estimate_ranks(cell: Any, world: int, ranks: list[int], namespace: dict | None) -> list[dict[str, Any]]:
+    """Each chosen rank's (device's) peak: the largest of the cell's compiled steps."""
+    from ...errors import PlanError
+
+    if not isinstance(cell, str):
+        raise PlanError("a JAX estimate takes the cell's code (it runs in a helper process with N devices)")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={world}".strip()
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", __name__], input=cell, capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARK)]
+    if proc.returncode or not lines:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the cell failed in the estimate's helper process ({world} devices): {last}")
+    found = json.loads(lines[-1][len(_MARK) :])
+    found["notes"] = ["compiled for CPU devices: a GPU compile chooses its own temporaries, and on an H100 the test "
+                      "cell's real peak was twice this estimate (tests/test_estimate_gpu.py's finding)"]  # fmt: skip
+    return [found] * len(ranks)  # one SPMD program: every device's figures are the same
+
+
+def _run(cell: str) -> dict[str, Any]:
+    import jax
+
+    jit = jax.jit
+    best: dict[str, Any] = {"peak_bytes": 0, "categories": {}, "phase": None, "parallelism": "single device"}
+
+    def estimating_jit(fun: Any = None, **options: Any) -> Any:
+        if fun is None:  # used as @jax.jit(**options)
+            return lambda f: estimating_jit(f, **options)
+        jitted = jit(fun, **options)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            compiled = jitted.lower(*args, **kwargs).compile()
+            m = compiled.memory_analysis()
+            parts = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes - m.alias_size_in_bytes,
+                     "temporaries": m.temp_size_in_bytes}  # fmt: skip
+            if sum(parts.values()) > best["peak_bytes"]:
+                name = getattr(fun, "__name__", "step")
+                best.update(peak_bytes=sum(parts.values()), categories=parts, phase=f"jitted {name}")
+            devices = {d for s in jax.tree.leaves(compiled.output_shardings) for d in s.device_set}
+            if len(devices) > 1:
+                best["parallelism"] = f"SPMD over {len(devices)} devices"
+            return jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s),
+                                compiled.out_info, compiled.output_shardings)  # fmt: skip
+
+        return call
+
+    put = jax.device_put
+
+    def shapes_put(x: Any, device: Any = None, **options: Any) -> Any:
+        # A step's outputs are shapes here; placing them places the shapes (a single sharding, as in a data-parallel
+        # cell; anything else is put as JAX puts it).
+        def one(leaf: Any) -> Any:
+            if not isinstance(leaf, jax.ShapeDtypeStruct):
+                return put(leaf, device, **options)
+            sharding = device if isinstance(device, jax.sharding.Sharding) else leaf.sharding
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+        return jax.tree.map(one, x)
+
+    jax.jit, jax.device_put = estimating_jit, shapes_put
+    exec(compile(cell, "<vgpu_estimate cell>", "exec"), {"__name__": "__main__"})
+    return best
+
+
+if __name__ == "__main__":
+    print(_MARK + json.dumps(_run(sys.stdin.read())), flush=True)

@@ -1,0 +1,229 @@
+"""PyTorch's part of :func:`vgpu_magic.estimate`: a cell run as rank R of N, its tensors not allocated.
+
+Torch's own tools: the fake process group (``backend="fake"``, any world size), ``FakeTensorMode`` and
+``MemTracker``. Code written for ``cuda`` runs on fake CPU tensors with CUDA's 512 B blocks and its
+optimizer defaults (foreach), so no CUDA context is made. ``DistributedDataParallel`` touches data in its
+C++ reducer, so a stand-in keeps what DDP keeps: one flat gradient bucket per dtype from construction on,
+the gradients copied into it (or, with ``gradient_as_bucket_view=True``, views of it). Whatever the cell
+raises, the process group, the environment and every patched function are restored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools import mem_tracker
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["PeakTracker", "estimate_rank"]
+
+CATEGORIES = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Optstate": "optimizer state",
+              "Activation": "activations", "Temp": "temporaries", "Other": "communication buffers"}  # fmt: skip
+_CUDA = re.compile(r"cuda(:[0-9]+)?")
+_tracker: PeakTracker | None = None
+
+
+class PeakTracker(mem_tracker.MemTracker):
+    """``MemTracker`` over a whole cell (several iterations) that notes the phase of the peak. The tests
+    measure real runs with it too, so an estimate and its measurement are read by one tool."""
+
+    phase: str | None = None
+    backward = False
+    untracked = 0  #: > 0 while DTensor propagates shapes in the estimate's own fake mode (no memory)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.untracked:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _pre_bw_hook(self, module: torch.nn.Module, args: Any) -> None:
+        self.backward = True
+        super()._pre_bw_hook(module, args)
+
+    def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+        # A root module called again is the next iteration (MemTracker would refuse it): start afresh.
+        again = module in self.memory_tracking and not self._mod_tracker.is_bw
+        if again and set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} <= {"Global"}:
+            self.reset_mod_stats()
+        super()._pre_fw_hook(module, inputs)
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        # The process's peak only: MemTracker's per-module walk costs more the larger the model.
+        for device, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snap["Total"]:
+                self._peak_mem[device], self._peak_mem_snap[device] = snap["Total"], dict(snap)
+                busy = set(self._mod_tracker.parents) - {"Global"}
+                self.phase = ("optimizer step" if self._in_opt else "backward" if self._mod_tracker.is_bw
+                              else "forward" if busy else "outside the model's forward")  # fmt: skip
+
+    def result(self) -> dict[str, Any]:
+        """The peak (bytes) on the busiest device, its parts by category, its phase."""
+        snap = max(self.get_tracker_snapshot("peak").values(), key=lambda s: s["Total"], default={"Total": 0})
+        parts = {CATEGORIES.get(k.value, k.value): v for k, v in snap.items() if k != "Total"}
+        return {"peak_bytes": snap["Total"], "categories": parts, "phase": self.phase, "backward": self.backward}
+
+
+class _CudaOnCpu(TorchFunctionMode):
+    """Makes on (fake) CPU what the cell asks to make on CUDA, and notes that it did."""
+
+    used = False
+
+    def _cpu(self, value: Any) -> Any:
+        if (isinstance(value, torch.device) and value.type == "cuda") or (
+            isinstance(value, str) and _CUDA.fullmatch(value)
+        ):
+            self.used = True
+            return torch.device("cpu")
+        return value
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.cuda:
+            self.used = True
+            return args[0].to("cpu")
+        return func(*map(self._cpu, args), **{k: self._cpu(v) for k, v in (kwargs or {}).items()})
+
+
+class _DDPStandIn(torch.nn.Module):
+    """What ``DistributedDataParallel`` keeps in memory, without its C++ reducer."""
+
+    def __init__(self, module: torch.nn.Module, *args: Any, gradient_as_bucket_view: bool = False, **kwargs: Any):
+        super().__init__()
+        self.module, groups = module, {}
+        for param in module.parameters():
+            if param.requires_grad:
+                groups.setdefault((param.dtype, param.device), []).append(param)
+        self._buckets = [
+            torch.empty(sum(p.numel() for p in ps), dtype=d, device=dev) for (d, dev), ps in groups.items()
+        ]
+        for bucket, params in zip(self._buckets, groups.values()):
+            offset = 0
+            for param in params:
+                view = bucket[offset : offset + param.numel()].view_as(param)
+                offset += param.numel()
+                param.register_post_accumulate_grad_hook(_into_bucket(view, gradient_as_bucket_view))
+        _tracker.track_external(*self._buckets)  # as "Other": the communication buffers
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield
+
+
+def _into_bucket(view: torch.Tensor, as_view: bool) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        if param.grad is not None and param.grad is not view:
+            view.copy_(param.grad)
+            if as_view:
+                param.grad = view
+
+    return hook
+
+
+def _device_mesh_init(original: Callable) -> Callable:
+    # DeviceMesh reads its rank map's values, which fake tensors do not have; a cell's meshes (init_device_mesh,
+    # fully_shard's default) are always arange(world).
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+    def init(self, device_type: str, mesh: Any = None, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            if isinstance(mesh, FakeTensor):
+                mesh = torch.arange(mesh.numel(), dtype=torch.int).view(mesh.shape)
+            if isinstance(kwargs.get("_rank_map"), FakeTensor):
+                kwargs["_rank_map"] = torch.arange(kwargs["_rank_map"].numel(), dtype=torch.int)
+            original(self, "cpu" if device_type == "cuda" else device_type, mesh, **kwargs)
+
+    return init
+
+
+def _untracked(original: Callable) -> Callable:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        _tracker.untracked += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _tracker.untracked -= 1
+
+    return run
+
+
+def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespace: dict | None) -> dict[str, Any]:
+    """Run ``cell`` (code, or a function of no arguments) as ``rank`` of ``world``: its peak, the peak's
+    parts and phase, whether a backward pass ran, and its parallelism. Refuses (``ValueError``) in a
+    process that has its own default process group, which the estimate would have to replace."""
+    global _tracker
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.optim import optimizer
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils._python_dispatch import _pop_mode_temporarily
+
+    if dist.is_initialized():
+        raise ValueError("this kernel has its own torch.distributed process group; estimate in a kernel without "
+                         "one (destroy_process_group() first)")  # fmt: skip
+    from torch.distributed.tensor import parallel
+
+    used: set[str] = set()
+
+    def noted(label: str, function: Callable, untracked: bool = False) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            used.add(label)
+            with _pop_mode_temporarily() if untracked else contextlib.nullcontext():
+                return function(*args, **kwargs)
+
+        return call
+
+    class DDP(_DDPStandIn):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            used.add("DDP")
+            super().__init__(*args, **kwargs)
+
+    # fully_shard's world-size views of every parameter allocate nothing: the tracker need not walk them.
+    fully_shard, tensor_parallel = (
+        noted("FSDP2", torch.distributed.fsdp.fully_shard, True),
+        noted("TP (DTensor)", parallel.parallelize_module),
+    )
+    ours = {torch.nn.parallel.DistributedDataParallel: DDP, torch.distributed.fsdp.fully_shard: fully_shard,
+            parallel.parallelize_module: tensor_parallel}  # fmt: skip
+    namespace = {k: ours.get(v, v) if callable(v) else v for k, v in (namespace or {}).items()}
+    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world,
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}  # fmt: skip
+    cuda, blocks = _CudaOnCpu(), mem_tracker._WeakRefInfo._calculate_mem_consumed
+    foreach = optimizer._get_foreach_kernels_supported_devices  # CUDA's optimizers default to foreach, CPU's do not
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.dict("os.environ", {k: str(v) for k, v in env.items()}))
+        for target, name, value in (
+            (torch.nn.parallel, "DistributedDataParallel", DDP),
+            (torch.nn.parallel.distributed, "DistributedDataParallel", DDP),
+            (torch.distributed.fsdp, "fully_shard", fully_shard),
+            (parallel, "parallelize_module", tensor_parallel),
+            (dist, "init_process_group", lambda *a, **k: None),
+            (dist, "destroy_process_group", lambda *a, **k: None),
+            (torch.cuda, "set_device", lambda *a, **k: None),
+            (torch.cuda, "current_device", lambda: 0),
+            (DeviceMesh, "__init__", _device_mesh_init(DeviceMesh.__init__)),
+            (ShardingPropagator, "_propagate_tensor_meta_non_cached",
+             _untracked(ShardingPropagator._propagate_tensor_meta_non_cached)),
+            (optimizer, "_get_foreach_kernels_supported_devices", lambda: [*foreach(), *["cpu"] * cuda.used]),
+            (optimizer, "_foreach_supported_types", [*optimizer._foreach_supported_types, FakeTensor]),
+            (mem_tracker._WeakRefInfo, "_calculate_mem_consumed",
+             lambda info: math.ceil(blocks(info) / 512) * 512 if cuda.used else blocks(info)),
+        ):  # fmt: skip
+            stack.enter_context(mock.patch.object(target, name, value))
+        dist.distributed_c10d.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        stack.callback(dist.distributed_c10d.destroy_process_group)
+        tracker = _tracker = PeakTracker()
+        stack.callback(globals().__setitem__, "_tracker", None)
+        for mode in (FakeTensorMode(allow_non_fake_inputs=True), cuda, tracker):
+            stack.enter_context(mode)
+        cell() if callable(cell) else exec(compile(cell, "<vgpu_estimate cell>", "exec"), namespace)
+    return {**tracker.result(), "parallelism": " + ".join(sorted(used, reverse=True)) or "single device"}

@@ -1,0 +1,237 @@
+"""Will it fit? Each rank's peak memory on N devices, before anyone rents them.
+
+:func:`estimate` runs a cell (model building and training steps) as rank R of N with the framework's own
+tools (``frameworks/torch/estimate.py``, ``frameworks/jax/estimate.py``), allocating none of its tensors,
+and returns a :class:`MemoryEstimate`: per rank the peak, its parts and its phase; with a device size, the
+verdict after what CUDA and the framework keep, and the levers. TensorFlow cannot be estimated: it has
+neither fake tensors nor a compile-only memory analysis.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .errors import PlanError, excerpt
+from .units import GIB, format_bytes
+
+__all__ = ["MemoryEstimate", "RankMemory", "estimate", "parse_gpu", "CUDA_CONTEXT_MIB", "GPU_MODELS"]
+
+#: What each process keeps on its GPU before any tensor, measured on an H100 with torch 2.11: the CUDA
+#: context (621 MiB) and cuBLAS's workspaces, made with the first matrix product (64 MiB; test_estimate_gpu.py).
+CUDA_CONTEXT_MIB, CUBLAS_WORKSPACE_MIB = 621, 64
+
+#: Device memory as ``nvidia-smi`` reports it (MiB), by model; a name's spaces, dashes and case do not matter.
+GPU_MODELS = {
+    "H100 80GB": 81559, "H200": 143771, "A100 40GB": 40960, "A100 80GB": 81920,
+    "L4": 23034, "T4": 15360, "RTX 4090": 24564,
+}  # fmt: skip
+_MODEL_KEYS = {re.sub(r"[\s_-]", "", name.lower()): name for name in GPU_MODELS} | {"h100": "H100 80GB"}
+_GPU_RE = re.compile(r"\s*(?:([0-9]{1,6})\s*[x×]\s*)?(.+?)\s*", re.ASCII | re.IGNORECASE)
+MAX_ALL_RANKS = 64
+
+
+def parse_gpu(text: str) -> tuple[int | None, int, str]:
+    """``"8x80GB"`` -> ``(8, 81920, "80 GiB")``; ``"H100"`` -> ``(None, 81559, "H100 80GB")``; else PlanError."""
+    match = _GPU_RE.fullmatch(text)
+    count, what = (match.group(1) and int(match.group(1)), match.group(2)) if match else (None, text)
+    if count == 0:
+        raise PlanError(f"--gpu {excerpt(text)} counts no GPUs; use e.g. 8x80GB")
+    model = _MODEL_KEYS.get(re.sub(r"[\s_-]", "", what.lower()))
+    if model:
+        return count, GPU_MODELS[model], model
+    from .grammar import parse_memory
+
+    try:
+        mib = parse_memory(what)
+    except PlanError:
+        mib = 0
+    if mib == 0:
+        raise PlanError(f"--gpu {excerpt(text)} is neither a size nor a GPU model known here; use a size "
+                        f"(80GB, 8x80GB) or one of {', '.join(GPU_MODELS)}")  # fmt: skip
+    return count, mib, f"{mib / 1024:g} GiB"
+
+
+@dataclass
+class RankMemory:
+    """One rank's estimated peak (bytes), its parts by category and the phase where it peaks."""
+
+    rank: int
+    peak_bytes: int
+    categories: dict[str, int]
+    phase: str | None = None
+
+
+@dataclass(repr=False)
+class MemoryEstimate:
+    """What :func:`estimate` found; ``str()`` for terminals, HTML in notebooks, :meth:`to_json`."""
+
+    framework: str
+    world: int
+    ranks: list[RankMemory]
+    parallelism: str = "single device"
+    gpu_label: str | None = None
+    gpu_bytes: int | None = None
+    kept_bytes: int = 0  #: what CUDA and the framework keep on each device before any tensor
+    levers: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest rank's peak."""
+        return max(r.peak_bytes for r in self.ranks)
+
+    @property
+    def spare_bytes(self) -> int | None:
+        return None if self.gpu_bytes is None else self.gpu_bytes - self.kept_bytes - self.peak_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        """True or False against the device size; ``None`` without one."""
+        return None if self.spare_bytes is None else self.spare_bytes >= 0
+
+    @property
+    def verdict(self) -> str | None:
+        """``"fits, 31.2 GiB to spare"`` or ``"does not fit by 4.1 GiB"``."""
+        spare = self.spare_bytes
+        if spare is None:
+            return None
+        return f"fits, {spare / GIB:.1f} GiB to spare" if spare >= 0 else f"does not fit by {-spare / GIB:.1f} GiB"
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "peak_bytes": self.peak_bytes, "fits": self.fits, "verdict": self.verdict})
+
+    def _lines(self) -> list[tuple[str, str]]:
+        rows = [("", f"{self.framework}, {self.parallelism}, {self.world} rank{'s' * (self.world > 1)}")]
+        for r in self.ranks:
+            parts = " · ".join(f"{k} {format_bytes(v)}" for k, v in r.categories.items() if v)
+            where = f" in the {r.phase}" if r.phase else ""
+            rows.append((f"rank {r.rank}", f"peak {format_bytes(r.peak_bytes)}{where} ({parts})"))
+        if self.verdict:
+            kept = f"{format_bytes(self.kept_bytes)} for CUDA, cuBLAS and {self.framework}"
+            rows.append(("verdict", f"on {self.gpu_label}, less {kept}: {self.verdict}"))
+        rows += [("lever", lever) for lever in self.levers] + [("note", note) for note in self.notes]
+        return rows
+
+    def __repr__(self) -> str:
+        return "\n".join(f"{label}: {text}" if label else f"Estimated peak memory per rank ({text})"
+                         for label, text in self._lines())  # fmt: skip
+
+    def _repr_html_(self) -> str:
+        (_, title), *rows = self._lines()
+        body = "".join(f"<tr><th style='text-align:left'>{html.escape(a)}</th><td style='text-align:left'>"
+                       f"{html.escape(b)}</td></tr>" for a, b in rows)  # fmt: skip
+        return f"<table><caption>Estimated peak memory per rank ({html.escape(title)})</caption>{body}</table>"
+
+
+def _framework(cell: str | Callable, requested: str | None) -> str:
+    from .frameworks import resolve_name
+
+    if requested:
+        name = resolve_name(requested)
+    else:
+        text = cell if isinstance(cell, str) else " ".join((cell.__module__ or "", *cell.__code__.co_names))
+        found = [n for n in ("torch", "jax", "tensorflow") if re.search(rf"\b{n}\b", text)]
+        found += ["tensorflow"] * (not found and bool(re.search(r"\bkeras\b", text)))
+        if not found:
+            raise PlanError("cannot tell the framework of this cell; say --framework torch or --framework jax")
+        name = found[0]
+    if name not in ("torch", "jax"):
+        raise PlanError(
+            f"{name} cannot be estimated: it has no fake tensors and no compile-only memory analysis; "
+            "measure it on a real GPU split (%vgpu_split N --memory SIZE) instead"
+        )
+    return name
+
+
+def estimate(
+    code_or_function: str | Callable[[], Any],
+    ranks: int | None = None,
+    gpu: str | None = None,
+    framework: str | None = None,
+    rank: int = 0,
+    *,
+    all_ranks: bool = False,
+    namespace: dict | None = None,
+) -> MemoryEstimate:
+    """Each rank's peak memory when ``code_or_function`` (a cell's code, or a function of no arguments,
+    that builds the model and runs a training step) runs on ``ranks`` devices (default: the count in
+    ``gpu``: a size ``"80GB"``, ``"8x80GB"`` or a model in :data:`GPU_MODELS`). ``framework``: torch or
+    jax (default: the one the code names). ``rank`` / ``all_ranks``: which ranks to run as (FSDP's uneven
+    shards make them differ). ``namespace``: names the code may use; it runs in a copy, nothing stays.
+    Raises :class:`PlanError` (one line, nothing changed) for bad input, TensorFlow, or no training step.
+    """
+    count, gpu_mib, gpu_label = parse_gpu(gpu) if gpu is not None else (None, None, None)
+    ranks = ranks if ranks is not None else count
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise PlanError(f"ranks {excerpt(ranks)} is not a number of ranks; use a whole number ≥ 1, e.g. ranks=8")
+    if count is not None and count != ranks:
+        raise PlanError(f"--gpu {excerpt(gpu)} names {count} GPUs but ranks is {ranks}; make them agree")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
+        raise PlanError(f"rank {excerpt(rank)} is not a rank of {ranks}; use 0..{ranks - 1}")
+    if all_ranks and ranks > MAX_ALL_RANKS:
+        raise PlanError(f"--all-ranks runs every rank, {ranks} is too many; use --rank R (ranks differ little)")
+    if not callable(code_or_function) and not (isinstance(code_or_function, str) and code_or_function.strip()):
+        raise PlanError("nothing to estimate; give the code that builds the model and runs a training step")
+    name = _framework(code_or_function, framework)
+    chosen = list(range(ranks)) if all_ranks else [rank]
+    if name == "torch":
+        from .frameworks.torch.estimate import estimate_rank
+
+        found = [(r, estimate_rank(code_or_function, ranks, r, namespace)) for r in chosen]
+    else:
+        from .frameworks.jax.estimate import estimate_ranks
+
+        found = list(zip(chosen, estimate_ranks(code_or_function, ranks, chosen, namespace)))
+    if not any(f["peak_bytes"] for _, f in found):
+        raise PlanError("the cell ran no jitted step; wrap the training step in jax.jit and call it" if name == "jax"
+                        else "the cell made no tensors; put the model and one training step in it")  # fmt: skip
+    if name == "torch" and not any(f["backward"] for _, f in found):
+        raise PlanError("the cell has no training step (no backward pass ran); add one, e.g. loss.backward()")
+    first = found[0][1]
+    result = MemoryEstimate({"torch": "PyTorch", "jax": "JAX"}[name], ranks,
+                            [RankMemory(r, f["peak_bytes"], f["categories"], f["phase"]) for r, f in found],
+                            first["parallelism"], gpu_label, notes=list(first.get("notes", [])))  # fmt: skip
+    if gpu_mib is not None:
+        result.gpu_bytes, result.kept_bytes = gpu_mib * 2**20, _kept_mib(name, gpu_mib) * 2**20
+        result.levers = _levers(result, code_or_function, namespace, name)
+    return result
+
+
+def _kept_mib(name: str, gpu_mib: int) -> int:
+    from .frameworks import get
+
+    if name == "jax":  # XLA's client takes 75 % of the card by default (XLA_PYTHON_CLIENT_MEM_FRACTION)
+        return gpu_mib - int(gpu_mib * float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")))
+    reserve = get(name).capabilities.gpu_reserve_mib
+    return CUDA_CONTEXT_MIB + CUBLAS_WORKSPACE_MIB + (reserve(gpu_mib, None) if reserve else 0)
+
+
+def _levers(result: MemoryEstimate, cell: Any, namespace: dict | None, name: str) -> list[str]:
+    """What would change the verdict, each with its effect where that is cheap to know."""
+    parts = max(result.ranks, key=lambda r: r.peak_bytes).categories
+    activations = parts.get("activations", 0) + parts.get("temporaries", 0)
+    state = sum(parts.get(k, 0) for k in ("parameters", "gradients", "optimizer state"))
+    levers = []
+    fsdp = "FSDP" in result.parallelism
+    if fsdp and result.fits is False:
+        more = estimate(cell, 2 * result.world, framework=name, namespace=namespace)
+        levers.append(f"FSDP over {2 * result.world} ranks: peak {format_bytes(more.peak_bytes)} (re-estimated)")
+    elif not fsdp and result.world > 1 and name == "torch":
+        saved = state * (result.world - 1) // result.world
+        levers.append(f"shard with FSDP2 (fully_shard): about {format_bytes(saved)} less (parameters, gradients, "
+                      "optimizer state ÷ ranks)")  # fmt: skip
+    if fsdp:
+        levers.append("reshard_after_forward=True (the default) keeps only a shard of each layer between passes")
+    if activations:
+        levers += [
+            f"activation checkpointing: up to {format_bytes(activations)} of activations, recomputed in backward",
+            f"mixed precision (bf16 compute): about {format_bytes(activations // 2)} less in activations",
+            f"half the batch: about {format_bytes(activations // 2)} less",
+        ]
+    return levers
