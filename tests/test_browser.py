@@ -558,6 +558,7 @@ with vgpu_magic.strategy().scope():
 model.fit(x, y, batch_size=32, epochs=1, verbose=1)""",
 ]
 
+
 def _line_pixels_above_zero(png: bytes) -> tuple[int, str]:
     """Coloured (line) pixels inside the image's memory axes, above the band at their
     bottom where an axis starts at 0 (an all-zero series lies there); and the picture's size.
@@ -624,8 +625,12 @@ def test_jupyterlab_monitored_fit_keeps_the_progress_bar_whole_and_plots_cpu_mem
         assert len(images) == 1, f"expected one plot in the fit's output, found {kinds}"
         plot = images[0]
         # Every progress line a user sees ends at N/N, below the plot: none froze above it at 1/N.
-        seen = [(i, int(m[1]), int(m[2])) for i, (kind, text) in enumerate(kinds) if kind == "text"
-                for m in _PROGRESS.finditer(text)]
+        seen = [
+            (i, int(m[1]), int(m[2]))
+            for i, (kind, text) in enumerate(kinds)
+            if kind == "text"
+            for m in _PROGRESS.finditer(text)
+        ]
         assert seen, f"no Keras progress line in the fit's output: {kinds}"
         assert all(step == steps and i > plot for i, step, steps in seen), seen
         assert seen[-1][1] == 1280 // 32

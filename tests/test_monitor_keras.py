@@ -212,7 +212,10 @@ print(json.dumps({"after_with": after_with, "series": [s.key for s in mon.trace.
 def test_monitor_never_starts_the_runtime_itself():
     # Before the runtime runs, a run records the process' memory alone, at its start and its end.
     assert last_json(run_python(NO_RUNTIME).stdout) == {
-        "after_with": False, "series": ["process"], "samples": 2, "split": "applied"
+        "after_with": False,
+        "series": ["process"],
+        "samples": 2,
+        "split": "applied",
     }
 
 

@@ -19,14 +19,12 @@ from __future__ import annotations
 import base64
 import contextlib
 import signal
-import struct
 import sys
 import threading
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["DISPLAY_MODES", "DisplaySurface", "MemoryFrame", "detect_frontend", "encode_png", "interrupts_deferred"]
+__all__ = ["DISPLAY_MODES", "DisplaySurface", "MemoryFrame", "detect_frontend", "interrupts_deferred"]
 
 #: ``display=`` values: ``"auto"`` (a live plot in a Jupyter kernel, text
 #: elsewhere), ``"rich"`` (the live plot), ``"text"`` (per-epoch lines) or
@@ -48,28 +46,6 @@ def detect_frontend() -> str:
     if shell is None or getattr(shell, "kernel", None) is None:
         return "text"
     return "rich"
-
-
-def encode_png(pixels: Any, compress_level: int = 1) -> bytes:
-    """An RGB or RGBA ``uint8`` array as PNG: every row unfiltered, then zlib.
-
-    Cheaper than Pillow's encoder, whose adaptive per-row filters
-    buy nothing on a plot that is mostly flat colour.
-    """
-    import numpy as np
-
-    height, width, channels = pixels.shape
-    rows = np.empty((height, 1 + channels * width), dtype=np.uint8)
-    rows[:, 0] = 0  # filter type "none"
-    rows[:, 1:] = pixels.reshape(height, channels * width)
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    colour_type = {3: 2, 4: 6}[channels]  # 8-bit RGB or RGBA
-    header = struct.pack(">IIBBBBB", width, height, 8, colour_type, 0, 0, 0)
-    body = zlib.compress(rows.tobytes(), compress_level)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", body) + chunk(b"IEND", b"")
 
 
 class MemoryFrame:

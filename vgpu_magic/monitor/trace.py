@@ -172,6 +172,8 @@ class MemoryTrace:
     finished: bool = False
     duration: float = 0.0
     recent: int = RECENT_SAMPLES
+    #: What a custom loop watches, in its framework's words (``"JAX · 8 devices"``).
+    subject: str = ""
 
     def __post_init__(self) -> None:
         self.series = tuple(self.series)
@@ -219,6 +221,28 @@ class MemoryTrace:
                 self._max_peak[i] = pk
         if cols.n - cols.envelope >= 2 * self.recent:
             self._cols = _compacted(cols, self.recent)
+
+    def add_series(self, series: Sequence[SeriesInfo], baseline_peak: Sequence[int]) -> None:
+        """Use ``series`` from now on, which hold every series so far (by key)
+        and some that joined the run (a runtime started): those read 0 B in
+        the rows before, when their allocator did not exist yet."""
+        cols, old = self._cols, {s.key: i for i, s in enumerate(self.series)}
+        if not set(old) <= {s.key for s in series}:
+            raise ValueError(f"{[s.key for s in series]} leaves out some of {list(old)}")
+        n = cols.n
+        out = _Columns(len(series))
+        out.time, out.step, out.epoch, out.phase = cols.time[:n], cols.step[:n], cols.epoch[:n], cols.phase[:n]
+        out.n, out.envelope, out.bucket = n, cols.envelope, cols.bucket
+        place = [old.get(s.key) for s in series]
+        for j, i in enumerate(place):
+            out.current[j] = array("q", bytes(8 * n)) if i is None else cols.current[i][:n]
+            out.peak[j] = array("q", bytes(8 * n)) if i is None else cols.peak[i][:n]
+        pick = lambda values, new: tuple(new[j] if i is None else values[i] for j, i in enumerate(place))  # noqa: E731
+        self.baseline_peak = pick(self.baseline_peak, list(baseline_peak))
+        self._max_current = list(pick(self._max_current, [0] * len(series)))
+        self._max_peak = list(pick(self._max_peak, [0] * len(series)))
+        self.series = tuple(series)
+        self._cols = out
 
     def mark_epoch(self, time: float, epoch: int) -> None:
         """Record that ``epoch`` started at ``time``."""
@@ -312,16 +336,21 @@ class MemoryTrace:
         allocator that keeps no statistics): "nothing allocated"."""
         return bool(self._cols.n) and self._max_current[index] == 0 and self._max_peak[index] == 0
 
-    def peak_text(self, index: int) -> str:
-        """``'peak 1.20 GiB'``, or an honest bound when the peak predates the run."""
+    def max_reading(self, index: int) -> int:
+        """The largest current or peak bytes series ``index`` read in this run."""
+        return max(self._max_current[index], self._max_peak[index])
+
+    def peak_text(self, index: int, unit: str | None = None) -> str:
+        """``'peak 1.20 GiB'`` (in ``unit``, e.g. an axis', when given), or an
+        honest bound when the peak predates the run."""
         if self.all_zero(index):
             return "nothing allocated"
         peak = self.run_peak(index)
         if peak is not None:
-            return f"peak {format_bytes(peak)}"
+            return f"peak {format_bytes(peak, unit)}"
         if not self._cols.n:
             return "no samples"
-        return f"peak ≤ {format_bytes(self.baseline_peak[index])} (reached before this run)"
+        return f"peak ≤ {format_bytes(self.baseline_peak[index], unit)} (reached before this run)"
 
     def variables_text(self) -> str:
         """``'variables per replica: CPU:0 20.1 MiB, CPU:1 20.1 MiB'``, or ``''``."""
@@ -332,8 +361,17 @@ class MemoryTrace:
 
     def _key(self) -> tuple:
         fields = (
-            self.series, self.kind, self.baseline_peak, self.epochs_total, self.steps_total, self.epoch_starts,
-            self.variable_bytes, self.interrupted, self.finished, self.duration, self.decimated,
+            self.series,
+            self.kind,
+            self.baseline_peak,
+            self.epochs_total,
+            self.steps_total,
+            self.epoch_starts,
+            self.variable_bytes,
+            self.interrupted,
+            self.finished,
+            self.duration,
+            self.decimated,
         )
         return fields, list(self.rows())
 

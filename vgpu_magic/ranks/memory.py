@@ -106,9 +106,7 @@ class RankMonitor:
     returns the trace.
     """
 
-    def __init__(
-        self, pids: list[int | None], gpu: bool, live: bool, interval: float = 0.2, view: Any = None
-    ) -> None:
+    def __init__(self, pids: list[int | None], gpu: bool, live: bool, interval: float = 0.2, view: Any = None) -> None:
         from ..monitor.recorder import MemoryRecorder
         from ..monitor.views import NullView
 
@@ -120,7 +118,6 @@ class RankMonitor:
         self.recorder = MemoryRecorder(
             lambda: self.sampler,
             view if view is not None else NullView(),
-            runtime_started=lambda: True,
             interval=interval,
         )
 

@@ -52,10 +52,14 @@ __all__ = [
 ]
 
 CAPABILITIES = Capabilities(
-    name="jax", label="JAX", install_hint="install it with pip install 'vgpu_magic[jax]'",
+    name="jax",
+    label="JAX",
+    install_hint="install it with pip install 'vgpu_magic[jax]'",
     splits_cpu=True,  # a GPU is one device: no logical GPUs, no caps, no visibility choice
-    memory_growth=True, growth_with_split=True,
-    replicas_by="vgpu_magic.mesh()", replicas_on_split_cpu=True,
+    memory_growth=True,
+    growth_with_split=True,
+    replicas_by="vgpu_magic.mesh()",
+    replicas_on_split_cpu=True,
 )
 
 CPU_NAME = "/physical_device:CPU:0"

@@ -44,7 +44,9 @@ if TYPE_CHECKING:
 __all__ = ["CAPABILITIES", "FRAMEWORK", "Torch", "setup_rank"]
 
 CAPABILITIES = Capabilities(
-    name="torch", label="PyTorch", install_hint="install it with pip install 'vgpu_magic[torch]'",
+    name="torch",
+    label="PyTorch",
+    install_hint="install it with pip install 'vgpu_magic[torch]'",
     splits_in_process=False,  # a process uses one device; several devices are several ranks
     replicas_by="DistributedDataParallel",
 )
