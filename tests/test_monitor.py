@@ -862,3 +862,44 @@ def test_the_title_counts_epochs_as_keras_does_and_names_what_a_custom_loop_watc
     assert title_text(custom) == "memory · JAX · 8 devices"
     custom.mark_epoch(0.0, 0)
     assert title_text(custom) == "memory · JAX · 8 devices · epoch 1"
+
+
+JOINS = """
+import json, os, time
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import vgpu_magic
+with vgpu_magic.MemoryMonitor(display="none", interval=0.01) as mon:
+    mon.sample(step=0)
+    before = [s.key for s in mon.trace.series]
+    {start}
+    deadline = time.monotonic() + 60
+    while len(mon.trace.series) == 1 and time.monotonic() < deadline:  # the recorder looks every 0.5 s
+        mon.sample(step=1)
+        time.sleep(0.05)
+print(json.dumps({{"before": before, "after": [len(s.devices) for s in mon.trace.series],
+                  "subject": mon.trace.subject, "first": [c[0] for c in mon.trace.current],
+                  "last": [c[-1] for c in mon.trace.current]}}))
+"""
+
+
+@pytest.mark.slow
+def test_jax_devices_join_a_monitor_entered_before_jax_s_backend_started():
+    from support import last_json, run_python
+
+    start = "import jax, jax.numpy as jnp\n    x = jax.device_put(jnp.ones((1024, 256)), jax.devices()[1])"
+    result = last_json(run_python(JOINS.format(start=start)).stdout)
+    assert result["before"] == ["process"]
+    # Four devices and the process: the 1 MiB array on the second device, which held nothing before.
+    assert result["after"] == [1, 1, 1, 1, 0] and result["subject"] == "JAX · 4 devices"
+    assert result["first"][:4] == [0, 0, 0, 0] and result["last"][1] == 1024 * 1024
+
+
+@pytest.mark.slow
+def test_tensorflow_s_devices_join_a_monitor_entered_before_its_runtime_started():
+    from support import last_json, run_python
+
+    start = "import tensorflow as tf\n    tf.constant([1.0])"
+    result = last_json(run_python(JOINS.format(start=start)).stdout)
+    assert result["before"] == ["process"]
+    # TensorFlow's one CPU (its host allocator), then the process.
+    assert result["after"] == [1, 0] and result["subject"] == "TensorFlow · 1 device"

@@ -224,6 +224,8 @@ class MemoryRecorder:
         has passed and no thread of the recorder samples."""
         if step is not None:
             self.step = step
+        if getattr(self._sampler, "provisional", False):
+            self._maybe_join()
         if self._thread is None:
             now = self.clock()
             if now - self._last >= self.interval:
@@ -240,8 +242,6 @@ class MemoryRecorder:
             self._last = now
             if not self.active:
                 return
-            if getattr(self._sampler, "provisional", False) and now - self._joined >= JOIN_EVERY:
-                self._join(now)
             try:
                 begin = time.thread_time()
                 readings = self._sampler.read()
@@ -252,8 +252,13 @@ class MemoryRecorder:
                 return
             self._view_call("sampled", self.trace, now)
 
-    def _join(self, now: float) -> None:
-        """Devices of a runtime that started since: into the trace, 0 B before."""
+    def _maybe_join(self) -> None:
+        """Devices of a runtime that started since: into the trace, 0 B before.
+        Only on the training thread: asking a framework from another thread
+        while this one imports it can deadlock the import."""
+        now = self.clock()
+        if not (self.active and getattr(self._sampler, "provisional", False) and now - self._joined >= JOIN_EVERY):
+            return
         self._joined = now
         try:
             sampler = self._sampler_factory()
@@ -264,13 +269,14 @@ class MemoryRecorder:
             self.report_once("join", f"device memory cannot be read ({type(exc).__name__}: {exc})")
             self._sampler.provisional = False
             return
-        self._sampler = sampler
-        self.stats.devices = len(sampler.devices)
-        # Their allocators did not exist when the run started: every byte they hold came in this run.
-        self.trace.add_series(sampler.series, [0] * len(sampler.series))
-        self.trace.subject = getattr(sampler, "subject", "")
-        self.refresh_variables()
-        self._view_call("series_changed", self.trace)
+        with self._lock:
+            self._sampler = sampler
+            self.stats.devices = len(sampler.devices)
+            # Their allocators did not exist when the run started: every byte they hold came in this run.
+            self.trace.add_series(sampler.series, [0] * len(sampler.series))
+            self.trace.subject = getattr(sampler, "subject", "")
+            self.refresh_variables()
+            self._view_call("series_changed", self.trace)
 
     def begin_epoch(self, epoch: int) -> None:
         with self._lock:
@@ -280,6 +286,7 @@ class MemoryRecorder:
 
     def end_epoch(self, epoch: int) -> None:
         with self._lock:
+            self._maybe_join()
             self._sample_at(self.clock())
             self.refresh_variables()
             if self.trace is not None:
@@ -303,6 +310,7 @@ class MemoryRecorder:
         self._stop_thread()
         if not self.active:
             return self.trace
+        self._maybe_join()
         self._sample_at(self.clock())
         self.active = False
         trace = self.trace
