@@ -424,7 +424,7 @@ def test_gpu_figure_draws_each_cap_dashed_in_its_line_colour_and_its_legend_read
     trace.duration = 3.0
     plot = MemoryFigure(trace)
     ax = plot.axes["device"]
-    dashed = [line for line in ax.lines if line.get_linestyle() == "--"]
+    dashed = [line for line in ax.lines if line.get_label() == "_cap"]
     assert [line.get_color() for line in dashed] == [line.get_color() for line in plot.lines]
     assert [line.get_ydata()[0] for line in dashed] == [2, 3, 4, 5]  # GiB
     assert ax.get_ylabel() == "device memory (GiB)"
@@ -697,6 +697,8 @@ def test_series_that_read_the_same_are_one_line_at_their_true_value_labelled_as_
     # Drawn where they are, one line of one width: nothing moved or widened apart.
     assert set(plot.lines[1].get_ydata()) == {616550 / 1024}
     assert {line.get_linewidth() for line in plot.lines} == {1.6}
+    # Lines that differ somewhere but may overlap elsewhere stay apart by their dashes.
+    assert [line.get_linestyle() for line in plot.lines] == ["-", "--", "-"]
     # Apart the moment one differs.
     trace.append(2.0, 20, 0, "custom", [(700 * 1024, 700 * 1024)] + [(616550, 616550)] * 6 + [(0, 616550), (GIB, GIB)])
     assert MemoryFigure(trace).groups == [[0], list(range(1, 7)), [7], [8]]

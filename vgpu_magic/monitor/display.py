@@ -1,18 +1,10 @@
 """Where the memory view goes in a notebook: one output, shown once, updated in place.
 
-:class:`DisplaySurface` is ``display(..., display_id=True)`` for the first
-object and ``handle.update(...)`` for every later one, so the notebook never
-grows a list of outputs and never flickers. It is opened with the live widget
-when a run starts, before Keras' progress bar prints anything: the view's
-output then sits above the cell's stream output, and the progress bar's
-``\r`` updates keep rewriting one line below it instead of freezing above a
-view that was inserted into the stream (a notebook front end starts a new
-stream output after every display).
-
-:class:`MemoryFrame` is the final image: PNG plus its text form, so it stays
-in the saved notebook as a plain image and terminals and text exports get
-the summary.
-"""
+:class:`DisplaySurface` displays the first object with a display id and
+updates that output with every later one, so the notebook never grows a list
+of outputs. It opens with the live widget, before Keras' progress bar prints,
+so the bar's ``\r`` updates keep rewriting one line below it.
+:class:`MemoryFrame` is the final image: PNG plus its text form."""
 
 from __future__ import annotations
 

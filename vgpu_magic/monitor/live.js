@@ -26,6 +26,9 @@ const MUTED = "var(--jp-ui-font-color2, #777777)";
 const GRID = "var(--jp-border-color2, rgba(127, 127, 127, 0.35))";
 const AXIS = "var(--jp-border-color1, #8a8a8a)";
 const FONT = "var(--jp-ui-font-family, system-ui, sans-serif)";
+// The lines of one panel, in turn: series that differ somewhere but overlap elsewhere stay apart by
+// their dashes, never by moving them (as the final image).
+const DASHES = ["", "7,3", "2,2", "7,3,2,3"];
 
 function store(model) {
   const key = model.get("key");
@@ -184,8 +187,9 @@ function drawPanel(s, series, indices, unit, title, marks, xmax, state, last) {
       lastLabel = xx;
     }
   }
-  for (const [k] of groups(s, series, indices)) {
+  for (const [j, [k]] of groups(s, series, indices).entries()) {
     const colour = series[k].colour;
+    const dash = DASHES[j % DASHES.length];
     if (series[k].cap) {
       const yy = y(series[k].cap).toFixed(1);
       out.push(`<line class="vgpu-cap" x1="${LEFT}" x2="${W - RIGHT}" y1="${yy}" y2="${yy}" stroke="${colour}" stroke-dasharray="6,4" stroke-width="1.2"/>`);
@@ -193,7 +197,8 @@ function drawPanel(s, series, indices, unit, title, marks, xmax, state, last) {
     const peak = stepPath(s.t, s.values[2 * k + 1] || [], x, y);
     const cur = stepPath(s.t, s.values[2 * k] || [], x, y);
     out.push(`<path class="vgpu-peak" d="${peak}" fill="none" stroke="${colour}" stroke-dasharray="1,2" stroke-width="1.2"/>`);
-    out.push(`<path class="vgpu-line" d="${cur}" fill="none" stroke="${colour}" stroke-width="1.8"/>`);
+    out.push(`<path class="vgpu-line" d="${cur}" fill="none" stroke="${colour}" stroke-width="1.8"`
+      + `${dash ? ` stroke-dasharray="${dash}"` : ""}/>`);
   }
   out.push("</svg>");
   return out.join("");
@@ -208,9 +213,9 @@ function legend(s, series, panels) {
   const item = (body) => `<span class="vgpu-legend-item" style="display:inline-flex;align-items:center;gap:4px;margin-right:14px;white-space:nowrap">${body}</span>`;
   const items = [];
   for (const [, , indices] of panels) {
-    for (const g of groups(s, series, indices)) {
+    for (const [j, g] of groups(s, series, indices).entries()) {
       const cap = series[g[0]].cap_text ? ` · cap ${esc(series[g[0]].cap_text)}` : "";
-      items.push(item(swatch(series[g[0]].colour) + esc(groupLabel(series, g)) + cap));
+      items.push(item(swatch(series[g[0]].colour, DASHES[j % DASHES.length]) + esc(groupLabel(series, g)) + cap));
     }
   }
   items.push(item(swatch(TEXT, "1,2") + "running peak"));

@@ -1,29 +1,18 @@
 """The live view: a widget the browser draws, fed only new rows of the trace.
 
-:class:`LiveMemoryView` shows a :class:`MemoryWidget` (an anywidget whose
-front end, ``live.js``, draws the trace as SVG) in one display output when a
-run starts, before Keras' progress bar prints anything, so the bar stays one
-whole stream output below it. While the run goes on it sends the rows added
-since the last update as one custom message; the series, units, epoch marks
-and the title are traits, sent only when they change. When the run ends the
-same output is replaced by a static image (see :mod:`vgpu_magic.monitor.plot`:
-a transparent PNG with mid-contrast colours, readable on light and dark
-themes) with the summary as its text, so saved notebooks, nbviewer and nbval
-keep the final picture; the widget is then closed.
+:class:`LiveMemoryView` shows a ``MemoryWidget`` (an anywidget whose front
+end, ``live.js``, draws the trace as SVG in the theme's colours) in one
+display output when a run starts, before Keras' progress bar prints, so the
+bar stays one stream output below it. Each update sends the rows added since
+the last one as one custom message; series, units, epoch marks and the title
+are traits, sent when they change. When the run ends the same output gets a
+static image (:mod:`vgpu_magic.monitor.plot`) with the summary as its text,
+which stays in saved notebooks, and the widget is closed.
 
-Why an anywidget of ours and not bqplot: an update here is one comm message
-of the new rows, whose cost does not grow with the run; setting a bqplot
-``Lines``' arrays re-sends every point of every series, several times the
-cost at 400 rows and more as the run grows (``benchmarks/monitor_overhead.py``
-measures both in a kernel). Ours
-also puts the legend and the epoch labels where they never cover data, and
-takes its text, axis and grid colours from the front end's theme variables.
-
-Update throttle (:class:`~vgpu_magic.monitor.views.RedrawThrottle`): one
-update every 0.2 s on average, kept in rhythm although updates only come at
-samples (so at batch starts), and never sooner than 200 × the last update's
-cost after it, so the view takes at most 0.5 % of the kernel's time.
-"""
+Not bqplot: setting a ``Lines``' arrays re-sends every point of every series,
+a cost that grows with the run (``benchmarks/monitor_overhead.py`` measures
+both). Updates follow :class:`~vgpu_magic.monitor.views.RedrawThrottle`:
+five a second, under 0.5 % of the kernel's time."""
 
 from __future__ import annotations
 

@@ -52,6 +52,10 @@ _CARD, _CARD_TEXT = "#f7f7f7", "#222222"
 
 _PANEL_TITLES = {"device": "device memory", "process": "process RSS"}
 
+#: The lines of one panel, in turn (as live.js): series that differ somewhere but overlap
+#: elsewhere stay apart by their dashes, never by moving them.
+DASHES = ("-", (0, (7, 3)), (0, (2, 2)), (0, (7, 3, 2, 3)))
+
 
 def require_matplotlib(purpose: str) -> None:
     """Raise an :class:`ImportError` with the install hint when matplotlib is missing."""
@@ -135,7 +139,7 @@ class MemoryFigure:
             0.085, 1 - 0.24 / height, title_text(trace, final=trace.finished), fontsize=_TITLE_PT, color=TEXT, ha="left"
         )
         self._draw_series()
-        handles = [Line2D([], [], color=line.get_color(), lw=2.0) for line in self.lines]
+        handles = [Line2D([], [], color=line.get_color(), lw=2.0, ls=line.get_linestyle()) for line in self.lines]
         peak_handle = Line2D([], [], color=_CARD_TEXT, lw=1.2, ls=":")
         self.legend = self.fig.legend(
             [*handles, peak_handle],
@@ -190,7 +194,7 @@ class MemoryFigure:
                 dash, gap = 5.0, 5.0 * (len(group) - 1)
                 for k, i in enumerate(group):
                     style = (k * dash, (dash, gap)) if gap else (0, (dash, 3.0))
-                    ax.axhline(cap / scale, color=PALETTE[i % len(PALETTE)], lw=1.2, alpha=0.9, linestyle=style)
+                    ax.axhline(cap / scale, color=PALETTE[i % len(PALETTE)], lw=1.2, alpha=0.9, ls=style, label="_cap")
                 names = ", ".join(short_name(trace.series[i].label) for g in capped if g[0] in group for i in g)
                 ax.text(
                     0.995,
@@ -217,11 +221,14 @@ class MemoryFigure:
         for group in self.groups:
             i = group[0]
             ax, scale = self.axes[trace.series[i].panel], self.units[trace.series[i].panel][1]
+            dash = DASHES[len([g for g in self.lines if g.axes is ax]) % len(DASHES)]
             colour = PALETTE[i % len(PALETTE)]
             self.peak_lines.append(
                 ax.plot(times, values[i + count] / scale, color=colour, lw=1.0, ls=":", drawstyle="steps-post")[0]
             )
-            self.lines.append(ax.plot(times, values[i] / scale, color=colour, lw=1.6, drawstyle="steps-post")[0])
+            self.lines.append(
+                ax.plot(times, values[i] / scale, color=colour, lw=1.6, ls=dash, drawstyle="steps-post")[0]
+            )
 
     def _draw_marks(self) -> None:
         """Epoch starts: a dotted line of dark and light dots in every panel;

@@ -1,37 +1,27 @@
 """The recorder: samples memory into a :class:`MemoryTrace` and feeds a view.
 
-:class:`MemoryRecorder` knows nothing about Keras: the Keras callback, the
-context manager for custom loops, ``%%vgpu_run`` and the tests all drive the
-same calls (``start``, ``tick``/``sample``, ``begin_epoch``/``end_epoch``,
-``finish``).
+:class:`MemoryRecorder` knows nothing about Keras: the Keras callback, custom
+loops, ``%%vgpu_run`` and the tests drive the same calls.
 
-Where samples come from. With ``background=True`` (the monitor's sessions) a
-thread of the recorder samples every ``interval`` and feeds the view, and the
-training thread's hooks only say which step and epoch it is at. Training does
-not call back at a steady pace: Keras' first step of an epoch, a step of a big
-model, a JAX loop that dispatches ahead and then waits, all hold the training
-thread for up to seconds, and a view fed only from its hooks froze then (a
-``MirroredStrategy`` fit updated 2.2 times a second, in bursts). The thread
-needs the interpreter lock only for a sample and an update, while the training
-thread mostly runs the framework's code without it. Without the thread (tests
-with a fake clock, ``%%vgpu_run``), :meth:`~MemoryRecorder.tick` samples when
-``interval`` has passed. The run's first sample, each epoch's end and the
-run's end are always sampled, on the caller's thread.
+With ``background=True`` a thread of the recorder samples every ``interval``
+and feeds the view; the training thread's hooks only say which step and epoch
+it is. Training does not call back at a steady pace: Keras' first step of an
+epoch, a big model's step, a JAX loop that dispatches ahead all hold the
+training thread for up to seconds, and a view fed from its hooks froze then
+(an unpaced ``MirroredStrategy`` fit updated 2.2 times a second, in bursts).
+The thread needs the interpreter lock only for a sample and an update.
+Without it, :meth:`~MemoryRecorder.tick` samples when ``interval`` has
+passed. The run's start, each epoch's end and the run's end are sampled on
+the caller's thread.
 
-Devices join. Where no framework's runtime ran when the run started, the
-sampler reads the process alone and is marked ``provisional``; every
-:data:`JOIN_EVERY` seconds the recorder asks the factory again, and once a
-runtime runs its devices join the trace (earlier rows read 0 B for them:
-their allocator did not exist yet).
+Devices join: where no runtime ran when the run started the sampler reads
+the process alone and is ``provisional``; every :data:`JOIN_EVERY` seconds a
+hook asks for a sampler again, and once a runtime runs its devices join the
+trace (0 B in the rows before: their allocators did not exist).
 
-Peaks: each allocator updates its peak on every allocation, so no peak
-between two samples is lost. Nothing resets them (that is process-wide); the
-peak at the start is kept as a baseline instead.
-
-Failures. A view that raises is reported once and switched off; a sampler
-that raises is reported once and sampling stops. Neither ever raises into the
-training loop.
-"""
+Allocators keep their own peaks, so none is lost between samples; nothing
+resets them. A view or sampler that fails is reported once and switched off,
+never raising into the training loop."""
 
 from __future__ import annotations
 
@@ -59,18 +49,16 @@ MIN_INTERVAL, MAX_INTERVAL = 0.001, 3600.0
 JOIN_EVERY = 0.5
 
 
-def check_interval(interval: Any, name: str = "interval=") -> float:
+def check_interval(interval: Any) -> float:
     """``interval`` as seconds; :class:`ValueError` unless it is a real number
     (not a bool; ``numpy.float32`` is fine) from :data:`MIN_INTERVAL` to
-    :data:`MAX_INTERVAL`. ``name`` is how the message quotes it."""
-    example = f"{name}0.05" if name.endswith("=") else f"{name} 0.05"
-    shown = f"{name}{interval!r}" if name.endswith("=") else f"{name} {interval!r}"
+    :data:`MAX_INTERVAL` (``--interval``'s text is read by :mod:`vgpu_magic.grammar`
+    within the same bounds)."""
     if isinstance(interval, bool) or not isinstance(interval, numbers.Real):
-        raise ValueError(f"{shown} is not a number of seconds; use e.g. {example}")
-    seconds = float(interval)
-    if not (math.isfinite(seconds) and MIN_INTERVAL <= seconds <= MAX_INTERVAL):
-        raise ValueError(f"{shown} is out of range; use {MIN_INTERVAL:g} to {MAX_INTERVAL:g} seconds")
-    return seconds
+        raise ValueError(f"interval={interval!r} is not a number of seconds; use e.g. interval=0.05")
+    if not (math.isfinite(interval) and MIN_INTERVAL <= interval <= MAX_INTERVAL):
+        raise ValueError(f"interval={interval!r} is out of range; use {MIN_INTERVAL:g} to {MAX_INTERVAL:g} seconds")
+    return float(interval)
 
 
 class RecorderStats:

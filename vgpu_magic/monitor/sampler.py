@@ -1,28 +1,14 @@
 """Reading memory per device, through the framework seam.
 
-The monitor asks the framework (:mod:`vgpu_magic.frameworks`) four things:
-has its runtime started (:meth:`~vgpu_magic.frameworks.base.Framework.runtime_started`),
-which devices the replicas use and their caps
-(:meth:`~vgpu_magic.frameworks.base.Framework.read_configuration`), and a fast
-reader of each device's current and peak bytes
-(:meth:`~vgpu_magic.frameworks.base.Framework.memory_reader`). Nothing here
-names a framework.
-
-Series. Each logical GPU is one series with its cap. Logical CPUs are one
-series each, unless the framework says they share one host allocator
-(``Capabilities.cpus_share_allocator``, TensorFlow): then they form ONE series,
-"host allocator (shared by N logical CPUs)", read with one call per sample.
-Where CPUs are watched, a ``"process"`` series adds the resident memory (RSS)
-of this Python process: an allocator may keep no statistics at all
-(TensorFlow's host allocator reports 0 B unless its statistics are switched
-on), and RSS is always true. What differs per replica on CPU is where the
-variables live; :func:`variable_bytes` counts that exactly from each
-variable's per-device parts.
-
-Cost. A sample reads every series once (one call per logical GPU, one for
-shared CPUs), with no dictionaries built and no errors swallowed on the way;
-RSS (psutil) is read at most every 0.5 s (see :class:`DeviceSampler`).
-"""
+The monitor asks the framework (:mod:`vgpu_magic.frameworks`) which devices
+the replicas use and their caps, and for a fast reader of each device's
+current and peak bytes; nothing here names a framework. Each logical GPU is
+one series with its cap; logical CPUs are one series each, or ONE
+"host allocator" series where the framework says they share one
+(``Capabilities.cpus_share_allocator``); the ``"process"`` series adds the
+process' resident memory (RSS), which is always true where an allocator keeps
+no statistics. :func:`variable_bytes` counts what differs per replica on CPU,
+the bytes of each replica's copy of the variables."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
-"""The monitor's session: one object that records runs and shows them, with
-no Keras and no TensorFlow in it.
+"""The monitor's session: records runs and shows them, with no framework in it.
 
 :class:`MonitorSession` drives a :class:`~vgpu_magic.monitor.recorder.MemoryRecorder`
-(the trace) and picks its view (the live widget in a notebook, text elsewhere).
-Custom loops use it directly, in any framework; the Keras callback
-(:class:`~vgpu_magic.monitor.callback.MemoryMonitor`) only maps Keras' events
-onto it.
-"""
+and picks its view (the live widget in a notebook, text elsewhere); the Keras
+callback (:class:`~vgpu_magic.monitor.callback.MemoryMonitor`) only maps
+Keras' events onto it."""
 
 from __future__ import annotations
 
@@ -57,26 +54,23 @@ class MonitorSession:
     a custom training loop in JAX, PyTorch or TensorFlow, or (through
     :class:`~vgpu_magic.monitor.callback.MemoryMonitor`) Keras' ``fit``.
 
-    Needs neither Keras nor TensorFlow: memory is read through the framework
-    that is imported (:func:`vgpu_magic.frameworks.select`), and where no
-    framework's runtime runs yet, the process' resident memory alone is
-    recorded. A run records a sample when it starts and when it ends, so a
+    Needs no framework: memory is read through the one whose runtime runs, and
+    until one does, the process' resident memory alone (the devices join once a
+    runtime starts). A run samples when it starts and when it ends, so a
     ``with`` block always leaves a trace.
 
     Parameters
     ----------
     devices
-        Logical devices to watch, e.g. ``["GPU:0", "GPU:1"]``. By default every
+        Logical devices to watch, e.g. ``["GPU:0", "GPU:1"]``; by default every
         replica device of the split, plus the model's strategy's devices.
     model
-        The model whose variables to count per replica. Inside Keras the model
-        being trained is used; give it for custom loops.
+        The model whose variables to count per replica (Keras passes its own).
     strategy
         A ``tf.distribute`` strategy whose devices to watch as well.
     interval
-        Minimum seconds between samples, taken at batch starts or by
-        :meth:`sample` (peaks between samples are never lost: the allocator
-        keeps its own peak). From 0.001 to 3600.
+        Seconds between samples, 0.001 to 3600 (peaks between samples are never
+        lost: allocators keep their own).
     display
         ``"auto"``, ``"rich"``, ``"text"`` or ``"none"`` (see :data:`DISPLAY_MODES`).
     view
@@ -91,8 +85,7 @@ class MonitorSession:
                 strategy.run(train_step, args=(batch,))
                 mon.sample(step=step)
         mon.to_csv("memory.csv")
-        mon.savefig("memory.png")
-    """
+        mon.savefig("memory.png")"""
 
     def __init__(
         self,
@@ -116,8 +109,6 @@ class MonitorSession:
         self._view = view
         self.traces: list[MemoryTrace] = []
         self._reported: set[str] = set()
-        #: The framework read in the current (or last) run, in its own name; ``None`` while none runs.
-        self.framework_label: str | None = None
         self._joining = False
         self._recorder = MemoryRecorder(
             self._make_sampler, None, interval=seconds, variables=self._variables, report=self._report, background=True
@@ -156,7 +147,6 @@ class MonitorSession:
                 self._report("no framework's runtime runs yet, so only the process' memory is read until one starts")
             self._joining = True
             return process_sampler(provisional=True)
-        self.framework_label = framework.label
         try:
             sampler = DeviceSampler.for_framework(
                 framework,
@@ -227,7 +217,7 @@ class MonitorSession:
         # appeared still gets the run closed and its final image drawn.
         self._watch_cell()
         self._recorder.view = self._make_view()
-        self.framework_label, self._joining = None, False
+        self._joining = False
         self._recorder.start(kind, epochs=params.get("epochs") if kind == "fit" else None, steps=params.get("steps"))
 
     def _run_params(self) -> dict:
@@ -300,7 +290,8 @@ class MonitorSession:
         return self
 
     def sample(self, step: int | None = None, epoch: int | None = None) -> None:
-        """Take a sample now (starts a run if none is active)."""
+        """Say which step (and epoch: a new one is marked) the loop is at; the
+        monitor's thread samples every ``interval``. Starts a run if none is active."""
         if not self._recorder.active:
             self.start()
         self._recorder.sample(step=step, epoch=epoch)

@@ -1,33 +1,18 @@
 """What the recorder feeds: views of a :class:`~vgpu_magic.monitor.trace.MemoryTrace`.
 
-The contract is :class:`View`: four calls, each given the trace, none of
-which may stop the training (the recorder switches off a view that raises and
-says so once). A view decides itself what to show and when.
+The contract is :class:`View`, whose calls must never stop training (the
+recorder switches off a view that raises). :class:`~vgpu_magic.monitor.live.LiveMemoryView`
+is the notebook's, :class:`TextSummaryView` prints a line per epoch,
+:class:`NullView` records only. What the live view and the static image share
+lives here too: the series colours, each panel's unit, the title, and which
+series read the same.
 
-* :class:`~vgpu_magic.monitor.live.LiveMemoryView`: the live view in a
-  notebook, a widget the browser draws, then the final static image.
-* :class:`TextSummaryView`: one line per epoch and one at the end.
-* :class:`NullView`: records only.
-
-What the live view and the static image share lives here too: the series
-colours, each panel's unit, the title, and which series read the same.
-
-Update throttle
----------------
-Whatever a view does at a sample runs on the training thread.
 :class:`RedrawThrottle` keeps a rhythm of one update every ``min_interval``
-(0.2 s): the next update is due ``min_interval`` after the one before was
-*due*, not after it came, so updates that can only come at samples (at batch
-starts) do not drift late and the view still updates five times a second
-when a step takes 70 ms. An update that came more than half an interval late
-starts a new rhythm, so updates are never closer than half an interval; one
-the view makes before it is due (at an epoch's end) leaves the rhythm as it
-is. On
-top of that the next update waits ``budget_factor * last_cost`` after the
-last one started: an update costing ``c`` is followed by at least
-``(budget_factor - 1) c`` of training, so updating takes at most
-``1 / budget_factor`` of the time whatever ``c`` is.
-"""
+(0.2 s): the next one is due ``min_interval`` after the last was *due*, so
+updates that come only at samples do not drift late (one more than half an
+interval late starts a new rhythm). The next update also waits
+``budget_factor * last_cost`` after the last one started, so updating takes
+at most ``1 / budget_factor`` of the time whatever it costs."""
 
 from __future__ import annotations
 
