@@ -35,13 +35,14 @@ Reported, with the goals from the issue:
   draws when the cell ends, after the training;
 * the live updates per second of training (goal >= 4), from one longer
   monitored run, and the median gap between consecutive updates;
-* unpaced fits as users write them (``--unpaced`` of them: numpy arrays,
-  batch 64, ``--epochs`` epochs, Keras' own data adapter, so each epoch
+* unpaced fits as users write them (``--unpaced`` pairs, with and without the
+  monitor, interleaved: numpy arrays, batch 64, ``--epochs`` epochs, Keras'
+  own data adapter, so each epoch
   starts with Keras' own stall of its first step): live updates per second
   from the first callback's ``on_train_begin`` to the last one's
   ``on_train_end``, the longest gap between updates, and the monitor's own
   share of the kernel's time (its samples and its updates, the threads' CPU
-  time; goal <= 0.5 %);
+  time; goal <= 0.5 %), and the median time ratio with/without;
 * the kernel cost of one update of the two widget technologies considered,
   measured in the same kernel: setting a bqplot ``Lines``' arrays (every
   point of 5 series, re-sent each time) at 400 and 4000 rows, and one
@@ -127,12 +128,15 @@ def timed_fit(monitored, data=None):
 XS = rng.normal(size=(150 * 64, 128)).astype("float32")
 YS = rng.integers(0, 10, 150 * 64)
 
-def unpaced_fit(epochs):
+def unpaced_fit(epochs, monitored=True):
     # As users write it: arrays, batch 64, several epochs; nothing slows the steps down.
     global LAST
-    mon = LAST = vgpu_magic.MemoryMonitor()
+    mon = LAST = vgpu_magic.MemoryMonitor() if monitored else None
     begin, end = Stopwatch(), StopwatchEnd()
-    model.fit(XS, YS, batch_size=64, epochs=epochs, verbose=0, callbacks=[begin, mon, end])
+    model.fit(XS, YS, batch_size=64, epochs=epochs, verbose=0, callbacks=[begin, *([mon] if mon else []), end])
+    if mon is None:
+        print(json.dumps({{"seconds": end.end - begin.start}}))
+        return
     view, times = mon.view, mon.view.update_times
     print(json.dumps({{
         "seconds": end.end - begin.start, "updates": len(times), "update_seconds": sum(view.update_costs),
@@ -244,7 +248,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=15, help="interleaved pairs (default 15, at least 9)")
     parser.add_argument("--steps", type=int, default=300, help="steps per fit (default 300, at least 200)")
     parser.add_argument("--long", type=int, default=4, help="epochs of data in the one long run (default 4)")
-    parser.add_argument("--unpaced", type=int, default=3, help="unpaced multi-epoch fits (default 3)")
+    parser.add_argument("--unpaced", type=int, default=4, help="pairs of unpaced multi-epoch fits (default 4)")
     parser.add_argument("--epochs", type=int, default=4, help="epochs of each unpaced fit (default 4)")
     parser.add_argument("--json", action="store_true", help="print the raw figures as JSON too")
     args = parser.parse_args()
@@ -271,10 +275,13 @@ def main() -> None:
             # Progress, so a slow machine shows where it is.
             print(f"pair {i + 1}/{args.pairs}: {runs[True]['seconds'] / runs[False]['seconds']:.3f}", flush=True)
         long = fit(kc, True, f"ds.repeat({args.long})")
-        unpaced = []
-        for _ in range(args.unpaced):
-            unpaced.append(json.loads(run_cell(kc, f"unpaced_fit({args.epochs})")[0].strip().splitlines()[-1]))
-            run_cell(kc, "final_image()")
+        unpaced, unpaced_off = [], []
+        for i in range(args.unpaced):  # interleaved with unmonitored ones, the order alternating
+            for monitored in (True, False) if i % 2 == 0 else (False, True):
+                out = run_cell(kc, f"unpaced_fit({args.epochs}, {monitored})")[0].strip().splitlines()[-1]
+                (unpaced if monitored else unpaced_off).append(json.loads(out))
+                if monitored:
+                    run_cell(kc, "final_image()")
         widgets = None
         if importlib.util.find_spec("bqplot") is not None:
             widgets = json.loads(run_cell(kc, "widget_costs()")[0].strip().splitlines()[-1])
@@ -349,12 +356,15 @@ def main() -> None:
     if unpaced:
         rates = [r["updates"] / r["seconds"] for r in unpaced]
         shares = [(r["sample_seconds"] + r["update_seconds"]) / r["seconds"] for r in unpaced]
+        ratios_unpaced = [a["seconds"] / b["seconds"] for a, b in zip(unpaced, unpaced_off)]
         print(
             f"  unpaced fits          {len(unpaced)} of {args.epochs} epochs (arrays, batch 64, median "
             f"{statistics.median(r['seconds'] for r in unpaced):.1f} s): updates per second median "
             f"{statistics.median(rates):.2f} (min {min(rates):.2f}; goal >= 4), longest gap "
             f"{max(r['longest_gap'] for r in unpaced):.2f} s, monitor's own share median "
-            f"{100 * statistics.median(shares):.3f} % (max {100 * max(shares):.3f} %; goal <= 0.5 %)"
+            f"{100 * statistics.median(shares):.3f} % (max {100 * max(shares):.3f} %; goal <= 0.5 %); "
+            f"time with/without median {statistics.median(ratios_unpaced):.3f} "
+            f"(pairs {min(ratios_unpaced):.3f}..{max(ratios_unpaced):.3f})"
         )
     print(f"  final image           {median_ms(finals)}, drawn when the cell ends, after the training")
     print(f"  display               one output per run, the widget then the final image in its place: {one_output}")
