@@ -216,11 +216,15 @@ def main() -> None:
             cells.append(f"{n} ranks{' --join' if join else ''} {statistics.median(times):5.2f} s ({ratio:4.1f}x)")
         print(f"    {framework:<10} import {base:5.2f} s | " + " | ".join(cells))
     ours, plain = run_overhead(args.repeats)
-    print(f"(b) trivial cell on 2 ranks: %%vgpu_run {ours * 1e3:.1f} ms, ipyparallel view.execute {plain * 1e3:.1f} ms "
-          f"(+{(ours - plain) * 1e3:.1f} ms, {ours / plain:.1f}x), median of {args.repeats}")
+    print(
+        f"(b) trivial cell on 2 ranks: %%vgpu_run {ours * 1e3:.1f} ms, ipyparallel view.execute {plain * 1e3:.1f} ms "
+        f"(+{(ours - plain) * 1e3:.1f} ms, {ours / plain:.1f}x), median of {args.repeats}"
+    )
     bus, memcpy = allreduce()
-    print(f"(c) all_reduce 64 MiB on 2 gloo ranks: {bus:.2f} GB/s bus bandwidth; memcpy on a rank: {memcpy:.2f} GB/s "
-          f"(all-reduce at {bus / memcpy:.1%} of memcpy)")
+    print(
+        f"(c) all_reduce 64 MiB on 2 gloo ranks: {bus:.2f} GB/s bus bandwidth; memcpy on a rank: {memcpy:.2f} GB/s "
+        f"(all-reduce at {bus / memcpy:.1%} of memcpy)"
+    )
 
 
 if __name__ == "__main__":

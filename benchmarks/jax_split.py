@@ -51,21 +51,27 @@ def timed(fn, *args):
     return (time.perf_counter() - start) * 1000
 """
 
-IMPORT_THEN_SPLIT = SHELL + """
+IMPORT_THEN_SPLIT = (
+    SHELL
+    + """
 import_ms = timed(__import__, "jax")
 split_ms = timed(shell.run_line_magic, "vgpu_split", "8 --framework jax")
 import jax
 assert len(jax.devices()) == 8
 print(json.dumps({"import_ms": import_ms, "split_ms": split_ms}))
 """
+)
 
-SPLIT_WITH_IMPORT = SHELL + """
+SPLIT_WITH_IMPORT = (
+    SHELL
+    + """
 assert "jax" not in sys.modules
 split_ms = timed(shell.run_line_magic, "vgpu_split", "8 --framework jax")
 import jax
 assert len(jax.devices()) == 8
 print(json.dumps({"split_with_import_ms": split_ms}))
 """
+)
 
 SAMPLE_COST = """
 import json, time
@@ -126,19 +132,25 @@ def split_cost(repeats: int) -> None:
     splits = [r["split_ms"] for r in after]
     print(f"(a) split cost, {repeats} fresh interpreters each")
     print(f"  import jax                        {spread(imports)}")
-    print(f"  %vgpu_split 8 after import jax    {spread(splits)}  "
-          f"= {100 * statistics.median(splits) / statistics.median(imports):.1f} % of the import")
-    print(f"  %vgpu_split 8 before import jax   {spread(before)}  (imports JAX itself) "
-          f"= {statistics.median(before) / statistics.median(imports):.2f} x the import")
+    print(
+        f"  %vgpu_split 8 after import jax    {spread(splits)}  "
+        f"= {100 * statistics.median(splits) / statistics.median(imports):.1f} % of the import"
+    )
+    print(
+        f"  %vgpu_split 8 before import jax   {spread(before)}  (imports JAX itself) "
+        f"= {statistics.median(before) / statistics.median(imports):.2f} x the import"
+    )
 
 
 def sample_cost() -> None:
     rows = fresh(SAMPLE_COST)
     print("(b) one memory sample of 8 JAX CPU devices (bytes of live arrays' shards)")
     for row in rows:
-        print(f"  {row['arrays']:>6} live arrays: first read {row['first_us']:9.1f} µs, later reads "
-              f"{row['again_us']:8.1f} µs = {row['again_us'] / 8:7.1f} µs per device, "
-              f"{row['again_us'] / row['arrays']:.2f} µs per array")
+        print(
+            f"  {row['arrays']:>6} live arrays: first read {row['first_us']:9.1f} µs, later reads "
+            f"{row['again_us']:8.1f} µs = {row['again_us'] / 8:7.1f} µs per device, "
+            f"{row['again_us'] / row['arrays']:.2f} µs per array"
+        )
 
 
 FIT_SETUP = """
@@ -222,13 +234,19 @@ def fit_overhead(pairs: int, steps: int) -> None:
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
-    print(f"(c) Keras 3 fit on JAX, DataParallel over 8 devices, {steps} steps of 64, in a Jupyter kernel, "
-          f"{pairs} interleaved pairs")
-    print(f"  without the monitor   median {statistics.median(off):.3f} s "
-          f"({1000 * statistics.median(off) / steps:.2f} ms/step)")
+    print(
+        f"(c) Keras 3 fit on JAX, DataParallel over 8 devices, {steps} steps of 64, in a Jupyter kernel, "
+        f"{pairs} interleaved pairs"
+    )
+    print(
+        f"  without the monitor   median {statistics.median(off):.3f} s "
+        f"({1000 * statistics.median(off) / steps:.2f} ms/step)"
+    )
     print(f"  with the live plot    median {statistics.median(on):.3f} s")
-    print(f"  ratio with/without    median {statistics.median(ratios):.3f}  (goal <= 1.02; "
-          f"pairs {min(ratios):.3f}..{max(ratios):.3f})")
+    print(
+        f"  ratio with/without    median {statistics.median(ratios):.3f}  (goal <= 1.02; "
+        f"pairs {min(ratios):.3f}..{max(ratios):.3f})"
+    )
 
 
 def main() -> None:

@@ -48,14 +48,19 @@ def timed(fn, *args):
 """
 
 #: (a): only the extension load.
-LOAD = SHELL + """
+LOAD = (
+    SHELL
+    + """
 ms = timed(shell.run_line_magic, "load_ext", "vgpu_magic")
 heavy = [m for m in ("tensorflow", "ipywidgets", "matplotlib") if m in sys.modules]
 print(json.dumps({"load_ms": ms, "heavy": heavy}))
 """
+)
 
 #: (b) first half and (c): import TensorFlow, then split, then status.
-IMPORT_THEN_SPLIT = SHELL + """
+IMPORT_THEN_SPLIT = (
+    SHELL
+    + """
 shell.run_line_magic("load_ext", "vgpu_magic")
 import_ms = timed(__import__, "tensorflow")
 split_ms = timed(shell.run_line_magic, "vgpu_split", "4")
@@ -70,14 +75,18 @@ print(json.dumps({
     "status_started_ms": status_started_ms,
 }))
 """
+)
 
 #: (b) second half: the split as a user meets it in a new kernel, import included.
-SPLIT_WITH_IMPORT = SHELL + """
+SPLIT_WITH_IMPORT = (
+    SHELL
+    + """
 shell.run_line_magic("load_ext", "vgpu_magic")
 assert "tensorflow" not in sys.modules
 split_ms = timed(shell.run_line_magic, "vgpu_split", "4")
 print(json.dumps({"split_with_import_ms": split_ms}))
 """
+)
 
 
 def run(code: str) -> dict:

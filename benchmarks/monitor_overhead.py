@@ -35,6 +35,14 @@ Reported, with the goals from the issue:
   draws when the cell ends, after the training;
 * the live updates per second of training (goal >= 4), from one longer
   monitored run, and the median gap between consecutive updates;
+* unpaced fits as users write them (``--unpaced`` pairs, with and without the
+  monitor, interleaved: numpy arrays, batch 64, ``--epochs`` epochs, Keras'
+  own data adapter, so each epoch
+  starts with Keras' own stall of its first step): live updates per second
+  from the first callback's ``on_train_begin`` to the last one's
+  ``on_train_end``, the longest gap between updates, and the monitor's own
+  share of the kernel's time (its samples and its updates, the threads' CPU
+  time; goal <= 0.5 %), and the median time ratio with/without;
 * the kernel cost of one update of the two widget technologies considered,
   measured in the same kernel: setting a bqplot ``Lines``' arrays (every
   point of 5 series, re-sent each time) at 400 and 4000 rows, and one
@@ -116,6 +124,25 @@ def timed_fit(monitored, data=None):
             rows=len(mon.trace),
         )
     print(json.dumps(out))
+
+XS = rng.normal(size=(150 * 64, 128)).astype("float32")
+YS = rng.integers(0, 10, 150 * 64)
+
+def unpaced_fit(epochs, monitored=True):
+    # As users write it: arrays, batch 64, several epochs; nothing slows the steps down.
+    global LAST
+    mon = LAST = vgpu_magic.MemoryMonitor() if monitored else None
+    begin, end = Stopwatch(), StopwatchEnd()
+    model.fit(XS, YS, batch_size=64, epochs=epochs, verbose=0, callbacks=[begin, *([mon] if mon else []), end])
+    if mon is None:
+        print(json.dumps({{"seconds": end.end - begin.start}}))
+        return
+    view, times = mon.view, mon.view.update_times
+    print(json.dumps({{
+        "seconds": end.end - begin.start, "updates": len(times), "update_seconds": sum(view.update_costs),
+        "sample_seconds": mon.stats.sample_seconds, "samples": mon.stats.samples,
+        "longest_gap": max((b - a for a, b in zip(times, times[1:])), default=0.0),
+    }}))
 
 def final_image():
     # Run in the cell after a monitored fit: its final image was drawn when
@@ -206,8 +233,10 @@ def spread(values: list[float]) -> str:
     """``'95 % interval of the median 0.98..1.05, quartiles 0.99..1.03, pairs 0.91..1.20'``."""
     q1, _, q3 = statistics.quantiles(values, n=4)
     low, high = median_interval(values)
-    return (f"95 % interval of the median {low:.3f}..{high:.3f}, quartiles {q1:.3f}..{q3:.3f}, "
-            f"pairs {min(values):.3f}..{max(values):.3f}")
+    return (
+        f"95 % interval of the median {low:.3f}..{high:.3f}, quartiles {q1:.3f}..{q3:.3f}, "
+        f"pairs {min(values):.3f}..{max(values):.3f}"
+    )
 
 
 def median_ms(values: list[float]) -> str:
@@ -219,6 +248,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=15, help="interleaved pairs (default 15, at least 9)")
     parser.add_argument("--steps", type=int, default=300, help="steps per fit (default 300, at least 200)")
     parser.add_argument("--long", type=int, default=4, help="epochs of data in the one long run (default 4)")
+    parser.add_argument("--unpaced", type=int, default=4, help="pairs of unpaced multi-epoch fits (default 4)")
+    parser.add_argument("--epochs", type=int, default=4, help="epochs of each unpaced fit (default 4)")
     parser.add_argument("--json", action="store_true", help="print the raw figures as JSON too")
     args = parser.parse_args()
     if args.pairs < 9 or args.steps < 200:
@@ -244,6 +275,13 @@ def main() -> None:
             # Progress, so a slow machine shows where it is.
             print(f"pair {i + 1}/{args.pairs}: {runs[True]['seconds'] / runs[False]['seconds']:.3f}", flush=True)
         long = fit(kc, True, f"ds.repeat({args.long})")
+        unpaced, unpaced_off = [], []
+        for i in range(args.unpaced):  # interleaved with unmonitored ones, the order alternating
+            for monitored in (True, False) if i % 2 == 0 else (False, True):
+                out = run_cell(kc, f"unpaced_fit({args.epochs}, {monitored})")[0].strip().splitlines()[-1]
+                (unpaced if monitored else unpaced_off).append(json.loads(out))
+                if monitored:
+                    run_cell(kc, "final_image()")
         widgets = None
         if importlib.util.find_spec("bqplot") is not None:
             widgets = json.loads(run_cell(kc, "widget_costs()")[0].strip().splitlines()[-1])
@@ -276,34 +314,71 @@ def main() -> None:
     )
     off_median = statistics.median(r["seconds"] for r in off)
 
-    print(f"monitor overhead in a Jupyter kernel: {args.pairs} interleaved pairs of {args.steps}-step fits, "
-          f"MirroredStrategy over 4 logical CPUs; series: {', '.join(on[0]['series'])}")
-    print(f"  training without      median {off_median:.2f} s ({1000 * off_median / args.steps:.1f} ms/step; "
-          "on_train_begin of the first callback to on_train_end of the last)")
+    print(
+        f"monitor overhead in a Jupyter kernel: {args.pairs} interleaved pairs of {args.steps}-step fits, "
+        f"MirroredStrategy over 4 logical CPUs; series: {', '.join(on[0]['series'])}"
+    )
+    print(
+        f"  training without      median {off_median:.2f} s ({1000 * off_median / args.steps:.1f} ms/step; "
+        "on_train_begin of the first callback to on_train_end of the last)"
+    )
     print(f"  training with         median {statistics.median(r['seconds'] for r in on):.2f} s")
     print(f"  ratio with/without    median {statistics.median(ratios):.3f}  (goal <= 1.02; {spread(ratios)})")
-    print(f"  CPU time with/without median {statistics.median(cpu_ratios):.3f}  ({spread(cpu_ratios)}; the kernel "
-          "process' CPU seconds, all threads: the work the monitor adds)")
-    print(f"  whole fit() call      median ratio {statistics.median(call_ratios):.3f} (adds Keras/tf.data set-up "
-          "and tear-down, which stall at random for seconds here, monitored or not)")
-    print(f"  memory sample         mean {1e6 * per_sample:.1f} µs, median {1e6 * median_sample:.1f} µs "
-          f"(all series, {devices} logical devices covered)")
-    print(f"  live update           median {1000 * statistics.median(updates):.3f} ms of the kernel's time "
-          f"({len(updates)} updates: the new rows as one comm message, and the traits that changed)")
-    print(f"  view's kernel share   median {100 * statistics.median(share):.3f} % of each paired monitored run, "
-          f"{100 * sum(long['update_costs']) / long['seconds']:.3f} % of the long run (goal <= 0.5 %)")
+    print(
+        f"  CPU time with/without median {statistics.median(cpu_ratios):.3f}  ({spread(cpu_ratios)}; the kernel "
+        "process' CPU seconds, all threads: the work the monitor adds)"
+    )
+    print(
+        f"  whole fit() call      median ratio {statistics.median(call_ratios):.3f} (adds Keras/tf.data set-up "
+        "and tear-down, which stall at random for seconds here, monitored or not)"
+    )
+    print(
+        f"  memory sample         mean {1e6 * per_sample:.1f} µs, median {1e6 * median_sample:.1f} µs "
+        f"(all series, {devices} logical devices covered)"
+    )
+    print(
+        f"  live update           median {1000 * statistics.median(updates):.3f} ms of the kernel's time "
+        f"({len(updates)} updates: the new rows as one comm message, and the traits that changed)"
+    )
+    print(
+        f"  view's kernel share   median {100 * statistics.median(share):.3f} % of each paired monitored run, "
+        f"{100 * sum(long['update_costs']) / long['seconds']:.3f} % of the long run (goal <= 0.5 %)"
+    )
     median_gap = f"{statistics.median(gaps):.2f} s" if gaps else "—"
-    print(f"  monitor's own share   median {100 * statistics.median(own):.3f} % of each paired monitored run "
-          "(its samples and live updates: the ratio a run free of noise would show is 1 + this)")
-    print(f"  updates per second    {len(live_times) / long['seconds']:.2f} in the long run "
-          f"({long['seconds']:.1f} s, {len(live_times)} updates; goal >= 4); median gap {median_gap}")
+    print(
+        f"  monitor's own share   median {100 * statistics.median(own):.3f} % of each paired monitored run "
+        "(its samples and live updates: the ratio a run free of noise would show is 1 + this)"
+    )
+    print(
+        f"  updates per second    {len(live_times) / long['seconds']:.2f} in the long run "
+        f"({long['seconds']:.1f} s, {len(live_times)} updates; goal >= 4); median gap {median_gap}"
+    )
+    if unpaced:
+        rates = [r["updates"] / r["seconds"] for r in unpaced]
+        shares = [(r["sample_seconds"] + r["update_seconds"]) / r["seconds"] for r in unpaced]
+        ratios_unpaced = [a["seconds"] / b["seconds"] for a, b in zip(unpaced, unpaced_off)]
+        print(
+            f"  unpaced fits          {len(unpaced)} of {args.epochs} epochs (arrays, batch 64, median "
+            f"{statistics.median(r['seconds'] for r in unpaced):.1f} s): updates per second median "
+            f"{statistics.median(rates):.2f} (min {min(rates):.2f}; goal >= 4), longest gap "
+            f"{max(r['longest_gap'] for r in unpaced):.2f} s, monitor's own share median "
+            f"{100 * statistics.median(shares):.3f} % (max {100 * max(shares):.3f} %; goal <= 0.5 %); "
+            f"time with/without median {statistics.median(ratios_unpaced):.3f} "
+            f"(pairs {min(ratios_unpaced):.3f}..{max(ratios_unpaced):.3f})"
+        )
     print(f"  final image           {median_ms(finals)}, drawn when the cell ends, after the training")
     print(f"  display               one output per run, the widget then the final image in its place: {one_output}")
     if widgets:
         print("  one update, by widget " + "; ".join(f"{k}: {1000 * v:.3f} ms" for k, v in widgets.items()))
     print(f"  took                  {time.perf_counter() - began:.0f} s")
     if args.json:
-        report = {"pairs": [[a, b] for a, b in pairs], "long": long, "ratios": ratios, "cpu_ratios": cpu_ratios}
+        report = {
+            "pairs": [[a, b] for a, b in pairs],
+            "long": long,
+            "ratios": ratios,
+            "cpu_ratios": cpu_ratios,
+            "unpaced": unpaced,
+        }
         print(json.dumps(report))
 
 

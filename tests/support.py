@@ -188,9 +188,7 @@ def two_gpus(current=None):
         GPUInfo(i, "NVIDIA Test GPU", total_mib=24576, free_mib=24000, compute_capability=(8, 0), nvml_index=i)
         for i in range(2)
     )
-    return DeviceInventory(
-        gpus=gpus, version="2.21.0", nvml_available=True, current=current, capabilities=CAPABILITIES
-    )
+    return DeviceInventory(gpus=gpus, version="2.21.0", nvml_available=True, current=current, capabilities=CAPABILITIES)
 
 
 def two_gpu_snapshot(logical=None, visible=(0, 1), growth=(False, False)):

@@ -558,6 +558,7 @@ with vgpu_magic.strategy().scope():
 model.fit(x, y, batch_size=32, epochs=1, verbose=1)""",
 ]
 
+
 def _line_pixels_above_zero(png: bytes) -> tuple[int, str]:
     """Coloured (line) pixels inside the image's memory axes, above the band at their
     bottom where an axis starts at 0 (an all-zero series lies there); and the picture's size.
@@ -624,8 +625,12 @@ def test_jupyterlab_monitored_fit_keeps_the_progress_bar_whole_and_plots_cpu_mem
         assert len(images) == 1, f"expected one plot in the fit's output, found {kinds}"
         plot = images[0]
         # Every progress line a user sees ends at N/N, below the plot: none froze above it at 1/N.
-        seen = [(i, int(m[1]), int(m[2])) for i, (kind, text) in enumerate(kinds) if kind == "text"
-                for m in _PROGRESS.finditer(text)]
+        seen = [
+            (i, int(m[1]), int(m[2]))
+            for i, (kind, text) in enumerate(kinds)
+            if kind == "text"
+            for m in _PROGRESS.finditer(text)
+        ]
         assert seen, f"no Keras progress line in the fit's output: {kinds}"
         assert all(step == steps and i > plot for i, step, steps in seen), seen
         assert seen[-1][1] == 1280 // 32
@@ -689,8 +694,10 @@ _SVG_COLOURS_JS = """
   };
   const texts = [...root.querySelectorAll('svg text')].map((t) => ({
     text: t.textContent, color: getComputedStyle(t).fill, layers: layersOf(t.parentElement)}));
-  const lines = [...root.querySelectorAll('svg path.vgpu-line')].map((p) => ({
-    text: 'line', color: getComputedStyle(p).stroke, layers: layersOf(p.parentElement)}));
+  // Lines, running peaks, epoch marks, and the legend's swatches.
+  const lines = [...root.querySelectorAll('svg .vgpu-line, svg .vgpu-peak, svg .vgpu-mark, .vgpu-live-legend svg line')]
+    .map((p) => ({text: p.getAttribute('class') || 'swatch', color: getComputedStyle(p).stroke,
+                  layers: layersOf(p.parentElement)}));
   return {texts, lines};
 }
 """
@@ -706,6 +713,10 @@ _LAYERS_JS = """
   return layers;
 }
 """
+
+
+def _rgb(hex_colour: str) -> tuple[float, float, float]:
+    return tuple(int(hex_colour[i : i + 2], 16) / 255 for i in (1, 3, 5))
 
 
 def _contrasts(items: list[dict]) -> list[tuple[float, str]]:
@@ -785,14 +796,19 @@ def test_jupyterlab_live_memory_view_mid_fit_and_its_final_image_read_in_light_a
             colours = _image_colour_contrasts(png, image.evaluate(_LAYERS_JS))
             assert "#777777" in colours, colours  # the image's text colour
             measured[f"{suffix}/final text"] = (colours["#777777"], "#777777")
-            low = min(colours.items(), key=lambda item: item[1])
+            # The legend and the epoch labels: dark text on a light card of the image's own, whatever the theme.
+            card = [c for c in colours if c in ("#f7f7f7", "#222222")]
+            assert len(card) == 2, colours
+            measured[f"{suffix}/final legend"] = (_contrast(*(_rgb(c) for c in card)), "legend text on its card")
+            low = min(((c, r) for c, r in colours.items() if c not in card), key=lambda item: item[1])
             measured[f"{suffix}/final colours"] = (low[1], low[0])
         report = {k: (round(r, 2), t) for k, (r, t) in measured.items()}
         print("memory view contrast:", json.dumps(report))
         (artifacts_dir / "browser_memory_contrast.json").write_text(json.dumps(report, indent=1))
-        # Text: 4.5:1 live (the theme's own colours); the image's one mid grey must read on both
-        # themes, 4:1. Lines and every colour the image draws with: 3:1 (WCAG's minimum for graphics).
-        minimum = {"live text": 4.5, "live lines": 3.0, "final text": 4.0, "final colours": 3.0}
+        # Live: text, lines, peaks, marks and the legend's swatches 4.5:1 (each theme's own colours). The
+        # image: its legend 4.5:1 on its card; its axes' one mid grey must read on both themes, 4:1; every
+        # other colour it draws with 3:1 (WCAG's minimum for graphics).
+        minimum = {"live text": 4.5, "live lines": 4.5, "final text": 4.0, "final legend": 4.5, "final colours": 3.0}
         low = {k: v for k, v in report.items() if v[0] < minimum[k.split("/", 1)[1]]}
         assert not low, f"below the minimum contrast on the rendered background: {low}"
     finally:

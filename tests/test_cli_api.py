@@ -139,8 +139,6 @@ def test_cli_usage_error_from_argparse():
 # -- API: refusals (in process; nothing gets configured) ------------------------------
 
 
-
-
 @pytest.mark.parametrize(
     "args, kwargs, fragment",
     [

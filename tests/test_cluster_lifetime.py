@@ -118,7 +118,9 @@ def test_a_watched_process_and_what_it_forked_end_with_their_owner():
         name = f"{lifetime.socket.gethostname()}:{owner.pid}:{created:.3f}"
         watched = subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(WATCHED), name],
-            stdout=subprocess.PIPE, text=True, env={**CHILD_ENV, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**CHILD_ENV, "PYTHONPATH": str(ROOT)},
         )
         pids = json.loads(watched.stdout.readline())
         assert alive(pids) == pids

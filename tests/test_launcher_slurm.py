@@ -55,9 +55,7 @@ def slurm_ranks(slurm, framework: str, n: int, launcher_options: dict | None = N
 
     steps = step_daemons()
     launcher_options = {"time": "10", **(launcher_options or {})}
-    ranks = RankCluster(
-        n, framework, launcher="slurm", launcher_options=launcher_options, join=True, **options
-    ).start()
+    ranks = RankCluster(n, framework, launcher="slurm", launcher_options=launcher_options, join=True, **options).start()
     cluster_id = ranks.cluster_id
     profile = Path(ranks.cluster.profile_dir)
     try:

@@ -138,8 +138,11 @@ def test_a_rank_on_the_second_host_is_interrupted_and_reported_through_its_engin
         pid = ranks.pids[there]
         with pytest.raises(RankRunError) as info, contextlib.redirect_stderr(io.StringIO()):
             # Within RUN_TIMEOUT, or the failure would be a timeout: the nanny tells the controller at once.
-            ranks.run(f"import os, socket, time\nif socket.gethostname() == {hosts[there]!r}:\n"
-                      "    os._exit(3)\ntime.sleep(60)", timeout=RUN_TIMEOUT)
+            ranks.run(
+                f"import os, socket, time\nif socket.gethostname() == {hosts[there]!r}:\n"
+                "    os._exit(3)\ntime.sleep(60)",
+                timeout=RUN_TIMEOUT,
+            )
         failure = info.value.failure
         assert (failure.rank, failure.kind) == (there, "died")
         assert failure.summary == f"died (exit status unknown) (pid {pid} on {two_hosts.second.hostname})"

@@ -400,23 +400,23 @@ def test_cpu_figure_has_one_line_for_the_shared_allocator_and_variables_per_repl
     trace.duration, trace.finished = 2.0, True
     plot = MemoryFigure(trace)
     assert len(plot.lines) == len(plot.peak_lines) == 1 and list(plot.axes) == ["device"]
-    # the running peak, faint, in the line's colour
+    # the running peak, dotted, in the line's colour
     assert plot.peak_lines[0].get_color() == plot.lines[0].get_color()
+    assert plot.peak_lines[0].get_linestyle() == ":"
     assert list(plot.peak_lines[0].get_ydata()[[0, -1]]) == [60.0, 79.0]
     assert list(plot.lines[0].get_ydata()[[0, -1]]) == [40.0, 59.0]
     legend = [t.get_text() for t in plot.legend.get_texts()]
-    # The faint running-peak lines have their own legend entry.
-    assert legend == ["host allocator (shared by 4 logical CPUs) · peak 79.0 MiB", "running peak (faint lines)"]
-    handle = plot.legend.legend_handles[1]
-    assert handle.get_alpha() == plot.peak_lines[0].get_alpha() < 1
+    # The dotted running-peak lines have their own legend entry.
+    assert legend == ["host allocator (shared by 4 logical CPUs) · peak 79.0 MiB", "running peak (dotted)"]
+    assert plot.legend.legend_handles[1].get_linestyle() == ":"
     assert [t.get_text() for t in plot.vax.get_yticklabels()] == ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
     ax = plot.axes["device"]
     assert ax.get_ylabel() == "device memory (MiB)"
-    # Epoch 2 starts at 1.0 s: one dotted marker.
-    assert [line.get_xdata()[0] for line in ax.lines if line.get_linestyle() == ":"] == [1.0]
+    # Epoch 2 starts at 1.0 s: one marker of dark and light dots.
+    assert [line.get_xdata()[0] for line in ax.lines if line.get_label() == "_epoch"] == [1.0, 1.0]
 
 
-def test_gpu_figure_draws_each_cap_dashed_in_its_line_colour_and_keeps_the_unit_of_the_start():
+def test_gpu_figure_draws_each_cap_dashed_in_its_line_colour_and_its_legend_reads_in_the_axis_unit():
     caps = {d: (2 + i) * GIB for i, d in enumerate(GPUS)}
     trace = MemoryTrace(build_series(GPUS, caps), kind="fit", baseline_peak=(0,) * 4)
     for k in range(30):
@@ -424,16 +424,20 @@ def test_gpu_figure_draws_each_cap_dashed_in_its_line_colour_and_keeps_the_unit_
     trace.duration = 3.0
     plot = MemoryFigure(trace)
     ax = plot.axes["device"]
-    dashed = [line for line in ax.lines if line.get_linestyle() == "--"]
+    dashed = [line for line in ax.lines if line.get_label() == "_cap"]
     assert [line.get_color() for line in dashed] == [line.get_color() for line in plot.lines]
     assert [line.get_ydata()[0] for line in dashed] == [2, 3, 4, 5]  # GiB
     assert ax.get_ylabel() == "device memory (GiB)"
     assert plot.legend.get_texts()[3].get_text() == "GPU:3 · peak 2.00 GiB / cap 5.00 GiB"
-    # No caps and a small start: MiB for the whole run, also when the run ends above 2 GiB.
-    grows = MemoryTrace(build_series(GPUS[:1]), kind="fit", baseline_peak=(100 * MIB,))
-    for k in range(10):
-        grows.append(k * 0.1, k, 0, "fit", [(k * GIB // 2, k * GIB // 2)])
-    assert MemoryFigure(grows).axes["device"].get_ylabel() == "device memory (MiB)"
+    # A peak under 1 GiB on a GiB axis reads in GiB too, not "513.0 MiB".
+    assert plot.legend.get_texts()[0].get_text() == "GPU:0 · peak 0.50 GiB / cap 2.00 GiB"
+    # A run that starts in KiB and peaks at 4.9 MiB ends on a MiB axis, which its legend uses.
+    grows = MemoryTrace(build_series(GPUS[:1]), kind="fit", baseline_peak=(100 * 1024,))
+    for k in range(50):
+        grows.append(k * 0.1, k, 0, "fit", [(k * MIB // 10, k * MIB // 10)])
+    plot = MemoryFigure(grows)
+    assert plot.axes["device"].get_ylabel() == "device memory (MiB)"
+    assert plot.legend.get_texts()[0].get_text() == "GPU:0 · peak 4.9 MiB"
 
 
 def test_epoch_labels_do_not_overprint():
@@ -444,7 +448,7 @@ def test_epoch_labels_do_not_overprint():
     trace.duration = 6.0
     ax = MemoryFigure(trace).axes["device"]
     labels = sorted(t.get_position()[0] for t in ax.texts if t.get_text().strip().startswith("e"))
-    assert len([line for line in ax.lines if line.get_linestyle() == ":"]) == 59  # every mark drawn
+    assert len([line for line in ax.lines if line.get_label() == "_epoch"]) == 2 * 59  # every mark drawn
     assert 5 <= len(labels) < 59  # ... but only labels with room
     assert min(b - a for a, b in itertools.pairwise(labels)) >= 0.045 * 6.0 - 1e-9
 
@@ -466,9 +470,7 @@ def test_text_view_prints_one_line_per_epoch_and_one_at_the_end():
     view.finish(trace)
     lines = out.getvalue().splitlines()
     assert len(lines) == 2
-    assert lines[0] == (
-        "memory · epoch 1/2 · host allocator (shared by 4 logical CPUs): now 59.0 MiB, peak 79.0 MiB"
-    )
+    assert lines[0] == ("memory · epoch 1/2 · host allocator (shared by 4 logical CPUs): now 59.0 MiB, peak 79.0 MiB")
     assert lines[1].startswith("memory · fit done in 2.0 s, 20 samples · host allocator")
     assert "variables per replica: CPU:0…CPU:3, each 3.0 MiB" in lines[1]
 
@@ -482,16 +484,14 @@ def test_frontend_is_text_outside_a_kernel():
 
 
 # -- the recorder ---------------------------------------------------------------------------------
-def make_recorder(view, clock, reports, started=True, calls=None, values=None):
+def make_recorder(view, clock, reports, calls=None, values=None):
     values = {"CPU:0": (MIB, 2 * MIB)} if values is None else values
     calls = calls if calls is not None else []
 
     def factory():
         return DeviceSampler(build_series(CPUS), reader=fake_reader(values, calls))
 
-    return MemoryRecorder(
-        factory, view, interval=0.05, clock=clock, runtime_started=lambda: started, report=reports.append
-    )
+    return MemoryRecorder(factory, view, interval=0.05, clock=clock, report=reports.append)
 
 
 class ExplodingView(View):
@@ -536,20 +536,6 @@ def test_ticks_sample_at_most_every_interval():
     assert all(c == ["CPU:0"] for c in calls)  # one read of the shared allocator per sample
 
 
-def test_recorder_waits_for_the_runtime_instead_of_starting_it():
-    clock, reports = FakeClock(), []
-    built = []
-
-    def factory():
-        built.append(1)
-        raise AssertionError("must not be built before the runtime runs")
-
-    recorder = MemoryRecorder(factory, None, clock=clock, runtime_started=lambda: False, report=reports.append)
-    recorder.start("custom")
-    recorder.sample(step=1)
-    assert recorder.finish() is None and built == [] and reports == []
-
-
 def test_a_sampler_that_fails_is_reported_once_and_stops_sampling():
     clock, reports, calls = FakeClock(), [], []
     recorder = make_recorder(None, clock, reports, calls=calls, values={})
@@ -558,9 +544,7 @@ def test_a_sampler_that_fails_is_reported_once_and_stops_sampling():
         clock.now += 0.1
         recorder.tick(step)
     recorder.finish()
-    assert reports == [
-        "memory cannot be read, monitoring is off (ValueError: No matching devices found for 'CPU:0')"
-    ]
+    assert reports == ["memory cannot be read, monitoring is off (ValueError: No matching devices found for 'CPU:0')"]
     assert len(calls) == 1
 
 
@@ -683,7 +667,7 @@ def test_equal_caps_on_several_gpus_all_show_and_are_labelled_once():
     caps = dict.fromkeys(GPUS, 2 * GIB)
     trace = MemoryTrace(build_series(GPUS, caps), kind="fit", baseline_peak=(0,) * 4)
     for k in range(10):
-        trace.append(k * 0.1, k, 0, "fit", [(GIB // 2, GIB // 2)] * 4)
+        trace.append(k * 0.1, k, 0, "fit", [(GIB // 2 + i, GIB // 2 + i) for i in range(4)])
     trace.duration = 1.0
     plot = MemoryFigure(trace)
     ax = plot.axes["device"]
@@ -695,6 +679,29 @@ def test_equal_caps_on_several_gpus_all_show_and_are_labelled_once():
     assert [line.get_color() for line in capped] == [line.get_color() for line in plot.lines]
     labels = [t.get_text() for t in ax.texts if t.get_text().startswith("cap")]
     assert labels == ["cap 2.00 GiB (GPU:0, GPU:1, GPU:2, GPU:3) "]
+
+
+def test_series_that_read_the_same_are_one_line_at_their_true_value_labelled_as_such():
+    # Eight JAX CPU devices: CPU:0 holds more, the seven others 602.1 KiB each all run long.
+    series = build_series([f"CPU:{i}" for i in range(8)], shared_cpus=False, process=True)
+    trace = MemoryTrace(series, kind="custom", baseline_peak=(0,) * 9)
+    for k in range(20):
+        trace.append(k * 0.1, k, 0, "custom", [(700 * 1024, 700 * 1024)] + [(616550, 616550)] * 7 + [(GIB, GIB)])
+    trace.duration = 2.0
+    plot = MemoryFigure(trace)
+    assert plot.groups == [[0], list(range(1, 8)), [8]]
+    legend = [t.get_text() for t in plot.legend.get_texts()]
+    assert legend[:2] == ["CPU:0 · peak 700.0 KiB", "CPU:1…CPU:7, same · peak 602.1 KiB"]
+    device = plot.axes["device"]
+    assert [line.axes for line in plot.lines[:2]] == [device, device]
+    # Drawn where they are, one line of one width: nothing moved or widened apart.
+    assert set(plot.lines[1].get_ydata()) == {616550 / 1024}
+    assert {line.get_linewidth() for line in plot.lines} == {1.6}
+    # Lines that differ somewhere but may overlap elsewhere stay apart by their dashes.
+    assert [line.get_linestyle() for line in plot.lines] == ["-", "--", "-"]
+    # Apart the moment one differs.
+    trace.append(2.0, 20, 0, "custom", [(700 * 1024, 700 * 1024)] + [(616550, 616550)] * 6 + [(0, 616550), (GIB, GIB)])
+    assert MemoryFigure(trace).groups == [[0], list(range(1, 7)), [7], [8]]
 
 
 def test_text_is_large_enough_for_hidpi_and_lines_hold_between_samples():
@@ -742,16 +749,159 @@ def test_savefig_without_matplotlib_gives_the_install_hint_of_the_final_image():
     ]
 
 
-def test_the_plain_png_encoder_round_trips_the_canvas_pixels():
+def test_the_final_image_is_a_png_of_the_canvas_with_a_transparent_background():
     import numpy as np
     from PIL import Image
 
-    from vgpu_magic.monitor.display import encode_png
-
     plot = MemoryFigure(cpu_run(30, 30 * MIB))
     png = plot.png()
+    assert png.startswith(PNG_SIGNATURE)
     with Image.open(io.BytesIO(png)) as image:
         decoded = np.asarray(image.convert("RGBA"))
-    expected = np.asarray(plot.canvas.buffer_rgba())
-    assert decoded.shape == expected.shape and (decoded == expected).all()
-    assert encode_png(expected[:2, :3, :3].copy()).startswith(PNG_SIGNATURE)
+    assert decoded.shape[:2] == np.asarray(plot.canvas.buffer_rgba()).shape[:2]
+    assert decoded[0, 0, 3] == 0 and decoded[..., 3].max() == 255  # see-through around what is drawn
+
+
+# -- samples that do not wait for the training thread; devices that join; epochs; the title ------------------
+class SeriesLog(View):
+    """Records what the recorder tells a view."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def start(self, trace) -> None:
+        self.calls.append(("start", len(trace.series)))
+
+    def series_changed(self, trace) -> None:
+        self.calls.append(("series_changed", len(trace.series)))
+
+
+def test_a_background_recorder_samples_while_the_training_thread_calls_nothing():
+    import threading
+    import time
+
+    calls: list = []
+    recorder = MemoryRecorder(
+        lambda: DeviceSampler(build_series(CPUS), reader=fake_reader({"CPU:0": (MIB, MIB)}, calls)),
+        None,
+        interval=0.001,
+        background=True,
+    )
+    recorder.start("fit")
+    threads = threading.active_count()
+    deadline = time.monotonic() + 30
+    # This thread sleeps, as a training thread blocked in a long step does: the trace still grows.
+    while len(recorder.trace) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(recorder.trace) >= 5
+    recorder.tick(7)  # a hook only notes the step
+    trace = recorder.finish()
+    assert threading.active_count() == threads - 1  # the sampling thread ended with the run
+    assert list(trace.time) == sorted(trace.time) and trace.step[-1] == 7
+    assert len(trace) == len(calls) - 1  # every read a row (the first one is the baseline)
+
+
+def test_devices_join_the_run_once_a_runtime_starts_in_it():
+    clock, reports = FakeClock(), []
+    runtime = {"started": False}
+    values = {"CPU:0": (3 * MIB, 4 * MIB)}
+
+    def factory():
+        if not runtime["started"]:
+            return DeviceSampler(
+                build_series([], process=True), lambda names: [], process=lambda: (GIB, GIB), provisional=True
+            )
+        return DeviceSampler(build_series(CPUS, process=True), fake_reader(values, []), process=lambda: (GIB, GIB))
+
+    view = SeriesLog()
+    recorder = MemoryRecorder(factory, view, interval=0.05, clock=clock, report=reports.append)
+    recorder.start("custom")
+    for step in range(10):
+        clock.now += 0.1
+        recorder.sample(step=step)
+    assert [s.key for s in recorder.trace.series] == ["process"]
+    runtime["started"] = True
+    for step in range(10, 20):
+        clock.now += 0.1
+        recorder.sample(step=step)
+    trace = recorder.finish()
+    assert [s.key for s in trace.series] == ["host", "process"]
+    assert view.calls == [("start", 1), ("series_changed", 2)]
+    joined = trace.current[0]
+    # Before its runtime started the device had no allocator: 0 B; since then its readings.
+    assert joined[0] == 0 and joined[-1] == 3 * MIB and set(joined) == {0, 3 * MIB}
+    assert set(trace.current[1]) == {GIB} and reports == []
+    assert trace.peak_text(0) == "peak 4.0 MiB"
+
+
+def test_a_custom_loop_marks_each_new_epoch_it_passes_to_sample():
+    clock, reports = FakeClock(), []
+    recorder = make_recorder(None, clock, reports)
+    recorder.start("custom")
+    for step in range(30):
+        clock.now += 0.1
+        recorder.sample(step=step, epoch=step // 10)
+    trace = recorder.finish()
+    assert [epoch for _, epoch in trace.epoch_starts] == [1, 2]
+    assert [t for t, _ in trace.epoch_starts] == pytest.approx([1.1, 2.1])
+    assert [
+        round(line.get_xdata()[0], 3)
+        for line in MemoryFigure(trace).axes["device"].lines
+        if line.get_label() == "_epoch"
+    ] == [1.1, 1.1, 2.1, 2.1]
+
+
+def test_the_title_counts_epochs_as_keras_does_and_names_what_a_custom_loop_watches():
+    from vgpu_magic.monitor.views import title_text
+
+    trace = MemoryTrace(build_series(CPUS), kind="fit", epochs_total=5)
+    for epoch in range(3):
+        trace.mark_epoch(epoch * 1.0, epoch)
+        trace.append(epoch * 1.0 + 0.5, epoch, epoch, "fit", [(MIB, MIB)])
+    trace.mark_epoch(3.0, 3)  # Keras printed "Epoch 4/5"; no sample of it yet
+    assert title_text(trace) == "memory · fit · epoch 4/5"
+    custom = MemoryTrace(build_series(CPUS), subject="JAX · 8 devices")
+    assert title_text(custom) == "memory · JAX · 8 devices"
+    custom.mark_epoch(0.0, 0)
+    assert title_text(custom) == "memory · JAX · 8 devices · epoch 1"
+
+
+JOINS = """
+import json, os, time
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import vgpu_magic
+with vgpu_magic.MemoryMonitor(display="none", interval=0.01) as mon:
+    mon.sample(step=0)
+    before = [s.key for s in mon.trace.series]
+    {start}
+    deadline = time.monotonic() + 60
+    while len(mon.trace.series) == 1 and time.monotonic() < deadline:  # the recorder looks every 0.5 s
+        mon.sample(step=1)
+        time.sleep(0.05)
+print(json.dumps({{"before": before, "after": [len(s.devices) for s in mon.trace.series],
+                  "subject": mon.trace.subject, "first": [c[0] for c in mon.trace.current],
+                  "last": [c[-1] for c in mon.trace.current]}}))
+"""
+
+
+@pytest.mark.slow
+def test_jax_devices_join_a_monitor_entered_before_jax_s_backend_started():
+    from support import last_json, run_python
+
+    start = "import jax, jax.numpy as jnp\n    x = jax.device_put(jnp.ones((1024, 256)), jax.devices()[1])"
+    result = last_json(run_python(JOINS.format(start=start)).stdout)
+    assert result["before"] == ["process"]
+    # Four devices and the process: the 1 MiB array on the second device, which held nothing before.
+    assert result["after"] == [1, 1, 1, 1, 0] and result["subject"] == "JAX · 4 devices"
+    assert result["first"][:4] == [0, 0, 0, 0] and result["last"][1] == 1024 * 1024
+
+
+@pytest.mark.slow
+def test_tensorflow_s_devices_join_a_monitor_entered_before_its_runtime_started():
+    from support import last_json, run_python
+
+    start = "import tensorflow as tf\n    tf.constant([1.0])"
+    result = last_json(run_python(JOINS.format(start=start)).stdout)
+    assert result["before"] == ["process"]
+    # TensorFlow's one CPU (its host allocator), then the process.
+    assert result["after"] == [1, 0] and result["subject"] == "TensorFlow · 1 device"

@@ -29,8 +29,10 @@ from vgpu_magic.monitor.magics import parse_monitor_line
         ("on --interval -1", "--interval '-1' is not a number of seconds; use e.g. --interval 0.05"),
         ("on --interval 0", "--interval '0' is out of range; use 0.001 to 3600 seconds"),
         ("on --interval 99999", "--interval '99999' is out of range; use 0.001 to 3600 seconds"),
-        ("x" * 500, "'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...' (500 characters) "
-                    "is not an action; use on, off or status"),
+        (
+            "x" * 500,
+            "'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...' (500 characters) is not an action; use on, off or status",
+        ),
     ],
 )
 def test_a_mistake_is_one_plain_sentence_and_changes_nothing(ip, line, message):

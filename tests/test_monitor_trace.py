@@ -112,7 +112,6 @@ def test_sample_respects_the_interval_and_costs_are_bounded():
     recorder = MemoryRecorder(
         lambda: DeviceSampler(build_series(CPUS), reader),
         None,
-        runtime_started=lambda: True,
         interval=0.05,
         clock=clock,
     )

@@ -90,6 +90,7 @@ MALFORMED = [
 @pytest.mark.parametrize("line, fragment", MALFORMED, ids=[repr(line) for line, _ in MALFORMED])
 def test_malformed_line_is_one_line_usage_error_and_configures_nothing(ip, line, fragment):
     from vgpu_magic.frameworks import get as _framework
+
     tf_runtime_started = _framework("tensorflow").runtime_started
 
     before = tf_device_configuration()
@@ -122,12 +123,55 @@ def test_status_rejects_unknown_options(ip):
 
 COUNT_WORDS = ["0", "1", "2", "3", "4", "8", "64", "65", "-1", "-0", "2.5", "x", "1_0", "+3", "\u0663", "\u00b2"]
 OPTION_WORDS = [
-    "--memory", "-m", "--gpu", "--cpu", "--others", "--visible", "--growth", "--dry-run", "-n", "-r", "-q",
-    "--return", "--quiet", "--bogus", "--", "-", "--memory=", "--gpu=1", "-m1024", "-nq", "--help", "-h",
+    "--memory",
+    "-m",
+    "--gpu",
+    "--cpu",
+    "--others",
+    "--visible",
+    "--growth",
+    "--dry-run",
+    "-n",
+    "-r",
+    "-q",
+    "--return",
+    "--quiet",
+    "--bogus",
+    "--",
+    "-",
+    "--memory=",
+    "--gpu=1",
+    "-m1024",
+    "-nq",
+    "--help",
+    "-h",
 ]
 VALUE_WORDS = [
-    "64", "63", "1024", "2048", "2GB", "1.5G", "1.3G", "10XB", "1024,2048", "1024,,2048", ",", "hide", "keep",
-    "none", "0", "1", "3", "0,1", "0,0", "1,3", "99999999999999", "1" + "0" * 50, "-5", "0.5", "1T",
+    "64",
+    "63",
+    "1024",
+    "2048",
+    "2GB",
+    "1.5G",
+    "1.3G",
+    "10XB",
+    "1024,2048",
+    "1024,,2048",
+    ",",
+    "hide",
+    "keep",
+    "none",
+    "0",
+    "1",
+    "3",
+    "0,1",
+    "0,0",
+    "1,3",
+    "99999999999999",
+    "1" + "0" * 50,
+    "-5",
+    "0.5",
+    "1T",
 ]
 tokens = st.lists(
     st.one_of(

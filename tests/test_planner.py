@@ -328,8 +328,18 @@ def test_requests_built_in_python_are_validated_too(request_, fragment):
 
 @pytest.mark.parametrize(
     "text, mib",
-    [("2048", 2048), ("2048MB", 2048), ("2048 mib", 2048), ("1.5G", 1536), ("2GiB", 2048), ("1gb", 1024),
-     ("1.25G", 1280), ("1T", 1024**2), ("64m", 64), ("1.0", 1)],
+    [
+        ("2048", 2048),
+        ("2048MB", 2048),
+        ("2048 mib", 2048),
+        ("1.5G", 1536),
+        ("2GiB", 2048),
+        ("1gb", 1024),
+        ("1.25G", 1280),
+        ("1T", 1024**2),
+        ("64m", 64),
+        ("1.0", 1),
+    ],
 )
 def test_parse_memory(text, mib):
     assert parse_memory(text) == mib

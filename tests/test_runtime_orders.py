@@ -16,7 +16,7 @@ from support import last_json, run_python
 
 pytestmark = pytest.mark.slow
 
-DRIVER = '''
+DRIVER = """
 import contextlib, io, json, sys
 from IPython.core.interactiveshell import InteractiveShell
 
@@ -44,7 +44,7 @@ def cell(source):
         "started": runtime_started(),
         "result": value.to_dict() if hasattr(value, "to_dict") else None,
     })
-'''
+"""
 
 
 def run_cells(*sources: str, env: dict[str, str] | None = None) -> list[dict]:

@@ -72,8 +72,9 @@ def _memory_arg(memory: object) -> int | tuple[int, ...] | None:
 _OPTIONS = {"cpu": False, "gpu": None, "others": "hide", "visible": None, "growth": False, "framework": None}
 
 
-def make_request(count: int | None = None, memory: int | str | Sequence[int | str] | None = None,
-                 **options: Any) -> SplitRequest:
+def make_request(
+    count: int | None = None, memory: int | str | Sequence[int | str] | None = None, **options: Any
+) -> SplitRequest:
     """Build a :class:`SplitRequest` from Python values, checking their types.
 
     ``options`` are :func:`split`'s keyword options (``cpu``, ``gpu``,

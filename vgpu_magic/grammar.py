@@ -96,9 +96,7 @@ def parse_memory_list(text: str) -> tuple[int, ...]:
     """``"1024,2GB"`` -> ``(1024, 2048)``: the one grammar for memory lists (magic, API, config)."""
     parts = text.split(",")
     if any(not p.strip() for p in parts):
-        raise PlanError(
-            f"memory list {excerpt(text)} has an empty item; use sizes separated by commas, e.g. 1024,2048"
-        )
+        raise PlanError(f"memory list {excerpt(text)} has an empty item; use sizes separated by commas, e.g. 1024,2048")
     return tuple(parse_memory(p) for p in parts)
 
 

@@ -13,6 +13,7 @@ import sys
 
 __all__ = ["keras_backend", "keras_backend_warning"]
 
+
 def keras_backend() -> str | None:
     """The backend of the Keras imported in this process, or ``None`` when
     Keras 3 is not imported."""

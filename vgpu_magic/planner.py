@@ -48,7 +48,6 @@ MIN_MEMORY_MIB = 64
 MAX_MEMORY_MIB = 1024**3
 
 
-
 def usable_mib(gpu: GPUInfo, capabilities: Capabilities) -> int | None:
     """What logical devices on ``gpu`` can share: free memory minus what the
     framework keeps back, or ``None`` when NVML could not tell the free memory."""
@@ -205,7 +204,12 @@ def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
         if request.visible is None and not request.memory_growth:
             raise PlanError("nothing to do; give a device count, e.g. %vgpu_split 4 (see %vgpu_split? for options)")
         return SplitPlan(
-            "GPU", None, (), request.visible, request.memory_growth, framework=capabilities.name,
+            "GPU",
+            None,
+            (),
+            request.visible,
+            request.memory_growth,
+            framework=capabilities.name,
             framework_named=request.framework,
         )
     if target == "gpu" and not inventory.gpus:
@@ -291,8 +295,16 @@ def _cpu_plan(
         visible = ()
         notes = (f"GPUs hidden so {capabilities.replicas_by} uses the logical CPUs (add --visible 0 to keep GPU 0)",)
     return SplitPlan(
-        "CPU", 0, (None,) * count, visible, request.memory_growth, None, notes, cpu_forced=forced,
-        framework=capabilities.name, framework_named=request.framework,
+        "CPU",
+        0,
+        (None,) * count,
+        visible,
+        request.memory_growth,
+        None,
+        notes,
+        cpu_forced=forced,
+        framework=capabilities.name,
+        framework_named=request.framework,
     )
 
 
@@ -334,8 +346,16 @@ def _gpu_plan(
             "vgpu_magic.strategy(), or pass cross_device_ops=tf.distribute.ReductionToOneDevice()"
         )
     return SplitPlan(
-        "GPU", gpu.index, tuple(limits), visible, request.memory_growth, usable, tuple(notes),
-        framework=capabilities.name, sizes_chosen=sizes is not None, framework_named=request.framework,
+        "GPU",
+        gpu.index,
+        tuple(limits),
+        visible,
+        request.memory_growth,
+        usable,
+        tuple(notes),
+        framework=capabilities.name,
+        sizes_chosen=sizes is not None,
+        framework_named=request.framework,
     )
 
 

@@ -123,15 +123,25 @@ class SplitPanel:
         # The slider has no readout of its own: the typed box is the one number shown, so the two can
         # never disagree (the slider stops at 16; larger counts are typed, and the planner says what is allowed).
         self.count_slider = widgets.IntSlider(
-            value=1, min=1, max=SLIDER_MAX_DEVICES, description="Logical devices", readout=False, style=_WIDE,
+            value=1,
+            min=1,
+            max=SLIDER_MAX_DEVICES,
+            description="Logical devices",
+            readout=False,
+            style=_WIDE,
             layout=_SLIDER,
         )
         self.count_text = widgets.IntText(value=1, layout=widgets.Layout(width="6em"))
         self.count_text.tooltip = f"1..{MAX_DEVICES}; the slider stops at {SLIDER_MAX_DEVICES}"
         self.custom = widgets.Checkbox(value=False, description="custom size per device", indent=False)
         self.even_memory = widgets.IntSlider(
-            value=MIN_MEMORY_MIB, min=MIN_MEMORY_MIB, max=MIN_MEMORY_MIB, description="MiB each", readout_format="d",
-            style=_WIDE, layout=_SLIDER,
+            value=MIN_MEMORY_MIB,
+            min=MIN_MEMORY_MIB,
+            max=MIN_MEMORY_MIB,
+            description="MiB each",
+            readout_format="d",
+            style=_WIDE,
+            layout=_SLIDER,
         )
         self.device_memory = widgets.VBox()
         self.memory_note = widgets.HTML()
@@ -312,8 +322,14 @@ class SplitPanel:
             self.even_memory.max = each
         while len(self._device_sliders) < min(max(self.count, 1), MAX_DEVICES):
             slider = widgets.IntSlider(
-                value=each, min=MIN_MEMORY_MIB, max=capacity, readout_format="d", style=_WIDE, layout=_SLIDER,
-                description=f"device {len(self._device_sliders)} MiB", disabled=self.locked,
+                value=each,
+                min=MIN_MEMORY_MIB,
+                max=capacity,
+                readout_format="d",
+                style=_WIDE,
+                layout=_SLIDER,
+                description=f"device {len(self._device_sliders)} MiB",
+                disabled=self.locked,
             )
             slider.observe(self._update, "value")
             slider.observe(self._notice_start, "value")

@@ -4,23 +4,34 @@ monitor's data and its views; and lists of alike figures written once
 
 from __future__ import annotations
 
-__all__ = ["MIB", "GIB", "format_bytes", "joined_alike"]
+__all__ = ["MIB", "GIB", "UNITS", "format_bytes", "joined_alike", "unit_for"]
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 
 
-def format_bytes(n: int | float | None) -> str:
-    """``1536 * 2**20`` -> ``'1.50 GiB'``; ``None`` -> ``'—'``."""
+#: Units people read bytes in, largest first, with the decimals :func:`format_bytes` writes.
+UNITS = (("GiB", GIB, 2), ("MiB", MIB, 1), ("KiB", 1024, 1), ("B", 1, 0))
+
+
+def unit_for(top: float, smallest: str = "B") -> tuple[str, int]:
+    """``(name, bytes)`` of the unit ``top`` bytes are read in: the largest
+    not above it (as :func:`format_bytes` writes it), ``smallest`` at least.
+    The one picker of the status, the live view's axes and the final image."""
+    for name, scale, _ in UNITS:
+        if top >= scale or name == smallest:
+            return name, scale
+    return "B", 1
+
+
+def format_bytes(n: int | float | None, unit: str | None = None) -> str:
+    """``1536 * 2**20`` -> ``'1.50 GiB'``; in a given ``unit`` (an axis'):
+    ``'1536.0 MiB'``; ``None`` -> ``'—'``."""
     if n is None:
         return "—"
-    if n >= GIB:
-        return f"{n / GIB:.2f} GiB"
-    if n >= MIB:
-        return f"{n / MIB:.1f} MiB"
-    if n >= 1024:
-        return f"{n / 1024:.1f} KiB"
-    return f"{int(n)} B"
+    name = unit or unit_for(n)[0]
+    _, scale, decimals = next(u for u in UNITS if u[0] == name)
+    return f"{n / scale:.{decimals}f} {name}" if decimals else f"{int(n)} B"
 
 
 def joined_alike(parts: list[tuple[str, ...]], between: str) -> list[str]:

@@ -69,7 +69,8 @@ def system_reserve_mib(free_mib: int, compute_capability: tuple[int, int] | None
 
 
 CAPABILITIES = Capabilities(
-    name="tensorflow", label="TensorFlow",
+    name="tensorflow",
+    label="TensorFlow",
     install_hint="install it with pip install 'vgpu_magic[cpu]' (or 'vgpu_magic[gpu]' for the CUDA build)",
     splits_gpu=True, gpu_caps_required=True, gpu_reserve_mib=system_reserve_mib, gpu_visibility=True,
     splits_cpu=True, cpus_share_allocator=True,  # every logical CPU reports the one host allocator's figures

@@ -1,14 +1,11 @@
-"""The Keras face: :class:`MemoryMonitor`, a Keras callback over the
-Keras-free :class:`~vgpu_magic.monitor.session.MonitorSession`.
+"""The Keras face: :class:`MemoryMonitor`, a Keras callback over
+:class:`~vgpu_magic.monitor.session.MonitorSession`.
 
-It imports no Keras: Keras 3 takes any object with the callback methods, so
-the same monitor serves ``fit`` and, as a context manager, custom loops in a
-JAX or PyTorch kernel without importing Keras or TensorFlow there. Steps are
-counted in the ``on_*_batch_begin`` hooks, which Keras calls synchronously with
-no logs. The ``on_*_batch_end`` hooks are marked as Keras' own defaults: Keras
-3 hands batch-end logs to callbacks on a worker thread only while no callback
-overrides them; overriding one makes every step wait for its logs.
-"""
+It imports no Keras: Keras 3 takes any object with the callback methods.
+Steps are noted in the ``on_*_batch_begin`` hooks, which Keras calls on the
+training thread with no logs. The ``on_*_batch_end`` hooks are marked as
+Keras' own defaults, so Keras keeps handing batch-end logs to callbacks on a
+worker thread instead of making every step wait for them."""
 
 from __future__ import annotations
 

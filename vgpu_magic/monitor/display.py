@@ -1,32 +1,22 @@
 """Where the memory view goes in a notebook: one output, shown once, updated in place.
 
-:class:`DisplaySurface` is ``display(..., display_id=True)`` for the first
-object and ``handle.update(...)`` for every later one, so the notebook never
-grows a list of outputs and never flickers. It is opened with the live widget
-when a run starts, before Keras' progress bar prints anything: the view's
-output then sits above the cell's stream output, and the progress bar's
-``\r`` updates keep rewriting one line below it instead of freezing above a
-view that was inserted into the stream (a notebook front end starts a new
-stream output after every display).
-
-:class:`MemoryFrame` is the final image: PNG plus its text form, so it stays
-in the saved notebook as a plain image and terminals and text exports get
-the summary.
-"""
+:class:`DisplaySurface` displays the first object with a display id and
+updates that output with every later one, so the notebook never grows a list
+of outputs. It opens with the live widget, before Keras' progress bar prints,
+so the bar's ``\r`` updates keep rewriting one line below it.
+:class:`MemoryFrame` is the final image: PNG plus its text form."""
 
 from __future__ import annotations
 
 import base64
 import contextlib
 import signal
-import struct
 import sys
 import threading
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["DISPLAY_MODES", "DisplaySurface", "MemoryFrame", "detect_frontend", "encode_png", "interrupts_deferred"]
+__all__ = ["DISPLAY_MODES", "DisplaySurface", "MemoryFrame", "detect_frontend", "interrupts_deferred"]
 
 #: ``display=`` values: ``"auto"`` (a live plot in a Jupyter kernel, text
 #: elsewhere), ``"rich"`` (the live plot), ``"text"`` (per-epoch lines) or
@@ -48,28 +38,6 @@ def detect_frontend() -> str:
     if shell is None or getattr(shell, "kernel", None) is None:
         return "text"
     return "rich"
-
-
-def encode_png(pixels: Any, compress_level: int = 1) -> bytes:
-    """An RGB or RGBA ``uint8`` array as PNG: every row unfiltered, then zlib.
-
-    Cheaper than Pillow's encoder, whose adaptive per-row filters
-    buy nothing on a plot that is mostly flat colour.
-    """
-    import numpy as np
-
-    height, width, channels = pixels.shape
-    rows = np.empty((height, 1 + channels * width), dtype=np.uint8)
-    rows[:, 0] = 0  # filter type "none"
-    rows[:, 1:] = pixels.reshape(height, channels * width)
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    colour_type = {3: 2, 4: 6}[channels]  # 8-bit RGB or RGBA
-    header = struct.pack(">IIBBBBB", width, height, 8, colour_type, 0, 0, 0)
-    body = zlib.compress(rows.tobytes(), compress_level)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", body) + chunk(b"IEND", b"")
 
 
 class MemoryFrame:

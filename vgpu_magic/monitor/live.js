@@ -9,9 +9,10 @@
 // bounded: past MAX_ROWS, neighbouring rows merge into their maxima.
 //
 // Colours: text, axes and grid come from the front end's theme variables, so
-// the view follows JupyterLab's and Notebook 7's light and dark themes; the
-// series colours are one mid-contrast palette that reads on both (the same
-// as the static image the kernel leaves when the run ends).
+// the view follows JupyterLab's and Notebook 7's light and dark themes; each
+// series has a colour for light themes and one for dark ones (the body's
+// data-jp-theme-light says which), each 4.5:1 or more against its background.
+// Series that read the same so far are one line, labelled "A…C, same".
 
 const MAX_ROWS = 6000;
 const STORES = new Map();
@@ -25,6 +26,9 @@ const MUTED = "var(--jp-ui-font-color2, #777777)";
 const GRID = "var(--jp-border-color2, rgba(127, 127, 127, 0.35))";
 const AXIS = "var(--jp-border-color1, #8a8a8a)";
 const FONT = "var(--jp-ui-font-family, system-ui, sans-serif)";
+// The lines of one panel, in turn: series that differ somewhere but overlap elsewhere stay apart by
+// their dashes, never by moving them (as the final image).
+const DASHES = ["", "7,3", "2,2", "7,3,2,3"];
 
 function store(model) {
   const key = model.get("key");
@@ -106,8 +110,39 @@ function stepPath(t, v, x, y) {
   return d;
 }
 
+function same(s, a, b) {
+  const x = s.values, n = s.t.length;
+  for (const k of [2 * a, 2 * a + 1]) {
+    const u = x[k] || [], v = x[k + 2 * (b - a)] || [];
+    for (let i = 0; i < n; i++) if (u[i] !== v[i]) return false;
+  }
+  return true;
+}
+
+function groups(s, series, indices) {
+  // Series whose every reading (and cap) is the same: one group, drawn once.
+  const out = [];
+  for (const k of indices) {
+    const g = out.find((g) => series[g[0]].cap === series[k].cap && same(s, g[0], k));
+    if (g) g.push(k);
+    else out.push([k]);
+  }
+  return out;
+}
+
+function groupLabel(series, g) {
+  const labels = g.map((k) => series[k].label);
+  if (labels.length === 1) return labels[0];
+  const consecutive = g[g.length - 1] - g[0] === g.length - 1;
+  return (consecutive && labels.length > 2 ? `${labels[0]}…${labels[labels.length - 1]}` : labels.join(", ")) + ", same";
+}
+
 function drawPanel(s, series, indices, unit, title, marks, xmax, state, last) {
   const [unitName, scale] = unit;
+  if (state.unit !== unitName) {
+    state.unit = unitName;
+    state.ymax = 0;
+  }
   let top = 0;
   for (const k of indices) {
     const cur = s.values[2 * k] || [], peak = s.values[2 * k + 1] || [];
@@ -146,38 +181,44 @@ function drawPanel(s, series, indices, unit, title, marks, xmax, state, last) {
   let lastLabel = LEFT + 7 * (title.length + unitName.length + 3);
   for (const [t, epoch] of marks) {
     const xx = x(t);
-    out.push(`<line x1="${xx.toFixed(1)}" x2="${xx.toFixed(1)}" y1="${TOP}" y2="${TOP + plotH}" stroke="${MUTED}" stroke-dasharray="2,3"/>`);
+    out.push(`<line class="vgpu-mark" x1="${xx.toFixed(1)}" x2="${xx.toFixed(1)}" y1="${TOP}" y2="${TOP + plotH}" stroke="${TEXT}" stroke-dasharray="2,3"/>`);
     if (xx - lastLabel >= 30) {
-      out.push(`<text x="${(xx + 2).toFixed(1)}" y="${TOP - 3}" font-size="10" fill="${MUTED}">e${epoch + 1}</text>`);
+      out.push(`<text x="${(xx + 2).toFixed(1)}" y="${TOP - 3}" font-size="10" fill="${TEXT}">e${epoch + 1}</text>`);
       lastLabel = xx;
     }
   }
-  // Equal series would hide each other: each one drawn before is wider, so all their colours show.
-  const widen = indices.length > 1 ? Math.min(1.2, 6 / (indices.length - 1)) : 0;
-  indices.forEach((k, j) => {
-    const colour = series[k].color;
-    const width = (1.6 + widen * (indices.length - 1 - j)).toFixed(2);
+  for (const [j, [k]] of groups(s, series, indices).entries()) {
+    const colour = series[k].colour;
+    const dash = DASHES[j % DASHES.length];
     if (series[k].cap) {
       const yy = y(series[k].cap).toFixed(1);
       out.push(`<line class="vgpu-cap" x1="${LEFT}" x2="${W - RIGHT}" y1="${yy}" y2="${yy}" stroke="${colour}" stroke-dasharray="6,4" stroke-width="1.2"/>`);
     }
     const peak = stepPath(s.t, s.values[2 * k + 1] || [], x, y);
     const cur = stepPath(s.t, s.values[2 * k] || [], x, y);
-    out.push(`<path d="${peak}" fill="none" stroke="${colour}" stroke-opacity="0.4" stroke-width="1"/>`);
-    out.push(`<path class="vgpu-line" d="${cur}" fill="none" stroke="${colour}" stroke-width="${width}"/>`);
-  });
+    out.push(`<path class="vgpu-peak" d="${peak}" fill="none" stroke="${colour}" stroke-dasharray="1,2" stroke-width="1.2"/>`);
+    out.push(`<path class="vgpu-line" d="${cur}" fill="none" stroke="${colour}" stroke-width="1.8"`
+      + `${dash ? ` stroke-dasharray="${dash}"` : ""}/>`);
+  }
   out.push("</svg>");
   return out.join("");
 }
 
-function legend(series) {
-  const items = series.map((s) => {
-    const cap = s.cap_text ? ` · cap ${esc(s.cap_text)}` : "";
-    return `<span style="display:inline-flex;align-items:center;gap:4px;margin-right:14px;white-space:nowrap">`
-      + `<svg width="18" height="6"><line x1="0" x2="18" y1="3" y2="3" stroke="${s.color}" stroke-width="2"/></svg>`
-      + `${esc(s.label)}${cap}</span>`;
-  });
-  items.push(`<span style="white-space:nowrap">faint: running peak</span>`);
+function swatch(colour, dash) {
+  return `<svg width="18" height="6"><line x1="0" x2="18" y1="3" y2="3" stroke="${colour}" stroke-width="2"`
+    + `${dash ? ` stroke-dasharray="${dash}"` : ""}/></svg>`;
+}
+
+function legend(s, series, panels) {
+  const item = (body) => `<span class="vgpu-legend-item" style="display:inline-flex;align-items:center;gap:4px;margin-right:14px;white-space:nowrap">${body}</span>`;
+  const items = [];
+  for (const [, , indices] of panels) {
+    for (const [j, g] of groups(s, series, indices).entries()) {
+      const cap = series[g[0]].cap_text ? ` · cap ${esc(series[g[0]].cap_text)}` : "";
+      items.push(item(swatch(series[g[0]].colour, DASHES[j % DASHES.length]) + esc(groupLabel(series, g)) + cap));
+    }
+  }
+  items.push(item(swatch(TEXT, "1,2") + "running peak"));
   return items.join("");
 }
 
@@ -193,7 +234,8 @@ function render({ model, el }) {
 
   function draw() {
     pending = false;
-    const series = model.get("series") || [];
+    const dark = document.body.dataset.jpThemeLight === "false";
+    const series = (model.get("series") || []).map((x) => ({ ...x, colour: dark ? x.dark : x.color }));
     const units = model.get("units") || {};
     const marks = model.get("marks") || [];
     const tLast = s.t.length ? s.t[s.t.length - 1] : 0;
@@ -201,7 +243,7 @@ function render({ model, el }) {
     const panels = PANELS.map(([key, title]) => [key, title, series.map((x, k) => (x.panel === key ? k : -1)).filter((k) => k >= 0)])
       .filter(([, , indices]) => indices.length);
     const parts = [`<div class="vgpu-live-title" style="font-weight:600;margin-bottom:2px">${esc(model.get("title") || "")}</div>`];
-    parts.push(`<div class="vgpu-live-legend" style="font-size:11px;line-height:18px;margin-bottom:2px">${legend(series)}</div>`);
+    parts.push(`<div class="vgpu-live-legend" style="font-size:11px;line-height:18px;margin-bottom:2px">${legend(s, series, panels)}</div>`);
     panels.forEach(([key, title, indices], i) => {
       parts.push(drawPanel(s, series, indices, units[key] || ["MiB", 1048576], title, marks, xmax, states[key], i === panels.length - 1));
     });
@@ -219,8 +261,12 @@ function render({ model, el }) {
   }
   s.redraw.add(schedule);
   for (const name of ["series", "units", "marks", "title", "note"]) model.on(`change:${name}`, schedule);
+  // A theme switch redraws in the other theme's colours.
+  const theme = new MutationObserver(schedule);
+  theme.observe(document.body, { attributes: true, attributeFilter: ["data-jp-theme-light"] });
   draw();
   return () => {
+    theme.disconnect();
     s.redraw.delete(schedule);
     for (const name of ["series", "units", "marks", "title", "note"]) model.off(`change:${name}`, schedule);
   };

@@ -1,29 +1,18 @@
 """The live view: a widget the browser draws, fed only new rows of the trace.
 
-:class:`LiveMemoryView` shows a :class:`MemoryWidget` (an anywidget whose
-front end, ``live.js``, draws the trace as SVG) in one display output when a
-run starts, before Keras' progress bar prints anything, so the bar stays one
-whole stream output below it. While the run goes on it sends the rows added
-since the last update as one custom message; the series, units, epoch marks
-and the title are traits, sent only when they change. When the run ends the
-same output is replaced by a static image (see :mod:`vgpu_magic.monitor.plot`:
-a transparent PNG with mid-contrast colours, readable on light and dark
-themes) with the summary as its text, so saved notebooks, nbviewer and nbval
-keep the final picture; the widget is then closed.
+:class:`LiveMemoryView` shows a ``MemoryWidget`` (an anywidget whose front
+end, ``live.js``, draws the trace as SVG in the theme's colours) in one
+display output when a run starts, before Keras' progress bar prints, so the
+bar stays one stream output below it. Each update sends the rows added since
+the last one as one custom message; series, units, epoch marks and the title
+are traits, sent when they change. When the run ends the same output gets a
+static image (:mod:`vgpu_magic.monitor.plot`) with the summary as its text,
+which stays in saved notebooks, and the widget is closed.
 
-Why an anywidget of ours and not bqplot: an update here is one comm message
-of the new rows, whose cost does not grow with the run; setting a bqplot
-``Lines``' arrays re-sends every point of every series, several times the
-cost at 400 rows and more as the run grows (``benchmarks/monitor_overhead.py``
-measures both in a kernel). Ours
-also puts the legend and the epoch labels where they never cover data, and
-takes its text, axis and grid colours from the front end's theme variables.
-
-Update throttle (:class:`~vgpu_magic.monitor.views.RedrawThrottle`): one
-update every 0.2 s on average, kept in rhythm although updates only come at
-samples (so at batch starts), and never sooner than 200 × the last update's
-cost after it, so the view takes at most 0.5 % of the kernel's time.
-"""
+Not bqplot: setting a ``Lines``' arrays re-sends every point of every series,
+a cost that grows with the run (``benchmarks/monitor_overhead.py`` measures
+both). Updates follow :class:`~vgpu_magic.monitor.views.RedrawThrottle`:
+five a second, under 0.5 % of the kernel's time."""
 
 from __future__ import annotations
 
@@ -34,7 +23,7 @@ from typing import Any
 
 from ..units import format_bytes
 from .trace import MemoryTrace
-from .views import PALETTE, RedrawThrottle, View, panel_unit, summary_line
+from .views import DARK_PALETTE, PALETTE, RedrawThrottle, View, panel_unit, summary_line, title_text
 
 __all__ = ["LiveMemoryView", "memory_widget", "static_image", "widget_available", "WIDGET_INSTALL_HINT"]
 
@@ -85,10 +74,25 @@ def memory_widget(**traits: Any) -> Any:
 
 
 def _title(trace: MemoryTrace) -> str:
-    parts = [trace.kind]
-    if trace.epochs_total and len(trace):
-        parts.append(f"epoch {trace.epoch[-1] + 1}/{trace.epochs_total}")
-    return "memory · " + " · ".join(parts) + " · live"
+    return title_text(trace) + " · live"
+
+
+def _units(trace: MemoryTrace) -> dict[str, list]:
+    return {panel: list(panel_unit(trace, panel)) for panel in ("device", "process")}
+
+
+def _series(trace: MemoryTrace) -> list[dict[str, Any]]:
+    return [
+        {
+            "label": s.label,
+            "panel": s.panel,
+            "cap": s.cap,
+            "cap_text": format_bytes(s.cap) if s.cap else "",
+            "color": PALETTE[i % len(PALETTE)],
+            "dark": DARK_PALETTE[i % len(PALETTE)],
+        }
+        for i, s in enumerate(trace.series)
+    ]
 
 
 class LiveMemoryView(View):
@@ -147,18 +151,9 @@ class LiveMemoryView(View):
 
     def start(self, trace: MemoryTrace) -> None:
         begin = self.clock()
-        units = {panel: list(panel_unit(trace, panel)) for panel in ("device", "process")}
-        series = [
-            {
-                "label": s.label,
-                "panel": s.panel,
-                "cap": s.cap,
-                "cap_text": format_bytes(s.cap) if s.cap else "",
-                "color": PALETTE[i % len(PALETTE)],
-            }
-            for i, s in enumerate(trace.series)
-        ]
-        self.widget = self._make_widget(series=series, units=units, title=_title(trace), note=trace.variables_text())
+        self.widget = self._make_widget(
+            series=_series(trace), units=_units(trace), title=_title(trace), note=trace.variables_text()
+        )
         self.surface.show(self.widget)
         self.throttle.reset(begin)
         self._sent, self._bucket, self._marks = 0, trace.decimated, 0
@@ -169,6 +164,13 @@ class LiveMemoryView(View):
 
     def epoch_end(self, trace: MemoryTrace, epoch: int) -> None:
         self._update(trace)
+
+    def series_changed(self, trace: MemoryTrace) -> None:
+        """Devices joined: every row again, with their columns."""
+        if self.widget is not None:
+            self.widget.series = _series(trace)
+            self._bucket = 0  # a reset: the rows have new columns
+            self._update(trace)
 
     def _update(self, trace: MemoryTrace) -> None:
         """Send the rows added since the last update (all of them, as a reset,
@@ -191,11 +193,11 @@ class LiveMemoryView(View):
         self._sent, self._bucket = n, trace.decimated
         if len(trace.epoch_starts) != self._marks:
             self._marks = len(trace.epoch_starts)
-            first_epoch = trace.epoch_starts[0][1] if trace.epoch_starts else 0
+            first_epoch = trace.epoch[0] if len(trace) else 0  # the epoch the run began in: no mark
             self.widget.marks = [[round(t, 3), e] for t, e in trace.epoch_starts if e != first_epoch]
-        title = _title(trace)
-        if self.widget.title != title:
-            self.widget.title = title
+        for name, value in (("title", _title(trace)), ("units", _units(trace))):
+            if getattr(self.widget, name) != value:
+                setattr(self.widget, name, value)
         note = trace.variables_text()
         if self.widget.note != note:
             self.widget.note = note
@@ -229,7 +231,7 @@ class LiveMemoryView(View):
 def static_image(trace: MemoryTrace) -> tuple[bytes | None, str]:
     """The final frame: the static figure as a transparent PNG (``None``
     without matplotlib) and its text form, title and summary."""
-    from .plot import render_static, title_text
+    from .plot import render_static
 
     text = title_text(trace, final=True) + "\n" + summary_line(trace)
     try:

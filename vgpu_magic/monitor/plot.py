@@ -4,44 +4,34 @@ one matplotlib figure (Agg, no pyplot), drawn once when a run ends.
 It is what stays in the notebook (and in ``savefig``'s file) after the live
 view (:mod:`vgpu_magic.monitor.live`), so it follows the same rules:
 
-* device memory and process memory (RSS) in separate panels, each with its
-  own scale, so per-device lines stay visible when RSS dwarfs them;
-* each panel's unit is the one the live view used (:func:`panel_unit`), so
-  nothing switches from GiB to MiB at the end;
-* one solid line per series (current bytes, held as a step until the next
-  sample) and its running peak faint in the same colour; a capped series'
-  cap dashed in its colour (equal caps interleave their dashes and are
-  labelled once);
-* the legend above the panels, outside the data; epoch starts as dotted
-  lines, labelled only where a label does not run into the one before;
-* the exact variable bytes per replica in a side panel;
-* a transparent background and mid-contrast text and series colours
-  (:data:`TEXT`, :data:`~vgpu_magic.monitor.views.PALETTE`), so the image
-  reads on light and dark themes alike.
+* device memory and process memory (RSS) in separate panels, each in the
+  unit the live view ended with (:func:`~vgpu_magic.monitor.views.panel_unit`),
+  which the legend's figures use too;
+* one solid line per series (held as a step until the next sample), its
+  running peak dotted in the same colour, a capped series' cap dashed (equal
+  caps interleave their dashes and are labelled once); series that read the
+  same all run long are ONE line, labelled as such;
+* the legend above the panels, outside the data; epoch starts as dotted lines;
+  the exact variable bytes per replica in a side panel;
+* a transparent background. The legend and the epoch labels sit on a light
+  card of their own with dark text, and the epoch lines alternate dark and
+  light dots, so they keep 4.5:1 contrast on light and dark themes alike;
+  axes and titles are a mid grey (:data:`TEXT`).
 """
 
 from __future__ import annotations
 
+import io
 import math
 from typing import Any
 
-from ..units import MIB, format_bytes
-from .display import encode_png
+from ..units import format_bytes, unit_for
 from .trace import MemoryTrace, short_name
-from .views import PALETTE, panel_unit
+from .views import PALETTE, alike_groups, group_label, panel_unit, title_text
 
-__all__ = [
-    "MemoryFigure",
-    "render_static",
-    "save_trace_figure",
-    "title_text",
-    "PLOT_INSTALL_HINT",
-    "require_matplotlib",
-    "TEXT",
-]
+__all__ = ["MemoryFigure", "render_static", "save_trace_figure", "PLOT_INSTALL_HINT", "require_matplotlib", "TEXT"]
 
-#: At most this many points per line (bucket maxima beyond it, so no spike
-#: disappears from the picture).
+#: At most this many points per line (bucket maxima beyond it, so no spike disappears).
 MAX_POINTS = 1500
 
 #: What to install for the plot; the live view and ``savefig`` say the same.
@@ -50,17 +40,21 @@ PLOT_INSTALL_HINT = "pip install 'vgpu_magic[plot]'"
 #: The smallest top of a memory axis, in bytes.
 MIN_TOP = 1024
 
-#: Pixels per inch. With the font sizes below, the smallest text (tick labels,
-#: 8.5 pt) is 12 px high.
+#: Pixels per inch. With the font sizes below, the smallest text (8.5 pt) is 12 px high.
 DPI = 100
 _TICK_PT, _LABEL_PT, _TITLE_PT, _NOTE_PT = 8.5, 9.5, 10.5, 8.0
 
-#: Text, ticks and frames: a mid grey with about 4.5:1 contrast on white and
-#: 4.2:1 on JupyterLab's dark background (#111).
+#: Axes and titles: a mid grey that reads on white and on JupyterLab's dark background (#111).
 TEXT = "#777777"
 _GRID = "#8a8a8a"
+#: The legend's card and its text (about 15:1).
+_CARD, _CARD_TEXT = "#f7f7f7", "#222222"
 
 _PANEL_TITLES = {"device": "device memory", "process": "process RSS"}
+
+#: The lines of one panel, in turn (as live.js): series that differ somewhere but overlap
+#: elsewhere stay apart by their dashes, never by moving them.
+DASHES = ("-", (0, (7, 3)), (0, (2, 2)), (0, (7, 3, 2, 3)))
 
 
 def require_matplotlib(purpose: str) -> None:
@@ -70,25 +64,6 @@ def require_matplotlib(purpose: str) -> None:
     except ImportError as exc:
         missing = (getattr(exc, "name", None) or "matplotlib").split(".")[0]
         raise ImportError(f"{missing} is not installed, so {purpose}; {PLOT_INSTALL_HINT}") from None
-
-
-def title_text(trace: MemoryTrace, final: bool) -> str:
-    """The title: kind, epoch, and once final steps, duration and how it ended."""
-    parts = [trace.kind]
-    if trace.epochs_total and len(trace):
-        parts.append(f"epoch {trace.epoch[-1] + 1}/{trace.epochs_total}")
-    if final:
-        if len(trace) and (trace.epochs_total or trace.step[-1]):
-            parts.append(f"{trace.step[-1] + 1} steps")
-        parts.append(f"{trace.duration:.1f} s")
-        parts.append("interrupted" if trace.interrupted else "done")
-    return "memory · " + " · ".join(parts)
-
-
-def _legend_text(trace: MemoryTrace, index: int) -> str:
-    s = trace.series[index]
-    cap = f" / cap {format_bytes(s.cap)}" if s.cap else ""
-    return f"{s.label} · {trace.peak_text(index)}{cap}"
 
 
 def _decimate(times: Any, values: list[Any], limit: int = MAX_POINTS) -> tuple[Any, list[Any]]:
@@ -110,23 +85,6 @@ def _decimate(times: Any, values: list[Any], limit: int = MAX_POINTS) -> tuple[A
     return t, out
 
 
-def _unit(top: float) -> tuple[str, int]:
-    """The unit of the variables panel, whose largest value is ``top`` bytes."""
-    for name, scale in (("GiB", 1024**3), ("MiB", MIB), ("KiB", 1024)):
-        if top >= scale:
-            return name, scale
-    return "B", 1
-
-
-def _cap_groups(caps: list[tuple[int, int | None]]) -> dict[int, list[int]]:
-    """Cap in bytes -> the indices of the series with that cap."""
-    groups: dict[int, list[int]] = {}
-    for i, cap in caps:
-        if cap:
-            groups.setdefault(cap, []).append(i)
-    return groups
-
-
 def _style(ax: Any) -> None:
     ax.set_facecolor("none")
     ax.tick_params(labelsize=_TICK_PT, colors=TEXT)
@@ -139,9 +97,11 @@ class MemoryFigure:
     """The static figure of one finished (or running) trace.
 
     ``axes`` maps each panel (``"device"``, ``"process"``) that has series to
-    its axes; ``lines`` and ``peak_lines`` hold each series' current and
-    running-peak line, ``legend`` the figure legend, ``title`` its title,
-    ``vax`` the variables panel (``None`` without variables).
+    its axes; ``groups`` holds the series drawn as one line (see
+    :func:`~vgpu_magic.monitor.views.alike_groups`), ``lines`` and
+    ``peak_lines`` each group's current and running-peak line, ``legend`` the
+    figure legend, ``title`` its title, ``vax`` the variables panel (``None``
+    without variables).
     """
 
     def __init__(self, trace: MemoryTrace, dpi: int = DPI, width: float = 9.0) -> None:
@@ -151,11 +111,15 @@ class MemoryFigure:
 
         self.trace = trace
         panels = [p for p in ("device", "process") if any(s.panel == p for s in trace.series)]
-        entries = len(trace.series) + 1
+        self.units = {p: panel_unit(trace, p) for p in panels}
+        self.groups = [
+            g for p in panels for g in alike_groups(trace, [i for i, s in enumerate(trace.series) if s.panel == p])
+        ]
+        entries = len(self.groups) + 1
         ncol = 1 if entries <= 2 else 2
         rows = math.ceil(entries / ncol)
         # title, legend (with room under it for the epoch labels above the top panel), panels
-        title_h, legend_h, panel_h, gap_h, bottom_h = 0.36, 0.2 * rows + 0.25, 1.7, 0.5, 0.5
+        title_h, legend_h, panel_h, gap_h, bottom_h = 0.36, 0.2 * rows + 0.35, 1.7, 0.5, 0.5
         height = title_h + legend_h + len(panels) * panel_h + (len(panels) - 1) * gap_h + bottom_h
         self.fig = Figure(figsize=(width, height), dpi=dpi)
         self.fig.patch.set_alpha(0.0)
@@ -171,30 +135,35 @@ class MemoryFigure:
         if trace.variable_bytes:
             first = self.axes[panels[0]].get_position()
             self.vax = self.fig.add_axes((0.80, first.y0, 0.17, first.height))
-        self.title = self.fig.text(0.085, 1 - 0.24 / height, title_text(trace, final=trace.finished),
-                                   fontsize=_TITLE_PT, color=TEXT, ha="left")
-        self.lines: list[Any] = []
-        self.peak_lines: list[Any] = []
+        self.title = self.fig.text(
+            0.085, 1 - 0.24 / height, title_text(trace, final=trace.finished), fontsize=_TITLE_PT, color=TEXT, ha="left"
+        )
         self._draw_series()
-        # Legend handles of one width: the lines' widths only keep equal series apart.
-        handles = [Line2D([], [], color=line.get_color(), lw=2.0) for line in self.lines]
-        peak_handle = Line2D([], [], color=TEXT, lw=1.0, alpha=0.45)
-        labels = [_legend_text(trace, i) for i in range(len(trace.series))]
+        handles = [Line2D([], [], color=line.get_color(), lw=2.0, ls=line.get_linestyle()) for line in self.lines]
+        peak_handle = Line2D([], [], color=_CARD_TEXT, lw=1.2, ls=":")
         self.legend = self.fig.legend(
             [*handles, peak_handle],
-            [*labels, "running peak (faint lines)"],
+            [*(self._legend_text(g) for g in self.groups), "running peak (dotted)"],
             loc="upper left",
             bbox_to_anchor=(0.075, 1 - title_h / height),
             ncol=ncol,
             fontsize=_TICK_PT,
-            frameon=False,
-            labelcolor=TEXT,
+            frameon=True,
+            facecolor=_CARD,
+            edgecolor=_CARD,
+            framealpha=1.0,
+            labelcolor=_CARD_TEXT,
             borderaxespad=0.0,
         )
         self._draw_marks()
         self.axes[panels[-1]].set_xlabel("time (s)", fontsize=_LABEL_PT, color=TEXT)
         if self.vax is not None:
             self._draw_variables()
+
+    def _legend_text(self, group: list[int]) -> str:
+        trace, s = self.trace, self.trace.series[group[0]]
+        cap = f" / cap {format_bytes(s.cap)}" if s.cap else ""
+        return f"{group_label(trace, group)} · {trace.peak_text(group[0], self.units[s.panel][0])}{cap}"
 
     def _draw_series(self) -> None:
         import numpy as np
@@ -207,56 +176,85 @@ class MemoryFigure:
         xmax = max(trace.duration, float(times[-1]) if len(times) else 0.0, 1e-3)
         for panel, ax in self.axes.items():
             _style(ax)
-            name, scale = panel_unit(trace, panel)
+            name, scale = self.units[panel]
             members = [i for i, s in enumerate(trace.series) if s.panel == panel]
-            top = max([float(values[j].max()) for i in members for j in (i, i + count) if len(values[j])]
-                      + [s.cap or 0 for s in trace.series if s.panel == panel] + [0.0])
+            top = max(
+                [float(values[j].max()) for i in members for j in (i, i + count) if len(values[j])]
+                + [s.cap or 0 for s in trace.series if s.panel == panel]
+                + [0.0]
+            )
             ax.set_xlim(0, xmax)
             # Never below 1 KiB: an allocator reporting nothing is drawn at zero on a sane scale.
             ax.set_ylim(0, max(top * 1.08, MIN_TOP) / scale)
             ax.set_ylabel(f"{_PANEL_TITLES[panel]} ({name})", fontsize=_LABEL_PT, color=TEXT)
-            for cap, group in _cap_groups([(i, trace.series[i].cap) for i in members]).items():
+            capped = [g for g in self.groups if trace.series[g[0]].panel == panel and trace.series[g[0]].cap]
+            for cap in sorted({trace.series[g[0]].cap for g in capped}):
+                group = [g[0] for g in capped if trace.series[g[0]].cap == cap]
                 # Equal caps would hide each other: interleave their dashes.
                 dash, gap = 5.0, 5.0 * (len(group) - 1)
                 for k, i in enumerate(group):
                     style = (k * dash, (dash, gap)) if gap else (0, (dash, 3.0))
-                    ax.axhline(cap / scale, color=PALETTE[i % len(PALETTE)], lw=1.2, alpha=0.9, linestyle=style)
-                names = ", ".join(short_name(trace.series[i].label) for i in group)
-                ax.text(0.995, cap / scale, f"cap {format_bytes(cap)} ({names}) ", transform=ax.get_yaxis_transform(),
-                        ha="right", va="top", fontsize=_NOTE_PT, color=TEXT)
+                    ax.axhline(cap / scale, color=PALETTE[i % len(PALETTE)], lw=1.2, alpha=0.9, ls=style, label="_cap")
+                names = ", ".join(short_name(trace.series[i].label) for g in capped if g[0] in group for i in g)
+                ax.text(
+                    0.995,
+                    cap / scale,
+                    f"cap {format_bytes(cap)} ({names}) ",
+                    transform=ax.get_yaxis_transform(),
+                    ha="right",
+                    va="top",
+                    fontsize=_NOTE_PT,
+                    color=TEXT,
+                )
             if len(trace) and all(trace.all_zero(i) for i in members):
-                ax.text(0.5, 0.5, "nothing allocated (every reading is 0 B)", transform=ax.transAxes,
-                        ha="center", va="center", fontsize=_LABEL_PT, color=TEXT)
-        self.lines = [None] * count
-        self.peak_lines = [None] * count
-        for panel, ax in self.axes.items():
-            scale = panel_unit(trace, panel)[1]
-            members = [i for i, s in enumerate(trace.series) if s.panel == panel]
-            # Equal series would hide each other: each one drawn before is wider, so all their colours show.
-            widen = min(1.2, 6 / (len(members) - 1)) if len(members) > 1 else 0.0
-            for j, i in enumerate(members):
-                colour = PALETTE[i % len(PALETTE)]
-                self.peak_lines[i] = ax.plot(times, values[i + count] / scale, color=colour, lw=1.0, alpha=0.45,
-                                             drawstyle="steps-post")[0]
-                width = 1.5 + widen * (len(members) - 1 - j)
-                self.lines[i] = ax.plot(times, values[i] / scale, color=colour, lw=width, drawstyle="steps-post")[0]
+                ax.text(
+                    0.5,
+                    0.5,
+                    "nothing allocated (every reading is 0 B)",
+                    transform=ax.transAxes,
+                    ha="center",
+                    va="center",
+                    fontsize=_LABEL_PT,
+                    color=TEXT,
+                )
+        self.lines, self.peak_lines = [], []
+        for group in self.groups:
+            i = group[0]
+            ax, scale = self.axes[trace.series[i].panel], self.units[trace.series[i].panel][1]
+            dash = DASHES[len([g for g in self.lines if g.axes is ax]) % len(DASHES)]
+            colour = PALETTE[i % len(PALETTE)]
+            self.peak_lines.append(
+                ax.plot(times, values[i + count] / scale, color=colour, lw=1.0, ls=":", drawstyle="steps-post")[0]
+            )
+            self.lines.append(
+                ax.plot(times, values[i] / scale, color=colour, lw=1.6, ls=dash, drawstyle="steps-post")[0]
+            )
 
     def _draw_marks(self) -> None:
-        """Epoch starts: a dotted line in every panel; a label in the top
-        panel only where it does not run into the one before."""
+        """Epoch starts: a dotted line of dark and light dots in every panel;
+        a label on a light card above the top panel, where it does not run
+        into the one before."""
         starts = self.trace.epoch_starts
-        first = starts[0][1] if starts else 0
-        marks = [(t, e) for t, e in starts if e != first]
+        first = self.trace.epoch[0] if len(self.trace) else 0  # the epoch the run began in: no mark
         panels = list(self.axes.values())
         last_label = -math.inf
-        for t, epoch in marks:
+        for t, epoch in ((t, e) for t, e in starts if e != first):
             for ax in panels:
-                ax.axvline(t, color=TEXT, ls=":", lw=0.9)
+                ax.axvline(t, color=_CARD_TEXT, ls=(0, (1.5, 1.5)), lw=1.0, label="_epoch")
+                ax.axvline(t, color=_CARD, ls=(1.5, (1.5, 1.5)), lw=1.0, label="_epoch")
             where = t / panels[0].get_xlim()[1]
             if where - last_label >= 0.045:
-                # Above the top panel, never over its data.
-                panels[0].text(t, 1.01, f"e{epoch + 1}", transform=panels[0].get_xaxis_transform(),
-                               fontsize=_NOTE_PT, color=TEXT, va="bottom", ha="center")
+                panels[0].text(
+                    t,
+                    1.02,
+                    f"e{epoch + 1}",
+                    transform=panels[0].get_xaxis_transform(),
+                    fontsize=_NOTE_PT,
+                    color=_CARD_TEXT,
+                    va="bottom",
+                    ha="center",
+                    bbox={"facecolor": _CARD, "edgecolor": "none", "pad": 1.0},
+                )
                 last_label = where
 
     def _draw_variables(self) -> None:
@@ -266,22 +264,20 @@ class MemoryFigure:
         vax.set_title("variables per replica", fontsize=_LABEL_PT, loc="left", color=TEXT)
         names = [short_name(d) for d in trace.variable_bytes]
         values = list(trace.variable_bytes.values())
-        unit, scale = _unit(max(values))
+        unit, scale = unit_for(max(values))
         ys = list(range(len(names)))[::-1]
         vax.barh(ys, [v / scale for v in values], color=TEXT, alpha=0.6, height=0.6)
         vax.set_yticks(ys, names)
         vax.set_xlim(0, max(max(values) / scale, 1) * 1.9)
         vax.set_xlabel(unit, fontsize=_LABEL_PT, color=TEXT)
         for y, v in zip(ys, values):
-            shown = f"{v / scale:.1f} {unit}" if scale > 1 else f"{v} B"
-            vax.text(v / scale, y, " " + shown, va="center", fontsize=_NOTE_PT, color=TEXT)
+            vax.text(v / scale, y, " " + format_bytes(v, unit), va="center", fontsize=_NOTE_PT, color=TEXT)
 
     def png(self) -> bytes:
         """The figure as a PNG with a transparent background."""
-        import numpy as np
-
-        self.canvas.draw()
-        return encode_png(np.asarray(self.canvas.buffer_rgba()), compress_level=6)
+        out = io.BytesIO()
+        self.fig.savefig(out, format="png", transparent=True)
+        return out.getvalue()
 
 
 def render_static(trace: MemoryTrace, dpi: int = DPI) -> bytes:

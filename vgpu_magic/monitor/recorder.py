@@ -1,35 +1,35 @@
 """The recorder: samples memory into a :class:`MemoryTrace` and feeds a view.
 
-:class:`MemoryRecorder` knows nothing about Keras: the Keras callback, the
-context manager for custom loops and the tests all drive the same calls
-(``start``, ``tick``/``sample``, ``begin_epoch``/``end_epoch``, ``finish``).
+:class:`MemoryRecorder` knows nothing about Keras: the Keras callback, custom
+loops, ``%%vgpu_run`` and the tests drive the same calls.
 
-Sampling cost. :meth:`MemoryRecorder.tick` and :meth:`MemoryRecorder.sample`
-are meant for every step: they read the clock and sample only when
-``interval`` has passed since the last sample (a custom loop calling
-``sample()`` a million times costs a million clock reads, not a million
-reads of every allocator). The run's first sample, each epoch's end and the
-run's end are always sampled.
-Sampling reads each allocator's *current* and *peak*; the allocator updates its
-peak on every allocation, so no peak between two samples is lost however
-sparse the samples are. Nothing resets those peaks
-(``tf.config.experimental.reset_memory_stats`` is process-wide and would
-silently change what any other code measures); instead the peak at the start
-is kept as a baseline, and a peak that never rises above it is reported as
-reached before the run.
+With ``background=True`` a thread of the recorder samples every ``interval``
+and feeds the view; the training thread's hooks only say which step and epoch
+it is. Training does not call back at a steady pace: Keras' first step of an
+epoch, a big model's step, a JAX loop that dispatches ahead all hold the
+training thread for up to seconds, and a view fed from its hooks froze then
+(an unpaced ``MirroredStrategy`` fit updated 2.2 times a second, in bursts).
+The thread needs the interpreter lock only for a sample and an update.
+Without it, :meth:`~MemoryRecorder.tick` samples when ``interval`` has
+passed. The run's start, each epoch's end and the run's end are sampled on
+the caller's thread.
 
-Failures. A view that raises (a plotting error) is reported once and switched
-off; a sampler that raises is reported once and sampling stops. Neither ever
-raises into the training loop. ``KeyboardInterrupt`` is not caught: the trace
-recorded so far stays, and :meth:`finish` can still be called with
-``interrupted=True`` to draw the last frame.
-"""
+Devices join: where no runtime ran when the run started the sampler reads
+the process alone and is ``provisional``; every :data:`JOIN_EVERY` seconds a
+hook asks for a sampler again, and once a runtime runs its devices join the
+trace (0 B in the rows before: their allocators did not exist).
+
+Allocators keep their own peaks, so none is lost between samples; nothing
+resets them. A view or sampler that fails is reported once and switched off,
+never raising into the training loop."""
 
 from __future__ import annotations
 
+import contextvars
 import math
 import numbers
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -45,28 +45,25 @@ KEPT_COSTS = 4096
 #: Seconds between samples: the bounds ``interval=`` and ``--interval`` accept.
 MIN_INTERVAL, MAX_INTERVAL = 0.001, 3600.0
 
+#: Seconds between two looks for a runtime that started during the run.
+JOIN_EVERY = 0.5
+
 
 def check_interval(interval: Any) -> float:
     """``interval`` as seconds; :class:`ValueError` unless it is a real number
     (not a bool; ``numpy.float32`` is fine) from :data:`MIN_INTERVAL` to
-    :data:`MAX_INTERVAL`."""
+    :data:`MAX_INTERVAL` (``--interval``'s text is read by :mod:`vgpu_magic.grammar`
+    within the same bounds)."""
     if isinstance(interval, bool) or not isinstance(interval, numbers.Real):
         raise ValueError(f"interval={interval!r} is not a number of seconds; use e.g. interval=0.05")
-    seconds = float(interval)
-    if not (math.isfinite(seconds) and MIN_INTERVAL <= seconds <= MAX_INTERVAL):
-        raise ValueError(
-            f"interval={interval!r} is out of range; use {MIN_INTERVAL:g} to {MAX_INTERVAL:g} seconds, "
-            "e.g. interval=0.05"
-        )
-    return seconds
+    if not (math.isfinite(interval) and MIN_INTERVAL <= interval <= MAX_INTERVAL):
+        raise ValueError(f"interval={interval!r} is out of range; use {MIN_INTERVAL:g} to {MAX_INTERVAL:g} seconds")
+    return float(interval)
 
 
 class RecorderStats:
-    """What monitoring cost: samples taken and the seconds spent reading them.
-
-    ``costs`` keeps the latest :data:`KEPT_COSTS` reads' seconds (for a
-    median); ``samples`` and ``sample_seconds`` count every read.
-    """
+    """Samples taken and the kernel's seconds spent reading them (the
+    sampling thread's CPU time); ``costs`` keeps the latest :data:`KEPT_COSTS`."""
 
     def __init__(self) -> None:
         self.costs: deque[float] = deque(maxlen=KEPT_COSTS)
@@ -78,11 +75,6 @@ class RecorderStats:
         self.costs.append(seconds)
         self.samples += 1
         self.sample_seconds += seconds
-
-    @property
-    def sample_cost(self) -> float:
-        """Mean seconds per sample (all series)."""
-        return self.sample_seconds / self.samples if self.samples else 0.0
 
 
 def _print_report(message: str) -> None:
@@ -96,21 +88,19 @@ class MemoryRecorder:
     Parameters
     ----------
     sampler_factory
-        Returns an object with ``series`` (:class:`SeriesInfo` tuple),
-        ``devices`` and ``read() -> [(current, peak), ...]``. Called when the
-        first sample is due, and only once the framework's runtime runs (see
-        ``runtime_started``), so a recorder never starts the runtime itself.
+        Returns an object with ``series``, ``devices``, ``read() -> [(current,
+        peak), ...]`` and, optionally, ``provisional`` (asked again later,
+        see the module docstring). Called when a run starts.
     view
         The view to feed (see :mod:`vgpu_magic.monitor.views`).
-    runtime_started
-        Whether the framework's runtime already runs (the framework's
-        :meth:`~vgpu_magic.frameworks.base.Framework.runtime_started`).
     interval
-        Minimum seconds between two samples of :meth:`tick` / :meth:`sample`.
+        Minimum seconds between two samples.
     variables
         Returns the variables whose per-device bytes to show, or ``None``.
     report
         Where one-line problem reports go (stderr by default).
+    background
+        Sample from a thread of the recorder (see the module docstring).
     """
 
     def __init__(
@@ -118,11 +108,11 @@ class MemoryRecorder:
         sampler_factory: Callable[[], Any],
         view: Any,
         *,
-        runtime_started: Callable[[], bool],
         interval: float = 0.05,
         variables: Callable[[], Iterable[Any] | None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
         report: Callable[[str], None] = _print_report,
+        background: bool = False,
     ) -> None:
         self._sampler_factory = sampler_factory
         self._sampler: Any = None
@@ -130,24 +120,20 @@ class MemoryRecorder:
         self.interval = interval
         self._variables = variables
         self.clock = clock
-        self._runtime_started = runtime_started
         self._report = report
         self._reported: set[str] = set()
+        self._background = background
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.RLock()
         self.stats = RecorderStats()
         self.trace: MemoryTrace | None = None
         self.active = False
-        self.kind = "custom"
-        self.phase = "custom"
-        self.epoch = 0
-        self.step = 0
-        self._t0 = 0.0
-        self._last = -float("inf")
-        self._epochs_total: int | None = None
-        self._steps_total: int | None = None
-        self._pending_epochs: list[tuple[float, int]] = []
-        self._sampling_ok = True
+        self.kind = self.phase = "custom"
+        self.epoch = self.step = 0
+        self._t0 = self._joined = 0.0
+        self._last = -math.inf
 
-    # -- problems -----------------------------------------------------------------
     def report_once(self, key: str, message: str) -> None:
         if key not in self._reported:
             self._reported.add(key)
@@ -166,96 +152,133 @@ class MemoryRecorder:
                 "training goes on and the trace is still recorded",
             )
 
+    def _failed(self, exc: BaseException) -> None:
+        self.active = False
+        self.report_once("sampler", f"memory cannot be read, monitoring is off ({type(exc).__name__}: {exc})")
+
     # -- lifecycle ----------------------------------------------------------------
     def start(self, kind: str = "custom", epochs: int | None = None, steps: int | None = None) -> None:
         """Begin a run: a new trace, sampled from now on."""
+        self._stop_thread()
         self.kind = self.phase = kind
-        self.epoch = 0
-        self.step = 0
+        self.epoch = self.step = 0
         self.trace = None
-        self._epochs_total = epochs
-        self._steps_total = steps
-        self._pending_epochs = []
-        self._sampler = None
-        self._sampling_ok = True
         self.stats = RecorderStats()
-        self._t0 = self.clock()
-        self._last = -float("inf")
-        self.active = True
-        self._sample_at(self._t0)
-
-    def _open_trace(self) -> bool:
-        """Build the sampler and the trace once the runtime runs."""
-        if not self._sampling_ok:
-            return False
+        self._t0 = self._joined = self.clock()
+        self._last = -math.inf
         try:
-            if self._sampler is None and not self._runtime_started():
-                return False
-            if self._sampler is None:
-                self._sampler = self._sampler_factory()
+            self._sampler = self._sampler_factory()
             baseline = tuple(peak for _, peak in self._sampler.read())
         except Exception as exc:  # noqa: BLE001 - any framework's read error; a monitor never stops training
-            self._sampling_ok = False
-            self.report_once("sampler", f"memory cannot be read, monitoring is off ({type(exc).__name__}: {exc})")
-            return False
+            self._failed(exc)
+            return
         self.stats.devices = len(self._sampler.devices)
         self.trace = MemoryTrace(
-            series=tuple(self._sampler.series),
-            kind=self.kind,
-            baseline_peak=baseline,
-            epochs_total=self._epochs_total,
-            steps_total=self._steps_total,
+            self._sampler.series,
+            kind,
+            baseline,
+            epochs_total=epochs,
+            steps_total=steps,
+            subject=getattr(self._sampler, "subject", ""),
         )
-        self.trace.epoch_starts.extend(self._pending_epochs)
-        self._pending_epochs = []
+        self.active = True
         self.refresh_variables()
         self._view_call("start", self.trace)
-        return True
+        self._sample_at(self._t0)
+        if self._background and self.active:
+            self._stop = threading.Event()
+            # The cell's context: what the thread prints or sends belongs to the cell that runs.
+            run = contextvars.copy_context().run
+            self._thread = threading.Thread(
+                target=run, args=(self._sample_in_background,), daemon=True, name="vgpu_magic memory sampler"
+            )
+            self._thread.start()
+
+    def _sample_in_background(self) -> None:
+        while not self._stop.wait(max(0.0, self._last + self.interval - self.clock())):
+            with self._lock:
+                now = self.clock()
+                if self.active and now - self._last >= self.interval:
+                    self._sample_at(now)
+
+    def _stop_thread(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._stop.set()
+            thread.join()
 
     def tick(self, step: int | None = None) -> None:
-        """Call at every step: samples when ``interval`` has passed."""
+        """Call at every step: notes the step, and samples when ``interval``
+        has passed and no thread of the recorder samples."""
         if step is not None:
             self.step = step
-        now = self.clock()
-        if now - self._last >= self.interval:
-            self._sample_at(now)
+        if getattr(self._sampler, "provisional", False):
+            self._maybe_join()
+        if self._thread is None:
+            now = self.clock()
+            if now - self._last >= self.interval:
+                self._sample_at(now)
 
     def sample(self, step: int | None = None, epoch: int | None = None) -> None:
-        """Like :meth:`tick`, and sets the epoch too: samples when ``interval``
-        has passed since the last sample."""
-        if epoch is not None:
-            self.epoch = epoch
+        """Like :meth:`tick`; a new ``epoch`` is marked as an epoch start."""
+        if epoch is not None and epoch != self.epoch:
+            self.begin_epoch(epoch)
         self.tick(step)
 
     def _sample_at(self, now: float) -> None:
-        self._last = now
-        if not self.active or (self.trace is None and not self._open_trace()):
+        with self._lock:
+            self._last = now
+            if not self.active:
+                return
+            try:
+                begin = time.thread_time()
+                readings = self._sampler.read()
+                self.stats.add(time.thread_time() - begin)
+                self.trace.append(now - self._t0, self.step, self.epoch, self.phase, readings)
+            except Exception as exc:  # noqa: BLE001 - any framework's read error; a monitor never stops training
+                self._failed(exc)
+                return
+            self._view_call("sampled", self.trace, now)
+
+    def _maybe_join(self) -> None:
+        """Devices of a runtime that started since: into the trace, 0 B before.
+        Only on the training thread: asking a framework from another thread
+        while this one imports it can deadlock the import."""
+        now = self.clock()
+        if not (self.active and getattr(self._sampler, "provisional", False) and now - self._joined >= JOIN_EVERY):
             return
+        self._joined = now
         try:
-            begin = time.perf_counter()
-            readings = self._sampler.read()
-            self.stats.add(time.perf_counter() - begin)
-        except Exception as exc:  # noqa: BLE001 - any framework's read error; a monitor never stops training
-            self._sampling_ok = False
-            self.active = False
-            self.report_once("sampler", f"memory cannot be read, monitoring is off ({type(exc).__name__}: {exc})")
+            sampler = self._sampler_factory()
+            if getattr(sampler, "provisional", False):
+                return
+            sampler.read()
+        except Exception as exc:  # noqa: BLE001 - any framework's read error; the process is still read
+            self.report_once("join", f"device memory cannot be read ({type(exc).__name__}: {exc})")
+            self._sampler.provisional = False
             return
-        self.trace.append(now - self._t0, self.step, self.epoch, self.phase, readings)
-        self._view_call("sampled", self.trace, now)
+        with self._lock:
+            self._sampler = sampler
+            self.stats.devices = len(sampler.devices)
+            # Their allocators did not exist when the run started: every byte they hold came in this run.
+            self.trace.add_series(sampler.series, [0] * len(sampler.series))
+            self.trace.subject = getattr(sampler, "subject", "")
+            self.refresh_variables()
+            self._view_call("series_changed", self.trace)
 
     def begin_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-        mark = (self.clock() - self._t0, epoch)
-        if self.trace is None:
-            self._pending_epochs.append(mark)
-        else:
-            self.trace.mark_epoch(*mark)
+        with self._lock:
+            self.epoch = epoch
+            if self.trace is not None:
+                self.trace.mark_epoch(self.clock() - self._t0, epoch)
 
     def end_epoch(self, epoch: int) -> None:
-        self._sample_at(self.clock())
-        self.refresh_variables()
-        if self.trace is not None:
-            self._view_call("epoch_end", self.trace, epoch)
+        with self._lock:
+            self._maybe_join()
+            self._sample_at(self.clock())
+            self.refresh_variables()
+            if self.trace is not None:
+                self._view_call("epoch_end", self.trace, epoch)
 
     def refresh_variables(self) -> None:
         """Recount the variables' bytes per device."""
@@ -272,15 +295,16 @@ class MemoryRecorder:
 
     def finish(self, interrupted: bool = False) -> MemoryTrace | None:
         """End the run: a last sample, the final image or summary."""
+        self._stop_thread()
         if not self.active:
             return self.trace
+        self._maybe_join()
         self._sample_at(self.clock())
         self.active = False
         trace = self.trace
-        if trace is not None:
-            trace.duration = self.clock() - self._t0
-            trace.interrupted = interrupted
-            trace.finished = True
-            self.refresh_variables()
-            self._view_call("finish", trace)
+        trace.duration = self.clock() - self._t0
+        trace.interrupted = interrupted
+        trace.finished = True
+        self.refresh_variables()
+        self._view_call("finish", trace)
         return trace

@@ -1,35 +1,18 @@
 """Reading memory per device, through the framework seam.
 
-The monitor asks the framework (:mod:`vgpu_magic.frameworks`) four things:
-has its runtime started (:meth:`~vgpu_magic.frameworks.base.Framework.runtime_started`),
-which devices the replicas use and their caps
-(:meth:`~vgpu_magic.frameworks.base.Framework.read_configuration`), and a fast
-reader of each device's current and peak bytes
-(:meth:`~vgpu_magic.frameworks.base.Framework.memory_reader`). Nothing here
-names a framework.
-
-Series. Each logical GPU is one series with its cap. Logical CPUs are one
-series each, unless the framework says they share one host allocator
-(``Capabilities.cpus_share_allocator``, TensorFlow): then they form ONE series,
-"host allocator (shared by N logical CPUs)", read with one call per sample.
-Where CPUs are watched, a ``"process"`` series adds the resident memory (RSS)
-of this Python process: an allocator may keep no statistics at all
-(TensorFlow's host allocator reports 0 B unless its statistics are switched
-on), and RSS is always true. What differs per replica on CPU is where the
-variables live; :func:`variable_bytes` counts that exactly from each
-variable's per-device parts.
-
-Cost. A sample reads every series once (one call per logical GPU, one for
-shared CPUs), with no dictionaries built and no errors swallowed on the way;
-RSS (one ``pread`` of ``/proc/self/statm`` and one ``getrusage``) is read at
-most every 0.5 s (see :class:`DeviceSampler`).
-"""
+The monitor asks the framework (:mod:`vgpu_magic.frameworks`) which devices
+the replicas use and their caps, and for a fast reader of each device's
+current and peak bytes; nothing here names a framework. Each logical GPU is
+one series with its cap; logical CPUs are one series each, or ONE
+"host allocator" series where the framework says they share one
+(``Capabilities.cpus_share_allocator``); the ``"process"`` series adds the
+process' resident memory (RSS), which is always true where an allocator keeps
+no statistics. :func:`variable_bytes` counts what differs per replica on CPU,
+the bytes of each replica's copy of the variables."""
 
 from __future__ import annotations
 
-import os
 import sys
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from time import perf_counter
 from typing import Any
@@ -41,7 +24,6 @@ __all__ = [
     "DeviceSampler",
     "SamplerError",
     "build_series",
-    "choose_framework",
     "monitored_devices",
     "normalize_device",
     "process_memory_reader",
@@ -71,30 +53,17 @@ def _device_type(name: str) -> str:
     return short_name(name).rpartition(":")[0]
 
 
-def choose_framework(preferred: str | None = None) -> Any:
-    """The framework to monitor: ``preferred`` (e.g. Keras' backend) when it
-    is registered, else :func:`vgpu_magic.frameworks.select`'s choice."""
-    from .. import frameworks
-
-    if preferred:
-        try:
-            return frameworks.get(preferred)
-        except frameworks.FrameworkChoiceError:
-            pass
-    return frameworks.select()
-
-
 def build_series(
     devices: Sequence[str],
     caps: dict[str, int | None] | None = None,
     *,
     shared_cpus: bool = True,
-    process: bool = False,
+    process: bool | None = False,
 ) -> tuple[SeriesInfo, ...]:
     """The series for ``devices``: one per logical GPU (with its cap in
     bytes); the logical CPUs as one shared ``"host"`` series when
     ``shared_cpus``, else one each; and the ``"process"`` RSS series when
-    ``process`` and a CPU is watched."""
+    ``process`` (by default, when a CPU is watched)."""
     caps = caps or {}
     devices = list(dict.fromkeys(normalize_device(d) for d in devices))
     cpus = tuple(d for d in devices if _device_type(d) == "CPU")
@@ -107,7 +76,7 @@ def build_series(
         series.append(SeriesInfo("host", label, cpus, None))
     elif cpus:
         series += [SeriesInfo(d, short_name(d), (d,), None) for d in cpus]
-    if cpus and process:
+    if process or (process is None and cpus):
         series.append(SeriesInfo("process", PROCESS_LABEL, (), None, panel="process"))
     return tuple(series)
 
@@ -149,49 +118,22 @@ def device_caps(framework: Any) -> dict[str, int | None]:
 
 # -- the process' resident memory ----------------------------------------------------------
 def process_memory_reader() -> Callable[[], tuple[int, int]]:
-    """``read() -> (rss, peak_rss)`` in bytes for this process.
-
-    On Linux it reads ``/proc/self/statm`` through a descriptor kept open
-    (``pread``) and the peak from ``getrusage``: psutil's ``memory_info()``
-    reads the same file but opens it and builds an object each time, several
-    times the cost. Elsewhere
-    psutil gives the RSS and ``getrusage`` (or, on Windows, psutil's peak
-    working set) the peak.
-    """
-    try:
-        import resource
-    except ImportError:  # Windows
-        resource = None
-    if sys.platform.startswith("linux") and resource is not None:
-        fd = os.open("/proc/self/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        page = os.sysconf("SC_PAGE_SIZE")
-        # RUSAGE_THREAD reports the process' high-water RSS too, without
-        # summing the times of every thread (TensorFlow runs dozens).
-        pread, getrusage, self_ = os.pread, resource.getrusage, getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
-
-        def read() -> tuple[int, int]:
-            rss = int(pread(fd, 96, 0).split()[1]) * page
-            # The kernel updates the high-water mark lazily: it can lag the RSS.
-            return rss, max(rss, getrusage(self_).ru_maxrss * 1024)
-
-        weakref.finalize(read, os.close, fd)
-        return read
+    """``read() -> (rss, peak_rss)`` in bytes for this process, from psutil
+    (the peak is the operating system's high-water mark where it keeps one,
+    ``ru_maxrss`` or the peak working set)."""
     import psutil
 
     info = psutil.Process().memory_info
-    if resource is not None:  # macOS and the BSDs report ru_maxrss in bytes
-        scale = 1 if sys.platform == "darwin" else 1024
-        getrusage, self_ = resource.getrusage, resource.RUSAGE_SELF
-
-        def read() -> tuple[int, int]:
-            rss = info().rss
-            return rss, max(rss, getrusage(self_).ru_maxrss * scale)
-
-        return read
+    try:
+        import resource
+    except ImportError:  # Windows: psutil has the peak working set
+        return lambda: (lambda m: (m.rss, max(m.rss, getattr(m, "peak_wset", 0))))(info())
+    scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, the others KiB
 
     def read() -> tuple[int, int]:
-        found = info()
-        return found.rss, max(found.rss, getattr(found, "peak_wset", 0))
+        rss = info().rss
+        # The kernel updates the high-water mark lazily: it can lag the RSS.
+        return rss, max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)
 
     return read
 
@@ -274,23 +216,24 @@ PROCESS_EVERY = 0.5
 class DeviceSampler:
     """Reads ``(current, peak)`` bytes of every series.
 
-    The process' RSS is read at most every :data:`PROCESS_EVERY` seconds;
-    samples in between repeat the last reading. Right after a training step a
-    ``/proc`` read costs as much as reading all the allocators of four logical
-    devices (``benchmarks/monitor_overhead.py``), while RSS moves slowly and its peak is the kernel's own
-    high-water mark, so nothing is lost but the moment a change is seen.
+    The process' RSS is read at most every :data:`PROCESS_EVERY` seconds
+    (samples in between repeat it): it moves slowly, its peak is the
+    operating system's own high-water mark, and reading it costs as much as
+    reading four allocators.
 
     Parameters
     ----------
     series
-        From :func:`build_series`.
+        From :func:`build_series`; the process series, if any, last.
     reader
         ``reader(names) -> [(current, peak), ...]``: a framework's
         :meth:`~vgpu_magic.frameworks.base.Framework.memory_reader`, called
         with the ``"GPU:0"``-style name of each device series.
     process
-        ``process() -> (rss, peak)`` for the ``"process"`` series, by default
-        :func:`process_memory_reader`.
+        ``process() -> (rss, peak)``, by default :func:`process_memory_reader`.
+    provisional
+        True where no runtime ran yet when it was made: the recorder asks for
+        a sampler again later (its devices join the run).
     """
 
     def __init__(
@@ -298,8 +241,12 @@ class DeviceSampler:
         series: Sequence[SeriesInfo],
         reader: Callable[[list[str]], list[tuple[int, int]]],
         process: Callable[[], tuple[int, int]] | None = None,
+        provisional: bool = False,
     ) -> None:
         self.series = tuple(series)
+        self.provisional = provisional
+        #: What it reads, in the framework's words (the title of a custom loop's view).
+        self.subject = "this process" if all(s.key == "process" for s in self.series) else ""
         device_series = [s for s in self.series if s.key != "process"]
         if any(s.key == "process" for s in self.series[: len(device_series)]):
             raise ValueError("the process series comes after every device series")
@@ -313,14 +260,21 @@ class DeviceSampler:
 
     @classmethod
     def for_framework(
-        cls, framework: Any, devices: Iterable[str] | None = None, model: Any = None, strategy: Any = None
+        cls,
+        framework: Any,
+        devices: Iterable[str] | None = None,
+        model: Any = None,
+        strategy: Any = None,
+        process: bool | None = None,
     ) -> DeviceSampler:
         """A sampler over :func:`monitored_devices` of ``framework``, with its
-        caps, its CPU grouping and, where CPUs are watched, the process' RSS."""
+        caps, its CPU grouping and the process' RSS (see :func:`build_series`)."""
         names = monitored_devices(framework, devices, model=model, strategy=strategy)
         shared = framework.capabilities.cpus_share_allocator
-        series = build_series(names, device_caps(framework), shared_cpus=shared, process=True)
-        return cls(series, framework.memory_reader())
+        series = build_series(names, device_caps(framework), shared_cpus=shared, process=process)
+        sampler = cls(series, framework.memory_reader())
+        sampler.subject = f"{framework.capabilities.label} · {len(names)} device{'s' * (len(names) != 1)}"
+        return sampler
 
     @property
     def devices(self) -> tuple[str, ...]:

@@ -1,12 +1,9 @@
-"""The monitor's session: one object that records runs and shows them, with
-no Keras and no TensorFlow in it.
+"""The monitor's session: records runs and shows them, with no framework in it.
 
 :class:`MonitorSession` drives a :class:`~vgpu_magic.monitor.recorder.MemoryRecorder`
-(the trace) and picks its view (the live widget in a notebook, text elsewhere).
-Custom loops use it directly, in any framework; the Keras callback
-(:class:`~vgpu_magic.monitor.callback.MemoryMonitor`) only maps Keras' events
-onto it.
-"""
+and picks its view (the live widget in a notebook, text elsewhere); the Keras
+callback (:class:`~vgpu_magic.monitor.callback.MemoryMonitor`) only maps
+Keras' events onto it."""
 
 from __future__ import annotations
 
@@ -15,11 +12,10 @@ import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from ..frameworks import FrameworkChoiceError
 from .display import DISPLAY_MODES, detect_frontend, interrupts_deferred
 from .plot import save_trace_figure
 from .recorder import MemoryRecorder, check_interval
-from .sampler import PROCESS_LABEL, DeviceSampler, choose_framework, model_variables
+from .sampler import PROCESS_LABEL, DeviceSampler, model_variables
 from .trace import MemoryTrace, SeriesInfo
 from .views import NullView, TextSummaryView
 
@@ -37,9 +33,10 @@ KEPT_TRACES = 10
 _SAID: set[str] = set()
 
 
-def process_sampler() -> DeviceSampler:
+def process_sampler(provisional: bool = False) -> DeviceSampler:
     """A sampler of this process' resident memory alone."""
-    return DeviceSampler((SeriesInfo("process", PROCESS_LABEL, (), None, panel="process"),), lambda names: [])
+    series = (SeriesInfo("process", PROCESS_LABEL, (), None, panel="process"),)
+    return DeviceSampler(series, lambda names: [], provisional=provisional)
 
 
 def _shell() -> Any:
@@ -57,26 +54,23 @@ class MonitorSession:
     a custom training loop in JAX, PyTorch or TensorFlow, or (through
     :class:`~vgpu_magic.monitor.callback.MemoryMonitor`) Keras' ``fit``.
 
-    Needs neither Keras nor TensorFlow: memory is read through the framework
-    that is imported (:func:`vgpu_magic.frameworks.select`), and where no
-    framework's runtime runs yet, the process' resident memory alone is
-    recorded. A run records a sample when it starts and when it ends, so a
+    Needs no framework: memory is read through the one whose runtime runs, and
+    until one does, the process' resident memory alone (the devices join once a
+    runtime starts). A run samples when it starts and when it ends, so a
     ``with`` block always leaves a trace.
 
     Parameters
     ----------
     devices
-        Logical devices to watch, e.g. ``["GPU:0", "GPU:1"]``. By default every
+        Logical devices to watch, e.g. ``["GPU:0", "GPU:1"]``; by default every
         replica device of the split, plus the model's strategy's devices.
     model
-        The model whose variables to count per replica. Inside Keras the model
-        being trained is used; give it for custom loops.
+        The model whose variables to count per replica (Keras passes its own).
     strategy
         A ``tf.distribute`` strategy whose devices to watch as well.
     interval
-        Minimum seconds between samples, taken at batch starts or by
-        :meth:`sample` (peaks between samples are never lost: the allocator
-        keeps its own peak). From 0.001 to 3600.
+        Seconds between samples, 0.001 to 3600 (peaks between samples are never
+        lost: allocators keep their own).
     display
         ``"auto"``, ``"rich"``, ``"text"`` or ``"none"`` (see :data:`DISPLAY_MODES`).
     view
@@ -91,8 +85,7 @@ class MonitorSession:
                 strategy.run(train_step, args=(batch,))
                 mon.sample(step=step)
         mon.to_csv("memory.csv")
-        mon.savefig("memory.png")
-    """
+        mon.savefig("memory.png")"""
 
     def __init__(
         self,
@@ -116,14 +109,9 @@ class MonitorSession:
         self._view = view
         self.traces: list[MemoryTrace] = []
         self._reported: set[str] = set()
-        self._framework: Any = None
+        self._joining = False
         self._recorder = MemoryRecorder(
-            self._make_sampler,
-            None,
-            runtime_started=lambda: True,
-            interval=seconds,
-            variables=self._variables,
-            report=self._report,
+            self._make_sampler, None, interval=seconds, variables=self._variables, report=self._report, background=True
         )
         self._depth = 0
         self._fresh = False
@@ -140,26 +128,32 @@ class MonitorSession:
         """The framework to read when several could be (Keras' backend in the adapter)."""
         return None
 
+    def _running_framework(self) -> Any:
+        """The framework whose runtime runs (Keras' backend first where it
+        is one), or ``None`` while none does."""
+        from .. import frameworks
+
+        preferred = self._preferred_framework()
+        found = sorted((fw for fw in frameworks.all_frameworks() if fw.imported()), key=lambda fw: fw.name != preferred)
+        return next((fw for fw in found if fw.runtime_started()), None)
+
     def _make_sampler(self) -> DeviceSampler:
-        """Every device of the framework whose runtime runs, chosen at each
-        run's start (a monitor made before the framework was imported still
-        works); the process' RSS alone where no framework's runtime runs yet
-        (or where none can be chosen), so every run has a trace."""
-        if self._framework is None:
-            try:
-                self._framework = choose_framework(self._preferred_framework())
-            except FrameworkChoiceError as exc:
-                self._report(f"memory is read for the process only ({exc})")
-                return process_sampler()
-        if not self._framework.runtime_started():
+        """Every device of the framework whose runtime runs; while none runs,
+        the process' RSS alone, provisionally: the recorder asks again, and
+        the devices join the run once a runtime starts in it."""
+        framework = self._running_framework()
+        if framework is None:
             if self._devices is not None:
-                self._report(
-                    f"{self._framework.label}'s runtime is not running yet, so only the process' memory is read"
-                )
-            return process_sampler()
+                self._report("no framework's runtime runs yet, so only the process' memory is read until one starts")
+            self._joining = True
+            return process_sampler(provisional=True)
         try:
             sampler = DeviceSampler.for_framework(
-                self._framework, self._devices, model=self._current_model(), strategy=self._strategy
+                framework,
+                self._devices,
+                model=self._current_model(),
+                strategy=self._strategy,
+                process=True if self._joining else None,
             )
             sampler.read()
         except Exception as exc:  # noqa: BLE001 - any framework's error; a monitor never stops training
@@ -223,6 +217,7 @@ class MonitorSession:
         # appeared still gets the run closed and its final image drawn.
         self._watch_cell()
         self._recorder.view = self._make_view()
+        self._joining = False
         self._recorder.start(kind, epochs=params.get("epochs") if kind == "fit" else None, steps=params.get("steps"))
 
     def _run_params(self) -> dict:
@@ -273,9 +268,7 @@ class MonitorSession:
             try:
                 draw()
             except Exception as exc:  # noqa: BLE001 - one failed image must not stop the others or lose the trace
-                self._report(
-                    f"the memory view's final image failed ({type(exc).__name__}: {exc}); the trace is kept"
-                )
+                self._report(f"the memory view's final image failed ({type(exc).__name__}: {exc}); the trace is kept")
 
     def _cell_finished(self, result: Any = None) -> None:
         # Unhook first, so nothing below can leave the hook registered; then
@@ -297,7 +290,8 @@ class MonitorSession:
         return self
 
     def sample(self, step: int | None = None, epoch: int | None = None) -> None:
-        """Take a sample now (starts a run if none is active)."""
+        """Say which step (and epoch: a new one is marked) the loop is at; the
+        monitor's thread samples every ``interval``. Starts a run if none is active."""
         if not self._recorder.active:
             self.start()
         self._recorder.sample(step=step, epoch=epoch)
@@ -326,12 +320,17 @@ class MonitorSession:
         self.finish(interrupted=exc_type is not None)
 
     # What the recorder knows, read-only.
-    trace = property(lambda self: self._recorder.trace,
-                     doc="The current (or last) run's :class:`MemoryTrace`; ``None`` before the first run.")
-    stats = property(lambda self: self._recorder.stats,
-                     doc="Samples taken in the current (or last) run and what they cost (a ``RecorderStats``).")
-    view = property(lambda self: self._recorder.view,
-                    doc="The view of the current (or last) run; ``None`` after it failed.")
+    trace = property(
+        lambda self: self._recorder.trace,
+        doc="The current (or last) run's :class:`MemoryTrace`; ``None`` before the first run.",
+    )
+    stats = property(
+        lambda self: self._recorder.stats,
+        doc="Samples taken in the current (or last) run and what they cost (a ``RecorderStats``).",
+    )
+    view = property(
+        lambda self: self._recorder.view, doc="The view of the current (or last) run; ``None`` after it failed."
+    )
     active = property(lambda self: self._recorder.active, doc="Whether a run is being recorded now.")
 
     def _require_trace(self) -> MemoryTrace:

@@ -1,42 +1,21 @@
 """The memory trace: plain data, no framework, no matplotlib.
 
-A :class:`MemoryTrace` holds one monitored run (a ``fit``, ``evaluate``,
-``predict`` or a custom loop): which memory series were read
-(:class:`SeriesInfo`), and for every sample its time, step, epoch, phase and
-the current and peak bytes of every series. It is stored column-wise in
-:mod:`array` arrays.
+A :class:`MemoryTrace` holds one run: its series (:class:`SeriesInfo`) and,
+per sample, the time, step, epoch, phase and every series' current and peak
+bytes, column-wise in :mod:`array` arrays.
 
-Bounded memory
---------------
-A custom loop may sample millions of times, so a trace keeps at most
-``3 * recent`` rows (``recent`` = 8192 by default, about 1.5 MB for two
-series):
+Bounded memory: a trace keeps at most ``3 * recent`` rows. The latest samples
+stay at full resolution; older ones become a min/max envelope (each bucket of
+samples two rows, its minima at its first time and its maxima at its last;
+adjacent buckets merge as the envelope grows, so it has one resolution,
+:attr:`MemoryTrace.decimated`). Every spike and dip stays visible, and the
+run's peaks are kept apart from the rows, exact.
 
-* the latest samples at full resolution (between ``recent`` and
-  ``2 * recent`` of them);
-* older samples as a min/max envelope: each bucket of consecutive samples
-  becomes two rows, the first with every series' minimum (current and peak) at
-  the bucket's first time, the second with every series' maximum at its last
-  time. When the envelope grows past ``recent`` rows, adjacent buckets merge
-  and every later bucket covers twice as many samples, so the whole envelope
-  always has one resolution.
-
-So a plot of the whole run keeps every spike (as the envelope's top) and
-every dip, while what the envelope cannot say, the exact sample at a given
-moment long ago, is gone. :attr:`MemoryTrace.decimated` tells how many samples
-one envelope bucket covers (1 while nothing was merged). The run's peak and
-maximum current bytes are kept apart from the rows and are always exact.
-
-Interrupts
-----------
-A ``KeyboardInterrupt`` can land between any two bytecodes of
-:meth:`MemoryTrace.append`. The readings are converted first (a failing
-conversion records nothing); a row is then written to every column and only
-then counted, by one assignment. A row written to some columns but not counted
-is invisible to every reader and overwritten by the next append; compaction
-builds new columns aside and swaps them in with one assignment. A sample is
-recorded whole or not at all.
-"""
+Interrupts: a ``KeyboardInterrupt`` can land anywhere in
+:meth:`MemoryTrace.append`. A row is written to every column and only then
+counted, by one assignment (a half-written row is never counted and is
+overwritten); new columns are built aside and swapped in with one
+assignment. A sample is recorded whole or not at all."""
 
 from __future__ import annotations
 
@@ -59,25 +38,12 @@ RECENT_SAMPLES = 8192
 class SeriesInfo:
     """One memory series: what one allocator (or the process) reports.
 
-    Parameters
-    ----------
-    key
-        The ``device`` value of this series' rows: a logical device name such
-        as ``"/device:GPU:1"``, ``"host"`` for a host allocator that all
-        logical CPUs share, or ``"process"`` for the process' resident memory.
-    label
-        What the plot and the summaries call it.
-    devices
-        The logical devices whose memory this series is. More than one only
-        when they share an allocator; none for the process series.
-    cap
-        The device's memory cap in bytes, ``None`` when it has none (CPUs, or
-        a GPU used whole).
-    panel
-        Where the view draws it: ``"device"`` for an allocator's bytes,
-        ``"process"`` for a process' resident memory, which on CPU dwarfs
-        every allocator and so gets a panel (and a scale) of its own.
-    """
+    ``key`` is the rows' ``device`` value (``"/device:GPU:1"``, ``"host"`` for a
+    host allocator all logical CPUs share, ``"process"`` for the process' RSS);
+    ``label`` what the views call it; ``devices`` the logical devices it covers
+    (several only when they share an allocator); ``cap`` the device's cap in
+    bytes or ``None``; ``panel`` where it is drawn (``"device"``, or
+    ``"process"``: RSS dwarfs the allocators, so it has a panel of its own)."""
 
     key: str
     label: str
@@ -133,30 +99,13 @@ class _Columns:
 class MemoryTrace:
     """Samples of every memory series during one run.
 
-    Parameters
-    ----------
-    series
-        The series, in plot order.
-    kind
-        What was run: ``"fit"``, ``"evaluate"``, ``"predict"`` or ``"custom"``.
-    baseline_peak
-        Each series' peak when the run started. An allocator keeps its peak
-        since the process started (nothing here resets it, so other code's
-        measurements stay intact); a peak that never rises above this baseline
-        was reached before the run.
-    recent
-        Samples kept at full resolution before older ones are merged into the
-        min/max envelope (see the module docstring).
-
-    Notes
-    -----
-    ``time`` is seconds since the run started; ``step`` the training step
-    (``fit``) or batch (``evaluate``/``predict``) at the sample; ``epoch`` the
-    epoch (0-based, 0 outside ``fit``); ``phase`` what ran at the sample
-    (``"fit"``, ``"validate"`` for a ``fit``'s validation, ``"evaluate"``,
-    ``"predict"`` or ``"custom"``). Two traces are equal when they describe the
-    same run: same series and settings and the same rows.
-    """
+    ``series`` in plot order; ``kind`` what ran (``"fit"``, ``"evaluate"``,
+    ``"predict"``, ``"custom"``); ``baseline_peak`` each series' peak when the
+    run started (nothing resets allocators' peaks, so a peak that never rises
+    above it was reached before the run); ``recent`` the samples kept at full
+    resolution. Per row: ``time`` since the start, ``step``, ``epoch`` (0-based),
+    ``phase`` (``"validate"`` for a fit's validation). Two traces are equal when
+    they describe the same run."""
 
     series: tuple[SeriesInfo, ...]
     kind: str = "custom"
@@ -172,6 +121,8 @@ class MemoryTrace:
     finished: bool = False
     duration: float = 0.0
     recent: int = RECENT_SAMPLES
+    #: What a custom loop watches, in its framework's words (``"JAX · 8 devices"``).
+    subject: str = ""
 
     def __post_init__(self) -> None:
         self.series = tuple(self.series)
@@ -219,6 +170,28 @@ class MemoryTrace:
                 self._max_peak[i] = pk
         if cols.n - cols.envelope >= 2 * self.recent:
             self._cols = _compacted(cols, self.recent)
+
+    def add_series(self, series: Sequence[SeriesInfo], baseline_peak: Sequence[int]) -> None:
+        """Use ``series`` from now on, which hold every series so far (by key)
+        and some that joined the run (a runtime started): those read 0 B in
+        the rows before, when their allocator did not exist yet."""
+        cols, old = self._cols, {s.key: i for i, s in enumerate(self.series)}
+        if not set(old) <= {s.key for s in series}:
+            raise ValueError(f"{[s.key for s in series]} leaves out some of {list(old)}")
+        n = cols.n
+        out = _Columns(len(series))
+        out.time, out.step, out.epoch, out.phase = cols.time[:n], cols.step[:n], cols.epoch[:n], cols.phase[:n]
+        out.n, out.envelope, out.bucket = n, cols.envelope, cols.bucket
+        place = [old.get(s.key) for s in series]
+        for j, i in enumerate(place):
+            out.current[j] = array("q", bytes(8 * n)) if i is None else cols.current[i][:n]
+            out.peak[j] = array("q", bytes(8 * n)) if i is None else cols.peak[i][:n]
+        pick = lambda values, new: tuple(new[j] if i is None else values[i] for j, i in enumerate(place))  # noqa: E731
+        self.baseline_peak = pick(self.baseline_peak, list(baseline_peak))
+        self._max_current = list(pick(self._max_current, [0] * len(series)))
+        self._max_peak = list(pick(self._max_peak, [0] * len(series)))
+        self.series = tuple(series)
+        self._cols = out
 
     def mark_epoch(self, time: float, epoch: int) -> None:
         """Record that ``epoch`` started at ``time``."""
@@ -312,16 +285,21 @@ class MemoryTrace:
         allocator that keeps no statistics): "nothing allocated"."""
         return bool(self._cols.n) and self._max_current[index] == 0 and self._max_peak[index] == 0
 
-    def peak_text(self, index: int) -> str:
-        """``'peak 1.20 GiB'``, or an honest bound when the peak predates the run."""
+    def max_reading(self, index: int) -> int:
+        """The largest current or peak bytes series ``index`` read in this run."""
+        return max(self._max_current[index], self._max_peak[index])
+
+    def peak_text(self, index: int, unit: str | None = None) -> str:
+        """``'peak 1.20 GiB'`` (in ``unit``, e.g. an axis', when given), or an
+        honest bound when the peak predates the run."""
         if self.all_zero(index):
             return "nothing allocated"
         peak = self.run_peak(index)
         if peak is not None:
-            return f"peak {format_bytes(peak)}"
+            return f"peak {format_bytes(peak, unit)}"
         if not self._cols.n:
             return "no samples"
-        return f"peak ≤ {format_bytes(self.baseline_peak[index])} (reached before this run)"
+        return f"peak ≤ {format_bytes(self.baseline_peak[index], unit)} (reached before this run)"
 
     def variables_text(self) -> str:
         """``'variables per replica: CPU:0 20.1 MiB, CPU:1 20.1 MiB'``, or ``''``."""
@@ -332,8 +310,17 @@ class MemoryTrace:
 
     def _key(self) -> tuple:
         fields = (
-            self.series, self.kind, self.baseline_peak, self.epochs_total, self.steps_total, self.epoch_starts,
-            self.variable_bytes, self.interrupted, self.finished, self.duration, self.decimated,
+            self.series,
+            self.kind,
+            self.baseline_peak,
+            self.epochs_total,
+            self.steps_total,
+            self.epoch_starts,
+            self.variable_bytes,
+            self.interrupted,
+            self.finished,
+            self.duration,
+            self.decimated,
         )
         return fields, list(self.rows())
 
@@ -349,80 +336,38 @@ class MemoryTrace:
         return f"<MemoryTrace {self.kind}: {len(self)} samples of {names}>"
 
 
-class _Pair(NamedTuple):
-    """One envelope bucket: its first and last sample's time, step, epoch and
-    phase code, and every series' minimum and maximum current and peak."""
-
-    first: tuple[float, int, int, int]
-    last: tuple[float, int, int, int]
-    low: tuple[tuple[int, int], ...]
-    high: tuple[tuple[int, int], ...]
-
-
-def _pairs_of_envelope(cols: _Columns) -> list[_Pair]:
-    series = range(len(cols.current))
-    pairs = []
-    for k in range(0, cols.envelope, 2):
-        pairs.append(
-            _Pair(
-                (cols.time[k], cols.step[k], cols.epoch[k], cols.phase[k]),
-                (cols.time[k + 1], cols.step[k + 1], cols.epoch[k + 1], cols.phase[k + 1]),
-                tuple((cols.current[i][k], cols.peak[i][k]) for i in series),
-                tuple((cols.current[i][k + 1], cols.peak[i][k + 1]) for i in series),
-            )
-        )
-    return pairs
-
-
-def _pair_of_rows(cols: _Columns, first: int, stop: int) -> _Pair:
-    last = stop - 1
-    low, high = [], []
-    for cur, pk in zip(cols.current, cols.peak):
-        cur, pk = cur[first:stop], pk[first:stop]
-        low.append((min(cur), min(pk)))
-        high.append((max(cur), max(pk)))
-    return _Pair(
-        (cols.time[first], cols.step[first], cols.epoch[first], cols.phase[first]),
-        (cols.time[last], cols.step[last], cols.epoch[last], cols.phase[last]),
-        tuple(low),
-        tuple(high),
-    )
-
-
-def _merged(a: _Pair, b: _Pair) -> _Pair:
-    return _Pair(
-        a.first,
-        b.last,
-        tuple((min(x[0], y[0]), min(x[1], y[1])) for x, y in zip(a.low, b.low)),
-        tuple((max(x[0], y[0]), max(x[1], y[1])) for x, y in zip(a.high, b.high)),
-    )
-
-
 def _compacted(cols: _Columns, recent: int) -> _Columns:
     """New columns where the oldest ``recent`` full-resolution rows joined the
     envelope, whose adjacent buckets merge while it has more than ``recent``
-    rows. The old columns are left untouched (see "Interrupts")."""
+    rows. The old columns are left untouched (see "Interrupts").
+
+    Each bucket is a span of the old rows (an envelope pair, or aged rows):
+    its minima at its first row's time, its maxima at its last row's. A
+    merged span's extremes are its parts', since a pair's minima row is
+    never above its maxima row."""
     bucket = max(cols.bucket, 4)  # 4 samples -> 2 rows: the first halving
-    pairs = _pairs_of_envelope(cols)
-    aged_stop = cols.envelope + recent
-    pairs += [_pair_of_rows(cols, k, min(k + bucket, aged_stop)) for k in range(cols.envelope, aged_stop, bucket)]
-    while 2 * len(pairs) > recent:
-        pairs = [_merged(*pairs[j : j + 2]) if j + 1 < len(pairs) else pairs[j] for j in range(0, len(pairs), 2)]
+    aged = cols.envelope + recent
+    spans = [(k, k + 2) for k in range(0, cols.envelope, 2)]
+    spans += [(k, min(k + bucket, aged)) for k in range(cols.envelope, aged, bucket)]
+    while 2 * len(spans) > recent:
+        spans = [(spans[j][0], spans[min(j + 1, len(spans) - 1)][1]) for j in range(0, len(spans), 2)]
         bucket *= 2
     out = _Columns(len(cols.current))
     out.bucket = bucket
-    for pair in pairs:
-        for (t, step, epoch, phase), values in ((pair.first, pair.low), (pair.last, pair.high)):
-            out.time.append(t)
-            out.step.append(step)
-            out.epoch.append(epoch)
-            out.phase.append(phase)
-            for i, (cur, pk) in enumerate(values):
-                out.current[i].append(cur)
-                out.peak[i].append(pk)
+    for first, stop in spans:
+        for row, pick in ((first, min), (stop - 1, max)):
+            for new, old in (
+                (out.time, cols.time),
+                (out.step, cols.step),
+                (out.epoch, cols.epoch),
+                (out.phase, cols.phase),
+            ):
+                new.append(old[row])
+            for new, old in zip((*out.current, *out.peak), (*cols.current, *cols.peak)):
+                new.append(pick(old[first:stop]))
     out.envelope = len(out.time)
     for new, old in zip(out.all(), cols.all()):
-        new.extend(old[aged_stop : cols.n])
+        new.extend(old[aged : cols.n])
     out.n = len(out.time)
     return out
 

@@ -1,33 +1,18 @@
 """What the recorder feeds: views of a :class:`~vgpu_magic.monitor.trace.MemoryTrace`.
 
-The contract is :class:`View`: four calls, each given the trace, none of
-which may stop the training (the recorder switches off a view that raises and
-says so once). A view decides itself what to show and when.
+The contract is :class:`View`, whose calls must never stop training (the
+recorder switches off a view that raises). :class:`~vgpu_magic.monitor.live.LiveMemoryView`
+is the notebook's, :class:`TextSummaryView` prints a line per epoch,
+:class:`NullView` records only. What the live view and the static image share
+lives here too: the series colours, each panel's unit, the title, and which
+series read the same.
 
-* :class:`~vgpu_magic.monitor.live.LiveMemoryView`: the live view in a
-  notebook, a widget the browser draws, then the final static image.
-* :class:`TextSummaryView`: one line per epoch and one at the end.
-* :class:`NullView`: records only.
-
-What the live view and the static image share lives here too: the series
-colours (:data:`PALETTE`) and each panel's unit (:func:`panel_unit`).
-
-Update throttle
----------------
-Whatever a view does at a sample runs on the training thread.
 :class:`RedrawThrottle` keeps a rhythm of one update every ``min_interval``
-(0.2 s): the next update is due ``min_interval`` after the one before was
-*due*, not after it came, so updates that can only come at samples (at batch
-starts) do not drift late and the view still updates five times a second
-when a step takes 70 ms. An update that came more than half an interval late
-starts a new rhythm, so updates are never closer than half an interval; one
-the view makes before it is due (at an epoch's end) leaves the rhythm as it
-is. On
-top of that the next update waits ``budget_factor * last_cost`` after the
-last one started: an update costing ``c`` is followed by at least
-``(budget_factor - 1) c`` of training, so updating takes at most
-``1 / budget_factor`` of the time whatever ``c`` is.
-"""
+(0.2 s): the next one is due ``min_interval`` after the last was *due*, so
+updates that come only at samples do not drift late (one more than half an
+interval late starts a new rhythm). The next update also waits
+``budget_factor * last_cost`` after the last one started, so updating takes
+at most ``1 / budget_factor`` of the time whatever it costs."""
 
 from __future__ import annotations
 
@@ -35,41 +20,115 @@ import math
 import sys
 from typing import TextIO
 
-from ..units import GIB, MIB, format_bytes, joined_alike
+from ..units import format_bytes, joined_alike, unit_for
 from .trace import MemoryTrace
 
-__all__ = ["View", "RedrawThrottle", "TextSummaryView", "NullView", "summary_line", "panel_unit", "PALETTE"]
+__all__ = [
+    "View",
+    "RedrawThrottle",
+    "TextSummaryView",
+    "NullView",
+    "summary_line",
+    "panel_unit",
+    "alike_groups",
+    "group_label",
+    "title_text",
+    "PALETTE",
+    "DARK_PALETTE",
+]
 
-#: Series colours, live and in the static image: each has at least 3:1
-#: contrast (WCAG's minimum for graphics) on white and on JupyterLab's dark
-#: background (#111), so one palette reads on light and dark themes.
-PALETTE = ("#1f77b4", "#d9730d", "#2ca02c", "#d62728", "#9467bd", "#1a9a9e", "#c44e9a", "#7f7f7f", "#8f8f17", "#a0724a")
+#: Series colours. On a light background each has at least 4.5:1 contrast
+#: (WCAG's minimum for text, so also for the lines and legend swatches); the
+#: live view draws with :data:`DARK_PALETTE` on a dark theme, the same hues lighter.
+PALETTE = ("#1f77b4", "#b35f0b", "#258625", "#d62728", "#8f60ba", "#168084", "#c14495", "#757575", "#797913", "#976c46")
+DARK_PALETTE = (
+    "#2283c5",
+    "#d9730d",
+    "#2ca02c",
+    "#de4849",
+    "#976bbf",
+    "#1a9a9e",
+    "#c6549d",
+    "#7f7f7f",
+    "#8f8f17",
+    "#a3744c",
+)
 
 
 def panel_unit(trace: MemoryTrace, panel: str) -> tuple[str, int]:
-    """The unit of one panel (``"device"`` or ``"process"``) for the whole
-    run, from what is known when it starts (caps and peaks): GiB from 2 GiB,
-    MiB from 1 MiB, else KiB. Neither the live view nor the final image
-    switches units during a run."""
-    known = max((max(s.cap or 0, peak) for s, peak in zip(trace.series, trace.baseline_peak) if s.panel == panel),
-                default=0)
-    if known >= 2 * GIB:
-        return "GiB", GIB
-    return ("MiB", MIB) if known >= MIB else ("KiB", 1024)
+    """The unit of one panel (``"device"`` or ``"process"``): the one
+    :func:`~vgpu_magic.units.unit_for` picks for the largest cap, baseline or
+    reading so far, KiB at least. The live view switches with it as memory
+    grows, so its last unit is the final image's."""
+    top = max(
+        (
+            max(s.cap or 0, base, trace.max_reading(i))
+            for i, (s, base) in enumerate(zip(trace.series, trace.baseline_peak))
+            if s.panel == panel
+        ),
+        default=0,
+    )
+    return unit_for(top, smallest="KiB")
+
+
+def alike_groups(trace: MemoryTrace, members: list[int]) -> list[list[int]]:
+    """``members`` (series indices) grouped where every reading and the cap
+    are the same all run long: such series are drawn as ONE line, labelled
+    by :func:`group_label`, never drawn side by side as if they differed."""
+    current, peak, groups = trace.current, trace.peak, []
+    for i in members:
+        for group in groups:
+            j = group[0]
+            if trace.series[i].cap == trace.series[j].cap and current[i] == current[j] and peak[i] == peak[j]:
+                group.append(i)
+                break
+        else:
+            groups.append([i])
+    return groups
+
+
+def group_label(trace: MemoryTrace, group: list[int]) -> str:
+    """``'CPU:1…CPU:7, same'`` for series read the same; the label alone for one."""
+    labels = [trace.series[i].label for i in group]
+    if len(labels) == 1:
+        return labels[0]
+    consecutive = group == list(range(group[0], group[-1] + 1))
+    return (f"{labels[0]}…{labels[-1]}" if consecutive and len(labels) > 2 else ", ".join(labels)) + ", same"
+
+
+def title_text(trace: MemoryTrace, final: bool = False) -> str:
+    """``'memory · fit · epoch 4/5'``: the run (Keras' word for it, or what a
+    custom loop watches in the framework's words) and the epoch as Keras'
+    progress bar counts it (from 1, from the epoch's start on); once final,
+    the steps, the duration and how it ended."""
+    parts = [trace.subject if trace.kind == "custom" and trace.subject else trace.kind]
+    epoch = trace.epoch_starts[-1][1] if trace.epoch_starts else (trace.epoch[-1] if len(trace) else 0)
+    if trace.epochs_total or trace.epoch_starts:
+        parts.append(f"epoch {epoch + 1}" + (f"/{trace.epochs_total}" if trace.epochs_total else ""))
+    if final:
+        if len(trace) and (trace.epochs_total or trace.step[-1]):
+            parts.append(f"{trace.step[-1] + 1} steps")
+        parts.append(f"{trace.duration:.1f} s")
+        parts.append("interrupted" if trace.interrupted else "done")
+    return "memory · " + " · ".join(parts)
 
 
 class View:
     """The view contract; every method does nothing here.
 
     ``start(trace)`` when the run's trace opens, ``sampled(trace, now)`` after
-    every sample (``now`` on the recorder's clock), ``epoch_end(trace, epoch)``
-    and ``finish(trace)`` once the run ended (``trace.finished`` is set).
+    every sample (``now`` on the recorder's clock), ``series_changed(trace)``
+    when devices joined, ``epoch_end(trace, epoch)`` and ``finish(trace)``
+    once the run ended (``trace.finished`` is set).
     """
 
     def start(self, trace: MemoryTrace) -> None:
         pass
 
     def sampled(self, trace: MemoryTrace, now: float) -> None:
+        pass
+
+    def series_changed(self, trace: MemoryTrace) -> None:
         pass
 
     def epoch_end(self, trace: MemoryTrace, epoch: int) -> None:

@@ -123,8 +123,7 @@ class LocalSlurm:
         to init when it stops), then remove the folder."""
         pids = " ".join(str(proc.pid) for proc in self.processes) if daemons else ""
         return (
-            (f"kill -9 {pids} 2>/dev/null; " if pids else "")
-            + "for p in $(pgrep -x slurmstepd); do "
+            (f"kill -9 {pids} 2>/dev/null; " if pids else "") + "for p in $(pgrep -x slurmstepd); do "
             f"grep -qa 'SLURM_CONF={self.conf}' /proc/$p/environ 2>/dev/null && pkill -9 -P $p; "
             f"grep -qa 'SLURM_CONF={self.conf}' /proc/$p/environ 2>/dev/null && kill -9 $p; done; "
             + f"rm -rf '{self.folder}'"

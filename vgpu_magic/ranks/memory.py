@@ -142,7 +142,6 @@ class RankMonitor:
         self.recorder = MemoryRecorder(
             lambda: self.sampler,
             view if view is not None else NullView(),
-            runtime_started=lambda: True,
             interval=interval,
         )
 

@@ -63,7 +63,9 @@ __all__ = [
 ]
 
 CAPABILITIES = Capabilities(
-    name="jax", label="JAX", install_hint="install it with pip install 'vgpu_magic[jax]'",
+    name="jax",
+    label="JAX",
+    install_hint="install it with pip install 'vgpu_magic[jax]'",
     splits_cpu=True,  # a GPU is one device: no logical GPUs, no caps, no visibility choice
     gpu_reserve_mib=cuda_context_mib,  # XLA's own reserve is inside its fraction; the context is outside it
     memory_growth=True, growth_with_split=True,

@@ -54,7 +54,9 @@ if TYPE_CHECKING:
 __all__ = ["CAPABILITIES", "FRAMEWORK", "Torch", "setup_rank", "gloo_for_nccl"]
 
 CAPABILITIES = Capabilities(
-    name="torch", label="PyTorch", install_hint="install it with pip install 'vgpu_magic[torch]'",
+    name="torch",
+    label="PyTorch",
+    install_hint="install it with pip install 'vgpu_magic[torch]'",
     splits_in_process=False,  # a process uses one device; several devices are several ranks
     gpu_reserve_mib=cuda_context_mib,  # torch keeps nothing back; each rank's CUDA context is outside its cap
     replicas_by="DistributedDataParallel",
