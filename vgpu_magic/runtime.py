@@ -25,6 +25,7 @@ __all__ = [
     "runtime_state",
     "first_line",
     "active_watcher",
+    "running_cell",
     "activate",
     "deactivate",
 ]
@@ -221,6 +222,12 @@ _active: RuntimeWatcher | None = None
 def active_watcher() -> RuntimeWatcher | None:
     """The watcher of the loaded extension, or ``None`` when it is not loaded."""
     return _active
+
+
+def running_cell() -> int | None:
+    """The execution count of the notebook cell running now (``None`` outside a stored
+    cell, or when the extension is not loaded)."""
+    return _active._running_count() if _active is not None else None
 
 
 def activate(watcher: RuntimeWatcher) -> None:

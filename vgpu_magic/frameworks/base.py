@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from ..ranks.hosts import RankLayout
@@ -189,6 +190,13 @@ class Framework:
     keras_backend: str | None = None
     #: The call a script makes under the framework's real launcher to join the other ranks ("": none to make).
     join_call: str = ""
+    #: Its own log settings, read when it is imported: variable -> (the quiet value, the framework's default).
+    #: Set, where the user set nothing, in the kernel when the extension loads first and on every rank
+    #: (:meth:`quiet_kernel`, :mod:`vgpu_magic.ranks.shown`).
+    log_settings: ClassVar[dict[str, tuple[str, str]]] = {}
+    #: Regular expressions of the whole start-up lines its processes write that no setting silences
+    #: (a rank shows them only when asked, :mod:`vgpu_magic.ranks.shown`).
+    chatter: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -235,6 +243,23 @@ class Framework:
     def version(self) -> str | None:
         mod = sys.modules.get(self.module)
         return getattr(mod, "__version__", None)
+
+    def quiet_kernel(self) -> dict[str, str]:
+        """Quiet the framework's start-up chatter in this process, where it is not
+        imported yet and the user set nothing: its :attr:`log_settings` at their
+        quiet values. Returns what was set."""
+        if self.imported() or not self.installed():
+            return {}
+        set_now = {name: quiet for name, (quiet, _) in self.log_settings.items() if name not in os.environ}
+        os.environ.update(set_now)
+        return set_now
+
+    def loud_kernel(self, set_now: dict[str, str]) -> None:
+        """Undo :meth:`quiet_kernel`, which returned ``set_now``, while the framework is not imported yet."""
+        if not self.imported():
+            for name, value in set_now.items():
+                if os.environ.get(name) == value:
+                    del os.environ[name]
 
     # -- runtime -----------------------------------------------------------------
     def runtime_started(self) -> bool:

@@ -27,6 +27,8 @@ only gets its environment.
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.machinery
 import json
 import logging
 import os
@@ -143,10 +145,66 @@ def _without_cpp_info_lines() -> Iterator[None]:
                 os.write(2, "".join(kept).encode())
 
 
+class _QuietImport(importlib.abc.MetaPathFinder):
+    """Imports TensorFlow, whoever asks first, without its import-time INFO lines
+    (:func:`_without_cpp_info_lines`), then leaves ``sys.meta_path``."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "tensorflow":
+            return None
+        _remove_quiet_import()
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None and _info_hidden():
+            spec.loader = _QuietLoader(spec.loader)
+        return spec
+
+
+class _QuietLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        module.__spec__.loader = module.__loader__ = self.loader
+        with _without_cpp_info_lines():
+            self.loader.exec_module(module)
+
+
+def _remove_quiet_import() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _QuietImport)]
+
+
 class TensorFlow(Framework):
     capabilities = CAPABILITIES
     module = "tensorflow"
     keras_backend = "tensorflow"
+    # Level 2: C++ INFO and WARNING lines (the runtime's start, a Keras dataset "will not be optimized", gRPC and
+    # the coordination service on every worker); errors stay.
+    log_settings = {"TF_CPP_MIN_LOG_LEVEL": ("2", "0")}  # noqa: RUF012 - read, never written
+    chatter = (
+        # Written while TensorFlow is imported, before it reads its level.
+        r"WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR",
+        r"I\d{4} [\d:.]+\s+\d+ port\.cc:\d+\] oneDNN custom operations are on\..*",
+        r"I\d{4} [\d:.]+\s+\d+ cpu_feature_guard\.cc:\d+\] This TensorFlow binary is optimized .*",
+        r"To enable the following instructions: .* rebuild TensorFlow with the appropriate compiler flags\.",
+        # An IPython engine looks interactive to tf_logging, which then logs INFO records to stdout.
+        r"INFO:tensorflow:.*",
+    )
+
+    def quiet_kernel(self) -> dict[str, str]:
+        """Also drop the INFO lines TensorFlow writes while it is imported (whoever imports it),
+        which no level silences."""
+        set_now = super().quiet_kernel()
+        if not self.imported() and self.installed() and _info_hidden():
+            _remove_quiet_import()
+            sys.meta_path.insert(0, _QuietImport())
+        return set_now
+
+    def loud_kernel(self, set_now: dict[str, str]) -> None:
+        super().loud_kernel(set_now)
+        _remove_quiet_import()
 
     def load(self):
         tf = sys.modules.get("tensorflow")

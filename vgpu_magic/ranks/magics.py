@@ -42,7 +42,7 @@ from ..frameworks import choices
 
 __all__ = ["ClusterMagics"]
 
-_ACTIONS = ("start", "status", "stop", "restart")
+_ACTIONS = ("start", "status", "log", "stop", "restart")
 
 
 def _rich_frontend(shell) -> bool:
@@ -55,8 +55,12 @@ class ClusterMagics(Magics):
     """``%vgpu_cluster`` and ``%%vgpu_run``."""
 
     @magic_arguments()
-    @argument("action", choices=_ACTIONS, help="start N ranks, show their status, stop or restart them")
-    @argument("n", nargs="?", type=int, help="number of ranks (start only)")
+    @argument(
+        "action",
+        choices=_ACTIONS,
+        help="start N ranks, show their status or the start-up lines they held back (log [RANK]), stop or restart",
+    )
+    @argument("n", nargs="?", type=int, help="number of ranks (start); the rank whose lines to show (log)")
     @argument("--framework", "-f", help=f"{choices()}: how the ranks are wired")
     @argument(
         "--split", type=int, help="TensorFlow on GPU: logical GPUs per worker; JAX on CPU: CPU devices per process"
@@ -86,6 +90,11 @@ class ClusterMagics(Magics):
         help="join the ranks for your code at start (init_process_group / jax.distributed.initialize); "
         "by default your code makes that call, as under its launcher",
     )
+    @argument(
+        "--verbose",
+        action="store_true",
+        help="show the ranks' framework start-up lines too (held back by default: %%vgpu_cluster log)",
+    )
     @line_magic
     def vgpu_cluster(self, line: str) -> None:
         """Start, inspect, stop or restart the ranks.
@@ -99,6 +108,7 @@ class ClusterMagics(Magics):
             %vgpu_cluster start 2 --framework jax --launcher ssh --hosts node1,node2
             %vgpu_cluster start 2 --framework torch --join   # init_process_group() done for you
             %vgpu_cluster status
+            %vgpu_cluster log 1      # rank 1's framework start-up lines, held back from the cells' output
             %vgpu_cluster restart
             %vgpu_cluster stop
         """
@@ -119,6 +129,12 @@ class ClusterMagics(Magics):
             return
         if args.action == "status":
             print("\n".join(running.describe()))
+        elif args.action == "log":
+            try:
+                held = running.log(args.n)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+            print("\n".join(held) or "nothing held back (every line the ranks wrote was shown)")
         elif args.action == "stop":
             running.stop()
             print(f"stopped {running.n} {running.label} rank{'s' if running.n > 1 else ''}")
@@ -185,8 +201,14 @@ class ClusterMagics(Magics):
             running.run_script(path, list(args.script_args), timeout=timeout, plot=plot)
             return
         try:
+            # The %%vgpu_run line in front, as a comment (IPython drops leading blank lines): a rank's traceback
+            # then gives the notebook cell's line numbers.
             values = running.run(
-                cell, namespace=self.shell.user_ns, timeout=timeout, output=args.output is not None, plot=plot
+                f"# %%vgpu_run {line}\n{cell}",
+                namespace=self.shell.user_ns,
+                timeout=timeout,
+                output=args.output is not None,
+                plot=plot,
             )
         except UnsendableName as exc:
             raise UsageError(str(exc)) from None
@@ -232,13 +254,14 @@ def _installed() -> set[str]:
 def _refuse_start_options(args: Any, options: dict[str, Any]) -> None:
     """:class:`UsageError` quoting the first option given that only ``start`` takes."""
     given = (
-        ("N", args.n),
+        ("N", None if args.action == "log" else args.n),
         ("--framework", args.framework),
         ("--split", args.split),
         ("--memory", args.memory),
         ("--port", args.port),
         ("--launcher", args.launcher),
         ("--join", args.join or None),
+        ("--verbose", args.verbose or None),
     )
     extra = [name if value is True else f"{name} {value}" for name, value in given if value is not None]
     extra += [f"--{key.replace('_', '-')}" for key in options]
@@ -267,6 +290,7 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
             launcher=args.launcher or "local",
             launcher_options=options,
             join=args.join,
+            verbose=args.verbose,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

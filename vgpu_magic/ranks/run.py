@@ -35,7 +35,9 @@ from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from ..runtime import running_cell
 from .memory import RankMonitor
+from .shown import HeldBack, notebook_traceback
 
 __all__ = [
     "GRACE",
@@ -122,9 +124,10 @@ class _LineStream:
     (:func:`as_terminal_shows`): a progress line's final text.
     """
 
-    def __init__(self, label: str, out: TextIO) -> None:
+    def __init__(self, label: str, out: TextIO, shown: Callable[[str], bool] = lambda line: True) -> None:
         self.label = label
         self.out = out
+        self.shown = shown
         self.emitted = 0
         self.last = ""
 
@@ -140,8 +143,10 @@ class _LineStream:
         if not new:
             return
         self.emitted = len(lines)
-        self.out.write("".join(f"{self.label}{as_terminal_shows(line)}\n" for line in new))
-        self.out.flush()
+        text = "".join(f"{self.label}{line}\n" for line in map(as_terminal_shows, new) if self.shown(line))
+        if text:
+            self.out.write(text)
+            self.out.flush()
 
 
 def as_terminal_shows(line: str) -> str:
@@ -214,6 +219,8 @@ class RankRun:
     gpu: bool = False
     stdout: TextIO = field(default_factory=lambda: sys.stdout)
     stderr: TextIO = field(default_factory=lambda: sys.stderr)
+    #: The ranks' held-back start-up lines (:mod:`.shown`); ``None`` shows every line.
+    held: HeldBack | None = None
 
     def __post_init__(self) -> None:
         self.trace = None  # the run's MemoryTrace, once it ended
@@ -237,7 +244,9 @@ class RankRun:
 
     def _failure(self, rank: int, ar: Any) -> RankFailure:
         exc = ar.exception(timeout=0)
-        tb = tuple(exc.render_traceback()) if hasattr(exc, "render_traceback") else (str(exc),)
+        # The rank's traceback as the notebook's cell, without ipyparallel's "[1:execute]" line.
+        text = getattr(exc, "traceback", None)
+        tb = tuple(notebook_traceback(text, running_cell())) if isinstance(text, str) else (str(exc),)
         ename = getattr(exc, "ename", type(exc).__name__)
         evalue = getattr(exc, "evalue", str(exc))
         if ename == "EngineError" or not self._alive(rank):
@@ -293,9 +302,14 @@ class RankRun:
     def run(self) -> list[Any]:
         """Run to the end; the per-rank AsyncResults, or :class:`RankRunError`."""
         n = len(self.procs.pids)
-        streams = [
-            (_LineStream(f"[rank {r}] ", self.stdout), _LineStream(f"[rank {r}] ", self.stderr)) for r in range(n)
-        ]
+        held = self.held or HeldBack()
+        held.mark()
+
+        def line_streams(rank: int) -> tuple[_LineStream, _LineStream]:
+            label, shown = f"[rank {rank}] ", lambda line: held.shown(rank, line)
+            return _LineStream(label, self.stdout, shown), _LineStream(label, self.stderr, shown)
+
+        streams = [line_streams(r) for r in range(n)]
         memory = RankMonitor(self.procs.memory_pids(), self.gpu, live=self.plot, interval=SAMPLE_EVERY)
         start = time.monotonic()
         results: list[Any] = []
@@ -347,6 +361,10 @@ class RankRun:
         self._emit(results, streams, final=True)
         self.trace = memory.finish(interrupted=failure is not None)
         if failure is not None:
+            held_back = held.since_mark(failure.rank)
+            if held_back:
+                # What the failing rank wrote is part of its failure.
+                self.stderr.write("".join(f"[rank {failure.rank}] {line}\n" for line in held_back))
             raise RankRunError(failure, interrupted, killed, must_restart=bool(killed) or failure.kind == "died")
         return results
 

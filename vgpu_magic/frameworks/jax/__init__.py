@@ -64,6 +64,8 @@ ENV_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 ENV_ALLOCATOR = "XLA_PYTHON_CLIENT_ALLOCATOR"
 _COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\S*)")
 _GPU_PLATFORMS = ("cuda", "gpu", "rocm")
+#: The line Gloo writes on each rank for each communicator it connects.
+GLOO_CONNECTED = r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+"
 
 
 def backend_started() -> bool:
@@ -161,6 +163,8 @@ class Jax(Framework):
     module = "jax"
     keras_backend = "jax"
     join_call = "jax.distributed.initialize()"
+    # Gloo, JAX's CPU collectives, greets each new communicator on every rank.
+    chatter = (GLOO_CONNECTED,)
 
     def __init__(self) -> None:
         self._peaks: dict[str, int] = {}
