@@ -350,7 +350,7 @@ def test_runtime_started_by_a_cell_locks_the_panel_and_names_that_cell():
     assert out["early_message"].startswith("TensorFlow's runtime already started, so devices can no longer change.")
     assert out["early_message"].count("restart the kernel") == 1  # the remedy once, not twice
     assert out["late_locked"] is True and all(out["late_disabled"]) and out["banner_shown"]
-    assert "the cell In [3], which begins <code>import tensorflow as tf</code>" in out["banner"]
+    assert "line 2 of the cell In [3]: <code>x = tf.constant(1.0)</code>" in out["banner"]
     assert "restart the kernel" in out["banner"]
     assert out["cpus"] == 1
 

@@ -22,6 +22,7 @@ Importing this module imports no framework.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -33,10 +34,33 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     from ..ranks.hosts import RankLayout
 
-__all__ = ["Capabilities", "ConfigSnapshot", "Framework", "FrameworkImportError", "Reader", "RankPlan"]
+__all__ = [
+    "Capabilities", "ConfigSnapshot", "Framework", "FrameworkImportError", "Reader", "RankPlan", "call_before_start"
+]
 
 #: ``reader(names) -> [(current, peak), ...]`` in bytes, one pair per device name.
 Reader = Callable[[list[str]], list[tuple[int, int]]]
+
+
+def call_before_start(owner: Any, name: str, starting: Callable[..., bool], callback: Callable[[], None]):
+    """Wrap ``owner.name`` (a function of a module, a method of a class) so that its first call
+    for which ``starting(*args)`` is true calls ``callback()`` first and puts the original back.
+    Returns the undo (for a call that never came)."""
+    original = getattr(owner, name)
+
+    def first_start(*args: Any, **kwargs: Any) -> Any:
+        if starting(*args):
+            setattr(owner, name, original)
+            callback()
+        return original(*args, **kwargs)
+
+    setattr(owner, name, first_start)
+
+    def undo() -> None:
+        if getattr(owner, name) is first_start:
+            setattr(owner, name, original)
+
+    return undo
 
 
 class FrameworkImportError(ImportError):
@@ -243,6 +267,17 @@ class Framework:
     def version(self) -> str | None:
         mod = sys.modules.get(self.module)
         return getattr(mod, "__version__", None)
+
+    def importing(self) -> contextlib.AbstractContextManager:
+        """Around the import of :attr:`module`, whoever imports it first once the extension is loaded
+        (TensorFlow: without the INFO lines it writes before it reads its log level)."""
+        return contextlib.nullcontext()
+
+    def watch_runtime_start(self, callback: Callable[[], None]) -> Callable[[], None] | None:
+        """Have ``callback()`` called once, in the call that starts the runtime, just before it starts
+        (so the runtime watcher can name the line). Returns the undo; ``None`` where the framework is
+        not imported, already started, or cannot tell."""
+        return None
 
     def quiet_kernel(self) -> dict[str, str]:
         """Quiet the framework's start-up chatter in this process, where it is not

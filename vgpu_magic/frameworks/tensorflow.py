@@ -27,19 +27,17 @@ only gets its environment.
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.machinery
 import json
 import logging
 import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..inventory import DeviceInventory, cuda_gpus, nvml_gpus
-from .base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader
+from .base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader, call_before_start
 
 __all__ = ["TensorFlow", "FRAMEWORK", "CAPABILITIES", "system_reserve_mib", "setup_rank", "SLURM_PORT_BASE"]
 
@@ -145,37 +143,6 @@ def _without_cpp_info_lines() -> Iterator[None]:
                 os.write(2, "".join(kept).encode())
 
 
-class _QuietImport(importlib.abc.MetaPathFinder):
-    """Imports TensorFlow, whoever asks first, without its import-time INFO lines
-    (:func:`_without_cpp_info_lines`), then leaves ``sys.meta_path``."""
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != "tensorflow":
-            return None
-        _remove_quiet_import()
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is not None and spec.loader is not None and _info_hidden():
-            spec.loader = _QuietLoader(spec.loader)
-        return spec
-
-
-class _QuietLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
-
-    def create_module(self, spec: Any) -> Any:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        module.__spec__.loader = module.__loader__ = self.loader
-        with _without_cpp_info_lines():
-            self.loader.exec_module(module)
-
-
-def _remove_quiet_import() -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _QuietImport)]
-
-
 class TensorFlow(Framework):
     capabilities = CAPABILITIES
     module = "tensorflow"
@@ -193,29 +160,24 @@ class TensorFlow(Framework):
         r"INFO:tensorflow:.*",
     )
 
-    def quiet_kernel(self) -> dict[str, str]:
-        """Also drop the INFO lines TensorFlow writes while it is imported (whoever imports it),
-        which no level silences."""
-        set_now = super().quiet_kernel()
-        if not self.imported() and self.installed() and _info_hidden():
-            _remove_quiet_import()
-            sys.meta_path.insert(0, _QuietImport())
-        return set_now
+    def importing(self) -> contextlib.AbstractContextManager:
+        """Without the INFO lines TensorFlow writes while it is imported, which no level silences."""
+        return _without_cpp_info_lines() if _info_hidden() else contextlib.nullcontext()
 
-    def loud_kernel(self, set_now: dict[str, str]) -> None:
-        super().loud_kernel(set_now)
-        _remove_quiet_import()
+    def watch_runtime_start(self, callback: Callable[[], None]) -> Callable[[], None] | None:
+        if not self.imported() or self.runtime_started():
+            return None
+        from tensorflow.python.eager import context
+
+        return call_before_start(context.Context, "ensure_initialized", lambda ctx: not ctx._initialized, callback)
 
     def load(self):
         tf = sys.modules.get("tensorflow")
         if tf is not None and hasattr(tf, "config"):
             return tf
         try:
-            if not _info_hidden():
+            with self.importing():
                 import tensorflow
-            else:
-                with _without_cpp_info_lines():
-                    import tensorflow
         except ImportError as exc:
             raise self.import_error(exc) from exc
         return tensorflow

@@ -34,10 +34,11 @@ import os
 import re
 import sys
 import types
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ...inventory import DeviceInventory, GPUInfo, cuda_gpus, cuda_to_nvml_order, nvml_gpus
-from ..base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader
+from ..base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader, call_before_start
 from .memory import LiveArrayBytes, MemoryReader, devices_by_name
 
 if TYPE_CHECKING:
@@ -183,6 +184,12 @@ class Jax(Framework):
 
     def runtime_started(self) -> bool:
         return backend_started()
+
+    def watch_runtime_start(self, callback: Callable[[], None]) -> Callable[[], None] | None:
+        bridge = sys.modules.get("jax._src.xla_bridge")
+        if bridge is None or backend_started() or not callable(getattr(bridge, "backends", None)):
+            return None
+        return call_before_start(bridge, "backends", lambda: not backend_started(), callback)
 
     # -- devices and configuration -------------------------------------------------
     def _gpu_count(self, nvml: list[dict[str, Any]]) -> int:
