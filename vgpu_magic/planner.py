@@ -19,6 +19,8 @@ Memory is counted in MiB throughout, which is what TensorFlow's
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .errors import PlanError, excerpt
 from .frameworks.base import Capabilities, ConfigSnapshot
 from .inventory import DeviceInventory, GPUInfo
@@ -118,7 +120,7 @@ def configuration_after(plan: SplitPlan, snap: ConfigSnapshot) -> ConfigSnapshot
             logical[name] = tuple(plan.memory_limits)
     if plan.memory_growth:
         growth = tuple(True if i in visible else g for i, g in enumerate(snap.memory_growth))
-    return ConfigSnapshot(snap.cpu_names, snap.gpu_names, logical, visible, growth)
+    return replace(snap, logical=logical, visible_gpus=visible, memory_growth=growth)
 
 
 def _check_start_rules(plan: SplitPlan, inventory: DeviceInventory) -> None:
@@ -284,7 +286,7 @@ def _cpu_plan(
         notes = (f"GPUs hidden so {capabilities.replicas_by} uses the logical CPUs (add --visible 0 to keep GPU 0)",)
     return SplitPlan(
         "CPU", 0, (None,) * count, visible, request.memory_growth, None, notes, cpu_forced=forced,
-        framework=capabilities.name, framework_named=request.framework,
+        framework=capabilities.name, framework_named=request.framework, split_phrase=capabilities.split_phrase,
     )
 
 
@@ -320,6 +322,7 @@ def _gpu_plan(
     return SplitPlan(
         "GPU", gpu.index, tuple(limits), visible, request.memory_growth, usable, tuple(notes),
         framework=capabilities.name, sizes_chosen=sizes is not None, framework_named=request.framework,
+        split_phrase=capabilities.split_phrase,
     )
 
 

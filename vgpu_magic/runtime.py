@@ -96,6 +96,8 @@ class RuntimeState:
     started_by: CellRef | None = None
     started_before_load: bool = False
     cuda_holders: tuple[str, ...] = field(default=())
+    #: What the framework calls its runtime (JAX: ``"backend"``).
+    runtime_word: str = "runtime"
 
     @property
     def culprit(self) -> str:
@@ -258,6 +260,7 @@ class RuntimeWatcher:
             cuda_holders=cuda_context_holders(exclude=fw.name) if check_cuda else (),
             framework=fw.name,
             label=fw.label,
+            runtime_word=fw.capabilities.runtime_word,
         )
 
 
@@ -359,4 +362,5 @@ def runtime_state(watcher: RuntimeWatcher | None = None, framework=None, check_c
         cuda_holders=cuda_context_holders(exclude=fw.name) if check_cuda else (),
         framework=fw.name,
         label=fw.label,
+        runtime_word=fw.capabilities.runtime_word,
     )

@@ -112,6 +112,8 @@ class Capabilities:
         the GPU)? Otherwise GPUs come first (``MirroredStrategy()``).
     install_hint:
         How to install it (``"pip install 'vgpu_magic[cpu]'"``).
+    runtime_word, device_noun, split_phrase, replica_noun, host_name:
+        The framework's own words (defaults: TensorFlow's).
     """
 
     name: str
@@ -129,6 +131,14 @@ class Capabilities:
     cpus_share_allocator: bool = False
     replicas_by: str = "the strategy"
     replicas_on_split_cpu: bool = False
+    #: The framework's own words, for every message: what starts once and fixes the devices
+    #: (JAX: ``"backend"``), a device of a split and the phrase for a split (``{count}``, ``{kind}``,
+    #: ``{s}``, ``{index}``), what :attr:`replicas_by` calls a device, and the host in a device list.
+    runtime_word: str = "runtime"
+    device_noun: str = "logical {kind}"
+    split_phrase: str = "{count} logical {kind}{s} on {kind}:{index}"
+    replica_noun: str = "replica"
+    host_name: str = "/physical_device:CPU:0 (host)"
     install_hint: str = ""
 
 
@@ -147,12 +157,15 @@ class ConfigSnapshot:
     logical: dict[str, tuple[int | None, ...]]
     visible_gpus: tuple[int, ...]
     memory_growth: tuple[bool, ...]
+    #: How the framework names its CPU and GPU devices once started (JAX: ``"cpu:{}"``).
+    device_names: tuple[str, str] = field(default=("/device:CPU:{}", "/device:GPU:{}"), compare=False)
 
     def logical_names(self) -> dict[str, list[str]]:
         """Physical device name -> the logical device names it will have.
 
         Logical devices are numbered per type in physical order, which is how
-        TensorFlow and JAX name them once their runtime starts.
+        TensorFlow and JAX number them once their runtime starts, and named as
+        the framework names them (:attr:`device_names`).
         """
         names: dict[str, list[str]] = {}
         counters = {"CPU": 0, "GPU": 0}
@@ -160,7 +173,8 @@ class ConfigSnapshot:
             if dtype == "GPU" and int(physical.rsplit(":", 1)[1]) not in self.visible_gpus:
                 continue
             count = len(self.logical.get(physical, ())) or 1
-            names[physical] = [f"/device:{dtype}:{counters[dtype] + k}" for k in range(count)]
+            spelled = self.device_names[dtype == "GPU"]
+            names[physical] = [spelled.format(counters[dtype] + k) for k in range(count)]
             counters[dtype] += count
         return names
 

@@ -15,9 +15,9 @@ What JAX can do, as :data:`CAPABILITIES`:
   instead of preallocating). It combines with a cap.
 
 Whether the backend started is read from ``jax._src.xla_bridge`` without
-starting it (:func:`backend_started`). Devices are named like TensorFlow's
-(``/physical_device:CPU:0`` for the host, ``/device:CPU:3`` for JAX's
-``jax.devices("cpu")[3]``), so one status table and one monitor serve both.
+starting it (:func:`backend_started`). Devices have JAX's own names
+(``cpu:3`` for ``jax.devices("cpu")[3]``, as ``str(device)`` says), in every
+message, in ``%vgpu_status`` and in the memory readings.
 
 Memory readings live in :mod:`vgpu_magic.frameworks.jax.memory`, the ``vgpu_magic.mesh()`` and
 ``vgpu_magic.distribution()`` helpers in :mod:`vgpu_magic.frameworks.jax.mesh`, the ranks'
@@ -57,9 +57,14 @@ CAPABILITIES = Capabilities(
     splits_cpu=True,  # a GPU is one device: no logical GPUs, no caps, no visibility choice
     memory_growth=True, growth_with_split=True,
     replicas_by="vgpu_magic.mesh()", replicas_on_split_cpu=True,
+    # JAX's own words: its backend starts once; jax.devices() lists devices (str(device): "cpu:3"), not replicas.
+    runtime_word="backend", device_noun="{kind} device", split_phrase="{count} {kind} device{s}",
+    replica_noun="device", host_name="CPU (the host)",
 )
 
 CPU_NAME = "/physical_device:CPU:0"
+#: JAX's names of its CPU and GPU devices, ``str(jax.devices()[i])``.
+DEVICE_NAMES = ("cpu:{}", "cuda:{}")
 ENV_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 ENV_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 ENV_ALLOCATOR = "XLA_PYTHON_CLIENT_ALLOCATOR"
@@ -266,6 +271,7 @@ class Jax(Framework):
             logical=logical,
             visible_gpus=tuple(g.index for g in gpus),
             memory_growth=(growth,) * len(gpus),
+            device_names=DEVICE_NAMES,
         )
 
     def read_configuration(self) -> ConfigSnapshot:
