@@ -153,9 +153,8 @@ def test_the_kernel_starts_tensorflow_quietly_unless_the_user_set_a_level(level)
         others = [line for line in out["stderr"].splitlines() if line.strip() and "warn" not in line]
         assert others == [line for line in others if "must arrive" in line or "own stderr" in line], out["stderr"]
     else:
-        # The user asked for everything: TensorFlow's import-time INFO lines and its runtime's.
+        # The user asked for everything: TensorFlow's import-time INFO lines are shown.
         assert "oneDNN custom operations are on" in out["stderr"]
-        assert "cpu_feature_guard" in out["stderr"]
 
 
 RANKS_REDUCE = """%%vgpu_run
@@ -194,3 +193,49 @@ def test_tensorflow_ranks_are_quiet_and_their_tracebacks_name_the_notebooks_cell
     traceback = "\n".join(error["traceback"])
     assert f"In[{count}]" in traceback and "line 3" in traceback, traceback
     assert ":execute]" not in traceback
+
+
+# -- the notebooks, as users run them -------------------------------------------------------------------------------
+
+#: Notebooks where a framework starts in the kernel before the split (04) and on ranks (08: TensorFlow, 09: JAX);
+#: a Keras fit in the kernel (notebook 01's) is the kernel test's above. A second pass, so only a few.
+AS_USERS_RUN = ["04_touched_gpu_too_early", "08_tensorflow_multiworker", "09_jax_multiprocess"]
+
+
+def _stderr_lines(cell) -> list[str]:
+    text = "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("name") == "stderr")
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def _shape(line: str) -> str:
+    """A line with its numbers as ``#`` (times, sizes, PIDs and ports change from run to run)."""
+    import re
+
+    return re.sub(r"\d+(\.\d+)?", "#", line)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", AS_USERS_RUN)
+def test_a_notebook_run_as_users_run_it_shows_no_red_text_it_does_not_mean_to(name, no_process_left_behind):
+    """Executed in a kernel started as users start theirs: every stderr line a cell shows is one its stored
+    output (what the notebook means to show, checked by nbval) shows too."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    from support import CHILD_ENV, ROOT
+
+    path = ROOT / "notebooks" / f"{name}.ipynb"
+    stored = nbformat.read(path, as_version=4)
+    ran = nbformat.read(path, as_version=4)
+    env = {**CHILD_ENV, "PYTHONPATH": str(ROOT), **as_a_user()}
+    client = NotebookClient(ran, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
+    client.execute(env={k: v for k, v in env.items() if v is not None})
+    unmeant = {}
+    for number, (mine, theirs) in enumerate(zip(ran.cells, stored.cells)):
+        if mine.cell_type != "code":
+            continue
+        meant = {_shape(line) for line in _stderr_lines(theirs)}
+        extra = [line for line in _stderr_lines(mine) if _shape(line) not in meant]
+        if extra:
+            unmeant[f"cell {number}: {mine.source.splitlines()[0] if mine.source else ''}"] = extra
+    assert not unmeant, unmeant

@@ -361,10 +361,9 @@ class RankRun:
         self._emit(results, streams, final=True)
         self.trace = memory.finish(interrupted=failure is not None)
         if failure is not None:
-            held_back = held.since_mark(failure.rank)
-            if held_back:
-                # What the failing rank wrote is part of its failure.
-                self.stderr.write("".join(f"[rank {failure.rank}] {line}\n" for line in held_back))
+            # What the failing rank wrote is part of its failure.
+            held_back = held.this_run.get(failure.rank, ())
+            self.stderr.write("".join(f"[rank {failure.rank}] {line}\n" for line in held_back))
             raise RankRunError(failure, interrupted, killed, must_restart=bool(killed) or failure.kind == "died")
         return results
 

@@ -37,12 +37,12 @@ def rank_env(fw, verbose: bool = False, environ: Mapping[str, str] = os.environ)
     is not the user's: ``verbose`` overrides it."""
     from .. import _quieted
 
-    env = {}
-    for name, (quiet, default) in fw.log_settings.items():
-        users = name in environ and environ.get(name) != _quieted().get(name)
-        if not users:
-            env[name] = default if verbose else quiet
-    return env
+    ours = _quieted()
+    return {
+        name: default if verbose else quiet
+        for name, (quiet, default) in fw.log_settings.items()
+        if name not in environ or environ[name] == ours.get(name)
+    }
 
 
 class HeldBack:
@@ -54,28 +54,21 @@ class HeldBack:
 
     def __init__(self, patterns: tuple[str, ...] = (), verbose: bool = False) -> None:
         self.pattern = re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns and not verbose else None
-        self.verbose = verbose
         self.held: dict[int, deque[str]] = {}
-        self._marks: dict[int, int] = {}
-        self._counts: dict[int, int] = {}
+        #: What each rank held back in the current run (:meth:`mark`).
+        self.this_run: dict[int, list[str]] = {}
 
     def shown(self, rank: int, line: str) -> bool:
         """Is ``line`` of ``rank`` shown? If not, it is held back."""
         if self.pattern is None or not self.pattern.fullmatch(line.rstrip()):
             return True
         self.held.setdefault(rank, deque(maxlen=HELD_LINES)).append(line)
-        self._counts[rank] = self._counts.get(rank, 0) + 1
+        self.this_run.setdefault(rank, []).append(line)
         return False
 
     def mark(self) -> None:
-        """A run starts: :meth:`since_mark` counts from here."""
-        self._marks = dict(self._counts)
-
-    def since_mark(self, rank: int) -> list[str]:
-        """The lines ``rank`` held back since :meth:`mark` (those still kept)."""
-        new = self._counts.get(rank, 0) - self._marks.get(rank, 0)
-        held = list(self.held.get(rank, ()))
-        return held[len(held) - min(new, len(held)) :] if new else []
+        """A run starts."""
+        self.this_run = {}
 
     def lines(self, rank: int | None = None) -> list[str]:
         """What ``%vgpu_cluster log [RANK]`` prints: every rank's held-back lines
