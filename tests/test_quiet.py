@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from support import as_a_user, kernel_output, kernel_run, started_kernel
+from support import as_a_user, kernel_output, kernel_run, refused_changing_nothing, started_kernel
 from vgpu_magic.frameworks import get
 from vgpu_magic.ranks.run import RankProcesses, RankRun, RankRunError
 from vgpu_magic.ranks.shown import HeldBack, notebook_traceback, rank_env
@@ -85,6 +85,17 @@ def test_a_ranks_traceback_names_the_notebooks_cell_or_no_count():
         == "\x1b[36mCell\x1b[39m\x1b[36m \x1b[39m\x1b[32mIn[8]\x1b[39m\x1b[32m, line 3\x1b[39m"
     )
     assert notebook_traceback("Cell In[12], line 3\nValueError: bad", None) == ["Cell, line 3", "ValueError: bad"]
+
+
+def test_log_takes_a_rank_of_the_cluster_and_verbose_only_goes_with_start(ip):
+    from vgpu_magic.ranks.rank_cluster import RankCluster
+
+    ranks = RankCluster(2, "torch", verbose=True)
+    assert ranks.log() == [] and ranks.log(1) == []
+    with pytest.raises(ValueError, match=r"rank 5 is not one of this cluster's ranks 0\.\.1"):
+        ranks.log(5)
+    refused_changing_nothing(ip, "vgpu_cluster", "status --verbose", "'--verbose' only goes with start")
+    refused_changing_nothing(ip, "vgpu_cluster", "log --join", "'--join' only goes with start")
 
 
 class _Failed:
