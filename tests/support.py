@@ -33,6 +33,13 @@ CHILD_ENV = {
 CHILD_ENV.pop("VGPU_MAGIC_SPLIT", None)
 
 
+def as_a_user() -> dict[str, None]:
+    """For :func:`started_kernel`'s ``env``: a kernel as users start one, without the test runner's
+    variables (ipykernel drops C-level stderr under ``PYTEST_CURRENT_TEST``) or the suite's TensorFlow settings."""
+    runner = [name for name in {**os.environ, **CHILD_ENV} if name.startswith("PYTEST")]
+    return dict.fromkeys([*runner, "PYTEST_CURRENT_TEST", "TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS"])
+
+
 def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter; fail the test with its output if it exits non-zero."""
     proc = subprocess.run(

@@ -559,8 +559,8 @@ def test_a_failing_rank_is_summed_up_in_one_line():
     class RemoteFailure(Exception):
         ename, evalue = "DistNetworkError", "The server socket has failed to listen.\nport: 1234\nname: EADDRINUSE"
 
-        def render_traceback(self):
-            return ["Traceback (most recent call last):", "DistNetworkError: The server socket ..."]
+        # As ipyparallel's RemoteError: the rank's traceback text, which render_traceback() heads with "[0:execute]".
+        traceback = "Traceback (most recent call last):\nDistNetworkError: The server socket ..."
 
     class FinishedWithError:
         def ready(self):

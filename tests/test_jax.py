@@ -162,13 +162,14 @@ def test_magic_before_import_then_identical_is_quiet_and_different_names_the_cel
     print(json.dumps(steps))
     """)
     steps = last_json(run_python(code).stdout)
-    assert steps["split"]["error"] is None and "JAX configured 8 logical CPUs" in steps["split"]["out"]
+    assert steps["split"]["error"] is None and "JAX configured 8 CPU devices" in steps["split"]["out"]
     assert steps["split_started"] is False
     assert steps["n"] == 8
     assert steps["same"]["error"] is None and steps["same"]["err"] == ""
     assert "nothing changed" in steps["same"]["out"]
     warning = steps["different"]["err"]
-    assert "JAX's runtime already started" in warning and "import jax" in warning
+    assert "JAX's backend already started" in warning and "line 2 of the cell" in warning
+    assert "`n = len(jax.devices())`" in warning
     assert "nothing was configured" in warning and steps["after"] == 8
 
 
@@ -206,7 +207,7 @@ def test_api_after_import_and_mesh():
     """
     out = last_json(run_python(code).stdout)
     assert (out["framework"], out["status"]) == ("jax", "applied")
-    assert out["devices"] == [f"/device:CPU:{i}" for i in range(4)]
+    assert out["devices"] == [f"cpu:{i}" for i in range(4)]  # JAX's own names, as str(jax.devices()[i])
     assert out["jax_devices"] == 4 and out["mesh"] == {"data": 4} and out["mesh_ids"] == [0, 1, 2, 3]
     assert (out["again"], out["blocked"]) == ("unchanged", "blocked")
     assert out["warned"] == ["RuntimeStartedWarning"]
@@ -349,19 +350,27 @@ def test_keras_on_another_backend_warns_and_status_shows_both_frameworks():
     """)
     out = last_json(run_python(code).stdout)
     split = out["steps"]["split"]
-    assert split["error"] is None and "JAX configured 4 logical CPUs" in split["out"]
+    assert split["error"] is None and "JAX configured 4 CPU devices" in split["out"]
     assert "Keras was imported with the tensorflow backend" in split["err"]
     sections = {s["framework"]: s for s in out["status"]["frameworks"]}
     assert set(sections) == {"tensorflow", "jax"}
     assert sections["tensorflow"]["runtime"]["started"] is False
     jax_section = sections["jax"]
-    assert jax_section["runtime"]["started"] is True and "import jax" in jax_section["runtime"]["started_by"]
-    assert [d["name"] for d in jax_section["logical"]] == [f"/device:CPU:{i}" for i in range(4)]
+    assert jax_section["runtime"]["started"] is True
+    assert jax_section["runtime"]["started_by"].endswith("`n = len(jax.devices())`")
+    assert [d["name"] for d in jax_section["logical"]] == [f"cpu:{i}" for i in range(4)]
     assert "platform: cpu (jax.devices() has 4 devices)" in jax_section["notes"]
     # Each JAX CPU device holds its own bytes: read one by one, not as one shared host allocator.
     assert jax_section["host_memory_shared"] is None
     assert all(d["current"] is not None for d in jax_section["logical"])
-    assert "memory held on each logical CPU: CPU:0 " in out["text"]
+    # In JAX's words, as aligned lines: one per device, under a heading.
+    text = out["text"].splitlines()
+    held = text.index("Memory held on each device:")
+    assert text[held + 1].split() == ["device", "in", "use", "peak"]
+    assert [line.split()[0] for line in text[held + 2 : held + 6]] == [f"cpu:{i}" for i in range(4)]
+    assert len({line.index("B") for line in text[held + 2 : held + 6]}) == 1  # figures aligned on their unit
+    assert "Devices: vgpu_magic.mesh() would use 4 devices" in text
+    assert "logical CPU" not in out["text"].split("JAX")[-1]
 
 
 @pytest.mark.slow
@@ -398,7 +407,7 @@ def test_panel_splits_jax_and_hides_memory_on_cpu():
     """
     out = last_json(run_python(code).stdout)
     assert "JAX cannot cap logical CPU devices" in out["note"] and out["hidden"] == ["none", "none"]
-    assert out["message"].startswith("JAX configured 8 logical CPUs") and out["n"] == 8
+    assert out["message"].startswith("JAX configured 8 CPU devices") and out["n"] == 8
 
 
 def test_gpu_backend_is_read_from_the_installed_files(tmp_path, monkeypatch):
@@ -458,7 +467,7 @@ def test_magic_after_import_jax_picks_jax():
     print(json.dumps(steps))
     """)
     steps = last_json(run_python(code).stdout)
-    assert steps["split"]["error"] is None and "JAX configured 2 logical CPUs" in steps["split"]["out"]
+    assert steps["split"]["error"] is None and "JAX configured 2 CPU devices" in steps["split"]["out"]
     assert steps["n"] == 2
 
 

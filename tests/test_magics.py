@@ -232,5 +232,5 @@ def test_the_culprit_cell_survives_a_reload(tmp_path):
         assert not started["error"]
         kernel_output(kc, "%reload_ext vgpu_magic")
         blocked = kernel_output(kc, "%vgpu_split 2")
-        assert "started by: the cell In [2], which begins `import tensorflow as tf`" in blocked["stderr"]
+        assert "started by: line 2 of the cell In [2]: `x = tf.zeros(3)`" in blocked["stderr"]
         assert "before vgpu_magic was loaded" not in blocked["stderr"]

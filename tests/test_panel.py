@@ -322,19 +322,19 @@ def test_runtime_started_by_a_cell_locks_the_panel_and_names_that_cell():
         from IPython.core.interactiveshell import InteractiveShell
         ip = InteractiveShell.instance()
         ip.run_cell("%load_ext vgpu_magic", store_history=True)
-        ip.run_cell("import vgpu_magic\\nearly = vgpu_magic.panel()", store_history=True)
+        ip.run_cell("import vgpu_magic\\nearly = vgpu_magic.panel()\\nearly.count_text.value = 2", store_history=True)
         early = ip.user_ns["early"]
         early_locked_before_click = early.locked
         ip.run_cell("import tensorflow as tf\\nx = tf.constant(1.0)", store_history=True)
         import tensorflow as tf
         import vgpu_magic
-        early.count_text.value = 2  # a panel shown before the runtime started, used after
-        early.apply_button.click()
+        early.apply_button.click()  # a panel shown before the runtime started, applied after
         late = vgpu_magic.panel()
         print(json.dumps({
             "early_locked_before_click": early_locked_before_click,
             "early_locked": early.locked,
             "early_message": early.last_message,
+            "early_now": [early.count_text.value, early.magic_line],
             "late_locked": late.locked,
             "late_disabled": [w.disabled for w in (late.target, late.count_slider, late.count_text, late.custom,
                                                    late.even_memory, late.apply_button)],
@@ -349,8 +349,9 @@ def test_runtime_started_by_a_cell_locks_the_panel_and_names_that_cell():
     assert out["early_locked"] is True
     assert out["early_message"].startswith("TensorFlow's runtime already started, so devices can no longer change.")
     assert out["early_message"].count("restart the kernel") == 1  # the remedy once, not twice
+    assert out["early_now"] == [1, "%vgpu_split 1"]  # locked, it shows what TensorFlow has
     assert out["late_locked"] is True and all(out["late_disabled"]) and out["banner_shown"]
-    assert "the cell In [3], which begins <code>import tensorflow as tf</code>" in out["banner"]
+    assert "line 2 of the cell In [3]: <code>x = tf.constant(1.0)</code>" in out["banner"]
     assert "restart the kernel" in out["banner"]
     assert out["cpus"] == 1
 
@@ -411,3 +412,33 @@ def test_magic_shows_the_panel_in_a_real_kernel_and_apply_splits_the_cpu():
     assert "MirroredStrategy() will use 3 replicas: /device:CPU:0, /device:CPU:1, /device:CPU:2" in text
     out = json.loads(kernel_stdout(checked).strip().splitlines()[-1])
     assert out == {"started_when_shown": False, "logical": ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]}
+
+
+@pytest.mark.slow
+def test_a_locked_panel_shows_what_the_framework_has_and_same_as_reproduces_it():
+    # Notebook 02 in a browser: a panel moved to 3 and never applied, 4 configured elsewhere, the runtime
+    # started; the panel must not keep saying "Same as: %vgpu_split 3" once it is locked.
+    proc = run_python(
+        """
+        import json
+        from IPython.core.interactiveshell import InteractiveShell
+        ip = InteractiveShell.instance()
+        ip.run_cell("%load_ext vgpu_magic", store_history=True)
+        ip.run_cell("import vgpu_magic\\npanel = vgpu_magic.panel()\\npanel.count_text.value = 3", store_history=True)
+        panel = ip.user_ns["panel"]
+        before = panel.magic_line
+        ip.run_cell("%vgpu_split 4", store_history=True)
+        ip.run_cell("import tensorflow as tf\\nn = len(tf.config.list_logical_devices('CPU'))", store_history=True)
+        panel.count_text.value = 2  # used after the start: it locks
+        import vgpu_magic
+        late = vgpu_magic.panel()
+        print(json.dumps({"before": before, "locked": panel.locked, "line": panel.magic_line,
+                          "count": panel.count_text.value, "shown": panel.magic.value,
+                          "late": late.magic_line, "n": ip.user_ns["n"]}))
+        """
+    )
+    out = last_json(proc.stdout)
+    assert out["before"] == "%vgpu_split 3" and out["n"] == 4
+    assert out["locked"] and out["count"] == 4
+    assert out["line"] == out["late"] == "%vgpu_split 4"
+    assert out["shown"] == "Same as: <code>%vgpu_split 4</code>"

@@ -88,8 +88,8 @@ def test_split_after_the_runtime_started_names_the_culprit_cell(starter):
         "%vgpu_split 1 -r",
     )
     assert [c["started"] for c in cells] == [False, False, True, True, True]
-    first_line = starter.splitlines()[0]
-    assert_blocked(cells[3], f"the cell In [3], which begins `{first_line}`")
+    # The line that started it (`with tf.device(...)` itself does, before its body).
+    assert_blocked(cells[3], f"line 1 of the cell In [3]: `{starter.splitlines()[0]}`")
     assert cells[3]["result"]["devices"] == ["/device:CPU:0"]
     # One uncapped CPU is what the runtime already has: identical, so quiet.
     assert cells[4]["result"]["status"] == "unchanged"
@@ -114,7 +114,7 @@ def test_identical_split_after_start_is_quiet_and_a_different_one_is_blocked():
     first = cells[3]["out"].splitlines()[0]
     assert first == "vgpu_magic: TensorFlow already has 2 logical CPUs on CPU:0; nothing changed"
     assert len([line for line in cells[3]["out"].splitlines() if line.startswith(("vgpu_magic", "  "))]) == 1
-    assert_blocked(cells[4], "the cell In [3], which begins `import tensorflow as tf`")
+    assert_blocked(cells[4], "line 2 of the cell In [3]: `strategy = tf.distribute.MirroredStrategy()`")
     assert "it keeps its 2 replica devices" in cells[4]["err"]
     assert cells[4]["result"]["devices"] == ["/device:CPU:0", "/device:CPU:1"]
     assert "Out[6]: 2" in cells[5]["out"]
@@ -126,8 +126,20 @@ def test_cell_that_starts_the_runtime_and_splits_is_blamed():
         "import tensorflow as tf\nx = tf.ones(2)\n%vgpu_split 2 -r",
         "%vgpu_split 3 -r",
     )
-    assert_blocked(cells[1], "the cell In [2], which begins `import tensorflow as tf`")
-    assert_blocked(cells[2], "the cell In [2], which begins `import tensorflow as tf`")
+    assert_blocked(cells[1], "line 2 of the cell In [2]: `x = tf.ones(2)`")
+    assert_blocked(cells[2], "line 2 of the cell In [2]: `x = tf.ones(2)`")
+
+
+def test_the_line_that_started_the_runtime_is_named_not_the_cells_first():
+    cells = run_cells(
+        "%load_ext vgpu_magic",
+        "import numpy as np\nx = 1\nimport tensorflow as tf\ny = tf.constant(1)",
+        "%vgpu_split 2 -r",
+        "%vgpu_status --json",
+    )
+    assert_blocked(cells[2], "line 4 of the cell In [2]: `y = tf.constant(1)`")
+    [status] = json.loads(cells[3]["out"])["frameworks"]
+    assert status["runtime"]["started_by"] == "line 4 of the cell In [2]: `y = tf.constant(1)`"
 
 
 def test_extension_loaded_after_the_runtime_started():
@@ -157,7 +169,7 @@ def test_extension_loaded_after_tensorflow_import_but_before_start():
         "%vgpu_split 4 -r",
     )
     assert cells[1]["err"] == ""
-    assert_blocked(cells[3], "the cell In [3], which begins `v = tf.Variable(3.0)`")
+    assert_blocked(cells[3], "line 1 of the cell In [3]: `v = tf.Variable(3.0)`")
 
 
 def test_status_and_dry_run_never_start_the_runtime():
@@ -188,5 +200,7 @@ def test_status_and_dry_run_never_start_the_runtime():
 
     [after] = json.loads(cells[7]["out"])["frameworks"]
     assert after["runtime"]["started"] is True
-    assert after["runtime"]["started_by"] == "the cell In [7], which begins `import tensorflow as tf`"
+    assert after["runtime"]["started_by"] == (
+        "line 2 of the cell In [7]: `tf.distribute.MirroredStrategy().num_replicas_in_sync`"
+    )
     assert after["replicas"] == 2

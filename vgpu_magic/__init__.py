@@ -63,6 +63,11 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY})
 
 
+def _quieted() -> dict[str, str]:
+    """The log settings the loaded extension set in this process (not the user's)."""
+    return {name: value for *_, quieted in _loaded.values() for _, by_us in quieted for name, value in by_us.items()}
+
+
 def load_ipython_extension(ipython) -> None:
     """Register the magics and the runtime watcher; apply a persistent split.
 
@@ -71,6 +76,7 @@ def load_ipython_extension(ipython) -> None:
     """
     import importlib
 
+    from . import frameworks
     from .magics import VGPUMagics
     from .runtime import RuntimeWatcher, activate
 
@@ -86,7 +92,9 @@ def load_ipython_extension(ipython) -> None:
     ipython.events.register("post_run_cell", watcher.post_run_cell)
     for magics in (main, *extra):
         ipython.register_magics(magics)
-    _loaded[id(ipython)] = (watcher, [main, *extra])
+    # Each framework not imported yet starts quietly, where the user set nothing (README, Usage).
+    quieted = [(fw, fw.quiet_kernel()) for fw in frameworks.all_frameworks()]
+    _loaded[id(ipython)] = (watcher, [main, *extra], quieted)
     activate(watcher)
     main.on_load()
 
@@ -95,9 +103,11 @@ def unload_ipython_extension(ipython) -> None:
     """Remove exactly what :func:`load_ipython_extension` registered."""
     from .runtime import deactivate
 
-    watcher, all_magics = _loaded.pop(id(ipython), (None, []))
+    watcher, all_magics, quieted = _loaded.pop(id(ipython), (None, [], []))
     if watcher is None:
         return
+    for fw, set_now in quieted:
+        fw.loud_kernel(set_now)
     for magics in all_magics:
         closing = getattr(magics, "on_unload", None)
         if closing is not None:

@@ -200,7 +200,7 @@ class VGPUMagics(Magics):
         for fw in frameworks.imported():
             state = self.watcher.state(fw, check_cuda=False)
             if self.warn_on_load and state.started:
-                what, started_by = runtime_started_lines(fw.label, state.culprit)
+                what, started_by = runtime_started_lines(fw.label, state.culprit, state.runtime_word)
                 todo = f"restart the kernel and load vgpu_magic before any {fw.label} code"
                 _warn(" ".join([what, as_sentence(started_by), as_sentence(todo)]))
         if persistent is None:

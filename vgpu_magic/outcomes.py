@@ -45,7 +45,7 @@ def remedy(label: str, line: str = "the split") -> str:
     )
 
 
-def runtime_started_lines(label: str, culprit: str) -> list[str]:
+def runtime_started_lines(label: str, culprit: str, runtime_word: str = "runtime") -> list[str]:
     """The one wording of "the runtime already started": what that means, and
     which cell did it. The faces add their own remedy line.
 
@@ -54,9 +54,11 @@ def runtime_started_lines(label: str, culprit: str) -> list[str]:
     label
         The framework as people write it, e.g. ``"TensorFlow"``.
     culprit
-        :attr:`~vgpu_magic.runtime.RuntimeState.culprit`, e.g. ``"the cell In [2], which begins `import jax`"``.
+        :attr:`~vgpu_magic.runtime.RuntimeState.culprit`, e.g. ``"line 2 of the cell In [2]: `x = jnp.ones(3)`"``.
+    runtime_word
+        What the framework calls it (:attr:`~vgpu_magic.frameworks.base.Capabilities.runtime_word`).
     """
-    return [f"{label}'s runtime already started, so {NO_LONGER_CHANGE}.", f"started by: {culprit}"]
+    return [f"{label}'s {runtime_word} already started, so {NO_LONGER_CHANGE}.", f"started by: {culprit}"]
 
 
 def as_sentence(line: str) -> str:
@@ -98,8 +100,9 @@ class SplitResult:
     plan: SplitPlan
     framework: str
     label: str
-    #: What uses the replica devices (the framework's ``Capabilities.replicas_by``).
+    #: What uses the replica devices (the framework's ``Capabilities.replicas_by``), and what it calls one.
     replicas_by: str
+    replica_noun: str = "replica"
     devices: list[str] = field(default_factory=list)
     runtime: RuntimeState | None = None
     blocked_reason: str = ""
@@ -158,10 +161,11 @@ def summary_lines(result: SplitResult) -> list[SummaryLine]:
     plan, label = result.plan, result.label
     lines: list[SummaryLine] = []
     if result.status == "blocked":
-        what, culprit = runtime_started_lines(label, result.blocked_reason)
+        word = result.runtime.runtime_word if result.runtime is not None else "runtime"
+        what, culprit = runtime_started_lines(label, result.blocked_reason, word)
         lines.append(SummaryLine("warning", what))
         lines.append(SummaryLine("warning", f"  {culprit}"))
-        kept = _plural(result.replicas, "replica device")
+        kept = _plural(result.replicas, "replica device" if result.replica_noun == "replica" else result.replica_noun)
         lines.append(SummaryLine("warning", f"  it keeps its {kept}; nothing was configured"))
         lines.append(SummaryLine("warning", f"  to get {plan.describe()}: {remedy(label, plan.magic_line())}"))
     elif result.status == "unchanged" and result.is_default:
@@ -176,23 +180,23 @@ def summary_lines(result: SplitResult) -> list[SummaryLine]:
         for note in plan.notes:
             lines.append(SummaryLine("detail", f"note: {note}"))
         tense = "will use" if result.status == "applied" else "would use"
-        replicas = _plural(result.replicas, "replica")
+        replicas = _plural(result.replicas, result.replica_noun)
         lines.append(SummaryLine("detail", f"{result.replicas_by} {tense} {replicas}: {', '.join(result.devices)}"))
         lines.append(SummaryLine("detail", f"reproduce with: {plan.magic_line()}"))
     lines += [SummaryLine("warning", w) for w in result.warnings]
     return lines
 
 
-def _describe_config(snap: ConfigSnapshot, plan: SplitPlan) -> str:
-    """A short phrase for what ``snap`` configured on the device ``plan`` splits."""
+def _describe_config(snap: ConfigSnapshot, plan: SplitPlan, noun: str) -> str:
+    """A short phrase for what ``snap`` configured on the device ``plan`` splits, in the framework's
+    ``noun`` (``"logical {kind}"``)."""
     if not plan.splits:
         return ""
     names = snap.cpu_names if plan.device_type == "CPU" else snap.gpu_names
     limits = snap.logical.get(names[plan.physical_index])
     if not limits:
         return ""
-    noun = f"logical {plan.device_type}" + ("s" if len(limits) > 1 else "")
-    return f"{len(limits)} {noun}"
+    return _plural(len(limits), noun.format(kind=plan.device_type))
 
 
 def apply_plan(
@@ -226,6 +230,7 @@ def apply_plan(
         "runtime": runtime,
         "warnings": notes,
         "replicas_by": capabilities.replicas_by,
+        "replica_noun": capabilities.replica_noun,
     }
     split_cpu_first = capabilities.replicas_on_split_cpu
     if dry_run:
@@ -240,10 +245,9 @@ def apply_plan(
             "blocked", plan, devices=devices, blocked_reason=runtime.culprit, configuration=old, **common
         )
     framework.write_configuration(old, new)
+    replaced = _describe_config(old, plan, capabilities.device_noun)
     devices = new.replica_devices(split_cpu_first)
-    return SplitResult(
-        "applied", plan, devices=devices, replaced=_describe_config(old, plan), configuration=new, **common
-    )
+    return SplitResult("applied", plan, devices=devices, replaced=replaced, configuration=new, **common)
 
 
 def framework_for(name: str | None = None) -> Framework:

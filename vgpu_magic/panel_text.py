@@ -110,12 +110,12 @@ def magic_line_html(line: str | None, refusal: str = "") -> str:
     return f"Same as: <code>{html.escape(line)}</code>"
 
 
-def banner_html(label: str, culprit: str, with_remedy: bool) -> str:
+def banner_html(label: str, culprit: str, with_remedy: bool, runtime_word: str = "runtime") -> str:
     """The "runtime already started" banner, worded by
     :func:`~vgpu_magic.outcomes.runtime_started_lines` as short sentences: what
     happened, which cell, and (unless the output right below already says it)
     what to do."""
-    what, started_by = runtime_started_lines(html.escape(label), code_spans(culprit))
+    what, started_by = runtime_started_lines(html.escape(label), code_spans(culprit), runtime_word)
     lines = [f"<b>{what}</b>", as_sentence(started_by)]
     if with_remedy:
         lines.append(as_sentence("to split differently: " + remedy(html.escape(label))))

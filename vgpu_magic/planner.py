@@ -19,6 +19,8 @@ Memory is counted in MiB throughout, which is what TensorFlow's
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .errors import PlanError, excerpt
 from .frameworks.base import Capabilities, ConfigSnapshot
 from .inventory import CUDA_CONTEXT_MIB, DeviceInventory, GPUInfo
@@ -117,7 +119,7 @@ def configuration_after(plan: SplitPlan, snap: ConfigSnapshot) -> ConfigSnapshot
             logical[name] = tuple(plan.memory_limits)
     if plan.memory_growth:
         growth = tuple(True if i in visible else g for i, g in enumerate(snap.memory_growth))
-    return ConfigSnapshot(snap.cpu_names, snap.gpu_names, logical, visible, growth)
+    return replace(snap, logical=logical, visible_gpus=visible, memory_growth=growth)
 
 
 def _check_start_rules(plan: SplitPlan, inventory: DeviceInventory) -> None:
@@ -305,6 +307,7 @@ def _cpu_plan(
         cpu_forced=forced,
         framework=capabilities.name,
         framework_named=request.framework,
+        split_phrase=capabilities.split_phrase,
     )
 
 
@@ -356,6 +359,7 @@ def _gpu_plan(
         framework=capabilities.name,
         sizes_chosen=sizes is not None,
         framework_named=request.framework,
+        split_phrase=capabilities.split_phrase,
     )
 
 

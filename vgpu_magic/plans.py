@@ -88,6 +88,8 @@ class SplitPlan:
     #: The user gave sizes (``--memory``): echo them back; an even split is not pinned to today's free memory.
     sizes_chosen: bool = field(default=False, compare=False)
     framework_named: str | None = field(default=None, compare=False)
+    #: How the framework says what a split makes (:attr:`~vgpu_magic.frameworks.base.Capabilities.split_phrase`).
+    split_phrase: str = field(default="{count} logical {kind}{s} on {kind}:{index}", compare=False)
 
     @property
     def count(self) -> int:
@@ -102,10 +104,10 @@ class SplitPlan:
         """A short phrase saying what the plan does."""
         parts = []
         if self.splits:
-            noun = f"logical {self.device_type}" + ("s" if self.count > 1 else "")
-            where = f"{self.device_type}:{self.physical_index}"
+            s = "s" if self.count > 1 else ""
+            made = self.split_phrase.format(count=self.count, kind=self.device_type, s=s, index=self.physical_index)
             caps = _format_caps(self.memory_limits)
-            parts.append(f"{self.count} {noun} on {where}" + (f" ({caps})" if caps else ""))
+            parts.append(made + (f" ({caps})" if caps else ""))
         if self.visible_gpus is not None:
             shown = ",".join(str(i) for i in self.visible_gpus) or "none"
             parts.append(f"visible GPUs: {shown}")

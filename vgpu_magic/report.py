@@ -52,6 +52,11 @@ class FrameworkStatus:
         return self.inventory.capabilities.label
 
     @property
+    def words(self):
+        """The framework's own words (:class:`~vgpu_magic.frameworks.base.Capabilities`)."""
+        return self.inventory.capabilities
+
+    @property
     def replicas_by(self) -> str:
         """What uses the replica devices (``MirroredStrategy()``, ``vgpu_magic.mesh()``)."""
         return self.inventory.capabilities.replicas_by
@@ -81,7 +86,17 @@ class FrameworkStatus:
 
     # -- rendering helpers ---------------------------------------------------------
     def headline(self) -> str:
-        return f"{self.label} {self.inventory.version or ''}".rstrip() + f" — runtime {self.runtime.describe()}"
+        return f"{self.label} {self.inventory.version or ''}".rstrip() + f" — {self.state()}"
+
+    def state(self) -> str:
+        return f"{self.words.runtime_word} {self.runtime.describe()}"
+
+    def devices_caption(self) -> str:
+        """``"Logical devices"`` (JAX: ``"Devices"``), planned until the runtime starts."""
+        caption = "Logical devices" if "logical" in self.words.device_noun else "Devices"
+        if not self.runtime.started:
+            caption += f" (planned; created when the {self.words.runtime_word} starts)"
+        return caption
 
     def gpu_lines(self) -> list[str]:
         lines = []
@@ -100,7 +115,7 @@ class FrameworkStatus:
         """(device, on, cap, in use, peak) for logical GPUs; use as a share of the cap."""
         rows = []
         for d in self.logical:
-            if "CPU" in d.name:
+            if "CPU" in d.physical:
                 continue
             cap = f"{d.cap_mib} MiB" if d.cap_mib is not None else "whole GPU"
             cur, peak = format_bytes(d.current), format_bytes(d.peak)
@@ -110,12 +125,12 @@ class FrameworkStatus:
         return rows
 
     def cpu_devices(self) -> list[str]:
-        return [d.name for d in self.logical if "CPU" in d.name]
+        return [d.name for d in self.logical if "CPU" in d.physical]
 
     def cpu_line(self) -> str:
         cpus = self.cpu_devices()
         n = len(cpus)
-        text = f"{n} logical CPU{'s' if n != 1 else ''}: {', '.join(cpus)}"
+        text = f"{n} {self.words.device_noun.format(kind='CPU')}{'s' if n != 1 else ''}: {', '.join(cpus)}"
         if n > 1:
             text += " (no memory caps; they share the host's memory)"
         return text
@@ -132,23 +147,45 @@ class FrameworkStatus:
                     "which the live memory plot also shows)"
                 )
             return text
-        held = [d for d in self.logical if "CPU" in d.name and d.current is not None]
-        if held:
-            return "memory held on each logical CPU: " + "; ".join(
-                f"{d.name.rsplit('/', 1)[-1].replace('device:', '')} {format_bytes(d.current)} in use, "
-                f"peak {format_bytes(d.peak)}"
-                for d in held
-            )
         if not self.runtime.started:
-            return "memory in use: shown once the runtime has started (status never starts it)"
+            return f"memory in use: shown once the {self.words.runtime_word} has started (status never starts it)"
         return None
+
+    def cpu_memory_rows(self) -> list[tuple[str, str, str]]:
+        """(device, in use, peak) of each CPU device that holds its own memory (JAX's)."""
+        held = [d for d in self.logical if "CPU" in d.physical and d.current is not None]
+        return [(d.name, format_bytes(d.current), format_bytes(d.peak)) for d in held]
 
     def replicas_line(self) -> str:
         n = self.replicas
-        return f"Replicas: {self.replicas_by} would use {n} device{'s' if n != 1 else ''}"
+        heading = "Replicas" if self.words.replica_noun == "replica" else "Devices"
+        return f"{heading}: {self.replicas_by} would use {n} device{'s' if n != 1 else ''}"
 
 
 _HEADER = ("device", "on", "cap", "in use", "peak")
+_MEMORY_HEADER = ("device", "in use", "peak")
+_MEMORY_CAPTION = "Memory held on each device"
+
+
+def _aligned(rows: list[tuple[str, ...]], right_from: int) -> list[str]:
+    """Rows as aligned text columns: names left, figures (from column ``right_from``) right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(c.rjust(w) if i >= right_from else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        for r in rows
+    ]
+
+
+def _html_table(header: tuple[str, ...], rows: list[tuple[str, ...]], names: int) -> str:
+    """A table; the first ``names`` columns read left-aligned (JupyterLab right-aligns every cell,
+    which suits only the figures)."""
+    align = ['<{} style="text-align:left">'] * names + ["<{}>"] * (len(header) - names)
+    heads = "".join(a.format("th") + f"{html.escape(h)}</th>" for a, h in zip(align, header))
+    out = ["<table>", f"<tr>{heads}</tr>"]
+    for r in rows:
+        out.append("<tr>" + "".join(a.format("td") + f"{html.escape(c)}</td>" for a, c in zip(align, r)) + "</tr>")
+    out.append("</table>")
+    return "\n".join(out)
 
 
 def code_spans(text: str) -> str:
@@ -182,21 +219,21 @@ class StatusReport:
                 out.append("")
             out.append(s.headline())
             out.append("Physical devices:")
-            out.append("  /physical_device:CPU:0 (host)" if s.inventory.cpus else "  no CPU device")
+            out.append(f"  {s.words.host_name}" if s.inventory.cpus else "  no CPU device")
             out += [f"  {line}" for line in s.gpu_lines()]
-            planned = "" if s.runtime.started else " (planned; created when the runtime starts)"
-            out.append(f"Logical devices{planned}:")
+            out.append(f"{s.devices_caption()}:")
             if s.cpu_devices():
                 out.append(f"  {s.cpu_line()}")
             rows = s.gpu_rows()
             if rows:
-                table = [_HEADER, *rows]
-                widths = [max(len(r[i]) for r in table) for i in range(5)]
-                for r in table:
-                    out.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+                out += [f"  {line}" for line in _aligned([_HEADER, *rows], right_from=5)]
             memory = s.memory_line()
             if memory:
                 out.append(memory)
+            held = s.cpu_memory_rows()
+            if held:
+                out.append(f"{_MEMORY_CAPTION}:")
+                out += [f"  {line}" for line in _aligned([_MEMORY_HEADER, *held], right_from=1)]
             out.append(s.replicas_line())
             out += [f"Note: {n}" for n in s.notes]
         return "\n".join(out)
@@ -208,34 +245,31 @@ class StatusReport:
         esc = html.escape
         parts = ['<div class="vgpu-status">']
         for s in self.sections:
-            state = code_spans(s.runtime.describe())
+            state = code_spans(s.state())
             # Inherit the front end's text colour (readable on every theme); a CUDA context held
             # elsewhere is the one thing worth flagging.
             flag = "⚠ " if s.runtime.cuda_holders else ""
             label = f"{s.label} {s.inventory.version or ''}".rstrip()
-            parts.append(f"<p><b>{esc(label)}</b> — runtime: <span class='vgpu-state'>{flag}{state}</span></p>")
+            parts.append(f"<p><b>{esc(label)}</b> — <span class='vgpu-state'>{flag}{state}</span></p>")
             parts.append("<p><b>Physical devices</b></p><ul>")
-            parts.append("<li>/physical_device:CPU:0 (host)</li>")
+            parts.append(f"<li>{esc(s.words.host_name)}</li>")
             parts += [f"<li>{esc(line)}</li>" for line in s.gpu_lines()]
             parts.append("</ul>")
-            caption = "Logical devices" + ("" if s.runtime.started else " (planned; created when the runtime starts)")
-            parts.append(f"<p><b>{esc(caption)}</b></p>")
+            parts.append(f"<p><b>{esc(s.devices_caption())}</b></p>")
             if s.cpu_devices():
                 parts.append(f"<p>{esc(s.cpu_line())}</p>")
             rows = s.gpu_rows()
             if rows:
-                parts.append("<table>")
-                # Names read left-aligned; JupyterLab right-aligns every cell, which suits only the figures.
-                align = ['<{} style="text-align:left">'] * 2 + ["<{}>"] * 3
-                parts.append("<tr>" + "".join(a.format("th") + f"{h}</th>" for a, h in zip(align, _HEADER)) + "</tr>")
-                for r in rows:
-                    cells = "".join(a.format("td") + f"{esc(c)}</td>" for a, c in zip(align, r))
-                    parts.append(f"<tr>{cells}</tr>")
-                parts.append("</table>")
+                parts.append(_html_table(_HEADER, rows, names=2))
             memory = s.memory_line()
             if memory:
                 parts.append(f"<p>{esc(memory[0].upper() + memory[1:])}</p>")
-            parts.append(f"<p><b>Replicas:</b> {esc(s.replicas_line().removeprefix('Replicas: '))}</p>")
+            held = s.cpu_memory_rows()
+            if held:
+                parts.append(f"<p><b>{_MEMORY_CAPTION}</b></p>")
+                parts.append(_html_table(_MEMORY_HEADER, held, names=1))
+            heading, _, text = s.replicas_line().partition(": ")
+            parts.append(f"<p><b>{esc(heading)}:</b> {esc(text)}</p>")
             parts += [f"<p>Note: {code_spans(n)}</p>" for n in s.notes]
         parts.append("</div>")
         return "\n".join(parts)

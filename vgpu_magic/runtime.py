@@ -13,8 +13,13 @@ framework of :mod:`vgpu_magic.frameworks`.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import os
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "CellRef",
@@ -25,6 +30,7 @@ __all__ = [
     "runtime_state",
     "first_line",
     "active_watcher",
+    "running_cell",
     "activate",
     "deactivate",
 ]
@@ -60,14 +66,19 @@ def cuda_context_holders(
 
 @dataclass(frozen=True)
 class CellRef:
-    """A cell by its execution count and first line."""
+    """A cell by its execution count and first line, and the line in it that started a
+    runtime (its number and text) when that is known."""
 
     execution_count: int | None
     first_line: str
+    line_number: int | None = None
+    line: str = ""
 
     def __str__(self) -> str:
-        # Only the cell is known, not the line in it that started the runtime: quote how it begins.
         where = f"the cell In [{self.execution_count}]" if self.execution_count is not None else "a cell"
+        if self.line_number is not None:
+            return f"line {self.line_number} of {where}" + (f": `{self.line}`" if self.line else "")
+        # Only the cell is known, not the line in it that started the runtime: quote how it begins.
         if not self.first_line:
             return where
         joiner = ", which begins" if self.execution_count is not None else " that begins"
@@ -85,6 +96,8 @@ class RuntimeState:
     started_by: CellRef | None = None
     started_before_load: bool = False
     cuda_holders: tuple[str, ...] = field(default=())
+    #: What the framework calls its runtime (JAX: ``"backend"``).
+    runtime_word: str = "runtime"
 
     @property
     def culprit(self) -> str:
@@ -111,9 +124,13 @@ class RuntimeState:
 def first_line(source: str) -> str:
     for line in source.splitlines():
         if line.strip():
-            line = line.strip()
-            return line if len(line) <= 80 else line[:77] + "..."
+            return _shortened(line)
     return ""
+
+
+def _shortened(line: str) -> str:
+    line = line.strip()
+    return line if len(line) <= 80 else line[:77] + "..."
 
 
 #: What a watcher knew, kept across ``%reload_ext vgpu_magic`` (which re-imports the
@@ -128,11 +145,15 @@ def _frameworks():
 
 
 class RuntimeWatcher:
-    """Notes, per framework, the cell that started its runtime.
+    """Notes, per framework, the cell that started its runtime, and the line in it.
 
     Register :meth:`pre_run_cell` and :meth:`post_run_cell` on
     ``shell.events``. Frameworks that are not imported cost one dictionary
-    look-up each, so the hooks are free when no framework is in use.
+    look-up each, so the hooks are free when no framework is in use. Each
+    imported framework calls :meth:`_starting` just before its runtime starts
+    (:meth:`~vgpu_magic.frameworks.base.Framework.watch_runtime_start`), which
+    reads the running cell's line from the stack; a framework imported after
+    the watcher is watched from its import on (:func:`activate`).
     """
 
     def __init__(self, shell=None) -> None:
@@ -144,7 +165,10 @@ class RuntimeWatcher:
             self.started_by = dict(carried[0])
             self.started_before_load = set(carried[1]) | (self.started_before_load - set(carried[0]))
         self._current_line: str | None = None
+        self._current_source = ""
         self._current_stored = True
+        #: Framework name -> the undo of its start watch (:meth:`watch`).
+        self._watching: dict[str, Callable[[], None]] = {}
         self._started_at_cell_start: set[str] = set(self.started_before_load) | set(self.started_by)
 
     def carry_over(self) -> None:
@@ -155,13 +179,47 @@ class RuntimeWatcher:
     def _known(self, name: str) -> bool:
         return name in self.started_before_load or name in self.started_by
 
+    def watch(self, fw) -> None:
+        """Learn the line that starts ``fw``'s runtime, from now on."""
+        if fw.name not in self._watching and not self._known(fw.name):
+            undo = fw.watch_runtime_start(lambda: self._starting(fw.name))
+            if undo is not None:
+                self._watching[fw.name] = undo
+
+    def close(self) -> None:
+        """Stop watching (the extension unloads)."""
+        for undo in self._watching.values():
+            undo()
+        self._watching.clear()
+
+    def _starting(self, name: str) -> None:
+        """``name``'s runtime is starting: note the running cell's line that started it (the cell's
+        own frame on the stack: the one IPython's ``run_code`` runs), if a cell runs."""
+        self._watching.pop(name, None)
+        shell_module = sys.modules.get("IPython.core.interactiveshell")
+        if shell_module is None or self._current_line is None:
+            return
+        # IPython's run_code runs a cell's code: the frame it calls is the cell's.
+        run_code = shell_module.InteractiveShell.run_code.__code__
+        frame = sys._getframe(1)
+        while frame.f_back is not None and frame.f_back.f_code is not run_code:
+            frame = frame.f_back
+        if frame.f_back is None:
+            return
+        lines = self._current_source.splitlines()
+        number = frame.f_lineno
+        text = _shortened(lines[number - 1]) if 0 < number <= len(lines) else ""
+        self.started_by.setdefault(name, CellRef(self._running_count(), self._current_line, number, text))
+
     def pre_run_cell(self, info) -> None:
-        self._started_at_cell_start = {
-            fw.name for fw in _frameworks().imported() if self._known(fw.name) or fw.runtime_started()
-        }
+        imported = _frameworks().imported()
+        for fw in imported:
+            self.watch(fw)
+        self._started_at_cell_start = {fw.name for fw in imported if self._known(fw.name) or fw.runtime_started()}
         # Cells run without history (nbval, some front ends) have no execution count.
         self._current_stored = getattr(info, "store_history", True)
-        self._current_line = first_line(getattr(info, "raw_cell", "") or "")
+        self._current_source = getattr(info, "raw_cell", "") or ""
+        self._current_line = first_line(self._current_source)
 
     def _running_count(self) -> int | None:
         """The execution count of the cell running now.
@@ -202,6 +260,7 @@ class RuntimeWatcher:
             cuda_holders=cuda_context_holders(exclude=fw.name) if check_cuda else (),
             framework=fw.name,
             label=fw.label,
+            runtime_word=fw.capabilities.runtime_word,
         )
 
 
@@ -223,17 +282,71 @@ def active_watcher() -> RuntimeWatcher | None:
     return _active
 
 
+def running_cell() -> int | None:
+    """The execution count of the notebook cell running now (``None`` outside a stored
+    cell, or when the extension is not loaded)."""
+    return _active._running_count() if _active is not None else None
+
+
 def activate(watcher: RuntimeWatcher) -> None:
-    """Make ``watcher`` the one every face and the API ask (``load_ipython_extension``)."""
+    """Make ``watcher`` the one every face and the API ask (``load_ipython_extension``), and have
+    every framework imported from now on imported its way and watched (:class:`_FrameworkImports`)."""
     global _active
     _active = watcher
+    _remove_finder()
+    sys.meta_path.insert(0, _FrameworkImports())
 
 
 def deactivate(watcher: RuntimeWatcher) -> None:
     """Undo :func:`activate` for ``watcher`` (``unload_ipython_extension``); another one stays."""
     global _active
+    watcher.close()
     if _active is watcher:
         _active = None
+        _remove_finder()
+
+
+def _remove_finder() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _FrameworkImports)]
+
+
+class _FrameworkImports(importlib.abc.MetaPathFinder):
+    """Imports each framework's module, whoever imports it first, under the framework's
+    :meth:`~vgpu_magic.frameworks.base.Framework.importing`, and then has the active watcher
+    watch its runtime's start."""
+
+    def __init__(self) -> None:
+        self._finding = False
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if self._finding or "." in name:
+            return None
+        fw = next((f for f in _frameworks().all_frameworks() if f.module == name), None)
+        if fw is None:
+            return None
+        self._finding = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._finding = False
+        if spec is not None and spec.loader is not None:
+            spec.loader = _WatchedLoader(spec.loader, fw)
+        return spec
+
+
+class _WatchedLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any, fw: Any) -> None:
+        self.loader, self.fw = loader, fw
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        module.__spec__.loader = module.__loader__ = self.loader
+        with self.fw.importing():
+            self.loader.exec_module(module)
+        if _active is not None:
+            _active.watch(self.fw)
 
 
 def runtime_state(watcher: RuntimeWatcher | None = None, framework=None, check_cuda: bool = True) -> RuntimeState:
@@ -249,4 +362,5 @@ def runtime_state(watcher: RuntimeWatcher | None = None, framework=None, check_c
         cuda_holders=cuda_context_holders(exclude=fw.name) if check_cuda else (),
         framework=fw.name,
         label=fw.label,
+        runtime_word=fw.capabilities.runtime_word,
     )

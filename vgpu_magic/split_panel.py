@@ -24,6 +24,7 @@ Example
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 
 try:
@@ -75,6 +76,10 @@ class SplitPanel:
     framework_named
         The framework the user named (``panel(framework="jax")``); the line the
         panel shows then names it too, so it reproduces the same split.
+    configuration
+        Reads the framework's configuration (without starting anything): once
+        its runtime started, the locked panel shows what the framework has, and
+        its "Same as" line reproduces that. ``None``: the inventory's.
 
     Attributes
     ----------
@@ -90,8 +95,13 @@ class SplitPanel:
     """
 
     def __init__(
-        self, inventory: DeviceInventory, watcher: RuntimeWatcher | None = None, framework_named: str | None = None
+        self,
+        inventory: DeviceInventory,
+        watcher: RuntimeWatcher | None = None,
+        framework_named: str | None = None,
+        configuration: Callable[[], ConfigSnapshot] | None = None,
     ) -> None:
+        self._configuration = configuration
         #: The framework the user named when opening the panel: echoed in the line it shows.
         self.framework_named = framework_named
         if inventory.current is None:
@@ -361,9 +371,12 @@ class SplitPanel:
             self.apply_button.disabled = self.locked
 
     # -- runtime state -----------------------------------------------------
-    def _open_on_current(self) -> None:
-        """Start from the framework's live (or planned) configuration, not from 1 device."""
+    def _open_on_current(self, unsplit: bool = False) -> None:
+        """Start from the framework's live (or planned) configuration, not from 1 device;
+        ``unsplit``: an unconfigured framework shows its one device (the locked panel's)."""
         opening = panel_text.opening_choice(self.inventory)
+        if opening is None and unsplit:
+            opening = (self.target.value if self.inventory.gpus else CPU_KEY), 1
         if opening is not None:
             self.target.value, self.count_text.value = opening
 
@@ -390,7 +403,13 @@ class SplitPanel:
         """Disable every control and show the banner, in short lines. ``with_remedy=False`` when
         Apply's output just below already says what to do (said once, not twice)."""
         self._locked = True
-        self.banner.value = panel_text.banner_html(self.capabilities.label, state.culprit, with_remedy)
+        # What the framework has from now on: the controls show it, and "Same as" reproduces it.
+        if self._configuration is not None:
+            self.inventory = _with_current(self.inventory, self._configuration())
+        self._open_on_current(unsplit=True)
+        self.banner.value = panel_text.banner_html(
+            self.capabilities.label, state.culprit, with_remedy, self.capabilities.runtime_word
+        )
         self.banner.layout.display = ""
         controls = (self.target, self.count_slider, self.count_text, self.custom, self.even_memory, self.apply_button)
         for widget in (*controls, *self._device_sliders):
@@ -462,4 +481,4 @@ def panel(watcher: RuntimeWatcher | None = None, framework: str | None = None) -
     """
     chosen = framework_for(framework)
     named = chosen.name if framework is not None else None
-    return SplitPanel(chosen.probe_inventory(), watcher, framework_named=named)
+    return SplitPanel(chosen.probe_inventory(), watcher, framework_named=named, configuration=chosen.read_configuration)

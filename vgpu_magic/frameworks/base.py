@@ -22,20 +22,45 @@ Importing this module imports no framework.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from ..layout import RankLayout
 
-__all__ = ["Capabilities", "ConfigSnapshot", "Framework", "FrameworkImportError", "Reader", "RankPlan"]
+__all__ = [
+    "Capabilities", "ConfigSnapshot", "Framework", "FrameworkImportError", "Reader", "RankPlan", "call_before_start"
+]
 
 #: ``reader(names) -> [(current, peak), ...]`` in bytes, one pair per device name.
 Reader = Callable[[list[str]], list[tuple[int, int]]]
+
+
+def call_before_start(owner: Any, name: str, starting: Callable[..., bool], callback: Callable[[], None]):
+    """Wrap ``owner.name`` (a function of a module, a method of a class) so that its first call
+    for which ``starting(*args)`` is true calls ``callback()`` first and puts the original back.
+    Returns the undo (for a call that never came)."""
+    original = getattr(owner, name)
+
+    def first_start(*args: Any, **kwargs: Any) -> Any:
+        if starting(*args):
+            setattr(owner, name, original)
+            callback()
+        return original(*args, **kwargs)
+
+    setattr(owner, name, first_start)
+
+    def undo() -> None:
+        if getattr(owner, name) is first_start:
+            setattr(owner, name, original)
+
+    return undo
 
 
 class FrameworkImportError(ImportError):
@@ -92,6 +117,8 @@ class Capabilities:
         the GPU)? Otherwise GPUs come first (``MirroredStrategy()``).
     install_hint:
         How to install it (``"pip install 'vgpu_magic[cpu]'"``).
+    runtime_word, device_noun, split_phrase, replica_noun, host_name:
+        The framework's own words (defaults: TensorFlow's).
     """
 
     name: str
@@ -110,6 +137,14 @@ class Capabilities:
     replicas_by: str = "the strategy"
     replicas_on_split_cpu: bool = False
     replicas_nccl_unless_fewer_physical: bool = False
+    #: The framework's own words, for every message: what starts once and fixes the devices
+    #: (JAX: ``"backend"``), a device of a split and the phrase for a split (``{count}``, ``{kind}``,
+    #: ``{s}``, ``{index}``), what :attr:`replicas_by` calls a device, and the host in a device list.
+    runtime_word: str = "runtime"
+    device_noun: str = "logical {kind}"
+    split_phrase: str = "{count} logical {kind}{s} on {kind}:{index}"
+    replica_noun: str = "replica"
+    host_name: str = "/physical_device:CPU:0 (host)"
     install_hint: str = ""
 
 
@@ -128,12 +163,15 @@ class ConfigSnapshot:
     logical: dict[str, tuple[int | None, ...]]
     visible_gpus: tuple[int, ...]
     memory_growth: tuple[bool, ...]
+    #: How the framework names its CPU and GPU devices once started (JAX: ``"cpu:{}"``).
+    device_names: tuple[str, str] = field(default=("/device:CPU:{}", "/device:GPU:{}"), compare=False)
 
     def logical_names(self) -> dict[str, list[str]]:
         """Physical device name -> the logical device names it will have.
 
         Logical devices are numbered per type in physical order, which is how
-        TensorFlow and JAX name them once their runtime starts.
+        TensorFlow and JAX number them once their runtime starts, and named as
+        the framework names them (:attr:`device_names`).
         """
         names: dict[str, list[str]] = {}
         counters = {"CPU": 0, "GPU": 0}
@@ -141,7 +179,8 @@ class ConfigSnapshot:
             if dtype == "GPU" and int(physical.rsplit(":", 1)[1]) not in self.visible_gpus:
                 continue
             count = len(self.logical.get(physical, ())) or 1
-            names[physical] = [f"/device:{dtype}:{counters[dtype] + k}" for k in range(count)]
+            spelled = self.device_names[dtype == "GPU"]
+            names[physical] = [spelled.format(counters[dtype] + k) for k in range(count)]
             counters[dtype] += count
         return names
 
@@ -195,6 +234,13 @@ class Framework:
     keras_backend: str | None = None
     #: The call a script makes under the framework's real launcher to join the other ranks ("": none to make).
     join_call: str = ""
+    #: Its own log settings, read when it is imported: variable -> (the quiet value, the framework's default).
+    #: Set, where the user set nothing, in the kernel when the extension loads first and on every rank
+    #: (:meth:`quiet_kernel`, :mod:`vgpu_magic.ranks.shown`).
+    log_settings: ClassVar[dict[str, tuple[str, str]]] = {}
+    #: Regular expressions of the whole start-up lines its processes write that no setting silences
+    #: (a rank shows them only when asked, :mod:`vgpu_magic.ranks.shown`).
+    chatter: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -241,6 +287,34 @@ class Framework:
     def version(self) -> str | None:
         mod = sys.modules.get(self.module)
         return getattr(mod, "__version__", None)
+
+    def importing(self) -> contextlib.AbstractContextManager:
+        """Around the import of :attr:`module`, whoever imports it first once the extension is loaded
+        (TensorFlow: without the INFO lines it writes before it reads its log level)."""
+        return contextlib.nullcontext()
+
+    def watch_runtime_start(self, callback: Callable[[], None]) -> Callable[[], None] | None:
+        """Have ``callback()`` called once, in the call that starts the runtime, just before it starts
+        (so the runtime watcher can name the line). Returns the undo; ``None`` where the framework is
+        not imported, already started, or cannot tell."""
+        return None
+
+    def quiet_kernel(self) -> dict[str, str]:
+        """Quiet the framework's start-up chatter in this process, where it is not
+        imported yet and the user set nothing: its :attr:`log_settings` at their
+        quiet values. Returns what was set."""
+        if self.imported() or not self.installed():
+            return {}
+        set_now = {name: quiet for name, (quiet, _) in self.log_settings.items() if name not in os.environ}
+        os.environ.update(set_now)
+        return set_now
+
+    def loud_kernel(self, set_now: dict[str, str]) -> None:
+        """Undo :meth:`quiet_kernel`, which returned ``set_now``, while the framework is not imported yet."""
+        if not self.imported():
+            for name, value in set_now.items():
+                if os.environ.get(name) == value:
+                    del os.environ[name]
 
     # -- runtime -----------------------------------------------------------------
     def runtime_started(self) -> bool:

@@ -33,11 +33,11 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..inventory import DeviceInventory, cuda_gpus, nvml_gpus
-from .base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader
+from .base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader, call_before_start
 
 __all__ = ["TensorFlow", "FRAMEWORK", "CAPABILITIES", "system_reserve_mib", "setup_rank", "SLURM_PORT_BASE"]
 
@@ -148,17 +148,37 @@ class TensorFlow(Framework):
     capabilities = CAPABILITIES
     module = "tensorflow"
     keras_backend = "tensorflow"
+    # Level 2: C++ INFO and WARNING lines (the runtime's start, a Keras dataset "will not be optimized", gRPC and
+    # the coordination service on every worker); errors stay.
+    log_settings = {"TF_CPP_MIN_LOG_LEVEL": ("2", "0")}  # noqa: RUF012 - read, never written
+    chatter = (
+        # Written while TensorFlow is imported, before it reads its level.
+        r"WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR",
+        r"I\d{4} [\d:.]+\s+\d+ port\.cc:\d+\] oneDNN custom operations are on\..*",
+        r"I\d{4} [\d:.]+\s+\d+ cpu_feature_guard\.cc:\d+\] This TensorFlow binary is optimized .*",
+        r"To enable the following instructions: .* rebuild TensorFlow with the appropriate compiler flags\.",
+        # An IPython engine looks interactive to tf_logging, which then logs INFO records to stdout.
+        r"INFO:tensorflow:.*",
+    )
+
+    def importing(self) -> contextlib.AbstractContextManager:
+        """Without the INFO lines TensorFlow writes while it is imported, which no level silences."""
+        return _without_cpp_info_lines() if _info_hidden() else contextlib.nullcontext()
+
+    def watch_runtime_start(self, callback: Callable[[], None]) -> Callable[[], None] | None:
+        if not self.imported() or self.runtime_started():
+            return None
+        from tensorflow.python.eager import context
+
+        return call_before_start(context.Context, "ensure_initialized", lambda ctx: not ctx._initialized, callback)
 
     def load(self):
         tf = sys.modules.get("tensorflow")
         if tf is not None and hasattr(tf, "config"):
             return tf
         try:
-            if not _info_hidden():
+            with self.importing():
                 import tensorflow
-            else:
-                with _without_cpp_info_lines():
-                    import tensorflow
         except ImportError as exc:
             raise self.import_error(exc) from exc
         return tensorflow

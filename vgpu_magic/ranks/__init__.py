@@ -13,6 +13,8 @@ launchers wire them (torchrun's environment, ``TF_CONFIG``,
 * :mod:`.local_slurm`: a throwaway single-node SLURM cluster, to rehearse the
   SLURM path on one machine;
 * :mod:`.run`: running work on every rank, streaming output, the fault policy;
+* :mod:`.shown`: what of a rank's output the notebook shows (start-up chatter held back, tracebacks that
+  name the notebook's cell);
 * :mod:`.names`: which notebook names a cell reads and binds, and how they travel to the ranks;
 * :mod:`.memory`: per-rank memory sampled from the kernel, and its live plot;
 * :mod:`.status`: what ``%vgpu_cluster status`` says of each rank;

@@ -45,10 +45,13 @@ from .launchers import LAUNCHERS, MAX_RANKS
 
 __all__ = ["ClusterMagics"]
 
-_ACTIONS = ("start", "status", "stop", "restart")
+_ACTIONS = ("start", "status", "log", "stop", "restart")
 _START = "%vgpu_cluster start 2 --framework torch"
 #: Seconds ``--timeout`` accepts: up to a week of training.
 _MAX_TIMEOUT = 7 * 24 * 3600.0
+#: N is a rank count for ``start`` and a rank for ``log``.
+_RANK_COUNT = whole("rank count", 1, MAX_RANKS, _START)
+_RANK = whole("rank", 0, MAX_RANKS - 1, "%vgpu_cluster log 1")
 
 
 def _rich_frontend(shell) -> bool:
@@ -71,10 +74,10 @@ class ClusterMagics(Magics):
     @magic_arguments()
     @argument(
         "action",
-        type=choice(_ACTIONS, "{value} is not an action; use start, status, stop or restart", _START),
-        help="start N ranks, show their status, stop or restart them",
+        type=choice(_ACTIONS, "{value} is not an action; use start, status, log, stop or restart", _START),
+        help="start N ranks, show their status or the start-up lines they held back (log [RANK]), stop or restart",
     )
-    @argument("n", nargs="?", type=whole("rank count", 1, MAX_RANKS, _START), help="number of ranks (start only)")
+    @argument("n", nargs="?", help="number of ranks (start); the rank whose held-back lines to show (log)")
     @argument("--framework", "-f", type=framework_name, help=f"{choices()}: how the ranks are wired")
     @argument(
         "--split",
@@ -110,6 +113,11 @@ class ClusterMagics(Magics):
         help="join the ranks for your code at start (init_process_group / jax.distributed.initialize); "
         "by default your code makes that call, as under its launcher",
     )
+    @argument(
+        "--verbose",
+        action="store_true",
+        help="show the ranks' framework start-up lines too (held back by default: %%vgpu_cluster log)",
+    )
     @line_magic
     def vgpu_cluster(self, line: str) -> None:
         """Start, inspect, stop or restart the ranks.
@@ -123,10 +131,16 @@ class ClusterMagics(Magics):
             %vgpu_cluster start 2 --framework jax --launcher ssh --hosts node1,node2
             %vgpu_cluster start 2 --framework torch --join   # init_process_group() done for you
             %vgpu_cluster status
+            %vgpu_cluster log 1      # rank 1's framework start-up lines, held back from the cells' output
             %vgpu_cluster restart
             %vgpu_cluster stop
         """
         args = _parse(self.vgpu_cluster, line, _START)
+        if args.n is not None:
+            try:
+                args.n = (_RANK if args.action == "log" else _RANK_COUNT)(args.n)
+            except argparse.ArgumentTypeError as exc:
+                raise UsageError(str(exc)) from None
         from . import rank_cluster
 
         options = _launcher_options(args)
@@ -143,6 +157,12 @@ class ClusterMagics(Magics):
             return
         if args.action == "status":
             print("\n".join(running.describe()))
+        elif args.action == "log":
+            try:
+                held = running.log(args.n)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+            print("\n".join(held) or "nothing held back (every line the ranks wrote was shown)")
         elif args.action == "stop":
             running.stop()
             print(f"stopped {running.n} {running.label} rank{'s' if running.n > 1 else ''}")
@@ -213,8 +233,14 @@ class ClusterMagics(Magics):
             running.run_script(path, list(args.script_args), timeout=timeout, plot=plot)
             return
         try:
+            # The %%vgpu_run line in front, as a comment (IPython drops leading blank lines): a rank's traceback
+            # then gives the notebook cell's line numbers.
             values = running.run(
-                cell, namespace=self.shell.user_ns, timeout=timeout, output=args.output is not None, plot=plot
+                f"# %%vgpu_run {line}\n{cell}",
+                namespace=self.shell.user_ns,
+                timeout=timeout,
+                output=args.output is not None,
+                plot=plot,
             )
         except UnsendableName as exc:
             raise UsageError(str(exc)) from None
@@ -254,13 +280,14 @@ def _installed() -> set[str]:
 def _refuse_start_options(args: Any, options: dict[str, Any]) -> None:
     """:class:`UsageError` quoting the first option given that only ``start`` takes."""
     given = (
-        ("N", args.n),
+        ("N", None if args.action == "log" else args.n),
         ("--framework", args.framework),
         ("--split", args.split),
         ("--memory", args.memory),
         ("--port", args.port),
         ("--launcher", args.launcher),
         ("--join", args.join or None),
+        ("--verbose", args.verbose or None),
     )
     extra = [name if value is True else f"{name} {value}" for name, value in given if value is not None]
     extra += [f"--{key.replace('_', '-')}" for key in options]
@@ -289,6 +316,7 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
             launcher=args.launcher or "local",
             launcher_options=options,
             join=args.join,
+            verbose=args.verbose,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -34,6 +35,7 @@ from .hosts import HostReport, RankLayout, layout_ranks, on_this_host, predicted
 from .launchers import LAUNCHERS, MAX_RANKS, LauncherPlan, plan_launcher
 from .processes import ClusterStartError
 from .run import RankProcesses, RankRun, RankRunError
+from .shown import HeldBack, rank_env
 from .status import RankInfo, cluster_lines, rank_infos
 
 __all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current"]
@@ -99,6 +101,10 @@ class RankCluster:
         (``init_process_group``, ``jax.distributed.initialize``) on each rank
         at start. By default a rank gets only what its real launcher gives a
         process, and the user's code makes that call, as under ``torchrun``.
+    verbose:
+        Show the ranks' framework start-up lines too, with the frameworks'
+        default log settings; by default they are held back (:mod:`.shown`,
+        :meth:`log`).
 
     Raises
     ------
@@ -124,6 +130,7 @@ class RankCluster:
         launcher: str = "local",
         launcher_options: dict[str, Any] | None = None,
         join: bool = False,
+        verbose: bool = False,
     ) -> None:
         if not isinstance(n, int) or not 1 <= n <= MAX_RANKS:
             raise ValueError(f"rank count {n!r} is out of range; use 1..{MAX_RANKS}")
@@ -137,6 +144,9 @@ class RankCluster:
         self.launcher = launcher
         self.launcher_options = dict(launcher_options or {})
         self.join = bool(join)
+        self.verbose = bool(verbose)
+        #: Each rank's held-back start-up lines (:meth:`log`).
+        self.held = HeldBack(self.fw.chatter, self.verbose)
         _require_installed(self.fw)
         #: The GPUs the caller planned for (every host then plans with them), or ``None``: each engine's own.
         self.given_gpus = (
@@ -178,7 +188,10 @@ class RankCluster:
         """Does ``other`` ask for the same ranks and wiring as this cluster?"""
 
         def request(c: RankCluster) -> tuple:
-            return (c.n, c.framework, c.split, c.memory, c.port, c.given_gpus, c.launcher, c.launcher_options, c.join)
+            return (
+                c.n, c.framework, c.split, c.memory, c.port, c.given_gpus, c.launcher, c.launcher_options, c.join,
+                c.verbose,
+            )
 
         return request(self) == request(other)
 
@@ -229,7 +242,7 @@ class RankCluster:
                 self._owned.update(self.pids)
             self.view = self.client[self.engine_ids]
             self.view.block = True
-            self.plans = self.fw.plan_ranks(self.layout, self.split, self.memory_mib, self.port)
+            self.plans = self._plan_ranks()
             self._wire()
             self._warm()
         except BaseException as exc:
@@ -278,7 +291,16 @@ class RankCluster:
                 prepare_rank, plan.env, plan.setup, plan.args, self.join
             )
 
-        RankRun(self._processes(), submit, timeout=SETUP_TIMEOUT, stdout=sys.stdout, stderr=sys.stderr).run()
+        RankRun(
+            self._processes(), submit, timeout=SETUP_TIMEOUT, stdout=sys.stdout, stderr=sys.stderr, held=self.held
+        ).run()
+
+    def _plan_ranks(self) -> list[RankPlan]:
+        """The framework's plans, each rank's environment with the framework's log settings
+        (:func:`~.shown.rank_env`)."""
+        quiet = rank_env(self.fw, self.verbose)
+        plans = self.fw.plan_ranks(self.layout, self.split, self.memory_mib, self.port)
+        return [dataclasses.replace(plan, env={**quiet, **plan.env}) for plan in plans]
 
     def _activate_px(self) -> None:
         """``%px`` / ``%%px`` on the ranks, as ipyparallel users expect."""
@@ -376,7 +398,7 @@ class RankCluster:
         def submit(rank: int) -> Any:
             return self.client[self.engine_ids[rank]].execute(code, silent=False, block=False)
 
-        runner = RankRun(self._processes(), submit, timeout=timeout, plot=plot, gpu=self._gpu())
+        runner = RankRun(self._processes(), submit, timeout=timeout, plot=plot, gpu=self._gpu(), held=self.held)
         results = self._watch(runner, names.names_written(code))
         if output:
             return names.pull_values(self.view, [self.client[e] for e in self.engine_ids])
@@ -416,14 +438,15 @@ class RankCluster:
         self._require_running()
         self.hosts = self._read_hosts(self.engine_ids)
         self.layout = layout_ranks(self.hosts, self.given_gpus)
-        self.plans = self.fw.plan_ranks(self.layout, self.split, self.memory_mib, self.port)
+        self.plans = self._plan_ranks()
         where, preload = (os.path.abspath(path), list(args), os.getcwd()), self._preload()
         requests = [launch.launch_request(plan, *where, preload) for plan in self.plans]
 
         def submit(rank: int) -> Any:
             return self.client[self.engine_ids[rank]].apply_async(launch.run_rank, requests[rank])
 
-        self._watch(RankRun(self._processes(), submit, timeout, plot, self._gpu(), launched=True), set())
+        runner = RankRun(self._processes(), submit, timeout, plot, self._gpu(), launched=True, held=self.held)
+        self._watch(runner, set())
 
     def _preload(self) -> list[str]:
         """What a spare imports before its launch: the framework, and its rank setup's module."""
@@ -445,6 +468,12 @@ class RankCluster:
         if not self.running:
             return []
         return rank_infos(self.layout.places, self._processes(), self.engine_ids)
+
+    def log(self, rank: int | None = None) -> list[str]:
+        """The start-up lines the ranks (or ``rank``) wrote and were not shown (``%vgpu_cluster log [RANK]``)."""
+        if rank is not None and not 0 <= rank < self.n:
+            raise ValueError(f"rank {rank} is not one of this cluster's ranks 0..{self.n - 1}")
+        return self.held.lines(rank)
 
     def describe(self) -> list[str]:
         """Lines for ``%vgpu_cluster start`` / ``status`` (:func:`~.status.cluster_lines`)."""

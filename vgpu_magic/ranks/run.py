@@ -42,7 +42,9 @@ from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from ..runtime import running_cell
 from .memory import RankMonitor
+from .shown import HeldBack, notebook_traceback
 
 __all__ = [
     "GRACE",
@@ -146,9 +148,10 @@ class _LineStream:
     (:func:`as_terminal_shows`): a progress line's final text.
     """
 
-    def __init__(self, label: str, out: TextIO) -> None:
+    def __init__(self, label: str, out: TextIO, shown: Callable[[str], bool] = lambda line: True) -> None:
         self.label = label
         self.out = out
+        self.shown = shown
         self.emitted = 0
         self.last = ""
 
@@ -164,8 +167,10 @@ class _LineStream:
         if not new:
             return
         self.emitted = len(lines)
-        self.out.write("".join(f"{self.label}{as_terminal_shows(line)}\n" for line in new))
-        self.out.flush()
+        text = "".join(f"{self.label}{line}\n" for line in map(as_terminal_shows, new) if self.shown(line))
+        if text:
+            self.out.write(text)
+            self.out.flush()
 
 
 def as_terminal_shows(line: str) -> str:
@@ -259,6 +264,8 @@ class RankRun:
     launched: bool = False
     stdout: TextIO = field(default_factory=lambda: sys.stdout)
     stderr: TextIO = field(default_factory=lambda: sys.stderr)
+    #: The ranks' held-back start-up lines (:mod:`.shown`); ``None`` shows every line.
+    held: HeldBack | None = None
 
     def __post_init__(self) -> None:
         self.trace = None  # the run's MemoryTrace, once it ended
@@ -287,9 +294,10 @@ class RankRun:
 
     def _failure(self, rank: int, ar: Any) -> RankFailure:
         exc = _error(ar)
-        # A remote error's own traceback, without ipyparallel's "[engine:method]" line (the lines are labelled by rank).
+        # A remote error's own traceback as the notebook's cell, without ipyparallel's "[engine:method]" line
+        # (the lines are labelled by rank).
         text = getattr(exc, "traceback", None)
-        tb = (text,) if isinstance(text, str) and text else _traceback(exc)
+        tb = tuple(notebook_traceback(text, running_cell())) if isinstance(text, str) and text else _traceback(exc)
         ename = getattr(exc, "ename", type(exc).__name__)
         evalue = getattr(exc, "evalue", str(exc))
         if ename == "EngineError" or not self._alive(rank):
@@ -361,9 +369,14 @@ class RankRun:
     def run(self) -> list[Any]:
         """Run to the end; the per-rank AsyncResults, or :class:`RankRunError`."""
         n = len(self.procs.pids)
-        streams = [
-            (_LineStream(f"[rank {r}] ", self.stdout), _LineStream(f"[rank {r}] ", self.stderr)) for r in range(n)
-        ]
+        held = self.held or HeldBack()
+        held.mark()
+
+        def line_streams(rank: int) -> tuple[_LineStream, _LineStream]:
+            label, shown = f"[rank {rank}] ", lambda line: held.shown(rank, line)
+            return _LineStream(label, self.stdout, shown), _LineStream(label, self.stderr, shown)
+
+        streams = [line_streams(r) for r in range(n)]
         memory = RankMonitor(
             self.procs.memory_pids(), self.gpu, live=self.plot, interval=SAMPLE_EVERY, launched=self.launched
         )
@@ -425,6 +438,10 @@ class RankRun:
         self.trace = memory.finish(interrupted=bool(failures or timed_out))
         if failures or timed_out:
             every = list(failures.values()) or [timed_out]
+            for failure in every:
+                # What a failing rank wrote is part of its failure.
+                held_back = held.this_run.get(failure.rank, ())
+                self.stderr.write("".join(f"[rank {failure.rank}] {line}\n" for line in held_back))
             must_restart = bool(killed) or any(f.kind == "died" for f in every)
             raise RankRunError(every, interrupted, killed, must_restart)
         return results

@@ -17,9 +17,9 @@ What JAX can do, as :data:`CAPABILITIES`:
   instead of preallocating). It combines with a cap.
 
 Whether the backend started is read from ``jax._src.xla_bridge`` without
-starting it (:func:`backend_started`). Devices are named like TensorFlow's
-(``/physical_device:CPU:0`` for the host, ``/device:CPU:3`` for JAX's
-``jax.devices("cpu")[3]``), so one status table and one monitor serve both.
+starting it (:func:`backend_started`). Devices have JAX's own names
+(``cpu:3`` for ``jax.devices("cpu")[3]``, as ``str(device)`` says), in every
+message, in ``%vgpu_status`` and in the memory readings.
 
 Memory readings live in :mod:`vgpu_magic.frameworks.jax.memory`, the ``vgpu_magic.mesh()`` and
 ``vgpu_magic.distribution()`` helpers in :mod:`vgpu_magic.frameworks.jax.mesh`, the ranks'
@@ -36,6 +36,7 @@ import os
 import re
 import sys
 import types
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ...inventory import (
@@ -48,7 +49,7 @@ from ...inventory import (
     nvml_gpus,
 )
 from ...units import MIB
-from ..base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader
+from ..base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader, call_before_start
 from .memory import LiveArrayBytes, MemoryReader, devices_by_name
 
 if TYPE_CHECKING:
@@ -70,9 +71,14 @@ CAPABILITIES = Capabilities(
     gpu_reserve_mib=cuda_context_mib,  # XLA's own reserve is inside its fraction; the context is outside it
     memory_growth=True, growth_with_split=True,
     replicas_by="vgpu_magic.mesh()", replicas_on_split_cpu=True,
+    # JAX's own words: its backend starts once; jax.devices() lists devices (str(device): "cpu:3"), not replicas.
+    runtime_word="backend", device_noun="{kind} device", split_phrase="{count} {kind} device{s}",
+    replica_noun="device", host_name="CPU (the host)",
 )
 
 CPU_NAME = "/physical_device:CPU:0"
+#: JAX's names of its CPU and GPU devices, ``str(jax.devices()[i])``.
+DEVICE_NAMES = ("cpu:{}", "cuda:{}")
 ENV_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 #: jaxlib's current name for the fraction; set together with the older one, jaxlib refuses both.
 ENV_CLIENT_FRACTION = "XLA_CLIENT_MEM_FRACTION"
@@ -80,6 +86,8 @@ ENV_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 ENV_ALLOCATOR = "XLA_PYTHON_CLIENT_ALLOCATOR"
 _COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\S*)")
 _GPU_PLATFORMS = ("cuda", "gpu", "rocm")
+#: The line Gloo writes on each rank for each communicator it connects.
+GLOO_CONNECTED = r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+"
 
 
 def backend_started() -> bool:
@@ -177,6 +185,8 @@ class Jax(Framework):
     module = "jax"
     keras_backend = "jax"
     join_call = "jax.distributed.initialize()"
+    # Gloo, JAX's CPU collectives, greets each new communicator on every rank.
+    chatter = (GLOO_CONNECTED,)
 
     def __init__(self) -> None:
         self._peaks: dict[str, int] = {}
@@ -195,6 +205,12 @@ class Jax(Framework):
 
     def runtime_started(self) -> bool:
         return backend_started()
+
+    def watch_runtime_start(self, callback: Callable[[], None]) -> Callable[[], None] | None:
+        bridge = sys.modules.get("jax._src.xla_bridge")
+        if bridge is None or backend_started() or not callable(getattr(bridge, "backends", None)):
+            return None
+        return call_before_start(bridge, "backends", lambda: not backend_started(), callback)
 
     # -- devices and configuration -------------------------------------------------
     def _gpu_count(self, nvml: list[dict[str, Any]]) -> int:
@@ -274,6 +290,7 @@ class Jax(Framework):
             logical=logical,
             visible_gpus=tuple(g.index for g in gpus),
             memory_growth=(growth,) * len(gpus),
+            device_names=DEVICE_NAMES,
         )
 
     def read_configuration(self) -> ConfigSnapshot:

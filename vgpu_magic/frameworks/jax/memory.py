@@ -5,8 +5,9 @@ JAX's CPU devices keep no allocator statistics (``memory_stats()`` is
 an 8 MiB array put on device 1 shows on device 1 only. A device that has
 ``memory_stats()`` (a GPU) is read from its allocator instead, peak included.
 
-Devices are named like TensorFlow's: ``"/device:CPU:3"`` (or ``"CPU:3"``) is
-``jax.devices("cpu")[3]``. Only used once JAX's backend runs.
+Devices are named as JAX names them, ``"cpu:3"`` for ``jax.devices("cpu")[3]``
+(TensorFlow-style ``"/device:CPU:3"`` and ``"CPU:3"`` are read too). Only used
+once JAX's backend runs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ __all__ = ["LiveArrayBytes", "MemoryReader", "devices_by_name", "device_index"]
 
 
 def device_index(name: str) -> tuple[str, int]:
-    """``'/device:CPU:3'`` or ``'CPU:3'`` -> ``('cpu', 3)``."""
+    """``'cpu:3'``, ``'/device:CPU:3'`` or ``'CPU:3'`` -> ``('cpu', 3)``."""
     kind, _, index = name.rsplit("/", 1)[-1].replace("device:", "").rpartition(":")
     if not kind or not index.isascii() or not index.isdigit():
         raise ValueError(f"device {name!r} is not a device name; use e.g. 'CPU:0' or '/device:GPU:1'")
@@ -29,7 +30,7 @@ def device_index(name: str) -> tuple[str, int]:
 
 
 def devices_by_name(jax: Any, names: Sequence[str]) -> list[Any]:
-    """The JAX devices for TensorFlow-style names (``jax.devices(kind)[i]``)."""
+    """The JAX devices for names (``'cpu:3'``: ``jax.devices('cpu')[3]``)."""
     found = []
     for name in names:
         kind, index = device_index(name)

@@ -1,0 +1,91 @@
+"""What of a rank's output reaches the notebook.
+
+Ranks are quiet by default, and nothing is lost:
+
+* each rank gets its framework's own log settings
+  (:attr:`~vgpu_magic.frameworks.base.Framework.log_settings`, e.g.
+  ``TF_CPP_MIN_LOG_LEVEL=2``) where the user set none (:func:`rank_env`);
+* the start-up lines no setting silences (the framework's
+  :attr:`~vgpu_magic.frameworks.base.Framework.chatter`: absl's preamble,
+  oneDNN's notice, Gloo's "connected to 1 peer ranks") are held back per rank
+  (:class:`HeldBack`): ``%vgpu_cluster log RANK`` shows them, and a failing
+  rank's are shown with its traceback;
+* ``verbose`` (``%vgpu_cluster start ... --verbose``) shows everything, with
+  the frameworks' default log settings.
+
+A failing rank's traceback names the notebook's cell, not the rank's own
+counter (:func:`notebook_traceback`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import deque
+from collections.abc import Mapping
+
+__all__ = ["HELD_LINES", "HeldBack", "rank_env", "notebook_traceback"]
+
+#: Lines held back per rank (the oldest go first).
+HELD_LINES = 2000
+
+
+def rank_env(fw, verbose: bool = False, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The log settings a rank of ``fw`` gets: each of the framework's quiet values
+    (its default when ``verbose``) where ``environ``, the kernel's, has none the user set.
+    A value the extension set in the kernel (:meth:`~vgpu_magic.frameworks.base.Framework.quiet_kernel`)
+    is not the user's: ``verbose`` overrides it."""
+    from .. import _quieted
+
+    ours = _quieted()
+    return {
+        name: default if verbose else quiet
+        for name, (quiet, default) in fw.log_settings.items()
+        if name not in environ or environ[name] == ours.get(name)
+    }
+
+
+class HeldBack:
+    """Each rank's held-back start-up lines.
+
+    ``patterns`` are regular expressions of whole lines (a framework's
+    ``chatter``); with ``verbose`` every line is shown.
+    """
+
+    def __init__(self, patterns: tuple[str, ...] = (), verbose: bool = False) -> None:
+        self.pattern = re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns and not verbose else None
+        self.held: dict[int, deque[str]] = {}
+        #: What each rank held back in the current run (:meth:`mark`).
+        self.this_run: dict[int, list[str]] = {}
+
+    def shown(self, rank: int, line: str) -> bool:
+        """Is ``line`` of ``rank`` shown? If not, it is held back."""
+        if self.pattern is None or not self.pattern.fullmatch(line.rstrip()):
+            return True
+        self.held.setdefault(rank, deque(maxlen=HELD_LINES)).append(line)
+        self.this_run.setdefault(rank, []).append(line)
+        return False
+
+    def mark(self) -> None:
+        """A run starts."""
+        self.this_run = {}
+
+    def lines(self, rank: int | None = None) -> list[str]:
+        """What ``%vgpu_cluster log [RANK]`` prints: every rank's held-back lines
+        (or one rank's), labelled."""
+        ranks = sorted(self.held) if rank is None else [rank]
+        return [f"[rank {r}] {line}" for r in ranks for line in self.held.get(r, ())]
+
+
+_COUNT = re.compile(r"(Cell(?:\x1b\[[0-9;]*m|\s)*)In\[\d+\]")
+
+
+def notebook_traceback(text: str, count: int | None) -> list[str]:
+    """A rank's traceback (IPython's text) as the notebook's: its "Cell In[k]" (the
+    rank's own counter) becomes the notebook cell's ``In[count]``, or no count."""
+
+    def shown(found: re.Match) -> str:
+        cell = found.group(1)
+        return f"{cell}In[{count}]" if count is not None else re.sub(r"\s", "", cell)
+
+    return _COUNT.sub(shown, text).splitlines()
