@@ -411,7 +411,7 @@ def shell(ip):
         ("start 2 --framework tf --split 2", "one CPU device per worker"),
         ("start 2 --framework torch --memory 1x", "'1x' is not a size"),
         ("start 2 --framework torch --port 70000", r"--port 70000 is out of range; use 1\.\.65535"),
-        ("launch 2", "'launch' is not an action; use start, status, stop or restart"),
+        ("launch 2", "'launch' is not an action; use start, status, log, stop or restart"),
         # Issue 22, defect 8: the shared grammar's numbers (int() took these: 1_0 started 10 ranks, +2 two).
         ("start 1_0 --framework torch", r"rank count '1_0' is not a whole number; use 1\.\.64"),
         ("start +2 --framework torch", r"rank count '\+2' is not a whole number"),
