@@ -13,7 +13,6 @@ import html
 import json
 import os
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -182,11 +181,6 @@ def estimate(
     name = _framework(code_or_function, framework)
     chosen = list(range(ranks)) if all_ranks else [rank]
     if name == "torch":
-        if "tensorflow" in sys.modules:
-            # With TensorFlow loaded, importing Triton (torch's tools import torch._dynamo, which looks for it)
-            # crashes the process (TF 2.21 beside torch 2.14's Triton: a segfault). The estimate runs on fake
-            # CPU tensors and needs no Triton, so this process is told there is none.
-            sys.modules.setdefault("triton", None)
         from .frameworks.torch.estimate import estimate_rank
 
         found = [(r, estimate_rank(code_or_function, ranks, r, namespace)) for r in chosen]

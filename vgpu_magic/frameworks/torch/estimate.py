@@ -13,9 +13,16 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
+
+if "tensorflow" in sys.modules:
+    # With TensorFlow loaded, importing Triton (torch's tools import torch._dynamo, which looks for it) crashes
+    # the process (TensorFlow 2.21 beside torch 2.14's Triton: a segfault). The estimate runs on fake CPU
+    # tensors and needs no Triton, so this process is told there is none.
+    sys.modules.setdefault("triton", None)
 
 import torch
 import torch.distributed as dist
