@@ -204,12 +204,11 @@ def estimate(
 
 
 def _kept_mib(name: str, gpu_mib: int) -> int:
-    from .frameworks import get
-
-    if name == "jax":  # XLA's client takes 75 % of the card by default (XLA_PYTHON_CLIENT_MEM_FRACTION)
-        return gpu_mib - int(gpu_mib * float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")))
-    reserve = get(name).capabilities.gpu_reserve_mib
-    return CUDA_CONTEXT_MIB + CUBLAS_WORKSPACE_MIB + (reserve(gpu_mib, None) if reserve else 0)
+    if name == "jax":  # XLA's client takes 75 % of the card by default (XLA_CLIENT_MEM_FRACTION, or its old name)
+        fraction = os.environ.get("XLA_CLIENT_MEM_FRACTION") or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+        return gpu_mib - int(gpu_mib * float(fraction or "0.75"))
+    # torch keeps nothing back itself (its planner reserve is this same context, so it is not added again).
+    return CUDA_CONTEXT_MIB + CUBLAS_WORKSPACE_MIB
 
 
 def _levers(result: MemoryEstimate, cell: Any, namespace: dict | None, name: str) -> list[str]:
