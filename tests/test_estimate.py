@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from IPython.core.error import UsageError
+from torch.nn.parallel import DistributedDataParallel
 
 import vgpu_magic
 from vgpu_magic.errors import PlanError
@@ -135,6 +137,20 @@ def test_the_kernel_is_untouched_whatever_the_cell_raised():
     assert (dict(os.environ), torch.nn.parallel.DistributedDataParallel, dist.init_process_group) == before
     assert namespace == {"keep": 1}
     assert torch.ones(2).sum().item() == 2.0  # no fake mode left on
+
+
+def ddp_step():
+    """A step whose DDP is a name of this module, bound at import (not looked up in torch when it runs)."""
+    model = DistributedDataParallel(torch.nn.Linear(1000, 1000))
+    model(torch.randn(64, 1000)).sum().backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+
+def test_a_function_is_estimated_with_its_own_module_names_stood_in_for():
+    found = vgpu_magic.estimate(ddp_step, ranks=2)
+    assert found.parallelism == "DDP"
+    assert found.ranks[0].categories["communication buffers"] == 1001 * 1000 * 4
+    assert DistributedDataParallel is torch.nn.parallel.distributed.DistributedDataParallel  # restored
 
 
 def test_verdict_after_cuda_context_and_levers():

@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+from unittest import mock
 
 from .errors import PlanError, excerpt
 from .units import GIB, format_bytes
@@ -181,7 +182,8 @@ def estimate(
     name = _framework(code_or_function, framework)
     chosen = list(range(ranks)) if all_ranks else [rank]
     if name == "torch":
-        from .frameworks.torch.estimate import estimate_rank
+        with mock.patch.dict(os.environ):  # torch's tools set TORCHINDUCTOR_CACHE_DIR when first imported
+            from .frameworks.torch.estimate import estimate_rank
 
         found = [(r, estimate_rank(code_or_function, ranks, r, namespace)) for r in chosen]
     else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -162,6 +163,7 @@ def _untracked(original: Callable) -> Callable:
     return run
 
 
+@mock.patch.dict("os.environ")  # the rank's variables go afterwards
 def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespace: dict | None) -> dict[str, Any]:
     """Run ``cell`` (code, or a function of no arguments) as ``rank`` of ``world``: its peak, the peak's
     parts and phase, whether a backward pass ran, and its parallelism. Refuses (``ValueError``) in a
@@ -199,15 +201,18 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
         noted("FSDP2", torch.distributed.fsdp.fully_shard, True),
         noted("TP (DTensor)", parallel.parallelize_module),
     )
-    ours = {torch.nn.parallel.DistributedDataParallel: DDP, torch.distributed.fsdp.fully_shard: fully_shard,
-            parallel.parallelize_module: tensor_parallel}  # fmt: skip
-    namespace = {k: ours.get(v, v) if callable(v) else v for k, v in (namespace or {}).items()}
+    ours = {id(torch.nn.parallel.DistributedDataParallel): DDP, id(torch.distributed.fsdp.fully_shard): fully_shard,
+            id(parallel.parallelize_module): tensor_parallel}  # fmt: skip
+    namespace = {k: ours.get(id(v), v) for k, v in (namespace or {}).items()}
+    # A function's own module names too (restored afterwards, with whatever the function assigned there).
+    names = getattr(cell, "__globals__", {})
     env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world,
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}  # fmt: skip
     cuda, blocks = _CudaOnCpu(), mem_tracker._WeakRefInfo._calculate_mem_consumed
     foreach = optimizer._get_foreach_kernels_supported_devices  # CUDA's optimizers default to foreach, CPU's do not
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.dict("os.environ", {k: str(v) for k, v in env.items()}))
+        os.environ.update({k: str(v) for k, v in env.items()})
+        stack.enter_context(mock.patch.dict(names, {k: ours[id(v)] for k, v in names.items() if id(v) in ours}))
         for target, name, value in (
             (torch.nn.parallel, "DistributedDataParallel", DDP),
             (torch.nn.parallel.distributed, "DistributedDataParallel", DDP),
