@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..errors import FrameworkImportError
+
 if TYPE_CHECKING:
     from ..layout import RankLayout
 
@@ -36,10 +38,6 @@ __all__ = ["Capabilities", "ConfigSnapshot", "Framework", "FrameworkImportError"
 
 #: ``reader(names) -> [(current, peak), ...]`` in bytes, one pair per device name.
 Reader = Callable[[list[str]], list[tuple[int, int]]]
-
-
-class FrameworkImportError(ImportError):
-    """The framework is not installed, or failed to import: the message says which, with the real reason."""
 
 
 @dataclass(frozen=True)
@@ -230,13 +228,7 @@ class Framework:
 
     def import_error(self, exc: BaseException) -> FrameworkImportError:
         """The one-line error for a failed import of the framework."""
-        missing = isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == self.module
-        if missing:
-            return FrameworkImportError(
-                f"{self.label} is not installed in this kernel; {self.capabilities.install_hint}"
-            )
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return FrameworkImportError(f"{self.label} failed to import: {reason}")
+        return FrameworkImportError.of(self.label, self.module, self.capabilities.install_hint, exc)
 
     def version(self) -> str | None:
         mod = sys.modules.get(self.module)

@@ -38,6 +38,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from ..errors import USER_ERRORS
 from ..frameworks import choices
 
 __all__ = ["ClusterMagics"]
@@ -125,7 +126,7 @@ class ClusterMagics(Magics):
         else:
             try:
                 running.restart()
-            except rank_cluster.ClusterStartError as exc:
+            except USER_ERRORS as exc:
                 raise UsageError(str(exc)) from None
             print("\n".join(running.describe()))
 
@@ -173,7 +174,6 @@ class ClusterMagics(Magics):
             except SyntaxError as exc:
                 raise UsageError(f"the cell does not parse: {exc.msg} (line {exc.lineno})") from None
         from . import rank_cluster
-        from .names import UnsendableName
 
         running = rank_cluster.current()
         if running is None:
@@ -188,7 +188,7 @@ class ClusterMagics(Magics):
             values = running.run(
                 cell, namespace=self.shell.user_ns, timeout=timeout, output=args.output is not None, plot=plot
             )
-        except UnsendableName as exc:
+        except USER_ERRORS as exc:
             raise UsageError(str(exc)) from None
         if args.output is not None:
             self.shell.user_ns[args.output] = values
@@ -279,7 +279,7 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
         print(f"stopping the running cluster ({running.n} {running.label} rank{'s' if running.n > 1 else ''}) first")
     try:
         ranks.start()
-    except rank_cluster.ClusterStartError as exc:
+    except USER_ERRORS as exc:
         raise UsageError(str(exc)) from None
     print("\n".join(ranks.describe()))
 

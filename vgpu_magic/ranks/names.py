@@ -18,6 +18,8 @@ import builtins
 import os
 from typing import Any
 
+from ..errors import UnsendableName
+
 __all__ = [
     "RankNames",
     "UnsendableName",
@@ -30,10 +32,6 @@ __all__ = [
     "send_names",
     "split_last_expression",
 ]
-
-
-class UnsendableName(ValueError):
-    """A notebook name the cell reads cannot be pickled for the ranks."""
 
 
 # -- names a cell reads ---------------------------------------------------------------
