@@ -71,3 +71,16 @@ def test_keras_missing_for_the_monitor_is_said_as_a_frameworks_import_error(ip, 
     monkeypatch.setitem(sys.modules, "keras", None)  # `import keras` raises ModuleNotFoundError
     with pytest.raises(UsageError, match=r"^Keras is not installed in this kernel; pip install keras to monitor fit$"):
         ip.run_line_magic("vgpu_monitor", "on")
+
+
+def test_help_and_error_texts_take_frameworks_limits_and_defaults_from_the_registry(ip, monkeypatch):
+    from vgpu_magic import api, frameworks
+    from vgpu_magic.errors import PlanError
+
+    for magic in ("vgpu_status", "vgpu_split"):
+        help_text = " ".join(ip.find_line_magic(magic).__doc__.split())
+        assert frameworks.choices() in help_text, magic
+    assert f"else {frameworks.DEFAULT}" in " ".join(ip.find_line_magic("vgpu_split").__doc__.split())
+    monkeypatch.setattr(api, "MAX_DEVICES", 8)
+    with pytest.raises(PlanError, match=r"count 1\.5 is not a whole number; use 1\.\.8, e.g. split\(4\)"):
+        api.make_request(1.5)
