@@ -272,6 +272,13 @@ class Framework:
         asked when the framework is imported; never creates a context."""
         return False
 
+    def gpu_allocator_bytes(self) -> tuple[int, int] | None:
+        """``(current, peak)`` bytes of this process' GPUs held by the framework's
+        allocator, or ``None`` when it cannot tell: read in the process itself,
+        so no PID namespace is involved (unlike NVML's per-process list). Never
+        creates a context."""
+        return None
+
     def keras_backend_warning(self) -> str | None:
         """The warning for a split of this framework's devices when Keras was
         imported on another backend (Keras models would not use them), else ``None``."""

@@ -1,0 +1,95 @@
+"""Each rank's memory as the kernel samples it (vgpu_magic.ranks.memory): NVML's per-process figures
+where NVML names the ranks' PIDs, each rank's own allocator's figures where it names another PID
+namespace's (a container), said in the series' label."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import types
+
+import pytest
+
+MIB = 1024**2
+#: A PID of the host's namespace, as NVML reports it from inside a container: none of ours.
+HOST_PID = 4_000_000
+
+
+def _nvml_listing(pids: list[int]):
+    """pynvml with one GPU whose compute processes are ``pids``, 300 MiB each."""
+
+    class NVMLError(Exception):
+        pass
+
+    return types.SimpleNamespace(
+        NVMLError=NVMLError,
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda i: object(),
+        nvmlDeviceGetComputeRunningProcesses=lambda handle: [
+            types.SimpleNamespace(pid=pid, usedGpuMemory=300 * MIB) for pid in pids
+        ],
+    )
+
+
+class EngineHere:
+    """A rank's engine that runs what it is given in this process (the rank is this process)."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def apply_async(self, f, *args):
+        self.calls.append(f.__name__)
+        return f(*args)
+
+
+@pytest.fixture
+def torch_holding_a_context(monkeypatch):
+    """torch as a rank that holds a CUDA context sees it: its caching allocator has 5 MiB reserved, 7 at peak."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i=None: 5 * MIB)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda i=None: 7 * MIB)
+
+
+def _reporters() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "vgpu_magic-allocator"]
+
+
+def test_ranks_nvml_cannot_name_report_their_allocators_figures(monkeypatch, torch_holding_a_context):
+    from vgpu_magic import inventory
+    from vgpu_magic.ranks.memory import RankMemorySampler
+
+    monkeypatch.setattr(inventory, "open_nvml", lambda: _nvml_listing([HOST_PID]))
+    calls: list = []
+    sampler = RankMemorySampler([os.getpid()], gpu=True, engine=lambda rank: EngineHere(calls))
+    try:
+        assert calls == ["report_allocator"]
+        assert [s.label for s in sampler.series] == ["rank 0 GPU (allocator)", "rank 0 RSS"]
+        deadline = time.monotonic() + 30
+        while sampler.read()[0] == (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sampler.read()[0] == (5 * MIB, 7 * MIB)
+    finally:
+        sampler.close()
+    deadline = time.monotonic() + 30
+    while _reporters() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _reporters() == []  # the rank's reporting thread ends with the run
+
+
+def test_ranks_nvml_names_are_read_from_nvml_and_nothing_is_asked_of_them(monkeypatch, torch_holding_a_context):
+    from vgpu_magic import inventory
+    from vgpu_magic.ranks.memory import RankMemorySampler
+
+    monkeypatch.setattr(inventory, "open_nvml", lambda: _nvml_listing([HOST_PID, os.getpid()]))
+    calls: list = []
+    sampler = RankMemorySampler([os.getpid()], gpu=True, engine=lambda rank: EngineHere(calls))
+    try:
+        assert calls == [] and [s.label for s in sampler.series] == ["rank 0 GPU", "rank 0 RSS"]
+        assert sampler.read()[0] == (300 * MIB, 300 * MIB)
+    finally:
+        sampler.close()
