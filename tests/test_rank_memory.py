@@ -93,3 +93,45 @@ def test_ranks_nvml_names_are_read_from_nvml_and_nothing_is_asked_of_them(monkey
         assert sampler.read()[0] == (300 * MIB, 300 * MIB)
     finally:
         sampler.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_nvml_cannot_name_reports_its_allocator_through_its_engine(monkeypatch):
+    """A real rank on a real engine: its reporter starts through the engine before the cell, and the run's
+    trace carries the rank's own figures (its torch sees a CUDA context: GPU-shaped values on the rank)."""
+    from support import our_processes
+    from vgpu_magic import inventory
+    from vgpu_magic.ranks import RankCluster
+    from vgpu_magic.ranks.run import RankRun
+
+    cell = (
+        "import time, torch\n"
+        "torch.cuda.is_initialized = lambda: True\n"
+        "torch.cuda.device_count = lambda: 1\n"
+        "torch.cuda.memory_reserved = lambda i=None: 5 * 2**20\n"
+        "torch.cuda.max_memory_reserved = lambda i=None: 7 * 2**20\n"
+        "time.sleep(3)\n"
+    )
+    before = our_processes()
+    ranks = RankCluster(1, "torch", gpus=[]).start()
+    try:
+        monkeypatch.setattr(inventory, "open_nvml", lambda: _nvml_listing([HOST_PID]))
+        engine = ranks.client[ranks.engine_ids[0]]
+        runner = RankRun(ranks._processes(), lambda rank: engine.execute(cell, block=False), gpu=True)
+        runner.run()
+        assert [s.label for s in runner.trace.series] == ["rank 0 GPU (allocator)", "rank 0 RSS"]
+        assert runner.trace.latest(0) == (5 * MIB, 7 * MIB)
+        ask = "import threading; _n = [t.name for t in threading.enumerate() if t.name == 'vgpu_magic-allocator']"
+
+        def reporters():
+            engine.execute(ask, block=True)
+            return engine.pull("_n", block=True)
+
+        deadline = time.monotonic() + 30
+        while reporters() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert reporters() == []  # the rank's reporter ended with the run
+    finally:
+        ranks.stop()
+    assert our_processes() <= before
