@@ -85,7 +85,7 @@ class RankMemorySampler:
             self._handles = [self._nvml.nvmlDeviceGetHandleByIndex(i) for i in range(self._nvml.nvmlDeviceGetCount())]
         #: The folder the ranks report their allocators' figures in, when NVML cannot tell their processes.
         self._reports: str | None = None
-        if engine is not None and self._nvml is not None and not self._nvml_knows_the_ranks():
+        if engine is not None and self._nvml is not None and not self._nvml_knows_the_ranks(self._nvml_used()):
             self._reports = tempfile.mkdtemp(prefix="vgpu_magic-allocators-")
             for rank in self.ranks:
                 engine(rank).apply_async(report_allocator, os.path.join(self._reports, str(rank)))
@@ -119,16 +119,17 @@ class RankMemorySampler:
                 continue
         return used
 
-    def _nvml_knows_the_ranks(self) -> bool:
-        """False when NVML lists processes but none of the ranks' PIDs: its PIDs are another namespace's."""
-        used = self._nvml_used()
+    def _nvml_knows_the_ranks(self, used: dict[int, int]) -> bool:
+        """False when NVML lists processes (``used``) but none of the ranks' PIDs: its PIDs are another
+        namespace's."""
         return not used or any(p is not None and p.pid in used for p in self._procs)
 
     def gpu(self) -> list[int | None]:
-        """GPU bytes per rank summed over GPUs, from NVML's per-process accounting."""
-        if self._nvml is None:
+        """GPU bytes per rank summed over GPUs, from NVML's per-process accounting; ``None`` where
+        NVML cannot tell (no NVML, or its PIDs are another namespace's)."""
+        used = self._nvml_used() if self._nvml is not None else {}
+        if self._nvml is None or not self._nvml_knows_the_ranks(used):
             return [None] * len(self._procs)
-        used = self._nvml_used()
         return [used.get(p.pid, 0) if p is not None else None for p in self._procs]
 
     def allocators(self) -> list[tuple[int, int]]:
