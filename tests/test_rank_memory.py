@@ -135,3 +135,30 @@ def test_a_rank_nvml_cannot_name_reports_its_allocator_through_its_engine(monkey
     finally:
         ranks.stop()
     assert our_processes() <= before
+
+
+@pytest.mark.slow
+def test_a_tensorflow_rank_reports_its_allocators_figures(py):
+    """TensorFlow's figures come from its own allocators (get_memory_info) over its logical GPUs; here
+    its CPU's allocator stands for a GPU's (the same call answers for both)."""
+    from support import last_json
+
+    proc = py(
+        """
+        import json
+        import tensorflow as tf
+        from vgpu_magic.frameworks import get
+
+        fw = get("tensorflow")
+        print(json.dumps(fw.gpu_allocator_bytes()))  # no runtime yet: no context, nothing to tell
+        x = tf.ones((1024, 1024))
+        real = tf.config.list_logical_devices
+        tf.config.list_logical_devices = lambda kind=None: real("CPU") if kind == "GPU" else real(kind)
+        fw.holds_cuda_context = lambda: True
+        info = tf.config.experimental.get_memory_info("CPU:0")
+        print(json.dumps([fw.gpu_allocator_bytes(), [info["current"], info["peak"]]]))
+        """
+    )
+    assert proc.stdout.strip().splitlines()[-2] == "null"
+    reported, allocator = last_json(proc.stdout)
+    assert reported == allocator and allocator[1] >= 4 * MIB  # the 4 MiB tensor at least
