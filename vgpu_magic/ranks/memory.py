@@ -62,8 +62,8 @@ class RankMemorySampler:
     for the ranks on this host (``pids[rank]`` is ``None`` for one on another host).
 
     The peaks it reports are the highest readings seen (neither psutil nor
-    NVML keeps another process' high-water mark portably); a rank that is
-    gone reads 0.
+    NVML keeps another process' high-water mark portably), or a rank's
+    allocator's own peak where it reports one; a rank that is gone reads 0.
     """
 
     def __init__(self, pids: list[int | None], gpu: bool, engine: Callable[[int], Any] | None = None) -> None:
@@ -89,8 +89,8 @@ class RankMemorySampler:
             self._reports = tempfile.mkdtemp(prefix="vgpu_magic-allocators-")
             for rank in self.ranks:
                 engine(rank).apply_async(report_allocator, os.path.join(self._reports, str(rank)))
-        gpu = "GPU (allocator)" if self._reports else "GPU"
-        gpu_series = [SeriesInfo(f"rank{r}:gpu", f"rank {r} {gpu}", (), None) for r in self.ranks] if self._nvml else []
+        of = "GPU (allocator)" if self._reports else "GPU"
+        gpu_series = [SeriesInfo(f"rank{r}:gpu", f"rank {r} {of}", (), None) for r in self.ranks] if self._nvml else []
         rss_series = [SeriesInfo(f"rank{r}:rss", f"rank {r} RSS", (), None, panel="process") for r in self.ranks]
         self.series = (*gpu_series, *rss_series)
         self.devices: tuple[str, ...] = ()
