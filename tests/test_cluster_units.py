@@ -1,6 +1,8 @@
-"""The rank cluster's pure parts: each framework's wiring (CPU and GPU-shaped
-data), which notebook names a cell sends, line streaming, and the magics'
-refusals before anything starts. No process is started here."""
+"""The rank cluster's parts without a cluster: each framework's wiring (CPU and
+GPU-shaped data), which notebook names a cell sends, line streaming, the
+magics' refusals before anything starts, and the fault policy. No rank starts
+here; a few tests start a fresh interpreter or ``sleep`` processes that stand
+for ranks, and leave none behind."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""The planner and the tf.config decision logic on GPU-shaped data.
+"""The planner and the configuration it asks for, on GPU-shaped data.
 
 No TensorFlow and no GPU are needed: inventories are built from
 :class:`GPUInfo` records shaped like what NVML reports for real cards, and the
-planner and :func:`vgpu_magic.tfconfig._wanted` are the real code that runs on a
+planner and :func:`vgpu_magic.planner.configuration_after` are the real code that runs on a
 GPU machine. Expected numbers come from the tables below, not from the code
 under test.
 """
@@ -24,9 +24,9 @@ from vgpu_magic.planner import (
     PlanError,
     SplitPlan,
     SplitRequest,
+    configuration_after,
     plan_split,
 )
-from vgpu_magic.planner import configuration_after as _wanted
 
 CPU_ONLY = DeviceInventory(gpus=(), cpus=1, version="2.21.0", capabilities=TENSORFLOW)
 
@@ -442,7 +442,7 @@ def test_unconfigured_snapshot_names():
 def test_split_with_others_hidden():
     inventory = gpu_inventory(24000, 24000)
     plan = plan_line("2 --memory 1024,2048", inventory)
-    new = _wanted(plan, snapshot(2))
+    new = configuration_after(plan, snapshot(2))
     assert new.logical == {"/physical_device:GPU:0": (1024, 2048)}
     assert new.visible_gpus == (0,)
     assert "/physical_device:GPU:1" not in new.logical_names()
@@ -451,7 +451,7 @@ def test_split_with_others_hidden():
 
 def test_split_of_the_second_gpu_renumbers_from_zero():
     plan = plan_line("3 --gpu 1 --memory 1000", gpu_inventory(24000, 24000))
-    new = _wanted(plan, snapshot(2))
+    new = configuration_after(plan, snapshot(2))
     assert new.visible_gpus == (1,)
     assert new.logical_names()["/physical_device:GPU:1"] == ["/device:GPU:0", "/device:GPU:1", "/device:GPU:2"]
     assert new.replica_devices() == ["/device:GPU:0", "/device:GPU:1", "/device:GPU:2"]
@@ -459,7 +459,7 @@ def test_split_of_the_second_gpu_renumbers_from_zero():
 
 def test_split_with_others_kept_numbers_whole_gpus_after_the_split():
     plan = plan_line("2 --memory 1000 --others keep", gpu_inventory(24000, 24000, 24000))
-    new = _wanted(plan, snapshot(3))
+    new = configuration_after(plan, snapshot(3))
     assert new.logical_names() == {
         CPU0: ["/device:CPU:0"],
         "/physical_device:GPU:0": ["/device:GPU:0", "/device:GPU:1"],
@@ -470,13 +470,13 @@ def test_split_with_others_kept_numbers_whole_gpus_after_the_split():
 
 
 def test_all_gpus_hidden_falls_back_to_the_cpu():
-    new = _wanted(plan_line("--visible none", gpu_inventory(24000, 24000)), snapshot(2))
+    new = configuration_after(plan_line("--visible none", gpu_inventory(24000, 24000)), snapshot(2))
     assert new.visible_gpus == ()
     assert new.replica_devices() == ["/device:CPU:0"]
 
 
 def test_cpu_split_on_a_gpu_machine_with_gpus_hidden():
-    new = _wanted(plan_line("3 --cpu --visible none", gpu_inventory(24000)), snapshot(1))
+    new = configuration_after(plan_line("3 --cpu --visible none", gpu_inventory(24000)), snapshot(1))
     assert new.logical == {CPU0: (None, None, None)}
     assert new.replica_devices() == ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]
 
@@ -485,19 +485,19 @@ def test_cpu_split_on_a_gpu_machine_hides_the_gpus():
     # MirroredStrategy() prefers GPUs, so --cpu hides them: the logical CPUs become the replicas.
     plan = plan_line("3 --cpu", gpu_inventory(24000))
     assert plan.visible_gpus == ()
-    new = _wanted(plan, snapshot(1))
+    new = configuration_after(plan, snapshot(1))
     assert new.replica_devices() == ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]
 
 
 def test_cpu_split_keeps_gpus_named_in_visible():
     # An explicit --visible wins; MirroredStrategy() then mirrors on the GPU, and the snapshot says so.
-    new = _wanted(plan_line("3 --cpu --visible 0", gpu_inventory(24000)), snapshot(1))
+    new = configuration_after(plan_line("3 --cpu --visible 0", gpu_inventory(24000)), snapshot(1))
     assert new.replica_devices() == ["/device:GPU:0"]
 
 
 def test_growth_only_touches_visible_gpus():
     plan = plan_line("--growth --visible 1", gpu_inventory(24000, 24000))
-    new = _wanted(plan, snapshot(2))
+    new = configuration_after(plan, snapshot(2))
     assert new.memory_growth == (False, True)
     assert new.logical == {}
 
@@ -506,18 +506,18 @@ def test_identical_plan_on_configured_snapshot_is_unchanged():
     """What makes a repeated ``%vgpu_split`` a quiet no-op after the runtime started."""
     inventory = gpu_inventory(24000, 24000)
     plan = plan_line("2 --memory 2048", inventory)
-    configured = _wanted(plan, snapshot(2))
-    assert _wanted(plan, configured) == configured
-    assert _wanted(plan_line("3 --memory 2048", inventory), configured) != configured
+    configured = configuration_after(plan, snapshot(2))
+    assert configuration_after(plan, configured) == configured
+    assert configuration_after(plan_line("3 --memory 2048", inventory), configured) != configured
 
 
 def test_one_uncapped_cpu_on_an_unconfigured_cpu_is_no_change():
     snap = snapshot(0)
-    assert _wanted(plan_line("1", CPU_ONLY), snap) == snap
-    two = _wanted(plan_line("2", CPU_ONLY), snap)
+    assert configuration_after(plan_line("1", CPU_ONLY), snap) == snap
+    two = configuration_after(plan_line("2", CPU_ONLY), snap)
     assert two != snap
     # Going back to one device is a change once the CPU was split.
-    assert _wanted(plan_line("1", CPU_ONLY), two).logical == {CPU0: (None,)}
+    assert configuration_after(plan_line("1", CPU_ONLY), two).logical == {CPU0: (None,)}
 
 
 # -- TensorFlow's start-time rules and the --cpu/--gpu contradiction, refused by the planner --------

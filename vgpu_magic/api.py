@@ -24,7 +24,7 @@ from .errors import PlanError, excerpt
 from .frameworks import FrameworkChoiceError
 from .grammar import parse_memory_list
 from .outcomes import SplitResult, execute, framework_for, summary_lines
-from .planner import SplitPlan, SplitRequest, plan_split
+from .planner import MAX_DEVICES, SplitPlan, SplitRequest, plan_split
 from .report import StatusReport, collect_status
 
 __all__ = [
@@ -87,7 +87,7 @@ def make_request(
         raise PlanError(f"unknown option {unknown[0]!r}; use {', '.join(sorted({*_OPTIONS, 'memory', 'dry_run'}))}")
     cpu, gpu, others, visible, growth, framework = ({**_OPTIONS, **options}[key] for key in _OPTIONS)
     if count is not None and not _whole(count):
-        raise PlanError(f"count {excerpt(count)} is not a whole number; use 1..64, e.g. split(4)")
+        raise PlanError(f"count {excerpt(count)} is not a whole number; use 1..{MAX_DEVICES}, e.g. split(4)")
     if gpu is not None and not _whole(gpu):
         raise PlanError(f"gpu {excerpt(gpu)} is not a GPU index; use 0, 1, ...")
     if not isinstance(cpu, bool) or not isinstance(growth, bool):
@@ -151,7 +151,7 @@ def split(
     Parameters
     ----------
     count
-        Number of logical devices, 1..64.
+        Number of logical devices, 1..:data:`~vgpu_magic.planner.MAX_DEVICES`.
     memory
         MiB per logical GPU: one value for all, one per device, or ``None`` to
         divide free memory (minus the framework's reserve) evenly. Strings with
@@ -168,7 +168,7 @@ def split(
         Turn on memory growth for visible GPUs instead of splitting.
     framework
         A name in :data:`vgpu_magic.frameworks.REGISTRY` or an alias; default: the
-        one imported, else the one installed, else TensorFlow.
+        one imported, else the one installed, else :data:`vgpu_magic.frameworks.DEFAULT`.
     dry_run
         Validate and report without configuring.
 

@@ -5,15 +5,23 @@ installed, a GPU NVML cannot read) is an exception whose message is one line
 that quotes the bad value (:func:`excerpt`) and says what would work. Every
 face catches :data:`USER_ERRORS` and shows that line: the magics as a
 :class:`~IPython.core.error.UsageError`, the panel in its output, the CLI on
-stderr; the Python API lets them through as they are.
+stderr; the Python API lets them through as they are. A leaf: it imports
+nothing from vgpu_magic, so every layer can raise these.
 """
 
 from __future__ import annotations
 
-from .frameworks import FrameworkChoiceError, FrameworkImportError
-from .inventory import NVMLReadError
-
-__all__ = ["EXCERPT_CHARS", "PlanError", "excerpt", "USER_ERRORS"]
+__all__ = [
+    "EXCERPT_CHARS",
+    "ClusterStartError",
+    "FrameworkChoiceError",
+    "FrameworkImportError",
+    "NVMLReadError",
+    "PlanError",
+    "UnsendableName",
+    "excerpt",
+    "USER_ERRORS",
+]
 
 #: Characters ``str.splitlines`` breaks on; quoted user tokens may contain them.
 _LINE_BREAKS = str.maketrans({c: repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
@@ -39,5 +47,41 @@ class PlanError(ValueError):
         super().__init__(str(message).translate(_LINE_BREAKS))
 
 
+class FrameworkChoiceError(ValueError):
+    """A framework name that is not registered, or a choice that cannot be made."""
+
+
+class FrameworkImportError(ImportError):
+    """The framework is not installed, or failed to import: the message says which, with the real reason."""
+
+    @classmethod
+    def of(cls, label: str, module: str, install_hint: str, exc: BaseException) -> FrameworkImportError:
+        """The one-line error for ``exc``, a failed import of ``module`` (shown as ``label``)."""
+        if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == module:
+            return cls(f"{label} is not installed in this kernel; {install_hint}")
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return cls(f"{label} failed to import: {reason}")
+
+
+class NVMLReadError(RuntimeError):
+    """NVML answered with an error while a GPU was being read (a GPU that
+    disappeared, a driver that went away): one line saying which call failed."""
+
+
+class ClusterStartError(RuntimeError):
+    """The cluster could not start or be wired; nothing it started is left running."""
+
+
+class UnsendableName(ValueError):
+    """A notebook name the cell reads cannot be pickled for the ranks."""
+
+
 #: Every error a user can cause; each face shows its message as one line.
-USER_ERRORS: tuple[type[Exception], ...] = (PlanError, FrameworkChoiceError, FrameworkImportError, NVMLReadError)
+USER_ERRORS: tuple[type[Exception], ...] = (
+    PlanError,
+    FrameworkChoiceError,
+    FrameworkImportError,
+    NVMLReadError,
+    ClusterStartError,
+    UnsendableName,
+)

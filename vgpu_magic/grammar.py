@@ -273,7 +273,7 @@ _SPLIT_ARGUMENTS = (
         type=framework_name,
         metavar="NAME",
         help=f"{frameworks.choices()}; default: the one imported in the kernel, else the one installed, "
-        "else TensorFlow",
+        f"else {frameworks.DEFAULT}",
     ),
     argument("--dry-run", "-n", action="store_true", help="plan and print, configure nothing"),
     argument("--return", "-r", dest="return_result", action="store_true", help="return the result object"),

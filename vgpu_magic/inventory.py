@@ -18,6 +18,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .errors import NVMLReadError
 from .frameworks.base import Capabilities, ConfigSnapshot
 from .units import MIB
 
@@ -125,11 +126,6 @@ class DeviceInventory:
             nvml_available=data.get("nvml_available", False),
             notes=tuple(data.get("notes", ())),
         )
-
-
-class NVMLReadError(RuntimeError):
-    """NVML answered with an error while a GPU was being read (a GPU that
-    disappeared, a driver that went away): one line saying which call failed."""
 
 
 def open_nvml():

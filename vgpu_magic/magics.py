@@ -148,7 +148,7 @@ class VGPUMagics(Magics):
     @argument("--json", action="store_true", help="print JSON instead of the table")
     @argument("--return", "-r", dest="return_result", action="store_true", help="also return the StatusReport")
     @argument(
-        "--framework", "-f", type=framework_name, metavar="NAME", help="only this framework (tensorflow, tf or jax)"
+        "--framework", "-f", type=framework_name, metavar="NAME", help=f"only this framework: {frameworks.choices()}"
     )
     def vgpu_status(self, line: str = ""):
         """

@@ -21,6 +21,7 @@ import importlib
 import os
 import sys
 
+from ..errors import FrameworkChoiceError
 from .base import Capabilities, ConfigSnapshot, Framework, FrameworkImportError, Reader
 
 __all__ = [
@@ -57,10 +58,6 @@ CUDA_USERS = ("vgpu_magic.frameworks.cupy:FRAMEWORK",)
 DEFAULT = "tensorflow"
 
 _instances: dict[str, Framework] = {}
-
-
-class FrameworkChoiceError(ValueError):
-    """A framework name that is not registered, or a choice that cannot be made."""
 
 
 def register(name: str, framework: str | Framework) -> None:

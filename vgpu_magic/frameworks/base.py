@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ..errors import FrameworkImportError
+
 if TYPE_CHECKING:
     from ..layout import RankLayout
 
@@ -61,10 +63,6 @@ def call_before_start(owner: Any, name: str, starting: Callable[..., bool], call
             setattr(owner, name, original)
 
     return undo
-
-
-class FrameworkImportError(ImportError):
-    """The framework is not installed, or failed to import: the message says which, with the real reason."""
 
 
 @dataclass(frozen=True)
@@ -276,13 +274,7 @@ class Framework:
 
     def import_error(self, exc: BaseException) -> FrameworkImportError:
         """The one-line error for a failed import of the framework."""
-        missing = isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == self.module
-        if missing:
-            return FrameworkImportError(
-                f"{self.label} is not installed in this kernel; {self.capabilities.install_hint}"
-            )
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return FrameworkImportError(f"{self.label} failed to import: {reason}")
+        return FrameworkImportError.of(self.label, self.module, self.capabilities.install_hint, exc)
 
     def version(self) -> str | None:
         mod = sys.modules.get(self.module)
@@ -353,6 +345,13 @@ class Framework:
         """Does this process hold a CUDA context through this framework? Only
         asked when the framework is imported; never creates a context."""
         return False
+
+    def gpu_allocator_bytes(self) -> tuple[int, int] | None:
+        """``(current, peak)`` bytes of this process' GPUs held by the framework's
+        allocator, or ``None`` when it cannot tell: read in the process itself,
+        so no PID namespace is involved (unlike NVML's per-process list). Never
+        creates a context."""
+        return None
 
     def keras_backend_warning(self) -> str | None:
         """The warning for a split of this framework's devices when Keras was

@@ -303,6 +303,13 @@ class TensorFlow(Framework):
             out[name] = {"current": int(info["current"]), "peak": int(info["peak"])}
         return out
 
+    def gpu_allocator_bytes(self) -> tuple[int, int] | None:
+        """The BFC allocators' figures over this process' logical GPUs."""
+        if not self.holds_cuda_context():
+            return None
+        readings = self.memory_readings([d.name for d in self.load().config.list_logical_devices("GPU")]).values()
+        return sum(r["current"] for r in readings), sum(r["peak"] for r in readings)
+
     def memory_reader(self) -> Reader:
         """Reads through the C function under the eager context's
         ``get_memory_info`` (which ``tf.config.experimental.get_memory_info``

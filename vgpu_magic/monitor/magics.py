@@ -12,7 +12,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from ..errors import PlanError
+from ..errors import USER_ERRORS, FrameworkImportError
 from ..grammar import choice, parse_arguments, seconds
 
 __all__ = ["MonitorMagics", "parse_monitor_line"]
@@ -52,7 +52,7 @@ def parse_monitor_line(line: str) -> tuple[str, dict[str, object]]:
             example="%vgpu_monitor on --display text",
             options_hint="the options are --display and --interval",
         )
-    except PlanError as exc:
+    except USER_ERRORS as exc:
         raise UsageError(str(exc)) from None
     options = {name: value for name, value in vars(args).items() if name != "action" and value is not None}
     if options and args.action != "on":
@@ -121,9 +121,6 @@ class MonitorMagics(Magics):
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
             except ImportError as exc:
-                if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "keras":
-                    message = "Keras is not installed in this kernel; pip install keras to monitor fit"
-                    raise UsageError(message) from None
-                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                raise UsageError(f"Keras failed to import: {reason}") from None
+                failure = FrameworkImportError.of("Keras", "keras", "pip install keras to monitor fit", exc)
+                raise UsageError(str(failure)) from None
         print(auto.status())

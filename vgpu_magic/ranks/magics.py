@@ -37,7 +37,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from ..errors import PlanError
+from ..errors import USER_ERRORS, PlanError
 from ..frameworks import choices
 from ..grammar import choice, framework_name, parse_arguments, seconds, whole
 from ..planner import MAX_DEVICES
@@ -169,7 +169,7 @@ class ClusterMagics(Magics):
         else:
             try:
                 running.restart()
-            except rank_cluster.ClusterStartError as exc:
+            except USER_ERRORS as exc:
                 raise UsageError(str(exc)) from None
             print("\n".join(running.describe()))
 
@@ -221,7 +221,6 @@ class ClusterMagics(Magics):
             except SyntaxError as exc:
                 raise UsageError(f"the cell does not parse: {exc.msg} (line {exc.lineno})") from None
         from . import rank_cluster
-        from .names import UnsendableName
 
         running = rank_cluster.current()
         if running is None:
@@ -242,7 +241,7 @@ class ClusterMagics(Magics):
                 output=args.output is not None,
                 plot=plot,
             )
-        except UnsendableName as exc:
+        except USER_ERRORS as exc:
             raise UsageError(str(exc)) from None
         if args.output is not None:
             self.shell.user_ns[args.output] = values
@@ -329,7 +328,7 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
         print(f"stopping the running cluster ({running.n} {running.label} rank{'s' if running.n > 1 else ''}) first")
     try:
         ranks.start()
-    except rank_cluster.ClusterStartError as exc:
+    except USER_ERRORS as exc:
         raise UsageError(str(exc)) from None
     print("\n".join(ranks.describe()))
 

@@ -5,7 +5,10 @@ into the monitor's one trace and view.
   a GPU exists, its GPU memory (NVML's per-process accounting); as a sampler
   of the monitor (``series``, ``devices``, ``read()``) it gives one series per
   rank in the process panel and one per rank in the device panel where there
-  is a GPU.
+  is a GPU. Where NVML lists processes but none of the ranks' PIDs (in a
+  container NVML names the host's PIDs), each rank reports its own allocator's
+  figures instead (:func:`report_allocator`, started through its engine), and
+  the series says so: ``rank 0 GPU (allocator)``.
 * :class:`RankMonitor` feeds those samples to a
   :class:`~vgpu_magic.monitor.recorder.MemoryRecorder`, so a ``%%vgpu_run``
   cell gets the same :class:`~vgpu_magic.monitor.trace.MemoryTrace` and the
@@ -15,11 +18,43 @@ into the monitor's one trace and view.
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
 from typing import Any
 
 from ..monitor.trace import MemoryTrace, SeriesInfo
 
-__all__ = ["RankMemorySampler", "RankMonitor"]
+__all__ = ["RankMemorySampler", "RankMonitor", "report_allocator"]
+
+#: Seconds between a rank's reports of its allocator's figures.
+REPORT_EVERY = 0.2
+
+
+def report_allocator(path: str, every: float = REPORT_EVERY) -> None:
+    """Run on a rank, through its engine: a thread that writes ``"current peak"``, the bytes of the
+    rank's GPUs held by the allocators of the frameworks holding a CUDA context
+    (:meth:`~vgpu_magic.frameworks.base.Framework.gpu_allocator_bytes`), to ``path`` every ``every``
+    seconds, until ``path``'s folder is removed."""
+    import threading
+
+    from ..frameworks import cuda_context_holders
+
+    def report() -> None:
+        while os.path.isdir(os.path.dirname(path)):
+            try:
+                figures = [f for f in (fw.gpu_allocator_bytes() for fw in cuda_context_holders()) if f]
+            except Exception:  # noqa: BLE001 - a framework that cannot tell reports nothing
+                figures = []
+            with contextlib.suppress(OSError):
+                with open(path + ".new", "w") as out:
+                    out.write(f"{sum(f[0] for f in figures)} {sum(f[1] for f in figures)}")
+                os.replace(path + ".new", path)
+            time.sleep(every)
+
+    threading.Thread(target=report, name="vgpu_magic-allocator", daemon=True).start()
 
 
 class RankMemorySampler:
@@ -27,11 +62,13 @@ class RankMemorySampler:
     for the ranks on this host (``pids[rank]`` is ``None`` for one on another host).
 
     The peaks it reports are the highest readings seen (neither psutil nor
-    NVML keeps another process' high-water mark portably); a rank that is
-    gone reads 0.
+    NVML keeps another process' high-water mark portably), or a rank's
+    allocator's own peak where it reports one; a rank that is gone reads 0.
     """
 
-    def __init__(self, pids: list[int | None], gpu: bool, launched: bool = False) -> None:
+    def __init__(
+        self, pids: list[int | None], gpu: bool, launched: bool = False, engine: Callable[[int], Any] | None = None
+    ) -> None:
         import psutil
 
         #: A script run (:mod:`.launch`): a rank's memory is its engine's and the processes it started.
@@ -51,7 +88,14 @@ class RankMemorySampler:
         self._handles = []
         if self._nvml is not None:
             self._handles = [self._nvml.nvmlDeviceGetHandleByIndex(i) for i in range(self._nvml.nvmlDeviceGetCount())]
-        gpu_series = [SeriesInfo(f"rank{r}:gpu", f"rank {r} GPU", (), None) for r in self.ranks] if self._nvml else []
+        #: The folder the ranks report their allocators' figures in, when NVML cannot tell their processes.
+        self._reports: str | None = None
+        if engine is not None and self._nvml is not None and not self._nvml_knows_the_ranks(self._nvml_used()):
+            self._reports = tempfile.mkdtemp(prefix="vgpu_magic-allocators-")
+            for rank in self.ranks:
+                engine(rank).apply_async(report_allocator, os.path.join(self._reports, str(rank)))
+        of = "GPU (allocator)" if self._reports else "GPU"
+        gpu_series = [SeriesInfo(f"rank{r}:gpu", f"rank {r} {of}", (), None) for r in self.ranks] if self._nvml else []
         rss_series = [SeriesInfo(f"rank{r}:rss", f"rank {r} RSS", (), None, panel="process") for r in self.ranks]
         self.series = (*gpu_series, *rss_series)
         self.devices: tuple[str, ...] = ()
@@ -82,10 +126,8 @@ class RankMemorySampler:
                     values[-1] += child.memory_info().rss
         return values
 
-    def gpu(self) -> list[int | None]:
-        """GPU bytes per rank summed over GPUs, from NVML's per-process accounting."""
-        if self._nvml is None:
-            return [None] * len(self._procs)
+    def _nvml_used(self) -> dict[int, int]:
+        """GPU bytes per PID (NVML's PID namespace), summed over GPUs."""
         used: dict[int, int] = {}
         for handle in self._handles:
             try:
@@ -93,19 +135,48 @@ class RankMemorySampler:
                     used[info.pid] = used.get(info.pid, 0) + int(info.usedGpuMemory or 0)
             except self._nvml.NVMLError:
                 continue
+        return used
+
+    def _nvml_knows_the_ranks(self, used: dict[int, int]) -> bool:
+        """False when NVML lists processes (``used``) but none of the ranks' PIDs: its PIDs are another
+        namespace's."""
+        return not used or any(p is not None and p.pid in used for p in self._procs)
+
+    def gpu(self) -> list[int | None]:
+        """GPU bytes per rank summed over GPUs, from NVML's per-process accounting; ``None`` where
+        NVML cannot tell (no NVML, or its PIDs are another namespace's)."""
+        used = self._nvml_used() if self._nvml is not None else {}
+        if self._nvml is None or not self._nvml_knows_the_ranks(used):
+            return [None] * len(self._procs)
         return [sum(used.get(q.pid, 0) for q in self._family(p)) if p is not None else None for p in self._procs]
+
+    def allocators(self) -> list[tuple[int, int]]:
+        """``(current, peak)`` GPU bytes per rank as its allocators report them (0 before a report)."""
+        found = []
+        for rank in self.ranks:
+            try:
+                with open(os.path.join(self._reports, str(rank))) as report:
+                    current, peak = (int(v) for v in report.read().split())
+            except (OSError, ValueError):
+                current = peak = 0
+            found.append((current, peak))
+        return found
 
     def read(self) -> list[tuple[int, int]]:
         """``(current, peak)`` per series: GPU per rank (where a GPU exists), then RSS per rank."""
-        values = [*(self.gpu() if self._nvml is not None else []), *self.rss()]
+        gpu = self.allocators() if self._reports else self.gpu() if self._nvml is not None else []
+        values = [*gpu, *self.rss()]
         found = []
         for i, value in enumerate(values):
-            current = value or 0
-            self._peaks[i] = max(self._peaks[i], current)
+            current, peak = value if isinstance(value, tuple) else (value or 0, 0)
+            self._peaks[i] = max(self._peaks[i], current, peak)
             found.append((current, self._peaks[i]))
         return found
 
     def close(self) -> None:
+        if self._reports is not None:  # the ranks' reporting threads end with their folder
+            shutil.rmtree(self._reports, ignore_errors=True)
+            self._reports = None
         if self._nvml is not None:
             with contextlib.suppress(self._nvml.NVMLError):
                 self._nvml.nvmlShutdown()
@@ -115,7 +186,7 @@ class RankMemorySampler:
 class RankMonitor:
     """The memory of one ``%%vgpu_run``: a recorder over a
     :class:`RankMemorySampler`, shown live in a notebook (``live=True``),
-    recorded only otherwise.
+    recorded only otherwise. ``engine(rank)`` is the rank's ipyparallel view.
 
     ``start()`` samples once, ``sample()`` at most every ``interval``
     seconds, ``finish()`` samples once more, shows the final image and
@@ -130,11 +201,12 @@ class RankMonitor:
         interval: float = 0.2,
         view: Any = None,
         launched: bool = False,
+        engine: Callable[[int], Any] | None = None,
     ) -> None:
         from ..monitor.recorder import MemoryRecorder
         from ..monitor.views import NullView
 
-        self.sampler = RankMemorySampler(pids, gpu, launched)
+        self.sampler = RankMemorySampler(pids, gpu, launched, engine)
         if not self.sampler.series:  # every rank on another host: nothing to show from here
             view = None
         elif view is None and live:

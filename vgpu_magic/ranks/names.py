@@ -16,6 +16,8 @@ import ast
 import builtins
 from typing import Any
 
+from ..errors import UnsendableName
+
 __all__ = [
     "RankNames",
     "UnsendableName",
@@ -27,10 +29,6 @@ __all__ = [
     "send_names",
     "split_last_expression",
 ]
-
-
-class UnsendableName(ValueError):
-    """A notebook name the cell reads cannot be pickled for the ranks."""
 
 
 # -- names a cell reads ---------------------------------------------------------------

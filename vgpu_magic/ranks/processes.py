@@ -23,6 +23,7 @@ import sys
 import time
 from typing import Any
 
+from ..errors import ClusterStartError
 from . import lifetime
 from .launchers import LauncherPlan
 
@@ -53,10 +54,6 @@ CONTROLLER_ARGS = (
     f"--HeartMonitor.period={HEARTBEAT_MS}",
     f"--HeartMonitor.max_heartmonitor_misses={30_000 // HEARTBEAT_MS}",
 )
-
-
-class ClusterStartError(RuntimeError):
-    """The cluster could not start or be wired; nothing it started is left running."""
 
 
 #: Seconds a start or stop under way may take to end after an interrupt, before it is left to itself.

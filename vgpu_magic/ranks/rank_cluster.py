@@ -321,6 +321,7 @@ class RankCluster:
             engine_alive=lambda rank: self.client is not None and self.engine_ids[rank] in self.client.ids,
             engine_signal=lambda rank, signum: processes.signal_engine(self.client, self.engine_ids[rank], signum),
             hosts=[place.hostname for place in places],
+            engine=lambda rank: self.client[self.engine_ids[rank]],
         )
 
     def _exit_code(self, rank: int) -> int | None:

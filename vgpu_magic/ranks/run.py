@@ -220,6 +220,8 @@ class RankProcesses:
     engine_alive: Callable[[int], bool] | None = None
     engine_signal: Callable[[int, int], None] | None = None
     hosts: list[str] | None = None
+    #: ``engine(rank)``: the rank's ipyparallel view (its allocator's figures are read through it).
+    engine: Callable[[int], Any] | None = None
 
     def on_this_host(self, rank: int) -> bool:
         return self.local is None or self.local[rank]
@@ -378,7 +380,8 @@ class RankRun:
 
         streams = [line_streams(r) for r in range(n)]
         memory = RankMonitor(
-            self.procs.memory_pids(), self.gpu, live=self.plot, interval=SAMPLE_EVERY, launched=self.launched
+            self.procs.memory_pids(), self.gpu, live=self.plot, interval=SAMPLE_EVERY, launched=self.launched,
+            engine=self.procs.engine,
         )
         start = time.monotonic()
         results: list[Any] = []

@@ -378,6 +378,14 @@ class Jax(Framework):
         backends = getattr(bridge, "_backends", None) or {}
         return any(name in _GPU_PLATFORMS for name in backends)
 
+    def gpu_allocator_bytes(self) -> tuple[int, int] | None:
+        """XLA's allocator statistics over this process' GPUs, once its GPU backend started."""
+        if not self.holds_cuda_context():
+            return None
+        gpus = [d for d in self.load().local_devices() if d.platform in _GPU_PLATFORMS]
+        stats = [d.memory_stats() or {} for d in gpus]
+        return sum(s.get("bytes_in_use", 0) for s in stats), sum(s.get("peak_bytes_in_use", 0) for s in stats)
+
     # -- ranks -----------------------------------------------------------------------
     def plan_ranks(
         self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None

@@ -80,6 +80,14 @@ class Torch(Framework):
         except Exception:  # noqa: BLE001 - a broken torch holds no context we can see
             return False
 
+    def gpu_allocator_bytes(self) -> tuple[int, int] | None:
+        """The caching allocator's reserved bytes over this process' GPUs, now and at their peak."""
+        if not self.holds_cuda_context():
+            return None
+        cuda = sys.modules["torch"].cuda
+        gpus = range(cuda.device_count())
+        return sum(cuda.memory_reserved(i) for i in gpus), sum(cuda.max_memory_reserved(i) for i in gpus)
+
     def probe_inventory(self) -> DeviceInventory:
         """The GPUs CUDA shows this process (NVML; imports no PyTorch), for
         ``%vgpu_status`` and the planner's refusal."""
