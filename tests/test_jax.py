@@ -406,7 +406,7 @@ def test_panel_splits_jax_and_hides_memory_on_cpu():
                       "n": len(jax.devices())}))
     """
     out = last_json(run_python(code).stdout)
-    assert "JAX cannot cap logical CPU devices" in out["note"] and out["hidden"] == ["none", "none"]
+    assert "JAX cannot cap CPU devices" in out["note"] and out["hidden"] == ["none", "none"]
     assert out["message"].startswith("JAX configured 8 CPU devices") and out["n"] == 8
 
 

@@ -152,7 +152,7 @@ warnings.warn("the user's warning")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("level", [None, "0"])
-def test_the_kernel_starts_tensorflow_quietly_unless_the_user_set_a_level(level):
+def test_the_kernel_starts_tensorflow_quietly_unless_the_user_set_a_level(level, no_process_left_behind):
     with started_kernel(env={**as_a_user(), "TF_CPP_MIN_LOG_LEVEL": level}) as (_, kc):
         kernel_run(kc, "%load_ext vgpu_magic")
         out = kernel_output(kc, FIT, timeout=240)

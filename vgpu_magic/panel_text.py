@@ -83,15 +83,18 @@ def gpu_label(gpu: GPUInfo) -> str:
     return f"GPU {gpu.index}: {model} — {total}{gpu.free_mib} MiB free"
 
 
-def heading_html(label: str, notes: tuple[str, ...] | list[str]) -> str:
-    """The panel's first line, with the inventory's notes under it."""
+def heading_html(label: str, notes: tuple[str, ...] | list[str], noun: str = "logical {kind}") -> str:
+    """The panel's first line, with the inventory's notes under it; ``noun`` is the framework's
+    word for a device of a split (:attr:`~vgpu_magic.frameworks.base.Capabilities.device_noun`)."""
     shown = "".join(f"<div>note: {html.escape(n)}</div>" for n in notes)
-    return f"<b>vgpu_magic</b> — split a device into logical {html.escape(label)} devices{shown}"
+    devices = noun.format(kind=label) + ("s" if noun.endswith("device") else " devices")
+    return f"<b>vgpu_magic</b> — split a device into {html.escape(devices)}{shown}"
 
 
-def no_caps_html(label: str) -> str:
+def no_caps_html(label: str, noun: str = "logical {kind}") -> str:
     """Shown instead of the memory controls on the CPU: why there is nothing to set."""
-    text = f"Memory: {label} cannot cap logical CPU devices; they share the host's memory, so there is nothing to set."
+    cpus = noun.format(kind="CPU") + ("s" if noun.endswith("device") else " devices")
+    text = f"Memory: {label} cannot cap {cpus}; they share the host's memory, so there is nothing to set."
     return f"<div style='{TEXT_STYLE};margin:4px 0'><i>{html.escape(text)}</i></div>"
 
 

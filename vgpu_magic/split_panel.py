@@ -169,9 +169,10 @@ class SplitPanel:
         named.update({"output": self.output, "banner": self.banner, "magic-line": self.magic})
         for name, widget in named.items():
             widget.add_class(f"vgpu-{name}")
+        heading = panel_text.heading_html(self.capabilities.label, self.inventory.notes, self.capabilities.device_noun)
         root = widgets.VBox(
             [
-                widgets.HTML(panel_text.heading_html(self.capabilities.label, self.inventory.notes)),
+                widgets.HTML(heading),
                 self.banner,
                 self.target,
                 widgets.HBox([self.count_slider, self.count_text]),
@@ -287,7 +288,9 @@ class SplitPanel:
         on_cpu = self.gpu is None
         for widget in (self.custom, self.even_memory, *self._device_sliders):
             widget.disabled = on_cpu or self.locked
-        self.memory_note.value = panel_text.no_caps_html(self.capabilities.label) if on_cpu else ""
+        self.memory_note.value = (
+            panel_text.no_caps_html(self.capabilities.label, self.capabilities.device_noun) if on_cpu else ""
+        )
         # On the CPU a sizes checkbox would be a control with nothing to control: the note says why.
         self.custom.layout.display = "none" if on_cpu else ""
         self.usage.layout.display = "none" if on_cpu else ""
