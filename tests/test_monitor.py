@@ -801,6 +801,32 @@ def test_a_background_recorder_samples_while_the_training_thread_calls_nothing()
     assert len(trace) == len(calls) - 1  # every read a row (the first one is the baseline)
 
 
+def test_a_reader_that_counts_live_arrays_is_read_on_the_training_thread_only():
+    # JAX's CPU reader counts live arrays: read from the sampling thread in the middle of a step, it saw the
+    # arrays between a donated buffer's end and its replacement, and the live view dipped to 0 B.
+    import threading
+    import time
+
+    from vgpu_magic.frameworks.jax.memory import MemoryReader
+
+    readers: list = []
+
+    def reader(names):
+        readers.append(threading.current_thread())
+        return [(MIB, MIB) for _ in names]
+
+    reader.training_thread_only = MemoryReader.training_thread_only
+    recorder = MemoryRecorder(lambda: DeviceSampler(build_series(CPUS), reader=reader), None, interval=0.001,
+                              background=True)  # fmt: skip
+    recorder.start("fit")
+    for step in range(5):
+        time.sleep(0.02)  # the sampling thread would have sampled several times meanwhile
+        recorder.tick(step)
+    trace = recorder.finish()
+    assert len(trace) >= 1 and readers
+    assert set(readers) == {threading.current_thread()}
+
+
 def test_devices_join_the_run_once_a_runtime_starts_in_it():
     clock, reports = FakeClock(), []
     runtime = {"started": False}

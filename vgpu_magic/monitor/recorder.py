@@ -198,7 +198,7 @@ class MemoryRecorder:
         while not self._stop.wait(max(0.0, self._last + self.interval - self.clock())):
             with self._lock:
                 now = self.clock()
-                if self.active and now - self._last >= self.interval:
+                if self.active and now - self._last >= self.interval and not self._on_training_thread_only():
                     self._sample_at(now)
 
     def _stop_thread(self) -> None:
@@ -214,10 +214,13 @@ class MemoryRecorder:
             self.step = step
         if getattr(self._sampler, "provisional", False):
             self._maybe_join()
-        if self._thread is None:
+        if self._thread is None or self._on_training_thread_only():
             now = self.clock()
             if now - self._last >= self.interval:
                 self._sample_at(now)
+
+    def _on_training_thread_only(self) -> bool:
+        return getattr(self._sampler, "training_thread_only", False)
 
     def sample(self, step: int | None = None, epoch: int | None = None) -> None:
         """Like :meth:`tick`; a new ``epoch`` is marked as an epoch start."""

@@ -252,6 +252,8 @@ class DeviceSampler:
             raise ValueError("the process series comes after every device series")
         self._names = [short_name(s.devices[0]) for s in device_series]
         self._reader = reader
+        #: The reader must be read where the training runs (:attr:`MemoryReader.training_thread_only`).
+        self.training_thread_only = getattr(reader, "training_thread_only", False)
         self._process = None
         self._process_last: tuple[int, int] = (0, 0)
         self._process_time = -float("inf")

@@ -163,6 +163,10 @@ class MemoryReader:
     run). ``None`` counts on every call.
     """
 
+    #: Read it on the training thread only: counted from another thread in the middle of a step, the live
+    #: arrays are those between a donated buffer's end and its replacement, and the count dips to 0 B.
+    training_thread_only = True
+
     def __init__(
         self,
         jax: Any,
