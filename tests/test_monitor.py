@@ -585,6 +585,9 @@ class FakeFramework:
     def read_configuration(self):
         return self.snapshot
 
+    def device_label(self, name):  # its own words for its devices, as JAX's "cpu:3"
+        return name.rpartition("/device:")[2].lower()
+
     def memory_reader(self):
         def read(names):
             self.calls.append(list(names))
@@ -597,10 +600,11 @@ def test_a_framework_whose_cpus_have_their_own_memory_gets_one_series_each_plus_
     fw = FakeFramework()
     model = type("Model", (), {})()  # no distribute_strategy: nothing assumed
     sampler = DeviceSampler.for_framework(fw, model=model)
+    # Labelled in the framework's words; read by the devices' names.
     assert [(s.key, s.label) for s in sampler.series] == [
-        ("/device:CPU:0", "CPU:0"),
-        ("/device:CPU:1", "CPU:1"),
-        ("/device:CPU:2", "CPU:2"),
+        ("/device:CPU:0", "cpu:0"),
+        ("/device:CPU:1", "cpu:1"),
+        ("/device:CPU:2", "cpu:2"),
         ("process", "process RSS (all memory of this Python process)"),
     ]
     readings = sampler.read()
@@ -610,6 +614,14 @@ def test_a_framework_whose_cpus_have_their_own_memory_gets_one_series_each_plus_
     assert fw.calls == [["CPU:0", "CPU:1", "CPU:2"]]
     shared = DeviceSampler.for_framework(FakeFramework(shared=True))
     assert [s.key for s in shared.series] == ["host", "process"]
+
+
+def test_jax_names_its_devices_in_its_own_words_and_tensorflow_in_its_own():
+    from vgpu_magic import frameworks
+
+    assert frameworks.get("jax").device_label("/device:CPU:3") == "cpu:3"
+    assert frameworks.get("jax").device_label("/device:GPU:1") == "cuda:1"
+    assert frameworks.get("tensorflow").device_label("/device:GPU:1") == "GPU:1"
 
 
 def test_process_memory_matches_psutil():

@@ -337,6 +337,10 @@ class Framework:
         can tell. Only called once the runtime runs."""
         return {}
 
+    def device_label(self, name: str) -> str:
+        """What the framework calls the device ``name`` (``"/device:CPU:3"``) in its own words: ``"CPU:3"``."""
+        return name.rpartition("/device:")[2]
+
     def memory_reader(self) -> Reader:
         """A fast :data:`Reader` for the monitor. Only called once the runtime runs."""
         raise NotImplementedError

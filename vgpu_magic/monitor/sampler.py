@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from time import perf_counter
 from typing import Any
 
@@ -274,6 +275,8 @@ class DeviceSampler:
         names = monitored_devices(framework, devices, model=model, strategy=strategy)
         shared = framework.capabilities.cpus_share_allocator
         series = build_series(names, device_caps(framework), shared_cpus=shared, process=process)
+        # A device's own series is labelled in the framework's words (JAX: "cpu:3").
+        series = [replace(s, label=framework.device_label(s.key)) if s.devices == (s.key,) else s for s in series]
         sampler = cls(series, framework.memory_reader())
         sampler.subject = f"{framework.capabilities.label} · {len(names)} device{'s' * (len(names) != 1)}"
         return sampler

@@ -366,6 +366,11 @@ class Jax(Framework):
             return {}
         return {name: {"current": cur, "peak": peak} for name, (cur, peak) in zip(devices, values)}
 
+    def device_label(self, name: str) -> str:
+        """JAX's own name, as ``str(jax.devices()[i])``: ``"/device:CPU:3"`` is ``"cpu:3"``."""
+        kind, _, index = name.rpartition("/device:")[2].partition(":")
+        return DEVICE_NAMES[kind == "GPU"].format(index)
+
     def memory_reader(self) -> Reader:
         """The monitor's :class:`~vgpu_magic.frameworks.jax.memory.MemoryReader`:
         allocator statistics where a device has them (GPU), else the exact bytes
