@@ -33,7 +33,7 @@ from . import names, processes
 from .hosts import HostReport, RankLayout, layout_ranks, on_this_host, predicted_layout, prepare_rank, report_host
 from .launchers import LAUNCHERS, LauncherPlan, plan_launcher
 from .processes import ClusterStartError
-from .run import RankProcesses, RankRun, RankRunError
+from .run import RankProcesses, RankRun, RankRunError, interrupt_only_the_cell
 from .status import RankInfo, cluster_lines, rank_infos
 
 __all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current"]
@@ -226,6 +226,7 @@ class RankCluster:
             self.view.block = True
             self.plans = self.fw.plan_ranks(self.layout, self.split, self.memory_mib, self.port)
             self._wire()
+            self.view.apply_sync(interrupt_only_the_cell)
         except BaseException as exc:
             # The start's own error first; what the cleanup found after it, never instead of it.
             try:

@@ -50,6 +50,7 @@ __all__ = [
     "RankFailure",
     "RankRunError",
     "RankRun",
+    "interrupt_only_the_cell",
     "process_alive",
 ]
 
@@ -288,8 +289,9 @@ class RankRun:
         return RankFailure(rank, "died", f"{how} ({self.procs.where(rank)})", (f"rank {rank} {how}",))
 
     def _stop_others(self, results: list[Any], done: set[int]) -> tuple[list[int], list[int]]:
-        """SIGINT every rank still running (not in ``done``); kill those still busy after GRACE. A rank
-        whose engine went idle without a reply (an interrupt that came as it was replying) is not stuck."""
+        """SIGINT every rank still running (not in ``done``, nor :func:`_settled`); kill those still busy
+        after GRACE. A rank whose engine went idle without a reply (an interrupt that came as it was
+        replying) is not stuck."""
         running = [r for r, ar in enumerate(results) if r not in done and not _settled(ar) and self._alive(r)]
         for rank in running:
             self.procs.signal(rank, signal.SIGINT)
@@ -403,10 +405,14 @@ def _traceback(exc: BaseException) -> tuple[str, ...]:
 
 
 def _settled(ar: Any) -> bool:
-    """Has the rank finished its work: its reply arrived, or its engine said it went idle (the status
-    ipyparallel resolves each message's output future with; ``ar.wait_for_output`` waits for the reply too)?"""
+    """Is the rank done with the work: its reply came, or its code raised (the error it published
+    comes before its reply), or its engine said it went idle (the status ipyparallel resolves each
+    message's output future with; ``ar.wait_for_output`` waits for the reply too)? A rank whose code is
+    done is never interrupted: SIGINT in an engine after the user's code can lose the reply, or leave it
+    refusing the next cell (ipykernel aborts what follows an error until a callback the interrupt
+    can pre-empt)."""
     children = getattr(ar, "_children", ())
-    return ar.ready() or (bool(children) and all(child.output.done() for child in children))
+    return ar.ready() or _error(ar) is not None or (bool(children) and all(c.output.done() for c in children))
 
 
 def _error(ar: Any) -> BaseException | None:
@@ -416,6 +422,26 @@ def _error(ar: Any) -> BaseException | None:
     metadata = getattr(ar, "metadata", None)
     metadata = metadata[0] if isinstance(metadata, list) and metadata else metadata
     return metadata.get("error") if isinstance(metadata, dict) else None
+
+
+def interrupt_only_the_cell() -> None:
+    """On a rank's engine: SIGINT interrupts a cell's own code, and nothing else. ipykernel takes SIGINT
+    for the whole of each request, so an interrupt meant for a cell that had just finished landed in
+    the kernel around it: the reply was lost, or the engine's event loop ended (the rank "exited with
+    status 0"). And a cell that failed no longer aborts the next one: ipykernel aborts the cells
+    queued behind an error, as a notebook's queue, and a run sent as soon as the last one failed can
+    reach the engine before it stops aborting."""
+    import signal
+
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    shell.events.register("pre_execute", lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
+    shell.events.register("post_execute", lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    shell.kernel.pre_handler_hook = lambda: None
+    shell.kernel.post_handler_hook = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)
+    shell.kernel._abort_queues = lambda *args, **kwargs: None
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def process_alive(pid: int) -> bool:
