@@ -407,10 +407,8 @@ def _traceback(exc: BaseException) -> tuple[str, ...]:
 def _settled(ar: Any) -> bool:
     """Is the rank done with the work: its reply came, or its code raised (the error it published
     comes before its reply), or its engine said it went idle (the status ipyparallel resolves each
-    message's output future with; ``ar.wait_for_output`` waits for the reply too)? A rank whose code is
-    done is never interrupted: SIGINT in an engine after the user's code can lose the reply, or leave it
-    refusing the next cell (ipykernel aborts what follows an error until a callback the interrupt
-    can pre-empt)."""
+    message's output future with; ``ar.wait_for_output`` waits for the reply too)? A rank that is done
+    is not interrupted, nor killed for a reply that an interrupt lost."""
     children = getattr(ar, "_children", ())
     return ar.ready() or _error(ar) is not None or (bool(children) and all(c.output.done() for c in children))
 
