@@ -125,13 +125,9 @@ def _grouped(failures: list[RankFailure], key: str) -> list[tuple[Any, list[int]
     return list(groups.items())
 
 
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
-
-
 def _rank_s(ranks: list[int]) -> str:
     """``"rank 0"`` or ``"ranks 0, 1"``, in rank order."""
-    return f"rank{'s' if len(ranks) > 1 else ''} {_ranks(sorted(ranks))}"
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in sorted(ranks))}"
 
 
 # -- watching the ranks ---------------------------------------------------------------
@@ -264,7 +260,10 @@ class RankRun:
         exc = _error(ar)
         # A remote error's own traceback, without ipyparallel's "[engine:method]" line (the lines are labelled by rank).
         text = getattr(exc, "traceback", None)
-        tb = (text,) if isinstance(text, str) and text else _traceback(exc)
+        if isinstance(text, str) and text:
+            tb: tuple[str, ...] = (text,)
+        else:
+            tb = tuple(exc.render_traceback()) if hasattr(exc, "render_traceback") else (str(exc),)
         ename = getattr(exc, "ename", type(exc).__name__)
         evalue = getattr(exc, "evalue", str(exc))
         if ename == "EngineError" or not self._alive(rank):
@@ -400,10 +399,6 @@ class RankRun:
         return results
 
 
-def _traceback(exc: BaseException) -> tuple[str, ...]:
-    return tuple(exc.render_traceback()) if hasattr(exc, "render_traceback") else (str(exc),)
-
-
 def _settled(ar: Any) -> bool:
     """Is the rank done with the work: its reply came, or its code raised (the error it published
     comes before its reply), or its engine said it went idle (the status ipyparallel resolves each
@@ -423,12 +418,10 @@ def _error(ar: Any) -> BaseException | None:
 
 
 def interrupt_only_the_cell() -> None:
-    """On a rank's engine: SIGINT interrupts a cell's own code, and nothing else. ipykernel takes SIGINT
-    for the whole of each request, so an interrupt meant for a cell that had just finished landed in
-    the kernel around it: the reply was lost, or the engine's event loop ended (the rank "exited with
-    status 0"). And a cell that failed no longer aborts the next one: ipykernel aborts the cells
-    queued behind an error, as a notebook's queue, and a run sent as soon as the last one failed can
-    reach the engine before it stops aborting."""
+    """On a rank's engine: SIGINT interrupts a cell's own code only (ipykernel takes it for the whole
+    request: one meant for a cell that had just finished lost the reply, or ended the engine's loop),
+    and a failed cell does not abort the next one (ipykernel's abort of the cells queued behind an
+    error can catch a run sent as soon as the last one failed)."""
     import signal
 
     from IPython import get_ipython
