@@ -34,7 +34,7 @@ from . import launch, names, processes
 from .hosts import HostReport, RankLayout, layout_ranks, on_this_host, predicted_layout, prepare_rank, report_host
 from .launchers import LAUNCHERS, MAX_RANKS, LauncherPlan, plan_launcher
 from .processes import ClusterStartError
-from .run import RankProcesses, RankRun, RankRunError
+from .run import RankProcesses, RankRun, RankRunError, interrupt_only_the_cell
 from .shown import HeldBack, rank_env
 from .status import RankInfo, cluster_lines, rank_infos
 
@@ -244,6 +244,7 @@ class RankCluster:
             self.view.block = True
             self.plans = self._plan_ranks()
             self._wire()
+            self.view.apply_sync(interrupt_only_the_cell)
             self._warm()
         except BaseException as exc:
             # The start's own error first; what the cleanup found after it, never instead of it.

@@ -52,6 +52,7 @@ __all__ = [
     "RankFailure",
     "RankRunError",
     "RankRun",
+    "interrupt_only_the_cell",
     "process_alive",
 ]
 
@@ -126,13 +127,9 @@ def _grouped(failures: list[RankFailure], key: str) -> list[tuple[Any, list[int]
     return list(groups.items())
 
 
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
-
-
 def _rank_s(ranks: list[int]) -> str:
     """``"rank 0"`` or ``"ranks 0, 1"``, in rank order."""
-    return f"rank{'s' if len(ranks) > 1 else ''} {_ranks(sorted(ranks))}"
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in sorted(ranks))}"
 
 
 # -- watching the ranks ---------------------------------------------------------------
@@ -299,7 +296,10 @@ class RankRun:
         # A remote error's own traceback as the notebook's cell, without ipyparallel's "[engine:method]" line
         # (the lines are labelled by rank).
         text = getattr(exc, "traceback", None)
-        tb = tuple(notebook_traceback(text, running_cell())) if isinstance(text, str) and text else _traceback(exc)
+        if isinstance(text, str) and text:
+            tb: tuple[str, ...] = tuple(notebook_traceback(text, running_cell()))
+        else:
+            tb = tuple(exc.render_traceback()) if hasattr(exc, "render_traceback") else (str(exc),)
         ename = getattr(exc, "ename", type(exc).__name__)
         evalue = getattr(exc, "evalue", str(exc))
         if ename == "EngineError" or not self._alive(rank):
@@ -328,8 +328,9 @@ class RankRun:
         return RankFailure(rank, "died", f"{how} ({self.procs.where(rank)})", (f"rank {rank} {how}",))
 
     def _stop_others(self, results: list[Any], done: set[int]) -> tuple[list[int], list[int]]:
-        """SIGINT every rank still running (not in ``done``); kill those still busy after GRACE. A rank
-        whose engine went idle without a reply (an interrupt that came as it was replying) is not stuck."""
+        """SIGINT every rank still running (not in ``done``, nor :func:`_settled`); kill those still busy
+        after GRACE. A rank whose engine went idle without a reply (an interrupt that came as it was
+        replying) is not stuck."""
         running = [r for r, ar in enumerate(results) if r not in done and not _settled(ar) and self._alive(r)]
         for rank in running:
             self.procs.signal(rank, signal.SIGINT)
@@ -450,15 +451,13 @@ class RankRun:
         return results
 
 
-def _traceback(exc: BaseException) -> tuple[str, ...]:
-    return tuple(exc.render_traceback()) if hasattr(exc, "render_traceback") else (str(exc),)
-
-
 def _settled(ar: Any) -> bool:
-    """Has the rank finished its work: its reply arrived, or its engine said it went idle (the status
-    ipyparallel resolves each message's output future with; ``ar.wait_for_output`` waits for the reply too)?"""
+    """Is the rank done with the work: its reply came, or its code raised (the error it published
+    comes before its reply), or its engine said it went idle (the status ipyparallel resolves each
+    message's output future with; ``ar.wait_for_output`` waits for the reply too)? A rank that is done
+    is not interrupted, nor killed for a reply that an interrupt lost."""
     children = getattr(ar, "_children", ())
-    return ar.ready() or (bool(children) and all(child.output.done() for child in children))
+    return ar.ready() or _error(ar) is not None or (bool(children) and all(c.output.done() for c in children))
 
 
 def _error(ar: Any) -> BaseException | None:
@@ -468,6 +467,24 @@ def _error(ar: Any) -> BaseException | None:
     metadata = getattr(ar, "metadata", None)
     metadata = metadata[0] if isinstance(metadata, list) and metadata else metadata
     return metadata.get("error") if isinstance(metadata, dict) else None
+
+
+def interrupt_only_the_cell() -> None:
+    """On a rank's engine: SIGINT interrupts a cell's own code only (ipykernel takes it for the whole
+    request: one meant for a cell that had just finished lost the reply, or ended the engine's loop),
+    and a failed cell does not abort the next one (ipykernel's abort of the cells queued behind an
+    error can catch a run sent as soon as the last one failed)."""
+    import signal
+
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    shell.events.register("pre_execute", lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
+    shell.events.register("post_execute", lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    shell.kernel.pre_handler_hook = lambda: None
+    shell.kernel.post_handler_hook = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)
+    shell.kernel._abort_queues = lambda *args, **kwargs: None
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def process_alive(pid: int) -> bool:
