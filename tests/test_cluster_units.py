@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import threading
+from dataclasses import replace
 
 import psutil
 import pytest
@@ -55,14 +56,16 @@ def GPU(index: int, total_gib: int, free_gib: int | None = None, cc=None, nvml_i
     )
 
 
-def loopback(n: int, gpus=(), ports=None):
-    """``n`` engines on one loopback host, each reporting ``gpus`` and a port chosen there."""
+def loopback(n: int, gpus=(), ports=None, nccl=None):
+    """``n`` engines on one loopback host, each reporting ``gpus``, a port chosen there and its NCCL version."""
     ports = ports or [40000 + i for i in range(n)]
-    return layout_ranks([HostReport(i, "node0", "127.0.0.1", 1000 + i, tuple(gpus), ports[i]) for i in range(n)])
+    return layout_ranks(
+        [HostReport(i, "node0", "127.0.0.1", 1000 + i, tuple(gpus), ports[i], nccl=nccl) for i in range(n)]
+    )
 
 
-def plan(framework, n, split=None, memory=None, gpus=(), ports=None, port=None):
-    return get(framework).plan_ranks(loopback(n, gpus, ports), split, memory, port)
+def plan(framework, n, split=None, memory=None, gpus=(), ports=None, port=None, nccl=None):
+    return get(framework).plan_ranks(loopback(n, gpus, ports, nccl), split, memory, port)
 
 
 def test_torch_environment_is_torchruns():
@@ -80,14 +83,17 @@ def test_torch_environment_is_torchruns():
 def test_torch_on_gpu_shaped_data_shares_one_gpu_with_gloo_and_caps():
     one_gpu = [GPU(0, 80)]
     plans = plan("torch", 2, gpus=one_gpu)
-    # NCCL refuses two ranks on one GPU: gloo, both on GPU 0, half the memory each, and the notes say why.
-    assert [p.args for p in plans] == [("gloo", 0, 0.5), ("gloo", 0, 0.5)]
-    assert any("share a GPU, so gloo" in note for note in plans[0].notes)
+    # NCCL refuses two ranks on one GPU: gloo, both on GPU 0, and cuda:LOCAL_RANK is GPU 0 for both.
+    # Each gets half of what is left after both ranks' CUDA contexts (1024 MiB each): (81920 - 2 * 1024) / 2.
+    assert [p.args for p in plans] == [("gloo", 0, 39936), ("gloo", 0, 39936)]
+    assert [p.env["LOCAL_RANK"] for p in plans] == ["0", "0"]
+    assert any("ranks share GPU 0: LOCAL_RANK is that GPU's index" in note for note in plans[0].notes)
     plans = plan("torch", 2, memory=8 * GIB_MIB, gpus=one_gpu)
-    assert [p.args for p in plans] == [("gloo", 0, 0.1), ("gloo", 0, 0.1)]
+    assert [p.args for p in plans] == [("gloo", 0, 8192), ("gloo", 0, 8192)]
     two_gpus = [GPU(0, 80), GPU(1, 80)]
     plans = plan("torch", 2, gpus=two_gpus)
-    assert [p.args for p in plans] == [("nccl", 0, 1.0), ("nccl", 1, 1.0)]
+    assert [p.args for p in plans] == [("nccl", 0, 80896), ("nccl", 1, 80896)]
+    assert [p.env["LOCAL_RANK"] for p in plans] == ["0", "1"]
 
 
 def test_tensorflow_config_is_a_loopback_worker_cluster():
@@ -104,16 +110,15 @@ def test_tensorflow_config_is_a_loopback_worker_cluster():
 
 def test_tensorflow_split_on_gpu_shaped_data_and_refused_on_cpu():
     plans = plan("tensorflow", 2, split=2, gpus=[GPU(0, 16, free_gib=16, cc=(8, 0))])
-    # 2 workers share GPU 0: 16384 MiB free minus TensorFlow's 1536 MiB reserve (compute capability 8) is
-    # 14848 MiB, 7424 MiB each, as 2 logical GPUs of 3712 MiB: the planner's reserve, as for %vgpu_split.
-    assert [p.args for p in plans] == [(0, 2, 3712), (0, 2, 3712)]
+    # 2 workers share GPU 0, and each keeps TensorFlow's reserve (1536 MiB at compute capability 8, room for its
+    # CUDA context too): 16384 MiB free minus 2 × 1536 is 13312 MiB, 6656 MiB each, as 2 logical GPUs of 3328 MiB.
+    assert [p.args for p in plans] == [(0, 2, 3328), (0, 2, 3328)]
     with pytest.raises(ValueError, match="one CPU device per worker"):
         plan("tensorflow", 2, split=2)
-    # The planner's own messages: a share below its minimum, and an unknown free memory.
+    # The planner's own message for a share below its minimum; an unknown free memory shares the total.
     with pytest.raises(ValueError, match=r"memory 40 MiB is too small for a logical GPU"):
         plan("tensorflow", 2, split=4, memory=160, gpus=[GPU(0, 16, free_gib=16, cc=(8, 0))])
-    with pytest.raises(ValueError, match="free memory of GPU 0 is unknown"):
-        plan("tensorflow", 2, split=2, gpus=[GPU(0, 16)])
+    assert [p.args for p in plan("tensorflow", 2, split=2, gpus=[GPU(0, 16, cc=(8, 0))])] == [(0, 2, 3328)] * 2
 
 
 def test_jax_coordinator_and_devices():
@@ -131,10 +136,19 @@ def test_jax_coordinator_and_devices():
     ]
     # The devices are planned on the rank (setup_rank): 2 CPU devices each, no cap.
     assert [p.args for p in plans] == [("127.0.0.1:5000", 2, 0, None, 2, None), ("127.0.0.1:5000", 2, 1, None, 2, None)]
-    gpu_plans = plan("jax", 2, gpus=[GPU(0, 40)])
-    assert [p.args[3:] for p in gpu_plans] == [(0, 1, 20 * GIB_MIB)] * 2
-    assert "memory fraction 0.50 each" in gpu_plans[0].notes[0]
+    gpu_plans = plan("jax", 2, gpus=[GPU(0, 40)], nccl=(2, 30, 7))
+    # Half of what is left after both ranks' CUDA contexts: (40960 - 2 * 1024) / 2.
+    assert [p.args[3:] for p in gpu_plans] == [(0, 1, 19456)] * 2
+    assert "19456 MiB each" in gpu_plans[0].notes[0]
     assert [p.env["JAX_LOCAL_DEVICE_IDS"] for p in gpu_plans] == ["0", "0"]
+    # NCCL 2.30+ lets two ranks use one GPU when asked; older ones refuse at the first collective.
+    assert [p.env["NCCL_MULTI_RANK_GPU_ENABLE"] for p in gpu_plans] == ["1", "1"]
+    with pytest.raises(ValueError, match=r"^2 JAX ranks would share GPU 0 of node0 with NCCL 2\.28\.9, which refuses"):
+        plan("jax", 2, gpus=[GPU(0, 40)], nccl=(2, 28, 9))
+    with pytest.raises(ValueError, match=r"an NCCL whose version cannot be read.*start one rank per GPU, or CPU ranks"):
+        plan("jax", 2, gpus=[GPU(0, 40)])
+    own = plan("jax", 2, gpus=[GPU(0, 40), GPU(1, 40)])
+    assert [(p.args[3], "NCCL_MULTI_RANK_GPU_ENABLE" in p.env) for p in own] == [(0, False), (1, False)]
     with pytest.raises(ValueError, match="cannot split one GPU"):
         plan("jax", 2, split=2, gpus=[GPU(0, 40)])
 
@@ -144,7 +158,15 @@ def test_jax_coordinator_and_devices():
     [
         ("torch", 2, 2, None, [], "--split 2 has no meaning for torch"),
         ("torch", 2, None, GIB_MIB, [], "needs a GPU"),
-        ("torch", 2, None, 48 * GIB_MIB, [GPU(0, 80)], "exceeds its 81920 MiB; use at most 40960MiB"),
+        (
+            "torch",
+            2,
+            None,
+            48 * GIB_MIB,
+            [GPU(0, 80)],
+            r"exceeds its 79872 MiB \(81920 MiB in all \(free memory unknown\) minus 2 × 1024 MiB for each rank's "
+            r"CUDA context and PyTorch's reserve\); use at most 39936MiB",
+        ),
         ("jax", 2, 0, None, [], "--split 0 is out of range"),
     ],
 )
@@ -171,18 +193,20 @@ def test_ranks_on_two_hosts_are_grouped_by_host_and_wired_per_host():
         ("0", "0", "2", "0"),
         ("1", "1", "2", "0"),
         ("2", "0", "2", "1"),
-        ("3", "1", "2", "1"),
+        ("3", "0", "2", "1"),  # host b's ranks share its GPU 0: cuda:LOCAL_RANK is that card for both
     ]
     assert {(p.env["MASTER_ADDR"], p.env["MASTER_PORT"], p.env["GROUP_WORLD_SIZE"]) for p in torch} == {
         ("10.0.0.1", "41000", "2")
     }
     # Host b's two ranks share its GPU, so gloo for everyone; each rank's GPU is CUDA's index on its host.
     assert [p.args[:2] for p in torch] == [("gloo", 0), ("gloo", 1), ("gloo", 0), ("gloo", 0)]
-    assert [p.args[2] for p in torch] == [1.0, 1.0, 0.5, 0.5]
+    assert [p.args[2] for p in torch] == [80896, 80896, 19456, 19456]
     tf = get("tensorflow").plan_ranks(layout, None, 4096, None)
     workers = json.loads(tf[0].env["TF_CONFIG"])["cluster"]["worker"]
     assert workers == ["10.0.0.1:41000", "10.0.0.1:41002", "10.0.0.2:41001", "10.0.0.2:41003"]
-    jax = get("jax").plan_ranks(layout, None, None, None)
+    with pytest.raises(ValueError, match="2 JAX ranks would share GPU 0 of b with an NCCL whose version"):
+        get("jax").plan_ranks(layout, None, None, None)
+    jax = get("jax").plan_ranks(layout_ranks([replace(r, nccl=(2, 30, 7)) for r in reports]), None, None, None)
     assert {p.args[0] for p in jax} == {"10.0.0.1:41000"}
 
 
@@ -193,7 +217,7 @@ def test_a_gpu_per_local_rank_gives_nccl_and_launcher_ranks_win():
     layout = layout_ranks(reports)
     assert [p.engine_id for p in layout.places] == [1, 0]  # mpiexec's ranks, not the engines' order
     plans = get("torch").plan_ranks(layout, None, None, None)
-    assert [p.args for p in plans] == [("nccl", 0, 1.0), ("nccl", 1, 1.0)]
+    assert [p.args for p in plans] == [("nccl", 0, 80896), ("nccl", 1, 80896)]
     assert not any("gloo" in note for note in plans[0].notes)
 
 
@@ -215,7 +239,7 @@ def test_a_rank_reports_its_host():
 
 def test_a_rank_reports_its_gpus_in_cudas_order_never_nvmls(monkeypatch):
     from vgpu_magic import inventory
-    from vgpu_magic.ranks.hosts import visible_gpus
+    from vgpu_magic.inventory import visible_gpus
 
     nvml = [
         {

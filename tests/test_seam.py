@@ -236,3 +236,28 @@ def test_a_tensorflow_split_warns_about_keras_on_another_backend_too(monkeypatch
     text = frameworks.get("tensorflow").keras_backend_warning()
     assert text is not None and "jax backend" in text and "TensorFlow devices" in text
     assert frameworks.get("jax").keras_backend_warning() is None
+
+
+def test_frameworks_import_nothing_from_the_layers_above_them():
+    """Layers point down: ``frameworks/`` (and the planner and inventory it reads) import
+    nothing from ``ranks/`` or ``monitor/``, at import time or inside a function; the rank
+    and host layout they plan from is plain data in ``vgpu_magic.layout``."""
+    import ast
+    from pathlib import Path
+
+    package = Path(frameworks.__file__).parent.parent
+    below = [*sorted((package / "frameworks").rglob("*.py")), package / "planner.py", package / "inventory.py"]
+    upward = []
+    for path in below:
+        module = ".".join(path.relative_to(package.parent).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                parts = module.split(".")[: len(module.split(".")) - node.level] if node.level else []
+                target = ".".join([*parts, node.module or ""]) if node.level else node.module or ""
+            elif isinstance(node, ast.Import):
+                target = ",".join(alias.name for alias in node.names)
+            else:
+                continue
+            if any(f"vgpu_magic.{layer}" in target for layer in ("ranks", "monitor")):
+                upward.append(f"{path.relative_to(package)}:{node.lineno} imports {target}")
+    assert upward == []

@@ -13,6 +13,7 @@ one line.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -30,7 +31,28 @@ __all__ = [
     "open_nvml",
     "cuda_to_nvml_order",
     "cuda_gpus",
+    "visible_gpus",
+    "cuda_total_bytes",
+    "nccl_version",
+    "MULTI_RANK_NCCL",
+    "CUDA_CONTEXT_MIB",
+    "cuda_context_mib",
 ]
+
+#: GPU memory a process takes outside its framework's allocator and cap (its CUDA context, the
+#: libraries' handles and workspaces): measured on an H100 (torch 2.11, CUDA 13) for a DDP rank
+#: after five steps, NVML's "used" for the process minus torch's reserved memory was 880 MiB.
+CUDA_CONTEXT_MIB = 1024
+
+
+def cuda_context_mib(free_mib: int, compute_capability: tuple[int, int] | None) -> int:
+    """What a framework that keeps nothing back itself must leave on a GPU for its process: the context."""
+    return CUDA_CONTEXT_MIB
+
+
+#: The first NCCL that lets several ranks use one GPU (``NCCL_MULTI_RANK_GPU_ENABLE=1``); older
+#: ones refuse at the first communicator ("Duplicate GPU detected", measured with NCCL 2.28.9).
+MULTI_RANK_NCCL = (2, 30)
 
 
 @dataclass(frozen=True)
@@ -43,6 +65,8 @@ class GPUInfo:
     free_mib: int | None = None
     compute_capability: tuple[int, int] | None = None
     nvml_index: int | None = None
+    #: NVML's UUID (``GPU-…``, or ``MIG-…`` for a MIG device), where known.
+    uuid: str | None = None
 
     @property
     def name(self) -> str:
@@ -128,7 +152,9 @@ def _text(value: Any) -> str:
 
 
 def nvml_gpus() -> list[dict[str, Any]]:
-    """Every GPU NVML can see, in NVML (PCI) order, as plain dicts.
+    """Every GPU NVML can see, in NVML (PCI) order, as plain dicts; a GPU in MIG
+    mode is its MIG devices, each with its own memory and ``MIG-…`` UUID (what
+    ``CUDA_VISIBLE_DEVICES`` names; the whole card's memory is not theirs to share).
 
     Raises :class:`NVMLReadError` when NVML fails part-way.
     """
@@ -139,22 +165,23 @@ def nvml_gpus() -> list[dict[str, Any]]:
     try:
         for i in range(nvml.nvmlDeviceGetCount()):
             handle = nvml.nvmlDeviceGetHandleByIndex(i)
-            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
-            try:
-                cc = tuple(nvml.nvmlDeviceGetCudaComputeCapability(handle))
-            except nvml.NVMLError:
-                cc = None
-            gpus.append(
-                {
-                    "nvml_index": i,
-                    "model": _text(nvml.nvmlDeviceGetName(handle)),
-                    "total_mib": int(mem.total // MIB),
-                    "total_bytes": int(mem.total),
-                    "free_mib": int(mem.free // MIB),
-                    "compute_capability": cc,
-                    "uuid": _text(nvml.nvmlDeviceGetUUID(handle)),
-                }
-            )
+            for device in _mig_devices(nvml, handle) or [handle]:
+                mem = nvml.nvmlDeviceGetMemoryInfo(device)
+                try:
+                    cc = tuple(nvml.nvmlDeviceGetCudaComputeCapability(handle))
+                except nvml.NVMLError:
+                    cc = None
+                gpus.append(
+                    {
+                        "nvml_index": i,
+                        "model": _text(nvml.nvmlDeviceGetName(device)),
+                        "total_mib": int(mem.total // MIB),
+                        "total_bytes": int(mem.total),
+                        "free_mib": int(mem.free // MIB),
+                        "compute_capability": cc,
+                        "uuid": _text(nvml.nvmlDeviceGetUUID(device)),
+                    }
+                )
     except nvml.NVMLError as exc:
         raise NVMLReadError(
             f"NVML could not read the GPUs ({exc}); check nvidia-smi, or give --memory explicitly"
@@ -163,6 +190,21 @@ def nvml_gpus() -> list[dict[str, Any]]:
         with contextlib.suppress(nvml.NVMLError):
             nvml.nvmlShutdown()
     return gpus
+
+
+def _mig_devices(nvml: Any, handle: Any) -> list[Any]:
+    """The MIG devices of a GPU in MIG mode (empty otherwise, or where NVML has no MIG calls)."""
+    try:
+        if nvml.nvmlDeviceGetMigMode(handle)[0] != 1:
+            return []
+        slots = nvml.nvmlDeviceGetMaxMigDeviceCount(handle)
+    except (nvml.NVMLError, AttributeError):
+        return []
+    found = []
+    for k in range(slots):
+        with contextlib.suppress(nvml.NVMLError):  # an empty slot
+            found.append(nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, k))
+    return found
 
 
 def nvml_pids_with_context() -> dict[int, set[int]]:
@@ -194,18 +236,22 @@ def cuda_to_nvml_order(n_gpus: int, nvml: list[dict[str, Any]]) -> list[dict[str
     """Match a framework's GPU i (CUDA's numbering) to an NVML device.
 
     Frameworks number the GPUs CUDA shows them; ``CUDA_VISIBLE_DEVICES``
-    (indices or UUIDs) says which NVML devices those are. Without it the orders
+    (indices or UUIDs) says which NVML devices those are; set and empty, none. Without it the orders
     agree on the usual machines (``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes it certain).
     """
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None or not visible.strip():
+    if visible is None:
         order = nvml
+    elif not visible.strip():
+        order = []  # set and empty: CUDA shows no device at all
     else:
         order = []
         for token in (t.strip() for t in visible.split(",")):
             match = None
             if token.isdigit():
                 match = next((g for g in nvml if g["nvml_index"] == int(token)), None)
+            elif token.startswith("MIG-"):
+                match = next((g for g in nvml if g["uuid"] == token), None)
             else:
                 match = next((g for g in nvml if g["uuid"].startswith(token) or token.startswith(g["uuid"])), None)
             order.append(match)
@@ -226,9 +272,58 @@ def cuda_gpus(count: int, nvml: list[dict[str, Any]]) -> tuple[GPUInfo, ...]:
             free_mib=details["free_mib"],
             compute_capability=details["compute_capability"],
             nvml_index=details["nvml_index"],
+            uuid=details.get("uuid"),
         )
         for i, details in enumerate(cuda_to_nvml_order(count, nvml))
     )
+
+
+def visible_gpus() -> tuple[GPUInfo, ...]:
+    """The GPUs CUDA shows this process, in CUDA's order, with NVML's details
+    (``CUDA_VISIBLE_DEVICES`` picks and orders them); starts no CUDA context."""
+    nvml = nvml_gpus()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    count = len(nvml) if visible is None else len(visible.split(",")) if visible.strip() else 0
+    gpus = cuda_gpus(count, nvml)
+    # CUDA shows the devices listed before the first one it cannot find.
+    known = [g.nvml_index is not None for g in gpus]
+    return gpus[: known.index(False)] if False in known else gpus
+
+
+@functools.lru_cache(maxsize=16)
+def cuda_total_bytes(index: int) -> int | None:
+    """CUDA's total memory of its device ``index`` (``cuDeviceTotalMem``: what
+    ``torch.cuda.mem_get_info()[1]`` reports and what torch's and XLA's memory
+    fractions multiply; below NVML's total, by 480 MiB on an H100). Read through
+    the driver library without creating a context; ``None`` without a driver."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    device, total = ctypes.c_int(), ctypes.c_size_t()
+    if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), index):
+        return None
+    if cuda.cuDeviceTotalMem_v2(ctypes.byref(total), device):
+        return None
+    return int(total.value)
+
+
+def nccl_version() -> tuple[int, ...] | None:
+    """The NCCL the frameworks here load (the ``nvidia-nccl-cu*`` wheel torch and
+    JAX's CUDA plugin depend on; the oldest where several are installed), read from
+    the installed files: loads no library. ``None`` where none is installed that way."""
+    import importlib.metadata
+
+    found = []
+    for dist in ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"):
+        try:
+            text = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        found.append(tuple(int(p) for p in text.split(".")[:3] if p.isdigit()))
+    return min(found) if found else None
 
 
 def probe_inventory(framework: str | None = None) -> DeviceInventory:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from .errors import PlanError, excerpt
 from .frameworks.base import Capabilities, ConfigSnapshot
-from .inventory import DeviceInventory, GPUInfo
+from .inventory import CUDA_CONTEXT_MIB, DeviceInventory, GPUInfo
 from .plans import FitVerdict, SplitPlan, SplitRequest
 
 __all__ = [
@@ -131,6 +131,14 @@ def _check_start_rules(plan: SplitPlan, inventory: DeviceInventory) -> None:
     if not capabilities.growth_with_split:
         for i, name in enumerate(after.gpu_names):
             grows = i < len(after.memory_growth) and after.memory_growth[i]
+            if grows and i in after.visible_gpus and name not in after.logical and after.logical:
+                # TensorFlow turns growth off once any device has logical devices (context._compute_device_options),
+                # and a visible GPU with none configured is then preallocated whole.
+                raise PlanError(
+                    f"memory growth is on for GPU {i}, and {label} drops it once any device is split (here the "
+                    f"CPU), preallocating GPU {i} whole; keep the GPUs hidden (drop --visible), or restart the "
+                    "kernel and use one of --growth and the CPU split"
+                )
             if not (grows and name in after.logical):
                 continue
             if plan.memory_growth:
@@ -317,6 +325,14 @@ def _gpu_plan(
     if usable is None and capped:
         notes.append("free GPU memory unknown (NVML unavailable): sizes not checked against the card")
     visible = _visible_beside(request, gpu, inventory, notes)
+    physical = len(inventory.gpus)
+    logical = count + (len(inventory.gpus) if visible is None else len(visible)) - 1
+    if capabilities.replicas_nccl_unless_fewer_physical and count > 1 and physical >= logical:
+        notes.append(
+            f"a plain {capabilities.replicas_by} would pick NCCL here ({label} counts all {physical} GPUs, hidden ones "
+            f"too, against {logical} logical GPUs), and NCCL refuses two devices of one card: use "
+            "vgpu_magic.strategy(), or pass cross_device_ops=tf.distribute.ReductionToOneDevice()"
+        )
     return SplitPlan(
         "GPU", gpu.index, tuple(limits), visible, request.memory_growth, usable, tuple(notes),
         framework=capabilities.name, sizes_chosen=sizes is not None, framework_named=request.framework,
@@ -385,33 +401,39 @@ def check_rank_request(split: int | None, memory: int | None, gpus: list[GPUInfo
 
 def rank_share_mib(gpu: GPUInfo, shared_by: int, memory: int | None, capabilities: Capabilities) -> int:
     """Each rank's cap in MiB on ``gpu``, which ``shared_by`` ranks use: ``memory``
-    (``--memory``), or an even share of what the GPU can give (free memory minus
-    the framework's reserve, as for a split; its total where NVML could not tell
-    the free memory and the framework keeps nothing back)."""
-    usable = usable_mib(gpu, capabilities)
-    reserve = ""
-    if usable is None and capabilities.gpu_reserve_mib is None:
-        usable = gpu.total_mib
-    elif usable is not None and capabilities.gpu_reserve_mib is not None:
-        reserve = f" ({gpu.free_mib} MiB free minus {capabilities.label}'s {gpu.free_mib - usable} MiB reserve)"
-    if usable is None:
+    (``--memory``), or an even share. Every rank is a process with its own CUDA
+    context, outside any cap, and its framework keeps its reserve back in each
+    process, so both come out once per rank before the rest is shared: free memory
+    (its total where NVML could not tell the free memory) minus ``shared_by`` ×
+    the larger of :data:`~vgpu_magic.inventory.CUDA_CONTEXT_MIB` and the
+    framework's reserve. A request that cannot fit is refused with the figures."""
+    base = gpu.free_mib if gpu.free_mib is not None else gpu.total_mib
+    if base is None:
         if memory is None:
             raise PlanError(
                 f"free memory of GPU {gpu.index} is unknown (NVML unavailable); give each rank's cap, "
                 "e.g. --memory 2048"
             )
         return memory
+    reserve = capabilities.gpu_reserve_mib
+    each = max(reserve(base, gpu.compute_capability) if reserve else 0, CUDA_CONTEXT_MIB)
+    usable = base - shared_by * each
+    what = "free" if gpu.free_mib is not None else "in all (free memory unknown)"
+    figures = (
+        f"{base} MiB {what} minus {shared_by} × {each} MiB for each rank's CUDA context and {capabilities.label}'s "
+        "reserve"
+    )
     if memory is not None:
         if memory * shared_by > usable:
             raise PlanError(
-                f"--memory {memory}MiB × {shared_by} ranks on one GPU exceeds its {usable} MiB{reserve}; "
-                f"use at most {usable // shared_by}MiB"
+                f"--memory {memory}MiB × {shared_by} ranks on one GPU exceeds its {max(usable, 0)} MiB ({figures}); "
+                f"use at most {max(usable, 0) // shared_by}MiB"
             )
         return memory
     share = usable // shared_by
     if share < MIN_MEMORY_MIB:
         raise PlanError(
-            f"GPU {gpu.index} has {max(usable, 0)} MiB usable; {shared_by} ranks would get {max(share, 0)} MiB "
-            f"each (minimum {MIN_MEMORY_MIB}); start fewer ranks"
+            f"GPU {gpu.index} has {max(usable, 0)} MiB usable ({figures}); {shared_by} ranks would get "
+            f"{max(share, 0)} MiB each (minimum {MIN_MEMORY_MIB}); start fewer ranks"
         )
     return share

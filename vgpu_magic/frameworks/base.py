@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..ranks.hosts import RankLayout
+    from ..layout import RankLayout
 
 __all__ = ["Capabilities", "ConfigSnapshot", "Framework", "FrameworkImportError", "Reader", "RankPlan"]
 
@@ -81,6 +81,11 @@ class Capabilities:
         The monitor then draws them as one series, not N identical lines.
     replicas_by:
         What uses the replica devices, for messages (``"MirroredStrategy()"``).
+    replicas_nccl_unless_fewer_physical:
+        Does the default data-parallel helper reduce with NCCL unless there are
+        fewer physical GPUs (hidden ones counted) than logical ones? TensorFlow's
+        ``MirroredStrategy()`` does (RING otherwise), and NCCL refuses two logical
+        devices of one card, so a split on a host with more GPUs must say so.
     replicas_on_split_cpu:
         Does the data-parallel helper use split CPU devices even where GPUs are
         visible (JAX: ``vgpu_magic.mesh()`` over ``jax.devices("cpu")`` next to
@@ -104,6 +109,7 @@ class Capabilities:
     cpus_share_allocator: bool = False
     replicas_by: str = "the strategy"
     replicas_on_split_cpu: bool = False
+    replicas_nccl_unless_fewer_physical: bool = False
     install_hint: str = ""
 
 

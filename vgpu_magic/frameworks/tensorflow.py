@@ -42,7 +42,7 @@ from .base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader
 __all__ = ["TensorFlow", "FRAMEWORK", "CAPABILITIES", "system_reserve_mib", "setup_rank", "SLURM_PORT_BASE"]
 
 if TYPE_CHECKING:
-    from ..ranks.hosts import RankLayout
+    from ..layout import RankLayout
 
 #: The first port ``SlurmClusterResolver`` gives the tasks of a node (its ``port_base``).
 SLURM_PORT_BASE = 8888
@@ -74,7 +74,7 @@ CAPABILITIES = Capabilities(
     splits_gpu=True, gpu_caps_required=True, gpu_reserve_mib=system_reserve_mib, gpu_visibility=True,
     splits_cpu=True, cpus_share_allocator=True,  # every logical CPU reports the one host allocator's figures
     memory_growth=True, uniform_growth=True,
-    replicas_by="MirroredStrategy()",
+    replicas_by="MirroredStrategy()", replicas_nccl_unless_fewer_physical=True,
 )
 
 _INFO_LINE = re.compile(
@@ -230,7 +230,14 @@ class TensorFlow(Framework):
 
         def set_logical(physical_name: str, limits: tuple[int | None, ...] | None) -> None:
             dev = next(d for d in tf.config.list_physical_devices() if d.name == physical_name)
-            configs = None if limits is None else [tf.config.LogicalDeviceConfiguration(memory_limit=m) for m in limits]
+            if limits is None:
+                # Back to no configuration (an undo): TensorFlow has no public call for it, and
+                # set_logical_device_configuration(dev, None) raises TypeError.
+                from tensorflow.python.eager import context
+
+                context.context()._virtual_device_map.pop(dev, None)
+                return
+            configs = [tf.config.LogicalDeviceConfiguration(memory_limit=m) for m in limits]
             tf.config.set_logical_device_configuration(dev, configs)
 
         undo = []

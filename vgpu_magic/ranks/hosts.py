@@ -1,18 +1,12 @@
-"""Where the ranks run: each engine's report of its own host, and the ranks laid
-out on those hosts.
+"""Where the ranks run: each engine's report of its own host.
 
 :func:`report_host` runs on every engine (through ipyparallel's ``apply``) and
-returns a :class:`HostReport`: the hostname, an address the other engines can
-reach, the GPUs this process sees (CUDA's order, NVML's details), its PID, a
-free port chosen on that host, and the launcher's own rank variables where a
-launcher set them (SLURM, OpenMPI, PMI).
-
-:func:`layout_ranks` is pure: from the reports it orders the ranks (the
-launcher's rank, else the engine id, grouped by host), gives each its local
-rank, node rank and GPU, and keeps the launcher's conventions (under SLURM,
-the hosts of ``SLURM_STEP_NODELIST``). Each framework then plans its ranks
-from the :class:`RankLayout` (``Framework.plan_ranks``), so the GPU path and
-multi-host layouts are tested on recorded data.
+returns a :class:`~vgpu_magic.layout.HostReport`: the hostname, an address the
+other engines can reach, the GPUs this process sees (CUDA's order, NVML's
+details), its PID, a free port chosen on that host, and the launcher's own rank
+variables where a launcher set them (SLURM, OpenMPI, PMI). The reports, and the
+ranks laid out on them (:func:`~vgpu_magic.layout.layout_ranks`), are plain data
+in :mod:`vgpu_magic.layout`, below the frameworks, which plan from them.
 
 Importing this module imports no framework, no NVML and no ipyparallel.
 """
@@ -20,11 +14,18 @@ Importing this module imports no framework, no NVML and no ipyparallel.
 from __future__ import annotations
 
 import importlib
-import re
-from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..inventory import GPUInfo, NVMLReadError
+from ..inventory import GPUInfo, NVMLReadError, nccl_version, visible_gpus
+from ..layout import (
+    HostReport,
+    RankLayout,
+    RankPlace,
+    SlurmStep,
+    expand_hostlist,
+    expand_tasks_per_node,
+    layout_ranks,
+)
 
 __all__ = [
     "LAUNCHER_VARIABLES",
@@ -61,148 +62,6 @@ LAUNCHER_VARIABLES = (
 )
 
 
-@dataclass(frozen=True)
-class HostReport:
-    """What one engine says about where it runs.
-
-    ``gpus`` are the GPUs this process sees, numbered as CUDA numbers them
-    (``index``), with NVML's details (``nvml_index``, memory); ``port`` is a
-    free TCP port the OS gave on this host; ``launcher`` holds the
-    :data:`LAUNCHER_VARIABLES` that were set.
-    """
-
-    engine_id: int
-    hostname: str
-    address: str
-    pid: int
-    gpus: tuple[GPUInfo, ...] = ()
-    port: int = 0
-    launcher: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def launcher_rank(self) -> int | None:
-        """The rank the launcher gave this process (SLURM, OpenMPI, PMI), if any."""
-        for name in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-            if self.launcher.get(name, "").isdigit():
-                return int(self.launcher[name])
-        return None
-
-    @property
-    def launcher_local_rank(self) -> int | None:
-        for name in ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"):
-            if self.launcher.get(name, "").isdigit():
-                return int(self.launcher[name])
-        return None
-
-
-@dataclass(frozen=True)
-class SlurmStep:
-    """The SLURM job step the ranks are tasks of, as its environment describes it."""
-
-    job_id: int
-    hosts: tuple[str, ...]
-    tasks_per_node: tuple[int, ...]
-
-    @classmethod
-    def from_env(cls, env: dict[str, str]) -> SlurmStep | None:
-        """``None`` unless the variables JAX's and TensorFlow's SLURM support read are all there."""
-        needed = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
-        if not all(env.get(name) for name in needed):
-            return None
-        hosts = tuple(expand_hostlist(env["SLURM_STEP_NODELIST"]))
-        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-        counts = tuple(expand_tasks_per_node(per_node)) if per_node else (1,) * len(hosts)
-        return cls(int(env["SLURM_JOB_ID"]), hosts, counts)
-
-
-@dataclass(frozen=True)
-class RankPlace:
-    """Where one rank runs, as its framework's launcher needs to know it."""
-
-    rank: int
-    local_rank: int
-    #: The rank of its host among the hosts (torchrun's ``GROUP_RANK``, SLURM's node id).
-    node_rank: int
-    local_world_size: int
-    engine_id: int
-    hostname: str
-    #: Its host's address the other hosts can reach.
-    address: str
-    pid: int
-    #: The free port its engine chose on its host.
-    port: int
-    #: Its GPU (CUDA's index on its host), or ``None`` without one.
-    gpu: GPUInfo | None
-    #: How many ranks of its host use that GPU (1: a GPU of its own).
-    gpu_shared_by: int
-    #: Every GPU its process sees, in CUDA's order (``gpu`` is one of them).
-    gpus_seen: tuple[GPUInfo, ...] = ()
-
-
-@dataclass(frozen=True)
-class RankLayout:
-    """The ranks laid out on their hosts, in rank order (:func:`layout_ranks`)."""
-
-    places: tuple[RankPlace, ...]
-    #: The address rank 0 is reached at: ``MASTER_ADDR``, JAX's coordinator host.
-    leader: str
-    slurm: SlurmStep | None = None
-
-    @property
-    def world_size(self) -> int:
-        return len(self.places)
-
-    @property
-    def hosts(self) -> list[str]:
-        """The hostnames, in node-rank order."""
-        seen: dict[int, str] = {}
-        for place in self.places:
-            seen.setdefault(place.node_rank, place.hostname)
-        return [seen[k] for k in sorted(seen)]
-
-    @property
-    def gpus_shared(self) -> bool:
-        """Do some ranks share a GPU (so NCCL, one rank per GPU, cannot be used)?"""
-        return any(p.gpu_shared_by > 1 for p in self.places)
-
-    def with_gpus(self, gpus: tuple[GPUInfo, ...]) -> RankLayout:
-        """The same layout with every host seeing ``gpus`` (planning for given GPUs)."""
-        return _assign_gpus(self, {p.rank: gpus for p in self.places})
-
-
-def expand_hostlist(hostlist: str) -> list[str]:
-    """``"n[1-2],m5,o[03-04,6]"`` -> ``["n1", "n2", "m5", "o03", "o04", "o6"]``: a
-    SLURM host list, in order, zero padding kept (as ``scontrol show hostnames``
-    and TensorFlow's ``SlurmClusterResolver`` expand it)."""
-    hosts: list[str] = []
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", hostlist):
-        match = re.fullmatch(r"([^\[\]]*)(?:\[([^\]]+)\])?([^\[\]]*)", part)
-        if match is None:
-            raise ValueError(f"SLURM host list {hostlist!r} has a part {part!r} that is not a host or a range")
-        prefix, ranges, suffix = match.groups()
-        if ranges is None:
-            hosts.append(prefix + suffix)
-            continue
-        for item in ranges.split(","):
-            low, _, high = item.partition("-")
-            if not low.isdigit() or (high and not high.isdigit()):
-                raise ValueError(f"SLURM host list {hostlist!r} has a range {item!r} that is not numbers")
-            for number in range(int(low), int(high or low) + 1):
-                hosts.append(f"{prefix}{str(number).zfill(len(low))}{suffix}")
-    return hosts
-
-
-def expand_tasks_per_node(text: str) -> list[int]:
-    """``"3(x2),2,1"`` -> ``[3, 3, 2, 1]`` (``SLURM_STEP_TASKS_PER_NODE``)."""
-    counts: list[int] = []
-    for part in text.split(","):
-        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
-        if match is None:
-            raise ValueError(f"SLURM tasks per node {text!r} has a part {part!r} that is not N or N(xK)")
-        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
-    return counts
-
-
 def on_this_host(places: list[RankPlace], remote: bool) -> list[bool]:
     """Whether each rank's process runs on this host, so that its PID names it here: every
     rank of a launcher that starts engines here; else (``remote``: SLURM, SSH) the ranks whose
@@ -211,60 +70,6 @@ def on_this_host(places: list[RankPlace], remote: bool) -> list[bool]:
 
     here = socket.gethostname()
     return [not remote or place.hostname == here for place in places]
-
-
-def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = None) -> RankLayout:
-    """Order the ranks and place them on their hosts. Pure.
-
-    Ranks follow the launcher's rank where every engine has one (SLURM,
-    OpenMPI, PMI), else the engine ids, grouped by host (hosts in order of
-    their first engine). Local ranks and node ranks are the launcher's where it
-    gives them, else the order within and among hosts. Rank 0's address is the
-    leader, except under SLURM, where it is the first host of
-    ``SLURM_STEP_NODELIST`` (what JAX's and torch's SLURM conventions use).
-    ``gpus``: the GPUs every host is planned with, where the caller gave them.
-    """
-    if not reports:
-        raise ValueError("no engine reported its host")
-    launcher_ranks = [r.launcher_rank for r in reports]
-    if None not in launcher_ranks and sorted(launcher_ranks) == list(range(len(reports))):
-        ordered = sorted(reports, key=lambda r: r.launcher_rank)
-    else:
-        first_engine: dict[str, int] = {}
-        for report in sorted(reports, key=lambda r: r.engine_id):
-            first_engine.setdefault(report.hostname, report.engine_id)
-        ordered = sorted(reports, key=lambda r: (first_engine[r.hostname], r.engine_id))
-    slurm = SlurmStep.from_env(ordered[0].launcher)
-    node_of: dict[str, int] = {}
-    for report in ordered:
-        node_of.setdefault(report.hostname, len(node_of))
-    by_host: dict[str, list[HostReport]] = {}
-    for report in ordered:
-        by_host.setdefault(report.hostname, []).append(report)
-    places = []
-    for rank, report in enumerate(ordered):
-        group = by_host[report.hostname]
-        local = report.launcher_local_rank
-        node = int(report.launcher["SLURM_NODEID"]) if report.launcher.get("SLURM_NODEID", "").isdigit() else None
-        places.append(
-            RankPlace(
-                rank=rank,
-                local_rank=group.index(report) if local is None else local,
-                node_rank=node_of[report.hostname] if node is None else node,
-                local_world_size=len(group),
-                engine_id=report.engine_id,
-                hostname=report.hostname,
-                address=report.address,
-                pid=report.pid,
-                port=report.port,
-                gpu=None,
-                gpu_shared_by=1,
-            )
-        )
-    leader = slurm.hosts[0] if slurm is not None else places[0].address
-    layout = RankLayout(tuple(places), leader, slurm)
-    layout = _assign_gpus(layout, {rank: report.gpus for rank, report in enumerate(ordered)})
-    return layout if gpus is None else layout.with_gpus(gpus)
 
 
 def predicted_layout(n: int, gpus: tuple[GPUInfo, ...] | None = None) -> RankLayout:
@@ -277,39 +82,8 @@ def predicted_layout(n: int, gpus: tuple[GPUInfo, ...] | None = None) -> RankLay
         seen = gpus if gpus is not None else visible_gpus()
     except NVMLReadError as exc:
         raise ValueError(str(exc)) from None
-    return layout_ranks([HostReport(e, host, "127.0.0.1", 0, seen, 0) for e in range(n)], gpus)
-
-
-def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> RankLayout:
-    """Each rank's GPU: its own where its host has one per local rank (the
-    ``local_rank``-th it sees), else the first it sees, shared."""
-    chosen: dict[int, GPUInfo | None] = {}
-    for place in layout.places:
-        gpus = seen.get(place.rank, ())
-        if not gpus:
-            chosen[place.rank] = None
-        else:
-            chosen[place.rank] = gpus[place.local_rank] if len(gpus) >= place.local_world_size else gpus[0]
-
-    def identity(place: RankPlace) -> tuple[str, int] | None:
-        gpu = chosen[place.rank]
-        if gpu is None:
-            return None
-        return place.hostname, gpu.nvml_index if gpu.nvml_index is not None else gpu.index
-
-    counts: dict[tuple[str, int] | None, int] = {}
-    for place in layout.places:
-        counts[identity(place)] = counts.get(identity(place), 0) + 1
-    places = tuple(
-        replace(
-            p,
-            gpu=chosen[p.rank],
-            gpu_shared_by=counts[identity(p)] if chosen[p.rank] else 1,
-            gpus_seen=tuple(seen.get(p.rank, ())),
-        )
-        for p in layout.places
-    )
-    return replace(layout, places=places)
+    nccl = nccl_version()
+    return layout_ranks([HostReport(e, host, "127.0.0.1", 0, seen, 0, nccl=nccl) for e in range(n)], gpus)
 
 
 def route_address(toward: str) -> str:
@@ -343,22 +117,6 @@ def free_port(address: str = "") -> int:
         return sock.getsockname()[1]
 
 
-def visible_gpus() -> tuple[GPUInfo, ...]:
-    """The GPUs CUDA shows this process, in CUDA's order, with NVML's details
-    (``CUDA_VISIBLE_DEVICES`` picks and orders them); starts no CUDA context."""
-    import os
-
-    from ..inventory import cuda_gpus, nvml_gpus
-
-    nvml = nvml_gpus()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    count = len(nvml) if visible is None or not visible.strip() else len(visible.split(","))
-    gpus = cuda_gpus(count, nvml)
-    # CUDA shows the devices listed before the first one it cannot find.
-    known = [g.nvml_index is not None for g in gpus]
-    return gpus[: known.index(False)] if False in known else gpus
-
-
 def report_host(engine_id: int, controller: str) -> HostReport:
     """Run on an engine: where it runs, as a :class:`HostReport`.
 
@@ -377,6 +135,7 @@ def report_host(engine_id: int, controller: str) -> HostReport:
         gpus=visible_gpus(),
         port=free_port(address),
         launcher={name: os.environ[name] for name in LAUNCHER_VARIABLES if name in os.environ},
+        nccl=nccl_version(),
     )
 
 

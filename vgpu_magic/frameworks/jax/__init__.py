@@ -9,8 +9,10 @@ What JAX can do, as :data:`CAPABILITIES`:
 * **No GPU split**: no JAX or XLA setting turns one GPU into several devices.
   ``--cpu`` gives N CPU devices next to the GPU (``jax.devices("cpu")``; the GPU
   stays JAX's default backend) and ``--memory`` caps this process's share of the
-  GPU (``XLA_PYTHON_CLIENT_MEM_FRACTION``; a fraction of the card's total
-  memory, for every GPU of the process).
+  GPU (a fraction of CUDA's total memory, which XLA multiplies by, for every
+  GPU of the process): ``XLA_CLIENT_MEM_FRACTION`` where the user set that
+  name (jaxlib's current one), else ``XLA_PYTHON_CLIENT_MEM_FRACTION``, which
+  every jaxlib reads; never both, which jaxlib refuses (and JAX then runs on CPU).
 * **Memory growth**: ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (allocate on demand
   instead of preallocating). It combines with a cap.
 
@@ -36,12 +38,21 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from ...inventory import DeviceInventory, GPUInfo, cuda_gpus, cuda_to_nvml_order, nvml_gpus
+from ...inventory import (
+    DeviceInventory,
+    GPUInfo,
+    cuda_context_mib,
+    cuda_gpus,
+    cuda_to_nvml_order,
+    cuda_total_bytes,
+    nvml_gpus,
+)
+from ...units import MIB
 from ..base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader
 from .memory import LiveArrayBytes, MemoryReader, devices_by_name
 
 if TYPE_CHECKING:
-    from ...ranks.hosts import RankLayout
+    from ...layout import RankLayout
 
 __all__ = [
     "CAPABILITIES",
@@ -54,12 +65,15 @@ __all__ = [
 CAPABILITIES = Capabilities(
     name="jax", label="JAX", install_hint="install it with pip install 'vgpu_magic[jax]'",
     splits_cpu=True,  # a GPU is one device: no logical GPUs, no caps, no visibility choice
+    gpu_reserve_mib=cuda_context_mib,  # XLA's own reserve is inside its fraction; the context is outside it
     memory_growth=True, growth_with_split=True,
     replicas_by="vgpu_magic.mesh()", replicas_on_split_cpu=True,
 )
 
 CPU_NAME = "/physical_device:CPU:0"
 ENV_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+#: jaxlib's current name for the fraction; set together with the older one, jaxlib refuses both.
+ENV_CLIENT_FRACTION = "XLA_CLIENT_MEM_FRACTION"
 ENV_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 ENV_ALLOCATOR = "XLA_PYTHON_CLIENT_ALLOCATOR"
 _COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\S*)")
@@ -193,8 +207,10 @@ class Jax(Framework):
         if not nvml or not _platforms_allow_gpu() or not gpu_backend_installed():
             return 0
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible is None or not visible.strip():
+        if visible is None:
             return len(nvml)
+        if not visible.strip():
+            return 0  # set and empty: CUDA shows no device
         return sum(1 for g in cuda_to_nvml_order(len(visible.split(",")), nvml) if g is not None)
 
     def _gpus(self) -> tuple[tuple[GPUInfo, ...], bool]:
@@ -245,7 +261,8 @@ class Jax(Framework):
         if fraction is not None:
             for gpu in gpus:
                 if gpu.total_mib is not None:
-                    logical[gpu.name] = (round(fraction * gpu.total_mib),)
+                    total = cuda_total_bytes(gpu.index) or gpu.total_mib * MIB
+                    logical[gpu.name] = (round(fraction * total / MIB),)
         growth = os.environ.get(ENV_PREALLOCATE, "").strip().lower() in ("false", "0") or (
             os.environ.get(ENV_ALLOCATOR, "").strip().lower() == "platform"
         )
@@ -272,7 +289,7 @@ class Jax(Framework):
                 undo.append(self._set_cpu_count(jax, count))
             caps = {n: new.logical[n][0] for n in new.gpu_names if n in new.logical}
             if caps != {n: old.logical[n][0] for n in old.gpu_names if n in old.logical}:
-                undo.append(_set_env(ENV_FRACTION, self._fraction(caps)))
+                undo.append(_set_env(_fraction_name(), self._fraction(caps)))
             if any(new.memory_growth) != any(old.memory_growth):
                 undo.append(_set_env(ENV_PREALLOCATE, "false" if any(new.memory_growth) else None))
         except Exception as exc:
@@ -285,8 +302,8 @@ class Jax(Framework):
             if failed:
                 raise RuntimeError(
                     f"configuring JAX failed ({type(exc).__name__}: {exc}) and undoing it failed too ({failed[0]}); "
-                    f"JAX is left with {self._cpu_count() or 1} CPU device(s), {ENV_FRACTION}="
-                    f"{os.environ.get(ENV_FRACTION)!r}: restart the kernel"
+                    f"JAX is left with {self._cpu_count() or 1} CPU device(s), {_fraction_name()}="
+                    f"{os.environ.get(_fraction_name())!r}: restart the kernel"
                 ) from exc
             raise
 
@@ -299,22 +316,24 @@ class Jax(Framework):
         return _set_env("XLA_FLAGS", xla_flags_with_count(os.environ.get("XLA_FLAGS", ""), count) or None)
 
     def _fraction(self, caps: dict[str, int | None]) -> str | None:
-        """``XLA_PYTHON_CLIENT_MEM_FRACTION`` for caps in MiB: one fraction for
-        the process, of the capped GPU's total memory."""
+        """JAX's memory fraction for caps in MiB: one fraction for the process, of
+        the capped GPU's total as CUDA counts it (what XLA multiplies by; NVML's
+        total, larger, where the driver cannot be asked, so the cap lands a little low)."""
         if not caps:
             return None
         from ...planner import PlanError
 
-        totals = {g.name: g.total_mib for g in self._gpus()[0]}
+        gpus = {g.name: g for g in self._gpus()[0]}
         fractions = set()
         for name, cap in caps.items():
-            total = totals.get(name)
-            if total is None:
+            gpu = gpus.get(name)
+            if gpu is None or gpu.total_mib is None:
                 raise PlanError(
                     f"the total memory of {name.rsplit('/', 1)[-1].replace('physical_device:', '')} is unknown "
-                    f"(NVML unavailable), so a cap cannot become JAX's {ENV_FRACTION}; set it yourself"
+                    f"(NVML unavailable), so a cap cannot become JAX's {_fraction_name()}; set it yourself"
                 )
-            fractions.add(repr(cap / total))
+            total = cuda_total_bytes(gpu.index) or gpu.total_mib * MIB
+            fractions.add(repr(cap * MIB / total))
         # The planner caps one GPU; the variable applies to every GPU of the process.
         return max(fractions, key=float)
 
@@ -366,8 +385,13 @@ class Jax(Framework):
         return mesh(devices=self.split_devices() if devices is None else devices_by_name(self.load(), devices))
 
 
+def _fraction_name() -> str:
+    """The fraction's variable to write: jaxlib's current name where the user set it, else the older one."""
+    return ENV_CLIENT_FRACTION if os.environ.get(ENV_CLIENT_FRACTION, "").strip() else ENV_FRACTION
+
+
 def _env_fraction() -> float | None:
-    text = os.environ.get(ENV_FRACTION, "").strip()
+    text = os.environ.get(_fraction_name(), "").strip()
     try:
         value = float(text)
     except ValueError:

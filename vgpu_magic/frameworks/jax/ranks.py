@@ -14,9 +14,16 @@ SlurmCluster``): the first host of ``SLURM_STEP_NODELIST`` and port
 ``61440 + SLURM_JOB_ID % 4096``. On CPU each process gets ``--split K`` CPU
 devices (default 1) and exchanges collectives through gloo; on a GPU each
 process uses its own GPU where its host has one per local rank, else all share
-the first with a cap each (``--memory`` or an even share), which becomes JAX's
-``XLA_PYTHON_CLIENT_MEM_FRACTION`` on the rank. JAX cannot split one GPU into
-several devices, so ``--split`` on a GPU is refused.
+the first with a cap each (``--memory`` or an even share after every rank's
+CUDA context), which becomes JAX's memory fraction of CUDA's total on the rank.
+JAX cannot split one GPU into several devices, so ``--split`` on a GPU is refused.
+
+Ranks that share a GPU: XLA's GPU collectives go through NCCL, and NCCL before
+2.30 refuses two ranks on one GPU at the first cross-process collective
+("Duplicate GPU detected", measured on an H100 with NCCL 2.28.9, also with
+``NCCL_MULTI_RANK_GPU_ENABLE=1``). So with an older NCCL (or one that cannot be
+read) the plan is refused before any rank starts, saying what works; with NCCL
+2.30 or later each rank gets ``NCCL_MULTI_RANK_GPU_ENABLE=1``.
 
 Importing this module imports no JAX.
 """
@@ -28,7 +35,7 @@ from typing import TYPE_CHECKING
 from ..base import RankPlan
 
 if TYPE_CHECKING:
-    from ...ranks.hosts import RankLayout
+    from ...layout import RankLayout
 
 __all__ = ["plan_ranks", "setup_rank", "slurm_coordinator_port"]
 
@@ -66,13 +73,14 @@ def plan_ranks(layout: RankLayout, split: int | None, memory_mib: int | None, po
         }
 
     if on_gpu:
+        shared = _shared_gpu_env(layout)
         caps = [rank_share_mib(p.gpu, p.gpu_shared_by, memory_mib, CAPABILITIES) for p in places]
-        fraction = caps[0] / places[0].gpu.total_mib if places[0].gpu.total_mib else None
-        shown = f", memory fraction {fraction:.2f} each" if fraction is not None else f", {caps[0]} MiB each"
-        notes = (f"jax.distributed on {coordinator}: {n} processes × 1 GPU device{shown}",)
+        notes = (f"jax.distributed on {coordinator}: {n} processes × 1 GPU device, {min(caps)} MiB each",)
+        if shared:
+            notes += ("ranks share a GPU: NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL 2.30+) lets its collectives run",)
         for place, cap in zip(places, caps):
             args = (coordinator, n, place.rank, place.gpu.index, 1, cap)
-            env = {"JAX_LOCAL_DEVICE_IDS": str(place.gpu.index), **joining(place)}
+            env = {"JAX_LOCAL_DEVICE_IDS": str(place.gpu.index), **shared, **joining(place)}
             plans.append(RankPlan(place.rank, env, "vgpu_magic.frameworks.jax.ranks:setup_rank", args, notes))
     else:
         notes = (
@@ -83,6 +91,26 @@ def plan_ranks(layout: RankLayout, split: int | None, memory_mib: int | None, po
             env = {"JAX_PLATFORMS": "cpu", "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo", **joining(place)}
             plans.append(RankPlan(place.rank, env, "vgpu_magic.frameworks.jax.ranks:setup_rank", args, notes))
     return plans
+
+
+def _shared_gpu_env(layout: RankLayout) -> dict[str, str]:
+    """What ranks sharing a GPU need from NCCL (nothing where each has its own), or
+    :class:`ValueError` where their NCCL cannot have two ranks on one GPU."""
+    from ...inventory import MULTI_RANK_NCCL
+
+    shared = [p for p in layout.places if p.gpu_shared_by > 1]
+    if not shared:
+        return {}
+    old = [p for p in shared if p.nccl is None or p.nccl < MULTI_RANK_NCCL]
+    if old:
+        place = old[0]
+        have = f"NCCL {'.'.join(map(str, place.nccl))}" if place.nccl else "an NCCL whose version cannot be read"
+        raise ValueError(
+            f"{place.gpu_shared_by} JAX ranks would share GPU {place.gpu.index} of {place.hostname} with {have}, "
+            f"which refuses two ranks on one GPU at the first collective (NCCL {'.'.join(map(str, MULTI_RANK_NCCL))} "
+            "or later allows it); start one rank per GPU, or CPU ranks (%env CUDA_VISIBLE_DEVICES= before starting)"
+        )
+    return {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
 
 
 def setup_rank(

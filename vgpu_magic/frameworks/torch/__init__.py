@@ -22,8 +22,18 @@ the step, the usual ``torchrun``-under-SLURM mapping), ``LOCAL_*`` and
 ``TORCHELASTIC_SIGNALS_TO_HANDLE``) are left out: there is no agent, so rank 0
 hosts the TCP store, as in a plain ``init_process_group`` launch.
 
-Backend: NCCL where every rank has a GPU of its own, else gloo (NCCL refuses
-two ranks on one GPU), and the notes say so.
+Backend: NCCL where every rank has a GPU of its own. Where ranks share a GPU,
+an unchanged script still runs (measured on an H100, torch 2.11, NCCL 2.28.9):
+NCCL before 2.30 refuses two ranks on one GPU at DDP's construction ("Duplicate
+GPU detected"), so on every rank ``init_process_group`` maps NCCL to gloo, which
+all-reduces CUDA tensors too (``"nccl"``, and no backend, which torch maps to
+NCCL for cuda, become ``"cpu:gloo,cuda:gloo"``: :func:`gloo_for_nccl`); and a
+rank's ``LOCAL_RANK`` is the index of its GPU on its host, so the usual
+``torch.cuda.set_device(LOCAL_RANK)`` and ``DDP(device_ids=[LOCAL_RANK])``
+reach the shared card (``CUDA_VISIBLE_DEVICES=0,0`` cannot give it a second
+number: CUDA then shows no device). The start line says both. Each rank is
+capped with ``set_per_process_memory_fraction`` of CUDA's total (what torch
+multiplies), after room for every rank's own CUDA context.
 
 Importing this module imports no PyTorch.
 """
@@ -35,17 +45,18 @@ import sys
 import uuid
 from typing import TYPE_CHECKING
 
-from ...inventory import DeviceInventory, GPUInfo
+from ...inventory import DeviceInventory, GPUInfo, cuda_context_mib, visible_gpus
 from ..base import Capabilities, ConfigSnapshot, Framework, RankPlan
 
 if TYPE_CHECKING:
-    from ...ranks.hosts import RankLayout
+    from ...layout import RankLayout
 
-__all__ = ["CAPABILITIES", "FRAMEWORK", "Torch", "setup_rank"]
+__all__ = ["CAPABILITIES", "FRAMEWORK", "Torch", "setup_rank", "gloo_for_nccl"]
 
 CAPABILITIES = Capabilities(
     name="torch", label="PyTorch", install_hint="install it with pip install 'vgpu_magic[torch]'",
     splits_in_process=False,  # a process uses one device; several devices are several ranks
+    gpu_reserve_mib=cuda_context_mib,  # torch keeps nothing back; each rank's CUDA context is outside its cap
     replicas_by="DistributedDataParallel",
 )
 
@@ -70,8 +81,6 @@ class Torch(Framework):
     def probe_inventory(self) -> DeviceInventory:
         """The GPUs CUDA shows this process (NVML; imports no PyTorch), for
         ``%vgpu_status`` and the planner's refusal."""
-        from ...ranks.hosts import visible_gpus
-
         gpus = visible_gpus()
         mod = sys.modules.get("torch")
         return DeviceInventory(
@@ -117,7 +126,12 @@ class Torch(Framework):
         backend = "nccl" if own_gpus else "gloo"
         notes = [f"MASTER_ADDR:MASTER_PORT = {layout.leader}:{master_port}, world size {n}, backend {backend!r}"]
         if layout.gpus_shared:
-            notes.append("ranks share a GPU, so gloo: NCCL refuses two ranks on one GPU")
+            shared = sorted({p.gpu.index for p in places if p.gpu is not None and p.gpu_shared_by > 1})
+            notes.append(
+                f"ranks share GPU {', '.join(map(str, shared))}: LOCAL_RANK is that GPU's index, so "
+                "set_device(LOCAL_RANK) reaches it; NCCL refuses two ranks on one GPU, so init_process_group's "
+                "'nccl' (and its default) run on gloo, for CUDA tensors too"
+            )
         caps = [rank_share_mib(p.gpu, p.gpu_shared_by, memory_mib, CAPABILITIES) if p.gpu else None for p in places]
         if any(caps):
             notes.append(
@@ -131,7 +145,8 @@ class Torch(Framework):
                 "MASTER_ADDR": layout.leader,
                 "MASTER_PORT": str(master_port),
                 "RANK": str(place.rank),
-                "LOCAL_RANK": str(place.local_rank),
+                # cuda:LOCAL_RANK is the rank's GPU: its own (the local rank-th), or the one it shares.
+                "LOCAL_RANK": str(place.local_rank if place.gpu is None else place.gpu.index),
                 "WORLD_SIZE": str(n),
                 "LOCAL_WORLD_SIZE": str(place.local_world_size),
                 "GROUP_RANK": str(place.node_rank),
@@ -145,31 +160,71 @@ class Torch(Framework):
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             }
-            gpu_args: tuple = ()
-            if place.gpu is not None:
-                gpu_args = (place.gpu.index, cap / place.gpu.total_mib if place.gpu.total_mib else 1.0)
+            gpu_args = () if place.gpu is None else (place.gpu.index, cap)
             plans.append(
                 RankPlan(place.rank, env, "vgpu_magic.frameworks.torch:setup_rank", (backend, *gpu_args), tuple(notes))
             )
         return plans
 
 
-def setup_rank(backend: str, gpu: int | None = None, fraction: float | None = None, join: bool = False) -> str:
-    """Run on the rank: pick and cap its GPU (``gpu`` is CUDA's index on its
-    host); with ``join``, also join the process group (``env://``, as the
-    script's own ``init_process_group`` would under torchrun)."""
+def setup_rank(backend: str, gpu: int | None = None, cap_mib: int | None = None, join: bool = False) -> str:
+    """Run on the rank: pick and cap its GPU (``gpu`` is CUDA's index on its host,
+    ``cap_mib`` a fraction of CUDA's total, which torch multiplies by); where the
+    plan says gloo for GPU ranks (they share a GPU), map NCCL to gloo in
+    ``init_process_group``; with ``join``, also join the process group
+    (``env://``, as the script's own ``init_process_group`` would under torchrun)."""
     if gpu is None and not join:
         return "torchrun's environment set"
     import torch
     import torch.distributed as dist
 
+    said = []
     if gpu is not None:
         torch.cuda.set_device(gpu)
-        torch.cuda.set_per_process_memory_fraction(min(fraction, 1.0), gpu)
-    if not join:
-        return f"GPU {gpu}, capped at {min(fraction, 1.0):.2f} of its memory"
-    dist.init_process_group(backend)
-    return f"rank {dist.get_rank()} of {dist.get_world_size()} ({backend})"
+        fraction = min(cap_mib * 2**20 / torch.cuda.get_device_properties(gpu).total_memory, 1.0)
+        torch.cuda.set_per_process_memory_fraction(fraction, gpu)
+        said.append(f"GPU {gpu}, capped at {cap_mib} MiB ({fraction:.4f} of CUDA's total)")
+        if backend == "gloo":
+            _map_nccl_to_gloo(dist)
+            said.append("NCCL mapped to gloo")
+    if join:
+        dist.init_process_group(backend)
+        said.append(f"rank {dist.get_rank()} of {dist.get_world_size()} ({dist.get_backend()})")
+    return "; ".join(said)
+
+
+def gloo_for_nccl(backend: str | None) -> str:
+    """The backend string a rank sharing a GPU uses for ``backend`` (``None``:
+    torch's default): what torch's own ``BackendConfig`` maps each device to,
+    with NCCL replaced by gloo, and gloo for CPU tensors where nothing was said."""
+    from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+    asked = BackendConfig(Backend.UNDEFINED if backend is None else backend).get_device_backend_map()
+    mapped = {"cpu": "gloo", **{device: "gloo" if str(b) == "nccl" else str(b) for device, b in asked.items()}}
+    return ",".join(f"{device}:{b}" for device, b in mapped.items())
+
+
+def _map_nccl_to_gloo(dist) -> None:
+    """Make ``init_process_group`` (as the script calls it, ``torch.distributed``'s
+    or ``distributed_c10d``'s) take :func:`gloo_for_nccl` of the backend asked."""
+    from torch.distributed import distributed_c10d
+
+    original = distributed_c10d.init_process_group
+    if getattr(original, "vgpu_magic_maps_nccl", False):
+        return
+
+    def init_process_group(*args, **kwargs):
+        if args:
+            args = (gloo_for_nccl(args[0]), *args[1:])
+        else:
+            kwargs["backend"] = gloo_for_nccl(kwargs.get("backend"))
+        return original(*args, **kwargs)
+
+    init_process_group.vgpu_magic_maps_nccl = True
+    init_process_group.__wrapped__ = original
+    init_process_group.__doc__ = original.__doc__
+    distributed_c10d.init_process_group = init_process_group
+    dist.init_process_group = init_process_group
 
 
 FRAMEWORK = Torch()

@@ -1,0 +1,264 @@
+"""The ranks' hosts and the ranks laid out on them, as plain data.
+
+A :class:`HostReport` is what one engine says about where it runs
+(``vgpu_magic.ranks.hosts.report_host`` makes it, on the engine); :func:`layout_ranks`
+is pure: from the reports it orders the ranks (the launcher's rank, else the
+engine id, grouped by host), gives each its local rank, node rank and GPU, and
+keeps the launcher's conventions (under SLURM, the hosts of
+``SLURM_STEP_NODELIST``). Each framework plans its ranks from the
+:class:`RankLayout` (``Framework.plan_ranks``), so the GPU path and multi-host
+layouts are tested on recorded data.
+
+This module sits below ``frameworks/`` and ``ranks/``: both read it, it reads
+neither. Importing it imports no framework, no NVML and no ipyparallel.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+
+from .inventory import GPUInfo
+
+__all__ = [
+    "HostReport",
+    "RankPlace",
+    "RankLayout",
+    "SlurmStep",
+    "layout_ranks",
+    "expand_hostlist",
+    "expand_tasks_per_node",
+]
+
+
+@dataclass(frozen=True)
+class HostReport:
+    """What one engine says about where it runs.
+
+    ``gpus`` are the GPUs this process sees, numbered as CUDA numbers them
+    (``index``), with NVML's details (``nvml_index``, memory); ``port`` is a
+    free TCP port the OS gave on this host; ``launcher`` holds the launcher's
+    variables that were set (``vgpu_magic.ranks.hosts.LAUNCHER_VARIABLES``).
+    """
+
+    engine_id: int
+    hostname: str
+    address: str
+    pid: int
+    gpus: tuple[GPUInfo, ...] = ()
+    port: int = 0
+    launcher: dict[str, str] = field(default_factory=dict)
+    #: The NCCL version its frameworks load (``inventory.nccl_version``), where it can tell.
+    nccl: tuple[int, ...] | None = None
+
+    @property
+    def launcher_rank(self) -> int | None:
+        """The rank the launcher gave this process (SLURM, OpenMPI, PMI), if any."""
+        for name in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+            if self.launcher.get(name, "").isdigit():
+                return int(self.launcher[name])
+        return None
+
+    @property
+    def launcher_local_rank(self) -> int | None:
+        for name in ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+            if self.launcher.get(name, "").isdigit():
+                return int(self.launcher[name])
+        return None
+
+
+@dataclass(frozen=True)
+class SlurmStep:
+    """The SLURM job step the ranks are tasks of, as its environment describes it."""
+
+    job_id: int
+    hosts: tuple[str, ...]
+    tasks_per_node: tuple[int, ...]
+
+    @classmethod
+    def from_env(cls, env: dict[str, str]) -> SlurmStep | None:
+        """``None`` unless the variables JAX's and TensorFlow's SLURM support read are all there."""
+        needed = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
+        if not all(env.get(name) for name in needed):
+            return None
+        hosts = tuple(expand_hostlist(env["SLURM_STEP_NODELIST"]))
+        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+        counts = tuple(expand_tasks_per_node(per_node)) if per_node else (1,) * len(hosts)
+        return cls(int(env["SLURM_JOB_ID"]), hosts, counts)
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one rank runs, as its framework's launcher needs to know it."""
+
+    rank: int
+    local_rank: int
+    #: The rank of its host among the hosts (torchrun's ``GROUP_RANK``, SLURM's node id).
+    node_rank: int
+    local_world_size: int
+    engine_id: int
+    hostname: str
+    #: Its host's address the other hosts can reach.
+    address: str
+    pid: int
+    #: The free port its engine chose on its host.
+    port: int
+    #: Its GPU (CUDA's index on its host), or ``None`` without one.
+    gpu: GPUInfo | None
+    #: How many ranks of its host use that GPU (1: a GPU of its own).
+    gpu_shared_by: int
+    #: Every GPU its process sees, in CUDA's order (``gpu`` is one of them).
+    gpus_seen: tuple[GPUInfo, ...] = ()
+    #: Its host's NCCL version, where known (several ranks on one GPU need 2.30 or later).
+    nccl: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """The ranks laid out on their hosts, in rank order (:func:`layout_ranks`)."""
+
+    places: tuple[RankPlace, ...]
+    #: The address rank 0 is reached at: ``MASTER_ADDR``, JAX's coordinator host.
+    leader: str
+    slurm: SlurmStep | None = None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.places)
+
+    @property
+    def hosts(self) -> list[str]:
+        """The hostnames, in node-rank order."""
+        seen: dict[int, str] = {}
+        for place in self.places:
+            seen.setdefault(place.node_rank, place.hostname)
+        return [seen[k] for k in sorted(seen)]
+
+    @property
+    def gpus_shared(self) -> bool:
+        """Do some ranks share a GPU (so NCCL, one rank per GPU, cannot be used)?"""
+        return any(p.gpu_shared_by > 1 for p in self.places)
+
+    def with_gpus(self, gpus: tuple[GPUInfo, ...]) -> RankLayout:
+        """The same layout with every host seeing ``gpus`` (planning for given GPUs)."""
+        return _assign_gpus(self, {p.rank: gpus for p in self.places})
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """``"n[1-2],m5,o[03-04,6]"`` -> ``["n1", "n2", "m5", "o03", "o04", "o6"]``: a
+    SLURM host list, in order, zero padding kept (as ``scontrol show hostnames``
+    and TensorFlow's ``SlurmClusterResolver`` expand it)."""
+    hosts: list[str] = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", hostlist):
+        match = re.fullmatch(r"([^\[\]]*)(?:\[([^\]]+)\])?([^\[\]]*)", part)
+        if match is None:
+            raise ValueError(f"SLURM host list {hostlist!r} has a part {part!r} that is not a host or a range")
+        prefix, ranges, suffix = match.groups()
+        if ranges is None:
+            hosts.append(prefix + suffix)
+            continue
+        for item in ranges.split(","):
+            low, _, high = item.partition("-")
+            if not low.isdigit() or (high and not high.isdigit()):
+                raise ValueError(f"SLURM host list {hostlist!r} has a range {item!r} that is not numbers")
+            for number in range(int(low), int(high or low) + 1):
+                hosts.append(f"{prefix}{str(number).zfill(len(low))}{suffix}")
+    return hosts
+
+
+def expand_tasks_per_node(text: str) -> list[int]:
+    """``"3(x2),2,1"`` -> ``[3, 3, 2, 1]`` (``SLURM_STEP_TASKS_PER_NODE``)."""
+    counts: list[int] = []
+    for part in text.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            raise ValueError(f"SLURM tasks per node {text!r} has a part {part!r} that is not N or N(xK)")
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
+def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = None) -> RankLayout:
+    """Order the ranks and place them on their hosts. Pure.
+
+    Ranks follow the launcher's rank where every engine has one (SLURM,
+    OpenMPI, PMI), else the engine ids, grouped by host (hosts in order of
+    their first engine). Local ranks and node ranks are the launcher's where it
+    gives them, else the order within and among hosts. Rank 0's address is the
+    leader, except under SLURM, where it is the first host of
+    ``SLURM_STEP_NODELIST`` (what JAX's and torch's SLURM conventions use).
+    ``gpus``: the GPUs every host is planned with, where the caller gave them.
+    """
+    if not reports:
+        raise ValueError("no engine reported its host")
+    launcher_ranks = [r.launcher_rank for r in reports]
+    if None not in launcher_ranks and sorted(launcher_ranks) == list(range(len(reports))):
+        ordered = sorted(reports, key=lambda r: r.launcher_rank)
+    else:
+        first_engine: dict[str, int] = {}
+        for report in sorted(reports, key=lambda r: r.engine_id):
+            first_engine.setdefault(report.hostname, report.engine_id)
+        ordered = sorted(reports, key=lambda r: (first_engine[r.hostname], r.engine_id))
+    slurm = SlurmStep.from_env(ordered[0].launcher)
+    node_of: dict[str, int] = {}
+    for report in ordered:
+        node_of.setdefault(report.hostname, len(node_of))
+    by_host: dict[str, list[HostReport]] = {}
+    for report in ordered:
+        by_host.setdefault(report.hostname, []).append(report)
+    places = []
+    for rank, report in enumerate(ordered):
+        group = by_host[report.hostname]
+        local = report.launcher_local_rank
+        node = int(report.launcher["SLURM_NODEID"]) if report.launcher.get("SLURM_NODEID", "").isdigit() else None
+        places.append(
+            RankPlace(
+                rank=rank,
+                local_rank=group.index(report) if local is None else local,
+                node_rank=node_of[report.hostname] if node is None else node,
+                local_world_size=len(group),
+                engine_id=report.engine_id,
+                hostname=report.hostname,
+                address=report.address,
+                pid=report.pid,
+                port=report.port,
+                gpu=None,
+                gpu_shared_by=1,
+                nccl=report.nccl,
+            )
+        )
+    leader = slurm.hosts[0] if slurm is not None else places[0].address
+    layout = RankLayout(tuple(places), leader, slurm)
+    layout = _assign_gpus(layout, {rank: report.gpus for rank, report in enumerate(ordered)})
+    return layout if gpus is None else layout.with_gpus(gpus)
+
+
+def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> RankLayout:
+    """Each rank's GPU: its own where its host has one per local rank (the
+    ``local_rank``-th it sees), else the first it sees, shared."""
+    chosen: dict[int, GPUInfo | None] = {}
+    for place in layout.places:
+        gpus = seen.get(place.rank, ())
+        if not gpus:
+            chosen[place.rank] = None
+        else:
+            chosen[place.rank] = gpus[place.local_rank] if len(gpus) >= place.local_world_size else gpus[0]
+
+    def identity(place: RankPlace) -> tuple[str, int | str] | None:
+        gpu = chosen[place.rank]
+        if gpu is None:
+            return None
+        return place.hostname, gpu.uuid or (gpu.nvml_index if gpu.nvml_index is not None else gpu.index)
+
+    counts: dict[tuple[str, int | str] | None, int] = {}
+    for place in layout.places:
+        counts[identity(place)] = counts.get(identity(place), 0) + 1
+    places = tuple(
+        replace(
+            p,
+            gpu=chosen[p.rank],
+            gpu_shared_by=counts[identity(p)] if chosen[p.rank] else 1,
+            gpus_seen=tuple(seen.get(p.rank, ())),
+        )
+        for p in layout.places
+    )
+    return replace(layout, places=places)
