@@ -1,29 +1,20 @@
 """A script run is a launch: ``%vgpu_run FILE ARGS`` starts new rank processes
 every time, as ``torchrun`` / ``srun`` / ``mpirun`` do.
 
-The engine on each host is the per-host agent (torchrun's design: one agent
-per host that starts, watches and reaps its workers). :func:`run_rank` runs
-on the engine (through ipyparallel's ``apply``): it starts the script as the
-engine's child process, with the engine's environment and the rank's plan
-(torchrun's variables, ``TF_CONFIG``, JAX's coordinator), in the kernel's
-folder, ``sys.argv = [FILE, *ARGS]``; streams what it writes to the engine's
-stdout and stderr (labelled ``[rank r]`` in the kernel, as a cell's output
-is); waits for its exit; and reports a non-zero status as the launchers do
-(``exited with status 3``, ``was killed by SIGSEGV``) with the last lines it
-wrote to stderr. Interrupted (the fault policy sends the engine SIGINT), it
-stops its child: SIGTERM, then SIGKILL after :data:`TERM_GRACE` seconds. The
-child dies with its engine (Linux's parent-death signal).
+The engine on each host is the launcher's agent (torchrun's design): :func:`run_rank`
+(applied on the engine) starts the script as the engine's child with the engine's
+environment and the rank's plan, in the kernel's folder, ``sys.argv = [FILE, *ARGS]``;
+streams its output (labelled ``[rank r]`` in the kernel); and reports a non-zero end
+as a launcher does (``exited with status 3``, ``was killed by SIGSEGV``) with the last
+lines of its stderr. Interrupted by the fault policy, it stops the child (SIGTERM, then
+SIGKILL after :data:`TERM_GRACE` s); the child dies with its engine (parent-death signal).
 
-A launch does not pay for the interpreter and the framework's import: each
-engine keeps one *spare*, a process started in the background with the
-framework imported (and nothing else: its folder is ``/`` and the user's
-folder is not on its ``sys.path``) that waits for its launch (:func:`child`).
-A spare started with another environment than the launch's (outside the
-rank's plan, whose ports change every run) is not used.
-
-Under ``--launcher slurm`` the engines are the job's tasks and stay; a script
-run starts its processes from them, which approximates an ``srun`` step in
-the job's allocation (the processes are in the step of the engines).
+Each engine keeps a *spare*: a child started in the background with the framework
+imported and nothing of the user's (folder ``/``, the user's folder not on
+``sys.path``), waiting for its launch (:func:`child`); one started with another
+environment than the launch's, outside the plan's per-run ports and ids, is not used.
+Under ``--launcher slurm`` the job's engines start the processes: an approximation of
+an ``srun`` step in the job's allocation.
 """
 
 from __future__ import annotations

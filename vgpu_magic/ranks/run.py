@@ -275,7 +275,7 @@ class RankRun:
         for rank, (ar, (out, err)) in enumerate(zip(results, streams)):
             out.feed(ar.stdout or "", final)
             err.feed(ar.stderr or "", final)
-            displayed = ar.outputs or []
+            displayed = getattr(ar, "outputs", None) or []
             for content in displayed[self._displayed.get(rank, 0) :]:
                 show_display(rank, content, self.stdout)
             self._displayed[rank] = len(displayed)
