@@ -98,23 +98,25 @@ def test_log_takes_a_rank_of_the_cluster_and_verbose_only_goes_with_start(ip):
     refused_changing_nothing(ip, "vgpu_cluster", "log --join", "'--join' only goes with start")
 
 
-class _Failed:
-    """A rank's finished AsyncResult that raised, with what the rank wrote."""
+class _Failed(__import__("concurrent.futures").futures.Future):
+    """A rank's finished AsyncResult that raised, with what the rank wrote (a future, as the fault
+    policy waits on the ranks' results)."""
 
     stdout = ""
     stderr = "\n".join([*TF_START, "the rank's own last words", ""])
+
+    def __init__(self):
+        super().__init__()
+        error = Exception("bad")
+        error.ename, error.evalue = "ValueError", "bad"
+        error.traceback = "Traceback (most recent call last):\n  Cell In[3], line 2\nValueError: bad"
+        self.set_exception(error)
 
     def ready(self):
         return True
 
     def successful(self):
         return False
-
-    def exception(self, timeout=None):
-        error = Exception("bad")
-        error.ename, error.evalue = "ValueError", "bad"
-        error.traceback = "Traceback (most recent call last):\n  Cell In[3], line 2\nValueError: bad"
-        return error
 
     def wait_for_output(self, timeout=None):
         return True
