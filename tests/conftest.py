@@ -32,6 +32,15 @@ def pytest_unconfigure(config) -> None:
     shutil.rmtree(os.environ["IPYTHONDIR"], ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def same_folder_after():
+    """Each test leaves the process in the folder it found: ``%cd`` in the in-process shell moves the
+    whole process, and the notebooks collected after the tests find their files by relative paths."""
+    folder = os.getcwd()
+    yield
+    os.chdir(folder)
+
+
 @pytest.fixture
 def py():
     """``py(code, env=None) -> CompletedProcess``: run code in a fresh interpreter."""

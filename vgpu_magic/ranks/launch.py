@@ -149,12 +149,16 @@ def run_rank(request: dict[str, Any]) -> int:
         if not ok(where):
             raise ProcessExited(f"could not start: the {what} {where} does not exist on {socket.gethostname()}")
     proc = _spare_for(plan_env, request["preload"])
+    # The engine takes SIGINT only inside a cell's code (run.interrupt_only_the_cell); a launch is
+    # interrupted as a cell is, so the fault policy can stop it.
+    outside = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         launch = {k: request[k] for k in ("setup", "setup_args", "argv", "cwd")}
         proc.control.sendall(json.dumps({**launch, "env": {**proc.base, **plan_env}}).encode())
         proc.control.shutdown(socket.SHUT_WR)
         code, tail = _follow(proc.popen)
     finally:
+        signal.signal(signal.SIGINT, outside)
         proc.control.close()
         _spare = _start(plan_env, request["preload"])
     if code == 0:
