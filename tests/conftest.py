@@ -13,6 +13,7 @@ session uses a throwaway IPython profile (``IPYTHONDIR``), never the user's.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -61,6 +62,8 @@ def gpu_count() -> int:
     # NVML answers in milliseconds; only ask TensorFlow (seconds) when a GPU exists.
     if not nvml_gpus():
         pytest.skip("no NVIDIA GPU visible through NVML on this machine")
+    if importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("a GPU, but no TensorFlow in this environment (the torch and JAX GPU tests still run)")
     proc = run_python("import json, tensorflow as tf; print(json.dumps(len(tf.config.list_physical_devices('GPU'))))")
     count = last_json(proc.stdout)
     if count == 0:
