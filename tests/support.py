@@ -172,6 +172,16 @@ def our_processes() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
 
 
+def left_running(before: set[int], within: float = 10.0) -> list[str]:
+    """The command lines of the processes this test process started since ``before`` that are still
+    running after ``within`` seconds (a process already told to stop may take a moment to exit)."""
+    import psutil
+
+    extra = [psutil.Process(pid) for pid in our_processes() - before if psutil.pid_exists(pid)]
+    _, alive = psutil.wait_procs(extra, timeout=within)
+    return [" ".join(p.cmdline()) for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
 def tf_device_configuration() -> dict:
     """Logical-device configuration and visibility of every physical device
     TensorFlow sees. Reading these does not start TensorFlow's runtime."""

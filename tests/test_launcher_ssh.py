@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from support import TF_ALL_REDUCE, our_processes, processes_of
+from support import TF_ALL_REDUCE, left_running, our_processes, processes_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -169,4 +169,4 @@ def test_a_host_that_refuses_the_key_is_named_with_sshs_own_reason(two_hosts, tm
         f"the ranks could not start: root@{two_hosts.second.address}: Permission denied (publickey); "
         "nothing was left running"
     )
-    assert our_processes() <= before
+    assert left_running(before) == []
