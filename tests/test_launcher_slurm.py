@@ -130,8 +130,12 @@ def test_a_ddp_script_runs_twice_from_the_jobs_tasks(slurm, tmp_path, monkeypatc
     with slurm_ranks(slurm, "torch", 2) as ranks:
         job = next(iter(ranks.cluster.engines.values())).job_id
         for run, epochs in enumerate((4, 8)):
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                ranks.run_script("ddp_train.py", [str(epochs), "2", "--out", f"run{run}"], timeout=RUN_TIMEOUT)
+            said = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+                    ranks.run_script("ddp_train.py", [str(epochs), "2", "--out", f"run{run}"], timeout=RUN_TIMEOUT)
+            except Exception as exc:
+                raise AssertionError(f"run {run} failed; the ranks said:\n{said.getvalue()[-4000:]}") from exc
             found = [json.loads((tmp_path / f"run{run}.{r}").read_text()) for r in range(2)]
             assert [f["resumed_at"] for f in found] == [(0, 4)[run]] * 2
             assert found[0]["weights"] == found[1]["weights"]

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-if not dist.is_initialized():
+started_here = not dist.is_initialized()
+if started_here:
     dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
@@ -26,4 +27,7 @@ weights = [p.detach().double().flatten().tolist() for p in model.module.paramete
 if os.environ.get("PARITY_OUT"):
     with open(f"{os.environ['PARITY_OUT']}.{rank}", "w") as f:
         json.dump(weights, f)
+if started_here:
+    # A process that ends with its gloo group alive can abort as it exits (pytorch/pytorch#190489).
+    dist.destroy_process_group()
 weights
