@@ -95,6 +95,20 @@ def ip():
     return shell
 
 
+@pytest.fixture(scope="module")
+def cluster_shell(ip):
+    """The in-process shell for a module that starts clusters: the one still running at the module's end is
+    stopped, and no process the module started is left."""
+    from vgpu_magic.ranks import rank_cluster
+
+    before = our_processes()
+    yield ip
+    running = rank_cluster.current()
+    if running is not None:
+        running.stop()
+    assert our_processes() <= before
+
+
 @pytest.fixture
 def cpu_inventory(monkeypatch):
     """Make in-process TensorFlow requests see a CPU-only machine, so refusal tests

@@ -18,15 +18,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def shell(ip):
-    from vgpu_magic.ranks import rank_cluster
-
-    before = our_processes()
-    yield ip
-    running = rank_cluster.current()
-    if running is not None:
-        running.stop()
-    assert our_processes() <= before
+def shell(cluster_shell):
+    return cluster_shell
 
 
 def test_every_rank_failing_at_once_is_named_and_none_is_killed(shell):
@@ -68,9 +61,14 @@ def test_a_rank_interrupted_as_it_replies_is_not_killed(shell, monkeypatch):
     shell.run_line_magic("vgpu_cluster", "start 4 --framework tensorflow")
     pids = list(vgpu_magic.cluster().pids)
     for attempt in range(20):
-        with pytest.raises(RankRunError) as info, contextlib.redirect_stderr(io.StringIO()):
-            shell.run_cell_magic("vgpu_run", "--no-plot", "raise ValueError('bad argument')")
-        error = info.value
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+                shell.run_cell_magic("vgpu_run", "--no-plot", "raise ValueError('bad argument')")
+        except RankRunError as exc:
+            error = exc
+        else:
+            pytest.fail(f"run {attempt}: every rank raised, yet the run succeeded; it printed:\n{said.getvalue()}")
         assert (error.killed, error.must_restart) == ([], False), (attempt, str(error))
         # Each rank is named: with its own error, or as interrupted (its error lost with its reply).
         assert sorted([f.rank for f in error.failures] + error.interrupted) == [0, 1, 2, 3], (attempt, str(error))

@@ -31,15 +31,8 @@ TRAIN_SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
 
 
 @pytest.fixture(scope="module")
-def shell(ip):
-    from vgpu_magic.ranks import rank_cluster
-
-    before = our_processes()
-    yield ip
-    running = rank_cluster.current()
-    if running is not None:
-        running.stop()
-    assert our_processes() <= before
+def shell(cluster_shell):
+    return cluster_shell
 
 
 def torch_ranks(shell, join: bool):
