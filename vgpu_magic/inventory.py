@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import NVMLReadError
@@ -96,36 +96,6 @@ class DeviceInventory:
     @property
     def framework(self) -> str:
         return self.capabilities.name
-
-    def to_dict(self) -> dict[str, Any]:
-        data = {
-            "framework": self.framework,
-            "version": self.version,
-            "gpus": [dict(asdict(g), name=g.name) for g in self.gpus],
-            "cpus": self.cpus,
-            "nvml_available": self.nvml_available,
-            "notes": list(self.notes),
-        }
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DeviceInventory:
-        gpus = []
-        for g in data.get("gpus", ()):
-            g = {k: v for k, v in g.items() if k != "name"}
-            if g.get("compute_capability") is not None:
-                g["compute_capability"] = tuple(g["compute_capability"])
-            gpus.append(GPUInfo(**g))
-        from .frameworks import get
-
-        return cls(
-            gpus=tuple(gpus),
-            cpus=data.get("cpus", 1),
-            version=data.get("version"),
-            capabilities=get(data["framework"]).capabilities,
-            nvml_available=data.get("nvml_available", False),
-            notes=tuple(data.get("notes", ())),
-        )
 
 
 def open_nvml():
