@@ -188,12 +188,10 @@ def split(
         count, memory, cpu=cpu, gpu=gpu, others=others, visible=visible, growth=growth, framework=framework
     )
     result = execute(request, dry_run=dry_run)
-    if result.status == "blocked":
-        text = "\n".join(line.text for line in summary_lines(result) if line.level == "warning")
-        warnings.warn(text, RuntimeStartedWarning, stacklevel=2)
-    else:
-        for text in result.warnings:
-            warnings.warn(text, UserWarning, stacklevel=2)
+    _, warned = summary_lines(result)
+    if warned:
+        category = RuntimeStartedWarning if result.status == "blocked" else UserWarning
+        warnings.warn("\n".join(warned), category, stacklevel=2)
     return result
 
 
