@@ -4,12 +4,8 @@
     >>> vgpu_magic.split(4)                      # doctest: +SKIP
     >>> strategy = vgpu_magic.strategy()         # doctest: +SKIP
 
-Bad input raises :class:`ValueError` (:class:`~vgpu_magic.errors.PlanError`)
-and configures nothing. A different split after the framework's runtime
-started issues a :class:`RuntimeStartedWarning` and returns a result whose
-``status`` is ``"blocked"``. A framework that is missing or fails to import
-raises :class:`~vgpu_magic.frameworks.FrameworkImportError` (an ImportError)
-with the real reason.
+Bad input raises :class:`ValueError` and configures nothing; a different split after the
+runtime started warns (:class:`RuntimeStartedWarning`) and returns a ``"blocked"`` result.
 """
 
 from __future__ import annotations

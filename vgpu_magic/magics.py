@@ -1,10 +1,6 @@
-"""The IPython face: ``%vgpu_split`` and ``%vgpu_status``.
-
-Each magic parses its line (:mod:`vgpu_magic.grammar`) and calls the engine
-(:func:`vgpu_magic.outcomes.execute`); validation lives in
-:mod:`vgpu_magic.planner`, outcomes are worded by
-:func:`vgpu_magic.outcomes.print_summary`. User mistakes become a one-line
-:class:`~IPython.core.error.UsageError`.
+"""The IPython face: ``%vgpu_split`` and ``%vgpu_status`` parse their line
+(:mod:`vgpu_magic.grammar`) and call the engine (:mod:`vgpu_magic.outcomes`,
+:mod:`vgpu_magic.report`); user mistakes become a one-line ``UsageError``.
 """
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ class SplitPanel:
             widget.observe(self._notice_start, "value")
         # Tracebacks and prints of a button callback go nowhere visible in
         # JupyterLab unless an Output widget captures them.
-        self.apply_button.on_click(self.output.capture(clear_output=True, wait=True)(self._on_apply))
+        self.apply_button.on_click(self.output.capture(clear_output=True, wait=True)(lambda _button: self.apply()))
 
     # -- what the widgets say ---------------------------------------------
     @property
@@ -379,9 +379,6 @@ class SplitPanel:
             widget.disabled = True
 
     # -- Apply ---------------------------------------------------------------
-    def _on_apply(self, button=None) -> None:
-        self.apply()
-
     def apply(self) -> SplitResult | None:
         """Plan and apply what the widgets say, printing what the magic prints
         (:func:`~vgpu_magic.outcomes.print_summary`).
