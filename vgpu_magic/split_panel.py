@@ -70,14 +70,15 @@ class SplitPanel:
         #: The framework the user named when opening the panel: echoed in the line it shows.
         self.framework_named = framework_named
         if inventory.current is None:
-            inventory = _with_current(inventory, unconfigured(inventory))
+            inventory = replace(inventory, current=unconfigured(inventory))
         self.inventory = inventory
         self.capabilities = inventory.capabilities
         self.watcher = watcher
         self.last_result: SplitResult | None = None
         self.last_message = ""
         self._syncing_count = False
-        self._locked = False
+        #: True once the framework's runtime started: the controls are disabled.
+        self.locked = False
         self._device_sliders: list[widgets.IntSlider] = []
         self._build_controls()
         self.root = self._layout()
@@ -343,32 +344,27 @@ class SplitPanel:
         if opening is not None:
             self.target.value, self.count_text.value = opening
 
-    @property
-    def locked(self) -> bool:
-        """True once the framework's runtime started: the controls are disabled."""
-        return self._locked
-
     def refresh(self, check_cuda: bool = True) -> RuntimeState:
         """Check whether the framework's runtime started; if so, disable the
         controls and show the banner: what happened, which cell, what to do."""
         state = runtime_state(self.watcher, self.inventory.framework, check_cuda=check_cuda)
-        if state.started and not self._locked:
+        if state.started and not self.locked:
             self._lock(state, with_remedy=True)
         return state
 
     def _notice_start(self, change=None) -> None:
         """A panel shown before the runtime started notices it as soon as it is used,
         not only at Apply (the CUDA check, which may ask NVML, waits for Apply)."""
-        if not self._locked:
+        if not self.locked:
             self.refresh(check_cuda=False)
 
     def _lock(self, state: RuntimeState, with_remedy: bool) -> None:
         """Disable every control and show the banner, in short lines. ``with_remedy=False`` when
         Apply's output just below already says what to do (said once, not twice)."""
-        self._locked = True
+        self.locked = True
         # What the framework has from now on: the controls show it, and "Same as" reproduces it.
         if self._configuration is not None:
-            self.inventory = _with_current(self.inventory, self._configuration())
+            self.inventory = replace(self.inventory, current=self._configuration())
         self._open_on_current(unsplit=True)
         self.banner.value = panel_text.banner_html(
             self.capabilities.label, state.culprit, with_remedy, self.capabilities.runtime_word
@@ -380,14 +376,8 @@ class SplitPanel:
 
     # -- Apply ---------------------------------------------------------------
     def apply(self) -> SplitResult | None:
-        """Plan and apply what the widgets say, printing what the magic prints
-        (:func:`~vgpu_magic.outcomes.print_summary`).
-
-        Returns the :class:`~vgpu_magic.outcomes.SplitResult` (``"blocked"``
-        when the runtime already started with another configuration,
-        ``"unchanged"`` for an identical re-apply, as the magic does), or
-        ``None`` when the planner refused the request (its message is printed).
-        """
+        """Plan and apply what the widgets say, printing what the magic prints; the
+        :class:`~vgpu_magic.outcomes.SplitResult`, or ``None`` when the planner refused (its message printed)."""
         self.last_result = None
         try:
             result = execute(self.request(), self.watcher, inventory=self.inventory)
@@ -398,8 +388,8 @@ class SplitPanel:
         self.last_result = result
         self.last_message = print_summary(result)
         if result.configuration is not None:
-            self.inventory = _with_current(self.inventory, result.configuration)
-        if result.status == "blocked" and result.runtime is not None and not self._locked:
+            self.inventory = replace(self.inventory, current=result.configuration)
+        if result.status == "blocked" and result.runtime is not None and not self.locked:
             self._lock(result.runtime, with_remedy=False)
         self.refresh()
         return result
@@ -407,10 +397,6 @@ class SplitPanel:
     # -- display -------------------------------------------------------------
     def _repr_mimebundle_(self, **kwargs):
         return self.root._repr_mimebundle_(**kwargs)
-
-
-def _with_current(inventory: DeviceInventory, current: ConfigSnapshot) -> DeviceInventory:
-    return replace(inventory, current=current)
 
 
 def panel(watcher: RuntimeWatcher | None = None, framework: str | None = None) -> SplitPanel:
