@@ -125,8 +125,7 @@ def summary_lines(result: SplitResult) -> tuple[list[str], list[str]]:
     said: list[str] = []
     warned: list[str] = []
     if result.status == "blocked":
-        word = result.runtime.runtime_word if result.runtime is not None else "runtime"
-        what, culprit = runtime_started_lines(label, result.blocked_reason, word)
+        what, culprit = runtime_started_lines(label, result.blocked_reason, caps.runtime_word)
         kept = _plural(result.replicas, "replica device" if caps.replica_noun == "replica" else caps.replica_noun)
         warned += [what, f"  {culprit}", f"  it keeps its {kept}; nothing was configured"]
         warned.append(f"  to get {plan.describe()}: {remedy(label, plan.magic_line())}")
@@ -182,13 +181,8 @@ def apply_plan(
     current: ConfigSnapshot | None = None,
     warnings: list[str] | None = None,
 ) -> SplitResult:
-    """Apply ``plan`` through ``framework``.
-
-    ``runtime`` is the state checked just before (see
-    :meth:`~vgpu_magic.runtime.RuntimeWatcher.state`); it decides between
-    applying and refusing. ``current`` is the configuration the plan was made
-    against (read again when not given).
-    """
+    """Apply ``plan`` through ``framework``, or refuse it when ``runtime`` (the state checked just
+    before) started; ``current`` is the configuration the plan was made against (default: read again)."""
     old = current if current is not None else framework.read_configuration()
     new = configuration_after(plan, old)
     caps = framework.capabilities
