@@ -99,10 +99,9 @@ def test_split_two_capped_logical_gpus(gpu_count):
 EVEN_SPLIT = """
 import json
 import vgpu_magic
-from vgpu_magic.inventory import probe_inventory
-from vgpu_magic.frameworks.tensorflow import system_reserve_mib
+from vgpu_magic.frameworks.tensorflow import FRAMEWORK, system_reserve_mib
 
-inventory = probe_inventory()
+inventory = FRAMEWORK.probe_inventory()
 gpu = inventory.gpus[0]
 try:
     vgpu_magic.split(2, memory=10 * gpu.total_mib)

@@ -407,7 +407,7 @@ def test_panel_splits_jax_and_hides_memory_on_cpu():
     """
     out = last_json(run_python(code).stdout)
     assert "JAX cannot cap CPU devices" in out["note"] and out["hidden"] == ["none", "none"]
-    assert out["message"].startswith("JAX configured 8 CPU devices") and out["n"] == 8
+    assert out["message"].startswith("vgpu_magic: JAX configured 8 CPU devices") and out["n"] == 8
 
 
 def test_gpu_backend_is_read_from_the_installed_files(tmp_path, monkeypatch):

@@ -225,7 +225,7 @@ def test_started_runtime_disables_everything_and_names_the_cell():
     panel.count_text.value = 3
     panel.apply_button.click()  # a stale front end may still send the click
     assert panel.last_result.status == "blocked"
-    assert panel.last_message.startswith("TensorFlow's runtime already started")
+    assert panel.last_message.startswith("vgpu_magic warning: TensorFlow's runtime already started")
 
 
 def test_a_panel_shown_before_the_runtime_started_locks_when_next_used_and_says_the_remedy_once():
@@ -309,7 +309,7 @@ def test_apply_in_a_fresh_shell_creates_exactly_the_planned_logical_cpus():
     assert out["status"] == "applied" and out["planned"] == 3
     assert out["logical"] == ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]
     # The engine's own summary lines, as the magic prints them.
-    assert out["message"].splitlines()[0] == "TensorFlow configured 3 logical CPUs on CPU:0"
+    assert out["message"].splitlines()[0] == "vgpu_magic: TensorFlow configured 3 logical CPUs on CPU:0"
     assert "MirroredStrategy() will use 3 replicas: /device:CPU:0, /device:CPU:1, /device:CPU:2" in out["message"]
     assert "reproduce with: %vgpu_split 3" in out["message"]
 
@@ -347,7 +347,9 @@ def test_runtime_started_by_a_cell_locks_the_panel_and_names_that_cell():
     out = last_json(proc.stdout)
     assert out["early_locked_before_click"] is False
     assert out["early_locked"] is True
-    assert out["early_message"].startswith("TensorFlow's runtime already started, so devices can no longer change.")
+    assert out["early_message"].startswith(
+        "vgpu_magic warning: TensorFlow's runtime already started, so devices can no longer change."
+    )
     assert out["early_message"].count("restart the kernel") == 1  # the remedy once, not twice
     assert out["early_now"] == [1, "%vgpu_split 1"]  # locked, it shows what TensorFlow has
     assert out["late_locked"] is True and all(out["late_disabled"]) and out["banner_shown"]

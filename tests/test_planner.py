@@ -402,16 +402,6 @@ def test_magic_line_spells_out_the_even_split():
     assert plan_line("4 --memory 5616", gpu_inventory(24000, cc=(8, 0))).magic_line() == "%vgpu_split 4 --memory 5616"
 
 
-# -- inventories as data ---------------------------------------------------------------
-
-
-def test_inventory_dict_round_trip():
-    inventory = gpu_inventory(8000, None, cc=(7, 5))
-    data = inventory.to_dict()
-    assert data["gpus"][0]["name"] == "/physical_device:GPU:0"
-    assert DeviceInventory.from_dict(data) == inventory
-
-
 # -- tf.config decision logic on GPU-shaped snapshots ----------------------------------
 
 CPU0 = "/physical_device:CPU:0"

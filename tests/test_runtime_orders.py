@@ -156,7 +156,7 @@ def test_extension_loaded_after_the_runtime_started():
         "vgpu_magic warning: TensorFlow's runtime already started, so devices can no longer change. "
         "Started by: a cell run before vgpu_magic"
     )
-    assert "Restart the kernel and load vgpu_magic before any TensorFlow code" in warning
+    assert "Restart the kernel and run %load_ext vgpu_magic before any TensorFlow code" in warning
     assert_blocked(cells[3], "a cell run before vgpu_magic was loaded")
     assert cells[4]["result"]["status"] == "unchanged"
 

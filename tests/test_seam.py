@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import types
+import warnings
 
 import pytest
 from IPython.core.error import UsageError
@@ -157,6 +158,68 @@ def test_api_splits_the_fake(fake):
     assert result.status == "applied" and fake.config.logical["/physical_device:GPU:0"] == (2048, 2048)
     with pytest.raises(ValueError, match="framework 'nope' is not supported"):
         vgpu_magic.split(2, framework="nope")
+
+
+class _Magic:
+    def __init__(self, ip) -> None:
+        self.ip = ip
+
+    def choose(self, count: int) -> None:
+        self.count = count
+
+    def go(self):
+        return self.ip.run_line_magic("vgpu_split", f"{self.count} --framework fakefw -r")
+
+
+class _Panel:
+    def __init__(self, ip) -> None:
+        import vgpu_magic
+
+        self.panel = vgpu_magic.panel(framework="fakefw")
+
+    def choose(self, count: int) -> None:
+        self.panel.count_text.value = count
+
+    def go(self):
+        result = self.panel.apply()
+        self.said = self.panel.last_message
+        return result
+
+
+class _API(_Magic):
+    def go(self):
+        import vgpu_magic
+
+        return vgpu_magic.split(self.count, framework="fakefw")
+
+
+def test_the_magic_the_panel_and_the_api_say_the_same(ip, fake, capsys):
+    """Applied, unchanged and blocked, through each face on a fresh fake: the same results, the panel
+    prints what the magic prints, and the API warns with the magic's warning."""
+    said = {}
+    for face in (_Magic, _Panel, _API):
+        fake.config, fake.started, fake.writes = unconfigured(fake.inventory), False, []
+        shown = face(ip)
+        steps = []
+        for count, start in ((2, False), (2, False), (3, True)):
+            shown.choose(count)
+            fake.started = start
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = shown.go()
+            printed = capsys.readouterr()
+            steps.append((result.to_dict(), printed.out, printed.err, [str(w.message) for w in caught]))
+            if face is _Panel:
+                assert shown.said == "\n".join(t.rstrip("\n") for t in (printed.out, printed.err) if t)
+        said[face.__name__] = steps
+    magic, panel, api = said["_Magic"], said["_Panel"], said["_API"]
+    assert [s[0]["status"] for s in magic] == ["applied", "unchanged", "blocked"]
+    assert [s[0] for s in panel] == [s[0] for s in api] == [s[0] for s in magic]
+    assert [s[1:] for s in panel] == [s[1:] for s in magic]
+    assert magic[2][2].startswith("vgpu_magic warning: FakeFW's runtime already started")
+    for (_, _, err, warned), (_, api_out, api_err, api_warned) in zip(magic, api):
+        assert warned == [] and api_out == api_err == ""
+        assert api_warned == ([err.removeprefix("vgpu_magic warning: ").rstrip("\n")] if err else [])
 
 
 # -- picking the framework ------------------------------------------------------------

@@ -4,12 +4,8 @@
     >>> vgpu_magic.split(4)                      # doctest: +SKIP
     >>> strategy = vgpu_magic.strategy()         # doctest: +SKIP
 
-Bad input raises :class:`ValueError` (:class:`~vgpu_magic.errors.PlanError`)
-and configures nothing. A different split after the framework's runtime
-started issues a :class:`RuntimeStartedWarning` and returns a result whose
-``status`` is ``"blocked"``. A framework that is missing or fails to import
-raises :class:`~vgpu_magic.frameworks.FrameworkImportError` (an ImportError)
-with the real reason.
+Bad input raises :class:`ValueError` and configures nothing; a different split after the
+runtime started warns (:class:`RuntimeStartedWarning`) and returns a ``"blocked"`` result.
 """
 
 from __future__ import annotations
@@ -188,12 +184,10 @@ def split(
         count, memory, cpu=cpu, gpu=gpu, others=others, visible=visible, growth=growth, framework=framework
     )
     result = execute(request, dry_run=dry_run)
-    if result.status == "blocked":
-        text = "\n".join(line.text for line in summary_lines(result) if line.level == "warning")
-        warnings.warn(text, RuntimeStartedWarning, stacklevel=2)
-    else:
-        for text in result.warnings:
-            warnings.warn(text, UserWarning, stacklevel=2)
+    _, warned = summary_lines(result)
+    if warned:
+        category = RuntimeStartedWarning if result.status == "blocked" else UserWarning
+        warnings.warn("\n".join(warned), category, stacklevel=2)
     return result
 
 

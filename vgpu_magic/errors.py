@@ -1,12 +1,6 @@
-"""The project's vocabulary for user mistakes.
-
-A mistake a user can make (a bad ``%vgpu_split`` line, a framework that is not
-installed, a GPU NVML cannot read) is an exception whose message is one line
-that quotes the bad value (:func:`excerpt`) and says what would work. Every
-face catches :data:`USER_ERRORS` and shows that line: the magics as a
-:class:`~IPython.core.error.UsageError`, the panel in its output, the CLI on
-stderr; the Python API lets them through as they are. A leaf: it imports
-nothing from vgpu_magic, so every layer can raise these.
+"""The project's vocabulary for user mistakes: exceptions whose message is one line that
+quotes the bad value (:func:`excerpt`) and says what would work. Every face catches
+:data:`USER_ERRORS` and shows that line; the Python API lets them through. A leaf module.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """The argument grammar of the faces.
 
-Every magic declares its arguments with IPython's ``@magic_arguments()`` /
-``@argument(...)``, so ``%vgpu_split?`` help is generated from the same
-declarations that parse the line. Option values are checked by the ``type=``
-callables here: each turns a token into a value or refuses it with one plain
-sentence that quotes it (an excerpt of it) and says what would work.
-:func:`parse_arguments` reads a line with such a parser and turns what
-argparse itself refuses (an unknown option, a missing value, words left over)
-into one such sentence too, raised as :class:`~vgpu_magic.errors.PlanError`.
-
-``%vgpu_split`` lines, the persistent split (config trait, environment
-variable) and the CLI all parse here into a
-:class:`~vgpu_magic.plans.SplitRequest` (:func:`parse_split_line`); the
-planner then validates it. Nothing is evaluated. Numbers have one grammar for
-every option: ASCII digits (``int()`` would also take ``"1_0"``, ``"+3"`` or
-``"٣"``), finite and bounded; memory sizes are MiB, bare or with a unit
-(:func:`parse_memory`), for the magics and the API alike.
+Magics declare their arguments with IPython's ``@magic_arguments()``, so their help comes from
+the declarations that parse the line. The ``type=`` callables here turn a token into a value or
+refuse it with one sentence that quotes it and says what would work; :func:`parse_arguments`
+does the same for what argparse itself refuses (:class:`~vgpu_magic.errors.PlanError`).
+``%vgpu_split`` lines, the persistent split and the CLI all parse into a
+:class:`~vgpu_magic.plans.SplitRequest` here. Nothing is evaluated; numbers are ASCII digits
+(``int()`` would also take ``"1_0"``, ``"+3"`` or ``"٣"``), memory sizes MiB, bare or with a unit.
 """
 
 from __future__ import annotations
@@ -40,7 +31,6 @@ __all__ = [
     "parse_arguments",
     "parse_split_line",
     "split_arguments",
-    "split_request",
     "parse_whole_number",
     "parse_memory",
     "parse_memory_list",
@@ -111,17 +101,8 @@ def _example(text: str) -> Callable[[Callable], Callable]:
 
 
 def choice(values: Sequence[str], refusal: str, example: str) -> Callable[[str], str]:
-    """A ``type=`` accepting one of ``values``.
-
-    Parameters
-    ----------
-    values
-        The words accepted.
-    refusal
-        The sentence for anything else, with ``{value}`` where the quoted token goes.
-    example
-        An option line that works, shown when the value is missing.
-    """
+    """A ``type=`` accepting one of ``values``; ``refusal`` is the sentence for anything else
+    (``{value}`` the quoted token), ``example`` an option line that works."""
 
     @_example(example)
     def one_of(text: str) -> str:
@@ -318,26 +299,9 @@ def _refused(parser: argparse.ArgumentParser, err: argparse.ArgumentError, magic
 def parse_arguments(
     parser: argparse.ArgumentParser, line: str, *, example: str, options_hint: str | None = None
 ) -> argparse.Namespace:
-    """Read ``line`` with a magic's parser (``magic_func.parser`` of
-    ``@magic_arguments()``) the way ``parse_argstring`` does, but with every
-    refusal as one sentence.
-
-    Parameters
-    ----------
-    parser
-        The parser ``@magic_arguments()`` built.
-    line
-        The magic's argument line, split like a shell line.
-    example
-        A line that works, shown when words are left over.
-    options_hint
-        What to say after an unknown option that resembles none (default: see the magic's help).
-
-    Raises
-    ------
-    PlanError
-        One line that quotes the bad token and says what would work.
-    """
+    """Read ``line`` with a magic's parser (``magic_func.parser``) as ``parse_argstring`` does,
+    but raise every refusal as one :class:`PlanError` line. ``example`` is a line that works,
+    shown when words are left over; ``options_hint`` follows an unknown option that resembles none."""
     magic = f"%{parser.prog}"
     try:
         words = shlex.split(line)
@@ -363,12 +327,13 @@ def parse_arguments(
     return args
 
 
-def split_request(args: argparse.Namespace) -> SplitRequest:
-    """The :class:`SplitRequest` a parsed ``%vgpu_split`` line stands for."""
-    memory: int | tuple[int, ...] | None = None
-    if args.memory is not None:
-        memory = args.memory[0] if len(args.memory) == 1 else args.memory
-    return SplitRequest(
+def parse_split_line(line: str, parser: Any = None) -> tuple[SplitRequest, argparse.Namespace]:
+    """A ``%vgpu_split`` argument line (``"2 --memory 2048"``) as a :class:`SplitRequest`, and the
+    namespace for the face-only flags (``--dry-run``, ``--return``, ``--quiet``). ``parser``: the
+    magic's own; by default one built from the same declarations."""
+    args = parse_arguments(parser or _split_grammar.parser, line, example="%vgpu_split 4 --memory 2048")
+    memory = args.memory[0] if args.memory is not None and len(args.memory) == 1 else args.memory
+    request = SplitRequest(
         count=args.count,
         memory=memory,
         target="cpu" if args.cpu else "auto",
@@ -378,24 +343,4 @@ def split_request(args: argparse.Namespace) -> SplitRequest:
         memory_growth=args.growth,
         framework=args.framework,
     )
-
-
-def parse_split_line(line: str, parser: Any = None) -> tuple[SplitRequest, argparse.Namespace]:
-    """Parse a ``%vgpu_split`` argument line into a :class:`SplitRequest`.
-
-    Parameters
-    ----------
-    line
-        The arguments, e.g. ``"2 --memory 2048"``; nothing is evaluated.
-    parser
-        The magic's own parser (``VGPUMagics.vgpu_split.parser``); by default
-        one built from the same declarations, for the persistent split and the CLI.
-
-    Returns
-    -------
-    tuple
-        The request and the namespace (for the face-only flags ``--dry-run``,
-        ``--return`` and ``--quiet``).
-    """
-    args = parse_arguments(parser or _split_grammar.parser, line, example="%vgpu_split 4 --memory 2048")
-    return split_request(args), args
+    return request, args

@@ -1,13 +1,8 @@
 """What devices this machine has, as plain data.
 
-:class:`DeviceInventory` is what the planner reads: the physical devices a
-framework sees, the framework's :class:`~vgpu_magic.frameworks.base.Capabilities`
-and its current configuration. Each framework module fills one
-(``Framework.probe_inventory``); :func:`probe_inventory` asks the selected one.
-GPU details come from NVML (``nvidia-ml-py``): name, total/free memory and
-compute capability. A missing NVML library means "no GPU details", never an
-error; a GPU that disappears while being read gives :class:`NVMLReadError`,
-one line.
+:class:`DeviceInventory` is what the planner reads; each framework fills one
+(``Framework.probe_inventory``). GPU details come from NVML: a missing NVML means "no GPU
+details", never an error; a GPU that disappears while being read gives :class:`NVMLReadError`.
 """
 
 from __future__ import annotations
@@ -15,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import NVMLReadError
@@ -26,7 +21,6 @@ __all__ = [
     "GPUInfo",
     "DeviceInventory",
     "NVMLReadError",
-    "probe_inventory",
     "nvml_gpus",
     "nvml_pids_with_context",
     "open_nvml",
@@ -76,14 +70,8 @@ class GPUInfo:
 
 @dataclass(frozen=True)
 class DeviceInventory:
-    """The physical devices the planner may use.
-
-    ``gpus`` lists the GPUs the framework sees, in its order; ``cpus`` is the
-    number of physical CPU devices (always 1 in practice). ``capabilities``
-    says what the framework can do with them (required: there is no default
-    framework here) and ``current`` its configuration now (``None``: nothing
-    configured yet).
-    """
+    """The physical devices a framework sees (GPUs in its order), what it can do with them
+    (``capabilities``) and its configuration now (``current``; ``None``: nothing configured yet)."""
 
     gpus: tuple[GPUInfo, ...] = ()
     cpus: int = 1
@@ -96,36 +84,6 @@ class DeviceInventory:
     @property
     def framework(self) -> str:
         return self.capabilities.name
-
-    def to_dict(self) -> dict[str, Any]:
-        data = {
-            "framework": self.framework,
-            "version": self.version,
-            "gpus": [dict(asdict(g), name=g.name) for g in self.gpus],
-            "cpus": self.cpus,
-            "nvml_available": self.nvml_available,
-            "notes": list(self.notes),
-        }
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DeviceInventory:
-        gpus = []
-        for g in data.get("gpus", ()):
-            g = {k: v for k, v in g.items() if k != "name"}
-            if g.get("compute_capability") is not None:
-                g["compute_capability"] = tuple(g["compute_capability"])
-            gpus.append(GPUInfo(**g))
-        from .frameworks import get
-
-        return cls(
-            gpus=tuple(gpus),
-            cpus=data.get("cpus", 1),
-            version=data.get("version"),
-            capabilities=get(data["framework"]).capabilities,
-            nvml_available=data.get("nvml_available", False),
-            notes=tuple(data.get("notes", ())),
-        )
 
 
 def open_nvml():
@@ -320,11 +278,3 @@ def nccl_version() -> tuple[int, ...] | None:
             continue
         found.append(tuple(int(p) for p in text.split(".")[:3] if p.isdigit()))
     return min(found) if found else None
-
-
-def probe_inventory(framework: str | None = None) -> DeviceInventory:
-    """The devices of this process as ``framework`` (default: :func:`vgpu_magic.frameworks.select`)
-    sees them. Imports that framework; never starts its runtime."""
-    from .frameworks import select
-
-    return select(framework).probe_inventory()

@@ -1,10 +1,6 @@
-"""The IPython face: ``%vgpu_split`` and ``%vgpu_status``.
-
-Each magic parses its line (:mod:`vgpu_magic.grammar`) and calls the engine
-(:func:`vgpu_magic.outcomes.execute`); validation lives in
-:mod:`vgpu_magic.planner`, outcomes are worded by
-:func:`vgpu_magic.outcomes.summary_lines`. User mistakes become a one-line
-:class:`~IPython.core.error.UsageError`.
+"""The IPython face: ``%vgpu_split`` and ``%vgpu_status`` parse their line
+(:mod:`vgpu_magic.grammar`) and call the engine (:mod:`vgpu_magic.outcomes`,
+:mod:`vgpu_magic.report`); user mistakes become a one-line ``UsageError``.
 """
 
 from __future__ import annotations
@@ -23,11 +19,11 @@ from traitlets import Bool
 from . import frameworks
 from .errors import USER_ERRORS, excerpt
 from .grammar import framework_name, parse_arguments, parse_split_line, split_arguments
-from .outcomes import SplitResult, as_sentence, execute, runtime_started_lines, summary_lines
+from .outcomes import as_sentence, execute, print_summary, remedy, runtime_started_lines
 from .report import collect_status
 from .runtime import RuntimeWatcher
 
-__all__ = ["VGPUMagics", "ENV_SPLIT", "print_result"]
+__all__ = ["VGPUMagics", "ENV_SPLIT"]
 
 #: Environment variable holding a ``%vgpu_split`` line applied at load.
 ENV_SPLIT = "VGPU_MAGIC_SPLIT"
@@ -44,19 +40,6 @@ def _usage_errors():
         yield
     except USER_ERRORS as exc:
         raise UsageError(str(exc)) from None
-
-
-def print_result(result: SplitResult, quiet: bool = False) -> None:
-    """Print ``result``'s summary lines: information on stdout (nothing when
-    ``quiet``), warnings on stderr."""
-    first_warning = True
-    for line in summary_lines(result):
-        if line.level == "warning":
-            print(("vgpu_magic warning: " if first_warning else "") + line.text, file=sys.stderr)
-            first_warning = False
-        elif not quiet:
-            prefix = "vgpu_magic: " if line.level == "info" else "  "
-            print(prefix + line.text)
 
 
 def _persistent_value(value: object, source: str) -> str | None:
@@ -96,7 +79,7 @@ class VGPUMagics(Magics):
     @split_arguments
     def vgpu_split(self, line: str = ""):
         """
-        Split one GPU (or the CPU) into logical devices for TensorFlow or JAX.
+        Split one GPU (or the CPU) into logical devices for one framework (see --framework).
 
         Examples
         --------
@@ -122,7 +105,7 @@ class VGPUMagics(Magics):
             if says_nothing and not (args.dry_run or args.return_result or args.quiet):
                 return self._show_panel(request.framework)
             result = execute(request, self.watcher, dry_run=args.dry_run)
-        print_result(result, quiet=args.quiet)
+        print_summary(result, quiet=args.quiet)
         return result if args.return_result else None
 
     def _show_panel(self, framework: str | None = None) -> None:
@@ -201,7 +184,7 @@ class VGPUMagics(Magics):
             state = self.watcher.state(fw, check_cuda=False)
             if self.warn_on_load and state.started:
                 what, started_by = runtime_started_lines(fw.label, state.culprit, state.runtime_word)
-                todo = f"restart the kernel and load vgpu_magic before any {fw.label} code"
+                todo = remedy(fw.label, "%load_ext vgpu_magic")
                 _warn(" ".join([what, as_sentence(started_by), as_sentence(todo)]))
         if persistent is None:
             return
@@ -213,4 +196,4 @@ class VGPUMagics(Magics):
             _warn(f"{source} = {excerpt(line)} was not applied: {exc}")
             return
         print(f"vgpu_magic: applying {source} = {excerpt(line)}")
-        print_result(result, quiet=args.quiet)
+        print_summary(result, quiet=args.quiet)

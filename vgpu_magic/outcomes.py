@@ -1,35 +1,32 @@
 """Outcomes: apply a validated plan through a framework, and say what happened.
 
-:func:`apply_plan` reads the framework's configuration first (without starting
-its runtime): an identical configuration is a quiet no-op, even after the
-runtime started; a different one after start is refused with the reason and
-the remedy, never half-applied. :class:`SplitResult` is the one vocabulary of
-outcomes (with the configuration it leaves), :func:`summary_lines` the one
-place that turns it into the lines the magic, the panel and the API print, and
-:func:`runtime_started_lines` the one wording of "the runtime already started"
-for every face.
+An identical configuration is a quiet no-op, even after the runtime started; a
+different one after start is refused with the reason and the remedy, never
+half-applied. :class:`SplitResult` is the one vocabulary of outcomes and
+:func:`summary_lines` the one renderer of it for every face.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import frameworks
 from .errors import PlanError
 from .frameworks import Framework, FrameworkChoiceError
-from .frameworks.base import ConfigSnapshot
+from .frameworks.base import Capabilities, ConfigSnapshot
 from .inventory import DeviceInventory
 from .planner import SplitPlan, SplitRequest, configuration_after, plan_split
 from .runtime import NO_LONGER_CHANGE, RuntimeState, RuntimeWatcher, runtime_state
 
 __all__ = [
     "SplitResult",
-    "SummaryLine",
     "execute",
     "framework_for",
     "apply_plan",
     "summary_lines",
+    "print_summary",
     "remedy",
     "runtime_started_lines",
     "as_sentence",
@@ -46,18 +43,8 @@ def remedy(label: str, line: str = "the split") -> str:
 
 
 def runtime_started_lines(label: str, culprit: str, runtime_word: str = "runtime") -> list[str]:
-    """The one wording of "the runtime already started": what that means, and
-    which cell did it. The faces add their own remedy line.
-
-    Parameters
-    ----------
-    label
-        The framework as people write it, e.g. ``"TensorFlow"``.
-    culprit
-        :attr:`~vgpu_magic.runtime.RuntimeState.culprit`, e.g. ``"line 2 of the cell In [2]: `x = jnp.ones(3)`"``.
-    runtime_word
-        What the framework calls it (:attr:`~vgpu_magic.frameworks.base.Capabilities.runtime_word`).
-    """
+    """The one wording of "the runtime already started" (``culprit``: :attr:`RuntimeState.culprit
+    <vgpu_magic.runtime.RuntimeState.culprit>`): what that means, and which cell did it."""
     return [f"{label}'s {runtime_word} already started, so {NO_LONGER_CHANGE}.", f"started by: {culprit}"]
 
 
@@ -70,39 +57,17 @@ def as_sentence(line: str) -> str:
 class SplitResult:
     """What ``%vgpu_split`` / :func:`vgpu_magic.split` did.
 
-    Attributes
-    ----------
-    status
-        ``"applied"``, ``"unchanged"`` (already configured exactly so), ``"planned"``
-        (dry run) or ``"blocked"`` (the runtime already started with a different
-        configuration; nothing changed).
-    plan
-        The validated plan.
-    framework
-        ``"tensorflow"``, ``"jax"``...
-    devices
-        The replica devices after this call (for ``"blocked"``: the ones it has).
-    blocked_reason
-        Why nothing was configured, when ``status == "blocked"``; else ``""``.
-    replaced
-        The configuration this call replaced (``status == "applied"`` only), as
-        a short phrase, e.g. ``"3 logical CPUs"``; ``""`` when nothing was configured before.
-    warnings
-        Problems worth a warning that did not stop the call (a CUDA context held
-        by another framework, Keras imported with another backend).
-    configuration
-        The framework's configuration after this call (for ``"planned"``: the one
-        it would have; for ``"blocked"``: the one it keeps), so a face that shows
-        it need not work it out again.
+    ``status`` is ``"applied"``, ``"unchanged"`` (already configured exactly so), ``"planned"``
+    (dry run) or ``"blocked"`` (the runtime already started with a different configuration;
+    nothing changed, ``blocked_reason`` says why). ``devices`` and ``configuration`` are what
+    the framework has after the call (would have, for ``"planned"``); ``replaced`` names the
+    split it replaced, e.g. ``"3 logical CPUs"``; ``warnings`` what did not stop the call.
     """
 
     status: str
     plan: SplitPlan
-    framework: str
-    label: str
-    #: What uses the replica devices (the framework's ``Capabilities.replicas_by``), and what it calls one.
-    replicas_by: str
-    replica_noun: str = "replica"
+    #: The framework's :class:`~vgpu_magic.frameworks.base.Capabilities`: its name and words.
+    capabilities: Capabilities
     devices: list[str] = field(default_factory=list)
     runtime: RuntimeState | None = None
     blocked_reason: str = ""
@@ -113,13 +78,18 @@ class SplitResult:
     configuration: ConfigSnapshot | None = None
 
     @property
+    def framework(self) -> str:
+        return self.capabilities.name
+
+    @property
     def replicas(self) -> int:
         return len(self.devices)
 
     @property
     def message(self) -> str:
         """The first summary line, without the ``vgpu_magic:`` prefix."""
-        return summary_lines(self)[0].text
+        said, warned = summary_lines(self)
+        return (said or warned)[0]
 
     def __repr__(self) -> str:
         return f"<SplitResult {self.status}: {self.plan.describe()}>"
@@ -143,48 +113,52 @@ class SplitResult:
         }
 
 
-@dataclass(frozen=True)
-class SummaryLine:
-    """One line of a result for people: ``level`` is ``"info"``, ``"detail"`` or ``"warning"``."""
-
-    level: str
-    text: str
-
-
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
-def summary_lines(result: SplitResult) -> list[SummaryLine]:
-    """The lines every face prints for ``result``: the magic with a
-    ``vgpu_magic:`` prefix, the panel in its output, the API as warnings."""
-    plan, label = result.plan, result.label
-    lines: list[SummaryLine] = []
+def summary_lines(result: SplitResult) -> tuple[list[str], list[str]]:
+    """The one rendering of ``result`` for people: the lines that say what happened, and the
+    warnings (detail lines indented). The magic and the panel print them with
+    :func:`print_summary`; the API issues the warnings as one warning."""
+    plan, caps, label = result.plan, result.capabilities, result.capabilities.label
+    said: list[str] = []
+    warned: list[str] = []
     if result.status == "blocked":
-        word = result.runtime.runtime_word if result.runtime is not None else "runtime"
-        what, culprit = runtime_started_lines(label, result.blocked_reason, word)
-        lines.append(SummaryLine("warning", what))
-        lines.append(SummaryLine("warning", f"  {culprit}"))
-        kept = _plural(result.replicas, "replica device" if result.replica_noun == "replica" else result.replica_noun)
-        lines.append(SummaryLine("warning", f"  it keeps its {kept}; nothing was configured"))
-        lines.append(SummaryLine("warning", f"  to get {plan.describe()}: {remedy(label, plan.magic_line())}"))
+        what, culprit = runtime_started_lines(label, result.blocked_reason, caps.runtime_word)
+        kept = _plural(result.replicas, "replica device" if caps.replica_noun == "replica" else caps.replica_noun)
+        warned += [what, f"  {culprit}", f"  it keeps its {kept}; nothing was configured"]
+        warned.append(f"  to get {plan.describe()}: {remedy(label, plan.magic_line())}")
     elif result.status == "unchanged" and result.is_default:
-        lines.append(SummaryLine("info", f"{plan.describe()} is {label}'s default; nothing to configure"))
+        said.append(f"{plan.describe()} is {label}'s default; nothing to configure")
     elif result.status == "unchanged":
-        lines.append(SummaryLine("info", f"{label} already has {plan.describe()}; nothing changed"))
+        said.append(f"{label} already has {plan.describe()}; nothing changed")
     else:
         verb = "configured" if result.status == "applied" else "would configure"
-        lines.append(SummaryLine("info", f"{label} {verb} {plan.describe()}"))
+        said.append(f"{label} {verb} {plan.describe()}")
         if result.replaced:
-            lines.append(SummaryLine("detail", f"replaces the earlier {result.replaced}"))
-        for note in plan.notes:
-            lines.append(SummaryLine("detail", f"note: {note}"))
+            said.append(f"  replaces the earlier {result.replaced}")
+        said += [f"  note: {note}" for note in plan.notes]
         tense = "will use" if result.status == "applied" else "would use"
-        replicas = _plural(result.replicas, result.replica_noun)
-        lines.append(SummaryLine("detail", f"{result.replicas_by} {tense} {replicas}: {', '.join(result.devices)}"))
-        lines.append(SummaryLine("detail", f"reproduce with: {plan.magic_line()}"))
-    lines += [SummaryLine("warning", w) for w in result.warnings]
-    return lines
+        replicas = _plural(result.replicas, caps.replica_noun)
+        said.append(f"  {caps.replicas_by} {tense} {replicas}: {', '.join(result.devices)}")
+        said.append(f"  reproduce with: {plan.magic_line()}")
+    return said, warned + result.warnings
+
+
+def print_summary(result: SplitResult, quiet: bool = False) -> str:
+    """Print :func:`summary_lines` as the magic and the panel show them: what happened on stdout
+    (nothing when ``quiet``) after ``vgpu_magic:``, warnings on stderr after ``vgpu_magic warning:``.
+    Returns what it printed."""
+    said, warned = summary_lines(result)
+    printed = []
+    if said and not quiet:
+        printed.append("vgpu_magic: " + "\n".join(said))
+        print(printed[-1])
+    if warned:
+        printed.append("vgpu_magic warning: " + "\n".join(warned))
+        print(printed[-1], file=sys.stderr)
+    return "\n".join(printed)
 
 
 def _describe_config(snap: ConfigSnapshot, plan: SplitPlan, noun: str) -> str:
@@ -207,47 +181,39 @@ def apply_plan(
     current: ConfigSnapshot | None = None,
     warnings: list[str] | None = None,
 ) -> SplitResult:
-    """Apply ``plan`` through ``framework``.
-
-    ``runtime`` is the state checked just before (see
-    :meth:`~vgpu_magic.runtime.RuntimeWatcher.state`); it decides between
-    applying and refusing. ``current`` is the configuration the plan was made
-    against (read again when not given).
-    """
+    """Apply ``plan`` through ``framework``, or refuse it when ``runtime`` (the state checked just
+    before) started; ``current`` is the configuration the plan was made against (default: read again)."""
     old = current if current is not None else framework.read_configuration()
     new = configuration_after(plan, old)
-    capabilities = framework.capabilities
+    caps = framework.capabilities
     notes = list(warnings or ())
     if runtime.cuda_holders:
         notes.append(
             "this process already holds a CUDA context through "
             + ", ".join(runtime.cuda_holders)
-            + f"; the memory it uses is not available to {capabilities.label}'s devices"
+            + f"; the memory it uses is not available to {caps.label}'s devices"
         )
-    common: dict[str, Any] = {
-        "framework": capabilities.name,
-        "label": capabilities.label,
-        "runtime": runtime,
-        "warnings": notes,
-        "replicas_by": capabilities.replicas_by,
-        "replica_noun": capabilities.replica_noun,
-    }
-    split_cpu_first = capabilities.replicas_on_split_cpu
     if dry_run:
-        return SplitResult("planned", plan, devices=new.replica_devices(split_cpu_first), configuration=new, **common)
-    if new == old:
-        default = plan.splits and not old.logical
-        devices = new.replica_devices(split_cpu_first)
-        return SplitResult("unchanged", plan, devices=devices, is_default=default, configuration=new, **common)
-    if runtime.started:
-        devices = old.replica_devices(split_cpu_first)
-        return SplitResult(
-            "blocked", plan, devices=devices, blocked_reason=runtime.culprit, configuration=old, **common
-        )
-    framework.write_configuration(old, new)
-    replaced = _describe_config(old, plan, capabilities.device_noun)
-    devices = new.replica_devices(split_cpu_first)
-    return SplitResult("applied", plan, devices=devices, replaced=replaced, configuration=new, **common)
+        status, kept = "planned", new
+    elif new == old:
+        status, kept = "unchanged", new
+    elif runtime.started:
+        status, kept = "blocked", old
+    else:
+        framework.write_configuration(old, new)
+        status, kept = "applied", new
+    return SplitResult(
+        status,
+        plan,
+        caps,
+        devices=kept.replica_devices(caps.replicas_on_split_cpu),
+        runtime=runtime,
+        blocked_reason=runtime.culprit if status == "blocked" else "",
+        replaced=_describe_config(old, plan, caps.device_noun) if status == "applied" else "",
+        warnings=notes,
+        is_default=status == "unchanged" and plan.splits and not old.logical,
+        configuration=kept,
+    )
 
 
 def framework_for(name: str | None = None) -> Framework:

@@ -1,20 +1,9 @@
 """Turn a split request into a validated :class:`SplitPlan`, or a precise error.
 
-This module is the single place where requests are validated, so the magic,
-the widget panel, the configuration trait, the environment variable, the CLI
-and the Python API can never disagree. It is pure and framework-neutral: it
-reads a :class:`~vgpu_magic.inventory.DeviceInventory` (plain data, including
-the framework's :class:`~vgpu_magic.frameworks.base.Capabilities` and current
-configuration) and never touches a framework or NVML.
-
-What a framework can do is data: whether it splits a GPU, caps CPUs, needs
-caps on GPUs, keeps memory back per GPU, and its start-time rules (memory
-growth with a split, growth that must agree between GPUs). A plan that the
-framework would refuse when its runtime starts is refused here, before
-anything is configured.
-
-Memory is counted in MiB throughout, which is what TensorFlow's
-``LogicalDeviceConfiguration(memory_limit=...)`` means by "MB".
+The one place requests are validated, so no two faces can disagree. Pure: it reads a
+:class:`~vgpu_magic.inventory.DeviceInventory` (plain data, with the framework's
+:class:`~vgpu_magic.frameworks.base.Capabilities` and configuration) and touches no framework.
+A plan the framework would refuse when its runtime starts is refused here. Memory is in MiB.
 """
 
 from __future__ import annotations
@@ -166,13 +155,8 @@ def _check_start_rules(plan: SplitPlan, inventory: DeviceInventory) -> None:
 
 
 def plan_split(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
-    """Validate ``request`` against ``inventory`` and return the plan to apply.
-
-    Raises
-    ------
-    PlanError
-        With a one-line message that quotes the bad value and says what works.
-    """
+    """Validate ``request`` against ``inventory`` and return the plan to apply, or raise
+    :class:`PlanError`."""
     capabilities = inventory.capabilities
     if not capabilities.splits_in_process:
         raise PlanError(

@@ -13,75 +13,39 @@ __all__ = ["SplitRequest", "SplitPlan", "FitVerdict"]
 
 @dataclass(frozen=True)
 class SplitRequest:
-    """What the user asked for, before validation against the machine.
+    """What the user asked for, before validation against the machine: ``%vgpu_split``'s
+    options (see its help), with ``target`` ``"auto"`` (the GPU if there is one), ``"gpu"``
+    or ``"cpu"``."""
 
-    Attributes
-    ----------
-    count:
-        Number of logical devices, or ``None`` to infer (1, or the length of a
-        memory list).
-    memory:
-        ``None`` (even split of free GPU memory), one size for every device, or
-        one size per device, in MiB.
-    target:
-        ``"auto"`` (the GPU if there is one, else the CPU), ``"gpu"`` or ``"cpu"``.
-    gpu:
-        Index of the physical GPU to split (the framework's order); ``None``: GPU 0.
-    others:
-        With several GPUs: ``"hide"`` makes the split GPU the only visible one,
-        ``"keep"`` leaves the other GPUs visible as one whole logical GPU each.
-    visible:
-        Physical GPU indices to keep visible; ``()`` hides every GPU.
-    memory_growth:
-        Allocate GPU memory on demand instead of splitting.
-    framework:
-        The framework the user named (``--framework``), or ``None`` when it was
-        picked for them; only echoed back in :meth:`SplitPlan.magic_line`.
-    """
-
+    #: ``None``: inferred (1, or the length of a memory list).
     count: int | None = None
+    #: MiB: one size for every device, one per device, or ``None`` for an even split of free memory.
     memory: int | tuple[int, ...] | None = None
     target: str = "auto"
     gpu: int | None = None
     others: str = "hide"
     visible: tuple[int, ...] | None = None
     memory_growth: bool = False
+    #: The framework the user named, or ``None`` when it was picked for them; only echoed back.
     framework: str | None = None
 
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """A validated configuration, ready for the framework to apply.
+    """A validated configuration, ready for the framework to apply."""
 
-    Attributes
-    ----------
-    device_type:
-        ``"GPU"`` or ``"CPU"``: the kind of physical device being split, or
-        ``"GPU"`` for plans that only set visibility or memory growth.
-    physical_index:
-        Index of the split physical device among its type, or ``None`` for plans
-        that do not split.
-    memory_limits:
-        One entry per logical device: its cap in MiB, or ``None`` where uncapped.
-        Empty for plans that do not split.
-    visible_gpus:
-        Physical GPU indices to make visible, or ``None`` to leave visibility alone.
-    memory_growth:
-        Whether to turn memory growth on for every visible GPU.
-    usable_mib:
-        What the GPU can give (free minus the framework's reserve), for display.
-    notes:
-        Short remarks about choices made on the user's behalf.
-    framework:
-        The framework the plan is for (``"tensorflow"``, ``"jax"``).
-    """
-
+    #: ``"GPU"`` or ``"CPU"``: the kind of device split (``"GPU"`` for visibility or growth alone).
     device_type: str
+    #: The split device's index among its type; ``None`` when nothing is split.
     physical_index: int | None
+    #: One cap in MiB per logical device (``None``: uncapped); empty when nothing is split.
     memory_limits: tuple[int | None, ...]
+    #: Physical GPUs to make visible; ``None`` leaves visibility alone.
     visible_gpus: tuple[int, ...] | None = None
     memory_growth: bool = False
+    #: What the GPU can give (free minus the framework's reserve), for display.
     usable_mib: int | None = None
+    #: Remarks about choices made on the user's behalf.
     notes: tuple[str, ...] = field(default=(), compare=False)
     cpu_forced: bool = field(default=False, compare=False)
     framework: str = field(kw_only=True)
@@ -93,7 +57,6 @@ class SplitPlan:
 
     @property
     def count(self) -> int:
-        """Number of logical devices this plan creates on the split device."""
         return len(self.memory_limits)
 
     @property

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .inventory import DeviceInventory
-from .runtime import RuntimeState
+from .runtime import RuntimeState, runtime_state
 from .units import MIB, format_bytes
 
 __all__ = ["LogicalDeviceStatus", "FrameworkStatus", "StatusReport", "collect_status", "code_spans"]
@@ -56,11 +56,6 @@ class FrameworkStatus:
         """The framework's own words (:class:`~vgpu_magic.frameworks.base.Capabilities`)."""
         return self.inventory.capabilities
 
-    @property
-    def replicas_by(self) -> str:
-        """What uses the replica devices (``MirroredStrategy()``, ``vgpu_magic.mesh()``)."""
-        return self.inventory.capabilities.replicas_by
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "framework": self.inventory.framework,
@@ -80,7 +75,7 @@ class FrameworkStatus:
             "logical": [asdict(d) for d in self.logical],
             "host_memory_shared": self.host_memory,
             "replicas": self.replicas,
-            "replicas_by": self.replicas_by,
+            "replicas_by": self.words.replicas_by,
             "notes": list(self.notes),
         }
 
@@ -159,7 +154,7 @@ class FrameworkStatus:
     def replicas_line(self) -> str:
         n = self.replicas
         heading = "Replicas" if self.words.replica_noun == "replica" else "Devices"
-        return f"{heading}: {self.replicas_by} would use {n} device{'s' if n != 1 else ''}"
+        return f"{heading}: {self.words.replicas_by} would use {n} device{'s' if n != 1 else ''}"
 
 
 _HEADER = ("device", "on", "cap", "in use", "peak")
@@ -277,8 +272,6 @@ class StatusReport:
 
 def collect_framework(fw, watcher=None) -> FrameworkStatus:
     """One framework's section. Imports it; never starts its runtime."""
-    from .runtime import runtime_state
-
     inventory = fw.probe_inventory()
     runtime = runtime_state(watcher, fw, check_cuda=bool(inventory.gpus))
     snap = inventory.current or fw.read_configuration()

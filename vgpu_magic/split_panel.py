@@ -1,24 +1,9 @@
-"""The widget face of ``%vgpu_split``: pick a device, a count and memory, then Apply.
+"""The widget face of ``%vgpu_split`` (or :func:`panel`): pick a device, a count and memory, then Apply.
 
-``%vgpu_split`` with no arguments (or :func:`panel`) shows a :class:`SplitPanel`.
-The panel holds widgets and nothing else of its own: every verdict it shows
-comes from the engine — whether the request is valid and the line that
-reproduces it from :func:`~vgpu_magic.planner.plan_split`, whether it fits from
-:func:`~vgpu_magic.planner.check_fit`, what Apply did (applied, unchanged,
-blocked) from :func:`vgpu_magic.outcomes.execute` worded by
-:func:`~vgpu_magic.outcomes.summary_lines` — so the panel, the magic and the API
-cannot disagree. It opens on the framework's live (or planned) configuration.
-The widget tree is built once; afterwards only trait values change. Colours
-come from the front end's theme variables.
-
-Example
--------
-::
-
-  In [1]: %load_ext vgpu_magic
-
-  In [2]: %vgpu_split            # shows the panel; Apply prints the equivalent line,
-                                 # e.g. %vgpu_split 3 --memory 1024,2048,512
+The panel holds widgets and nothing else of its own: whether the request is valid, the line
+that reproduces it, whether it fits and what Apply did all come from the planner and
+:mod:`vgpu_magic.outcomes`, so the panel, the magic and the API cannot disagree. The widget
+tree is built once; afterwards only trait values change.
 """
 
 from __future__ import annotations
@@ -40,7 +25,7 @@ from . import panel_text
 from .errors import USER_ERRORS, PlanError
 from .frameworks.base import ConfigSnapshot
 from .inventory import DeviceInventory, GPUInfo
-from .outcomes import SplitResult, execute, framework_for, summary_lines
+from .outcomes import SplitResult, execute, framework_for, print_summary
 from .panel_text import CPU_KEY, gpu_key
 from .planner import (
     MAX_DEVICES,
@@ -52,6 +37,7 @@ from .planner import (
     even_share_mib,
     plan_split,
     unconfigured,
+    usable_mib,
 )
 from .runtime import RuntimeState, RuntimeWatcher, runtime_state
 
@@ -66,32 +52,11 @@ _SLIDER = {"width": "36em"}
 class SplitPanel:
     """Widgets that build a :class:`~vgpu_magic.planner.SplitRequest` and apply it.
 
-    Parameters
-    ----------
-    inventory
-        The devices to offer (plain data; :func:`panel` probes this machine).
-    watcher
-        Names the cell that started TensorFlow's runtime, for the banner; ``None``
-        uses the extension's watcher if it is loaded.
-    framework_named
-        The framework the user named (``panel(framework="jax")``); the line the
-        panel shows then names it too, so it reproduces the same split.
-    configuration
-        Reads the framework's configuration (without starting anything): once
-        its runtime started, the locked panel shows what the framework has, and
-        its "Same as" line reproduces that. ``None``: the inventory's.
-
-    Attributes
-    ----------
-    target, count_slider, count_text, custom, even_memory, device_memory,
-    usage_bar, usage_label, memory_note, banner, magic, apply_button, output
-        The widgets, for tests and for people who want to rearrange them.
-    root
-        The box that is displayed (``display(panel)`` shows it).
-    last_result
-        The :class:`~vgpu_magic.outcomes.SplitResult` of the last Apply, or ``None``.
-    last_message
-        The text the last Apply printed into :attr:`output`.
+    ``inventory`` is the devices to offer (:func:`panel` probes this machine); ``watcher`` names
+    the cell that started the runtime (default: the loaded extension's); ``framework_named`` is
+    echoed in the line the panel shows; ``configuration`` reads what the framework has, shown once
+    its runtime started. The widgets are attributes (``root`` is the box displayed);
+    ``last_result`` and ``last_message`` are what the last Apply returned and printed.
     """
 
     def __init__(
@@ -105,14 +70,15 @@ class SplitPanel:
         #: The framework the user named when opening the panel: echoed in the line it shows.
         self.framework_named = framework_named
         if inventory.current is None:
-            inventory = _with_current(inventory, unconfigured(inventory))
+            inventory = replace(inventory, current=unconfigured(inventory))
         self.inventory = inventory
         self.capabilities = inventory.capabilities
         self.watcher = watcher
         self.last_result: SplitResult | None = None
         self.last_message = ""
         self._syncing_count = False
-        self._locked = False
+        #: True once the framework's runtime started: the controls are disabled.
+        self.locked = False
         self._device_sliders: list[widgets.IntSlider] = []
         self._build_controls()
         self.root = self._layout()
@@ -199,7 +165,7 @@ class SplitPanel:
             widget.observe(self._notice_start, "value")
         # Tracebacks and prints of a button callback go nowhere visible in
         # JupyterLab unless an Output widget captures them.
-        self.apply_button.on_click(self.output.capture(clear_output=True, wait=True)(self._on_apply))
+        self.apply_button.on_click(self.output.capture(clear_output=True, wait=True)(lambda _button: self.apply()))
 
     # -- what the widgets say ---------------------------------------------
     @property
@@ -232,13 +198,6 @@ class SplitPanel:
         return check_fit(limits, gpu, self.capabilities)
 
     @property
-    def usable_mib(self) -> int | None:
-        """What the chosen GPU can give (free minus the framework's reserve); ``None``
-        on the CPU or when NVML cannot tell."""
-        verdict = self.verdict
-        return None if verdict is None else verdict.usable_mib
-
-    @property
     def fits(self) -> bool | None:
         """Whether the memory asked for fits the GPU; ``None`` when it cannot be known."""
         verdict = self.verdict
@@ -253,7 +212,8 @@ class SplitPanel:
             return SplitRequest(count=self.count, target=target, framework=self.framework_named)
         limits = self.memory_limits
         memory = limits[0] if len(set(limits)) == 1 else limits
-        if not self.custom.value and self.usable_mib is not None and self.even_memory.value == self._even_default():
+        even = not self.custom.value and self.even_memory.value == self._even_default()
+        if even and usable_mib(gpu, self.capabilities) is not None:
             # The even split the planner would choose: the line is written without sizes, so it
             # still works when free memory changes a little.
             memory = None
@@ -311,7 +271,8 @@ class SplitPanel:
         self.device_memory.layout.display = "" if custom else "none"
 
     def _capacity_mib(self) -> int:
-        return panel_text.slider_capacity_mib(self.gpu, self.usable_mib)
+        verdict = self.verdict
+        return panel_text.slider_capacity_mib(self.gpu, None if verdict is None else verdict.usable_mib)
 
     def _even_default(self) -> int:
         """The planner's even share of the chosen GPU (what ``%vgpu_split N`` gives each device); where NVML
@@ -383,32 +344,27 @@ class SplitPanel:
         if opening is not None:
             self.target.value, self.count_text.value = opening
 
-    @property
-    def locked(self) -> bool:
-        """True once the framework's runtime started: the controls are disabled."""
-        return self._locked
-
     def refresh(self, check_cuda: bool = True) -> RuntimeState:
         """Check whether the framework's runtime started; if so, disable the
         controls and show the banner: what happened, which cell, what to do."""
         state = runtime_state(self.watcher, self.inventory.framework, check_cuda=check_cuda)
-        if state.started and not self._locked:
+        if state.started and not self.locked:
             self._lock(state, with_remedy=True)
         return state
 
     def _notice_start(self, change=None) -> None:
         """A panel shown before the runtime started notices it as soon as it is used,
         not only at Apply (the CUDA check, which may ask NVML, waits for Apply)."""
-        if not self._locked:
+        if not self.locked:
             self.refresh(check_cuda=False)
 
     def _lock(self, state: RuntimeState, with_remedy: bool) -> None:
         """Disable every control and show the banner, in short lines. ``with_remedy=False`` when
         Apply's output just below already says what to do (said once, not twice)."""
-        self._locked = True
+        self.locked = True
         # What the framework has from now on: the controls show it, and "Same as" reproduces it.
         if self._configuration is not None:
-            self.inventory = _with_current(self.inventory, self._configuration())
+            self.inventory = replace(self.inventory, current=self._configuration())
         self._open_on_current(unsplit=True)
         self.banner.value = panel_text.banner_html(
             self.capabilities.label, state.culprit, with_remedy, self.capabilities.runtime_word
@@ -419,37 +375,21 @@ class SplitPanel:
             widget.disabled = True
 
     # -- Apply ---------------------------------------------------------------
-    def _say(self, text: str, error: bool = False) -> None:
-        self.last_message += text + "\n"
-        print(text, file=sys.stderr if error else sys.stdout)
-
-    def _on_apply(self, button=None) -> None:
-        self.apply()
-
     def apply(self) -> SplitResult | None:
-        """Plan and apply what the widgets say, printing the engine's summary.
-
-        Returns the :class:`~vgpu_magic.outcomes.SplitResult` (``"blocked"``
-        when the runtime already started with another configuration,
-        ``"unchanged"`` for an identical re-apply, as the magic does), or
-        ``None`` when the planner refused the request (its message is printed).
-        """
-        self.last_message = ""
+        """Plan and apply what the widgets say, printing what the magic prints; the
+        :class:`~vgpu_magic.outcomes.SplitResult`, or ``None`` when the planner refused (its message printed)."""
         self.last_result = None
         try:
             result = execute(self.request(), self.watcher, inventory=self.inventory)
         except USER_ERRORS as exc:
-            self._say(f"Not applied: {exc}", error=True)
+            self.last_message = f"Not applied: {exc}"
+            print(self.last_message, file=sys.stderr)
             return None
         self.last_result = result
-        for line in summary_lines(result):
-            if line.level == "warning":
-                self._say(line.text, error=True)
-            else:
-                self._say(line.text if line.level == "info" else f"  {line.text}")
+        self.last_message = print_summary(result)
         if result.configuration is not None:
-            self.inventory = _with_current(self.inventory, result.configuration)
-        if result.status == "blocked" and result.runtime is not None and not self._locked:
+            self.inventory = replace(self.inventory, current=result.configuration)
+        if result.status == "blocked" and result.runtime is not None and not self.locked:
             self._lock(result.runtime, with_remedy=False)
         self.refresh()
         return result
@@ -459,29 +399,9 @@ class SplitPanel:
         return self.root._repr_mimebundle_(**kwargs)
 
 
-def _with_current(inventory: DeviceInventory, current: ConfigSnapshot) -> DeviceInventory:
-    return replace(inventory, current=current)
-
-
 def panel(watcher: RuntimeWatcher | None = None, framework: str | None = None) -> SplitPanel:
-    """The split panel for this machine's devices.
-
-    Imports the framework (``framework``, or the one ``%vgpu_split`` would
-    configure) to list the devices, but never starts its runtime.
-
-    Parameters
-    ----------
-    watcher
-        Names the cell that started the runtime; defaults to the loaded
-        extension's watcher.
-    framework
-        ``"tensorflow"`` / ``"tf"`` or ``"jax"``.
-
-    Returns
-    -------
-    SplitPanel
-        Shown when it is the last expression of a cell, or with ``display()``.
-    """
+    """The split panel for this machine's devices, as ``%vgpu_split --framework`` picks
+    ``framework`` (a name or alias of the registry). Imports the framework; never starts its runtime."""
     chosen = framework_for(framework)
     named = chosen.name if framework is not None else None
     return SplitPanel(chosen.probe_inventory(), watcher, framework_named=named, configuration=chosen.read_configuration)
