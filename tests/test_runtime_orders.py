@@ -142,6 +142,26 @@ def test_the_line_that_started_the_runtime_is_named_not_the_cells_first():
     assert status["runtime"]["started_by"] == "line 4 of the cell In [2]: `y = tf.constant(1)`"
 
 
+#: Where torch sees no GPU, its CUDA start runs as on a GPU machine but for the driver's own call.
+TORCH = "import torch\nif not torch.cuda.is_available():\n    torch._C._cuda_init = lambda: None"
+
+
+@pytest.mark.parametrize("first", [("%load_ext vgpu_magic", TORCH), (TORCH, "%load_ext vgpu_magic")])
+def test_the_line_that_started_torch_cuda_is_named(first):
+    cells = run_cells(
+        *first,
+        "import numpy as np\nx = np.ones(2)\ntorch.cuda.init()\ny = torch.ones(1)",
+        "%vgpu_status --framework torch --json",
+        "from vgpu_magic.runtime import runtime_state\nprint(runtime_state(framework='tensorflow').describe())",
+    )
+    assert all(c["ok"] for c in cells), cells
+    culprit = "line 3 of the cell In [3]: `torch.cuda.init()`"
+    [status] = json.loads(cells[3]["out"])["frameworks"]
+    assert status["runtime"]["started"] is True and status["runtime"]["started_by"] == culprit
+    # What another framework's status and split say of the CUDA context torch holds.
+    assert cells[4]["out"].strip().endswith(f"CUDA context already held by PyTorch (since {culprit})")
+
+
 def test_extension_loaded_after_the_runtime_started():
     cells = run_cells(
         "import tensorflow as tf",

@@ -1,14 +1,10 @@
-"""Has a framework's runtime started, and which cell started it?
+"""Has a framework's runtime started, and which line of which cell started it?
 
-A framework can only be configured before its runtime starts (TensorFlow: the
-first op, Keras model, ``list_logical_devices``, ``MirroredStrategy``,
-``tf.device``; JAX: the first ``jax.devices()`` or array). Nothing here starts
-one: each framework is only asked when it is already imported.
-
-:class:`RuntimeWatcher` is an IPython ``pre_run_cell``/``post_run_cell`` hook
-pair that remembers, per framework, which cell started the runtime, so the
-warning can name it. It is framework-neutral: it asks every imported
-framework of :mod:`vgpu_magic.frameworks`.
+A framework can only be configured before its runtime starts (TensorFlow: its
+first op; JAX: its backend; PyTorch: CUDA). Nothing here starts one: a
+framework is only asked once it is imported. :class:`RuntimeWatcher`, an
+IPython ``pre_run_cell``/``post_run_cell`` hook pair, remembers per framework
+the line that started its runtime, so the messages can quote it.
 """
 
 from __future__ import annotations
@@ -40,20 +36,20 @@ NO_LONGER_CHANGE = "devices can no longer change"
 
 
 def cuda_context_holders(
-    pid: int | None = None, nvml_holders: dict[int, set[int]] | None = None, exclude: str = ""
+    pid: int | None = None,
+    nvml_holders: dict[int, set[int]] | None = None,
+    exclude: str = "",
+    started_by: dict[str, CellRef] | None = None,
 ) -> tuple[str, ...]:
-    """The labels of the frameworks (already imported) that hold a CUDA context
-    in this process: each framework answers for itself
-    (:func:`vgpu_magic.frameworks.cuda_context_holders`).
-
-    ``nvml_holders`` (NVML index -> PIDs) may be passed in; by default NVML is
-    asked only when its library is present. ``exclude`` names the framework
-    being configured (its own context is not a problem for it).
-    """
+    """The labels of the frameworks (already imported) that hold a CUDA context in this process
+    (each answers for itself), with the line that started it where ``started_by`` knows it.
+    ``nvml_holders`` (NVML index -> PIDs) may be passed in; ``exclude`` names the framework
+    being configured (its own context is not a problem for it)."""
     from .frameworks import cuda_context_holders as holders
 
     pid = os.getpid() if pid is None else pid
-    found = [fw.label for fw in holders(exclude=exclude)]
+    known = started_by or {}
+    found = [fw.label + (f" (since {known[fw.name]})" if fw.name in known else "") for fw in holders(exclude=exclude)]
     if nvml_holders is None:
         from .inventory import nvml_pids_with_context
 
@@ -144,22 +140,22 @@ def _frameworks():
     return frameworks
 
 
-class RuntimeWatcher:
-    """Notes, per framework, the cell that started its runtime, and the line in it.
+def _imported():
+    """The imported frameworks, PyTorch too (its runtime: CUDA, whose start the watcher names)."""
+    return [fw for fw in _frameworks().all_frameworks() if fw.imported()]
 
-    Register :meth:`pre_run_cell` and :meth:`post_run_cell` on
-    ``shell.events``. Frameworks that are not imported cost one dictionary
-    look-up each, so the hooks are free when no framework is in use. Each
-    imported framework calls :meth:`_starting` just before its runtime starts
-    (:meth:`~vgpu_magic.frameworks.base.Framework.watch_runtime_start`), which
-    reads the running cell's line from the stack; a framework imported after
-    the watcher is watched from its import on (:func:`activate`).
-    """
+
+class RuntimeWatcher:
+    """Notes, per framework, the cell that started its runtime, and the line in it: each imported
+    framework calls :meth:`_starting` as its runtime starts
+    (:meth:`~vgpu_magic.frameworks.base.Framework.watch_runtime_start`), which reads the running
+    cell's line from the stack. Register :meth:`pre_run_cell` and :meth:`post_run_cell` on
+    ``shell.events``; a framework imported later is watched from its import on (:func:`activate`)."""
 
     def __init__(self, shell=None) -> None:
         self.shell = shell
         self.started_by: dict[str, CellRef] = {}
-        self.started_before_load: set[str] = {fw.name for fw in _frameworks().imported() if fw.runtime_started()}
+        self.started_before_load: set[str] = {fw.name for fw in _imported() if fw.runtime_started()}
         carried = _CARRIED.pop(id(shell), None) if shell is not None else None
         if carried is not None:
             self.started_by = dict(carried[0])
@@ -212,7 +208,7 @@ class RuntimeWatcher:
         self.started_by.setdefault(name, CellRef(self._running_count(), self._current_line, number, text))
 
     def pre_run_cell(self, info) -> None:
-        imported = _frameworks().imported()
+        imported = _imported()
         for fw in imported:
             self.watch(fw)
         self._started_at_cell_start = {fw.name for fw in imported if self._known(fw.name) or fw.runtime_started()}
@@ -222,19 +218,15 @@ class RuntimeWatcher:
         self._current_line = first_line(self._current_source)
 
     def _running_count(self) -> int | None:
-        """The execution count of the cell running now.
-
-        ``shell.execution_count`` cannot tell: IPython 9 increments it before
-        ``pre_run_cell``, IPython 8 after the cell. The result IPython is
-        filling in for the running cell carries the right number in both.
-        """
+        """The execution count of the cell running now: that of the result IPython is filling in
+        (``shell.execution_count`` is incremented before ``pre_run_cell`` in IPython 9, after in 8)."""
         if self.shell is None or not self._current_stored:
             return None
         result = getattr(getattr(self.shell, "displayhook", None), "exec_result", None)
         return getattr(result, "execution_count", None)
 
     def post_run_cell(self, result) -> None:
-        for fw in _frameworks().imported():
+        for fw in _imported():
             if not self._known(fw.name) and fw.runtime_started():
                 info = getattr(result, "info", None)
                 stored = getattr(info, "store_history", True)
@@ -246,22 +238,12 @@ class RuntimeWatcher:
         or a name; default: the selected one). Called mid-cell, it blames the
         running cell if the runtime started since the cell began."""
         fw = _resolve(framework)
-        started = fw.runtime_started()
         started_by = self.started_by.get(fw.name)
         before_load = fw.name in self.started_before_load
-        started_now = started and started_by is None and not before_load
-        if started_now and fw.name not in self._started_at_cell_start and self._current_line is not None:
+        unknown = started_by is None and not before_load and fw.name not in self._started_at_cell_start
+        if unknown and self._current_line is not None and fw.runtime_started():
             started_by = CellRef(self._running_count(), self._current_line)
-        return RuntimeState(
-            imported=fw.imported(),
-            started=started,
-            started_by=started_by if started else None,
-            started_before_load=before_load and started,
-            cuda_holders=cuda_context_holders(exclude=fw.name) if check_cuda else (),
-            framework=fw.name,
-            label=fw.label,
-            runtime_word=fw.capabilities.runtime_word,
-        )
+        return _state(fw, started_by, before_load, check_cuda, self.started_by)
 
 
 def _resolve(framework):
@@ -355,11 +337,17 @@ def runtime_state(watcher: RuntimeWatcher | None = None, framework=None, check_c
     watcher = watcher or _active
     if watcher is not None:
         return watcher.state(framework, check_cuda=check_cuda)
-    fw = _resolve(framework)
+    return _state(_resolve(framework), None, False, check_cuda)
+
+
+def _state(fw, started_by: CellRef | None, before_load: bool, check_cuda: bool, known=None) -> RuntimeState:
+    started = fw.runtime_started()
     return RuntimeState(
         imported=fw.imported(),
-        started=fw.runtime_started(),
-        cuda_holders=cuda_context_holders(exclude=fw.name) if check_cuda else (),
+        started=started,
+        started_by=started_by if started else None,
+        started_before_load=before_load and started,
+        cuda_holders=cuda_context_holders(exclude=fw.name, started_by=known) if check_cuda else (),
         framework=fw.name,
         label=fw.label,
         runtime_word=fw.capabilities.runtime_word,

@@ -110,8 +110,8 @@ def all_frameworks() -> list[Framework]:
 def imported() -> list[Framework]:
     """The registered frameworks imported in this process whose devices can be
     configured in it (``Capabilities.splits_in_process``), in registry order:
-    what ``%vgpu_status`` shows and the runtime watcher follows. PyTorch's
-    devices are its ranks', so it is not among them."""
+    what ``%vgpu_status`` shows. PyTorch's devices are its ranks', so it is
+    not among them (the runtime watcher follows its CUDA all the same)."""
     return [fw for fw in all_frameworks() if fw.capabilities.splits_in_process and fw.imported()]
 
 

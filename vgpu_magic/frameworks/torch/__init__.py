@@ -7,20 +7,13 @@ so one process cannot be split (``%vgpu_split --framework torch`` is refused
 and points at ``%vgpu_cluster start N --framework torch``); a rank's cap is
 ``set_per_process_memory_fraction``.
 
-The ranks (:meth:`Torch.plan_ranks`): measured with ``torchrun --standalone
---nproc-per-node 2`` (torch 2.14), each worker gets ``MASTER_ADDR``,
-``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``,
-``ROLE_NAME=default``, ``ROLE_RANK``, ``ROLE_WORLD_SIZE``,
-``TORCHELASTIC_RESTART_COUNT=0``, ``TORCHELASTIC_MAX_RESTARTS=0``,
-``TORCHELASTIC_RUN_ID``, ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` and
-``OMP_NUM_THREADS=1`` (unless set). The ranks get the same, computed from
+The ranks (:meth:`Torch.plan_ranks`) get what ``torchrun --standalone
+--nproc-per-node 2`` gives each worker (measured, torch 2.14), computed from
 their hosts: ``MASTER_ADDR`` is rank 0's host (under SLURM the first host of
 the step, the usual ``torchrun``-under-SLURM mapping), ``LOCAL_*`` and
 ``GROUP_RANK`` are per host. The variables that point at torchrun's own agent
-(``TORCHELASTIC_USE_AGENT_STORE``, ``TORCHELASTIC_ERROR_FILE``,
-``TORCHELASTIC_SIGNALS_TO_HANDLE``) are left out: there is no agent, so rank 0
-hosts the TCP store, as in a plain ``init_process_group`` launch.
+are left out: there is no agent, so rank 0 hosts the TCP store, as in a plain
+``init_process_group`` launch.
 
 Backend: NCCL where every rank has a GPU of its own. Where ranks share a GPU,
 an unchanged script still runs (measured on an H100, torch 2.11, NCCL 2.28.9):
@@ -43,9 +36,10 @@ from __future__ import annotations
 import os
 import sys
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ...inventory import DeviceInventory, GPUInfo, cuda_context_mib, visible_gpus
+from ...inventory import DeviceInventory, cuda_context_mib, visible_gpus
 from ..base import Capabilities, ConfigSnapshot, Framework, RankPlan
 
 if TYPE_CHECKING:
@@ -73,6 +67,16 @@ class Torch(Framework):
         """PyTorch's devices are fixed once CUDA is initialised in the process."""
         return self.holds_cuda_context()
 
+    def watch_runtime_start(self, callback: Callable[[], None]) -> Callable[[], None] | None:
+        """Through torch's own queue of calls to run when CUDA initialises (``torch.cuda._lazy_call``,
+        as ``manual_seed`` uses it): run inside the call that initialised it, whatever path got there."""
+        cuda = getattr(sys.modules.get("torch"), "cuda", None)
+        if self.runtime_started() or not callable(getattr(cuda, "_lazy_call", None)):
+            return None
+        watching = [True]
+        cuda._lazy_call(lambda: watching and callback())
+        return watching.clear
+
     def holds_cuda_context(self) -> bool:
         cuda = getattr(sys.modules.get("torch"), "cuda", None)
         try:
@@ -92,30 +96,24 @@ class Torch(Framework):
         """The GPUs CUDA shows this process (NVML; imports no PyTorch), for
         ``%vgpu_status`` and the planner's refusal."""
         gpus = visible_gpus()
-        mod = sys.modules.get("torch")
-        return DeviceInventory(
-            gpus=gpus,
-            cpus=1,
-            version=getattr(mod, "__version__", None),
-            nvml_available=bool(gpus),
-            capabilities=CAPABILITIES,
-            current=self._snapshot(gpus),
-        )
-
-    def _snapshot(self, gpus: tuple[GPUInfo, ...]) -> ConfigSnapshot:
-        return ConfigSnapshot(
+        current = ConfigSnapshot(
             cpu_names=("/physical_device:CPU:0",),
             gpu_names=tuple(g.name for g in gpus),
             logical={},
             visible_gpus=tuple(g.index for g in gpus),
             memory_growth=(False,) * len(gpus),
         )
+        return DeviceInventory(
+            gpus=gpus,
+            cpus=1,
+            version=self.version(),
+            nvml_available=bool(gpus),
+            capabilities=CAPABILITIES,
+            current=current,
+        )
 
     def read_configuration(self) -> ConfigSnapshot:
         return self.probe_inventory().current
-
-    def write_configuration(self, old: ConfigSnapshot, new: ConfigSnapshot) -> None:
-        raise NotImplementedError("PyTorch has no device configuration to write; the planner refuses its splits")
 
     # -- ranks -----------------------------------------------------------------------
     def plan_ranks(
