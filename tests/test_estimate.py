@@ -129,12 +129,17 @@ def test_the_kernel_is_untouched_whatever_the_cell_raised():
     import torch
     import torch.distributed as dist
 
-    before = (dict(os.environ), torch.nn.parallel.DistributedDataParallel, dist.init_process_group)
+    before = (dict(os.environ), torch.nn.parallel.DistributedDataParallel, dist.init_process_group, sys.excepthook)
     namespace = {"keep": 1}
     with pytest.raises(ZeroDivisionError):
         vgpu_magic.estimate(FSDP_CELL + "\nkeep = 2\n1 / 0", ranks=4, namespace=namespace)
     assert not dist.is_initialized()
-    assert (dict(os.environ), torch.nn.parallel.DistributedDataParallel, dist.init_process_group) == before
+    assert (
+        dict(os.environ),
+        torch.nn.parallel.DistributedDataParallel,
+        dist.init_process_group,
+        sys.excepthook,
+    ) == before
     assert namespace == {"keep": 1}
     assert torch.ones(2).sum().item() == 2.0  # no fake mode left on
 
