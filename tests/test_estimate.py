@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import vgpu_magic
 from vgpu_magic.errors import PlanError
+from vgpu_magic.inventory import CUDA_CONTEXT_MIB
 from vgpu_magic.memory_estimate import MemoryEstimate, RankMemory, parse_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,7 +162,7 @@ def test_a_function_is_estimated_with_its_own_module_names_stood_in_for():
 def test_verdict_after_cuda_context_and_levers():
     fits = vgpu_magic.estimate(FSDP_CELL, gpu="2xT4")
     assert fits.world == 2 and fits.fits is True
-    assert fits.spare_bytes == (15360 - 621 - 64) * 2**20 - fits.peak_bytes
+    assert fits.spare_bytes == (15360 - CUDA_CONTEXT_MIB) * 2**20 - fits.peak_bytes
     assert fits.verdict == f"fits, {fits.spare_bytes / GIB:.1f} GiB to spare"
     tight = vgpu_magic.estimate(FSDP_CELL, ranks=2, gpu="600MB")
     assert tight.fits is False and tight.verdict.startswith("does not fit by ")
