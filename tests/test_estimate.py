@@ -219,6 +219,29 @@ def test_magic_estimates_stores_and_refuses(ip):
         ip.run_cell_magic("vgpu_estimate", "--ranks 2", "import torch\nx = 1")
 
 
+def test_a_capped_ranks_out_of_memory_error_names_the_cap_in_scripts_and_cells(ip, capsys):
+    """What setup_rank installs on a rank with a --memory cap, here without CUDA (test_estimate_gpu.py runs it
+    against a real cap): a script's uncaught error, as launch.py reports it, and a cell's."""
+    from vgpu_magic.frameworks.torch import say_the_cap
+
+    note = "vgpu_magic: this rank hit the rehearsal's simulated cap of 1024 MiB on GPU 0"
+    script = f"from vgpu_magic.frameworks.torch import say_the_cap\nimport torch\nsay_the_cap({note!r})\n"
+    script += "raise torch.OutOfMemoryError('CUDA out of memory.')"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.stderr.strip().endswith(f"torch.OutOfMemoryError: CUDA out of memory.\n{note}"), proc.stderr
+    hook = sys.excepthook
+    try:
+        say_the_cap(note)
+        ip.run_cell("import torch\nraise torch.OutOfMemoryError('CUDA out of memory.')")
+        ip.run_cell("raise RuntimeError('CUDA out of memory.')")  # not torch's: left alone
+    finally:
+        sys.excepthook = hook
+        ip.set_custom_exc((), None)
+    shown = capsys.readouterr().out
+    assert shown.count(note) == 1 and "OutOfMemoryError: CUDA out of memory." in shown, shown
+
+
 JAX_CELL = ROOT / "tests" / "scripts" / "jax_step_cell.py"
 
 
