@@ -205,9 +205,9 @@ def test_magic_estimates_stores_and_refuses(ip):
     assert ip.user_ns["fit"] is found and found.fits is True and found.world == 2
     assert "model" not in ip.user_ns
     for line, match in [
-        ("--ranks 0", "--ranks '0' is not a whole number ≥ 1"),
+        ("--ranks 0", "--ranks 0 is out of range; use 1.."),
         ("--ranks 2 --gpu H900", "'H900' is neither"),
-        ("--ranks 2 --rank -1", "--rank '-1' is not a whole number"),
+        ("--ranks 2 --rank -1", "--rank -1 is negative"),
         ("--ranks 2 -o 1a", "not a variable name"),
         ("--ranks 2 --gpu", "--gpu needs a value"),
     ]:
