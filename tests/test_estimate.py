@@ -242,6 +242,21 @@ def test_a_capped_ranks_out_of_memory_error_names_the_cap_in_scripts_and_cells(i
     assert shown.count(note) == 1 and "OutOfMemoryError: CUDA out of memory." in shown, shown
 
 
+@pytest.mark.slow
+def test_a_cell_on_a_real_engine_that_runs_out_of_memory_names_the_cap(no_process_left_behind):
+    import ipyparallel as ipp
+
+    from vgpu_magic.frameworks.torch import say_the_cap
+
+    note = "vgpu_magic: this rank hit the rehearsal's simulated cap of 1024 MiB on GPU 0"
+    with ipp.Cluster(n=1, log_level=40) as client:
+        engine = client[:]
+        engine.apply_sync(say_the_cap, note)
+        with pytest.raises(ipp.error.CompositeError) as raised:
+            engine.execute("import torch\nraise torch.OutOfMemoryError('CUDA out of memory.')", block=True)
+    assert raised.value.elist[0][:2] == ("OutOfMemoryError", f"CUDA out of memory.\n{note}")
+
+
 JAX_CELL = ROOT / "tests" / "scripts" / "jax_step_cell.py"
 
 
