@@ -157,9 +157,13 @@ def _chunk_lazily(original: Callable) -> Callable:
     return lambda tensor, count, dim: _Chunks(tensor, count, dim) if tensor.size(dim) else original(tensor, count, dim)
 
 
-def _strided_flag_once(original: Callable) -> Callable:
+def _strided_flag_once(module: Any) -> list[tuple[Any, str, Callable]]:
     # A foreach op's sharding looks for _StridedShard in all its lists once per list element (quadratic in the
-    # number of parameters: most of an optimizer step's time); once per op gives the same answer.
+    # number of parameters: most of an optimizer step's time); once per op gives the same answer. Older torch
+    # (2.11) has no such scan.
+    original = getattr(module, "_propagate_use_strided_shard_flag", None)
+    if original is None:
+        return []
     from torch.distributed.tensor.placement_types import _StridedShard
 
     last: list = [None, False]
@@ -170,16 +174,7 @@ def _strided_flag_once(original: Callable) -> Callable:
         if last[1]:
             original(strategy, schema)
 
-    return propagate
-
-
-def _speedups(*modules: Any) -> Iterator[tuple[Any, str, Callable]]:
-    """The same work in fewer steps, where this torch has the functions that :func:`_chunk_lazily` and
-    :func:`_strided_flag_once` stand in for."""
-    for module, name, faster in zip(modules, ("_chunk_with_empty", "_propagate_use_strided_shard_flag"),
-                                    (_chunk_lazily, _strided_flag_once)):  # fmt: skip
-        if hasattr(module, name):
-            yield module, name, faster(getattr(module, name))
+    return [(module, "_propagate_use_strided_shard_flag", propagate)]
 
 
 def _device_mesh_init(original: Callable) -> Callable:
@@ -278,7 +273,8 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
             (optimizer, "_foreach_supported_types", [*optimizer._foreach_supported_types, FakeTensor]),
             (mem_tracker._WeakRefInfo, "_calculate_mem_consumed",
              lambda info: math.ceil(blocks(info) / 512) * 512 if cuda.used else blocks(info)),
-            *_speedups(_fsdp_param, _sharding_prop),
+            (_fsdp_param, "_chunk_with_empty", _chunk_lazily(_fsdp_param._chunk_with_empty)),
+            *_strided_flag_once(_sharding_prop),
         ):  # fmt: skip
             stack.enter_context(mock.patch.object(target, name, value))
         dist.distributed_c10d.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
