@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import vgpu_magic
 from vgpu_magic.errors import PlanError
+from vgpu_magic.inventory import CUDA_CONTEXT_MIB
 from vgpu_magic.memory_estimate import MemoryEstimate, RankMemory, parse_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,12 +130,17 @@ def test_the_kernel_is_untouched_whatever_the_cell_raised():
     import torch
     import torch.distributed as dist
 
-    before = (dict(os.environ), torch.nn.parallel.DistributedDataParallel, dist.init_process_group)
+    before = (dict(os.environ), torch.nn.parallel.DistributedDataParallel, dist.init_process_group, sys.excepthook)
     namespace = {"keep": 1}
     with pytest.raises(ZeroDivisionError):
         vgpu_magic.estimate(FSDP_CELL + "\nkeep = 2\n1 / 0", ranks=4, namespace=namespace)
     assert not dist.is_initialized()
-    assert (dict(os.environ), torch.nn.parallel.DistributedDataParallel, dist.init_process_group) == before
+    assert (
+        dict(os.environ),
+        torch.nn.parallel.DistributedDataParallel,
+        dist.init_process_group,
+        sys.excepthook,
+    ) == before
     assert namespace == {"keep": 1}
     assert torch.ones(2).sum().item() == 2.0  # no fake mode left on
 
@@ -156,7 +162,7 @@ def test_a_function_is_estimated_with_its_own_module_names_stood_in_for():
 def test_verdict_after_cuda_context_and_levers():
     fits = vgpu_magic.estimate(FSDP_CELL, gpu="2xT4")
     assert fits.world == 2 and fits.fits is True
-    assert fits.spare_bytes == (15360 - 621 - 64) * 2**20 - fits.peak_bytes
+    assert fits.spare_bytes == (15360 - CUDA_CONTEXT_MIB) * 2**20 - fits.peak_bytes
     assert fits.verdict == f"fits, {fits.spare_bytes / GIB:.1f} GiB to spare"
     tight = vgpu_magic.estimate(FSDP_CELL, ranks=2, gpu="600MB")
     assert tight.fits is False and tight.verdict.startswith("does not fit by ")
@@ -199,9 +205,9 @@ def test_magic_estimates_stores_and_refuses(ip):
     assert ip.user_ns["fit"] is found and found.fits is True and found.world == 2
     assert "model" not in ip.user_ns
     for line, match in [
-        ("--ranks 0", "--ranks '0' is not a whole number ≥ 1"),
+        ("--ranks 0", "--ranks 0 is out of range; use 1.."),
         ("--ranks 2 --gpu H900", "'H900' is neither"),
-        ("--ranks 2 --rank -1", "--rank '-1' is not a whole number"),
+        ("--ranks 2 --rank -1", "--rank -1 is negative"),
         ("--ranks 2 -o 1a", "not a variable name"),
         ("--ranks 2 --gpu", "--gpu needs a value"),
     ]:
@@ -211,6 +217,44 @@ def test_magic_estimates_stores_and_refuses(ip):
         ip.run_cell_magic("vgpu_estimate", "--ranks 2", "import torch\ntorch.nn.Linear(3, 3)(torch.ones(3))")
     with pytest.raises(UsageError, match="made no tensors"):
         ip.run_cell_magic("vgpu_estimate", "--ranks 2", "import torch\nx = 1")
+
+
+def test_a_capped_ranks_out_of_memory_error_names_the_cap_in_scripts_and_cells(ip, capsys):
+    """What setup_rank installs on a rank with a --memory cap, here without CUDA (test_estimate_gpu.py runs it
+    against a real cap): a script's uncaught error, as launch.py reports it, and a cell's."""
+    from vgpu_magic.frameworks.torch import say_the_cap
+
+    note = "vgpu_magic: this rank hit the rehearsal's simulated cap of 1024 MiB on GPU 0"
+    script = f"from vgpu_magic.frameworks.torch import say_the_cap\nimport torch\nsay_the_cap({note!r})\n"
+    script += "raise torch.OutOfMemoryError('CUDA out of memory.')"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.stderr.strip().endswith(f"torch.OutOfMemoryError: CUDA out of memory.\n{note}"), proc.stderr
+    hook = sys.excepthook
+    try:
+        say_the_cap(note)
+        ip.run_cell("import torch\nraise torch.OutOfMemoryError('CUDA out of memory.')")
+        ip.run_cell("raise RuntimeError('CUDA out of memory.')")  # not torch's: left alone
+    finally:
+        sys.excepthook = hook
+        ip.set_custom_exc((), None)
+    shown = capsys.readouterr().out
+    assert shown.count(note) == 1 and "OutOfMemoryError: CUDA out of memory." in shown, shown
+
+
+@pytest.mark.slow
+def test_a_cell_on_a_real_engine_that_runs_out_of_memory_names_the_cap(no_process_left_behind):
+    import ipyparallel as ipp
+
+    from vgpu_magic.frameworks.torch import say_the_cap
+
+    note = "vgpu_magic: this rank hit the rehearsal's simulated cap of 1024 MiB on GPU 0"
+    with ipp.Cluster(n=1, log_level=40) as client:
+        engine = client[:]
+        engine.apply_sync(say_the_cap, note)
+        with pytest.raises(ipp.error.CompositeError) as raised:
+            engine.execute("import torch\nraise torch.OutOfMemoryError('CUDA out of memory.')", block=True)
+    assert raised.value.elist[0][:2] == ("OutOfMemoryError", f"CUDA out of memory.\n{note}")
 
 
 JAX_CELL = ROOT / "tests" / "scripts" / "jax_step_cell.py"

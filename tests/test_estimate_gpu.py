@@ -5,6 +5,11 @@ estimated, 674,562,048 B allocated at the peak (-0.2 %); FSDP2 on one rank 673,5
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -57,3 +62,16 @@ def test_estimate_within_ten_percent_of_max_memory_allocated(wrap):
             dist.destroy_process_group()
     print(f"estimated {estimated} B, max_memory_allocated {real} B ({estimated / real - 1:+.1%})")
     assert abs(estimated - real) <= 0.10 * real
+
+
+def test_a_capped_rank_that_runs_out_of_memory_is_told_it_hit_the_simulated_cap():
+    """pytorch/pytorch#111363: torch's message counts the card's free memory, not the cap."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no GPU here")
+    script = ("import torch\nfrom vgpu_magic.frameworks.torch import setup_rank\nsetup_rank('nccl', 0, 1024)\n"
+              "torch.empty(2 * 2**30, dtype=torch.uint8, device='cuda')")  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    print(proc.stderr[-2000:])
+    assert proc.returncode == 1 and "OutOfMemoryError: CUDA out of memory" in proc.stderr
+    assert "hit the rehearsal's simulated cap of 1024 MiB on GPU 0" in proc.stderr

@@ -8,31 +8,16 @@ token and says what would work, and changes nothing.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from .errors import PlanError, excerpt
-from .grammar import framework_name, parse_arguments, parse_whole_number
+from .grammar import framework_name, parse_arguments, whole
 from .memory_estimate import GPU_MODELS, MAX_ALL_RANKS, MemoryEstimate, estimate, parse_gpu
 
 __all__ = ["EstimateMagics"]
-
-
-def _whole(option: str, minimum: int) -> Callable[[str], int]:
-    """A ``type=`` for a whole number ≥ ``minimum``."""
-
-    def whole(text: str) -> int:
-        value = parse_whole_number(text)
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"{option} {excerpt(text)} is not a whole number ≥ {minimum}; "
-                                             f"use e.g. {option} 8")  # fmt: skip
-        return value
-
-    whole.example = f"{option} 8"  # type: ignore[attr-defined]
-    return whole
 
 
 def _gpu(text: str) -> str:
@@ -52,9 +37,11 @@ class EstimateMagics(Magics):
 
     @cell_magic
     @magic_arguments()
-    @argument("--ranks", "-n", type=_whole("--ranks", 1), metavar="N", help="ranks; default: the count in --gpu 8x80GB")
+    @argument("--ranks", "-n", type=whole("--ranks", 1, 2**20, "--ranks 8"), metavar="N",
+              help="ranks; default: the count in --gpu 8x80GB")  # fmt: skip
     @argument("--gpu", "-g", type=_gpu, metavar="SIZE", help=f"80GB, 8x80GB or a model ({', '.join(GPU_MODELS)})")
-    @argument("--rank", "-r", type=_whole("--rank", 0), default=0, metavar="R", help="the rank to run as (default 0)")
+    @argument("--rank", "-r", type=whole("--rank", 0, 2**20, "--rank 0"), default=0, metavar="R",
+              help="the rank to run as (default 0)")  # fmt: skip
     @argument("--all-ranks", "-a", action="store_true", help=f"run as every rank (at most {MAX_ALL_RANKS})")
     @argument("--framework", "-f", type=framework_name, metavar="NAME", help="torch or jax; default: the cell's")
     @argument("-o", dest="output", metavar="NAME", help="store the MemoryEstimate in this variable too")

@@ -34,9 +34,10 @@ __all__ = [
     "cuda_context_mib",
 ]
 
-#: GPU memory a process takes outside its framework's allocator and cap (its CUDA context, the
-#: libraries' handles and workspaces): measured on an H100 (torch 2.11, CUDA 13) for a DDP rank
-#: after five steps, NVML's "used" for the process minus torch's reserved memory was 880 MiB.
+#: GPU memory a process takes outside its framework's allocator and cap, the one figure the planner's
+#: reserve and the estimate's verdict use. Measured on an H100 (torch 2.11, CUDA 13): the CUDA context
+#: 621 MiB, cuBLAS's workspaces 64 MiB more with the first matrix product (test_estimate_gpu.py), and for
+#: a DDP rank after five steps (NCCL's buffers too) NVML's "used" minus torch's reserved was 880 MiB.
 CUDA_CONTEXT_MIB = 1024
 
 

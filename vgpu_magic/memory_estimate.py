@@ -19,13 +19,10 @@ from typing import Any
 from unittest import mock
 
 from .errors import PlanError, excerpt
+from .inventory import CUDA_CONTEXT_MIB
 from .units import GIB, format_bytes
 
-__all__ = ["MemoryEstimate", "RankMemory", "estimate", "parse_gpu", "CUDA_CONTEXT_MIB", "GPU_MODELS"]
-
-#: What each process keeps on its GPU before any tensor, measured on an H100 with torch 2.11: the CUDA
-#: context (621 MiB) and cuBLAS's workspaces, made with the first matrix product (64 MiB; test_estimate_gpu.py).
-CUDA_CONTEXT_MIB, CUBLAS_WORKSPACE_MIB = 621, 64
+__all__ = ["MemoryEstimate", "RankMemory", "estimate", "parse_gpu", "GPU_MODELS"]
 
 #: Device memory as ``nvidia-smi`` reports it (MiB), by model; a name's spaces, dashes and case do not matter.
 GPU_MODELS = {
@@ -209,8 +206,7 @@ def _kept_mib(name: str, gpu_mib: int) -> int:
     if name == "jax":  # XLA's client takes 75 % of the card by default (XLA_CLIENT_MEM_FRACTION, or its old name)
         fraction = os.environ.get("XLA_CLIENT_MEM_FRACTION") or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
         return gpu_mib - int(gpu_mib * float(fraction or "0.75"))
-    # torch keeps nothing back itself (its planner reserve is this same context, so it is not added again).
-    return CUDA_CONTEXT_MIB + CUBLAS_WORKSPACE_MIB
+    return CUDA_CONTEXT_MIB  # torch keeps nothing back itself: its planner reserve is this same allowance
 
 
 def _levers(result: MemoryEstimate, cell: Any, namespace: dict | None, name: str) -> list[str]:

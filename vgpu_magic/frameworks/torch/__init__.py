@@ -37,7 +37,7 @@ import os
 import sys
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ...inventory import DeviceInventory, cuda_context_mib, visible_gpus
 from ..base import Capabilities, ConfigSnapshot, Framework, RankPlan
@@ -45,7 +45,7 @@ from ..base import Capabilities, ConfigSnapshot, Framework, RankPlan
 if TYPE_CHECKING:
     from ...layout import RankLayout
 
-__all__ = ["CAPABILITIES", "FRAMEWORK", "Torch", "setup_rank", "gloo_for_nccl"]
+__all__ = ["CAPABILITIES", "FRAMEWORK", "Torch", "setup_rank", "gloo_for_nccl", "say_the_cap"]
 
 CAPABILITIES = Capabilities(
     name="torch",
@@ -191,6 +191,8 @@ def setup_rank(backend: str, gpu: int | None = None, cap_mib: int | None = None,
         torch.cuda.set_device(gpu)
         fraction = min(cap_mib * 2**20 / torch.cuda.get_device_properties(gpu).total_memory, 1.0)
         torch.cuda.set_per_process_memory_fraction(fraction, gpu)
+        say_the_cap(f"vgpu_magic: this rank hit the rehearsal's simulated cap of {cap_mib} MiB on GPU {gpu} "
+                    "(--memory, or an even share of the card), not the card's size")  # fmt: skip
         said.append(f"GPU {gpu}, capped at {cap_mib} MiB ({fraction:.4f} of CUDA's total)")
         if backend == "gloo":
             _map_nccl_to_gloo(dist)
@@ -199,6 +201,30 @@ def setup_rank(backend: str, gpu: int | None = None, cap_mib: int | None = None,
         dist.init_process_group(backend)
         said.append(f"rank {dist.get_rank()} of {dist.get_world_size()} ({dist.get_backend()})")
     return "; ".join(said)
+
+
+def say_the_cap(note: str) -> None:
+    """Add ``note`` to a CUDA out-of-memory error that ends a script (``sys.excepthook``) or a cell (IPython's
+    custom exception handler) on this rank: torch's message counts the card's free memory, not the cap."""
+    import torch
+
+    def noted(error: BaseException) -> None:
+        if isinstance(error, torch.OutOfMemoryError) and note not in str(error):
+            error.args = (f"{error.args[0] if error.args else ''}\n{note}", *error.args[1:])
+
+    def excepthook(kind: type, error: BaseException, tb: Any, hook=sys.excepthook) -> None:
+        noted(error)
+        hook(kind, error, tb)
+
+    sys.excepthook = excepthook
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    if shell is not None:
+
+        def in_a_cell(shell: Any, kind: type, error: BaseException, tb: Any, tb_offset: int | None = None) -> None:
+            noted(error)
+            shell.showtraceback((kind, error, tb), tb_offset=tb_offset)
+
+        shell.set_custom_exc((torch.OutOfMemoryError,), in_a_cell)
 
 
 def gloo_for_nccl(backend: str | None) -> str:

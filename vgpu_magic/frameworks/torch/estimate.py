@@ -136,6 +136,47 @@ def _into_bucket(view: torch.Tensor, as_view: bool) -> Callable[[torch.Tensor], 
     return hook
 
 
+class _Chunks:
+    """``torch.chunk``'s pieces as fully_shard pads them (``_chunk_with_empty``), each made when asked for:
+    a rank reads its own and the first, not the world size's views of every parameter."""
+
+    def __init__(self, tensor: torch.Tensor, count: int, dim: int) -> None:
+        self.tensor, self.count, self.dim, self.step = tensor, count, dim, -(-tensor.size(dim) // count)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        start, size = i * self.step, self.tensor.size(self.dim)
+        if start >= size:
+            return self.tensor.new_empty(0)
+        return self.tensor.narrow(self.dim, start, min(self.step, size - start))
+
+
+def _chunk_lazily(original: Callable) -> Callable:
+    return lambda tensor, count, dim: _Chunks(tensor, count, dim) if tensor.size(dim) else original(tensor, count, dim)
+
+
+def _strided_flag_once(module: Any) -> list[tuple[Any, str, Callable]]:
+    # A foreach op's sharding looks for _StridedShard in all its lists once per list element (quadratic in the
+    # number of parameters: most of an optimizer step's time); once per op gives the same answer. Older torch
+    # (2.11) has no such scan.
+    original = getattr(module, "_propagate_use_strided_shard_flag", None)
+    if original is None:
+        return []
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    last: list = [None, False]
+
+    def propagate(strategy: Any, schema: Any) -> None:
+        if last[0] is not schema:
+            last[:] = schema, any(isinstance(p, _StridedShard) for s in schema.args_spec for p in s.placements)
+        if last[1]:
+            original(strategy, schema)
+
+    return [(module, "_propagate_use_strided_shard_flag", propagate)]
+
+
 def _device_mesh_init(original: Callable) -> Callable:
     # DeviceMesh reads its rank map's values, which fake tensors do not have; a cell's meshes (init_device_mesh,
     # fully_shard's default) are always arange(world).
@@ -171,6 +212,8 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
     global _tracker
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+    from torch.distributed.tensor import _sharding_prop
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
     from torch.optim import optimizer
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -220,6 +263,7 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
             (parallel, "parallelize_module", tensor_parallel),
             (dist, "init_process_group", lambda *a, **k: None),
             (dist, "destroy_process_group", lambda *a, **k: None),
+            (sys, "excepthook", sys.excepthook),  # init_process_group wraps it in one that prefixes "[rankR]"
             (torch.cuda, "set_device", lambda *a, **k: None),
             (torch.cuda, "current_device", lambda: 0),
             (DeviceMesh, "__init__", _device_mesh_init(DeviceMesh.__init__)),
@@ -229,6 +273,8 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
             (optimizer, "_foreach_supported_types", [*optimizer._foreach_supported_types, FakeTensor]),
             (mem_tracker._WeakRefInfo, "_calculate_mem_consumed",
              lambda info: math.ceil(blocks(info) / 512) * 512 if cuda.used else blocks(info)),
+            (_fsdp_param, "_chunk_with_empty", _chunk_lazily(_fsdp_param._chunk_with_empty)),
+            *_strided_flag_once(_sharding_prop),
         ):  # fmt: skip
             stack.enter_context(mock.patch.object(target, name, value))
         dist.distributed_c10d.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
