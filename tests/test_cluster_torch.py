@@ -651,3 +651,39 @@ def test_interpreter_exit_stops_the_ranks(py):
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.2)
     assert [p for p in pids if psutil.pid_exists(p)] == []
+
+
+def test_where_memory_fits_the_ranks_but_not_their_spares_none_is_kept(shell, tmp_path, capsys, monkeypatch):
+    """Issue 22: a warm spare is a second process per rank with the framework imported, but the memory check
+    counted one. Where only the ranks fit, the ranks start without spares and each launch starts cold."""
+    import types
+
+    from vgpu_magic.ranks import processes, rank_cluster
+
+    running = rank_cluster.current()
+    if running is not None:
+        running.stop()
+    one = processes.rank_footprint("torch")
+    real = psutil.virtual_memory()
+    tight = types.SimpleNamespace(**{**real._asdict(), "available": 3 * one})
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: tight)
+
+    def spares() -> list[int]:
+        return [
+            child.pid
+            for pid in rank_cluster.current().pids
+            for child in psutil.Process(pid).children()
+            if "launch import child" in " ".join(child.cmdline())
+        ]
+
+    try:
+        shell.run_line_magic("vgpu_cluster", "start 2 --framework torch")
+        assert spares() == []
+        assert "(no spare: memory is tight, each launch starts cold)" in capsys.readouterr().out
+        script = tmp_path / "hello.py"
+        script.write_text("import os\nprint('hello from', os.environ['RANK'])\n")
+        out, _ = launched(shell, str(script), capsys)
+        assert sorted(line for line in out if "hello" in line) == ["[rank 0] hello from 0", "[rank 1] hello from 1"]
+        assert spares() == []
+    finally:
+        shell.run_line_magic("vgpu_cluster", "stop")

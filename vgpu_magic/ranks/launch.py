@@ -42,11 +42,14 @@ class ProcessExited(RuntimeError):
     """The rank's process ended with a non-zero status: how (first line), then the last of its stderr."""
 
 
-def launch_request(plan: Any, path: str, args: list[str], cwd: str, preload: list[str]) -> dict[str, Any]:
+def launch_request(
+    plan: Any, path: str, args: list[str], cwd: str, preload: list[str], spare: bool = True
+) -> dict[str, Any]:
     """What :func:`run_rank` needs to launch one rank with its :class:`~vgpu_magic.frameworks.base.RankPlan`
-    (plain data, sent to its engine); ``preload``: the modules a spare imports. The script makes its own call
-    to join the others, as under its launcher."""
+    (plain data, sent to its engine); ``preload``: the modules a spare imports; ``spare``: keep one for the
+    next launch. The script makes its own call to join the others, as under its launcher."""
     return {
+        "spare": spare,
         "plan_env": dict(plan.env),
         "setup": plan.setup,
         "setup_args": list(plan.args),
@@ -144,7 +147,7 @@ def run_rank(request: dict[str, Any]) -> int:
     finally:
         signal.signal(signal.SIGINT, outside)
         proc.control.close()
-        _spare = _start(plan_env, request["preload"])
+        _spare = _start(plan_env, request["preload"]) if request["spare"] else None
     if code == 0:
         return proc.popen.pid
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"

@@ -143,19 +143,22 @@ def rank_footprint(module: str) -> int:
     return _footprints[module]
 
 
-def check_memory_fits(n: int, fw: Any) -> None:
-    """:class:`ClusterStartError` in one line if ``n`` ranks would not fit in the host's available
-    memory, estimated from one measured rank. Measured only where the bound leaves doubt."""
+def check_memory_fits(n: int, fw: Any) -> bool:
+    """Do ``n`` ranks fit in the host's available memory with a warm spare each (:mod:`.launch`: a second
+    process with the framework imported)? ``False`` where only the ranks fit; :class:`ClusterStartError` in one
+    line where not even they do. Estimated from one measured rank, measured only where the bound leaves doubt."""
     import psutil
 
     from ..units import format_bytes
 
     available = psutil.virtual_memory().available
-    if n * RANK_MEMORY_BOUND <= available:
-        return
+    if 2 * n * RANK_MEMORY_BOUND <= available:
+        return True
     one = rank_footprint(fw.module)
-    if not one or n * one <= available:
-        return
+    if not one or 2 * n * one <= available:
+        return True
+    if n * one <= available:
+        return False
     raise ClusterStartError(
         f"{n} {fw.label} ranks need about {format_bytes(n * one)} of memory (one rank with {fw.module} "
         f"imported: {format_bytes(one)}), but {format_bytes(available)} is available; start at most "

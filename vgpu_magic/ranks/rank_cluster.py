@@ -136,6 +136,7 @@ class RankCluster:
         #: Carried by every process of this cluster (:func:`.lifetime.processes_of`).
         self._token = ""
         self._started_at = 0.0
+        self.spares = True
 
     @property
     def running(self) -> bool:
@@ -161,7 +162,8 @@ class RankCluster:
             previous.stop()
         self._token, self._started_at = uuid.uuid4().hex, time.time()
         try:
-            processes.check_memory_fits(self.n, self.fw)
+            #: Whether each rank keeps a warm spare for script runs (not where memory is tight).
+            self.spares = processes.check_memory_fits(self.n, self.fw)
             if self.port is not None:
                 processes.check_port_free(self.port)
             self.cluster = processes.new_ipp_cluster(ipp, self.launcher_plan, self.n, self.cluster_id, self._token)
@@ -194,7 +196,8 @@ class RankCluster:
             self.plans = self._plan_ranks()
             self._wire()
             self.view.apply_sync(interrupt_only_the_cell)
-            self._warm()
+            if self.spares:
+                self._warm()
         except BaseException as exc:
             # The start's own error first; what the cleanup found after it, never instead of it.
             try:
@@ -359,7 +362,7 @@ class RankCluster:
         self.layout = layout_ranks(self._read_hosts(self.engine_ids), self.given_gpus)
         self.plans = self._plan_ranks()
         where, preload = (os.path.abspath(path), list(args), os.getcwd()), self._preload()
-        requests = [launch.launch_request(plan, *where, preload) for plan in self.plans]
+        requests = [launch.launch_request(plan, *where, preload, self.spares) for plan in self.plans]
 
         def submit(rank: int) -> Any:
             return self.client[self.engine_ids[rank]].apply_async(launch.run_rank, requests[rank])

@@ -76,9 +76,14 @@ def cluster_lines(cluster: Any) -> list[str]:
         lines.append(f"each rank has its launcher's environment; your code calls {join_call}, as under its launcher")
     lines.append("cells (%%vgpu_run): run in these ranks, which keep their state from cell to cell")
     step = ", as steps of the job's allocation" if cluster.launcher == "slurm" else ""
+    spare = (
+        f"a spare waits with {cluster.fw.module} imported"
+        if cluster.spares
+        else "no spare: memory is tight, each launch starts cold"
+    )
     lines.append(
         f"scripts (%vgpu_run FILE): a fresh launch each run, new processes started by each rank's engine{step} "
-        f"(a spare waits with {cluster.fw.module} imported)"
+        f"({spare})"
     )
     lines.extend(status_lines(cluster.status()))
     if cluster.must_restart:
