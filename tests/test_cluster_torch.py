@@ -164,19 +164,23 @@ def test_an_unsendable_name_is_named_and_nothing_runs(shell, ranks):
     assert ranks.view.pull("_seen", block=True) == [False, False]
 
 
-def test_what_a_rank_displays_arrives_labelled(shell, ranks, capsys):
-    """Issue 22, defect 5: display() on a rank (an engine is a kernel) was dropped without a word. In a
-    terminal its text arrives, labelled (tests/test_cluster_kernel.py: the rich output in a notebook)."""
-    shell.run_cell_magic(
-        "vgpu_run", "--no-plot", "from IPython.display import HTML, display\ndisplay(HTML('<b>x</b>'))\nprint('after')"
+def test_what_a_rank_displays_arrives_labelled_in_the_order_it_was_made(shell, ranks, capsys):
+    """Issue 22, defect 5: display() on a rank (an engine is a kernel) was dropped without a word; then its
+    displays and prints arrived in another order than the rank made them (ipyparallel keeps them apart). In a
+    terminal the text arrives, labelled (tests/test_cluster_kernel.py: the rich output in a notebook)."""
+    cell = (
+        "from IPython.display import HTML, display\nimport time\nprint('before')\n"
+        "for step in range(3):\n    display(HTML(f'<b>{step}</b>'))\n    print('after', step)\n"
+        "    time.sleep(0.02 * step)\n"
     )
+    shell.run_cell_magic("vgpu_run", "--no-plot", cell)
     out = capsys.readouterr().out.splitlines()
     for rank in range(2):
-        # The order of a display and a print that follows it is not kept (ipyparallel collects each kind apart).
-        assert sorted(line for line in out if line.startswith(f"[rank {rank}]")) == [
-            f"[rank {rank}] <IPython.core.display.HTML object>",
-            f"[rank {rank}] after",
+        shown = [line.removeprefix(f"[rank {rank}] ") for line in out if line.startswith(f"[rank {rank}]")]
+        made = ["before"] + [
+            line for step in range(3) for line in ("<IPython.core.display.HTML object>", f"after {step}")
         ]
+        assert shown == made
 
 
 def test_a_comprehension_variable_does_not_hide_the_notebooks_name(shell, ranks):
