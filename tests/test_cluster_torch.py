@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 PARITY_SCRIPT = Path(__file__).parent / "scripts" / "ddp_parity.py"
 TRAIN_SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
+FSDP2_SCRIPT = Path(__file__).parent / "scripts" / "fsdp2_train.py"
 
 
 @pytest.fixture(scope="module")
@@ -312,6 +313,24 @@ def test_a_ddp_script_three_runs_in_a_row_match_torchrun_with_its_edits_and_snap
         assert by_torchrun[0]["name"] == "__main__" and by_torchrun[0]["argv"] == TRAIN_SCRIPT.name
         finals = sorted(line.split(":")[0] for line in capsys.readouterr().out.splitlines() if "final loss" in line)
         assert finals == ["[rank 0] rank 0", "[rank 1] rank 1"]
+
+
+def test_an_fsdp2_script_three_runs_in_a_row_match_torchrun_bit_for_bit(shell, launcher_ranks, tmp_path, monkeypatch):
+    """Issue 22: an FSDP2 script in the shape of pytorch/examples' (meta-device model sharded with fully_shard,
+    its own init and destroy, a checkpoint in its folder to resume from), three runs in a row, each bit-identical
+    to a fresh torchrun in a folder of its own."""
+    theirs, ours = tmp_path / "torchrun", tmp_path / "ours"
+    for folder in (theirs, ours):
+        folder.mkdir()
+        (folder / FSDP2_SCRIPT.name).write_text(FSDP2_SCRIPT.read_text())
+    monkeypatch.chdir(ours)
+    for run, steps in enumerate((2, 4, 6)):
+        args = ("--steps", str(steps), "--out", "weights")
+        torchrun_two_ranks(theirs / FSDP2_SCRIPT.name, *args, env=CHILD_ENV, cwd=theirs)
+        shell.run_line_magic("vgpu_run", f"--timeout 200 {FSDP2_SCRIPT.name} {' '.join(args)}")
+        by_torchrun = [json.loads((theirs / f"weights.{r}").read_text()) for r in range(2)]
+        assert [json.loads((ours / f"weights.{r}").read_text()) for r in range(2)] == by_torchrun
+        assert by_torchrun[0] == by_torchrun[1] and by_torchrun[0]["resumed_at"] == (0, 2, 4)[run]
 
 
 def launched(shell, line: str, capsys) -> tuple[list[str], str]:
