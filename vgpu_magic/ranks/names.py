@@ -53,8 +53,7 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
         for part in parts:
             inner.visit(part)
         for name in inner.read:
-            if name not in self.read and name not in self.written:
-                self.read.append(name)
+            self._load(name)
         for sub in ast.walk(walrus_from) if walrus_from is not None else ():
             if isinstance(sub, ast.NamedExpr) and isinstance(sub.target, ast.Name):
                 self.bound.add(sub.target.id)
@@ -79,19 +78,17 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
         for target in node.targets:
             self.visit(target)
 
-    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+    def visit_AnnAssign(self, node: ast.AnnAssign | ast.NamedExpr) -> None:
         if node.value is not None:
             self.visit(node.value)
             self.visit(node.target)
+
+    visit_NamedExpr = visit_AnnAssign
 
     def visit_AugAssign(self, node: ast.AugAssign) -> None:
         self.visit(node.value)
         if isinstance(node.target, ast.Name):
             self._load(node.target.id)
-        self.visit(node.target)
-
-    def visit_NamedExpr(self, node: ast.NamedExpr) -> None:
-        self.visit(node.value)
         self.visit(node.target)
 
     def visit_If(self, node: ast.If) -> None:

@@ -293,13 +293,13 @@ def ssh_engines(cluster: Any, plan: LauncherPlan) -> list[tuple[str, int]]:
     ]
 
 
-def watch_remote(jobs: list[str], plan: LauncherPlan, engines: list[tuple[str, int]], token: str) -> None:
+def watch_remote(cluster: Any, plan: LauncherPlan, token: str) -> None:
     """Engines on other hosts cannot watch this kernel's PID: a watched process next to the kernel ends them
     through their launcher when the kernel dies without a stop (:func:`.lifetime.run_when_this_process_dies`)."""
     import shlex
 
-    commands = [shlex.join(["scancel", job]) for job in jobs if job]
-    for location, args, pids, cleanup in _ssh_cleanups(plan, engines):
+    commands = [shlex.join(["scancel", job]) for job in batch_jobs(cluster) if job]
+    for location, args, pids, cleanup in _ssh_cleanups(plan, ssh_engines(cluster, plan)):
         commands.append(shlex.join(["ssh", *args, location, f"kill {pids} 2>/dev/null; {cleanup}"]))
     for command in commands:
         lifetime.run_when_this_process_dies(command, token)

@@ -174,12 +174,7 @@ class RankCluster:
             self._launchers.update(launchers)
             processes.remove_files_when_kernel_dies(self.cluster, self._token)
             # Engines on other hosts end when the kernel dies without a stop.
-            processes.watch_remote(
-                processes.batch_jobs(self.cluster),
-                self.launcher_plan,
-                processes.ssh_engines(self.cluster, self.launcher_plan),
-                self._token,
-            )
+            processes.watch_remote(self.cluster, self.launcher_plan, self._token)
             self.client = self.cluster.connect_client_sync()
             # interactive=False: no progress bar in the cell (the start summary says what started).
             self.client.wait_for_engines(self.n, timeout=ENGINE_TIMEOUT, block=True, interactive=False)
