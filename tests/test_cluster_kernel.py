@@ -97,3 +97,68 @@ def test_a_dead_rank_is_reported_with_its_exit_status_from_a_real_kernel():
             reply = kernel_run(kc, "%vgpu_cluster restart")
             assert not kernel_errors(reply), kernel_errors(reply)
         reply = kernel_run(kc, "%vgpu_cluster stop")
+
+
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+def rank_events(reply: list[dict], rank: int) -> list[str]:
+    """What the notebook got from ``rank``, in order: each line it printed, and ``display:TEXT`` for each
+    display (the ``[rank r]`` line that announces a display left out)."""
+    events = []
+    for msg in reply:
+        if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
+            label = f"[rank {rank}] "
+            events += [line[len(label) :] for line in msg["content"]["text"].splitlines() if line.startswith(label)]
+        elif msg["msg_type"] == "display_data" and msg["content"]["metadata"].get("rank") == rank:
+            events.append("display:" + msg["content"]["data"].get("text/plain", ""))
+    return events
+
+
+def test_a_ranks_progress_bar_is_live_and_its_displays_keep_their_order_in_a_notebook(tmp_path):
+    """Issue 22, defect 5: a tqdm.auto bar on rank 0 (the engines are kernels: tqdm picks its widget, and
+    ipyparallel relays the widget's messages) showed as a static "0%" line, its widget left out; Keras'
+    model.summary() (rich's displays) and prints arrived in another order than the rank made them."""
+    shown = tmp_path / "bar-shown"
+    bar = (
+        "%%vgpu_run --no-plot\nimport os, time, tqdm.auto\nif os.environ['RANK'] == '0':\n"
+        "    bar = tqdm.auto.tqdm(total=3)\n    deadline = time.monotonic() + 30\n"
+        f"    while not os.path.exists({str(shown)!r}) and time.monotonic() < deadline:\n        time.sleep(0.05)\n"
+        "    for _ in range(3):\n        bar.update(1)\n    bar.close()\nprint('done')\n"
+    )
+
+    def touch_once_the_bar_shows(msg: dict) -> None:
+        if msg["msg_type"] == "display_data" and WIDGET in msg["content"]["data"]:
+            shown.touch()
+
+    with kernel_with_torch_ranks() as (_km, kc):
+        reply = kernel_run(kc, bar, on_message=touch_once_the_bar_shows)
+        assert not kernel_errors(reply), kernel_errors(reply)
+        bars = [m for m in reply if m["msg_type"] == "display_data" and WIDGET in m["content"]["data"]]
+        assert [m["content"]["metadata"]["rank"] for m in bars] == [0]
+        models = {m["content"]["comm_id"]: m["content"]["data"]["state"] for m in reply if m["msg_type"] == "comm_open"}
+        box = models[bars[0]["content"]["data"][WIDGET]["model_id"]]
+        [progress] = [c[len("IPY_MODEL_") :] for c in box["children"] if models[c[len("IPY_MODEL_") :]].get("max") == 3]
+        values = [
+            (reply.index(m), m["content"]["data"]["state"]["value"])
+            for m in reply
+            if m["msg_type"] == "comm_msg"
+            and m["content"]["comm_id"] == progress
+            and "value" in m["content"]["data"].get("state", {})
+        ]
+        # The bar was in the notebook before it moved (rank 0 waited for it), and its updates reached it.
+        assert values and values[-1][1] == 3 and reply.index(bars[0]) < values[0][0]
+
+        summary = (
+            "%%vgpu_run --no-plot\nimport os\nos.environ['KERAS_BACKEND'] = 'torch'\nimport keras\n"
+            "model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name='dense_probe')])\n"
+            "print('before')\nmodel.summary()\nprint('after')\n"
+        )
+        reply = kernel_run(kc, summary)
+        assert not kernel_errors(reply), kernel_errors(reply)
+        for rank in range(2):
+            events = rank_events(reply, rank)
+            assert events[0] == "before" and events[-1] == "after", events
+            assert all(event.startswith("display:") for event in events[1:-1])
+            text = "".join(events[1:-1])
+            assert "dense_probe" in text and "Total params" in text

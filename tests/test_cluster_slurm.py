@@ -19,7 +19,8 @@ import pytest
 
 from vgpu_magic.frameworks import get
 from vgpu_magic.inventory import GPUInfo
-from vgpu_magic.ranks.hosts import LAUNCHER_VARIABLES, HostReport, expand_hostlist, layout_ranks
+from vgpu_magic.layout import HostReport, expand_hostlist, layout_ranks
+from vgpu_magic.ranks.hosts import LAUNCHER_VARIABLES
 
 slurm_cluster = pytest.importorskip("jax._src.clusters.slurm_cluster")
 resolver = pytest.importorskip("tensorflow.python.distribute.cluster_resolver.slurm_cluster_resolver")

@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 PARITY_SCRIPT = Path(__file__).parent / "scripts" / "ddp_parity.py"
 TRAIN_SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
+FSDP2_SCRIPT = Path(__file__).parent / "scripts" / "fsdp2_train.py"
 
 
 @pytest.fixture(scope="module")
@@ -157,19 +158,23 @@ def test_an_unsendable_name_is_named_and_nothing_runs(shell, ranks):
     assert ranks.view.pull("_seen", block=True) == [False, False]
 
 
-def test_what_a_rank_displays_arrives_labelled(shell, ranks, capsys):
-    """Issue 22, defect 5: display() on a rank (an engine is a kernel) was dropped without a word. In a
-    terminal its text arrives, labelled (tests/test_cluster_kernel.py: the rich output in a notebook)."""
-    shell.run_cell_magic(
-        "vgpu_run", "--no-plot", "from IPython.display import HTML, display\ndisplay(HTML('<b>x</b>'))\nprint('after')"
+def test_what_a_rank_displays_arrives_labelled_in_the_order_it_was_made(shell, ranks, capsys):
+    """Issue 22, defect 5: display() on a rank (an engine is a kernel) was dropped without a word; then its
+    displays and prints arrived in another order than the rank made them (ipyparallel keeps them apart). In a
+    terminal the text arrives, labelled (tests/test_cluster_kernel.py: the rich output in a notebook)."""
+    cell = (
+        "from IPython.display import HTML, display\nimport time\nprint('before')\n"
+        "for step in range(3):\n    display(HTML(f'<b>{step}</b>'))\n    print('after', step)\n"
+        "    time.sleep(0.02 * step)\n"
     )
+    shell.run_cell_magic("vgpu_run", "--no-plot", cell)
     out = capsys.readouterr().out.splitlines()
     for rank in range(2):
-        # The order of a display and a print that follows it is not kept (ipyparallel collects each kind apart).
-        assert sorted(line for line in out if line.startswith(f"[rank {rank}]")) == [
-            f"[rank {rank}] <IPython.core.display.HTML object>",
-            f"[rank {rank}] after",
+        shown = [line.removeprefix(f"[rank {rank}] ") for line in out if line.startswith(f"[rank {rank}]")]
+        made = ["before"] + [
+            line for step in range(3) for line in ("<IPython.core.display.HTML object>", f"after {step}")
         ]
+        assert shown == made
 
 
 def test_a_comprehension_variable_does_not_hide_the_notebooks_name(shell, ranks):
@@ -301,6 +306,24 @@ def test_a_ddp_script_three_runs_in_a_row_match_torchrun_with_its_edits_and_snap
         assert by_torchrun[0]["name"] == "__main__" and by_torchrun[0]["argv"] == TRAIN_SCRIPT.name
         finals = sorted(line.split(":")[0] for line in capsys.readouterr().out.splitlines() if "final loss" in line)
         assert finals == ["[rank 0] rank 0", "[rank 1] rank 1"]
+
+
+def test_an_fsdp2_script_three_runs_in_a_row_match_torchrun_bit_for_bit(shell, launcher_ranks, tmp_path, monkeypatch):
+    """Issue 22: an FSDP2 script in the shape of pytorch/examples' (meta-device model sharded with fully_shard,
+    its own init and destroy, a checkpoint in its folder to resume from), three runs in a row, each bit-identical
+    to a fresh torchrun in a folder of its own."""
+    theirs, ours = tmp_path / "torchrun", tmp_path / "ours"
+    for folder in (theirs, ours):
+        folder.mkdir()
+        (folder / FSDP2_SCRIPT.name).write_text(FSDP2_SCRIPT.read_text())
+    monkeypatch.chdir(ours)
+    for run, steps in enumerate((2, 4, 6)):
+        args = ("--steps", str(steps), "--out", "weights")
+        torchrun_two_ranks(theirs / FSDP2_SCRIPT.name, *args, env=CHILD_ENV, cwd=theirs)
+        shell.run_line_magic("vgpu_run", f"--timeout 200 {FSDP2_SCRIPT.name} {' '.join(args)}")
+        by_torchrun = [json.loads((theirs / f"weights.{r}").read_text()) for r in range(2)]
+        assert [json.loads((ours / f"weights.{r}").read_text()) for r in range(2)] == by_torchrun
+        assert by_torchrun[0] == by_torchrun[1] and by_torchrun[0]["resumed_at"] == (0, 2, 4)[run]
 
 
 def launched(shell, line: str, capsys) -> tuple[list[str], str]:
@@ -644,3 +667,39 @@ def test_interpreter_exit_stops_the_ranks(py):
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.2)
     assert [p for p in pids if psutil.pid_exists(p)] == []
+
+
+def test_where_memory_fits_the_ranks_but_not_their_spares_none_is_kept(shell, tmp_path, capsys, monkeypatch):
+    """Issue 22: a warm spare is a second process per rank with the framework imported, but the memory check
+    counted one. Where only the ranks fit, the ranks start without spares and each launch starts cold."""
+    import types
+
+    from vgpu_magic.ranks import processes, rank_cluster
+
+    running = rank_cluster.current()
+    if running is not None:
+        running.stop()
+    one = processes.rank_footprint("torch")
+    real = psutil.virtual_memory()
+    tight = types.SimpleNamespace(**{**real._asdict(), "available": 3 * one})
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: tight)
+
+    def spares() -> list[int]:
+        return [
+            child.pid
+            for pid in rank_cluster.current().pids
+            for child in psutil.Process(pid).children()
+            if "launch import child" in " ".join(child.cmdline())
+        ]
+
+    try:
+        shell.run_line_magic("vgpu_cluster", "start 2 --framework torch")
+        assert spares() == []
+        assert "(no spare: memory is tight, each launch starts cold)" in capsys.readouterr().out
+        script = tmp_path / "hello.py"
+        script.write_text("import os\nprint('hello from', os.environ['RANK'])\n")
+        out, _ = launched(shell, str(script), capsys)
+        assert sorted(line for line in out if "hello" in line) == ["[rank 0] hello from 0", "[rank 1] hello from 1"]
+        assert spares() == []
+    finally:
+        shell.run_line_magic("vgpu_cluster", "stop")

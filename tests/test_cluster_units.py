@@ -19,7 +19,7 @@ from support import refused_changing_nothing
 from vgpu_magic.frameworks import get
 from vgpu_magic.grammar import parse_memory
 from vgpu_magic.inventory import GPUInfo
-from vgpu_magic.ranks.hosts import HostReport, layout_ranks
+from vgpu_magic.layout import HostReport, layout_ranks
 from vgpu_magic.ranks.names import UnsendableName, names_to_send, pack_names, split_last_expression
 from vgpu_magic.ranks.run import _LineStream
 

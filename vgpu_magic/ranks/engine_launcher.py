@@ -1,12 +1,7 @@
-"""ipyparallel's engine launchers as the ranks use them: local engines record
-how they exit, SLURM's keeps what ``sbatch`` and ``scancel`` say.
-
-ipyparallel reaps an engine in a thread and hands its exit status to its
-event loop, which may never run it (the kernel's loop is busy running the
-cell that watches the ranks): without the record, a dead rank's status is
-lost. The classes live at module level so that the cluster file a cluster
-writes names classes ipyparallel's own tools can import (``ipcluster list``,
-JupyterLab's extension). Importing this module imports ipyparallel.
+"""ipyparallel's engine launchers as the ranks use them: local engines record how they exit (ipyparallel
+reaps an engine in a thread and hands its status to an event loop that may never run it while a cell watches the
+ranks), SLURM's keeps what ``sbatch`` and ``scancel`` say. At module level, so that the cluster file names
+classes ipyparallel's own tools can import. Importing this module imports ipyparallel.
 """
 
 from __future__ import annotations

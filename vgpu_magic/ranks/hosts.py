@@ -1,48 +1,17 @@
-"""Where the ranks run: each engine's report of its own host.
-
-:func:`report_host` runs on every engine (through ipyparallel's ``apply``) and
-returns a :class:`~vgpu_magic.layout.HostReport`: the hostname, an address the
-other engines can reach, the GPUs this process sees (CUDA's order, NVML's
-details), its PID, a free port chosen on that host, and the launcher's own rank
-variables where a launcher set them (SLURM, OpenMPI, PMI). The reports, and the
-ranks laid out on them (:func:`~vgpu_magic.layout.layout_ranks`), are plain data
-in :mod:`vgpu_magic.layout`, below the frameworks, which plan from them.
-
-Importing this module imports no framework, no NVML and no ipyparallel.
+"""Where the ranks run: each engine's report of its host (:func:`report_host`, applied on the engine),
+and the addresses and ports chosen there. The reports and the ranks' layout are plain data in
+:mod:`vgpu_magic.layout`, below the frameworks. Imports no framework, no NVML and no ipyparallel.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import socket
 from typing import Any
 
 from ..inventory import GPUInfo, NVMLReadError, nccl_version, visible_gpus
-from ..layout import (
-    HostReport,
-    RankLayout,
-    RankPlace,
-    SlurmStep,
-    expand_hostlist,
-    expand_tasks_per_node,
-    layout_ranks,
-)
-
-__all__ = [
-    "LAUNCHER_VARIABLES",
-    "HostReport",
-    "RankPlace",
-    "RankLayout",
-    "SlurmStep",
-    "report_host",
-    "layout_ranks",
-    "on_this_host",
-    "predicted_layout",
-    "expand_hostlist",
-    "expand_tasks_per_node",
-    "free_port",
-    "prepare_rank",
-    "route_address",
-]
+from ..layout import HostReport, RankLayout, RankPlace, layout_ranks
 
 #: Variables a launcher sets that tell a process its place; reported as they are.
 LAUNCHER_VARIABLES = (
@@ -63,11 +32,8 @@ LAUNCHER_VARIABLES = (
 
 
 def on_this_host(places: list[RankPlace], remote: bool) -> list[bool]:
-    """Whether each rank's process runs on this host, so that its PID names it here: every
-    rank of a launcher that starts engines here; else (``remote``: SLURM, SSH) the ranks whose
-    host has this host's name. A PID on another host names nothing here, or another process."""
-    import socket
-
+    """Whether each rank's process runs on this host (so that its PID names it here): all of them, unless
+    the launcher is ``remote`` (SLURM, SSH), then those whose host has this host's name."""
     here = socket.gethostname()
     return [not remote or place.hostname == here for place in places]
 
@@ -75,8 +41,6 @@ def on_this_host(places: list[RankPlace], remote: bool) -> list[bool]:
 def predicted_layout(n: int, gpus: tuple[GPUInfo, ...] | None = None) -> RankLayout:
     """The layout ``n`` engines started on this host would report (checked before starting);
     ``gpus`` as in :func:`layout_ranks`, else the GPUs this host sees."""
-    import socket
-
     host = socket.gethostname()
     try:
         seen = gpus if gpus is not None else visible_gpus()
@@ -90,8 +54,6 @@ def route_address(toward: str) -> str:
     """This host's address on the route to ``toward`` (a host name or address, ``user@`` stripped): the
     address hosts there reach this one at; loopback when ``toward`` is. A UDP ``connect`` only consults
     the routing table (no packet is sent). :class:`ValueError` in one line when the name does not resolve."""
-    import socket
-
     name = toward.rpartition("@")[2]
     if name in ("", "*", "0.0.0.0", "localhost") or name.startswith("127."):
         return "127.0.0.1"
@@ -110,22 +72,14 @@ def route_address(toward: str) -> str:
 def free_port(address: str = "") -> int:
     """A free TCP port on this host, chosen by the OS (bound on every interface: free whichever address
     binds it; ``address`` only says IPv4 or IPv6)."""
-    import socket
-
     with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
 
 
 def report_host(engine_id: int, controller: str) -> HostReport:
-    """Run on an engine: where it runs, as a :class:`HostReport`.
-
-    ``controller`` is the controller's address, which every engine reaches;
-    the address this host reaches it from is the one the others can use.
-    """
-    import os
-    import socket
-
+    """Run on an engine: where it runs. The address this host reaches ``controller`` from (every engine
+    reaches the controller) is the one the others can use."""
     address = route_address(controller)
     return HostReport(
         engine_id=engine_id,
@@ -140,13 +94,9 @@ def report_host(engine_id: int, controller: str) -> HostReport:
 
 
 def prepare_rank(env: dict[str, str], setup: str, args: tuple[Any, ...], join: bool = False) -> str:
-    """Run on the rank (through ipyparallel's ``apply``): set its environment, as
-    a launcher would before the process starts (no framework is imported on an
-    engine before this), then run its framework's setup, if any. ``join``: the
-    setup also makes the call the user's script would make
-    (``init_process_group``, ``jax.distributed.initialize``)."""
-    import os
-
+    """Run on the rank: set its environment, as a launcher would before the process starts (no framework is
+    imported yet), then run its framework's setup, if any; with ``join`` the setup also makes the script's own
+    call (``init_process_group``, ``jax.distributed.initialize``)."""
     os.environ.update(env)
     if not setup:
         return "environment set"

@@ -1,20 +1,13 @@
-"""A script run is a launch: ``%vgpu_run FILE ARGS`` starts new rank processes
-every time, as ``torchrun`` / ``srun`` / ``mpirun`` do.
+"""A script run is a launch: ``%vgpu_run FILE ARGS`` starts new rank processes every time, as ``torchrun`` /
+``srun`` / ``mpirun`` do.
 
-The engine on each host is the launcher's agent (torchrun's design): :func:`run_rank`
-(applied on the engine) starts the script as the engine's child with the engine's
-environment and the rank's plan, in the kernel's folder, ``sys.argv = [FILE, *ARGS]``;
-streams its output (labelled ``[rank r]`` in the kernel); and reports a non-zero end
-as a launcher does (``exited with status 3``, ``was killed by SIGSEGV``) with the last
-lines of its stderr. Interrupted by the fault policy, it stops the child (SIGTERM, then
-SIGKILL after :data:`TERM_GRACE` s); the child dies with its engine (parent-death signal).
-
-Each engine keeps a *spare*: a child started in the background with the framework
-imported and nothing of the user's (folder ``/``, the user's folder not on
-``sys.path``), waiting for its launch (:func:`child`); one started with another
-environment than the launch's, outside the plan's per-run ports and ids, is not used.
-Under ``--launcher slurm`` the job's engines start the processes: an approximation of
-an ``srun`` step in the job's allocation.
+The engine on each host is the launcher's agent (torchrun's design): :func:`run_rank` starts the script as the
+engine's child, in the kernel's folder, with the rank's plan and ``sys.argv = [FILE, *ARGS]``; streams its
+output; and reports a non-zero end as a launcher does (``exited with status 3``, ``was killed by SIGSEGV``) with
+the last lines of its stderr. Interrupted, it stops the child (SIGTERM, SIGKILL after :data:`TERM_GRACE` s); the
+child dies with its engine. Each engine keeps a *spare*: a child started in the background with the framework
+imported and nothing of the user's, waiting for its launch (:func:`child`); one started with another environment
+than the launch's (outside the plan's per-run ports and ids) is not used.
 """
 
 from __future__ import annotations
@@ -46,18 +39,17 @@ _CHILD = "from vgpu_magic.ranks.launch import child; child()"
 
 
 class ProcessExited(RuntimeError):
-    """Raised on the engine: the rank's process ended with a non-zero status.
-    The first line says how (``exited with status 3``), the rest is the last of
-    what it wrote to stderr."""
+    """The rank's process ended with a non-zero status: how (first line), then the last of its stderr."""
 
 
-def launch_request(plan: Any, path: str, args: list[str], cwd: str, preload: list[str]) -> dict[str, Any]:
-    """What :func:`run_rank` needs to launch one rank (plain data, sent to its engine).
-
-    ``plan`` is the rank's :class:`~vgpu_magic.frameworks.base.RankPlan`; ``preload``
-    the modules a spare imports (the framework's own). The script makes its own call
-    to join the others (``--join`` is for cells), as under its launcher."""
+def launch_request(
+    plan: Any, path: str, args: list[str], cwd: str, preload: list[str], spare: bool = True
+) -> dict[str, Any]:
+    """What :func:`run_rank` needs to launch one rank with its :class:`~vgpu_magic.frameworks.base.RankPlan`
+    (plain data, sent to its engine); ``preload``: the modules a spare imports; ``spare``: keep one for the
+    next launch. The script makes its own call to join the others, as under its launcher."""
     return {
+        "spare": spare,
         "plan_env": dict(plan.env),
         "setup": plan.setup,
         "setup_args": list(plan.args),
@@ -136,13 +128,8 @@ def warm(plan_env: dict[str, str], preload: list[str], wait: float = 0.0) -> Non
 
 
 def run_rank(request: dict[str, Any]) -> int:
-    """Run on an engine: launch the script ``request`` describes (:func:`launch_request`)
-    as this engine's child, stream its output, and wait for its end.
-
-    Returns the process' PID when it exited with status 0; raises
-    :class:`ProcessExited` otherwise. A spare for the next launch is started
-    before returning.
-    """
+    """Run on an engine: launch the script ``request`` describes (:func:`launch_request`) as this engine's
+    child, stream its output, and wait for its end: its PID, or :class:`ProcessExited`."""
     global _spare
     plan_env, path, cwd = request["plan_env"], request["argv"][0], request["cwd"]
     for what, where, ok in (("folder", cwd, os.path.isdir), ("script", path, os.path.isfile)):
@@ -160,7 +147,7 @@ def run_rank(request: dict[str, Any]) -> int:
     finally:
         signal.signal(signal.SIGINT, outside)
         proc.control.close()
-        _spare = _start(plan_env, request["preload"])
+        _spare = _start(plan_env, request["preload"]) if request["spare"] else None
     if code == 0:
         return proc.popen.pid
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
@@ -169,8 +156,8 @@ def run_rank(request: dict[str, Any]) -> int:
 
 
 def _follow(popen: subprocess.Popen) -> tuple[int, list[str]]:
-    """Copy the child's stdout and stderr to this process' own until it exits; its
-    exit status and the last lines of its stderr. Interrupted, stop the child first."""
+    """Copy the child's stdout and stderr to this process' own until it exits: its exit status and the last
+    lines of its stderr. Interrupted, stop the child first."""
     from .run import as_terminal_shows
 
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES + 1)
@@ -243,10 +230,8 @@ def _die_with_parent(parent: int) -> None:
 
 
 def child() -> None:
-    """A spare (``python -c ... PARENT FD MODULE...``): import the modules, say so on
-    the socket ``FD``, wait for the launch there, then become the script's process as
-    ``python FILE ARGS`` would be: its folder, environment, ``sys.argv``, ``sys.path[0]``
-    and a ``__main__`` module of its own; a real exit at the end."""
+    """A spare (``python -c ... PARENT FD MODULE...``): import the modules, say so on the socket ``FD``, wait
+    for the launch there, then become the script's process as ``python FILE ARGS`` would be."""
     import builtins
     import importlib
     import importlib.machinery

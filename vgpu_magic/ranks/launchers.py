@@ -1,33 +1,11 @@
-"""How the ranks' engines are started: ipyparallel's own engine-set launchers,
-configured from ``--launcher local|mpi|slurm|ssh`` and its options.
+"""How the ranks' engines are started: ipyparallel's own engine-set launchers (local, ``mpiexec``, one SLURM
+job of ``sbatch`` + ``srun``, SSH), configured from ``--launcher`` and its options (:data:`LAUNCHERS`).
 
-:func:`plan_launcher` validates a request completely (before anything starts)
-and returns a :class:`LauncherPlan`: the ipyparallel launcher to use, its
-configuration, and the address the controller is reached at. The launchers
-themselves are ipyparallel's (``LocalEngineSetLauncher``,
-``MPIEngineSetLauncher``, ``SlurmEngineSetLauncher``,
-``SSHEngineSetLauncher``); nothing here starts or signals a process.
-
-=========  ====================================================================
-launcher   options (``launcher_options={...}``; magic flags in brackets)
-=========  ====================================================================
-local      none
-mpi        ``mpi_args``: extra ``mpiexec`` arguments
-slurm      ``partition`` [--partition], ``account`` [--account], ``time``
-           [--time], ``qos``, ``sbatch``: extra ``#SBATCH`` lines [--sbatch],
-           ``srun``: extra ``srun`` arguments, ``controller_address``
-           [--controller-address], ``environment``
-ssh        ``hosts`` [--hosts] (names, ``user@host`` or ``host:port``; a list
-           spreads the ranks evenly, a ``{host: count}`` dict says how
-           many), ``ssh_args``, ``python`` (the remote interpreter),
-           ``controller_address`` [--controller-address], ``environment``
-=========  ====================================================================
-
-Engines started on other hosts must reach the controller, so under ``slurm``
-and ``ssh`` it listens on every interface and tells the engines
-``controller_address``: by default this host's name under SLURM (nodes
-resolve each other's names) and, under SSH, this host's address on the route
-to the first host (asked of the kernel's routing table; no packet is sent).
+:func:`plan_launcher` validates a request completely, before anything starts, and returns a
+:class:`LauncherPlan`; nothing here starts or signals a process. Engines on other hosts must reach the
+controller, so under ``slurm`` and ``ssh`` it listens on every interface and tells the engines
+``controller_address``: by default this host's name under SLURM, and under SSH this host's address on the
+route to the first host.
 """
 
 from __future__ import annotations
@@ -42,12 +20,13 @@ from typing import Any
 
 from .hosts import route_address
 
-__all__ = ["LAUNCHERS", "MAX_RANKS", "LauncherPlan", "plan_launcher", "route_address", "ssh_target"]
+__all__ = ["LAUNCHERS", "MAX_RANKS", "LauncherPlan", "plan_launcher", "ssh_target"]
 
 #: The most ranks a cluster has.
 MAX_RANKS = 64
 
-#: Launcher name -> the options it accepts.
+#: Launcher name -> the options it accepts (``launcher_options``; ``hosts`` a list spreads the ranks evenly,
+#: a ``{host: count}`` dict says how many; ``python``: the remote interpreter).
 LAUNCHERS: dict[str, tuple[str, ...]] = {
     "local": (),
     "mpi": ("mpi_args",),
@@ -69,18 +48,15 @@ SLURM_TEMPLATE = """#!/bin/sh
 
 @dataclass(frozen=True)
 class LauncherPlan:
-    """What ipyparallel is told: which engine launcher, configured how, and where the controller listens."""
+    """What ipyparallel is told: the engine launcher (an abbreviation ``ipp.Cluster(engines=...)`` takes), its
+    configuration (``{class name: {trait: value}}``), where the controller listens (``"*"``: every interface)
+    and is reached (None: loopback), and the SSH hosts ``[(user@host, (ssh args...)), ...]`` in rank order."""
 
     name: str
-    #: ipyparallel's engine launcher (an abbreviation ``ipp.Cluster(engines=...)`` takes).
     engines: str
-    #: ``{launcher class name: {trait: value}}`` for ipyparallel's configuration.
     config: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: The controller's listening address (``"*"``: every interface), or None for loopback.
     controller_ip: str | None = None
-    #: The address engines connect to, or None for loopback.
     controller_location: str | None = None
-    #: ``[(user@host, (ssh args...)), ...]`` the engines run on through SSH, in rank order.
     ssh_hosts: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
@@ -99,13 +75,8 @@ class LauncherPlan:
 
 
 def plan_launcher(name: str, n: int, options: dict[str, Any] | None = None, cluster_id: str = "vgpu") -> LauncherPlan:
-    """Validate ``name`` and ``options`` for ``n`` ranks and say how ipyparallel starts them.
-
-    Raises
-    ------
-    ValueError
-        One line quoting what is wrong and saying what would work.
-    """
+    """Validate ``name`` and ``options`` for ``n`` ranks and say how ipyparallel starts them; :class:`ValueError`
+    in one line quoting what is wrong otherwise."""
     options = dict(options or {})
     if name not in LAUNCHERS:
         raise ValueError(f"launcher {name!r} is not supported; use {', '.join(LAUNCHERS)}")
@@ -113,16 +84,14 @@ def plan_launcher(name: str, n: int, options: dict[str, Any] | None = None, clus
     if unknown:
         accepted = ", ".join(LAUNCHERS[name]) or "none"
         raise ValueError(f"the {name} launcher has no option {unknown[0]!r}; it takes: {accepted}")
-    if name == "ssh":
-        return _plan_ssh(n, options, cluster_id)
-    return {"local": _plan_local, "mpi": _plan_mpi, "slurm": _plan_slurm}[name](n, options)
+    if name == "local":
+        return LauncherPlan("local", "local")
+    if name == "mpi":
+        return _plan_mpi(options)
+    return _plan_slurm(options) if name == "slurm" else _plan_ssh(n, options, cluster_id)
 
 
-def _plan_local(n: int, options: dict[str, Any]) -> LauncherPlan:
-    return LauncherPlan("local", "local")
-
-
-def _plan_mpi(n: int, options: dict[str, Any]) -> LauncherPlan:
+def _plan_mpi(options: dict[str, Any]) -> LauncherPlan:
     if shutil.which("mpiexec") is None:
         raise ValueError("the mpi launcher needs mpiexec on PATH (e.g. apt-get install openmpi-bin)")
     if importlib.util.find_spec("mpi4py") is None:
@@ -131,7 +100,7 @@ def _plan_mpi(n: int, options: dict[str, Any]) -> LauncherPlan:
     return LauncherPlan("mpi", "mpi", config)
 
 
-def _plan_slurm(n: int, options: dict[str, Any]) -> LauncherPlan:
+def _plan_slurm(options: dict[str, Any]) -> LauncherPlan:
     for command in ("sbatch", "srun", "scancel", "squeue"):
         if shutil.which(command) is None:
             raise ValueError(

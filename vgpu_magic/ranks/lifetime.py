@@ -1,44 +1,17 @@
 """Nothing a cluster starts outlives its kernel.
 
-A kernel can die without running ``atexit`` (SIGKILL, the OOM killer,
-``os.abort()`` as XLA:CPU's fatal collective timeout does, a segfault), so
-:meth:`~.rank_cluster.RankCluster.stop` cannot be the only way the ranks go. Each
-process a cluster starts therefore watches its *owner* (the kernel) itself:
-
-* the owner is named in the environment, :data:`OWNER_ENV` =
-  ``"host:pid:start-time"`` (the start time tells the kernel from a later
-  process that reuses its PID; the host keeps a process started on another
-  machine by SLURM or ssh from mistaking a local PID for its kernel);
-* :func:`watch_owner` waits for the owner to exit (``pidfd_open`` where Linux
-  has it: woken by the kernel's exit, no polling) and then SIGKILLs this
-  process and everything below it. SIGKILL, not SIGTERM: a rank blocked in a
-  collective never gets back to Python to handle a signal. The controller
-  and the engines are watched from *beside* them: a small process forked at
-  their start, before anything else is loaded, that needs nothing of the
-  watched interpreter (a rank in C code holding the GIL cannot starve it, as
-  it starved a thread inside the engine) and that goes with the process it
-  watches (``PR_SET_PDEATHSIG``). ipyparallel's nanny, also a process beside
-  each engine, is ipyparallel's own and is started only once the engine is up;
-* a process forked by a watched one (the controller's schedulers are forked
-  by :mod:`multiprocessing`) starts its own watch, a thread
-  (:func:`os.register_at_fork`), so it goes too when its parent was killed first;
-* every process also carries its cluster's :data:`CLUSTER_ENV` token, so
-  :func:`processes_of` finds all of them, even those whose parent died and
-  that were re-parented (the controller's children after its main process
-  was killed).
-
-ipyparallel starts the controller and the engines as ``python -m
-ipyparallel.controller`` / ``-m ipyparallel.engine``; :data:`WATCHED` puts
-this module in front (``python -m vgpu_magic.ranks.lifetime
-ipyparallel.engine ARGS``), which starts the watch and then runs the module
-as ``__main__`` in the same process. The engines' nannies watch their engine
-already (ipyparallel's ``KernelNanny``) and exit with it.
-
-Processes started on other hosts (a SLURM job, ssh) cannot see the kernel's
-PID. There the launcher runs ``python -m vgpu_magic.ranks.lifetime --then
-'scancel JOBID'`` next to the kernel (a watched local process that runs its
-command when the kernel dies; see :func:`main`), so the batch system ends
-the remote processes.
+A kernel can die without running ``atexit`` (SIGKILL, the OOM killer, XLA's ``abort()``), so each process a
+cluster starts watches its *owner* itself. :data:`OWNER_ENV` names the owner as ``"host:pid:start-time"`` (the
+start time tells it from a later process reusing the PID; the host keeps a process on another machine from
+mistaking a local PID for its kernel). :func:`watch_owner` waits for the owner's exit (``pidfd_open``: no
+polling), then SIGKILLs this process and everything below it (SIGKILL: a rank blocked in a collective never gets
+back to Python). The controller and the engines (``python -m vgpu_magic.ranks.lifetime ipyparallel.engine
+ARGS``, :func:`watched_command`) are watched from a small process forked *beside* them before anything is
+loaded, which a rank holding the GIL in C code cannot starve; a process they fork watches for itself
+(:func:`os.register_at_fork`). Every process also carries its cluster's :data:`CLUSTER_ENV` token, so
+:func:`processes_of` finds them all, re-parented ones too. Processes on other hosts (SLURM, ssh) cannot see the
+kernel's PID: there a watched local process runs the launcher's own stop when the kernel dies
+(``python -m vgpu_magic.ranks.lifetime --then 'scancel JOBID'``).
 """
 
 from __future__ import annotations
@@ -55,17 +28,7 @@ import sys
 import threading
 import time
 
-__all__ = [
-    "OWNER_ENV",
-    "CLUSTER_ENV",
-    "WATCHER_NAME",
-    "owner_of_this_process",
-    "watch_owner",
-    "watched_command",
-    "run_when_this_process_dies",
-    "processes_of",
-    "main",
-]
+__all__ = ["OWNER_ENV", "CLUSTER_ENV", "WATCHER_NAME", "watch_owner", "run_when_this_process_dies", "processes_of"]
 
 #: ``"host:pid:start-time"`` of the process whose death ends this one.
 OWNER_ENV = "VGPU_MAGIC_OWNER"
@@ -101,24 +64,17 @@ def _owner_alive(pid: int, created: float) -> bool:
 
 def _wait_for_exit(pid: int, created: float) -> None:
     """Return once the owner has exited (or never existed)."""
-    fd = None
-    if hasattr(os, "pidfd_open"):
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError:
-            fd = None
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None
     try:
         # Checked after opening the pidfd: a PID reused since is not our owner.
-        if not _owner_alive(pid, created):
-            return
-        if fd is not None:
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-            while not poller.poll():
-                pass
-            return
         while _owner_alive(pid, created):
-            time.sleep(POLL)
+            if fd is not None:
+                select.select([fd], [], [])
+            else:
+                time.sleep(POLL)
     finally:
         if fd is not None:
             os.close(fd)
@@ -145,9 +101,7 @@ WATCHER_NAME = "vgpu-watch"
 
 
 def _watch_from_beside(pid: int, created: float) -> None:
-    """Fork a watcher of this process (named :data:`WATCHER_NAME`): it SIGKILLs this process and
-    everything below it when the owner exits, and is killed itself when this process exits
-    (``PR_SET_PDEATHSIG``)."""
+    """Fork a watcher of this process (named :data:`WATCHER_NAME`) that goes with it (``PR_SET_PDEATHSIG``)."""
     watched = os.getpid()
     if os.fork():
         return
@@ -169,14 +123,10 @@ def _watch_from_beside(pid: int, created: float) -> None:
 
 
 def watch_owner(owner: str | None = None, then: str | None = None, beside: bool = False) -> bool:
-    """Start the watch: when ``owner`` (default: :data:`OWNER_ENV`) exits, run
-    ``then`` (a shell command, if any), then SIGKILL this process and its
-    descendants. The watch is a daemon thread, or with ``beside`` a process of its
-    own (:func:`_watch_from_beside`; call it before any thread starts).
-
-    Returns whether a watch runs: not without an owner, nor where the owner
-    lives on another host (its PID means nothing here).
-    """
+    """Start the watch: when ``owner`` (default: :data:`OWNER_ENV`) exits, run ``then`` (a shell command, if
+    any), then SIGKILL this process and its descendants. The watch is a daemon thread, or with ``beside`` a
+    process of its own (call it before any thread starts). Returns whether a watch runs: not without an owner
+    on this host."""
     owner = owner or os.environ.get(OWNER_ENV)
     if not owner:
         return False
@@ -214,10 +164,8 @@ def watched_command(module: str) -> list[str]:
 
 
 def run_when_this_process_dies(command: str, token: str = "") -> subprocess.Popen:
-    """Start a watcher of this process in a session of its own that runs the shell ``command``
-    when this process dies without killing the watcher first (``python -m
-    vgpu_magic.ranks.lifetime --then COMMAND``). With ``token`` it carries ``CLUSTER_ENV``, so
-    the cluster's stop ends it with the rest."""
+    """Start a watcher of this process, in a session of its own, that runs ``command`` when this process dies
+    without killing the watcher first; with ``token`` it carries ``CLUSTER_ENV``, so the cluster's stop ends it."""
     env = {**os.environ, OWNER_ENV: owner_of_this_process()}
     if token:
         env[CLUSTER_ENV] = token
@@ -249,9 +197,8 @@ def processes_of(token: str, since: float = 0.0) -> list:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m vgpu_magic.ranks.lifetime MODULE ARGS...``: run ``MODULE`` as
-    ``__main__`` under the watch. ``python -m vgpu_magic.ranks.lifetime --then
-    CMD``: wait for the owner, then run ``CMD`` (e.g. ``scancel JOBID``)."""
+    """``MODULE ARGS...``: run ``MODULE`` as ``__main__`` under the watch; ``--then CMD``: wait for the owner,
+    then run ``CMD``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--then"] and len(argv) == 2:
         if not watch_owner(then=argv[1]):

@@ -1,28 +1,10 @@
-"""A throwaway single-node SLURM cluster on this machine, to rehearse
-``%vgpu_cluster start ... --launcher slurm`` without a real cluster.
+"""A throwaway single-node SLURM cluster on this machine, to rehearse ``--launcher slurm`` without a real one.
 
-Debian's ``slurm-wlm`` and ``munge`` (``apt-get install slurm-wlm munge``),
-run as root: a munge key and a ``munged`` of its own (its own socket), a
-``slurm.conf`` written into a temporary folder with ports chosen by the OS,
-``slurmctld`` and ``slurmd`` started with ``SLURM_CONF`` pointing there, and
-everything stopped and removed by :meth:`LocalSlurm.stop`. Nothing outside
-the temporary folder is written; the system's own ``/etc/slurm`` and munge are
-not touched. While it runs, ``os.environ["SLURM_CONF"]`` points at it, so
-``sbatch``/``squeue``/``scancel`` (and processes started afterwards) use it.
-
-::
-
-    In [1]: from vgpu_magic.ranks.local_slurm import LocalSlurm
-    In [2]: slurm = LocalSlurm().start()     # a few seconds
-    In [3]: %vgpu_cluster start 2 --framework torch --launcher slurm
-    ...
-    In [9]: slurm.stop()
-
-The node is declared with more CPUs than the machine has
-(``SlurmdParameters=config_overrides``), so a small machine can run a few
-ranks, as a real node would. More nodes can be given as :class:`SlurmNode`
-entries, each ``slurmd`` started under a command prefix (e.g. ``ip netns exec
-NS`` for a node in a network namespace of its own, as the launcher tests do).
+Debian's ``slurm-wlm`` and ``munge``, run as root: a ``munged`` of its own, a ``slurm.conf`` with ports chosen by
+the OS, ``slurmctld`` and ``slurmd``, all in a temporary folder that :meth:`LocalSlurm.stop` removes; the system's
+``/etc/slurm`` and munge are not touched. While it runs, ``os.environ["SLURM_CONF"]`` points at it. The node
+declares more CPUs than the machine has (``SlurmdParameters=config_overrides``); more nodes are
+:class:`SlurmNode` entries, each ``slurmd`` started under a command prefix (``ip netns exec NS``).
 """
 
 from __future__ import annotations
@@ -64,17 +46,8 @@ class SlurmNode:
 
 
 class LocalSlurm:
-    """One ``slurmctld`` and a ``slurmd`` per node (and their ``munged``) in a temporary folder.
-
-    Parameters
-    ----------
-    cpus:
-        CPUs each node declares (it may declare more than the machine has).
-    nodes:
-        The compute nodes (default: this host, by its name, on loopback).
-    address:
-        The address ``slurmctld`` is reached at (default: loopback).
-    """
+    """One ``slurmctld`` (reached at ``address``) and a ``slurmd`` per node (default: this host), each
+    declaring ``cpus`` CPUs, and their ``munged``, in a temporary folder."""
 
     def __init__(self, cpus: int = 16, nodes: list[SlurmNode] | None = None, address: str = "127.0.0.1") -> None:
         if os.geteuid() != 0:
@@ -93,11 +66,8 @@ class LocalSlurm:
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> LocalSlurm:
-        """Start munged, slurmctld and slurmd; return once the node is idle.
-
-        Raises :class:`RuntimeError` with the daemons' log tail if it does not
-        come up; nothing is left running then.
-        """
+        """Start munged, slurmctld and slurmd; return once the nodes are idle, else :class:`RuntimeError` with
+        the daemons' log tail and nothing left running."""
         self.folder = Path(tempfile.mkdtemp(prefix="vgpu-slurm-"))
         try:
             self._start_munge()
@@ -117,10 +87,9 @@ class LocalSlurm:
         return self
 
     def _sweep_script(self, daemons: bool = True) -> str:
-        """Shell lines that SIGKILL this cluster's daemons (with ``daemons``; not once
-        they were reaped, when their PIDs may be another's) and the step daemons of its
-        jobs (found by the ``SLURM_CONF`` in their environment: ``slurmd`` leaves them
-        to init when it stops), then remove the folder."""
+        """Shell lines that SIGKILL this cluster's daemons (with ``daemons``: not once reaped) and its jobs'
+        step daemons (by ``SLURM_CONF`` in their environment: ``slurmd`` leaves them to init), then remove the
+        folder."""
         pids = " ".join(str(proc.pid) for proc in self.processes) if daemons else ""
         return (
             (f"kill -9 {pids} 2>/dev/null; " if pids else "") + "for p in $(pgrep -x slurmstepd); do "
@@ -130,9 +99,7 @@ class LocalSlurm:
         )
 
     def _watch_owner(self) -> None:
-        """The daemons are not ours to stop if this process dies without :meth:`stop`
-        (a kernel killed by SIGKILL): a watched process (:mod:`.lifetime`) runs the
-        sweep then."""
+        """A watched process (:mod:`.lifetime`) sweeps the daemons if this process dies without :meth:`stop`."""
         import shlex
 
         from . import lifetime
@@ -171,12 +138,6 @@ class LocalSlurm:
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
         self.folder = self.conf = None
-
-    def __enter__(self) -> LocalSlurm:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def env(self) -> dict[str, str]:
         """The environment for SLURM commands aimed at this cluster."""

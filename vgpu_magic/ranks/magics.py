@@ -1,29 +1,5 @@
 """``%vgpu_cluster`` and ``%vgpu_run`` / ``%%vgpu_run``: thin faces over :class:`~.rank_cluster.RankCluster`.
-
-::
-
-    In [1]: %vgpu_cluster start 2 --framework torch
-    2 PyTorch ranks on local ipyparallel engines
-    MASTER_ADDR:MASTER_PORT = 127.0.0.1:41237, world size 2, backend 'gloo'
-    each rank has its launcher's environment; your code calls init_process_group(), as under its launcher
-      rank 0: pid 5120, alive, RSS 70.9 MiB
-      rank 1: pid 5122, alive, RSS 71.0 MiB
-
-    In [2]: %vgpu_run train.py --epochs 2
-    [rank 0] epoch 0 loss 0.91
-    [rank 1] epoch 0 loss 0.88
-    ...
-
-    In [3]: %%vgpu_run -o ranks
-       ...: import torch.distributed as dist
-       ...: dist.init_process_group("gloo")
-       ...: dist.get_rank()
-
-    In [4]: ranks
-    Out[4]: [0, 1]
-
-Bad input is a one-line :class:`~IPython.core.error.UsageError` raised before
-anything starts.
+Bad input is a one-line :class:`~IPython.core.error.UsageError` raised before anything starts.
 """
 
 from __future__ import annotations
@@ -52,11 +28,6 @@ _MAX_TIMEOUT = 7 * 24 * 3600.0
 #: N is a rank count for ``start`` and a rank for ``log``.
 _RANK_COUNT = whole("rank count", 1, MAX_RANKS, _START)
 _RANK = whole("rank", 0, MAX_RANKS - 1, "%vgpu_cluster log 1")
-
-
-def _rich_frontend(shell) -> bool:
-    """A Jupyter kernel can show the live plot; a terminal cannot."""
-    return getattr(shell, "kernel", None) is not None
 
 
 def _parse(magic: Any, line: str, example: str) -> argparse.Namespace:
@@ -196,12 +167,7 @@ class ClusterMagics(Magics):
             loss = train_one_epoch()
             loss
 
-            %vgpu_run --timeout 600 train.py --epochs 2 --lr 0.1
-
-        The line form runs ``train.py ARGS`` as ``torchrun ... train.py ARGS``
-        would on each rank: ``sys.argv`` is ``['train.py', ARGS...]``,
-        ``__name__`` is ``"__main__"``, the script's folder is first on
-        ``sys.path``, and it runs in a namespace of its own.
+            %vgpu_run --timeout 600 train.py --epochs 2 --lr 0.1   # a fresh launch, as torchrun's
         """
         args = _parse(self.vgpu_run, line, "%vgpu_run train.py --epochs 2")
         if args.output is not None and not args.output.isidentifier():
@@ -227,7 +193,8 @@ class ClusterMagics(Magics):
             raise UsageError("no cluster running; start one with %vgpu_cluster start 2 --framework torch")
         if running.must_restart:
             raise UsageError(f"the cluster must be restarted ({running.must_restart}): %vgpu_cluster restart")
-        plot = not args.no_plot and _rich_frontend(self.shell) and "matplotlib" in _installed()
+        # A Jupyter kernel can show the live plot; a terminal cannot.
+        plot = not args.no_plot and getattr(self.shell, "kernel", None) is not None and _has("matplotlib")
         if cell is None:
             running.run_script(path, list(args.script_args), timeout=timeout, plot=plot)
             return
@@ -270,10 +237,10 @@ def _launcher_options(args) -> dict:
     return options
 
 
-def _installed() -> set[str]:
+def _has(module: str) -> bool:
     import importlib.util
 
-    return {name for name in ("matplotlib",) if importlib.util.find_spec(name) is not None}
+    return importlib.util.find_spec(module) is not None
 
 
 def _refuse_start_options(args: Any, options: dict[str, Any]) -> None:

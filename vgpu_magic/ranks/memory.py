@@ -1,18 +1,9 @@
-"""Each rank's memory, sampled from the kernel side so the ranks run unchanged,
-into the monitor's one trace and view.
+"""Each rank's memory, sampled from the kernel so the ranks run unchanged, into the monitor's trace and view.
 
-* :class:`RankMemorySampler` reads each rank's process RSS (psutil) and, where
-  a GPU exists, its GPU memory (NVML's per-process accounting); as a sampler
-  of the monitor (``series``, ``devices``, ``read()``) it gives one series per
-  rank in the process panel and one per rank in the device panel where there
-  is a GPU. Where NVML lists processes but none of the ranks' PIDs (in a
-  container NVML names the host's PIDs), each rank reports its own allocator's
-  figures instead (:func:`report_allocator`, started through its engine), and
-  the series says so: ``rank 0 GPU (allocator)``.
-* :class:`RankMonitor` feeds those samples to a
-  :class:`~vgpu_magic.monitor.recorder.MemoryRecorder`, so a ``%%vgpu_run``
-  cell gets the same :class:`~vgpu_magic.monitor.trace.MemoryTrace` and the
-  same live view (then static image) as a monitored ``fit``.
+:class:`RankMemorySampler` reads each rank's RSS (psutil) and GPU memory (NVML per PID); where NVML lists
+processes but none of the ranks' PIDs (a container), each rank reports its own allocator's figures instead
+(:func:`report_allocator`). :class:`RankMonitor` feeds them to the monitor's
+:class:`~vgpu_magic.monitor.recorder.MemoryRecorder`: the same trace and live view as a monitored ``fit``.
 """
 
 from __future__ import annotations
@@ -34,10 +25,9 @@ REPORT_EVERY = 0.2
 
 
 def report_allocator(path: str, every: float = REPORT_EVERY) -> None:
-    """Run on a rank, through its engine: a thread that writes ``"current peak"``, the bytes of the
-    rank's GPUs held by the allocators of the frameworks holding a CUDA context
-    (:meth:`~vgpu_magic.frameworks.base.Framework.gpu_allocator_bytes`), to ``path`` every ``every``
-    seconds, until ``path``'s folder is removed."""
+    """Run on a rank: a thread that writes ``"current peak"`` GPU bytes of the frameworks' allocators
+    (:meth:`~vgpu_magic.frameworks.base.Framework.gpu_allocator_bytes`) to ``path`` every ``every`` seconds,
+    until ``path``'s folder is removed."""
     import threading
 
     from ..frameworks import cuda_context_holders
@@ -58,23 +48,16 @@ def report_allocator(path: str, every: float = REPORT_EVERY) -> None:
 
 
 class RankMemorySampler:
-    """Reads each rank's RSS (psutil) and GPU memory (NVML, per PID) from the kernel,
-    for the ranks on this host (``pids[rank]`` is ``None`` for one on another host).
-
-    The peaks it reports are the highest readings seen (neither psutil nor
-    NVML keeps another process' high-water mark portably), or a rank's
-    allocator's own peak where it reports one; a rank that is gone reads 0.
-    """
+    """Each rank's RSS and GPU memory, for the ranks on this host (``pids[rank]`` is ``None`` elsewhere); with
+    ``launched``, with the processes it started. Peaks are the highest readings seen (or an allocator's own); a
+    rank that is gone reads 0."""
 
     def __init__(
         self, pids: list[int | None], gpu: bool, launched: bool = False, engine: Callable[[int], Any] | None = None
     ) -> None:
         import psutil
 
-        #: A script run (:mod:`.launch`): a rank's memory is its engine's and the processes it started.
         self.launched = launched
-
-        #: The ranks read here: those with a PID on this host (``None``: a rank on another host).
         self.ranks = [rank for rank, pid in enumerate(pids) if pid is not None]
         self._procs: list[Any] = []
         for rank in self.ranks:
@@ -184,14 +167,8 @@ class RankMemorySampler:
 
 
 class RankMonitor:
-    """The memory of one ``%%vgpu_run``: a recorder over a
-    :class:`RankMemorySampler`, shown live in a notebook (``live=True``),
-    recorded only otherwise. ``engine(rank)`` is the rank's ipyparallel view.
-
-    ``start()`` samples once, ``sample()`` at most every ``interval``
-    seconds, ``finish()`` samples once more, shows the final image and
-    returns the trace.
-    """
+    """The memory of one ``%%vgpu_run``: a recorder over a :class:`RankMemorySampler`, shown live with
+    ``live``. ``finish()`` shows the final image and returns the trace."""
 
     def __init__(
         self,
@@ -212,9 +189,7 @@ class RankMonitor:
         elif view is None and live:
             view = _live_view()
         self.recorder = MemoryRecorder(
-            lambda: self.sampler,
-            view if view is not None else NullView(),
-            interval=interval,
+            lambda: self.sampler, view if view is not None else NullView(), interval=interval
         )
 
     def start(self) -> None:

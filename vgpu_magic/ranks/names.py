@@ -1,13 +1,8 @@
 """Which notebook names a cell reads and binds, and how they travel to the ranks.
 
-:func:`names_to_send` finds the names a cell reads before assigning them (an
-AST walk, :class:`_ReadsBeforeWrites`), :func:`pack_names` cloudpickles each
-on its own, :func:`names_written` says which names a cell may bind on the
-ranks (rank state, never overwritten from the notebook). Also the code a rank
-runs: the cell with its last value kept (:func:`split_last_expression`). And
-the traffic itself: :func:`send_names` binds the names on the ranks,
-:func:`pull_values` brings each rank's last value back, :func:`names_on_ranks`
-asks which names exist there.
+:func:`names_to_send`: the names a cell reads before assigning them (an AST walk); :func:`names_written`: the
+names it may bind on the ranks (rank state, never overwritten from the notebook); :class:`RankNames` sends them,
+each cloudpickled on its own, and settles which are rank state after a run.
 """
 
 from __future__ import annotations
@@ -18,17 +13,7 @@ from typing import Any
 
 from ..errors import UnsendableName
 
-__all__ = [
-    "RankNames",
-    "UnsendableName",
-    "names_on_ranks",
-    "names_to_send",
-    "names_written",
-    "pack_names",
-    "pull_values",
-    "send_names",
-    "split_last_expression",
-]
+__all__ = ["RankNames", "UnsendableName", "names_to_send", "names_written", "pull_values", "split_last_expression"]
 
 
 # -- names a cell reads ---------------------------------------------------------------
@@ -61,16 +46,15 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
         if name not in self.written and name not in self.read:
             self.read.append(name)
 
-    def _inner(self, node: Any, local: set[str], parts: list[Any]) -> None:
-        """Reads of a nested scope (``local`` bound in it) that come from this one."""
+    def _inner(self, local: set[str], parts: list[Any], walrus_from: Any = None) -> None:
+        """Reads of a nested scope (``local`` bound in it) that come from this one; a comprehension's
+        ``(y := ...)`` (``walrus_from``) binds ``y`` in this one."""
         inner = _ReadsBeforeWrites(self.written | local)
         for part in parts:
             inner.visit(part)
         for name in inner.read:
-            if name not in self.read and name not in self.written:
-                self.read.append(name)
-        # `(y := ...)` inside a comprehension binds y in the enclosing scope.
-        for sub in ast.walk(node):
+            self._load(name)
+        for sub in ast.walk(walrus_from) if walrus_from is not None else ():
             if isinstance(sub, ast.NamedExpr) and isinstance(sub.target, ast.Name):
                 self.bound.add(sub.target.id)
 
@@ -94,19 +78,17 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
         for target in node.targets:
             self.visit(target)
 
-    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+    def visit_AnnAssign(self, node: ast.AnnAssign | ast.NamedExpr) -> None:
         if node.value is not None:
             self.visit(node.value)
             self.visit(node.target)
+
+    visit_NamedExpr = visit_AnnAssign
 
     def visit_AugAssign(self, node: ast.AugAssign) -> None:
         self.visit(node.value)
         if isinstance(node.target, ast.Name):
             self._load(node.target.id)
-        self.visit(node.target)
-
-    def visit_NamedExpr(self, node: ast.NamedExpr) -> None:
-        self.visit(node.value)
         self.visit(node.target)
 
     def visit_If(self, node: ast.If) -> None:
@@ -155,14 +137,14 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
         for generator in rest:
             parts.extend([generator.iter, *generator.ifs])
         parts.extend([node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt])
-        self._inner(node, local, parts)
+        self._inner(local, parts, walrus_from=node)
 
     visit_ListComp = visit_SetComp = visit_GeneratorExp = visit_DictComp = _comprehension
 
     def visit_Lambda(self, node: ast.Lambda) -> None:
         for default in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
             self.visit(default)
-        self._inner(node, {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}, [node.body])
+        self._inner({a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}, [node.body], walrus_from=node)
 
     def _definition(self, node: Any) -> None:
         for decorator in node.decorator_list:
@@ -175,27 +157,17 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
                 self.visit(base)
         self._store(node.name)
         # The body runs later, when it is called; its free names are read then.
-        if isinstance(node, ast.ClassDef):
-            local = set()
-        else:
-            local = {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
-        inner = _ReadsBeforeWrites(self.written | local)
-        for statement in node.body:
-            inner.visit(statement)
-        for name in inner.read:
-            if name not in self.read and name not in self.written:
-                self.read.append(name)
+        local = (
+            set() if isinstance(node, ast.ClassDef) else {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
+        )
+        self._inner(local, node.body)
 
     visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _definition
 
 
 def names_to_send(code: str, namespace: dict[str, Any], on_ranks: set[str] = frozenset()) -> list[str]:
-    """The notebook names ``code`` reads before assigning them, that ``namespace`` holds.
-
-    Names in ``on_ranks`` (assigned by earlier cells run on the ranks: a DDP
-    model, an optimizer) live on the ranks and are never overwritten from the
-    notebook, even where the notebook has a variable of the same name.
-    """
+    """The notebook names ``code`` reads before assigning them, that ``namespace`` holds, except those
+    ``on_ranks`` (assigned by earlier cells on the ranks: a DDP model), never overwritten from the notebook."""
     visitor = _ReadsBeforeWrites()
     visitor.visit(ast.parse(code))
     return [
@@ -210,10 +182,7 @@ def names_to_send(code: str, namespace: dict[str, Any], on_ranks: set[str] = fro
 
 
 def names_written(code: str) -> set[str]:
-    """The names ``code`` may bind at its top level (assignments, imports,
-    definitions, loop targets, on any path; not comprehension variables). Which
-    of them a run did bind is asked of the ranks afterwards
-    (:meth:`~.rank_cluster.RankCluster.run`)."""
+    """The names ``code`` may bind at its top level, on any path (not comprehension variables)."""
     visitor = _ReadsBeforeWrites()
     visitor.visit(ast.parse(code))
     return visitor.bound
@@ -277,34 +246,19 @@ del _vgpu_pickle
 """
 
 
-def _first_failure(view: Any, variable: str) -> tuple[int, Any] | None:
-    """``(rank, value)`` of the first rank of ``view`` whose ``variable`` is set, or ``None``."""
+def _first_failure(view: Any, code: str, variable: str) -> tuple[int, Any] | None:
+    """Run ``code`` on every rank of ``view``: ``(rank, value)`` of the first whose ``variable`` it set, or ``None``."""
+    view.execute(code, block=True)
     for rank, failed in enumerate(view.pull(variable, block=True)):
         if failed:
             return rank, failed
     return None
 
 
-def send_names(view: Any, blobs: dict[str, bytes], kinds: dict[str, str]) -> None:
-    """Bind the pickled names on every rank of ``view``; :class:`UnsendableName` naming the first
-    that a rank cannot unpickle (a module only the kernel can import), with the rank's reason.
-    ``kinds``: each name's type, for the message."""
-    view.push({"_vgpu_names": blobs}, block=True)
-    view.execute(_UNPACK_NAMES, block=True)
-    failure = _first_failure(view, "_vgpu_failed")
-    if failure:
-        rank, (name, reason) = failure
-        raise UnsendableName(
-            f"cannot send {name!r} ({kinds[name]}) to the ranks: rank {rank} cannot unpickle it "
-            f"({reason}); make it importable on the ranks, or create it inside the cell"
-        )
-
-
 def pull_values(view: Any, ranks: list[Any]) -> list[Any]:
     """Each rank's ``_vgpu_out`` (``ranks``: one view per rank, in rank order);
     :class:`UnsendableName` in one line if one cannot come back."""
-    view.execute(_CHECK_OUT, block=True)
-    failure = _first_failure(view, "_vgpu_out_failed")
+    failure = _first_failure(view, _CHECK_OUT, "_vgpu_out_failed")
     if failure:
         rank, (kind, reason) = failure
         raise UnsendableName(
@@ -327,24 +281,29 @@ def names_on_ranks(view: Any, asked: list[str]) -> set[str] | None:
 
 
 class RankNames:
-    """The names cells run on the ranks assigned: rank state, never overwritten
-    from the notebook (:func:`names_to_send` leaves them out)."""
+    """The names cells assigned on the ranks: rank state, never overwritten from the notebook."""
 
     def __init__(self) -> None:
         self.names: set[str] = set()
 
     def send(self, view: Any, code: str, namespace: dict[str, Any]) -> None:
-        """Send the names ``code`` reads from ``namespace`` to the ranks of ``view``,
-        by value (:func:`names_to_send`), except names that are rank state."""
+        """Bind the names ``code`` reads from ``namespace`` on the ranks of ``view``, by value, except rank
+        state; :class:`UnsendableName` naming the first a rank cannot unpickle, with the rank's reason."""
         to_send = names_to_send(code, namespace, self.names)
-        if to_send:
-            kinds = {name: type(namespace[name]).__name__ for name in to_send}
-            send_names(view, pack_names(namespace, to_send), kinds)
+        if not to_send:
+            return
+        view.push({"_vgpu_names": pack_names(namespace, to_send)}, block=True)
+        failure = _first_failure(view, _UNPACK_NAMES, "_vgpu_failed")
+        if failure:
+            rank, (name, reason) = failure
+            raise UnsendableName(
+                f"cannot send {name!r} ({type(namespace[name]).__name__}) to the ranks: rank {rank} cannot "
+                f"unpickle it ({reason}); make it importable on the ranks, or create it inside the cell"
+            )
 
     def settle(self, view: Any, candidates: set[str]) -> None:
-        """The rank state becomes what exists on the ranks of the names a cell may
-        have bound (``candidates``) and the earlier ones: a name deleted there, or
-        whose assignment never ran, is the notebook's again."""
+        """The rank state becomes those of ``candidates`` (the names a cell may have bound) and the earlier
+        ones that exist on the ranks: a name deleted there, or never assigned, is the notebook's again."""
         asked = sorted(self.names | candidates)
         if not asked:
             return

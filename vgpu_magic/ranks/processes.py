@@ -1,13 +1,6 @@
-"""The ranks' processes: started under ipyparallel and watched by this kernel,
-checked before they start, and made sure of when they stop.
-
-Before a start: the host's memory fits the ranks (:func:`check_memory_fits`)
-and a requested port is free (:func:`check_port_free`). The start: ipyparallel's
-cluster configured so that the controller and the local and mpiexec engines
-run under :mod:`.lifetime`'s watch of this kernel (:func:`new_ipp_cluster`),
-and a watcher for engines on other hosts (:func:`watch_remote`). The stop:
-SIGTERM, SIGKILL for what survived (:func:`terminate`), then a batch job out
-of the queue and SSH hosts cleaned (:func:`stop_remote`).
+"""The ranks' processes: checked before they start (memory, port), started by ipyparallel under
+:mod:`.lifetime`'s watch of this kernel, and made sure of when they stop (SIGTERM, SIGKILL, a batch job out
+of the queue, SSH hosts cleaned).
 """
 
 from __future__ import annotations
@@ -27,19 +20,7 @@ from ..errors import ClusterStartError
 from . import lifetime
 from .launchers import LauncherPlan
 
-__all__ = [
-    "CONTROLLER_ARGS",
-    "ClusterStartError",
-    "check_memory_fits",
-    "check_port_free",
-    "new_ipp_cluster",
-    "rank_footprint",
-    "signal_engine",
-    "stop_launched",
-    "stop_remote",
-    "terminate",
-    "watch_remote",
-]
+__all__ = ["CONTROLLER_ARGS", "ClusterStartError", "check_memory_fits", "check_port_free", "new_ipp_cluster"]
 
 #: Seconds processes get after SIGTERM before SIGKILL when the cluster stops.
 STOP_GRACE = 2.0
@@ -61,9 +42,8 @@ UNINTERRUPTED_LIMIT = 60.0
 
 
 def despite_interrupts(call: Any, limit: float = UNINTERRUPTED_LIMIT) -> Any:
-    """``call()`` run to its end even if the kernel is interrupted meanwhile (then the KeyboardInterrupt is
-    raised after it). A start that an interrupt abandons half-way goes on launching (in a kernel,
-    ipyparallel starts on a thread of its own), and what it launches after the stop is nobody's to end."""
+    """``call()`` run to its end even if the kernel is interrupted meanwhile (the KeyboardInterrupt comes after
+    it): a start abandoned half-way goes on launching on ipyparallel's thread, and what it launches is nobody's."""
     import concurrent.futures
 
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vgpu_magic-uninterrupted")
@@ -95,7 +75,7 @@ REMOTE_CLEANUP = (
 
 def ssh(location: str, args: tuple[str, ...], command: str, timeout: float = REMOTE_STOP_TIMEOUT) -> tuple[bool, str]:
     """Run ``command`` on ``location`` over ssh (never asking for a password): whether it ran, and its
-    stdout, or ssh's own reason why not (its last line on stderr: "Connection refused", ...)."""
+    stdout or ssh's own reason why not."""
     try:
         proc = subprocess.run(
             ["ssh", "-o", "BatchMode=yes", *args, location, command],
@@ -119,9 +99,9 @@ def _last_line(text: str | bytes | None) -> str:
 
 
 def start_failure(exc: BaseException, plan: LauncherPlan) -> str:
-    """Why a start failed, in one line, in the launcher's own words where it gave them: a command's
-    reason on stderr (``sbatch: fatal: ...``), or, over SSH, ssh's reason for the first host it
-    cannot reach (ipyparallel only says "Unable to get remote shell information")."""
+    """Why a start failed, in one line, in the launcher's own words: a command's stderr (``sbatch: fatal:
+    ...``), or ssh's reason for the first host it cannot reach (ipyparallel only says "Unable to get remote
+    shell information")."""
     while exc is not None:
         if isinstance(exc, subprocess.CalledProcessError) and _last_line(exc.stderr):
             return _last_line(exc.stderr).rstrip(".")
@@ -154,10 +134,8 @@ _footprints: dict[str, int] = {}
 
 
 def rank_footprint(module: str) -> int:
-    """Resident bytes of one rank once it has imported ``module`` (an engine's own
-    imports too), measured once per kernel in a fresh interpreter."""
-    import subprocess
-
+    """Resident bytes of one rank with ``module`` (and an engine's own imports) imported, measured once per
+    kernel in a fresh interpreter."""
     if module not in _footprints:
         code = f"import psutil, ipyparallel.engine.app, {module}; print(psutil.Process().memory_info().rss)"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
@@ -165,19 +143,22 @@ def rank_footprint(module: str) -> int:
     return _footprints[module]
 
 
-def check_memory_fits(n: int, fw: Any) -> None:
-    """:class:`ClusterStartError` in one line if ``n`` ranks would not fit in the host's available
-    memory, estimated from one measured rank. Measured only where the bound leaves doubt."""
+def check_memory_fits(n: int, fw: Any) -> bool:
+    """Do ``n`` ranks fit in the host's available memory with a warm spare each (:mod:`.launch`: a second
+    process with the framework imported)? ``False`` where only the ranks fit; :class:`ClusterStartError` in one
+    line where not even they do. Estimated from one measured rank, measured only where the bound leaves doubt."""
     import psutil
 
     from ..units import format_bytes
 
     available = psutil.virtual_memory().available
-    if n * RANK_MEMORY_BOUND <= available:
-        return
+    if 2 * n * RANK_MEMORY_BOUND <= available:
+        return True
     one = rank_footprint(fw.module)
-    if not one or n * one <= available:
-        return
+    if not one or 2 * n * one <= available:
+        return True
+    if n * one <= available:
+        return False
     raise ClusterStartError(
         f"{n} {fw.label} ranks need about {format_bytes(n * one)} of memory (one rank with {fw.module} "
         f"imported: {format_bytes(one)}), but {format_bytes(available)} is available; start at most "
@@ -186,25 +167,19 @@ def check_memory_fits(n: int, fw: Any) -> None:
 
 
 def check_port_free(port: int) -> None:
-    """:class:`ClusterStartError` naming ``port`` (and who holds it) if it cannot be bound here.
-
-    Checked before anything starts: otherwise JAX's coordinator only says "rank 0
-    died", and TensorFlow starts and then fails in the user's first
-    ``MultiWorkerMirroredStrategy()``."""
+    """:class:`ClusterStartError` naming ``port`` (and who holds it) if it cannot be bound here (else JAX's
+    coordinator only says "rank 0 died", and TensorFlow fails in the first ``MultiWorkerMirroredStrategy()``)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.bind(("", port))
     except OSError as exc:
-        holder = ""
-        try:
-            import psutil
+        import psutil
 
+        pids: set[int] = set()
+        # Naming the holder is a courtesy; where psutil may not list connections, the port alone is said.
+        with contextlib.suppress(psutil.Error):
             pids = {c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.pid}
-            if pids:
-                holder = f" by pid {', '.join(map(str, sorted(pids)))}"
-        except psutil.Error:
-            # Naming the holder is a courtesy; where psutil may not list connections, the port alone is said.
-            pass
+        holder = f" by pid {', '.join(map(str, sorted(pids)))}" if pids else ""
         raise ClusterStartError(
             f"--port {port} is in use on this machine{holder} ({exc.strerror}); "
             "choose another, or leave --port out for a free one"
@@ -213,33 +188,12 @@ def check_port_free(port: int) -> None:
         sock.close()
 
 
-def watched_config(token: str) -> Any:
-    """ipyparallel configuration that starts the controller and the engines under
-    :mod:`.lifetime`'s watch of this kernel, marked with the cluster's ``token``."""
-    from traitlets.config import Config
-
-    env = {lifetime.OWNER_ENV: lifetime.owner_of_this_process(), lifetime.CLUSTER_ENV: token}
-    config = Config()
-    config.LocalControllerLauncher.controller_cmd = lifetime.watched_command("ipyparallel.controller")
-    config.LocalControllerLauncher.environment = dict(env)
-    for launcher in ("LocalEngineSetLauncher", "MPIEngineSetLauncher"):
-        config[launcher].engine_cmd = lifetime.watched_command("ipyparallel.engine")
-        config[launcher].environment = dict(env)
-    return config
-
-
 def engine_launcher(launcher: str) -> Any:
-    """The ipyparallel engine launcher for ``launcher``: local engines record how they exit, SLURM's keeps
-    what ``sbatch`` says (:mod:`.engine_launcher`)."""
-    if launcher == "slurm":
-        from .engine_launcher import ReasonedSlurmEngineSetLauncher
+    """The ipyparallel engine launcher for ``launcher`` (ours, :mod:`.engine_launcher`, for local and SLURM)."""
+    from . import engine_launcher as ours
 
-        return ReasonedSlurmEngineSetLauncher
-    if launcher != "local":
-        return launcher
-    from .engine_launcher import ExitRecordingEngineSetLauncher
-
-    return ExitRecordingEngineSetLauncher
+    found = {"local": ours.ExitRecordingEngineSetLauncher, "slurm": ours.ReasonedSlurmEngineSetLauncher}
+    return found.get(launcher, launcher)
 
 
 class _CellStderr(logging.StreamHandler):
@@ -270,10 +224,16 @@ def new_ipp_cluster(ipp: Any, plan: LauncherPlan, n: int, cluster_id: str, token
     kwargs: dict[str, Any] = {}
     if plan.controller_ip:
         kwargs.update(controller_ip=plan.controller_ip, controller_location=plan.controller_location)
+    # The controller and the local and mpiexec engines run under lifetime's watch of this kernel.
+    env = {lifetime.OWNER_ENV: lifetime.owner_of_this_process(), lifetime.CLUSTER_ENV: token}
+    config = Config()
+    config.LocalControllerLauncher.controller_cmd = lifetime.watched_command("ipyparallel.controller")
+    config.LocalControllerLauncher.environment = dict(env)
+    for launcher in ("LocalEngineSetLauncher", "MPIEngineSetLauncher"):
+        config[launcher].engine_cmd = lifetime.watched_command("ipyparallel.engine")
+        config[launcher].environment = dict(env)
     # ERROR: ipyparallel logs an engine's whole log file as a warning when it exits non-zero, which
     # every stop after a killed rank would print into the cell; RankCluster reports failures itself.
-    # The controller and the local and mpiexec engines run under lifetime's watch of this kernel.
-    config = watched_config(token)
     config.merge(Config(copy.deepcopy(plan.config)))
     cluster = ipp.Cluster(
         n=n,
@@ -298,10 +258,8 @@ def batch_file(cluster: Any, cluster_id: str) -> str:
 
 
 def local_launchers(cluster: Any) -> dict[int, Any]:
-    """The launcher of every process ipyparallel started for ``cluster`` on this host
-    (controller, local and mpiexec engines), by PID. SSH engines' PIDs are PIDs on
-    their hosts, and a batch job's tasks belong to SLURM: those are ended through
-    their launcher (:func:`stop_remote`)."""
+    """The launcher of every process ipyparallel started for ``cluster`` on this host, by PID (SSH engines
+    and a batch job's tasks are ended through their launcher, :func:`stop_remote`)."""
     from ipyparallel.cluster.launcher import LocalProcessLauncher, SSHLauncher
 
     launchers = [cluster.controller]
@@ -335,22 +293,28 @@ def ssh_engines(cluster: Any, plan: LauncherPlan) -> list[tuple[str, int]]:
     ]
 
 
-def watch_remote(jobs: list[str], plan: LauncherPlan, engines: list[tuple[str, int]], token: str) -> None:
-    """Engines on other hosts (a SLURM job's tasks, SSH engines) cannot watch this kernel's PID,
-    so a watched process next to the kernel ends them through their launcher when the kernel dies
-    without a stop (``python -m vgpu_magic.ranks.lifetime --then COMMAND``). It carries the
-    cluster's ``token``, so the stop ends it with the rest."""
+def watch_remote(cluster: Any, plan: LauncherPlan, token: str) -> None:
+    """Engines on other hosts cannot watch this kernel's PID: a watched process next to the kernel ends them
+    through their launcher when the kernel dies without a stop (:func:`.lifetime.run_when_this_process_dies`)."""
     import shlex
 
-    commands = [shlex.join(["scancel", job]) for job in jobs if job]
-    if plan.ssh_hosts:
-        remote_dir = plan.config["SSHEngineSetLauncher"]["remote_profile_dir"]
-        for location, args in plan.ssh_hosts:
-            pids = " ".join(str(pid) for where, pid in engines if where == location)
-            cleanup = f"kill {pids} 2>/dev/null; " + REMOTE_CLEANUP.format(pids=pids, folder=remote_dir)
-            commands.append(shlex.join(["ssh", *args, location, cleanup]))
+    commands = [shlex.join(["scancel", job]) for job in batch_jobs(cluster) if job]
+    for location, args, pids, cleanup in _ssh_cleanups(plan, ssh_engines(cluster, plan)):
+        commands.append(shlex.join(["ssh", *args, location, f"kill {pids} 2>/dev/null; {cleanup}"]))
     for command in commands:
         lifetime.run_when_this_process_dies(command, token)
+
+
+def _ssh_cleanups(plan: LauncherPlan, engines: list[tuple[str, int]]) -> list[tuple[str, tuple[str, ...], str, str]]:
+    """``(location, ssh args, engine PIDs there, REMOTE_CLEANUP command)`` for each SSH host of ``plan``."""
+    if not plan.ssh_hosts:
+        return []
+    folder = plan.config["SSHEngineSetLauncher"]["remote_profile_dir"]
+    found = []
+    for location, args in plan.ssh_hosts:
+        pids = " ".join(str(pid) for where, pid in engines if where == location)
+        found.append((location, args, pids, REMOTE_CLEANUP.format(pids=pids, folder=folder)))
+    return found
 
 
 #: Run when the kernel dies without a stop: remove what matches each argument (a glob).
@@ -368,9 +332,8 @@ def remove_files_when_kernel_dies(cluster: Any, token: str) -> None:
 
 
 def processes_started(owned: set[int], token: str, started_at: float) -> list[Any]:
-    """The processes (``psutil.Process``) a cluster started on this host: those in ``owned``
-    and their children, and every process carrying its ``token`` (also those whose
-    parent died first: the controller's children once its main process is gone)."""
+    """The processes a cluster started on this host: ``owned`` and their children, and every process carrying
+    its ``token`` (also those whose parent died first)."""
     import psutil
 
     procs: dict[int, Any] = {}
@@ -403,18 +366,15 @@ def terminate(procs: list[Any]) -> list[Any]:
 
 
 def signal_engine(client: Any, engine_id: int, signum: int, timeout: float = 5.0) -> None:
-    """Send ``signum`` to engine ``engine_id``'s process through its nanny (ipyparallel's
-    ``Client.send_signal``): for an engine on another host, whose PID names nothing here. An
-    engine (or nanny) already gone is no error."""
+    """Send ``signum`` to engine ``engine_id`` through its nanny (for an engine on another host); one already
+    gone is no error."""
     with contextlib.suppress(Exception):
         client.send_signal(signum, targets=[engine_id], block=False).get(timeout=timeout)
 
 
 def stop_launched(cluster: Any, plan: LauncherPlan, cluster_id: str) -> list[str]:
-    """Stop what ipyparallel launched for ``cluster`` through its launchers (for a batch
-    launcher the ``scancel`` of the job, for SSH a SIGTERM over ssh), make sure nothing is
-    left on other hosts (:func:`stop_remote`) and remove the batch script. Returns what is
-    still left, in words."""
+    """Stop what ipyparallel launched for ``cluster`` through its launchers, make sure nothing is left on
+    other hosts (:func:`stop_remote`) and remove the batch script. Returns what is still left, in words."""
     jobs = [job for job in batch_jobs(cluster) if job]
     engines = ssh_engines(cluster, plan)
     # If this fails, local processes are gone already (the caller checked) and remote ones are checked below.
@@ -430,24 +390,19 @@ def stop_launched(cluster: Any, plan: LauncherPlan, cluster_id: str) -> list[str
 
 
 def stop_remote(jobs: list[str], plan: LauncherPlan, engines: list[tuple[str, int]]) -> list[str]:
-    """Make sure nothing is left where the launcher ran engines: the batch ``jobs`` have
-    left the queue (``scancel``, then ``scancel -s KILL``), and on each SSH host
-    the ``engines`` are gone (SIGKILL for what survived SIGTERM) and the cluster's
-    folder removed. Returns what is still left, in words."""
+    """Make sure the batch ``jobs`` left the queue (``scancel -s KILL`` if not) and on each SSH host the
+    ``engines`` are gone and the cluster's folder removed. Returns what is still left, in words."""
     left = []
     for job in jobs:
         if not wait_job_gone(job, REMOTE_STOP_TIMEOUT / 2):
             subprocess.run(["scancel", "-s", "KILL", job], capture_output=True, timeout=30, check=False)
             if not wait_job_gone(job, REMOTE_STOP_TIMEOUT / 2):
                 left.append(f"SLURM job {job} is still in squeue")
-    if plan.ssh_hosts:
-        remote_dir = plan.config["SSHEngineSetLauncher"]["remote_profile_dir"]
-        for location, args in plan.ssh_hosts:
-            pids = " ".join(str(pid) for where, pid in engines if where == location)
-            reached, out = ssh(location, args, REMOTE_CLEANUP.format(pids=pids, folder=remote_dir))
-            if not reached and pids:
-                left.append(f"{location}: engines {pids} may be left ({out})")
-            elif reached and out.partition("left:")[2].strip():
-                left.append(f"{location}: engines {out.partition('left:')[2].strip()} left")
-            # Not reached and no engine started there: nothing was left to end.
+    for location, args, pids, cleanup in _ssh_cleanups(plan, engines):
+        reached, out = ssh(location, args, cleanup)
+        if not reached and pids:
+            left.append(f"{location}: engines {pids} may be left ({out})")
+        elif reached and out.partition("left:")[2].strip():
+            left.append(f"{location}: engines {out.partition('left:')[2].strip()} left")
+        # Not reached and no engine started there: nothing was left to end.
     return left

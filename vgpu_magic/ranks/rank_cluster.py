@@ -1,16 +1,9 @@
-"""The ranks: N local ipyparallel engines, wired as a framework's launcher wires
-its processes.
+"""The ranks: N ipyparallel engines wired as a framework's launcher wires its processes.
 
-:class:`RankCluster` does the work behind ``%vgpu_cluster`` and
-``%%vgpu_run``; it needs no shell. ipyparallel's :class:`~ipyparallel.Cluster`
-starts, signals and stops the processes; this class adds the ranks' hosts and
-their order (:mod:`.hosts`), the framework's wiring (each framework's
-``plan_ranks`` in :mod:`vgpu_magic.frameworks`), the fault policy (:mod:`.run`) and a stop
-that leaves nothing behind: ipyparallel sends SIGTERM and only later SIGKILL
-(TensorFlow workers were measured still alive 5 s after SIGTERM), so
-:meth:`RankCluster.stop` escalates itself and checks with psutil that every
-process it started is gone. A kernel that dies without a stop takes them all
-with it (:mod:`.lifetime`).
+:class:`RankCluster` is the work behind ``%vgpu_cluster`` and ``%%vgpu_run`` and needs no shell. ipyparallel
+starts, signals and stops the processes; this adds the ranks' hosts and order (:mod:`.hosts`), the framework's
+wiring, the fault policy (:mod:`.run`) and a stop checked with psutil (ipyparallel's SIGKILL comes late: TensorFlow
+workers were measured alive 5 s after SIGTERM). A kernel that dies without a stop takes them along (:mod:`.lifetime`).
 """
 
 from __future__ import annotations
@@ -20,7 +13,6 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
-import sys
 import threading
 import time
 import uuid
@@ -51,8 +43,7 @@ _lock = threading.Lock()
 
 
 def _require_installed(fw: Any) -> None:
-    """:class:`ValueError` naming what the ranks need and this kernel lacks: the cluster's
-    packages, or the framework ``fw`` itself."""
+    """:class:`ValueError` naming what the ranks need and this kernel lacks."""
     missing = [m for m in ("ipyparallel", "psutil", "cloudpickle") if importlib.util.find_spec(m) is None]
     if missing:
         raise ValueError(f"the ranks need {', '.join(missing)}: pip install 'vgpu_magic[cluster]'")
@@ -66,50 +57,17 @@ def current() -> RankCluster | None:
 
 
 class RankCluster:
-    """N ranks of one framework on local ipyparallel engines.
+    """N ranks of one framework on ipyparallel engines.
 
-    Parameters
-    ----------
-    n:
-        Number of ranks (1..:data:`~.launchers.MAX_RANKS`).
-    framework:
-        A name in :data:`vgpu_magic.frameworks.REGISTRY` (or an alias):
-        ``"torch"``, ``"tensorflow"`` (``"tf"``), ``"jax"``.
-    split:
-        TensorFlow: logical GPUs per worker (GPU only); JAX: CPU devices per process.
-    memory:
-        Per-rank GPU memory cap in bytes (default: an even share of what the GPU can give).
-    port:
-        The coordinator port (torch's ``MASTER_PORT``, JAX's coordinator, the
-        first TensorFlow worker); default: ports the OS gives on the hosts that bind them.
-    gpus:
-        The GPUs every host is planned with, ``[(cuda_index, total_bytes), ...]``;
-        default: what each engine reports it sees.
-    launcher:
-        How ipyparallel starts the engines: ``"local"`` (processes of this
-        kernel), ``"mpi"`` (one ``mpiexec`` job; needs ``mpiexec`` and
-        ``mpi4py``), ``"slurm"`` (one ``sbatch`` job running ``srun
-        ipengine``) or ``"ssh"`` (engines started on other hosts over SSH).
-        The ranks are wired from the hosts the engines report, in the
-        launcher's order (``SLURM_PROCID``, the MPI rank).
-    launcher_options:
-        What the launcher needs (see :mod:`.launchers`): SLURM ``partition``,
-        ``account``, ``time``, extra ``sbatch`` lines and ``srun`` arguments;
-        SSH ``hosts``, ``ssh_args``, ``python``; ``controller_address``.
-    join:
-        Also make the call a script makes to join the others
-        (``init_process_group``, ``jax.distributed.initialize``) on each rank
-        at start. By default a rank gets only what its real launcher gives a
-        process, and the user's code makes that call, as under ``torchrun``.
-    verbose:
-        Show the ranks' framework start-up lines too, with the frameworks'
-        default log settings; by default they are held back (:mod:`.shown`,
-        :meth:`log`).
-
-    Raises
-    ------
-    ValueError
-        For a request that cannot work, before anything starts.
+    ``n`` ranks (1..:data:`~.launchers.MAX_RANKS`) of ``framework`` (a registry name or alias). ``split``:
+    TensorFlow's logical GPUs per worker, JAX's CPU devices per process. ``memory``: per-rank GPU cap in bytes
+    (default an even share). ``port``: the coordinator port (default: one the OS gives on the host that binds
+    it). ``gpus``: ``[(cuda_index, total_bytes), ...]`` every host is planned with (default: what each engine
+    sees). ``launcher`` / ``launcher_options``: how ipyparallel starts the engines (:mod:`.launchers`); the
+    ranks follow the launcher's order (``SLURM_PROCID``, the MPI rank). ``join``: each rank also makes the
+    script's own call (``init_process_group``, ``jax.distributed.initialize``) at start. ``verbose``: show the
+    ranks' framework start-up lines too (held back by default: :mod:`.shown`). :class:`ValueError` for a request
+    that cannot work, before anything starts.
 
     Examples
     --------
@@ -163,7 +121,6 @@ class RankCluster:
         self.memory = memory
         self.memory_mib = memory_mib
         self.port = port
-        self.hosts: list[HostReport] = []
         self.layout: RankLayout | None = None
         self.plans: list[RankPlan] = []
         self.cluster: Any = None
@@ -179,6 +136,7 @@ class RankCluster:
         #: Carried by every process of this cluster (:func:`.lifetime.processes_of`).
         self._token = ""
         self._started_at = 0.0
+        self.spares = True
 
     @property
     def running(self) -> bool:
@@ -186,22 +144,13 @@ class RankCluster:
 
     def same_request(self, other: RankCluster) -> bool:
         """Does ``other`` ask for the same ranks and wiring as this cluster?"""
-
-        def request(c: RankCluster) -> tuple:
-            return (
-                c.n, c.framework, c.split, c.memory, c.port, c.given_gpus, c.launcher, c.launcher_options, c.join,
-                c.verbose,
-            )
-
-        return request(self) == request(other)
+        keys = ("n", "framework", "split", "memory", "port", "given_gpus", "launcher", "launcher_options", "join")
+        return all(getattr(self, key) == getattr(other, key) for key in (*keys, "verbose"))
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> RankCluster:
-        """Start the engines, wire them, and make this the current cluster.
-
-        Raises :class:`ClusterStartError` (with the failing rank's traceback) if
-        starting or wiring fails; nothing started is left running then.
-        """
+        """Start the engines, wire them, and make this the current cluster; :class:`ClusterStartError` if
+        starting or wiring fails, and then nothing started is left running."""
         global _current
         import ipyparallel as ipp
 
@@ -213,26 +162,23 @@ class RankCluster:
             previous.stop()
         self._token, self._started_at = uuid.uuid4().hex, time.time()
         try:
-            processes.check_memory_fits(self.n, self.fw)
+            #: Whether each rank keeps a warm spare for script runs (not where memory is tight).
+            self.spares = processes.check_memory_fits(self.n, self.fw)
             if self.port is not None:
                 processes.check_port_free(self.port)
-            self.cluster = self._new_cluster(ipp)
+            self.cluster = processes.new_ipp_cluster(ipp, self.launcher_plan, self.n, self.cluster_id, self._token)
             processes.despite_interrupts(lambda: self.cluster.start_cluster_sync(n=self.n))
             # Remembered at once, so that even engines that never register are stopped.
-            self._remember_processes()
+            launchers = processes.local_launchers(self.cluster)
+            self._owned.update(launchers)
+            self._launchers.update(launchers)
             processes.remove_files_when_kernel_dies(self.cluster, self._token)
             # Engines on other hosts end when the kernel dies without a stop.
-            processes.watch_remote(
-                processes.batch_jobs(self.cluster),
-                self.launcher_plan,
-                processes.ssh_engines(self.cluster, self.launcher_plan),
-                self._token,
-            )
+            processes.watch_remote(self.cluster, self.launcher_plan, self._token)
             self.client = self.cluster.connect_client_sync()
             # interactive=False: no progress bar in the cell (the start summary says what started).
             self.client.wait_for_engines(self.n, timeout=ENGINE_TIMEOUT, block=True, interactive=False)
-            self.hosts = self._read_hosts(sorted(self.client.ids)[: self.n])
-            self.layout = layout_ranks(self.hosts, self.given_gpus)
+            self.layout = layout_ranks(self._read_hosts(sorted(self.client.ids)[: self.n]), self.given_gpus)
             # Rank order: the launcher's ranks, else the engines', grouped by host.
             self.engine_ids = [place.engine_id for place in self.layout.places]
             self.pids = [place.pid for place in self.layout.places]
@@ -245,7 +191,8 @@ class RankCluster:
             self.plans = self._plan_ranks()
             self._wire()
             self.view.apply_sync(interrupt_only_the_cell)
-            self._warm()
+            if self.spares:
+                self._warm()
         except BaseException as exc:
             # The start's own error first; what the cleanup found after it, never instead of it.
             try:
@@ -264,41 +211,25 @@ class RankCluster:
         return self
 
     def _read_hosts(self, engine_ids: list[int]) -> list[HostReport]:
-        """Each engine's :class:`~.hosts.HostReport` (hostname, reachable address,
-        GPUs, PID, a free port on its host, the launcher's rank variables)."""
+        """Each engine's :class:`~vgpu_magic.layout.HostReport`."""
         # ipyparallel's controller_location is where engines connect when the controller listens on every interface.
         controller = self.cluster.controller_location or self.cluster.controller_ip or "127.0.0.1"
         pending = [self.client[e].apply_async(report_host, e, controller) for e in engine_ids]
         return [ar.get(timeout=ENGINE_TIMEOUT) for ar in pending]
 
-    def _new_cluster(self, ipp: Any) -> Any:
-        """ipyparallel's cluster, configured with the launcher plan."""
-        return processes.new_ipp_cluster(ipp, self.launcher_plan, self.n, self.cluster_id, self._token)
-
-    def _remember_processes(self) -> None:
-        """Every process ipyparallel started for us on this host, for :meth:`stop`
-        (:func:`~.processes.local_launchers`)."""
-        launchers = processes.local_launchers(self.cluster)
-        self._owned.update(launchers)
-        self._launchers.update(launchers)
-
     def _wire(self) -> None:
         """Set each rank's environment and run its setup, all ranks at once (a rendezvous)."""
-        plans = self.plans
 
         def submit(rank: int) -> Any:
-            plan = plans[rank]
+            plan = self.plans[rank]
             return self.client[self.engine_ids[rank]].apply_async(
                 prepare_rank, plan.env, plan.setup, plan.args, self.join
             )
 
-        RankRun(
-            self._processes(), submit, timeout=SETUP_TIMEOUT, stdout=sys.stdout, stderr=sys.stderr, held=self.held
-        ).run()
+        RankRun(self._processes(), submit, timeout=SETUP_TIMEOUT, held=self.held).run()
 
     def _plan_ranks(self) -> list[RankPlan]:
-        """The framework's plans, each rank's environment with the framework's log settings
-        (:func:`~.shown.rank_env`)."""
+        """The framework's plans, with its log settings (:func:`~.shown.rank_env`)."""
         quiet = rank_env(self.fw, self.verbose)
         plans = self.fw.plan_ranks(self.layout, self.split, self.memory_mib, self.port)
         return [dataclasses.replace(plan, env={**quiet, **plan.env}) for plan in plans]
@@ -333,11 +264,8 @@ class RankCluster:
         return None if code is None else int(code)
 
     def stop(self) -> None:
-        """Stop every process this cluster started and check that none is left.
-
-        SIGTERM, then SIGKILL after :data:`~.processes.STOP_GRACE` seconds for what is
-        still alive; ipyparallel then removes its files. Safe to call twice.
-        """
+        """Stop every process this cluster started (SIGTERM, then SIGKILL) and check that none is left.
+        Safe to call twice."""
         global _current
         procs = processes.processes_started(self._owned, self._token, self._started_at)
         if self.client is not None:
@@ -350,7 +278,7 @@ class RankCluster:
             left = processes.stop_launched(self.cluster, self.launcher_plan, self.cluster_id)
         self.cluster = self.client = self.view = None
         self.engine_ids, self.pids, self._owned, self._launchers, self._token = [], [], set(), {}, ""
-        self.hosts, self.layout = [], None
+        self.layout = None
         self.rank_names = names.RankNames()
         self.must_restart = None
         atexit.unregister(self.stop)
@@ -382,15 +310,10 @@ class RankCluster:
         output: bool = False,
         plot: bool = False,
     ) -> list[Any] | None:
-        """Run ``code`` on every rank under the fault policy (:mod:`.run`).
-
-        Names ``code`` reads from ``namespace`` are sent by value first,
-        except names earlier cells assigned on the ranks (:attr:`rank_names`).
-        Returns the value of the last expression on each rank, in rank order,
-        when ``output`` is true. Raises :class:`~.names.UnsendableName`,
-        :class:`~.run.RankRunError`, or :class:`RuntimeError` if the cluster
-        is not usable.
-        """
+        """Run ``code`` on every rank under the fault policy (:mod:`.run`), the names it reads from
+        ``namespace`` sent by value first (except rank state, :attr:`rank_names`); with ``output``, each
+        rank's last value in rank order. :class:`~.names.UnsendableName`, :class:`~.run.RankRunError`, or
+        :class:`RuntimeError` if the cluster is not usable."""
         self._require_running()
         compile(code, "<cell>", "exec")
         self.rank_names.send(self.view, code, namespace or {})
@@ -405,9 +328,7 @@ class RankCluster:
         if output:
             return names.pull_values(self.view, [self.client[e] for e in self.engine_ids])
         for rank, ar in enumerate(results):
-            shown = (
-                (ar.execute_result or {}).get("data", {}).get("text/plain") if hasattr(ar, "execute_result") else None
-            )
+            shown = (getattr(ar, "execute_result", None) or {}).get("data", {}).get("text/plain")
             if shown is not None:
                 print(f"[rank {rank}] Out: {shown}")
         return None
@@ -416,9 +337,8 @@ class RankCluster:
         return self.layout is not None and any(p.gpu for p in self.layout.places)
 
     def _watch(self, runner: RankRun, candidates: set[str]) -> list[Any]:
-        """Run ``runner`` to its end; mark the cluster for a restart where ranks died or had
-        to be killed, else settle which of ``candidates`` (the names the code may bind) are
-        now rank state."""
+        """Run ``runner``; mark the cluster for a restart where ranks died or were killed, else settle
+        which of ``candidates`` (the names the code may bind) are now rank state."""
         try:
             return runner.run()
         except (RankRunError, KeyboardInterrupt) as exc:
@@ -431,18 +351,13 @@ class RankCluster:
     def run_script(
         self, path: str, args: list[str] | tuple[str, ...] = (), timeout: float | None = None, plot: bool = False
     ) -> None:
-        """Launch the script ``path`` with ``args`` on every rank, as ``torchrun ...
-        path ARGS`` does (:mod:`.launch`): new processes, started by each rank's
-        engine in this kernel's current folder, under the same fault policy as
-        :meth:`run`. Each launch gets fresh coordinator ports (and torch a new
-        run id), as each ``torchrun`` does.
-        """
+        """Launch ``path ARGS`` on every rank as ``torchrun`` does (:mod:`.launch`): new processes in this
+        kernel's current folder, fresh coordinator ports, under the fault policy of :meth:`run`."""
         self._require_running()
-        self.hosts = self._read_hosts(self.engine_ids)
-        self.layout = layout_ranks(self.hosts, self.given_gpus)
+        self.layout = layout_ranks(self._read_hosts(self.engine_ids), self.given_gpus)
         self.plans = self._plan_ranks()
         where, preload = (os.path.abspath(path), list(args), os.getcwd()), self._preload()
-        requests = [launch.launch_request(plan, *where, preload) for plan in self.plans]
+        requests = [launch.launch_request(plan, *where, preload, self.spares) for plan in self.plans]
 
         def submit(rank: int) -> Any:
             return self.client[self.engine_ids[rank]].apply_async(launch.run_rank, requests[rank])

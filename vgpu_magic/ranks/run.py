@@ -1,32 +1,13 @@
 """Running one piece of work on every rank under the fault policy.
 
-:class:`RankRun` submits the work to each rank (one ipyparallel
-``AsyncResult`` per rank) and then watches all of them from the kernel:
-
-* each rank's stdout/stderr streams live as whole lines labelled
-  ``[rank r]`` (a partial line waits for its newline, so lines of different
-  ranks never interleave);
-* each rank's memory is sampled (:mod:`.memory`) and plotted when asked;
-* the first rank that raises or dies ends the run, but not at once: the
-  others get :data:`COLLECT` seconds (from the latest failure) to finish on
-  their own, so that when every rank fails (the same bug everywhere) every
-  rank's own error is collected, and none is interrupted while it is
-  sending that error. Then every rank still running gets SIGINT (at once
-  where ``timeout`` ran out). A rank that has not come back within
-  :data:`GRACE` seconds and is still busy (blocked in a collective, where a
-  signal cannot reach Python) is killed, and the cluster is then marked as
-  needing a restart; one whose engine went idle is not (its reply was lost
-  to the interrupt). The run raises :class:`RankRunError` naming every
-  failing rank's own error, the same ones grouped, each traceback labelled
-  with its ranks;
-* an interrupt of the kernel (KeyboardInterrupt while watching) interrupts
-  the ranks the same way.
-
-A rank's process is reached through :class:`RankProcesses`: by its PID where
-it runs on this host, and through its ipyparallel engine where it runs on
-another (a PID there names nothing, or someone else's process, here).
-
-Which notebook names a cell reads, and how they are sent, is :mod:`.names`.
+:class:`RankRun` submits the work to each rank (one ipyparallel ``AsyncResult`` each) and watches them from the
+kernel: each rank's output streams live as whole lines labelled ``[rank r]``, its displays in their place among
+them; its memory is sampled (:mod:`.memory`). The first rank that raises or dies ends the run, but the others
+get :data:`COLLECT` seconds (from the latest failure) to finish on their own, so that every rank's own error is
+collected; then every rank still running gets SIGINT, and one still busy after :data:`GRACE` seconds (blocked in
+a collective) is killed and the cluster marked for a restart. :class:`RankRunError` names every failing rank's
+error, the same ones grouped. An interrupt of the kernel interrupts the ranks the same way. A rank's process is
+reached through :class:`RankProcesses`: by PID on this host, through its engine on another.
 """
 
 from __future__ import annotations
@@ -136,14 +117,9 @@ def _rank_s(ranks: list[int]) -> str:
 
 
 class _LineStream:
-    """Whole lines of one rank's stream, labelled; the partial tail waits.
-
-    ``feed`` gets the rank's whole output so far. It is counted in lines, not
-    characters: ipyparallel rewrites the collected text when a ``\\r`` arrives
-    (it keeps what follows the last ``\\r`` of a line), so the text can shrink,
-    but never loses a newline. Each line is shown as a terminal leaves it
-    (:func:`as_terminal_shows`): a progress line's final text.
-    """
+    """Whole lines of one rank's stream, labelled, each as a terminal leaves it; the partial tail waits.
+    ``feed`` gets the rank's whole output so far, counted in lines: ipyparallel rewrites the text at a ``\\r``,
+    so it can shrink, but never loses a newline."""
 
     def __init__(self, label: str, out: TextIO, shown: Callable[[str], bool] = lambda line: True) -> None:
         self.label = label
@@ -180,13 +156,12 @@ def as_terminal_shows(line: str) -> str:
 
 
 def show_display(rank: int, content: dict[str, Any], out: TextIO) -> None:
-    """What rank ``rank`` displayed (``display_data``: HTML, an image, a rich table): in a notebook a
-    ``[rank r]`` line then the output itself, in a terminal its text, labelled. A widget's model lives on
-    its rank's engine, not in this kernel: its text stands for it."""
+    """What rank ``rank`` displayed (``display_data``: HTML, an image, a rich table, a widget): in a notebook a
+    ``[rank r]`` line then the output itself, in a terminal its text, labelled. In a kernel ipyparallel relays
+    a rank's widget messages to the front end, so a widget (a ``tqdm.auto`` bar) is live there."""
     from IPython import get_ipython
 
-    widget = "application/vnd.jupyter.widget-view+json"
-    data = {k: v for k, v in (content.get("data") or {}).items() if k != widget}
+    data = content.get("data") or {}
     shell = get_ipython()
     if getattr(shell, "kernel", None) is None or set(data) <= {"text/plain"}:
         lines = str(data.get("text/plain", "")).splitlines() or [""]
@@ -200,16 +175,9 @@ def show_display(rank: int, content: dict[str, Any], out: TextIO) -> None:
 
 @dataclass
 class RankProcesses:
-    """How the fault policy reaches each rank's process.
-
-    A rank on this host (``local[rank]``, all of them by default) is watched
-    by its PID and signalled with ``os.kill``; ``exit_code(rank)`` says how it
-    exited, when known. A rank on another host is alive while its engine is
-    registered with the controller (``engine_alive(rank)``: the engine's nanny
-    unregisters it as soon as it exits) and is signalled through that nanny
-    (``engine_signal(rank, signum)``); its exit status is not known here.
-    ``hosts`` names each rank's host, for messages.
-    """
+    """How the fault policy reaches each rank's process: on this host (``local[rank]``, all by default) by its
+    PID (``exit_code(rank)``: how it exited, when known); on another host through its engine, alive while
+    registered (``engine_alive``) and signalled through its nanny (``engine_signal``)."""
 
     pids: list[int]
     local: list[bool] | None = None
@@ -270,15 +238,47 @@ class RankRun:
         self.trace = None  # the run's MemoryTrace, once it ended
         self.killed: list[int] = []
         self._displayed: dict[int, int] = {}  # how many of each rank's display outputs were shown
+        self._marks: dict[int, list[int]] = {}  # each rank's stdout lines before each of its displays
 
     def _emit(self, results: list[Any], streams: list[tuple[_LineStream, _LineStream]], final: bool = False) -> None:
         for rank, (ar, (out, err)) in enumerate(zip(results, streams)):
-            out.feed(ar.stdout or "", final)
+            # The text first: a display not yet seen below came after all of its lines.
+            lines = (ar.stdout or "").split("\n")
+            marks = self._marks_of(rank, ar)
+            displayed = list(getattr(ar, "outputs", None) or [])
+            shown = ready = self._displayed.get(rank, 0)
+            while ready < len(displayed) and (
+                final or marks is None or (ready < len(marks) and marks[ready] < len(lines))
+            ):
+                ready += 1
+            for index in range(shown, ready):
+                # The lines the rank printed before this display, then the display: in the order it made them.
+                before = lines[: marks[index]] if marks is not None and index < len(marks) else lines[:-1]
+                out.feed("".join(line + "\n" for line in before))
+                show_display(rank, displayed[index], self.stdout)
+            self._displayed[rank] = ready
+            out.feed("\n".join(lines), final)
             err.feed(ar.stderr or "", final)
-            displayed = getattr(ar, "outputs", None) or []
-            for content in displayed[self._displayed.get(rank, 0) :]:
-                show_display(rank, content, self.stdout)
-            self._displayed[rank] = len(displayed)
+
+    def _marks_of(self, rank: int, ar: Any) -> list[int] | None:
+        """How many stdout lines rank ``rank`` had printed before each of its displays, recorded as each arrives
+        (ipyparallel keeps a rank's streams and displays apart, in the order its engine sent them); ``None``
+        for a result that is no ipyparallel one."""
+        if rank in self._marks:
+            return self._marks[rank]
+        if not getattr(ar, "_children", None):
+            return None
+        marks = self._marks[rank] = []
+        for child in ar._children:
+            metadata = child.output.metadata
+            marks.extend([(metadata["stdout"] or "").count("\n")] * len(metadata["outputs"]))
+
+            def mark(msg: dict, metadata: dict = metadata) -> None:
+                if msg["header"]["msg_type"] == "display_data":
+                    marks.append((metadata["stdout"] or "").count("\n"))
+
+            child.iopub_callbacks.append(mark)
+        return marks
 
     def _drain(self, results: list[Any]) -> None:
         """Wait (briefly) for the last output of every finished, living rank: ipyparallel can deliver a
@@ -364,9 +364,7 @@ class RankRun:
         if isinstance(exc, RankRunError):
             return exc.headline().split(";")[0] if exc.must_restart else None
         if isinstance(exc, KeyboardInterrupt) and self.killed:
-            killed = self.killed
-            ranks = f"rank{'s' if len(killed) > 1 else ''} {', '.join(map(str, killed))}"
-            return f"{ranks} {'were' if len(killed) > 1 else 'was'} killed after an interrupt"
+            return f"{_rank_s(self.killed)} {'were' if len(self.killed) > 1 else 'was'} killed after an interrupt"
         return None
 
     def run(self) -> list[Any]:

@@ -1,20 +1,7 @@
-"""What of a rank's output reaches the notebook.
-
-Ranks are quiet by default, and nothing is lost:
-
-* each rank gets its framework's own log settings
-  (:attr:`~vgpu_magic.frameworks.base.Framework.log_settings`, e.g.
-  ``TF_CPP_MIN_LOG_LEVEL=2``) where the user set none (:func:`rank_env`);
-* the start-up lines no setting silences (the framework's
-  :attr:`~vgpu_magic.frameworks.base.Framework.chatter`: absl's preamble,
-  oneDNN's notice, Gloo's "connected to 1 peer ranks") are held back per rank
-  (:class:`HeldBack`): ``%vgpu_cluster log RANK`` shows them, and a failing
-  rank's are shown with its traceback;
-* ``verbose`` (``%vgpu_cluster start ... --verbose``) shows everything, with
-  the frameworks' default log settings.
-
-A failing rank's traceback names the notebook's cell, not the rank's own
-counter (:func:`notebook_traceback`).
+"""What of a rank's output reaches the notebook: each rank gets its framework's quiet log settings where the
+user set none (:func:`rank_env`); the start-up lines no setting silences (the framework's ``chatter``) are held
+back per rank (:class:`HeldBack`; ``%vgpu_cluster log RANK``, and a failing rank's with its traceback);
+``verbose`` shows everything. A rank's traceback names the notebook's cell (:func:`notebook_traceback`).
 """
 
 from __future__ import annotations
@@ -31,10 +18,8 @@ HELD_LINES = 2000
 
 
 def rank_env(fw, verbose: bool = False, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The log settings a rank of ``fw`` gets: each of the framework's quiet values
-    (its default when ``verbose``) where ``environ``, the kernel's, has none the user set.
-    A value the extension set in the kernel (:meth:`~vgpu_magic.frameworks.base.Framework.quiet_kernel`)
-    is not the user's: ``verbose`` overrides it."""
+    """The log settings a rank of ``fw`` gets: the framework's quiet values (defaults with ``verbose``) where
+    the kernel's ``environ`` has none the user set (a value the extension set there is not the user's)."""
     from .. import _quieted
 
     ours = _quieted()
@@ -46,11 +31,8 @@ def rank_env(fw, verbose: bool = False, environ: Mapping[str, str] = os.environ)
 
 
 class HeldBack:
-    """Each rank's held-back start-up lines.
-
-    ``patterns`` are regular expressions of whole lines (a framework's
-    ``chatter``); with ``verbose`` every line is shown.
-    """
+    """Each rank's held-back start-up lines: those matching ``patterns`` (whole-line regular expressions),
+    none with ``verbose``."""
 
     def __init__(self, patterns: tuple[str, ...] = (), verbose: bool = False) -> None:
         self.pattern = re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns and not verbose else None
@@ -71,8 +53,7 @@ class HeldBack:
         self.this_run = {}
 
     def lines(self, rank: int | None = None) -> list[str]:
-        """What ``%vgpu_cluster log [RANK]`` prints: every rank's held-back lines
-        (or one rank's), labelled."""
+        """What ``%vgpu_cluster log [RANK]`` prints: the held-back lines, labelled."""
         ranks = sorted(self.held) if rank is None else [rank]
         return [f"[rank {r}] {line}" for r in ranks for line in self.held.get(r, ())]
 
@@ -81,8 +62,7 @@ _COUNT = re.compile(r"(Cell(?:\x1b\[[0-9;]*m|\s)*)In\[\d+\]")
 
 
 def notebook_traceback(text: str, count: int | None) -> list[str]:
-    """A rank's traceback (IPython's text) as the notebook's: its "Cell In[k]" (the
-    rank's own counter) becomes the notebook cell's ``In[count]``, or no count."""
+    """A rank's traceback with the notebook cell's ``In[count]`` (or none) for the rank's own "Cell In[k]"."""
 
     def shown(found: re.Match) -> str:
         cell = found.group(1)

@@ -1,8 +1,4 @@
-"""What ``%vgpu_cluster status`` says of each rank: its PID, whether it is alive,
-its memory, its host (:class:`RankInfo`), read by :func:`rank_infos` and put
-into lines by :func:`status_lines`; :func:`cluster_lines` is all that
-``%vgpu_cluster start`` / ``status`` print of a cluster.
-"""
+"""What ``%vgpu_cluster start`` / ``status`` say of a cluster (:func:`cluster_lines`) and of each rank."""
 
 from __future__ import annotations
 
@@ -28,18 +24,8 @@ class RankInfo:
 
 
 def rank_infos(places: list[Any], procs: RankProcesses, engine_ids: list[int]) -> list[RankInfo]:
-    """Each rank's PID, liveness and memory (RSS, and GPU memory where NVML has it).
-
-    Parameters
-    ----------
-    places:
-        The ranks' places in the layout (:class:`~.hosts.RankLayout`), in rank order.
-    procs:
-        How the ranks' processes are reached (:class:`~.run.RankProcesses`): a rank on another
-        host is alive while its engine is registered, and its memory is not read from here.
-    engine_ids:
-        Each rank's ipyparallel engine, in rank order.
-    """
+    """Each rank's PID, liveness and memory (RSS, and GPU memory where NVML has it), from its ``places`` in
+    the layout, its processes ``procs`` (a rank on another host: no memory) and its engine, in rank order."""
     from .memory import RankMemorySampler
 
     sampler = RankMemorySampler(procs.memory_pids(), any(p.gpu for p in places))
@@ -54,7 +40,7 @@ def rank_infos(places: list[Any], procs: RankProcesses, engine_ids: list[int]) -
 
 
 def status_lines(infos: list[RankInfo]) -> list[str]:
-    """One line per rank: its PID, where it runs when the ranks are on several hosts, alive or dead, its memory."""
+    """One line per rank: its PID, its host (when several), alive or dead, its memory."""
     from ..units import format_bytes
 
     lines = []
@@ -72,8 +58,7 @@ def status_lines(infos: list[RankInfo]) -> list[str]:
 
 
 def cluster_lines(cluster: Any) -> list[str]:
-    """Lines for ``%vgpu_cluster start`` / ``status`` of ``cluster`` (a :class:`~.rank_cluster.RankCluster`):
-    where its ranks run, its framework's notes, how the ranks join, each rank, and whether it must restart."""
+    """Lines for ``%vgpu_cluster start`` / ``status`` of a :class:`~.rank_cluster.RankCluster`."""
     if not cluster.running:
         return ["no cluster running"]
     where = cluster.launcher_plan.describe()
@@ -91,9 +76,14 @@ def cluster_lines(cluster: Any) -> list[str]:
         lines.append(f"each rank has its launcher's environment; your code calls {join_call}, as under its launcher")
     lines.append("cells (%%vgpu_run): run in these ranks, which keep their state from cell to cell")
     step = ", as steps of the job's allocation" if cluster.launcher == "slurm" else ""
+    spare = (
+        f"a spare waits with {cluster.fw.module} imported"
+        if cluster.spares
+        else "no spare: memory is tight, each launch starts cold"
+    )
     lines.append(
         f"scripts (%vgpu_run FILE): a fresh launch each run, new processes started by each rank's engine{step} "
-        f"(a spare waits with {cluster.fw.module} imported)"
+        f"({spare})"
     )
     lines.extend(status_lines(cluster.status()))
     if cluster.must_restart:
