@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from .display import DISPLAY_MODES, detect_frontend, interrupts_deferred
 from .plot import save_trace_figure
-from .recorder import MemoryRecorder, check_interval
-from .sampler import PROCESS_LABEL, DeviceSampler, model_variables
+from .recorder import MemoryRecorder
+from .sampler import PROCESS_LABEL, DeviceSampler, model_variables, variable_bytes
 from .trace import MemoryTrace, SeriesInfo
 from .views import NullView, TextSummaryView
 
@@ -28,6 +28,9 @@ __all__ = ["MonitorSession", "process_sampler", "KEPT_TRACES"]
 
 #: Finished runs :attr:`MonitorSession.traces` keeps (the latest ones).
 KEPT_TRACES = 10
+
+#: The seconds between samples that ``interval=`` and ``--interval`` accept.
+MIN_INTERVAL, MAX_INTERVAL = 0.001, 3600.0
 
 #: Reports about this process' devices already made (by any monitor).
 _SAID: set[str] = set()
@@ -99,7 +102,9 @@ class MonitorSession:
     ) -> None:
         if display not in DISPLAY_MODES:
             raise ValueError(f"display={display!r} is not a display mode; use one of {', '.join(DISPLAY_MODES)}")
-        seconds = check_interval(interval)
+        from ..grammar import parse_seconds  # the one check of --interval's and interval='s seconds
+
+        seconds = parse_seconds(interval, minimum=MIN_INTERVAL, maximum=MAX_INTERVAL, option="interval=")
         if isinstance(devices, str):
             devices = [d for d in devices.split(",") if d.strip()]
         self._devices = None if devices is None else list(devices)
@@ -165,9 +170,11 @@ class MonitorSession:
             return process_sampler()
         return sampler
 
-    def _variables(self) -> list[Any] | None:
+    def _variables(self, sampler: DeviceSampler) -> dict[str, int] | None:
         model = self._current_model()
-        return None if model is None else model_variables(model)
+        if model is None or sampler.framework is None:
+            return None
+        return variable_bytes(sampler.framework, model_variables(model), sampler.devices)
 
     def _report(self, message: str) -> None:
         import sys
