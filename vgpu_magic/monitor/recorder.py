@@ -54,8 +54,7 @@ def _print_report(message: str) -> None:
 
 
 class MemoryRecorder:
-    """Records one run at a time; :meth:`start` begins the next run with a
-    fresh trace (set :attr:`view` first to draw it somewhere else).
+    """Records one run at a time; :meth:`start` begins the next with a fresh trace (and :attr:`view`).
 
     Parameters
     ----------
@@ -63,15 +62,11 @@ class MemoryRecorder:
         Returns an object with ``series``, ``devices``, ``read() -> [(current, peak), ...]`` and,
         optionally, ``provisional``. Called when a run starts, and again while provisional.
     view
-        The view to feed (see :mod:`vgpu_magic.monitor.views`).
-    interval
-        Minimum seconds between two samples.
+        The view to feed (see :mod:`vgpu_magic.monitor.views`); ``interval`` seconds between samples.
     variables
         ``variables(sampler)``: the bytes of the variables on each of its devices, or ``None``.
-    report
-        Where one-line problem reports go (stderr by default).
-    background
-        Sample from a thread of the recorder (see the module docstring).
+    report, background
+        Where one-line problem reports go (stderr by default); sample from a thread of the recorder.
     """
 
     def __init__(
@@ -179,8 +174,7 @@ class MemoryRecorder:
             thread.join()
 
     def tick(self, step: int | None = None) -> None:
-        """Call at every step: notes the step, and samples when ``interval``
-        has passed and no thread of the recorder samples."""
+        """Call at every step: notes it, and samples when ``interval`` passed and no thread samples."""
         if step is not None:
             self.step = step
         if getattr(self._sampler, "provisional", False):
@@ -215,9 +209,8 @@ class MemoryRecorder:
             self._view_call("sampled", self.trace, now)
 
     def _maybe_join(self) -> None:
-        """Devices of a runtime that started since: into the trace, 0 B before.
-        Only on the training thread: asking a framework from another thread
-        while this one imports it can deadlock the import."""
+        """Devices of a runtime that started since: into the trace, 0 B before. Only on the training
+        thread: asking a framework from another thread while this one imports it can deadlock the import."""
         now = self.clock()
         if not (self.active and getattr(self._sampler, "provisional", False) and now - self._joined >= JOIN_EVERY):
             return
