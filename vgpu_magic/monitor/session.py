@@ -160,7 +160,8 @@ class MonitorSession:
             self._report_once_per_process(
                 f"device memory cannot be read ({exc}); the memory view shows the process' memory"
             )
-            return process_sampler()
+            sampler = process_sampler()
+            sampler.framework = framework  # its variables per replica are still exact
         return sampler
 
     def _variables(self, sampler: DeviceSampler) -> dict[str, int] | None:
