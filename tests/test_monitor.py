@@ -18,6 +18,8 @@ import sys
 
 import pytest
 
+from support import last_json, run_python
+from vgpu_magic import frameworks
 from vgpu_magic.monitor.display import DisplaySurface, MemoryFrame, detect_frontend
 from vgpu_magic.monitor.live import LiveMemoryView
 from vgpu_magic.monitor.plot import MemoryFigure, save_trace_figure
@@ -230,7 +232,7 @@ def test_variable_bytes_counts_each_replica_component_on_its_device():
     kernel = _Mirrored((32, 64), ["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
     bias = _Mirrored((64,), ["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
     step = _Component("/job:localhost/replica:0/task:0/device:CPU:0", (), size=8)  # a plain variable
-    found = variable_bytes([kernel, bias, step, kernel], CPUS)
+    found = variable_bytes(frameworks.get("tensorflow"), [kernel, bias, step, kernel], CPUS)
     per_replica = (32 * 64 + 64) * 4
     assert found == {CPUS[0]: per_replica + 8, CPUS[1]: per_replica, CPUS[2]: per_replica, CPUS[3]: per_replica}
 
@@ -643,7 +645,7 @@ def test_variable_bytes_counts_each_shard_of_an_array_placed_on_several_devices(
     value = type("Array", (), {})()
     value.addressable_shards = [_Shard("cpu", i, 400) for i in range(3)]
     variable = type("Variable", (), {"value": value})()
-    assert variable_bytes([variable], CPUS[:3]) == {CPUS[0]: 400, CPUS[1]: 400, CPUS[2]: 400}
+    assert variable_bytes(frameworks.get("jax"), [variable], CPUS[:3]) == {CPUS[0]: 400, CPUS[1]: 400, CPUS[2]: 400}
 
 
 # -- what the plot shows -------------------------------------------------------------------------------
@@ -943,3 +945,52 @@ def test_tensorflow_s_devices_join_a_monitor_entered_before_its_runtime_started(
     assert result["before"] == ["process"]
     # TensorFlow's one CPU (its host allocator), then the process.
     assert result["after"] == [1, 0] and result["subject"] == "TensorFlow · 1 device"
+
+
+TORCH_CUDA_STARTS_MID_RUN = """
+import json, time
+from unittest import mock
+import torch
+import vgpu_magic
+from vgpu_magic.inventory import GPUInfo
+
+real = torch.cuda.is_available()
+mon = vgpu_magic.MemoryMonitor(display="none")
+mon.start()
+mon.sample(step=0)
+before = [s.key for s in mon.trace.series]
+if real:
+    block = torch.ones(1 << 20, device="cuda")  # 4 MiB: CUDA starts here
+else:  # torch.cuda's own functions, as they read once CUDA started on two GPUs
+    held = {0: 4 << 20, 1: 0}
+    mock.patch.object(torch.cuda, "is_initialized", lambda: True).start()
+    mock.patch.object(torch.cuda, "memory_allocated", held.__getitem__).start()
+    mock.patch.object(torch.cuda, "max_memory_allocated", lambda i: held[i] + 512).start()
+    mock.patch("vgpu_magic.frameworks.torch.visible_gpus", lambda: (GPUInfo(0), GPUInfo(1))).start()
+deadline, step = time.monotonic() + 60, 0
+while len(mon.trace.series) == len(before) and time.monotonic() < deadline:
+    step += 1
+    mon.sample(step=step)
+    time.sleep(0.01)
+mon.sample(step=step + 1)
+trace = mon.finish()
+print(json.dumps({
+    "real": real, "before": before, "labels": [s.label for s in trace.series],
+    "first": [c[0] for c in trace.current], "last": [list(trace.latest(i)) for i in range(len(trace.series))],
+}))
+"""
+
+
+@pytest.mark.slow
+def test_torch_cuda_devices_join_a_run_when_cuda_starts_in_it():
+    pytest.importorskip("torch")
+    result = last_json(run_python(TORCH_CUDA_STARTS_MID_RUN, timeout=180).stdout)
+    assert result["before"] == ["process"]
+    gpus = result["labels"][:-1]
+    assert gpus[0] == "cuda:0" and all(label.startswith("cuda:") for label in gpus)
+    assert result["labels"][-1].startswith("process RSS")
+    assert result["first"][0] == 0  # before CUDA started: no allocator, no bytes
+    current, peak = result["last"][0]
+    assert current >= 4 * MIB and peak >= current
+    if not result["real"]:
+        assert result["last"][:2] == [[4 * MIB, 4 * MIB + 512], [0, 512]]

@@ -5,11 +5,13 @@ recorder's interval applied to ``sample()``. No framework, no display."""
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 
-from vgpu_magic.monitor.recorder import KEPT_COSTS, MemoryRecorder, check_interval
+from vgpu_magic.monitor.recorder import KEPT_COSTS, MemoryRecorder
 from vgpu_magic.monitor.sampler import DeviceSampler, build_series
+from vgpu_magic.monitor.session import MonitorSession
 from vgpu_magic.monitor.trace import MemoryTrace
 
 MIB = 1024 * 1024
@@ -134,20 +136,19 @@ def test_sample_respects_the_interval_and_costs_are_bounded():
 
 def test_interval_takes_any_real_number_but_not_bools_infinities_or_huge_values():
     np = pytest.importorskip("numpy")
-    assert check_interval(np.float32(0.25)) == pytest.approx(0.25)
-    assert check_interval(np.int64(2)) == 2.0
-    assert check_interval(0.001) == 0.001
+    for good in (np.float32(0.25), np.int64(2), 0.001):
+        assert MonitorSession(interval=good, display="none")._recorder.interval == pytest.approx(float(good))
     for bad, words in [
-        (True, "is not a number of seconds"),
-        ("0.1", "is not a number of seconds"),
-        (float("inf"), "is out of range"),
+        (True, "interval=True is not a number of seconds; use e.g. interval=0.05"),
+        ("0.1", "interval='0.1' is not a number of seconds"),
+        (float("inf"), "interval=inf is out of range; use 0.001 to 3600 seconds"),
         (1e308, "is out of range"),
         (float("nan"), "is out of range"),
-        (0, "is out of range"),
+        (0, "interval=0 is out of range"),
         (-1, "is out of range"),
     ]:
-        with pytest.raises(ValueError, match=words):
-            check_interval(bad)
+        with pytest.raises(ValueError, match=re.escape(words)):
+            MonitorSession(interval=bad)
 
 
 def test_text_summary_of_an_allocator_that_reports_nothing_says_so():

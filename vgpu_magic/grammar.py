@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import numbers
 import re
 import shlex
 from collections.abc import Callable, Sequence
@@ -114,15 +115,26 @@ def choice(values: Sequence[str], refusal: str, example: str) -> Callable[[str],
 
 
 def parse_seconds(
-    text: str, *, minimum: float = 0.001, maximum: float = 3600.0, option: str = "--interval", example: str = "0.05"
+    text: str | float,
+    *,
+    minimum: float = 0.001,
+    maximum: float = 3600.0,
+    option: str = "--interval",
+    example: str = "0.05",
 ) -> float:
-    """A positive, finite number of seconds in ``[minimum, maximum]`` written with
-    ASCII digits (``0.05``, ``2``); raises :class:`PlanError` otherwise."""
-    if not _DECIMAL.fullmatch(text.strip()):
-        raise PlanError(f"{option} {excerpt(text)} is not a number of seconds; use e.g. {option} {example}")
+    """A positive, finite number of seconds in ``[minimum, maximum]`` written with ASCII digits
+    (``0.05``, ``2``) or, for an ``option`` of the Python API (``"interval="``), a real number
+    (not a bool, not text); raises :class:`PlanError` otherwise."""
+    if option.endswith("="):
+        valid = isinstance(text, numbers.Real) and not isinstance(text, bool)
+    else:
+        valid = isinstance(text, str) and _DECIMAL.fullmatch(text.strip())
+        option += " "
+    if not valid:
+        raise PlanError(f"{option}{excerpt(text)} is not a number of seconds; use e.g. {option}{example}")
     value = float(text)
     if not (math.isfinite(value) and minimum <= value <= maximum):
-        raise PlanError(f"{option} {excerpt(text)} is out of range; use {minimum:g} to {maximum:g} seconds")
+        raise PlanError(f"{option}{excerpt(text)} is out of range; use {minimum:g} to {maximum:g} seconds")
     return value
 
 

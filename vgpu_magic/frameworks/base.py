@@ -345,6 +345,11 @@ class Framework:
         """A fast :data:`Reader` for the monitor. Only called once the runtime runs."""
         raise NotImplementedError
 
+    def variable_bytes(self, variable: Any) -> dict[str, int]:
+        """Bytes of ``variable`` (the framework's own, or a Keras variable over one) on each device
+        holding a part of it, by name (``"/device:CPU:1"``): the monitor's variables per replica."""
+        return {}
+
     def holds_cuda_context(self) -> bool:
         """Does this process hold a CUDA context through this framework? Only
         asked when the framework is imported; never creates a context."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -332,6 +333,18 @@ class TensorFlow(Framework):
             return found
 
         return read
+
+    def variable_bytes(self, variable: Any) -> dict[str, int]:
+        """A ``MirroredVariable``'s per-replica copies each on its own device, a ``tf.Variable`` on its device."""
+        value = getattr(variable, "value", variable)
+        if callable(value):  # a tf.Variable: .value is a method, the variable is the value
+            value = variable
+        parts = getattr(value, "values", None)
+        out: dict[str, int] = {}
+        for part in parts if isinstance(parts, tuple) and parts else (value,):
+            device = "/device:" + part.device.rpartition("device:")[2]
+            out[device] = out.get(device, 0) + math.prod(part.shape) * part.dtype.size
+        return out
 
     # -- helpers -----------------------------------------------------------------------
     def strategy(self, devices: list[str] | None = None) -> Any:

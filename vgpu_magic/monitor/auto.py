@@ -1,20 +1,12 @@
 """Automatic monitoring: every Keras ``fit``/``evaluate``/``predict`` gets a
 :class:`~vgpu_magic.monitor.callback.MemoryMonitor` without code changes.
 
-:class:`AutoMonitoring` replaces ``keras.Model.fit``, ``evaluate`` and
-``predict`` with wrappers that append a fresh monitor to ``callbacks``, and
-:meth:`~AutoMonitoring.disable` puts back exactly what was there: the class
-attribute that was set, or no attribute at all where the method was inherited
-(so ``keras.Model.fit is original`` holds again). It undoes only what is still
-its own: where another tool patched ``keras.Model.fit`` after it (wrapping
-this wrapper, or replacing it), that tool's patch stays and this wrapper, if
-still called through it, becomes a plain pass-through. A call that already has
-a monitor, that runs inside a monitored call (``fit``'s validation), or that
-receives Keras' own ``CallbackList`` is left alone.
-
-Importing this module imports neither Keras nor TensorFlow; :meth:`enable`
-imports Keras (which does not start TensorFlow's runtime).
-"""
+:class:`AutoMonitoring` replaces ``keras.Model.fit``, ``evaluate`` and ``predict`` with wrappers that append
+a fresh monitor to ``callbacks``; :meth:`~AutoMonitoring.disable` puts back exactly what was there (no
+attribute where the method was inherited), but only what is still its own: another tool's later patch
+stays, and this wrapper inside it passes through. A call that already has a monitor, runs inside a
+monitored call (``fit``'s validation), or receives Keras' own ``CallbackList`` is left alone. Importing
+this module imports no Keras; :meth:`~AutoMonitoring.enable` does (which starts no runtime)."""
 
 from __future__ import annotations
 
@@ -31,13 +23,8 @@ _MISSING = object()
 
 
 class AutoMonitoring:
-    """Patches ``keras.Model`` so that every ``fit``/``evaluate``/``predict`` is monitored.
-
-    Parameters
-    ----------
-    factory
-        Makes the monitor for one call; by default ``MemoryMonitor(**options)``.
-    """
+    """Patches ``keras.Model`` so that every ``fit``/``evaluate``/``predict`` is monitored by a monitor
+    from ``factory()`` (by default ``MemoryMonitor(**options)``)."""
 
     def __init__(self, factory: Callable[[], Any] | None = None) -> None:
         self._factory = factory
@@ -45,8 +32,7 @@ class AutoMonitoring:
         self._saved: dict[str, Any] = {}
         self._wrappers: dict[str, Any] = {}
         self._model_class: Any = None
-        #: Methods another tool had patched over ours when monitoring was
-        #: switched off (left in place, ours inside them passes through).
+        #: Methods another tool had patched over ours when monitoring was switched off.
         self.kept: list[str] = []
         self._local = threading.local()
         self.monitors: list[Any] = []
@@ -120,8 +106,7 @@ class AutoMonitoring:
         self.kept = []
 
     def disable(self) -> None:
-        """Restore ``keras.Model`` as it was where the method is still ours;
-        a no-op when off."""
+        """Restore ``keras.Model`` as it was where the method is still ours."""
         if not self.enabled:
             return
         model = self._model_class

@@ -9,9 +9,9 @@ worker thread instead of making every step wait for them."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
+from ..keras_backend import keras_backend
 from .session import KEPT_TRACES, MonitorSession
 
 __all__ = ["MemoryMonitor", "KEPT_TRACES"]
@@ -50,8 +50,7 @@ class MemoryMonitor(MonitorSession):
         return self._model_hint if self._model_hint is not None else self._model
 
     def _preferred_framework(self) -> str | None:
-        keras = sys.modules.get("keras")
-        return keras.backend.backend() if keras is not None else None
+        return keras_backend()
 
     def _run_params(self) -> dict:
         return self.params or {}

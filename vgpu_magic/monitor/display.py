@@ -1,10 +1,5 @@
-"""Where the memory view goes in a notebook: one output, shown once, updated in place.
-
-:class:`DisplaySurface` displays the first object with a display id and
-updates that output with every later one, so the notebook never grows a list
-of outputs. It opens with the live widget, before Keras' progress bar prints,
-so the bar's ``\r`` updates keep rewriting one line below it.
-:class:`MemoryFrame` is the final image: PNG plus its text form."""
+"""Where the memory view goes in a notebook: one output, shown once, updated in place
+(:class:`DisplaySurface`), ending with :class:`MemoryFrame`, the final image (PNG plus its text form)."""
 
 from __future__ import annotations
 
@@ -25,11 +20,7 @@ DISPLAY_MODES = ("auto", "rich", "text", "none")
 
 
 def detect_frontend() -> str:
-    """``"rich"`` inside a Jupyter kernel (which can show images), else ``"text"``.
-
-    Terminal IPython, plain scripts and anything without a kernel get text.
-    Never imports IPython itself.
-    """
+    """``"rich"`` inside a Jupyter kernel, else ``"text"`` (terminal IPython, scripts); imports no IPython."""
     if "IPython" not in sys.modules:
         return "text"
     from IPython import get_ipython
@@ -41,8 +32,7 @@ def detect_frontend() -> str:
 
 
 class MemoryFrame:
-    """The final image for a notebook: PNG (``None`` where matplotlib is
-    missing: text only) plus its text form."""
+    """The final image: PNG (``None`` without matplotlib) plus its text form."""
 
     def __init__(self, png: bytes | None, text: str) -> None:
         self.png = png
@@ -59,14 +49,8 @@ class MemoryFrame:
 
 
 class DisplaySurface:
-    """One output in a notebook, shown once and then updated in place.
-
-    Parameters
-    ----------
-    display
-        ``display(obj, display_id=True) -> handle`` with ``handle.update(obj)``;
-        by default :func:`IPython.display.display`. Tests pass a fake.
-    """
+    """One output, shown once through ``display(obj, display_id=True) -> handle`` (IPython's by default),
+    then updated in place through ``handle.update(obj)``."""
 
     def __init__(self, display: Callable[..., Any] | None = None) -> None:
         if display is None:
@@ -83,15 +67,9 @@ class DisplaySurface:
 
 @contextlib.contextmanager
 def interrupts_deferred() -> Iterator[list[int]]:
-    """Hold back ``SIGINT`` (a kernel interrupt) for the duration, in the main
-    thread; yields a list that records the interrupts that arrived.
-
-    Used for the final image drawn when a cell ends: the cell is over, so an
-    interrupt then has nothing left to stop, and letting it land inside
-    matplotlib or PIL would lose the frame and print a traceback from an event
-    hook. Elsewhere (another thread, a handler that is not Python's) it does
-    nothing.
-    """
+    """Hold back ``SIGINT`` (a kernel interrupt) in the main thread for the duration, recording what
+    arrived: for the final image drawn when a cell ended, where an interrupt has nothing left to stop and
+    would lose the frame with a traceback from an event hook. Elsewhere it does nothing."""
     arrived: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield arrived

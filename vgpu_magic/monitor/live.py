@@ -1,21 +1,15 @@
 """The live view: a widget the browser draws, fed only new rows of the trace.
 
-:class:`LiveMemoryView` shows a ``MemoryWidget`` (an anywidget whose front
-end, ``live.js``, draws the trace as SVG in the theme's colours) in one
-display output when a run starts, before Keras' progress bar prints, so the
-bar stays one stream output below it. Each update sends the rows added since
-the last one as one custom message; series, units, epoch marks and the title
-are traits, sent when they change. When the run ends the same output gets a
-static image (:mod:`vgpu_magic.monitor.plot`) with the summary as its text,
-which stays in saved notebooks, and the widget is closed.
-
-Not bqplot: setting a ``Lines``' arrays re-sends every point of every series,
-a cost that grows with the run (``benchmarks/monitor_overhead.py`` measures
-both). Updates follow :class:`~vgpu_magic.monitor.views.RedrawThrottle`:
-five a second, under 0.5 % of the kernel's time."""
+:class:`LiveMemoryView` shows a ``MemoryWidget`` (an anywidget; ``live.js`` draws the trace as SVG in the
+theme's colours) in one display output when a run starts, before Keras' progress bar prints, so the bar
+stays one stream output below it. Each update sends the rows added since the last one as one custom
+message; series, units, epoch marks and the title are traits. When the run ends the same output gets the
+static image (:mod:`vgpu_magic.monitor.plot`), which stays in saved notebooks. Not bqplot: setting a
+``Lines``' arrays re-sends every point (``benchmarks/monitor_overhead.py`` measures both)."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,12 +25,12 @@ WIDGET_INSTALL_HINT = "pip install 'vgpu_magic[widgets]'"
 
 
 def widget_available() -> bool:
-    """Whether the live widget can be built (anywidget installed)."""
     import importlib.util
 
     return importlib.util.find_spec("anywidget") is not None
 
 
+@functools.cache
 def _widget_class() -> type:
     import anywidget
     import traitlets
@@ -54,23 +48,16 @@ def _widget_class() -> type:
         note = traitlets.Unicode().tag(sync=True)
 
         def __repr__(self) -> str:
-            # The text form of the live output (front ends without widgets, nbval): the
-            # title, not every trait.
-            return self.title
+            return self.title  # the live output's text form (front ends without widgets, nbval)
 
     return MemoryWidget
 
 
-_WIDGET_CLASS: list[type] = []
-
-
 def memory_widget(**traits: Any) -> Any:
-    """A new ``MemoryWidget`` (the class is built once, at first use)."""
+    """A new ``MemoryWidget``."""
     import uuid
 
-    if not _WIDGET_CLASS:
-        _WIDGET_CLASS.append(_widget_class())
-    return _WIDGET_CLASS[0](key=uuid.uuid4().hex, **traits)
+    return _widget_class()(key=uuid.uuid4().hex, **traits)
 
 
 def _title(trace: MemoryTrace) -> str:
@@ -96,29 +83,11 @@ def _series(trace: MemoryTrace) -> list[dict[str, Any]]:
 
 
 class LiveMemoryView(View):
-    """Feeds a :class:`MemoryWidget` and leaves the final image in its output.
-
-    Parameters
-    ----------
-    surface
-        Where the widget and then the image are shown
-        (:class:`~vgpu_magic.monitor.display.DisplaySurface` by default).
-    throttle
-        When the next update may go (see the module docstring).
-    widget
-        ``widget(**traits)`` builds the widget; tests pass a fake.
-    defer
-        ``defer(draw)`` postpones the final image, e.g. to the end of the cell,
-        so drawing it does not count against the run; without it, it is drawn
-        at once.
-    final_image
-        ``final_image(trace) -> (png, text)``; by default the static figure
-        of :mod:`vgpu_magic.monitor.plot`, or the text alone without matplotlib.
-
-    ``update_costs`` and ``update_times`` keep each update's kernel seconds
-    (the thread's CPU time, ``cost_clock``) and start time, ``final_cost`` the final image's, for the benchmark and
-    the tests.
-    """
+    """Feeds a ``MemoryWidget`` on ``surface`` (a :class:`~vgpu_magic.monitor.display.DisplaySurface`) and
+    leaves the final image there: ``final_image(trace) -> (png, text)``, drawn when ``defer(draw)`` says
+    (e.g. at the cell's end, so it does not count against the run). ``widget(**traits)`` builds the widget
+    (tests pass a fake). ``update_costs``, ``update_times`` and ``final_cost`` keep each update's kernel
+    seconds (``cost_clock``: the thread's CPU time) and start, and the final image's, for the benchmark."""
 
     def __init__(
         self,
@@ -166,15 +135,13 @@ class LiveMemoryView(View):
         self._update(trace)
 
     def series_changed(self, trace: MemoryTrace) -> None:
-        """Devices joined: every row again, with their columns."""
         if self.widget is not None:
             self.widget.series = _series(trace)
             self._bucket = 0  # a reset: the rows have new columns
             self._update(trace)
 
     def _update(self, trace: MemoryTrace) -> None:
-        """Send the rows added since the last update (all of them, as a reset,
-        when the trace merged older rows into its envelope meanwhile)."""
+        """Send the rows added since the last update (all, as a reset, where the envelope or columns changed)."""
         if self.widget is None:
             return
         start, cpu = self.clock(), self.cost_clock()
@@ -195,12 +162,9 @@ class LiveMemoryView(View):
             self._marks = len(trace.epoch_starts)
             first_epoch = trace.epoch[0] if len(trace) else 0  # the epoch the run began in: no mark
             self.widget.marks = [[round(t, 3), e] for t, e in trace.epoch_starts if e != first_epoch]
-        for name, value in (("title", _title(trace)), ("units", _units(trace))):
+        for name, value in (("title", _title(trace)), ("units", _units(trace)), ("note", trace.variables_text())):
             if getattr(self.widget, name) != value:
                 setattr(self.widget, name, value)
-        note = trace.variables_text()
-        if self.widget.note != note:
-            self.widget.note = note
         # The kernel's own work (this thread's CPU time): on a busy machine the wall clock
         # would also count the time other processes had the core, and starve the view.
         cost = self.cost_clock() - cpu
@@ -229,8 +193,7 @@ class LiveMemoryView(View):
 
 
 def static_image(trace: MemoryTrace) -> tuple[bytes | None, str]:
-    """The final frame: the static figure as a transparent PNG (``None``
-    without matplotlib) and its text form, title and summary."""
+    """The final frame: the static figure as a transparent PNG (``None`` without matplotlib) and its text."""
     from .plot import render_static
 
     text = title_text(trace, final=True) + "\n" + summary_line(trace)

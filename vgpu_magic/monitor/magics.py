@@ -30,7 +30,7 @@ def _display_mode(text: str) -> str:
 
 def _interval(text: str) -> float:
     """``--interval``'s value, within the bounds ``MemoryMonitor(interval=...)`` accepts."""
-    from .recorder import MAX_INTERVAL, MIN_INTERVAL
+    from .session import MAX_INTERVAL, MIN_INTERVAL
 
     return seconds("--interval", MIN_INTERVAL, MAX_INTERVAL)(text)
 

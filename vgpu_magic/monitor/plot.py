@@ -1,23 +1,11 @@
-"""The static picture of a :class:`~vgpu_magic.monitor.trace.MemoryTrace`:
-one matplotlib figure (Agg, no pyplot), drawn once when a run ends.
+"""The static picture of a :class:`~vgpu_magic.monitor.trace.MemoryTrace`: one matplotlib figure (Agg,
+no pyplot), drawn once when a run ends; what stays in the notebook and in ``savefig``'s file.
 
-It is what stays in the notebook (and in ``savefig``'s file) after the live
-view (:mod:`vgpu_magic.monitor.live`), so it follows the same rules:
-
-* device memory and process memory (RSS) in separate panels, each in the
-  unit the live view ended with (:func:`~vgpu_magic.monitor.views.panel_unit`),
-  which the legend's figures use too;
-* one solid line per series (held as a step until the next sample), its
-  running peak dotted in the same colour, a capped series' cap dashed (equal
-  caps interleave their dashes and are labelled once); series that read the
-  same all run long are ONE line, labelled as such;
-* the legend above the panels, outside the data; epoch starts as dotted lines;
-  the exact variable bytes per replica in a side panel;
-* a transparent background. The legend and the epoch labels sit on a light
-  card of their own with dark text, and the epoch lines alternate dark and
-  light dots, so they keep 4.5:1 contrast on light and dark themes alike;
-  axes and titles are a mid grey (:data:`TEXT`).
-"""
+As the live view: device memory and RSS in separate panels, each in the unit the live view ended with;
+one solid line per series (a step until the next sample), its running peak dotted, a cap dashed (equal
+caps interleave their dashes); series alike all run long as ONE line; epoch starts dotted; the variable
+bytes per replica in a side panel. Transparent: the legend and epoch labels sit on a light card with dark
+text and epoch lines alternate dark and light dots (4.5:1 on light and dark themes); axes are mid grey."""
 
 from __future__ import annotations
 
@@ -94,15 +82,9 @@ def _style(ax: Any) -> None:
 
 
 class MemoryFigure:
-    """The static figure of one finished (or running) trace.
-
-    ``axes`` maps each panel (``"device"``, ``"process"``) that has series to
-    its axes; ``groups`` holds the series drawn as one line (see
-    :func:`~vgpu_magic.monitor.views.alike_groups`), ``lines`` and
-    ``peak_lines`` each group's current and running-peak line, ``legend`` the
-    figure legend, ``title`` its title, ``vax`` the variables panel (``None``
-    without variables).
-    """
+    """The static figure of one trace: ``axes`` per panel, ``groups`` the series drawn as one line
+    (:func:`~vgpu_magic.monitor.views.alike_groups`), ``lines`` and ``peak_lines`` each group's,
+    ``legend``, ``title``, ``vax`` the variables panel (``None`` without variables)."""
 
     def __init__(self, trace: MemoryTrace, dpi: int = DPI, width: float = 9.0) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -231,9 +213,7 @@ class MemoryFigure:
             )
 
     def _draw_marks(self) -> None:
-        """Epoch starts: a dotted line of dark and light dots in every panel;
-        a label on a light card above the top panel, where it does not run
-        into the one before."""
+        """Epoch starts: dark and light dots in every panel, a label above where it fits."""
         starts = self.trace.epoch_starts
         first = self.trace.epoch[0] if len(self.trace) else 0  # the epoch the run began in: no mark
         panels = list(self.axes.values())
@@ -274,7 +254,6 @@ class MemoryFigure:
             vax.text(v / scale, y, " " + format_bytes(v, unit), va="center", fontsize=_NOTE_PT, color=TEXT)
 
     def png(self) -> bytes:
-        """The figure as a PNG with a transparent background."""
         out = io.BytesIO()
         self.fig.savefig(out, format="png", transparent=True)
         return out.getvalue()
@@ -286,11 +265,8 @@ def render_static(trace: MemoryTrace, dpi: int = DPI) -> bytes:
 
 
 def save_trace_figure(trace: MemoryTrace, path: str, dpi: int = DPI) -> str:
-    """Write the static figure of ``trace`` to ``path`` (format from its
-    suffix, transparent background).
-
-    Raises :class:`ImportError` with the install hint without matplotlib.
-    """
+    """Write the static figure of ``trace`` to ``path`` (format from its suffix); :class:`ImportError`
+    with the install hint without matplotlib."""
     require_matplotlib("the plot cannot be saved")
     MemoryFigure(trace, dpi=dpi).fig.savefig(path, dpi=dpi, transparent=True)
     return path

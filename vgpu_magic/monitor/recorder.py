@@ -1,64 +1,36 @@
-"""The recorder: samples memory into a :class:`MemoryTrace` and feeds a view.
+"""The recorder: samples memory into a :class:`MemoryTrace` and feeds a view; knows nothing of Keras.
 
-:class:`MemoryRecorder` knows nothing about Keras: the Keras callback, custom
-loops, ``%%vgpu_run`` and the tests drive the same calls.
+With ``background=True`` a thread of the recorder samples every ``interval`` and feeds the view; the
+training thread's hooks only say which step and epoch it is. Training does not call back at a steady pace
+(Keras' first step of an epoch, a big model's step, a JAX loop dispatching ahead hold the training thread
+for seconds: an unpaced ``MirroredStrategy`` fit fed from its hooks updated 2.2 times a second, in bursts).
+The run's start, each epoch's end and the run's end are sampled on the caller's thread.
 
-With ``background=True`` a thread of the recorder samples every ``interval``
-and feeds the view; the training thread's hooks only say which step and epoch
-it is. Training does not call back at a steady pace: Keras' first step of an
-epoch, a big model's step, a JAX loop that dispatches ahead all hold the
-training thread for up to seconds, and a view fed from its hooks froze then
-(an unpaced ``MirroredStrategy`` fit updated 2.2 times a second, in bursts).
-The thread needs the interpreter lock only for a sample and an update.
-Without it, :meth:`~MemoryRecorder.tick` samples when ``interval`` has
-passed. The run's start, each epoch's end and the run's end are sampled on
-the caller's thread.
-
-Devices join: where no runtime ran when the run started the sampler reads
-the process alone and is ``provisional``; every :data:`JOIN_EVERY` seconds a
-hook asks for a sampler again, and once a runtime runs its devices join the
-trace (0 B in the rows before: their allocators did not exist).
-
-Allocators keep their own peaks, so none is lost between samples; nothing
-resets them. A view or sampler that fails is reported once and switched off,
-never raising into the training loop."""
+Devices join: a ``provisional`` sampler (no runtime ran at the start) reads the process alone; every
+:data:`JOIN_EVERY` seconds a hook asks for a sampler again, and once a runtime runs its devices join the
+trace (0 B in the rows before). Allocators keep their own peaks, which nothing resets. A view or sampler
+that fails is reported once and switched off, never raising into the training loop."""
 
 from __future__ import annotations
 
 import contextvars
 import math
-import numbers
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from .trace import MemoryTrace
 
-__all__ = ["MemoryRecorder", "RecorderStats", "KEPT_COSTS", "MIN_INTERVAL", "MAX_INTERVAL", "check_interval"]
+__all__ = ["MemoryRecorder", "RecorderStats", "KEPT_COSTS"]
 
 #: Per-sample costs kept for statistics (the count and the sum cover all).
 KEPT_COSTS = 4096
 
-#: Seconds between samples: the bounds ``interval=`` and ``--interval`` accept.
-MIN_INTERVAL, MAX_INTERVAL = 0.001, 3600.0
-
 #: Seconds between two looks for a runtime that started during the run.
 JOIN_EVERY = 0.5
-
-
-def check_interval(interval: Any) -> float:
-    """``interval`` as seconds; :class:`ValueError` unless it is a real number
-    (not a bool; ``numpy.float32`` is fine) from :data:`MIN_INTERVAL` to
-    :data:`MAX_INTERVAL` (``--interval``'s text is read by :mod:`vgpu_magic.grammar`
-    within the same bounds)."""
-    if isinstance(interval, bool) or not isinstance(interval, numbers.Real):
-        raise ValueError(f"interval={interval!r} is not a number of seconds; use e.g. interval=0.05")
-    if not (math.isfinite(interval) and MIN_INTERVAL <= interval <= MAX_INTERVAL):
-        raise ValueError(f"interval={interval!r} is out of range; use {MIN_INTERVAL:g} to {MAX_INTERVAL:g} seconds")
-    return float(interval)
 
 
 class RecorderStats:
@@ -82,25 +54,19 @@ def _print_report(message: str) -> None:
 
 
 class MemoryRecorder:
-    """Records one run at a time; :meth:`start` begins the next run with a
-    fresh trace (set :attr:`view` first to draw it somewhere else).
+    """Records one run at a time; :meth:`start` begins the next with a fresh trace (and :attr:`view`).
 
     Parameters
     ----------
     sampler_factory
-        Returns an object with ``series``, ``devices``, ``read() -> [(current,
-        peak), ...]`` and, optionally, ``provisional`` (asked again later,
-        see the module docstring). Called when a run starts.
+        Returns an object with ``series``, ``devices``, ``read() -> [(current, peak), ...]`` and,
+        optionally, ``provisional``. Called when a run starts, and again while provisional.
     view
-        The view to feed (see :mod:`vgpu_magic.monitor.views`).
-    interval
-        Minimum seconds between two samples.
+        The view to feed (see :mod:`vgpu_magic.monitor.views`); ``interval`` seconds between samples.
     variables
-        Returns the variables whose per-device bytes to show, or ``None``.
-    report
-        Where one-line problem reports go (stderr by default).
-    background
-        Sample from a thread of the recorder (see the module docstring).
+        ``variables(sampler)``: the bytes of the variables on each of its devices, or ``None``.
+    report, background
+        Where one-line problem reports go (stderr by default); sample from a thread of the recorder.
     """
 
     def __init__(
@@ -109,7 +75,7 @@ class MemoryRecorder:
         view: Any,
         *,
         interval: float = 0.05,
-        variables: Callable[[], Iterable[Any] | None] | None = None,
+        variables: Callable[[Any], dict[str, int] | None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
         report: Callable[[str], None] = _print_report,
         background: bool = False,
@@ -208,8 +174,7 @@ class MemoryRecorder:
             thread.join()
 
     def tick(self, step: int | None = None) -> None:
-        """Call at every step: notes the step, and samples when ``interval``
-        has passed and no thread of the recorder samples."""
+        """Call at every step: notes it, and samples when ``interval`` passed and no thread samples."""
         if step is not None:
             self.step = step
         if getattr(self._sampler, "provisional", False):
@@ -244,9 +209,8 @@ class MemoryRecorder:
             self._view_call("sampled", self.trace, now)
 
     def _maybe_join(self) -> None:
-        """Devices of a runtime that started since: into the trace, 0 B before.
-        Only on the training thread: asking a framework from another thread
-        while this one imports it can deadlock the import."""
+        """Devices of a runtime that started since: into the trace, 0 B before. Only on the training
+        thread: asking a framework from another thread while this one imports it can deadlock the import."""
         now = self.clock()
         if not (self.active and getattr(self._sampler, "provisional", False) and now - self._joined >= JOIN_EVERY):
             return
@@ -288,11 +252,9 @@ class MemoryRecorder:
         if self.trace is None or self._variables is None:
             return
         try:
-            from .sampler import variable_bytes
-
-            found = self._variables()
+            found = self._variables(self._sampler)
             if found is not None:
-                self.trace.variable_bytes = variable_bytes(found, self._sampler.devices)
+                self.trace.variable_bytes = found
         except Exception as exc:  # noqa: BLE001 - any framework's variables; a monitor never stops training
             self.report_once("variables", f"variable sizes cannot be read ({type(exc).__name__}: {exc})")
 

@@ -1,14 +1,8 @@
-"""Reading memory per device, through the framework seam.
+"""Reading memory per device, through the framework seam (nothing here names a framework).
 
-The monitor asks the framework (:mod:`vgpu_magic.frameworks`) which devices
-the replicas use and their caps, and for a fast reader of each device's
-current and peak bytes; nothing here names a framework. Each logical GPU is
-one series with its cap; logical CPUs are one series each, or ONE
-"host allocator" series where the framework says they share one
-(``Capabilities.cpus_share_allocator``); the ``"process"`` series adds the
-process' resident memory (RSS), which is always true where an allocator keeps
-no statistics. :func:`variable_bytes` counts what differs per replica on CPU,
-the bytes of each replica's copy of the variables."""
+Each logical GPU is one series with its cap; logical CPUs are one series each, or ONE "host allocator"
+series where the framework says they share one (``Capabilities.cpus_share_allocator``); the ``"process"``
+series adds the process' resident memory (RSS), true where an allocator keeps no statistics."""
 
 from __future__ import annotations
 
@@ -61,10 +55,8 @@ def build_series(
     shared_cpus: bool = True,
     process: bool | None = False,
 ) -> tuple[SeriesInfo, ...]:
-    """The series for ``devices``: one per logical GPU (with its cap in
-    bytes); the logical CPUs as one shared ``"host"`` series when
-    ``shared_cpus``, else one each; and the ``"process"`` RSS series when
-    ``process`` (by default, when a CPU is watched)."""
+    """The series for ``devices`` (see the module docstring); the ``"process"`` series when
+    ``process`` (``None``: when a CPU is watched)."""
     caps = caps or {}
     devices = list(dict.fromkeys(normalize_device(d) for d in devices))
     cpus = tuple(d for d in devices if _device_type(d) == "CPU")
@@ -92,13 +84,8 @@ def _strategy_devices(strategy: Any) -> tuple[str, ...]:
 def monitored_devices(
     framework: Any, devices: Iterable[str] | None = None, model: Any = None, strategy: Any = None
 ) -> list[str]:
-    """The logical devices to watch.
-
-    ``devices`` when given; otherwise every replica device of the framework's
-    configuration plus the devices of ``strategy`` (or of
-    ``model.distribute_strategy`` where the model has one), so a model trained
-    without a strategy still shows every logical device.
-    """
+    """``devices``, or else every replica device of the framework's configuration plus those of
+    ``strategy`` (or ``model.distribute_strategy``), so a model without a strategy shows them all."""
     if devices is not None:
         names = [normalize_device(d) for d in devices]
         if not names:
@@ -119,9 +106,8 @@ def device_caps(framework: Any) -> dict[str, int | None]:
 
 # -- the process' resident memory ----------------------------------------------------------
 def process_memory_reader() -> Callable[[], tuple[int, int]]:
-    """``read() -> (rss, peak_rss)`` in bytes for this process, from psutil
-    (the peak is the operating system's high-water mark where it keeps one,
-    ``ru_maxrss`` or the peak working set)."""
+    """``read() -> (rss, peak_rss)`` in bytes for this process, from psutil; the peak is the
+    operating system's high-water mark (``ru_maxrss``, or the peak working set)."""
     import psutil
 
     info = psutil.Process().memory_info
@@ -140,64 +126,12 @@ def process_memory_reader() -> Callable[[], tuple[int, int]]:
 
 
 # -- variables per device -------------------------------------------------------------------
-def _device_of(part: Any) -> str | None:
-    device = getattr(part, "device", None)
-    if isinstance(device, str):
-        try:
-            return normalize_device(device)
-        except ValueError:
-            return None
-    # A JAX-style device object: platform and id.
-    platform, index = getattr(device, "platform", None), getattr(device, "id", None)
-    if isinstance(platform, str) and isinstance(index, int):
-        return f"/device:{platform.upper()}:{index}"
-    return None
-
-
-def _parts(variable: Any) -> list[tuple[Any, str | None, int]]:
-    """``(identity, device, bytes)`` of each per-device part of a variable."""
-    value = getattr(variable, "value", variable)
-    if callable(value):  # a tf.Variable: .value is a method, the variable is the value
-        value = variable
-    components = getattr(value, "values", None)
-    if isinstance(components, tuple) and components:  # a distributed (e.g. mirrored) variable
-        return [(c, _device_of(c), _nbytes(c)) for c in components]
-    shards = getattr(value, "addressable_shards", None)
-    if shards:  # an array sharded or replicated over several devices
-        return [(s.data, _device_of(s), int(s.data.nbytes)) for s in shards]
-    return [(value, _device_of(value), _nbytes(value))]
-
-
-def _nbytes(component: Any) -> int:
-    shape = component.shape
-    count = shape.num_elements() if hasattr(shape, "num_elements") else None
-    if count is None:
-        count = 1
-        for dim in tuple(shape):
-            count *= int(dim)
-    dtype = component.dtype
-    size = getattr(dtype, "size", None)
-    if not isinstance(size, int):
-        size = getattr(dtype, "itemsize", None)
-    return int(count) * int(size)
-
-
-def variable_bytes(variables: Iterable[Any], devices: Sequence[str] = ()) -> dict[str, int]:
-    """Bytes of variables held on each logical device.
-
-    For a distributed variable (e.g. TensorFlow's ``MirroredVariable``) each
-    per-replica component counts on its own device; for an array placed on
-    several devices each shard counts on its device; a plain variable counts
-    on its device. ``devices`` are listed first (with 0 when nothing lives
-    there).
-    """
+def variable_bytes(framework: Any, variables: Iterable[Any], devices: Sequence[str] = ()) -> dict[str, int]:
+    """Bytes of ``variables`` on each logical device, each part where the framework places it
+    (:meth:`~vgpu_magic.frameworks.base.Framework.variable_bytes`); ``devices`` first, 0 where nothing lives."""
     out = {normalize_device(d): 0 for d in devices}
-    seen: set[int] = set()
-    for variable in variables:
-        for identity, device, size in _parts(variable):
-            if id(identity) in seen or device is None:
-                continue
-            seen.add(id(identity))
+    for variable in {id(v): v for v in variables}.values():
+        for device, size in framework.variable_bytes(variable).items():
             out[device] = out.get(device, 0) + size
     return out
 
@@ -215,27 +149,11 @@ PROCESS_EVERY = 0.5
 
 
 class DeviceSampler:
-    """Reads ``(current, peak)`` bytes of every series.
-
-    The process' RSS is read at most every :data:`PROCESS_EVERY` seconds
-    (samples in between repeat it): it moves slowly, its peak is the
-    operating system's own high-water mark, and reading it costs as much as
-    reading four allocators.
-
-    Parameters
-    ----------
-    series
-        From :func:`build_series`; the process series, if any, last.
-    reader
-        ``reader(names) -> [(current, peak), ...]``: a framework's
-        :meth:`~vgpu_magic.frameworks.base.Framework.memory_reader`, called
-        with the ``"GPU:0"``-style name of each device series.
-    process
-        ``process() -> (rss, peak)``, by default :func:`process_memory_reader`.
-    provisional
-        True where no runtime ran yet when it was made: the recorder asks for
-        a sampler again later (its devices join the run).
-    """
+    """Reads ``(current, peak)`` bytes of every series: the device series through ``reader(names)``
+    (a framework's :meth:`~vgpu_magic.frameworks.base.Framework.memory_reader`, given ``"GPU:0"``-style
+    names), the process series (last) through ``process()``, at most every :data:`PROCESS_EVERY` seconds:
+    RSS moves slowly, its peak is the system's own, and a read costs as much as four allocators'.
+    A ``provisional`` sampler (made before any runtime ran) is asked for again: devices join the run."""
 
     def __init__(
         self,
@@ -246,6 +164,8 @@ class DeviceSampler:
     ) -> None:
         self.series = tuple(series)
         self.provisional = provisional
+        #: Whose devices it reads (:meth:`for_framework`), for the variables per replica.
+        self.framework: Any = None
         #: What it reads, in the framework's words (the title of a custom loop's view).
         self.subject = "this process" if all(s.key == "process" for s in self.series) else ""
         device_series = [s for s in self.series if s.key != "process"]
@@ -270,24 +190,22 @@ class DeviceSampler:
         strategy: Any = None,
         process: bool | None = None,
     ) -> DeviceSampler:
-        """A sampler over :func:`monitored_devices` of ``framework``, with its
-        caps, its CPU grouping and the process' RSS (see :func:`build_series`)."""
+        """A sampler over :func:`monitored_devices` of ``framework``, with its caps and CPU grouping."""
         names = monitored_devices(framework, devices, model=model, strategy=strategy)
         shared = framework.capabilities.cpus_share_allocator
         series = build_series(names, device_caps(framework), shared_cpus=shared, process=process)
         # A device's own series is labelled in the framework's words (JAX: "cpu:3").
         series = [replace(s, label=framework.device_label(s.key)) if s.devices == (s.key,) else s for s in series]
         sampler = cls(series, framework.memory_reader())
+        sampler.framework = framework
         sampler.subject = f"{framework.capabilities.label} · {len(names)} device{'s' * (len(names) != 1)}"
         return sampler
 
     @property
     def devices(self) -> tuple[str, ...]:
-        """Every logical device covered, in series order."""
         return tuple(d for s in self.series for d in s.devices)
 
     def read(self) -> list[tuple[int, int]]:
-        """``(current, peak)`` per series."""
         found = self._reader(self._names) if self._names else []
         if len(found) != len(self._names):
             raise SamplerError(f"{len(found)} readings for {len(self._names)} devices ({', '.join(self._names)})")

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from .display import DISPLAY_MODES, detect_frontend, interrupts_deferred
 from .plot import save_trace_figure
-from .recorder import MemoryRecorder, check_interval
-from .sampler import PROCESS_LABEL, DeviceSampler, model_variables
+from .recorder import MemoryRecorder
+from .sampler import PROCESS_LABEL, DeviceSampler, model_variables, variable_bytes
 from .trace import MemoryTrace, SeriesInfo
 from .views import NullView, TextSummaryView
 
@@ -28,6 +28,9 @@ __all__ = ["MonitorSession", "process_sampler", "KEPT_TRACES"]
 
 #: Finished runs :attr:`MonitorSession.traces` keeps (the latest ones).
 KEPT_TRACES = 10
+
+#: The seconds between samples that ``interval=`` and ``--interval`` accept.
+MIN_INTERVAL, MAX_INTERVAL = 0.001, 3600.0
 
 #: Reports about this process' devices already made (by any monitor).
 _SAID: set[str] = set()
@@ -50,14 +53,10 @@ def _shell() -> Any:
 
 
 class MonitorSession:
-    """Watch the memory of every logical device while a block of code runs:
-    a custom training loop in JAX, PyTorch or TensorFlow, or (through
-    :class:`~vgpu_magic.monitor.callback.MemoryMonitor`) Keras' ``fit``.
-
-    Needs no framework: memory is read through the one whose runtime runs, and
-    until one does, the process' resident memory alone (the devices join once a
-    runtime starts). A run samples when it starts and when it ends, so a
-    ``with`` block always leaves a trace.
+    """Watch the memory of every logical device while a block of code runs: a custom training loop in
+    JAX, PyTorch or TensorFlow, or (through :class:`~vgpu_magic.monitor.callback.MemoryMonitor`) Keras'
+    ``fit``. Memory is read through the framework whose runtime runs, and until one does, the process'
+    alone (the devices join once a runtime starts). A run samples when it starts and when it ends.
 
     Parameters
     ----------
@@ -69,8 +68,7 @@ class MonitorSession:
     strategy
         A ``tf.distribute`` strategy whose devices to watch as well.
     interval
-        Seconds between samples, 0.001 to 3600 (peaks between samples are never
-        lost: allocators keep their own).
+        Seconds between samples, 0.001 to 3600 (allocators keep their own peaks in between).
     display
         ``"auto"``, ``"rich"``, ``"text"`` or ``"none"`` (see :data:`DISPLAY_MODES`).
     view
@@ -99,7 +97,9 @@ class MonitorSession:
     ) -> None:
         if display not in DISPLAY_MODES:
             raise ValueError(f"display={display!r} is not a display mode; use one of {', '.join(DISPLAY_MODES)}")
-        seconds = check_interval(interval)
+        from ..grammar import parse_seconds  # the one check of --interval's and interval='s seconds
+
+        seconds = parse_seconds(interval, minimum=MIN_INTERVAL, maximum=MAX_INTERVAL, option="interval=")
         if isinstance(devices, str):
             devices = [d for d in devices.split(",") if d.strip()]
         self._devices = None if devices is None else list(devices)
@@ -129,8 +129,7 @@ class MonitorSession:
         return None
 
     def _running_framework(self) -> Any:
-        """The framework whose runtime runs (Keras' backend first where it
-        is one), or ``None`` while none does."""
+        """The framework whose runtime runs (the preferred first), or ``None`` while none does."""
         from .. import frameworks
 
         preferred = self._preferred_framework()
@@ -138,9 +137,8 @@ class MonitorSession:
         return next((fw for fw in found if fw.runtime_started()), None)
 
     def _make_sampler(self) -> DeviceSampler:
-        """Every device of the framework whose runtime runs; while none runs,
-        the process' RSS alone, provisionally: the recorder asks again, and
-        the devices join the run once a runtime starts in it."""
+        """Every device of the framework whose runtime runs; while none runs, the process' RSS alone,
+        provisionally (the recorder asks again)."""
         framework = self._running_framework()
         if framework is None:
             if self._devices is not None:
@@ -162,12 +160,15 @@ class MonitorSession:
             self._report_once_per_process(
                 f"device memory cannot be read ({exc}); the memory view shows the process' memory"
             )
-            return process_sampler()
+            sampler = process_sampler()
+            sampler.framework = framework  # its variables per replica are still exact
         return sampler
 
-    def _variables(self) -> list[Any] | None:
+    def _variables(self, sampler: DeviceSampler) -> dict[str, int] | None:
         model = self._current_model()
-        return None if model is None else model_variables(model)
+        if model is None or sampler.framework is None:
+            return None
+        return variable_bytes(sampler.framework, model_variables(model), sampler.devices)
 
     def _report(self, message: str) -> None:
         import sys
@@ -177,7 +178,7 @@ class MonitorSession:
             print(f"vgpu_magic: {message}", file=sys.stderr, flush=True)
 
     def _report_once_per_process(self, message: str) -> None:
-        """Report what every later run (of any monitor) would find the same, once."""
+        """Report what every later run of any monitor would find the same, once."""
         if message not in _SAID:
             _SAID.add(message)
             self._report(message)
@@ -240,9 +241,8 @@ class MonitorSession:
             self._unwatch_cell()
 
     def _watch_cell(self) -> None:
-        """End the run with its cell at the latest (an interrupted ``fit``
-        still gets its final image), and draw final images there, after the
-        training, not inside it."""
+        """End the run with its cell at the latest (an interrupted ``fit`` still gets its final image),
+        and draw final images there, after the training."""
         shell = _shell()
         if shell is None or self._shell_watched is shell:
             return
@@ -271,10 +271,7 @@ class MonitorSession:
                 self._report(f"the memory view's final image failed ({type(exc).__name__}: {exc}); the trace is kept")
 
     def _cell_finished(self, result: Any = None) -> None:
-        # Unhook first, so nothing below can leave the hook registered; then
-        # draw with interrupts held back: the cell is over, and an interrupt
-        # landing in the final image would lose it and print a traceback
-        # from the event hook.
+        # Unhook first, so nothing below can leave the hook registered; then draw with interrupts held back.
         self._unwatch_cell()
         with interrupts_deferred():
             if self._recorder.active:
@@ -283,15 +280,13 @@ class MonitorSession:
 
     # -- the public API -------------------------------------------------------------
     def start(self, kind: str = "custom") -> Self:
-        """Begin a run by hand (custom loops); it ends with :meth:`finish` or,
-        in IPython, with the cell at the latest."""
+        """Begin a run by hand; it ends with :meth:`finish` or, in IPython, with the cell at the latest."""
         self._fresh = True
         self._begin(kind)
         return self
 
     def sample(self, step: int | None = None, epoch: int | None = None) -> None:
-        """Say which step (and epoch: a new one is marked) the loop is at; the
-        monitor's thread samples every ``interval``. Starts a run if none is active."""
+        """Say which step (and epoch: a new one is marked) the loop is at; starts a run if none is active."""
         if not self._recorder.active:
             self.start()
         self._recorder.sample(step=step, epoch=epoch)
@@ -307,8 +302,7 @@ class MonitorSession:
         self._recorder.end_epoch(epoch)
 
     def finish(self, interrupted: bool = False) -> MemoryTrace | None:
-        """End the current run; return its trace. The text summary prints at
-        once; in IPython the final image is drawn when the cell ends."""
+        """End the current run; return its trace (in IPython the final image is drawn when the cell ends)."""
         if self._recorder.active:
             self._close(interrupted=interrupted)
         return self.trace
@@ -343,10 +337,7 @@ class MonitorSession:
         return self._require_trace().to_csv(path)
 
     def savefig(self, path: str | os.PathLike, dpi: int = 100) -> str:
-        """Save the plot of the trace (PNG, SVG, PDF... from the suffix).
-
-        Raises :class:`ImportError` saying what to install without matplotlib.
-        """
+        """Save the plot of the trace (PNG, SVG, PDF... from the suffix)."""
         return save_trace_figure(self._require_trace(), os.fspath(path), dpi=dpi)
 
     def __repr__(self) -> str:

@@ -1,20 +1,15 @@
 """The memory trace: plain data, no framework, no matplotlib.
 
-A :class:`MemoryTrace` holds one run: its series (:class:`SeriesInfo`) and,
-per sample, the time, step, epoch, phase and every series' current and peak
-bytes, column-wise in :mod:`array` arrays.
+A :class:`MemoryTrace` holds one run: its series (:class:`SeriesInfo`) and, per sample, the time, step,
+epoch, phase and every series' current and peak bytes, column-wise in :mod:`array` arrays.
 
-Bounded memory: a trace keeps at most ``3 * recent`` rows. The latest samples
-stay at full resolution; older ones become a min/max envelope (each bucket of
-samples two rows, its minima at its first time and its maxima at its last;
-adjacent buckets merge as the envelope grows, so it has one resolution,
-:attr:`MemoryTrace.decimated`). Every spike and dip stays visible, and the
-run's peaks are kept apart from the rows, exact.
+Bounded memory: at most ``3 * recent`` rows. The latest samples stay at full resolution; older ones become
+a min/max envelope (per bucket of samples two rows, its minima at its first time, its maxima at its last;
+adjacent buckets merge as it grows, :attr:`MemoryTrace.decimated`), so every spike and dip stays visible;
+the run's peaks are kept apart, exact.
 
-Interrupts: a ``KeyboardInterrupt`` can land anywhere in
-:meth:`MemoryTrace.append`. A row is written to every column and only then
-counted, by one assignment (a half-written row is never counted and is
-overwritten); new columns are built aside and swapped in with one
+Interrupts: a ``KeyboardInterrupt`` can land anywhere in :meth:`MemoryTrace.append`. A row is written to
+every column and only then counted, by one assignment; new columns are built aside and swapped in by one
 assignment. A sample is recorded whole or not at all."""
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ import csv
 import os
 from array import array
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 from ..units import format_bytes, joined_alike
@@ -38,12 +33,9 @@ RECENT_SAMPLES = 8192
 class SeriesInfo:
     """One memory series: what one allocator (or the process) reports.
 
-    ``key`` is the rows' ``device`` value (``"/device:GPU:1"``, ``"host"`` for a
-    host allocator all logical CPUs share, ``"process"`` for the process' RSS);
-    ``label`` what the views call it; ``devices`` the logical devices it covers
-    (several only when they share an allocator); ``cap`` the device's cap in
-    bytes or ``None``; ``panel`` where it is drawn (``"device"``, or
-    ``"process"``: RSS dwarfs the allocators, so it has a panel of its own)."""
+    ``key`` is the rows' ``device`` (``"/device:GPU:1"``, ``"host"`` for a host allocator the logical CPUs
+    share, ``"process"`` for RSS); ``devices`` the logical devices it covers; ``cap`` in bytes or ``None``;
+    ``panel`` where it is drawn (``"process"``: RSS dwarfs the allocators, so it has a panel of its own)."""
 
     key: str
     label: str
@@ -53,7 +45,6 @@ class SeriesInfo:
 
     @property
     def shared(self) -> bool:
-        """True when several logical devices share this one allocator."""
         return len(self.devices) > 1
 
 
@@ -74,8 +65,7 @@ COLUMNS = MemorySample._fields
 
 
 class _Columns:
-    """The rows of a trace: ``n`` counted rows in parallel arrays, the first
-    ``envelope`` of them min/max rows (see the module docstring)."""
+    """``n`` counted rows in parallel arrays, the first ``envelope`` of them min/max rows."""
 
     __slots__ = ("time", "step", "epoch", "phase", "current", "peak", "n", "envelope", "bucket")
 
@@ -88,8 +78,7 @@ class _Columns:
         self.peak = [array("q") for _ in range(series_count)]
         self.n = 0
         self.envelope = 0
-        #: Samples per envelope bucket (each bucket is two rows).
-        self.bucket = 1
+        self.bucket = 1  # samples per envelope bucket (two rows)
 
     def all(self) -> list[array]:
         return [self.time, self.step, self.epoch, self.phase, *self.current, *self.peak]
@@ -99,13 +88,10 @@ class _Columns:
 class MemoryTrace:
     """Samples of every memory series during one run.
 
-    ``series`` in plot order; ``kind`` what ran (``"fit"``, ``"evaluate"``,
-    ``"predict"``, ``"custom"``); ``baseline_peak`` each series' peak when the
-    run started (nothing resets allocators' peaks, so a peak that never rises
-    above it was reached before the run); ``recent`` the samples kept at full
-    resolution. Per row: ``time`` since the start, ``step``, ``epoch`` (0-based),
-    ``phase`` (``"validate"`` for a fit's validation). Two traces are equal when
-    they describe the same run."""
+    ``kind`` is what ran (``"fit"``, ``"custom"``...); ``baseline_peak`` each series' peak when the run
+    started (a peak that never rises above it was reached before the run); ``recent`` the samples kept at
+    full resolution. Per row: ``time`` since the start, ``step``, ``epoch`` (0-based), ``phase``
+    (``"validate"`` for a fit's validation). Two traces are equal when they describe the same run."""
 
     series: tuple[SeriesInfo, ...]
     kind: str = "custom"
@@ -114,8 +100,7 @@ class MemoryTrace:
     steps_total: int | None = None
     #: (time, epoch) at each epoch's start.
     epoch_starts: list[tuple[float, int]] = field(default_factory=list)
-    #: Bytes of variables on each logical device (exact, from the variables'
-    #: per-device components); empty when no model was known.
+    #: Bytes of variables on each logical device; empty when no model was known.
     variable_bytes: dict[str, int] = field(default_factory=dict)
     interrupted: bool = False
     finished: bool = False
@@ -137,10 +122,7 @@ class MemoryTrace:
 
     # -- recording ------------------------------------------------------------
     def append(self, time: float, step: int, epoch: int, phase: str, readings: Sequence[tuple[int, int]]) -> None:
-        """Add one sample: ``readings`` holds ``(current, peak)`` per series.
-
-        The sample is recorded whole or not at all, also when interrupted.
-        """
+        """Add one sample, whole or not at all: ``readings`` holds ``(current, peak)`` per series."""
         if len(readings) != len(self.series):
             raise ValueError(f"{len(readings)} readings for {len(self.series)} series")
         values = [(int(cur), int(pk)) for cur, pk in readings]
@@ -172,9 +154,8 @@ class MemoryTrace:
             self._cols = _compacted(cols, self.recent)
 
     def add_series(self, series: Sequence[SeriesInfo], baseline_peak: Sequence[int]) -> None:
-        """Use ``series`` from now on, which hold every series so far (by key)
-        and some that joined the run (a runtime started): those read 0 B in
-        the rows before, when their allocator did not exist yet."""
+        """Use ``series`` from now on: every series so far (by key) and some that joined the run, which
+        read 0 B in the rows before (their allocator did not exist yet)."""
         cols, old = self._cols, {s.key: i for i, s in enumerate(self.series)}
         if not set(old) <= {s.key for s in series}:
             raise ValueError(f"{[s.key for s in series]} leaves out some of {list(old)}")
@@ -194,12 +175,10 @@ class MemoryTrace:
         self._cols = out
 
     def mark_epoch(self, time: float, epoch: int) -> None:
-        """Record that ``epoch`` started at ``time``."""
         self.epoch_starts.append((time, epoch))
 
     # -- reading --------------------------------------------------------------
     def __len__(self) -> int:
-        """The number of rows kept (each has one value per series)."""
         return self._cols.n
 
     @property
@@ -209,7 +188,6 @@ class MemoryTrace:
 
     @property
     def time(self) -> array:
-        """Seconds since the run started, per row."""
         return self._column(self._cols.time)
 
     @property
@@ -222,12 +200,11 @@ class MemoryTrace:
 
     @property
     def current(self) -> list[array]:
-        """Per series, current bytes per row."""
+        """Per series, current bytes per row (``peak``: peak bytes)."""
         return [self._column(c) for c in self._cols.current]
 
     @property
     def peak(self) -> list[array]:
-        """Per series, peak bytes per row."""
         return [self._column(c) for c in self._cols.peak]
 
     def _column(self, column: array) -> array:
@@ -235,11 +212,9 @@ class MemoryTrace:
         return column if len(column) == n else column[:n]
 
     def phase(self, index: int) -> str:
-        """The phase of row ``index``."""
         return self._phases[self._column(self._cols.phase)[index]]
 
     def rows(self) -> Iterator[MemorySample]:
-        """Every row, sample by sample, series by series."""
         cols = self._cols
         for k in range(cols.n):
             phase = self._phases[cols.phase[k]]
@@ -249,11 +224,11 @@ class MemoryTrace:
                 )
 
     def to_records(self) -> list[dict[str, Any]]:
-        """The rows as dictionaries (``pandas.DataFrame(trace.to_records())`` works)."""
+        """The rows as dictionaries (for ``pandas.DataFrame``)."""
         return [row._asdict() for row in self.rows()]
 
     def to_csv(self, path: str | os.PathLike) -> str:
-        """Write the rows to ``path`` as CSV (bytes as integers); return the path."""
+        """Write the rows to ``path`` as CSV; return the path."""
         path = os.fspath(path)
         with open(path, "w", newline="") as fh:
             writer = csv.writer(fh)
@@ -270,8 +245,7 @@ class MemoryTrace:
         return cols.current[index][cols.n - 1], cols.peak[index][cols.n - 1]
 
     def run_peak(self, index: int) -> int | None:
-        """The peak reached during this run (exact, whatever was merged), or
-        ``None`` when the peak did not rise above its value at the start."""
+        """The peak reached during this run (exact), or ``None`` where it did not rise above the start's."""
         if not self._cols.n:
             return None
         top = self._max_peak[index]
@@ -281,17 +255,14 @@ class MemoryTrace:
         return None
 
     def all_zero(self, index: int) -> bool:
-        """True when series ``index`` never reported a byte (e.g. a host
-        allocator that keeps no statistics): "nothing allocated"."""
+        """True when series ``index`` never reported a byte: "nothing allocated"."""
         return bool(self._cols.n) and self._max_current[index] == 0 and self._max_peak[index] == 0
 
     def max_reading(self, index: int) -> int:
-        """The largest current or peak bytes series ``index`` read in this run."""
         return max(self._max_current[index], self._max_peak[index])
 
     def peak_text(self, index: int, unit: str | None = None) -> str:
-        """``'peak 1.20 GiB'`` (in ``unit``, e.g. an axis', when given), or an
-        honest bound when the peak predates the run."""
+        """``'peak 1.20 GiB'`` (in ``unit`` when given), or a bound when the peak predates the run."""
         if self.all_zero(index):
             return "nothing allocated"
         peak = self.run_peak(index)
@@ -309,20 +280,7 @@ class MemoryTrace:
         return "variables per replica: " + ", ".join(joined_alike(parts, " "))
 
     def _key(self) -> tuple:
-        fields = (
-            self.series,
-            self.kind,
-            self.baseline_peak,
-            self.epochs_total,
-            self.steps_total,
-            self.epoch_starts,
-            self.variable_bytes,
-            self.interrupted,
-            self.finished,
-            self.duration,
-            self.decimated,
-        )
-        return fields, list(self.rows())
+        return [getattr(self, f.name) for f in fields(self)], self.decimated, list(self.rows())
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, MemoryTrace):
@@ -337,14 +295,9 @@ class MemoryTrace:
 
 
 def _compacted(cols: _Columns, recent: int) -> _Columns:
-    """New columns where the oldest ``recent`` full-resolution rows joined the
-    envelope, whose adjacent buckets merge while it has more than ``recent``
-    rows. The old columns are left untouched (see "Interrupts").
-
-    Each bucket is a span of the old rows (an envelope pair, or aged rows):
-    its minima at its first row's time, its maxima at its last row's. A
-    merged span's extremes are its parts', since a pair's minima row is
-    never above its maxima row."""
+    """New columns (the old left untouched) where the oldest ``recent`` full-resolution rows joined the
+    envelope, whose adjacent buckets merge while it has more than ``recent`` rows. Each bucket is a span
+    of old rows; a merged span's extremes are its parts', as a pair's minima row is never above its maxima."""
     bucket = max(cols.bucket, 4)  # 4 samples -> 2 rows: the first halving
     aged = cols.envelope + recent
     spans = [(k, k + 2) for k in range(0, cols.envelope, 2)]
@@ -356,12 +309,7 @@ def _compacted(cols: _Columns, recent: int) -> _Columns:
     out.bucket = bucket
     for first, stop in spans:
         for row, pick in ((first, min), (stop - 1, max)):
-            for new, old in (
-                (out.time, cols.time),
-                (out.step, cols.step),
-                (out.epoch, cols.epoch),
-                (out.phase, cols.phase),
-            ):
+            for new, old in zip(out.all()[:4], cols.all()[:4]):  # time, step, epoch, phase
                 new.append(old[row])
             for new, old in zip((*out.current, *out.peak), (*cols.current, *cols.peak)):
                 new.append(pick(old[first:stop]))

@@ -1,18 +1,9 @@
 """What the recorder feeds: views of a :class:`~vgpu_magic.monitor.trace.MemoryTrace`.
 
-The contract is :class:`View`, whose calls must never stop training (the
-recorder switches off a view that raises). :class:`~vgpu_magic.monitor.live.LiveMemoryView`
-is the notebook's, :class:`TextSummaryView` prints a line per epoch,
-:class:`NullView` records only. What the live view and the static image share
-lives here too: the series colours, each panel's unit, the title, and which
-series read the same.
-
-:class:`RedrawThrottle` keeps a rhythm of one update every ``min_interval``
-(0.2 s): the next one is due ``min_interval`` after the last was *due*, so
-updates that come only at samples do not drift late (one more than half an
-interval late starts a new rhythm). The next update also waits
-``budget_factor * last_cost`` after the last one started, so updating takes
-at most ``1 / budget_factor`` of the time whatever it costs."""
+The contract is :class:`View`, whose calls must never stop training (the recorder switches off a view
+that raises); :class:`TextSummaryView` prints a line per epoch, :class:`NullView` records only. What the
+live view and the static image share lives here too: colours, each panel's unit, the title, which series
+read the same, and the updates' rhythm (:class:`RedrawThrottle`)."""
 
 from __future__ import annotations
 
@@ -56,10 +47,8 @@ DARK_PALETTE = (
 
 
 def panel_unit(trace: MemoryTrace, panel: str) -> tuple[str, int]:
-    """The unit of one panel (``"device"`` or ``"process"``): the one
-    :func:`~vgpu_magic.units.unit_for` picks for the largest cap, baseline or
-    reading so far, KiB at least. The live view switches with it as memory
-    grows, so its last unit is the final image's."""
+    """The unit of one panel (``"device"`` or ``"process"``) for its largest cap, baseline or reading so
+    far, KiB at least: the live view's last unit is the final image's."""
     top = max(
         (
             max(s.cap or 0, base, trace.max_reading(i))
@@ -72,9 +61,8 @@ def panel_unit(trace: MemoryTrace, panel: str) -> tuple[str, int]:
 
 
 def alike_groups(trace: MemoryTrace, members: list[int]) -> list[list[int]]:
-    """``members`` (series indices) grouped where every reading and the cap
-    are the same all run long: such series are drawn as ONE line, labelled
-    by :func:`group_label`, never drawn side by side as if they differed."""
+    """``members`` (series indices) grouped where every reading and the cap are the same all run long:
+    such series are ONE line (:func:`group_label`), never drawn side by side as if they differed."""
     current, peak, groups = trace.current, trace.peak, []
     for i in members:
         for group in groups:
@@ -97,10 +85,8 @@ def group_label(trace: MemoryTrace, group: list[int]) -> str:
 
 
 def title_text(trace: MemoryTrace, final: bool = False) -> str:
-    """``'memory · fit · epoch 4/5'``: the run (Keras' word for it, or what a
-    custom loop watches in the framework's words) and the epoch as Keras'
-    progress bar counts it (from 1, from the epoch's start on); once final,
-    the steps, the duration and how it ended."""
+    """``'memory · fit · epoch 4/5'``: the run (Keras' word, or what a custom loop watches) and the epoch
+    as Keras' progress bar counts it; once final, the steps, the duration and how it ended."""
     parts = [trace.subject if trace.kind == "custom" and trace.subject else trace.kind]
     epoch = trace.epoch_starts[-1][1] if trace.epoch_starts else (trace.epoch[-1] if len(trace) else 0)
     if trace.epochs_total or trace.epoch_starts:
@@ -114,13 +100,8 @@ def title_text(trace: MemoryTrace, final: bool = False) -> str:
 
 
 class View:
-    """The view contract; every method does nothing here.
-
-    ``start(trace)`` when the run's trace opens, ``sampled(trace, now)`` after
-    every sample (``now`` on the recorder's clock), ``series_changed(trace)``
-    when devices joined, ``epoch_end(trace, epoch)`` and ``finish(trace)``
-    once the run ended (``trace.finished`` is set).
-    """
+    """The view contract (every method does nothing here): ``sampled`` after every sample (``now`` on the
+    recorder's clock), ``series_changed`` when devices joined, ``finish`` once ``trace.finished``."""
 
     def start(self, trace: MemoryTrace) -> None:
         pass
@@ -143,9 +124,8 @@ class NullView(View):
 
 
 def summary_line(trace: MemoryTrace) -> str:
-    """``'host allocator (shared by 4 logical CPUs): now 72.5 MiB, peak 121.8 MiB'``
-    and the same for each further series, ``'; '``-separated (three or more series in a row
-    with the same figures as one: ``'CPU:0…CPU:7, each: now 988 B, peak 988 B'``)."""
+    """``'host allocator (shared by 4 logical CPUs): now 72.5 MiB, peak 121.8 MiB'`` per series,
+    ``'; '``-separated; three or more in a row alike as one (``'CPU:0…CPU:7, each: now 988 B, ...'``)."""
     parts = []
     for i, s in enumerate(trace.series):
         latest = trace.latest(i)
@@ -157,7 +137,6 @@ def summary_line(trace: MemoryTrace) -> str:
             continue
         cap = f" of cap {format_bytes(s.cap)}" if s.cap else ""
         parts.append((s.label, f"now {format_bytes(latest[0])}, {trace.peak_text(i)}{cap}", s.panel))
-    # Eight JAX CPU devices holding the same bytes read as one part, not eight.
     return "; ".join(joined_alike(parts, ": "))
 
 
@@ -184,14 +163,10 @@ class TextSummaryView(View):
 
 
 class RedrawThrottle:
-    """Allows an update at the next due time of a ``min_interval`` rhythm, and
-    no sooner than ``budget_factor * last_cost`` after the last update started.
-
-    See the module docstring for why this updates every ``min_interval`` on
-    average and takes at most ``1 / budget_factor`` of the time. Start it with
-    :meth:`reset` at the run start: the first update is then due
-    ``min_interval`` into the run, not at its very first step.
-    """
+    """Allows an update at the next due time of a ``min_interval`` rhythm (due ``min_interval`` after the
+    last was *due*, so updates that come only at samples do not drift late), and no sooner than
+    ``budget_factor * last_cost`` after the last started: at most ``1 / budget_factor`` of the time.
+    :meth:`reset` at the run start puts the first update ``min_interval`` into the run."""
 
     def __init__(self, min_interval: float = 0.2, budget_factor: float = 200.0) -> None:
         self.min_interval = min_interval

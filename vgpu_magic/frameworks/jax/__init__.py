@@ -377,6 +377,14 @@ class Jax(Framework):
         of the live arrays' shards on it (CPU), counted in at most 2 % of the time."""
         return MemoryReader(self.load(), self._peaks, self._counters, budget=0.02)
 
+    def variable_bytes(self, variable: Any) -> dict[str, int]:
+        """Each shard of the array (a Keras variable's ``value``) on its device."""
+        out: dict[str, int] = {}
+        for shard in getattr(getattr(variable, "value", variable), "addressable_shards", ()):
+            device = f"/device:{shard.device.platform.upper()}:{shard.device.id}"
+            out[device] = out.get(device, 0) + shard.data.nbytes
+        return out
+
     def holds_cuda_context(self) -> bool:
         """A GPU backend that started holds a context; JAX creates none before."""
         bridge = sys.modules.get("jax._src.xla_bridge")

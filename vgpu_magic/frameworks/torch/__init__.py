@@ -40,7 +40,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ...inventory import DeviceInventory, cuda_context_mib, visible_gpus
-from ..base import Capabilities, ConfigSnapshot, Framework, RankPlan
+from ..base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader
 
 if TYPE_CHECKING:
     from ...layout import RankLayout
@@ -91,6 +91,21 @@ class Torch(Framework):
         cuda = sys.modules["torch"].cuda
         gpus = range(cuda.device_count())
         return sum(cuda.memory_reserved(i) for i in gpus), sum(cuda.max_memory_reserved(i) for i in gpus)
+
+    def memory_reader(self) -> Reader:
+        """The caching allocator's tensor bytes and their peak per GPU (``"GPU:1"`` is ``cuda:1``), as torch
+        counts them. Only called once CUDA started."""
+        cuda = sys.modules["torch"].cuda
+
+        def read(names: list[str]) -> list[tuple[int, int]]:
+            indices = [int(name.rpartition(":")[2]) for name in names]
+            return [(cuda.memory_allocated(i), cuda.max_memory_allocated(i)) for i in indices]
+
+        return read
+
+    def device_label(self, name: str) -> str:
+        """torch's own name: ``"/device:GPU:1"`` is ``"cuda:1"``."""
+        return "cuda:" + name.rpartition(":")[2]
 
     def probe_inventory(self) -> DeviceInventory:
         """The GPUs CUDA shows this process (NVML; imports no PyTorch), for
