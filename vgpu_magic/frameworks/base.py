@@ -37,7 +37,13 @@ if TYPE_CHECKING:
     from ..layout import RankLayout
 
 __all__ = [
-    "Capabilities", "ConfigSnapshot", "Framework", "FrameworkImportError", "Reader", "RankPlan", "call_before_start"
+    "Capabilities",
+    "ConfigSnapshot",
+    "Framework",
+    "FrameworkImportError",
+    "Reader",
+    "RankPlan",
+    "call_before_start",
 ]
 
 #: ``reader(names) -> [(current, peak), ...]`` in bytes, one pair per device name.

@@ -73,10 +73,16 @@ CAPABILITIES = Capabilities(
     name="tensorflow",
     label="TensorFlow",
     install_hint="install it with pip install 'vgpu_magic[cpu]' (or 'vgpu_magic[gpu]' for the CUDA build)",
-    splits_gpu=True, gpu_caps_required=True, gpu_reserve_mib=system_reserve_mib, gpu_visibility=True,
-    splits_cpu=True, cpus_share_allocator=True,  # every logical CPU reports the one host allocator's figures
-    memory_growth=True, uniform_growth=True,
-    replicas_by="MirroredStrategy()", replicas_nccl_unless_fewer_physical=True,
+    splits_gpu=True,
+    gpu_caps_required=True,
+    gpu_reserve_mib=system_reserve_mib,
+    gpu_visibility=True,
+    splits_cpu=True,
+    cpus_share_allocator=True,  # every logical CPU reports the one host allocator's figures
+    memory_growth=True,
+    uniform_growth=True,
+    replicas_by="MirroredStrategy()",
+    replicas_nccl_unless_fewer_physical=True,
 )
 
 _INFO_LINE = re.compile(

@@ -379,7 +379,11 @@ class RankRun:
 
         streams = [line_streams(r) for r in range(n)]
         memory = RankMonitor(
-            self.procs.memory_pids(), self.gpu, live=self.plot, interval=SAMPLE_EVERY, launched=self.launched,
+            self.procs.memory_pids(),
+            self.gpu,
+            live=self.plot,
+            interval=SAMPLE_EVERY,
+            launched=self.launched,
             engine=self.procs.engine,
         )
         start = time.monotonic()

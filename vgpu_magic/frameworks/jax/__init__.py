@@ -69,11 +69,16 @@ CAPABILITIES = Capabilities(
     install_hint="install it with pip install 'vgpu_magic[jax]'",
     splits_cpu=True,  # a GPU is one device: no logical GPUs, no caps, no visibility choice
     gpu_reserve_mib=cuda_context_mib,  # XLA's own reserve is inside its fraction; the context is outside it
-    memory_growth=True, growth_with_split=True,
-    replicas_by="vgpu_magic.mesh()", replicas_on_split_cpu=True,
+    memory_growth=True,
+    growth_with_split=True,
+    replicas_by="vgpu_magic.mesh()",
+    replicas_on_split_cpu=True,
     # JAX's own words: its backend starts once; jax.devices() lists devices (str(device): "cpu:3"), not replicas.
-    runtime_word="backend", device_noun="{kind} device", split_phrase="{count} {kind} device{s}",
-    replica_noun="device", host_name="CPU (the host)",
+    runtime_word="backend",
+    device_noun="{kind} device",
+    split_phrase="{count} {kind} device{s}",
+    replica_noun="device",
+    host_name="CPU (the host)",
 )
 
 CPU_NAME = "/physical_device:CPU:0"
