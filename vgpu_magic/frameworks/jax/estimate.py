@@ -34,8 +34,10 @@ def estimate_ranks(cell: Any, world: int, ranks: list[int], namespace: dict | No
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise RuntimeError(f"the cell failed in the estimate's helper process ({world} devices): {last}")
     found = json.loads(lines[-1][len(_MARK) :])
-    found["notes"] = ["compiled for CPU devices: a GPU compile chooses its own temporaries, and on an H100 the test "
-                      "cell's real peak was twice this estimate (tests/test_estimate_gpu.py's finding)"]  # fmt: skip
+    found["notes"] = [
+        "compiled for CPU devices: a GPU compile chooses its own temporaries, and on an H100 the test "
+        "cell's real peak was twice this estimate (tests/test_estimate_gpu.py's finding)"
+    ]
     return [found] * len(ranks)  # one SPMD program: every device's figures are the same
 
 
@@ -53,16 +55,22 @@ def _run(cell: str) -> dict[str, Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             compiled = jitted.lower(*args, **kwargs).compile()
             m = compiled.memory_analysis()
-            parts = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes - m.alias_size_in_bytes,
-                     "temporaries": m.temp_size_in_bytes}  # fmt: skip
+            parts = {
+                "arguments": m.argument_size_in_bytes,
+                "outputs": m.output_size_in_bytes - m.alias_size_in_bytes,
+                "temporaries": m.temp_size_in_bytes,
+            }
             if sum(parts.values()) > best["peak_bytes"]:
                 name = getattr(fun, "__name__", "step")
                 best.update(peak_bytes=sum(parts.values()), categories=parts, phase=f"jitted {name}")
             devices = {d for s in jax.tree.leaves(compiled.output_shardings) for d in s.device_set}
             if len(devices) > 1:
                 best["parallelism"] = f"SPMD over {len(devices)} devices"
-            return jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s),
-                                compiled.out_info, compiled.output_shardings)  # fmt: skip
+            return jax.tree.map(
+                lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s),
+                compiled.out_info,
+                compiled.output_shardings,
+            )
 
         return call
 

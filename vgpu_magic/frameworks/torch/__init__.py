@@ -206,8 +206,10 @@ def setup_rank(backend: str, gpu: int | None = None, cap_mib: int | None = None,
         torch.cuda.set_device(gpu)
         fraction = min(cap_mib * 2**20 / torch.cuda.get_device_properties(gpu).total_memory, 1.0)
         torch.cuda.set_per_process_memory_fraction(fraction, gpu)
-        say_the_cap(f"vgpu_magic: this rank hit the rehearsal's simulated cap of {cap_mib} MiB on GPU {gpu} "
-                    "(--memory, or an even share of the card), not the card's size")  # fmt: skip
+        say_the_cap(
+            f"vgpu_magic: this rank hit the rehearsal's simulated cap of {cap_mib} MiB on GPU {gpu} "
+            "(--memory, or an even share of the card), not the card's size"
+        )
         said.append(f"GPU {gpu}, capped at {cap_mib} MiB ({fraction:.4f} of CUDA's total)")
         if backend == "gloo":
             _map_nccl_to_gloo(dist)

@@ -32,8 +32,15 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["PeakTracker", "estimate_rank"]
 
-CATEGORIES = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Optstate": "optimizer state",
-              "Activation": "activations", "Temp": "temporaries", "Other": "communication buffers"}  # fmt: skip
+CATEGORIES = {
+    "Parameter": "parameters",
+    "Buffer": "buffers",
+    "Gradient": "gradients",
+    "Optstate": "optimizer state",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Other": "communication buffers",
+}
 _CUDA = re.compile(r"cuda(:[0-9]+)?")
 _tracker: PeakTracker | None = None
 
@@ -68,8 +75,8 @@ class PeakTracker(mem_tracker.MemTracker):
             if self._peak_mem.get(device, 0) < snap["Total"]:
                 self._peak_mem[device], self._peak_mem_snap[device] = snap["Total"], dict(snap)
                 busy = set(self._mod_tracker.parents) - {"Global"}
-                self.phase = ("optimizer step" if self._in_opt else "backward" if self._mod_tracker.is_bw
-                              else "forward" if busy else "outside the model's forward")  # fmt: skip
+                phase = "backward" if self._mod_tracker.is_bw else "forward" if busy else "outside the model's forward"
+                self.phase = "optimizer step" if self._in_opt else phase
 
     def result(self) -> dict[str, Any]:
         """The peak (bytes) on the busiest device, its parts by category, its phase."""
@@ -220,8 +227,10 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
     from torch.utils._python_dispatch import _pop_mode_temporarily
 
     if dist.is_initialized():
-        raise ValueError("this kernel has its own torch.distributed process group; estimate in a kernel without "
-                         "one (destroy_process_group() first)")  # fmt: skip
+        raise ValueError(
+            "this kernel has its own torch.distributed process group; estimate in a kernel without "
+            "one (destroy_process_group() first)"
+        )
     from torch.distributed.tensor import parallel
 
     used: set[str] = set()
@@ -244,13 +253,22 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
         noted("FSDP2", torch.distributed.fsdp.fully_shard, True),
         noted("TP (DTensor)", parallel.parallelize_module),
     )
-    ours = {id(torch.nn.parallel.DistributedDataParallel): DDP, id(torch.distributed.fsdp.fully_shard): fully_shard,
-            id(parallel.parallelize_module): tensor_parallel}  # fmt: skip
+    ours = {
+        id(torch.nn.parallel.DistributedDataParallel): DDP,
+        id(torch.distributed.fsdp.fully_shard): fully_shard,
+        id(parallel.parallelize_module): tensor_parallel,
+    }
     namespace = {k: ours.get(id(v), v) for k, v in (namespace or {}).items()}
     # A function's own module names too (restored afterwards, with whatever the function assigned there).
     names = getattr(cell, "__globals__", {})
-    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world,
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}  # fmt: skip
+    env = {
+        "RANK": rank,
+        "LOCAL_RANK": rank,
+        "WORLD_SIZE": world,
+        "LOCAL_WORLD_SIZE": world,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": 29500,
+    }
     cuda, blocks = _CudaOnCpu(), mem_tracker._WeakRefInfo._calculate_mem_consumed
     foreach = optimizer._get_foreach_kernels_supported_devices  # CUDA's optimizers default to foreach, CPU's do not
     with contextlib.ExitStack() as stack:
@@ -267,15 +285,21 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
             (torch.cuda, "set_device", lambda *a, **k: None),
             (torch.cuda, "current_device", lambda: 0),
             (DeviceMesh, "__init__", _device_mesh_init(DeviceMesh.__init__)),
-            (ShardingPropagator, "_propagate_tensor_meta_non_cached",
-             _untracked(ShardingPropagator._propagate_tensor_meta_non_cached)),
+            (
+                ShardingPropagator,
+                "_propagate_tensor_meta_non_cached",
+                _untracked(ShardingPropagator._propagate_tensor_meta_non_cached),
+            ),
             (optimizer, "_get_foreach_kernels_supported_devices", lambda: [*foreach(), *["cpu"] * cuda.used]),
             (optimizer, "_foreach_supported_types", [*optimizer._foreach_supported_types, FakeTensor]),
-            (mem_tracker._WeakRefInfo, "_calculate_mem_consumed",
-             lambda info: math.ceil(blocks(info) / 512) * 512 if cuda.used else blocks(info)),
+            (
+                mem_tracker._WeakRefInfo,
+                "_calculate_mem_consumed",
+                lambda info: math.ceil(blocks(info) / 512) * 512 if cuda.used else blocks(info),
+            ),
             (_fsdp_param, "_chunk_with_empty", _chunk_lazily(_fsdp_param._chunk_with_empty)),
             *_strided_flag_once(_sharding_prop),
-        ):  # fmt: skip
+        ):
             stack.enter_context(mock.patch.object(target, name, value))
         dist.distributed_c10d.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         stack.callback(dist.distributed_c10d.destroy_process_group)
