@@ -1,23 +1,6 @@
-"""What every framework module answers, as plain data and a few small calls.
-
-A framework module (``vgpu_magic/frameworks/<name>.py``) defines one subclass
-of :class:`Framework` and registers it in :mod:`vgpu_magic.frameworks`. The
-engine, the planner and the faces only ever talk to that interface:
-
-* what the framework can do: :class:`Capabilities`, data the planner reads;
-* whether it is imported or installed, and whether its runtime started, read
-  without importing or starting anything;
-* its devices and current configuration (:class:`ConfigSnapshot`), read
-  without starting its runtime;
-* writing a configuration the planner validated;
-* memory readings for ``%vgpu_status`` and a reader for the monitor;
-* a strategy-like helper over the split's devices;
-* whether it holds a CUDA context, and whether Keras runs on it;
-* for the ranks (``%vgpu_cluster``): what its real launcher gives each process,
-  planned from the ranks' hosts (:meth:`Framework.plan_ranks`, pure), and the
-  setup each rank runs.
-
-Importing this module imports no framework.
+"""What every framework module answers: :class:`Capabilities` (data the planner reads) and
+:class:`Framework` (a few small calls). The engine, the planner and the faces only ever talk to
+this interface. Importing this module imports no framework.
 """
 
 from __future__ import annotations
@@ -27,7 +10,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -268,13 +251,11 @@ class Framework:
             return False
 
     def load(self) -> Any:
-        """Import the framework and return its module.
-
-        Raises :class:`FrameworkImportError` saying whether it is missing or
-        failed to import, with the real reason.
-        """
+        """Import the framework (within :meth:`importing` the first time) and return its module; raises
+        :class:`FrameworkImportError` saying whether it is missing or failed to import, with the real reason."""
         try:
-            return importlib.import_module(self.module)
+            with contextlib.nullcontext() if self.module in sys.modules else self.importing():
+                return importlib.import_module(self.module)
         except ImportError as exc:
             raise self.import_error(exc) from exc
 
@@ -336,6 +317,28 @@ class Framework:
         planner). On error, undo what was changed and re-raise; if the undo
         fails too, raise an error saying what state was left."""
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def undone_on_error(self, left: Callable[[], str]) -> Iterator[list[Callable[[], Any]]]:
+        """Around a :meth:`write_configuration`: yields the list of undo steps it appends to. On an error the
+        steps run in reverse and the error goes on; where a step fails too, a ``RuntimeError`` says so and
+        what ``left()`` describes (the state left)."""
+        undo: list[Callable[[], Any]] = []
+        try:
+            yield undo
+        except Exception as exc:
+            failed = []
+            for step in reversed(undo):
+                try:
+                    step()
+                except Exception as undo_exc:  # noqa: BLE001 - reported below, with the state left
+                    failed.append(f"{type(undo_exc).__name__}: {undo_exc}")
+            if failed:
+                raise RuntimeError(
+                    f"configuring {self.label} failed ({type(exc).__name__}: {exc}) and undoing it failed too "
+                    f"({failed[0]}); {self.label} is left with {left()}: restart the kernel"
+                ) from exc
+            raise
 
     # -- memory ------------------------------------------------------------------
     def memory_readings(self, devices: list[str]) -> dict[str, dict[str, int]]:

@@ -95,32 +95,16 @@ _INFO_LINE = re.compile(
 _LOG_LINE = re.compile(r"^(?:[IWEF]\d{4} \d\d:\d\d:|WARNING: |[A-Za-z_.]+Error|Traceback)")
 
 
-def _info_hidden() -> bool:
-    """INFO lines are dropped unless the user asked for them: an unset level is
-    TensorFlow's default (0), but nobody chose it, and a notebook's first split
-    should not open with a block of red C++ notices."""
-    level = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
-    if level is None or not level.strip():
-        return True
-    return level.strip().isdigit() and int(level) >= 1
+#: The INFO records a strategy made by :meth:`TensorFlow.strategy` causes (at its making, at every traced
+#: reduction, at the first step of ``fit``).
+_STRATEGY_INFO = re.compile(
+    r"^(Using MirroredStrategy with devices|Reduce to \S+ then broadcast to|Collective all_reduce tensors: )"
+)
 
 
-class _StrategyChatter(logging.Filter):
-    """Drops the INFO records a strategy made by :meth:`TensorFlow.strategy` causes
-    ("Using MirroredStrategy with devices ...", "Reduce to ... then broadcast to
-    ..." at every traced reduction, "Collective all_reduce tensors: ..." at the
-    first step of ``fit``); every other record, and the logger's level, stay as
-    the user set them."""
-
-    _PATTERN = re.compile(
-        r"^(Using MirroredStrategy with devices|Reduce to \S+ then broadcast to|Collective all_reduce tensors: )"
-    )
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno <= logging.INFO and self._PATTERN.match(str(record.msg)))
-
-
-_CHATTER = _StrategyChatter()
+def _strategy_chatter(record: logging.LogRecord) -> bool:
+    """The logger's filter: every record but :data:`_STRATEGY_INFO`'s, the logger's level as the user set it."""
+    return not (record.levelno <= logging.INFO and _STRATEGY_INFO.match(str(record.msg)))
 
 
 @contextlib.contextmanager
@@ -169,8 +153,11 @@ class TensorFlow(Framework):
     )
 
     def importing(self) -> contextlib.AbstractContextManager:
-        """Without the INFO lines TensorFlow writes while it is imported, which no level silences."""
-        return _without_cpp_info_lines() if _info_hidden() else contextlib.nullcontext()
+        """Without the INFO lines TensorFlow writes while it is imported, which no level silences, unless
+        the user asked for them (an unset level is TensorFlow's default, 0, but nobody chose it)."""
+        level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "").strip()
+        hidden = not level or (level.isdigit() and int(level) >= 1)
+        return _without_cpp_info_lines() if hidden else contextlib.nullcontext()
 
     def watch_runtime_start(self, callback: Callable[[], None]) -> Callable[[], None] | None:
         if not self.imported() or self.runtime_started():
@@ -178,17 +165,6 @@ class TensorFlow(Framework):
         from tensorflow.python.eager import context
 
         return call_before_start(context.Context, "ensure_initialized", lambda ctx: not ctx._initialized, callback)
-
-    def load(self):
-        tf = sys.modules.get("tensorflow")
-        if tf is not None and hasattr(tf, "config"):
-            return tf
-        try:
-            with self.importing():
-                import tensorflow
-        except ImportError as exc:
-            raise self.import_error(exc) from exc
-        return tensorflow
 
     def runtime_started(self) -> bool:
         if "tensorflow" not in sys.modules:
@@ -268,8 +244,11 @@ class TensorFlow(Framework):
             configs = [tf.config.LogicalDeviceConfiguration(memory_limit=m) for m in limits]
             tf.config.set_logical_device_configuration(dev, configs)
 
-        undo = []
-        try:
+        def left() -> str:
+            now = self.read_configuration()
+            return f"logical devices {now.logical or 'unconfigured'}, visible GPUs {list(now.visible_gpus)}"
+
+        with self.undone_on_error(left) as undo:
             if new.visible_gpus != old.visible_gpus:
                 set_visible(new.visible_gpus)
                 undo.append(lambda: set_visible(old.visible_gpus))
@@ -282,21 +261,6 @@ class TensorFlow(Framework):
                 if was != want:
                     tf.config.experimental.set_memory_growth(gpus[i], want)
                     undo.append(lambda i=i, was=was: tf.config.experimental.set_memory_growth(gpus[i], was))
-        except Exception as exc:
-            failed = []
-            for step in reversed(undo):
-                try:
-                    step()
-                except Exception as undo_exc:  # noqa: BLE001 - reported below, with the state left
-                    failed.append(f"{type(undo_exc).__name__}: {undo_exc}")
-            if failed:
-                left = self.read_configuration()
-                raise RuntimeError(
-                    f"configuring TensorFlow failed ({type(exc).__name__}: {exc}) and undoing it failed too "
-                    f"({failed[0]}); TensorFlow is left with logical devices {left.logical or 'unconfigured'}, "
-                    f"visible GPUs {list(left.visible_gpus)}: restart the kernel"
-                ) from exc
-            raise
 
     # -- memory ----------------------------------------------------------------------
     def memory_readings(self, devices: list[str]) -> dict[str, dict[str, int]]:
@@ -367,8 +331,8 @@ class TensorFlow(Framework):
         shared_gpu = any(len(v) > 1 for k, v in snap.logical.items() if k in snap.gpu_names)
         cross = tf.distribute.ReductionToOneDevice() if shared_gpu else None
         logger = tf.get_logger()
-        if _CHATTER not in logger.filters:
-            logger.addFilter(_CHATTER)
+        if _strategy_chatter not in logger.filters:
+            logger.addFilter(_strategy_chatter)
         return tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=cross)
 
     # -- ranks -----------------------------------------------------------------------

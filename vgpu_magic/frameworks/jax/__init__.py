@@ -37,7 +37,7 @@ import re
 import sys
 import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...inventory import (
     DeviceInventory,
@@ -49,11 +49,9 @@ from ...inventory import (
     nvml_gpus,
 )
 from ...units import MIB
-from ..base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader, call_before_start
+from ..base import Capabilities, ConfigSnapshot, Framework, Reader, call_before_start
+from . import ranks
 from .memory import LiveArrayBytes, MemoryReader, devices_by_name
-
-if TYPE_CHECKING:
-    from ...layout import RankLayout
 
 __all__ = [
     "CAPABILITIES",
@@ -306,8 +304,12 @@ class Jax(Framework):
         0.5); GPU cap and growth through ``XLA_PYTHON_CLIENT_*``, which JAX reads
         when its backend starts. On error everything is put back."""
         jax = self.load()
-        undo: list[Any] = []
-        try:
+
+        def left() -> str:
+            name = _fraction_name()
+            return f"{self._cpu_count() or 1} CPU device(s), {name}={os.environ.get(name)!r}"
+
+        with self.undone_on_error(left) as undo:
             if old.logical.get(CPU_NAME) != new.logical.get(CPU_NAME):
                 count = len(new.logical.get(CPU_NAME) or ()) or None
                 undo.append(self._set_cpu_count(jax, count))
@@ -316,20 +318,6 @@ class Jax(Framework):
                 undo.append(_set_env(_fraction_name(), self._fraction(caps)))
             if any(new.memory_growth) != any(old.memory_growth):
                 undo.append(_set_env(ENV_PREALLOCATE, "false" if any(new.memory_growth) else None))
-        except Exception as exc:
-            failed = []
-            for step in reversed(undo):
-                try:
-                    step()
-                except Exception as undo_exc:  # noqa: BLE001 - reported below with the state left
-                    failed.append(f"{type(undo_exc).__name__}: {undo_exc}")
-            if failed:
-                raise RuntimeError(
-                    f"configuring JAX failed ({type(exc).__name__}: {exc}) and undoing it failed too ({failed[0]}); "
-                    f"JAX is left with {self._cpu_count() or 1} CPU device(s), {_fraction_name()}="
-                    f"{os.environ.get(_fraction_name())!r}: restart the kernel"
-                ) from exc
-            raise
 
     def _set_cpu_count(self, jax: Any, count: int | None) -> Any:
         """Set the CPU device count (``None``: JAX's default); return the undo step."""
@@ -404,14 +392,7 @@ class Jax(Framework):
         stats = [d.memory_stats() or {} for d in gpus]
         return sum(s.get("bytes_in_use", 0) for s in stats), sum(s.get("peak_bytes_in_use", 0) for s in stats)
 
-    # -- ranks -----------------------------------------------------------------------
-    def plan_ranks(
-        self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
-    ) -> list[RankPlan]:
-        """See :mod:`vgpu_magic.frameworks.jax.ranks`."""
-        from .ranks import plan_ranks
-
-        return plan_ranks(layout, split, memory_mib, port)
+    plan_ranks = ranks.plan_ranks
 
     # -- helpers -----------------------------------------------------------------------
     def split_devices(self) -> list[Any]:

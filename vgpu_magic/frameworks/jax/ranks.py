@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..base import RankPlan
+from ..base import Framework, RankPlan
 
 if TYPE_CHECKING:
     from ...layout import RankLayout
@@ -45,10 +45,11 @@ def slurm_coordinator_port(job_id: int) -> int:
     return job_id % 2**12 + (65535 - 2**12 + 1)
 
 
-def plan_ranks(layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None) -> list[RankPlan]:
+def plan_ranks(
+    framework: Framework, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
+) -> list[RankPlan]:
     """JAX's :meth:`~vgpu_magic.frameworks.base.Framework.plan_ranks`."""
     from ...planner import check_rank_request, rank_share_mib
-    from . import CAPABILITIES
 
     places = layout.places
     n = len(places)
@@ -74,7 +75,7 @@ def plan_ranks(layout: RankLayout, split: int | None, memory_mib: int | None, po
 
     if on_gpu:
         shared = _shared_gpu_env(layout)
-        caps = [rank_share_mib(p.gpu, p.gpu_shared_by, memory_mib, CAPABILITIES) for p in places]
+        caps = [rank_share_mib(p.gpu, p.gpu_shared_by, memory_mib, framework.capabilities) for p in places]
         notes = (f"jax.distributed on {coordinator}: {n} processes × 1 GPU device, {min(caps)} MiB each",)
         if shared:
             notes += ("ranks share a GPU: NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL 2.30+) lets its collectives run",)
