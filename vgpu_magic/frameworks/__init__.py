@@ -1,18 +1,8 @@
 """The framework seam: one module per framework, one registry, one way to pick.
 
-Each module in this package defines a :class:`~vgpu_magic.frameworks.base.Framework`
-subclass. Adding a framework is one new module and one line in :data:`REGISTRY`.
-Importing this package imports no framework and none of the modules below
-until one is asked for.
-
-Picking the framework (:func:`select`): the one the user names
-(``--framework NAME``, see :func:`choices`); otherwise, among the frameworks
-that can split devices in one process, the one already imported in the
-kernel; otherwise the one installed; otherwise the one ``KERAS_BACKEND``
-names; otherwise TensorFlow.
-
-Libraries that vgpu_magic does not configure but whose CUDA context it reports
-(CuPy) are listed in :data:`CUDA_USERS`, with the same interface.
+Each module in this package defines a :class:`~vgpu_magic.frameworks.base.Framework` subclass: adding a
+framework is one new module and one line in :data:`REGISTRY`. Importing this package imports no framework and
+none of the modules below until one is asked for.
 """
 
 from __future__ import annotations
@@ -22,17 +12,15 @@ import os
 import sys
 
 from ..errors import FrameworkChoiceError
-from .base import Capabilities, ConfigSnapshot, Framework, FrameworkImportError, Reader
+from .base import Capabilities, Framework, FrameworkImportError
 
 __all__ = [
     "REGISTRY",
     "ALIASES",
     "Capabilities",
-    "ConfigSnapshot",
     "Framework",
-    "FrameworkImportError",
     "FrameworkChoiceError",
-    "Reader",
+    "FrameworkImportError",
     "get",
     "register",
     "imported",
@@ -52,7 +40,7 @@ REGISTRY: dict[str, str | Framework] = {
 #: Other spellings users type.
 ALIASES = {"tf": "tensorflow", "pytorch": "torch"}
 
-#: Libraries vgpu_magic does not configure, asked only whether they hold a CUDA context.
+#: Libraries vgpu_magic does not configure (CuPy), asked only whether they hold a CUDA context.
 CUDA_USERS = ("vgpu_magic.frameworks.cupy:FRAMEWORK",)
 
 DEFAULT = "tensorflow"
@@ -108,30 +96,28 @@ def all_frameworks() -> list[Framework]:
 
 
 def imported() -> list[Framework]:
-    """The registered frameworks imported in this process whose devices can be
-    configured in it (``Capabilities.splits_in_process``), in registry order:
-    what ``%vgpu_status`` shows. PyTorch's devices are its ranks', so it is
-    not among them (the runtime watcher follows its CUDA all the same)."""
+    """The registered frameworks imported here whose devices can be configured in this process
+    (``Capabilities.splits_in_process``; not PyTorch), in registry order: what ``%vgpu_status`` shows."""
     return [fw for fw in all_frameworks() if fw.capabilities.splits_in_process and fw.imported()]
 
 
 def cuda_context_holders(exclude: str = "") -> list[Framework]:
-    """The frameworks and :data:`CUDA_USERS` that hold a CUDA context in this
-    process, except the one named ``exclude``. Asks only those already imported."""
+    """The frameworks and :data:`CUDA_USERS` already imported that hold a CUDA context here, but ``exclude``."""
     candidates = [*all_frameworks(), *(_load(entry) for entry in CUDA_USERS)]
     return [fw for fw in candidates if fw.name != exclude and fw.module in sys.modules and fw.holds_cuda_context()]
 
 
 def select(requested: str | None = None) -> Framework:
-    """The framework a command applies to (see the module docstring)."""
+    """The framework a command applies to: the one named (``--framework NAME``); else, among those that split
+    devices in one process, the one imported, else the one installed, else the one ``KERAS_BACKEND`` names, else
+    :data:`DEFAULT`."""
     if requested:
         return get(requested)
     found = imported()
     if len(found) == 1:
         return found[0]
-    backend = ALIASES.get(
-        os.environ.get("KERAS_BACKEND", "").strip().lower(), os.environ.get("KERAS_BACKEND", "").strip().lower()
-    )
+    backend = os.environ.get("KERAS_BACKEND", "").strip().lower()
+    backend = ALIASES.get(backend, backend)
     if len(found) > 1:
         for fw in found:
             if fw.name == backend:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import itertools
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -56,73 +57,30 @@ def call_before_start(owner: Any, name: str, starting: Callable[..., bool], call
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a framework can and cannot do with devices: data the planner reads.
+    """What a framework can do with devices: data the planner reads. Every ability defaults to "cannot"."""
 
-    Every ability defaults to "cannot" (``False``, ``None``): a framework
-    declares only what it can do.
-
-    Attributes
-    ----------
-    name, label:
-        ``"tensorflow"`` / ``"TensorFlow"``: the registry key and the name shown to people.
-    splits_in_process:
-        Can one process have several devices of this framework at all? PyTorch
-        cannot (a process uses one device; several are several processes), so
-        ``%vgpu_split`` refuses it and points at the ranks.
-    splits_gpu:
-        Can one physical GPU become several logical devices?
-    splits_cpu:
-        Can the host become several logical CPU devices?
-    cpu_caps:
-        Can logical CPU devices have memory caps?
-    gpu_caps_required:
-        Must every logical GPU of a split have a cap?
-    gpu_reserve_mib:
-        ``(free_mib, compute_capability) -> MiB`` the framework keeps back on each GPU,
-        or ``None`` when it keeps nothing back that a split must leave free.
-    memory_growth:
-        Does ``--growth`` mean something (allocate GPU memory on demand)?
-    growth_with_split:
-        May memory growth and a split (or a cap) be set on the same GPU?
-    uniform_growth:
-        Must every visible GPU have the same memory growth setting when the runtime starts?
-    gpu_visibility:
-        Can the set of visible GPUs be chosen (``--visible``, ``--others``)?
-    cpus_share_allocator:
-        Do all logical CPU devices report one shared host allocator's figures?
-        The monitor then draws them as one series, not N identical lines.
-    replicas_by:
-        What uses the replica devices, for messages (``"MirroredStrategy()"``).
-    replicas_nccl_unless_fewer_physical:
-        Does the default data-parallel helper reduce with NCCL unless there are
-        fewer physical GPUs (hidden ones counted) than logical ones? TensorFlow's
-        ``MirroredStrategy()`` does (RING otherwise), and NCCL refuses two logical
-        devices of one card, so a split on a host with more GPUs must say so.
-    replicas_on_split_cpu:
-        Does the data-parallel helper use split CPU devices even where GPUs are
-        visible (JAX: ``vgpu_magic.mesh()`` over ``jax.devices("cpu")`` next to
-        the GPU)? Otherwise GPUs come first (``MirroredStrategy()``).
-    install_hint:
-        How to install it (``"pip install 'vgpu_magic[cpu]'"``).
-    runtime_word, device_noun, split_phrase, replica_noun, host_name:
-        The framework's own words (defaults: TensorFlow's).
-    """
-
-    name: str
-    label: str
+    name: str  #: the registry key, ``"tensorflow"``
+    label: str  #: the name shown to people, ``"TensorFlow"``
+    #: Can one process have several devices? PyTorch's cannot: ``%vgpu_split`` refuses it, pointing at the ranks.
     splits_in_process: bool = True
-    splits_gpu: bool = False
-    splits_cpu: bool = False
-    cpu_caps: bool = False
-    gpu_caps_required: bool = False
+    splits_gpu: bool = False  #: one physical GPU as several logical devices
+    splits_cpu: bool = False  #: the host as several logical CPU devices
+    cpu_caps: bool = False  #: memory caps on logical CPUs
+    gpu_caps_required: bool = False  #: every logical GPU of a split must have a cap
+    #: ``(free_mib, compute_capability) -> MiB`` kept back on each GPU; ``None``: nothing a split must leave free.
     gpu_reserve_mib: Callable[[int, tuple[int, int] | None], int] | None = field(default=None, compare=False)
-    memory_growth: bool = False
-    growth_with_split: bool = False
-    uniform_growth: bool = False
-    gpu_visibility: bool = False
+    memory_growth: bool = False  #: ``--growth`` means something (GPU memory allocated on demand)
+    growth_with_split: bool = False  #: memory growth and a split (or a cap) may be set on one GPU
+    uniform_growth: bool = False  #: every visible GPU must have the same growth setting when the runtime starts
+    gpu_visibility: bool = False  #: the visible GPUs can be chosen (``--visible``, ``--others``)
+    #: All logical CPUs report one host allocator's figures: the monitor draws one series, not N identical lines.
     cpus_share_allocator: bool = False
-    replicas_by: str = "the strategy"
+    replicas_by: str = "the strategy"  #: what uses the replica devices, for messages (``"MirroredStrategy()"``)
+    #: The data-parallel helper uses split CPU devices even where GPUs are visible (JAX's ``vgpu_magic.mesh()``);
+    #: otherwise GPUs come first (``MirroredStrategy()``).
     replicas_on_split_cpu: bool = False
+    #: The default helper reduces with NCCL unless there are fewer physical GPUs (hidden ones counted) than
+    #: logical ones (``MirroredStrategy()``; RING otherwise), and NCCL refuses two logical devices of one card.
     replicas_nccl_unless_fewer_physical: bool = False
     #: The framework's own words, for every message: what starts once and fixes the devices
     #: (JAX: ``"backend"``), a device of a split and the phrase for a split (``{count}``, ``{kind}``,
@@ -132,18 +90,14 @@ class Capabilities:
     split_phrase: str = "{count} logical {kind}{s} on {kind}:{index}"
     replica_noun: str = "replica"
     host_name: str = "/physical_device:CPU:0 (host)"
-    install_hint: str = ""
+    install_hint: str = ""  #: how to install it (``"install it with pip install 'vgpu_magic[cpu]'"``)
 
 
 @dataclass(frozen=True)
 class ConfigSnapshot:
-    """A framework's device configuration as plain data.
-
-    ``logical`` maps a physical device name to its configured logical devices'
-    caps in MiB (``None`` entries where uncapped), and is absent where nothing
-    was configured. ``visible_gpus`` are indices into ``gpu_names``;
-    ``memory_growth`` has one flag per physical GPU.
-    """
+    """A framework's device configuration as plain data. ``logical``: physical device name -> its logical
+    devices' caps in MiB (``None`` where uncapped), for the configured ones only; ``visible_gpus``: indices
+    into ``gpu_names``; ``memory_growth``: one flag per physical GPU."""
 
     cpu_names: tuple[str, ...]
     gpu_names: tuple[str, ...]
@@ -154,12 +108,8 @@ class ConfigSnapshot:
     device_names: tuple[str, str] = field(default=("/device:CPU:{}", "/device:GPU:{}"), compare=False)
 
     def logical_names(self) -> dict[str, list[str]]:
-        """Physical device name -> the logical device names it will have.
-
-        Logical devices are numbered per type in physical order, which is how
-        TensorFlow and JAX number them once their runtime starts, and named as
-        the framework names them (:attr:`device_names`).
-        """
+        """Physical device name -> the logical device names it will have: numbered per type in physical order,
+        as TensorFlow and JAX number them once started, and named as the framework names them."""
         names: dict[str, list[str]] = {}
         counters = {"CPU": 0, "GPU": 0}
         for dtype, physical in [("CPU", n) for n in self.cpu_names] + [("GPU", n) for n in self.gpu_names]:
@@ -172,10 +122,8 @@ class ConfigSnapshot:
         return names
 
     def replica_devices(self, split_cpu_first: bool = False) -> list[str]:
-        """The devices a data-parallel strategy uses by default: every logical
-        GPU, or every logical CPU when there is none. With ``split_cpu_first``
-        (:attr:`Capabilities.replicas_on_split_cpu`), CPUs split into several
-        devices come first even where GPUs are visible."""
+        """The devices a data-parallel strategy uses by default: every logical GPU, else every logical CPU;
+        with ``split_cpu_first`` (:attr:`Capabilities.replicas_on_split_cpu`), split CPUs even next to GPUs."""
         names = self.logical_names()
         gpus = [d for p in self.gpu_names if p in names for d in names[p]]
         cpus = [d for p in self.cpu_names for d in names.get(p, [])]
@@ -185,18 +133,17 @@ class ConfigSnapshot:
 
     def caps_mib(self) -> dict[str, int | None]:
         """Logical device name -> its cap in MiB (``None`` where uncapped)."""
-        caps: dict[str, int | None] = {}
-        for physical, logical in self.logical_names().items():
-            limits = self.logical.get(physical, ())
-            for k, name in enumerate(logical):
-                caps[name] = limits[k] if k < len(limits) else None
-        return caps
+        return {
+            name: cap
+            for physical, names in self.logical_names().items()
+            for name, cap in itertools.zip_longest(names, self.logical.get(physical, ()))
+        }
 
 
 @dataclass(frozen=True)
 class RankPlan:
-    """What one rank gets, as its framework's launcher would give it: its
-    environment, then ``setup(*args)`` (``"module:function"``, run on the rank)."""
+    """What one rank gets, as its framework's launcher would give it: its environment, then ``setup(*args)``
+    (``"module:function"``, run on the rank)."""
 
     rank: int
     env: dict[str, str]
@@ -207,12 +154,8 @@ class RankPlan:
 
 
 class Framework:
-    """One framework's answers. Subclasses set :attr:`capabilities` and
-    :attr:`module` and implement the methods that raise ``NotImplementedError``.
-
-    Nothing here may import the framework unless the method says so, and
-    nothing may start its runtime.
-    """
+    """One framework's answers: subclasses set :attr:`capabilities` and :attr:`module` and implement what raises
+    ``NotImplementedError``. Nothing imports the framework unless it says so; nothing starts its runtime."""
 
     capabilities: Capabilities
     #: The top-level module users import (``"tensorflow"``, ``"jax"``).
@@ -263,10 +206,6 @@ class Framework:
         """The one-line error for a failed import of the framework."""
         return FrameworkImportError.of(self.label, self.module, self.capabilities.install_hint, exc)
 
-    def version(self) -> str | None:
-        mod = sys.modules.get(self.module)
-        return getattr(mod, "__version__", None)
-
     def importing(self) -> contextlib.AbstractContextManager:
         """Around the import of :attr:`module`, whoever imports it first once the extension is loaded
         (TensorFlow: without the INFO lines it writes before it reads its log level)."""
@@ -279,9 +218,8 @@ class Framework:
         return None
 
     def quiet_kernel(self) -> dict[str, str]:
-        """Quiet the framework's start-up chatter in this process, where it is not
-        imported yet and the user set nothing: its :attr:`log_settings` at their
-        quiet values. Returns what was set."""
+        """Set :attr:`log_settings` to their quiet values where the framework is not imported yet and the user
+        set nothing; returns what was set."""
         if self.imported() or not self.installed():
             return {}
         set_now = {name: quiet for name, (quiet, _) in self.log_settings.items() if name not in os.environ}
@@ -297,15 +235,13 @@ class Framework:
 
     # -- runtime -----------------------------------------------------------------
     def runtime_started(self) -> bool:
-        """Has the runtime started (so the configuration is fixed)? Never imports
-        or starts the framework."""
+        """Has the runtime started (so the configuration is fixed)? Never imports or starts the framework."""
         raise NotImplementedError
 
     # -- devices and configuration ----------------------------------------------
     def probe_inventory(self):
-        """The physical devices as a :class:`~vgpu_magic.inventory.DeviceInventory`
-        carrying :attr:`capabilities` and the current configuration. May import
-        the framework; never starts its runtime."""
+        """The physical devices as a :class:`~vgpu_magic.inventory.DeviceInventory` carrying :attr:`capabilities`
+        and the current configuration. May import the framework; never starts its runtime."""
         raise NotImplementedError
 
     def read_configuration(self) -> ConfigSnapshot:
@@ -313,9 +249,8 @@ class Framework:
         raise NotImplementedError
 
     def write_configuration(self, old: ConfigSnapshot, new: ConfigSnapshot) -> None:
-        """Move the configuration from ``old`` to ``new`` (validated by the
-        planner). On error, undo what was changed and re-raise; if the undo
-        fails too, raise an error saying what state was left."""
+        """Move the configuration from ``old`` to ``new`` (validated by the planner), within
+        :meth:`undone_on_error`."""
         raise NotImplementedError
 
     @contextlib.contextmanager
@@ -342,8 +277,7 @@ class Framework:
 
     # -- memory ------------------------------------------------------------------
     def memory_readings(self, devices: list[str]) -> dict[str, dict[str, int]]:
-        """``{device: {"current": bytes, "peak": bytes}}`` for the devices that
-        can tell. Only called once the runtime runs."""
+        """``{device: {"current": bytes, "peak": bytes}}`` for the devices that can tell, once the runtime runs."""
         return {}
 
     def device_label(self, name: str) -> str:
@@ -360,20 +294,16 @@ class Framework:
         return {}
 
     def holds_cuda_context(self) -> bool:
-        """Does this process hold a CUDA context through this framework? Only
-        asked when the framework is imported; never creates a context."""
+        """Does this process hold a CUDA context through this framework? Asked once it is imported; creates none."""
         return False
 
     def gpu_allocator_bytes(self) -> tuple[int, int] | None:
-        """``(current, peak)`` bytes of this process' GPUs held by the framework's
-        allocator, or ``None`` when it cannot tell: read in the process itself,
-        so no PID namespace is involved (unlike NVML's per-process list). Never
-        creates a context."""
+        """``(current, peak)`` bytes of this process' GPUs held by the framework's allocator, or ``None`` when it
+        cannot tell: read in the process itself, so no PID namespace is involved (unlike NVML's per-process list)."""
         return None
 
     def keras_backend_warning(self) -> str | None:
-        """The warning for a split of this framework's devices when Keras was
-        imported on another backend (Keras models would not use them), else ``None``."""
+        """The warning for a split of this framework's devices when Keras was imported on another backend."""
         from ..keras_backend import keras_backend_warning
 
         return keras_backend_warning(self.keras_backend, self.label)
@@ -387,14 +317,9 @@ class Framework:
     def plan_ranks(
         self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
     ) -> list[RankPlan]:
-        """One :class:`RankPlan` per rank, in rank order, from the ranks' hosts.
-
-        ``layout`` says where each rank runs, its GPU, free ports chosen on its host, the launcher's own
-        conventions); ``split`` devices per rank, ``memory_mib`` each rank's cap,
-        ``port`` the coordinator port the user asked for. Pure. Raises
-        :class:`ValueError` (one line, quoting the value) for a request that
-        cannot work on those hosts.
-        """
+        """One :class:`RankPlan` per rank, in rank order: ``layout`` says where each rank runs (its GPU, ports free
+        on its host, the launcher's conventions), ``split`` devices and ``memory_mib`` cap per rank, ``port`` the
+        coordinator port asked for. Pure. A request that cannot work there is a one-line :class:`ValueError`."""
         raise ValueError(f"{self.label} cannot run as ranks of %vgpu_cluster")
 
     def __repr__(self) -> str:

@@ -121,7 +121,7 @@ class Torch(Framework):
         return DeviceInventory(
             gpus=gpus,
             cpus=1,
-            version=self.version(),
+            version=getattr(sys.modules.get("torch"), "__version__", None),
             nvml_available=bool(gpus),
             capabilities=CAPABILITIES,
             current=current,
