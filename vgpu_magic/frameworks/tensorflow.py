@@ -1,27 +1,15 @@
 """TensorFlow: logical GPUs with memory caps on one GPU, or logical CPUs.
 
-The only module that touches ``tf.config``. Devices and configuration are
-read with ``list_physical_devices`` / ``get_logical_device_configuration`` /
-``get_visible_devices`` / ``get_memory_growth``, none of which starts the
-runtime; ``context.context()._initialized`` tells whether it started.
+The only module that touches ``tf.config``, read with calls that do not start the runtime
+(``context.context()._initialized`` tells whether it started). TensorFlow 2.21 writes INFO lines to file
+descriptor 2 while it is imported, before it reads ``TF_CPP_MIN_LOG_LEVEL``: where vgpu_magic imports it and
+the level is not an explicit 0, those lines are dropped and every other line passes.
 
-Importing TensorFlow the way the user's log level asks: TensorFlow 2.21 writes
-INFO lines (the oneDNN notice, absl's "before InitializeLog" preamble) straight
-to file descriptor 2 while it is being imported, before it reads
-``TF_CPP_MIN_LOG_LEVEL``. When vgpu_magic is the one importing TensorFlow and
-the level is unset or 1 or more, those INFO lines are dropped; every other line
-is passed through unchanged. At an explicit level 0 nothing is touched.
-
-The ranks (:meth:`TensorFlow.plan_ranks`): ``TF_CONFIG`` lists every worker at
-its own host, with a port chosen on that host (under SLURM: the hosts and
-ports TensorFlow's ``SlurmClusterResolver`` computes), so
-``tf.distribute.MultiWorkerMirroredStrategy()`` on N ranks has N workers.
-``--split K`` on a GPU gives each worker K logical GPUs, planned on the worker
-by the same planner as ``%vgpu_split`` (:func:`setup_rank`). On CPU there is
-nothing to set: MultiWorkerMirroredStrategy uses one CPU device per worker
-whatever the logical CPU count (measured: 2 workers × 2 logical CPUs give 2
-replicas), so ``--split`` on CPU is refused with that reason, and a CPU worker
-only gets its environment.
+The ranks (:meth:`TensorFlow.plan_ranks`): ``TF_CONFIG`` lists every worker at its own host and a port chosen
+there (under SLURM: what ``SlurmClusterResolver`` computes), so ``MultiWorkerMirroredStrategy()`` on N ranks
+has N workers; ``--split K`` on a GPU gives each worker K logical GPUs (:func:`setup_rank`). On CPU the strategy
+uses one device per worker whatever the logical CPU count (measured: 2 workers × 2 logical CPUs give 2
+replicas), so ``--split`` on CPU is refused and a CPU worker only gets its environment.
 """
 
 from __future__ import annotations
@@ -50,13 +38,8 @@ SLURM_PORT_BASE = 8888
 
 
 def system_reserve_mib(free_mib: int, compute_capability: tuple[int, int] | None) -> int:
-    """Memory TensorFlow keeps back on each GPU for CUDA itself (``MinSystemMemory``
-    in TensorFlow's ``gpu_device.cc``).
-
-    Below 2 GiB of free memory TF keeps 225 MiB; otherwise 500 MiB for compute
-    capability <= 6.x, 1050 MiB for 7.x, 1536 MiB for 8.x and 1800 MiB beyond.
-    An unknown capability is treated as the newest (the largest reserve).
-    """
+    """Memory TensorFlow keeps back on each GPU for CUDA itself (``MinSystemMemory`` in its ``gpu_device.cc``);
+    an unknown compute capability counts as the newest (the largest reserve)."""
     if free_mib < 2048:
         return 225
     major = compute_capability[0] if compute_capability else 99
@@ -176,7 +159,6 @@ class TensorFlow(Framework):
         return bool(context.context()._initialized)
 
     def holds_cuda_context(self) -> bool:
-        """TensorFlow creates its contexts when its runtime starts with a GPU visible."""
         if not self.runtime_started():
             return False
         tf = sys.modules["tensorflow"]
@@ -282,13 +264,9 @@ class TensorFlow(Framework):
         return sum(r["current"] for r in readings), sum(r["peak"] for r in readings)
 
     def memory_reader(self) -> Reader:
-        """Reads through the C function under the eager context's
-        ``get_memory_info`` (which ``tf.config.experimental.get_memory_info``
-        wraps), bound to the context once: right after a training step each
-        Python call level in between costs as much as the read itself
-        (``benchmarks/monitor_overhead.py`` measures a sample). Only called
-        once the runtime runs, so the context is initialised and its handle
-        stays valid."""
+        """Through the C function under ``tf.config.experimental.get_memory_info``, bound to the context once:
+        right after a training step each Python call level in between costs as much as the read itself
+        (``benchmarks/monitor_overhead.py``). Once the runtime runs, the context's handle stays valid."""
         from tensorflow.python import pywrap_tfe
         from tensorflow.python.eager import context
 
@@ -318,12 +296,8 @@ class TensorFlow(Framework):
 
     # -- helpers -----------------------------------------------------------------------
     def strategy(self, devices: list[str] | None = None) -> Any:
-        """A ``MirroredStrategy`` over the split's logical devices.
-
-        Logical GPUs that share one physical GPU cannot use NCCL, so
-        cross-device reduction goes through one device (what TensorFlow falls
-        back to anyway, minus its warning). Starts the runtime.
-        """
+        """A ``MirroredStrategy`` over the split's logical devices; starts the runtime. Logical GPUs of one card
+        cannot use NCCL, so reductions go through one device (TensorFlow's own fallback, minus its warning)."""
         tf = self.load()
         snap = self.read_configuration()
         if devices is None:
@@ -344,7 +318,8 @@ class TensorFlow(Framework):
 
         places = layout.places
         n = len(places)
-        if split is not None and not all(p.gpu for p in places):
+        on_gpu = all(p.gpu for p in places)
+        if split is not None and not on_gpu:
             raise ValueError(
                 f"--split {split} on CPU changes nothing: MultiWorkerMirroredStrategy uses one CPU device per worker, "
                 f"so {n} workers give {n} replicas; drop --split or start more ranks"
@@ -352,48 +327,38 @@ class TensorFlow(Framework):
         check_rank_request(split, memory_mib, [p.gpu for p in places])
         workers = _workers(layout, port)
         per_worker = split or 1
-        on_gpu = all(p.gpu for p in places)
-        notes = [
-            f"TF_CONFIG: {n} workers on {', '.join(workers)}; MultiWorkerMirroredStrategy() has "
-            f"{n * per_worker if on_gpu else n} replicas"
+        caps = [
+            rank_share_mib(p.gpu, p.gpu_shared_by, memory_mib, CAPABILITIES) // per_worker if on_gpu else None
+            for p in places
         ]
+        notes = (
+            f"TF_CONFIG: {n} workers on {', '.join(workers)}; MultiWorkerMirroredStrategy() has "
+            f"{n * per_worker} replicas",
+            f"each worker: {per_worker} logical GPU(s) of {caps[0]} MiB"
+            if on_gpu
+            else "on CPU each worker is one replica (MultiWorkerMirroredStrategy uses one CPU device per worker)",
+        )
         plans = []
-        for place in places:
-            env = {
-                "TF_CONFIG": json.dumps(
-                    {"cluster": {"worker": workers}, "task": {"type": "worker", "index": place.rank}}
-                )
-            }
+        for place, each in zip(places, caps):
+            task = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": place.rank}}
+            env = {"TF_CONFIG": json.dumps(task)}
             if not on_gpu:
-                plans.append(RankPlan(place.rank, env, "", ()))
+                plans.append(RankPlan(place.rank, env, "", (), notes))
                 continue
-            each = rank_share_mib(place.gpu, place.gpu_shared_by, memory_mib, CAPABILITIES) // per_worker
-            # The worker plans again on its own devices (setup_rank); this is the same check, made before
-            # anything starts.
+            # The worker plans again on its own devices (setup_rank): the same check, before anything starts.
             seen = DeviceInventory(
                 gpus=place.gpus_seen, nvml_available=place.gpu.free_mib is not None, capabilities=CAPABILITIES
             )
             plan_split(SplitRequest(count=per_worker, memory=each, gpu=place.gpu.index, others="hide"), seen)
-            plans.append(
-                RankPlan(
-                    place.rank, env, "vgpu_magic.frameworks.tensorflow:setup_rank", (place.gpu.index, per_worker, each)
-                )
-            )
-        if on_gpu:
-            notes.append(f"each worker: {per_worker} logical GPU(s) of {plans[0].args[2]} MiB")
-        else:
-            notes.append(
-                "on CPU each worker is one replica (MultiWorkerMirroredStrategy uses one CPU device per worker)"
-            )
-        return [RankPlan(p.rank, p.env, p.setup, p.args, tuple(notes)) for p in plans]
+            args = (place.gpu.index, per_worker, each)
+            plans.append(RankPlan(place.rank, env, "vgpu_magic.frameworks.tensorflow:setup_rank", args, notes))
+        return plans
 
 
 def _workers(layout: RankLayout, port: int | None) -> list[str]:
-    """Every worker's ``host:port``, in rank order: under SLURM what
-    ``SlurmClusterResolver(port_base=port or 8888)`` computes (the step's hosts
-    in sorted order, each node's tasks on consecutive ports); else each rank's
-    own host address and the port its engine chose there (``port`` for the
-    first worker, when given)."""
+    """Every worker's ``host:port``, in rank order: under SLURM what ``SlurmClusterResolver(port_base=port or
+    8888)`` computes (the step's hosts sorted, each node's tasks on consecutive ports); else each rank's host
+    address and the port its engine chose there (``port`` for the first worker, when given)."""
     if layout.slurm is not None:
         return [
             f"{host}:{(port or SLURM_PORT_BASE) + offset}"
@@ -404,12 +369,9 @@ def _workers(layout: RankLayout, port: int | None) -> list[str]:
 
 
 def setup_rank(gpu: int, count: int, cap_mib: int, join: bool = False) -> str:
-    """Run on a worker with a GPU: GPU ``gpu`` (CUDA's index on its host) split
-    into ``count`` logical GPUs of ``cap_mib`` each, the other GPUs hidden,
-    planned by the planner on this worker's own devices (its reserve, its NVML
-    order) exactly as ``%vgpu_split`` plans. Writes configuration only; the
-    runtime starts later, in the user's code. ``join`` changes nothing: a
-    worker joins its cluster in the user's ``MultiWorkerMirroredStrategy()``."""
+    """Run on a worker with a GPU: GPU ``gpu`` (CUDA's index on its host) as ``count`` logical GPUs of ``cap_mib``
+    each, the others hidden, planned on this worker's own devices as ``%vgpu_split`` plans. Writes configuration
+    only. ``join`` changes nothing: a worker joins in the user's ``MultiWorkerMirroredStrategy()``."""
     from ..planner import configuration_after, plan_split
     from ..plans import SplitRequest
 
