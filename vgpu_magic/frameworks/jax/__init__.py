@@ -1,31 +1,17 @@
 """JAX: N CPU devices (next to a GPU or without one), and this process's share of a GPU.
 
-What JAX can do, as :data:`CAPABILITIES`:
+* **CPU devices**: ``jax.config.update("jax_num_cpu_devices", N)`` (JAX 0.5+) or
+  ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (before), read when the backend starts; a later
+  change is refused first, naming the cell that started it (JAX would raise a bare ``RuntimeError``).
+* **No GPU split**: no JAX or XLA setting turns one GPU into several devices. ``--cpu`` gives N CPU devices
+  next to the GPU and ``--memory`` caps this process's share of its GPUs, a fraction of CUDA's total:
+  ``XLA_CLIENT_MEM_FRACTION`` where the user set that name (jaxlib's current one), else
+  ``XLA_PYTHON_CLIENT_MEM_FRACTION``; never both, which jaxlib refuses (and JAX then runs on CPU).
+* **Memory growth**: ``XLA_PYTHON_CLIENT_PREALLOCATE=false``; it combines with a cap.
 
-* **CPU devices**: ``jax.config.update("jax_num_cpu_devices", N)`` (JAX 0.5+)
-  or ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (before that), both
-  read when JAX's backend starts. Afterwards a different count raises a bare
-  ``RuntimeError``; vgpu_magic refuses it first, naming the cell that started it.
-* **No GPU split**: no JAX or XLA setting turns one GPU into several devices.
-  ``--cpu`` gives N CPU devices next to the GPU (``jax.devices("cpu")``; the GPU
-  stays JAX's default backend) and ``--memory`` caps this process's share of the
-  GPU (a fraction of CUDA's total memory, which XLA multiplies by, for every
-  GPU of the process): ``XLA_CLIENT_MEM_FRACTION`` where the user set that
-  name (jaxlib's current one), else ``XLA_PYTHON_CLIENT_MEM_FRACTION``, which
-  every jaxlib reads; never both, which jaxlib refuses (and JAX then runs on CPU).
-* **Memory growth**: ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (allocate on demand
-  instead of preallocating). It combines with a cap.
-
-Whether the backend started is read from ``jax._src.xla_bridge`` without
-starting it (:func:`backend_started`). Devices have JAX's own names
-(``cpu:3`` for ``jax.devices("cpu")[3]``, as ``str(device)`` says), in every
-message, in ``%vgpu_status`` and in the memory readings.
-
-Memory readings live in :mod:`vgpu_magic.frameworks.jax.memory`, the ``vgpu_magic.mesh()`` and
-``vgpu_magic.distribution()`` helpers in :mod:`vgpu_magic.frameworks.jax.mesh`, the ranks'
-``jax.distributed`` wiring in :mod:`vgpu_magic.frameworks.jax.ranks`.
-
-Importing this module imports neither JAX nor Keras.
+Devices have JAX's own names (``cpu:3``, as ``str(device)`` says) everywhere. Memory readings live in
+:mod:`.memory`, ``vgpu_magic.mesh()`` and ``distribution()`` in :mod:`.mesh`, the ranks' ``jax.distributed``
+wiring in :mod:`.ranks`. Importing this module imports neither JAX nor Keras.
 """
 
 from __future__ import annotations
@@ -94,11 +80,8 @@ GLOO_CONNECTED = r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected n
 
 
 def backend_started() -> bool:
-    """Has JAX's backend started (so devices are fixed)? Never imports JAX.
-
-    Uses ``xla_bridge.backends_are_initialized()`` and, in JAX versions
-    without it, the backend cache it reads.
-    """
+    """Has JAX's backend started (so devices are fixed)? Never imports JAX: asks ``xla_bridge``, or in JAX
+    versions without ``backends_are_initialized()``, reads the backend cache it reads."""
     bridge = sys.modules.get("jax._src.xla_bridge")
     if bridge is None:
         return False
@@ -109,8 +92,7 @@ def backend_started() -> bool:
 
 
 def xla_flags_count(flags: str) -> int | None:
-    """The ``--xla_force_host_platform_device_count`` in an ``XLA_FLAGS`` string
-    (the last one wins, as in XLA), or ``None``."""
+    """The ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS`` (the last one, as in XLA), or ``None``."""
     found = _COUNT_FLAG.findall(flags or "")
     if not found or not found[-1].isdigit():
         return None
@@ -118,8 +100,7 @@ def xla_flags_count(flags: str) -> int | None:
 
 
 def xla_flags_with_count(flags: str, count: int | None) -> str:
-    """``flags`` with the CPU device count set to ``count`` (removed for ``None``),
-    every other flag kept as it was."""
+    """``flags`` with the CPU device count set to ``count`` (removed for ``None``), every other flag kept."""
     kept = " ".join(_COUNT_FLAG.sub(" ", flags or "").split())
     if count is None:
         return kept
@@ -143,10 +124,8 @@ def _platforms_allow_gpu() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def gpu_backend_installed() -> bool:
-    """Is a GPU backend installed for JAX (a CUDA/ROCm plugin in the
-    ``jax_plugins`` namespace package, where JAX's own plugins live, or a jaxlib
-    built with CUDA)? Read from the installed files: imports nothing and starts
-    nothing. Asked once per process."""
+    """Is a GPU backend installed for JAX (a CUDA/ROCm plugin in the ``jax_plugins`` namespace package, or a
+    jaxlib built with CUDA)? Read from the installed files, once per process: imports and starts nothing."""
     import pkgutil
 
     try:
@@ -166,8 +145,8 @@ def gpu_backend_installed() -> bool:
 
 
 def _user_namespace_uses_jax() -> bool:
-    """Does the user's namespace (``__main__``: the notebook's or the script's
-    globals) hold a JAX module, or a function, class or array of JAX's?"""
+    """Does ``__main__`` (the notebook's or script's globals) hold a JAX module, or a function, class or array
+    of JAX's?"""
     main = sys.modules.get("__main__")
     for value in list(getattr(main, "__dict__", {}).values()):
         try:
@@ -196,10 +175,8 @@ class Jax(Framework):
         self._counters: dict[str, LiveArrayBytes] = {}
 
     def imported(self) -> bool:
-        """Is JAX in use here? TensorFlow imports JAX itself when it is installed
-        (``tensorflow/lite/python/util.py``), so next to TensorFlow JAX counts
-        only once its backend started or the user's namespace holds something
-        of JAX's; otherwise every TensorFlow kernel would have two frameworks."""
+        """Is JAX in use here? TensorFlow imports JAX itself where it is installed, so next to TensorFlow JAX
+        counts only once its backend started or the user's namespace holds something of JAX's."""
         if "jax" not in sys.modules:
             return False
         if "tensorflow" not in sys.modules or backend_started():
@@ -217,8 +194,7 @@ class Jax(Framework):
 
     # -- devices and configuration -------------------------------------------------
     def _gpu_count(self, nvml: list[dict[str, Any]]) -> int:
-        """GPUs JAX has or will have: counted by JAX once started, else from NVML
-        and ``CUDA_VISIBLE_DEVICES`` where a GPU backend is installed."""
+        """GPUs JAX has (once started) or will have (NVML and ``CUDA_VISIBLE_DEVICES``, given a GPU backend)."""
         if backend_started():
             jax = sys.modules["jax"]
             try:
@@ -259,8 +235,7 @@ class Jax(Framework):
         )
 
     def _cpu_count(self) -> int | None:
-        """The CPU device count configured (or, once started, in use); ``None`` when
-        nothing asks for more than JAX's default of one."""
+        """The CPU device count configured (once started: in use); ``None`` for JAX's default of one."""
         jax = sys.modules.get("jax")
         if backend_started() and jax is not None:
             count = len(jax.devices("cpu"))
@@ -300,9 +275,8 @@ class Jax(Framework):
         return self._snapshot(self._gpus()[0])
 
     def write_configuration(self, old: ConfigSnapshot, new: ConfigSnapshot) -> None:
-        """CPU count through ``jax_num_cpu_devices`` (``XLA_FLAGS`` in JAX before
-        0.5); GPU cap and growth through ``XLA_PYTHON_CLIENT_*``, which JAX reads
-        when its backend starts. On error everything is put back."""
+        """CPU count through ``jax_num_cpu_devices`` (``XLA_FLAGS`` before JAX 0.5); GPU cap and growth through
+        ``XLA_PYTHON_CLIENT_*``, which JAX reads when its backend starts."""
         jax = self.load()
 
         def left() -> str:
@@ -328,9 +302,8 @@ class Jax(Framework):
         return _set_env("XLA_FLAGS", xla_flags_with_count(os.environ.get("XLA_FLAGS", ""), count) or None)
 
     def _fraction(self, caps: dict[str, int | None]) -> str | None:
-        """JAX's memory fraction for caps in MiB: one fraction for the process, of
-        the capped GPU's total as CUDA counts it (what XLA multiplies by; NVML's
-        total, larger, where the driver cannot be asked, so the cap lands a little low)."""
+        """JAX's memory fraction for caps in MiB: one for the process, of the capped GPU's total as CUDA counts
+        it (what XLA multiplies by; NVML's, larger, where the driver cannot be asked: the cap lands a little low)."""
         if not caps:
             return None
         from ...planner import PlanError
@@ -351,8 +324,7 @@ class Jax(Framework):
 
     # -- memory ----------------------------------------------------------------------
     def memory_readings(self, devices: list[str]) -> dict[str, dict[str, int]]:
-        """Current bytes per device; ``peak`` is the allocator's where the device
-        has statistics (GPU), else the highest of vgpu_magic's reads so far."""
+        """Current bytes per device; ``peak`` is the allocator's (GPU), else the highest read so far (CPU)."""
         try:
             values = MemoryReader(self.load(), self._peaks, self._counters)(devices)
         except (ValueError, RuntimeError):
@@ -365,9 +337,7 @@ class Jax(Framework):
         return DEVICE_NAMES[kind == "GPU"].format(index)
 
     def memory_reader(self) -> Reader:
-        """The monitor's :class:`~vgpu_magic.frameworks.jax.memory.MemoryReader`:
-        allocator statistics where a device has them (GPU), else the exact bytes
-        of the live arrays' shards on it (CPU), counted in at most 2 % of the time."""
+        """A :class:`~vgpu_magic.frameworks.jax.memory.MemoryReader` counting in at most 2 % of the time."""
         return MemoryReader(self.load(), self._peaks, self._counters, budget=0.02)
 
     def variable_bytes(self, variable: Any) -> dict[str, int]:
@@ -379,7 +349,6 @@ class Jax(Framework):
         return out
 
     def holds_cuda_context(self) -> bool:
-        """A GPU backend that started holds a context; JAX creates none before."""
         bridge = sys.modules.get("jax._src.xla_bridge")
         backends = getattr(bridge, "_backends", None) or {}
         return any(name in _GPU_PLATFORMS for name in backends)
@@ -396,16 +365,15 @@ class Jax(Framework):
 
     # -- helpers -----------------------------------------------------------------------
     def split_devices(self) -> list[Any]:
-        """The split's devices: every CPU device when CPU devices were split
-        (also next to a GPU), else ``jax.devices()``. Starts JAX's backend."""
+        """Every CPU device where CPU devices were split (also next to a GPU), else ``jax.devices()``. Starts
+        JAX's backend."""
         jax = self.load()
         if self._cpu_count() is not None:
             return list(jax.devices("cpu"))
         return list(jax.devices())
 
     def strategy(self, devices: list[str] | None = None) -> Any:
-        """A ``jax.sharding.Mesh`` with one ``"data"`` axis over the split's
-        devices (or over ``devices``, TensorFlow-style names). Starts JAX's backend."""
+        """A ``jax.sharding.Mesh`` with one ``"data"`` axis over the split's devices (or ``devices``, by name)."""
         from .mesh import mesh
 
         return mesh(devices=self.split_devices() if devices is None else devices_by_name(self.load(), devices))

@@ -1,35 +1,22 @@
-"""JAX's ranks: a coordinator on rank 0's host for ``jax.distributed.initialize``,
-and each process's devices planned on the rank by the planner.
+"""JAX's ranks: a coordinator on rank 0's host for ``jax.distributed.initialize``, and each process's devices
+planned on the rank by the planner.
 
-An unchanged ``jax.distributed.initialize()`` (no arguments) works on a rank,
-as under a cluster JAX detects itself (SLURM, Open MPI): the rank's
-environment has ``JAX_COORDINATOR_ADDRESS`` (read by JAX) and
-``VGPU_MAGIC_JAX_NUM_PROCESSES`` / ``VGPU_MAGIC_JAX_PROCESS_ID``, which a
-cluster environment registered with JAX's auto-detection on the rank
-(:func:`setup_rank`) hands to it. With ``join`` the setup makes that call.
+An unchanged ``jax.distributed.initialize()`` works on a rank, as under a cluster JAX detects itself: the rank's
+environment has ``JAX_COORDINATOR_ADDRESS`` and ``VGPU_MAGIC_JAX_NUM_PROCESSES`` / ``_PROCESS_ID``, which a
+cluster environment registered with JAX's auto-detection (:func:`setup_rank`) hands to it. The coordinator is
+rank 0's address and a port chosen there; under SLURM what JAX's ``SlurmCluster`` computes. On CPU each process
+gets ``--split K`` CPU devices and gloo collectives; on a GPU each process uses its own GPU, or all share the
+first with a cap each (JAX cannot split a GPU, so ``--split`` is refused there).
 
-The coordinator is rank 0's address and a port chosen on its host; under
-SLURM it is what JAX's own SLURM support computes (``jax._src.clusters.
-SlurmCluster``): the first host of ``SLURM_STEP_NODELIST`` and port
-``61440 + SLURM_JOB_ID % 4096``. On CPU each process gets ``--split K`` CPU
-devices (default 1) and exchanges collectives through gloo; on a GPU each
-process uses its own GPU where its host has one per local rank, else all share
-the first with a cap each (``--memory`` or an even share after every rank's
-CUDA context), which becomes JAX's memory fraction of CUDA's total on the rank.
-JAX cannot split one GPU into several devices, so ``--split`` on a GPU is refused.
-
-Ranks that share a GPU: XLA's GPU collectives go through NCCL, and NCCL before
-2.30 refuses two ranks on one GPU at the first cross-process collective
-("Duplicate GPU detected", measured on an H100 with NCCL 2.28.9, also with
-``NCCL_MULTI_RANK_GPU_ENABLE=1``). So with an older NCCL (or one that cannot be
-read) the plan is refused before any rank starts, saying what works; with NCCL
-2.30 or later each rank gets ``NCCL_MULTI_RANK_GPU_ENABLE=1``.
-
-Importing this module imports no JAX.
+XLA's GPU collectives go through NCCL, and NCCL before 2.30 refuses two ranks on one GPU at the first
+collective ("Duplicate GPU detected", measured on an H100 with NCCL 2.28.9, even with
+``NCCL_MULTI_RANK_GPU_ENABLE=1``): ranks sharing a GPU are refused before anything starts with an older (or
+unreadable) NCCL, and get ``NCCL_MULTI_RANK_GPU_ENABLE=1`` with 2.30 or later. Importing this imports no JAX.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from ..base import Framework, RankPlan
@@ -123,12 +110,9 @@ def setup_rank(
     cap_mib: int | None,
     join: bool = False,
 ) -> str:
-    """Run on the rank: plan its devices with the planner on its own inventory
-    (``count`` CPU devices, or GPU ``gpu``, CUDA's index on its host, capped at
-    ``cap_mib`` with memory growth), then make an unchanged
-    ``jax.distributed.initialize()`` find this rank's place; with ``join``, also
-    make that call (rank 0 hosts the coordinator). The devices are planned
-    first: JAX reads their configuration when it initializes."""
+    """Run on the rank: plan its devices on its own inventory (``count`` CPU devices, or GPU ``gpu``, CUDA's index
+    on its host, capped at ``cap_mib`` with memory growth), then make an unchanged ``jax.distributed.initialize()``
+    find this rank's place; with ``join``, also make that call (rank 0 hosts the coordinator)."""
     from ...planner import configuration_after, plan_split
     from ...plans import SplitRequest
     from . import FRAMEWORK
@@ -154,19 +138,13 @@ def setup_rank(
     return f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local devices"
 
 
-_registered: list[type] = []
-
-
+@functools.cache
 def _register_cluster_environment() -> None:
-    """Put a cluster environment reading the rank's ``VGPU_MAGIC_JAX_*`` variables
-    first in JAX's auto-detection (JAX registers every ``ClusterEnv`` subclass
-    when it is defined), ahead of any SLURM or MPI variables the kernel had."""
+    """Put a cluster environment reading the rank's ``VGPU_MAGIC_JAX_*`` variables first in JAX's auto-detection
+    (JAX registers each ``ClusterEnv`` subclass as it is defined), ahead of any SLURM or MPI variables."""
     import os
 
     from jax._src import clusters
-
-    if _registered:
-        return
 
     class VgpuMagicRanks(clusters.ClusterEnv):
         name = "vgpu_magic"
@@ -189,4 +167,3 @@ def _register_cluster_environment() -> None:
 
     clusters.ClusterEnv._cluster_types.remove(VgpuMagicRanks)
     clusters.ClusterEnv._cluster_types.insert(0, VgpuMagicRanks)
-    _registered.append(VgpuMagicRanks)

@@ -1,33 +1,17 @@
-"""PyTorch: one device per process, so several devices are several processes,
-wired as ``torchrun`` wires them; the script's own ``init_process_group``
-joins (or, with ``join``, the rank's setup does).
+"""PyTorch: one device per process (no logical devices: ``%vgpu_split`` refuses it and points at the ranks), so
+several devices are several processes, wired as ``torchrun`` wires them.
 
-What PyTorch cannot do, as :data:`CAPABILITIES`: it has no logical devices,
-so one process cannot be split (``%vgpu_split --framework torch`` is refused
-and points at ``%vgpu_cluster start N --framework torch``); a rank's cap is
-``set_per_process_memory_fraction``.
+The ranks (:meth:`Torch.plan_ranks`) get what ``torchrun --standalone --nproc-per-node 2`` gives each worker
+(measured, torch 2.14), computed from their hosts: ``MASTER_ADDR`` is rank 0's host (under SLURM the step's
+first), ``LOCAL_*`` and ``GROUP_RANK`` are per host; with no agent, rank 0 hosts the TCP store, as in a plain
+``init_process_group`` launch, and the agent's variables are left out.
 
-The ranks (:meth:`Torch.plan_ranks`) get what ``torchrun --standalone
---nproc-per-node 2`` gives each worker (measured, torch 2.14), computed from
-their hosts: ``MASTER_ADDR`` is rank 0's host (under SLURM the first host of
-the step, the usual ``torchrun``-under-SLURM mapping), ``LOCAL_*`` and
-``GROUP_RANK`` are per host. The variables that point at torchrun's own agent
-are left out: there is no agent, so rank 0 hosts the TCP store, as in a plain
-``init_process_group`` launch.
-
-Backend: NCCL where every rank has a GPU of its own. Where ranks share a GPU,
-an unchanged script still runs (measured on an H100, torch 2.11, NCCL 2.28.9):
-NCCL before 2.30 refuses two ranks on one GPU at DDP's construction ("Duplicate
-GPU detected"), so on every rank ``init_process_group`` maps NCCL to gloo, which
-all-reduces CUDA tensors too (``"nccl"``, and no backend, which torch maps to
-NCCL for cuda, become ``"cpu:gloo,cuda:gloo"``: :func:`gloo_for_nccl`); and a
-rank's ``LOCAL_RANK`` is the index of its GPU on its host, so the usual
-``torch.cuda.set_device(LOCAL_RANK)`` and ``DDP(device_ids=[LOCAL_RANK])``
-reach the shared card (``CUDA_VISIBLE_DEVICES=0,0`` cannot give it a second
-number: CUDA then shows no device). The start line says both. Each rank is
-capped with ``set_per_process_memory_fraction`` of CUDA's total (what torch
-multiplies), after room for every rank's own CUDA context.
-
+Backend: NCCL where every rank has a GPU of its own. NCCL before 2.30 refuses two ranks on one GPU at DDP's
+construction ("Duplicate GPU detected", measured on an H100, torch 2.11, NCCL 2.28.9), so where ranks share a
+GPU ``init_process_group`` maps NCCL to gloo (:func:`gloo_for_nccl`), and a rank's ``LOCAL_RANK`` is its GPU's
+index, so ``set_device(LOCAL_RANK)`` and ``DDP(device_ids=[LOCAL_RANK])`` reach the shared card
+(``CUDA_VISIBLE_DEVICES=0,0`` would show no device). Each rank is capped with
+``set_per_process_memory_fraction`` of CUDA's total, after room for every rank's own CUDA context.
 Importing this module imports no PyTorch.
 """
 
@@ -68,8 +52,7 @@ class Torch(Framework):
         return self.holds_cuda_context()
 
     def watch_runtime_start(self, callback: Callable[[], None]) -> Callable[[], None] | None:
-        """Through torch's own queue of calls to run when CUDA initialises (``torch.cuda._lazy_call``,
-        as ``manual_seed`` uses it): run inside the call that initialised it, whatever path got there."""
+        """Through torch's own queue of calls run when CUDA initialises (``torch.cuda._lazy_call``)."""
         cuda = getattr(sys.modules.get("torch"), "cuda", None)
         if self.runtime_started() or not callable(getattr(cuda, "_lazy_call", None)):
             return None
@@ -93,8 +76,7 @@ class Torch(Framework):
         return sum(cuda.memory_reserved(i) for i in gpus), sum(cuda.max_memory_reserved(i) for i in gpus)
 
     def memory_reader(self) -> Reader:
-        """The caching allocator's tensor bytes and their peak per GPU (``"GPU:1"`` is ``cuda:1``), as torch
-        counts them. Only called once CUDA started."""
+        """The caching allocator's tensor bytes and their peak per GPU (``"GPU:1"`` is ``cuda:1``)."""
         cuda = sys.modules["torch"].cuda
 
         def read(names: list[str]) -> list[tuple[int, int]]:
@@ -108,8 +90,7 @@ class Torch(Framework):
         return "cuda:" + name.rpartition(":")[2]
 
     def probe_inventory(self) -> DeviceInventory:
-        """The GPUs CUDA shows this process (NVML; imports no PyTorch), for
-        ``%vgpu_status`` and the planner's refusal."""
+        """The GPUs CUDA shows this process (NVML; imports no PyTorch)."""
         gpus = visible_gpus()
         current = ConfigSnapshot(
             cpu_names=("/physical_device:CPU:0",),
@@ -191,11 +172,8 @@ class Torch(Framework):
 
 
 def setup_rank(backend: str, gpu: int | None = None, cap_mib: int | None = None, join: bool = False) -> str:
-    """Run on the rank: pick and cap its GPU (``gpu`` is CUDA's index on its host,
-    ``cap_mib`` a fraction of CUDA's total, which torch multiplies by); where the
-    plan says gloo for GPU ranks (they share a GPU), map NCCL to gloo in
-    ``init_process_group``; with ``join``, also join the process group
-    (``env://``, as the script's own ``init_process_group`` would under torchrun)."""
+    """Run on the rank: pick and cap its GPU (``gpu``: CUDA's index on its host); where the plan says gloo for
+    GPU ranks (they share a GPU), map NCCL to gloo; with ``join``, also join the process group (``env://``)."""
     if gpu is None and not join:
         return "torchrun's environment set"
     import torch
@@ -245,9 +223,8 @@ def say_the_cap(note: str) -> None:
 
 
 def gloo_for_nccl(backend: str | None) -> str:
-    """The backend string a rank sharing a GPU uses for ``backend`` (``None``:
-    torch's default): what torch's own ``BackendConfig`` maps each device to,
-    with NCCL replaced by gloo, and gloo for CPU tensors where nothing was said."""
+    """The backend string a rank sharing a GPU uses for ``backend`` (``None``: torch's default): torch's own
+    ``BackendConfig`` map, NCCL replaced by gloo, and gloo for CPU tensors where nothing was said."""
     from torch.distributed.distributed_c10d import Backend, BackendConfig
 
     asked = BackendConfig(Backend.UNDEFINED if backend is None else backend).get_device_backend_map()
@@ -256,8 +233,8 @@ def gloo_for_nccl(backend: str | None) -> str:
 
 
 def _map_nccl_to_gloo(dist) -> None:
-    """Make ``init_process_group`` (as the script calls it, ``torch.distributed``'s
-    or ``distributed_c10d``'s) take :func:`gloo_for_nccl` of the backend asked."""
+    """Make ``init_process_group`` (``torch.distributed``'s and ``distributed_c10d``'s) take
+    :func:`gloo_for_nccl` of the backend asked."""
     from torch.distributed import distributed_c10d
 
     original = distributed_c10d.init_process_group
