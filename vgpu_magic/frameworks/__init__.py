@@ -113,23 +113,16 @@ def select(requested: str | None = None) -> Framework:
     :data:`DEFAULT`."""
     if requested:
         return get(requested)
-    found = imported()
-    if len(found) == 1:
-        return found[0]
     backend = os.environ.get("KERAS_BACKEND", "").strip().lower()
     backend = ALIASES.get(backend, backend)
-    if len(found) > 1:
-        for fw in found:
-            if fw.name == backend:
-                return fw
+    found = imported()
+    if len(found) > 1 and backend not in [fw.name for fw in found]:
         listed = " and ".join(fw.label for fw in found)
         raise FrameworkChoiceError(
             f"{listed} are both imported; say which to configure, e.g. --framework {found[0].name}"
         )
-    installed = [fw for fw in all_frameworks() if fw.capabilities.splits_in_process and fw.installed()]
-    if len(installed) == 1:
-        return installed[0]
-    for fw in installed:
-        if fw.name == backend:
-            return fw
-    return get(DEFAULT)
+    if not found:
+        found = [fw for fw in all_frameworks() if fw.capabilities.splits_in_process and fw.installed()]
+    if len(found) == 1:
+        return found[0]
+    return next((fw for fw in found if fw.name == backend), get(DEFAULT))

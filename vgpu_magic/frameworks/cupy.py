@@ -1,8 +1,5 @@
-"""CuPy: not configured by vgpu_magic, only asked whether it holds a CUDA context
-(its memory is then not available to the framework being split).
-
-Listed in :data:`vgpu_magic.frameworks.CUDA_USERS`, not in the registry: there is
-nothing to split, plan or launch. Importing this module imports no CuPy.
+"""CuPy: only asked whether it holds a CUDA context (in :data:`vgpu_magic.frameworks.CUDA_USERS`, not the
+registry: nothing to split, plan or launch). Importing this module imports no CuPy.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""Bytes on each JAX device, exact, for ``%vgpu_status`` and the live memory plot.
+"""Bytes on each JAX device, exact, for ``%vgpu_status`` and the live memory plot, once JAX's backend runs.
 
-JAX's CPU devices keep no allocator statistics (``memory_stats()`` is
-``None``), but the bytes of the live arrays' shards on each device are exact:
-an 8 MiB array put on device 1 shows on device 1 only. A device that has
-``memory_stats()`` (a GPU) is read from its allocator instead, peak included.
-
-Devices are named as JAX names them, ``"cpu:3"`` for ``jax.devices("cpu")[3]``
-(TensorFlow-style ``"/device:CPU:3"`` and ``"CPU:3"`` are read too). Only used
-once JAX's backend runs.
+JAX's CPU devices keep no allocator statistics (``memory_stats()`` is ``None``), but the bytes of the live
+arrays' shards on each device are exact: an 8 MiB array put on device 1 shows on device 1 only. A device with
+``memory_stats()`` (a GPU) is read from its allocator, peak included.
 """
 
 from __future__ import annotations
@@ -42,8 +37,8 @@ def devices_by_name(jax: Any, names: Sequence[str]) -> list[Any]:
 
 
 class _Sharded:
-    """A multi-device array's bytes per device slot (from its sharding: no
-    per-shard objects are made), and the addresses of its buffers once asked."""
+    """A multi-device array's bytes per device slot (from its sharding: no per-shard objects are made), and the
+    addresses of its buffers once asked."""
 
     __slots__ = ("ref", "parts", "signature", "addresses")
 
@@ -57,18 +52,12 @@ class _Sharded:
 class LiveArrayBytes:
     """Exact bytes of the live arrays' shards on each device of one platform.
 
-    A single-device array counts its buffer; a sharded array counts each of its
-    shards on its device, from its sharding. Several array objects can hold one
-    buffer (``addressable_shards[i].data`` of a sharded array, the arrays given
-    to ``jax.make_array_from_single_device_arrays``, ...) and
-    ``jax.live_arrays()`` lists each of them, so a buffer counts once: single-device
-    arrays are told apart by their buffer's address, and one that has the shape,
-    dtype and device of a sharded array's shard is checked against that array's
-    buffers (the only time those are looked at: reading them is the costly part).
-
-    What each array holds is worked out once and kept by the array's id, guarded
-    by a weak reference (buffers never change under an array), so a read is a
-    lookup per live array (``benchmarks/jax_split.py`` measures it).
+    Several array objects can hold one buffer (``addressable_shards[i].data`` of a sharded array, the arrays
+    given to ``jax.make_array_from_single_device_arrays``, ...) and ``jax.live_arrays()`` lists each, so a buffer
+    counts once: single-device arrays are told apart by their buffer's address, and one with the shape, dtype and
+    device of a sharded array's shard is checked against that array's buffers (only then are they read: that is
+    the costly part). What each array holds is kept by its id, guarded by a weak reference, so a read is a lookup
+    per live array (``benchmarks/jax_split.py`` measures it).
     """
 
     def __init__(self, jax: Any, platform: str) -> None:
@@ -145,22 +134,14 @@ class LiveArrayBytes:
 
 
 class MemoryReader:
-    """``reader(names) -> [(current, peak), ...]`` in bytes, one pair per device name.
+    """``reader(names) -> [(current, peak), ...]`` in bytes, one pair per device name (``"cpu:3"``,
+    ``"/device:CPU:3"`` or ``"CPU:3"``).
 
-    A device with ``memory_stats()`` (GPU) is read from its allocator
-    (``bytes_in_use``, ``peak_bytes_in_use``); one without (CPU) from the bytes
-    of the live arrays' shards on it, with the running maximum of those reads as
-    its peak. One count of the live arrays serves every CPU device of a read. Its
-    cost grows with the number of live arrays (see ``benchmarks/jax_split.py``).
-
-    ``peaks`` and ``counters`` may be shared between readers, so that
-    ``%vgpu_status`` and the monitor report the same running peaks.
-
-    ``budget`` bounds the time counting may take: after a count that took
-    ``c`` seconds, calls in the next ``c / budget`` seconds return that count
-    again instead of counting anew (the monitor samples every 0.05 s, so a
-    count costing more than 1 ms would otherwise take over 2 % of a training
-    run). ``None`` counts on every call.
+    A device with ``memory_stats()`` (GPU) is read from its allocator; one without (CPU) from the bytes of the
+    live arrays' shards on it, with the running maximum of those reads as its peak; one count serves every CPU
+    device of a read. ``peaks`` and ``counters`` may be shared, so that ``%vgpu_status`` and the monitor report
+    the same peaks. ``budget`` bounds the time counting may take: after a count of ``c`` seconds, calls in the
+    next ``c / budget`` seconds return it again (the monitor samples every 0.05 s); ``None`` counts every call.
     """
 
     #: Read it on the training thread only: counted from another thread in the middle of a step, the live

@@ -1,8 +1,6 @@
-"""Helpers over the split's JAX devices: a ``jax.sharding.Mesh`` and Keras 3's ``DataParallel``.
-
-Exposed as ``vgpu_magic.mesh`` and ``vgpu_magic.distribution``. Both start
-JAX's backend (as any ``jax.devices()`` call does), so split first. Importing
-this module imports neither JAX nor Keras.
+"""``vgpu_magic.mesh`` and ``vgpu_magic.distribution``: a ``jax.sharding.Mesh`` and Keras 3's ``DataParallel``
+over the split's JAX devices. Both start JAX's backend (as any ``jax.devices()`` call does), so split first.
+Importing this module imports neither JAX nor Keras.
 """
 
 from __future__ import annotations
@@ -16,19 +14,9 @@ __all__ = ["mesh", "distribution"]
 
 
 def mesh(axis_names: str | Sequence[str] = ("data",), shape: Sequence[int] | None = None, devices: Any = None) -> Any:
-    """A ``jax.sharding.Mesh`` over the split's devices.
-
-    Parameters
-    ----------
-    axis_names:
-        Mesh axis names, e.g. ``"data"`` or ``("data", "model")``.
-    shape:
-        Devices along each axis, e.g. ``(4, 2)``; may be left out for one axis.
-    devices:
-        JAX devices to use instead of the split's (every CPU device after a CPU
-        split, also next to a GPU; else ``jax.devices()``).
-
-    Starts JAX's backend (as any ``jax.devices()`` call does): split first.
+    """A ``jax.sharding.Mesh`` over the split's devices (every CPU device after a CPU split, also next to a GPU;
+    else ``jax.devices()``) or over ``devices``: ``axis_names`` such as ``"data"`` or ``("data", "model")``,
+    ``shape`` the devices along each axis, e.g. ``(4, 2)`` (may be left out for one axis).
 
     Examples
     --------
@@ -59,12 +47,9 @@ def mesh(axis_names: str | Sequence[str] = ("data",), shape: Sequence[int] | Non
 
 
 def distribution() -> Any:
-    """Keras 3's ``keras.distribution.DataParallel`` over the split's devices.
-
-    Needs Keras on the JAX backend. Keras reads its backend once, when it is
-    first imported: when Keras is not imported yet and ``KERAS_BACKEND`` is
-    unset, this sets ``KERAS_BACKEND=jax`` and imports Keras; Keras imported
-    with another backend is an error saying how to fix it. Starts JAX's backend.
+    """Keras 3's ``keras.distribution.DataParallel`` over the split's devices, which needs Keras on JAX: where
+    Keras is not imported yet and ``KERAS_BACKEND`` is unset, this sets it to ``jax``; Keras on another backend
+    is an error saying how to fix it.
 
     Examples
     --------
@@ -92,7 +77,7 @@ def distribution() -> Any:
 
 
 def _jax() -> Any:
-    """JAX's framework, through the registry (the framework module uses this one for its strategy)."""
+    """JAX's framework, through the registry."""
     from .. import get
 
     return get("jax")

@@ -17,6 +17,7 @@ Importing this module imports no PyTorch.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import uuid
@@ -241,6 +242,7 @@ def _map_nccl_to_gloo(dist) -> None:
     if getattr(original, "vgpu_magic_maps_nccl", False):
         return
 
+    @functools.wraps(original)
     def init_process_group(*args, **kwargs):
         if args:
             args = (gloo_for_nccl(args[0]), *args[1:])
@@ -249,8 +251,6 @@ def _map_nccl_to_gloo(dist) -> None:
         return original(*args, **kwargs)
 
     init_process_group.vgpu_magic_maps_nccl = True
-    init_process_group.__wrapped__ = original
-    init_process_group.__doc__ = original.__doc__
     distributed_c10d.init_process_group = init_process_group
     dist.init_process_group = init_process_group
 
