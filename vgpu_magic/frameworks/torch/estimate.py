@@ -270,6 +270,7 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
         "MASTER_PORT": 29500,
     }
     cuda, blocks = _CudaOnCpu(), mem_tracker._WeakRefInfo._calculate_mem_consumed
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached  # shapes only: no memory to track
     foreach = optimizer._get_foreach_kernels_supported_devices  # CUDA's optimizers default to foreach, CPU's do not
     with contextlib.ExitStack() as stack:
         os.environ.update({k: str(v) for k, v in env.items()})
@@ -285,11 +286,7 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
             (torch.cuda, "set_device", lambda *a, **k: None),
             (torch.cuda, "current_device", lambda: 0),
             (DeviceMesh, "__init__", _device_mesh_init(DeviceMesh.__init__)),
-            (
-                ShardingPropagator,
-                "_propagate_tensor_meta_non_cached",
-                _untracked(ShardingPropagator._propagate_tensor_meta_non_cached),
-            ),
+            (ShardingPropagator, propagate.__name__, _untracked(propagate)),
             (optimizer, "_get_foreach_kernels_supported_devices", lambda: [*foreach(), *["cpu"] * cuda.used]),
             (optimizer, "_foreach_supported_types", [*optimizer._foreach_supported_types, FakeTensor]),
             (
