@@ -39,13 +39,7 @@ from ..base import Capabilities, ConfigSnapshot, Framework, Reader, call_before_
 from . import ranks
 from .memory import LiveArrayBytes, MemoryReader, devices_by_name
 
-__all__ = [
-    "CAPABILITIES",
-    "FRAMEWORK",
-    "Jax",
-    "backend_started",
-    "gpu_backend_installed",
-]
+__all__ = ["CAPABILITIES", "FRAMEWORK", "Jax", "backend_started", "gpu_backend_installed"]
 
 CAPABILITIES = Capabilities(
     name="jax",
