@@ -23,15 +23,6 @@ from .outcomes import SplitResult, execute, framework_for, summary_lines
 from .planner import MAX_DEVICES, SplitPlan, SplitRequest, plan_split
 from .report import StatusReport, collect_status
 
-__all__ = [
-    "RuntimeStartedWarning",
-    "plan",
-    "split",
-    "status",
-    "strategy",
-    "make_request",
-]
-
 
 class RuntimeStartedWarning(UserWarning):
     """The framework's runtime already started, so the requested split was not applied."""

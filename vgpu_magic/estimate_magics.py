@@ -17,8 +17,6 @@ from .errors import PlanError, excerpt
 from .grammar import framework_name, parse_arguments, whole
 from .memory_estimate import GPU_MODELS, MAX_ALL_RANKS, MemoryEstimate, estimate, parse_gpu
 
-__all__ = ["EstimateMagics"]
-
 
 def _gpu(text: str) -> str:
     try:

@@ -17,23 +17,6 @@ from .errors import NVMLReadError
 from .frameworks.base import Capabilities, ConfigSnapshot
 from .units import MIB
 
-__all__ = [
-    "GPUInfo",
-    "DeviceInventory",
-    "NVMLReadError",
-    "nvml_gpus",
-    "nvml_pids_with_context",
-    "open_nvml",
-    "cuda_to_nvml_order",
-    "cuda_gpus",
-    "visible_gpus",
-    "cuda_total_bytes",
-    "nccl_version",
-    "MULTI_RANK_NCCL",
-    "CUDA_CONTEXT_MIB",
-    "cuda_context_mib",
-]
-
 #: GPU memory a process takes outside its framework's allocator and cap, the one figure the planner's
 #: reserve and the estimate's verdict use. Measured on an H100 (torch 2.11, CUDA 13): the CUDA context
 #: 621 MiB, cuBLAS's workspaces 64 MiB more with the first matrix product (test_estimate_gpu.py), and for

@@ -20,16 +20,6 @@ from dataclasses import dataclass, field, replace
 
 from .inventory import GPUInfo
 
-__all__ = [
-    "HostReport",
-    "RankPlace",
-    "RankLayout",
-    "SlurmStep",
-    "layout_ranks",
-    "expand_hostlist",
-    "expand_tasks_per_node",
-]
-
 
 @dataclass(frozen=True)
 class HostReport:

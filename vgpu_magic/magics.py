@@ -23,8 +23,6 @@ from .outcomes import as_sentence, execute, print_summary, remedy, runtime_start
 from .report import collect_status
 from .runtime import RuntimeWatcher
 
-__all__ = ["VGPUMagics", "ENV_SPLIT"]
-
 #: Environment variable holding a ``%vgpu_split`` line applied at load.
 ENV_SPLIT = "VGPU_MAGIC_SPLIT"
 

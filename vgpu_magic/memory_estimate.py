@@ -22,8 +22,6 @@ from .errors import PlanError, excerpt
 from .inventory import CUDA_CONTEXT_MIB
 from .units import GIB, format_bytes
 
-__all__ = ["MemoryEstimate", "RankMemory", "estimate", "parse_gpu", "GPU_MODELS"]
-
 #: Device memory as ``nvidia-smi`` reports it (MiB), by model; a name's spaces, dashes and case do not matter.
 GPU_MODELS = {
     "H100 80GB": 81559, "H200": 143771, "A100 40GB": 40960, "A100 80GB": 81920,

@@ -20,18 +20,6 @@ from .inventory import DeviceInventory
 from .planner import SplitPlan, SplitRequest, configuration_after, plan_split
 from .runtime import NO_LONGER_CHANGE, RuntimeState, RuntimeWatcher, runtime_state
 
-__all__ = [
-    "SplitResult",
-    "execute",
-    "framework_for",
-    "apply_plan",
-    "summary_lines",
-    "print_summary",
-    "remedy",
-    "runtime_started_lines",
-    "as_sentence",
-]
-
 
 def remedy(label: str, line: str = "the split") -> str:
     """What to do when the runtime already started: ``line`` is the split to run

@@ -15,23 +15,6 @@ from .frameworks.base import Capabilities, ConfigSnapshot
 from .inventory import CUDA_CONTEXT_MIB, DeviceInventory, GPUInfo
 from .plans import FitVerdict, SplitPlan, SplitRequest
 
-__all__ = [
-    "MAX_DEVICES",
-    "MIN_MEMORY_MIB",
-    "MAX_MEMORY_MIB",
-    "SplitRequest",
-    "SplitPlan",
-    "FitVerdict",
-    "plan_split",
-    "check_fit",
-    "configuration_after",
-    "unconfigured",
-    "usable_mib",
-    "even_share_mib",
-    "check_rank_request",
-    "rank_share_mib",
-]
-
 MAX_DEVICES = 64
 #: Below this a logical GPU cannot hold the framework's own workspace, so it is refused.
 MIN_MEMORY_MIB = 64

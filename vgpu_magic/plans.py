@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["SplitRequest", "SplitPlan", "FitVerdict"]
-
 
 @dataclass(frozen=True)
 class SplitRequest:

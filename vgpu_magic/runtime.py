@@ -17,20 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = [
-    "CellRef",
-    "NO_LONGER_CHANGE",
-    "RuntimeState",
-    "RuntimeWatcher",
-    "cuda_context_holders",
-    "runtime_state",
-    "first_line",
-    "active_watcher",
-    "running_cell",
-    "activate",
-    "deactivate",
-]
-
 #: What a started runtime means for a split; the status and every outcome say it in these words.
 NO_LONGER_CHANGE = "devices can no longer change"
 

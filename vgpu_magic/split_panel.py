@@ -41,8 +41,6 @@ from .planner import (
 )
 from .runtime import RuntimeState, RuntimeWatcher, runtime_state
 
-__all__ = ["SplitPanel", "panel", "SLIDER_MAX_DEVICES"]
-
 #: The count slider stops here; larger counts (up to the planner's limit) are typed in.
 SLIDER_MAX_DEVICES = 16
 _WIDE = {"description_width": "9em"}
