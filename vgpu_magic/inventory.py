@@ -90,12 +90,9 @@ def _text(value: Any) -> str:
 
 
 def nvml_gpus() -> list[dict[str, Any]]:
-    """Every GPU NVML can see, in NVML (PCI) order, as plain dicts; a GPU in MIG
-    mode is its MIG devices, each with its own memory and ``MIG-…`` UUID (what
-    ``CUDA_VISIBLE_DEVICES`` names; the whole card's memory is not theirs to share).
-
-    Raises :class:`NVMLReadError` when NVML fails part-way.
-    """
+    """Every GPU NVML can see, in NVML (PCI) order, as dicts of :class:`GPUInfo`'s fields but ``index``;
+    a GPU in MIG mode is its MIG devices, each with its own memory and ``MIG-…`` UUID (what
+    ``CUDA_VISIBLE_DEVICES`` names). Raises :class:`NVMLReadError` when NVML fails part-way."""
     nvml = open_nvml()
     if nvml is None:
         return []
@@ -114,7 +111,6 @@ def nvml_gpus() -> list[dict[str, Any]]:
                         "nvml_index": i,
                         "model": _text(nvml.nvmlDeviceGetName(device)),
                         "total_mib": int(mem.total // MIB),
-                        "total_bytes": int(mem.total),
                         "free_mib": int(mem.free // MIB),
                         "compute_capability": cc,
                         "uuid": _text(nvml.nvmlDeviceGetUUID(device)),
@@ -201,17 +197,7 @@ def cuda_gpus(count: int, nvml: list[dict[str, Any]]) -> tuple[GPUInfo, ...]:
     """A framework's ``count`` GPUs in CUDA's numbering, each with NVML's details
     where :func:`cuda_to_nvml_order` matches one."""
     return tuple(
-        GPUInfo(i)
-        if details is None
-        else GPUInfo(
-            index=i,
-            model=details["model"],
-            total_mib=details["total_mib"],
-            free_mib=details["free_mib"],
-            compute_capability=details["compute_capability"],
-            nvml_index=details["nvml_index"],
-            uuid=details.get("uuid"),
-        )
+        GPUInfo(i) if details is None else GPUInfo(i, **details)
         for i, details in enumerate(cuda_to_nvml_order(count, nvml))
     )
 
