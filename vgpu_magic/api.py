@@ -17,9 +17,8 @@ from typing import Any
 
 from . import frameworks
 from .errors import PlanError, excerpt
-from .frameworks import FrameworkChoiceError
 from .grammar import parse_memory_list
-from .outcomes import SplitResult, execute, framework_for, summary_lines
+from .outcomes import SplitResult, execute, summary_lines
 from .planner import MAX_DEVICES, SplitPlan, SplitRequest, plan_split
 from .report import StatusReport, collect_status
 
@@ -94,10 +93,7 @@ def make_request(
     if framework is not None:
         if not isinstance(framework, str):
             raise PlanError(f"framework {excerpt(framework)} is not a name; use {frameworks.choices()}")
-        try:
-            name = frameworks.resolve_name(framework)
-        except FrameworkChoiceError as exc:
-            raise PlanError(str(exc)) from None
+        name = frameworks.resolve_name(framework)
     return SplitRequest(
         count=None if count is None else int(count),
         memory=_memory_arg(memory),
@@ -118,7 +114,7 @@ def plan(count: int | None = None, memory=None, **options) -> SplitPlan:
     """
     options.pop("dry_run", None)
     request = make_request(count, memory, **options)
-    return plan_split(request, framework_for(request.framework).probe_inventory())
+    return plan_split(request, frameworks.select(request.framework).probe_inventory())
 
 
 def split(
@@ -194,4 +190,4 @@ def strategy(framework: str | None = None):
     ``tf.distribute.MirroredStrategy`` whose cross-device reduction works on
     logical GPUs sharing one card. Starts the framework's runtime (as any
     strategy does)."""
-    return framework_for(framework).strategy()
+    return frameworks.select(framework).strategy()

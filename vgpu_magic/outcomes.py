@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import frameworks
-from .errors import PlanError
-from .frameworks import Framework, FrameworkChoiceError
+from .frameworks import Framework
 from .frameworks.base import Capabilities, ConfigSnapshot
 from .inventory import DeviceInventory
 from .planner import SplitPlan, SplitRequest, configuration_after, plan_split
@@ -204,15 +203,6 @@ def apply_plan(
     )
 
 
-def framework_for(name: str | None = None) -> Framework:
-    """The framework a call applies to (:func:`vgpu_magic.frameworks.select`), as a
-    :class:`ValueError` when the choice cannot be made."""
-    try:
-        return frameworks.select(name)
-    except FrameworkChoiceError as exc:
-        raise PlanError(str(exc)) from None
-
-
 def execute(
     request: SplitRequest,
     watcher: RuntimeWatcher | None = None,
@@ -224,7 +214,7 @@ def execute(
     Raises :class:`PlanError` before touching any configuration when the request
     is invalid.
     """
-    fw = framework_for(request.framework) if inventory is None else frameworks.get(inventory.framework)
+    fw = frameworks.select(request.framework) if inventory is None else frameworks.get(inventory.framework)
     if inventory is None:
         inventory = fw.probe_inventory()
     plan_ = plan_split(request, inventory)

@@ -21,11 +21,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without the widg
         name="ipywidgets",
     ) from exc
 
-from . import panel_text
+from . import frameworks, panel_text
 from .errors import USER_ERRORS, PlanError
 from .frameworks.base import ConfigSnapshot
 from .inventory import DeviceInventory, GPUInfo
-from .outcomes import SplitResult, execute, framework_for, print_summary
+from .outcomes import SplitResult, execute, print_summary
 from .panel_text import CPU_KEY, gpu_key
 from .planner import (
     MAX_DEVICES,
@@ -400,6 +400,6 @@ class SplitPanel:
 def panel(watcher: RuntimeWatcher | None = None, framework: str | None = None) -> SplitPanel:
     """The split panel for this machine's devices, as ``%vgpu_split --framework`` picks
     ``framework`` (a name or alias of the registry). Imports the framework; never starts its runtime."""
-    chosen = framework_for(framework)
+    chosen = frameworks.select(framework)
     named = chosen.name if framework is not None else None
     return SplitPanel(chosen.probe_inventory(), watcher, framework_named=named, configuration=chosen.read_configuration)
