@@ -16,6 +16,7 @@ neither. Importing it imports no framework, no NVML and no ipyparallel.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from .inventory import GPUInfo
@@ -189,12 +190,10 @@ def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = N
             first_engine.setdefault(report.hostname, report.engine_id)
         ordered = sorted(reports, key=lambda r: (first_engine[r.hostname], r.engine_id))
     slurm = SlurmStep.from_env(ordered[0].launcher)
-    node_of: dict[str, int] = {}
-    for report in ordered:
-        node_of.setdefault(report.hostname, len(node_of))
     by_host: dict[str, list[HostReport]] = {}
     for report in ordered:
         by_host.setdefault(report.hostname, []).append(report)
+    node_of = {host: i for i, host in enumerate(by_host)}
     places = []
     for rank, report in enumerate(ordered):
         group = by_host[report.hostname]
@@ -239,9 +238,7 @@ def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> Ra
             return None
         return place.hostname, gpu.uuid or (gpu.nvml_index if gpu.nvml_index is not None else gpu.index)
 
-    counts: dict[tuple[str, int | str] | None, int] = {}
-    for place in layout.places:
-        counts[identity(place)] = counts.get(identity(place), 0) + 1
+    counts = Counter(identity(place) for place in layout.places)
     places = tuple(
         replace(
             p,
