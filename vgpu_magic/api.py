@@ -61,13 +61,8 @@ _OPTIONS = {"cpu": False, "gpu": None, "others": "hide", "visible": None, "growt
 def make_request(
     count: int | None = None, memory: int | str | Sequence[int | str] | None = None, **options: Any
 ) -> SplitRequest:
-    """Build a :class:`SplitRequest` from Python values, checking their types.
-
-    ``options`` are :func:`split`'s keyword options (``cpu``, ``gpu``,
-    ``others``, ``visible``, ``growth``, ``framework``), with its defaults.
-    Integers of any integral type are accepted (``numpy.int64`` too); anything
-    else gets a :class:`ValueError` that says what would work.
-    """
+    """A :class:`SplitRequest` from :func:`split`'s Python values, their types checked: integers of any
+    integral type (``numpy.int64`` too); anything else gets a :class:`ValueError` that says what would work."""
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise PlanError(f"unknown option {unknown[0]!r}; use {', '.join(sorted({*_OPTIONS, 'memory', 'dry_run'}))}")
@@ -107,11 +102,8 @@ def make_request(
 
 
 def plan(count: int | None = None, memory=None, **options) -> SplitPlan:
-    """Validate a split against this machine without applying it.
-
-    Takes the same arguments as :func:`split` (``dry_run`` is accepted and
-    changes nothing: a plan never configures).
-    """
+    """Validate a split against this machine without applying it: :func:`split`'s arguments
+    (``dry_run`` is accepted and changes nothing)."""
     options.pop("dry_run", None)
     request = make_request(count, memory, **options)
     return plan_split(request, frameworks.select(request.framework).probe_inventory())

@@ -142,10 +142,7 @@ def _mig_devices(nvml: Any, handle: Any) -> list[Any]:
 
 
 def nvml_pids_with_context() -> dict[int, set[int]]:
-    """NVML index -> PIDs holding a CUDA context on it (compute processes).
-
-    Best effort: a GPU NVML cannot read is left out.
-    """
+    """NVML index -> PIDs holding a CUDA context on it; a GPU NVML cannot read is left out."""
     nvml = open_nvml()
     if nvml is None:
         return {}
@@ -167,12 +164,9 @@ def nvml_pids_with_context() -> dict[int, set[int]]:
 
 
 def cuda_to_nvml_order(n_gpus: int, nvml: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
-    """Match a framework's GPU i (CUDA's numbering) to an NVML device.
-
-    Frameworks number the GPUs CUDA shows them; ``CUDA_VISIBLE_DEVICES``
-    (indices or UUIDs) says which NVML devices those are; set and empty, none. Without it the orders
-    agree on the usual machines (``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes it certain).
-    """
+    """The NVML device of a framework's GPU i (CUDA's numbering): ``CUDA_VISIBLE_DEVICES`` (indices or
+    UUIDs; set and empty: none) says which; without it the orders agree on the usual machines
+    (``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes it certain)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         order = nvml

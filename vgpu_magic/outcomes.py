@@ -209,11 +209,8 @@ def execute(
     dry_run: bool = False,
     inventory: DeviceInventory | None = None,
 ) -> SplitResult:
-    """Plan ``request`` against this machine and apply it (what every face calls).
-
-    Raises :class:`PlanError` before touching any configuration when the request
-    is invalid.
-    """
+    """Plan ``request`` against this machine and apply it (what every face calls); an invalid
+    request raises :class:`PlanError` before any configuration is touched."""
     fw = frameworks.select(request.framework) if inventory is None else frameworks.get(inventory.framework)
     if inventory is None:
         inventory = fw.probe_inventory()
