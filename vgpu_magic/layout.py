@@ -130,10 +130,6 @@ class RankLayout:
         """Do some ranks share a GPU (so NCCL, one rank per GPU, cannot be used)?"""
         return any(p.gpu_shared_by > 1 for p in self.places)
 
-    def with_gpus(self, gpus: tuple[GPUInfo, ...]) -> RankLayout:
-        """The same layout with every host seeing ``gpus`` (planning for given GPUs)."""
-        return _assign_gpus(self, {p.rank: gpus for p in self.places})
-
 
 def expand_hostlist(hostlist: str) -> list[str]:
     """``"n[1-2],m5,o[03-04,6]"`` -> ``["n1", "n2", "m5", "o03", "o04", "o6"]``: a
@@ -216,9 +212,8 @@ def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = N
             )
         )
     leader = slurm.hosts[0] if slurm is not None else places[0].address
-    layout = RankLayout(tuple(places), leader, slurm)
-    layout = _assign_gpus(layout, {rank: report.gpus for rank, report in enumerate(ordered)})
-    return layout if gpus is None else layout.with_gpus(gpus)
+    seen = {rank: report.gpus if gpus is None else gpus for rank, report in enumerate(ordered)}
+    return _assign_gpus(RankLayout(tuple(places), leader, slurm), seen)
 
 
 def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> RankLayout:
