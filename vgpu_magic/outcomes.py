@@ -148,18 +148,6 @@ def print_summary(result: SplitResult, quiet: bool = False) -> str:
     return "\n".join(printed)
 
 
-def _describe_config(snap: ConfigSnapshot, plan: SplitPlan, noun: str) -> str:
-    """A short phrase for what ``snap`` configured on the device ``plan`` splits, in the framework's
-    ``noun`` (``"logical {kind}"``)."""
-    if not plan.splits:
-        return ""
-    names = snap.cpu_names if plan.device_type == "CPU" else snap.gpu_names
-    limits = snap.logical.get(names[plan.physical_index])
-    if not limits:
-        return ""
-    return _plural(len(limits), noun.format(kind=plan.device_type))
-
-
 def apply_plan(
     framework: Framework,
     plan: SplitPlan,
@@ -180,6 +168,7 @@ def apply_plan(
             + ", ".join(runtime.cuda_holders)
             + f"; the memory it uses is not available to {caps.label}'s devices"
         )
+    replaced = ""
     if dry_run:
         status, kept = "planned", new
     elif new == old:
@@ -189,6 +178,10 @@ def apply_plan(
     else:
         framework.write_configuration(old, new)
         status, kept = "applied", new
+        # The split this one replaced, in the framework's words ("3 logical CPUs").
+        names = old.cpu_names if plan.device_type == "CPU" else old.gpu_names
+        earlier = old.logical.get(names[plan.physical_index]) if plan.splits else None
+        replaced = _plural(len(earlier), caps.device_noun.format(kind=plan.device_type)) if earlier else ""
     return SplitResult(
         status,
         plan,
@@ -196,7 +189,7 @@ def apply_plan(
         devices=kept.replica_devices(caps.replicas_on_split_cpu),
         runtime=runtime,
         blocked_reason=runtime.culprit if status == "blocked" else "",
-        replaced=_describe_config(old, plan, caps.device_noun) if status == "applied" else "",
+        replaced=replaced,
         warnings=notes,
         is_default=status == "unchanged" and plan.splits and not old.logical,
         configuration=kept,
