@@ -101,10 +101,7 @@ class RuntimeState:
 
 
 def first_line(source: str) -> str:
-    for line in source.splitlines():
-        if line.strip():
-            return _shortened(line)
-    return ""
+    return next((_shortened(line) for line in source.splitlines() if line.strip()), "")
 
 
 def _shortened(line: str) -> str:
