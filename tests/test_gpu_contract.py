@@ -21,7 +21,6 @@ H100 = {
     "nvml_index": 0,
     "model": "NVIDIA H100 80GB HBM3",
     "total_mib": NVML_TOTAL_MIB,
-    "total_bytes": 85_520_809_984,
     "free_mib": 81075,
     "compute_capability": (9, 0),
     "uuid": "GPU-0",

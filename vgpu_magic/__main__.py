@@ -16,8 +16,6 @@ import os
 import shlex
 import sys
 
-__all__ = ["main"]
-
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

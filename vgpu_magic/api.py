@@ -17,20 +17,10 @@ from typing import Any
 
 from . import frameworks
 from .errors import PlanError, excerpt
-from .frameworks import FrameworkChoiceError
 from .grammar import parse_memory_list
-from .outcomes import SplitResult, execute, framework_for, summary_lines
+from .outcomes import SplitResult, execute, summary_lines
 from .planner import MAX_DEVICES, SplitPlan, SplitRequest, plan_split
 from .report import StatusReport, collect_status
-
-__all__ = [
-    "RuntimeStartedWarning",
-    "plan",
-    "split",
-    "status",
-    "strategy",
-    "make_request",
-]
 
 
 class RuntimeStartedWarning(UserWarning):
@@ -71,13 +61,8 @@ _OPTIONS = {"cpu": False, "gpu": None, "others": "hide", "visible": None, "growt
 def make_request(
     count: int | None = None, memory: int | str | Sequence[int | str] | None = None, **options: Any
 ) -> SplitRequest:
-    """Build a :class:`SplitRequest` from Python values, checking their types.
-
-    ``options`` are :func:`split`'s keyword options (``cpu``, ``gpu``,
-    ``others``, ``visible``, ``growth``, ``framework``), with its defaults.
-    Integers of any integral type are accepted (``numpy.int64`` too); anything
-    else gets a :class:`ValueError` that says what would work.
-    """
+    """A :class:`SplitRequest` from :func:`split`'s Python values, their types checked: integers of any
+    integral type (``numpy.int64`` too); anything else gets a :class:`ValueError` that says what would work."""
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise PlanError(f"unknown option {unknown[0]!r}; use {', '.join(sorted({*_OPTIONS, 'memory', 'dry_run'}))}")
@@ -103,10 +88,7 @@ def make_request(
     if framework is not None:
         if not isinstance(framework, str):
             raise PlanError(f"framework {excerpt(framework)} is not a name; use {frameworks.choices()}")
-        try:
-            name = frameworks.resolve_name(framework)
-        except FrameworkChoiceError as exc:
-            raise PlanError(str(exc)) from None
+        name = frameworks.resolve_name(framework)
     return SplitRequest(
         count=None if count is None else int(count),
         memory=_memory_arg(memory),
@@ -120,14 +102,11 @@ def make_request(
 
 
 def plan(count: int | None = None, memory=None, **options) -> SplitPlan:
-    """Validate a split against this machine without applying it.
-
-    Takes the same arguments as :func:`split` (``dry_run`` is accepted and
-    changes nothing: a plan never configures).
-    """
+    """Validate a split against this machine without applying it: :func:`split`'s arguments
+    (``dry_run`` is accepted and changes nothing)."""
     options.pop("dry_run", None)
     request = make_request(count, memory, **options)
-    return plan_split(request, framework_for(request.framework).probe_inventory())
+    return plan_split(request, frameworks.select(request.framework).probe_inventory())
 
 
 def split(
@@ -203,4 +182,4 @@ def strategy(framework: str | None = None):
     ``tf.distribute.MirroredStrategy`` whose cross-device reduction works on
     logical GPUs sharing one card. Starts the framework's runtime (as any
     strategy does)."""
-    return framework_for(framework).strategy()
+    return frameworks.select(framework).strategy()

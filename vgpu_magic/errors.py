@@ -5,18 +5,6 @@ quotes the bad value (:func:`excerpt`) and says what would work. Every face catc
 
 from __future__ import annotations
 
-__all__ = [
-    "EXCERPT_CHARS",
-    "ClusterStartError",
-    "FrameworkChoiceError",
-    "FrameworkImportError",
-    "NVMLReadError",
-    "PlanError",
-    "UnsendableName",
-    "excerpt",
-    "USER_ERRORS",
-]
-
 #: Characters ``str.splitlines`` breaks on; quoted user tokens may contain them.
 _LINE_BREAKS = str.maketrans({c: repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
 

@@ -17,8 +17,6 @@ from .errors import PlanError, excerpt
 from .grammar import framework_name, parse_arguments, whole
 from .memory_estimate import GPU_MODELS, MAX_ALL_RANKS, MemoryEstimate, estimate, parse_gpu
 
-__all__ = ["EstimateMagics"]
-
 
 def _gpu(text: str) -> str:
     try:
@@ -37,11 +35,22 @@ class EstimateMagics(Magics):
 
     @cell_magic
     @magic_arguments()
-    @argument("--ranks", "-n", type=whole("--ranks", 1, 2**20, "--ranks 8"), metavar="N",
-              help="ranks; default: the count in --gpu 8x80GB")  # fmt: skip
+    @argument(
+        "--ranks",
+        "-n",
+        type=whole("--ranks", 1, 2**20, "--ranks 8"),
+        metavar="N",
+        help="ranks; default: the count in --gpu 8x80GB",
+    )
     @argument("--gpu", "-g", type=_gpu, metavar="SIZE", help=f"80GB, 8x80GB or a model ({', '.join(GPU_MODELS)})")
-    @argument("--rank", "-r", type=whole("--rank", 0, 2**20, "--rank 0"), default=0, metavar="R",
-              help="the rank to run as (default 0)")  # fmt: skip
+    @argument(
+        "--rank",
+        "-r",
+        type=whole("--rank", 0, 2**20, "--rank 0"),
+        default=0,
+        metavar="R",
+        help="the rank to run as (default 0)",
+    )
     @argument("--all-ranks", "-a", action="store_true", help=f"run as every rank (at most {MAX_ALL_RANKS})")
     @argument("--framework", "-f", type=framework_name, metavar="NAME", help="torch or jax; default: the cell's")
     @argument("-o", dest="output", metavar="NAME", help="store the MemoryEstimate in this variable too")
@@ -56,8 +65,8 @@ class EstimateMagics(Magics):
             args = parse_arguments(self.vgpu_estimate.parser, line, example="%%vgpu_estimate --ranks 8 --gpu 80GB")
             if args.output is not None and not args.output.isidentifier():
                 raise PlanError(f"-o {excerpt(args.output)} is not a variable name; use e.g. -o fit")
-            found = estimate(cell, args.ranks, args.gpu, args.framework, args.rank, all_ranks=args.all_ranks,
-                             namespace=self.shell.user_ns)  # fmt: skip
+            options = {k: v for k, v in vars(args).items() if k != "output"}  # estimate's own keywords
+            found = estimate(cell, **options, namespace=self.shell.user_ns)
         except PlanError as exc:
             raise UsageError(str(exc)) from None
         if args.output:

@@ -28,20 +28,6 @@ from . import frameworks
 from .errors import PlanError, excerpt
 from .planner import MAX_DEVICES, SplitRequest
 
-__all__ = [
-    "parse_arguments",
-    "parse_split_line",
-    "split_arguments",
-    "parse_whole_number",
-    "parse_memory",
-    "parse_memory_list",
-    "choice",
-    "seconds",
-    "parse_seconds",
-    "whole",
-    "framework_name",
-]
-
 _WHOLE = re.compile(r"[0-9]{1,18}", re.ASCII)
 _DECIMAL = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?|\.[0-9]{1,9}", re.ASCII)
 _NEGATIVE = re.compile(r"-[0-9]+", re.ASCII)

@@ -17,23 +17,6 @@ from .errors import NVMLReadError
 from .frameworks.base import Capabilities, ConfigSnapshot
 from .units import MIB
 
-__all__ = [
-    "GPUInfo",
-    "DeviceInventory",
-    "NVMLReadError",
-    "nvml_gpus",
-    "nvml_pids_with_context",
-    "open_nvml",
-    "cuda_to_nvml_order",
-    "cuda_gpus",
-    "visible_gpus",
-    "cuda_total_bytes",
-    "nccl_version",
-    "MULTI_RANK_NCCL",
-    "CUDA_CONTEXT_MIB",
-    "cuda_context_mib",
-]
-
 #: GPU memory a process takes outside its framework's allocator and cap, the one figure the planner's
 #: reserve and the estimate's verdict use. Measured on an H100 (torch 2.11, CUDA 13): the CUDA context
 #: 621 MiB, cuBLAS's workspaces 64 MiB more with the first matrix product (test_estimate_gpu.py), and for
@@ -107,12 +90,9 @@ def _text(value: Any) -> str:
 
 
 def nvml_gpus() -> list[dict[str, Any]]:
-    """Every GPU NVML can see, in NVML (PCI) order, as plain dicts; a GPU in MIG
-    mode is its MIG devices, each with its own memory and ``MIG-…`` UUID (what
-    ``CUDA_VISIBLE_DEVICES`` names; the whole card's memory is not theirs to share).
-
-    Raises :class:`NVMLReadError` when NVML fails part-way.
-    """
+    """Every GPU NVML can see, in NVML (PCI) order, as dicts of :class:`GPUInfo`'s fields but ``index``;
+    a GPU in MIG mode is its MIG devices, each with its own memory and ``MIG-…`` UUID (what
+    ``CUDA_VISIBLE_DEVICES`` names). Raises :class:`NVMLReadError` when NVML fails part-way."""
     nvml = open_nvml()
     if nvml is None:
         return []
@@ -131,7 +111,6 @@ def nvml_gpus() -> list[dict[str, Any]]:
                         "nvml_index": i,
                         "model": _text(nvml.nvmlDeviceGetName(device)),
                         "total_mib": int(mem.total // MIB),
-                        "total_bytes": int(mem.total),
                         "free_mib": int(mem.free // MIB),
                         "compute_capability": cc,
                         "uuid": _text(nvml.nvmlDeviceGetUUID(device)),
@@ -163,10 +142,7 @@ def _mig_devices(nvml: Any, handle: Any) -> list[Any]:
 
 
 def nvml_pids_with_context() -> dict[int, set[int]]:
-    """NVML index -> PIDs holding a CUDA context on it (compute processes).
-
-    Best effort: a GPU NVML cannot read is left out.
-    """
+    """NVML index -> PIDs holding a CUDA context on it; a GPU NVML cannot read is left out."""
     nvml = open_nvml()
     if nvml is None:
         return {}
@@ -188,12 +164,9 @@ def nvml_pids_with_context() -> dict[int, set[int]]:
 
 
 def cuda_to_nvml_order(n_gpus: int, nvml: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
-    """Match a framework's GPU i (CUDA's numbering) to an NVML device.
-
-    Frameworks number the GPUs CUDA shows them; ``CUDA_VISIBLE_DEVICES``
-    (indices or UUIDs) says which NVML devices those are; set and empty, none. Without it the orders
-    agree on the usual machines (``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes it certain).
-    """
+    """The NVML device of a framework's GPU i (CUDA's numbering): ``CUDA_VISIBLE_DEVICES`` (indices or
+    UUIDs; set and empty: none) says which; without it the orders agree on the usual machines
+    (``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes it certain)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         order = nvml
@@ -218,17 +191,7 @@ def cuda_gpus(count: int, nvml: list[dict[str, Any]]) -> tuple[GPUInfo, ...]:
     """A framework's ``count`` GPUs in CUDA's numbering, each with NVML's details
     where :func:`cuda_to_nvml_order` matches one."""
     return tuple(
-        GPUInfo(i)
-        if details is None
-        else GPUInfo(
-            index=i,
-            model=details["model"],
-            total_mib=details["total_mib"],
-            free_mib=details["free_mib"],
-            compute_capability=details["compute_capability"],
-            nvml_index=details["nvml_index"],
-            uuid=details.get("uuid"),
-        )
+        GPUInfo(i) if details is None else GPUInfo(i, **details)
         for i, details in enumerate(cuda_to_nvml_order(count, nvml))
     )
 

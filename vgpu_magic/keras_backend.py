@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["keras_backend", "keras_backend_warning"]
-
 
 def keras_backend() -> str | None:
     """The backend of the Keras imported in this process, or ``None`` when

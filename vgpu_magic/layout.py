@@ -16,19 +16,10 @@ neither. Importing it imports no framework, no NVML and no ipyparallel.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from .inventory import GPUInfo
-
-__all__ = [
-    "HostReport",
-    "RankPlace",
-    "RankLayout",
-    "SlurmStep",
-    "layout_ranks",
-    "expand_hostlist",
-    "expand_tasks_per_node",
-]
 
 
 @dataclass(frozen=True)
@@ -139,10 +130,6 @@ class RankLayout:
         """Do some ranks share a GPU (so NCCL, one rank per GPU, cannot be used)?"""
         return any(p.gpu_shared_by > 1 for p in self.places)
 
-    def with_gpus(self, gpus: tuple[GPUInfo, ...]) -> RankLayout:
-        """The same layout with every host seeing ``gpus`` (planning for given GPUs)."""
-        return _assign_gpus(self, {p.rank: gpus for p in self.places})
-
 
 def expand_hostlist(hostlist: str) -> list[str]:
     """``"n[1-2],m5,o[03-04,6]"`` -> ``["n1", "n2", "m5", "o03", "o04", "o6"]``: a
@@ -199,12 +186,10 @@ def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = N
             first_engine.setdefault(report.hostname, report.engine_id)
         ordered = sorted(reports, key=lambda r: (first_engine[r.hostname], r.engine_id))
     slurm = SlurmStep.from_env(ordered[0].launcher)
-    node_of: dict[str, int] = {}
-    for report in ordered:
-        node_of.setdefault(report.hostname, len(node_of))
     by_host: dict[str, list[HostReport]] = {}
     for report in ordered:
         by_host.setdefault(report.hostname, []).append(report)
+    node_of = {host: i for i, host in enumerate(by_host)}
     places = []
     for rank, report in enumerate(ordered):
         group = by_host[report.hostname]
@@ -227,9 +212,8 @@ def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = N
             )
         )
     leader = slurm.hosts[0] if slurm is not None else places[0].address
-    layout = RankLayout(tuple(places), leader, slurm)
-    layout = _assign_gpus(layout, {rank: report.gpus for rank, report in enumerate(ordered)})
-    return layout if gpus is None else layout.with_gpus(gpus)
+    seen = {rank: report.gpus if gpus is None else gpus for rank, report in enumerate(ordered)}
+    return _assign_gpus(RankLayout(tuple(places), leader, slurm), seen)
 
 
 def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> RankLayout:
@@ -249,9 +233,7 @@ def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> Ra
             return None
         return place.hostname, gpu.uuid or (gpu.nvml_index if gpu.nvml_index is not None else gpu.index)
 
-    counts: dict[tuple[str, int | str] | None, int] = {}
-    for place in layout.places:
-        counts[identity(place)] = counts.get(identity(place), 0) + 1
+    counts = Counter(identity(place) for place in layout.places)
     places = tuple(
         replace(
             p,

@@ -23,8 +23,6 @@ from .outcomes import as_sentence, execute, print_summary, remedy, runtime_start
 from .report import collect_status
 from .runtime import RuntimeWatcher
 
-__all__ = ["VGPUMagics", "ENV_SPLIT"]
-
 #: Environment variable holding a ``%vgpu_split`` line applied at load.
 ENV_SPLIT = "VGPU_MAGIC_SPLIT"
 
@@ -40,22 +38,6 @@ def _usage_errors():
         yield
     except USER_ERRORS as exc:
         raise UsageError(str(exc)) from None
-
-
-def _persistent_value(value: object, source: str) -> str | None:
-    """The split line a config value stands for: a string, or an int count;
-    anything else is reported in one line and ignored."""
-    if isinstance(value, str):
-        return value.strip() or None
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return str(int(value))
-    if value is None:
-        return None
-    _warn(
-        f"{source} = {excerpt(value)} was not applied: give a %vgpu_split line as a string, "
-        f"e.g. c.VGPUMagics.split = '4'"
-    )
-    return None
 
 
 @magics_class
@@ -167,28 +149,27 @@ class VGPUMagics(Magics):
         return report if args.return_result else None
 
     # -- load-time behaviour -----------------------------------------------
-    def persistent_line(self) -> tuple[str, str] | None:
-        """The split line to apply at load and where it came from."""
-        env = os.environ.get(ENV_SPLIT, "").strip()
-        if env:
-            return env, f"${ENV_SPLIT}"
-        value = _persistent_value(self.split, "c.VGPUMagics.split")
-        if value:
-            return value, "c.VGPUMagics.split"
-        return None
-
     def on_load(self) -> None:
-        """Warn about runtimes that already started, then apply the persistent split."""
-        persistent = self.persistent_line()
+        """Warn about runtimes that already started, then apply the persistent split: ${ENV_SPLIT}, else
+        ``c.VGPUMagics.split`` (a line, or a count; anything else is reported in one line and ignored)."""
+        line, source = os.environ.get(ENV_SPLIT, "").strip(), f"${ENV_SPLIT}"
+        if not line:
+            line, source = self.split, "c.VGPUMagics.split"
+            if isinstance(line, numbers.Integral) and not isinstance(line, bool):
+                line = str(int(line))
+            elif not isinstance(line, str | None):
+                hint = f"give a %vgpu_split line as a string, e.g. {source} = '4'"
+                _warn(f"{source} = {excerpt(line)} was not applied: {hint}")
+                line = None
+            line = (line or "").strip()
         for fw in frameworks.imported():
             state = self.watcher.state(fw, check_cuda=False)
             if self.warn_on_load and state.started:
                 what, started_by = runtime_started_lines(fw.label, state.culprit, state.runtime_word)
                 todo = remedy(fw.label, "%load_ext vgpu_magic")
                 _warn(" ".join([what, as_sentence(started_by), as_sentence(todo)]))
-        if persistent is None:
+        if not line:
             return
-        line, source = persistent
         try:
             request, args = parse_split_line(line)
             result = execute(request, self.watcher, dry_run=args.dry_run)

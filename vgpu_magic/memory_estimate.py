@@ -18,17 +18,21 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 from unittest import mock
 
+from . import frameworks
 from .errors import PlanError, excerpt
 from .inventory import CUDA_CONTEXT_MIB
 from .units import GIB, format_bytes
 
-__all__ = ["MemoryEstimate", "RankMemory", "estimate", "parse_gpu", "GPU_MODELS"]
-
 #: Device memory as ``nvidia-smi`` reports it (MiB), by model; a name's spaces, dashes and case do not matter.
 GPU_MODELS = {
-    "H100 80GB": 81559, "H200": 143771, "A100 40GB": 40960, "A100 80GB": 81920,
-    "L4": 23034, "T4": 15360, "RTX 4090": 24564,
-}  # fmt: skip
+    "H100 80GB": 81559,
+    "H200": 143771,
+    "A100 40GB": 40960,
+    "A100 80GB": 81920,
+    "L4": 23034,
+    "T4": 15360,
+    "RTX 4090": 24564,
+}
 _MODEL_KEYS = {re.sub(r"[\s_-]", "", name.lower()): name for name in GPU_MODELS} | {"h100": "H100 80GB"}
 _GPU_RE = re.compile(r"\s*(?:([0-9]{1,6})\s*[x×]\s*)?(.+?)\s*", re.ASCII | re.IGNORECASE)
 MAX_ALL_RANKS = 64
@@ -50,8 +54,10 @@ def parse_gpu(text: str) -> tuple[int | None, int, str]:
     except PlanError:
         mib = 0
     if mib == 0:
-        raise PlanError(f"--gpu {excerpt(text)} is neither a size nor a GPU model known here; use a size "
-                        f"(80GB, 8x80GB) or one of {', '.join(GPU_MODELS)}")  # fmt: skip
+        raise PlanError(
+            f"--gpu {excerpt(text)} is neither a size nor a GPU model known here; use a size "
+            f"(80GB, 8x80GB) or one of {', '.join(GPU_MODELS)}"
+        )
     return count, mib, f"{mib / 1024:g} GiB"
 
 
@@ -117,21 +123,23 @@ class MemoryEstimate:
         return rows
 
     def __repr__(self) -> str:
-        return "\n".join(f"{label}: {text}" if label else f"Estimated peak memory per rank ({text})"
-                         for label, text in self._lines())  # fmt: skip
+        return "\n".join(
+            f"{label}: {text}" if label else f"Estimated peak memory per rank ({text})" for label, text in self._lines()
+        )
 
     def _repr_html_(self) -> str:
         (_, title), *rows = self._lines()
-        body = "".join(f"<tr><th style='text-align:left'>{html.escape(a)}</th><td style='text-align:left'>"
-                       f"{html.escape(b)}</td></tr>" for a, b in rows)  # fmt: skip
+        body = "".join(
+            f"<tr><th style='text-align:left'>{html.escape(a)}</th><td style='text-align:left'>"
+            f"{html.escape(b)}</td></tr>"
+            for a, b in rows
+        )
         return f"<table><caption>Estimated peak memory per rank ({html.escape(title)})</caption>{body}</table>"
 
 
 def _framework(cell: str | Callable, requested: str | None) -> str:
-    from .frameworks import resolve_name
-
     if requested:
-        name = resolve_name(requested)
+        name = frameworks.resolve_name(requested)
     else:
         text = cell if isinstance(cell, str) else " ".join((cell.__module__ or "", *cell.__code__.co_names))
         found = [n for n in ("torch", "jax", "tensorflow") if re.search(rf"\b{n}\b", text)]
@@ -188,14 +196,15 @@ def estimate(
 
         found = list(zip(chosen, estimate_ranks(code_or_function, ranks, chosen, namespace)))
     if not any(f["peak_bytes"] for _, f in found):
-        raise PlanError("the cell ran no jitted step; wrap the training step in jax.jit and call it" if name == "jax"
-                        else "the cell made no tensors; put the model and one training step in it")  # fmt: skip
+        if name == "jax":
+            raise PlanError("the cell ran no jitted step; wrap the training step in jax.jit and call it")
+        raise PlanError("the cell made no tensors; put the model and one training step in it")
     if name == "torch" and not any(f["backward"] for _, f in found):
         raise PlanError("the cell has no training step (no backward pass ran); add one, e.g. loss.backward()")
     first = found[0][1]
-    result = MemoryEstimate({"torch": "PyTorch", "jax": "JAX"}[name], ranks,
-                            [RankMemory(r, f["peak_bytes"], f["categories"], f["phase"]) for r, f in found],
-                            first["parallelism"], gpu_label, notes=list(first.get("notes", [])))  # fmt: skip
+    per_rank = [RankMemory(r, f["peak_bytes"], f["categories"], f["phase"]) for r, f in found]
+    label = frameworks.get(name).label
+    result = MemoryEstimate(label, ranks, per_rank, first["parallelism"], gpu_label, notes=list(first.get("notes", [])))
     if gpu_mib is not None:
         result.gpu_bytes, result.kept_bytes = gpu_mib * 2**20, _kept_mib(name, gpu_mib) * 2**20
         result.levers = _levers(result, code_or_function, namespace, name)
@@ -221,8 +230,10 @@ def _levers(result: MemoryEstimate, cell: Any, namespace: dict | None, name: str
         levers.append(f"FSDP over {2 * result.world} ranks: peak {format_bytes(more.peak_bytes)} (re-estimated)")
     elif not fsdp and result.world > 1 and name == "torch":
         saved = state * (result.world - 1) // result.world
-        levers.append(f"shard with FSDP2 (fully_shard): about {format_bytes(saved)} less (parameters, gradients, "
-                      "optimizer state ÷ ranks)")  # fmt: skip
+        levers.append(
+            f"shard with FSDP2 (fully_shard): about {format_bytes(saved)} less (parameters, gradients, "
+            "optimizer state ÷ ranks)"
+        )
     if fsdp:
         levers.append("reshard_after_forward=True (the default) keeps only a shard of each layer between passes")
     if activations:

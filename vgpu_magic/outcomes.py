@@ -13,24 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import frameworks
-from .errors import PlanError
-from .frameworks import Framework, FrameworkChoiceError
+from .frameworks import Framework
 from .frameworks.base import Capabilities, ConfigSnapshot
 from .inventory import DeviceInventory
 from .planner import SplitPlan, SplitRequest, configuration_after, plan_split
 from .runtime import NO_LONGER_CHANGE, RuntimeState, RuntimeWatcher, runtime_state
-
-__all__ = [
-    "SplitResult",
-    "execute",
-    "framework_for",
-    "apply_plan",
-    "summary_lines",
-    "print_summary",
-    "remedy",
-    "runtime_started_lines",
-    "as_sentence",
-]
 
 
 def remedy(label: str, line: str = "the split") -> str:
@@ -161,18 +148,6 @@ def print_summary(result: SplitResult, quiet: bool = False) -> str:
     return "\n".join(printed)
 
 
-def _describe_config(snap: ConfigSnapshot, plan: SplitPlan, noun: str) -> str:
-    """A short phrase for what ``snap`` configured on the device ``plan`` splits, in the framework's
-    ``noun`` (``"logical {kind}"``)."""
-    if not plan.splits:
-        return ""
-    names = snap.cpu_names if plan.device_type == "CPU" else snap.gpu_names
-    limits = snap.logical.get(names[plan.physical_index])
-    if not limits:
-        return ""
-    return _plural(len(limits), noun.format(kind=plan.device_type))
-
-
 def apply_plan(
     framework: Framework,
     plan: SplitPlan,
@@ -193,6 +168,7 @@ def apply_plan(
             + ", ".join(runtime.cuda_holders)
             + f"; the memory it uses is not available to {caps.label}'s devices"
         )
+    replaced = ""
     if dry_run:
         status, kept = "planned", new
     elif new == old:
@@ -202,6 +178,10 @@ def apply_plan(
     else:
         framework.write_configuration(old, new)
         status, kept = "applied", new
+        # The split this one replaced, in the framework's words ("3 logical CPUs").
+        names = old.cpu_names if plan.device_type == "CPU" else old.gpu_names
+        earlier = old.logical.get(names[plan.physical_index]) if plan.splits else None
+        replaced = _plural(len(earlier), caps.device_noun.format(kind=plan.device_type)) if earlier else ""
     return SplitResult(
         status,
         plan,
@@ -209,20 +189,11 @@ def apply_plan(
         devices=kept.replica_devices(caps.replicas_on_split_cpu),
         runtime=runtime,
         blocked_reason=runtime.culprit if status == "blocked" else "",
-        replaced=_describe_config(old, plan, caps.device_noun) if status == "applied" else "",
+        replaced=replaced,
         warnings=notes,
         is_default=status == "unchanged" and plan.splits and not old.logical,
         configuration=kept,
     )
-
-
-def framework_for(name: str | None = None) -> Framework:
-    """The framework a call applies to (:func:`vgpu_magic.frameworks.select`), as a
-    :class:`ValueError` when the choice cannot be made."""
-    try:
-        return frameworks.select(name)
-    except FrameworkChoiceError as exc:
-        raise PlanError(str(exc)) from None
 
 
 def execute(
@@ -231,12 +202,9 @@ def execute(
     dry_run: bool = False,
     inventory: DeviceInventory | None = None,
 ) -> SplitResult:
-    """Plan ``request`` against this machine and apply it (what every face calls).
-
-    Raises :class:`PlanError` before touching any configuration when the request
-    is invalid.
-    """
-    fw = framework_for(request.framework) if inventory is None else frameworks.get(inventory.framework)
+    """Plan ``request`` against this machine and apply it (what every face calls); an invalid
+    request raises :class:`PlanError` before any configuration is touched."""
+    fw = frameworks.select(request.framework) if inventory is None else frameworks.get(inventory.framework)
     if inventory is None:
         inventory = fw.probe_inventory()
     plan_ = plan_split(request, inventory)

@@ -12,22 +12,6 @@ from .planner import MIN_MEMORY_MIB
 from .plans import FitVerdict
 from .report import code_spans
 
-__all__ = [
-    "TEXT_STYLE",
-    "BANNER_STYLE",
-    "ERROR_STYLE",
-    "CPU_KEY",
-    "gpu_key",
-    "opening_choice",
-    "slider_capacity_mib",
-    "gpu_label",
-    "heading_html",
-    "no_caps_html",
-    "usage_html",
-    "magic_line_html",
-    "banner_html",
-]
-
 #: Widgets' HTML inherits the height of one control row (28 px in JupyterLab): text that wraps
 #: would read double-spaced, so the panel's own text sets an ordinary line height.
 TEXT_STYLE = "line-height:1.4"

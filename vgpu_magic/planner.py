@@ -15,23 +15,6 @@ from .frameworks.base import Capabilities, ConfigSnapshot
 from .inventory import CUDA_CONTEXT_MIB, DeviceInventory, GPUInfo
 from .plans import FitVerdict, SplitPlan, SplitRequest
 
-__all__ = [
-    "MAX_DEVICES",
-    "MIN_MEMORY_MIB",
-    "MAX_MEMORY_MIB",
-    "SplitRequest",
-    "SplitPlan",
-    "FitVerdict",
-    "plan_split",
-    "check_fit",
-    "configuration_after",
-    "unconfigured",
-    "usable_mib",
-    "even_share_mib",
-    "check_rank_request",
-    "rank_share_mib",
-]
-
 MAX_DEVICES = 64
 #: Below this a logical GPU cannot hold the framework's own workspace, so it is refused.
 MIN_MEMORY_MIB = 64
@@ -60,11 +43,6 @@ def check_fit(limits: tuple[int, ...], gpu: GPUInfo, capabilities: Capabilities)
     return FitVerdict(sum(limits), usable_mib(gpu, capabilities), gpu.free_mib)
 
 
-def _check_count(count: int) -> None:
-    if not 1 <= count <= MAX_DEVICES:
-        raise PlanError(f"device count {count} is out of range; use 1..{MAX_DEVICES}, e.g. %vgpu_split 4")
-
-
 def _check_sizes(sizes: tuple[int, ...]) -> None:
     for size in sizes:
         if size < MIN_MEMORY_MIB:
@@ -73,14 +51,6 @@ def _check_sizes(sizes: tuple[int, ...]) -> None:
             )
         if size > MAX_MEMORY_MIB:
             raise PlanError(f"memory {size} MiB is absurdly large; sizes are in MiB, e.g. --memory 2048 or 2GB")
-
-
-def _pick_gpu(index: int, inventory: DeviceInventory) -> GPUInfo:
-    indices = [g.index for g in inventory.gpus]
-    if index not in indices:
-        have = ", ".join(str(i) for i in indices)
-        raise PlanError(f"GPU {index} does not exist; this machine has GPU {have} — use --gpu with one of those")
-    return inventory.gpus[indices.index(index)]
 
 
 def unconfigured(inventory: DeviceInventory) -> ConfigSnapshot:
@@ -173,19 +143,50 @@ def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
     the words, the count, visibility and growth, then the device it splits."""
     capabilities = inventory.capabilities
     label = capabilities.label
-    _check_choices(request)
+    if request.others not in ("hide", "keep"):
+        raise PlanError(f"--others {excerpt(request.others)} is not a choice; use hide or keep")
+    if request.target not in ("auto", "gpu", "cpu"):
+        raise PlanError(f"target {excerpt(request.target)} is not a choice; use auto, gpu or cpu")
+    if request.gpu is not None and request.gpu < 0:
+        raise PlanError(f"GPU index {request.gpu} is negative; GPU indices start at 0")
+    if request.target == "cpu" and request.gpu is not None:
+        raise PlanError("--cpu and --gpu contradict each other; give one of them")
     gpu_index = 0 if request.gpu is None else request.gpu
     target = "gpu" if request.gpu is not None and request.target == "auto" else request.target
-    sizes = _requested_sizes(request)
+    # The sizes asked for: one for every device, or one per device.
+    memory = request.memory
+    sizes = (memory,) if isinstance(memory, int) else None if memory is None else tuple(memory)
+    if sizes == ():
+        raise PlanError("memory list is empty; give one size (--memory 2048) or one per device")
     count = request.count
     if count is None:
-        count = len(sizes) if sizes is not None and not isinstance(request.memory, int) else 1
-    _check_count(count)
+        count = len(sizes) if sizes is not None and not isinstance(memory, int) else 1
+    if not 1 <= count <= MAX_DEVICES:
+        raise PlanError(f"device count {count} is out of range; use 1..{MAX_DEVICES}, e.g. %vgpu_split 4")
     if request.visible is not None:
-        _check_visible(request.visible, inventory)
+        if not capabilities.gpu_visibility:
+            raise PlanError(
+                f"{label} cannot hide GPUs from this process once started; set CUDA_VISIBLE_DEVICES before "
+                "starting the kernel instead of --visible"
+            )
+        known = {g.index for g in inventory.gpus}
+        unknown = [i for i in request.visible if i not in known]
+        if unknown:
+            have = ", ".join(str(i) for i in sorted(known)) or "none"
+            raise PlanError(f"--visible names GPU {unknown[0]}, which does not exist; GPUs here: {have}")
+        if len(set(request.visible)) != len(request.visible):
+            raise PlanError(f"--visible {','.join(map(str, request.visible))!r} repeats a GPU; name each once")
     split_requested = request.count is not None or sizes is not None or target == "cpu"
     if request.memory_growth:
-        _check_growth(split_requested, inventory)
+        if not capabilities.memory_growth:
+            raise PlanError(f"{label} has no memory growth setting; drop --growth")
+        if split_requested and not capabilities.growth_with_split:
+            raise PlanError(
+                f"--growth cannot be combined with a split or a memory cap ({label} refuses memory growth on "
+                "virtual devices); use either --growth or a split"
+            )
+        if not inventory.gpus:
+            raise PlanError(f"--growth needs a GPU and none is visible to {label}; drop --growth on a CPU machine")
     if not split_requested:
         if request.visible is None and not request.memory_growth:
             raise PlanError("nothing to do; give a device count, e.g. %vgpu_split 4 (see %vgpu_split? for options)")
@@ -202,61 +203,11 @@ def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
         raise PlanError(f"GPU {gpu_index} does not exist: {label} sees no GPU here; drop --gpu to split the CPU")
     if not inventory.gpus or target == "cpu":
         return _cpu_plan(request, count, sizes, inventory, forced=target == "cpu")
-    return _gpu_plan(request, count, sizes, _pick_gpu(gpu_index, inventory), inventory)
-
-
-def _check_choices(request: SplitRequest) -> None:
-    if request.others not in ("hide", "keep"):
-        raise PlanError(f"--others {excerpt(request.others)} is not a choice; use hide or keep")
-    if request.target not in ("auto", "gpu", "cpu"):
-        raise PlanError(f"target {excerpt(request.target)} is not a choice; use auto, gpu or cpu")
-    if request.gpu is not None and request.gpu < 0:
-        raise PlanError(f"GPU index {request.gpu} is negative; GPU indices start at 0")
-    if request.target == "cpu" and request.gpu is not None:
-        raise PlanError("--cpu and --gpu contradict each other; give one of them")
-
-
-def _requested_sizes(request: SplitRequest) -> tuple[int, ...] | None:
-    """The sizes asked for (one for every device, or one per device); ``None`` for none."""
-    if request.memory is None:
-        return None
-    if isinstance(request.memory, int):
-        return (request.memory,)
-    sizes = tuple(request.memory)
-    if not sizes:
-        raise PlanError("memory list is empty; give one size (--memory 2048) or one per device")
-    return sizes
-
-
-def _check_visible(visible: tuple[int, ...], inventory: DeviceInventory) -> None:
-    capabilities = inventory.capabilities
-    label = capabilities.label
-    if not capabilities.gpu_visibility:
-        raise PlanError(
-            f"{label} cannot hide GPUs from this process once started; set CUDA_VISIBLE_DEVICES before "
-            "starting the kernel instead of --visible"
-        )
-    known = {g.index for g in inventory.gpus}
-    unknown = [i for i in visible if i not in known]
-    if unknown:
-        have = ", ".join(str(i) for i in sorted(known)) or "none"
-        raise PlanError(f"--visible names GPU {unknown[0]}, which does not exist; GPUs here: {have}")
-    if len(set(visible)) != len(visible):
-        raise PlanError(f"--visible {','.join(map(str, visible))!r} repeats a GPU; name each once")
-
-
-def _check_growth(split_requested: bool, inventory: DeviceInventory) -> None:
-    capabilities = inventory.capabilities
-    label = capabilities.label
-    if not capabilities.memory_growth:
-        raise PlanError(f"{label} has no memory growth setting; drop --growth")
-    if split_requested and not capabilities.growth_with_split:
-        raise PlanError(
-            f"--growth cannot be combined with a split or a memory cap ({label} refuses memory growth on "
-            "virtual devices); use either --growth or a split"
-        )
-    if not inventory.gpus:
-        raise PlanError(f"--growth needs a GPU and none is visible to {label}; drop --growth on a CPU machine")
+    gpu = next((g for g in inventory.gpus if g.index == gpu_index), None)
+    if gpu is None:
+        have = ", ".join(str(g.index) for g in inventory.gpus)
+        raise PlanError(f"GPU {gpu_index} does not exist; this machine has GPU {have} — use --gpu with one of those")
+    return _gpu_plan(request, count, sizes, gpu, inventory)
 
 
 def _cpu_plan(
@@ -408,13 +359,10 @@ def check_rank_request(split: int | None, memory: int | None, gpus: list[GPUInfo
 
 
 def rank_share_mib(gpu: GPUInfo, shared_by: int, memory: int | None, capabilities: Capabilities) -> int:
-    """Each rank's cap in MiB on ``gpu``, which ``shared_by`` ranks use: ``memory``
-    (``--memory``), or an even share. Every rank is a process with its own CUDA
-    context, outside any cap, and its framework keeps its reserve back in each
-    process, so both come out once per rank before the rest is shared: free memory
-    (its total where NVML could not tell the free memory) minus ``shared_by`` ×
-    the larger of :data:`~vgpu_magic.inventory.CUDA_CONTEXT_MIB` and the
-    framework's reserve. A request that cannot fit is refused with the figures."""
+    """Each rank's cap in MiB on ``gpu``, which ``shared_by`` ranks use: ``memory`` (``--memory``), or an
+    even share. Each rank is a process with its own CUDA context (outside any cap) and its framework's
+    reserve: the larger of the two comes out once per rank before the rest (free memory, else the total)
+    is shared. A request that cannot fit is refused with the figures."""
     base = gpu.free_mib if gpu.free_mib is not None else gpu.total_mib
     if base is None:
         if memory is None:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["SplitRequest", "SplitPlan", "FitVerdict"]
-
 
 @dataclass(frozen=True)
 class SplitRequest:
@@ -91,10 +89,8 @@ class SplitPlan:
             else:
                 limits = [m for m in self.memory_limits if m is not None]
                 if self.sizes_chosen and limits:
-                    if len(set(limits)) == 1:
-                        words += ["--memory", str(limits[0])]
-                    else:
-                        words += ["--memory", ",".join(str(m) for m in limits)]
+                    shown = limits[:1] if len(set(limits)) == 1 else limits  # one size for all: said once
+                    words += ["--memory", ",".join(map(str, shown))]
                 if self.physical_index:
                     words += ["--gpu", str(self.physical_index)]
                 if self.visible_gpus is not None and len(self.visible_gpus) > 1:

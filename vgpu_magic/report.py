@@ -20,8 +20,6 @@ from .inventory import DeviceInventory
 from .runtime import RuntimeState, runtime_state
 from .units import MIB, format_bytes
 
-__all__ = ["LogicalDeviceStatus", "FrameworkStatus", "StatusReport", "collect_status", "code_spans"]
-
 
 @dataclass(frozen=True)
 class LogicalDeviceStatus:

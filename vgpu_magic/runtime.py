@@ -17,26 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = [
-    "CellRef",
-    "NO_LONGER_CHANGE",
-    "RuntimeState",
-    "RuntimeWatcher",
-    "cuda_context_holders",
-    "runtime_state",
-    "first_line",
-    "active_watcher",
-    "running_cell",
-    "activate",
-    "deactivate",
-]
+from . import frameworks, inventory
 
 #: What a started runtime means for a split; the status and every outcome say it in these words.
 NO_LONGER_CHANGE = "devices can no longer change"
 
 
 def cuda_context_holders(
-    pid: int | None = None,
     nvml_holders: dict[int, set[int]] | None = None,
     exclude: str = "",
     started_by: dict[str, CellRef] | None = None,
@@ -45,16 +32,12 @@ def cuda_context_holders(
     (each answers for itself), with the line that started it where ``started_by`` knows it.
     ``nvml_holders`` (NVML index -> PIDs) may be passed in; ``exclude`` names the framework
     being configured (its own context is not a problem for it)."""
-    from .frameworks import cuda_context_holders as holders
-
-    pid = os.getpid() if pid is None else pid
     known = started_by or {}
-    found = [fw.label + (f" (since {known[fw.name]})" if fw.name in known else "") for fw in holders(exclude=exclude)]
+    holders = frameworks.cuda_context_holders(exclude=exclude)
+    found = [fw.label + (f" (since {known[fw.name]})" if fw.name in known else "") for fw in holders]
     if nvml_holders is None:
-        from .inventory import nvml_pids_with_context
-
-        nvml_holders = nvml_pids_with_context()
-    gpus = sorted(i for i, pids in nvml_holders.items() if pid in pids)
+        nvml_holders = inventory.nvml_pids_with_context()
+    gpus = sorted(i for i, pids in nvml_holders.items() if os.getpid() in pids)
     if gpus and not found:
         found.append("a CUDA context on NVML GPU " + ", ".join(str(i) for i in gpus))
     return tuple(found)
@@ -118,10 +101,7 @@ class RuntimeState:
 
 
 def first_line(source: str) -> str:
-    for line in source.splitlines():
-        if line.strip():
-            return _shortened(line)
-    return ""
+    return next((_shortened(line) for line in source.splitlines() if line.strip()), "")
 
 
 def _shortened(line: str) -> str:
@@ -134,15 +114,9 @@ def _shortened(line: str) -> str:
 _CARRIED: dict[int, tuple[dict[str, CellRef], set[str]]] = {}
 
 
-def _frameworks():
-    from . import frameworks
-
-    return frameworks
-
-
 def _imported():
     """The imported frameworks, PyTorch too (its runtime: CUDA, whose start the watcher names)."""
-    return [fw for fw in _frameworks().all_frameworks() if fw.imported()]
+    return [fw for fw in frameworks.all_frameworks() if fw.imported()]
 
 
 class RuntimeWatcher:
@@ -247,7 +221,6 @@ class RuntimeWatcher:
 
 
 def _resolve(framework):
-    frameworks = _frameworks()
     if framework is None:
         return frameworks.select()
     if isinstance(framework, str):
@@ -303,7 +276,7 @@ class _FrameworkImports(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if self._finding or "." in name:
             return None
-        fw = next((f for f in _frameworks().all_frameworks() if f.module == name), None)
+        fw = next((f for f in frameworks.all_frameworks() if f.module == name), None)
         if fw is None:
             return None
         self._finding = True

@@ -21,11 +21,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without the widg
         name="ipywidgets",
     ) from exc
 
-from . import panel_text
+from . import frameworks, panel_text
 from .errors import USER_ERRORS, PlanError
 from .frameworks.base import ConfigSnapshot
 from .inventory import DeviceInventory, GPUInfo
-from .outcomes import SplitResult, execute, framework_for, print_summary
+from .outcomes import SplitResult, execute, print_summary
 from .panel_text import CPU_KEY, gpu_key
 from .planner import (
     MAX_DEVICES,
@@ -40,8 +40,6 @@ from .planner import (
     usable_mib,
 )
 from .runtime import RuntimeState, RuntimeWatcher, runtime_state
-
-__all__ = ["SplitPanel", "panel", "SLIDER_MAX_DEVICES"]
 
 #: The count slider stops here; larger counts (up to the planner's limit) are typed in.
 SLIDER_MAX_DEVICES = 16
@@ -82,15 +80,23 @@ class SplitPanel:
         self._device_sliders: list[widgets.IntSlider] = []
         self._build_controls()
         self.root = self._layout()
-        self._observe()
+        self.count_slider.observe(self._on_slider, "value")
+        self.count_text.observe(self._on_count, "value")
+        self.target.observe(self._on_target, "value")
+        self.custom.observe(self._on_memory_mode, "value")
+        self.even_memory.observe(self._update, "value")
+        for widget in (self.target, self.count_text, self.custom, self.even_memory):
+            widget.observe(self._notice_start, "value")
+        # Tracebacks and prints of a button callback go nowhere visible in
+        # JupyterLab unless an Output widget captures them.
+        self.apply_button.on_click(self.output.capture(clear_output=True, wait=True)(lambda _button: self.apply()))
         self._open_on_current()
         self._on_target()
         self.refresh()
 
     def _build_controls(self) -> None:
         options = [(panel_text.gpu_label(g), gpu_key(g)) for g in self.inventory.gpus]
-        label = self.capabilities.label
-        cpu_label = f"CPU (no GPU visible to {label})"
+        cpu_label = f"CPU (no GPU visible to {self.capabilities.label})"
         if self.inventory.gpus:
             cpu_label = "CPU (split the CPU instead of the GPU)"
         options.append((cpu_label, CPU_KEY))
@@ -154,18 +160,6 @@ class SplitPanel:
         )
         root.add_class("vgpu-split-panel")
         return root
-
-    def _observe(self) -> None:
-        self.count_slider.observe(self._on_slider, "value")
-        self.count_text.observe(self._on_count, "value")
-        self.target.observe(self._on_target, "value")
-        self.custom.observe(self._on_memory_mode, "value")
-        self.even_memory.observe(self._update, "value")
-        for widget in (self.target, self.count_text, self.custom, self.even_memory):
-            widget.observe(self._notice_start, "value")
-        # Tracebacks and prints of a button callback go nowhere visible in
-        # JupyterLab unless an Output widget captures them.
-        self.apply_button.on_click(self.output.capture(clear_output=True, wait=True)(lambda _button: self.apply()))
 
     # -- what the widgets say ---------------------------------------------
     @property
@@ -402,6 +396,6 @@ class SplitPanel:
 def panel(watcher: RuntimeWatcher | None = None, framework: str | None = None) -> SplitPanel:
     """The split panel for this machine's devices, as ``%vgpu_split --framework`` picks
     ``framework`` (a name or alias of the registry). Imports the framework; never starts its runtime."""
-    chosen = framework_for(framework)
+    chosen = frameworks.select(framework)
     named = chosen.name if framework is not None else None
     return SplitPanel(chosen.probe_inventory(), watcher, framework_named=named, configuration=chosen.read_configuration)

@@ -4,8 +4,6 @@ monitor's data and its views; and lists of alike figures written once
 
 from __future__ import annotations
 
-__all__ = ["MIB", "GIB", "UNITS", "format_bytes", "joined_alike", "unit_for"]
-
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 
