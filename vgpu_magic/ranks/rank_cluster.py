@@ -180,9 +180,7 @@ class RankCluster:
             launchers = processes.local_launchers(self.cluster)
             self._owned.update(launchers)
             self._launchers.update(launchers)
-            processes.remove_files_when_kernel_dies(self.cluster, self._token)
-            # Engines on other hosts end when the kernel dies without a stop.
-            processes.watch_remote(self.cluster, self.launcher_plan, self._token)
+            processes.clean_up_when_kernel_dies(self.cluster, self.launcher_plan, self._token)
             self.client = self.cluster.connect_client_sync()
             # interactive=False: no progress bar in the cell (the start summary says what started).
             self.client.wait_for_engines(self.n, timeout=ENGINE_TIMEOUT, block=True, interactive=False)
@@ -284,7 +282,7 @@ class RankCluster:
         alive = processes.terminate(procs)
         left = []
         if self.cluster is not None:
-            left = processes.stop_launched(self.cluster, self.launcher_plan, self.cluster_id)
+            left = processes.stop_launched(self.cluster, self.launcher_plan)
         self._forget()
         atexit.unregister(self.stop)
         with _lock:
