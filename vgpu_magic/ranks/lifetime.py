@@ -47,11 +47,6 @@ def owner_of_this_process() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{psutil.Process().create_time():.3f}"
 
 
-def _parse(owner: str) -> tuple[str, int, float]:
-    host, pid, created = owner.rsplit(":", 2)
-    return host, int(pid), float(created)
-
-
 def _owner_alive(pid: int, created: float) -> bool:
     import psutil
 
@@ -130,7 +125,8 @@ def watch_owner(owner: str | None = None, then: str | None = None, beside: bool 
     owner = owner or os.environ.get(OWNER_ENV)
     if not owner:
         return False
-    host, pid, created = _parse(owner)
+    host, pid_text, created_text = owner.rsplit(":", 2)
+    pid, created = int(pid_text), float(created_text)
     if host != socket.gethostname():
         return False
     if beside and sys.platform.startswith("linux"):

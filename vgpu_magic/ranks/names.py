@@ -268,18 +268,6 @@ def pull_values(view: Any, ranks: list[Any]) -> list[Any]:
     return [one.pull("_vgpu_out", block=True) for one in ranks]
 
 
-def names_on_ranks(view: Any, asked: list[str]) -> set[str] | None:
-    """Which of ``asked`` exist on any rank of ``view``; ``None`` if a rank cannot answer (it died)."""
-    from ipyparallel.error import IPythonError
-
-    try:
-        view.execute(f"_vgpu_present = [n for n in {asked!r} if n in globals()]", block=True)
-        present = view.pull("_vgpu_present", block=True)
-    except (IPythonError, OSError, TimeoutError):
-        return None
-    return set().union(*map(set, present))
-
-
 class RankNames:
     """The names cells assigned on the ranks: rank state, never overwritten from the notebook."""
 
@@ -304,9 +292,16 @@ class RankNames:
     def settle(self, view: Any, candidates: set[str]) -> None:
         """The rank state becomes those of ``candidates`` (the names a cell may have bound) and the earlier
         ones that exist on the ranks: a name deleted there, or never assigned, is the notebook's again."""
+        from ipyparallel.error import IPythonError
+
         asked = sorted(self.names | candidates)
         if not asked:
             return
-        present = names_on_ranks(view, asked)
-        # None: a rank that cannot answer (it died); every candidate stays rank state, the safe side.
-        self.names = self.names | candidates if present is None else present
+        try:
+            view.execute(f"_vgpu_present = [n for n in {asked!r} if n in globals()]", block=True)
+            present = view.pull("_vgpu_present", block=True)
+        except (IPythonError, OSError, TimeoutError):
+            # A rank that cannot answer (it died): every candidate stays rank state, the safe side.
+            self.names |= candidates
+            return
+        self.names = set().union(*map(set, present))

@@ -203,9 +203,6 @@ class RankProcesses:
         elif self.engine_signal is not None:
             self.engine_signal(rank, signum)
 
-    def how_exited(self, rank: int) -> int | None:
-        return self.exit_code(rank) if self.on_this_host(rank) else None
-
     def where(self, rank: int) -> str:
         """``'pid 1234'``, and the host for a rank on another host: ``'pid 1234 on node2'``."""
         if self.on_this_host(rank) or not self.hosts:
@@ -316,7 +313,7 @@ class RankRun:
         code = None
         deadline = time.monotonic() + (1.0 if self.procs.on_this_host(rank) else 0.0)
         while code is None and time.monotonic() < deadline:
-            code = self.procs.how_exited(rank)
+            code = self.procs.exit_code(rank)
             if code is None:
                 time.sleep(POLL)
         if code is not None and code < 0:
