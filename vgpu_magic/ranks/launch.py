@@ -71,11 +71,6 @@ class _Process:
     #: Its environment outside the rank's plan (whose ports and ids change every run, read when the script joins).
     base: dict[str, str]
 
-    def discard(self) -> None:
-        self.control.close()
-        self.popen.kill()
-        self.popen.communicate()
-
 
 _spare: _Process | None = None
 
@@ -87,7 +82,9 @@ def _spare_for(plan_env: dict[str, str], preload: list[str]) -> _Process:
     if proc is not None and proc.popen.poll() is None and proc.base == _base(plan_env):
         return proc
     if proc is not None:
-        proc.discard()
+        proc.control.close()
+        proc.popen.kill()
+        proc.popen.communicate()
     return _start(plan_env, preload)
 
 

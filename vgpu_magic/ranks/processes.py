@@ -317,9 +317,10 @@ def _ssh_cleanups(plan: LauncherPlan, engines: list[tuple[str, int]]) -> list[tu
     return found
 
 
-def processes_started(owned: set[int], token: str, started_at: float) -> list[Any]:
-    """The processes a cluster started on this host: ``owned`` and their children, and every process carrying
-    its ``token`` (also those whose parent died first)."""
+def terminate(owned: set[int], token: str, started_at: float) -> list[Any]:
+    """End the processes a cluster started on this host: ``owned`` and their children, and every process
+    carrying its ``token`` (also those whose parent died first). SIGTERM, then SIGKILL after :data:`STOP_GRACE`
+    seconds for what is still alive; returns those that survived even that."""
     import psutil
 
     procs: dict[int, Any] = {}
@@ -332,18 +333,10 @@ def processes_started(owned: set[int], token: str, started_at: float) -> list[An
             continue
     if token:
         procs.update((proc.pid, proc) for proc in lifetime.processes_of(token, started_at))
-    return list(procs.values())
-
-
-def terminate(procs: list[Any]) -> list[Any]:
-    """SIGTERM to ``procs``, then SIGKILL after :data:`STOP_GRACE` seconds for what is
-    still alive; returns those that survived even that."""
-    import psutil
-
-    for proc in procs:
+    for proc in procs.values():
         with contextlib.suppress(psutil.Error):
             proc.send_signal(signal.SIGTERM)
-    _, alive = psutil.wait_procs(procs, timeout=STOP_GRACE)
+    _, alive = psutil.wait_procs(procs.values(), timeout=STOP_GRACE)
     for proc in alive:
         with contextlib.suppress(psutil.Error):
             proc.kill()

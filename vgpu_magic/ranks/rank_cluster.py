@@ -274,12 +274,11 @@ class RankCluster:
         """Stop every process this cluster started (SIGTERM, then SIGKILL) and check that none is left.
         Safe to call twice."""
         global _current
-        procs = processes.processes_started(self._owned, self._token, self._started_at)
         if self.client is not None:
             # A client whose controller already died can fail to close; its sockets go with it.
             with contextlib.suppress(Exception):
                 self.client.close()
-        alive = processes.terminate(procs)
+        alive = processes.terminate(self._owned, self._token, self._started_at)
         left = []
         if self.cluster is not None:
             left = processes.stop_launched(self.cluster, self.launcher_plan)
