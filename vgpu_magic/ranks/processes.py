@@ -233,7 +233,7 @@ def new_ipp_cluster(ipp: Any, plan: LauncherPlan, n: int, cluster_id: str, token
     engines = {"local": ours.ExitRecordingEngineSetLauncher, "slurm": ours.ReasonedSlurmEngineSetLauncher}
     cluster = ipp.Cluster(
         n=n,
-        engines=engines.get(plan.engines, plan.engines),
+        engines=engines.get(plan.name, plan.name),
         cluster_id=cluster_id,
         log=_ipp_log(),
         log_level=logging.ERROR,
@@ -272,19 +272,6 @@ def batch_jobs(cluster: Any) -> list[str]:
     return [es.job_id for es in cluster.engines.values() if getattr(es, "job_id", "")]
 
 
-def ssh_engines(cluster: Any, plan: LauncherPlan) -> list[tuple[str, int]]:
-    """``(ssh location, PID there)`` of each engine of ``cluster`` started over SSH, in start order
-    (none unless ``plan`` is the SSH launcher's)."""
-    if plan.name != "ssh":
-        return []
-    return [
-        (launcher.location, launcher.pid)
-        for engine_set in cluster.engines.values()
-        for launcher in getattr(engine_set, "launchers", {}).values()
-        if (getattr(launcher, "pid", None) or -1) > 0
-    ]
-
-
 #: Run when the kernel dies without a stop: remove what matches each argument (a glob).
 _REMOVE = "import glob, os, sys; [os.remove(p) for pattern in sys.argv[1:] for p in glob.glob(pattern)]"
 
@@ -299,16 +286,23 @@ def clean_up_when_kernel_dies(cluster: Any, plan: LauncherPlan, token: str) -> N
     logs = os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*")
     commands = [shlex.join([sys.executable, "-c", _REMOVE, cluster.cluster_file, logs])]
     commands += [shlex.join(["scancel", job]) for job in batch_jobs(cluster)]
-    for location, args, pids, cleanup in _ssh_cleanups(plan, ssh_engines(cluster, plan)):
+    for location, args, pids, cleanup in _ssh_cleanups(cluster, plan):
         commands.append(shlex.join(["ssh", *args, location, f"kill {pids} 2>/dev/null; {cleanup}"]))
     for command in commands:
         lifetime.run_when_this_process_dies(command, token)
 
 
-def _ssh_cleanups(plan: LauncherPlan, engines: list[tuple[str, int]]) -> list[tuple[str, tuple[str, ...], str, str]]:
-    """``(location, ssh args, engine PIDs there, REMOTE_CLEANUP command)`` for each SSH host of ``plan``."""
+def _ssh_cleanups(cluster: Any, plan: LauncherPlan) -> list[tuple[str, tuple[str, ...], str, str]]:
+    """``(location, ssh args, PIDs there of the engines cluster started, REMOTE_CLEANUP command)`` for each SSH
+    host of ``plan``."""
     if not plan.ssh_hosts:
         return []
+    engines = [
+        (launcher.location, launcher.pid)
+        for engine_set in cluster.engines.values()
+        for launcher in getattr(engine_set, "launchers", {}).values()
+        if (getattr(launcher, "pid", None) or -1) > 0
+    ]
     folder = plan.config["SSHEngineSetLauncher"]["remote_profile_dir"]
     found = []
     for location, args in plan.ssh_hosts:
@@ -355,7 +349,8 @@ def stop_launched(cluster: Any, plan: LauncherPlan) -> list[str]:
     """Stop what ipyparallel launched for ``cluster`` through its launchers, make sure the batch jobs left the
     queue (``scancel -s KILL`` if not) and on each SSH host the engines are gone and the cluster's folder
     removed, and remove the batch script. Returns what is still left, in words."""
-    jobs, engines = batch_jobs(cluster), ssh_engines(cluster, plan)
+    # Read before the stop: ipyparallel forgets the engines it stopped.
+    jobs, cleanups = batch_jobs(cluster), _ssh_cleanups(cluster, plan)
     # If this fails, local processes are gone already (the caller checked) and remote ones are checked below.
     with contextlib.suppress(Exception):
         cluster.stop_cluster_sync()
@@ -370,7 +365,7 @@ def stop_launched(cluster: Any, plan: LauncherPlan) -> list[str]:
             subprocess.run(["scancel", "-s", "KILL", job], capture_output=True, timeout=30, check=False)
             if not wait_job_gone(job, REMOTE_STOP_TIMEOUT / 2):
                 left.append(f"SLURM job {job} is still in squeue")
-    for location, args, pids, cleanup in _ssh_cleanups(plan, engines):
+    for location, args, pids, cleanup in cleanups:
         reached, out = ssh(location, args, cleanup)
         if not reached and pids:
             left.append(f"{location}: engines {pids} may be left ({out})")
