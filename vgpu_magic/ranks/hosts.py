@@ -11,7 +11,7 @@ import socket
 from typing import Any
 
 from ..inventory import GPUInfo, NVMLReadError, nccl_version, visible_gpus
-from ..layout import HostReport, RankLayout, RankPlace, layout_ranks
+from ..layout import HostReport, RankLayout, layout_ranks
 
 #: Variables a launcher sets that tell a process its place; reported as they are.
 LAUNCHER_VARIABLES = (
@@ -29,13 +29,6 @@ LAUNCHER_VARIABLES = (
     "OMPI_COMM_WORLD_LOCAL_RANK",
     "PMI_RANK",
 )
-
-
-def on_this_host(places: list[RankPlace], remote: bool) -> list[bool]:
-    """Whether each rank's process runs on this host (so that its PID names it here): all of them, unless
-    the launcher is ``remote`` (SLURM, SSH), then those whose host has this host's name."""
-    here = socket.gethostname()
-    return [not remote or place.hostname == here for place in places]
 
 
 def predicted_layout(n: int, gpus: tuple[GPUInfo, ...] | None = None) -> RankLayout:

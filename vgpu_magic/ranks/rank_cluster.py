@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
+import socket
 import threading
 import time
 import uuid
@@ -24,7 +25,7 @@ from ..frameworks.base import RankPlan
 from ..inventory import GPUInfo
 from ..units import MIB, format_bytes
 from . import launch, names, processes
-from .hosts import HostReport, RankLayout, layout_ranks, on_this_host, predicted_layout, prepare_rank, report_host
+from .hosts import HostReport, RankLayout, layout_ranks, predicted_layout, prepare_rank, report_host
 from .launchers import LAUNCHERS, MAX_RANKS, LauncherPlan, plan_launcher
 from .processes import ClusterStartError
 from .run import RankProcesses, RankRun, RankRunError, interrupt_only_the_cell
@@ -251,11 +252,12 @@ class RankCluster:
         return [dataclasses.replace(plan, env={**quiet, **plan.env}) for plan in plans]
 
     def _processes(self) -> RankProcesses:
-        """How the fault policy reaches the ranks: by PID on this host, through their engines elsewhere."""
-        places = self.layout.places
+        """How the fault policy reaches the ranks: by PID on this host (every rank, unless the launcher is remote,
+        then those on a host of this host's name), through their engines elsewhere."""
+        places, here = self.layout.places, socket.gethostname()
         return RankProcesses(
             self.pids,
-            on_this_host(places, self.launcher_plan.remote),
+            [not self.launcher_plan.remote or place.hostname == here for place in places],
             self._exit_code,
             engine_alive=lambda rank: self.client is not None and self.engine_ids[rank] in self.client.ids,
             engine_signal=lambda rank, signum: processes.signal_engine(self.client, self.engine_ids[rank], signum),
