@@ -6,6 +6,7 @@ of the queue, SSH hosts cleaned).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -130,17 +131,15 @@ def wait_job_gone(job: str, timeout: float) -> bool:
 
 #: Host memory one rank is assumed to need at most before one is measured (torch on CPU measured ~530 MiB).
 RANK_MEMORY_BOUND = 2 * 1024**3
-_footprints: dict[str, int] = {}
 
 
+@functools.cache
 def rank_footprint(module: str) -> int:
     """Resident bytes of one rank with ``module`` (and an engine's own imports) imported, measured once per
     kernel in a fresh interpreter."""
-    if module not in _footprints:
-        code = f"import psutil, ipyparallel.engine.app, {module}; print(psutil.Process().memory_info().rss)"
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
-        _footprints[module] = int(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else 0
-    return _footprints[module]
+    code = f"import psutil, ipyparallel.engine.app, {module}; print(psutil.Process().memory_info().rss)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    return int(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else 0
 
 
 def check_memory_fits(n: int, fw: Any) -> bool:
@@ -257,14 +256,8 @@ def local_launchers(cluster: Any) -> dict[int, Any]:
     launchers = [cluster.controller]
     for engine_set in cluster.engines.values():
         launchers.extend(getattr(engine_set, "launchers", {}).values() or [engine_set])
-    found = {}
-    for launcher in launchers:
-        if not isinstance(launcher, LocalProcessLauncher) or isinstance(launcher, SSHLauncher):
-            continue
-        pid = getattr(launcher, "pid", -1)
-        if pid and pid > 0:
-            found[pid] = launcher
-    return found
+    ours = [x for x in launchers if isinstance(x, LocalProcessLauncher) and not isinstance(x, SSHLauncher)]
+    return {launcher.pid: launcher for launcher in ours if (launcher.pid or -1) > 0}
 
 
 def batch_jobs(cluster: Any) -> list[str]:

@@ -70,7 +70,6 @@ class RankRunError(RuntimeError):
         #: Every rank's own failure, the first seen first.
         self.failures = list(failures)
         self.failure = self.failures[0]
-        self.rank = self.failure.rank
         self.interrupted = interrupted
         self.killed = killed
         self.must_restart = must_restart
