@@ -147,9 +147,13 @@ def run_rank(request: dict[str, Any]) -> int:
         _spare = _start(plan_env, request["preload"]) if request["spare"] else None
     if code == 0:
         return proc.popen.pid
-    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
     # No PID in the first line: ranks that ended alike are reported together.
-    raise ProcessExited("\n".join([how, *tail]))
+    raise ProcessExited("\n".join([how_it_ended(code), *tail]))
+
+
+def how_it_ended(code: int) -> str:
+    """An exit status as a launcher says it: ``exited with status 3``, ``was killed by SIGSEGV``."""
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
 
 
 def _follow(popen: subprocess.Popen) -> tuple[int, list[str]]:

@@ -141,25 +141,23 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
 
     visit_ListComp = visit_SetComp = visit_GeneratorExp = visit_DictComp = _comprehension
 
-    def visit_Lambda(self, node: ast.Lambda) -> None:
-        for default in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
+    def _parameters(self, args: ast.arguments) -> set[str]:
+        """Visit the defaults (evaluated in this scope); the parameters (bound in the body's)."""
+        for default in args.defaults + [d for d in args.kw_defaults if d is not None]:
             self.visit(default)
-        self._inner({a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}, [node.body], walrus_from=node)
+        return {a.arg for a in ast.walk(args) if isinstance(a, ast.arg)}
+
+    def visit_Lambda(self, node: ast.Lambda) -> None:
+        self._inner(self._parameters(node.args), [node.body], walrus_from=node)
 
     def _definition(self, node: Any) -> None:
         for decorator in node.decorator_list:
             self.visit(decorator)
-        if not isinstance(node, ast.ClassDef):
-            for default in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
-                self.visit(default)
-        else:
-            for base in node.bases:
-                self.visit(base)
+        for base in node.bases if isinstance(node, ast.ClassDef) else ():
+            self.visit(base)
+        local = set() if isinstance(node, ast.ClassDef) else self._parameters(node.args)
         self._store(node.name)
         # The body runs later, when it is called; its free names are read then.
-        local = (
-            set() if isinstance(node, ast.ClassDef) else {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
-        )
         self._inner(local, node.body)
 
     visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _definition

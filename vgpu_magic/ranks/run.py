@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ..runtime import running_cell
+from .launch import how_it_ended
 from .memory import RankMonitor
 from .shown import HeldBack, notebook_traceback
 
@@ -202,12 +203,6 @@ class RankProcesses:
         elif self.engine_signal is not None:
             self.engine_signal(rank, signum)
 
-    def where(self, rank: int) -> str:
-        """``'pid 1234'``, and the host for a rank on another host: ``'pid 1234 on node2'``."""
-        if self.on_this_host(rank) or not self.hosts:
-            return f"pid {self.pids[rank]}"
-        return f"pid {self.pids[rank]} on {self.hosts[rank]}"
-
     def memory_pids(self) -> list[int | None]:
         """The PIDs the kernel can read memory of (``None`` for a rank on another host)."""
         return [pid if self.on_this_host(rank) else None for rank, pid in enumerate(self.pids)]
@@ -315,13 +310,11 @@ class RankRun:
             code = self.procs.exit_code(rank)
             if code is None:
                 time.sleep(POLL)
-        if code is not None and code < 0:
-            how = f"was killed by {signal.Signals(-code).name}"
-        elif code is not None:
-            how = f"exited with status {code}"
-        else:
-            how = "died (exit status unknown)"
-        return RankFailure(rank, "died", f"{how} ({self.procs.where(rank)})", (f"rank {rank} {how}",))
+        how = "died (exit status unknown)" if code is None else how_it_ended(code)
+        # The host too for a rank on another host: 'pid 1234 on node2'.
+        elsewhere = not self.procs.on_this_host(rank) and self.procs.hosts
+        where = f"pid {self.procs.pids[rank]}" + (f" on {self.procs.hosts[rank]}" if elsewhere else "")
+        return RankFailure(rank, "died", f"{how} ({where})", (f"rank {rank} {how}",))
 
     def _stop_others(self, results: list[Any], done: set[int]) -> tuple[list[int], list[int]]:
         """SIGINT every rank still running (not in ``done``, nor :func:`_settled`); kill those still busy
