@@ -258,19 +258,13 @@ class RankCluster:
         return RankProcesses(
             self.pids,
             [not self.launcher_plan.remote or place.hostname == here for place in places],
-            self._exit_code,
+            # How each exited, as the wait that reaped it returned it (None where no such wait is ours: mpiexec's).
+            lambda rank: getattr(getattr(self._launchers.get(self.pids[rank]), "process", None), "exit_code", None),
             engine_alive=lambda rank: self.client is not None and self.engine_ids[rank] in self.client.ids,
             engine_signal=lambda rank, signum: processes.signal_engine(self.client, self.engine_ids[rank], signum),
             hosts=[place.hostname for place in places],
             engine=lambda rank: self.client[self.engine_ids[rank]],
         )
-
-    def _exit_code(self, rank: int) -> int | None:
-        """How rank ``rank``'s process exited (negative: the signal), as the wait that reaped it
-        returned it; ``None`` where no such wait is ours (engines started by mpiexec)."""
-        launcher = self._launchers.get(self.pids[rank])
-        code = getattr(getattr(launcher, "process", None), "exit_code", None)
-        return None if code is None else int(code)
 
     def stop(self) -> None:
         """Stop every process this cluster started (SIGTERM, then SIGKILL) and check that none is left.
