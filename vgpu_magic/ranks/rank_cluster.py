@@ -22,10 +22,11 @@ from typing import Any
 
 from .. import frameworks
 from ..frameworks.base import RankPlan
-from ..inventory import GPUInfo
+from ..inventory import GPUInfo, NVMLReadError, nccl_version, visible_gpus
+from ..layout import HostReport, RankLayout, layout_ranks
 from ..units import MIB, format_bytes
 from . import launch, names, processes
-from .hosts import HostReport, RankLayout, layout_ranks, predicted_layout, prepare_rank, report_host
+from .hosts import prepare_rank, report_host
 from .launchers import LAUNCHERS, MAX_RANKS, LauncherPlan, plan_launcher
 from .processes import ClusterStartError
 from .run import RankProcesses, RankRun, RankRunError, interrupt_only_the_cell
@@ -122,9 +123,14 @@ class RankCluster:
             else tuple(GPUInfo(index, total_mib=total // MIB, nvml_index=index) for index, total in gpus)
         )
         memory_mib = None if memory is None else memory // MIB
-        # Planned once on this host's view of the ranks, so a request that cannot work fails before anything starts;
-        # start() plans again from what the engines report.
-        self.fw.plan_ranks(predicted_layout(n, self.given_gpus), split, memory_mib, port)
+        # Planned once on what n engines started on this host would report, so a request that cannot work fails
+        # before anything starts; start() plans again from what the engines report.
+        try:
+            seen = self.given_gpus if self.given_gpus is not None else visible_gpus()
+        except NVMLReadError as exc:
+            raise ValueError(str(exc)) from None
+        here = [HostReport(e, socket.gethostname(), "127.0.0.1", 0, seen, 0, nccl=nccl_version()) for e in range(n)]
+        self.fw.plan_ranks(layout_ranks(here, self.given_gpus), split, memory_mib, port)
         self.n = n
         self.split = split
         self.memory = memory
