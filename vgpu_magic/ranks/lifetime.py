@@ -129,11 +129,11 @@ def watch_owner(owner: str | None = None, then: str | None = None, beside: bool 
     pid, created = int(pid_text), float(created_text)
     if host != socket.gethostname():
         return False
+    # A forked child watches the owner for itself (it runs no ``then``: that is this process's).
+    _watching["owner"] = owner
     if beside and sys.platform.startswith("linux"):
         _watch_from_beside(pid, created)
-        _watching.update(owner=owner, then="")
         return True
-    _watching.update(owner=owner, then=then or "")
 
     def watch() -> None:
         _wait_for_exit(pid, created)
@@ -148,7 +148,7 @@ def watch_owner(owner: str | None = None, then: str | None = None, beside: bool 
 def _watch_again_after_fork() -> None:
     # Threads do not survive fork; a forked child watches for itself.
     if _watching:
-        watch_owner(_watching["owner"], _watching["then"] or None)
+        watch_owner(_watching["owner"])
 
 
 os.register_at_fork(after_in_child=_watch_again_after_fork)

@@ -153,7 +153,7 @@ class LocalSlurm:
         ).stdout
 
     # -- pieces ---------------------------------------------------------------------------
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, argv: list[str]) -> None:
         # SIGINT back to its default: a kernel or test run started in the background ignores it, and
         # the jobs' tasks would inherit that (the ranks are interrupted with SIGINT).
         with open(self.folder / f"{name}.out", "wb") as log:
@@ -166,7 +166,6 @@ class LocalSlurm:
                 start_new_session=True,
             )
         self.processes.append(proc)
-        return proc
 
     def _start_munge(self) -> None:
         munge = self.folder / "munge"

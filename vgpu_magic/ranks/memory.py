@@ -100,11 +100,9 @@ class RankMemorySampler:
         for proc in self._procs:
             try:
                 values.append(None if proc is None else proc.memory_info().rss)
-            except psutil.Error:
-                # The rank died or its /proc entry went away between two samples.
+            except psutil.Error:  # the rank died or its /proc entry went away between two samples
                 values.append(None)
-                continue
-            for child in self._family(proc)[1:] if proc is not None else ():
+            for child in self._family(proc)[1:] if values[-1] is not None else ():
                 with contextlib.suppress(psutil.Error):
                     values[-1] += child.memory_info().rss
         return values

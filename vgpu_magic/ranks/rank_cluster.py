@@ -143,9 +143,7 @@ class RankCluster:
 
     def _forget(self) -> None:
         """What a cluster that runs nothing holds: before its start, after its stop."""
-        self.cluster: Any = None
-        self.client: Any = None
-        self.view: Any = None
+        self.cluster = self.client = self.view = None
         self.layout: RankLayout | None = None
         self.must_restart: str | None = None
         self.rank_names = names.RankNames()
