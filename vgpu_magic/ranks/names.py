@@ -208,13 +208,8 @@ def split_last_expression(code: str, target: str) -> str:
     """``code`` with its last statement, if an expression, assigned to ``target``
     (so ``-o NAME`` can pull the value); else ``code`` plus ``target = None``."""
     tree = ast.parse(code)
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = tree.body[-1]
-        tree.body[-1] = ast.copy_location(
-            ast.Assign(targets=[ast.Name(id=target, ctx=ast.Store())], value=last.value), last
-        )
-    else:
-        tree.body.append(ast.Assign(targets=[ast.Name(id=target, ctx=ast.Store())], value=ast.Constant(None)))
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else ast.Expr(ast.Constant(None))
+    tree.body.append(ast.Assign(targets=[ast.Name(id=target, ctx=ast.Store())], value=last.value))
     return ast.unparse(ast.fix_missing_locations(tree))
 
 
