@@ -16,13 +16,13 @@ __all__ = ["ExitRecordingEngineLauncher", "ExitRecordingEngineSetLauncher", "Rea
 
 
 class ExitRecordingProcess(psutil.Process):
-    """A process whose ``wait`` keeps the exit status it returned (``exit_code``)."""
+    """A process whose ``wait`` keeps the exit status it returned (``exit_code``; negative: the signal)."""
 
     exit_code: int | None = None
 
     def wait(self, timeout: float | None = None) -> int | None:
         code = super().wait(timeout)
-        self.exit_code = code
+        self.exit_code = None if code is None else int(code)
         return code
 
 

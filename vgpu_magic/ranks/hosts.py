@@ -10,8 +10,8 @@ import os
 import socket
 from typing import Any
 
-from ..inventory import GPUInfo, NVMLReadError, nccl_version, visible_gpus
-from ..layout import HostReport, RankLayout, RankPlace, layout_ranks
+from ..inventory import nccl_version, visible_gpus
+from ..layout import HostReport
 
 #: Variables a launcher sets that tell a process its place; reported as they are.
 LAUNCHER_VARIABLES = (
@@ -29,25 +29,6 @@ LAUNCHER_VARIABLES = (
     "OMPI_COMM_WORLD_LOCAL_RANK",
     "PMI_RANK",
 )
-
-
-def on_this_host(places: list[RankPlace], remote: bool) -> list[bool]:
-    """Whether each rank's process runs on this host (so that its PID names it here): all of them, unless
-    the launcher is ``remote`` (SLURM, SSH), then those whose host has this host's name."""
-    here = socket.gethostname()
-    return [not remote or place.hostname == here for place in places]
-
-
-def predicted_layout(n: int, gpus: tuple[GPUInfo, ...] | None = None) -> RankLayout:
-    """The layout ``n`` engines started on this host would report (checked before starting);
-    ``gpus`` as in :func:`layout_ranks`, else the GPUs this host sees."""
-    host = socket.gethostname()
-    try:
-        seen = gpus if gpus is not None else visible_gpus()
-    except NVMLReadError as exc:
-        raise ValueError(str(exc)) from None
-    nccl = nccl_version()
-    return layout_ranks([HostReport(e, host, "127.0.0.1", 0, seen, 0, nccl=nccl) for e in range(n)], gpus)
 
 
 def route_address(toward: str) -> str:

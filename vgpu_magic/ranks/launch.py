@@ -71,11 +71,6 @@ class _Process:
     #: Its environment outside the rank's plan (whose ports and ids change every run, read when the script joins).
     base: dict[str, str]
 
-    def discard(self) -> None:
-        self.control.close()
-        self.popen.kill()
-        self.popen.communicate()
-
 
 _spare: _Process | None = None
 
@@ -87,7 +82,9 @@ def _spare_for(plan_env: dict[str, str], preload: list[str]) -> _Process:
     if proc is not None and proc.popen.poll() is None and proc.base == _base(plan_env):
         return proc
     if proc is not None:
-        proc.discard()
+        proc.control.close()
+        proc.popen.kill()
+        proc.popen.communicate()
     return _start(plan_env, preload)
 
 
@@ -150,9 +147,13 @@ def run_rank(request: dict[str, Any]) -> int:
         _spare = _start(plan_env, request["preload"]) if request["spare"] else None
     if code == 0:
         return proc.popen.pid
-    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
     # No PID in the first line: ranks that ended alike are reported together.
-    raise ProcessExited("\n".join([how, *tail]))
+    raise ProcessExited("\n".join([how_it_ended(code), *tail]))
+
+
+def how_it_ended(code: int) -> str:
+    """An exit status as a launcher says it: ``exited with status 3``, ``was killed by SIGSEGV``."""
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
 
 
 def _follow(popen: subprocess.Popen) -> tuple[int, list[str]]:

@@ -48,12 +48,11 @@ SLURM_TEMPLATE = """#!/bin/sh
 
 @dataclass(frozen=True)
 class LauncherPlan:
-    """What ipyparallel is told: the engine launcher (an abbreviation ``ipp.Cluster(engines=...)`` takes), its
-    configuration (``{class name: {trait: value}}``), where the controller listens (``"*"``: every interface)
+    """What ipyparallel is told: the engine launcher (``name``, an abbreviation ``ipp.Cluster(engines=...)`` takes),
+    its configuration (``{class name: {trait: value}}``), where the controller listens (``"*"``: every interface)
     and is reached (None: loopback), and the SSH hosts ``[(user@host, (ssh args...)), ...]`` in rank order."""
 
     name: str
-    engines: str
     config: dict[str, dict[str, Any]] = field(default_factory=dict)
     controller_ip: str | None = None
     controller_location: str | None = None
@@ -85,7 +84,7 @@ def plan_launcher(name: str, n: int, options: dict[str, Any] | None = None, clus
         accepted = ", ".join(LAUNCHERS[name]) or "none"
         raise ValueError(f"the {name} launcher has no option {unknown[0]!r}; it takes: {accepted}")
     if name == "local":
-        return LauncherPlan("local", "local")
+        return LauncherPlan("local")
     if name == "mpi":
         return _plan_mpi(options)
     return _plan_slurm(options) if name == "slurm" else _plan_ssh(n, options, cluster_id)
@@ -97,7 +96,7 @@ def _plan_mpi(options: dict[str, Any]) -> LauncherPlan:
     if importlib.util.find_spec("mpi4py") is None:
         raise ValueError("the mpi launcher needs mpi4py on the engines: pip install 'vgpu_magic[mpi]'")
     config = {"MPIEngineSetLauncher": {"mpi_args": _strings("mpi_args", options.get("mpi_args", []))}}
-    return LauncherPlan("mpi", "mpi", config)
+    return LauncherPlan("mpi", config)
 
 
 def _plan_slurm(options: dict[str, Any]) -> LauncherPlan:
@@ -134,7 +133,7 @@ def _plan_slurm(options: dict[str, Any]) -> LauncherPlan:
     )
     config: dict[str, dict[str, Any]] = {"SlurmEngineSetLauncher": {"batch_template": script}}
     address = options.get("controller_address") or socket.gethostname()
-    return LauncherPlan("slurm", "slurm", config, controller_ip="*", controller_location=str(address))
+    return LauncherPlan("slurm", config, controller_ip="*", controller_location=str(address))
 
 
 _EXAMPLES = {"partition": "gpu", "account": "myproject", "time": "01:00:00", "qos": "normal"}
@@ -196,9 +195,7 @@ def _plan_ssh(n: int, options: dict[str, Any], cluster_id: str) -> LauncherPlan:
             "remote_profile_dir": f"/tmp/vgpu_magic-{cluster_id}",
         },
     }
-    return LauncherPlan(
-        "ssh", "ssh", config, controller_ip="*", controller_location=str(address), ssh_hosts=tuple(targets)
-    )
+    return LauncherPlan("ssh", config, controller_ip="*", controller_location=str(address), ssh_hosts=tuple(targets))
 
 
 def ssh_target(host: str) -> tuple[str, str | None]:

@@ -47,11 +47,6 @@ def owner_of_this_process() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{psutil.Process().create_time():.3f}"
 
 
-def _parse(owner: str) -> tuple[str, int, float]:
-    host, pid, created = owner.rsplit(":", 2)
-    return host, int(pid), float(created)
-
-
 def _owner_alive(pid: int, created: float) -> bool:
     import psutil
 
@@ -130,14 +125,15 @@ def watch_owner(owner: str | None = None, then: str | None = None, beside: bool 
     owner = owner or os.environ.get(OWNER_ENV)
     if not owner:
         return False
-    host, pid, created = _parse(owner)
+    host, pid_text, created_text = owner.rsplit(":", 2)
+    pid, created = int(pid_text), float(created_text)
     if host != socket.gethostname():
         return False
+    # A forked child watches the owner for itself (it runs no ``then``: that is this process's).
+    _watching["owner"] = owner
     if beside and sys.platform.startswith("linux"):
         _watch_from_beside(pid, created)
-        _watching.update(owner=owner, then="")
         return True
-    _watching.update(owner=owner, then=then or "")
 
     def watch() -> None:
         _wait_for_exit(pid, created)
@@ -152,7 +148,7 @@ def watch_owner(owner: str | None = None, then: str | None = None, beside: bool 
 def _watch_again_after_fork() -> None:
     # Threads do not survive fork; a forked child watches for itself.
     if _watching:
-        watch_owner(_watching["owner"], _watching["then"] or None)
+        watch_owner(_watching["owner"])
 
 
 os.register_at_fork(after_in_child=_watch_again_after_fork)

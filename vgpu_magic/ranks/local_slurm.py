@@ -10,6 +10,7 @@ declares more CPUs than the machine has (``SlurmdParameters=config_overrides``);
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -19,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import lifetime
 from .hosts import free_port
 
 __all__ = ["LocalSlurm", "SlurmNode", "missing_commands"]
@@ -80,7 +82,9 @@ class LocalSlurm:
                     f"slurmd-{node.name}", [*node.prefix, "slurmd", "-D", "-N", node.name, "-f", str(self.conf)]
                 )
             self._wait_idle()
-            self._watch_owner()
+            # A watched process (:mod:`.lifetime`) sweeps the daemons if this process dies without stop().
+            sweep = shlex.join(["sh", "-c", self._sweep_script()])
+            self._watcher = lifetime.run_when_this_process_dies(sweep)
         except BaseException:
             self.stop()
             raise
@@ -97,14 +101,6 @@ class LocalSlurm:
             f"grep -qa 'SLURM_CONF={self.conf}' /proc/$p/environ 2>/dev/null && kill -9 $p; done; "
             + f"rm -rf '{self.folder}'"
         )
-
-    def _watch_owner(self) -> None:
-        """A watched process (:mod:`.lifetime`) sweeps the daemons if this process dies without :meth:`stop`."""
-        import shlex
-
-        from . import lifetime
-
-        self._watcher = lifetime.run_when_this_process_dies(shlex.join(["sh", "-c", self._sweep_script()]))
 
     def stop(self) -> None:
         """Cancel every job, stop the daemons and remove the folder. Safe to call twice."""
@@ -157,7 +153,7 @@ class LocalSlurm:
         ).stdout
 
     # -- pieces ---------------------------------------------------------------------------
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, argv: list[str]) -> None:
         # SIGINT back to its default: a kernel or test run started in the background ignores it, and
         # the jobs' tasks would inherit that (the ranks are interrupted with SIGINT).
         with open(self.folder / f"{name}.out", "wb") as log:
@@ -170,7 +166,6 @@ class LocalSlurm:
                 start_new_session=True,
             )
         self.processes.append(proc)
-        return proc
 
     def _start_munge(self) -> None:
         munge = self.folder / "munge"

@@ -5,6 +5,7 @@ Bad input is a one-line :class:`~IPython.core.error.UsageError` raised before an
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from typing import Any
@@ -194,7 +195,8 @@ class ClusterMagics(Magics):
         if running.must_restart:
             raise UsageError(f"the cluster must be restarted ({running.must_restart}): %vgpu_cluster restart")
         # A Jupyter kernel can show the live plot; a terminal cannot.
-        plot = not args.no_plot and getattr(self.shell, "kernel", None) is not None and _has("matplotlib")
+        kernel = getattr(self.shell, "kernel", None)
+        plot = not args.no_plot and kernel is not None and importlib.util.find_spec("matplotlib") is not None
         if cell is None:
             running.run_script(path, list(args.script_args), timeout=timeout, plot=plot)
             return
@@ -235,12 +237,6 @@ def _launcher_options(args) -> dict:
             flag = f"--{key.replace('_', '-')}"
             raise UsageError(f"{flag} goes with --launcher {' or '.join(takes)}, not {launcher}")
     return options
-
-
-def _has(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
 
 
 def _refuse_start_options(args: Any, options: dict[str, Any]) -> None:

@@ -24,9 +24,9 @@ __all__ = ["RankMemorySampler", "RankMonitor", "report_allocator"]
 REPORT_EVERY = 0.2
 
 
-def report_allocator(path: str, every: float = REPORT_EVERY) -> None:
+def report_allocator(path: str) -> None:
     """Run on a rank: a thread that writes ``"current peak"`` GPU bytes of the frameworks' allocators
-    (:meth:`~vgpu_magic.frameworks.base.Framework.gpu_allocator_bytes`) to ``path`` every ``every`` seconds,
+    (:meth:`~vgpu_magic.frameworks.base.Framework.gpu_allocator_bytes`) to ``path`` every :data:`REPORT_EVERY` s,
     until ``path``'s folder is removed."""
     import threading
 
@@ -42,7 +42,7 @@ def report_allocator(path: str, every: float = REPORT_EVERY) -> None:
                 with open(path + ".new", "w") as out:
                     out.write(f"{sum(f[0] for f in figures)} {sum(f[1] for f in figures)}")
                 os.replace(path + ".new", path)
-            time.sleep(every)
+            time.sleep(REPORT_EVERY)
 
     threading.Thread(target=report, name="vgpu_magic-allocator", daemon=True).start()
 
@@ -100,11 +100,9 @@ class RankMemorySampler:
         for proc in self._procs:
             try:
                 values.append(None if proc is None else proc.memory_info().rss)
-            except psutil.Error:
-                # The rank died or its /proc entry went away between two samples.
+            except psutil.Error:  # the rank died or its /proc entry went away between two samples
                 values.append(None)
-                continue
-            for child in self._family(proc)[1:] if proc is not None else ():
+            for child in self._family(proc)[1:] if values[-1] is not None else ():
                 with contextlib.suppress(psutil.Error):
                     values[-1] += child.memory_info().rss
         return values
@@ -133,21 +131,17 @@ class RankMemorySampler:
             return [None] * len(self._procs)
         return [sum(used.get(q.pid, 0) for q in self._family(p)) if p is not None else None for p in self._procs]
 
-    def allocators(self) -> list[tuple[int, int]]:
-        """``(current, peak)`` GPU bytes per rank as its allocators report them (0 before a report)."""
-        found = []
-        for rank in self.ranks:
+    def read(self) -> list[tuple[int, int]]:
+        """``(current, peak)`` per series: GPU per rank (where a GPU exists; as its allocators report it, 0 before
+        a report, where NVML cannot tell), then RSS per rank."""
+        gpu: list[Any] = self.gpu() if self._nvml is not None and not self._reports else []
+        for rank in self.ranks if self._reports else ():
             try:
                 with open(os.path.join(self._reports, str(rank))) as report:
                     current, peak = (int(v) for v in report.read().split())
             except (OSError, ValueError):
                 current = peak = 0
-            found.append((current, peak))
-        return found
-
-    def read(self) -> list[tuple[int, int]]:
-        """``(current, peak)`` per series: GPU per rank (where a GPU exists), then RSS per rank."""
-        gpu = self.allocators() if self._reports else self.gpu() if self._nvml is not None else []
+            gpu.append((current, peak))
         values = [*gpu, *self.rss()]
         found = []
         for i, value in enumerate(values):
@@ -187,7 +181,10 @@ class RankMonitor:
         if not self.sampler.series:  # every rank on another host: nothing to show from here
             view = None
         elif view is None and live:
-            view = _live_view()
+            from ..monitor.live import LiveMemoryView, widget_available
+            from ..monitor.views import TextSummaryView
+
+            view = LiveMemoryView() if widget_available() else TextSummaryView()
         self.recorder = MemoryRecorder(
             lambda: self.sampler, view if view is not None else NullView(), interval=interval
         )
@@ -203,10 +200,3 @@ class RankMonitor:
             return self.recorder.finish(interrupted=interrupted)
         finally:
             self.sampler.close()
-
-
-def _live_view() -> Any:
-    from ..monitor.live import LiveMemoryView, widget_available
-    from ..monitor.views import TextSummaryView
-
-    return LiveMemoryView() if widget_available() else TextSummaryView()

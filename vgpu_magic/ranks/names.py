@@ -141,25 +141,23 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
 
     visit_ListComp = visit_SetComp = visit_GeneratorExp = visit_DictComp = _comprehension
 
-    def visit_Lambda(self, node: ast.Lambda) -> None:
-        for default in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
+    def _parameters(self, args: ast.arguments) -> set[str]:
+        """Visit the defaults (evaluated in this scope); the parameters (bound in the body's)."""
+        for default in args.defaults + [d for d in args.kw_defaults if d is not None]:
             self.visit(default)
-        self._inner({a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}, [node.body], walrus_from=node)
+        return {a.arg for a in ast.walk(args) if isinstance(a, ast.arg)}
+
+    def visit_Lambda(self, node: ast.Lambda) -> None:
+        self._inner(self._parameters(node.args), [node.body], walrus_from=node)
 
     def _definition(self, node: Any) -> None:
         for decorator in node.decorator_list:
             self.visit(decorator)
-        if not isinstance(node, ast.ClassDef):
-            for default in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
-                self.visit(default)
-        else:
-            for base in node.bases:
-                self.visit(base)
+        for base in node.bases if isinstance(node, ast.ClassDef) else ():
+            self.visit(base)
+        local = set() if isinstance(node, ast.ClassDef) else self._parameters(node.args)
         self._store(node.name)
         # The body runs later, when it is called; its free names are read then.
-        local = (
-            set() if isinstance(node, ast.ClassDef) else {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
-        )
         self._inner(local, node.body)
 
     visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _definition
@@ -210,13 +208,8 @@ def split_last_expression(code: str, target: str) -> str:
     """``code`` with its last statement, if an expression, assigned to ``target``
     (so ``-o NAME`` can pull the value); else ``code`` plus ``target = None``."""
     tree = ast.parse(code)
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = tree.body[-1]
-        tree.body[-1] = ast.copy_location(
-            ast.Assign(targets=[ast.Name(id=target, ctx=ast.Store())], value=last.value), last
-        )
-    else:
-        tree.body.append(ast.Assign(targets=[ast.Name(id=target, ctx=ast.Store())], value=ast.Constant(None)))
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else ast.Expr(ast.Constant(None))
+    tree.body.append(ast.Assign(targets=[ast.Name(id=target, ctx=ast.Store())], value=last.value))
     return ast.unparse(ast.fix_missing_locations(tree))
 
 
@@ -268,18 +261,6 @@ def pull_values(view: Any, ranks: list[Any]) -> list[Any]:
     return [one.pull("_vgpu_out", block=True) for one in ranks]
 
 
-def names_on_ranks(view: Any, asked: list[str]) -> set[str] | None:
-    """Which of ``asked`` exist on any rank of ``view``; ``None`` if a rank cannot answer (it died)."""
-    from ipyparallel.error import IPythonError
-
-    try:
-        view.execute(f"_vgpu_present = [n for n in {asked!r} if n in globals()]", block=True)
-        present = view.pull("_vgpu_present", block=True)
-    except (IPythonError, OSError, TimeoutError):
-        return None
-    return set().union(*map(set, present))
-
-
 class RankNames:
     """The names cells assigned on the ranks: rank state, never overwritten from the notebook."""
 
@@ -304,9 +285,16 @@ class RankNames:
     def settle(self, view: Any, candidates: set[str]) -> None:
         """The rank state becomes those of ``candidates`` (the names a cell may have bound) and the earlier
         ones that exist on the ranks: a name deleted there, or never assigned, is the notebook's again."""
+        from ipyparallel.error import IPythonError
+
         asked = sorted(self.names | candidates)
         if not asked:
             return
-        present = names_on_ranks(view, asked)
-        # None: a rank that cannot answer (it died); every candidate stays rank state, the safe side.
-        self.names = self.names | candidates if present is None else present
+        try:
+            view.execute(f"_vgpu_present = [n for n in {asked!r} if n in globals()]", block=True)
+            present = view.pull("_vgpu_present", block=True)
+        except (IPythonError, OSError, TimeoutError):
+            # A rank that cannot answer (it died): every candidate stays rank state, the safe side.
+            self.names |= candidates
+            return
+        self.names = set().union(*map(set, present))

@@ -6,6 +6,7 @@ of the queue, SSH hosts cleaned).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -41,7 +42,7 @@ CONTROLLER_ARGS = (
 UNINTERRUPTED_LIMIT = 60.0
 
 
-def despite_interrupts(call: Any, limit: float = UNINTERRUPTED_LIMIT) -> Any:
+def despite_interrupts(call: Any) -> Any:
     """``call()`` run to its end even if the kernel is interrupted meanwhile (the KeyboardInterrupt comes after
     it): a start abandoned half-way goes on launching on ipyparallel's thread, and what it launches is nobody's."""
     import concurrent.futures
@@ -54,7 +55,7 @@ def despite_interrupts(call: Any, limit: float = UNINTERRUPTED_LIMIT) -> Any:
         try:
             concurrent.futures.wait([future], timeout=None if interrupt is None else deadline - time.monotonic())
         except KeyboardInterrupt as exc:
-            interrupt, deadline = interrupt or exc, min(deadline, time.monotonic() + limit)
+            interrupt, deadline = interrupt or exc, min(deadline, time.monotonic() + UNINTERRUPTED_LIMIT)
         if time.monotonic() >= deadline:
             break
     if interrupt is not None:
@@ -130,17 +131,15 @@ def wait_job_gone(job: str, timeout: float) -> bool:
 
 #: Host memory one rank is assumed to need at most before one is measured (torch on CPU measured ~530 MiB).
 RANK_MEMORY_BOUND = 2 * 1024**3
-_footprints: dict[str, int] = {}
 
 
+@functools.cache
 def rank_footprint(module: str) -> int:
     """Resident bytes of one rank with ``module`` (and an engine's own imports) imported, measured once per
     kernel in a fresh interpreter."""
-    if module not in _footprints:
-        code = f"import psutil, ipyparallel.engine.app, {module}; print(psutil.Process().memory_info().rss)"
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
-        _footprints[module] = int(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else 0
-    return _footprints[module]
+    code = f"import psutil, ipyparallel.engine.app, {module}; print(psutil.Process().memory_info().rss)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    return int(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else 0
 
 
 def check_memory_fits(n: int, fw: Any) -> bool:
@@ -188,14 +187,6 @@ def check_port_free(port: int) -> None:
         sock.close()
 
 
-def engine_launcher(launcher: str) -> Any:
-    """The ipyparallel engine launcher for ``launcher`` (ours, :mod:`.engine_launcher`, for local and SLURM)."""
-    from . import engine_launcher as ours
-
-    found = {"local": ours.ExitRecordingEngineSetLauncher, "slurm": ours.ReasonedSlurmEngineSetLauncher}
-    return found.get(launcher, launcher)
-
-
 class _CellStderr(logging.StreamHandler):
     """Writes to ``sys.stderr`` as it is at each record (the stderr of the cell running then)."""
 
@@ -221,6 +212,8 @@ def new_ipp_cluster(ipp: Any, plan: LauncherPlan, n: int, cluster_id: str, token
 
     from traitlets.config import Config
 
+    from . import engine_launcher as ours
+
     kwargs: dict[str, Any] = {}
     if plan.controller_ip:
         kwargs.update(controller_ip=plan.controller_ip, controller_location=plan.controller_location)
@@ -235,9 +228,11 @@ def new_ipp_cluster(ipp: Any, plan: LauncherPlan, n: int, cluster_id: str, token
     # ERROR: ipyparallel logs an engine's whole log file as a warning when it exits non-zero, which
     # every stop after a killed rank would print into the cell; RankCluster reports failures itself.
     config.merge(Config(copy.deepcopy(plan.config)))
+    # Ours (:mod:`.engine_launcher`) for local and SLURM engines, ipyparallel's own for the others.
+    engines = {"local": ours.ExitRecordingEngineSetLauncher, "slurm": ours.ReasonedSlurmEngineSetLauncher}
     cluster = ipp.Cluster(
         n=n,
-        engines=engine_launcher(plan.engines),
+        engines=engines.get(plan.name, plan.name),
         cluster_id=cluster_id,
         log=_ipp_log(),
         log_level=logging.ERROR,
@@ -248,67 +243,59 @@ def new_ipp_cluster(ipp: Any, plan: LauncherPlan, n: int, cluster_id: str, token
     if plan.name == "slurm":
         # ipyparallel writes the batch script into the kernel's working folder (the user's notebooks);
         # an absolute name puts it with the engines' log in the profile instead, removed by stop().
-        cluster.config.SlurmEngineSetLauncher.batch_file_name = batch_file(cluster, cluster_id)
+        log = os.path.join(cluster.profile_dir, "log")
+        cluster.config.SlurmEngineSetLauncher.batch_file_name = os.path.join(log, f"ipengine-{cluster_id}.sbatch")
     return cluster
-
-
-def batch_file(cluster: Any, cluster_id: str) -> str:
-    """Where the SLURM batch script of ``cluster`` is written: with the engines' log in its profile."""
-    return os.path.join(cluster.profile_dir, "log", f"ipengine-{cluster_id}.sbatch")
 
 
 def local_launchers(cluster: Any) -> dict[int, Any]:
     """The launcher of every process ipyparallel started for ``cluster`` on this host, by PID (SSH engines
-    and a batch job's tasks are ended through their launcher, :func:`stop_remote`)."""
+    and a batch job's tasks are ended through their launcher, :func:`stop_launched`)."""
     from ipyparallel.cluster.launcher import LocalProcessLauncher, SSHLauncher
 
     launchers = [cluster.controller]
     for engine_set in cluster.engines.values():
         launchers.extend(getattr(engine_set, "launchers", {}).values() or [engine_set])
-    found = {}
-    for launcher in launchers:
-        if not isinstance(launcher, LocalProcessLauncher) or isinstance(launcher, SSHLauncher):
-            continue
-        pid = getattr(launcher, "pid", -1)
-        if pid and pid > 0:
-            found[pid] = launcher
-    return found
+    ours = [x for x in launchers if isinstance(x, LocalProcessLauncher) and not isinstance(x, SSHLauncher)]
+    return {launcher.pid: launcher for launcher in ours if (launcher.pid or -1) > 0}
 
 
 def batch_jobs(cluster: Any) -> list[str]:
-    """The batch job ids of ``cluster``'s engine sets (SLURM); ``""`` for one that is no batch job."""
-    return [getattr(es, "job_id", "") for es in cluster.engines.values()]
+    """The batch job ids of ``cluster``'s engine sets (SLURM)."""
+    return [es.job_id for es in cluster.engines.values() if getattr(es, "job_id", "")]
 
 
-def ssh_engines(cluster: Any, plan: LauncherPlan) -> list[tuple[str, int]]:
-    """``(ssh location, PID there)`` of each engine of ``cluster`` started over SSH, in start order
-    (none unless ``plan`` is the SSH launcher's)."""
-    if plan.name != "ssh":
-        return []
-    return [
-        (launcher.location, launcher.pid)
-        for engine_set in cluster.engines.values()
-        for launcher in getattr(engine_set, "launchers", {}).values()
-        if (getattr(launcher, "pid", None) or -1) > 0
-    ]
+#: Run when the kernel dies without a stop: remove what matches each argument (a glob).
+_REMOVE = "import glob, os, sys; [os.remove(p) for pattern in sys.argv[1:] for p in glob.glob(pattern)]"
 
 
-def watch_remote(cluster: Any, plan: LauncherPlan, token: str) -> None:
-    """Engines on other hosts cannot watch this kernel's PID: a watched process next to the kernel ends them
-    through their launcher when the kernel dies without a stop (:func:`.lifetime.run_when_this_process_dies`)."""
+def clean_up_when_kernel_dies(cluster: Any, plan: LauncherPlan, token: str) -> None:
+    """What a stop does itself, done by watched processes next to the kernel when it dies without a stop
+    (:func:`.lifetime.run_when_this_process_dies`): engines on other hosts, which cannot watch this kernel's PID,
+    ended through their launcher; the cluster's file (which ipyparallel's tools list) and its processes' logs in
+    the profile removed."""
     import shlex
 
-    commands = [shlex.join(["scancel", job]) for job in batch_jobs(cluster) if job]
-    for location, args, pids, cleanup in _ssh_cleanups(plan, ssh_engines(cluster, plan)):
+    logs = os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*")
+    commands = [shlex.join([sys.executable, "-c", _REMOVE, cluster.cluster_file, logs])]
+    commands += [shlex.join(["scancel", job]) for job in batch_jobs(cluster)]
+    for location, args, pids, cleanup in _ssh_cleanups(cluster, plan):
         commands.append(shlex.join(["ssh", *args, location, f"kill {pids} 2>/dev/null; {cleanup}"]))
     for command in commands:
         lifetime.run_when_this_process_dies(command, token)
 
 
-def _ssh_cleanups(plan: LauncherPlan, engines: list[tuple[str, int]]) -> list[tuple[str, tuple[str, ...], str, str]]:
-    """``(location, ssh args, engine PIDs there, REMOTE_CLEANUP command)`` for each SSH host of ``plan``."""
+def _ssh_cleanups(cluster: Any, plan: LauncherPlan) -> list[tuple[str, tuple[str, ...], str, str]]:
+    """``(location, ssh args, PIDs there of the engines cluster started, REMOTE_CLEANUP command)`` for each SSH
+    host of ``plan``."""
     if not plan.ssh_hosts:
         return []
+    engines = [
+        (launcher.location, launcher.pid)
+        for engine_set in cluster.engines.values()
+        for launcher in getattr(engine_set, "launchers", {}).values()
+        if (getattr(launcher, "pid", None) or -1) > 0
+    ]
     folder = plan.config["SSHEngineSetLauncher"]["remote_profile_dir"]
     found = []
     for location, args in plan.ssh_hosts:
@@ -317,23 +304,10 @@ def _ssh_cleanups(plan: LauncherPlan, engines: list[tuple[str, int]]) -> list[tu
     return found
 
 
-#: Run when the kernel dies without a stop: remove what matches each argument (a glob).
-_REMOVE = "import glob, os, sys; [os.remove(p) for pattern in sys.argv[1:] for p in glob.glob(pattern)]"
-
-
-def remove_files_when_kernel_dies(cluster: Any, token: str) -> None:
-    """The cluster's file (which ipyparallel's tools list) and its processes' logs in the profile go
-    when the kernel dies without a stop, as its processes go (:mod:`.lifetime`); a stop removes them itself."""
-    import shlex
-
-    logs = os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*")
-    command = shlex.join([sys.executable, "-c", _REMOVE, cluster.cluster_file, logs])
-    lifetime.run_when_this_process_dies(command, token)
-
-
-def processes_started(owned: set[int], token: str, started_at: float) -> list[Any]:
-    """The processes a cluster started on this host: ``owned`` and their children, and every process carrying
-    its ``token`` (also those whose parent died first)."""
+def terminate(owned: set[int], token: str, started_at: float) -> list[Any]:
+    """End the processes a cluster started on this host: ``owned`` and their children, and every process
+    carrying its ``token`` (also those whose parent died first). SIGTERM, then SIGKILL after :data:`STOP_GRACE`
+    seconds for what is still alive; returns those that survived even that."""
     import psutil
 
     procs: dict[int, Any] = {}
@@ -346,18 +320,10 @@ def processes_started(owned: set[int], token: str, started_at: float) -> list[An
             continue
     if token:
         procs.update((proc.pid, proc) for proc in lifetime.processes_of(token, started_at))
-    return list(procs.values())
-
-
-def terminate(procs: list[Any]) -> list[Any]:
-    """SIGTERM to ``procs``, then SIGKILL after :data:`STOP_GRACE` seconds for what is
-    still alive; returns those that survived even that."""
-    import psutil
-
-    for proc in procs:
+    for proc in procs.values():
         with contextlib.suppress(psutil.Error):
             proc.send_signal(signal.SIGTERM)
-    _, alive = psutil.wait_procs(procs, timeout=STOP_GRACE)
+    _, alive = psutil.wait_procs(procs.values(), timeout=STOP_GRACE)
     for proc in alive:
         with contextlib.suppress(psutil.Error):
             proc.kill()
@@ -365,40 +331,34 @@ def terminate(procs: list[Any]) -> list[Any]:
     return alive
 
 
-def signal_engine(client: Any, engine_id: int, signum: int, timeout: float = 5.0) -> None:
+def signal_engine(client: Any, engine_id: int, signum: int) -> None:
     """Send ``signum`` to engine ``engine_id`` through its nanny (for an engine on another host); one already
     gone is no error."""
     with contextlib.suppress(Exception):
-        client.send_signal(signum, targets=[engine_id], block=False).get(timeout=timeout)
+        client.send_signal(signum, targets=[engine_id], block=False).get(timeout=5.0)
 
 
-def stop_launched(cluster: Any, plan: LauncherPlan, cluster_id: str) -> list[str]:
-    """Stop what ipyparallel launched for ``cluster`` through its launchers, make sure nothing is left on
-    other hosts (:func:`stop_remote`) and remove the batch script. Returns what is still left, in words."""
-    jobs = [job for job in batch_jobs(cluster) if job]
-    engines = ssh_engines(cluster, plan)
+def stop_launched(cluster: Any, plan: LauncherPlan) -> list[str]:
+    """Stop what ipyparallel launched for ``cluster`` through its launchers, make sure the batch jobs left the
+    queue (``scancel -s KILL`` if not) and on each SSH host the engines are gone and the cluster's folder
+    removed, and remove the batch script. Returns what is still left, in words."""
+    # Read before the stop: ipyparallel forgets the engines it stopped.
+    jobs, cleanups = batch_jobs(cluster), _ssh_cleanups(cluster, plan)
     # If this fails, local processes are gone already (the caller checked) and remote ones are checked below.
     with contextlib.suppress(Exception):
         cluster.stop_cluster_sync()
     # Stopped here: ipyparallel's own stop at exit (or when the object goes) would only try again, noisily.
     cluster.shutdown_atexit = False
-    left = stop_remote(jobs, plan, engines)
     if plan.name == "slurm":
         with contextlib.suppress(FileNotFoundError):
-            os.remove(batch_file(cluster, cluster_id))
-    return left
-
-
-def stop_remote(jobs: list[str], plan: LauncherPlan, engines: list[tuple[str, int]]) -> list[str]:
-    """Make sure the batch ``jobs`` left the queue (``scancel -s KILL`` if not) and on each SSH host the
-    ``engines`` are gone and the cluster's folder removed. Returns what is still left, in words."""
+            os.remove(cluster.config.SlurmEngineSetLauncher.batch_file_name)
     left = []
     for job in jobs:
         if not wait_job_gone(job, REMOTE_STOP_TIMEOUT / 2):
             subprocess.run(["scancel", "-s", "KILL", job], capture_output=True, timeout=30, check=False)
             if not wait_job_gone(job, REMOTE_STOP_TIMEOUT / 2):
                 left.append(f"SLURM job {job} is still in squeue")
-    for location, args, pids, cleanup in _ssh_cleanups(plan, engines):
+    for location, args, pids, cleanup in cleanups:
         reached, out = ssh(location, args, cleanup)
         if not reached and pids:
             left.append(f"{location}: engines {pids} may be left ({out})")

@@ -13,22 +13,24 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
+import socket
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from .. import frameworks
 from ..frameworks.base import RankPlan
-from ..inventory import GPUInfo
-from ..units import MIB
+from ..inventory import GPUInfo, NVMLReadError, nccl_version, visible_gpus
+from ..layout import HostReport, RankLayout, layout_ranks
+from ..units import MIB, format_bytes
 from . import launch, names, processes
-from .hosts import HostReport, RankLayout, layout_ranks, on_this_host, predicted_layout, prepare_rank, report_host
+from .hosts import prepare_rank, report_host
 from .launchers import LAUNCHERS, MAX_RANKS, LauncherPlan, plan_launcher
 from .processes import ClusterStartError
 from .run import RankProcesses, RankRun, RankRunError, interrupt_only_the_cell
 from .shown import HeldBack, rank_env
-from .status import RankInfo, cluster_lines, rank_infos
 
 __all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current"]
 
@@ -42,13 +44,17 @@ _current: RankCluster | None = None
 _lock = threading.Lock()
 
 
-def _require_installed(fw: Any) -> None:
-    """:class:`ValueError` naming what the ranks need and this kernel lacks."""
-    missing = [m for m in ("ipyparallel", "psutil", "cloudpickle") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise ValueError(f"the ranks need {', '.join(missing)}: pip install 'vgpu_magic[cluster]'")
-    if importlib.util.find_spec(fw.module) is None:
-        raise ValueError(f"{fw.label} is not installed in this kernel; {fw.capabilities.install_hint}")
+@dataclass(frozen=True)
+class RankInfo:
+    """One rank as ``%vgpu_cluster status`` shows it."""
+
+    rank: int
+    engine_id: int
+    pid: int
+    alive: bool
+    rss: int | None
+    gpu: int | None
+    host: str
 
 
 def current() -> RankCluster | None:
@@ -105,7 +111,11 @@ class RankCluster:
         self.verbose = bool(verbose)
         #: Each rank's held-back start-up lines (:meth:`log`).
         self.held = HeldBack(self.fw.chatter, self.verbose)
-        _require_installed(self.fw)
+        missing = [m for m in ("ipyparallel", "psutil", "cloudpickle") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ValueError(f"the ranks need {', '.join(missing)}: pip install 'vgpu_magic[cluster]'")
+        if importlib.util.find_spec(self.fw.module) is None:
+            raise ValueError(f"{self.label} is not installed in this kernel; {self.fw.capabilities.install_hint}")
         #: The GPUs the caller planned for (every host then plans with them), or ``None``: each engine's own.
         self.given_gpus = (
             None
@@ -113,30 +123,33 @@ class RankCluster:
             else tuple(GPUInfo(index, total_mib=total // MIB, nvml_index=index) for index, total in gpus)
         )
         memory_mib = None if memory is None else memory // MIB
-        # Planned once on this host's view of the ranks, so a request that cannot work fails before anything starts;
-        # start() plans again from what the engines report.
-        self.fw.plan_ranks(predicted_layout(n, self.given_gpus), split, memory_mib, port)
+        # Planned once on what n engines started on this host would report, so a request that cannot work fails
+        # before anything starts; start() plans again from what the engines report.
+        try:
+            seen = self.given_gpus if self.given_gpus is not None else visible_gpus()
+        except NVMLReadError as exc:
+            raise ValueError(str(exc)) from None
+        here = [HostReport(e, socket.gethostname(), "127.0.0.1", 0, seen, 0, nccl=nccl_version()) for e in range(n)]
+        self.fw.plan_ranks(layout_ranks(here, self.given_gpus), split, memory_mib, port)
         self.n = n
         self.split = split
         self.memory = memory
         self.memory_mib = memory_mib
         self.port = port
-        self.layout: RankLayout | None = None
         self.plans: list[RankPlan] = []
-        self.cluster: Any = None
-        self.client: Any = None
-        self.view: Any = None
-        self.engine_ids: list[int] = []
-        self.pids: list[int] = []
-        self.must_restart: str | None = None
-        self.rank_names = names.RankNames()
-        self._owned: set[int] = set()
-        #: Engine launchers by PID, kept after ipyparallel forgets a stopped one (for exit statuses).
-        self._launchers: dict[int, Any] = {}
-        #: Carried by every process of this cluster (:func:`.lifetime.processes_of`).
-        self._token = ""
         self._started_at = 0.0
         self.spares = True
+        self._forget()
+
+    def _forget(self) -> None:
+        """What a cluster that runs nothing holds: before its start, after its stop."""
+        self.cluster = self.client = self.view = None
+        self.layout: RankLayout | None = None
+        self.must_restart: str | None = None
+        self.rank_names = names.RankNames()
+        # _launchers: engine launchers by PID, kept after ipyparallel forgets a stopped one (for exit statuses);
+        # _token: carried by every process of this cluster (:func:`.lifetime.processes_of`).
+        self.engine_ids, self.pids, self._owned, self._launchers, self._token = [], [], set(), {}, ""
 
     @property
     def running(self) -> bool:
@@ -172,9 +185,7 @@ class RankCluster:
             launchers = processes.local_launchers(self.cluster)
             self._owned.update(launchers)
             self._launchers.update(launchers)
-            processes.remove_files_when_kernel_dies(self.cluster, self._token)
-            # Engines on other hosts end when the kernel dies without a stop.
-            processes.watch_remote(self.cluster, self.launcher_plan, self._token)
+            processes.clean_up_when_kernel_dies(self.cluster, self.launcher_plan, self._token)
             self.client = self.cluster.connect_client_sync()
             # interactive=False: no progress bar in the cell (the start summary says what started).
             self.client.wait_for_engines(self.n, timeout=ENGINE_TIMEOUT, block=True, interactive=False)
@@ -189,10 +200,25 @@ class RankCluster:
             self.view = self.client[self.engine_ids]
             self.view.block = True
             self.plans = self._plan_ranks()
-            self._wire()
+
+            def wire(rank: int) -> Any:
+                # Each rank's environment and setup, all ranks at once (a rendezvous).
+                plan = self.plans[rank]
+                return self.client[self.engine_ids[rank]].apply_async(
+                    prepare_rank, plan.env, plan.setup, plan.args, self.join
+                )
+
+            RankRun(self._processes(), wire, timeout=SETUP_TIMEOUT, held=self.held).run()
             self.view.apply_sync(interrupt_only_the_cell)
             if self.spares:
-                self._warm()
+                # A spare on every engine, its imports done (so the first launch is as quick as the next).
+                preload = self._preload()
+                pending = [
+                    self.client[e].apply_async(launch.warm, plan.env, preload, SPARE_TIMEOUT)
+                    for e, plan in zip(self.engine_ids, self.plans)
+                ]
+                for ar in pending:
+                    ar.get(timeout=SPARE_TIMEOUT + ENGINE_TIMEOUT)
         except BaseException as exc:
             # The start's own error first; what the cleanup found after it, never instead of it.
             try:
@@ -207,7 +233,13 @@ class RankCluster:
                 raise ClusterStartError(f"the ranks could not start: {why}; {left}") from exc
             raise
         atexit.register(self.stop)
-        self._activate_px()
+        # %px / %%px on the ranks, as ipyparallel users expect: a convenience, so a shell that cannot take
+        # the magics is no error.
+        with contextlib.suppress(Exception):
+            from IPython import get_ipython
+
+            if get_ipython() is not None:
+                self.view.activate()
         return self
 
     def _read_hosts(self, engine_ids: list[int]) -> list[HostReport]:
@@ -217,70 +249,40 @@ class RankCluster:
         pending = [self.client[e].apply_async(report_host, e, controller) for e in engine_ids]
         return [ar.get(timeout=ENGINE_TIMEOUT) for ar in pending]
 
-    def _wire(self) -> None:
-        """Set each rank's environment and run its setup, all ranks at once (a rendezvous)."""
-
-        def submit(rank: int) -> Any:
-            plan = self.plans[rank]
-            return self.client[self.engine_ids[rank]].apply_async(
-                prepare_rank, plan.env, plan.setup, plan.args, self.join
-            )
-
-        RankRun(self._processes(), submit, timeout=SETUP_TIMEOUT, held=self.held).run()
-
     def _plan_ranks(self) -> list[RankPlan]:
         """The framework's plans, with its log settings (:func:`~.shown.rank_env`)."""
         quiet = rank_env(self.fw, self.verbose)
         plans = self.fw.plan_ranks(self.layout, self.split, self.memory_mib, self.port)
         return [dataclasses.replace(plan, env={**quiet, **plan.env}) for plan in plans]
 
-    def _activate_px(self) -> None:
-        """``%px`` / ``%%px`` on the ranks, as ipyparallel users expect."""
-        # A convenience only: the ranks work without %px, so a shell that cannot take the magics is no error.
-        with contextlib.suppress(Exception):
-            from IPython import get_ipython
-
-            if get_ipython() is not None:
-                self.view.activate()
-
     def _processes(self) -> RankProcesses:
-        """How the fault policy reaches the ranks: by PID on this host, through their engines elsewhere."""
-        places = self.layout.places
+        """How the fault policy reaches the ranks: by PID on this host (every rank, unless the launcher is remote,
+        then those on a host of this host's name), through their engines elsewhere."""
+        places, here = self.layout.places, socket.gethostname()
         return RankProcesses(
             self.pids,
-            on_this_host(places, self.launcher_plan.remote),
-            self._exit_code,
+            [not self.launcher_plan.remote or place.hostname == here for place in places],
+            # How each exited, as the wait that reaped it returned it (None where no such wait is ours: mpiexec's).
+            lambda rank: getattr(getattr(self._launchers.get(self.pids[rank]), "process", None), "exit_code", None),
             engine_alive=lambda rank: self.client is not None and self.engine_ids[rank] in self.client.ids,
             engine_signal=lambda rank, signum: processes.signal_engine(self.client, self.engine_ids[rank], signum),
             hosts=[place.hostname for place in places],
             engine=lambda rank: self.client[self.engine_ids[rank]],
         )
 
-    def _exit_code(self, rank: int) -> int | None:
-        """How rank ``rank``'s process exited (negative: the signal), as the wait that reaped it
-        returned it; ``None`` where no such wait is ours (engines started by mpiexec)."""
-        launcher = self._launchers.get(self.pids[rank])
-        code = getattr(getattr(launcher, "process", None), "exit_code", None)
-        return None if code is None else int(code)
-
     def stop(self) -> None:
         """Stop every process this cluster started (SIGTERM, then SIGKILL) and check that none is left.
         Safe to call twice."""
         global _current
-        procs = processes.processes_started(self._owned, self._token, self._started_at)
         if self.client is not None:
             # A client whose controller already died can fail to close; its sockets go with it.
             with contextlib.suppress(Exception):
                 self.client.close()
-        alive = processes.terminate(procs)
+        alive = processes.terminate(self._owned, self._token, self._started_at)
         left = []
         if self.cluster is not None:
-            left = processes.stop_launched(self.cluster, self.launcher_plan, self.cluster_id)
-        self.cluster = self.client = self.view = None
-        self.engine_ids, self.pids, self._owned, self._launchers, self._token = [], [], set(), {}, ""
-        self.layout = None
-        self.rank_names = names.RankNames()
-        self.must_restart = None
+            left = processes.stop_launched(self.cluster, self.launcher_plan)
+        self._forget()
         atexit.unregister(self.stop)
         with _lock:
             if _current is self:
@@ -370,21 +372,25 @@ class RankCluster:
         setups = {plan.setup.partition(":")[0] for plan in self.plans if plan.setup}
         return [self.fw.module, *sorted(setups)]
 
-    def _warm(self) -> None:
-        """A spare on every engine, its imports done (so the first launch is as quick as the next)."""
-        preload = self._preload()
-        pending = [
-            self.client[e].apply_async(launch.warm, plan.env, preload, SPARE_TIMEOUT)
-            for e, plan in zip(self.engine_ids, self.plans)
-        ]
-        for ar in pending:
-            ar.get(timeout=SPARE_TIMEOUT + ENGINE_TIMEOUT)
-
     def status(self) -> list[RankInfo]:
-        """Each rank's PID, liveness and memory (RSS, and GPU memory where NVML has it)."""
+        """Each rank's PID, liveness, host and memory (RSS, and GPU memory where NVML has it; none for a rank on
+        another host)."""
+        from .memory import RankMemorySampler
+
         if not self.running:
             return []
-        return rank_infos(self.layout.places, self._processes(), self.engine_ids)
+        procs, places = self._processes(), self.layout.places
+        sampler = RankMemorySampler(procs.memory_pids(), self._gpu())
+        rss, gpu = dict(zip(sampler.ranks, sampler.rss())), dict(zip(sampler.ranks, sampler.gpu()))
+        sampler.close()
+        infos = []
+        for rank, pid in enumerate(procs.pids):
+            alive = procs.alive(rank)
+            rank_rss = rss.get(rank) if alive else None
+            infos.append(
+                RankInfo(rank, self.engine_ids[rank], pid, alive, rank_rss, gpu.get(rank), places[rank].hostname)
+            )
+        return infos
 
     def log(self, rank: int | None = None) -> list[str]:
         """The start-up lines the ranks (or ``rank``) wrote and were not shown (``%vgpu_cluster log [RANK]``)."""
@@ -393,8 +399,48 @@ class RankCluster:
         return self.held.lines(rank)
 
     def describe(self) -> list[str]:
-        """Lines for ``%vgpu_cluster start`` / ``status`` (:func:`~.status.cluster_lines`)."""
-        return cluster_lines(self)
+        """Lines for ``%vgpu_cluster start`` / ``status``: where the ranks run, how they are wired, the two modes,
+        then each rank (its host too when they run on several)."""
+        if not self.running:
+            return ["no cluster running"]
+        engine_sets = getattr(self.cluster, "engines", {}).values()
+        jobs = "".join(f", job {es.job_id}" for es in engine_sets if getattr(es, "job_id", ""))
+        lines = [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} on {self.launcher_plan.describe()}{jobs}"]
+        lines.extend(self.plans[0].notes if self.plans else ())
+        join_call = self.fw.join_call
+        if join_call and self.join:
+            lines.append(
+                f"each rank has joined ({join_call} at start, --join): your cells must not call it again "
+                "(a script makes its own call, as under its launcher)"
+            )
+        elif join_call:
+            lines.append(
+                f"each rank has its launcher's environment; your code calls {join_call}, as under its launcher"
+            )
+        lines.append("cells (%%vgpu_run): run in these ranks, which keep their state from cell to cell")
+        step = ", as steps of the job's allocation" if self.launcher == "slurm" else ""
+        spare = (
+            f"a spare waits with {self.fw.module} imported"
+            if self.spares
+            else "no spare: memory is tight, each launch starts cold"
+        )
+        lines.append(
+            f"scripts (%vgpu_run FILE): a fresh launch each run, new processes started by each rank's engine{step} "
+            f"({spare})"
+        )
+        infos = self.status()
+        several_hosts = len({info.host for info in infos}) > 1
+        for info in infos:
+            state = "alive" if info.alive else "dead"
+            if info.alive and info.rss is not None:
+                state += f", RSS {format_bytes(info.rss)}"
+            if info.alive and info.gpu is not None:
+                state += f", GPU {format_bytes(info.gpu)}"
+            where = f" on {info.host}" if several_hosts else ""
+            lines.append(f"  rank {info.rank}: pid {info.pid}{where}, {state}")
+        if self.must_restart:
+            lines.append(f"must be restarted ({self.must_restart}): %vgpu_cluster restart")
+        return lines
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ..runtime import running_cell
+from .launch import how_it_ended
 from .memory import RankMonitor
 from .shown import HeldBack, notebook_traceback
 
@@ -70,7 +71,6 @@ class RankRunError(RuntimeError):
         #: Every rank's own failure, the first seen first.
         self.failures = list(failures)
         self.failure = self.failures[0]
-        self.rank = self.failure.rank
         self.interrupted = interrupted
         self.killed = killed
         self.must_restart = must_restart
@@ -203,15 +203,6 @@ class RankProcesses:
         elif self.engine_signal is not None:
             self.engine_signal(rank, signum)
 
-    def how_exited(self, rank: int) -> int | None:
-        return self.exit_code(rank) if self.on_this_host(rank) else None
-
-    def where(self, rank: int) -> str:
-        """``'pid 1234'``, and the host for a rank on another host: ``'pid 1234 on node2'``."""
-        if self.on_this_host(rank) or not self.hosts:
-            return f"pid {self.pids[rank]}"
-        return f"pid {self.pids[rank]} on {self.hosts[rank]}"
-
     def memory_pids(self) -> list[int | None]:
         """The PIDs the kernel can read memory of (``None`` for a rank on another host)."""
         return [pid if self.on_this_host(rank) else None for rank, pid in enumerate(self.pids)]
@@ -316,16 +307,14 @@ class RankRun:
         code = None
         deadline = time.monotonic() + (1.0 if self.procs.on_this_host(rank) else 0.0)
         while code is None and time.monotonic() < deadline:
-            code = self.procs.how_exited(rank)
+            code = self.procs.exit_code(rank)
             if code is None:
                 time.sleep(POLL)
-        if code is not None and code < 0:
-            how = f"was killed by {signal.Signals(-code).name}"
-        elif code is not None:
-            how = f"exited with status {code}"
-        else:
-            how = "died (exit status unknown)"
-        return RankFailure(rank, "died", f"{how} ({self.procs.where(rank)})", (f"rank {rank} {how}",))
+        how = "died (exit status unknown)" if code is None else how_it_ended(code)
+        # The host too for a rank on another host: 'pid 1234 on node2'.
+        elsewhere = not self.procs.on_this_host(rank) and self.procs.hosts
+        where = f"pid {self.procs.pids[rank]}" + (f" on {self.procs.hosts[rank]}" if elsewhere else "")
+        return RankFailure(rank, "died", f"{how} ({where})", (f"rank {rank} {how}",))
 
     def _stop_others(self, results: list[Any], done: set[int]) -> tuple[list[int], list[int]]:
         """SIGINT every rank still running (not in ``done``, nor :func:`_settled`); kill those still busy
