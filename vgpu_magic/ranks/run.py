@@ -35,6 +35,7 @@ __all__ = [
     "RankRunError",
     "RankRun",
     "interrupt_only_the_cell",
+    "mark_displays",
     "process_alive",
 ]
 
@@ -229,7 +230,6 @@ class RankRun:
         self.trace = None  # the run's MemoryTrace, once it ended
         self.killed: list[int] = []
         self._displayed: dict[int, int] = {}  # how many of each rank's display outputs were shown
-        self._marks: dict[int, list[int]] = {}  # each rank's stdout lines before each of its displays
 
     def _emit(self, results: list[Any], streams: list[tuple[_LineStream, _LineStream]], final: bool = False) -> None:
         for rank, (ar, (out, err)) in enumerate(zip(results, streams)):
@@ -252,24 +252,12 @@ class RankRun:
             err.feed(ar.stderr or "", final)
 
     def _marks_of(self, rank: int, ar: Any) -> list[int] | None:
-        """How many stdout lines rank ``rank`` had printed before each of its displays, recorded as each arrives
-        (ipyparallel keeps a rank's streams and displays apart, in the order its engine sent them); ``None``
-        for a result that is no ipyparallel one."""
-        if rank in self._marks:
-            return self._marks[rank]
-        if not getattr(ar, "_children", None):
+        """How many stdout lines rank ``rank`` had printed before each of its displays so far
+        (:func:`mark_displays`); ``None`` for a result whose messages were not marked."""
+        children = getattr(ar, "_children", None) or []
+        if not children or not all(hasattr(c, "display_marks") for c in children):
             return None
-        marks = self._marks[rank] = []
-        for child in ar._children:
-            metadata = child.output.metadata
-            marks.extend([(metadata["stdout"] or "").count("\n")] * len(metadata["outputs"]))
-
-            def mark(msg: dict, metadata: dict = metadata) -> None:
-                if msg["header"]["msg_type"] == "display_data":
-                    marks.append((metadata["stdout"] or "").count("\n"))
-
-            child.iopub_callbacks.append(mark)
-        return marks
+        return [m for c in children for m in c.display_marks]
 
     def _drain(self, results: list[Any]) -> None:
         """Wait (briefly) for the last output of every finished, living rank: ipyparallel can deliver a
@@ -440,6 +428,29 @@ class RankRun:
             must_restart = bool(killed) or any(f.kind == "died" for f in every)
             raise RankRunError(every, interrupted, killed, must_restart)
         return results
+
+
+def mark_displays(client: Any) -> None:
+    """Make ``client`` record, as each display of a request arrives, how many stdout lines the engine had
+    sent before it (ipyparallel keeps a request's streams and displays apart, each in the order the engine
+    sent them). The record starts when the request's future is made, before the request is sent, so no
+    display can arrive unmarked."""
+    create = client.create_message_futures
+
+    def create_marked(msg_id: str, *args: Any, **kwargs: Any) -> list[Any]:
+        futures = create(msg_id, *args, **kwargs)
+        future, marks = futures[0], []
+        metadata = client.metadata[msg_id]
+
+        def mark(msg: dict) -> None:
+            if msg["header"]["msg_type"] == "display_data":
+                marks.append((metadata["stdout"] or "").count("\n"))
+
+        future.display_marks = marks
+        future.iopub_callbacks.append(mark)
+        return futures
+
+    client.create_message_futures = create_marked
 
 
 def _settled(ar: Any) -> bool:
