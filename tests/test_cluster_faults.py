@@ -90,7 +90,7 @@ def test_different_failures_are_named_each_and_the_same_ones_grouped():
         "ranks 0, 2 raised ValueError: bad argument; rank 3 was killed by SIGKILL (pid 12); "
         "rank 1 raised KeyError: 'x'; the cluster must be restarted: %vgpu_cluster restart"
     )
-    assert error.rank == 2 and error.failure is failures[0]
+    assert error.failure.rank == 2 and error.failure is failures[0]
     assert error._render_traceback_() == [
         "[ranks 0, 2] Traceback",
         "[ranks 0, 2] ValueError: bad argument",

@@ -520,7 +520,7 @@ def test_a_rank_raising_before_a_barrier_stops_every_rank(shell, ranks):
     with pytest.raises(RankRunError) as info:
         shell.run_cell_magic("vgpu_run", "", code)
     err = info.value
-    assert err.rank == 1 and err.failure.kind == "error"
+    assert err.failure.rank == 1 and err.failure.kind == "error"
     shown = "\n".join(err._render_traceback_())
     assert "[rank 1]" in shown and "bad batch on rank 1" in shown
     # Rank 0 sat in the barrier, where SIGINT cannot reach Python: it was killed, and the cluster says so.
