@@ -129,11 +129,13 @@ def watch_owner(owner: str | None = None, then: str | None = None, beside: bool 
     pid, created = int(pid_text), float(created_text)
     if host != socket.gethostname():
         return False
-    # A forked child watches the owner for itself (it runs no ``then``: that is this process's).
-    _watching["owner"] = owner
     if beside and sys.platform.startswith("linux"):
         _watch_from_beside(pid, created)
+        # Only after the watcher's fork: a watcher that watched too would end itself before the watched process.
+        _watching["owner"] = owner
         return True
+    # A child this process forks watches the owner for itself (it runs no ``then``: that is this process's).
+    _watching["owner"] = owner
 
     def watch() -> None:
         _wait_for_exit(pid, created)

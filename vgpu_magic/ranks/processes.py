@@ -347,6 +347,9 @@ def stop_launched(cluster: Any, plan: LauncherPlan) -> list[str]:
     # If this fails, local processes are gone already (the caller checked) and remote ones are checked below.
     with contextlib.suppress(Exception):
         cluster.stop_cluster_sync()
+    # ipyparallel removes the cluster's file once it saw each of its processes stop; those that ended before
+    # (a start that failed, processes we ended first) leave it, and its tools would list a dead cluster.
+    cluster.remove_cluster_file()
     # Stopped here: ipyparallel's own stop at exit (or when the object goes) would only try again, noisily.
     cluster.shutdown_atexit = False
     if plan.name == "slurm":
