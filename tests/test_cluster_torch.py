@@ -22,7 +22,7 @@ import psutil
 import pytest
 from IPython.core.error import UsageError
 
-from support import CHILD_ENV, ROOT, our_processes
+from support import CHILD_ENV, ROOT, failure_text, once_more_after_torchs_exit_abort, our_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -250,22 +250,37 @@ def test_ipython_syntax_in_a_cell_runs_on_the_ranks(shell, ranks, capsys):
     assert out.count("shell says hi") == 2 and "[rank 1] Wall time" in out
 
 
-def torchrun_two_ranks(script: Path, *args: str, env: dict[str, str], cwd: Path = ROOT) -> None:
-    """Run ``script ARGS`` under ``torchrun --standalone --nproc-per-node 2`` in ``cwd``; it must succeed."""
+def torchrun_two_ranks(
+    script: Path, *args: str, env: dict[str, str], cwd: Path = ROOT, writes: Path | None = None
+) -> None:
+    """Run ``script ARGS`` under ``torchrun --standalone --nproc-per-node 2`` in ``cwd``; it must succeed (once more,
+    with the folder it ``writes`` in, default ``cwd``, as it was, after torch's abort at exit:
+    :func:`once_more_after_torchs_exit_abort`)."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(script), *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        cwd=cwd,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def run() -> None:
+        proc = subprocess.run(
+            [str(torchrun), "--standalone", "--nproc-per-node", "2", str(script), *args],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
+            cwd=cwd,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    assert (writes or cwd) != ROOT, "a run that writes in the checkout is not restored"
+    once_more_after_torchs_exit_abort(run, failure_text, writes or cwd)
+
+
+def vgpu_run_script(shell, line: str, folder: Path) -> None:
+    """``%vgpu_run LINE`` in ``folder``, once more (from the folder as it was) after torch's abort at exit."""
+
+    once_more_after_torchs_exit_abort(lambda: shell.run_line_magic("vgpu_run", line), failure_text, folder)
 
 
 def test_same_weights_as_torchrun(shell, ranks, tmp_path):
-    torchrun_two_ranks(PARITY_SCRIPT, env={**CHILD_ENV, "PARITY_OUT": str(tmp_path / "weights")})
+    torchrun_two_ranks(PARITY_SCRIPT, env={**CHILD_ENV, "PARITY_OUT": str(tmp_path / "weights")}, writes=tmp_path)
     by_torchrun = [json.loads((tmp_path / f"weights.{r}").read_text()) for r in range(2)]
     shell.run_cell_magic("vgpu_run", "-o ours", PARITY_SCRIPT.read_text())
     assert shell.user_ns["ours"] == by_torchrun
@@ -298,7 +313,7 @@ def test_a_ddp_script_three_runs_in_a_row_match_torchrun_with_its_edits_and_snap
         args = (str(epochs), "2", "--out", "weights")
         torchrun_two_ranks(theirs / TRAIN_SCRIPT.name, *args, env=CHILD_ENV, cwd=theirs)
         capsys.readouterr()
-        shell.run_line_magic("vgpu_run", f"--timeout 120 ddp_train.py {' '.join(args)}")
+        vgpu_run_script(shell, f"--timeout 120 ddp_train.py {' '.join(args)}", ours)
         by_torchrun = [json.loads((theirs / f"weights.{r}").read_text()) for r in range(2)]
         assert [json.loads((ours / f"weights.{r}").read_text()) for r in range(2)] == by_torchrun
         assert [r["resumed_at"] for r in by_torchrun] == [(0, 4, 8)[run]] * 2
@@ -320,7 +335,7 @@ def test_an_fsdp2_script_three_runs_in_a_row_match_torchrun_bit_for_bit(shell, l
     for run, steps in enumerate((2, 4, 6)):
         args = ("--steps", str(steps), "--out", "weights")
         torchrun_two_ranks(theirs / FSDP2_SCRIPT.name, *args, env=CHILD_ENV, cwd=theirs)
-        shell.run_line_magic("vgpu_run", f"--timeout 200 {FSDP2_SCRIPT.name} {' '.join(args)}")
+        vgpu_run_script(shell, f"--timeout 200 {FSDP2_SCRIPT.name} {' '.join(args)}", ours)
         by_torchrun = [json.loads((theirs / f"weights.{r}").read_text()) for r in range(2)]
         assert [json.loads((ours / f"weights.{r}").read_text()) for r in range(2)] == by_torchrun
         assert by_torchrun[0] == by_torchrun[1] and by_torchrun[0]["resumed_at"] == (0, 2, 4)[run]

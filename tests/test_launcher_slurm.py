@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from support import TF_ALL_REDUCE, processes_of
+from support import TF_ALL_REDUCE, failure_text, once_more_after_torchs_exit_abort, processes_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -131,9 +131,16 @@ def test_a_ddp_script_runs_twice_from_the_jobs_tasks(slurm, tmp_path, monkeypatc
         job = next(iter(ranks.cluster.engines.values())).job_id
         for run, epochs in enumerate((4, 8)):
             said = io.StringIO()
-            try:
+
+            def launch(epochs: int = epochs, run: int = run, said: io.StringIO = said) -> None:
                 with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
                     ranks.run_script("ddp_train.py", [str(epochs), "2", "--out", f"run{run}"], timeout=RUN_TIMEOUT)
+
+            def what_was_said(error: BaseException, said: io.StringIO = said) -> str:
+                return failure_text(error) + said.getvalue()
+
+            try:
+                once_more_after_torchs_exit_abort(launch, what_was_said, tmp_path)
             except Exception as exc:
                 raise AssertionError(f"run {run} failed; the ranks said:\n{said.getvalue()[-4000:]}") from exc
             found = [json.loads((tmp_path / f"run{run}.{r}").read_text()) for r in range(2)]
