@@ -436,27 +436,29 @@ def test_persistent_split_for_jax_applies_at_load():
     assert out == {"n": 8}
 
 
-def test_monitor_reader_keeps_counting_within_its_time_budget():
-    import time
+def test_monitor_reader_keeps_counting_within_its_time_budget(monkeypatch):
+    """After a count of c seconds, the reader returns it again for c / budget seconds (on a clock of the test's)."""
+    from vgpu_magic.frameworks.jax import memory
 
-    from vgpu_magic.frameworks.jax.memory import MemoryReader
+    now = [100.0]
+    monkeypatch.setattr(memory.time, "perf_counter", lambda: now[0])
 
     class SlowCounter:
-        def __init__(self):
-            self.counts = 0
+        counts = 0
 
         def read(self):
-            time.sleep(0.002)
+            now[0] += 0.002  # a count takes 2 ms
             self.counts += 1
             return [self.counts]
 
     counter = SlowCounter()
-    reader = MemoryReader(None, budget=0.02)
+    reader = memory.MemoryReader(None, budget=0.02)
     assert reader._count(counter) == [1]
-    assert reader._count(counter) == [1]  # within 50 x 2 ms of the last count: the same count
-    time.sleep(0.2)
+    now[0] += 0.097  # within 2 ms / 0.02 = 100 ms of the count's start: the same count
+    assert reader._count(counter) == [1]
+    now[0] += 0.002
     assert reader._count(counter) == [2]
-    assert MemoryReader(None)._count(counter) == [3]  # no budget: a count on every call
+    assert memory.MemoryReader(None)._count(counter) == [3]  # no budget: a count on every call
 
 
 @pytest.mark.slow
