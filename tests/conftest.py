@@ -80,17 +80,6 @@ def no_process_left_behind():
     assert not left, f"processes left behind: {sorted(left)}"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def no_cluster_file_left_behind():
-    """ipyparallel's tools (``ipcluster list``, JupyterLab's cluster panel) list each cluster file in the
-    profile: a module leaves none of its clusters' files, however they ended."""
-    security = Path(os.environ["IPYTHONDIR"], "profile_default", "security")
-    before = set(security.glob("cluster-*.json"))
-    yield
-    left = set(security.glob("cluster-*.json")) - before
-    assert not left, f"cluster files left behind: {sorted(p.name for p in left)}"
-
-
 @pytest.fixture(scope="session")
 def ip():
     """IPython's in-process test shell with vgpu_magic loaded (as ``%load_ext``

@@ -348,8 +348,10 @@ def stop_launched(cluster: Any, plan: LauncherPlan) -> list[str]:
     with contextlib.suppress(Exception):
         cluster.stop_cluster_sync()
     # ipyparallel removes the cluster's file once it saw each of its processes stop; those that ended before
-    # (a start that failed, processes we ended first) leave it, and its tools would list a dead cluster.
+    # (a start that failed, processes we ended first) leave it, or its late stop callbacks write it again, and
+    # its tools would list a dead cluster. Removed, and no more written ("" turns the file off).
     cluster.remove_cluster_file()
+    cluster.cluster_file = ""
     # Stopped here: ipyparallel's own stop at exit (or when the object goes) would only try again, noisily.
     cluster.shutdown_atexit = False
     if plan.name == "slurm":
