@@ -235,7 +235,7 @@ class RankRun:
         for rank, (ar, (out, err)) in enumerate(zip(results, streams)):
             # The text first: a display not yet seen below came after all of its lines.
             lines = (ar.stdout or "").split("\n")
-            marks = self._marks_of(rank, ar)
+            marks = _marks_of(ar)
             displayed = list(getattr(ar, "outputs", None) or [])
             shown = ready = self._displayed.get(rank, 0)
             while ready < len(displayed) and (
@@ -250,14 +250,6 @@ class RankRun:
             self._displayed[rank] = ready
             out.feed("\n".join(lines), final)
             err.feed(ar.stderr or "", final)
-
-    def _marks_of(self, rank: int, ar: Any) -> list[int] | None:
-        """How many stdout lines rank ``rank`` had printed before each of its displays so far
-        (:func:`mark_displays`); ``None`` for a result whose messages were not marked."""
-        children = getattr(ar, "_children", None) or []
-        if not children or not all(hasattr(c, "display_marks") for c in children):
-            return None
-        return [m for c in children for m in c.display_marks]
 
     def _drain(self, results: list[Any]) -> None:
         """Wait (briefly) for the last output of every finished, living rank: ipyparallel can deliver a
@@ -428,6 +420,15 @@ class RankRun:
             must_restart = bool(killed) or any(f.kind == "died" for f in every)
             raise RankRunError(every, interrupted, killed, must_restart)
         return results
+
+
+def _marks_of(ar: Any) -> list[int] | None:
+    """How many stdout lines the rank of ``ar`` had printed before each of its displays so far
+    (:func:`mark_displays`); ``None`` for a result whose messages were not marked."""
+    children = getattr(ar, "_children", None) or []
+    if not children or not all(hasattr(c, "display_marks") for c in children):
+        return None
+    return [m for c in children for m in c.display_marks]
 
 
 def mark_displays(client: Any) -> None:
