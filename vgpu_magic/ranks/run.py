@@ -367,20 +367,23 @@ class RankRun:
                 self._emit(results, streams)
                 memory.sample()
                 seen = len(failures)
+                # Replies land on ipyparallel's thread at any time: the run may end only on what was looked at
+                # (a rank that was ready before the look was collected if it failed; one ready only after it was not).
+                looked = [ar.ready() for ar in results]
                 self._collect(results, failures)
                 now = time.monotonic()
                 if len(failures) > seen:
                     # The others get COLLECT seconds after each failure to finish, or fail, before any is interrupted.
                     collected_by = now + COLLECT
-                elif not failures and self.timeout is not None and now - start > self.timeout:
-                    late = [r for r, ar in enumerate(results) if not ar.ready()]
+                elif not failures and not all(looked) and self.timeout is not None and now - start > self.timeout:
+                    late = [r for r in range(n) if not looked[r]]
                     timed_out = RankFailure(
                         late[0],
                         "timeout",
                         f"did not finish within --timeout {self.timeout:g} s (still running: {_rank_s(late)})",
                         (f"timed out after {self.timeout:g} s",),
                     )
-                if timed_out or now >= collected_by or all(ar.ready() or r in failures for r, ar in enumerate(results)):
+                if timed_out or now >= collected_by or all(looked[r] or r in failures for r in range(n)):
                     break
                 # AsyncResults are futures: wake as soon as one finishes, else look again after POLL.
                 futures.wait(
