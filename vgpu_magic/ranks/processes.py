@@ -269,11 +269,12 @@ def batch_jobs(cluster: Any) -> list[str]:
 _REMOVE = "import glob, os, sys; [os.remove(p) for pattern in sys.argv[1:] for p in glob.glob(pattern)]"
 
 
-def clean_up_when_kernel_dies(cluster: Any, plan: LauncherPlan, token: str) -> None:
+def clean_up_when_kernel_dies(cluster: Any, plan: LauncherPlan, token: str) -> set[int]:
     """What a stop does itself, done by watched processes next to the kernel when it dies without a stop
     (:func:`.lifetime.run_when_this_process_dies`): engines on other hosts, which cannot watch this kernel's PID,
     ended through their launcher; the cluster's file (which ipyparallel's tools list) and its processes' logs in
-    the profile removed."""
+    the profile removed. Returns the watchers' PIDs: a stop ends them last, so that a kernel killed while it
+    stops (Jupyter's shutdown sends SIGTERM after 2.5 s, SIGKILL after 5 s) still has them clean up."""
     import shlex
 
     logs = os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*")
@@ -281,8 +282,7 @@ def clean_up_when_kernel_dies(cluster: Any, plan: LauncherPlan, token: str) -> N
     commands += [shlex.join(["scancel", job]) for job in batch_jobs(cluster)]
     for location, args, pids, cleanup in _ssh_cleanups(cluster, plan):
         commands.append(shlex.join(["ssh", *args, location, f"kill {pids} 2>/dev/null; {cleanup}"]))
-    for command in commands:
-        lifetime.run_when_this_process_dies(command, token)
+    return {lifetime.run_when_this_process_dies(command, token).pid for command in commands}
 
 
 def _ssh_cleanups(cluster: Any, plan: LauncherPlan) -> list[tuple[str, tuple[str, ...], str, str]]:
@@ -304,10 +304,10 @@ def _ssh_cleanups(cluster: Any, plan: LauncherPlan) -> list[tuple[str, tuple[str
     return found
 
 
-def terminate(owned: set[int], token: str, started_at: float) -> list[Any]:
+def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared: set[int] = frozenset()) -> list[Any]:
     """End the processes a cluster started on this host: ``owned`` and their children, and every process
-    carrying its ``token`` (also those whose parent died first). SIGTERM, then SIGKILL after :data:`STOP_GRACE`
-    seconds for what is still alive; returns those that survived even that."""
+    carrying its ``token`` (also those whose parent died first), but those ``spared``. SIGTERM, then SIGKILL
+    after :data:`STOP_GRACE` seconds for what is still alive; returns those that survived even that."""
     import psutil
 
     procs: dict[int, Any] = {}
@@ -320,6 +320,8 @@ def terminate(owned: set[int], token: str, started_at: float) -> list[Any]:
             continue
     if token:
         procs.update((proc.pid, proc) for proc in lifetime.processes_of(token, started_at))
+    for pid in spared:
+        procs.pop(pid, None)
     for proc in procs.values():
         with contextlib.suppress(psutil.Error):
             proc.send_signal(signal.SIGTERM)

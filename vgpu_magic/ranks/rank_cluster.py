@@ -150,6 +150,8 @@ class RankCluster:
         # _launchers: engine launchers by PID, kept after ipyparallel forgets a stopped one (for exit statuses);
         # _token: carried by every process of this cluster (:func:`.lifetime.processes_of`).
         self.engine_ids, self.pids, self._owned, self._launchers, self._token = [], [], set(), {}, ""
+        # _cleanups: the watchers that clean up after a kernel that dies (:func:`.processes.clean_up_when_kernel_dies`).
+        self._cleanups: set[int] = set()
 
     @property
     def running(self) -> bool:
@@ -185,7 +187,7 @@ class RankCluster:
             launchers = processes.local_launchers(self.cluster)
             self._owned.update(launchers)
             self._launchers.update(launchers)
-            processes.clean_up_when_kernel_dies(self.cluster, self.launcher_plan, self._token)
+            self._cleanups = processes.clean_up_when_kernel_dies(self.cluster, self.launcher_plan, self._token)
             self.client = self.cluster.connect_client_sync()
             mark_displays(self.client)
             # interactive=False: no progress bar in the cell (the start summary says what started).
@@ -279,10 +281,12 @@ class RankCluster:
             # A client whose controller already died can fail to close; its sockets go with it.
             with contextlib.suppress(Exception):
                 self.client.close()
-        alive = processes.terminate(self._owned, self._token, self._started_at)
+        alive = processes.terminate(self._owned, self._token, self._started_at, spared=self._cleanups)
         left = []
         if self.cluster is not None:
             left = processes.stop_launched(self.cluster, self.launcher_plan)
+        # The kernel may be killed while it stops (Jupyter's shutdown waits 5 s): its clean-up watchers go last.
+        alive += processes.terminate(self._cleanups)
         self._forget()
         atexit.unregister(self.stop)
         with _lock:
