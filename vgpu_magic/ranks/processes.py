@@ -325,11 +325,28 @@ def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared:
     for proc in procs.values():
         with contextlib.suppress(psutil.Error):
             proc.send_signal(signal.SIGTERM)
-    _, alive = psutil.wait_procs(procs.values(), timeout=STOP_GRACE)
+    alive = _running_after(list(procs.values()), STOP_GRACE)
     for proc in alive:
         with contextlib.suppress(psutil.Error):
             proc.kill()
-    _, alive = psutil.wait_procs(alive, timeout=5)
+    return _running_after(alive, 5.0)
+
+
+def _running_after(procs: list[Any], timeout: float) -> list[Any]:
+    """Those of ``procs`` still running after up to ``timeout`` seconds. A zombie has ended: an orphan's is
+    reaped by the host's init when that gets to it (seconds, in some containers), which a stop need not
+    wait for (``psutil.wait_procs`` does)."""
+    import psutil
+
+    def running(proc: Any) -> bool:
+        try:
+            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + timeout
+    while (alive := [proc for proc in procs if running(proc)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return alive
 
 
