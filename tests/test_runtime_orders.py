@@ -153,6 +153,7 @@ def test_the_line_that_started_torch_cuda_is_named(first):
         "import numpy as np\nx = np.ones(2)\ntorch.cuda.init()\ny = torch.ones(1)",
         "%vgpu_status --framework torch --json",
         "from vgpu_magic.runtime import runtime_state\nprint(runtime_state(framework='tensorflow').describe())",
+        "%vgpu_status --framework torch",
     )
     assert all(c["ok"] for c in cells), cells
     culprit = "line 3 of the cell In [3]: `torch.cuda.init()`"
@@ -160,6 +161,14 @@ def test_the_line_that_started_torch_cuda_is_named(first):
     assert status["runtime"]["started"] is True and status["runtime"]["started_by"] == culprit
     # What another framework's status and split say of the CUDA context torch holds.
     assert cells[4]["out"].strip().endswith(f"CUDA context already held by PyTorch (since {culprit})")
+    # In torch's words: its CUDA runtime, a device per process (not TensorFlow's runtime and replicas).
+    text = cells[5]["out"].splitlines()
+    assert text[0].startswith("PyTorch ")
+    assert text[0].endswith(f" — CUDA runtime started by {culprit} — devices can no longer change")
+    assert text[-1] == (
+        "Devices: a DistributedDataParallel rank would use 1 device; "
+        "more devices are more ranks: %vgpu_cluster start 2 --framework torch"
+    )
 
 
 def test_extension_loaded_after_the_runtime_started():

@@ -152,7 +152,10 @@ class FrameworkStatus:
     def replicas_line(self) -> str:
         n = self.replicas
         heading = "Replicas" if self.words.replica_noun == "replica" else "Devices"
-        return f"{heading}: {self.words.replicas_by} would use {n} device{'s' if n != 1 else ''}"
+        text = f"{heading}: {self.words.replicas_by} would use {n} device{'s' if n != 1 else ''}"
+        if not self.words.splits_in_process:
+            text += f"; more devices are more ranks: %vgpu_cluster start 2 --framework {self.words.name}"
+        return text
 
 
 _HEADER = ("device", "on", "cap", "in use", "peak")
@@ -294,7 +297,10 @@ def collect_framework(fw, watcher=None) -> FrameworkStatus:
         inventory=inventory,
         runtime=runtime,
         logical=logical,
-        replicas=len(snap.replica_devices(fw.capabilities.replicas_on_split_cpu)),
+        # A framework that cannot split a process uses one device in it.
+        replicas=len(snap.replica_devices(fw.capabilities.replicas_on_split_cpu))
+        if fw.capabilities.splits_in_process
+        else 1,
         visible_gpus=snap.visible_gpus,
         host_memory=host,
         notes=list(inventory.notes),

@@ -38,7 +38,12 @@ CAPABILITIES = Capabilities(
     install_hint="install it with pip install 'vgpu_magic[torch]'",
     splits_in_process=False,  # a process uses one device; several devices are several ranks
     gpu_reserve_mib=cuda_context_mib,  # torch keeps nothing back; each rank's CUDA context is outside its cap
-    replicas_by="DistributedDataParallel",
+    replicas_by="a DistributedDataParallel rank",
+    # torch's own words: what fixes its devices is CUDA's start; a process uses devices, not replicas.
+    runtime_word="CUDA runtime",
+    device_noun="{kind} device",
+    replica_noun="device",
+    host_name="cpu (the host)",
 )
 
 
