@@ -4,7 +4,10 @@ namespace's (a container), said in the series' label."""
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
+import tempfile
 import threading
 import time
 import types
@@ -79,6 +82,41 @@ def test_ranks_nvml_cannot_name_report_their_allocators_figures(monkeypatch, tor
     while _reporters() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _reporters() == []  # the rank's reporting thread ends with the run
+
+
+def test_a_report_written_as_the_run_ends_does_not_keep_its_reporter(monkeypatch, torch_holding_a_context):
+    """The reporters end when their folder goes; one that wrote between rmtree's emptying and its rmdir kept
+    the folder, and so ran on for the rest of the engine's life (the full suite saw its thread left)."""
+    import shutil
+
+    from vgpu_magic import inventory
+    from vgpu_magic.ranks import memory
+
+    monkeypatch.setattr(inventory, "open_nvml", lambda: _nvml_listing([HOST_PID]))
+    removals, rmtree = [], shutil.rmtree
+
+    def rmtree_as_a_report_lands(path, ignore_errors=False):
+        removals.append(path)
+        if len(removals) == 1:
+            for name in os.listdir(path):
+                os.remove(os.path.join(path, name))
+            open(os.path.join(path, "0.new"), "w").close()  # the reporter's write, just after the listing
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+            return
+        rmtree(path, ignore_errors=ignore_errors)
+
+    pattern = os.path.join(tempfile.gettempdir(), "vgpu_magic-allocators-*")
+    before = set(glob.glob(pattern))
+    sampler = memory.RankMemorySampler([os.getpid()], gpu=True, engine=lambda rank: EngineHere([]))
+    [folder] = set(glob.glob(pattern)) - before
+    monkeypatch.setattr(memory.shutil, "rmtree", rmtree_as_a_report_lands)
+    sampler.close()
+    assert not os.path.exists(folder)
+    deadline = time.monotonic() + 30
+    while _reporters() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _reporters() == []
 
 
 def test_ranks_nvml_names_are_read_from_nvml_and_nothing_is_asked_of_them(monkeypatch, torch_holding_a_context):

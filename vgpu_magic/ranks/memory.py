@@ -152,7 +152,12 @@ class RankMemorySampler:
 
     def close(self) -> None:
         if self._reports is not None:  # the ranks' reporting threads end with their folder
-            shutil.rmtree(self._reports, ignore_errors=True)
+            # A report written as the folder is emptied keeps it: empty it again until it is gone.
+            for _ in range(100):
+                shutil.rmtree(self._reports, ignore_errors=True)
+                if not os.path.isdir(self._reports):
+                    break
+                time.sleep(0.01)
             self._reports = None
         if self._nvml is not None:
             with contextlib.suppress(self._nvml.NVMLError):
