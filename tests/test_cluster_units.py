@@ -21,7 +21,7 @@ from vgpu_magic.grammar import parse_memory
 from vgpu_magic.inventory import GPUInfo
 from vgpu_magic.layout import HostReport, layout_ranks
 from vgpu_magic.ranks.names import UnsendableName, names_to_send, pack_names, split_last_expression
-from vgpu_magic.ranks.run import _LineStream
+from vgpu_magic.ranks.run import LineStream
 
 GIB_MIB = 1024
 GIB = 1024**3
@@ -368,7 +368,7 @@ def test_carriage_returns_show_as_a_terminal_shows_them():
     assert as_terminal_shows("done\r") == "done"
     # ipyparallel rewrites the collected text on "\r" (it can shrink): lines are counted, not characters.
     out = io.StringIO()
-    stream = _LineStream("[rank 0] ", out)
+    stream = LineStream("[rank 0] ", out)
     text = ""
     for i in range(30):
         text += f"\rprogress {i + 1}/30"
@@ -385,7 +385,7 @@ def test_last_expression_is_captured():
 
 def test_lines_are_labelled_whole_and_never_interleaved():
     out = io.StringIO()
-    zero, one = _LineStream("[rank 0] ", out), _LineStream("[rank 1] ", out)
+    zero, one = LineStream("[rank 0] ", out), LineStream("[rank 1] ", out)
     zero.feed("epoch 1 lo")
     one.feed("epoch 1 loss 0.5\nepo")
     zero.feed("epoch 1 loss 0.4\n")
@@ -563,17 +563,16 @@ def test_a_failing_rank_is_summed_up_in_one_line():
         # As ipyparallel's RemoteError: the rank's traceback text, which render_traceback() heads with "[0:execute]".
         traceback = "Traceback (most recent call last):\nDistNetworkError: The server socket ..."
 
-    class FinishedWithError:
-        def ready(self):
-            return True
-
-        def exception(self, timeout=None):
-            return RemoteFailure()
-
-    failure = RankRun(RankProcesses([os.getpid()]), lambda rank: None)._failure(0, FinishedWithError())
-    assert failure.summary == "raised DistNetworkError: The server socket has failed to listen."
-    error = RankRunError([failure], interrupted=[1], killed=[], must_restart=False)
-    assert "\n" not in str(error)
+    finished = _Pending()  # a rank's result, come back with its error
+    finished.set_exception(RemoteFailure())
+    with pytest.raises(RankRunError) as info:
+        RankRun(RankProcesses([os.getpid()]), lambda rank: finished, stderr=io.StringIO()).run()
+    error = info.value
+    assert error.failure.summary == "raised DistNetworkError: The server socket has failed to listen."
+    assert (
+        str(error)
+        == "rank 0 raised DistNetworkError: The server socket has failed to listen.; the cluster is still usable"
+    )
     assert error._render_traceback_()[0] == "[rank 0] Traceback (most recent call last):"
 
 

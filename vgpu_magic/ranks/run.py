@@ -117,7 +117,7 @@ def _rank_s(ranks: list[int]) -> str:
 # -- watching the ranks ---------------------------------------------------------------
 
 
-class _LineStream:
+class LineStream:
     """Whole lines of one rank's stream, labelled, each as a terminal leaves it; the partial tail waits.
     ``feed`` gets the rank's whole output so far, counted in lines: ipyparallel rewrites the text at a ``\\r``,
     so it can shrink, but never loses a newline."""
@@ -231,7 +231,7 @@ class RankRun:
         self.killed: list[int] = []
         self._displayed: dict[int, int] = {}  # how many of each rank's display outputs were shown
 
-    def _emit(self, results: list[Any], streams: list[tuple[_LineStream, _LineStream]], final: bool = False) -> None:
+    def _emit(self, results: list[Any], streams: list[tuple[LineStream, LineStream]], final: bool = False) -> None:
         for rank, (ar, (out, err)) in enumerate(zip(results, streams)):
             # The text first: a display not yet seen below came after all of its lines.
             lines = (ar.stdout or "").split("\n")
@@ -342,9 +342,9 @@ class RankRun:
         held = self.held or HeldBack()
         held.mark()
 
-        def line_streams(rank: int) -> tuple[_LineStream, _LineStream]:
+        def line_streams(rank: int) -> tuple[LineStream, LineStream]:
             label, shown = f"[rank {rank}] ", lambda line: held.shown(rank, line)
-            return _LineStream(label, self.stdout, shown), _LineStream(label, self.stderr, shown)
+            return LineStream(label, self.stdout, shown), LineStream(label, self.stderr, shown)
 
         streams = [line_streams(r) for r in range(n)]
         memory = RankMonitor(
