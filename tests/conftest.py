@@ -84,13 +84,17 @@ def no_process_left_behind():
 @pytest.fixture(scope="module", autouse=True)
 def no_cluster_file_left_behind():
     """ipyparallel's tools (``ipcluster list``, JupyterLab's cluster panel) list each cluster file in the
-    profile: a module leaves none of its clusters' files, however they ended (a killed kernel's are removed
-    by its clean-up watchers as it dies: they get a few seconds)."""
+    profile: a module leaves none of its clusters' files, nor their controllers' connection files, however they
+    ended (a killed kernel's are removed by its clean-up watchers as it dies: they get a few seconds)."""
     security = Path(os.environ["IPYTHONDIR"], "profile_default", "security")
-    before = set(security.glob("cluster-*.json"))
+
+    def files() -> set[Path]:
+        return set(security.glob("cluster-*.json")) | set(security.glob("ipcontroller-*.json"))
+
+    before = files()
     yield
     deadline = time.monotonic() + 15
-    while (left := set(security.glob("cluster-*.json")) - before) and time.monotonic() < deadline:
+    while (left := files() - before) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"cluster files left behind: {sorted(p.name for p in left)}"
 

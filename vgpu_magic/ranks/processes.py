@@ -272,17 +272,24 @@ _REMOVE = "import glob, os, sys; [os.remove(p) for pattern in sys.argv[1:] for p
 def clean_up_when_kernel_dies(cluster: Any, plan: LauncherPlan, token: str) -> set[int]:
     """What a stop does itself, done by watched processes next to the kernel when it dies without a stop
     (:func:`.lifetime.run_when_this_process_dies`): engines on other hosts, which cannot watch this kernel's PID,
-    ended through their launcher; the cluster's file (which ipyparallel's tools list) and its processes' logs in
-    the profile removed. Returns the watchers' PIDs: a stop ends them last, so that a kernel killed while it
-    stops (Jupyter's shutdown sends SIGTERM after 2.5 s, SIGKILL after 5 s) still has them clean up."""
+    ended through their launcher; the cluster's file (which ipyparallel's tools list), its controller's connection
+    files and its processes' logs in the profile removed. Returns the watchers' PIDs: a stop ends them last, so
+    that a kernel killed while it stops (Jupyter's shutdown sends SIGTERM after 2.5 s, SIGKILL after 5 s) still
+    has them clean up."""
     import shlex
 
     logs = os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*")
-    commands = [shlex.join([sys.executable, "-c", _REMOVE, cluster.cluster_file, logs])]
+    commands = [shlex.join([sys.executable, "-c", _REMOVE, cluster.cluster_file, logs, *_connection_files(cluster)])]
     commands += [shlex.join(["scancel", job]) for job in batch_jobs(cluster)]
     for location, args, pids, cleanup in _ssh_cleanups(cluster, plan):
         commands.append(shlex.join(["ssh", *args, location, f"kill {pids} 2>/dev/null; {cleanup}"]))
     return {lifetime.run_when_this_process_dies(command, token).pid for command in commands}
+
+
+def _connection_files(cluster: Any) -> list[str]:
+    """The controller's connection files, which it removes only when it exits of itself."""
+    controller = getattr(cluster, "controller", None)
+    return list(controller.connection_files.values()) if controller is not None else []
 
 
 def _ssh_cleanups(cluster: Any, plan: LauncherPlan) -> list[tuple[str, tuple[str, ...], str, str]]:
@@ -362,7 +369,7 @@ def stop_launched(cluster: Any, plan: LauncherPlan) -> list[str]:
     queue (``scancel -s KILL`` if not) and on each SSH host the engines are gone and the cluster's folder
     removed, and remove the batch script. Returns what is still left, in words."""
     # Read before the stop: ipyparallel forgets the engines it stopped.
-    jobs, cleanups = batch_jobs(cluster), _ssh_cleanups(cluster, plan)
+    jobs, cleanups, connection = batch_jobs(cluster), _ssh_cleanups(cluster, plan), _connection_files(cluster)
     # If this fails, local processes are gone already (the caller checked) and remote ones are checked below.
     with contextlib.suppress(Exception):
         cluster.stop_cluster_sync()
@@ -371,6 +378,9 @@ def stop_launched(cluster: Any, plan: LauncherPlan) -> list[str]:
     # its tools would list a dead cluster. Removed, and no more written ("" turns the file off).
     cluster.remove_cluster_file()
     cluster.cluster_file = ""
+    for path in connection:  # left by a controller that was killed
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
     # Stopped here: ipyparallel's own stop at exit (or when the object goes) would only try again, noisily.
     cluster.shutdown_atexit = False
     if plan.name == "slurm":
