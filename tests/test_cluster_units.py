@@ -531,8 +531,14 @@ def test_loading_the_extension_starts_and_imports_nothing_of_the_cluster(py):
 @pytest.mark.parametrize(
     ("absent", "match"),
     [
-        ("ipyparallel", r"need ipyparallel: pip install 'vgpu_magic\[cluster\]'"),
-        ("jax", r"JAX is not installed in this kernel; install it with pip install 'vgpu_magic\[jax\]'"),
+        (("ipyparallel",), r"^the ranks need ipyparallel: pip install 'vgpu_magic\[cluster\]'$"),
+        (("jax",), r"^JAX is not installed in this kernel; install it with pip install 'vgpu_magic\[jax\]'$"),
+        # Both at once: one install, not one error after another.
+        (
+            ("ipyparallel", "cloudpickle", "jax"),
+            r"^the ranks need ipyparallel, cloudpickle: pip install 'vgpu_magic\[cluster\]'; "
+            r"JAX is not installed in this kernel; install it with pip install 'vgpu_magic\[jax\]'$",
+        ),
     ],
 )
 def test_missing_packages_are_named_before_anything_starts(monkeypatch, absent, match):
@@ -541,7 +547,7 @@ def test_missing_packages_are_named_before_anything_starts(monkeypatch, absent, 
     from vgpu_magic.ranks import RankCluster
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == absent else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in absent else real(name, *a))
     with pytest.raises(ValueError, match=match):
         RankCluster(2, "jax", gpus=[])
 

@@ -112,10 +112,14 @@ class RankCluster:
         #: Each rank's held-back start-up lines (:meth:`log`).
         self.held = HeldBack(self.fw.chatter, self.verbose)
         missing = [m for m in ("ipyparallel", "psutil", "cloudpickle") if importlib.util.find_spec(m) is None]
+        no_framework = importlib.util.find_spec(self.fw.module) is None
+        framework_hint = f"{self.label} is not installed in this kernel; {self.fw.capabilities.install_hint}"
         if missing:
-            raise ValueError(f"the ranks need {', '.join(missing)}: pip install 'vgpu_magic[cluster]'")
-        if importlib.util.find_spec(self.fw.module) is None:
-            raise ValueError(f"{self.label} is not installed in this kernel; {self.fw.capabilities.install_hint}")
+            # Everything missing in one message: one install, not one error after another.
+            also = f"; {framework_hint}" if no_framework else ""
+            raise ValueError(f"the ranks need {', '.join(missing)}: pip install 'vgpu_magic[cluster]'{also}")
+        if no_framework:
+            raise ValueError(framework_hint)
         #: The GPUs the caller planned for (every host then plans with them), or ``None``: each engine's own.
         self.given_gpus = (
             None
