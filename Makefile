@@ -46,8 +46,9 @@ system-deps:
 ALLOW_ROOT := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 LAB_ARGS ?=
 
+# The whole clone is JupyterLab's root (README, notebooks, scripts), with the quickstart open.
 lab: setup
-	TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/jupyter lab $(ALLOW_ROOT) $(LAB_ARGS) notebooks/01_quickstart.ipynb
+	TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/jupyter lab $(ALLOW_ROOT) --ServerApp.root_dir=. $(LAB_ARGS) notebooks/01_quickstart.ipynb
 
 # ruff (configured in pyproject.toml) runs before the tests: a lint finding fails `make test` early.
 lint: setup-test
