@@ -283,11 +283,8 @@ def test_status_names_each_ranks_host_when_they_run_on_several():
         "each rank has its launcher's environment; your code calls jax.distributed.initialize(), as under its launcher"
     )
     # The two modes, said plainly (issue 22).
-    assert lines[3] == "cells (%%vgpu_run): run in these ranks, which keep their state from cell to cell"
-    assert lines[4] == (
-        "scripts (%vgpu_run FILE): a fresh launch each run, new processes started by each rank's engine "
-        "(a spare waits with jax imported)"
-    )
+    assert lines[3] == "cells (%%vgpu_run): run in these ranks, which keep their state"
+    assert lines[4] == "scripts (%vgpu_run FILE): a fresh launch each run (a spare waits with jax imported)"
     assert lines[5].startswith(f"  rank 0: pid {os.getpid()} on host0, alive")
     assert lines[6].startswith(f"  rank 1: pid {os.getpid()} on host1, alive")
 

@@ -419,24 +419,22 @@ class RankCluster:
         join_call = self.fw.join_call
         if join_call and self.join:
             lines.append(
-                f"each rank has joined ({join_call} at start, --join): your cells must not call it again "
-                "(a script makes its own call, as under its launcher)"
+                f"each rank has joined ({join_call} at start, --join): cells must not call it again; "
+                "scripts make their own call"
             )
         elif join_call:
             lines.append(
                 f"each rank has its launcher's environment; your code calls {join_call}, as under its launcher"
             )
-        lines.append("cells (%%vgpu_run): run in these ranks, which keep their state from cell to cell")
+        # Lines a notebook shows whole (a long one wraps mid-word in JupyterLab's output area).
+        lines.append("cells (%%vgpu_run): run in these ranks, which keep their state")
         step = ", as steps of the job's allocation" if self.launcher == "slurm" else ""
         spare = (
             f"a spare waits with {self.fw.module} imported"
             if self.spares
             else "no spare: memory is tight, each launch starts cold"
         )
-        lines.append(
-            f"scripts (%vgpu_run FILE): a fresh launch each run, new processes started by each rank's engine{step} "
-            f"({spare})"
-        )
+        lines.append(f"scripts (%vgpu_run FILE): a fresh launch each run{step} ({spare})")
         infos = self.status()
         several_hosts = len({info.host for info in infos}) > 1
         for info in infos:

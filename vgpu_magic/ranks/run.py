@@ -331,7 +331,17 @@ class RankRun:
         """Why the cluster must be restarted after this run ended with ``exc``
         (ranks died or were killed), or ``None`` when it is still usable."""
         if isinstance(exc, RankRunError):
-            return exc.headline().split(";")[0] if exc.must_restart else None
+            if not exc.must_restart:
+                return None
+            # What made it so: ranks that died, or were killed; not another rank's error that started the stop.
+            died = [
+                f"{_rank_s(ranks)} {summary}"
+                for summary, ranks in _grouped([f for f in exc.failures if f.kind == "died"], "summary")
+            ]
+            if exc.killed:
+                were = "were" if len(exc.killed) > 1 else "was"
+                died.append(f"{_rank_s(exc.killed)} {were} killed: not stopped {GRACE:g} s after SIGINT")
+            return "; ".join(died)
         if isinstance(exc, KeyboardInterrupt) and self.killed:
             return f"{_rank_s(self.killed)} {'were' if len(self.killed) > 1 else 'was'} killed after an interrupt"
         return None
