@@ -374,6 +374,20 @@ def test_keras_on_another_backend_warns_and_status_shows_both_frameworks():
 
 
 @pytest.mark.slow
+def test_status_shows_the_keras_backend_s_framework_first():
+    """Keras on JAX imports TensorFlow too (for its data tools): the status led with TensorFlow's section,
+    and the JAX devices the notebook had split came second (notebook 06)."""
+    code = SHELL + textwrap.dedent("""
+    import os
+    os.environ["KERAS_BACKEND"] = "jax"
+    steps = {"imports": cell("import tensorflow as tf, jax")}
+    report = shell.run_line_magic("vgpu_status", "--return")
+    print(json.dumps([s["framework"] for s in report.to_dict()["frameworks"]]))
+    """)
+    assert last_json(run_python(code).stdout) == ["jax", "tensorflow"]
+
+
+@pytest.mark.slow
 def test_jax_that_tensorflow_imported_is_not_a_second_framework():
     # TensorFlow imports JAX itself (tensorflow/lite/python/util.py) where JAX is installed.
     code = SHELL + textwrap.dedent("""

@@ -97,8 +97,17 @@ def all_frameworks() -> list[Framework]:
 
 def imported() -> list[Framework]:
     """The registered frameworks imported here whose devices can be configured in this process
-    (``Capabilities.splits_in_process``; not PyTorch), in registry order: what ``%vgpu_status`` shows."""
-    return [fw for fw in all_frameworks() if fw.capabilities.splits_in_process and fw.imported()]
+    (``Capabilities.splits_in_process``; not PyTorch): what ``%vgpu_status`` shows. The one ``KERAS_BACKEND``
+    names comes first (Keras on JAX imports TensorFlow too, for its data tools), then registry order."""
+    backend = _keras_backend()
+    found = [fw for fw in all_frameworks() if fw.capabilities.splits_in_process and fw.imported()]
+    return sorted(found, key=lambda fw: fw.name != backend)
+
+
+def _keras_backend() -> str:
+    """The framework ``KERAS_BACKEND`` names (``""`` when unset)."""
+    backend = os.environ.get("KERAS_BACKEND", "").strip().lower()
+    return ALIASES.get(backend, backend)
 
 
 def cuda_context_holders(exclude: str = "") -> list[Framework]:
@@ -113,8 +122,7 @@ def select(requested: str | None = None) -> Framework:
     :data:`DEFAULT`."""
     if requested:
         return get(requested)
-    backend = os.environ.get("KERAS_BACKEND", "").strip().lower()
-    backend = ALIASES.get(backend, backend)
+    backend = _keras_backend()
     found = imported()
     if len(found) > 1 and backend not in [fw.name for fw in found]:
         listed = " and ".join(fw.label for fw in found)
