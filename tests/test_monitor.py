@@ -25,7 +25,7 @@ from vgpu_magic.monitor.live import LiveMemoryView
 from vgpu_magic.monitor.plot import MemoryFigure, save_trace_figure
 from vgpu_magic.monitor.recorder import MemoryRecorder
 from vgpu_magic.monitor.sampler import DeviceSampler, SamplerError, build_series, normalize_device, variable_bytes
-from vgpu_magic.monitor.trace import MemoryTrace
+from vgpu_magic.monitor.trace import MemoryTrace, SeriesInfo
 from vgpu_magic.monitor.views import RedrawThrottle, TextSummaryView, View
 
 MIB = 1024 * 1024
@@ -649,6 +649,21 @@ def test_variable_bytes_counts_each_shard_of_an_array_placed_on_several_devices(
 
 
 # -- what the plot shows -------------------------------------------------------------------------------
+def test_the_variables_are_named_as_the_legend_names_the_devices():
+    """JAX's devices are "cpu:0" in the legend (JAX's words); the variables panel said "CPU:0" (notebook 06)."""
+    # As the sampler builds JAX's series: one per device, labelled by the framework.
+    series = [SeriesInfo(d, frameworks.get("jax").device_label(d), (d,)) for d in CPUS[:2]]
+    trace = MemoryTrace(tuple(series), kind="fit")
+    trace.variable_bytes = {"/device:CPU:0": 2048, "/device:CPU:1": 2048}
+    for k in range(3):
+        trace.append(k * 0.1, k, 0, "fit", [(1024, 1024), (1024, 1024)])
+    trace.duration = 0.3
+    plot = MemoryFigure(trace)
+    assert plot.legend.get_texts()[0].get_text().startswith("cpu:0, cpu:1")
+    assert sorted(t.get_text() for t in plot.vax.get_yticklabels()) == ["cpu:0", "cpu:1"]
+    assert trace.variables_text() == "variables per replica: cpu:0 2.0 KiB, cpu:1 2.0 KiB"
+
+
 def test_rss_gets_its_own_panel_so_an_allocator_reporting_nothing_stays_readable():
     series = build_series(CPUS, process=True)
     trace = MemoryTrace(series, kind="fit", baseline_peak=(0, 600 * MIB))

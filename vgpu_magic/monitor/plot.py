@@ -242,7 +242,7 @@ class MemoryFigure:
         _style(vax)
         vax.grid(False)
         vax.set_title("variables per replica", fontsize=_LABEL_PT, loc="left", color=TEXT)
-        names = [short_name(d) for d in trace.variable_bytes]
+        names = [trace.device_label(d) for d in trace.variable_bytes]
         values = list(trace.variable_bytes.values())
         unit, scale = unit_for(max(values))
         ys = list(range(len(names)))[::-1]

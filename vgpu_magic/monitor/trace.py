@@ -272,11 +272,20 @@ class MemoryTrace:
             return "no samples"
         return f"peak ≤ {format_bytes(self.baseline_peak[index], unit)} (reached before this run)"
 
+    def device_label(self, device: str) -> str:
+        """What this trace's series call ``device`` (the framework's words: JAX's ``"cpu:3"``), else its short
+        name (``"CPU:3"``), so the variables read as the legend does."""
+        short = short_name(device)
+        return next(
+            (s.label for s in self.series if len(s.devices) == 1 and short_name(s.devices[0]).lower() == short.lower()),
+            short,
+        )
+
     def variables_text(self) -> str:
         """``'variables per replica: CPU:0 20.1 MiB, CPU:1 20.1 MiB'``, or ``''``."""
         if not self.variable_bytes:
             return ""
-        parts = [(short_name(d), format_bytes(b)) for d, b in self.variable_bytes.items()]
+        parts = [(self.device_label(d), format_bytes(b)) for d, b in self.variable_bytes.items()]
         return "variables per replica: " + ", ".join(joined_alike(parts, " "))
 
     def _key(self) -> tuple:
