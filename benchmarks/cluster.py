@@ -25,6 +25,12 @@ Run by hand (``make bench``), never by the test suite::
     times (wall time of each, medians and the median of the paired
     ratios); the first launch after ``start`` is reported on its own, and
     launches back to back (the next spare still importing) too.
+(e) A kernel's graceful shutdown, as JupyterLab's "Shut down kernel" or
+    "Restart kernel" does it (``shutdown_kernel()``: the kernel exits and its
+    atexit stops the ranks), with 2 torch ranks running against a kernel with
+    none, and against the 2.5 s after which Jupyter SIGTERMs a kernel that has
+    not exited (half its ``shutdown_wait_time``), interleaved ``--shutdowns``
+    times.
 
 Medians are reported. The ratios matter, not the absolute figures: this
 machine's cores are shared.
@@ -178,17 +184,50 @@ def launches(count: int) -> None:
     )
 
 
+def kernel_shutdown(ranks: bool) -> float:
+    """Seconds of ``shutdown_kernel()`` for a fresh kernel that started 2 torch ranks (or none)."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        code = "%load_ext vgpu_magic\n" + ("%vgpu_cluster start 2 --framework torch" if ranks else "")
+        kc.execute_interactive(code, timeout=180, output_hook=lambda msg: None)
+    finally:
+        kc.stop_channels()
+        t = time.perf_counter()
+        km.shutdown_kernel()
+    return time.perf_counter() - t
+
+
+def shutdowns(count: int) -> None:
+    from jupyter_client.manager import KernelManager
+
+    sigterm_at = KernelManager().shutdown_wait_time / 2
+    with_ranks, without = [], []
+    for _ in range(count):
+        with_ranks.append(kernel_shutdown(True))
+        without.append(kernel_shutdown(False))
+    ours, bare = statistics.median(with_ranks), statistics.median(without)
+    print(
+        f"(e) graceful kernel shutdown, medians of {count}: with 2 torch ranks {ours:.2f} s, without {bare:.2f} s "
+        f"({ours / bare:.1f}x); {ours / sigterm_at:.0%} of the {sigterm_at:g} s after which Jupyter sends SIGTERM"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--frameworks", default="torch,tensorflow,jax")
     parser.add_argument("--starts", type=int, default=3, help="interleaved repeats of each start and bare import")
     parser.add_argument("--launches", type=int, default=5, help="interleaved script launches, ours and torchrun's")
-    parser.add_argument("--parts", default="abcd", help="which of (a) to (d) to run")
+    parser.add_argument("--shutdowns", type=int, default=3, help="interleaved kernel shutdowns, with and without ranks")
+    parser.add_argument("--parts", default="abcde", help="which of (a) to (e) to run")
     args = parser.parse_args()
+    if "e" in args.parts:
+        shutdowns(args.shutdowns)
     if "d" in args.parts:
         launches(args.launches)
-    if args.parts == "d":
+    if not set(args.parts) & set("abc"):
         return
     from vgpu_magic.ranks.processes import CONTROLLER_ARGS
 
