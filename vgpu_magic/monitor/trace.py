@@ -277,7 +277,7 @@ class MemoryTrace:
         name (``"CPU:3"``), so the variables read as the legend does."""
         short = short_name(device)
         return next(
-            (s.label for s in self.series if len(s.devices) == 1 and short_name(s.devices[0]).lower() == short.lower()),
+            (s.label for s in self.series if len(s.devices) == 1 and short_name(s.devices[0]) == short),
             short,
         )
 

@@ -328,23 +328,15 @@ class RankRun:
                 failures[rank] = self._death(rank)
 
     def restart_reason(self, exc: BaseException) -> str | None:
-        """Why the cluster must be restarted after this run ended with ``exc``
-        (ranks died or were killed), or ``None`` when it is still usable."""
-        if isinstance(exc, RankRunError):
-            if not exc.must_restart:
-                return None
-            # What made it so: ranks that died, or were killed; not another rank's error that started the stop.
-            died = [
-                f"{_rank_s(ranks)} {summary}"
-                for summary, ranks in _grouped([f for f in exc.failures if f.kind == "died"], "summary")
-            ]
-            if exc.killed:
-                were = "were" if len(exc.killed) > 1 else "was"
-                died.append(f"{_rank_s(exc.killed)} {were} killed: not stopped {GRACE:g} s after SIGINT")
-            return "; ".join(died)
-        if isinstance(exc, KeyboardInterrupt) and self.killed:
-            return f"{_rank_s(self.killed)} {'were' if len(self.killed) > 1 else 'was'} killed after an interrupt"
-        return None
+        """Why the cluster must be restarted after this run ended with ``exc`` (a :class:`RankRunError` or an
+        interrupt): the ranks that died or were killed; ``None`` when it is still usable (another rank's error
+        alone, which started the stop, leaves it so)."""
+        died = [f for f in getattr(exc, "failures", ()) if f.kind == "died"]
+        reasons = [f"{_rank_s(ranks)} {summary}" for summary, ranks in _grouped(died, "summary")]
+        if self.killed:
+            were = "were" if len(self.killed) > 1 else "was"
+            reasons.append(f"{_rank_s(self.killed)} {were} killed: not stopped {GRACE:g} s after SIGINT")
+        return "; ".join(reasons) or None
 
     def run(self) -> list[Any]:
         """Run to the end; the per-rank AsyncResults, or :class:`RankRunError`."""
