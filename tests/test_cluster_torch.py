@@ -546,7 +546,7 @@ def test_a_rank_raising_before_a_barrier_stops_every_rank(shell, ranks):
     assert not psutil.pid_exists(ranks.pids[0]) or psutil.Process(ranks.pids[0]).status() == psutil.STATUS_ZOMBIE
     assert err.must_restart
     # Why: rank 0 was killed (rank 1's error alone would have left the cluster usable).
-    reason = "rank 0 was killed: not stopped 3 s after SIGINT"
+    reason = "rank 0 did not stop within 3 s of SIGINT and was killed"
     with pytest.raises(UsageError, match=rf"^the cluster must be restarted \({reason}\): %vgpu_cluster restart$"):
         shell.run_cell_magic("vgpu_run", "", "1")
 

@@ -114,6 +114,12 @@ def _rank_s(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in sorted(ranks))}"
 
 
+def _killed(ranks: list[int]) -> str:
+    """``"rank 0 did not stop within 3 s of SIGINT and was killed"``."""
+    were = "were" if len(ranks) > 1 else "was"
+    return f"{_rank_s(ranks)} did not stop within {GRACE:g} s of SIGINT and {were} killed"
+
+
 # -- watching the ranks ---------------------------------------------------------------
 
 
@@ -334,8 +340,7 @@ class RankRun:
         died = [f for f in getattr(exc, "failures", ()) if f.kind == "died"]
         reasons = [f"{_rank_s(ranks)} {summary}" for summary, ranks in _grouped(died, "summary")]
         if self.killed:
-            were = "were" if len(self.killed) > 1 else "was"
-            reasons.append(f"{_rank_s(self.killed)} {were} killed: not stopped {GRACE:g} s after SIGINT")
+            reasons.append(_killed(self.killed))
         return "; ".join(reasons) or None
 
     def run(self) -> list[Any]:
@@ -397,11 +402,7 @@ class RankRun:
             self._emit(results, streams, final=True)
             self.trace = memory.finish(interrupted=True)
             if killed:
-                self.stderr.write(
-                    f"{_rank_s(killed)} did not stop within {GRACE:g} s of SIGINT and "
-                    f"{'was' if len(killed) == 1 else 'were'} killed; "
-                    "the cluster must be restarted: %vgpu_cluster restart\n"
-                )
+                self.stderr.write(f"{_killed(killed)}; the cluster must be restarted: %vgpu_cluster restart\n")
             raise
         interrupted: list[int] = []
         killed: list[int] = []
