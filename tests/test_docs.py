@@ -1,0 +1,215 @@
+"""What the README and docs/ show is what the code does: every relative link resolves, and every example runs.
+
+The fences are the contract (docs/development.md, *Examples in the docs*):
+
+- ```` ```python ```` runs, in order, in one fresh Jupyter kernel per page, as a notebook's cells would;
+  ```` ```python fresh ```` starts a new kernel for itself and the blocks after it.
+- ```` ```text ```` right after a ```` ```python ```` block is what that block printed: everything it wrote, its
+  value and its error, compared line by line; ``…`` stands for any text within a line, and a line that is ``…``
+  alone for any lines.
+- ```` ```python no-run ```` is shown and not run: only where running needs what the suite does not have (a SLURM
+  cluster of several nodes, a GPU, a file in the IPython profile).
+- ```` ```bash ```` is a terminal: a block of ``python -m vgpu_magic`` lines runs (in the kernel's environment,
+  with its output compared as above); any other is set-up on a fresh machine (``make``, ``pip install``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from support import ROOT, kernel_errors, kernel_run, started_kernel
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+#: Files other branches write; a link to them passes until they land (then it is checked as any other).
+WRITTEN_ELSEWHERE = {"docs/jobs.md", "docs/architecture.md", "notebooks/12_rehearse_estimate_submit.ipynb"}
+
+_FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+@dataclass
+class Block:
+    page: Path
+    line: int
+    end: int
+    info: str
+    code: str
+
+    @property
+    def words(self) -> list[str]:
+        return self.info.split()
+
+
+def blocks(page: Path) -> list[Block]:
+    text = page.read_text()
+    return [
+        Block(page, text.count("\n", 0, m.start()) + 1, text.count("\n", 0, m.end()) + 1, m[1].strip(), m[2])
+        for m in _FENCE.finditer(text)
+    ]
+
+
+def _outside_fences(text: str) -> str:
+    return _FENCE.sub("", text)
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors for the page's headings: lower case, punctuation dropped, spaces as dashes."""
+    found = set()
+    for heading in re.findall(r"^#+ (.+)$", _outside_fences(page.read_text()), re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        found.add(slug)
+    return found
+
+
+def relative_links(page: Path) -> list[str]:
+    return [t for t in _LINK.findall(_outside_fences(page.read_text())) if not re.match(r"[a-z]+:", t)]
+
+
+def broken_links(page: Path) -> list[str]:
+    broken = []
+    for target in relative_links(page):
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        name = file.relative_to(ROOT).as_posix() if file.is_relative_to(ROOT) else str(file)
+        if name in WRITTEN_ELSEWHERE and not file.exists():
+            continue
+        if not file.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+            broken.append(f"{target}: no heading #{anchor} in {name}")
+    return broken
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(page):
+    assert not broken_links(page)
+
+
+def test_a_missing_file_or_heading_is_a_broken_link(tmp_path):
+    (tmp_path / "other.md").write_text("# Its Heading: `code`\n")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "[ok](other.md#its-heading-code) [here](#a-b) [gone](gone.md) [no heading](other.md#nothing) "
+        "[web](https://example.org/x.md)\n## A, b\n```text\n[in a fence](fenced.md)\n```\n"
+    )
+    assert broken_links(page) == [
+        "gone.md: no such file",
+        f"other.md#nothing: no heading #nothing in {tmp_path}/other.md",
+    ]
+
+
+def test_every_fence_says_what_it_is():
+    """A block is run, is output, is set-up, or is said not to run: nothing is left unclear."""
+    known = {("python",), ("python", "fresh"), ("python", "no-run"), ("text",), ("bash",)}
+    unclear = [f"{b.page.name}:{b.line} ```{b.info}" for p in PAGES for b in blocks(p) if tuple(b.words) not in known]
+    assert not unclear, unclear
+
+
+def test_the_pages_exist_and_the_readme_fits_on_a_screen():
+    assert {p.name for p in PAGES} >= {"README.md", "split.md", "live-view.md", "ranks.md", "estimates.md"}
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 160
+
+
+def output_of(messages: list[dict]) -> str:
+    """What a cell showed, as text: its streams, displays and value in order, then its error."""
+    parts = []
+    for m in messages:
+        kind, content = m["msg_type"], m["content"]
+        if kind == "stream":
+            parts.append(content["text"])
+        elif kind in ("display_data", "update_display_data", "execute_result") and "text/plain" in content["data"]:
+            parts.append(content["data"]["text/plain"] + "\n")
+    parts += [f"{e}\n" for e in kernel_errors(messages)]
+    return "".join(parts)
+
+
+def _pattern(expected: str) -> re.Pattern:
+    lines = []
+    for line in expected.rstrip("\n").splitlines():
+        if line.strip() == "…":
+            lines.append(r"(?:[^\n]*\n)*?")
+        else:
+            lines.append("[^\n]*".join(re.escape(part) for part in line.rstrip().split("…")) + r"[ \t]*\n")
+    return re.compile("".join(lines))
+
+
+def matches(expected: str, shown: str) -> bool:
+    return _pattern(expected).fullmatch(shown.rstrip("\n") + "\n") is not None
+
+
+def test_the_output_pattern_reads_ellipses_as_the_docs_mean_them():
+    assert matches("a … c\n", "a b b c\n")
+    assert matches("first\n…\nlast\n", "first\none\ntwo\nlast\n")
+    assert matches("first\n…\nlast\n", "first\nlast\n")
+    assert not matches("a … c\n", "a b\nc\n")
+    assert not matches("first\nlast\n", "first\nmiddle\nlast\n")
+
+
+def runs(page: Path) -> list[list[tuple[Block, Block | None]]]:
+    """The page's runnable blocks with the output shown after each, grouped by kernel."""
+    found = blocks(page)
+    lines = page.read_text().splitlines()
+    groups: list[list[tuple[Block, Block | None]]] = []
+    for i, block in enumerate(found):
+        if not (block.words[:1] == ["python"] and "no-run" not in block.words) and not _cli(block):
+            continue
+        after = found[i + 1] if i + 1 < len(found) else None
+        next_to = after is not None and not "".join(lines[block.end : after.line - 1]).strip()
+        shown = after if next_to and after.info == "text" else None
+        if "fresh" in block.words or not groups:
+            groups.append([])
+        groups[-1].append((block, shown))
+    return groups
+
+
+def _cli(block: Block) -> bool:
+    lines = [line for line in block.code.splitlines() if line.strip()]
+    return block.info == "bash" and bool(lines) and all(line.startswith("python -m vgpu_magic ") for line in lines)
+
+
+def as_cell(block: Block) -> str:
+    """The block as a notebook cell: the command line's lines through the kernel's own interpreter."""
+    if not _cli(block):
+        return block.code
+    lines = [line.removeprefix("python ") for line in block.code.splitlines() if line.strip()]
+    return "import sys\n" + "".join(f"!{{sys.executable}} {line}\n" for line in lines)
+
+
+def quietly(kc, code: str) -> None:
+    """Run ``code`` without counting it in the kernel's history: the pages' ``In [N]`` are their own blocks."""
+    msg_id = kc.execute(code, store_history=False)
+    while not (
+        (msg := kc.get_iopub_msg(timeout=120))["parent_header"].get("msg_id") == msg_id
+        and msg["msg_type"] == "status"
+        and msg["content"]["execution_state"] == "idle"
+    ):
+        pass
+
+
+RUNNABLE = [p for p in PAGES if runs(p)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.usefixtures("no_process_left_behind")
+@pytest.mark.parametrize("page", RUNNABLE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_example_runs_and_shows_what_the_page_says(page, tmp_path):
+    wrong = []
+    for group in runs(page):
+        with started_kernel() as (_, kc):
+            quietly(kc, f"%cd -q {tmp_path}")
+            for block, shown in group:
+                messages = kernel_run(kc, as_cell(block), timeout=600)
+                text = output_of(messages)
+                where = f"{page.name}:{block.line}"
+                if shown is not None and not matches(shown.code, text):
+                    wrong.append(f"{where} shows:\n{shown.code}--- but printed:\n{text}")
+                elif shown is None and kernel_errors(messages):
+                    wrong.append(f"{where} raised:\n{text}")
+            quietly(kc, "%unload_ext vgpu_magic")
+    assert not wrong, "\n\n".join(wrong)
