@@ -125,7 +125,7 @@ def output_of(messages: list[dict]) -> str:
         elif kind in ("display_data", "update_display_data", "execute_result") and "text/plain" in content["data"]:
             parts.append(content["data"]["text/plain"] + "\n")
     parts += [f"{e}\n" for e in kernel_errors(messages)]
-    return "".join(parts)
+    return "".join(parts).replace("\r\n", "\n")  # a shell command's output comes through a terminal
 
 
 def _pattern(expected: str) -> re.Pattern:
