@@ -839,3 +839,45 @@ def test_notebook7_shows_the_live_memory_view_then_its_image(chromium, tmp_path,
             sync_api.expect(fit.locator(".jp-OutputArea-output img")).to_have_count(1, timeout=60_000)
         finally:
             page.close()
+
+
+# -- the estimate's verdict ------------------------------------------------------------------------
+
+#: The README's estimate: an FSDP2 model that does not fit on 8 GPUs of 24 GB, and the levers that would help.
+ESTIMATE_CELLS = [
+    "%load_ext vgpu_magic",
+    """%%vgpu_estimate --gpu 8xL4
+import torch
+from torch.distributed.fsdp import fully_shard
+
+model = torch.nn.Sequential(*[torch.nn.Linear(8192, 8192) for _ in range(32)])
+for layer in model:
+    fully_shard(layer)
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(24576, 8192)).square().mean().backward()
+opt.step()""",
+]
+
+
+def test_jupyterlab_shows_the_estimates_verdict_readable_in_light_and_dark(chromium, lab, artifacts_dir):
+    sync_api, _ = chromium
+    page = _open(chromium, lab, LAB_PATH, "estimate.ipynb", ESTIMATE_CELLS)
+    try:
+        for index in range(len(ESTIMATE_CELLS)):
+            _run_cell(page, sync_api, index, timeout_ms=240_000)
+        verdict = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".jp-OutputArea-output").last
+        sync_api.expect(verdict).to_contain_text("does not fit by")
+        sync_api.expect(verdict).to_contain_text("activation checkpointing")
+        low = {}
+        for theme, light in (("JupyterLab Light", True), ("JupyterLab Dark", False)):
+            _switch_theme(page, sync_api, theme, light)
+            suffix = "light" if light else "dark"
+            verdict.scroll_into_view_if_needed()
+            verdict.screenshot(path=str(artifacts_dir / f"browser_estimate_{suffix}.png"))
+            lowest = min(_text_contrasts(verdict))
+            if lowest[0] < 4.5:
+                low[suffix] = lowest
+        assert not low, f"the verdict's text below 4.5:1 on its background: {low}"
+    finally:
+        page.close()
