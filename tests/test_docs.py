@@ -194,6 +194,27 @@ def quietly(kc, code: str) -> None:
 RUNNABLE = [p for p in PAGES if runs(p)]
 
 
+def test_blocks_pair_with_the_output_right_after_them_and_fresh_starts_a_kernel(tmp_path):
+    page = tmp_path / "page.md"
+    fence = "```"
+    page.write_text(
+        f"{fence}python\na = 1\n{fence}\n\n{fence}text\n1\n{fence}\n"
+        f"{fence}python no-run\nslurm()\n{fence}\n{fence}text\nnot checked\n{fence}\n"
+        f"{fence}python fresh\nb = 2\n{fence}\nprose between\n{fence}text\nnot its output\n{fence}\n"
+        f"{fence}bash\npython -m vgpu_magic status\n{fence}\n{fence}bash\nmake lab\n{fence}\n"
+    )
+    paired = [[(block.code, shown and shown.code) for block, shown in group] for group in runs(page)]
+    assert paired == [[("a = 1\n", "1\n")], [("b = 2\n", None), ("python -m vgpu_magic status\n", None)]]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_output_a_page_shows_is_checked(page):
+    """A ```text block is the output of the run block right before it, so the run compares it: none is left over."""
+    checked = {shown.line for group in runs(page) for _, shown in group if shown is not None}
+    unchecked = [b.line for b in blocks(page) if b.info == "text" and b.line not in checked]
+    assert not unchecked, f"{page.name}: output blocks that follow no run block, at lines {unchecked}"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.usefixtures("no_process_left_behind")
