@@ -171,7 +171,7 @@ y = rng.integers(0, 4, len(x))
 
 # Times the fit. Its (empty) batch-end hook makes Keras wait for every step's logs: with
 # hundreds of multi-device steps queued ahead, XLA:CPU on a small machine can stall in an
-# all-reduce and abort the process (README, JAX limits).
+# all-reduce and abort the process (docs/split.md, Limits).
 class StepClock(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):

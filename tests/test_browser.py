@@ -676,7 +676,7 @@ class Pace(keras.callbacks.Callback):
         time.sleep(0.15)
 
     def on_train_batch_end(self, batch, logs=None):
-        pass  # waits for each step: no deep queue of multi-device steps (see the README)
+        pass  # waits for each step: no deep queue of multi-device steps (docs/split.md, Limits)
 
 keras.distribution.set_distribution(vgpu_magic.distribution())
 keras.utils.set_random_seed(0)

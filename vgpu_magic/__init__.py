@@ -92,7 +92,7 @@ def load_ipython_extension(ipython) -> None:
     ipython.events.register("post_run_cell", watcher.post_run_cell)
     for magics in (main, *extra):
         ipython.register_magics(magics)
-    # Each framework not imported yet starts quietly, where the user set nothing (README, Usage).
+    # Each framework not imported yet starts quietly, where the user set nothing (docs/split.md, Quiet by default).
     quieted = [(fw, fw.quiet_kernel()) for fw in frameworks.all_frameworks()]
     _loaded[id(ipython)] = (watcher, [main, *extra], quieted)
     activate(watcher)

@@ -1,4 +1,4 @@
-"""Live memory of every logical device while a model trains (the README's "Live memory view").
+"""Live memory of every logical device while a model trains (docs/live-view.md).
 
 ``MemoryMonitor`` is a Keras callback (``callbacks=[vgpu_magic.MemoryMonitor()]``) and, for custom loops in
 any framework, a context manager whose ``sample(step=, epoch=)`` says where the loop is; ``%vgpu_monitor on``
