@@ -62,7 +62,7 @@ def _run(cell: str) -> dict[str, Any]:
             }
             if sum(parts.values()) > best["peak_bytes"]:
                 name = getattr(fun, "__name__", "step")
-                best.update(peak_bytes=sum(parts.values()), categories=parts, phase=f"jitted {name}")
+                best.update(peak_bytes=sum(parts.values()), categories=parts, phase=f"in jitted {name}")
             devices = {d for s in jax.tree.leaves(compiled.output_shardings) for d in s.device_set}
             if len(devices) > 1:
                 best["parallelism"] = f"SPMD over {len(devices)} devices"
