@@ -238,8 +238,16 @@ def test_reshard_is_offered_only_to_a_cell_that_turned_it_off_and_jax_temporarie
     )
     jax = MemoryEstimate("JAX", 8, [step], "SPMD over 8 devices", "2 GiB", 2 * GIB, GIB // 2)
     assert _levers(jax, set(), rerun=None) == [
-        "jax.checkpoint, bf16 or a smaller batch shrink XLA's temporaries: at best peak 1.50 GiB, could fit (with none)"
+        "jax.checkpoint, bf16, a smaller batch shrink XLA's temporaries: at best peak 1.50 GiB, could fit (with none)"
     ]
+
+
+def test_a_jax_cell_that_checkpoints_in_bf16_is_offered_neither():
+    cell = JAX_CELL.read_text().replace("jnp.ones((512, 1024))", "jnp.ones((512, 1024), jnp.bfloat16)")
+    cell = cell.replace("def loss(", "@jax.checkpoint\ndef loss(")
+    found = vgpu_magic.estimate(cell, gpu="2x16MB")
+    assert found.fits is False and len(found.levers) == 1, found
+    assert found.levers[0].startswith("a smaller batch shrink XLA's temporaries: at best peak ")
 
 
 BLOCKS_CELL = """

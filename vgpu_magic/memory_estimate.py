@@ -243,7 +243,8 @@ def _levers(result: MemoryEstimate, uses: set[str], rerun: Callable[[int], Memor
     peak, world, levers = result.peak_bytes, result.world, []
     batch = parts.get("activations", 0) + parts.get("temporaries", 0)  # what grows with the batch, at most
     if result.framework == "JAX":  # XLA's temporaries are activations, gradients and scratch alike
-        shrink = "jax.checkpoint, bf16 or a smaller batch shrink XLA's temporaries"
+        tools = [t for t, use in (("jax.checkpoint", "checkpointing"), ("bf16", "bf16")) if use not in uses]
+        shrink = f"{', '.join([*tools, 'a smaller batch'])} shrink XLA's temporaries"
         return [f"{shrink}: {result.outcome(peak - batch, bound=True)} (with none)"] if batch else []
     if "FSDP" in result.parallelism:
         levers.append(f"FSDP over {2 * world} ranks: {result.outcome(rerun(2 * world).peak_bytes)} (re-estimated)")

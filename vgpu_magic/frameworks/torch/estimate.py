@@ -54,11 +54,8 @@ class PeakTracker(mem_tracker.MemTracker):
     backward = False
     untracked = 0  #: > 0 while DTensor propagates shapes in the estimate's own fake mode (no memory)
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.uses: set[str] = set()  #: what the cell does that a lever would offer: checkpointing, bf16
-
     def __enter__(self) -> PeakTracker:
+        self.uses: set[str] = set()  #: what the cell does that a lever would offer: checkpointing, bf16
         self._made = register_module_parameter_registration_hook(self._parameter_made)
         return super().__enter__()
 
@@ -114,8 +111,7 @@ class PeakTracker(mem_tracker.MemTracker):
         """The peak (bytes) on the busiest device, its parts by category, its phase."""
         snap = max(self.get_tracker_snapshot("peak").values(), key=lambda s: s["Total"], default={"Total": 0})
         parts = {CATEGORIES.get(k.value, k.value): v for k, v in snap.items() if k != "Total"}
-        found = {"peak_bytes": snap["Total"], "categories": parts, "phase": self.phase, "backward": self.backward}
-        return {**found, "uses": sorted(self.uses)}
+        return {"peak_bytes": snap["Total"], "categories": parts, "phase": self.phase, "backward": self.backward}
 
 
 class _CudaOnCpu(TorchFunctionMode):
@@ -338,6 +334,5 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
         for mode in (FakeTensorMode(allow_non_fake_inputs=True), cuda, tracker):
             stack.enter_context(mode)
         cell() if callable(cell) else exec(compile(cell, "<vgpu_estimate cell>", "exec"), namespace)
-    found = tracker.result()
     parallelism = " + ".join(sorted(used - {"no reshard"}, reverse=True)) or "single device"
-    return {**found, "parallelism": parallelism, "uses": sorted({*found["uses"], *used})}
+    return {**tracker.result(), "parallelism": parallelism, "uses": sorted(tracker.uses | used)}
