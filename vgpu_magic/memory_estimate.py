@@ -240,26 +240,21 @@ def _levers(result: MemoryEstimate, uses: set[str], rerun: Callable[[int], Memor
     """What could make it fit, each against the device: re-estimated, or bounded by what the peak holds of
     what it shrinks (a lever saves at most that); none that the cell already uses."""
     parts = max(result.ranks, key=lambda r: r.peak_bytes).categories
-    peak, world, levers = result.peak_bytes, result.world, []
+    peak, world, bound, levers = result.peak_bytes, result.world, partial(result.outcome, bound=True), []
     batch = parts.get("activations", 0) + parts.get("temporaries", 0)  # what grows with the batch, at most
     if result.framework == "JAX":  # XLA's temporaries are activations, gradients and scratch alike
         tools = [t for t, use in (("jax.checkpoint", "checkpointing"), ("bf16", "bf16")) if use not in uses]
-        shrink = f"{', '.join([*tools, 'a smaller batch'])} shrink XLA's temporaries"
-        return [f"{shrink}: {result.outcome(peak - batch, bound=True)} (with none)"] if batch else []
+        return [f"{', '.join([*tools, 'a smaller batch'])} shrink XLA's temporaries: {bound(peak - batch)} (with none)"]
+    state = sum(parts.get(k, 0) for k in ("parameters", "gradients", "optimizer state")) * (world - 1) // world
     if "FSDP" in result.parallelism:
         levers.append(f"FSDP over {2 * world} ranks: {result.outcome(rerun(2 * world).peak_bytes)} (re-estimated)")
     elif world > 1:
-        state = sum(parts.get(k, 0) for k in ("parameters", "gradients", "optimizer state"))
-        saved = state * (world - 1) // world
-        levers.append(f"shard the model's state with FSDP2 (fully_shard): {result.outcome(peak - saved, bound=True)}")
+        levers.append(f"shard the model's state with FSDP2 (fully_shard): {bound(peak - state)}")
     if "no reshard" in uses:
         levers.append("reshard_after_forward=True (the default; this cell passes False): not re-estimated")
     if parts.get("activations") and "checkpointing" not in uses:
-        saved = parts["activations"]
-        kept = "(if nothing were kept for the backward; it keeps each checkpointed block's input)"
-        levers.append(f"activation checkpointing: {result.outcome(peak - saved, bound=True)} {kept}")
+        kept = "if nothing were kept for the backward; it keeps each checkpointed block's input"
+        levers.append(f"activation checkpointing: {bound(peak - parts['activations'])} ({kept})")
     if batch and "bf16" not in uses:
-        levers.append(f"bf16 compute (torch.autocast): {result.outcome(peak - batch // 2, bound=True)}")
-    if batch:
-        levers.append(f"half the batch: {result.outcome(peak - batch // 2, bound=True)}")
-    return levers
+        levers.append(f"bf16 compute (torch.autocast): {bound(peak - batch // 2)}")
+    return levers + [f"half the batch: {bound(peak - batch // 2)}"] * bool(batch)
