@@ -69,8 +69,7 @@ class EstimateMagics(Magics):
             options = {k: v for k, v in vars(args).items() if k != "output"}  # estimate's own keywords
         except PlanError as exc:
             raise UsageError(str(exc)) from None
-        # A run takes seconds to minutes: one line says what runs, replaced by the next, and is empty before and
-        # after (as a notebook keeps it, and as nbval, which ignores updates, reads it).
+        # A run takes minutes: a line says what runs, empty before and after (nbval reads no display updates).
         shown = display(Pretty(""), display_id=True)
         try:
             found = estimate(cell, **options, namespace=self.shell.user_ns, progress=lambda t: shown.update(Pretty(t)))
