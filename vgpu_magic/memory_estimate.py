@@ -1,10 +1,10 @@
 """Will it fit? Each rank's peak memory on N devices, before anyone rents them.
 
 :func:`estimate` runs a cell (model building and training steps) as rank R of N with the framework's own
-tools (``frameworks/torch/estimate.py``, ``frameworks/jax/estimate.py``), allocating none of its tensors,
-and returns a :class:`MemoryEstimate`: per rank the peak, its parts and its phase; with a device size, the
-verdict after what CUDA and the framework keep, and the levers. TensorFlow cannot be estimated: it has
-neither fake tensors nor a compile-only memory analysis.
+tools (``frameworks/torch/estimate.py``, ``frameworks/jax/estimate.py``), allocating none of its tensors, and
+returns a :class:`MemoryEstimate`: per rank the peak, its phase and its parts at that moment; with a device size,
+the verdict after what CUDA and the framework keep and, where it does not fit, levers re-estimated or bounded.
+TensorFlow cannot be estimated: it has neither fake tensors nor a compile-only memory analysis.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class MemoryEstimate:
 
     @property
     def verdict(self) -> str | None:
-        """``"fits, 31.2 GiB to spare"`` or ``"does not fit by 4.1 GiB"``."""
+        """``"fits, 31.20 GiB to spare"`` or ``"does not fit by 4.10 GiB"``."""
         spare = self.spare_bytes
         if spare is None:
             return None
