@@ -18,6 +18,7 @@ import vgpu_magic
 from vgpu_magic.errors import PlanError
 from vgpu_magic.inventory import CUDA_CONTEXT_MIB
 from vgpu_magic.memory_estimate import MemoryEstimate, RankMemory, parse_gpu
+from vgpu_magic.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURE = ROOT / "tests" / "scripts" / "measure_cell.py"
@@ -99,7 +100,7 @@ def test_single_device_estimate_equals_the_same_step_run_for_real():
     estimated = vgpu_magic.estimate(PLAIN_CELL, ranks=1)
     assert estimated.peak_bytes == real["peak_bytes"]
     assert estimated.ranks[0].categories == real["categories"]
-    assert estimated.ranks[0].phase == real["phase"] == "optimizer step"
+    assert estimated.ranks[0].phase == real["phase"] == "in the optimizer step"
     assert estimated.parallelism == "single device"
 
 
@@ -163,21 +164,138 @@ def test_verdict_after_cuda_context_and_levers():
     fits = vgpu_magic.estimate(FSDP_CELL, gpu="2xT4")
     assert fits.world == 2 and fits.fits is True
     assert fits.spare_bytes == (15360 - CUDA_CONTEXT_MIB) * 2**20 - fits.peak_bytes
-    assert fits.verdict == f"fits, {fits.spare_bytes / GIB:.1f} GiB to spare"
-    tight = vgpu_magic.estimate(FSDP_CELL, ranks=2, gpu="600MB")
+    assert fits.verdict == f"fits, {format_bytes(fits.spare_bytes)} to spare" and not fits.levers
+    lines = []
+    tight = vgpu_magic.estimate(FSDP_CELL, ranks=2, gpu="600MB", progress=lines.append)
     assert tight.fits is False and tight.verdict.startswith("does not fit by ")
-    more = next(lever for lever in tight.levers if lever.startswith("FSDP over 4 ranks"))
-    assert "re-estimated" in more
+    assert lines == [f"estimating: the cell runs as rank 0 of {n} (PyTorch, fake tensors)…" for n in (2, 4)]
+    more = next(lever for lever in tight.levers if lever.startswith("FSDP over 4 ranks: peak "))
+    assert more.endswith("(re-estimated)") and not any("reshard" in lever for lever in tight.levers)
     data = json.loads(tight.to_json())
     assert data["fits"] is False and data["ranks"][0]["peak_bytes"] == tight.peak_bytes
     assert "does not fit by" in str(tight) and "<table>" in tight._repr_html_()
 
 
+LEVER_CELL = """
+import torch
+from torch.utils.checkpoint import checkpoint
+torch.manual_seed(0)
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
+            for _ in range(4)
+        )
+    def forward(self, x):
+        for block in self.blocks:
+            x = {call}
+        return x
+model = Net()
+opt = torch.optim.AdamW(model.parameters())
+x = torch.randn(4096, 256)
+for _ in range(2):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled={bf16}):
+        loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+PLAIN, CHECKPOINTED = "block(x)", "checkpoint(block, x, use_reentrant=False)"
+KEPT = "(if nothing were kept for the backward; it keeps each checkpointed block's input)"
+
+
+def test_levers_are_bounds_that_hold_each_marked_and_none_the_cell_uses():
+    checkpointed = vgpu_magic.estimate(LEVER_CELL.format(call=CHECKPOINTED, bf16=False))
+    size = f"{CUDA_CONTEXT_MIB + -(-checkpointed.peak_bytes // 2**20)}MB"  # checkpointing makes it fit
+    plain = vgpu_magic.estimate(LEVER_CELL.format(call=PLAIN, bf16=False), gpu=size)
+    assert plain.fits is False and checkpointed.peak_bytes < plain.peak_bytes
+    lever = next(lever for lever in plain.levers if lever.startswith("activation checkpointing: at best peak "))
+    assert lever.endswith(f"could fit {KEPT}")
+    best = plain.peak_bytes - plain.ranks[0].categories["activations"]
+    assert best <= checkpointed.peak_bytes and format_bytes(best) in lever  # a bound the real lever does not beat
+    assert all(lever.endswith(("could fit", f"could fit {KEPT}")) or "still does not fit by" in lever
+               for lever in plain.levers)  # fmt: skip
+    tiny = f"{CUDA_CONTEXT_MIB + 1}MB"
+    assert "still does not fit by" in vgpu_magic.estimate(LEVER_CELL.format(call=PLAIN, bf16=False), gpu=tiny).levers[0]
+    uses = vgpu_magic.estimate(LEVER_CELL.format(call=CHECKPOINTED, bf16=True), gpu=tiny)
+    assert uses.levers and not [lever for lever in uses.levers if "checkpointing" in lever or "bf16" in lever]
+    half = vgpu_magic.estimate(LEVER_CELL.format(call=PLAIN, bf16=True), gpu=tiny)
+    assert [lever.split(":")[0] for lever in half.levers] == ["activation checkpointing", "half the batch"]
+
+
+def test_reshard_is_offered_only_to_a_cell_that_turned_it_off_and_jax_temporaries_are_not_activations():
+    from vgpu_magic.memory_estimate import _levers
+
+    no_reshard = FSDP_CELL.replace("fully_shard(layer)", "fully_shard(layer, reshard_after_forward=False)")
+    off = vgpu_magic.estimate(no_reshard, ranks=2, gpu="600MB")
+    assert off.parallelism == "FSDP2"
+    assert any(
+        lever.startswith("reshard_after_forward=True (the default; this cell passes False)") for lever in off.levers
+    )
+    step = RankMemory(
+        0, 3 * GIB, {"arguments": GIB, "outputs": GIB // 2, "temporaries": GIB + GIB // 2}, "in jitted step"
+    )
+    jax = MemoryEstimate("JAX", 8, [step], "SPMD over 8 devices", "2 GiB", 2 * GIB, GIB // 2)
+    assert _levers(jax, set(), rerun=None) == [
+        "jax.checkpoint, bf16, a smaller batch shrink XLA's temporaries: at best peak 1.50 GiB, could fit (with none)"
+    ]
+
+
+def test_a_jax_cell_that_checkpoints_in_bf16_is_offered_neither():
+    cell = JAX_CELL.read_text().replace("jnp.ones((512, 1024))", "jnp.ones((512, 1024), jnp.bfloat16)")
+    cell = cell.replace("def loss(", "@jax.checkpoint\ndef loss(")
+    found = vgpu_magic.estimate(cell, gpu="2x16MB")
+    assert found.fits is False and len(found.levers) == 1, found
+    assert found.levers[0].startswith("a smaller batch shrink XLA's temporaries: at best peak ")
+
+
+BLOCKS_CELL = """
+import torch
+from torch.distributed.fsdp import fully_shard
+{build}
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(1, 4, 512, device="cuda")).sum().backward()
+opt.step()
+"""
+BLOCK = "torch.nn.TransformerEncoderLayer(512, 8, 2048, batch_first=True)"
+
+
+@pytest.mark.parametrize(
+    ("build", "phase"),
+    [(f"model = torch.nn.Sequential(*[{BLOCK} for _ in range(8)])\nfor block in model:\n    fully_shard(block)",
+      "while the model is built"),
+     (f"with torch.device('meta'):\n    model = torch.nn.Sequential(*[{BLOCK} for _ in range(8)])\n"
+      "for block in model:\n    fully_shard(block)\nmodel.to_empty(device='cuda')", "in the backward")],
+    ids=["built-whole", "meta-recipe"],
+)  # fmt: skip
+def test_parameters_made_before_a_forward_are_parameters_and_meta_tensors_take_no_memory(build, phase):
+    """The unsharded model built whole is its peak, as parameters; FSDP2's meta-device recipe holds only shards,
+    as when each block is built and sharded in turn."""
+    found = vgpu_magic.estimate(BLOCKS_CELL.format(build=build), ranks=8)
+    in_turn = "model = torch.nn.Sequential()\nfor _ in range(8):\n    model.append(fully_shard(" + BLOCK + "))"
+    each = vgpu_magic.estimate(BLOCKS_CELL.format(build=in_turn), ranks=8)
+    assert found.ranks[0].phase == phase
+    if phase == "while the model is built":
+        assert set(found.ranks[0].categories) - {"parameters"} <= {
+            k for k, v in found.ranks[0].categories.items() if not v
+        }
+        assert found.peak_bytes == found.ranks[0].categories["parameters"] > each.peak_bytes
+    else:
+        assert found.peak_bytes == each.peak_bytes and found.ranks[0].categories == each.ranks[0].categories
+
+
 def test_a_memory_estimate_renders_its_figures():
-    rank = RankMemory(0, 3 * GIB, {"parameters": GIB, "activations": 2 * GIB}, "backward")
+    rank = RankMemory(0, 3 * GIB, {"parameters": GIB, "activations": 2 * GIB}, "in the backward")
     found = MemoryEstimate("PyTorch", 2, [rank], gpu_label="4 GiB", gpu_bytes=4 * GIB, kept_bytes=GIB // 2)
-    assert found.verdict == "fits, 0.5 GiB to spare"
-    assert "rank 0: peak 3.00 GiB in the backward (parameters 1.00 GiB · activations 2.00 GiB)" in str(found)
+    assert found.verdict == "fits, 512.0 MiB to spare"
+    shown = "rank 0: peak 3.00 GiB in the backward; held at that moment: parameters 1.00 GiB · activations 2.00 GiB"
+    assert shown in str(found)
+    assert str(found).splitlines()[1].startswith("verdict: ")  # first, above the figures it sums up
+    assert "<tr style='font-weight:bold;color:var(--jp-success-color1)'><th style='text-align:left'>verdict" in (
+        found._repr_html_()
+    )
 
 
 @pytest.mark.parametrize(
@@ -189,19 +307,32 @@ def test_gpu_sizes_and_models(text, expected):
     assert parse_gpu(text)[:2] == expected
 
 
+def test_a_gpu_size_prints_rounded_and_alone_means_one_gpu():
+    assert [parse_gpu(t)[2] for t in ("1200MB", "80GB", "600MB", "1.5GB")] == [
+        "1.17 GiB",
+        "80 GiB",
+        "600.0 MiB",
+        "1.50 GiB",
+    ]
+    found = vgpu_magic.estimate(PLAIN_CELL, gpu="1200MB")
+    assert found.world == 1 and "on 1.17 GiB, less" in str(found)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [({"gpu": "H900"}, "'H900' is neither a size nor a GPU model"), ({"ranks": 0}, "ranks 0 is not"),
      ({"ranks": 2, "rank": 2}, "rank 2 is not a rank of 2"), ({"gpu": "4x80GB", "ranks": 2}, "make them agree"),
-     ({"ranks": 2, "framework": "tf"}, "tensorflow cannot be estimated"), ({"gpu": "0x80GB"}, "counts no GPUs")],
+     ({"ranks": 2, "framework": "tf"}, "tensorflow cannot be estimated"), ({"gpu": "0x80GB"}, "counts no GPUs"),
+     ({"gpu": "8x24"}, "'8x24' would be 24 MiB per GPU; give the unit, e.g. 8x24GB$")],
 )  # fmt: skip
 def test_bad_input_is_one_line_before_anything_runs(kwargs, match):
     with pytest.raises(PlanError, match=match):
         vgpu_magic.estimate("raise AssertionError('ran')\nimport torch", **kwargs)
 
 
-def test_magic_estimates_stores_and_refuses(ip):
+def test_magic_estimates_stores_and_refuses(ip, capsys):
     found = ip.run_cell_magic("vgpu_estimate", "--gpu 2xL4 -o fit", FSDP_CELL)
+    assert "estimating: the cell runs as rank 0 of 2 (PyTorch, fake tensors)…" in capsys.readouterr().out
     assert ip.user_ns["fit"] is found and found.fits is True and found.world == 2
     assert "model" not in ip.user_ns
     for line, match in [
@@ -210,6 +341,7 @@ def test_magic_estimates_stores_and_refuses(ip):
         ("--ranks 2 --rank -1", "--rank -1 is negative"),
         ("--ranks 2 -o 1a", "not a variable name"),
         ("--ranks 2 --gpu", "--gpu needs a value"),
+        ("--gpu 8x24", "e.g. 8x24GB"),
     ]:
         with pytest.raises(UsageError, match=match):
             ip.run_cell_magic("vgpu_estimate", line, "raise AssertionError('ran')\nimport torch")

@@ -12,6 +12,7 @@ import argparse
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.display import Pretty, display
 
 from .errors import PlanError, excerpt
 from .grammar import framework_name, parse_arguments, whole
@@ -40,7 +41,7 @@ class EstimateMagics(Magics):
         "-n",
         type=whole("--ranks", 1, 2**20, "--ranks 8"),
         metavar="N",
-        help="ranks; default: the count in --gpu 8x80GB",
+        help="ranks; default: the count in --gpu 8x80GB, else 1",
     )
     @argument("--gpu", "-g", type=_gpu, metavar="SIZE", help=f"80GB, 8x80GB or a model ({', '.join(GPU_MODELS)})")
     @argument(
@@ -66,9 +67,16 @@ class EstimateMagics(Magics):
             if args.output is not None and not args.output.isidentifier():
                 raise PlanError(f"-o {excerpt(args.output)} is not a variable name; use e.g. -o fit")
             options = {k: v for k, v in vars(args).items() if k != "output"}  # estimate's own keywords
-            found = estimate(cell, **options, namespace=self.shell.user_ns)
         except PlanError as exc:
             raise UsageError(str(exc)) from None
+        # A run takes minutes: a line says what runs, empty before and after (nbval reads no display updates).
+        shown = display(Pretty(""), display_id=True)
+        try:
+            found = estimate(cell, **options, namespace=self.shell.user_ns, progress=lambda t: shown.update(Pretty(t)))
+        except PlanError as exc:
+            raise UsageError(str(exc)) from None
+        finally:
+            shown.update(Pretty(""))
         if args.output:
             self.shell.user_ns[args.output] = found
         return found

@@ -1,10 +1,10 @@
 """Will it fit? Each rank's peak memory on N devices, before anyone rents them.
 
 :func:`estimate` runs a cell (model building and training steps) as rank R of N with the framework's own
-tools (``frameworks/torch/estimate.py``, ``frameworks/jax/estimate.py``), allocating none of its tensors,
-and returns a :class:`MemoryEstimate`: per rank the peak, its parts and its phase; with a device size, the
-verdict after what CUDA and the framework keep, and the levers. TensorFlow cannot be estimated: it has
-neither fake tensors nor a compile-only memory analysis.
+tools (``frameworks/torch/estimate.py``, ``frameworks/jax/estimate.py``), allocating none of its tensors, and
+returns a :class:`MemoryEstimate`: per rank the peak, its phase and its parts at that moment; with a device size,
+the verdict after what CUDA and the framework keep and, where it does not fit, levers re-estimated or bounded.
+TensorFlow cannot be estimated: it has neither fake tensors nor a compile-only memory analysis.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 from unittest import mock
 
 from . import frameworks
 from .errors import PlanError, excerpt
 from .inventory import CUDA_CONTEXT_MIB
-from .units import GIB, format_bytes
+from .units import format_bytes
 
 #: Device memory as ``nvidia-smi`` reports it (MiB), by model; a name's spaces, dashes and case do not matter.
 GPU_MODELS = {
@@ -58,7 +59,9 @@ def parse_gpu(text: str) -> tuple[int | None, int, str]:
             f"--gpu {excerpt(text)} is neither a size nor a GPU model known here; use a size "
             f"(80GB, 8x80GB) or one of {', '.join(GPU_MODELS)}"
         )
-    return count, mib, f"{mib / 1024:g} GiB"
+    if what.isdigit() and mib < 1024:  # a bare number is MiB, and no GPU has less than a GiB: a unit was left out
+        raise PlanError(f"--gpu {excerpt(text)} would be {mib} MiB per GPU; give the unit, e.g. {text.strip()}GB")
+    return count, mib, f"{mib // 1024} GiB" if mib % 1024 == 0 else format_bytes(mib * 2**20)
 
 
 @dataclass
@@ -101,24 +104,30 @@ class MemoryEstimate:
 
     @property
     def verdict(self) -> str | None:
-        """``"fits, 31.2 GiB to spare"`` or ``"does not fit by 4.1 GiB"``."""
+        """``"fits, 31.20 GiB to spare"`` or ``"does not fit by 4.10 GiB"``."""
         spare = self.spare_bytes
         if spare is None:
             return None
-        return f"fits, {spare / GIB:.1f} GiB to spare" if spare >= 0 else f"does not fit by {-spare / GIB:.1f} GiB"
+        return f"fits, {format_bytes(spare)} to spare" if spare >= 0 else f"does not fit by {format_bytes(-spare)}"
+
+    def outcome(self, peak: int, bound: bool = False) -> str:
+        """How a lever's ``peak`` fares on the device: ``"peak 20.00 GiB, fits"``; a bound's is "at best"."""
+        spare = self.gpu_bytes - self.kept_bytes - peak
+        verdict = ("could fit" if bound else "fits") if spare >= 0 else f"still does not fit by {format_bytes(-spare)}"
+        return f"{'at best ' * bound}peak {format_bytes(peak)}, {verdict}"
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "peak_bytes": self.peak_bytes, "fits": self.fits, "verdict": self.verdict})
 
     def _lines(self) -> list[tuple[str, str]]:
         rows = [("", f"{self.framework}, {self.parallelism}, {self.world} rank{'s' * (self.world > 1)}")]
-        for r in self.ranks:
-            parts = " · ".join(f"{k} {format_bytes(v)}" for k, v in r.categories.items() if v)
-            where = f" in the {r.phase}" if r.phase else ""
-            rows.append((f"rank {r.rank}", f"peak {format_bytes(r.peak_bytes)}{where} ({parts})"))
         if self.verdict:
             kept = f"{format_bytes(self.kept_bytes)} for CUDA, cuBLAS and {self.framework}"
             rows.append(("verdict", f"on {self.gpu_label}, less {kept}: {self.verdict}"))
+        for r in self.ranks:
+            parts = " · ".join(f"{k} {format_bytes(v)}" for k, v in r.categories.items() if v)
+            where = f" {r.phase}" if r.phase else ""
+            rows.append((f"rank {r.rank}", f"peak {format_bytes(r.peak_bytes)}{where}; held at that moment: {parts}"))
         rows += [("lever", lever) for lever in self.levers] + [("note", note) for note in self.notes]
         return rows
 
@@ -129,9 +138,10 @@ class MemoryEstimate:
 
     def _repr_html_(self) -> str:
         (_, title), *rows = self._lines()
+        colour = f"font-weight:bold;color:var(--jp-{'success' if self.fits else 'error'}-color1)"
         body = "".join(
-            f"<tr><th style='text-align:left'>{html.escape(a)}</th><td style='text-align:left'>"
-            f"{html.escape(b)}</td></tr>"
+            f"<tr style='{colour * (a == 'verdict')}'><th style='text-align:left'>{html.escape(a)}</th>"
+            f"<td style='text-align:left'>{html.escape(b)}</td></tr>"
             for a, b in rows
         )
         return f"<table><caption>Estimated peak memory per rank ({html.escape(title)})</caption>{body}</table>"
@@ -164,16 +174,18 @@ def estimate(
     *,
     all_ranks: bool = False,
     namespace: dict | None = None,
+    progress: Callable[[str], None] = lambda line: None,
 ) -> MemoryEstimate:
     """Each rank's peak memory when ``code_or_function`` (a cell's code, or a function of no arguments,
     that builds the model and runs a training step) runs on ``ranks`` devices (default: the count in
-    ``gpu``: a size ``"80GB"``, ``"8x80GB"`` or a model in :data:`GPU_MODELS`). ``framework``: torch or
+    ``gpu``: a size ``"80GB"``, ``"8x80GB"`` or a model in :data:`GPU_MODELS`; else 1). ``framework``: torch or
     jax (default: the one the code names). ``rank`` / ``all_ranks``: which ranks to run as (FSDP's uneven
     shards make them differ). ``namespace``: names the code may use; it runs in a copy, nothing stays.
+    ``progress``: called with a line before each run of the cell (a run takes seconds to minutes).
     Raises :class:`PlanError` (one line, nothing changed) for bad input, TensorFlow, or no training step.
     """
     count, gpu_mib, gpu_label = parse_gpu(gpu) if gpu is not None else (None, None, None)
-    ranks = ranks if ranks is not None else count
+    ranks = ranks if ranks is not None else count or 1
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise PlanError(f"ranks {excerpt(ranks)} is not a number of ranks; use a whole number ≥ 1, e.g. ranks=8")
     if count is not None and count != ranks:
@@ -186,14 +198,19 @@ def estimate(
         raise PlanError("nothing to estimate; give the code that builds the model and runs a training step")
     name = _framework(code_or_function, framework)
     chosen = list(range(ranks)) if all_ranks else [rank]
+    label = frameworks.get(name).label
     if name == "torch":
         with mock.patch.dict(os.environ):  # torch's tools set TORCHINDUCTOR_CACHE_DIR when first imported
             from .frameworks.torch.estimate import estimate_rank
 
-        found = [(r, estimate_rank(code_or_function, ranks, r, namespace)) for r in chosen]
+        found = []
+        for r in chosen:
+            progress(f"estimating: the cell runs as rank {r} of {ranks} ({label}, fake tensors)…")
+            found.append((r, estimate_rank(code_or_function, ranks, r, namespace)))
     else:
         from .frameworks.jax.estimate import estimate_ranks
 
+        progress(f"estimating: the cell's jitted steps compile for {ranks} devices ({label})…")
         found = list(zip(chosen, estimate_ranks(code_or_function, ranks, chosen, namespace)))
     if not any(f["peak_bytes"] for _, f in found):
         if name == "jax":
@@ -203,11 +220,12 @@ def estimate(
         raise PlanError("the cell has no training step (no backward pass ran); add one, e.g. loss.backward()")
     first = found[0][1]
     per_rank = [RankMemory(r, f["peak_bytes"], f["categories"], f["phase"]) for r, f in found]
-    label = frameworks.get(name).label
     result = MemoryEstimate(label, ranks, per_rank, first["parallelism"], gpu_label, notes=list(first.get("notes", [])))
     if gpu_mib is not None:
         result.gpu_bytes, result.kept_bytes = gpu_mib * 2**20, _kept_mib(name, gpu_mib) * 2**20
-        result.levers = _levers(result, code_or_function, namespace, name)
+        if not result.fits:
+            rerun = partial(estimate, code_or_function, framework=name, namespace=namespace, progress=progress)
+            result.levers = _levers(result, set(first.get("uses", ())), rerun)
     return result
 
 
@@ -218,28 +236,25 @@ def _kept_mib(name: str, gpu_mib: int) -> int:
     return CUDA_CONTEXT_MIB  # torch keeps nothing back itself: its planner reserve is this same allowance
 
 
-def _levers(result: MemoryEstimate, cell: Any, namespace: dict | None, name: str) -> list[str]:
-    """What would change the verdict, each with its effect where that is cheap to know."""
+def _levers(result: MemoryEstimate, uses: set[str], rerun: Callable[[int], MemoryEstimate]) -> list[str]:
+    """What could make it fit, each against the device: re-estimated, or bounded by what the peak holds of
+    what it shrinks (a lever saves at most that); none that the cell already uses."""
     parts = max(result.ranks, key=lambda r: r.peak_bytes).categories
-    activations = parts.get("activations", 0) + parts.get("temporaries", 0)
-    state = sum(parts.get(k, 0) for k in ("parameters", "gradients", "optimizer state"))
-    levers = []
-    fsdp = "FSDP" in result.parallelism
-    if fsdp and result.fits is False:
-        more = estimate(cell, 2 * result.world, framework=name, namespace=namespace)
-        levers.append(f"FSDP over {2 * result.world} ranks: peak {format_bytes(more.peak_bytes)} (re-estimated)")
-    elif not fsdp and result.world > 1 and name == "torch":
-        saved = state * (result.world - 1) // result.world
-        levers.append(
-            f"shard with FSDP2 (fully_shard): about {format_bytes(saved)} less (parameters, gradients, "
-            "optimizer state ÷ ranks)"
-        )
-    if fsdp:
-        levers.append("reshard_after_forward=True (the default) keeps only a shard of each layer between passes")
-    if activations:
-        levers += [
-            f"activation checkpointing: up to {format_bytes(activations)} of activations, recomputed in backward",
-            f"mixed precision (bf16 compute): about {format_bytes(activations // 2)} less in activations",
-            f"half the batch: about {format_bytes(activations // 2)} less",
-        ]
-    return levers
+    peak, world, bound, levers = result.peak_bytes, result.world, partial(result.outcome, bound=True), []
+    batch = parts.get("activations", 0) + parts.get("temporaries", 0)  # what grows with the batch, at most
+    if result.framework == "JAX":  # XLA's temporaries are activations, gradients and scratch alike
+        tools = [t for t, use in (("jax.checkpoint", "checkpointing"), ("bf16", "bf16")) if use not in uses]
+        return [f"{', '.join([*tools, 'a smaller batch'])} shrink XLA's temporaries: {bound(peak - batch)} (with none)"]
+    state = sum(parts.get(k, 0) for k in ("parameters", "gradients", "optimizer state")) * (world - 1) // world
+    if "FSDP" in result.parallelism:
+        levers.append(f"FSDP over {2 * world} ranks: {result.outcome(rerun(2 * world).peak_bytes)} (re-estimated)")
+    elif world > 1:
+        levers.append(f"shard the model's state with FSDP2 (fully_shard): {bound(peak - state)}")
+    if "no reshard" in uses:
+        levers.append("reshard_after_forward=True (the default; this cell passes False): not re-estimated")
+    if parts.get("activations") and "checkpointing" not in uses:
+        kept = "if nothing were kept for the backward; it keeps each checkpointed block's input"
+        levers.append(f"activation checkpointing: {bound(peak - parts['activations'])} ({kept})")
+    if batch and "bf16" not in uses:
+        levers.append(f"bf16 compute (torch.autocast): {bound(peak - batch // 2)}")
+    return levers + [f"half the batch: {bound(peak - batch // 2)}"] * bool(batch)

@@ -46,6 +46,7 @@ def _run(cell: str) -> dict[str, Any]:
 
     jit = jax.jit
     best: dict[str, Any] = {"peak_bytes": 0, "categories": {}, "phase": None, "parallelism": "single device"}
+    uses = best["uses"] = []  # what a lever would offer: checkpointing, bf16
 
     def estimating_jit(fun: Any = None, **options: Any) -> Any:
         if fun is None:  # used as @jax.jit(**options)
@@ -54,6 +55,8 @@ def _run(cell: str) -> dict[str, Any]:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             compiled = jitted.lower(*args, **kwargs).compile()
+            if any(str(getattr(leaf, "dtype", "")) in ("bfloat16", "float16") for leaf in jax.tree.leaves(args)):
+                uses.append("bf16")
             m = compiled.memory_analysis()
             parts = {
                 "arguments": m.argument_size_in_bytes,
@@ -62,7 +65,7 @@ def _run(cell: str) -> dict[str, Any]:
             }
             if sum(parts.values()) > best["peak_bytes"]:
                 name = getattr(fun, "__name__", "step")
-                best.update(peak_bytes=sum(parts.values()), categories=parts, phase=f"jitted {name}")
+                best.update(peak_bytes=sum(parts.values()), categories=parts, phase=f"in jitted {name}")
             devices = {d for s in jax.tree.leaves(compiled.output_shardings) for d in s.device_set}
             if len(devices) > 1:
                 best["parallelism"] = f"SPMD over {len(devices)} devices"
@@ -88,6 +91,13 @@ def _run(cell: str) -> dict[str, Any]:
         return jax.tree.map(one, x)
 
     jax.jit, jax.device_put = estimating_jit, shapes_put
+    checkpoint = jax.checkpoint
+
+    def noted_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        uses.append("checkpointing")
+        return checkpoint(*args, **kwargs)
+
+    jax.checkpoint = jax.remat = noted_checkpoint
     exec(compile(cell, "<vgpu_estimate cell>", "exec"), {"__name__": "__main__"})
     return best
 

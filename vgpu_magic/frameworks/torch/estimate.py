@@ -28,6 +28,7 @@ if "tensorflow" in sys.modules:
 import torch
 import torch.distributed as dist
 from torch.distributed._tools import mem_tracker
+from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["PeakTracker", "estimate_rank"]
@@ -53,6 +54,24 @@ class PeakTracker(mem_tracker.MemTracker):
     backward = False
     untracked = 0  #: > 0 while DTensor propagates shapes in the estimate's own fake mode (no memory)
 
+    def __enter__(self) -> PeakTracker:
+        self.uses: set[str] = set()  #: what the cell does that a lever would offer: checkpointing, bf16
+        self._made = register_module_parameter_registration_hook(self._parameter_made)
+        return super().__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        self._made.remove()
+        super().__exit__(*args)
+
+    def _parameter_made(self, module: torch.nn.Module, name: str, param: torch.Tensor | None) -> None:
+        # A parameter is one from its making; MemTracker counts it an activation until a forward uses it, so a
+        # peak while the model is built (or before FSDP shards it) read as activations.
+        if param is not None:
+            self._update_and_maybe_create_winfos(param, mem_tracker._MemRefType.PARAM)
+            for device, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(device) == snap["Total"]:  # the peak is now: its parts as they are now
+                    self._peak_mem_snap[device] = dict(snap)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.untracked:
             return func(*args, **(kwargs or {}))
@@ -63,20 +82,30 @@ class PeakTracker(mem_tracker.MemTracker):
         super()._pre_bw_hook(module, args)
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+        if self._mod_tracker.is_bw:  # a forward inside the backward: checkpointing recomputes it
+            self.uses.add("checkpointing")
         # A root module called again is the next iteration (MemTracker would refuse it): start afresh.
         again = module in self.memory_tracking and not self._mod_tracker.is_bw
         if again and set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} <= {"Global"}:
             self.reset_mod_stats()
         super()._pre_fw_hook(module, inputs)
 
+    def _post_fw_hook(self, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
+        half = (torch.bfloat16, torch.float16)
+        if any(isinstance(t, torch.Tensor) and t.dtype in half for t in torch.utils._pytree.tree_leaves(outputs)):
+            self.uses.add("bf16")
+        super()._post_fw_hook(module, inputs, outputs)
+
     def _update_peak_stats(self, peak_state: Any) -> None:
-        # The process's peak only: MemTracker's per-module walk costs more the larger the model.
+        # The process's peak only: MemTracker's per-module walk costs more the larger the model. Meta tensors
+        # (FSDP2's recipe builds the model there) take no memory.
         for device, snap in self._curr_mem_snap.items():
-            if self._peak_mem.get(device, 0) < snap["Total"]:
+            if device.type != "meta" and self._peak_mem.get(device, 0) < snap["Total"]:
                 self._peak_mem[device], self._peak_mem_snap[device] = snap["Total"], dict(snap)
                 busy = set(self._mod_tracker.parents) - {"Global"}
-                phase = "backward" if self._mod_tracker.is_bw else "forward" if busy else "outside the model's forward"
-                self.phase = "optimizer step" if self._in_opt else phase
+                outside = "between the model's passes" if self.memory_tracking else "while the model is built"
+                phase = "in the backward" if self._mod_tracker.is_bw else "in the forward" if busy else outside
+                self.phase = "in the optimizer step" if self._in_opt else phase
 
     def result(self) -> dict[str, Any]:
         """The peak (bytes) on the busiest device, its parts by category, its phase."""
@@ -237,7 +266,7 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
 
     def noted(label: str, function: Callable, untracked: bool = False) -> Callable:
         def call(*args: Any, **kwargs: Any) -> Any:
-            used.add(label)
+            used.update([label, *["no reshard"] * (kwargs.get("reshard_after_forward") is False)])
             with _pop_mode_temporarily() if untracked else contextlib.nullcontext():
                 return function(*args, **kwargs)
 
@@ -305,4 +334,5 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
         for mode in (FakeTensorMode(allow_non_fake_inputs=True), cuda, tracker):
             stack.enter_context(mode)
         cell() if callable(cell) else exec(compile(cell, "<vgpu_estimate cell>", "exec"), namespace)
-    return {**tracker.result(), "parallelism": " + ".join(sorted(used, reverse=True)) or "single device"}
+    parallelism = " + ".join(sorted(used - {"no reshard"}, reverse=True)) or "single device"
+    return {**tracker.result(), "parallelism": parallelism, "uses": sorted(tracker.uses | used)}
