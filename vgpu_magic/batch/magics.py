@@ -1,0 +1,150 @@
+"""``%vgpu_job``: a thin face over :func:`~vgpu_magic.batch.submit`, :class:`~vgpu_magic.batch.Job` and
+:func:`~vgpu_magic.batch.jobs`. Bad input is one :class:`~IPython.core.error.UsageError` line, and nothing is
+submitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import time
+from pathlib import Path
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from ..errors import PlanError
+from ..frameworks import choices
+from ..grammar import choice, framework_name, parse_arguments, whole
+from . import ENDED, FOLDER, Job, JobSpec, backend, jobs, submit_spec
+
+__all__ = ["JobMagics"]
+
+_ACTIONS = ("submit", "script", "status", "logs", "cancel")
+_SUBMIT = "%vgpu_job submit --framework torch --nodes 2 --ranks-per-node 8 train.py --epochs 2"
+#: Seconds between two looks at a followed job's logs.
+FOLLOW_POLL = 0.5
+
+
+@magics_class
+class JobMagics(Magics):
+    """``%vgpu_job``."""
+
+    @magic_arguments()
+    @argument(
+        "action",
+        type=choice(_ACTIONS, "{value} is not an action; use " + ", ".join(_ACTIONS), _SUBMIT),
+        help="submit or show the batch script of FILE ARGS; the status, logs or cancel of job ID",
+    )
+    @argument("target", nargs="?", metavar="FILE|ID", help="the script (submit, script) or the job id")
+    @argument("--framework", "-f", type=framework_name, default="torch", help=f"{choices()}: how tasks are wired")
+    @argument("--nodes", "-N", type=whole("--nodes", 1, 4096, "--nodes 2"), default=1, help="nodes (default 1)")
+    @argument(
+        "--ranks-per-node",
+        "-n",
+        type=whole("--ranks-per-node", 1, 1024, "--ranks-per-node 8"),
+        default=1,
+        help="ranks (tasks) per node (default 1)",
+    )
+    @argument("--gpus-per-node", type=whole("--gpus-per-node", 0, 1024, "--gpus-per-node 8"), help="GPUs per node")
+    @argument("--time", help="time limit, e.g. 30 or 01:00:00")
+    @argument("--partition", help="the partition")
+    @argument("--account", help="the account to charge")
+    @argument("--name", help="the job's name (default vgpu-<script name>)")
+    @argument("--port", type=whole("--port", 1, 65535, "--port 29500"), help="rank 0's port (default: from the job id)")
+    @argument("--rank", "-r", type=whole("--rank", 0, 2**20, "--rank 0"), help="logs: this rank's only")
+    @argument("--follow", action="store_true", help="logs: stream until the job ends (interrupt stops following)")
+    @argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments (its sys.argv[1:])")
+    @line_magic
+    def vgpu_job(self, line: str):
+        """Submit the rehearsed script as a batch job, each task wired as the rehearsal wires
+        its rank; follow it from any notebook.
+
+        ::
+
+            %vgpu_job submit --framework torch --nodes 2 --ranks-per-node 8 --time 01:00:00 train.py --epochs 2
+            %vgpu_job script --framework torch --nodes 2 --ranks-per-node 8 train.py   # the batch script
+            %vgpu_job status          # every job of this folder's scripts
+            %vgpu_job logs 123 --rank 0 --follow
+            %vgpu_job cancel 123
+        """
+        args = self._parse(line)
+        if args.action in ("submit", "script"):
+            if args.target is None:
+                raise UsageError(f"say which script to {args.action}, e.g. {_SUBMIT}")
+            options = {k: getattr(args, k) for k in ("gpus_per_node", "time", "partition", "account", "name", "port")}
+            try:
+                spec = JobSpec(
+                    args.target, tuple(args.script_args), args.framework, args.nodes, args.ranks_per_node, **options
+                )
+                if args.action == "script":
+                    text = backend(spec.backend).script(spec)
+                    print(text, end="")
+                    return text
+                job = submit_spec(spec)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+            print(f"submitted job {job.job_id} ({spec.nodes} node(s) × {spec.ranks_per_node} {spec.framework} ranks)")
+            print(f"follow it: %vgpu_job logs {job.job_id} --follow; its folder: {job.folder}")
+            return job
+        if args.action == "status":
+            found = jobs() if args.target is None else [self._job(args.target)]
+            print("\n".join(job.summary() for job in found) or f"no jobs under {Path.cwd()}")
+            return found
+        job = self._job(args.target, args.action)
+        if args.action == "cancel":
+            job.cancel()
+            print(f"cancelled job {job.job_id}")
+            return job
+        if args.rank is not None and args.rank >= job.spec.ranks:
+            raise UsageError(f"--rank {args.rank} is not a rank of job {job.job_id}; use 0..{job.spec.ranks - 1}")
+        return self._logs(job, args.rank, args.follow)
+
+    def _parse(self, line: str) -> argparse.Namespace:
+        try:
+            args = parse_arguments(self.vgpu_job.parser, line, example=_SUBMIT)
+            if args.action not in ("submit", "script") and args.script_args:
+                # After an id the words are options (logs 12 --rank 1), not a script's arguments.
+                words = [args.action, *args.script_args, *[args.target] * (args.target is not None)]
+                args = parse_arguments(self.vgpu_job.parser, shlex.join(words), example=_SUBMIT)
+        except PlanError as exc:
+            raise UsageError(str(exc)) from None
+        return args
+
+    def _job(self, job_id: str | None, action: str = "status") -> Job:
+        if job_id is None:
+            raise UsageError(f"say which job, e.g. %vgpu_job {action} 123 (%vgpu_job status lists them)")
+        found = [job for job in jobs() if job.job_id == job_id]
+        if not found:
+            raise UsageError(f"job {job_id!r} is not one of the jobs under {Path.cwd()} (in {FOLDER}/ folders)")
+        return found[0]
+
+    def _logs(self, job: Job, rank: int | None, follow: bool) -> str | None:
+        """The logs; with ``follow`` print what is added until the job ends or the cell is interrupted."""
+        if not follow:
+            print(job.logs(rank), end="")
+            return None
+        read: dict[int, int] = {}
+        try:
+            while True:
+                ended = job.state in ENDED
+                print(_new_lines(job, rank, read), end="")
+                if ended:
+                    break
+                time.sleep(FOLLOW_POLL)
+        except KeyboardInterrupt:
+            print(f"stopped following job {job.job_id} (it goes on)")
+        print(job.summary())
+        return None
+
+
+def _new_lines(job: Job, rank: int | None, read: dict[int, int]) -> str:
+    """The whole lines each rank wrote since ``read`` (rank -> characters read, updated), labelled."""
+    added = []
+    for r in range(job.spec.ranks) if rank is None else [rank]:
+        text = job.backend.logs(job.folder, r)
+        done = text.rfind("\n") + 1
+        added += [f"[rank {r}] {line}\n" for line in text[read.get(r, 0) : done].splitlines()]
+        read[r] = max(read.get(r, 0), done)
+    return "".join(added)
