@@ -17,7 +17,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from ..errors import PlanError
 from ..frameworks import choices
 from ..grammar import choice, framework_name, parse_arguments, whole
-from . import ENDED, FOLDER, Job, JobSpec, backend, jobs, submit_spec
+from . import ENDED, FOLDER, Job, JobSpec, backend, jobs, submit
 
 __all__ = ["JobMagics"]
 
@@ -74,19 +74,16 @@ class JobMagics(Magics):
             if args.target is None:
                 raise UsageError(f"say which script to {args.action}, e.g. {_SUBMIT}")
             options = {k: getattr(args, k) for k in ("gpus_per_node", "time", "partition", "account", "name", "port")}
+            request = (args.target, tuple(args.script_args), args.framework, args.nodes, args.ranks_per_node)
             try:
-                spec = JobSpec(
-                    args.target, tuple(args.script_args), args.framework, args.nodes, args.ranks_per_node, **options
-                )
                 if args.action == "script":
-                    text = backend(spec.backend).script(spec)
+                    text = backend("slurm").script(JobSpec(*request, **options))
                     print(text, end="")
                     return text
-                job = submit_spec(spec)
+                job = submit(*request, **options)
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
-            print(f"submitted job {job.job_id} ({spec.nodes} node(s) × {spec.ranks_per_node} {spec.framework} ranks)")
-            print(f"follow it: %vgpu_job logs {job.job_id} --follow; its folder: {job.folder}")
+            print(f"submitted job {job.job_id}; follow it with %vgpu_job logs {job.job_id} --follow")
             return job
         if args.action == "status":
             found = jobs() if args.target is None else [self._job(args.target)]
@@ -99,7 +96,9 @@ class JobMagics(Magics):
             return job
         if args.rank is not None and args.rank >= job.spec.ranks:
             raise UsageError(f"--rank {args.rank} is not a rank of job {job.job_id}; use 0..{job.spec.ranks - 1}")
-        return self._logs(job, args.rank, args.follow)
+        if args.follow:
+            return self._follow(job, args.rank)
+        print(job.logs(args.rank), end="")
 
     def _parse(self, line: str) -> argparse.Namespace:
         try:
@@ -120,31 +119,15 @@ class JobMagics(Magics):
             raise UsageError(f"job {job_id!r} is not one of the jobs under {Path.cwd()} (in {FOLDER}/ folders)")
         return found[0]
 
-    def _logs(self, job: Job, rank: int | None, follow: bool) -> str | None:
-        """The logs; with ``follow`` print what is added until the job ends or the cell is interrupted."""
-        if not follow:
-            print(job.logs(rank), end="")
-            return None
+    def _follow(self, job: Job, rank: int | None) -> None:
         read: dict[int, int] = {}
         try:
             while True:
                 ended = job.state in ENDED
-                print(_new_lines(job, rank, read), end="")
+                print(job.logs(rank, read), end="")
                 if ended:
                     break
                 time.sleep(FOLLOW_POLL)
         except KeyboardInterrupt:
             print(f"stopped following job {job.job_id} (it goes on)")
         print(job.summary())
-        return None
-
-
-def _new_lines(job: Job, rank: int | None, read: dict[int, int]) -> str:
-    """The whole lines each rank wrote since ``read`` (rank -> characters read, updated), labelled."""
-    added = []
-    for r in range(job.spec.ranks) if rank is None else [rank]:
-        text = job.backend.logs(job.folder, r)
-        done = text.rfind("\n") + 1
-        added += [f"[rank {r}] {line}\n" for line in text[read.get(r, 0) : done].splitlines()]
-        read[r] = max(read.get(r, 0), done)
-    return "".join(added)

@@ -1,8 +1,11 @@
-"""SLURM's job backend, on SLURM's own commands: ``sbatch`` submits a batch script a user could have written
-(and can keep, edit and ``sbatch`` by hand), ``scontrol show job`` says the state while SLURM holds the job,
-``scancel`` cancels it. Without SLURM's accounting (``sacct``) a job SLURM has forgotten is read from what its
-tasks left in its folder. submitit was weighed and not used: it runs pickled functions, not an unchanged
-script, and reads a finished job's state from ``sacct``.
+"""SLURM's job backend, on SLURM's own commands: ``sbatch`` takes a batch script a user could keep, edit and
+``sbatch`` by hand; ``scontrol show job`` says the state while SLURM holds the job; ``scancel``. A job SLURM has
+forgotten is read from what its tasks left (SLURM's accounting, ``sacct``, may be off; submitit reads it, and runs
+pickled functions rather than an unchanged script).
+
+Each task runs ``python -m vgpu_magic.batch.slurm FRAMEWORK PORT SCRIPT ARGS...`` (:func:`main`): the ranks' hosts
+from SLURM's variables, as the rehearsal's engines report them; the rehearsal's own ``layout_ranks`` and
+``plan_ranks`` compute the wiring; its environment only (caps and splits are a rehearsal's) goes to ``python SCRIPT``.
 """
 
 from __future__ import annotations
@@ -10,52 +13,44 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from . import JobBackend, JobSpec
+from .. import frameworks
+from ..frameworks.base import RankPlan
+from ..inventory import visible_gpus
+from ..layout import HostReport, SlurmStep, layout_ranks
+from ..ranks.hosts import LAUNCHER_VARIABLES
+from . import FOLDER, JobBackend, JobSpec
 
-__all__ = ["SlurmJobs"]
-
-#: The batch script: its folder made first (``$SLURM_JOB_ID`` is known only then), one ``srun`` whose tasks
-#: each write their exit status beside their output, then the step's status.
+#: The batch script: the job's folder made first (its id is known only then), one ``srun`` whose tasks each write
+#: their exit status beside their output, then the step's status.
 TEMPLATE = """#!/bin/bash
 {options}#SBATCH --output=/dev/null
-# vgpu_magic: {framework} wiring computed on each task from SLURM's variables (python -m vgpu_magic.batch.task)
 job={jobs}/$SLURM_JOB_ID
 mkdir -p "$job" && exec >"$job/job.out" 2>&1
-# Each line of the ranks' output reaches their logs when printed (followed with %vgpu_job logs --follow).
+# Each line of the ranks' output reaches their logs when printed (%vgpu_job logs --follow).
 export PYTHONUNBUFFERED=1
-srun --kill-on-bad-exit=1 --output="$job/rank-%t.log" \\
-  sh -c '"$@"; echo $? >"$0/rank-$SLURM_PROCID.exit"' "$job" \\
-  {python} -m vgpu_magic.batch.task {framework} {port} {command}
+srun --kill-on-bad-exit=1 --output="$job/rank-%t.log" sh -c '"$@"; echo $? >"$0/rank-$SLURM_PROCID.exit"' "$job" \\
+  {python} -m vgpu_magic.batch.slurm {framework} {port} {command}
 status=$?
 echo $status >"$job/job.exit"
 exit $status
 """
+#: Rank 0's port where none is given, from the job id as PyTorch Lightning's SLURM support picks it: each task
+#: computes it alone.
+PORT_BASE = 15000
 
 
 class SlurmJobs(JobBackend):
-    """Jobs on SLURM through ``sbatch``, ``scontrol`` and ``scancel``."""
-
-    name = "slurm"
-
     def script(self, spec: JobSpec) -> str:
-        options = {
-            "job-name": spec.name or f"vgpu-{Path(spec.script).stem}",
-            "nodes": spec.nodes,
-            "ntasks-per-node": spec.ranks_per_node,
-            "gpus-per-node": spec.gpus_per_node,
-            "time": spec.time,
-            "partition": spec.partition,
-            "account": spec.account,
-            "chdir": os.getcwd(),
-        }
+        options = {"nodes": spec.nodes, "time": spec.time, "partition": spec.partition, "account": spec.account}
+        options.update({"job-name": spec.name or f"vgpu-{Path(spec.script).stem}", "chdir": os.getcwd()})
+        options.update({"ntasks-per-node": spec.ranks_per_node, "gpus-per-node": spec.gpus_per_node})
         return TEMPLATE.format(
             options="".join(f"#SBATCH --{k}={shlex.quote(str(v))}\n" for k, v in options.items() if v is not None),
-            jobs=shlex.quote(str(spec.folder)),
+            jobs=shlex.quote(str(Path(spec.script).parent / FOLDER)),
             python=shlex.quote(sys.executable),
             framework=spec.framework,
             port=spec.port or 0,
@@ -63,27 +58,24 @@ class SlurmJobs(JobBackend):
         )
 
     def submit(self, spec: JobSpec) -> str:
-        if shutil.which("sbatch") is None:
-            raise ValueError("SLURM's sbatch is not on PATH: submit from a SLURM login node")
-        done = _run(["sbatch", "--parsable"], self.script(spec))
+        try:
+            done = _run(["sbatch", "--parsable"], self.script(spec))
+        except FileNotFoundError:
+            raise ValueError("SLURM's sbatch is not on PATH: submit from a SLURM login node") from None
         if done.returncode != 0:
-            reason = done.stderr.strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
-            raise ValueError(f"SLURM refused the job: {reason[0].removeprefix('sbatch: error: ')}")
+            reason = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+            raise ValueError(f"SLURM refused the job: {reason.removeprefix('sbatch: error: ')}")
         return done.stdout.strip().split(";")[0]
 
     def state(self, job_id: str, folder: Path) -> tuple[str, str]:
-        shown = _run(["scontrol", "show", "job", "-o", job_id]).stdout
-        found = re.search(r"JobState=(\S+)", shown)
-        if found:
-            reason = re.search(r"Reason=(\S+)", shown)
-            return found.group(1), "" if reason is None or reason.group(1) == "None" else reason.group(1)
+        shown = dict(re.findall(r"(JobState|Reason)=(\S+)", _run(["scontrol", "show", "job", "-o", job_id]).stdout))
+        if shown:
+            return shown["JobState"], "" if shown.get("Reason", "None") == "None" else shown["Reason"]
         # SLURM has forgotten the job (MinJobAge): its batch script wrote its end, unless SLURM ended it first.
-        ended = folder / "job.exit"
-        if ended.exists():
-            status = ended.read_text().strip()
+        if (folder / "job.exit").exists():
+            status = (folder / "job.exit").read_text().strip()
             return ("COMPLETED", "") if status == "0" else ("FAILED", f"srun exited with status {status}")
-        said = "".join(path.read_text(errors="replace") for path in sorted(folder.glob("*.log")))
-        if "DUE TO TIME LIMIT" in said:
+        if "DUE TO TIME LIMIT" in "".join(path.read_text(errors="replace") for path in folder.glob("*.log")):
             return "TIMEOUT", "its time limit was reached"
         return "CANCELLED", "it ended before its batch script did"
 
@@ -97,3 +89,31 @@ class SlurmJobs(JobBackend):
 
 def _run(argv: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=60, check=False)
+
+
+def plan_tasks(framework: str, env: dict[str, str], port: int | None = None) -> list[RankPlan]:
+    """Every task's plan, in rank order, from a SLURM step's environment (block distribution: the first node's
+    tasks are ranks 0..k-1), each host planned with this one's GPUs."""
+    step = SlurmStep.from_env(env)
+    if step is None:
+        raise RuntimeError("not a task of a SLURM job step (SLURM_JOB_ID, SLURM_STEP_NODELIST, ... unset)")
+    shared, gpus, reports = {k: env[k] for k in LAUNCHER_VARIABLES if k in env}, visible_gpus(), []
+    for node, (host, count) in enumerate(zip(step.hosts, step.tasks_per_node)):
+        for local in range(count):
+            place = {"SLURM_PROCID": str(len(reports)), "SLURM_LOCALID": str(local), "SLURM_NODEID": str(node)}
+            port_here = PORT_BASE + step.job_id % 10000
+            reports.append(HostReport(len(reports), host, host, 0, gpus, port_here, {**shared, **place}))
+    return frameworks.get(framework).plan_ranks(layout_ranks(reports, gpus), None, None, port)
+
+
+def main(framework: str, port: str, script: str, *args: str) -> None:
+    rank = int(os.environ["SLURM_PROCID"])
+    plan = plan_tasks(framework, dict(os.environ), int(port) or None)[rank]
+    if rank == 0:
+        print(f"vgpu_magic job: {plan.notes[0]}; no per-rank memory caps or device splits (a job has its real GPUs)")
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, script, *args], {**os.environ, **plan.env})
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
