@@ -14,7 +14,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from ..errors import PlanError
+from ..errors import PlanError, excerpt
 from ..frameworks import choices
 from ..grammar import choice, framework_name, parse_arguments, whole
 from . import ENDED, FOLDER, Job, JobSpec, backend, jobs, submit
@@ -55,7 +55,7 @@ class JobMagics(Magics):
     @argument("--port", type=whole("--port", 1, 65535, "--port 29500"), help="rank 0's port (default: from the job id)")
     @argument("--rank", "-r", type=whole("--rank", 0, 2**20, "--rank 0"), help="logs: this rank's only")
     @argument("--follow", action="store_true", help="logs: stream until the job ends (interrupt stops following)")
-    @argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments (its sys.argv[1:])")
+    @argument("script_args", nargs="*", metavar="ARGS", help="the script's own arguments (its sys.argv[1:])")
     @line_magic
     def vgpu_job(self, line: str):
         """Submit the rehearsed script as a batch job, each task wired as the rehearsal wires
@@ -101,15 +101,25 @@ class JobMagics(Magics):
         print(job.logs(args.rank), end="")
 
     def _parse(self, line: str) -> argparse.Namespace:
+        """As %vgpu_run's and torchrun's, for submit and script: our options, FILE, then the script's words."""
+        parser = self.vgpu_job.parser
         try:
-            args = parse_arguments(self.vgpu_job.parser, line, example=_SUBMIT)
-            if args.action not in ("submit", "script") and args.script_args:
-                # After an id the words are options (logs 12 --rank 1), not a script's arguments.
-                words = [args.action, *args.script_args, *[args.target] * (args.target is not None)]
-                args = parse_arguments(self.vgpu_job.parser, shlex.join(words), example=_SUBMIT)
+            if not _readable(line):
+                parse_arguments(parser, line, example=_SUBMIT)  # says what shlex cannot read, as the grammar says it
+            words, options, target, at = shlex.split(line), [], [], 1
+            script = words[:1] in (["submit"], ["script"])
+            while at < len(words) and not (script and target):
+                option = parser._option_string_actions.get(words[at].split("=")[0])
+                step = 1 if option is None or option.nargs == 0 or "=" in words[at] else 2
+                (options if words[at].startswith("-") else target).extend(words[at : at + step])
+                at += step
+            args = parse_arguments(parser, shlex.join([*words[:1], *target, *options]), example=_SUBMIT)
+            if args.script_args:  # a second id
+                raise PlanError(f"{excerpt(' '.join(args.script_args))} is not understood here; use e.g. {_SUBMIT}")
+            args.script_args = words[at:]
+            return args
         except PlanError as exc:
             raise UsageError(str(exc)) from None
-        return args
 
     def _job(self, job_id: str | None, action: str = "status") -> Job:
         if job_id is None:
@@ -131,3 +141,11 @@ class JobMagics(Magics):
         except KeyboardInterrupt:
             print(f"stopped following job {job.job_id} (it goes on)")
         print(job.summary())
+
+
+def _readable(line: str) -> bool:
+    try:
+        shlex.split(line)
+    except ValueError:
+        return False
+    return True

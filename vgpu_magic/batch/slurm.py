@@ -32,7 +32,8 @@ job={jobs}/$SLURM_JOB_ID
 mkdir -p "$job" && exec >"$job/job.out" 2>&1
 # Each line of the ranks' output reaches their logs when printed (%vgpu_job logs --follow).
 export PYTHONUNBUFFERED=1
-srun --kill-on-bad-exit=1 --output="$job/rank-%t.log" sh -c '"$@"; echo $? >"$0/rank-$SLURM_PROCID.exit"' "$job" \\
+srun --kill-on-bad-exit=1 --output="$job/rank-%t.log" \\
+  sh -c '"$@"; s=$?; echo $s >"$0/rank-$SLURM_PROCID.exit"; exit $s' "$job" \\
   {python} -m vgpu_magic.batch.slurm {framework} {port} {command}
 status=$?
 echo $status >"$job/job.exit"
