@@ -145,19 +145,21 @@ def test_a_tensorflow_multiworker_job_trains_as_one(slurm, tmp_path, monkeypatch
 
 @pytest.mark.parametrize("framework", ["torch", "tensorflow", "jax"])
 def test_each_tasks_environment_is_the_rehearsals_ranks(slurm, tmp_path, framework):
-    """The same layout (2 tasks on the one node, port 29511): the rehearsal's ranks under --launcher slurm and
+    """The same layout (2 tasks on the one node, the same port): the rehearsal's ranks under --launcher slurm and
     the job's tasks get the same values for every variable the wiring sets (the run id is each job's own)."""
     import vgpu_magic
     from test_launcher_slurm import quiet_run, slurm_ranks
+    from vgpu_magic.ranks.hosts import free_port
 
-    with slurm_ranks(slurm, framework, 2, port=29511) as ranks:
+    port = free_port()
+    with slurm_ranks(slurm, framework, 2, port=port) as ranks:
         planned = [plan.env for plan in ranks.plans]
         theirs = quiet_run(ranks, "import os\ndict(os.environ)")
         their_job = theirs[0]["SLURM_JOB_ID"]
     (tmp_path / "env.py").write_text(
         "import json, os\njson.dump(dict(os.environ), open(f\"env.{os.environ['SLURM_PROCID']}\", 'w'))\n"
     )
-    job = ended(vgpu_magic.submit("env.py", framework=framework, ranks_per_node=2, port=29511))
+    job = ended(vgpu_magic.submit("env.py", framework=framework, ranks_per_node=2, port=port))
     ours = [json.loads((tmp_path / f"env.{r}").read_text()) for r in range(2)]
     for plan, their_env, our_env in zip(planned, theirs, ours):
         assert set(plan) <= set(our_env)
