@@ -15,6 +15,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from .. import frameworks
 
@@ -24,10 +25,6 @@ FOLDER = ".vgpu_jobs"
 BACKENDS = {"slurm": "vgpu_magic.batch.slurm:SlurmJobs"}
 #: The states after which nothing changes (SLURM's words).
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL")
-_CHECKS = {  # field -> (what a value must match, what would work)
-    "time": (r"[0-9]+(-[0-9]{1,2})?(:[0-9]{1,2}){0,2}", "minutes (30) or HH:MM:SS (01:00:00)"),
-    **dict.fromkeys(("partition", "account", "name"), (r"[A-Za-z0-9_.,:@+=-]+", "one word, e.g. gpu")),
-}
 
 
 @dataclass(frozen=True)
@@ -58,9 +55,9 @@ class JobSpec:
             value = getattr(self, key)
             if value is not None and (type(value) is not int or not low <= value <= 65535):
                 raise ValueError(f"{key}={value!r} is not a whole number {low}..65535")
-        for key, (pattern, works) in _CHECKS.items():
-            if getattr(self, key) is not None and not re.fullmatch(pattern, str(getattr(self, key))):
-                raise ValueError(f"{key}={getattr(self, key)!r} is not understood; use {works}")
+        for key in ("time", "partition", "account", "name"):  # SLURM says what else is wrong with them
+            if not re.fullmatch(r"[^\s'\"]*", str(getattr(self, key) or "")):
+                raise ValueError(f"{key}={getattr(self, key)!r} is not one word; e.g. time=01:00:00, partition=gpu")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
 
@@ -69,27 +66,17 @@ class JobSpec:
         return self.nodes * self.ranks_per_node
 
 
-class JobBackend:
-    """One way to run jobs; ``folder``: the job's own."""
+class JobBackend(Protocol):
+    """One way to run jobs (``folder``: the job's own): ``script`` is what is submitted (SLURM: the batch script,
+    to keep, edit and submit by hand); ``submit`` returns the job's id, or raises :class:`ValueError` with the
+    scheduler's own reason; ``state`` is SLURM's word (PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, TIMEOUT) and
+    why; ``logs`` is a rank's output so far, stdout and stderr."""
 
-    def script(self, spec: JobSpec) -> str:
-        """What is submitted (SLURM: the batch script), to keep, edit and submit by hand."""
-        raise NotImplementedError
-
-    def submit(self, spec: JobSpec) -> str:
-        """The new job's id; a refusal is a :class:`ValueError` with the scheduler's own reason."""
-        raise NotImplementedError
-
-    def state(self, job_id: str, folder: Path) -> tuple[str, str]:
-        """The state in SLURM's words (PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, TIMEOUT), and why."""
-        raise NotImplementedError
-
-    def cancel(self, job_id: str) -> None:
-        raise NotImplementedError
-
-    def logs(self, folder: Path, rank: int) -> str:
-        """Rank ``rank``'s output, stdout and stderr, so far."""
-        raise NotImplementedError
+    def script(self, spec: JobSpec) -> str: ...
+    def submit(self, spec: JobSpec) -> str: ...
+    def state(self, job_id: str, folder: Path) -> tuple[str, str]: ...
+    def cancel(self, job_id: str) -> None: ...
+    def logs(self, folder: Path, rank: int) -> str: ...
 
 
 def backend(name: str) -> JobBackend:

@@ -1,7 +1,5 @@
 """``%vgpu_job``: a thin face over :func:`~vgpu_magic.batch.submit`, :class:`~vgpu_magic.batch.Job` and
-:func:`~vgpu_magic.batch.jobs`. Bad input is one :class:`~IPython.core.error.UsageError` line, and nothing is
-submitted.
-"""
+:func:`~vgpu_magic.batch.jobs`. Bad input is one ``UsageError`` line, and nothing is submitted."""
 
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from ..errors import PlanError, excerpt
 from ..frameworks import choices
 from ..grammar import choice, framework_name, parse_arguments, whole
-from . import ENDED, FOLDER, Job, JobSpec, backend, jobs, submit
+from . import ENDED, Job, JobSpec, backend, jobs, submit
 
 __all__ = ["JobMagics"]
 
@@ -40,17 +38,11 @@ class JobMagics(Magics):
     @argument("target", nargs="?", metavar="FILE|ID", help="the script (submit, script) or the job id")
     @argument("--framework", "-f", type=framework_name, default="torch", help=f"{choices()}: how tasks are wired")
     @argument("--nodes", "-N", type=whole("--nodes", 1, 4096, "--nodes 2"), default=1, help="nodes (default 1)")
-    @argument(
-        "--ranks-per-node",
-        "-n",
-        type=whole("--ranks-per-node", 1, 1024, "--ranks-per-node 8"),
-        default=1,
-        help="ranks (tasks) per node (default 1)",
-    )
+    @argument("--ranks-per-node", "-n", type=whole("--ranks-per-node", 1, 1024, "-n 8"), default=1, help="default 1")
     @argument("--gpus-per-node", type=whole("--gpus-per-node", 0, 1024, "--gpus-per-node 8"), help="GPUs per node")
     @argument("--time", help="time limit, e.g. 30 or 01:00:00")
-    @argument("--partition", help="the partition")
-    @argument("--account", help="the account to charge")
+    @argument("--partition")
+    @argument("--account")
     @argument("--name", help="the job's name (default vgpu-<script name>)")
     @argument("--port", type=whole("--port", 1, 65535, "--port 29500"), help="rank 0's port (default: from the job id)")
     @argument("--rank", "-r", type=whole("--rank", 0, 2**20, "--rank 0"), help="logs: this rank's only")
@@ -92,8 +84,7 @@ class JobMagics(Magics):
         job = self._job(args.target, args.action)
         if args.action == "cancel":
             job.cancel()
-            print(f"cancelled job {job.job_id}")
-            return job
+            return print(f"cancelled job {job.job_id}")
         if args.rank is not None and args.rank >= job.spec.ranks:
             raise UsageError(f"--rank {args.rank} is not a rank of job {job.job_id}; use 0..{job.spec.ranks - 1}")
         if args.follow:
@@ -104,9 +95,10 @@ class JobMagics(Magics):
         """As %vgpu_run's and torchrun's, for submit and script: our options, FILE, then the script's words."""
         parser = self.vgpu_job.parser
         try:
-            if not _readable(line):
-                parse_arguments(parser, line, example=_SUBMIT)  # says what shlex cannot read, as the grammar says it
-            words, options, target, at = shlex.split(line), [], [], 1
+            try:
+                words, options, target, at = shlex.split(line), [], [], 1
+            except ValueError:
+                parse_arguments(parser, line, example=_SUBMIT)  # raises the grammar's sentence for what it is
             script = words[:1] in (["submit"], ["script"])
             while at < len(words) and not (script and target):
                 option = parser._option_string_actions.get(words[at].split("=")[0])
@@ -122,11 +114,9 @@ class JobMagics(Magics):
             raise UsageError(str(exc)) from None
 
     def _job(self, job_id: str | None, action: str = "status") -> Job:
-        if job_id is None:
-            raise UsageError(f"say which job, e.g. %vgpu_job {action} 123 (%vgpu_job status lists them)")
         found = [job for job in jobs() if job.job_id == job_id]
         if not found:
-            raise UsageError(f"job {job_id!r} is not one of the jobs under {Path.cwd()} (in {FOLDER}/ folders)")
+            raise UsageError(f"job {job_id!r} is not one of the jobs under {Path.cwd()}; e.g. %vgpu_job {action} 12")
         return found[0]
 
     def _follow(self, job: Job, rank: int | None) -> None:
@@ -141,11 +131,3 @@ class JobMagics(Magics):
         except KeyboardInterrupt:
             print(f"stopped following job {job.job_id} (it goes on)")
         print(job.summary())
-
-
-def _readable(line: str) -> bool:
-    try:
-        shlex.split(line)
-    except ValueError:
-        return False
-    return True
