@@ -1,5 +1,5 @@
 """Batch jobs: the rehearsed script submitted unchanged, each task wired as the rehearsal wires its rank
-(:mod:`.task`), tracked from a folder of its own beside the script, ``.vgpu_jobs/<id>/``: a job outlives the
+(:mod:`.slurm`), tracked from a folder of its own beside the script, ``.vgpu_jobs/<id>/``: a job outlives the
 kernel that submitted it, and any later kernel finds it (:func:`jobs`). The folder holds what submitting said
 (``job.json``) and what the tasks leave (``rank-R.log``, ``rank-R.exit``, ``job.out``, ``job.exit``).
 A job backend is one class (:class:`JobBackend`) in :data:`BACKENDS`; SLURM's is the one there is.
