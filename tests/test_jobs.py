@@ -195,10 +195,6 @@ def test_slurm_refusing_is_one_usage_error_and_nothing_is_submitted(slurm, tmp_p
     with pytest.raises(UsageError, match=r"^SLURM refused the job: .*[Pp]artition") as info:
         ip.run_line_magic("vgpu_job", "submit --partition nosuch train.py")
     assert "\n" not in str(info.value)
-    with pytest.raises(UsageError, match="--nodes 'two' is not a whole number"):
-        ip.run_line_magic("vgpu_job", "submit --nodes two train.py")
-    with pytest.raises(UsageError, match=r"script 'missing\.py' is not a file"):
-        ip.run_line_magic("vgpu_job", "submit missing.py")
     assert slurm.squeue() == [] and not (tmp_path / ".vgpu_jobs").exists()
 
 
@@ -287,3 +283,55 @@ def test_logs_follow_until_the_job_ends(slurm, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "[rank 1] line 0\n[rank 1] line 1\n[rank 1] line 2\n" in out and "[rank 0]" not in out
     assert f"{job.job_id} counts.py: COMPLETED" in out
+
+
+def test_each_task_plans_the_whole_layout_alone_from_slurms_variables():
+    """No SLURM needed: what rank 3 of 2 nodes × 2 tasks computes is torchrun's environment for that place, with
+    the job's id as the run id every task agrees on, and rank 0's port from the job id."""
+    from vgpu_magic.batch.slurm import plan_tasks
+
+    env = {
+        "SLURM_JOB_ID": "4321",
+        "SLURM_STEP_NODELIST": "node[07-08]",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+        "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "3",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "1",
+    }
+    plans = plan_tasks("torch", env)
+    assert [p.env["RANK"] for p in plans] == ["0", "1", "2", "3"]
+    assert [p.env["GROUP_RANK"] for p in plans] == ["0", "0", "1", "1"]
+    assert {p.env["MASTER_ADDR"] for p in plans} == {"node07"} and {p.env["MASTER_PORT"] for p in plans} == {"19321"}
+    assert {p.env["TORCHELASTIC_RUN_ID"] for p in plans} == {"4321"}
+    assert plans[3].env["LOCAL_WORLD_SIZE"] == "2" and plans[3].env["WORLD_SIZE"] == "4"
+    workers = json.loads(plan_tasks("tensorflow", env, port=9000)[3].env["TF_CONFIG"])
+    assert workers == {
+        "cluster": {"worker": ["node07:9000", "node07:9001", "node08:9000", "node08:9001"]},
+        "task": {"type": "worker", "index": 3},
+    }
+
+
+def test_the_batch_script_and_bad_lines_need_no_slurm(tmp_path, monkeypatch):
+    from IPython.testing.globalipapp import get_ipython
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('never')\n")
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "vgpu_magic")
+    text = ip.run_line_magic("vgpu_job", "script -f jax --nodes 2 -n 8 --gpus-per-node 8 --time 30 train.py --lr 0.1")
+    for line in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--time=30", f"--chdir={tmp_path}"):
+        assert f"#SBATCH {line}\n" in text
+    assert f"-m vgpu_magic.batch.slurm jax 0 {tmp_path / 'train.py'} --lr 0.1\n" in text
+    for line, said in (
+        ("submit --nodes two train.py", "--nodes 'two' is not a whole number"),
+        ("submit missing.py", "script 'missing.py' is not a file"),
+        ("submit -f mxnet train.py", "framework 'mxnet' is not supported"),
+        ("submit --time '1 hour' train.py", "time='1 hour' is not one word"),
+        ("status 1 2", "'2' is not understood here"),
+        ("logs 99", "job '99' is not one of the jobs under"),
+    ):
+        with pytest.raises(UsageError) as info:
+            ip.run_line_magic("vgpu_job", line)
+        assert said in str(info.value) and "\n" not in str(info.value)
+    assert not (tmp_path / ".vgpu_jobs").exists()
