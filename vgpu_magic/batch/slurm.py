@@ -1,12 +1,7 @@
-"""SLURM's job backend, on SLURM's own commands: ``sbatch`` takes a batch script a user could keep, edit and
-``sbatch`` by hand; ``scontrol show job`` says the state while SLURM holds the job; ``scancel``. A job SLURM has
-forgotten is read from what its tasks left (SLURM's accounting, ``sacct``, may be off; submitit reads it, and runs
-pickled functions rather than an unchanged script).
-
-Each task runs ``python -m vgpu_magic.batch.slurm FRAMEWORK PORT SCRIPT ARGS...`` (:func:`main`): the ranks' hosts
-from SLURM's variables, as the rehearsal's engines report them; the rehearsal's own ``layout_ranks`` and
-``plan_ranks`` compute the wiring; its environment only (caps and splits are a rehearsal's) goes to ``python SCRIPT``.
-"""
+"""SLURM's job backend on SLURM's own commands (``sbatch``, ``scontrol show job``, ``scancel``; why not submitit:
+docs/jobs.md), and what each task runs (:func:`main`): the ranks' hosts from SLURM's variables, as the rehearsal's
+engines report them, wired by the rehearsal's own ``layout_ranks`` and ``plan_ranks``; the environment only (caps
+and splits are a rehearsal's) goes to ``python SCRIPT``."""
 
 from __future__ import annotations
 
