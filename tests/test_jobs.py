@@ -335,3 +335,23 @@ def test_the_batch_script_and_bad_lines_need_no_slurm(tmp_path, monkeypatch):
             ip.run_line_magic("vgpu_job", line)
         assert said in str(info.value) and "\n" not in str(info.value)
     assert not (tmp_path / ".vgpu_jobs").exists()
+
+
+def test_a_job_past_its_time_limit_says_so(slurm, tmp_path):
+    import vgpu_magic
+
+    (tmp_path / "sleeps.py").write_text(SLEEPER)
+    job = vgpu_magic.submit("sleeps.py", time="1")
+    assert job.wait(timeout=JOB_TIMEOUT) == "TIMEOUT", job.summary()
+    assert job.exit_codes == [None]
+    assert job.summary().startswith(f"{job.job_id} sleeps.py: TIMEOUT")
+    # Once SLURM has forgotten the job (MinJobAge), the state is read from what its task left.
+    deadline = time.monotonic() + 60
+    while slurm_knows(job.job_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not slurm_knows(job.job_id) and job.state == "TIMEOUT"
+
+
+def slurm_knows(job_id: str) -> bool:
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, check=False)
+    return "JobState=" in shown.stdout
