@@ -1,5 +1,5 @@
-"""nbval runs the notebooks as tests; ``10_slurm.ipynb`` starts a throwaway
-single-node SLURM cluster (:class:`vgpu_magic.ranks.local_slurm.LocalSlurm`),
+"""nbval runs the notebooks as tests; ``10_slurm.ipynb`` and ``12_rehearse_estimate_submit.ipynb`` start a throwaway
+single-node SLURM cluster (the test suite's ``tests/local_slurm.py``),
 which needs root on Linux and Debian's ``slurm-wlm`` and ``munge``. Where
 those are missing its cells are skipped with the reason, as the SLURM tests
 are."""
@@ -8,21 +8,28 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
+
+# The notebooks' throwaway SLURM is the test suite's (tests/local_slurm.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+#: The notebooks that start a local SLURM cluster.
+SLURM_NOTEBOOKS = ("10_slurm.ipynb", "12_rehearse_estimate_submit.ipynb")
 
 
 def _why_not_slurm() -> str | None:
     if not sys.platform.startswith("linux") or os.geteuid() != 0:
         return "the SLURM notebook starts a local SLURM cluster, which needs root on Linux"
-    from vgpu_magic.ranks.local_slurm import missing_commands
+    from local_slurm import missing_commands
 
     missing = missing_commands()
     return f"the SLURM notebook needs {', '.join(missing)} (apt-get install slurm-wlm munge)" if missing else None
 
 
 def pytest_collection_modifyitems(config, items):
-    slurm_cells = [item for item in items if item.path.name == "10_slurm.ipynb"]
+    slurm_cells = [item for item in items if item.path.name in SLURM_NOTEBOOKS]
     reason = _why_not_slurm() if slurm_cells else None
     for item in slurm_cells if reason else ():
         item.add_marker(pytest.mark.skip(reason=reason))

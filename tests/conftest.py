@@ -161,7 +161,7 @@ def local_slurm():
     reason = why_not_slurm()
     if reason:
         pytest.skip(reason)
-    from vgpu_magic.ranks.local_slurm import LocalSlurm
+    from local_slurm import LocalSlurm
 
     cluster = LocalSlurm().start()
     yield cluster
@@ -192,7 +192,7 @@ def two_node_slurm(two_hosts):
     reason = why_not_slurm()
     if reason:
         pytest.skip(reason)
-    from vgpu_magic.ranks.local_slurm import LocalSlurm
+    from local_slurm import LocalSlurm
 
     cluster = LocalSlurm(nodes=two_hosts.slurm_nodes(), address=two_hosts.first.address).start()
     yield cluster

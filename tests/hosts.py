@@ -1,5 +1,5 @@
 """Real launchers on one machine, for the launcher tests: a single-node SLURM
-cluster (:class:`~vgpu_magic.ranks.local_slurm.LocalSlurm`) and a second
+cluster (:class:`~local_slurm.LocalSlurm`) and a second
 "host" (a network namespace of its own, with its own address and host name,
 and an sshd in it).
 
@@ -46,7 +46,7 @@ def why_not_slurm() -> str | None:
     """Why a local SLURM cluster cannot run here, or None."""
     if not sys.platform.startswith("linux") or os.geteuid() != 0:
         return "a local SLURM cluster needs root on Linux"
-    from vgpu_magic.ranks.local_slurm import missing_commands
+    from local_slurm import missing_commands
 
     missing = missing_commands()
     return f"no {', '.join(missing)} (apt-get install slurm-wlm munge)" if missing else None
@@ -288,7 +288,7 @@ class TwoHosts:
 
     def slurm_nodes(self) -> list:
         """The two hosts as SLURM compute nodes, each slurmd started as on its host."""
-        from vgpu_magic.ranks.local_slurm import SlurmNode
+        from local_slurm import SlurmNode
 
         return [SlurmNode(h.hostname, h.address, tuple(self.prefix(h))) for h in (self.first, self.second)]
 

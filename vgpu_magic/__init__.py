@@ -34,6 +34,9 @@ _LAZY = {
     "distribution": "frameworks.jax.mesh",
     "estimate": "memory_estimate",
     "MemoryEstimate": "memory_estimate",
+    "submit": "batch",
+    "jobs": "batch",
+    "Job": "batch",
 }
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension", *_LAZY]
@@ -44,6 +47,7 @@ _MAGICS: tuple[str, ...] = (
     ".ranks.magics:ClusterMagics",
     ".monitor.magics:MonitorMagics",
     ".estimate_magics:EstimateMagics",
+    ".batch.magics:JobMagics",
 )
 
 _loaded: dict[int, tuple[Any, list[Any]]] = {}

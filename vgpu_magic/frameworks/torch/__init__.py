@@ -147,7 +147,8 @@ class Torch(Framework):
             notes.append(
                 f"each rank capped at {min(c for c in caps if c)} MiB of its GPU (set_per_process_memory_fraction)"
             )
-        run_id = uuid.uuid4().hex
+        # One id per run for every rank: a SLURM job's own where the ranks are its tasks (each plans alone).
+        run_id = str(layout.slurm.job_id) if layout.slurm is not None else uuid.uuid4().hex
         hosts = len({p.node_rank for p in places})
         plans = []
         for place, cap in zip(places, caps):

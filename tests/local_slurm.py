@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import lifetime
-from .hosts import free_port
+from vgpu_magic.ranks import lifetime
+from vgpu_magic.ranks.hosts import free_port
 
 __all__ = ["LocalSlurm", "SlurmNode", "missing_commands"]
 

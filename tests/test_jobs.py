@@ -1,0 +1,357 @@
+"""``%vgpu_job`` / ``vgpu_magic.submit``: the rehearsed script as a batch job on the real SLURM the suite starts
+(``local_slurm``, ``two_node_slurm``): torch DDP = torchrun's weights, by the API and by the exported script
+``sbatch``-ed by hand; JAX's argument-less ``jax.distributed.initialize()``; TensorFlow's
+MultiWorkerMirroredStrategy; each task's environment = the rehearsal's rank's; a failing rank; cancel; a job
+found by a new kernel after its own was killed; two nodes. Skipped with the reason where SLURM cannot run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from IPython.core.error import UsageError
+
+from support import CHILD_ENV, ROOT, TORCH_EXIT_ABORT, kernel_run, kernel_stdout, started_kernel
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+SCRIPTS = Path(__file__).parent / "scripts"
+#: Seconds a job may take (the suite's SLURM runs on a busy machine).
+JOB_TIMEOUT = 240
+SLEEPER = "import os, time\nprint('started', os.environ['RANK'], flush=True)\ntime.sleep(300)\n"
+
+
+@pytest.fixture
+def slurm(local_slurm, monkeypatch, tmp_path):
+    """The single-node cluster, reached by SLURM's commands; the test runs in its own folder."""
+    monkeypatch.setenv("SLURM_CONF", str(local_slurm.conf))
+    monkeypatch.chdir(tmp_path)
+    yield local_slurm
+    left = local_slurm.squeue()
+    subprocess.run(["scancel", "--user", "root"], env=local_slurm.env(), check=False)
+    assert left == []
+
+
+@pytest.fixture(scope="module")
+def torchrun_weights(tmp_path_factory):
+    """ddp_parity.py's final weights under torchrun, 2 ranks."""
+    from test_cluster_torch import torchrun_two_ranks
+
+    folder = tmp_path_factory.mktemp("torchrun")
+    torchrun_two_ranks(SCRIPTS / "ddp_parity.py", env={**CHILD_ENV, "PARITY_OUT": str(folder / "w")}, writes=folder)
+    return [json.loads((folder / f"w.{r}").read_text()) for r in range(2)]
+
+
+def ended(job, state: str = "COMPLETED"):
+    """``job`` once it ended in ``state``; its logs and summary otherwise."""
+    assert job.wait(timeout=JOB_TIMEOUT) == state, job.summary() + "\n" + job.logs()
+    return job
+
+
+def weights_of_a_job(folder: Path, submit) -> list:
+    """ddp_parity.py's weights from the job ``submit(script)`` returns; once more after torch's exit abort."""
+    os.environ["PARITY_OUT"] = str(folder / "w")
+    try:
+        for _ in range(2):
+            job = submit(folder / "ddp_parity.py")
+            if job.wait(timeout=JOB_TIMEOUT) == "COMPLETED" or TORCH_EXIT_ABORT not in job.logs():
+                break
+        ended(job)
+        return [json.loads((folder / f"w.{r}").read_text()) for r in range(2)]
+    finally:
+        del os.environ["PARITY_OUT"]
+
+
+def copied(folder: Path, *names: str) -> Path:
+    for name in names:
+        (folder / name).write_text((SCRIPTS / name).read_text())
+    return folder
+
+
+class SubmittedByHand:
+    """A job ``sbatch``-ed from a file, read from the folder its tasks fill (``.vgpu_jobs/<id>/``)."""
+
+    def __init__(self, script_file: Path, folder: Path, ranks: int) -> None:
+        from vgpu_magic.batch.slurm import SlurmJobs
+
+        out = subprocess.run(["sbatch", "--parsable", str(script_file)], capture_output=True, text=True, check=True)
+        self.job_id, self.folder, self.ranks, self.backend = out.stdout.strip(), folder, ranks, SlurmJobs()
+
+    def wait(self, timeout: float) -> str:
+        from vgpu_magic.batch import ENDED
+
+        deadline = time.monotonic() + timeout
+        while (state := self.backend.state(self.job_id, self.folder / ".vgpu_jobs" / self.job_id)[0]) not in ENDED:
+            assert time.monotonic() < deadline, f"job {self.job_id} still {state}"
+            time.sleep(0.5)
+        return state
+
+    def logs(self) -> str:
+        return "".join(self.backend.logs(self.folder / ".vgpu_jobs" / self.job_id, r) for r in range(self.ranks))
+
+    def summary(self) -> str:
+        return f"job {self.job_id} by hand"
+
+
+def test_a_torch_ddp_job_and_its_exported_script_by_hand_give_torchruns_weights(slurm, tmp_path, torchrun_weights):
+    from IPython.testing.globalipapp import get_ipython
+
+    import vgpu_magic
+
+    folder = copied(tmp_path, "ddp_parity.py")
+    ours = weights_of_a_job(folder, lambda script: vgpu_magic.submit(script, framework="torch", ranks_per_node=2))
+    assert ours == torchrun_weights
+    job = vgpu_magic.jobs()[0]
+    assert job.exit_codes == [0, 0] and job.state == "COMPLETED"
+    assert "MASTER_ADDR:MASTER_PORT" in job.logs(rank=0) and "no per-rank memory caps" in job.logs(rank=0)
+
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "vgpu_magic")
+    text = ip.run_line_magic("vgpu_job", "script --framework torch --ranks-per-node 2 ddp_parity.py")
+    assert "#SBATCH --ntasks-per-node=2" in text and "#SBATCH --nodes=1" in text
+    (folder / "job.sbatch").write_text(text)
+    for r in range(2):
+        (folder / f"w.{r}").unlink()
+    by_hand = weights_of_a_job(folder, lambda script: SubmittedByHand(folder / "job.sbatch", folder, 2))
+    assert by_hand == torchrun_weights
+
+
+def test_a_jax_job_joins_with_an_argument_less_initialize(slurm, tmp_path):
+    import vgpu_magic
+
+    copied(tmp_path, "jax_processes.py")
+    job = ended(vgpu_magic.submit("jax_processes.py", ["--out", "seen"], framework="jax", ranks_per_node=2))
+    found = [json.loads((tmp_path / f"seen.{r}").read_text()) for r in range(2)]
+    assert [f["seen"] for f in found] == [[0, 2, 1, 2], [1, 2, 1, 2]]
+    assert found[0]["gathered"] == found[1]["gathered"] == [0, 10]
+    assert job.exit_codes == [0, 0]
+
+
+def test_a_tensorflow_multiworker_job_trains_as_one(slurm, tmp_path, monkeypatch):
+    import vgpu_magic
+
+    copied(tmp_path, "mwms_parity.py")
+    monkeypatch.setenv("PARITY_OUT", str(tmp_path / "w"))
+    ended(vgpu_magic.submit("mwms_parity.py", framework="tf", ranks_per_node=2))
+    weights = [json.loads((tmp_path / f"w.{r}").read_text()) for r in range(2)]
+    assert weights[0] == weights[1] and len(weights[0]) == 4
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow", "jax"])
+def test_each_tasks_environment_is_the_rehearsals_ranks(slurm, tmp_path, framework):
+    """The same layout (2 tasks on the one node, the same port): the rehearsal's ranks under --launcher slurm and
+    the job's tasks get the same values for every variable the wiring sets (the run id is each job's own)."""
+    import vgpu_magic
+    from test_launcher_slurm import quiet_run, slurm_ranks
+    from vgpu_magic.ranks.hosts import free_port
+
+    port = free_port()
+    with slurm_ranks(slurm, framework, 2, port=port) as ranks:
+        planned = [plan.env for plan in ranks.plans]
+        theirs = quiet_run(ranks, "import os\ndict(os.environ)")
+        their_job = theirs[0]["SLURM_JOB_ID"]
+    (tmp_path / "env.py").write_text(
+        "import json, os\njson.dump(dict(os.environ), open(f\"env.{os.environ['SLURM_PROCID']}\", 'w'))\n"
+    )
+    job = ended(vgpu_magic.submit("env.py", framework=framework, ranks_per_node=2, port=port))
+    ours = [json.loads((tmp_path / f"env.{r}").read_text()) for r in range(2)]
+    for plan, their_env, our_env in zip(planned, theirs, ours):
+        assert set(plan) <= set(our_env)
+        for name in plan:
+            value = their_env[name].replace(their_job, job.job_id) if name == "TORCHELASTIC_RUN_ID" else their_env[name]
+            assert our_env[name] == value, name
+
+
+def test_a_failing_rank_fails_the_job_with_its_status_and_last_lines(slurm, tmp_path):
+    from IPython.testing.globalipapp import get_ipython
+
+    import vgpu_magic
+
+    (tmp_path / "fails.py").write_text(
+        "import os, time\nif os.environ['RANK'] == '1':\n    raise ValueError('rank 1 gives up')\ntime.sleep(300)\n"
+    )
+    job = ended(vgpu_magic.submit("fails.py", ranks_per_node=2), "FAILED")
+    assert job.exit_codes == [None, 1]  # rank 0 was ended with the step
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "vgpu_magic")
+    shown = ip.run_line_magic("vgpu_job", f"status {job.job_id}")[0].summary()
+    assert f"{job.job_id} fails.py: FAILED" in shown
+    assert "rank 1 exited with status 1:" in shown and "ValueError: rank 1 gives up" in shown
+    assert "[rank 1] ValueError: rank 1 gives up" in job.logs()
+
+
+def test_slurm_refusing_is_one_usage_error_and_nothing_is_submitted(slurm, tmp_path):
+    from IPython.testing.globalipapp import get_ipython
+
+    (tmp_path / "train.py").write_text("print('never')\n")
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "vgpu_magic")
+    with pytest.raises(UsageError, match=r"^SLURM refused the job: .*[Pp]artition") as info:
+        ip.run_line_magic("vgpu_job", "submit --partition nosuch train.py")
+    assert "\n" not in str(info.value)
+    assert slurm.squeue() == [] and not (tmp_path / ".vgpu_jobs").exists()
+
+
+def processes_running(path: Path, ranks_only: bool = False) -> list[int]:
+    """The processes whose command line names ``path`` (``ranks_only``: ``python PATH`` only; else the batch
+    script, ``srun`` and the tasks' wrappers too)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        words = proc.info["cmdline"] or []
+        if (words[1:2] if ranks_only else words).count(str(path)):
+            found.append(proc.pid)
+    return found
+
+
+def started(job) -> None:
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while job.logs().count("started") < job.spec.ranks:
+        assert time.monotonic() < deadline and job.state in ("PENDING", "RUNNING"), job.summary()
+        time.sleep(0.5)
+
+
+def test_cancel_leaves_nothing_in_the_queue_or_the_process_table(slurm, tmp_path):
+    from IPython.testing.globalipapp import get_ipython
+
+    import vgpu_magic
+
+    (tmp_path / "sleeps.py").write_text(SLEEPER)
+    job = vgpu_magic.submit("sleeps.py", ranks_per_node=2)
+    started(job)
+    assert len(processes_running(tmp_path / "sleeps.py", ranks_only=True)) == 2
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "vgpu_magic")
+    ip.run_line_magic("vgpu_job", f"cancel {job.job_id}")
+    assert job.wait(timeout=60) == "CANCELLED"
+    deadline = time.monotonic() + 30
+    while (slurm.squeue() or processes_running(tmp_path / "sleeps.py")) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert slurm.squeue() == [] and processes_running(tmp_path / "sleeps.py") == []
+
+
+def test_a_job_outlives_its_killed_kernel_and_a_new_kernel_finds_it(slurm, tmp_path):
+    (tmp_path / "sleeps.py").write_text(SLEEPER.replace("300", "8"))
+    env = {"SLURM_CONF": str(slurm.conf), "PYTHONPATH": str(ROOT)}
+    with started_kernel(env) as (_, kc):
+        said = kernel_stdout(
+            kernel_run(
+                kc,
+                f"import os\nos.chdir({str(tmp_path)!r})\n%load_ext vgpu_magic\n"
+                "job = %vgpu_job submit --ranks-per-node 2 sleeps.py\nprint(job.job_id, os.getpid())",
+            )
+        )
+        job_id, pid = said.split()[-2:]
+        os.kill(int(pid), signal.SIGKILL)
+    with started_kernel(env) as (_, kc):
+        said = kernel_stdout(
+            kernel_run(
+                kc,
+                f"import os, vgpu_magic\nos.chdir({str(tmp_path)!r})\nfound = vgpu_magic.jobs()\n"
+                "print([j.job_id for j in found], found[0].wait(timeout=240), found[0].exit_codes)",
+            )
+        )
+    assert said.strip().splitlines()[-1] == f"[{job_id!r}] COMPLETED [0, 0]"
+
+
+def test_a_two_node_job_gives_torchruns_weights(two_node_slurm, tmp_path, monkeypatch, torchrun_weights):
+    import vgpu_magic
+
+    monkeypatch.setenv("SLURM_CONF", str(two_node_slurm.conf))
+    monkeypatch.chdir(tmp_path)
+    folder = copied(tmp_path, "ddp_parity.py")
+    ours = weights_of_a_job(folder, lambda script: vgpu_magic.submit(script, framework="torch", nodes=2))
+    assert ours == torchrun_weights
+    assert "world size 2" in vgpu_magic.jobs()[0].logs(rank=0)
+    assert two_node_slurm.squeue() == []
+
+
+def test_logs_follow_until_the_job_ends(slurm, tmp_path, capsys):
+    from IPython.testing.globalipapp import get_ipython
+
+    (tmp_path / "counts.py").write_text("import os\nfor i in range(3):\n    print('line', i, flush=True)\n")
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "vgpu_magic")
+    job = ip.run_line_magic("vgpu_job", "submit --ranks-per-node 2 counts.py")
+    capsys.readouterr()
+    ip.run_line_magic("vgpu_job", f"logs {job.job_id} --follow --rank 1")
+    out = capsys.readouterr().out
+    assert "[rank 1] line 0\n[rank 1] line 1\n[rank 1] line 2\n" in out and "[rank 0]" not in out
+    assert f"{job.job_id} counts.py: COMPLETED" in out
+
+
+def test_each_task_plans_the_whole_layout_alone_from_slurms_variables():
+    """No SLURM needed: what rank 3 of 2 nodes × 2 tasks computes is torchrun's environment for that place, with
+    the job's id as the run id every task agrees on, and rank 0's port from the job id."""
+    from vgpu_magic.batch.slurm import plan_tasks
+
+    env = {
+        "SLURM_JOB_ID": "4321",
+        "SLURM_STEP_NODELIST": "node[07-08]",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+        "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "3",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "1",
+    }
+    plans = plan_tasks("torch", env)
+    assert [p.env["RANK"] for p in plans] == ["0", "1", "2", "3"]
+    assert [p.env["GROUP_RANK"] for p in plans] == ["0", "0", "1", "1"]
+    assert {p.env["MASTER_ADDR"] for p in plans} == {"node07"} and {p.env["MASTER_PORT"] for p in plans} == {"19321"}
+    assert {p.env["TORCHELASTIC_RUN_ID"] for p in plans} == {"4321"}
+    assert plans[3].env["LOCAL_WORLD_SIZE"] == "2" and plans[3].env["WORLD_SIZE"] == "4"
+    workers = json.loads(plan_tasks("tensorflow", env, port=9000)[3].env["TF_CONFIG"])
+    assert workers == {
+        "cluster": {"worker": ["node07:9000", "node07:9001", "node08:9000", "node08:9001"]},
+        "task": {"type": "worker", "index": 3},
+    }
+
+
+def test_the_batch_script_and_bad_lines_need_no_slurm(tmp_path, monkeypatch):
+    from IPython.testing.globalipapp import get_ipython
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('never')\n")
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "vgpu_magic")
+    text = ip.run_line_magic("vgpu_job", "script -f jax --nodes 2 -n 8 --gpus-per-node 8 --time 30 train.py --lr 0.1")
+    for line in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--time=30", f"--chdir={tmp_path}"):
+        assert f"#SBATCH {line}\n" in text
+    assert f"-m vgpu_magic.batch.slurm jax 0 {tmp_path / 'train.py'} --lr 0.1\n" in text
+    for line, said in (
+        ("submit --nodes two train.py", "--nodes 'two' is not a whole number"),
+        ("submit missing.py", "script 'missing.py' is not a file"),
+        ("submit -f mxnet train.py", "framework 'mxnet' is not supported"),
+        ("submit --time '1 hour' train.py", "time='1 hour' is not one word"),
+        ("status 1 2", "'2' is not understood here"),
+        ("logs 99", "job '99' is not one of the jobs under"),
+    ):
+        with pytest.raises(UsageError) as info:
+            ip.run_line_magic("vgpu_job", line)
+        assert said in str(info.value) and "\n" not in str(info.value)
+    assert not (tmp_path / ".vgpu_jobs").exists()
+
+
+def test_a_job_past_its_time_limit_says_so(slurm, tmp_path):
+    import vgpu_magic
+
+    (tmp_path / "sleeps.py").write_text(SLEEPER)
+    job = vgpu_magic.submit("sleeps.py", time="1")
+    assert job.wait(timeout=JOB_TIMEOUT) == "TIMEOUT", job.summary()
+    assert job.exit_codes == [None]
+    assert job.summary().startswith(f"{job.job_id} sleeps.py: TIMEOUT")
+    # Once SLURM has forgotten the job (MinJobAge), the state is read from what its task left.
+    deadline = time.monotonic() + 60
+    while slurm_knows(job.job_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not slurm_knows(job.job_id) and job.state == "TIMEOUT"
+
+
+def slurm_knows(job_id: str) -> bool:
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, check=False)
+    return "JobState=" in shown.stdout

@@ -1,0 +1,115 @@
+"""SLURM's job backend on SLURM's own commands (``sbatch``, ``scontrol show job``, ``scancel``; why not submitit:
+docs/jobs.md), and what each task runs (:func:`main`): the ranks' hosts from SLURM's variables, as the rehearsal's
+engines report them, wired by the rehearsal's own ``layout_ranks`` and ``plan_ranks``; the environment only (caps
+and splits are a rehearsal's) goes to ``python SCRIPT``."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from .. import frameworks
+from ..frameworks.base import RankPlan
+from ..inventory import visible_gpus
+from ..layout import HostReport, SlurmStep, layout_ranks
+from ..ranks.hosts import LAUNCHER_VARIABLES
+from . import FOLDER, JobBackend, JobSpec
+
+#: The batch script: the job's folder made first (its id is known only then), one ``srun`` whose tasks each write
+#: their exit status beside their output, then the step's status.
+TEMPLATE = """#!/bin/bash
+{options}#SBATCH --output=/dev/null
+job={jobs}/$SLURM_JOB_ID
+mkdir -p "$job" && exec >"$job/job.out" 2>&1
+# Each line of the ranks' output reaches their logs when printed (%vgpu_job logs --follow).
+export PYTHONUNBUFFERED=1
+srun --kill-on-bad-exit=1 --output="$job/rank-%t.log" \\
+  sh -c '"$@"; s=$?; echo $s >"$0/rank-$SLURM_PROCID.exit"; exit $s' "$job" \\
+  {python} -m vgpu_magic.batch.slurm {framework} {port} {command}
+status=$?
+echo $status >"$job/job.exit"
+exit $status
+"""
+#: Rank 0's port where none is given, from the job id as PyTorch Lightning's SLURM support picks it: each task
+#: computes it alone.
+PORT_BASE = 15000
+
+
+class SlurmJobs(JobBackend):
+    def script(self, spec: JobSpec) -> str:
+        options = {"nodes": spec.nodes, "time": spec.time, "partition": spec.partition, "account": spec.account}
+        options.update({"job-name": spec.name or f"vgpu-{Path(spec.script).stem}", "chdir": os.getcwd()})
+        options.update({"ntasks-per-node": spec.ranks_per_node, "gpus-per-node": spec.gpus_per_node})
+        return TEMPLATE.format(
+            options="".join(f"#SBATCH --{k}={shlex.quote(str(v))}\n" for k, v in options.items() if v is not None),
+            jobs=shlex.quote(str(Path(spec.script).parent / FOLDER)),
+            python=shlex.quote(sys.executable),
+            framework=spec.framework,
+            port=spec.port or 0,
+            command=shlex.join([spec.script, *spec.args]),
+        )
+
+    def submit(self, spec: JobSpec) -> str:
+        try:
+            done = _run(["sbatch", "--parsable"], self.script(spec))
+        except FileNotFoundError:
+            raise ValueError("SLURM's sbatch is not on PATH: submit from a SLURM login node") from None
+        if done.returncode != 0:
+            reason = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+            raise ValueError(f"SLURM refused the job: {reason.removeprefix('sbatch: error: ')}")
+        return done.stdout.strip().split(";")[0]
+
+    def state(self, job_id: str, folder: Path) -> tuple[str, str]:
+        shown = dict(re.findall(r"(JobState|Reason)=(\S+)", _run(["scontrol", "show", "job", "-o", job_id]).stdout))
+        if shown:
+            return shown["JobState"], "" if shown.get("Reason", "None") == "None" else shown["Reason"]
+        # SLURM has forgotten the job (MinJobAge): its batch script wrote its end, unless SLURM ended it first.
+        if (folder / "job.exit").exists():
+            status = (folder / "job.exit").read_text().strip()
+            return ("COMPLETED", "") if status == "0" else ("FAILED", f"srun exited with status {status}")
+        if "DUE TO TIME LIMIT" in "".join(path.read_text(errors="replace") for path in folder.glob("*.log")):
+            return "TIMEOUT", "its time limit was reached"
+        return "CANCELLED", "it ended before its batch script did"
+
+    def cancel(self, job_id: str) -> None:
+        _run(["scancel", job_id])
+
+    def logs(self, folder: Path, rank: int) -> str:
+        path = folder / f"rank-{rank}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _run(argv: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=60, check=False)
+
+
+def plan_tasks(framework: str, env: dict[str, str], port: int | None = None) -> list[RankPlan]:
+    """Every task's plan, in rank order, from a SLURM step's environment (block distribution: the first node's
+    tasks are ranks 0..k-1), each host planned with this one's GPUs."""
+    step = SlurmStep.from_env(env)
+    if step is None:
+        raise RuntimeError("not a task of a SLURM job step (SLURM_JOB_ID, SLURM_STEP_NODELIST, ... unset)")
+    shared, gpus, reports = {k: env[k] for k in LAUNCHER_VARIABLES if k in env}, visible_gpus(), []
+    for node, (host, count) in enumerate(zip(step.hosts, step.tasks_per_node)):
+        for local in range(count):
+            place = {"SLURM_PROCID": str(len(reports)), "SLURM_LOCALID": str(local), "SLURM_NODEID": str(node)}
+            port_here = PORT_BASE + step.job_id % 10000
+            reports.append(HostReport(len(reports), host, host, 0, gpus, port_here, {**shared, **place}))
+    return frameworks.get(framework).plan_ranks(layout_ranks(reports, gpus), None, None, port)
+
+
+def main(framework: str, port: str, script: str, *args: str) -> None:
+    rank = int(os.environ["SLURM_PROCID"])
+    plan = plan_tasks(framework, dict(os.environ), int(port) or None)[rank]
+    if rank == 0:
+        print(f"vgpu_magic job: {plan.notes[0]}; no per-rank memory caps or device splits (a job has its real GPUs)")
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, script, *args], {**os.environ, **plan.env})
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
