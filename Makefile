@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # default only on some Intel CPUs, and only oneDNN's CPU allocator keeps the statistics %vgpu_status shows.
 TEST_ENV := TF_CPP_MIN_LOG_LEVEL=2 TF_ENABLE_ONEDNN_OPTS=1
 
-.PHONY: setup setup-test system-deps lab lint test test-fast bench clean notebooks
+.PHONY: setup setup-test system-deps lab lint test test-fast bench clean notebooks gpu-check gpu-wheels
 
 setup: $(VENV)/.installed-$(EXTRAS)
 setup-test: $(VENV)/.installed-$(TEST_EXTRAS)
@@ -76,3 +76,17 @@ clean:
 # cell outputs, exactly as it does under nbval, so the stored outputs match what the test run produces.
 notebooks: setup-test
 	for nb in notebooks/*.ipynb; do PYTEST_CURRENT_TEST=notebooks $(TEST_ENV) $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace "$$nb" || exit 1; done
+
+# A machine with an NVIDIA GPU: every GPU test of the suite and the GPU estimates against the card's own
+# counters, results in benchmarks/results/gpu.json (one line and exit 0 where there is no GPU). It needs only
+# Python with torch and/or JAX there: what else the suite imports comes from .whl/ (`make gpu-wheels`).
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py
+
+# On a machine with network access: the wheels a GPU machine without IPython/ipyparallel needs (Python 3.12,
+# x86-64; about 16 MiB), into the git-ignored .whl/ that travels with the tree.
+GPU_PYTHON ?= 3.12
+gpu-wheels:
+	$(PYTHON) -m pip download -q --dest .whl --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  ipython ipyparallel ipykernel cloudpickle psutil

@@ -12,15 +12,12 @@ where their NCCL cannot have two ranks on one GPU.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import socket
-import subprocess
-import sys
 
 import pytest
 
-from support import CHILD_ENV, ROOT, last_json, run_python
+from gpu_ranks import gpus_for, rank_layout, run_ranks
+from support import last_json, run_python
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -164,71 +161,6 @@ def test_split_of_second_gpu_hides_the_others(gpu_count):
 
 
 # -- ranks sharing one GPU, started as the planner plans them ------------------------------------------------
-#: A rank: the plan's setup, run as ``prepare_rank`` runs it on an engine, then the user's script, unchanged.
-RANK = """
-import importlib, json, os, runpy, sys
-module, _, function = os.environ.pop("VGPU_TEST_SETUP").partition(":")
-said = getattr(importlib.import_module(module), function)(*json.loads(os.environ.pop("VGPU_TEST_ARGS")))
-print(json.dumps({"setup": said}), flush=True)
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-def _gpus_for(framework: str):
-    from vgpu_magic.inventory import visible_gpus
-
-    if importlib.util.find_spec(framework) is None:
-        pytest.skip(f"{framework} is not installed here")
-    gpus = visible_gpus()
-    if not gpus:
-        pytest.skip(f"no GPU visible to {framework} (none through NVML)")
-    return gpus
-
-
-def _layout(n: int, gpus):
-    """``n`` ranks on this host, as its engines would report it."""
-    from vgpu_magic.inventory import nccl_version
-    from vgpu_magic.layout import HostReport, layout_ranks
-
-    ports = []
-    for _ in range(n):
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            ports.append(sock.getsockname()[1])
-    return layout_ranks(
-        [HostReport(e, socket.gethostname(), "127.0.0.1", 0, gpus[:1], ports[e], nccl=nccl_version()) for e in range(n)]
-    )
-
-
-def _run_ranks(plans, caps_mib, script: str, *args: str, timeout: float = 300) -> list[list[dict]]:
-    """Start one process per plan with its environment, its setup and ``script``; every JSON line each printed."""
-    procs = []
-    for plan, cap in zip(plans, caps_mib):
-        env = {
-            **CHILD_ENV,
-            **plan.env,
-            "PYTHONPATH": str(ROOT),
-            "VGPU_TEST_SETUP": plan.setup,
-            "VGPU_TEST_ARGS": json.dumps(plan.args),
-            "VGPU_TEST_CAP_MIB": str(cap),
-        }
-        command = [sys.executable, "-c", RANK, str(ROOT / "tests" / "scripts" / script), *args]
-        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=timeout)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for proc, out in zip(procs, outputs):
-        assert proc.returncode == 0, out[-3000:]
-    return [[json.loads(line) for line in out.splitlines() if line.startswith("{")] for out in outputs]
-
-
 @pytest.mark.parametrize(
     "args",
     [("--backend", "nccl"), ("--backend", "default"), ("--backend", "nccl", "--wrap", "fsdp2")],
@@ -238,11 +170,11 @@ def test_two_torch_ranks_share_one_gpu_with_an_unchanged_script(args):
     from vgpu_magic.frameworks import get
     from vgpu_magic.inventory import CUDA_CONTEXT_MIB
 
-    gpus = _gpus_for("torch")
-    plans = get("torch").plan_ranks(_layout(2, gpus), None, None, None)
+    gpus = gpus_for("torch")
+    plans = get("torch").plan_ranks(rank_layout(2, gpus), None, None, None)
     caps = [plan.args[2] for plan in plans]
     assert [plan.env["LOCAL_RANK"] for plan in plans] == [str(gpus[0].index)] * 2
-    ranks = _run_ranks(plans, caps, "ddp_cuda.py", *args)
+    ranks = run_ranks(plans, caps, "ddp_cuda.py", *args)
     results = [lines[-1] for lines in ranks]
     print(json.dumps({"plans": [p.args for p in plans], "setup": [lines[0] for lines in ranks], "results": results}))
     assert [r["rank"] for r in results] == [0, 1]
@@ -260,20 +192,20 @@ def test_two_jax_ranks_share_one_gpu_or_are_refused_before_starting():
     from vgpu_magic.frameworks import get
     from vgpu_magic.inventory import MULTI_RANK_NCCL, nccl_version
 
-    gpus = _gpus_for("jax")
-    layout = _layout(2, gpus)
+    gpus = gpus_for("jax")
+    layout = rank_layout(2, gpus)
     if nccl_version() is None or nccl_version() < MULTI_RANK_NCCL:
         with pytest.raises(ValueError, match="refuses two ranks on one GPU at the first collective"):
             get("jax").plan_ranks(layout, None, None, None)
         # One rank has the GPU to itself: its cap is what XLA allows, of CUDA's total, under jaxlib's current
         # variable where the user set it (never both names: jaxlib refuses that and JAX falls back to CPU).
-        layout = _layout(1, gpus)
+        layout = rank_layout(1, gpus)
         env = {"XLA_CLIENT_MEM_FRACTION": "0.9"}
     else:
         env = {}
     plans = get("jax").plan_ranks(layout, None, 2048, None)
     plans = [type(p)(p.rank, {**p.env, **env}, p.setup, p.args, p.notes) for p in plans]
-    ranks = _run_ranks(plans, [2048] * len(plans), "jax_psum.py")
+    ranks = run_ranks(plans, [2048] * len(plans), "jax_psum.py")
     results = [lines[-1] for lines in ranks]
     print(json.dumps({"plans": [p.args for p in plans], "setup": [lines[0] for lines in ranks], "results": results}))
     n = len(plans)
