@@ -77,15 +77,17 @@ def _run(cell: str) -> dict[str, Any]:
     put = jax.device_put
 
     def shapes_put(x: Any, device: Any = None, **options: Any) -> Any:
-        # A step's outputs are shapes here; placing them places the shapes (a single sharding, as in a data-parallel
-        # cell; anything else is put as JAX puts it).
-        def one(leaf: Any) -> Any:
+        # A step's outputs are shapes here; placing them places the shapes, on one sharding or on a pytree of them
+        # (one per subtree of x, as jax.device_put takes them).
+        def one(where: Any, leaf: Any) -> Any:
             if not isinstance(leaf, jax.ShapeDtypeStruct):
-                return put(leaf, device, **options)
-            sharding = device if isinstance(device, jax.sharding.Sharding) else leaf.sharding
+                return put(leaf, where, **options)
+            sharding = where if isinstance(where, jax.sharding.Sharding) else leaf.sharding
             return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
-        return jax.tree.map(one, x)
+        if device is None or isinstance(device, (jax.sharding.Sharding, jax.Device)):
+            return jax.tree.map(lambda leaf: one(device, leaf), x)
+        return jax.tree.map(lambda where, part: jax.tree.map(lambda leaf: one(where, leaf), part), device, x)
 
     jax.jit, jax.device_put = estimating_jit, shapes_put
     exec(compile(cell, "<vgpu_estimate cell>", "exec"), {"__name__": "__main__"})
