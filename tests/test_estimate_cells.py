@@ -16,7 +16,7 @@ import torch.distributed as dist
 from IPython.core.error import UsageError
 
 import vgpu_magic
-from support import kernel_run, started_kernel
+from support import kernel_output, kernel_run, started_kernel
 from vgpu_magic.errors import PlanError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,3 +167,11 @@ def test_an_estimate_beside_tensorflow_leaves_no_triton_placeholder(no_process_l
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_status_in_a_torch_only_kernel_shows_torch_and_imports_no_tensorflow(no_process_left_behind):
+    with started_kernel() as (_, kc):
+        kernel_run(kc, "import sys, torch\n%load_ext vgpu_magic\nreport = %vgpu_status -r\n")
+        shown = kernel_output(kc, "print('tensorflow' in sys.modules, [s.label for s in report.sections])")
+    assert shown["stdout"].strip() == "False ['PyTorch']", shown
