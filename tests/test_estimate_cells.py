@@ -175,3 +175,9 @@ def test_status_in_a_torch_only_kernel_shows_torch_and_imports_no_tensorflow(no_
         kernel_run(kc, "import sys, torch\n%load_ext vgpu_magic\nreport = %vgpu_status -r\n")
         shown = kernel_output(kc, "print('tensorflow' in sys.modules, [s.label for s in report.sections])")
     assert shown["stdout"].strip() == "False ['PyTorch']", shown
+
+
+@pytest.mark.slow
+def test_a_failing_jax_cell_names_its_line_and_error(no_process_left_behind):
+    with pytest.raises(RuntimeError, match=r"^line 3 of the cell: ValueError: the cell's own \(in the estimate's"):
+        vgpu_magic.estimate('import jax\nx = jax.numpy.ones(3)\nraise ValueError("the cell\'s own")', ranks=2)

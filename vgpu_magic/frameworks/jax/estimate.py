@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 __all__ = ["estimate_ranks"]
 
 _MARK = "VGPU_ESTIMATE "
+_CELL = "<vgpu_estimate cell>"
 
 
 def estimate_ranks(cell: Any, world: int, ranks: list[int], namespace: dict | None) -> list[dict[str, Any]]:
@@ -30,9 +32,10 @@ def estimate_ranks(cell: Any, world: int, ranks: list[int], namespace: dict | No
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-m", __name__], input=cell, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARK)]
-    if proc.returncode or not lines:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"the cell failed in the estimate's helper process ({world} devices): {last}")
+    if proc.returncode or not lines:  # the error's own line (JAX's notes follow it), and the cell's line
+        errors = [line for line in proc.stderr.splitlines() if re.match(r"[A-Za-z_][\w.]*: ", line)]
+        where = "".join(f"line {n} of the cell: " for n in re.findall(rf'"{_CELL}", line (\d+)', proc.stderr)[-1:])
+        raise RuntimeError(f"{where}{(errors or ['no output'])[-1]} (in the estimate's helper, {world} devices)")
     found = json.loads(lines[-1][len(_MARK) :])
     found["notes"] = [
         "compiled for CPU devices: a GPU compile chooses its own temporaries, and on an H100 the test "
@@ -90,7 +93,7 @@ def _run(cell: str) -> dict[str, Any]:
         return jax.tree.map(lambda where, part: jax.tree.map(lambda leaf: one(where, leaf), part), device, x)
 
     jax.jit, jax.device_put = estimating_jit, shapes_put
-    exec(compile(cell, "<vgpu_estimate cell>", "exec"), {"__name__": "__main__"})
+    exec(compile(cell, _CELL, "exec"), {"__name__": "__main__"})
     return best
 
 
