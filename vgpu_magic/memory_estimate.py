@@ -160,12 +160,11 @@ def _compiled(cell: str) -> types.CodeType:
 def _framework(code: types.CodeType, requested: str | None, namespace: dict) -> str:
     # The names the code uses (not its comments), and the packages of the notebook's objects among them.
     used = code_names(code)
-    roots = {
-        module.split(".")[0]
-        for key, v in namespace.items()
-        if key in used
-        for module in (getattr(v, "__module__", None) or "", *(c.__module__ for c in type.mro(_class(v))))
-    }
+    values = [v for k, v in namespace.items() if k in used]
+    modules = [getattr(v, "__module__", None) or "" for v in values] + [
+        c.__module__ for v in values for c in (v if isinstance(v, type) else type(v)).__mro__
+    ]
+    roots = {module.split(".")[0] for module in modules}
     found = [n for n in ("torch", "jax", "tensorflow") if n in used | roots]
     found += ["tensorflow"] * (not found and "keras" in used | roots)
     name = frameworks.resolve_name(requested) if requested else found and found[0]
@@ -272,10 +271,6 @@ def _as_the_cells(exc: Exception) -> Exception:
     for frame, line in reversed(kept):
         trace = types.TracebackType(trace, frame, frame.f_lasti, line)
     return exc.with_traceback(trace)
-
-
-def _class(value: Any) -> type:
-    return value if isinstance(value, type) else type(value)
 
 
 def _kept_mib(name: str, gpu_mib: int) -> int:

@@ -220,17 +220,14 @@ def _untracked(original: Callable) -> Callable:
     return run
 
 
-def _swap_or_set(swap: Callable) -> Callable:
+def _swap_or_set(old: torch.Tensor, new: torch.Tensor, swap: Callable = torch.utils.swap_tensors) -> None:
     # Module.to() and .cuda() swap a fake parameter for its converted self, which torch refuses once a weak
     # reference to it exists (the tracker's, the fake mode's): in place (.data =, as for real tensors) keeps
     # the parameter the optimizer holds. The estimate's fake tensors are all on the CPU: no device changes.
-    def swap_or_set(old: torch.Tensor, new: torch.Tensor) -> None:
-        try:
-            swap(old, new)
-        except RuntimeError:
-            old.data = new
-
-    return swap_or_set
+    try:
+        swap(old, new)
+    except RuntimeError:
+        old.data = new
 
 
 def _fake_copies(namespace: dict, names: set[str], into: dict, fake: Any) -> None:
@@ -267,12 +264,7 @@ def _no_gpu_calls(world: int, gpu: tuple[str, int] | None) -> list[tuple[Any, st
     answered without one; torch's own code, which would make a CUDA context for a yes, still hears the truth."""
     name, size = gpu or ("estimated GPU", 0)
     properties = types.SimpleNamespace(name=name, total_memory=size)
-    answers = {
-        "is_available": True,
-        "device_count": world,
-        "get_device_properties": properties,
-        "get_device_name": name,
-    }
+    answers = {"is_available": True, "device_count": world, "get_device_properties": properties}
 
     def answer(key: str, value: Any) -> Callable:
         real = getattr(torch.cuda, key)
@@ -292,10 +284,9 @@ def estimate_rank(
     namespace: dict | None,
     gpu: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
-    """Run ``cell`` (compiled code, or a function of no arguments) as ``rank`` of ``world`` on GPUs named
-    ``gpu`` (name, bytes): its peak, the peak's parts and phase, whether a backward pass ran, and its
-    parallelism. Refuses (PlanError) in a process that has its own default process group, which the
-    estimate would have to replace."""
+    """Run ``cell`` (compiled code, or a function of no arguments) as ``rank`` of ``world`` on GPUs ``gpu``
+    (name, bytes): its peak, the peak's parts and phase, whether a backward pass ran, its parallelism, notes.
+    Refuses (PlanError) in a process with its own default process group, which the estimate would replace."""
     global _tracker
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.distributed.device_mesh import DeviceMesh
@@ -378,7 +369,7 @@ def estimate_rank(
             (sys, "excepthook", sys.excepthook),  # init_process_group wraps it in one that prefixes "[rankR]"
             (torch.cuda, "current_device", lambda: 0),
             *_no_gpu_calls(world, gpu),
-            (torch.utils, "swap_tensors", _swap_or_set(torch.utils.swap_tensors)),
+            (torch.utils, "swap_tensors", _swap_or_set),
             (DeviceMesh, "__init__", _device_mesh_init(DeviceMesh.__init__)),
             (ShardingPropagator, propagate.__name__, _untracked(propagate)),
             (optimizer, "_get_foreach_kernels_supported_devices", lambda: [*foreach(), *["cpu"] * cuda.used]),
@@ -409,8 +400,5 @@ def estimate_rank(
             f"line{'s' * (len(tracker.reads) > 1)} {lines} read a tensor's value (.item(), print, if), which an "
             "estimate does not have: 0 stood in, so what was printed or decided from it is not the real run's"
         )
-    return {
-        **tracker.result(),
-        "parallelism": " + ".join(sorted(used, reverse=True)) or "single device",
-        "notes": notes,
-    }
+    parallelism = " + ".join(sorted(used, reverse=True)) or "single device"
+    return {**tracker.result(), "parallelism": parallelism, "notes": notes}
