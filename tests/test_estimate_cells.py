@@ -54,6 +54,20 @@ def test_the_notebooks_objects_are_untouched_by_a_cell_that_shards_and_trains_th
     assert torch.equal(weight, before) and model(torch.randn(2, 16)).shape == (2, 16)
 
 
+def test_the_notebooks_functions_and_gpu_models_are_estimated_on_copies():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # a notebook's model on a GPU, as the estimate sees it (a CUDA tensor), without one
+        on_gpu = torch.nn.Linear(16, 16, device="cuda")
+    model = torch.nn.Linear(16, 16)
+    namespace = {"torch": torch, "model": model, "on_gpu": on_gpu}
+    exec("def train():\n    model(torch.randn(2, 16)).sum().backward()", namespace)
+    cell = "train()\non_gpu(torch.randn(2, 16, device='cuda')).sum().backward()"
+    found = vgpu_magic.estimate(cell, ranks=2, namespace=namespace)
+    assert found.ranks[0].categories["parameters"] >= 2 * (16 * 16 + 16) * 4  # both models
+    assert model.weight.grad is None and on_gpu.weight.grad is None and namespace["train"].__globals__ is namespace
+
+
 def test_the_readmes_example_runs_as_written(notebook):
     ip = notebook
     readme = (ROOT / "README.md").read_text()

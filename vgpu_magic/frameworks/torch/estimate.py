@@ -237,8 +237,15 @@ def _fake_copies(namespace: dict, names: set[str], into: dict, fake: Any) -> Non
     from ..base import code_names
 
     def fake_copy(tensor: torch.Tensor, memo: dict) -> torch.Tensor:
-        if id(tensor) not in memo:
+        if id(tensor) in memo:
+            return memo[id(tensor)]
+        if tensor.device.type != "cuda":
             memo[id(tensor)] = fake.from_tensor(tensor)
+            return memo[id(tensor)]
+        with fake:  # on the CPU, where the cell's own CUDA tensors are made
+            copied = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
+        kind = torch.nn.Parameter if isinstance(tensor, torch.nn.Parameter) else lambda t, grad: t.requires_grad_(grad)
+        memo[id(tensor)] = kind(copied, tensor.requires_grad)
         return memo[id(tensor)]
 
     memo: dict = {}
