@@ -23,8 +23,12 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.distributed._tools import mem_tracker
 from torch.overrides import TorchFunctionMode
+
+from ...errors import PlanError
+from ..base import code_names
 
 __all__ = ["PeakTracker", "estimate_rank"]
 
@@ -52,8 +56,6 @@ class PeakTracker(mem_tracker.MemTracker):
     reads: set[int] = frozenset()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch._subclasses.fake_tensor import DataDependentOutputException
-
         try:
             if self.untracked:
                 return func(*args, **(kwargs or {}))
@@ -234,7 +236,6 @@ def _fake_copies(namespace: dict, names: set[str], into: dict, fake: Any) -> Non
     """Each of the notebook's names that the cell uses, deep-copied into ``into`` with fake tensors (no memory),
     so what the cell does to them (fully_shard, .to(), a backward's .grad, an optimizer step) stays there. The
     notebook's functions it calls see the copies; what cannot be copied (a generator) is shared."""
-    from ..base import code_names
 
     def fake_copy(tensor: torch.Tensor, memo: dict) -> torch.Tensor:
         if id(tensor) in memo:
@@ -303,9 +304,6 @@ def estimate_rank(
     from torch.optim import optimizer
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torch.utils._python_dispatch import _pop_mode_temporarily
-
-    from ...errors import PlanError
-    from ..base import code_names
 
     if dist.is_initialized():
         raise PlanError(
