@@ -62,6 +62,7 @@ class EstimateMagics(Magics):
         In [1]: %%vgpu_estimate --ranks 8 --gpu 80GB
            ...: model = Net(); fully_shard(model); model(x).sum().backward(); opt.step()
         """
+        __tracebackhide__ = True  # a failing cell is shown in its own lines (estimate() keeps only those)
         try:
             args = parse_arguments(self.vgpu_estimate.parser, line, example="%%vgpu_estimate --ranks 8 --gpu 80GB")
             if args.output is not None and not args.output.isidentifier():

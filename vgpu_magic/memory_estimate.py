@@ -9,11 +9,17 @@ TensorFlow cannot be estimated: it has neither fake tensors nor a compile-only m
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
+import linecache
 import os
 import re
-from collections.abc import Callable
+import sys
+import sysconfig
+import traceback
+import types
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
@@ -21,6 +27,7 @@ from unittest import mock
 
 from . import frameworks
 from .errors import PlanError, excerpt
+from .frameworks.base import code_names
 from .inventory import CUDA_CONTEXT_MIB
 from .units import format_bytes
 
@@ -147,20 +154,40 @@ class MemoryEstimate:
         return f"<table><caption>Estimated peak memory per rank ({html.escape(title)})</caption>{body}</table>"
 
 
-def _framework(cell: str | Callable, requested: str | None) -> str:
-    if requested:
-        name = frameworks.resolve_name(requested)
-    else:
-        text = cell if isinstance(cell, str) else " ".join((cell.__module__ or "", *cell.__code__.co_names))
-        found = [n for n in ("torch", "jax", "tensorflow") if re.search(rf"\b{n}\b", text)]
-        found += ["tensorflow"] * (not found and bool(re.search(r"\bkeras\b", text)))
-        if not found:
-            raise PlanError("cannot tell the framework of this cell; say --framework torch or --framework jax")
-        name = found[0]
+CELL_FILE = "<vgpu_estimate cell>"
+
+
+def _compiled(cell: str) -> types.CodeType:
+    """The cell's code, its lines kept for tracebacks; a syntax error is a PlanError naming its line."""
+    try:
+        code = compile(cell, CELL_FILE, "exec")
+    except SyntaxError as exc:
+        raise PlanError(f"line {exc.lineno} of the cell: {exc.msg}: {excerpt((exc.text or '').strip())}") from None
+    linecache.cache[CELL_FILE] = (len(cell), None, cell.splitlines(True), CELL_FILE)
+    return code
+
+
+def _framework(code: types.CodeType, requested: str | None, namespace: dict) -> str:
+    # The names the code uses (not its comments), and the packages of the notebook's objects among them.
+    used = code_names(code)
+    values = [v for k, v in namespace.items() if k in used]
+    modules = [getattr(v, "__module__", None) or "" for v in values] + [
+        c.__module__ for v in values for c in (v if isinstance(v, type) else type(v)).__mro__
+    ]
+    roots = {module.split(".")[0] for module in modules}
+    found = [n for n in ("torch", "jax", "tensorflow") if n in used | roots]
+    found += ["tensorflow"] * (not found and "keras" in used | roots)
+    name = frameworks.resolve_name(requested) if requested else found and found[0]
+    if not name:
+        raise PlanError("cannot tell the framework of this cell; say --framework torch or --framework jax")
     if name not in ("torch", "jax"):
         raise PlanError(
             f"{name} cannot be estimated: it has no fake tensors and no compile-only memory analysis; "
             "measure it on a real GPU split (%vgpu_split N --memory SIZE) instead"
+        )
+    if found and name not in found:  # the cell would run for real in the other framework's estimate
+        raise PlanError(
+            f"--framework {requested}: the cell uses {found[0]}; say --framework {found[0]} or leave it out"
         )
     return name
 
@@ -196,22 +223,31 @@ def estimate(
         raise PlanError(f"--all-ranks runs every rank, {ranks} is too many; use --rank R (ranks differ little)")
     if not callable(code_or_function) and not (isinstance(code_or_function, str) and code_or_function.strip()):
         raise PlanError("nothing to estimate; give the code that builds the model and runs a training step")
-    name = _framework(code_or_function, framework)
+    code = code_or_function.__code__ if callable(code_or_function) else _compiled(code_or_function)
+    name = _framework(code, framework, getattr(code_or_function, "__globals__", namespace or {}))
     chosen = list(range(ranks)) if all_ranks else [rank]
+    __tracebackhide__ = True
     label = frameworks.get(name).label
-    if name == "torch":
-        with mock.patch.dict(os.environ):  # torch's tools set TORCHINDUCTOR_CACHE_DIR when first imported
-            from .frameworks.torch.estimate import estimate_rank
+    try:
+        if name == "torch":
+            with _without_triton(), mock.patch.dict(os.environ):  # torch's tools set TORCHINDUCTOR_CACHE_DIR
+                from .frameworks.torch.estimate import estimate_rank
 
-        found = []
-        for r in chosen:
-            progress(f"estimating: the cell runs as rank {r} of {ranks} ({label}, fake tensors)…")
-            found.append((r, estimate_rank(code_or_function, ranks, r, namespace)))
-    else:
-        from .frameworks.jax.estimate import estimate_ranks
+                cell = code_or_function if callable(code_or_function) else code
+                gpu_named = (gpu_label, gpu_mib * 2**20) if gpu is not None else None
+                found = []
+                for r in chosen:
+                    progress(f"estimating: the cell runs as rank {r} of {ranks} ({label}, fake tensors)…")
+                    found.append((r, estimate_rank(cell, ranks, r, namespace, gpu_named)))
+        else:
+            from .frameworks.jax.estimate import estimate_ranks
 
-        progress(f"estimating: the cell's jitted steps compile for {ranks} devices ({label})…")
-        found = list(zip(chosen, estimate_ranks(code_or_function, ranks, chosen, namespace)))
+            progress(f"estimating: the cell's jitted steps compile for {ranks} devices ({label})…")
+            found = list(zip(chosen, estimate_ranks(code_or_function, ranks, chosen, namespace)))
+    except PlanError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the cell raises is its own, shown in its lines
+        raise _as_the_cells(exc) from None
     if not any(f["peak_bytes"] for _, f in found):
         if name == "jax":
             raise PlanError("the cell ran no jitted step; wrap the training step in jax.jit and call it")
@@ -227,6 +263,32 @@ def estimate(
             rerun = partial(estimate, code_or_function, framework=name, namespace=namespace, progress=progress)
             result.levers = _levers(result, set(first.get("uses", ())), rerun)
     return result
+
+
+@contextlib.contextmanager
+def _without_triton() -> Iterator[None]:
+    # With TensorFlow loaded, importing Triton (torch's tools import torch._dynamo, which looks for it) crashes
+    # the process (TensorFlow 2.21 beside torch 2.14's Triton: a segfault). The estimate needs no Triton; the
+    # kernel's own later import of it is the kernel's, so nothing of this stays.
+    hidden = "tensorflow" in sys.modules and "triton" not in sys.modules
+    if hidden:
+        sys.modules["triton"] = None
+    try:
+        yield
+    finally:
+        if hidden and sys.modules.get("triton", "") is None:
+            del sys.modules["triton"]
+
+
+def _as_the_cells(exc: Exception) -> Exception:
+    """The cell's own error with the cell's lines only (and the notebook's code they called): not the frames of
+    vgpu_magic, torch or the standard library between them, nor the errors torch raised on the way."""
+    ours = (os.path.dirname(__file__), *{sysconfig.get_path(p) for p in ("stdlib", "purelib", "platlib")})
+    kept = [(f, line) for f, line in traceback.walk_tb(exc.__traceback__) if not f.f_code.co_filename.startswith(ours)]
+    trace = None
+    for frame, line in reversed(kept):
+        trace = types.TracebackType(trace, frame, frame.f_lasti, line)
+    return exc.with_traceback(trace)
 
 
 def _kept_mib(name: str, gpu_mib: int) -> int:

@@ -308,9 +308,10 @@ def collect_framework(fw, watcher=None) -> FrameworkStatus:
 
 
 def collect_status(watcher=None, framework: str | None = None) -> StatusReport:
-    """Every imported framework's section (the named one only, when given; the
-    selected one when none is imported). Never starts a runtime."""
+    """Every imported framework's section (the named one only, when given; PyTorch's in a kernel that imported
+    only PyTorch; the selected one when none is imported). Never starts a runtime."""
     from . import frameworks
 
-    chosen = [frameworks.get(framework)] if framework is not None else frameworks.imported() or [frameworks.select()]
+    imported = frameworks.imported() or [fw for fw in frameworks.all_frameworks() if fw.imported()]
+    chosen = [frameworks.get(framework)] if framework is not None else imported or [frameworks.select()]
     return StatusReport([collect_framework(fw, watcher) for fw in chosen])

@@ -11,6 +11,7 @@ import importlib.util
 import itertools
 import os
 import sys
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -28,10 +29,18 @@ __all__ = [
     "Reader",
     "RankPlan",
     "call_before_start",
+    "code_names",
 ]
 
 #: ``reader(names) -> [(current, peak), ...]`` in bytes, one pair per device name.
 Reader = Callable[[list[str]], list[tuple[int, int]]]
+
+
+def code_names(code: types.CodeType) -> set[str]:
+    """The global names ``code`` (and every function defined in it) uses, and the packages it imports
+    (``jax`` for ``import jax.numpy``): what a cell refers to, its comments apart."""
+    names = {name.split(".")[0] for name in code.co_names}
+    return names.union(*(code_names(c) for c in code.co_consts if isinstance(c, types.CodeType)))
 
 
 def call_before_start(owner: Any, name: str, starting: Callable[..., bool], callback: Callable[[], None]):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 __all__ = ["estimate_ranks"]
 
 _MARK = "VGPU_ESTIMATE "
+_CELL = "<vgpu_estimate cell>"
 
 
 def estimate_ranks(cell: Any, world: int, ranks: list[int], namespace: dict | None) -> list[dict[str, Any]]:
@@ -30,9 +32,10 @@ def estimate_ranks(cell: Any, world: int, ranks: list[int], namespace: dict | No
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-m", __name__], input=cell, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARK)]
-    if proc.returncode or not lines:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"the cell failed in the estimate's helper process ({world} devices): {last}")
+    if proc.returncode or not lines:  # the error's own line (JAX's notes follow it), and the cell's line
+        errors = [line for line in proc.stderr.splitlines() if re.match(r"[A-Za-z_][\w.]*: ", line)]
+        where = "".join(f"line {n} of the cell: " for n in re.findall(rf'"{_CELL}", line (\d+)', proc.stderr)[-1:])
+        raise RuntimeError(f"{where}{(errors or ['no output'])[-1]} (in the estimate's helper, {world} devices)")
     found = json.loads(lines[-1][len(_MARK) :])
     found["notes"] = [
         "compiled for CPU devices: a GPU compile chooses its own temporaries, and on an H100 the test "
@@ -80,15 +83,17 @@ def _run(cell: str) -> dict[str, Any]:
     put = jax.device_put
 
     def shapes_put(x: Any, device: Any = None, **options: Any) -> Any:
-        # A step's outputs are shapes here; placing them places the shapes (a single sharding, as in a data-parallel
-        # cell; anything else is put as JAX puts it).
-        def one(leaf: Any) -> Any:
+        # A step's outputs are shapes here; placing them places the shapes, on one sharding or on a pytree of them
+        # (one per subtree of x, as jax.device_put takes them).
+        def one(where: Any, leaf: Any) -> Any:
             if not isinstance(leaf, jax.ShapeDtypeStruct):
-                return put(leaf, device, **options)
-            sharding = device if isinstance(device, jax.sharding.Sharding) else leaf.sharding
+                return put(leaf, where, **options)
+            sharding = where if isinstance(where, jax.sharding.Sharding) else leaf.sharding
             return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
-        return jax.tree.map(one, x)
+        if device is None or isinstance(device, (jax.sharding.Sharding, jax.Device)):
+            return jax.tree.map(lambda leaf: one(device, leaf), x)
+        return jax.tree.map(lambda where, part: jax.tree.map(lambda leaf: one(where, leaf), part), device, x)
 
     jax.jit, jax.device_put = estimating_jit, shapes_put
     checkpoint = jax.checkpoint
@@ -98,7 +103,7 @@ def _run(cell: str) -> dict[str, Any]:
         return checkpoint(*args, **kwargs)
 
     jax.checkpoint = jax.remat = noted_checkpoint
-    exec(compile(cell, "<vgpu_estimate cell>", "exec"), {"__name__": "__main__"})
+    exec(compile(cell, _CELL, "exec"), {"__name__": "__main__"})
     return best
 
 

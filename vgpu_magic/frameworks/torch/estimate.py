@@ -11,25 +11,25 @@ raises, the process group, the environment and every patched function are restor
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import re
 import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
 
-if "tensorflow" in sys.modules:
-    # With TensorFlow loaded, importing Triton (torch's tools import torch._dynamo, which looks for it) crashes
-    # the process (TensorFlow 2.21 beside torch 2.14's Triton: a segfault). The estimate runs on fake CPU
-    # tensors and needs no Triton, so this process is told there is none.
-    sys.modules.setdefault("triton", None)
-
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.distributed._tools import mem_tracker
 from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.overrides import TorchFunctionMode
+
+from ...errors import PlanError
+from ..base import code_names
 
 __all__ = ["PeakTracker", "estimate_rank"]
 
@@ -53,6 +53,8 @@ class PeakTracker(mem_tracker.MemTracker):
     phase: str | None = None
     backward = False
     untracked = 0  #: > 0 while DTensor propagates shapes in the estimate's own fake mode (no memory)
+    cell_file: str | None = None  #: an estimate's cell: a value read there (``loss.item()``) is 0, its line noted
+    reads: set[int] = frozenset()
 
     def __enter__(self) -> PeakTracker:
         self.uses: set[str] = set()  #: what the cell does that a lever would offer: checkpointing, bf16
@@ -73,9 +75,18 @@ class PeakTracker(mem_tracker.MemTracker):
                     self._peak_mem_snap[device] = dict(snap)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.untracked:
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        try:
+            if self.untracked:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        except DataDependentOutputException:
+            if func is not torch.ops.aten._local_scalar_dense.default or not self.cell_file:
+                raise
+            frame = sys._getframe()
+            while frame and frame.f_code.co_filename != self.cell_file:
+                frame = frame.f_back
+            self.reads = {*self.reads, frame.f_lineno} if frame else self.reads
+            return False if args[0].dtype is torch.bool else 0
 
     def _pre_bw_hook(self, module: torch.nn.Module, args: Any) -> None:
         self.backward = True
@@ -240,11 +251,79 @@ def _untracked(original: Callable) -> Callable:
     return run
 
 
+def _swap_or_set(old: torch.Tensor, new: torch.Tensor, swap: Callable = torch.utils.swap_tensors) -> None:
+    # Module.to() and .cuda() swap a fake parameter for its converted self, which torch refuses once a weak
+    # reference to it exists (the tracker's, the fake mode's): in place (.data =, as for real tensors) keeps
+    # the parameter the optimizer holds. The estimate's fake tensors are all on the CPU: no device changes.
+    try:
+        swap(old, new)
+    except RuntimeError:
+        old.data = new
+
+
+def _fake_copies(namespace: dict, names: set[str], into: dict, fake: Any) -> None:
+    """Each of the notebook's names that the cell uses, deep-copied into ``into`` with fake tensors (no memory),
+    so what the cell does to them (fully_shard, .to(), a backward's .grad, an optimizer step) stays there. The
+    notebook's functions it calls see the copies; what cannot be copied (a generator) is shared."""
+
+    def fake_copy(tensor: torch.Tensor, memo: dict) -> torch.Tensor:
+        if id(tensor) in memo:
+            return memo[id(tensor)]
+        if tensor.device.type != "cuda":
+            memo[id(tensor)] = fake.from_tensor(tensor)
+            return memo[id(tensor)]
+        with fake:  # on the CPU, where the cell's own CUDA tensors are made
+            copied = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
+        kind = torch.nn.Parameter if isinstance(tensor, torch.nn.Parameter) else lambda t, grad: t.requires_grad_(grad)
+        memo[id(tensor)] = kind(copied, tensor.requires_grad)
+        return memo[id(tensor)]
+
+    memo: dict = {}
+    todo, done = set(names), set()
+    with (
+        mock.patch.object(torch.Tensor, "__deepcopy__", fake_copy),
+        mock.patch.object(torch.nn.Parameter, "__deepcopy__", fake_copy),
+    ):
+        while todo:
+            name = todo.pop()
+            done.add(name)
+            value = namespace.get(name, into.get(name))
+            if isinstance(value, types.FunctionType) and value.__globals__ is namespace:
+                into[name] = types.FunctionType(value.__code__, into, name, value.__defaults__, value.__closure__)
+                todo |= code_names(value.__code__) - done
+            elif name in namespace and into[name] is value:
+                with contextlib.suppress(Exception):
+                    into[name] = copy.deepcopy(value, memo)
+
+
+def _no_gpu_calls(world: int, gpu: tuple[str, int] | None) -> list[tuple[Any, str, Any]]:
+    """What the cell asks of the GPUs it is estimated for (``"cuda" if torch.cuda.is_available() else "cpu"``),
+    answered without one; torch's own code, which would make a CUDA context for a yes, still hears the truth."""
+    name, size = gpu or ("estimated GPU", 0)
+    properties = types.SimpleNamespace(name=name, total_memory=size)
+    answers = {"is_available": True, "device_count": world, "get_device_properties": properties}
+
+    def answer(key: str, value: Any) -> Callable:
+        real = getattr(torch.cuda, key)
+        return lambda *a, **k: (
+            real(*a, **k) if sys._getframe(1).f_globals.get("__name__", "")[:6] == "torch." else value
+        )
+
+    calls = [(torch.cuda, key, answer(key, value)) for key, value in answers.items()]
+    return calls + [(torch.cuda, k, lambda *a, **kw: None) for k in ("synchronize", "empty_cache", "set_device")]
+
+
 @mock.patch.dict("os.environ")  # the rank's variables go afterwards
-def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespace: dict | None) -> dict[str, Any]:
-    """Run ``cell`` (code, or a function of no arguments) as ``rank`` of ``world``: its peak, the peak's
-    parts and phase, whether a backward pass ran, and its parallelism. Refuses (``ValueError``) in a
-    process that has its own default process group, which the estimate would have to replace."""
+def estimate_rank(
+    cell: types.CodeType | Callable[[], Any],
+    world: int,
+    rank: int,
+    namespace: dict | None,
+    gpu: tuple[str, int] | None = None,
+) -> dict[str, Any]:
+    """Run ``cell`` (compiled code, or a function of no arguments) as ``rank`` of ``world`` on GPUs ``gpu``
+    (name, bytes): its peak, the peak's parts and phase, whether a backward pass ran, its parallelism, notes.
+    Refuses (PlanError) in a process with its own default process group, which the estimate would replace."""
     global _tracker
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.distributed.device_mesh import DeviceMesh
@@ -256,13 +335,14 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
     from torch.utils._python_dispatch import _pop_mode_temporarily
 
     if dist.is_initialized():
-        raise ValueError(
+        raise PlanError(
             "this kernel has its own torch.distributed process group; estimate in a kernel without "
             "one (destroy_process_group() first)"
         )
     from torch.distributed.tensor import parallel
 
     used: set[str] = set()
+    notes: list[str] = []
 
     def noted(label: str, function: Callable, untracked: bool = False) -> Callable:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -277,6 +357,10 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
             used.add("DDP")
             super().__init__(*args, **kwargs)
 
+    def eager(model: Any = None, **options: Any) -> Any:
+        notes[:] = ["torch.compile was estimated eagerly: compiled kernels usually keep fewer activations"]
+        return (lambda m: m) if model is None else model
+
     # fully_shard's world-size views of every parameter allocate nothing: the tracker need not walk them.
     fully_shard, tensor_parallel = (
         noted("FSDP2", torch.distributed.fsdp.fully_shard, True),
@@ -286,8 +370,10 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
         id(torch.nn.parallel.DistributedDataParallel): DDP,
         id(torch.distributed.fsdp.fully_shard): fully_shard,
         id(parallel.parallelize_module): tensor_parallel,
+        id(torch.compile): eager,
     }
-    namespace = {k: ours.get(id(v), v) for k, v in (namespace or {}).items()}
+    notebook = namespace or {}
+    namespace = {k: ours.get(id(v), v) for k, v in notebook.items()}
     # A function's own module names too (restored afterwards, with whatever the function assigned there).
     names = getattr(cell, "__globals__", {})
     env = {
@@ -301,6 +387,7 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
     cuda, blocks = _CudaOnCpu(), mem_tracker._WeakRefInfo._calculate_mem_consumed
     propagate = ShardingPropagator._propagate_tensor_meta_non_cached  # shapes only: no memory to track
     foreach = optimizer._get_foreach_kernels_supported_devices  # CUDA's optimizers default to foreach, CPU's do not
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
     with contextlib.ExitStack() as stack:
         os.environ.update({k: str(v) for k, v in env.items()})
         stack.enter_context(mock.patch.dict(names, {k: ours[id(v)] for k, v in names.items() if id(v) in ours}))
@@ -309,11 +396,14 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
             (torch.nn.parallel.distributed, "DistributedDataParallel", DDP),
             (torch.distributed.fsdp, "fully_shard", fully_shard),
             (parallel, "parallelize_module", tensor_parallel),
+            (torch, "compile", eager),
+            (torch.nn.Module, "compile", lambda self, *a, **k: eager()),
             (dist, "init_process_group", lambda *a, **k: None),
             (dist, "destroy_process_group", lambda *a, **k: None),
             (sys, "excepthook", sys.excepthook),  # init_process_group wraps it in one that prefixes "[rankR]"
-            (torch.cuda, "set_device", lambda *a, **k: None),
             (torch.cuda, "current_device", lambda: 0),
+            *_no_gpu_calls(world, gpu),
+            (torch.utils, "swap_tensors", _swap_or_set),
             (DeviceMesh, "__init__", _device_mesh_init(DeviceMesh.__init__)),
             (ShardingPropagator, propagate.__name__, _untracked(propagate)),
             (optimizer, "_get_foreach_kernels_supported_devices", lambda: [*foreach(), *["cpu"] * cuda.used]),
@@ -329,10 +419,20 @@ def estimate_rank(cell: str | Callable[[], Any], world: int, rank: int, namespac
             stack.enter_context(mock.patch.object(target, name, value))
         dist.distributed_c10d.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         stack.callback(dist.distributed_c10d.destroy_process_group)
+        code = getattr(cell, "__code__", cell)
+        source, into = (names, names) if callable(cell) else (notebook, namespace)
+        _fake_copies(source, code_names(code), into, fake)
         tracker = _tracker = PeakTracker()
+        tracker.cell_file = code.co_filename
         stack.callback(globals().__setitem__, "_tracker", None)
-        for mode in (FakeTensorMode(allow_non_fake_inputs=True), cuda, tracker):
+        for mode in (fake, cuda, tracker):
             stack.enter_context(mode)
-        cell() if callable(cell) else exec(compile(cell, "<vgpu_estimate cell>", "exec"), namespace)
+        cell() if callable(cell) else exec(cell, namespace)
+    if tracker.reads:
+        lines = ", ".join(map(str, sorted(tracker.reads)))
+        notes.append(
+            f"line{'s' * (len(tracker.reads) > 1)} {lines} read a tensor's value (.item(), print, if), which an "
+            "estimate does not have: 0 stood in, so what was printed or decided from it is not the real run's"
+        )
     parallelism = " + ".join(sorted(used - {"no reshard"}, reverse=True)) or "single device"
-    return {**tracker.result(), "parallelism": parallelism, "uses": sorted(tracker.uses | used)}
+    return {**tracker.result(), "parallelism": parallelism, "uses": sorted(tracker.uses | used), "notes": notes}
