@@ -68,10 +68,17 @@ def test_the_notebooks_functions_and_gpu_models_are_estimated_on_copies():
     assert model.weight.grad is None and on_gpu.weight.grad is None and namespace["train"].__globals__ is namespace
 
 
-def test_the_readmes_example_runs_as_written(notebook):
+#: The example the README showed when issue 37 (row 18) was filed: a model built on the CPU, moved with .cuda().
+OLD_README_EXAMPLE = (
+    "--gpu 8xH100 -o fit",
+    "model = Net().cuda()\nfor layer in model.layers:\n    fully_shard(layer)\nfully_shard(model)\n"
+    "opt = torch.optim.AdamW(model.parameters())\nmodel(batch).sum().backward(); opt.step()\n",
+)
+
+
+def test_a_model_moved_with_cuda_runs_as_the_readme_wrote_it(notebook):
     ip = notebook
-    readme = (ROOT / "README.md").read_text()
-    line, cell = re.search(r"```python\n%%vgpu_estimate (.*)\n((?:.+\n)+?)```", readme).groups()
+    line, cell = OLD_README_EXAMPLE
     ip.run_cell(
         "import torch\nfrom torch.distributed.fsdp import fully_shard\n"
         "class Net(torch.nn.Module):\n"
