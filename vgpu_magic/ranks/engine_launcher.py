@@ -1,18 +1,68 @@
-"""ipyparallel's engine launchers as the ranks use them: local engines record how they exit (ipyparallel
-reaps an engine in a thread and hands its status to an event loop that may never run it while a cell watches the
-ranks), SLURM's keeps what ``sbatch`` and ``scancel`` say. At module level, so that the cluster file names
-classes ipyparallel's own tools can import. Importing this module imports ipyparallel.
+"""ipyparallel's cluster and engine launchers as the ranks use them: local engines record how they exit
+(ipyparallel reaps an engine in a thread and hands its status to an event loop that may never run it while a cell
+watches the ranks), SLURM's keeps what ``sbatch`` and ``scancel`` say, and the cluster loaded from its file by
+another process (JupyterLab's cluster panel) stays silent. At module level, so that the cluster file names classes
+ipyparallel's own tools can import. Importing this module imports ipyparallel.
 """
 
 from __future__ import annotations
 
+import logging
 import subprocess
 from typing import Any
 
 import psutil
+from ipyparallel.cluster.cluster import Cluster, ClusterManager
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher, SlurmEngineSetLauncher
 
-__all__ = ["ExitRecordingEngineLauncher", "ExitRecordingEngineSetLauncher", "ReasonedSlurmEngineSetLauncher"]
+__all__ = [
+    "ExitRecordingEngineLauncher",
+    "ExitRecordingEngineSetLauncher",
+    "RanksCluster",
+    "ReasonedSlurmEngineSetLauncher",
+]
+
+#: Where a copy of the cluster loaded in another process logs: nowhere.
+_SILENT = logging.getLogger("vgpu_magic.ranks.loaded-cluster")
+_SILENT.addHandler(logging.NullHandler())
+_SILENT.propagate = False
+
+
+class RanksCluster(Cluster):
+    """ipyparallel's cluster; the kernel that started it owns its file (``owner``). A copy another process loads
+    from the file (JupyterLab's cluster panel, ``ipcluster list``: ipyparallel's ``ClusterManager``) watches the
+    same processes, and when the kernel stops them it would log each process's whole log file into the Jupyter
+    server's terminal as a failure (it cannot read a stranger's exit status), write the file again while some
+    still run, remove the logs, and log the cluster's removal. The copy logs nothing, leaves files to the owner,
+    and leaves its manager once stopped."""
+
+    owner = False
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], **kwargs: Any) -> Cluster:
+        states = [d.get("controller", {}).get("state") or {}]
+        for engine_set in d.get("engines", {}).get("sets", {}).values():
+            states += [engine_set, *engine_set.get("engines", {}).values()]
+        for state in states:
+            if "output_file" in state:
+                state["output_file"] = ""
+        return super().from_dict(d, **{**kwargs, "log": _SILENT})
+
+    def update_cluster_file(self) -> None:
+        if self.owner:
+            super().update_cluster_file()
+
+    def _controller_stopped(self, stop_data: Any = None) -> None:
+        super()._controller_stopped(stop_data)
+        self._leave_manager()
+
+    def _engines_stopped(self, engine_set_id: str, stop_data: Any = None) -> None:
+        super()._engines_stopped(engine_set_id, stop_data)
+        self._leave_manager()
+
+    def _leave_manager(self) -> None:
+        if not self.owner and not self._is_running() and isinstance(self.parent, ClusterManager):
+            self.parent.clusters.pop(ClusterManager._cluster_key(self), None)
 
 
 class ExitRecordingProcess(psutil.Process):

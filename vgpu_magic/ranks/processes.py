@@ -205,7 +205,7 @@ def _ipp_log() -> logging.Logger:
     return log
 
 
-def new_ipp_cluster(ipp: Any, plan: LauncherPlan, n: int, cluster_id: str, token: str) -> Any:
+def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> Any:
     """ipyparallel's cluster for ``n`` engines, configured with the launcher ``plan``, its
     processes marked with the cluster's ``token``."""
     import copy
@@ -230,7 +230,7 @@ def new_ipp_cluster(ipp: Any, plan: LauncherPlan, n: int, cluster_id: str, token
     config.merge(Config(copy.deepcopy(plan.config)))
     # Ours (:mod:`.engine_launcher`) for local and SLURM engines, ipyparallel's own for the others.
     engines = {"local": ours.ExitRecordingEngineSetLauncher, "slurm": ours.ReasonedSlurmEngineSetLauncher}
-    cluster = ipp.Cluster(
+    cluster = ours.RanksCluster(
         n=n,
         engines=engines.get(plan.name, plan.name),
         cluster_id=cluster_id,
@@ -240,6 +240,7 @@ def new_ipp_cluster(ipp: Any, plan: LauncherPlan, n: int, cluster_id: str, token
         config=config,
         **kwargs,
     )
+    cluster.owner = True
     if plan.name == "slurm":
         # ipyparallel writes the batch script into the kernel's working folder (the user's notebooks);
         # an absolute name puts it with the engines' log in the profile instead, removed by stop().
@@ -336,7 +337,13 @@ def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared:
     for proc in alive:
         with contextlib.suppress(psutil.Error):
             proc.kill()
-    return _running_after(alive, 5.0)
+    alive = _running_after(alive, 5.0)
+    for pid in owned:
+        # Reaped here where nothing else waits for them (the clean-up watchers): else each stays a zombie child of
+        # the kernel until it exits. A PID that is not this process's child is none of its business.
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+    return alive
 
 
 def _running_after(procs: list[Any], timeout: float) -> list[Any]:
@@ -378,6 +385,8 @@ def stop_launched(cluster: Any, plan: LauncherPlan) -> list[str]:
     # its tools would list a dead cluster. Removed, and no more written ("" turns the file off).
     cluster.remove_cluster_file()
     cluster.cluster_file = ""
+    # The controller's record of its engines, which it removes only when it exits of itself.
+    connection.append(os.path.join(cluster.profile_dir, "log", f"engines{cluster.cluster_id}.json"))
     for path in connection:  # left by a controller that was killed
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)

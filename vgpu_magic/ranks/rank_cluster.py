@@ -171,8 +171,6 @@ class RankCluster:
         """Start the engines, wire them, and make this the current cluster; :class:`ClusterStartError` if
         starting or wiring fails, and then nothing started is left running."""
         global _current
-        import ipyparallel as ipp
-
         if self.running:
             return self
         with _lock:
@@ -185,7 +183,7 @@ class RankCluster:
             self.spares = processes.check_memory_fits(self.n, self.fw)
             if self.port is not None:
                 processes.check_port_free(self.port)
-            self.cluster = processes.new_ipp_cluster(ipp, self.launcher_plan, self.n, self.cluster_id, self._token)
+            self.cluster = processes.new_ipp_cluster(self.launcher_plan, self.n, self.cluster_id, self._token)
             processes.despite_interrupts(lambda: self.cluster.start_cluster_sync(n=self.n))
             # Remembered at once, so that even engines that never register are stopped.
             launchers = processes.local_launchers(self.cluster)
