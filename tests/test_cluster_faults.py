@@ -150,24 +150,49 @@ def test_a_start_ssh_refuses_says_why_in_one_line(shell):
     assert rank_cluster.current() is None and our_processes() <= before
 
 
-def test_a_start_sbatch_refuses_says_why_in_one_line(shell, monkeypatch):
-    """Issue 25, row 5: "CalledProcessError: Command '['sbatch', ...]' returned non-zero exit status 1."."""
+def started_by_this_process() -> list[int]:
+    """The live processes anywhere that a cluster of this process started (also those re-parented to init)."""
+    import psutil
+
+    from vgpu_magic.ranks import lifetime
+
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            owner = proc.environ().get(lifetime.OWNER_ENV, "")
+            if owner.split(":")[1:2] == [str(os.getpid())] and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+    return found
+
+
+def test_a_start_sbatch_refuses_says_why_in_one_line_and_leaves_nothing(shell, monkeypatch, tmp_path):
+    """Issue 25, row 5: "CalledProcessError: Command '['sbatch', ...]' returned non-zero exit status 1.".
+    Issue 37, row 23: it said "nothing was left running", yet the controller's processes forked as the stop
+    ended it lived on under init (7 after 6 refused starts). Where no SLURM client is installed, one that has
+    no configuration, as slurm-client's says."""
     from IPython.core.error import UsageError
 
     from vgpu_magic.ranks import rank_cluster
 
     if shutil.which("sbatch") is None:
-        pytest.skip("no sbatch (apt-get install slurm-client)")
+        said = "echo 'sbatch: fatal: Could not establish a configuration source' >&2; exit 1"
+        for command in ("sbatch", "srun", "scancel", "squeue"):
+            (tmp_path / command).write_text(f"#!/bin/sh\n{said if command == 'sbatch' else 'exit 1'}\n")
+            (tmp_path / command).chmod(0o755)
+        monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     if os.path.exists("/etc/slurm/slurm.conf"):
         pytest.skip("this machine has a SLURM configuration")
     monkeypatch.delenv("SLURM_CONF", raising=False)
     before = our_processes()
-    with pytest.raises(UsageError) as info:
-        shell.run_line_magic("vgpu_cluster", "start 2 --framework torch --launcher slurm")
-    assert str(info.value) == (
-        "the ranks could not start: sbatch: fatal: Could not establish a configuration source; nothing was left running"
-    )
-    assert rank_cluster.current() is None and our_processes() <= before
+    for _ in range(3):
+        with pytest.raises(UsageError) as info:
+            shell.run_line_magic("vgpu_cluster", "start 2 --framework torch --launcher slurm")
+        assert str(info.value) == (
+            "the ranks could not start: sbatch: fatal: Could not establish a configuration source; "
+            "nothing was left running"
+        )
+        assert rank_cluster.current() is None and our_processes() <= before
+        assert started_by_this_process() == []
 
 
 def test_what_the_cleanup_finds_is_said_after_the_starts_own_error(monkeypatch):

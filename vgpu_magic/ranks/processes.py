@@ -326,18 +326,23 @@ def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared:
             procs.update((child.pid, child) for child in proc.children(recursive=True))
         except psutil.Error:
             continue
-    if token:
-        procs.update((proc.pid, proc) for proc in lifetime.processes_of(token, started_at))
-    for pid in spared:
-        procs.pop(pid, None)
-    for proc in procs.values():
-        with contextlib.suppress(psutil.Error):
-            proc.send_signal(signal.SIGTERM)
-    alive = _running_after(list(procs.values()), STOP_GRACE)
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    alive = _running_after(alive, 5.0)
+    ended: set[int] = set(spared)
+    alive: list[Any] = []
+    # Twice where a token marks them: a process forked while the first round ended its parent (a controller
+    # still starting its schedulers when a start fails) was not there to be found, and would live on under init.
+    for _ in range(2 if token else 1):
+        if token:
+            procs.update((proc.pid, proc) for proc in lifetime.processes_of(token, started_at))
+        now = [proc for pid, proc in procs.items() if pid not in ended]
+        ended.update(procs)
+        for proc in now:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGTERM)
+        late = _running_after(now, STOP_GRACE)
+        for proc in late:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        alive += _running_after(late, 5.0)
     for pid in owned:
         # Reaped here where nothing else waits for them (the clean-up watchers): else each stays a zombie child of
         # the kernel until it exits. A PID that is not this process's child is none of its business.
