@@ -37,11 +37,30 @@ def gone_within(pids: list[int], seconds: float) -> list[int]:
     return alive(pids)
 
 
+#: As JupyterLab's cluster panel does, in the Jupyter server's process: ipyparallel's ClusterManager reloading the
+#: profile's clusters, logging to the server's terminal at the server's level; each poll's running clusters on stdout.
+PANEL = """
+import asyncio, json, logging, sys
+from ipyparallel.cluster.cluster import ClusterManager
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+manager = ClusterManager(log=logging.getLogger("ServerApp"))
+async def main():
+    while True:
+        clusters = manager.load_clusters(init_default_clusters=True).values()
+        print(json.dumps(sorted(c.cluster_id for c in clusters if c.cluster_id)), flush=True)
+        await asyncio.sleep(0.2)
+asyncio.run(main())
+"""
+
+
 @pytest.mark.parametrize("death", ["SIGKILL", "os.abort()"])
 def test_a_kernel_that_dies_without_atexit_takes_every_cluster_process_with_it(death):
     from jupyter_client.manager import start_new_kernel
 
-    km, kc = start_new_kernel(kernel_name="python3", env={**CHILD_ENV, "PYTHONPATH": str(ROOT)}, cwd=str(ROOT))
+    env = {**CHILD_ENV, "PYTHONPATH": str(ROOT)}
+    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(ROOT))
+    # Issue 37, row 16: JupyterLab's cluster panel, whose copy of the cluster wrote its file again as it died.
+    panel = subprocess.Popen([sys.executable, "-c", PANEL], env=env, stdout=subprocess.DEVNULL)
     pids: list[int] = []
     try:
         reply = kernel_run(kc, "%load_ext vgpu_magic\n%vgpu_cluster start 2 --framework torch")
@@ -69,7 +88,11 @@ def test_a_kernel_that_dies_without_atexit_takes_every_cluster_process_with_it(d
         while time.monotonic() < deadline and any(os.path.exists(f) for f in files):
             time.sleep(0.2)
         assert [f for f in files if os.path.exists(f)] == []
+        time.sleep(2)  # the panel polls every 0.2 s
+        assert [f for f in files if os.path.exists(f)] == []
     finally:
+        panel.kill()
+        panel.wait()
         kc.stop_channels()
         km.shutdown_kernel(now=True)
         for pid in alive(pids):
@@ -195,22 +218,6 @@ def test_a_rank_busy_in_c_code_holding_the_gil_goes_with_its_kernel(tmp_path):
     finally:
         for pid in alive(pids):
             os.kill(pid, signal.SIGKILL)
-
-
-#: As JupyterLab's cluster panel does, in the Jupyter server's process: ipyparallel's ClusterManager reloading the
-#: profile's clusters, logging to the server's terminal at the server's level; each poll's running clusters on stdout.
-PANEL = """
-import asyncio, json, logging, sys
-from ipyparallel.cluster.cluster import ClusterManager
-logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-manager = ClusterManager(log=logging.getLogger("ServerApp"))
-async def main():
-    while True:
-        clusters = manager.load_clusters(init_default_clusters=True).values()
-        print(json.dumps(sorted(c.cluster_id for c in clusters if c.cluster_id)), flush=True)
-        await asyncio.sleep(0.2)
-asyncio.run(main())
-"""
 
 
 def files_in(profile: Path) -> list[str]:
