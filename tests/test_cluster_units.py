@@ -449,6 +449,24 @@ def test_bad_run_lines(shell, line, cell, match):
             shell.run_cell_magic("vgpu_run", line, cell)
 
 
+def test_a_script_run_from_a_folder_deleted_after_cd_into_it_is_refused_in_one_line(shell, tmp_path):
+    """Issue 37, row 24: a FileNotFoundError traceback through rank_cluster.py."""
+    import os
+
+    gone = tmp_path / "d"
+    gone.mkdir()
+    (tmp_path / "s.py").write_text("print(1)\n")
+    here = os.getcwd()
+    shell.run_line_magic("cd", str(gone))
+    try:
+        gone.rmdir()
+        for script in ("../s.py", str(tmp_path / "s.py")):
+            with pytest.raises(UsageError, match=rf"^the current folder {str(gone)!r} is gone; %cd to one that exists"):
+                shell.run_line_magic("vgpu_run", script)
+    finally:
+        shell.run_line_magic("cd", here)
+
+
 def test_rank_memory_feeds_the_monitors_one_trace_and_view():
     import os
 
