@@ -9,6 +9,7 @@ import contextlib
 import io
 import os
 import shutil
+import time
 
 import pytest
 
@@ -239,3 +240,57 @@ def test_an_interrupted_start_ends_every_process_it_began_before_it_returns():
             assert left == [], (delay, [p.cmdline() for p in left])
             status = kernel_stdout(kernel_run(kc, "%vgpu_cluster status"))
             assert status.startswith("no cluster running"), status
+
+
+SLOW_IMPORT = """
+import os, pathlib, time
+folder = pathlib.Path(os.environ["VGPU_PROBE_DIR"])
+(folder / f"importing-{os.getpid()}").touch()
+deadline = time.monotonic() + 120
+while not (folder / "go").exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+"""
+
+
+def test_a_start_returns_while_the_spares_import_and_a_launch_waits_for_them(monkeypatch, tmp_path, capsys):
+    """Issue 37, row 31: a start waited for every rank's spare to import its framework (16 torch ranks: 40.7 s,
+    8.7 s before the spares). Here each spare's imports end only when the test says so: the start has returned
+    before, and a launch made meanwhile runs once they end."""
+    import threading
+
+    from vgpu_magic.ranks import RankCluster
+
+    (tmp_path / "vgpu_probe_slow_import.py").write_text(SLOW_IMPORT)
+    (tmp_path / "s.py").write_text("print('launched')\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("VGPU_PROBE_DIR", str(tmp_path))
+    preload = RankCluster._preload
+    monkeypatch.setattr(RankCluster, "_preload", lambda self: [*preload(self), "vgpu_probe_slow_import"])
+    ranks = RankCluster(2, "torch")
+    started = threading.Thread(target=ranks.start)
+    launched = threading.Thread(target=ranks.run_script, args=(str(tmp_path / "s.py"),))
+    try:
+        started.start()
+        started.join(90)
+        assert not started.is_alive() and ranks.running
+        deadline = time.monotonic() + 120
+        while len(importing := {p.name for p in tmp_path.glob("importing-*")}) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(importing) == 2  # each rank's spare, stopped in its imports
+        launched.start()
+        launched.join(2)
+        assert launched.is_alive()  # waiting for the spares' imports
+        assert {p.name for p in tmp_path.glob("importing-*")} == importing
+        (tmp_path / "go").touch()
+        launched.join(120)
+        assert not launched.is_alive()
+        assert sorted(line for line in capsys.readouterr().out.splitlines() if "launched" in line) == [
+            "[rank 0] launched",
+            "[rank 1] launched",
+        ]
+    finally:
+        (tmp_path / "go").touch()
+        for thread in (started, launched):
+            if thread.ident is not None:
+                thread.join(150)
+        ranks.stop()

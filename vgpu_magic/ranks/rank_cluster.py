@@ -38,8 +38,6 @@ __all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current
 ENGINE_TIMEOUT = 120.0
 #: Seconds the wiring (process group / coordinator rendezvous) may take.
 SETUP_TIMEOUT = 120.0
-#: Seconds a start waits for the spares (:mod:`.launch`) to import the framework.
-SPARE_TIMEOUT = 120.0
 _current: RankCluster | None = None
 _lock = threading.Lock()
 
@@ -216,14 +214,14 @@ class RankCluster:
             RankRun(self._processes(), wire, timeout=SETUP_TIMEOUT, held=self.held).run()
             self.view.apply_sync(interrupt_only_the_cell)
             if self.spares:
-                # A spare on every engine, its imports done (so the first launch is as quick as the next).
+                # A spare on every engine, importing as the start returns: a launch that comes first waits for
+                # its spare's imports, as it would for its own.
                 preload = self._preload()
-                pending = [
-                    self.client[e].apply_async(launch.warm, plan.env, preload, SPARE_TIMEOUT)
-                    for e, plan in zip(self.engine_ids, self.plans)
+                warming = [
+                    self.client[e].apply_async(launch.warm, p.env, preload) for e, p in zip(self.engine_ids, self.plans)
                 ]
-                for ar in pending:
-                    ar.get(timeout=SPARE_TIMEOUT + ENGINE_TIMEOUT)
+                for ar in warming:
+                    ar.get(timeout=ENGINE_TIMEOUT)
         except BaseException as exc:
             # The start's own error first; what the cleanup found after it, never instead of it.
             try:
