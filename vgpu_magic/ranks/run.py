@@ -372,7 +372,7 @@ class RankRun:
             collected_by = math.inf
             while True:
                 self._emit(results, streams)
-                memory.sample()
+                memory.sample([ar.ready() for ar in results])
                 seen = len(failures)
                 # Replies land on ipyparallel's thread at any time: the run may end only on what was looked at
                 # (a rank that was ready before the look was collected if it failed; one ready only after it was not).
