@@ -49,19 +49,10 @@ class RanksCluster(Cluster):
         return super().from_dict(d, **{**kwargs, "log": _SILENT})
 
     def update_cluster_file(self) -> None:
+        # Where ipyparallel notes that a process stopped, in the owner and in a copy alike.
         if self.owner:
             super().update_cluster_file()
-
-    def _controller_stopped(self, stop_data: Any = None) -> None:
-        super()._controller_stopped(stop_data)
-        self._leave_manager()
-
-    def _engines_stopped(self, engine_set_id: str, stop_data: Any = None) -> None:
-        super()._engines_stopped(engine_set_id, stop_data)
-        self._leave_manager()
-
-    def _leave_manager(self) -> None:
-        if not self.owner and not self._is_running() and isinstance(self.parent, ClusterManager):
+        elif not self._is_running() and isinstance(self.parent, ClusterManager):
             self.parent.clusters.pop(ClusterManager._cluster_key(self), None)
 
 
