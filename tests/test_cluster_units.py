@@ -529,19 +529,21 @@ def test_a_launchs_memory_is_its_engines_and_the_process_it_started():
 
 
 def test_a_script_runs_memory_view_says_so_and_shows_its_ranks_growth(tmp_path):
-    """Issue 37, row 12: the title said "%%vgpu_run" for `%vgpu_run FILE`, the rank that ended was plotted on
-    (its engine's next spare importing torch), and RSS drawn from 0 hid a rank's growth."""
+    """Issue 37, row 12: the title said "%%vgpu_run" for `%vgpu_run FILE` and "interrupted" for a failure, the
+    rank that ended was plotted on (its engine's next spare importing torch), and RSS drawn from 0 hid growth."""
     import os
 
     from vgpu_magic.monitor.plot import MemoryFigure
     from vgpu_magic.monitor.trace import MemoryTrace, SeriesInfo
+    from vgpu_magic.monitor.views import title_text
     from vgpu_magic.ranks.memory import RankMonitor
 
     monitor = RankMonitor([os.getpid(), os.getpid()], gpu=False, live=False, launched=True)
     monitor.start()
     monitor.sample([False, True])
-    trace = monitor.finish()
+    trace = monitor.finish(interrupted=True, ending="rank 1 failed")
     assert trace.kind == "%vgpu_run" and trace.latest(1)[0] == 0 < trace.latest(0)[0]
+    assert title_text(trace, final=True).endswith(" s · rank 1 failed")
     gib = 1024**3
     series = [SeriesInfo(f"rank{r}:rss", f"rank {r} RSS", (), None, panel="process") for r in range(2)]
     grown = MemoryTrace(series, kind="%vgpu_run")

@@ -213,7 +213,10 @@ class RankMonitor:
         self.sampler.ended = {rank for rank, over in enumerate(ended) if over}
         self.recorder.sample()
 
-    def finish(self, interrupted: bool = False) -> MemoryTrace | None:
+    def finish(self, interrupted: bool = False, ending: str = "") -> MemoryTrace | None:
+        """End the run (``ending``: how, where a rank failed or it timed out)."""
+        if self.recorder.trace is not None:
+            self.recorder.trace.ending = ending
         try:
             return self.recorder.finish(interrupted=interrupted)
         finally:
