@@ -249,6 +249,23 @@ def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> 
     return cluster
 
 
+def keep_logs(cluster: Any) -> str:
+    """``"; the processes' log: PATH"``: what ``cluster``'s processes logged so far (which its stop removes), in
+    one file outside the profile; ``""`` where they logged nothing."""
+    import glob
+    import tempfile
+
+    logs = sorted(glob.glob(os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*.log"))) if cluster else []
+    if not logs:
+        return ""
+    path = os.path.join(tempfile.gettempdir(), f"vgpu_magic-{cluster.cluster_id}.log")
+    with open(path, "w") as kept:
+        for log in logs:
+            with contextlib.suppress(OSError), open(log, errors="replace") as lines:
+                kept.write(f"==> {os.path.basename(log)} <==\n{lines.read()}\n")
+    return f"; the processes' log: {path}"
+
+
 def local_launchers(cluster: Any) -> dict[int, Any]:
     """The launcher of every process ipyparallel started for ``cluster`` on this host, by PID (SSH engines
     and a batch job's tasks are ended through their launcher, :func:`stop_launched`)."""

@@ -223,12 +223,14 @@ class RankCluster:
                 for ar in warming:
                     ar.get(timeout=ENGINE_TIMEOUT)
         except BaseException as exc:
-            # The start's own error first; what the cleanup found after it, never instead of it.
+            # The start's own error first; what the cleanup found after it, never instead of it; then where the
+            # processes' logs (which the stop removes) are kept.
+            kept = processes.keep_logs(self.cluster) if isinstance(exc, Exception) else ""
             try:
                 processes.despite_interrupts(self.stop)
-                left = "nothing was left running"
+                left = "nothing was left running" + kept
             except RuntimeError as cleanup:
-                left = str(cleanup)
+                left = str(cleanup) + kept
             if isinstance(exc, RankRunError):
                 raise ClusterStartError(f"wiring {self.label} failed: {exc.headline(state=False)}; {left}") from exc
             if isinstance(exc, Exception) and not isinstance(exc, ClusterStartError):
@@ -425,11 +427,8 @@ class RankCluster:
         # Lines a notebook shows whole (a long one wraps mid-word in JupyterLab's output area).
         lines.append("cells (%%vgpu_run): run in these ranks, which keep their state")
         step = ", as steps of the job's allocation" if self.launcher == "slurm" else ""
-        spare = (
-            f"a spare waits with {self.fw.module} imported"
-            if self.spares
-            else "no spare: memory is tight, each launch starts cold"
-        )
+        spare = "no spare: memory is tight, each launch starts cold"
+        spare = f"a spare waits with {self.fw.module} imported" if self.spares else spare
         lines.append(f"scripts (%vgpu_run FILE): a fresh launch each run{step} ({spare})")
         infos = self.status()
         several_hosts = len({info.host for info in infos}) > 1
