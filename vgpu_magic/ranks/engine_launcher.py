@@ -22,19 +22,18 @@ __all__ = [
     "ReasonedSlurmEngineSetLauncher",
 ]
 
-#: Where a copy of the cluster loaded in another process logs: nowhere.
-_SILENT = logging.getLogger("vgpu_magic.ranks.loaded-cluster")
-_SILENT.addHandler(logging.NullHandler())
-_SILENT.propagate = False
+#: Where ipyparallel's cluster objects log: nowhere. The ranks report what goes wrong themselves; a stop is silent
+#: (ipyparallel logs a process's whole log file when it ends by a signal); a copy elsewhere stays out of its log.
+QUIET = logging.getLogger("vgpu_magic.ranks.ipyparallel")
+QUIET.addHandler(logging.NullHandler())
+QUIET.propagate = False
 
 
 class RanksCluster(Cluster):
     """ipyparallel's cluster; the kernel that started it owns its file (``owner``). A copy another process loads
-    from the file (JupyterLab's cluster panel, ``ipcluster list``: ipyparallel's ``ClusterManager``) watches the
-    same processes, and when the kernel stops them it would log each process's whole log file into the Jupyter
-    server's terminal as a failure (it cannot read a stranger's exit status), write the file again while some
-    still run, remove the logs, and log the cluster's removal. The copy logs nothing, leaves files to the owner,
-    and leaves its manager once stopped."""
+    from it (JupyterLab's cluster panel: ipyparallel's ``ClusterManager``) watches the same processes; at their
+    stop it logged each one's log file into the Jupyter server's terminal as a failure, wrote the file again and
+    removed the logs. The copy logs nothing, leaves files to the owner, and leaves its manager once stopped."""
 
     owner = False
 
@@ -46,7 +45,7 @@ class RanksCluster(Cluster):
         for state in states:
             if "output_file" in state:
                 state["output_file"] = ""
-        return super().from_dict(d, **{**kwargs, "log": _SILENT})
+        return super().from_dict(d, **{**kwargs, "log": QUIET})
 
     def update_cluster_file(self) -> None:
         # Where ipyparallel notes that a process stopped, in the owner and in a copy alike.

@@ -99,10 +99,7 @@ class RankMemorySampler:
         import psutil
 
         values: list[int | None] = []
-        for rank, proc in zip(self.ranks, self._procs):
-            if self._over(rank):
-                values.append(None)
-                continue
+        for proc in self._live():
             try:
                 values.append(None if proc is None else proc.memory_info().rss)
             except psutil.Error:  # the rank died or its /proc entry went away between two samples
@@ -134,13 +131,10 @@ class RankMemorySampler:
         used = self._nvml_used() if self._nvml is not None else {}
         if self._nvml is None or not self._nvml_knows_the_ranks(used):
             return [None] * len(self._procs)
-        return [
-            sum(used.get(q.pid, 0) for q in self._family(p)) if p is not None and not self._over(r) else None
-            for r, p in zip(self.ranks, self._procs)
-        ]
+        return [sum(used.get(q.pid, 0) for q in self._family(p)) if p is not None else None for p in self._live()]
 
-    def _over(self, rank: int) -> bool:
-        return self.launched and rank in self.ended
+    def _live(self) -> list[Any]:
+        return [None if self.launched and r in self.ended else p for r, p in zip(self.ranks, self._procs)]
 
     def read(self) -> list[tuple[int, int]]:
         """``(current, peak)`` per series: GPU per rank (where a GPU exists; as its allocators report it, 0 before

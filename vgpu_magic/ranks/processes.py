@@ -187,24 +187,6 @@ def check_port_free(port: int) -> None:
         sock.close()
 
 
-class _CellStderr(logging.StreamHandler):
-    """Writes to ``sys.stderr`` as it is at each record (the stderr of the cell running then)."""
-
-    stream = property(lambda self: sys.stderr, lambda self, value: None)
-
-
-def _ipp_log() -> logging.Logger:
-    """The clusters' own logger (not the kernel application's): errors only, to the cell's stderr, except
-    ipyparallel's "Failed to remove <log>: No such file" (two of its stops racing to remove one file)."""
-    log = logging.getLogger("vgpu_magic.ranks.ipyparallel")
-    if not log.handlers:
-        log.setLevel(logging.ERROR)
-        log.propagate = False
-        log.addHandler(_CellStderr())
-        log.addFilter(lambda record: not str(record.msg).startswith("Failed to remove"))
-    return log
-
-
 def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> Any:
     """ipyparallel's cluster for ``n`` engines, configured with the launcher ``plan``, its
     processes marked with the cluster's ``token``."""
@@ -225,8 +207,6 @@ def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> 
     for launcher in ("LocalEngineSetLauncher", "MPIEngineSetLauncher"):
         config[launcher].engine_cmd = lifetime.watched_command("ipyparallel.engine")
         config[launcher].environment = dict(env)
-    # ERROR: ipyparallel logs an engine's whole log file as a warning when it exits non-zero, which
-    # every stop after a killed rank would print into the cell; RankCluster reports failures itself.
     config.merge(Config(copy.deepcopy(plan.config)))
     # Ours (:mod:`.engine_launcher`) for local and SLURM engines, ipyparallel's own for the others.
     engines = {"local": ours.ExitRecordingEngineSetLauncher, "slurm": ours.ReasonedSlurmEngineSetLauncher}
@@ -234,7 +214,7 @@ def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> 
         n=n,
         engines=engines.get(plan.name, plan.name),
         cluster_id=cluster_id,
-        log=_ipp_log(),
+        log=ours.QUIET,
         log_level=logging.ERROR,
         controller_args=list(CONTROLLER_ARGS),
         config=config,
