@@ -7,7 +7,9 @@ ipyparallel's own tools can import. Importing this module imports ipyparallel.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import subprocess
 from typing import Any
 
@@ -48,10 +50,26 @@ class RanksCluster(Cluster):
         return super().from_dict(d, **{**kwargs, "log": QUIET})
 
     def update_cluster_file(self) -> None:
-        # Where ipyparallel notes that a process stopped, in the owner and in a copy alike.
         if self.owner:
             super().update_cluster_file()
-        elif not self._is_running() and isinstance(self.parent, ClusterManager):
+
+    def write_cluster_file(self) -> None:
+        # Whole or not at all: the panel polls the file, and logs one read half-written as a failure to load.
+        os.makedirs(os.path.dirname(self.cluster_file), exist_ok=True)
+        with open(f"{self.cluster_file}.new", "w") as new:
+            json.dump(self.to_dict(), new)
+        os.replace(f"{self.cluster_file}.new", self.cluster_file)
+
+    def _controller_stopped(self, stop_data: Any = None) -> None:
+        super()._controller_stopped(stop_data)
+        self._leave_manager()
+
+    def _engines_stopped(self, engine_set_id: str, stop_data: Any = None) -> None:
+        super()._engines_stopped(engine_set_id, stop_data)
+        self._leave_manager()
+
+    def _leave_manager(self) -> None:
+        if not self.owner and not self._is_running() and isinstance(self.parent, ClusterManager):
             self.parent.clusters.pop(ClusterManager._cluster_key(self), None)
 
 

@@ -373,6 +373,14 @@ def signal_engine(client: Any, engine_id: int, signum: int) -> None:
         client.send_signal(signum, targets=[engine_id], block=False).get(timeout=5.0)
 
 
+def unlist(cluster: Any) -> None:
+    """Remove ``cluster``'s file, and write it no more (``""`` turns it off). Before its processes are ended: a
+    panel that loaded it then would find them gone and list a dead cluster for good. ipyparallel removes it once
+    it saw each of its processes stop; those that ended before leave it, or its late callbacks write it again."""
+    cluster.remove_cluster_file()
+    cluster.cluster_file = ""
+
+
 def stop_launched(cluster: Any, plan: LauncherPlan) -> list[str]:
     """Stop what ipyparallel launched for ``cluster`` through its launchers, make sure the batch jobs left the
     queue (``scancel -s KILL`` if not) and on each SSH host the engines are gone and the cluster's folder
@@ -382,11 +390,7 @@ def stop_launched(cluster: Any, plan: LauncherPlan) -> list[str]:
     # If this fails, local processes are gone already (the caller checked) and remote ones are checked below.
     with contextlib.suppress(Exception):
         cluster.stop_cluster_sync()
-    # ipyparallel removes the cluster's file once it saw each of its processes stop; those that ended before
-    # (a start that failed, processes we ended first) leave it, or its late stop callbacks write it again, and
-    # its tools would list a dead cluster. Removed, and no more written ("" turns the file off).
-    cluster.remove_cluster_file()
-    cluster.cluster_file = ""
+    unlist(cluster)
     # The controller's record of its engines, which it removes only when it exits of itself.
     connection.append(os.path.join(cluster.profile_dir, "log", f"engines{cluster.cluster_id}.json"))
     for path in connection:  # left by a controller that was killed

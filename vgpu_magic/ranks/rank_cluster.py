@@ -279,10 +279,11 @@ class RankCluster:
         """Stop every process this cluster started (SIGTERM, then SIGKILL) and check that none is left.
         Safe to call twice."""
         global _current
-        if self.client is not None:
-            # A client whose controller already died can fail to close; its sockets go with it.
-            with contextlib.suppress(Exception):
-                self.client.close()
+        if self.cluster is not None:
+            processes.unlist(self.cluster)
+        # A client whose controller already died can fail to close; its sockets go with it.
+        with contextlib.suppress(Exception):
+            self.client.close()
         alive = processes.terminate(self._owned, self._token, self._started_at, spared=self._cleanups)
         left = []
         if self.cluster is not None:
