@@ -541,7 +541,7 @@ def test_a_script_runs_memory_view_says_so_and_shows_its_ranks_growth(tmp_path):
     monitor = RankMonitor([os.getpid(), os.getpid()], gpu=False, live=False, launched=True)
     monitor.start()
     monitor.sample([False, True])
-    trace = monitor.finish(interrupted=True, ending="rank 1 failed")
+    trace = monitor.finish(interrupted=True, failed=[1])
     assert trace.kind == "%vgpu_run" and trace.latest(1)[0] == 0 < trace.latest(0)[0]
     assert title_text(trace, final=True).endswith(" s · rank 1 failed")
     gib = 1024**3

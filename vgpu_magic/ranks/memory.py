@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..monitor.trace import MemoryTrace, SeriesInfo
@@ -207,10 +207,13 @@ class RankMonitor:
         self.sampler.ended = {rank for rank, over in enumerate(ended) if over}
         self.recorder.sample()
 
-    def finish(self, interrupted: bool = False, ending: str = "") -> MemoryTrace | None:
-        """End the run (``ending``: how, where a rank failed or it timed out)."""
+    def finish(
+        self, interrupted: bool = False, failed: Sequence[int] = (), timed_out: bool = False
+    ) -> MemoryTrace | None:
+        """End the run; ``failed``: the ranks that failed; ``timed_out``: it ran out of time."""
         if self.recorder.trace is not None:
-            self.recorder.trace.ending = ending
+            ranks = f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} failed"
+            self.recorder.trace.ending = ranks if failed else "timed out" if timed_out else ""
         try:
             return self.recorder.finish(interrupted=interrupted)
         finally:

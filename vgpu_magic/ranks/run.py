@@ -416,8 +416,7 @@ class RankRun:
             interrupted = [r for r in interrupted if r not in failures]
         self._drain(results)
         self._emit(results, streams, final=True)
-        failed = f"rank{'s' if len(failures) > 1 else ''} {', '.join(map(str, sorted(failures)))} failed"
-        self.trace = memory.finish(bool(failures or timed_out), failed if failures else "timed out")
+        self.trace = memory.finish(bool(failures or timed_out), sorted(failures), timed_out is not None)
         if failures or timed_out:
             every = list(failures.values()) or [timed_out]
             for failure in every:
