@@ -35,7 +35,7 @@ def kernel_with_torch_ranks():
     assert pids and [p for p in pids if psutil.pid_exists(p)] == []
 
 
-def test_ranks_from_a_real_kernel_interrupt_and_shutdown():
+def test_ranks_from_a_real_kernel_interrupt_and_shutdown(tmp_path):
     with kernel_with_torch_ranks() as (km, kc):
         reply = kernel_run(
             kc,
@@ -82,6 +82,14 @@ def test_ranks_from_a_real_kernel_interrupt_and_shutdown():
         assert not kernel_errors(reply), kernel_errors(reply)
         reply = kernel_run(kc, "print(alive)")
         assert kernel_stdout(reply).strip() == "['yes', 'yes']"
+
+        # Issue 37, row 12: a script run's view said "%%vgpu_run", and "interrupted" when a rank failed.
+        script = tmp_path / "fails.py"
+        script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise SystemExit(3)\n")
+        reply = kernel_run(kc, f"%vgpu_run {script}")
+        assert [e.split(":")[0] for e in kernel_errors(reply)] == ["RankRunError"]
+        final = [m for m in reply if m["msg_type"] == "update_display_data"][-1]["content"]["data"]["text/plain"]
+        assert final.startswith("memory · %vgpu_run · ") and final.splitlines()[0].endswith(" s · rank 1 failed")
 
 
 def test_a_dead_rank_is_reported_with_its_exit_status_from_a_real_kernel():

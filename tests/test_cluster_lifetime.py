@@ -13,11 +13,12 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
-from support import CHILD_ENV, ROOT, kernel_run, kernel_stdout
+from support import CHILD_ENV, ROOT, as_a_user, kernel_errors, kernel_run, kernel_stdout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -36,11 +37,30 @@ def gone_within(pids: list[int], seconds: float) -> list[int]:
     return alive(pids)
 
 
+#: As JupyterLab's cluster panel does, in the Jupyter server's process: ipyparallel's ClusterManager reloading the
+#: profile's clusters, logging to the server's terminal at the server's level; each poll's running clusters on stdout.
+PANEL = """
+import asyncio, json, logging, sys
+from ipyparallel.cluster.cluster import ClusterManager
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+manager = ClusterManager(log=logging.getLogger("ServerApp"))
+async def main():
+    while True:
+        clusters = manager.load_clusters(init_default_clusters=True).values()
+        print(json.dumps(sorted(c.cluster_id for c in clusters if c.cluster_id)), flush=True)
+        await asyncio.sleep(0.2)
+asyncio.run(main())
+"""
+
+
 @pytest.mark.parametrize("death", ["SIGKILL", "os.abort()"])
 def test_a_kernel_that_dies_without_atexit_takes_every_cluster_process_with_it(death):
     from jupyter_client.manager import start_new_kernel
 
-    km, kc = start_new_kernel(kernel_name="python3", env={**CHILD_ENV, "PYTHONPATH": str(ROOT)}, cwd=str(ROOT))
+    env = {**CHILD_ENV, "PYTHONPATH": str(ROOT)}
+    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(ROOT))
+    # Issue 37, row 16: JupyterLab's cluster panel, whose copy of the cluster wrote its file again as it died.
+    panel = subprocess.Popen([sys.executable, "-c", PANEL], env=env, stdout=subprocess.DEVNULL)
     pids: list[int] = []
     try:
         reply = kernel_run(kc, "%load_ext vgpu_magic\n%vgpu_cluster start 2 --framework torch")
@@ -68,7 +88,11 @@ def test_a_kernel_that_dies_without_atexit_takes_every_cluster_process_with_it(d
         while time.monotonic() < deadline and any(os.path.exists(f) for f in files):
             time.sleep(0.2)
         assert [f for f in files if os.path.exists(f)] == []
+        time.sleep(2)  # the panel polls every 0.2 s
+        assert [f for f in files if os.path.exists(f)] == []
     finally:
+        panel.kill()
+        panel.wait()
         kc.stop_channels()
         km.shutdown_kernel(now=True)
         for pid in alive(pids):
@@ -194,3 +218,56 @@ def test_a_rank_busy_in_c_code_holding_the_gil_goes_with_its_kernel(tmp_path):
     finally:
         for pid in alive(pids):
             os.kill(pid, signal.SIGKILL)
+
+
+def files_in(profile: Path) -> list[str]:
+    """The files in ``profile``, but IPython's own history (which the kernel writes as it runs cells)."""
+    return sorted(str(p) for p in profile.rglob("*") if p.is_file() and not p.name.startswith("history.sqlite"))
+
+
+def test_a_clean_start_run_and_stop_write_nothing_to_the_servers_terminal_and_leave_no_file(tmp_path):
+    """Issue 37, rows 7 and 15: each clean stop wrote 43-102 lines per process into the Jupyter server's terminal
+    (the cluster panel's copy of the cluster logged every process's log file as a failure), left the controller's
+    ``engines<id>.json`` in the profile, and a zombie child of the kernel. The server's terminal is the kernel's
+    stdout and stderr and the panel's stderr here."""
+    from jupyter_client.manager import start_new_kernel
+
+    env = {**CHILD_ENV, "PYTHONPATH": str(ROOT), "IPYTHONDIR": str(tmp_path / "ipython"), **as_a_user()}
+    env = {k: v for k, v in env.items() if v is not None}
+    profile = tmp_path / "ipython" / "profile_default"
+    (tmp_path / "s.py").write_text("print('ran')\n")
+    terminal, panel_log, seen = (tmp_path / name for name in ("terminal", "panel-stderr", "panel-stdout"))
+    with terminal.open("w") as out:
+        km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(tmp_path), stdout=out, stderr=out)
+    try:
+        assert not kernel_errors(kernel_run(kc, "%load_ext vgpu_magic\nimport json, psutil, vgpu_magic"))
+        files_before, said_before = files_in(profile), terminal.read_text()
+        with panel_log.open("w") as err, seen.open("w") as polls:
+            panel = subprocess.Popen([sys.executable, "-c", PANEL], env=env, stdout=polls, stderr=err)
+        try:
+            reply = kernel_run(kc, "%vgpu_cluster start 2 --framework torch\nc = vgpu_magic.cluster()")
+            assert not kernel_errors(reply), kernel_stdout(reply)
+            cluster_id = json.loads(kernel_stdout(kernel_run(kc, "print(json.dumps(c.cluster_id))")).split()[-1])
+            reply = kernel_run(kc, "%vgpu_run --no-plot s.py")
+            assert not kernel_errors(reply) and kernel_stdout(reply).count("] ran") == 2
+            deadline = time.monotonic() + 30
+            while cluster_id not in seen.read_text() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert cluster_id in seen.read_text()  # the panel had the cluster before its stop
+            assert not kernel_errors(kernel_run(kc, "%vgpu_cluster stop"))
+            polls = len(seen.read_text().splitlines())
+            while len(seen.read_text().splitlines()) < polls + 10:
+                time.sleep(0.2)
+            # The panel's copy noticed the stop and left the panel.
+            assert cluster_id not in seen.read_text().splitlines()[-1]
+        finally:
+            panel.kill()
+            panel.wait()
+        children = "[p.pid for p in psutil.Process().children()]"
+        assert kernel_stdout(kernel_run(kc, f"print({children})")).strip() == "[]"
+        assert terminal.read_text() == said_before
+        assert panel_log.read_text() == ""
+        assert files_in(profile) == files_before
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)

@@ -449,6 +449,24 @@ def test_bad_run_lines(shell, line, cell, match):
             shell.run_cell_magic("vgpu_run", line, cell)
 
 
+def test_a_script_run_from_a_folder_deleted_after_cd_into_it_is_refused_in_one_line(shell, tmp_path):
+    """Issue 37, row 24: a FileNotFoundError traceback through rank_cluster.py."""
+    import os
+
+    gone = tmp_path / "d"
+    gone.mkdir()
+    (tmp_path / "s.py").write_text("print(1)\n")
+    here = os.getcwd()
+    shell.run_line_magic("cd", str(gone))
+    try:
+        gone.rmdir()
+        for script in ("../s.py", str(tmp_path / "s.py")):
+            with pytest.raises(UsageError, match=rf"^the current folder {str(gone)!r} is gone; %cd to one that exists"):
+                shell.run_line_magic("vgpu_run", script)
+    finally:
+        shell.run_line_magic("cd", here)
+
+
 def test_rank_memory_feeds_the_monitors_one_trace_and_view():
     import os
 
@@ -478,7 +496,7 @@ def test_rank_memory_feeds_the_monitors_one_trace_and_view():
     seen = Seen()
     monitor = RankMonitor([os.getpid()], gpu=False, live=False, view=seen)
     monitor.start()
-    monitor.sample()
+    monitor.sample([False])
     trace = monitor.finish()
     # A sample when the run starts and one when it ends: the same MemoryTrace as a monitored fit.
     assert trace.kind == "%%vgpu_run" and trace.finished and len(trace) >= 2
@@ -502,9 +520,38 @@ def test_a_launchs_memory_is_its_engines_and_the_process_it_started():
         cell, script = (RankMemorySampler([os.getpid()], gpu=False, launched=flag) for flag in (False, True))
         (alone,), (with_child,) = cell.rss(), script.rss()
         assert with_child - alone > 290 * mib
+        # Issue 37, row 12: once its launch came back, the engine's child is the next launch's spare, not the rank.
+        script.ended = cell.ended = {0}
+        assert script.rss() == [None] and cell.rss()[0] > 10 * mib
     finally:
         launched.kill()
         launched.communicate()
+
+
+def test_a_script_runs_memory_view_says_so_and_shows_its_ranks_growth(tmp_path):
+    """Issue 37, row 12: the title said "%%vgpu_run" for `%vgpu_run FILE` and "interrupted" for a failure, the
+    rank that ended was plotted on (its engine's next spare importing torch), and RSS drawn from 0 hid growth."""
+    import os
+
+    from vgpu_magic.monitor.plot import MemoryFigure
+    from vgpu_magic.monitor.trace import MemoryTrace, SeriesInfo
+    from vgpu_magic.monitor.views import title_text
+    from vgpu_magic.ranks.memory import RankMonitor
+
+    monitor = RankMonitor([os.getpid(), os.getpid()], gpu=False, live=False, launched=True)
+    monitor.start()
+    monitor.sample([False, True])
+    trace = monitor.finish(interrupted=True, failed=[1])
+    assert trace.kind == "%vgpu_run" and trace.latest(1)[0] == 0 < trace.latest(0)[0]
+    assert title_text(trace, final=True).endswith(" s · rank 1 failed")
+    gib = 1024**3
+    series = [SeriesInfo(f"rank{r}:rss", f"rank {r} RSS", (), None, panel="process") for r in range(2)]
+    grown = MemoryTrace(series, kind="%vgpu_run")
+    for t, (one, two) in enumerate([(1.0, 1.0), (1.1, 1.2), (1.2, 1.4), (0, 1.4)]):
+        grown.append(t, t, 0, "run", [(int(one * gib), int(one * gib)), (int(two * gib), int(two * gib))])
+    bottom, top = MemoryFigure(grown).axes["process"].get_ylim()
+    # GiB: the lowest reading of a live rank is near the floor, the highest near the top, not from 0.
+    assert 0.9 < bottom < 1.0 and 1.4 < top < 1.5
 
 
 @pytest.mark.slow

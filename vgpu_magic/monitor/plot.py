@@ -166,8 +166,13 @@ class MemoryFigure:
                 + [0.0]
             )
             ax.set_xlim(0, xmax)
+            # A process's memory starts far from 0 (the interpreter, its imports): from 0, growth looks flat.
+            # Its lowest reading of a process still there is the floor (a rank that ended reads 0, below it).
+            low = min([float(v[v > 0].min()) for v in (values[i] for i in members) if (v > 0).any()] or [0.0])
+            span = max(top - low, 0.05 * top) if panel == "process" else top
+            low = max(0.0, low - 0.15 * span) if panel == "process" else 0.0
             # Never below 1 KiB: an allocator reporting nothing is drawn at zero on a sane scale.
-            ax.set_ylim(0, max(top * 1.08, MIN_TOP) / scale)
+            ax.set_ylim(low / scale, max(top + 0.08 * span, MIN_TOP) / scale)
             ax.set_ylabel(f"{_PANEL_TITLES[panel]} ({name})", fontsize=_LABEL_PT, color=TEXT)
             capped = [g for g in self.groups if trace.series[g[0]].panel == panel and trace.series[g[0]].cap]
             for cap in sorted({trace.series[g[0]].cap for g in capped}):

@@ -103,6 +103,8 @@ class MemoryTrace:
     #: Bytes of variables on each logical device; empty when no model was known.
     variable_bytes: dict[str, int] = field(default_factory=dict)
     interrupted: bool = False
+    #: How an interrupted run ended, where more is known (``"rank 1 failed"``).
+    ending: str = ""
     finished: bool = False
     duration: float = 0.0
     recent: int = RECENT_SAMPLES

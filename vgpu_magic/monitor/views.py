@@ -95,7 +95,7 @@ def title_text(trace: MemoryTrace, final: bool = False) -> str:
         if len(trace) and (trace.epochs_total or trace.step[-1]):
             parts.append(f"{trace.step[-1] + 1} steps")
         parts.append(f"{trace.duration:.1f} s")
-        parts.append("interrupted" if trace.interrupted else "done")
+        parts.append((trace.ending or "interrupted") if trace.interrupted else "done")
     return "memory · " + " · ".join(parts)
 
 
@@ -154,7 +154,7 @@ class TextSummaryView(View):
         self._print(f"memory · epoch {epoch + 1}{total} · {summary_line(trace)}")
 
     def finish(self, trace: MemoryTrace) -> None:
-        state = "interrupted" if trace.interrupted else "done"
+        state = (trace.ending or "interrupted") if trace.interrupted else "done"
         line = f"memory · {trace.kind} {state} in {trace.duration:.1f} s, {len(trace)} samples"
         line += f" · {summary_line(trace)}"
         if trace.variable_bytes:

@@ -112,16 +112,11 @@ def _start(plan_env: dict[str, str], preload: list[str]) -> _Process:
     return _Process(popen, ours, base)
 
 
-def warm(plan_env: dict[str, str], preload: list[str], wait: float = 0.0) -> None:
-    """Run on an engine: make sure a spare waits, started with the rank's plan ``plan_env``;
-    wait up to ``wait`` seconds for it to have imported ``preload``."""
+def warm(plan_env: dict[str, str], preload: list[str]) -> None:
+    """Run on an engine: make sure a spare is there, started with the rank's plan ``plan_env``, importing
+    ``preload``."""
     global _spare
     _spare = _spare_for(plan_env, preload)
-    _spare.control.settimeout(wait)
-    with contextlib.suppress(OSError):
-        # The spare says b"R" once its imports are done; peeked at, never read.
-        _spare.control.recv(1, socket.MSG_PEEK)
-    _spare.control.settimeout(None)
 
 
 def run_rank(request: dict[str, Any]) -> int:
@@ -231,8 +226,8 @@ def _die_with_parent(parent: int) -> None:
 
 
 def child() -> None:
-    """A spare (``python -c ... PARENT FD MODULE...``): import the modules, say so on the socket ``FD``, wait
-    for the launch there, then become the script's process as ``python FILE ARGS`` would be."""
+    """A spare (``python -c ... PARENT FD MODULE...``): import the modules, wait for the launch on the socket
+    ``FD``, then become the script's process as ``python FILE ARGS`` would be."""
     import builtins
     import importlib
     import importlib.machinery
@@ -246,7 +241,6 @@ def child() -> None:
         # The script's own import of it will say what is wrong, as it would under its launcher.
         with contextlib.suppress(Exception):
             importlib.import_module(module)
-    control.sendall(b"R")
     received = b""
     while chunk := control.recv(65536):
         received += chunk

@@ -175,7 +175,7 @@ class ClusterMagics(Magics):
             raise UsageError(f"-o {args.output!r} is not a Python name; use e.g. -o results")
         timeout = args.timeout
         if cell is None:
-            path = _script_path(args)
+            path = _script_path(args, str((self.shell.user_ns.get("_dh") or ["?"])[-1]))
         elif args.script is not None:
             raise UsageError(
                 f"{args.script!r}: %%vgpu_run runs its cell; to run a script use the line form, %vgpu_run {args.script}"
@@ -296,13 +296,18 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
     print("\n".join(ranks.describe()))
 
 
-def _script_path(args: Any) -> str:
+def _script_path(args: Any, last_cd: str) -> str:
     """The absolute path of the script the line form of ``%vgpu_run`` runs; :class:`UsageError`
-    if none is given, ``-o`` is (a script has no last value), or it is not a file."""
+    if none is given, ``-o`` is (a script has no last value), it is not a file, or the kernel's current folder
+    (``last_cd``, where ``%cd`` last went) was deleted: the ranks start there."""
     if args.script is None:
         raise UsageError("say which script to run, e.g. %vgpu_run train.py --epochs 2, or use %%vgpu_run with a cell")
     if args.output is not None:
         raise UsageError("-o takes a cell's last value; a script has none: have it save what you need")
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise UsageError(f"the current folder {last_cd!r} is gone; %cd to one that exists, then run again") from None
     path = os.path.abspath(os.path.expanduser(args.script))
     if not os.path.isfile(path):
         raise UsageError(f"script {args.script!r} is not a file (looked in {os.getcwd()})")

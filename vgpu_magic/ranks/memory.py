@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..monitor.trace import MemoryTrace, SeriesInfo
@@ -49,8 +49,9 @@ def report_allocator(path: str) -> None:
 
 class RankMemorySampler:
     """Each rank's RSS and GPU memory, for the ranks on this host (``pids[rank]`` is ``None`` elsewhere); with
-    ``launched``, with the processes it started. Peaks are the highest readings seen (or an allocator's own); a
-    rank that is gone reads 0."""
+    ``launched``, with the processes it started, until its launch has ended (``ended``: after it, the engine's
+    child is the next launch's spare). Peaks are the highest readings seen (or an allocator's own); a rank that
+    is gone reads 0."""
 
     def __init__(
         self, pids: list[int | None], gpu: bool, launched: bool = False, engine: Callable[[int], Any] | None = None
@@ -59,6 +60,7 @@ class RankMemorySampler:
 
         self.launched = launched
         self.ranks = [rank for rank, pid in enumerate(pids) if pid is not None]
+        self.ended: set[int] = set()
         self._procs: list[Any] = []
         for rank in self.ranks:
             try:
@@ -97,7 +99,7 @@ class RankMemorySampler:
         import psutil
 
         values: list[int | None] = []
-        for proc in self._procs:
+        for proc in self._live():
             try:
                 values.append(None if proc is None else proc.memory_info().rss)
             except psutil.Error:  # the rank died or its /proc entry went away between two samples
@@ -129,7 +131,10 @@ class RankMemorySampler:
         used = self._nvml_used() if self._nvml is not None else {}
         if self._nvml is None or not self._nvml_knows_the_ranks(used):
             return [None] * len(self._procs)
-        return [sum(used.get(q.pid, 0) for q in self._family(p)) if p is not None else None for p in self._procs]
+        return [sum(used.get(q.pid, 0) for q in self._family(p)) if p is not None else None for p in self._live()]
+
+    def _live(self) -> list[Any]:
+        return [None if self.launched and r in self.ended else p for r, p in zip(self.ranks, self._procs)]
 
     def read(self) -> list[tuple[int, int]]:
         """``(current, peak)`` per series: GPU per rank (where a GPU exists; as its allocators report it, 0 before
@@ -166,8 +171,8 @@ class RankMemorySampler:
 
 
 class RankMonitor:
-    """The memory of one ``%%vgpu_run``: a recorder over a :class:`RankMemorySampler`, shown live with
-    ``live``. ``finish()`` shows the final image and returns the trace."""
+    """The memory of one ``%%vgpu_run`` or ``%vgpu_run FILE``: a recorder over a :class:`RankMemorySampler`,
+    shown live with ``live``. ``finish()`` shows the final image and returns the trace."""
 
     def __init__(
         self,
@@ -195,12 +200,20 @@ class RankMonitor:
         )
 
     def start(self) -> None:
-        self.recorder.start("%%vgpu_run")
+        self.recorder.start("%vgpu_run" if self.sampler.launched else "%%vgpu_run")
 
-    def sample(self) -> None:
+    def sample(self, ended: list[bool]) -> None:
+        """A sample; ``ended[rank]``: has the rank's run come back?"""
+        self.sampler.ended = {rank for rank, over in enumerate(ended) if over}
         self.recorder.sample()
 
-    def finish(self, interrupted: bool = False) -> MemoryTrace | None:
+    def finish(
+        self, interrupted: bool = False, failed: Sequence[int] = (), timed_out: bool = False
+    ) -> MemoryTrace | None:
+        """End the run; ``failed``: the ranks that failed; ``timed_out``: it ran out of time."""
+        if self.recorder.trace is not None:
+            ranks = f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} failed"
+            self.recorder.trace.ending = ranks if failed else "timed out" if timed_out else ""
         try:
             return self.recorder.finish(interrupted=interrupted)
         finally:

@@ -187,25 +187,7 @@ def check_port_free(port: int) -> None:
         sock.close()
 
 
-class _CellStderr(logging.StreamHandler):
-    """Writes to ``sys.stderr`` as it is at each record (the stderr of the cell running then)."""
-
-    stream = property(lambda self: sys.stderr, lambda self, value: None)
-
-
-def _ipp_log() -> logging.Logger:
-    """The clusters' own logger (not the kernel application's): errors only, to the cell's stderr, except
-    ipyparallel's "Failed to remove <log>: No such file" (two of its stops racing to remove one file)."""
-    log = logging.getLogger("vgpu_magic.ranks.ipyparallel")
-    if not log.handlers:
-        log.setLevel(logging.ERROR)
-        log.propagate = False
-        log.addHandler(_CellStderr())
-        log.addFilter(lambda record: not str(record.msg).startswith("Failed to remove"))
-    return log
-
-
-def new_ipp_cluster(ipp: Any, plan: LauncherPlan, n: int, cluster_id: str, token: str) -> Any:
+def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> Any:
     """ipyparallel's cluster for ``n`` engines, configured with the launcher ``plan``, its
     processes marked with the cluster's ``token``."""
     import copy
@@ -225,27 +207,43 @@ def new_ipp_cluster(ipp: Any, plan: LauncherPlan, n: int, cluster_id: str, token
     for launcher in ("LocalEngineSetLauncher", "MPIEngineSetLauncher"):
         config[launcher].engine_cmd = lifetime.watched_command("ipyparallel.engine")
         config[launcher].environment = dict(env)
-    # ERROR: ipyparallel logs an engine's whole log file as a warning when it exits non-zero, which
-    # every stop after a killed rank would print into the cell; RankCluster reports failures itself.
     config.merge(Config(copy.deepcopy(plan.config)))
     # Ours (:mod:`.engine_launcher`) for local and SLURM engines, ipyparallel's own for the others.
     engines = {"local": ours.ExitRecordingEngineSetLauncher, "slurm": ours.ReasonedSlurmEngineSetLauncher}
-    cluster = ipp.Cluster(
+    cluster = ours.RanksCluster(
         n=n,
         engines=engines.get(plan.name, plan.name),
         cluster_id=cluster_id,
-        log=_ipp_log(),
+        log=ours.QUIET,
         log_level=logging.ERROR,
         controller_args=list(CONTROLLER_ARGS),
         config=config,
         **kwargs,
     )
+    cluster.owner = True
     if plan.name == "slurm":
         # ipyparallel writes the batch script into the kernel's working folder (the user's notebooks);
         # an absolute name puts it with the engines' log in the profile instead, removed by stop().
         log = os.path.join(cluster.profile_dir, "log")
         cluster.config.SlurmEngineSetLauncher.batch_file_name = os.path.join(log, f"ipengine-{cluster_id}.sbatch")
     return cluster
+
+
+def keep_logs(cluster: Any) -> str:
+    """``"; the processes' log: PATH"``: what ``cluster``'s processes logged so far (which its stop removes), in
+    one file outside the profile; ``""`` where they logged nothing."""
+    import glob
+    import tempfile
+
+    logs = sorted(glob.glob(os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*.log"))) if cluster else []
+    if not logs:
+        return ""
+    path = os.path.join(tempfile.gettempdir(), f"vgpu_magic-{cluster.cluster_id}.log")
+    with open(path, "w") as kept:
+        for log in logs:
+            with contextlib.suppress(OSError), open(log, errors="replace") as lines:
+                kept.write(f"==> {os.path.basename(log)} <==\n{lines.read()}\n")
+    return f"; the processes' log: {path}"
 
 
 def local_launchers(cluster: Any) -> dict[int, Any]:
@@ -325,18 +323,29 @@ def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared:
             procs.update((child.pid, child) for child in proc.children(recursive=True))
         except psutil.Error:
             continue
-    if token:
-        procs.update((proc.pid, proc) for proc in lifetime.processes_of(token, started_at))
-    for pid in spared:
-        procs.pop(pid, None)
-    for proc in procs.values():
-        with contextlib.suppress(psutil.Error):
-            proc.send_signal(signal.SIGTERM)
-    alive = _running_after(list(procs.values()), STOP_GRACE)
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    return _running_after(alive, 5.0)
+    ended: set[int] = set(spared)
+    alive: list[Any] = []
+    # Twice where a token marks them: a process forked while the first round ended its parent (a controller
+    # still starting its schedulers when a start fails) was not there to be found, and would live on under init.
+    for _ in range(2 if token else 1):
+        if token:
+            procs.update((proc.pid, proc) for proc in lifetime.processes_of(token, started_at))
+        now = [proc for pid, proc in procs.items() if pid not in ended]
+        ended.update(procs)
+        for proc in now:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGTERM)
+        late = _running_after(now, STOP_GRACE)
+        for proc in late:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        alive += _running_after(late, 5.0)
+    for pid in owned:
+        # Reaped here where nothing else waits for them (the clean-up watchers): else each stays a zombie child of
+        # the kernel until it exits. A PID that is not this process's child is none of its business.
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+    return alive
 
 
 def _running_after(procs: list[Any], timeout: float) -> list[Any]:
@@ -364,6 +373,14 @@ def signal_engine(client: Any, engine_id: int, signum: int) -> None:
         client.send_signal(signum, targets=[engine_id], block=False).get(timeout=5.0)
 
 
+def unlist(cluster: Any) -> None:
+    """Remove ``cluster``'s file, and write it no more (``""`` turns it off). Before its processes are ended: a
+    panel that loaded it then would find them gone and list a dead cluster for good. ipyparallel removes it once
+    it saw each of its processes stop; those that ended before leave it, or its late callbacks write it again."""
+    cluster.remove_cluster_file()
+    cluster.cluster_file = ""
+
+
 def stop_launched(cluster: Any, plan: LauncherPlan) -> list[str]:
     """Stop what ipyparallel launched for ``cluster`` through its launchers, make sure the batch jobs left the
     queue (``scancel -s KILL`` if not) and on each SSH host the engines are gone and the cluster's folder
@@ -373,11 +390,9 @@ def stop_launched(cluster: Any, plan: LauncherPlan) -> list[str]:
     # If this fails, local processes are gone already (the caller checked) and remote ones are checked below.
     with contextlib.suppress(Exception):
         cluster.stop_cluster_sync()
-    # ipyparallel removes the cluster's file once it saw each of its processes stop; those that ended before
-    # (a start that failed, processes we ended first) leave it, or its late stop callbacks write it again, and
-    # its tools would list a dead cluster. Removed, and no more written ("" turns the file off).
-    cluster.remove_cluster_file()
-    cluster.cluster_file = ""
+    unlist(cluster)
+    # The controller's record of its engines, which it removes only when it exits of itself.
+    connection.append(os.path.join(cluster.profile_dir, "log", f"engines{cluster.cluster_id}.json"))
     for path in connection:  # left by a controller that was killed
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)

@@ -38,8 +38,6 @@ __all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current
 ENGINE_TIMEOUT = 120.0
 #: Seconds the wiring (process group / coordinator rendezvous) may take.
 SETUP_TIMEOUT = 120.0
-#: Seconds a start waits for the spares (:mod:`.launch`) to import the framework.
-SPARE_TIMEOUT = 120.0
 _current: RankCluster | None = None
 _lock = threading.Lock()
 
@@ -171,8 +169,6 @@ class RankCluster:
         """Start the engines, wire them, and make this the current cluster; :class:`ClusterStartError` if
         starting or wiring fails, and then nothing started is left running."""
         global _current
-        import ipyparallel as ipp
-
         if self.running:
             return self
         with _lock:
@@ -185,7 +181,7 @@ class RankCluster:
             self.spares = processes.check_memory_fits(self.n, self.fw)
             if self.port is not None:
                 processes.check_port_free(self.port)
-            self.cluster = processes.new_ipp_cluster(ipp, self.launcher_plan, self.n, self.cluster_id, self._token)
+            self.cluster = processes.new_ipp_cluster(self.launcher_plan, self.n, self.cluster_id, self._token)
             processes.despite_interrupts(lambda: self.cluster.start_cluster_sync(n=self.n))
             # Remembered at once, so that even engines that never register are stopped.
             launchers = processes.local_launchers(self.cluster)
@@ -218,21 +214,23 @@ class RankCluster:
             RankRun(self._processes(), wire, timeout=SETUP_TIMEOUT, held=self.held).run()
             self.view.apply_sync(interrupt_only_the_cell)
             if self.spares:
-                # A spare on every engine, its imports done (so the first launch is as quick as the next).
+                # A spare on every engine, importing as the start returns: a launch that comes first waits for
+                # its spare's imports, as it would for its own.
                 preload = self._preload()
-                pending = [
-                    self.client[e].apply_async(launch.warm, plan.env, preload, SPARE_TIMEOUT)
-                    for e, plan in zip(self.engine_ids, self.plans)
+                warming = [
+                    self.client[e].apply_async(launch.warm, p.env, preload) for e, p in zip(self.engine_ids, self.plans)
                 ]
-                for ar in pending:
-                    ar.get(timeout=SPARE_TIMEOUT + ENGINE_TIMEOUT)
+                for ar in warming:
+                    ar.get(timeout=ENGINE_TIMEOUT)
         except BaseException as exc:
-            # The start's own error first; what the cleanup found after it, never instead of it.
+            # The start's own error first; what the cleanup found after it, never instead of it; then where the
+            # processes' logs (which the stop removes) are kept.
+            kept = processes.keep_logs(self.cluster) if isinstance(exc, Exception) else ""
             try:
                 processes.despite_interrupts(self.stop)
-                left = "nothing was left running"
+                left = "nothing was left running" + kept
             except RuntimeError as cleanup:
-                left = str(cleanup)
+                left = str(cleanup) + kept
             if isinstance(exc, RankRunError):
                 raise ClusterStartError(f"wiring {self.label} failed: {exc.headline(state=False)}; {left}") from exc
             if isinstance(exc, Exception) and not isinstance(exc, ClusterStartError):
@@ -281,10 +279,11 @@ class RankCluster:
         """Stop every process this cluster started (SIGTERM, then SIGKILL) and check that none is left.
         Safe to call twice."""
         global _current
-        if self.client is not None:
-            # A client whose controller already died can fail to close; its sockets go with it.
-            with contextlib.suppress(Exception):
-                self.client.close()
+        if self.cluster is not None:
+            processes.unlist(self.cluster)
+        # A client whose controller already died can fail to close; its sockets go with it.
+        with contextlib.suppress(Exception):
+            self.client.close()
         alive = processes.terminate(self._owned, self._token, self._started_at, spared=self._cleanups)
         left = []
         if self.cluster is not None:
@@ -429,11 +428,8 @@ class RankCluster:
         # Lines a notebook shows whole (a long one wraps mid-word in JupyterLab's output area).
         lines.append("cells (%%vgpu_run): run in these ranks, which keep their state")
         step = ", as steps of the job's allocation" if self.launcher == "slurm" else ""
-        spare = (
-            f"a spare waits with {self.fw.module} imported"
-            if self.spares
-            else "no spare: memory is tight, each launch starts cold"
-        )
+        spare = "no spare: memory is tight, each launch starts cold"
+        spare = f"a spare waits with {self.fw.module} imported" if self.spares else spare
         lines.append(f"scripts (%vgpu_run FILE): a fresh launch each run{step} ({spare})")
         infos = self.status()
         several_hosts = len({info.host for info in infos}) > 1

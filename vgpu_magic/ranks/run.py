@@ -372,7 +372,7 @@ class RankRun:
             collected_by = math.inf
             while True:
                 self._emit(results, streams)
-                memory.sample()
+                memory.sample([ar.ready() for ar in results])
                 seen = len(failures)
                 # Replies land on ipyparallel's thread at any time: the run may end only on what was looked at
                 # (a rank that was ready before the look was collected if it failed; one ready only after it was not).
@@ -416,7 +416,7 @@ class RankRun:
             interrupted = [r for r in interrupted if r not in failures]
         self._drain(results)
         self._emit(results, streams, final=True)
-        self.trace = memory.finish(interrupted=bool(failures or timed_out))
+        self.trace = memory.finish(bool(failures or timed_out), sorted(failures), timed_out is not None)
         if failures or timed_out:
             every = list(failures.values()) or [timed_out]
             for failure in every:
