@@ -18,8 +18,9 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import Any
 
-from .inventory import GPUInfo
+from .devices import GPUInfo
 
 
 @dataclass(frozen=True)
@@ -244,3 +245,16 @@ def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> Ra
         for p in layout.places
     )
     return replace(layout, places=places)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank gets, as its framework's launcher would give it: its environment, then ``setup(*args)``
+    (``"module:function"``, run on the rank)."""
+
+    rank: int
+    env: dict[str, str]
+    setup: str
+    args: tuple[Any, ...] = ()
+    #: Lines shown by ``%vgpu_cluster start`` / ``status`` (the same for every rank).
+    notes: tuple[str, ...] = field(default=(), compare=False)

@@ -1,8 +1,8 @@
 """Turn a split request into a validated :class:`SplitPlan`, or a precise error.
 
 The one place requests are validated, so no two faces can disagree. Pure: it reads a
-:class:`~vgpu_magic.inventory.DeviceInventory` (plain data, with the framework's
-:class:`~vgpu_magic.frameworks.base.Capabilities` and configuration) and touches no framework.
+:class:`~vgpu_magic.devices.DeviceInventory` (plain data, with the framework's
+:class:`~vgpu_magic.devices.Capabilities` and configuration) and touches no framework.
 A plan the framework would refuse when its runtime starts is refused here. Memory is in MiB.
 """
 
@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from .devices import CUDA_CONTEXT_MIB, Capabilities, ConfigSnapshot, DeviceInventory, GPUInfo
 from .errors import PlanError, excerpt
-from .frameworks.base import Capabilities, ConfigSnapshot
-from .inventory import CUDA_CONTEXT_MIB, DeviceInventory, GPUInfo
 from .plans import FitVerdict, SplitPlan, SplitRequest
 
 MAX_DEVICES = 64

@@ -1,6 +1,7 @@
-"""What every framework module answers: :class:`Capabilities` (data the planner reads) and
-:class:`Framework` (a few small calls). The engine, the planner and the faces only ever talk to
-this interface. Importing this module imports no framework.
+"""What every framework module answers: :class:`Framework` (a few small calls), filling the plain data of
+:mod:`vgpu_magic.devices` (:class:`Capabilities`, which the planner reads) and :mod:`vgpu_magic.layout`
+(:class:`RankPlan`). The engine, the planner and the faces only ever talk to this interface. Importing this
+module imports no framework.
 """
 
 from __future__ import annotations
@@ -8,17 +9,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
-import itertools
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
+from ..devices import Capabilities, ConfigSnapshot
 from ..errors import FrameworkImportError
-
-if TYPE_CHECKING:
-    from ..layout import RankLayout
+from ..layout import RankLayout, RankPlan
 
 __all__ = [
     "Capabilities",
@@ -53,104 +51,6 @@ def call_before_start(owner: Any, name: str, starting: Callable[..., bool], call
             setattr(owner, name, original)
 
     return undo
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What a framework can do with devices: data the planner reads. Every ability defaults to "cannot"."""
-
-    name: str  #: the registry key, ``"tensorflow"``
-    label: str  #: the name shown to people, ``"TensorFlow"``
-    #: Can one process have several devices? PyTorch's cannot: ``%vgpu_split`` refuses it, pointing at the ranks.
-    splits_in_process: bool = True
-    splits_gpu: bool = False  #: one physical GPU as several logical devices
-    splits_cpu: bool = False  #: the host as several logical CPU devices
-    cpu_caps: bool = False  #: memory caps on logical CPUs
-    gpu_caps_required: bool = False  #: every logical GPU of a split must have a cap
-    #: ``(free_mib, compute_capability) -> MiB`` kept back on each GPU; ``None``: nothing a split must leave free.
-    gpu_reserve_mib: Callable[[int, tuple[int, int] | None], int] | None = field(default=None, compare=False)
-    memory_growth: bool = False  #: ``--growth`` means something (GPU memory allocated on demand)
-    growth_with_split: bool = False  #: memory growth and a split (or a cap) may be set on one GPU
-    uniform_growth: bool = False  #: every visible GPU must have the same growth setting when the runtime starts
-    gpu_visibility: bool = False  #: the visible GPUs can be chosen (``--visible``, ``--others``)
-    #: All logical CPUs report one host allocator's figures: the monitor draws one series, not N identical lines.
-    cpus_share_allocator: bool = False
-    replicas_by: str = "the strategy"  #: what uses the replica devices, for messages (``"MirroredStrategy()"``)
-    #: The data-parallel helper uses split CPU devices even where GPUs are visible (JAX's ``vgpu_magic.mesh()``);
-    #: otherwise GPUs come first (``MirroredStrategy()``).
-    replicas_on_split_cpu: bool = False
-    #: The default helper reduces with NCCL unless there are fewer physical GPUs (hidden ones counted) than
-    #: logical ones (``MirroredStrategy()``; RING otherwise), and NCCL refuses two logical devices of one card.
-    replicas_nccl_unless_fewer_physical: bool = False
-    #: The framework's own words, for every message: what starts once and fixes the devices
-    #: (JAX: ``"backend"``), a device of a split and the phrase for a split (``{count}``, ``{kind}``,
-    #: ``{s}``, ``{index}``), what :attr:`replicas_by` calls a device, and the host in a device list.
-    runtime_word: str = "runtime"
-    device_noun: str = "logical {kind}"
-    split_phrase: str = "{count} logical {kind}{s} on {kind}:{index}"
-    replica_noun: str = "replica"
-    host_name: str = "/physical_device:CPU:0 (host)"
-    install_hint: str = ""  #: how to install it (``"install it with pip install 'vgpu_magic[cpu]'"``)
-
-
-@dataclass(frozen=True)
-class ConfigSnapshot:
-    """A framework's device configuration as plain data. ``logical``: physical device name -> its logical
-    devices' caps in MiB (``None`` where uncapped), for the configured ones only; ``visible_gpus``: indices
-    into ``gpu_names``; ``memory_growth``: one flag per physical GPU."""
-
-    cpu_names: tuple[str, ...]
-    gpu_names: tuple[str, ...]
-    logical: dict[str, tuple[int | None, ...]]
-    visible_gpus: tuple[int, ...]
-    memory_growth: tuple[bool, ...]
-    #: How the framework names its CPU and GPU devices once started (JAX: ``"cpu:{}"``).
-    device_names: tuple[str, str] = field(default=("/device:CPU:{}", "/device:GPU:{}"), compare=False)
-
-    def logical_names(self) -> dict[str, list[str]]:
-        """Physical device name -> the logical device names it will have: numbered per type in physical order,
-        as TensorFlow and JAX number them once started, and named as the framework names them."""
-        names: dict[str, list[str]] = {}
-        counters = {"CPU": 0, "GPU": 0}
-        for dtype, physical in [("CPU", n) for n in self.cpu_names] + [("GPU", n) for n in self.gpu_names]:
-            if dtype == "GPU" and int(physical.rsplit(":", 1)[1]) not in self.visible_gpus:
-                continue
-            count = len(self.logical.get(physical, ())) or 1
-            spelled = self.device_names[dtype == "GPU"]
-            names[physical] = [spelled.format(counters[dtype] + k) for k in range(count)]
-            counters[dtype] += count
-        return names
-
-    def replica_devices(self, split_cpu_first: bool = False) -> list[str]:
-        """The devices a data-parallel strategy uses by default: every logical GPU, else every logical CPU;
-        with ``split_cpu_first`` (:attr:`Capabilities.replicas_on_split_cpu`), split CPUs even next to GPUs."""
-        names = self.logical_names()
-        gpus = [d for p in self.gpu_names if p in names for d in names[p]]
-        cpus = [d for p in self.cpu_names for d in names.get(p, [])]
-        if split_cpu_first and len(cpus) > 1:
-            return cpus
-        return gpus or cpus
-
-    def caps_mib(self) -> dict[str, int | None]:
-        """Logical device name -> its cap in MiB (``None`` where uncapped)."""
-        return {
-            name: cap
-            for physical, names in self.logical_names().items()
-            for name, cap in itertools.zip_longest(names, self.logical.get(physical, ()))
-        }
-
-
-@dataclass(frozen=True)
-class RankPlan:
-    """What one rank gets, as its framework's launcher would give it: its environment, then ``setup(*args)``
-    (``"module:function"``, run on the rank)."""
-
-    rank: int
-    env: dict[str, str]
-    setup: str
-    args: tuple[Any, ...] = ()
-    #: Lines shown by ``%vgpu_cluster start`` / ``status`` (the same for every rank).
-    notes: tuple[str, ...] = field(default=(), compare=False)
 
 
 class Framework:
@@ -240,7 +140,7 @@ class Framework:
 
     # -- devices and configuration ----------------------------------------------
     def probe_inventory(self):
-        """The physical devices as a :class:`~vgpu_magic.inventory.DeviceInventory` carrying :attr:`capabilities`
+        """The physical devices as a :class:`~vgpu_magic.devices.DeviceInventory` carrying :attr:`capabilities`
         and the current configuration. May import the framework; never starts its runtime."""
         raise NotImplementedError
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from .base import Capabilities, Framework
+from ..devices import Capabilities
+from .base import Framework
 
 __all__ = ["CuPy", "FRAMEWORK"]
 

@@ -23,15 +23,14 @@ import re
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..inventory import DeviceInventory, cuda_gpus, nvml_gpus
-from .base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader, call_before_start
+from ..devices import Capabilities, ConfigSnapshot, DeviceInventory
+from ..inventory import cuda_gpus, nvml_gpus
+from ..layout import RankLayout, RankPlan
+from .base import Framework, Reader, call_before_start
 
 __all__ = ["TensorFlow", "FRAMEWORK", "CAPABILITIES", "system_reserve_mib", "setup_rank", "SLURM_PORT_BASE"]
-
-if TYPE_CHECKING:
-    from ..layout import RankLayout
 
 #: The first port ``SlurmClusterResolver`` gives the tasks of a node (its ``port_base``).
 SLURM_PORT_BASE = 8888

@@ -25,17 +25,10 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from ...inventory import (
-    DeviceInventory,
-    GPUInfo,
-    cuda_context_mib,
-    cuda_gpus,
-    cuda_to_nvml_order,
-    cuda_total_bytes,
-    nvml_gpus,
-)
+from ...devices import Capabilities, ConfigSnapshot, DeviceInventory, GPUInfo, cuda_context_mib
+from ...inventory import cuda_gpus, cuda_to_nvml_order, cuda_total_bytes, nvml_gpus
 from ...units import MIB
-from ..base import Capabilities, ConfigSnapshot, Framework, Reader, call_before_start
+from ..base import Framework, Reader, call_before_start
 from . import ranks
 from .memory import LiveArrayBytes, MemoryReader, devices_by_name
 

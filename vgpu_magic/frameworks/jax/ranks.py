@@ -17,12 +17,10 @@ unreadable) NCCL, and get ``NCCL_MULTI_RANK_GPU_ENABLE=1`` with 2.30 or later. I
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
-from ..base import Framework, RankPlan
-
-if TYPE_CHECKING:
-    from ...layout import RankLayout
+from ...devices import MULTI_RANK_NCCL
+from ...layout import RankLayout, RankPlan
+from ..base import Framework
 
 __all__ = ["plan_ranks", "setup_rank", "slurm_coordinator_port"]
 
@@ -84,8 +82,6 @@ def plan_ranks(
 def _shared_gpu_env(layout: RankLayout) -> dict[str, str]:
     """What ranks sharing a GPU need from NCCL (nothing where each has its own), or
     :class:`ValueError` where their NCCL cannot have two ranks on one GPU."""
-    from ...inventory import MULTI_RANK_NCCL
-
     shared = [p for p in layout.places if p.gpu_shared_by > 1]
     if not shared:
         return {}

@@ -22,13 +22,12 @@ import os
 import sys
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ...inventory import DeviceInventory, cuda_context_mib, visible_gpus
-from ..base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader
-
-if TYPE_CHECKING:
-    from ...layout import RankLayout
+from ...devices import Capabilities, ConfigSnapshot, DeviceInventory, cuda_context_mib
+from ...inventory import visible_gpus
+from ...layout import RankLayout, RankPlan
+from ..base import Framework, Reader
 
 __all__ = ["CAPABILITIES", "FRAMEWORK", "Torch", "setup_rank", "gloo_for_nccl", "say_the_cap"]
 
