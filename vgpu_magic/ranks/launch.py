@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .shown import as_terminal_shows, how_it_ended
+
 __all__ = ["ProcessExited", "TERM_GRACE", "child", "launch_request", "run_rank", "warm"]
 
 #: Seconds a launched process has after SIGTERM before SIGKILL (below the fault policy's grace for its engine).
@@ -151,16 +153,9 @@ def run_rank(request: dict[str, Any]) -> int:
     raise ProcessExited("\n".join([how_it_ended(code), *tail]))
 
 
-def how_it_ended(code: int) -> str:
-    """An exit status as a launcher says it: ``exited with status 3``, ``was killed by SIGSEGV``."""
-    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-
-
 def _follow(popen: subprocess.Popen) -> tuple[int, list[str]]:
     """Copy the child's stdout and stderr to this process' own until it exits: its exit status and the last
     lines of its stderr. Interrupted, stop the child first."""
-    from .run import as_terminal_shows
-
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES + 1)
     selector = selectors.DefaultSelector()
     for pipe, out in ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr)):
