@@ -12,6 +12,7 @@ where their NCCL cannot have two ranks on one GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import socket
@@ -164,11 +165,14 @@ def test_split_of_second_gpu_hides_the_others(gpu_count):
 
 
 # -- ranks sharing one GPU, started as the planner plans them ------------------------------------------------
-#: A rank: the plan's setup, run as ``prepare_rank`` runs it on an engine, then the user's script, unchanged.
+#: A rank: the plan's devices and setup, through ``prepare_rank`` as on an engine, then the user's script, unchanged.
 RANK = """
-import importlib, json, os, runpy, sys
-module, _, function = os.environ.pop("VGPU_TEST_SETUP").partition(":")
-said = getattr(importlib.import_module(module), function)(*json.loads(os.environ.pop("VGPU_TEST_ARGS")))
+import json, os, runpy, sys
+from vgpu_magic.plans import SplitRequest
+from vgpu_magic.ranks.hosts import prepare_rank
+devices = json.loads(os.environ.pop("VGPU_TEST_DEVICES"))
+setup, args = os.environ.pop("VGPU_TEST_SETUP"), tuple(json.loads(os.environ.pop("VGPU_TEST_ARGS")))
+said = prepare_rank({}, setup, args, devices=SplitRequest(**devices) if devices else None)
 print(json.dumps({"setup": said}), flush=True)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
@@ -211,6 +215,7 @@ def _run_ranks(plans, caps_mib, script: str, *args: str, timeout: float = 300) -
             "PYTHONPATH": str(ROOT),
             "VGPU_TEST_SETUP": plan.setup,
             "VGPU_TEST_ARGS": json.dumps(plan.args),
+            "VGPU_TEST_DEVICES": json.dumps(plan.devices and dataclasses.asdict(plan.devices)),
             "VGPU_TEST_CAP_MIB": str(cap),
         }
         command = [sys.executable, "-c", RANK, str(ROOT / "tests" / "scripts" / script), *args]
@@ -272,7 +277,7 @@ def test_two_jax_ranks_share_one_gpu_or_are_refused_before_starting():
     else:
         env = {}
     plans = get("jax").plan_ranks(layout, None, 2048, None)
-    plans = [type(p)(p.rank, {**p.env, **env}, p.setup, p.args, p.notes) for p in plans]
+    plans = [dataclasses.replace(p, env={**p.env, **env}) for p in plans]
     ranks = _run_ranks(plans, [2048] * len(plans), "jax_psum.py")
     results = [lines[-1] for lines in ranks]
     print(json.dumps({"plans": [p.args for p in plans], "setup": [lines[0] for lines in ranks], "results": results}))

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .devices import GPUInfo
+from .plans import SplitRequest
 
 
 @dataclass(frozen=True)
@@ -249,8 +250,9 @@ def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> Ra
 
 @dataclass(frozen=True)
 class RankPlan:
-    """What one rank gets, as its framework's launcher would give it: its environment, then ``setup(*args)``
-    (``"module:function"``, run on the rank)."""
+    """What one rank gets, as its framework's launcher would give it, as data: its environment, then its own
+    ``devices`` (planned and configured on the rank, by the one generic rank setup:
+    ``vgpu_magic.ranks.hosts.prepare_rank``), then ``setup(*args)`` (``"module:function"``, run on the rank)."""
 
     rank: int
     env: dict[str, str]
@@ -258,3 +260,5 @@ class RankPlan:
     args: tuple[Any, ...] = ()
     #: Lines shown by ``%vgpu_cluster start`` / ``status`` (the same for every rank).
     notes: tuple[str, ...] = field(default=(), compare=False)
+    #: The rank's devices as ``%vgpu_split`` would ask for them (``framework`` named); ``None``: nothing to split.
+    devices: SplitRequest | None = None

@@ -7,7 +7,7 @@ the level is not an explicit 0, those lines are dropped and every other line pas
 
 The ranks (:meth:`TensorFlow.plan_ranks`): ``TF_CONFIG`` lists every worker at its own host and a port chosen
 there (under SLURM: what ``SlurmClusterResolver`` computes), so ``MultiWorkerMirroredStrategy()`` on N ranks
-has N workers; ``--split K`` on a GPU gives each worker K logical GPUs (:func:`setup_rank`). On CPU the strategy
+has N workers; ``--split K`` on a GPU gives each worker K logical GPUs (its plan's ``devices``). On CPU the strategy
 uses one device per worker whatever the logical CPU count (measured: 2 workers × 2 logical CPUs give 2
 replicas), so ``--split`` on CPU is refused and a CPU worker only gets its environment.
 """
@@ -25,9 +25,11 @@ import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..budget import check_rank_request, check_sizes, rank_share_mib
 from ..devices import Capabilities, ConfigSnapshot, DeviceInventory
 from ..inventory import cuda_gpus, nvml_gpus
 from ..layout import RankLayout, RankPlan
+from ..plans import SplitRequest
 from .base import Framework, Reader, call_before_start
 
 __all__ = ["TensorFlow", "FRAMEWORK", "CAPABILITIES", "system_reserve_mib", "setup_rank", "SLURM_PORT_BASE"]
@@ -312,9 +314,6 @@ class TensorFlow(Framework):
     def plan_ranks(
         self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
     ) -> list[RankPlan]:
-        from ..planner import check_rank_request, plan_split, rank_share_mib
-        from ..plans import SplitRequest
-
         places = layout.places
         n = len(places)
         on_gpu = all(p.gpu for p in places)
@@ -344,13 +343,12 @@ class TensorFlow(Framework):
             if not on_gpu:
                 plans.append(RankPlan(place.rank, env, "", (), notes))
                 continue
-            # The worker plans again on its own devices (setup_rank): the same check, before anything starts.
-            seen = DeviceInventory(
-                gpus=place.gpus_seen, nvml_available=place.gpu.free_mib is not None, capabilities=CAPABILITIES
-            )
-            plan_split(SplitRequest(count=per_worker, memory=each, gpu=place.gpu.index, others="hide"), seen)
+            # Planned again on the worker's own devices; a share below the planner's minimum is refused before then.
+            check_sizes((each,))
+            devices = SplitRequest(count=per_worker, memory=each, gpu=place.gpu.index, framework=self.name)
             args = (place.gpu.index, per_worker, each)
-            plans.append(RankPlan(place.rank, env, "vgpu_magic.frameworks.tensorflow:setup_rank", args, notes))
+            setup = "vgpu_magic.frameworks.tensorflow:setup_rank"
+            plans.append(RankPlan(place.rank, env, setup, args, notes, devices))
         return plans
 
 
@@ -368,16 +366,10 @@ def _workers(layout: RankLayout, port: int | None) -> list[str]:
 
 
 def setup_rank(gpu: int, count: int, cap_mib: int, join: bool = False) -> str:
-    """Run on a worker with a GPU: GPU ``gpu`` (CUDA's index on its host) as ``count`` logical GPUs of ``cap_mib``
-    each, the others hidden, planned on this worker's own devices as ``%vgpu_split`` plans. Writes configuration
-    only. ``join`` changes nothing: a worker joins in the user's ``MultiWorkerMirroredStrategy()``."""
-    from ..planner import configuration_after, plan_split
-    from ..plans import SplitRequest
-
-    inventory = FRAMEWORK.probe_inventory()
-    plan = plan_split(SplitRequest(count=count, memory=cap_mib, gpu=gpu, others="hide"), inventory)
-    FRAMEWORK.write_configuration(inventory.current, configuration_after(plan, inventory.current))
-    return f"GPU {gpu}: {plan.describe()}"
+    """Run on a worker with a GPU once its devices are configured (:attr:`RankPlan.devices`: GPU ``gpu``, CUDA's
+    index on its host, as ``count`` logical GPUs of ``cap_mib`` each, the others hidden): what it has. ``join``
+    changes nothing: a worker joins in the user's ``MultiWorkerMirroredStrategy()``."""
+    return f"GPU {gpu}: {count} logical GPU(s) of {cap_mib} MiB"
 
 
 FRAMEWORK = TensorFlow()

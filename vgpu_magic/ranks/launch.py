@@ -23,7 +23,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from .shown import as_terminal_shows, how_it_ended
@@ -55,6 +55,7 @@ def launch_request(
         "plan_env": dict(plan.env),
         "setup": plan.setup,
         "setup_args": list(plan.args),
+        "devices": None if plan.devices is None else asdict(plan.devices),
         "argv": [path, *args],
         "cwd": cwd,
         "preload": list(preload),
@@ -139,7 +140,7 @@ def run_rank(request: dict[str, Any]) -> int:
     # interrupted as a cell is, so the fault policy can stop it.
     outside = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        launch = {k: request[k] for k in ("setup", "setup_args", "argv", "cwd")}
+        launch = {k: request[k] for k in ("setup", "setup_args", "devices", "argv", "cwd")}
         proc.control.sendall(json.dumps({**launch, "env": {**proc.base, **plan_env}}).encode())
         proc.control.shutdown(socket.SHUT_WR)
         code, tail = _follow(proc.popen)
@@ -255,10 +256,12 @@ def child() -> None:
     path = launch["argv"][0]
     sys.argv = list(launch["argv"])
     sys.path[0] = os.path.dirname(os.path.realpath(path))
-    if launch["setup"]:
+    if launch["setup"] or launch["devices"]:
+        from ..plans import SplitRequest
         from .hosts import prepare_rank
 
-        prepare_rank({}, launch["setup"], tuple(launch["setup_args"]))
+        devices = SplitRequest(**launch["devices"]) if launch["devices"] else None
+        prepare_rank({}, launch["setup"], tuple(launch["setup_args"]), devices=devices)
     # As on a terminal: each line reaches the notebook when printed.
     sys.stdout.reconfigure(line_buffering=True)
     main = types.ModuleType("__main__")

@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from ...budget import check_rank_request, rank_share_mib
 from ...devices import Capabilities, ConfigSnapshot, DeviceInventory, cuda_context_mib
 from ...inventory import visible_gpus
 from ...layout import RankLayout, RankPlan
@@ -120,8 +121,6 @@ class Torch(Framework):
     def plan_ranks(
         self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
     ) -> list[RankPlan]:
-        from ...planner import check_rank_request, rank_share_mib
-
         if split is not None:
             raise ValueError(
                 f"--split {split} has no meaning for torch: a rank is one process with one device; "
