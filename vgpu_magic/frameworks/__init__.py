@@ -12,7 +12,7 @@ import os
 import sys
 
 from ..errors import FrameworkChoiceError
-from .base import Capabilities, Framework, FrameworkImportError
+from .base import Capabilities, CudaUser, Framework, FrameworkImportError
 
 __all__ = [
     "REGISTRY",
@@ -75,7 +75,7 @@ def resolve_name(name: str) -> str:
     return key
 
 
-def _load(entry: str | Framework) -> Framework:
+def _load(entry: str | CudaUser) -> CudaUser:
     if isinstance(entry, str):
         module, _, attr = entry.partition(":")
         return getattr(importlib.import_module(module), attr)
@@ -110,7 +110,7 @@ def _keras_backend() -> str:
     return ALIASES.get(backend, backend)
 
 
-def cuda_context_holders(exclude: str = "") -> list[Framework]:
+def cuda_context_holders(exclude: str = "") -> list[CudaUser]:
     """The frameworks and :data:`CUDA_USERS` already imported that hold a CUDA context here, but ``exclude``."""
     candidates = [*all_frameworks(), *(_load(entry) for entry in CUDA_USERS)]
     return [fw for fw in candidates if fw.name != exclude and fw.module in sys.modules and fw.holds_cuda_context()]

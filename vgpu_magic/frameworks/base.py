@@ -6,6 +6,7 @@ module imports no framework.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import importlib
 import importlib.util
@@ -14,13 +15,14 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
-from ..devices import Capabilities, ConfigSnapshot
+from ..devices import Capabilities, ConfigSnapshot, DeviceInventory
 from ..errors import FrameworkImportError
 from ..layout import RankLayout, RankPlan
 
 __all__ = [
     "Capabilities",
     "ConfigSnapshot",
+    "CudaUser",
     "Framework",
     "FrameworkImportError",
     "Reader",
@@ -53,13 +55,40 @@ def call_before_start(owner: Any, name: str, starting: Callable[..., bool], call
     return undo
 
 
-class Framework:
-    """One framework's answers: subclasses set :attr:`capabilities` and :attr:`module` and implement what raises
-    ``NotImplementedError``. Nothing imports the framework unless it says so; nothing starts its runtime."""
+class CudaUser:
+    """A library that may hold a CUDA context in this process: asked, never configured (CuPy). Every
+    :class:`Framework` is one too."""
 
     capabilities: Capabilities
     #: The top-level module users import (``"tensorflow"``, ``"jax"``).
     module: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.capabilities.name
+
+    @property
+    def label(self) -> str:
+        return self.capabilities.label
+
+    def holds_cuda_context(self) -> bool:
+        """Does this process hold a CUDA context through this library? Asked once it is imported; creates none."""
+        return False
+
+    def gpu_allocator_bytes(self) -> tuple[int, int] | None:
+        """``(current, peak)`` bytes of this process' GPUs held by the framework's allocator, or ``None`` when it
+        cannot tell: read in the process itself, so no PID namespace is involved (unlike NVML's per-process list)."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"<vgpu_magic framework {self.name}>"
+
+
+class Framework(CudaUser, abc.ABC):
+    """One framework's answers: subclasses set :attr:`capabilities` and :attr:`module`, implement the abstract
+    methods and, for what the framework can do, those that raise ``NotImplementedError``. Nothing imports the
+    framework unless it says so; nothing starts its runtime."""
+
     #: The Keras 3 backend that runs on this framework, or ``None`` when Keras has none.
     keras_backend: str | None = None
     #: The call a script makes under the framework's real launcher to join the other ranks ("": none to make).
@@ -71,14 +100,6 @@ class Framework:
     #: Regular expressions of the whole start-up lines its processes write that no setting silences
     #: (a rank shows them only when asked, :mod:`vgpu_magic.ranks.shown`).
     chatter: tuple[str, ...] = ()
-
-    @property
-    def name(self) -> str:
-        return self.capabilities.name
-
-    @property
-    def label(self) -> str:
-        return self.capabilities.label
 
     def imported(self) -> bool:
         """Has the user (or anything) imported the framework in this process?"""
@@ -134,19 +155,19 @@ class Framework:
                     del os.environ[name]
 
     # -- runtime -----------------------------------------------------------------
+    @abc.abstractmethod
     def runtime_started(self) -> bool:
         """Has the runtime started (so the configuration is fixed)? Never imports or starts the framework."""
-        raise NotImplementedError
 
     # -- devices and configuration ----------------------------------------------
-    def probe_inventory(self):
+    @abc.abstractmethod
+    def probe_inventory(self) -> DeviceInventory:
         """The physical devices as a :class:`~vgpu_magic.devices.DeviceInventory` carrying :attr:`capabilities`
         and the current configuration. May import the framework; never starts its runtime."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def read_configuration(self) -> ConfigSnapshot:
         """The current configuration, read without starting the runtime."""
-        raise NotImplementedError
 
     def write_configuration(self, old: ConfigSnapshot, new: ConfigSnapshot) -> None:
         """Move the configuration from ``old`` to ``new`` (validated by the planner), within
@@ -193,15 +214,6 @@ class Framework:
         holding a part of it, by name (``"/device:CPU:1"``): the monitor's variables per replica."""
         return {}
 
-    def holds_cuda_context(self) -> bool:
-        """Does this process hold a CUDA context through this framework? Asked once it is imported; creates none."""
-        return False
-
-    def gpu_allocator_bytes(self) -> tuple[int, int] | None:
-        """``(current, peak)`` bytes of this process' GPUs held by the framework's allocator, or ``None`` when it
-        cannot tell: read in the process itself, so no PID namespace is involved (unlike NVML's per-process list)."""
-        return None
-
     def keras_backend_warning(self) -> str | None:
         """The warning for a split of this framework's devices when Keras was imported on another backend."""
         from ..keras_backend import keras_backend_warning
@@ -221,6 +233,3 @@ class Framework:
         on its host, the launcher's conventions), ``split`` devices and ``memory_mib`` cap per rank, ``port`` the
         coordinator port asked for. Pure. A request that cannot work there is a one-line :class:`ValueError`."""
         raise ValueError(f"{self.label} cannot run as ranks of %vgpu_cluster")
-
-    def __repr__(self) -> str:
-        return f"<vgpu_magic framework {self.name}>"
