@@ -1,8 +1,8 @@
-"""The framework seam: one module per framework, one registry, one way to pick.
+"""The framework seam: one package per framework, one registry, one way to pick.
 
-Each module in this package defines a :class:`~vgpu_magic.frameworks.base.Framework` subclass: adding a
-framework is one new module and one line in :data:`REGISTRY`. Importing this package imports no framework and
-none of the modules below until one is asked for.
+Each package here (``__init__.py``, ``ranks.py``, ...) defines a :class:`~vgpu_magic.frameworks.base.Framework`
+subclass: adding a framework is one new package and one line in :data:`REGISTRY`. Importing this package
+imports no framework and none of the modules below until one is asked for.
 """
 
 from __future__ import annotations
