@@ -1,9 +1,6 @@
-"""GPU memory budgets: what the devices of one GPU, or each rank sharing one, may use, and the limits every
-request meets.
-
-Pure arithmetic over plain data (:mod:`vgpu_magic.devices`), below the frameworks: the planner reads it for a
-split in one process, and each framework's rank wiring (``Framework.plan_ranks``) for its ranks' shares, so the
-two never disagree and no framework reaches up to the planner. Memory is in MiB.
+"""GPU memory budgets, pure arithmetic over plain data in MiB: the limits every request meets and what the
+devices of a GPU, or each rank sharing one, may use. Below the frameworks: the planner (a split in one process)
+and the frameworks' rank wiring (``Framework.plan_ranks``) read the same rules, and no framework reaches up.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The machine's devices and what a framework can do with them, as plain data: the bottom layer.
-
-:class:`GPUInfo` and :class:`DeviceInventory` (what the planner reads), :class:`Capabilities` (what a framework
-can do, and its words for it) and :class:`ConfigSnapshot` (a framework's device configuration). Filled by the
-probes (:mod:`vgpu_magic.inventory`, NVML) and the frameworks; read by every layer above. Imports nothing of
-vgpu_magic.
+"""The bottom layer, plain data: the devices (:class:`GPUInfo`, :class:`DeviceInventory`), what a framework can
+do with them and its words for it (:class:`Capabilities`), and its configuration (:class:`ConfigSnapshot`).
+Filled by the probes and the frameworks; read by every layer. Imports nothing of vgpu_magic.
 """
 
 from __future__ import annotations
@@ -11,16 +8,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-__all__ = [
-    "CUDA_CONTEXT_MIB",
-    "MULTI_RANK_NCCL",
-    "Capabilities",
-    "ConfigSnapshot",
-    "DeviceInventory",
-    "GPUInfo",
-    "cuda_context_mib",
-]
 
 #: GPU memory a process takes outside its framework's allocator and cap, the one figure the planner's
 #: reserve and the estimate's verdict use. Measured on an H100 (torch 2.11, CUDA 13): the CUDA context

@@ -1,12 +1,11 @@
 """The argument grammar of the faces.
 
-Magics declare their arguments with IPython's ``@magic_arguments()``, so their help comes from
-the declarations that parse the line. The ``type=`` callables here wrap the value parsers of
-:mod:`vgpu_magic.units` (sizes, seconds, counts; free of IPython, which the Python API and the
-monitor call directly) and refuse a token with one sentence that quotes it and says what would
-work; :func:`parse_arguments` does the same for what argparse itself refuses
-(:class:`~vgpu_magic.errors.PlanError`). ``%vgpu_split`` lines, the persistent split and the CLI
-all parse into a :class:`~vgpu_magic.plans.SplitRequest` here. Nothing is evaluated.
+Magics declare their arguments with IPython's ``@magic_arguments()``, so their help comes from the declarations
+that parse the line. The ``type=`` callables here wrap the value parsers of :mod:`vgpu_magic.units` (free of
+IPython, which the Python API and the monitor call directly) and refuse a token with one sentence that quotes it
+and says what would work; :func:`parse_arguments` does the same for what argparse itself refuses
+(:class:`~vgpu_magic.errors.PlanError`). ``%vgpu_split`` lines, the persistent split and the CLI all parse into a
+:class:`~vgpu_magic.plans.SplitRequest` here. Nothing is evaluated.
 """
 
 from __future__ import annotations
@@ -25,10 +24,7 @@ from . import frameworks
 from .errors import PlanError, excerpt
 from .planner import MAX_DEVICES
 from .plans import SplitRequest
-
-# The magics' one size parser, imported from here by callers that read a magic's words.
-from .units import parse_memory as parse_memory
-from .units import parse_memory_list, parse_seconds, parse_whole_number
+from .units import parse_memory, parse_memory_list, parse_seconds, parse_whole_number  # noqa: F401 - and from here
 
 _NEGATIVE = re.compile(r"-[0-9]+", re.ASCII)
 

@@ -1,9 +1,6 @@
-"""The probes: what devices this machine has, read from NVML and CUDA's driver (never at import).
-
-Each framework fills a :class:`~vgpu_magic.devices.DeviceInventory` from them
-(``Framework.probe_inventory``). A missing NVML means "no GPU details", never an error; a GPU
-that disappears while being read gives :class:`NVMLReadError`. The plain data these return lives
-in :mod:`vgpu_magic.devices`; its names are importable from here too.
+"""The probes: what devices this machine has, read from NVML and CUDA's driver (never at import). Each framework
+fills a :class:`~vgpu_magic.devices.DeviceInventory` from them (``Framework.probe_inventory``). A missing NVML means
+"no GPU details", never an error; a GPU that disappears while being read gives :class:`NVMLReadError`.
 """
 
 from __future__ import annotations
@@ -13,26 +10,9 @@ import functools
 import os
 from typing import Any
 
-from .devices import CUDA_CONTEXT_MIB, MULTI_RANK_NCCL, DeviceInventory, GPUInfo
+from .devices import CUDA_CONTEXT_MIB, MULTI_RANK_NCCL, DeviceInventory, GPUInfo  # noqa: F401 - and from here
 from .errors import NVMLReadError
 from .units import MIB
-
-__all__ = [
-    "open_nvml",
-    "nvml_gpus",
-    "nvml_pids_with_context",
-    "cuda_to_nvml_order",
-    "cuda_gpus",
-    "visible_gpus",
-    "cuda_total_bytes",
-    "nccl_version",
-    # The plain data the probes fill, where callers have long imported it from.
-    "CUDA_CONTEXT_MIB",
-    "MULTI_RANK_NCCL",
-    "DeviceInventory",
-    "GPUInfo",
-    "NVMLReadError",
-]
 
 
 def open_nvml():

@@ -250,9 +250,8 @@ def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> Ra
 
 @dataclass(frozen=True)
 class RankPlan:
-    """What one rank gets, as its framework's launcher would give it, as data: its environment, then its own
-    ``devices`` (planned and configured on the rank, by the one generic rank setup:
-    ``vgpu_magic.ranks.hosts.prepare_rank``), then ``setup(*args)`` (``"module:function"``, run on the rank)."""
+    """What one rank gets, as its framework's launcher would give it: its environment, its own ``devices`` (split
+    on the rank by ``ranks.hosts.prepare_rank``), then ``setup(*args)`` (``"module:function"``, run on the rank)."""
 
     rank: int
     env: dict[str, str]

@@ -10,26 +10,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .budget import MAX_DEVICES, MAX_MEMORY_MIB, MIN_MEMORY_MIB, check_sizes, even_share_mib, usable_mib
+from .budget import MAX_DEVICES, MAX_MEMORY_MIB, MIN_MEMORY_MIB, check_sizes, even_share_mib, usable_mib  # noqa: F401
 from .devices import Capabilities, ConfigSnapshot, DeviceInventory, GPUInfo
 from .errors import PlanError, excerpt
 from .plans import FitVerdict, SplitPlan, SplitRequest
-
-# The budget's limits and shares are importable from here too, as the faces and tests always have.
-__all__ = [
-    "MAX_DEVICES",
-    "MAX_MEMORY_MIB",
-    "MIN_MEMORY_MIB",
-    "PlanError",
-    "SplitPlan",
-    "SplitRequest",
-    "check_fit",
-    "configuration_after",
-    "even_share_mib",
-    "plan_split",
-    "unconfigured",
-    "usable_mib",
-]
 
 
 def check_fit(limits: tuple[int, ...], gpu: GPUInfo, capabilities: Capabilities) -> FitVerdict:

@@ -1,11 +1,7 @@
-"""Sizes and seconds, read from people and written for people: one place.
-
-The value parsers (:func:`parse_memory`, :func:`parse_memory_list`, :func:`parse_seconds`,
-:func:`parse_whole_number`) serve the magics' grammar, the Python API, the monitor and the
-estimator alike, and know nothing of IPython. Numbers are ASCII digits (``int()`` would also take
-``"1_0"``, ``"+3"`` or ``"٣"``), memory sizes MiB, bare or with a unit; a refusal is a
-:class:`~vgpu_magic.errors.PlanError` that quotes the text. :func:`format_bytes` and
-:func:`joined_alike` write figures for the status report, the monitor's data and its views.
+"""Sizes and seconds, read from people and written for people. The value parsers serve the magics' grammar, the
+Python API, the monitor and the estimator alike and know nothing of IPython: ASCII digits only (``int()`` would take
+``"1_0"``, ``"+3"`` or ``"٣"``), sizes in MiB, bare or with a unit; a refusal is a
+:class:`~vgpu_magic.errors.PlanError` quoting the text. :func:`format_bytes` and :func:`joined_alike` write figures.
 """
 
 from __future__ import annotations

@@ -19,17 +19,6 @@ from ..devices import Capabilities, ConfigSnapshot, DeviceInventory
 from ..errors import FrameworkImportError
 from ..layout import RankLayout, RankPlan
 
-__all__ = [
-    "Capabilities",
-    "ConfigSnapshot",
-    "CudaUser",
-    "Framework",
-    "FrameworkImportError",
-    "Reader",
-    "RankPlan",
-    "call_before_start",
-]
-
 #: ``reader(names) -> [(current, peak), ...]`` in bytes, one pair per device name.
 Reader = Callable[[list[str]], list[tuple[int, int]]]
 

@@ -78,11 +78,10 @@ def report_host(engine_id: int, controller: str) -> HostReport:
 def prepare_rank(
     env: dict[str, str], setup: str, args: tuple[Any, ...], join: bool = False, devices: SplitRequest | None = None
 ) -> str:
-    """Run on the rank, the one rank setup for every framework (a :class:`~vgpu_magic.layout.RankPlan`'s data):
-    set its environment, as a launcher would before the process starts (no framework is imported yet); split
-    its ``devices`` as ``%vgpu_split`` would, planned on this rank's own devices; then run its framework's setup,
-    if any; with ``join`` the setup also makes the script's own call (``init_process_group``,
-    ``jax.distributed.initialize``)."""
+    """Run on the rank, the one rank setup of every framework's :class:`~vgpu_magic.layout.RankPlan`: set its
+    environment, as a launcher would before the process starts; split its ``devices`` as ``%vgpu_split`` would, on
+    this rank's own devices; then run its framework's setup, if any; with ``join`` the setup also makes the
+    script's own call (``init_process_group``, ``jax.distributed.initialize``)."""
     os.environ.update(env)
     if devices is not None:
         from .. import frameworks

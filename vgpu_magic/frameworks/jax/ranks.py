@@ -111,9 +111,8 @@ def setup_rank(
     cap_mib: int | None,
     join: bool = False,
 ) -> str:
-    """Run on the rank once its devices are configured (:attr:`RankPlan.devices`: ``count`` CPU devices, or GPU
-    ``gpu``, CUDA's index on its host, capped at ``cap_mib`` with memory growth): make an unchanged
-    ``jax.distributed.initialize()`` find this rank's place; with ``join``, also make that call (rank 0 hosts the
+    """Run on the rank once its ``devices`` are split: make an unchanged ``jax.distributed.initialize()`` find this
+    rank's place (``gpu``: CUDA's index on its host); with ``join``, also make that call (rank 0 hosts the
     coordinator)."""
     _register_cluster_environment()
     if not join:

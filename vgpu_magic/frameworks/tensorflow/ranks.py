@@ -1,8 +1,7 @@
 """TensorFlow's ranks: ``TF_CONFIG`` lists every worker at its own host and a port chosen there (under SLURM: what
-``SlurmClusterResolver`` computes), so ``MultiWorkerMirroredStrategy()`` on N ranks has N workers; ``--split K`` on
-a GPU gives each worker K logical GPUs (its plan's ``devices``). On CPU the strategy uses one device per worker
-whatever the logical CPU count (measured: 2 workers × 2 logical CPUs give 2 replicas), so ``--split`` on CPU is
-refused and a CPU worker only gets its environment. Importing this module imports no TensorFlow.
+``SlurmClusterResolver`` computes); ``--split K`` on a GPU gives each worker K logical GPUs (its ``devices``). On
+CPU the strategy uses one device per worker whatever the logical CPU count (measured: 2 workers × 2 logical CPUs
+give 2 replicas), so ``--split`` on CPU is refused. Importing this module imports no TensorFlow.
 """
 
 from __future__ import annotations
@@ -75,7 +74,6 @@ def _workers(layout: RankLayout, port: int | None) -> list[str]:
 
 
 def setup_rank(gpu: int, count: int, cap_mib: int, join: bool = False) -> str:
-    """Run on a worker with a GPU once its devices are configured (:attr:`RankPlan.devices`: GPU ``gpu``, CUDA's
-    index on its host, as ``count`` logical GPUs of ``cap_mib`` each, the others hidden): what it has. ``join``
-    changes nothing: a worker joins in the user's ``MultiWorkerMirroredStrategy()``."""
+    """What a worker with a GPU has once its ``devices`` are split; ``join`` changes nothing: a worker joins in the
+    user's ``MultiWorkerMirroredStrategy()``."""
     return f"GPU {gpu}: {count} logical GPU(s) of {cap_mib} MiB"
