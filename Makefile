@@ -50,9 +50,11 @@ LAB_ARGS ?=
 lab: setup
 	TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/jupyter lab $(ALLOW_ROOT) --ServerApp.root_dir=. $(LAB_ARGS) notebooks/01_quickstart.ipynb
 
-# ruff (configured in pyproject.toml) runs before the tests: a lint finding fails `make test` early.
+# ruff and import-linter's contracts (both configured in pyproject.toml: the layers of docs/architecture.md)
+# run before the tests: a lint finding fails `make test` early.
 lint: setup-test
 	$(VENV)/bin/ruff check vgpu_magic tests benchmarks
+	$(VENV)/bin/lint-imports --no-cache
 
 test: setup-test system-deps lint
 	$(TEST_ENV) $(PY) -m pytest tests notebooks --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg $(PYTEST_ARGS)

@@ -4,6 +4,7 @@ Needs only the framework: no IPython, no ipyparallel."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -16,11 +17,14 @@ import pytest
 
 from support import CHILD_ENV, ROOT
 
-#: A rank: the plan's setup, run as ``prepare_rank`` runs it on an engine, then the user's script, unchanged.
+#: A rank: the plan's devices and setup, through ``prepare_rank`` as on an engine, then the user's script, unchanged.
 RANK = """
-import importlib, json, os, runpy, sys
-module, _, function = os.environ.pop("VGPU_TEST_SETUP").partition(":")
-said = getattr(importlib.import_module(module), function)(*json.loads(os.environ.pop("VGPU_TEST_ARGS")))
+import json, os, runpy, sys
+from vgpu_magic.plans import SplitRequest
+from vgpu_magic.ranks.hosts import prepare_rank
+devices = json.loads(os.environ.pop("VGPU_TEST_DEVICES"))
+setup, args = os.environ.pop("VGPU_TEST_SETUP"), tuple(json.loads(os.environ.pop("VGPU_TEST_ARGS")))
+said = prepare_rank({}, setup, args, devices=SplitRequest(**devices) if devices else None)
 print(json.dumps({"setup": said}), flush=True)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
@@ -66,6 +70,7 @@ def run_ranks(plans, caps_mib, script: str, *args: str, timeout: float = 300) ->
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
             "VGPU_TEST_SETUP": plan.setup,
             "VGPU_TEST_ARGS": json.dumps(plan.args),
+            "VGPU_TEST_DEVICES": json.dumps(plan.devices and dataclasses.asdict(plan.devices)),
             "VGPU_TEST_CAP_MIB": str(cap),
         }
         command = [sys.executable, "-c", RANK, str(path), *args]

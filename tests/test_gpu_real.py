@@ -12,6 +12,7 @@ where their NCCL cannot have two ranks on one GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -204,7 +205,7 @@ def test_two_jax_ranks_share_one_gpu_or_are_refused_before_starting():
     else:
         env = {}
     plans = get("jax").plan_ranks(layout, None, 2048, None)
-    plans = [type(p)(p.rank, {**p.env, **env}, p.setup, p.args, p.notes) for p in plans]
+    plans = [dataclasses.replace(p, env={**p.env, **env}) for p in plans]
     ranks = run_ranks(plans, [2048] * len(plans), "jax_psum.py")
     results = [lines[-1] for lines in ranks]
     print(json.dumps({"plans": [p.args for p in plans], "setup": [lines[0] for lines in ranks], "results": results}))

@@ -17,10 +17,10 @@ from typing import Any
 
 from . import frameworks
 from .errors import PlanError, excerpt
-from .grammar import parse_memory_list
 from .outcomes import SplitResult, execute, summary_lines
 from .planner import MAX_DEVICES, SplitPlan, SplitRequest, plan_split
 from .report import StatusReport, collect_status
+from .units import parse_memory_list
 
 
 class RuntimeStartedWarning(UserWarning):

@@ -1,24 +1,20 @@
 """The argument grammar of the faces.
 
-Magics declare their arguments with IPython's ``@magic_arguments()``, so their help comes from
-the declarations that parse the line. The ``type=`` callables here turn a token into a value or
-refuse it with one sentence that quotes it and says what would work; :func:`parse_arguments`
-does the same for what argparse itself refuses (:class:`~vgpu_magic.errors.PlanError`).
-``%vgpu_split`` lines, the persistent split and the CLI all parse into a
-:class:`~vgpu_magic.plans.SplitRequest` here. Nothing is evaluated; numbers are ASCII digits
-(``int()`` would also take ``"1_0"``, ``"+3"`` or ``"٣"``), memory sizes MiB, bare or with a unit.
+Magics declare their arguments with IPython's ``@magic_arguments()``, so their help comes from the declarations
+that parse the line. The ``type=`` callables here wrap the value parsers of :mod:`vgpu_magic.units` (free of
+IPython, which the Python API and the monitor call directly) and refuse a token with one sentence that quotes it
+and says what would work; :func:`parse_arguments` does the same for what argparse itself refuses
+(:class:`~vgpu_magic.errors.PlanError`). ``%vgpu_split`` lines, the persistent split and the CLI all parse into a
+:class:`~vgpu_magic.plans.SplitRequest` here. Nothing is evaluated.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
-import math
-import numbers
 import re
 import shlex
 from collections.abc import Callable, Sequence
-from fractions import Fraction
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -26,55 +22,11 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from . import frameworks
 from .errors import PlanError, excerpt
-from .planner import MAX_DEVICES, SplitRequest
+from .planner import MAX_DEVICES
+from .plans import SplitRequest
+from .units import parse_memory, parse_memory_list, parse_seconds, parse_whole_number  # noqa: F401 - and from here
 
-_WHOLE = re.compile(r"[0-9]{1,18}", re.ASCII)
-_DECIMAL = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?|\.[0-9]{1,9}", re.ASCII)
 _NEGATIVE = re.compile(r"-[0-9]+", re.ASCII)
-
-
-_UNITS = {
-    **dict.fromkeys(("", "m", "mb", "mib"), 1),
-    **dict.fromkeys(("g", "gb", "gib"), 1024),
-    **dict.fromkeys(("t", "tb", "tib"), 1024**2),
-}
-_MEMORY_RE = re.compile(r"^\s*(?P<num>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[a-zA-Z]*)\s*$", re.ASCII)
-
-
-def parse_whole_number(text: str) -> int | None:
-    """ASCII digits only, at most 18 of them; ``None`` otherwise."""
-    return int(text) if _WHOLE.fullmatch(text) else None
-
-
-def parse_memory(text: str) -> int:
-    """Parse one memory size into MiB: ``2048``, ``2048MB``, ``1.5G``, ``2GiB``.
-
-    A bare number is MiB (TensorFlow's "MB"); ``G``/``GB``/``GiB`` are 1024 MiB.
-    """
-    match = _MEMORY_RE.match(text)
-    unit = match.group("unit").lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise PlanError(
-            f"memory {excerpt(text)} is not a size; use MiB as a whole number (2048) or with a unit (2048MB, 1.5GB)"
-        )
-    number = match.group("num")
-    if len(number.split(".")[0]) > 16:
-        # Far beyond MAX_MEMORY_MIB; also keeps huge digit strings away from int().
-        raise PlanError(f"memory {excerpt(text)} is absurdly large; sizes are in MiB, e.g. --memory 2048 or 2GB")
-    if len(number) > 40:
-        raise PlanError(f"memory {excerpt(text)} has too many digits; use a whole number of MiB, e.g. 2048")
-    value = Fraction(number) * _UNITS[unit]
-    if value.denominator != 1:
-        raise PlanError(f"memory {excerpt(text)} is not a whole number of MiB; round it, e.g. {math.floor(value)}")
-    return int(value)
-
-
-def parse_memory_list(text: str) -> tuple[int, ...]:
-    """``"1024,2GB"`` -> ``(1024, 2048)``: the one grammar for memory lists (magic, API, config)."""
-    parts = text.split(",")
-    if any(not p.strip() for p in parts):
-        raise PlanError(f"memory list {excerpt(text)} has an empty item; use sizes separated by commas, e.g. 1024,2048")
-    return tuple(parse_memory(p) for p in parts)
 
 
 def _example(text: str) -> Callable[[Callable], Callable]:
@@ -98,30 +50,6 @@ def choice(values: Sequence[str], refusal: str, example: str) -> Callable[[str],
         return text
 
     return one_of
-
-
-def parse_seconds(
-    text: str | float,
-    *,
-    minimum: float = 0.001,
-    maximum: float = 3600.0,
-    option: str = "--interval",
-    example: str = "0.05",
-) -> float:
-    """A positive, finite number of seconds in ``[minimum, maximum]`` written with ASCII digits
-    (``0.05``, ``2``) or, for an ``option`` of the Python API (``"interval="``), a real number
-    (not a bool, not text); raises :class:`PlanError` otherwise."""
-    if option.endswith("="):
-        valid = isinstance(text, numbers.Real) and not isinstance(text, bool)
-    else:
-        valid = isinstance(text, str) and _DECIMAL.fullmatch(text.strip())
-        option += " "
-    if not valid:
-        raise PlanError(f"{option}{excerpt(text)} is not a number of seconds; use e.g. {option}{example}")
-    value = float(text)
-    if not (math.isfinite(value) and minimum <= value <= maximum):
-        raise PlanError(f"{option}{excerpt(text)} is out of range; use {minimum:g} to {maximum:g} seconds")
-    return value
 
 
 def seconds(option: str, minimum: float, maximum: float, example: str = "0.05") -> Callable[[str], float]:

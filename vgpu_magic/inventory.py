@@ -1,8 +1,6 @@
-"""What devices this machine has, as plain data.
-
-:class:`DeviceInventory` is what the planner reads; each framework fills one
-(``Framework.probe_inventory``). GPU details come from NVML: a missing NVML means "no GPU
-details", never an error; a GPU that disappears while being read gives :class:`NVMLReadError`.
+"""The probes: what devices this machine has, read from NVML and CUDA's driver (never at import). Each framework
+fills a :class:`~vgpu_magic.devices.DeviceInventory` from them (``Framework.probe_inventory``). A missing NVML means
+"no GPU details", never an error; a GPU that disappears while being read gives :class:`NVMLReadError`.
 """
 
 from __future__ import annotations
@@ -10,64 +8,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
+from .devices import CUDA_CONTEXT_MIB, MULTI_RANK_NCCL, DeviceInventory, GPUInfo  # noqa: F401 - and from here
 from .errors import NVMLReadError
-from .frameworks.base import Capabilities, ConfigSnapshot
 from .units import MIB
-
-#: GPU memory a process takes outside its framework's allocator and cap, the one figure the planner's
-#: reserve and the estimate's verdict use. Measured on an H100 (torch 2.11, CUDA 13): the CUDA context
-#: 621 MiB, cuBLAS's workspaces 64 MiB more with the first matrix product (test_estimate_gpu.py), and for
-#: a DDP rank after five steps (NCCL's buffers too) NVML's "used" minus torch's reserved was 880 MiB.
-CUDA_CONTEXT_MIB = 1024
-
-
-def cuda_context_mib(free_mib: int, compute_capability: tuple[int, int] | None) -> int:
-    """What a framework that keeps nothing back itself must leave on a GPU for its process: the context."""
-    return CUDA_CONTEXT_MIB
-
-
-#: The first NCCL that lets several ranks use one GPU (``NCCL_MULTI_RANK_GPU_ENABLE=1``); older
-#: ones refuse at the first communicator ("Duplicate GPU detected", measured with NCCL 2.28.9).
-MULTI_RANK_NCCL = (2, 30)
-
-
-@dataclass(frozen=True)
-class GPUInfo:
-    """One physical GPU as TensorFlow numbers it, with NVML details where known."""
-
-    index: int
-    model: str | None = None
-    total_mib: int | None = None
-    free_mib: int | None = None
-    compute_capability: tuple[int, int] | None = None
-    nvml_index: int | None = None
-    #: NVML's UUID (``GPU-…``, or ``MIG-…`` for a MIG device), where known.
-    uuid: str | None = None
-
-    @property
-    def name(self) -> str:
-        return f"/physical_device:GPU:{self.index}"
-
-
-@dataclass(frozen=True)
-class DeviceInventory:
-    """The physical devices a framework sees (GPUs in its order), what it can do with them
-    (``capabilities``) and its configuration now (``current``; ``None``: nothing configured yet)."""
-
-    gpus: tuple[GPUInfo, ...] = ()
-    cpus: int = 1
-    version: str | None = None
-    nvml_available: bool = False
-    notes: tuple[str, ...] = field(default=(), compare=False)
-    capabilities: Capabilities = field(kw_only=True, compare=False)
-    current: ConfigSnapshot | None = field(default=None, compare=False)
-
-    @property
-    def framework(self) -> str:
-        return self.capabilities.name
 
 
 def open_nvml():

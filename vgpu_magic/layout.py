@@ -18,8 +18,10 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import Any
 
-from .inventory import GPUInfo
+from .devices import GPUInfo
+from .plans import SplitRequest
 
 
 @dataclass(frozen=True)
@@ -244,3 +246,18 @@ def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> Ra
         for p in layout.places
     )
     return replace(layout, places=places)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank gets, as its framework's launcher would give it: its environment, its own ``devices`` (split
+    on the rank by ``ranks.hosts.prepare_rank``), then ``setup(*args)`` (``"module:function"``, run on the rank)."""
+
+    rank: int
+    env: dict[str, str]
+    setup: str
+    args: tuple[Any, ...] = ()
+    #: Lines shown by ``%vgpu_cluster start`` / ``status`` (the same for every rank).
+    notes: tuple[str, ...] = field(default=(), compare=False)
+    #: The rank's devices as ``%vgpu_split`` would ask for them (``framework`` named); ``None``: nothing to split.
+    devices: SplitRequest | None = None

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import frameworks
+from .devices import Capabilities, ConfigSnapshot, DeviceInventory
 from .frameworks import Framework
-from .frameworks.base import Capabilities, ConfigSnapshot
-from .inventory import DeviceInventory
 from .planner import SplitPlan, SplitRequest, configuration_after, plan_split
 from .runtime import NO_LONGER_CHANGE, RuntimeState, RuntimeWatcher, runtime_state
 
@@ -53,7 +52,7 @@ class SplitResult:
 
     status: str
     plan: SplitPlan
-    #: The framework's :class:`~vgpu_magic.frameworks.base.Capabilities`: its name and words.
+    #: The framework's :class:`~vgpu_magic.devices.Capabilities`: its name and words.
     capabilities: Capabilities
     devices: list[str] = field(default_factory=list)
     runtime: RuntimeState | None = None

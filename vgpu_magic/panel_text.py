@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import html
 
-from .inventory import DeviceInventory, GPUInfo
+from .devices import DeviceInventory, GPUInfo
 from .outcomes import as_sentence, remedy, runtime_started_lines
 from .planner import MIN_MEMORY_MIB
 from .plans import FitVerdict
@@ -69,7 +69,7 @@ def gpu_label(gpu: GPUInfo) -> str:
 
 def heading_html(label: str, notes: tuple[str, ...] | list[str], noun: str = "logical {kind}") -> str:
     """The panel's first line, with the inventory's notes under it; ``noun`` is the framework's
-    word for a device of a split (:attr:`~vgpu_magic.frameworks.base.Capabilities.device_noun`)."""
+    word for a device of a split (:attr:`~vgpu_magic.devices.Capabilities.device_noun`)."""
     shown = "".join(f"<div>note: {html.escape(n)}</div>" for n in notes)
     devices = noun.format(kind=label) + ("s" if noun.endswith("device") else " devices")
     return f"<b>vgpu_magic</b> — split a device into {html.escape(devices)}{shown}"

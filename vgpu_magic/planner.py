@@ -1,8 +1,8 @@
 """Turn a split request into a validated :class:`SplitPlan`, or a precise error.
 
 The one place requests are validated, so no two faces can disagree. Pure: it reads a
-:class:`~vgpu_magic.inventory.DeviceInventory` (plain data, with the framework's
-:class:`~vgpu_magic.frameworks.base.Capabilities` and configuration) and touches no framework.
+:class:`~vgpu_magic.devices.DeviceInventory` (plain data, with the framework's
+:class:`~vgpu_magic.devices.Capabilities` and configuration) and touches no framework.
 A plan the framework would refuse when its runtime starts is refused here. Memory is in MiB.
 """
 
@@ -10,47 +10,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from .budget import MAX_DEVICES, MAX_MEMORY_MIB, MIN_MEMORY_MIB, check_sizes, even_share_mib, usable_mib  # noqa: F401
+from .devices import Capabilities, ConfigSnapshot, DeviceInventory, GPUInfo
 from .errors import PlanError, excerpt
-from .frameworks.base import Capabilities, ConfigSnapshot
-from .inventory import CUDA_CONTEXT_MIB, DeviceInventory, GPUInfo
 from .plans import FitVerdict, SplitPlan, SplitRequest
-
-MAX_DEVICES = 64
-#: Below this a logical GPU cannot hold the framework's own workspace, so it is refused.
-MIN_MEMORY_MIB = 64
-#: 1 PiB: anything larger is a typo (bytes given where MiB were meant, say).
-MAX_MEMORY_MIB = 1024**3
-
-
-def usable_mib(gpu: GPUInfo, capabilities: Capabilities) -> int | None:
-    """What logical devices on ``gpu`` can share: free memory minus what the
-    framework keeps back, or ``None`` when NVML could not tell the free memory."""
-    if gpu.free_mib is None:
-        return None
-    reserve = capabilities.gpu_reserve_mib
-    return gpu.free_mib - (reserve(gpu.free_mib, gpu.compute_capability) if reserve else 0)
-
-
-def even_share_mib(gpu: GPUInfo, capabilities: Capabilities, count: int) -> int | None:
-    """What each of ``count`` logical devices on ``gpu`` gets when no sizes are
-    given: the usable memory split evenly; ``None`` when NVML could not tell."""
-    usable = usable_mib(gpu, capabilities)
-    return None if usable is None else usable // count
 
 
 def check_fit(limits: tuple[int, ...], gpu: GPUInfo, capabilities: Capabilities) -> FitVerdict:
     """How ``limits`` (MiB per logical device) compare with what ``gpu`` can give."""
     return FitVerdict(sum(limits), usable_mib(gpu, capabilities), gpu.free_mib)
-
-
-def _check_sizes(sizes: tuple[int, ...]) -> None:
-    for size in sizes:
-        if size < MIN_MEMORY_MIB:
-            raise PlanError(
-                f"memory {size} MiB is too small for a logical GPU; use at least {MIN_MEMORY_MIB} MiB per device"
-            )
-        if size > MAX_MEMORY_MIB:
-            raise PlanError(f"memory {size} MiB is absurdly large; sizes are in MiB, e.g. --memory 2048 or 2GB")
 
 
 def unconfigured(inventory: DeviceInventory) -> ConfigSnapshot:
@@ -259,7 +227,7 @@ def _gpu_plan(
         )
     if sizes is not None:
         # Checked only here: on a CPU any cap is refused, whatever its size.
-        _check_sizes(sizes)
+        check_sizes(sizes)
     if request.visible is not None and gpu.index not in request.visible:
         raise PlanError(f"GPU {gpu.index} is split but --visible hides it; add {gpu.index} to --visible")
     usable = usable_mib(gpu, capabilities)
@@ -342,54 +310,3 @@ def _visible_beside(
         return tuple(g.index for g in inventory.gpus)
     notes.append(f"other GPUs hidden so GPU {gpu.index} is the only one {label} uses (--others keep to keep them)")
     return (gpu.index,)
-
-
-# -- ranks: each rank's share, checked here so %vgpu_cluster and %vgpu_split agree ------------
-def check_rank_request(split: int | None, memory: int | None, gpus: list[GPUInfo | None]) -> None:
-    """Refuse ``--split`` / ``--memory`` (MiB) that no framework's ranks can take;
-    ``gpus`` is each rank's GPU (``None`` without one)."""
-    if split is not None and not 1 <= split <= MAX_DEVICES:
-        raise PlanError(f"--split {split} is out of range; use 1..{MAX_DEVICES} devices per rank")
-    if memory is not None:
-        if not all(gpus):
-            raise PlanError(
-                f"--memory {memory}MiB needs a GPU; on CPU the ranks share host memory and cannot be capped"
-            )
-        _check_sizes((memory,))
-
-
-def rank_share_mib(gpu: GPUInfo, shared_by: int, memory: int | None, capabilities: Capabilities) -> int:
-    """Each rank's cap in MiB on ``gpu``, which ``shared_by`` ranks use: ``memory`` (``--memory``), or an
-    even share. Each rank is a process with its own CUDA context (outside any cap) and its framework's
-    reserve: the larger of the two comes out once per rank before the rest (free memory, else the total)
-    is shared. A request that cannot fit is refused with the figures."""
-    base = gpu.free_mib if gpu.free_mib is not None else gpu.total_mib
-    if base is None:
-        if memory is None:
-            raise PlanError(
-                f"free memory of GPU {gpu.index} is unknown (NVML unavailable); give each rank's cap, "
-                "e.g. --memory 2048"
-            )
-        return memory
-    reserve = capabilities.gpu_reserve_mib
-    each = max(reserve(base, gpu.compute_capability) if reserve else 0, CUDA_CONTEXT_MIB)
-    usable = base - shared_by * each
-    what = "free" if gpu.free_mib is not None else "in all (free memory unknown)"
-    figures = (
-        f"{base} MiB {what} minus {shared_by} × {each} MiB for each rank's CUDA context and {capabilities.label}'s "
-        "reserve"
-    )
-    if memory is not None:
-        if memory * shared_by > usable:
-            raise PlanError(
-                f"--memory {memory}MiB × {shared_by} ranks on one GPU exceeds its {max(usable, 0)} MiB ({figures}); "
-                f"use at most {max(usable, 0) // shared_by}MiB"
-            )
-        return memory
-    share = usable // shared_by
-    if share < MIN_MEMORY_MIB:
-        raise PlanError(
-            f"GPU {gpu.index} has {max(usable, 0)} MiB usable ({figures}); {shared_by} ranks would get "
-            f"{max(share, 0)} MiB each (minimum {MIN_MEMORY_MIB}); start fewer ranks"
-        )
-    return share

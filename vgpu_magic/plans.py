@@ -50,7 +50,7 @@ class SplitPlan:
     #: The user gave sizes (``--memory``): echo them back; an even split is not pinned to today's free memory.
     sizes_chosen: bool = field(default=False, compare=False)
     framework_named: str | None = field(default=None, compare=False)
-    #: How the framework says what a split makes (:attr:`~vgpu_magic.frameworks.base.Capabilities.split_phrase`).
+    #: How the framework says what a split makes (:attr:`~vgpu_magic.devices.Capabilities.split_phrase`).
     split_phrase: str = field(default="{count} logical {kind}{s} on {kind}:{index}", compare=False)
 
     @property

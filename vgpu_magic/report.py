@@ -16,7 +16,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .inventory import DeviceInventory
+from .devices import DeviceInventory
 from .runtime import RuntimeState, runtime_state
 from .units import MIB, format_bytes
 
@@ -51,7 +51,7 @@ class FrameworkStatus:
 
     @property
     def words(self):
-        """The framework's own words (:class:`~vgpu_magic.frameworks.base.Capabilities`)."""
+        """The framework's own words (:class:`~vgpu_magic.devices.Capabilities`)."""
         return self.inventory.capabilities
 
     def to_dict(self) -> dict[str, Any]:

@@ -22,9 +22,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the widg
     ) from exc
 
 from . import frameworks, panel_text
+from .devices import ConfigSnapshot, DeviceInventory, GPUInfo
 from .errors import USER_ERRORS, PlanError
-from .frameworks.base import ConfigSnapshot
-from .inventory import DeviceInventory, GPUInfo
 from .outcomes import SplitResult, execute, print_summary
 from .panel_text import CPU_KEY, gpu_key
 from .planner import (

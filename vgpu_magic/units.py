@@ -1,8 +1,17 @@
-"""Formatting sizes for people: one place, used by the status report, the
-monitor's data and its views; and lists of alike figures written once
-(:func:`joined_alike`)."""
+"""Sizes and seconds, read from people and written for people. The value parsers serve the magics' grammar, the
+Python API, the monitor and the estimator alike and know nothing of IPython: ASCII digits only (``int()`` would take
+``"1_0"``, ``"+3"`` or ``"٣"``), sizes in MiB, bare or with a unit; a refusal is a
+:class:`~vgpu_magic.errors.PlanError` quoting the text. :func:`format_bytes` and :func:`joined_alike` write figures.
+"""
 
 from __future__ import annotations
+
+import math
+import numbers
+import re
+from fractions import Fraction
+
+from .errors import PlanError, excerpt
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -48,3 +57,73 @@ def joined_alike(parts: list[tuple[str, ...]], between: str) -> list[str]:
             out.extend(f"{part[0]}{between}{part[1]}" for part in parts[start : end + 1])
         start = end + 1
     return out
+
+
+_WHOLE = re.compile(r"[0-9]{1,18}", re.ASCII)
+_DECIMAL = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?|\.[0-9]{1,9}", re.ASCII)
+_UNITS = {
+    **dict.fromkeys(("", "m", "mb", "mib"), 1),
+    **dict.fromkeys(("g", "gb", "gib"), 1024),
+    **dict.fromkeys(("t", "tb", "tib"), 1024**2),
+}
+_MEMORY_RE = re.compile(r"^\s*(?P<num>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[a-zA-Z]*)\s*$", re.ASCII)
+
+
+def parse_whole_number(text: str) -> int | None:
+    """ASCII digits only, at most 18 of them; ``None`` otherwise."""
+    return int(text) if _WHOLE.fullmatch(text) else None
+
+
+def parse_memory(text: str) -> int:
+    """Parse one memory size into MiB: ``2048``, ``2048MB``, ``1.5G``, ``2GiB``.
+
+    A bare number is MiB (TensorFlow's "MB"); ``G``/``GB``/``GiB`` are 1024 MiB.
+    """
+    match = _MEMORY_RE.match(text)
+    unit = match.group("unit").lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise PlanError(
+            f"memory {excerpt(text)} is not a size; use MiB as a whole number (2048) or with a unit (2048MB, 1.5GB)"
+        )
+    number = match.group("num")
+    if len(number.split(".")[0]) > 16:
+        # Far beyond MAX_MEMORY_MIB; also keeps huge digit strings away from int().
+        raise PlanError(f"memory {excerpt(text)} is absurdly large; sizes are in MiB, e.g. --memory 2048 or 2GB")
+    if len(number) > 40:
+        raise PlanError(f"memory {excerpt(text)} has too many digits; use a whole number of MiB, e.g. 2048")
+    value = Fraction(number) * _UNITS[unit]
+    if value.denominator != 1:
+        raise PlanError(f"memory {excerpt(text)} is not a whole number of MiB; round it, e.g. {math.floor(value)}")
+    return int(value)
+
+
+def parse_memory_list(text: str) -> tuple[int, ...]:
+    """``"1024,2GB"`` -> ``(1024, 2048)``: the one grammar for memory lists (magic, API, config)."""
+    parts = text.split(",")
+    if any(not p.strip() for p in parts):
+        raise PlanError(f"memory list {excerpt(text)} has an empty item; use sizes separated by commas, e.g. 1024,2048")
+    return tuple(parse_memory(p) for p in parts)
+
+
+def parse_seconds(
+    text: str | float,
+    *,
+    minimum: float = 0.001,
+    maximum: float = 3600.0,
+    option: str = "--interval",
+    example: str = "0.05",
+) -> float:
+    """A positive, finite number of seconds in ``[minimum, maximum]`` written with ASCII digits
+    (``0.05``, ``2``) or, for an ``option`` of the Python API (``"interval="``), a real number
+    (not a bool, not text); raises :class:`PlanError` otherwise."""
+    if option.endswith("="):
+        valid = isinstance(text, numbers.Real) and not isinstance(text, bool)
+    else:
+        valid = isinstance(text, str) and _DECIMAL.fullmatch(text.strip())
+        option += " "
+    if not valid:
+        raise PlanError(f"{option}{excerpt(text)} is not a number of seconds; use e.g. {option}{example}")
+    value = float(text)
+    if not (math.isfinite(value) and minimum <= value <= maximum):
+        raise PlanError(f"{option}{excerpt(text)} is out of range; use {minimum:g} to {maximum:g} seconds")
+    return value

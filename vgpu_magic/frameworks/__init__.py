@@ -1,8 +1,8 @@
-"""The framework seam: one module per framework, one registry, one way to pick.
+"""The framework seam: one package per framework, one registry, one way to pick.
 
-Each module in this package defines a :class:`~vgpu_magic.frameworks.base.Framework` subclass: adding a
-framework is one new module and one line in :data:`REGISTRY`. Importing this package imports no framework and
-none of the modules below until one is asked for.
+Each package here (``__init__.py``, ``ranks.py``, ...) defines a :class:`~vgpu_magic.frameworks.base.Framework`
+subclass: adding a framework is one new package and one line in :data:`REGISTRY`. Importing this package
+imports no framework and none of the modules below until one is asked for.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 import sys
 
 from ..errors import FrameworkChoiceError
-from .base import Capabilities, Framework, FrameworkImportError
+from .base import Capabilities, CudaUser, Framework, FrameworkImportError
 
 __all__ = [
     "REGISTRY",
@@ -75,7 +75,7 @@ def resolve_name(name: str) -> str:
     return key
 
 
-def _load(entry: str | Framework) -> Framework:
+def _load(entry: str | CudaUser) -> CudaUser:
     if isinstance(entry, str):
         module, _, attr = entry.partition(":")
         return getattr(importlib.import_module(module), attr)
@@ -110,7 +110,7 @@ def _keras_backend() -> str:
     return ALIASES.get(backend, backend)
 
 
-def cuda_context_holders(exclude: str = "") -> list[Framework]:
+def cuda_context_holders(exclude: str = "") -> list[CudaUser]:
     """The frameworks and :data:`CUDA_USERS` already imported that hold a CUDA context here, but ``exclude``."""
     candidates = [*all_frameworks(), *(_load(entry) for entry in CUDA_USERS)]
     return [fw for fw in candidates if fw.name != exclude and fw.module in sys.modules and fw.holds_cuda_context()]

@@ -1,36 +1,24 @@
-"""What every framework module answers: :class:`Capabilities` (data the planner reads) and
-:class:`Framework` (a few small calls). The engine, the planner and the faces only ever talk to
-this interface. Importing this module imports no framework.
+"""What every framework module answers: :class:`Framework` (a few small calls), filling the plain data of
+:mod:`vgpu_magic.devices` (:class:`Capabilities`, which the planner reads) and :mod:`vgpu_magic.layout`
+(:class:`RankPlan`). The engine, the planner and the faces only ever talk to this interface. Importing this
+module imports no framework.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import importlib
 import importlib.util
-import itertools
 import os
 import sys
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
+from ..devices import Capabilities, ConfigSnapshot, DeviceInventory
 from ..errors import FrameworkImportError
-
-if TYPE_CHECKING:
-    from ..layout import RankLayout
-
-__all__ = [
-    "Capabilities",
-    "ConfigSnapshot",
-    "Framework",
-    "FrameworkImportError",
-    "Reader",
-    "RankPlan",
-    "call_before_start",
-    "code_names",
-]
+from ..layout import RankLayout, RankPlan
 
 #: ``reader(names) -> [(current, peak), ...]`` in bytes, one pair per device name.
 Reader = Callable[[list[str]], list[tuple[int, int]]]
@@ -64,111 +52,40 @@ def call_before_start(owner: Any, name: str, starting: Callable[..., bool], call
     return undo
 
 
-@dataclass(frozen=True)
-class Capabilities:
-    """What a framework can do with devices: data the planner reads. Every ability defaults to "cannot"."""
-
-    name: str  #: the registry key, ``"tensorflow"``
-    label: str  #: the name shown to people, ``"TensorFlow"``
-    #: Can one process have several devices? PyTorch's cannot: ``%vgpu_split`` refuses it, pointing at the ranks.
-    splits_in_process: bool = True
-    splits_gpu: bool = False  #: one physical GPU as several logical devices
-    splits_cpu: bool = False  #: the host as several logical CPU devices
-    cpu_caps: bool = False  #: memory caps on logical CPUs
-    gpu_caps_required: bool = False  #: every logical GPU of a split must have a cap
-    #: ``(free_mib, compute_capability) -> MiB`` kept back on each GPU; ``None``: nothing a split must leave free.
-    gpu_reserve_mib: Callable[[int, tuple[int, int] | None], int] | None = field(default=None, compare=False)
-    memory_growth: bool = False  #: ``--growth`` means something (GPU memory allocated on demand)
-    growth_with_split: bool = False  #: memory growth and a split (or a cap) may be set on one GPU
-    uniform_growth: bool = False  #: every visible GPU must have the same growth setting when the runtime starts
-    gpu_visibility: bool = False  #: the visible GPUs can be chosen (``--visible``, ``--others``)
-    #: All logical CPUs report one host allocator's figures: the monitor draws one series, not N identical lines.
-    cpus_share_allocator: bool = False
-    replicas_by: str = "the strategy"  #: what uses the replica devices, for messages (``"MirroredStrategy()"``)
-    #: The data-parallel helper uses split CPU devices even where GPUs are visible (JAX's ``vgpu_magic.mesh()``);
-    #: otherwise GPUs come first (``MirroredStrategy()``).
-    replicas_on_split_cpu: bool = False
-    #: The default helper reduces with NCCL unless there are fewer physical GPUs (hidden ones counted) than
-    #: logical ones (``MirroredStrategy()``; RING otherwise), and NCCL refuses two logical devices of one card.
-    replicas_nccl_unless_fewer_physical: bool = False
-    #: The framework's own words, for every message: what starts once and fixes the devices
-    #: (JAX: ``"backend"``), a device of a split and the phrase for a split (``{count}``, ``{kind}``,
-    #: ``{s}``, ``{index}``), what :attr:`replicas_by` calls a device, and the host in a device list.
-    runtime_word: str = "runtime"
-    device_noun: str = "logical {kind}"
-    split_phrase: str = "{count} logical {kind}{s} on {kind}:{index}"
-    replica_noun: str = "replica"
-    host_name: str = "/physical_device:CPU:0 (host)"
-    install_hint: str = ""  #: how to install it (``"install it with pip install 'vgpu_magic[cpu]'"``)
-
-
-@dataclass(frozen=True)
-class ConfigSnapshot:
-    """A framework's device configuration as plain data. ``logical``: physical device name -> its logical
-    devices' caps in MiB (``None`` where uncapped), for the configured ones only; ``visible_gpus``: indices
-    into ``gpu_names``; ``memory_growth``: one flag per physical GPU."""
-
-    cpu_names: tuple[str, ...]
-    gpu_names: tuple[str, ...]
-    logical: dict[str, tuple[int | None, ...]]
-    visible_gpus: tuple[int, ...]
-    memory_growth: tuple[bool, ...]
-    #: How the framework names its CPU and GPU devices once started (JAX: ``"cpu:{}"``).
-    device_names: tuple[str, str] = field(default=("/device:CPU:{}", "/device:GPU:{}"), compare=False)
-
-    def logical_names(self) -> dict[str, list[str]]:
-        """Physical device name -> the logical device names it will have: numbered per type in physical order,
-        as TensorFlow and JAX number them once started, and named as the framework names them."""
-        names: dict[str, list[str]] = {}
-        counters = {"CPU": 0, "GPU": 0}
-        for dtype, physical in [("CPU", n) for n in self.cpu_names] + [("GPU", n) for n in self.gpu_names]:
-            if dtype == "GPU" and int(physical.rsplit(":", 1)[1]) not in self.visible_gpus:
-                continue
-            count = len(self.logical.get(physical, ())) or 1
-            spelled = self.device_names[dtype == "GPU"]
-            names[physical] = [spelled.format(counters[dtype] + k) for k in range(count)]
-            counters[dtype] += count
-        return names
-
-    def replica_devices(self, split_cpu_first: bool = False) -> list[str]:
-        """The devices a data-parallel strategy uses by default: every logical GPU, else every logical CPU;
-        with ``split_cpu_first`` (:attr:`Capabilities.replicas_on_split_cpu`), split CPUs even next to GPUs."""
-        names = self.logical_names()
-        gpus = [d for p in self.gpu_names if p in names for d in names[p]]
-        cpus = [d for p in self.cpu_names for d in names.get(p, [])]
-        if split_cpu_first and len(cpus) > 1:
-            return cpus
-        return gpus or cpus
-
-    def caps_mib(self) -> dict[str, int | None]:
-        """Logical device name -> its cap in MiB (``None`` where uncapped)."""
-        return {
-            name: cap
-            for physical, names in self.logical_names().items()
-            for name, cap in itertools.zip_longest(names, self.logical.get(physical, ()))
-        }
-
-
-@dataclass(frozen=True)
-class RankPlan:
-    """What one rank gets, as its framework's launcher would give it: its environment, then ``setup(*args)``
-    (``"module:function"``, run on the rank)."""
-
-    rank: int
-    env: dict[str, str]
-    setup: str
-    args: tuple[Any, ...] = ()
-    #: Lines shown by ``%vgpu_cluster start`` / ``status`` (the same for every rank).
-    notes: tuple[str, ...] = field(default=(), compare=False)
-
-
-class Framework:
-    """One framework's answers: subclasses set :attr:`capabilities` and :attr:`module` and implement what raises
-    ``NotImplementedError``. Nothing imports the framework unless it says so; nothing starts its runtime."""
+class CudaUser:
+    """A library that may hold a CUDA context in this process: asked, never configured (CuPy). Every
+    :class:`Framework` is one too."""
 
     capabilities: Capabilities
     #: The top-level module users import (``"tensorflow"``, ``"jax"``).
     module: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.capabilities.name
+
+    @property
+    def label(self) -> str:
+        return self.capabilities.label
+
+    def holds_cuda_context(self) -> bool:
+        """Does this process hold a CUDA context through this library? Asked once it is imported; creates none."""
+        return False
+
+    def gpu_allocator_bytes(self) -> tuple[int, int] | None:
+        """``(current, peak)`` bytes of this process' GPUs held by the framework's allocator, or ``None`` when it
+        cannot tell: read in the process itself, so no PID namespace is involved (unlike NVML's per-process list)."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"<vgpu_magic framework {self.name}>"
+
+
+class Framework(CudaUser, abc.ABC):
+    """One framework's answers: subclasses set :attr:`capabilities` and :attr:`module`, implement the abstract
+    methods and, for what the framework can do, those that raise ``NotImplementedError``. Nothing imports the
+    framework unless it says so; nothing starts its runtime."""
+
     #: The Keras 3 backend that runs on this framework, or ``None`` when Keras has none.
     keras_backend: str | None = None
     #: The call a script makes under the framework's real launcher to join the other ranks ("": none to make).
@@ -180,14 +97,6 @@ class Framework:
     #: Regular expressions of the whole start-up lines its processes write that no setting silences
     #: (a rank shows them only when asked, :mod:`vgpu_magic.ranks.shown`).
     chatter: tuple[str, ...] = ()
-
-    @property
-    def name(self) -> str:
-        return self.capabilities.name
-
-    @property
-    def label(self) -> str:
-        return self.capabilities.label
 
     def imported(self) -> bool:
         """Has the user (or anything) imported the framework in this process?"""
@@ -243,19 +152,19 @@ class Framework:
                     del os.environ[name]
 
     # -- runtime -----------------------------------------------------------------
+    @abc.abstractmethod
     def runtime_started(self) -> bool:
         """Has the runtime started (so the configuration is fixed)? Never imports or starts the framework."""
-        raise NotImplementedError
 
     # -- devices and configuration ----------------------------------------------
-    def probe_inventory(self):
-        """The physical devices as a :class:`~vgpu_magic.inventory.DeviceInventory` carrying :attr:`capabilities`
+    @abc.abstractmethod
+    def probe_inventory(self) -> DeviceInventory:
+        """The physical devices as a :class:`~vgpu_magic.devices.DeviceInventory` carrying :attr:`capabilities`
         and the current configuration. May import the framework; never starts its runtime."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def read_configuration(self) -> ConfigSnapshot:
         """The current configuration, read without starting the runtime."""
-        raise NotImplementedError
 
     def write_configuration(self, old: ConfigSnapshot, new: ConfigSnapshot) -> None:
         """Move the configuration from ``old`` to ``new`` (validated by the planner), within
@@ -302,15 +211,6 @@ class Framework:
         holding a part of it, by name (``"/device:CPU:1"``): the monitor's variables per replica."""
         return {}
 
-    def holds_cuda_context(self) -> bool:
-        """Does this process hold a CUDA context through this framework? Asked once it is imported; creates none."""
-        return False
-
-    def gpu_allocator_bytes(self) -> tuple[int, int] | None:
-        """``(current, peak)`` bytes of this process' GPUs held by the framework's allocator, or ``None`` when it
-        cannot tell: read in the process itself, so no PID namespace is involved (unlike NVML's per-process list)."""
-        return None
-
     def keras_backend_warning(self) -> str | None:
         """The warning for a split of this framework's devices when Keras was imported on another backend."""
         from ..keras_backend import keras_backend_warning
@@ -330,6 +230,3 @@ class Framework:
         on its host, the launcher's conventions), ``split`` devices and ``memory_mib`` cap per rank, ``port`` the
         coordinator port asked for. Pure. A request that cannot work there is a one-line :class:`ValueError`."""
         raise ValueError(f"{self.label} cannot run as ranks of %vgpu_cluster")
-
-    def __repr__(self) -> str:
-        return f"<vgpu_magic framework {self.name}>"

@@ -1,17 +1,19 @@
-"""CuPy: only asked whether it holds a CUDA context (in :data:`vgpu_magic.frameworks.CUDA_USERS`, not the
-registry: nothing to split, plan or launch). Importing this module imports no CuPy.
+"""CuPy: only asked whether it holds a CUDA context (a :class:`~vgpu_magic.frameworks.base.CudaUser` in
+:data:`vgpu_magic.frameworks.CUDA_USERS`, not a framework of the registry: nothing to split, plan or launch).
+Importing this module imports no CuPy.
 """
 
 from __future__ import annotations
 
 import sys
 
-from .base import Capabilities, Framework
+from ..devices import Capabilities
+from .base import CudaUser
 
 __all__ = ["CuPy", "FRAMEWORK"]
 
 
-class CuPy(Framework):
+class CuPy(CudaUser):
     capabilities = Capabilities(
         name="cupy", label="CuPy", splits_in_process=False, install_hint="install it with pip install cupy"
     )

@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from ..units import parse_seconds
 from .display import DISPLAY_MODES, detect_frontend, interrupts_deferred
 from .plot import save_trace_figure
 from .recorder import MemoryRecorder
@@ -97,8 +98,7 @@ class MonitorSession:
     ) -> None:
         if display not in DISPLAY_MODES:
             raise ValueError(f"display={display!r} is not a display mode; use one of {', '.join(DISPLAY_MODES)}")
-        from ..grammar import parse_seconds  # the one check of --interval's and interval='s seconds
-
+        # The one check of --interval's and interval='s seconds.
         seconds = parse_seconds(interval, minimum=MIN_INTERVAL, maximum=MAX_INTERVAL, option="interval=")
         if isinstance(devices, str):
             devices = [d for d in devices.split(",") if d.strip()]

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..inventory import nccl_version, visible_gpus
 from ..layout import HostReport
+from ..plans import SplitRequest
 
 #: Variables a launcher sets that tell a process its place; reported as they are.
 LAUNCHER_VARIABLES = (
@@ -74,11 +75,22 @@ def report_host(engine_id: int, controller: str) -> HostReport:
     )
 
 
-def prepare_rank(env: dict[str, str], setup: str, args: tuple[Any, ...], join: bool = False) -> str:
-    """Run on the rank: set its environment, as a launcher would before the process starts (no framework is
-    imported yet), then run its framework's setup, if any; with ``join`` the setup also makes the script's own
-    call (``init_process_group``, ``jax.distributed.initialize``)."""
+def prepare_rank(
+    env: dict[str, str], setup: str, args: tuple[Any, ...], join: bool = False, devices: SplitRequest | None = None
+) -> str:
+    """Run on the rank, the one rank setup of every framework's :class:`~vgpu_magic.layout.RankPlan`: set its
+    environment, as a launcher would before the process starts; split its ``devices`` as ``%vgpu_split`` would, on
+    this rank's own devices; then run its framework's setup, if any; with ``join`` the setup also makes the
+    script's own call (``init_process_group``, ``jax.distributed.initialize``)."""
     os.environ.update(env)
+    if devices is not None:
+        from .. import frameworks
+        from ..planner import configuration_after, plan_split
+
+        fw = frameworks.get(devices.framework)
+        inventory = fw.probe_inventory()
+        plan = plan_split(devices, inventory)
+        fw.write_configuration(inventory.current, configuration_after(plan, inventory.current))
     if not setup:
         return "environment set"
     module, _, function = setup.partition(":")

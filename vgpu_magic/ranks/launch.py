@@ -23,8 +23,10 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
+
+from .shown import as_terminal_shows, how_it_ended
 
 __all__ = ["ProcessExited", "TERM_GRACE", "child", "launch_request", "run_rank", "warm"]
 
@@ -53,6 +55,7 @@ def launch_request(
         "plan_env": dict(plan.env),
         "setup": plan.setup,
         "setup_args": list(plan.args),
+        "devices": None if plan.devices is None else asdict(plan.devices),
         "argv": [path, *args],
         "cwd": cwd,
         "preload": list(preload),
@@ -132,7 +135,7 @@ def run_rank(request: dict[str, Any]) -> int:
     # interrupted as a cell is, so the fault policy can stop it.
     outside = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        launch = {k: request[k] for k in ("setup", "setup_args", "argv", "cwd")}
+        launch = {k: request[k] for k in ("setup", "setup_args", "devices", "argv", "cwd")}
         proc.control.sendall(json.dumps({**launch, "env": {**proc.base, **plan_env}}).encode())
         proc.control.shutdown(socket.SHUT_WR)
         code, tail = _follow(proc.popen)
@@ -146,16 +149,9 @@ def run_rank(request: dict[str, Any]) -> int:
     raise ProcessExited("\n".join([how_it_ended(code), *tail]))
 
 
-def how_it_ended(code: int) -> str:
-    """An exit status as a launcher says it: ``exited with status 3``, ``was killed by SIGSEGV``."""
-    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-
-
 def _follow(popen: subprocess.Popen) -> tuple[int, list[str]]:
     """Copy the child's stdout and stderr to this process' own until it exits: its exit status and the last
     lines of its stderr. Interrupted, stop the child first."""
-    from .run import as_terminal_shows
-
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES + 1)
     selector = selectors.DefaultSelector()
     for pipe, out in ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr)):
@@ -254,10 +250,12 @@ def child() -> None:
     path = launch["argv"][0]
     sys.argv = list(launch["argv"])
     sys.path[0] = os.path.dirname(os.path.realpath(path))
-    if launch["setup"]:
+    if launch["setup"] or launch["devices"]:
+        from ..plans import SplitRequest
         from .hosts import prepare_rank
 
-        prepare_rank({}, launch["setup"], tuple(launch["setup_args"]))
+        devices = SplitRequest(**launch["devices"]) if launch["devices"] else None
+        prepare_rank({}, launch["setup"], tuple(launch["setup_args"]), devices=devices)
     # As on a terminal: each line reaches the notebook when printed.
     sys.stdout.reconfigure(line_buffering=True)
     main = types.ModuleType("__main__")

@@ -208,7 +208,7 @@ class RankCluster:
                 # Each rank's environment and setup, all ranks at once (a rendezvous).
                 plan = self.plans[rank]
                 return self.client[self.engine_ids[rank]].apply_async(
-                    prepare_rank, plan.env, plan.setup, plan.args, self.join
+                    prepare_rank, plan.env, plan.setup, plan.args, self.join, plan.devices
                 )
 
             RankRun(self._processes(), wire, timeout=SETUP_TIMEOUT, held=self.held).run()

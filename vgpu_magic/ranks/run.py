@@ -24,9 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ..runtime import running_cell
-from .launch import how_it_ended
 from .memory import RankMonitor
-from .shown import HeldBack, notebook_traceback
+from .shown import HeldBack, as_terminal_shows, how_it_ended, notebook_traceback
 
 __all__ = [
     "GRACE",
@@ -151,15 +150,6 @@ class LineStream:
         if text:
             self.out.write(text)
             self.out.flush()
-
-
-def as_terminal_shows(line: str) -> str:
-    """The text a terminal shows for ``line``: each ``\\r`` returns to the start,
-    and what follows overwrites what was there (``'10/30\\r20/30'`` -> ``'20/30'``)."""
-    shown = ""
-    for part in line.split("\r"):
-        shown = part + shown[len(part) :]
-    return shown
 
 
 def show_display(rank: int, content: dict[str, Any], out: TextIO) -> None:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 from collections import deque
 from collections.abc import Mapping
 
-__all__ = ["HELD_LINES", "HeldBack", "rank_env", "notebook_traceback"]
+__all__ = ["HELD_LINES", "HeldBack", "rank_env", "notebook_traceback", "as_terminal_shows", "how_it_ended"]
 
 #: Lines held back per rank (the oldest go first).
 HELD_LINES = 2000
@@ -69,3 +70,17 @@ def notebook_traceback(text: str, count: int | None) -> list[str]:
         return f"{cell}In[{count}]" if count is not None else re.sub(r"\s", "", cell)
 
     return _COUNT.sub(shown, text).splitlines()
+
+
+def as_terminal_shows(line: str) -> str:
+    """The text a terminal shows for ``line``: each ``\\r`` returns to the start,
+    and what follows overwrites what was there (``'10/30\\r20/30'`` -> ``'20/30'``)."""
+    shown = ""
+    for part in line.split("\r"):
+        shown = part + shown[len(part) :]
+    return shown
+
+
+def how_it_ended(code: int) -> str:
+    """An exit status as a launcher says it: ``exited with status 3``, ``was killed by SIGSEGV``."""
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"

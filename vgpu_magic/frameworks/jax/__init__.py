@@ -25,17 +25,11 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from ...inventory import (
-    DeviceInventory,
-    GPUInfo,
-    cuda_context_mib,
-    cuda_gpus,
-    cuda_to_nvml_order,
-    cuda_total_bytes,
-    nvml_gpus,
-)
+from ...devices import Capabilities, ConfigSnapshot, DeviceInventory, GPUInfo, cuda_context_mib
+from ...errors import PlanError
+from ...inventory import cuda_gpus, cuda_to_nvml_order, cuda_total_bytes, nvml_gpus
 from ...units import MIB
-from ..base import Capabilities, ConfigSnapshot, Framework, Reader, call_before_start
+from ..base import Framework, Reader, call_before_start
 from . import ranks
 from .memory import LiveArrayBytes, MemoryReader, devices_by_name
 
@@ -300,8 +294,6 @@ class Jax(Framework):
         it (what XLA multiplies by; NVML's, larger, where the driver cannot be asked: the cap lands a little low)."""
         if not caps:
             return None
-        from ...planner import PlanError
-
         gpus = {g.name: g for g in self._gpus()[0]}
         fractions = set()
         for name, cap in caps.items():

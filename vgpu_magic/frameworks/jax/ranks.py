@@ -1,5 +1,5 @@
-"""JAX's ranks: a coordinator on rank 0's host for ``jax.distributed.initialize``, and each process's devices
-planned on the rank by the planner.
+"""JAX's ranks: a coordinator on rank 0's host for ``jax.distributed.initialize``, and each process's devices as a
+split request, planned on the rank by the planner.
 
 An unchanged ``jax.distributed.initialize()`` works on a rank, as under a cluster JAX detects itself: the rank's
 environment has ``JAX_COORDINATOR_ADDRESS`` and ``VGPU_MAGIC_JAX_NUM_PROCESSES`` / ``_PROCESS_ID``, which a
@@ -17,14 +17,16 @@ unreadable) NCCL, and get ``NCCL_MULTI_RANK_GPU_ENABLE=1`` with 2.30 or later. I
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
-from ..base import Framework, RankPlan
-
-if TYPE_CHECKING:
-    from ...layout import RankLayout
+from ...budget import check_rank_request, rank_share_mib
+from ...devices import MULTI_RANK_NCCL
+from ...layout import RankLayout, RankPlan
+from ...plans import SplitRequest
+from ..base import Framework
 
 __all__ = ["plan_ranks", "setup_rank", "slurm_coordinator_port"]
+
+SETUP = "vgpu_magic.frameworks.jax.ranks:setup_rank"
 
 
 def slurm_coordinator_port(job_id: int) -> int:
@@ -36,8 +38,6 @@ def plan_ranks(
     framework: Framework, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
 ) -> list[RankPlan]:
     """JAX's :meth:`~vgpu_magic.frameworks.base.Framework.plan_ranks`."""
-    from ...planner import check_rank_request, rank_share_mib
-
     places = layout.places
     n = len(places)
     on_gpu = all(p.gpu for p in places)
@@ -51,6 +51,7 @@ def plan_ranks(
         port = slurm_coordinator_port(layout.slurm.job_id) if layout.slurm is not None else places[0].port
     coordinator = f"{layout.leader}:{port}"
     per_process = split or 1
+    name = framework.name
     plans = []
 
     def joining(place) -> dict[str, str]:
@@ -69,7 +70,8 @@ def plan_ranks(
         for place, cap in zip(places, caps):
             args = (coordinator, n, place.rank, place.gpu.index, 1, cap)
             env = {"JAX_LOCAL_DEVICE_IDS": str(place.gpu.index), **shared, **joining(place)}
-            plans.append(RankPlan(place.rank, env, "vgpu_magic.frameworks.jax.ranks:setup_rank", args, notes))
+            devices = SplitRequest(count=1, memory=cap, gpu=place.gpu.index, memory_growth=True, framework=name)
+            plans.append(RankPlan(place.rank, env, SETUP, args, notes, devices))
     else:
         notes = (
             f"jax.distributed on {coordinator}: {n} processes × {per_process} CPU devices = {n * per_process} devices",
@@ -77,15 +79,14 @@ def plan_ranks(
         for place in places:
             args = (coordinator, n, place.rank, None, per_process, None)
             env = {"JAX_PLATFORMS": "cpu", "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo", **joining(place)}
-            plans.append(RankPlan(place.rank, env, "vgpu_magic.frameworks.jax.ranks:setup_rank", args, notes))
+            devices = SplitRequest(count=per_process, target="cpu", framework=name)
+            plans.append(RankPlan(place.rank, env, SETUP, args, notes, devices))
     return plans
 
 
 def _shared_gpu_env(layout: RankLayout) -> dict[str, str]:
     """What ranks sharing a GPU need from NCCL (nothing where each has its own), or
     :class:`ValueError` where their NCCL cannot have two ranks on one GPU."""
-    from ...inventory import MULTI_RANK_NCCL
-
     shared = [p for p in layout.places if p.gpu_shared_by > 1]
     if not shared:
         return {}
@@ -110,20 +111,9 @@ def setup_rank(
     cap_mib: int | None,
     join: bool = False,
 ) -> str:
-    """Run on the rank: plan its devices on its own inventory (``count`` CPU devices, or GPU ``gpu``, CUDA's index
-    on its host, capped at ``cap_mib`` with memory growth), then make an unchanged ``jax.distributed.initialize()``
-    find this rank's place; with ``join``, also make that call (rank 0 hosts the coordinator)."""
-    from ...planner import configuration_after, plan_split
-    from ...plans import SplitRequest
-    from . import FRAMEWORK
-
-    inventory = FRAMEWORK.probe_inventory()
-    if gpu is None:
-        request = SplitRequest(count=count, target="cpu")
-    else:
-        request = SplitRequest(count=1, memory=cap_mib, gpu=gpu, memory_growth=True)
-    plan = plan_split(request, inventory)
-    FRAMEWORK.write_configuration(inventory.current, configuration_after(plan, inventory.current))
+    """Run on the rank once its ``devices`` are split: make an unchanged ``jax.distributed.initialize()`` find this
+    rank's place (``gpu``: CUDA's index on its host); with ``join``, also make that call (rank 0 hosts the
+    coordinator)."""
     _register_cluster_environment()
     if not join:
         return f"jax.distributed.initialize() joins {coordinator} as process {process_id} of {num_processes}"

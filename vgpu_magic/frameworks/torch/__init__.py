@@ -1,34 +1,18 @@
 """PyTorch: one device per process (no logical devices: ``%vgpu_split`` refuses it and points at the ranks), so
-several devices are several processes, wired as ``torchrun`` wires them.
-
-The ranks (:meth:`Torch.plan_ranks`) get what ``torchrun --standalone --nproc-per-node 2`` gives each worker
-(measured, torch 2.14), computed from their hosts: ``MASTER_ADDR`` is rank 0's host (under SLURM the step's
-first), ``LOCAL_*`` and ``GROUP_RANK`` are per host; with no agent, rank 0 hosts the TCP store, as in a plain
-``init_process_group`` launch, and the agent's variables are left out.
-
-Backend: NCCL where every rank has a GPU of its own. NCCL before 2.30 refuses two ranks on one GPU at DDP's
-construction ("Duplicate GPU detected", measured on an H100, torch 2.11, NCCL 2.28.9), so where ranks share a
-GPU ``init_process_group`` maps NCCL to gloo (:func:`gloo_for_nccl`), and a rank's ``LOCAL_RANK`` is its GPU's
-index, so ``set_device(LOCAL_RANK)`` and ``DDP(device_ids=[LOCAL_RANK])`` reach the shared card
-(``CUDA_VISIBLE_DEVICES=0,0`` would show no device). Each rank is capped with
-``set_per_process_memory_fraction`` of CUDA's total, after room for every rank's own CUDA context.
-Importing this module imports no PyTorch.
+several devices are several processes, wired as ``torchrun`` wires them (:mod:`.ranks`). Importing this module
+imports no PyTorch.
 """
 
 from __future__ import annotations
 
-import functools
-import os
 import sys
-import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
-from ...inventory import DeviceInventory, cuda_context_mib, visible_gpus
-from ..base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader
-
-if TYPE_CHECKING:
-    from ...layout import RankLayout
+from ...devices import Capabilities, ConfigSnapshot, DeviceInventory, cuda_context_mib
+from ...inventory import visible_gpus
+from ..base import Framework, Reader
+from . import ranks
+from .ranks import gloo_for_nccl, say_the_cap, setup_rank
 
 __all__ = ["CAPABILITIES", "FRAMEWORK", "Torch", "setup_rank", "gloo_for_nccl", "say_the_cap"]
 
@@ -117,148 +101,7 @@ class Torch(Framework):
     def read_configuration(self) -> ConfigSnapshot:
         return self.probe_inventory().current
 
-    # -- ranks -----------------------------------------------------------------------
-    def plan_ranks(
-        self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
-    ) -> list[RankPlan]:
-        from ...planner import check_rank_request, rank_share_mib
-
-        if split is not None:
-            raise ValueError(
-                f"--split {split} has no meaning for torch: a rank is one process with one device; "
-                "start more ranks instead"
-            )
-        places = layout.places
-        check_rank_request(split, memory_mib, [p.gpu for p in places])
-        n = len(places)
-        master_port = port or places[0].port
-        own_gpus = all(p.gpu is not None for p in places) and not layout.gpus_shared
-        backend = "nccl" if own_gpus else "gloo"
-        notes = [f"MASTER_ADDR:MASTER_PORT = {layout.leader}:{master_port}, world size {n}, backend {backend!r}"]
-        if layout.gpus_shared:
-            shared = sorted({p.gpu.index for p in places if p.gpu is not None and p.gpu_shared_by > 1})
-            notes.append(
-                f"ranks share GPU {', '.join(map(str, shared))}: LOCAL_RANK is that GPU's index, so "
-                "set_device(LOCAL_RANK) reaches it; NCCL refuses two ranks on one GPU, so init_process_group's "
-                "'nccl' (and its default) run on gloo, for CUDA tensors too"
-            )
-        caps = [rank_share_mib(p.gpu, p.gpu_shared_by, memory_mib, CAPABILITIES) if p.gpu else None for p in places]
-        if any(caps):
-            notes.append(
-                f"each rank capped at {min(c for c in caps if c)} MiB of its GPU (set_per_process_memory_fraction)"
-            )
-        # One id per run for every rank: a SLURM job's own where the ranks are its tasks (each plans alone).
-        run_id = str(layout.slurm.job_id) if layout.slurm is not None else uuid.uuid4().hex
-        hosts = len({p.node_rank for p in places})
-        plans = []
-        for place, cap in zip(places, caps):
-            env = {
-                "MASTER_ADDR": layout.leader,
-                "MASTER_PORT": str(master_port),
-                "RANK": str(place.rank),
-                # cuda:LOCAL_RANK is the rank's GPU: its own (the local rank-th), or the one it shares.
-                "LOCAL_RANK": str(place.local_rank if place.gpu is None else place.gpu.index),
-                "WORLD_SIZE": str(n),
-                "LOCAL_WORLD_SIZE": str(place.local_world_size),
-                "GROUP_RANK": str(place.node_rank),
-                "GROUP_WORLD_SIZE": str(hosts),
-                "ROLE_NAME": "default",
-                "ROLE_RANK": str(place.rank),
-                "ROLE_WORLD_SIZE": str(n),
-                "TORCHELASTIC_RESTART_COUNT": "0",
-                "TORCHELASTIC_MAX_RESTARTS": "0",
-                "TORCHELASTIC_RUN_ID": run_id,
-                "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-            }
-            gpu_args = () if place.gpu is None else (place.gpu.index, cap)
-            plans.append(
-                RankPlan(place.rank, env, "vgpu_magic.frameworks.torch:setup_rank", (backend, *gpu_args), tuple(notes))
-            )
-        return plans
-
-
-def setup_rank(backend: str, gpu: int | None = None, cap_mib: int | None = None, join: bool = False) -> str:
-    """Run on the rank: pick and cap its GPU (``gpu``: CUDA's index on its host); where the plan says gloo for
-    GPU ranks (they share a GPU), map NCCL to gloo; with ``join``, also join the process group (``env://``)."""
-    if gpu is None and not join:
-        return "torchrun's environment set"
-    import torch
-    import torch.distributed as dist
-
-    said = []
-    if gpu is not None:
-        torch.cuda.set_device(gpu)
-        fraction = min(cap_mib * 2**20 / torch.cuda.get_device_properties(gpu).total_memory, 1.0)
-        torch.cuda.set_per_process_memory_fraction(fraction, gpu)
-        say_the_cap(
-            f"vgpu_magic: this rank hit the rehearsal's simulated cap of {cap_mib} MiB on GPU {gpu} "
-            "(--memory, or an even share of the card), not the card's size"
-        )
-        said.append(f"GPU {gpu}, capped at {cap_mib} MiB ({fraction:.4f} of CUDA's total)")
-        if backend == "gloo":
-            _map_nccl_to_gloo(dist)
-            said.append("NCCL mapped to gloo")
-    if join:
-        dist.init_process_group(backend)
-        said.append(f"rank {dist.get_rank()} of {dist.get_world_size()} ({dist.get_backend()})")
-    return "; ".join(said)
-
-
-def say_the_cap(note: str) -> None:
-    """Add ``note`` to a CUDA out-of-memory error that ends a script (``sys.excepthook``) or a cell (IPython's
-    custom exception handler) on this rank: torch's message counts the card's free memory, not the cap."""
-    import torch
-
-    def noted(error: BaseException) -> None:
-        if isinstance(error, torch.OutOfMemoryError) and note not in str(error):
-            error.args = (f"{error.args[0] if error.args else ''}\n{note}", *error.args[1:])
-
-    def excepthook(kind: type, error: BaseException, tb: Any, hook=sys.excepthook) -> None:
-        noted(error)
-        hook(kind, error, tb)
-
-    sys.excepthook = excepthook
-    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
-    if shell is not None:
-
-        def in_a_cell(shell: Any, kind: type, error: BaseException, tb: Any, tb_offset: int | None = None) -> None:
-            noted(error)
-            shell.showtraceback((kind, error, tb), tb_offset=tb_offset)
-
-        shell.set_custom_exc((torch.OutOfMemoryError,), in_a_cell)
-
-
-def gloo_for_nccl(backend: str | None) -> str:
-    """The backend string a rank sharing a GPU uses for ``backend`` (``None``: torch's default): torch's own
-    ``BackendConfig`` map, NCCL replaced by gloo, and gloo for CPU tensors where nothing was said."""
-    from torch.distributed.distributed_c10d import Backend, BackendConfig
-
-    asked = BackendConfig(Backend.UNDEFINED if backend is None else backend).get_device_backend_map()
-    mapped = {"cpu": "gloo", **{device: "gloo" if str(b) == "nccl" else str(b) for device, b in asked.items()}}
-    return ",".join(f"{device}:{b}" for device, b in mapped.items())
-
-
-def _map_nccl_to_gloo(dist) -> None:
-    """Make ``init_process_group`` (``torch.distributed``'s and ``distributed_c10d``'s) take
-    :func:`gloo_for_nccl` of the backend asked."""
-    from torch.distributed import distributed_c10d
-
-    original = distributed_c10d.init_process_group
-    if getattr(original, "vgpu_magic_maps_nccl", False):
-        return
-
-    @functools.wraps(original)
-    def init_process_group(*args, **kwargs):
-        if args:
-            args = (gloo_for_nccl(args[0]), *args[1:])
-        else:
-            kwargs["backend"] = gloo_for_nccl(kwargs.get("backend"))
-        return original(*args, **kwargs)
-
-    init_process_group.vgpu_magic_maps_nccl = True
-    distributed_c10d.init_process_group = init_process_group
-    dist.init_process_group = init_process_group
+    plan_ranks = ranks.plan_ranks
 
 
 FRAMEWORK = Torch()

@@ -3,19 +3,12 @@
 The only module that touches ``tf.config``, read with calls that do not start the runtime
 (``context.context()._initialized`` tells whether it started). TensorFlow 2.21 writes INFO lines to file
 descriptor 2 while it is imported, before it reads ``TF_CPP_MIN_LOG_LEVEL``: where vgpu_magic imports it and
-the level is not an explicit 0, those lines are dropped and every other line passes.
-
-The ranks (:meth:`TensorFlow.plan_ranks`): ``TF_CONFIG`` lists every worker at its own host and a port chosen
-there (under SLURM: what ``SlurmClusterResolver`` computes), so ``MultiWorkerMirroredStrategy()`` on N ranks
-has N workers; ``--split K`` on a GPU gives each worker K logical GPUs (:func:`setup_rank`). On CPU the strategy
-uses one device per worker whatever the logical CPU count (measured: 2 workers × 2 logical CPUs give 2
-replicas), so ``--split`` on CPU is refused and a CPU worker only gets its environment.
+the level is not an explicit 0, those lines are dropped and every other line passes. The ranks: :mod:`.ranks`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -23,18 +16,15 @@ import re
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..inventory import DeviceInventory, cuda_gpus, nvml_gpus
-from .base import Capabilities, ConfigSnapshot, Framework, RankPlan, Reader, call_before_start
+from ...devices import Capabilities, ConfigSnapshot, DeviceInventory
+from ...inventory import cuda_gpus, nvml_gpus
+from ..base import Framework, Reader, call_before_start
+from . import ranks
+from .ranks import SLURM_PORT_BASE, setup_rank
 
 __all__ = ["TensorFlow", "FRAMEWORK", "CAPABILITIES", "system_reserve_mib", "setup_rank", "SLURM_PORT_BASE"]
-
-if TYPE_CHECKING:
-    from ..layout import RankLayout
-
-#: The first port ``SlurmClusterResolver`` gives the tasks of a node (its ``port_base``).
-SLURM_PORT_BASE = 8888
 
 
 def system_reserve_mib(free_mib: int, compute_capability: tuple[int, int] | None) -> int:
@@ -309,76 +299,7 @@ class TensorFlow(Framework):
             logger.addFilter(_strategy_chatter)
         return tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=cross)
 
-    # -- ranks -----------------------------------------------------------------------
-    def plan_ranks(
-        self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
-    ) -> list[RankPlan]:
-        from ..planner import check_rank_request, plan_split, rank_share_mib
-        from ..plans import SplitRequest
-
-        places = layout.places
-        n = len(places)
-        on_gpu = all(p.gpu for p in places)
-        if split is not None and not on_gpu:
-            raise ValueError(
-                f"--split {split} on CPU changes nothing: MultiWorkerMirroredStrategy uses one CPU device per worker, "
-                f"so {n} workers give {n} replicas; drop --split or start more ranks"
-            )
-        check_rank_request(split, memory_mib, [p.gpu for p in places])
-        workers = _workers(layout, port)
-        per_worker = split or 1
-        caps = [
-            rank_share_mib(p.gpu, p.gpu_shared_by, memory_mib, CAPABILITIES) // per_worker if on_gpu else None
-            for p in places
-        ]
-        notes = (
-            f"TF_CONFIG: {n} workers on {', '.join(workers)}; MultiWorkerMirroredStrategy() has "
-            f"{n * per_worker} replicas",
-            f"each worker: {per_worker} logical GPU(s) of {caps[0]} MiB"
-            if on_gpu
-            else "on CPU each worker is one replica (MultiWorkerMirroredStrategy uses one CPU device per worker)",
-        )
-        plans = []
-        for place, each in zip(places, caps):
-            task = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": place.rank}}
-            env = {"TF_CONFIG": json.dumps(task)}
-            if not on_gpu:
-                plans.append(RankPlan(place.rank, env, "", (), notes))
-                continue
-            # The worker plans again on its own devices (setup_rank): the same check, before anything starts.
-            seen = DeviceInventory(
-                gpus=place.gpus_seen, nvml_available=place.gpu.free_mib is not None, capabilities=CAPABILITIES
-            )
-            plan_split(SplitRequest(count=per_worker, memory=each, gpu=place.gpu.index, others="hide"), seen)
-            args = (place.gpu.index, per_worker, each)
-            plans.append(RankPlan(place.rank, env, "vgpu_magic.frameworks.tensorflow:setup_rank", args, notes))
-        return plans
-
-
-def _workers(layout: RankLayout, port: int | None) -> list[str]:
-    """Every worker's ``host:port``, in rank order: under SLURM what ``SlurmClusterResolver(port_base=port or
-    8888)`` computes (the step's hosts sorted, each node's tasks on consecutive ports); else each rank's host
-    address and the port its engine chose there (``port`` for the first worker, when given)."""
-    if layout.slurm is not None:
-        return [
-            f"{host}:{(port or SLURM_PORT_BASE) + offset}"
-            for host, count in sorted(zip(layout.slurm.hosts, layout.slurm.tasks_per_node))
-            for offset in range(count)
-        ][: layout.world_size]
-    return [f"{p.address}:{port if port and p.rank == 0 else p.port}" for p in layout.places]
-
-
-def setup_rank(gpu: int, count: int, cap_mib: int, join: bool = False) -> str:
-    """Run on a worker with a GPU: GPU ``gpu`` (CUDA's index on its host) as ``count`` logical GPUs of ``cap_mib``
-    each, the others hidden, planned on this worker's own devices as ``%vgpu_split`` plans. Writes configuration
-    only. ``join`` changes nothing: a worker joins in the user's ``MultiWorkerMirroredStrategy()``."""
-    from ..planner import configuration_after, plan_split
-    from ..plans import SplitRequest
-
-    inventory = FRAMEWORK.probe_inventory()
-    plan = plan_split(SplitRequest(count=count, memory=cap_mib, gpu=gpu, others="hide"), inventory)
-    FRAMEWORK.write_configuration(inventory.current, configuration_after(plan, inventory.current))
-    return f"GPU {gpu}: {plan.describe()}"
+    plan_ranks = ranks.plan_ranks
 
 
 FRAMEWORK = TensorFlow()

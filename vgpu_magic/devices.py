@@ -1,0 +1,147 @@
+"""The bottom layer, plain data: the devices (:class:`GPUInfo`, :class:`DeviceInventory`), what a framework can
+do with them and its words for it (:class:`Capabilities`), and its configuration (:class:`ConfigSnapshot`).
+Filled by the probes and the frameworks; read by every layer. Imports nothing of vgpu_magic.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+#: GPU memory a process takes outside its framework's allocator and cap, the one figure the planner's
+#: reserve and the estimate's verdict use. Measured on an H100 (torch 2.11, CUDA 13): the CUDA context
+#: 621 MiB, cuBLAS's workspaces 64 MiB more with the first matrix product (test_estimate_gpu.py), and for
+#: a DDP rank after five steps (NCCL's buffers too) NVML's "used" minus torch's reserved was 880 MiB.
+CUDA_CONTEXT_MIB = 1024
+
+
+def cuda_context_mib(free_mib: int, compute_capability: tuple[int, int] | None) -> int:
+    """What a framework that keeps nothing back itself must leave on a GPU for its process: the context."""
+    return CUDA_CONTEXT_MIB
+
+
+#: The first NCCL that lets several ranks use one GPU (``NCCL_MULTI_RANK_GPU_ENABLE=1``); older
+#: ones refuse at the first communicator ("Duplicate GPU detected", measured with NCCL 2.28.9).
+MULTI_RANK_NCCL = (2, 30)
+
+
+@dataclass(frozen=True)
+class GPUInfo:
+    """One physical GPU as TensorFlow numbers it, with NVML details where known."""
+
+    index: int
+    model: str | None = None
+    total_mib: int | None = None
+    free_mib: int | None = None
+    compute_capability: tuple[int, int] | None = None
+    nvml_index: int | None = None
+    #: NVML's UUID (``GPU-…``, or ``MIG-…`` for a MIG device), where known.
+    uuid: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"/physical_device:GPU:{self.index}"
+
+
+@dataclass(frozen=True)
+class DeviceInventory:
+    """The physical devices a framework sees (GPUs in its order), what it can do with them
+    (``capabilities``) and its configuration now (``current``; ``None``: nothing configured yet)."""
+
+    gpus: tuple[GPUInfo, ...] = ()
+    cpus: int = 1
+    version: str | None = None
+    nvml_available: bool = False
+    notes: tuple[str, ...] = field(default=(), compare=False)
+    capabilities: Capabilities = field(kw_only=True, compare=False)
+    current: ConfigSnapshot | None = field(default=None, compare=False)
+
+    @property
+    def framework(self) -> str:
+        return self.capabilities.name
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a framework can do with devices: data the planner reads. Every ability defaults to "cannot"."""
+
+    name: str  #: the registry key, ``"tensorflow"``
+    label: str  #: the name shown to people, ``"TensorFlow"``
+    #: Can one process have several devices? PyTorch's cannot: ``%vgpu_split`` refuses it, pointing at the ranks.
+    splits_in_process: bool = True
+    splits_gpu: bool = False  #: one physical GPU as several logical devices
+    splits_cpu: bool = False  #: the host as several logical CPU devices
+    cpu_caps: bool = False  #: memory caps on logical CPUs
+    gpu_caps_required: bool = False  #: every logical GPU of a split must have a cap
+    #: ``(free_mib, compute_capability) -> MiB`` kept back on each GPU; ``None``: nothing a split must leave free.
+    gpu_reserve_mib: Callable[[int, tuple[int, int] | None], int] | None = field(default=None, compare=False)
+    memory_growth: bool = False  #: ``--growth`` means something (GPU memory allocated on demand)
+    growth_with_split: bool = False  #: memory growth and a split (or a cap) may be set on one GPU
+    uniform_growth: bool = False  #: every visible GPU must have the same growth setting when the runtime starts
+    gpu_visibility: bool = False  #: the visible GPUs can be chosen (``--visible``, ``--others``)
+    #: All logical CPUs report one host allocator's figures: the monitor draws one series, not N identical lines.
+    cpus_share_allocator: bool = False
+    replicas_by: str = "the strategy"  #: what uses the replica devices, for messages (``"MirroredStrategy()"``)
+    #: The data-parallel helper uses split CPU devices even where GPUs are visible (JAX's ``vgpu_magic.mesh()``);
+    #: otherwise GPUs come first (``MirroredStrategy()``).
+    replicas_on_split_cpu: bool = False
+    #: The default helper reduces with NCCL unless there are fewer physical GPUs (hidden ones counted) than
+    #: logical ones (``MirroredStrategy()``; RING otherwise), and NCCL refuses two logical devices of one card.
+    replicas_nccl_unless_fewer_physical: bool = False
+    #: The framework's own words, for every message: what starts once and fixes the devices
+    #: (JAX: ``"backend"``), a device of a split and the phrase for a split (``{count}``, ``{kind}``,
+    #: ``{s}``, ``{index}``), what :attr:`replicas_by` calls a device, and the host in a device list.
+    runtime_word: str = "runtime"
+    device_noun: str = "logical {kind}"
+    split_phrase: str = "{count} logical {kind}{s} on {kind}:{index}"
+    replica_noun: str = "replica"
+    host_name: str = "/physical_device:CPU:0 (host)"
+    install_hint: str = ""  #: how to install it (``"install it with pip install 'vgpu_magic[cpu]'"``)
+
+
+@dataclass(frozen=True)
+class ConfigSnapshot:
+    """A framework's device configuration as plain data. ``logical``: physical device name -> its logical
+    devices' caps in MiB (``None`` where uncapped), for the configured ones only; ``visible_gpus``: indices
+    into ``gpu_names``; ``memory_growth``: one flag per physical GPU."""
+
+    cpu_names: tuple[str, ...]
+    gpu_names: tuple[str, ...]
+    logical: dict[str, tuple[int | None, ...]]
+    visible_gpus: tuple[int, ...]
+    memory_growth: tuple[bool, ...]
+    #: How the framework names its CPU and GPU devices once started (JAX: ``"cpu:{}"``).
+    device_names: tuple[str, str] = field(default=("/device:CPU:{}", "/device:GPU:{}"), compare=False)
+
+    def logical_names(self) -> dict[str, list[str]]:
+        """Physical device name -> the logical device names it will have: numbered per type in physical order,
+        as TensorFlow and JAX number them once started, and named as the framework names them."""
+        names: dict[str, list[str]] = {}
+        counters = {"CPU": 0, "GPU": 0}
+        for dtype, physical in [("CPU", n) for n in self.cpu_names] + [("GPU", n) for n in self.gpu_names]:
+            if dtype == "GPU" and int(physical.rsplit(":", 1)[1]) not in self.visible_gpus:
+                continue
+            count = len(self.logical.get(physical, ())) or 1
+            spelled = self.device_names[dtype == "GPU"]
+            names[physical] = [spelled.format(counters[dtype] + k) for k in range(count)]
+            counters[dtype] += count
+        return names
+
+    def replica_devices(self, split_cpu_first: bool = False) -> list[str]:
+        """The devices a data-parallel strategy uses by default: every logical GPU, else every logical CPU;
+        with ``split_cpu_first`` (:attr:`Capabilities.replicas_on_split_cpu`), split CPUs even next to GPUs."""
+        names = self.logical_names()
+        gpus = [d for p in self.gpu_names if p in names for d in names[p]]
+        cpus = [d for p in self.cpu_names for d in names.get(p, [])]
+        if split_cpu_first and len(cpus) > 1:
+            return cpus
+        return gpus or cpus
+
+    def caps_mib(self) -> dict[str, int | None]:
+        """Logical device name -> its cap in MiB (``None`` where uncapped)."""
+        return {
+            name: cap
+            for physical, names in self.logical_names().items()
+            for name, cap in itertools.zip_longest(names, self.logical.get(physical, ()))
+        }

@@ -1,0 +1,79 @@
+"""TensorFlow's ranks: ``TF_CONFIG`` lists every worker at its own host and a port chosen there (under SLURM: what
+``SlurmClusterResolver`` computes); ``--split K`` on a GPU gives each worker K logical GPUs (its ``devices``). On
+CPU the strategy uses one device per worker whatever the logical CPU count (measured: 2 workers × 2 logical CPUs
+give 2 replicas), so ``--split`` on CPU is refused. Importing this module imports no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ...budget import check_rank_request, check_sizes, rank_share_mib
+from ...layout import RankLayout, RankPlan
+from ...plans import SplitRequest
+from ..base import Framework
+
+__all__ = ["plan_ranks", "setup_rank", "SLURM_PORT_BASE"]
+
+#: The first port ``SlurmClusterResolver`` gives the tasks of a node (its ``port_base``).
+SLURM_PORT_BASE = 8888
+
+
+def plan_ranks(
+    framework: Framework, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
+) -> list[RankPlan]:
+    """TensorFlow's :meth:`~vgpu_magic.frameworks.base.Framework.plan_ranks`."""
+    places = layout.places
+    n = len(places)
+    on_gpu = all(p.gpu for p in places)
+    if split is not None and not on_gpu:
+        raise ValueError(
+            f"--split {split} on CPU changes nothing: MultiWorkerMirroredStrategy uses one CPU device per worker, "
+            f"so {n} workers give {n} replicas; drop --split or start more ranks"
+        )
+    check_rank_request(split, memory_mib, [p.gpu for p in places])
+    workers = _workers(layout, port)
+    per_worker = split or 1
+    caps = [
+        rank_share_mib(p.gpu, p.gpu_shared_by, memory_mib, framework.capabilities) // per_worker if on_gpu else None
+        for p in places
+    ]
+    notes = (
+        f"TF_CONFIG: {n} workers on {', '.join(workers)}; MultiWorkerMirroredStrategy() has {n * per_worker} replicas",
+        f"each worker: {per_worker} logical GPU(s) of {caps[0]} MiB"
+        if on_gpu
+        else "on CPU each worker is one replica (MultiWorkerMirroredStrategy uses one CPU device per worker)",
+    )
+    plans = []
+    for place, each in zip(places, caps):
+        task = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": place.rank}}
+        env = {"TF_CONFIG": json.dumps(task)}
+        if not on_gpu:
+            plans.append(RankPlan(place.rank, env, "", (), notes))
+            continue
+        # Planned again on the worker's own devices; a share below the planner's minimum is refused before then.
+        check_sizes((each,))
+        devices = SplitRequest(count=per_worker, memory=each, gpu=place.gpu.index, framework=framework.name)
+        args = (place.gpu.index, per_worker, each)
+        setup = "vgpu_magic.frameworks.tensorflow.ranks:setup_rank"
+        plans.append(RankPlan(place.rank, env, setup, args, notes, devices))
+    return plans
+
+
+def _workers(layout: RankLayout, port: int | None) -> list[str]:
+    """Every worker's ``host:port``, in rank order: under SLURM what ``SlurmClusterResolver(port_base=port or
+    8888)`` computes (the step's hosts sorted, each node's tasks on consecutive ports); else each rank's host
+    address and the port its engine chose there (``port`` for the first worker, when given)."""
+    if layout.slurm is not None:
+        return [
+            f"{host}:{(port or SLURM_PORT_BASE) + offset}"
+            for host, count in sorted(zip(layout.slurm.hosts, layout.slurm.tasks_per_node))
+            for offset in range(count)
+        ][: layout.world_size]
+    return [f"{p.address}:{port if port and p.rank == 0 else p.port}" for p in layout.places]
+
+
+def setup_rank(gpu: int, count: int, cap_mib: int, join: bool = False) -> str:
+    """What a worker with a GPU has once its ``devices`` are split; ``join`` changes nothing: a worker joins in the
+    user's ``MultiWorkerMirroredStrategy()``."""
+    return f"GPU {gpu}: {count} logical GPU(s) of {cap_mib} MiB"
