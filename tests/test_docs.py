@@ -25,8 +25,6 @@ from support import ROOT, kernel_errors, kernel_run, started_kernel
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
-#: Files other branches write; a link to them passes until they land (then it is checked as any other).
-WRITTEN_ELSEWHERE = {"docs/jobs.md", "docs/architecture.md", "notebooks/12_rehearse_estimate_submit.ipynb"}
 
 _FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -76,8 +74,6 @@ def broken_links(page: Path) -> list[str]:
         path, _, anchor = target.partition("#")
         file = (page.parent / path).resolve() if path else page
         name = file.relative_to(ROOT).as_posix() if file.is_relative_to(ROOT) else str(file)
-        if name in WRITTEN_ELSEWHERE and not file.exists():
-            continue
         if not file.exists():
             broken.append(f"{target}: no such file")
         elif anchor and file.suffix == ".md" and anchor not in anchors(file):
