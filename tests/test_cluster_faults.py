@@ -80,7 +80,7 @@ def test_errors_that_land_just_after_a_look_are_not_taken_for_success():
     from vgpu_magic.ranks.run import RankProcesses, RankRun, RankRunError
 
     class Reply(futures.Future):
-        stdout = stderr = ""
+        output_events = ()
 
         def ready(self):
             done = self.done()

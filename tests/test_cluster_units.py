@@ -363,16 +363,16 @@ def test_carriage_returns_show_as_a_terminal_shows_them():
     assert as_terminal_shows("progress 1/30\rprogress 30/30") == "progress 30/30"
     assert as_terminal_shows("long line\rshort") == "shortline"
     assert as_terminal_shows("done\r") == "done"
-    # ipyparallel rewrites the collected text on "\r" (it can shrink): lines are counted, not characters.
+    # A bar's updates arrive in pieces, one "\r" each: its line shows once, as it was left.
     out = io.StringIO()
     stream = LineStream("[rank 0] ", out)
-    text = ""
     for i in range(30):
-        text += f"\rprogress {i + 1}/30"
-        stream.feed(text.split("\r")[-1] if i % 2 else text)
-    stream.feed("progress 30/30\nnext line\n")
-    stream.feed("progress 30/30\nnext line\nlast", final=True)
-    assert out.getvalue().splitlines() == ["[rank 0] progress 30/30", "[rank 0] next line", "[rank 0] last"]
+        stream.feed(f"\rprogress {i + 1}/30")
+    stream.feed("\nnext line\n")
+    stream.feed("last")
+    assert out.getvalue().splitlines() == ["[rank 0] progress 30/30", "[rank 0] next line"]
+    stream.end()
+    assert out.getvalue().splitlines()[-1] == "[rank 0] last"
 
 
 def test_last_expression_is_captured():
@@ -385,8 +385,9 @@ def test_lines_are_labelled_whole_and_never_interleaved():
     zero, one = LineStream("[rank 0] ", out), LineStream("[rank 1] ", out)
     zero.feed("epoch 1 lo")
     one.feed("epoch 1 loss 0.5\nepo")
-    zero.feed("epoch 1 loss 0.4\n")
-    one.feed("epoch 1 loss 0.5\nepoch 2", final=True)
+    zero.feed("ss 0.4\n")
+    one.feed("ch 2")
+    one.end()
     assert out.getvalue().splitlines() == [
         "[rank 1] epoch 1 loss 0.5",
         "[rank 0] epoch 1 loss 0.4",
@@ -582,7 +583,7 @@ def test_a_failing_rank_is_summed_up_in_one_line():
 class _Pending(__import__("concurrent.futures").futures.Future):
     """A rank's AsyncResult as the fault policy reads it: a future with the rank's output so far."""
 
-    stdout = stderr = ""
+    output_events = ()
 
     def ready(self):
         return self.done()

@@ -102,8 +102,7 @@ class _Failed(__import__("concurrent.futures").futures.Future):
     """A rank's finished AsyncResult that raised, with what the rank wrote (a future, as the fault
     policy waits on the ranks' results)."""
 
-    stdout = ""
-    stderr = "\n".join([*TF_START, "the rank's own last words", ""])
+    output_events = (("stderr", "\n".join([*TF_START, "the rank's own last words", ""])),)
 
     def __init__(self):
         super().__init__()

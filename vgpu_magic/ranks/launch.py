@@ -174,8 +174,8 @@ def _follow(popen: subprocess.Popen) -> tuple[int, list[str]]:
                 selector.unregister(key.fileobj)
             text = decoder.decode(data, final=not data)
             if text:
+                # Not flushed: the engine sends what gathered at its own pace, not one message per read.
                 out.write(text)
-                out.flush()
             if text and out is sys.stderr:
                 lines = ((tail.pop() if tail else "") + text).split("\n")
                 tail.extend(lines)

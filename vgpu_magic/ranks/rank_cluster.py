@@ -29,7 +29,7 @@ from . import launch, names, processes
 from .hosts import prepare_rank, report_host
 from .launchers import LAUNCHERS, MAX_RANKS, LauncherPlan, plan_launcher
 from .processes import ClusterStartError
-from .run import RankProcesses, RankRun, RankRunError, interrupt_only_the_cell, mark_displays
+from .run import RankProcesses, RankRun, RankRunError, interrupt_only_the_cell, record_output
 from .shown import HeldBack, rank_env
 
 __all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current"]
@@ -193,7 +193,7 @@ class RankCluster:
             self._launchers.update(launchers)
             self._cleanups = processes.clean_up_when_kernel_dies(self.cluster, self.launcher_plan, self._token)
             self.client = self.cluster.connect_client_sync()
-            mark_displays(self.client)
+            record_output(self.client)
             # interactive=False: no progress bar in the cell (the start summary says what started).
             self.client.wait_for_engines(self.n, timeout=ENGINE_TIMEOUT, block=True, interactive=False)
             self.layout = layout_ranks(self._read_hosts(sorted(self.client.ids)[: self.n]), self.given_gpus)

@@ -35,7 +35,7 @@ __all__ = [
     "RankRunError",
     "RankRun",
     "interrupt_only_the_cell",
-    "mark_displays",
+    "record_output",
     "process_alive",
 ]
 
@@ -124,30 +124,28 @@ def _killed(ranks: list[int]) -> str:
 
 
 class LineStream:
-    """Whole lines of one rank's stream, labelled, each as a terminal leaves it; the partial tail waits.
-    ``feed`` gets the rank's whole output so far, counted in lines: ipyparallel rewrites the text at a ``\\r``,
-    so it can shrink, but never loses a newline."""
+    """Whole lines of one rank's stream, labelled, each as a terminal leaves it; the partial tail waits
+    (:meth:`end` shows it)."""
 
     def __init__(self, label: str, out: TextIO, shown: Callable[[str], bool] = lambda line: True) -> None:
         self.label = label
         self.out = out
         self.shown = shown
-        self.emitted = 0
-        self.last = ""
+        self.tail = ""
 
-    def feed(self, text: str, final: bool = False) -> None:
-        if text == self.last and not final:
-            return
-        self.last = text
-        lines = text.split("\n")
-        tail = lines.pop()
-        if final and tail:
-            lines.append(tail)
-        new = lines[self.emitted :]
-        if not new:
-            return
-        self.emitted = len(lines)
-        text = "".join(f"{self.label}{line}\n" for line in map(as_terminal_shows, new) if self.shown(line))
+    def feed(self, text: str) -> None:
+        """The next of what the rank wrote."""
+        *lines, self.tail = (self.tail + text).split("\n")
+        self._write(lines)
+
+    def end(self) -> None:
+        """The rank is done: its last line, even unfinished."""
+        if self.tail:
+            self._write([self.tail])
+            self.tail = ""
+
+    def _write(self, lines: list[str]) -> None:
+        text = "".join(f"{self.label}{line}\n" for line in map(as_terminal_shows, lines) if self.shown(line))
         if text:
             self.out.write(text)
             self.out.flush()
@@ -235,35 +233,40 @@ class RankRun:
     def __post_init__(self) -> None:
         self.trace = None  # the run's MemoryTrace, once it ended
         self.killed: list[int] = []
-        self._displayed: dict[int, int] = {}  # how many of each rank's display outputs were shown
+        self._seen: dict[int, int] = {}  # how many of each rank's output events were shown
 
     def _emit(self, results: list[Any], streams: list[tuple[LineStream, LineStream]], final: bool = False) -> None:
         for rank, (ar, (out, err)) in enumerate(zip(results, streams)):
-            # The text first: a display not yet seen below came after all of its lines.
-            lines = (ar.stdout or "").split("\n")
-            marks = _marks_of(ar)
-            displayed = list(getattr(ar, "outputs", None) or [])
-            shown = ready = self._displayed.get(rank, 0)
-            while ready < len(displayed) and (
-                final or marks is None or (ready < len(marks) and marks[ready] < len(lines))
-            ):
-                ready += 1
-            for index in range(shown, ready):
-                # The lines the rank printed before this display, then the display: in the order it made them.
-                before = lines[: marks[index]] if marks is not None and index < len(marks) else lines[:-1]
-                out.feed("".join(line + "\n" for line in before))
-                show_display(rank, displayed[index], self.stdout)
-            self._displayed[rank] = ready
-            out.feed("\n".join(lines), final)
-            err.feed(ar.stderr or "", final)
+            seen = self._seen.get(rank, 0)
+            # Read once: the list grows on ipyparallel's thread meanwhile.
+            new = _events(ar)[seen:]
+            self._seen[rank] = seen + len(new)
+            for kind, content in new:
+                if kind == "display":
+                    show_display(rank, content, self.stdout)
+                else:
+                    (out if kind == "stdout" else err).feed(content)
+            if final:
+                out.end()
+                err.end()
 
-    def _drain(self, results: list[Any]) -> None:
-        """Wait (briefly) for the last output of every finished, living rank: ipyparallel can deliver a
-        rank's reply before the iopub messages carrying its last lines."""
-        deadline = time.monotonic() + OUTPUT_WAIT
-        for rank, ar in enumerate(results):
-            if ar.ready() and self._alive(rank):
-                ar.wait_for_output(max(0.0, deadline - time.monotonic()))
+    def _drain(self, results: list[Any], streams: list[tuple[LineStream, LineStream]]) -> None:
+        """Show the rest of the output of every finished, living rank: ipyparallel can deliver a rank's reply
+        long before the messages carrying its last lines (a run that printed a million lines: seconds). Waited
+        for as long as more keeps coming; a rank whose output stopped coming for :data:`OUTPUT_WAIT` seconds
+        before its end is said to be cut."""
+        waiting = [rank for rank, ar in enumerate(results) if ar.ready() and self._alive(rank)]
+        arrived, since = -1, time.monotonic()
+        while waiting and time.monotonic() - since < OUTPUT_WAIT:
+            self._emit(results, streams)
+            waiting = [rank for rank in waiting if not results[rank].wait_for_output(0)]
+            count = sum(len(_events(results[rank])) for rank in waiting)
+            if count != arrived:
+                arrived, since = count, time.monotonic()
+            time.sleep(POLL if waiting else 0)
+        self._emit(results, streams, final=True)
+        for rank in waiting:
+            self.stderr.write(f"[rank {rank}] the rest of its output did not arrive within {OUTPUT_WAIT:g} s\n")
 
     def _alive(self, rank: int) -> bool:
         return self.procs.alive(rank)
@@ -398,8 +401,7 @@ class RankRun:
                 )
         except KeyboardInterrupt:
             _, killed = self._stop_others(results, set(failures))
-            self._drain(results)
-            self._emit(results, streams, final=True)
+            self._drain(results, streams)
             self.trace = memory.finish(interrupted=True)
             if killed:
                 self.stderr.write(f"{_killed(killed)}; the cluster must be restarted: %vgpu_cluster restart\n")
@@ -414,8 +416,7 @@ class RankRun:
                 if exc is not None and getattr(exc, "ename", type(exc).__name__) != "KeyboardInterrupt":
                     failures[rank] = self._failure(rank, ar)
             interrupted = [r for r in interrupted if r not in failures]
-        self._drain(results)
-        self._emit(results, streams, final=True)
+        self._drain(results, streams)
         self.trace = memory.finish(interrupted=bool(failures or timed_out))
         if failures or timed_out:
             every = list(failures.values()) or [timed_out]
@@ -428,36 +429,38 @@ class RankRun:
         return results
 
 
-def _marks_of(ar: Any) -> list[int] | None:
-    """How many stdout lines the rank of ``ar`` had printed before each of its displays so far
-    (:func:`mark_displays`); ``None`` for a result whose messages were not marked."""
-    children = getattr(ar, "_children", None) or []
-    if not children or not all(hasattr(c, "display_marks") for c in children):
-        return None
-    return [m for c in children for m in c.display_marks]
+def _events(ar: Any) -> list[tuple[str, Any]]:
+    """What the rank of ``ar`` sent so far, in order (:func:`record_output`)."""
+    children = getattr(ar, "_children", None) or [ar]
+    return getattr(children[0], "output_events", [])
 
 
-def mark_displays(client: Any) -> None:
-    """Make ``client`` record, as each display of a request arrives, how many stdout lines the engine had
-    sent before it (ipyparallel keeps a request's streams and displays apart, each in the order the engine
-    sent them). The record starts when the request's future is made, before the request is sent, so no
-    display can arrive unmarked."""
+def record_output(client: Any) -> None:
+    """Make ``client`` keep each request's output as it arrives, in the order the engine sent it, as
+    ``output_events``: ``("stdout" | "stderr", text)`` and ``("display", content)``. ipyparallel keeps a
+    request's displays apart from its streams, and each stream as one text it copies whole at each message
+    (quadratic: a rank that printed a million lines fell seconds behind); that text is emptied as it is
+    recorded. The record starts when the request's future is made, before the request is sent."""
     create = client.create_message_futures
 
-    def create_marked(msg_id: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def create_recorded(msg_id: str, *args: Any, **kwargs: Any) -> list[Any]:
         futures = create(msg_id, *args, **kwargs)
-        future, marks = futures[0], []
+        events: list[tuple[str, Any]] = []
         metadata = client.metadata[msg_id]
 
-        def mark(msg: dict) -> None:
-            if msg["header"]["msg_type"] == "display_data":
-                marks.append((metadata["stdout"] or "").count("\n"))
+        def record(msg: dict) -> None:
+            kind, content = msg["header"]["msg_type"], msg["content"]
+            if kind == "stream":
+                events.append((content["name"], content["text"]))
+                metadata[content["name"]] = ""
+            elif kind == "display_data":
+                events.append(("display", content))
 
-        future.display_marks = marks
-        future.iopub_callbacks.append(mark)
+        futures[0].output_events = events
+        futures[0].iopub_callbacks.append(record)
         return futures
 
-    client.create_message_futures = create_marked
+    client.create_message_futures = create_recorded
 
 
 def _settled(ar: Any) -> bool:
