@@ -214,3 +214,15 @@ def test_an_interrupted_start_ends_every_process_it_began_before_it_returns():
             assert left == [], (delay, [p.cmdline() for p in left])
             status = kernel_stdout(kernel_run(kc, "%vgpu_cluster status"))
             assert status.startswith("no cluster running"), status
+
+
+def test_ranks_that_ended_alike_are_said_in_agreement():
+    """Issue 37, row 14: "ranks 1, 2, 3 was killed by SIGABRT"."""
+    from vgpu_magic.ranks.run import RankFailure, RankRunError
+
+    failures = [RankFailure(r, "error", "was killed by SIGABRT", ("x",)) for r in (1, 2, 3)]
+    failures.append(RankFailure(0, "error", "was killed by SIGSEGV", ("x",)))
+    error = RankRunError(failures, [], [], must_restart=False)
+    assert (
+        str(error) == "ranks 1, 2, 3 were killed by SIGABRT; rank 0 was killed by SIGSEGV; the cluster is still usable"
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from pathlib import Path
 
 import psutil
 import pytest
@@ -49,3 +50,145 @@ def test_every_line_a_rank_prints_arrives_in_order(kernel, tmp_path):
         label = f"[rank {rank}] "
         mine = [line[len(label) :] for line in lines if line.startswith(label)]
         assert mine == [f"line {i}" for i in range(500_000)] + ["END"]
+
+
+def test_ctrl_c_reaches_the_script_on_every_rank_and_says_so_in_one_line(kernel, tmp_path):
+    """Issue 37, rows 1 and 3: the launched process started with SIGINT ignored (the spare's engine's) and was
+    stopped with SIGTERM, so its ``except KeyboardInterrupt`` never ran; the interrupt printed a 65-135 line
+    traceback through the kernel's internals."""
+    km, kc = kernel
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, time\n"
+        "try:\n"
+        "    print('training', flush=True)\n"
+        "    time.sleep(120)\n"
+        "except KeyboardInterrupt:\n"
+        f"    open(os.path.join({str(tmp_path)!r}, 'saved-' + os.environ['RANK']), 'w').close()\n"
+        "    print('saved', flush=True)\n"
+    )
+    started: list[str] = []
+
+    def interrupt_once_both_train(msg: dict) -> None:
+        if msg["msg_type"] == "stream":
+            started.extend(line for line in msg["content"]["text"].splitlines() if line.endswith("training"))
+            if len(started) == 2:
+                started.append("sent")
+                km.interrupt_kernel()
+
+    reply = kernel_run(kc, f"%vgpu_run --no-plot {script}", on_message=interrupt_once_both_train)
+    [error] = [m["content"] for m in reply if m["msg_type"] == "error"]
+    assert error["traceback"] == ["KeyboardInterrupt: interrupted ranks 0, 1"]
+    assert sorted(p.name for p in tmp_path.glob("saved-*")) == ["saved-0", "saved-1"]
+    assert sorted(line for line in kernel_stdout(reply).splitlines() if "saved" in line) == [
+        "[rank 0] saved",
+        "[rank 1] saved",
+    ]
+    # The cluster came through: the next launch runs.
+    reply = kernel_run(kc, f"%vgpu_run --no-plot {tmp_path / 'lines.py'}")
+    assert not kernel_errors(reply), kernel_errors(reply)
+
+
+def test_argv_is_as_typed_and_the_kernels_environment_is_the_launchs(kernel, tmp_path):
+    """Issue 37, rows 4 and 14: ``%env`` and ``os.environ`` after the start did not reach a script (``!torchrun``
+    passes them); ``sys.argv[0]`` was made absolute (torchrun keeps it as typed)."""
+    _, kc = kernel
+    (tmp_path / "show.py").write_text(
+        "import os, sys\nprint(sys.argv, os.environ.get('FOO'), os.environ.get('BAR'), os.environ['RANK'])\n"
+    )
+    cell = f"%cd {tmp_path}\n%env FOO=from-env\nimport os\nos.environ['BAR'] = 'set'\n%vgpu_run --no-plot show.py x"
+    reply = kernel_run(kc, cell)
+    assert not kernel_errors(reply), kernel_errors(reply)
+    shown = sorted(line for line in kernel_stdout(reply).splitlines() if line.startswith("[rank"))
+    assert shown == [f"[rank {r}] ['show.py', 'x'] from-env set {r}" for r in (0, 1)]
+    reply = kernel_run(kc, "del os.environ['BAR']\n%env FOO=\n%cd -")
+    assert not kernel_errors(reply), kernel_errors(reply)
+
+
+def test_a_script_that_configures_torch_through_the_environment_gets_its_settings(kernel, tmp_path):
+    """Issue 37, row 17: the warm spare had imported torch already, so a script's ``OMP_NUM_THREADS`` set before its
+    ``import torch`` was ignored (threads 1 under %vgpu_run, 2 under plain python)."""
+    _, kc = kernel
+    script = tmp_path / "threads.py"
+    script.write_text("import os\nos.environ['OMP_NUM_THREADS'] = '2'\nimport torch\nprint(torch.get_num_threads())\n")
+    reply = kernel_run(kc, f"%vgpu_run --no-plot {script}")
+    assert not kernel_errors(reply), kernel_errors(reply)
+    assert sorted(kernel_stdout(reply).splitlines()) == ["[rank 0] 2", "[rank 1] 2"]
+
+
+def test_a_package_installed_after_the_start_is_importable_at_the_first_run(kernel, tmp_path):
+    """Issue 37, row 29: the first %vgpu_run after ``pip install -e mypkg`` raised ModuleNotFoundError (the spare
+    had read the import path before the install). What the install adds is a ``.pth`` file in site-packages."""
+    import site
+    import uuid
+
+    _, kc = kernel
+    name = f"vgpu_test_pkg_{uuid.uuid4().hex[:8]}"
+    (tmp_path / "src" / name).mkdir(parents=True)
+    (tmp_path / "src" / name / "__init__.py").write_text("WHO = 'installed'\n")
+    (tmp_path / "use.py").write_text(f"import {name}\nprint({name}.WHO)\n")
+    pth = next(p for p in map(Path, site.getsitepackages()) if p.is_dir()) / f"__editable__{name}.pth"
+    pth.write_text(f"{tmp_path / 'src'}\n")
+    try:
+        reply = kernel_run(kc, f"%vgpu_run --no-plot {tmp_path / 'use.py'}")
+    finally:
+        pth.unlink()
+    assert not kernel_errors(reply), kernel_errors(reply)
+    assert sorted(kernel_stdout(reply).splitlines()) == ["[rank 0] installed", "[rank 1] installed"]
+
+
+#: A script that writes what its process was given: environment, argv, signal dispositions (Python's and the
+#: kernel's masks), to ``ARGV[1]-RANK.json``.
+DUMP = """
+import json, os, signal, sys
+handlers = {s.name: str(signal.getsignal(s)) for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)}
+status = open("/proc/self/status").read().splitlines()
+masks = dict(line.split(":\\t") for line in status if line[:6] in ("SigBlk", "SigIgn"))
+given = {"env": dict(os.environ), "argv": sys.argv, "handlers": handlers, "masks": masks}
+json.dump(given, open(f"{sys.argv[1]}-{os.environ['RANK']}.json", "w"))
+"""
+
+#: What a rank is given otherwise than under torchrun, and why.
+INTENDED = {
+    # torchrun's agent's own bookkeeping (its run id, restarts, its error file), which no script reads.
+    "TORCHELASTIC_RUN_ID": "the elastic agent's",
+    "TORCHELASTIC_RESTART_COUNT": "the elastic agent's",
+    "TORCHELASTIC_MAX_RESTARTS": "the elastic agent's",
+    "TORCHELASTIC_USE_AGENT_STORE": "the elastic agent's",
+    "TORCHELASTIC_ERROR_FILE": "the elastic agent's",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "the elastic agent's",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE": "the elastic agent's",
+    "MASTER_PORT": "a free port each run, chosen by each launcher",
+    # Rank 0's reachable address, never localhost (torchrun --standalone's), so that other hosts reach it too.
+    "MASTER_ADDR": "rank 0's reachable address",
+    # Set by the shell that ran torchrun (the command it ran last).
+    "_": "the shell's",
+    # The cluster's own: its processes' owner (a stop or a dead kernel ends them) and its token.
+    "VGPU_MAGIC_OWNER": "the cluster's processes' owner",
+    "VGPU_MAGIC_CLUSTER": "the cluster's token",
+}
+
+
+def test_a_launched_rank_is_given_what_torchrun_gives_it(kernel, tmp_path):
+    """Issue 37, row 4: a rank's environment and signal dispositions, variable by variable, against
+    ``torchrun``'s for the same script from the same kernel; only those :data:`INTENDED` differ."""
+    _, kc = kernel
+    (tmp_path / "dump.py").write_text(DUMP)
+    cell = (
+        f"%cd {tmp_path}\n%env FOO=1\n"
+        "!{sys.executable} -m torch.distributed.run --standalone --nproc-per-node 2 dump.py torchrun\n"
+        "%vgpu_run --no-plot dump.py ours\n%cd -"
+    )
+    reply = kernel_run(kc, "import sys\n" + cell)
+    assert not kernel_errors(reply), kernel_errors(reply)
+    for rank in (0, 1):
+        ours, theirs = (json.loads((tmp_path / f"{who}-{rank}.json").read_text()) for who in ("ours", "torchrun"))
+        assert ours["env"]["FOO"] == "1"
+        differ = {
+            name: (ours["env"].get(name), theirs["env"].get(name))
+            for name in {*ours["env"], *theirs["env"]}
+            if ours["env"].get(name) != theirs["env"].get(name) and name not in INTENDED
+        }
+        assert differ == {}
+        assert (ours["handlers"], ours["masks"]) == (theirs["handlers"], theirs["masks"])
+        assert ours["argv"] == ["dump.py", "ours"] and theirs["argv"] == ["dump.py", "torchrun"]

@@ -21,7 +21,7 @@ from vgpu_magic.grammar import parse_memory
 from vgpu_magic.inventory import GPUInfo
 from vgpu_magic.layout import HostReport, layout_ranks
 from vgpu_magic.ranks.names import UnsendableName, names_to_send, pack_names, split_last_expression
-from vgpu_magic.ranks.run import LineStream
+from vgpu_magic.ranks.shown import LineStream
 
 GIB_MIB = 1024
 GIB = 1024**3
@@ -358,7 +358,7 @@ def test_an_unpicklable_name_is_named():
 
 
 def test_carriage_returns_show_as_a_terminal_shows_them():
-    from vgpu_magic.ranks.run import as_terminal_shows
+    from vgpu_magic.ranks.shown import as_terminal_shows
 
     assert as_terminal_shows("progress 1/30\rprogress 30/30") == "progress 30/30"
     assert as_terminal_shows("long line\rshort") == "shortline"

@@ -297,13 +297,14 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
 
 
 def _script_path(args: Any) -> str:
-    """The absolute path of the script the line form of ``%vgpu_run`` runs; :class:`UsageError`
+    """The script the line form of ``%vgpu_run`` runs, as typed (a shell's ``~`` expanded; the script's
+    ``sys.argv[0]``, as under its launcher); :class:`UsageError`
     if none is given, ``-o`` is (a script has no last value), or it is not a file."""
     if args.script is None:
         raise UsageError("say which script to run, e.g. %vgpu_run train.py --epochs 2, or use %%vgpu_run with a cell")
     if args.output is not None:
         raise UsageError("-o takes a cell's last value; a script has none: have it save what you need")
-    path = os.path.abspath(os.path.expanduser(args.script))
+    path = os.path.expanduser(args.script)
     if not os.path.isfile(path):
         raise UsageError(f"script {args.script!r} is not a file (looked in {os.getcwd()})")
     return path

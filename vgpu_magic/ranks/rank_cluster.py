@@ -29,8 +29,8 @@ from . import launch, names, processes
 from .hosts import prepare_rank, report_host
 from .launchers import LAUNCHERS, MAX_RANKS, LauncherPlan, plan_launcher
 from .processes import ClusterStartError
-from .run import RankProcesses, RankRun, RankRunError, interrupt_only_the_cell, record_output
-from .shown import HeldBack, rank_env
+from .run import RankProcesses, RankRun, RankRunError, interrupt_only_the_cell
+from .shown import HeldBack, rank_env, record_output
 
 __all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current"]
 
@@ -221,7 +221,7 @@ class RankCluster:
                 # A spare on every engine, its imports done (so the first launch is as quick as the next).
                 preload = self._preload()
                 pending = [
-                    self.client[e].apply_async(launch.warm, plan.env, preload, SPARE_TIMEOUT)
+                    self.client[e].apply_async(launch.warm, plan.env, preload, SPARE_TIMEOUT, launch.kernel_environ())
                     for e, plan in zip(self.engine_ids, self.plans)
                 ]
                 for ar in pending:
@@ -367,7 +367,7 @@ class RankCluster:
         self._require_running()
         self.layout = layout_ranks(self._read_hosts(self.engine_ids), self.given_gpus)
         self.plans = self._plan_ranks()
-        where, preload = (os.path.abspath(path), list(args), os.getcwd()), self._preload()
+        where, preload = (path, list(args), os.getcwd()), self._preload()
         requests = [launch.launch_request(plan, *where, preload, self.spares) for plan in self.plans]
 
         def submit(rank: int) -> Any:

@@ -5,7 +5,8 @@ kernel: each rank's output streams live as whole lines labelled ``[rank r]``, it
 them; its memory is sampled (:mod:`.memory`). The first rank that raises or dies ends the run, but the others
 get :data:`COLLECT` seconds (from the latest failure) to finish on their own, so that every rank's own error is
 collected; then every rank still running gets SIGINT, and one still busy after :data:`GRACE` seconds (blocked in
-a collective) is killed and the cluster marked for a restart. :class:`RankRunError` names every failing rank's
+a collective; a script's launch gets its process' :data:`~.launch.INTERRUPT_GRACE` more) is killed and the
+cluster marked for a restart. :class:`RankRunError` names every failing rank's
 error, the same ones grouped. An interrupt of the kernel interrupts the ranks the same way. A rank's process is
 reached through :class:`RankProcesses`: by PID on this host, through its engine on another.
 """
@@ -24,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ..runtime import running_cell
-from .launch import how_it_ended
+from .launch import INTERRUPT_GRACE, how_it_ended
 from .memory import RankMonitor
-from .shown import HeldBack, notebook_traceback
+from .shown import HeldBack, LineStream, events, notebook_traceback, show_display
 
 __all__ = [
     "GRACE",
@@ -34,8 +35,8 @@ __all__ = [
     "RankFailure",
     "RankRunError",
     "RankRun",
+    "RanksInterrupted",
     "interrupt_only_the_cell",
-    "record_output",
     "process_alive",
 ]
 
@@ -67,7 +68,12 @@ class RankRunError(RuntimeError):
     same traceback on several ranks once)."""
 
     def __init__(
-        self, failures: list[RankFailure], interrupted: list[int], killed: list[int], must_restart: bool
+        self,
+        failures: list[RankFailure],
+        interrupted: list[int],
+        killed: list[int],
+        must_restart: bool,
+        grace: float = GRACE,
     ) -> None:
         #: Every rank's own failure, the first seen first.
         self.failures = list(failures)
@@ -75,16 +81,17 @@ class RankRunError(RuntimeError):
         self.interrupted = interrupted
         self.killed = killed
         self.must_restart = must_restart
+        self.grace = grace
         super().__init__(self.headline())
 
     def headline(self, state: bool = True) -> str:
         """One line: what failed (ranks with the same failure together), what was done to the others, and
         (``state``) whether the cluster is usable."""
-        parts = [f"{_rank_s(ranks)} {summary}" for summary, ranks in _grouped(self.failures, "summary")]
+        parts = [_rank_s(ranks, summary) for summary, ranks in _grouped(self.failures, "summary")]
         if self.interrupted:
             parts.append(f"interrupted {_rank_s(self.interrupted)}")
         if self.killed:
-            parts.append(f"killed {_rank_s(self.killed)} (did not stop within {GRACE:g} s of SIGINT)")
+            parts.append(f"killed {_rank_s(self.killed)} (did not stop within {self.grace:g} s of SIGINT)")
         if state and self.must_restart:
             parts.append("the cluster must be restarted: %vgpu_cluster restart")
         elif state:
@@ -109,73 +116,30 @@ def _grouped(failures: list[RankFailure], key: str) -> list[tuple[Any, list[int]
     return list(groups.items())
 
 
-def _rank_s(ranks: list[int]) -> str:
-    """``"rank 0"`` or ``"ranks 0, 1"``, in rank order."""
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in sorted(ranks))}"
+def _rank_s(ranks: list[int], said: str = "") -> str:
+    """``"rank 0"`` or ``"ranks 0, 1"``, in rank order; followed by what is ``said`` of them, a leading "was"
+    agreeing (``"ranks 1, 2 were killed by SIGABRT"``)."""
+    several = len(ranks) > 1
+    if several and said.startswith("was "):
+        said = "were " + said[4:]
+    return f"rank{'s' if several else ''} {', '.join(str(r) for r in sorted(ranks))}{' ' if said else ''}{said}"
 
 
-def _killed(ranks: list[int]) -> str:
+def _killed(ranks: list[int], grace: float) -> str:
     """``"rank 0 did not stop within 3 s of SIGINT and was killed"``."""
     were = "were" if len(ranks) > 1 else "was"
-    return f"{_rank_s(ranks)} did not stop within {GRACE:g} s of SIGINT and {were} killed"
+    return _rank_s(ranks, f"did not stop within {grace:g} s of SIGINT and {were} killed")
+
+
+class RanksInterrupted(KeyboardInterrupt):
+    """The kernel was interrupted during a run: IPython shows one line, which ranks were interrupted (and
+    killed), not the way the interrupt came through the kernel."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"KeyboardInterrupt: {self}"]
 
 
 # -- watching the ranks ---------------------------------------------------------------
-
-
-class LineStream:
-    """Whole lines of one rank's stream, labelled, each as a terminal leaves it; the partial tail waits
-    (:meth:`end` shows it)."""
-
-    def __init__(self, label: str, out: TextIO, shown: Callable[[str], bool] = lambda line: True) -> None:
-        self.label = label
-        self.out = out
-        self.shown = shown
-        self.tail = ""
-
-    def feed(self, text: str) -> None:
-        """The next of what the rank wrote."""
-        *lines, self.tail = (self.tail + text).split("\n")
-        self._write(lines)
-
-    def end(self) -> None:
-        """The rank is done: its last line, even unfinished."""
-        if self.tail:
-            self._write([self.tail])
-            self.tail = ""
-
-    def _write(self, lines: list[str]) -> None:
-        text = "".join(f"{self.label}{line}\n" for line in map(as_terminal_shows, lines) if self.shown(line))
-        if text:
-            self.out.write(text)
-            self.out.flush()
-
-
-def as_terminal_shows(line: str) -> str:
-    """The text a terminal shows for ``line``: each ``\\r`` returns to the start,
-    and what follows overwrites what was there (``'10/30\\r20/30'`` -> ``'20/30'``)."""
-    shown = ""
-    for part in line.split("\r"):
-        shown = part + shown[len(part) :]
-    return shown
-
-
-def show_display(rank: int, content: dict[str, Any], out: TextIO) -> None:
-    """What rank ``rank`` displayed (``display_data``: HTML, an image, a rich table, a widget): in a notebook a
-    ``[rank r]`` line then the output itself, in a terminal its text, labelled. In a kernel ipyparallel relays
-    a rank's widget messages to the front end, so a widget (a ``tqdm.auto`` bar) is live there."""
-    from IPython import get_ipython
-
-    data = content.get("data") or {}
-    shell = get_ipython()
-    if getattr(shell, "kernel", None) is None or set(data) <= {"text/plain"}:
-        lines = str(data.get("text/plain", "")).splitlines() or [""]
-        out.write("".join(f"[rank {rank}] {as_terminal_shows(line)}\n" for line in lines))
-        out.flush()
-        return
-    out.write(f"[rank {rank}]\n")
-    out.flush()
-    shell.display_pub.publish(data=data, metadata={**(content.get("metadata") or {}), "rank": rank})
 
 
 @dataclass
@@ -234,12 +198,14 @@ class RankRun:
         self.trace = None  # the run's MemoryTrace, once it ended
         self.killed: list[int] = []
         self._seen: dict[int, int] = {}  # how many of each rank's output events were shown
+        #: Seconds a rank has to come back after SIGINT: a launch's, its process' too.
+        self.grace = GRACE + (INTERRUPT_GRACE if self.launched else 0.0)
 
     def _emit(self, results: list[Any], streams: list[tuple[LineStream, LineStream]], final: bool = False) -> None:
         for rank, (ar, (out, err)) in enumerate(zip(results, streams)):
             seen = self._seen.get(rank, 0)
             # Read once: the list grows on ipyparallel's thread meanwhile.
-            new = _events(ar)[seen:]
+            new = events(ar)[seen:]
             self._seen[rank] = seen + len(new)
             for kind, content in new:
                 if kind == "display":
@@ -260,7 +226,7 @@ class RankRun:
         while waiting and time.monotonic() - since < OUTPUT_WAIT:
             self._emit(results, streams)
             waiting = [rank for rank in waiting if not results[rank].wait_for_output(0)]
-            count = sum(len(_events(results[rank])) for rank in waiting)
+            count = sum(len(events(results[rank])) for rank in waiting)
             if count != arrived:
                 arrived, since = count, time.monotonic()
             time.sleep(POLL if waiting else 0)
@@ -312,7 +278,7 @@ class RankRun:
         running = [r for r, ar in enumerate(results) if r not in done and not _settled(ar) and self._alive(r)]
         for rank in running:
             self.procs.signal(rank, signal.SIGINT)
-        deadline = time.monotonic() + GRACE
+        deadline = time.monotonic() + self.grace
         while time.monotonic() < deadline and any(not _settled(results[r]) and self._alive(r) for r in running):
             time.sleep(POLL)
         stuck = [r for r in running if not _settled(results[r]) and self._alive(r)]
@@ -341,9 +307,9 @@ class RankRun:
         interrupt): the ranks that died or were killed; ``None`` when it is still usable (another rank's error
         alone, which started the stop, leaves it so)."""
         died = [f for f in getattr(exc, "failures", ()) if f.kind == "died"]
-        reasons = [f"{_rank_s(ranks)} {summary}" for summary, ranks in _grouped(died, "summary")]
+        reasons = [_rank_s(ranks, summary) for summary, ranks in _grouped(died, "summary")]
         if self.killed:
-            reasons.append(_killed(self.killed))
+            reasons.append(_killed(self.killed, self.grace))
         return "; ".join(reasons) or None
 
     def run(self) -> list[Any]:
@@ -400,12 +366,13 @@ class RankRun:
                     [ar for ar in results if not ar.ready()], timeout=POLL, return_when=futures.FIRST_COMPLETED
                 )
         except KeyboardInterrupt:
-            _, killed = self._stop_others(results, set(failures))
+            running, killed = self._stop_others(results, set(failures))
             self._drain(results, streams)
             self.trace = memory.finish(interrupted=True)
+            said = [f"interrupted {_rank_s(running)}" if running else "no rank was running"]
             if killed:
-                self.stderr.write(f"{_killed(killed)}; the cluster must be restarted: %vgpu_cluster restart\n")
-            raise
+                said.append(f"{_killed(killed, self.grace)}; the cluster must be restarted: %vgpu_cluster restart")
+            raise RanksInterrupted("; ".join(said)) from None
         interrupted: list[int] = []
         killed: list[int] = []
         if failures or timed_out:
@@ -425,42 +392,8 @@ class RankRun:
                 held_back = held.this_run.get(failure.rank, ())
                 self.stderr.write("".join(f"[rank {failure.rank}] {line}\n" for line in held_back))
             must_restart = bool(killed) or any(f.kind == "died" for f in every)
-            raise RankRunError(every, interrupted, killed, must_restart)
+            raise RankRunError(every, interrupted, killed, must_restart, self.grace)
         return results
-
-
-def _events(ar: Any) -> list[tuple[str, Any]]:
-    """What the rank of ``ar`` sent so far, in order (:func:`record_output`)."""
-    children = getattr(ar, "_children", None) or [ar]
-    return getattr(children[0], "output_events", [])
-
-
-def record_output(client: Any) -> None:
-    """Make ``client`` keep each request's output as it arrives, in the order the engine sent it, as
-    ``output_events``: ``("stdout" | "stderr", text)`` and ``("display", content)``. ipyparallel keeps a
-    request's displays apart from its streams, and each stream as one text it copies whole at each message
-    (quadratic: a rank that printed a million lines fell seconds behind); that text is emptied as it is
-    recorded. The record starts when the request's future is made, before the request is sent."""
-    create = client.create_message_futures
-
-    def create_recorded(msg_id: str, *args: Any, **kwargs: Any) -> list[Any]:
-        futures = create(msg_id, *args, **kwargs)
-        events: list[tuple[str, Any]] = []
-        metadata = client.metadata[msg_id]
-
-        def record(msg: dict) -> None:
-            kind, content = msg["header"]["msg_type"], msg["content"]
-            if kind == "stream":
-                events.append((content["name"], content["text"]))
-                metadata[content["name"]] = ""
-            elif kind == "display_data":
-                events.append(("display", content))
-
-        futures[0].output_events = events
-        futures[0].iopub_callbacks.append(record)
-        return futures
-
-    client.create_message_futures = create_recorded
 
 
 def _settled(ar: Any) -> bool:

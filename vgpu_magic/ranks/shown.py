@@ -1,7 +1,9 @@
 """What of a rank's output reaches the notebook: each rank gets its framework's quiet log settings where the
 user set none (:func:`rank_env`); the start-up lines no setting silences (the framework's ``chatter``) are held
 back per rank (:class:`HeldBack`; ``%vgpu_cluster log RANK``, and a failing rank's with its traceback);
-``verbose`` shows everything. A rank's traceback names the notebook's cell (:func:`notebook_traceback`).
+``verbose`` shows everything. A rank's traceback names the notebook's cell (:func:`notebook_traceback`). Its
+output is recorded as it arrives (:func:`record_output`) and shown in whole lines labelled with its rank
+(:class:`LineStream`), its displays in their place among them (:func:`show_display`).
 """
 
 from __future__ import annotations
@@ -9,9 +11,20 @@ from __future__ import annotations
 import os
 import re
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, TextIO
 
-__all__ = ["HELD_LINES", "HeldBack", "rank_env", "notebook_traceback"]
+__all__ = [
+    "HELD_LINES",
+    "HeldBack",
+    "LineStream",
+    "as_terminal_shows",
+    "events",
+    "notebook_traceback",
+    "rank_env",
+    "record_output",
+    "show_display",
+]
 
 #: Lines held back per rank (the oldest go first).
 HELD_LINES = 2000
@@ -69,3 +82,92 @@ def notebook_traceback(text: str, count: int | None) -> list[str]:
         return f"{cell}In[{count}]" if count is not None else re.sub(r"\s", "", cell)
 
     return _COUNT.sub(shown, text).splitlines()
+
+
+class LineStream:
+    """Whole lines of one rank's stream, labelled, each as a terminal leaves it; the partial tail waits
+    (:meth:`end` shows it)."""
+
+    def __init__(self, label: str, out: TextIO, shown: Callable[[str], bool] = lambda line: True) -> None:
+        self.label = label
+        self.out = out
+        self.shown = shown
+        self.tail = ""
+
+    def feed(self, text: str) -> None:
+        """The next of what the rank wrote."""
+        *lines, self.tail = (self.tail + text).split("\n")
+        self._write(lines)
+
+    def end(self) -> None:
+        """The rank is done: its last line, even unfinished."""
+        if self.tail:
+            self._write([self.tail])
+            self.tail = ""
+
+    def _write(self, lines: list[str]) -> None:
+        text = "".join(f"{self.label}{line}\n" for line in map(as_terminal_shows, lines) if self.shown(line))
+        if text:
+            self.out.write(text)
+            self.out.flush()
+
+
+def as_terminal_shows(line: str) -> str:
+    """The text a terminal shows for ``line``: each ``\\r`` returns to the start,
+    and what follows overwrites what was there (``'10/30\\r20/30'`` -> ``'20/30'``)."""
+    shown = ""
+    for part in line.split("\r"):
+        shown = part + shown[len(part) :]
+    return shown
+
+
+def show_display(rank: int, content: dict[str, Any], out: TextIO) -> None:
+    """What rank ``rank`` displayed (``display_data``: HTML, an image, a rich table, a widget): in a notebook a
+    ``[rank r]`` line then the output itself, in a terminal its text, labelled. In a kernel ipyparallel relays
+    a rank's widget messages to the front end, so a widget (a ``tqdm.auto`` bar) is live there."""
+    from IPython import get_ipython
+
+    data = content.get("data") or {}
+    shell = get_ipython()
+    if getattr(shell, "kernel", None) is None or set(data) <= {"text/plain"}:
+        lines = str(data.get("text/plain", "")).splitlines() or [""]
+        out.write("".join(f"[rank {rank}] {as_terminal_shows(line)}\n" for line in lines))
+        out.flush()
+        return
+    out.write(f"[rank {rank}]\n")
+    out.flush()
+    shell.display_pub.publish(data=data, metadata={**(content.get("metadata") or {}), "rank": rank})
+
+
+def events(ar: Any) -> list[tuple[str, Any]]:
+    """What the rank of ``ar`` sent so far, in order (:func:`record_output`)."""
+    children = getattr(ar, "_children", None) or [ar]
+    return getattr(children[0], "output_events", [])
+
+
+def record_output(client: Any) -> None:
+    """Make ``client`` keep each request's output as it arrives, in the order the engine sent it, as
+    ``output_events``: ``("stdout" | "stderr", text)`` and ``("display", content)``. ipyparallel keeps a
+    request's displays apart from its streams, and each stream as one text it copies whole at each message
+    (quadratic: a rank that printed a million lines fell seconds behind); that text is emptied as it is
+    recorded. The record starts when the request's future is made, before the request is sent."""
+    create = client.create_message_futures
+
+    def create_recorded(msg_id: str, *args: Any, **kwargs: Any) -> list[Any]:
+        futures = create(msg_id, *args, **kwargs)
+        events: list[tuple[str, Any]] = []
+        metadata = client.metadata[msg_id]
+
+        def record(msg: dict) -> None:
+            kind, content = msg["header"]["msg_type"], msg["content"]
+            if kind == "stream":
+                events.append((content["name"], content["text"]))
+                metadata[content["name"]] = ""
+            elif kind == "display_data":
+                events.append(("display", content))
+
+        futures[0].output_events = events
+        futures[0].iopub_callbacks.append(record)
+        return futures
+
+    client.create_message_futures = create_recorded
