@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 from support import kernel_errors, kernel_run, kernel_stdout, kernel_stream, started_kernel
+from vgpu_magic.ranks.shown import as_terminal_shows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -192,3 +193,39 @@ def test_a_launched_rank_is_given_what_torchrun_gives_it(kernel, tmp_path):
         assert differ == {}
         assert (ours["handlers"], ours["masks"]) == (theirs["handlers"], theirs["masks"])
         assert ours["argv"] == ["dump.py", "ours"] and theirs["argv"] == ["dump.py", "torchrun"]
+
+
+def test_a_progress_bar_on_stderr_is_live_and_not_an_error(kernel, tmp_path):
+    """Issue 37, row 5: a plain ``from tqdm import tqdm`` bar did not move for the whole run, then both finished
+    bars arrived at the end in the notebook's stderr (an error-coloured box)."""
+    _, kc = kernel
+    script = tmp_path / "bar.py"
+    script.write_text("import time\nfrom tqdm import tqdm\nfor step in tqdm(range(40)):\n    time.sleep(0.05)\n")
+    reply = kernel_run(kc, f"%vgpu_run --no-plot {script}")
+    assert not kernel_errors(reply), kernel_errors(reply)
+    assert kernel_stream(reply, "stderr") == ""
+    for rank in (0, 1):
+        # The bar came in pieces as it moved, each over the last.
+        updates = [m["content"]["text"] for m in reply if m["msg_type"] == "stream" and "%|" in m["content"]["text"]]
+        assert len([text for text in updates if f"[rank {rank}]" in text]) >= 2 and "\r" in "".join(updates)
+    shown = [as_terminal_shows(line) for line in kernel_stdout(reply).split("\n")]
+    assert sorted(line.split("|")[0] for line in shown if "40/40" in line) == ["[rank 0] 100%", "[rank 1] 100%"]
+
+
+def test_a_failing_ranks_traceback_is_shown_once_under_its_own_label(kernel, tmp_path):
+    """Issue 37, row 6: a failing rank's traceback streamed live, then again above the RankRunError; torch's own
+    label doubled ours (``[rank 1] [rank1]:``)."""
+    _, kc = kernel
+    script = tmp_path / "ddp.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\nt = torch.ones(1)\n"
+        "for step in range(100):\n    if step == 5 and dist.get_rank() == 1:\n"
+        "        raise ValueError('bad batch')\n    dist.all_reduce(t)\n"
+    )
+    reply = kernel_run(kc, f"%vgpu_run --no-plot {script}")
+    [error] = [m["content"] for m in reply if m["msg_type"] == "error"]
+    assert error["traceback"][-1].startswith("RankRunError: rank 1 exited with status 1;")
+    everything = kernel_stdout(reply) + kernel_stream(reply, "stderr") + "\n".join(error["traceback"])
+    assert everything.count("ValueError: bad batch") == 1
+    assert "[rank 1] ValueError: bad batch" in kernel_stdout(reply)
+    assert "[rank1]:" not in everything and "[rank0]:" not in everything

@@ -21,7 +21,7 @@ from vgpu_magic.grammar import parse_memory
 from vgpu_magic.inventory import GPUInfo
 from vgpu_magic.layout import HostReport, layout_ranks
 from vgpu_magic.ranks.names import UnsendableName, names_to_send, pack_names, split_last_expression
-from vgpu_magic.ranks.shown import LineStream
+from vgpu_magic.ranks.shown import LineStream, as_terminal_shows
 
 GIB_MIB = 1024
 GIB = 1024**3
@@ -358,21 +358,35 @@ def test_an_unpicklable_name_is_named():
 
 
 def test_carriage_returns_show_as_a_terminal_shows_them():
-    from vgpu_magic.ranks.shown import as_terminal_shows
 
     assert as_terminal_shows("progress 1/30\rprogress 30/30") == "progress 30/30"
     assert as_terminal_shows("long line\rshort") == "shortline"
     assert as_terminal_shows("done\r") == "done"
-    # A bar's updates arrive in pieces, one "\r" each: its line shows once, as it was left.
+    # A bar's updates arrive in pieces, one "\r" each: shown as they come, each over the last, as a terminal does.
     out = io.StringIO()
     stream = LineStream("[rank 0] ", out)
     for i in range(30):
         stream.feed(f"\rprogress {i + 1}/30")
+        assert [as_terminal_shows(line) for line in out.getvalue().split("\n")] == [f"[rank 0] progress {i + 1}/30"]
     stream.feed("\nnext line\n")
     stream.feed("last")
-    assert out.getvalue().splitlines() == ["[rank 0] progress 30/30", "[rank 0] next line"]
     stream.end()
-    assert out.getvalue().splitlines()[-1] == "[rank 0] last"
+    shown = [as_terminal_shows(line) for line in out.getvalue().split("\n")]
+    assert shown == ["[rank 0] progress 30/30", "[rank 0] next line", "[rank 0] last", ""]
+
+
+def test_a_bar_under_way_is_left_below_another_ranks_line_and_torchs_own_label_is_left_out():
+    out, live = io.StringIO(), {}
+    zero, one = (LineStream(f"[rank {r}] ", out, theirs=f"[rank{r}]:", live=live) for r in range(2))
+    zero.feed("\r 50%|#####     |")
+    one.feed("[rank1]: Traceback (most recent call last):\n")
+    zero.feed("\r100%|##########|\n")
+    assert [as_terminal_shows(line) for line in out.getvalue().split("\n")] == [
+        "[rank 0]  50%|#####     |",
+        "[rank 1] Traceback (most recent call last):",
+        "[rank 0] 100%|##########|",
+        "",
+    ]
 
 
 def test_last_expression_is_captured():

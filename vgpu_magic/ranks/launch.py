@@ -3,9 +3,9 @@
 
 The engine on each host is the launcher's agent (torchrun's design): :func:`run_rank` starts the script as the
 engine's child, in the kernel's folder, with the rank's plan and ``sys.argv = [FILE, *ARGS]``; streams its
-output; and reports a non-zero end as a launcher does (``exited with status 3``, ``was killed by SIGSEGV``) with
-the last lines of its stderr. Interrupted, it passes SIGINT on to the child, as torchrun's agent does, and kills
-it after :data:`INTERRUPT_GRACE` s; the child dies with its engine. Each engine keeps a *spare*: a child started
+output; and reports a non-zero end as a launcher does (``exited with status 3``, ``was killed by SIGSEGV``).
+Interrupted, it passes SIGINT on to the child, as torchrun's agent does, and kills it after
+:data:`INTERRUPT_GRACE` s; the child dies with its engine. Each engine keeps a *spare*: a child started
 in the background with the framework imported and nothing of the user's, waiting for its launch (:func:`child`).
 A spare is not used where it would run the script otherwise than a new process: started with another environment
 than the launch's (outside the plan's per-run ports and ids), before packages were installed, or with the framework
@@ -15,7 +15,6 @@ imported for a script that sets environment variables before it imports it (thos
 from __future__ import annotations
 
 import codecs
-import collections
 import contextlib
 import json
 import os
@@ -34,14 +33,12 @@ __all__ = ["INTERRUPT_GRACE", "ProcessExited", "child", "kernel_environ", "launc
 INTERRUPT_GRACE = 30.0
 #: Seconds to wait for the rest of the output once the process exited (a grandchild may hold its pipes).
 DRAIN = 1.0
-#: Lines of stderr a failure report quotes.
-TAIL_LINES = 20
 #: What a spare runs (``python -c``: nothing of the user's folder on ``sys.path``, ``sys.flags`` as plain ``python``).
 _CHILD = "from vgpu_magic.ranks.launch import child; child()"
 
 
 class ProcessExited(RuntimeError):
-    """The rank's process ended with a non-zero status: how (first line), then the last of its stderr."""
+    """The rank's process ended with a non-zero status: how."""
 
 
 def kernel_environ() -> tuple[str, dict[str, str]]:
@@ -204,15 +201,15 @@ def run_rank(request: dict[str, Any]) -> int:
         # PWD as a shell that ran the launcher there sets it.
         proc.control.sendall(json.dumps({**launch, "env": {**proc.base, "PWD": cwd, **plan_env}}).encode())
         proc.control.shutdown(socket.SHUT_WR)
-        code, tail = _follow(proc.popen)
+        code = _follow(proc.popen)
     finally:
         signal.signal(signal.SIGINT, outside)
         proc.control.close()
         _spare = _start(plan_env, preload, request["environ"]) if request["spare"] else None
     if code == 0:
         return proc.popen.pid
-    # No PID in the first line: ranks that ended alike are reported together.
-    raise ProcessExited("\n".join([how_it_ended(code), *tail]))
+    # No PID: ranks that ended alike are reported together. What it wrote (its traceback) was shown as it wrote it.
+    raise ProcessExited(how_it_ended(code))
 
 
 def how_it_ended(code: int) -> str:
@@ -220,12 +217,9 @@ def how_it_ended(code: int) -> str:
     return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
 
 
-def _follow(popen: subprocess.Popen) -> tuple[int, list[str]]:
-    """Copy the child's stdout and stderr to this process' own until it exits: its exit status and the last
-    lines of its stderr. Interrupted, interrupt the child (SIGINT), and kill it after :data:`INTERRUPT_GRACE` s."""
-    from .shown import as_terminal_shows
-
-    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES + 1)
+def _follow(popen: subprocess.Popen) -> int:
+    """Copy the child's stdout and stderr to this process' own until it exits: its exit status. Interrupted,
+    interrupt the child (SIGINT), and kill it after :data:`INTERRUPT_GRACE` s."""
     selector = selectors.DefaultSelector()
     for pipe, out in ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr)):
         selector.register(pipe, selectors.EVENT_READ, (out, codecs.getincrementaldecoder("utf-8")("replace")))
@@ -240,9 +234,6 @@ def _follow(popen: subprocess.Popen) -> tuple[int, list[str]]:
             if text:
                 # Not flushed: the engine sends what gathered at its own pace, not one message per read.
                 out.write(text)
-            if text and out is sys.stderr:
-                lines = ((tail.pop() if tail else "") + text).split("\n")
-                tail.extend(lines)
 
     try:
         while popen.poll() is None:
@@ -272,8 +263,7 @@ def _follow(popen: subprocess.Popen) -> tuple[int, list[str]]:
         selector.close()
         for pipe in (popen.stdout, popen.stderr):
             pipe.close()
-    lines = [as_terminal_shows(line) for line in tail if line.strip()]
-    return popen.wait(), lines[-TAIL_LINES:]
+    return popen.wait()
 
 
 # -- in the launched process --------------------------------------------------------

@@ -251,9 +251,8 @@ class RankRun:
         if ename == "EngineError" or not self._alive(rank):
             return self._death(rank)
         if ename == "ProcessExited":
-            # A launched script's process (:mod:`.launch`): how it ended, then the last it wrote to stderr.
-            how, *tail = str(evalue).splitlines()
-            return RankFailure(rank, "error", how, tuple(tail) or (how,))
+            # A launched script's process (:mod:`.launch`): how it ended; its traceback was shown as it wrote it.
+            return RankFailure(rank, "error", str(evalue))
         # The headline is one line; the whole message is in the traceback.
         first = (str(evalue).strip().splitlines() or [""])[0]
         return RankFailure(rank, "error", f"raised {ename}: {first}".rstrip(": "), tb)
@@ -318,9 +317,13 @@ class RankRun:
         held = self.held or HeldBack()
         held.mark()
 
+        live: dict = {}
+
         def line_streams(rank: int) -> tuple[LineStream, LineStream]:
+            # stderr with stdout, as a terminal shows both (not as errors: the run's own error says if it failed).
             label, shown = f"[rank {rank}] ", lambda line: held.shown(rank, line)
-            return LineStream(label, self.stdout, shown), LineStream(label, self.stderr, shown)
+            streams = (LineStream(label, self.stdout, shown, f"[rank{rank}]:", live) for _ in range(2))
+            return tuple(streams)
 
         streams = [line_streams(r) for r in range(n)]
         memory = RankMonitor(

@@ -85,30 +85,55 @@ def notebook_traceback(text: str, count: int | None) -> list[str]:
 
 
 class LineStream:
-    """Whole lines of one rank's stream, labelled, each as a terminal leaves it; the partial tail waits
-    (:meth:`end` shows it)."""
+    """One rank's stream as a terminal shows it: whole lines, labelled, each as a terminal leaves it; an
+    unfinished line that returns to its start (a progress bar's ``\r``) is shown as it goes, each update over the
+    last (over another rank's too, as on torchrun's terminal); a whole line of another rank leaves it standing
+    (``live``, shared by the streams of one ``out``, says whose line is unfinished). ``theirs``: the framework's
+    own label of the rank's lines, left out (torch's ``[rank1]:``)."""
 
-    def __init__(self, label: str, out: TextIO, shown: Callable[[str], bool] = lambda line: True) -> None:
+    def __init__(
+        self,
+        label: str,
+        out: TextIO,
+        shown: Callable[[str], bool] = lambda line: True,
+        theirs: str = "",
+        live: dict | None = None,
+    ) -> None:
         self.label = label
         self.out = out
         self.shown = shown
+        self.theirs = theirs
+        self.live = {} if live is None else live
         self.tail = ""
 
     def feed(self, text: str) -> None:
         """The next of what the rank wrote."""
         *lines, self.tail = (self.tail + text).split("\n")
-        self._write(lines)
+        self._write([f"{self.label}{self._text(line)}\n" for line in lines if self.shown(line)], bool(lines))
+        if "\r" in self.tail:
+            self._write([f"{self.label}{self._text(self.tail)}"], False, over=True)
+            self.live["by"] = self
 
     def end(self) -> None:
         """The rank is done: its last line, even unfinished."""
         if self.tail:
-            self._write([self.tail])
+            self._write([f"{self.label}{self._text(self.tail)}\n"], True)
             self.tail = ""
 
-    def _write(self, lines: list[str]) -> None:
-        text = "".join(f"{self.label}{line}\n" for line in map(as_terminal_shows, lines) if self.shown(line))
-        if text:
-            self.out.write(text)
+    def _text(self, line: str) -> str:
+        line = as_terminal_shows(line)
+        return line.removeprefix(f"{self.theirs} ").removeprefix(self.theirs) if self.theirs else line
+
+    def _write(self, lines: list[str], ends: bool, over: bool = False) -> None:
+        """Write ``lines``; ``ends``: a line of this stream ended (its unfinished one, if shown, with it);
+        ``over``: an unfinished line, over whichever is shown."""
+        owner = self.live.get("by")
+        if owner is not None and (lines or ends):
+            # Over this stream's unfinished line (any, for a bar's update); below another's.
+            lines.insert(0, "\r" if (owner is self or over) and lines else "\n")
+            del self.live["by"]
+        if lines:
+            self.out.write("".join(lines))
             self.out.flush()
 
 
