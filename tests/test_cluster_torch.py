@@ -201,6 +201,8 @@ def test_a_name_deleted_on_the_ranks_or_never_assigned_is_sent_again(shell, rank
 
 
 def test_progress_lines_show_their_final_text(shell, ranks, capsys):
+    from vgpu_magic.ranks.shown import as_terminal_shows
+
     # Issue 16, defect 3: this showed "[rank 0] progress 0/300".
     shell.run_cell_magic(
         "vgpu_run",
@@ -208,7 +210,8 @@ def test_progress_lines_show_their_final_text(shell, ranks, capsys):
         "import time\nfor i in range(30):\n    print(f'\\rprogress {i + 1}/30', end='', flush=True)\n"
         "    time.sleep(0.01)\nprint()\nprint('after')",
     )
-    lines = capsys.readouterr().out.splitlines()
+    # As a terminal (or a notebook) shows the output: each line as its last "\r" left it.
+    lines = [as_terminal_shows(line) for line in capsys.readouterr().out.split("\n")]
     for rank in range(2):
         assert [line for line in lines if line.startswith(f"[rank {rank}]")] == [
             f"[rank {rank}] progress 30/30",

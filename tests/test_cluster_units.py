@@ -375,14 +375,13 @@ def test_carriage_returns_show_as_a_terminal_shows_them():
     assert shown == ["[rank 0] progress 30/30", "[rank 0] next line", "[rank 0] last", ""]
 
 
-def test_a_bar_under_way_is_left_below_another_ranks_line_and_torchs_own_label_is_left_out():
+def test_a_bar_under_way_is_drawn_again_below_another_ranks_line_and_torchs_own_label_is_left_out():
     out, live = io.StringIO(), {}
     zero, one = (LineStream(f"[rank {r}] ", out, theirs=f"[rank{r}]:", live=live) for r in range(2))
     zero.feed("\r 50%|#####     |")
     one.feed("[rank1]: Traceback (most recent call last):\n")
     zero.feed("\r100%|##########|\n")
     assert [as_terminal_shows(line) for line in out.getvalue().split("\n")] == [
-        "[rank 0]  50%|#####     |",
         "[rank 1] Traceback (most recent call last):",
         "[rank 0] 100%|##########|",
         "",

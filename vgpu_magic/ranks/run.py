@@ -35,7 +35,6 @@ __all__ = [
     "RankFailure",
     "RankRunError",
     "RankRun",
-    "RanksInterrupted",
     "interrupt_only_the_cell",
     "process_alive",
 ]
@@ -129,14 +128,6 @@ def _killed(ranks: list[int], grace: float) -> str:
     """``"rank 0 did not stop within 3 s of SIGINT and was killed"``."""
     were = "were" if len(ranks) > 1 else "was"
     return _rank_s(ranks, f"did not stop within {grace:g} s of SIGINT and {were} killed")
-
-
-class RanksInterrupted(KeyboardInterrupt):
-    """The kernel was interrupted during a run: IPython shows one line, which ranks were interrupted (and
-    killed), not the way the interrupt came through the kernel."""
-
-    def _render_traceback_(self) -> list[str]:
-        return [f"KeyboardInterrupt: {self}"]
 
 
 # -- watching the ranks ---------------------------------------------------------------
@@ -375,7 +366,10 @@ class RankRun:
             said = [f"interrupted {_rank_s(running)}" if running else "no rank was running"]
             if killed:
                 said.append(f"{_killed(killed, self.grace)}; the cluster must be restarted: %vgpu_cluster restart")
-            raise RanksInterrupted("; ".join(said)) from None
+            interrupt = KeyboardInterrupt("; ".join(said))
+            # IPython shows this one line, not the way the interrupt came through the kernel and vgpu_magic.
+            interrupt._render_traceback_ = lambda: [f"KeyboardInterrupt: {interrupt}"]
+            raise interrupt from None
         interrupted: list[int] = []
         killed: list[int] = []
         if failures or timed_out:

@@ -87,9 +87,9 @@ def notebook_traceback(text: str, count: int | None) -> list[str]:
 class LineStream:
     """One rank's stream as a terminal shows it: whole lines, labelled, each as a terminal leaves it; an
     unfinished line that returns to its start (a progress bar's ``\r``) is shown as it goes, each update over the
-    last (over another rank's too, as on torchrun's terminal); a whole line of another rank leaves it standing
-    (``live``, shared by the streams of one ``out``, says whose line is unfinished). ``theirs``: the framework's
-    own label of the rank's lines, left out (torch's ``[rank1]:``)."""
+    last, and over another rank's, as on torchrun's terminal; a whole line takes the unfinished one's place, which
+    its next update draws again below (``live``, shared by the streams of one ``out``, says whose line is
+    unfinished). ``theirs``: the framework's own label of the rank's lines, left out (torch's ``[rank1]:``)."""
 
     def __init__(
         self,
@@ -111,7 +111,7 @@ class LineStream:
         *lines, self.tail = (self.tail + text).split("\n")
         self._write([f"{self.label}{self._text(line)}\n" for line in lines if self.shown(line)], bool(lines))
         if "\r" in self.tail:
-            self._write([f"{self.label}{self._text(self.tail)}"], False, over=True)
+            self._write([f"{self.label}{self._text(self.tail)}"], False)
             self.live["by"] = self
 
     def end(self) -> None:
@@ -124,13 +124,12 @@ class LineStream:
         line = as_terminal_shows(line)
         return line.removeprefix(f"{self.theirs} ").removeprefix(self.theirs) if self.theirs else line
 
-    def _write(self, lines: list[str], ends: bool, over: bool = False) -> None:
-        """Write ``lines``; ``ends``: a line of this stream ended (its unfinished one, if shown, with it);
-        ``over``: an unfinished line, over whichever is shown."""
+    def _write(self, lines: list[str], ends: bool) -> None:
+        """Write ``lines``; ``ends``: a line of this stream ended (its unfinished one, if shown, with it)."""
         owner = self.live.get("by")
         if owner is not None and (lines or ends):
-            # Over this stream's unfinished line (any, for a bar's update); below another's.
-            lines.insert(0, "\r" if (owner is self or over) and lines else "\n")
+            # Over the unfinished line; where nothing is written, that line stays.
+            lines.insert(0, "\r" if lines else "\n")
             del self.live["by"]
         if lines:
             self.out.write("".join(lines))
