@@ -18,6 +18,7 @@ import codecs
 import contextlib
 import json
 import os
+import re
 import selectors
 import signal
 import socket
@@ -46,14 +47,7 @@ def kernel_environ() -> tuple[str, dict[str, str]]:
     return socket.gethostname(), dict(os.environ)
 
 
-def launch_request(
-    plan: Any,
-    path: str,
-    args: list[str],
-    cwd: str,
-    preload: list[str],
-    spare: bool = True,
-) -> dict[str, Any]:
+def launch_request(plan: Any, path: str, args: list[str], cwd: str, preload: list[str], spare: bool = True) -> dict:
     """What :func:`run_rank` needs to launch one rank with its :class:`~vgpu_magic.frameworks.base.RankPlan`
     (plain data, sent to its engine); ``preload``: the modules a spare imports; ``spare``: keep one for the
     next launch. The script makes its own call to join the others, as under its launcher."""
@@ -96,31 +90,16 @@ def _made(preload: list[str]) -> tuple:
     return (tuple(preload), tuple(os.stat(f).st_mtime_ns for f in folders if os.path.isdir(f)))
 
 
+#: ``os.environ[...] =``, ``environ.setdefault(`` or ``.update(``, ``putenv(``.
+_SETS_ENVIRONMENT = re.compile(rb"environ\s*\[[^]]*\]\s*=[^=]|environ\s*\.\s*(setdefault|update)\s*\(|putenv\s*\(")
+
+
 def _sets_environment(path: str) -> bool:
-    """Does the script at ``path`` set environment variables (``os.environ[...] = ``, ``.setdefault``, ``.update``,
-    ``putenv``)? Frameworks read theirs at import (``OMP_NUM_THREADS``, ``TORCH_LOGS``, ``JAX_ENABLE_X64``): such a
-    script must import its framework itself, as under plain ``python``."""
-    import ast
-
-    try:
-        with open(path, "rb") as source:
-            tree = ast.parse(source.read())
-    except (OSError, SyntaxError, ValueError):
-        return False  # the script's own run says what is wrong with it
-
-    def is_environ(node: ast.AST) -> bool:
-        return (isinstance(node, ast.Attribute) and node.attr == "environ") or (
-            isinstance(node, ast.Name) and node.id == "environ"
-        )
-
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) and is_environ(node.value):
-            return True
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            method = node.func
-            if method.attr == "putenv" or (method.attr in ("setdefault", "update") and is_environ(method.value)):
-                return True
-    return False
+    """Does the script at ``path`` set environment variables? Frameworks read theirs at import (``OMP_NUM_THREADS``,
+    ``TORCH_LOGS``, ``JAX_ENABLE_X64``): such a script imports its framework itself, as under plain ``python``."""
+    with contextlib.suppress(OSError), open(path, "rb") as source:
+        return bool(_SETS_ENVIRONMENT.search(source.read()))
+    return False  # the script's own run says what is wrong with it
 
 
 _spare: _Process | None = None
