@@ -81,7 +81,7 @@ def test_errors_that_land_just_after_a_look_are_not_taken_for_success():
     from vgpu_magic.ranks.run import RankProcesses, RankRun, RankRunError
 
     class Reply(futures.Future):
-        stdout = stderr = ""
+        output_events = ()
 
         def ready(self):
             done = self.done()
@@ -294,3 +294,15 @@ def test_a_start_returns_while_the_spares_import_and_a_launch_waits_for_them(mon
             if thread.ident is not None:
                 thread.join(150)
         ranks.stop()
+
+
+def test_ranks_that_ended_alike_are_said_in_agreement():
+    """Issue 37, row 14: "ranks 1, 2, 3 was killed by SIGABRT"."""
+    from vgpu_magic.ranks.run import RankFailure, RankRunError
+
+    failures = [RankFailure(r, "error", "was killed by SIGABRT", ("x",)) for r in (1, 2, 3)]
+    failures.append(RankFailure(0, "error", "was killed by SIGSEGV", ("x",)))
+    error = RankRunError(failures, [], [], must_restart=False)
+    assert (
+        str(error) == "ranks 1, 2, 3 were killed by SIGABRT; rank 0 was killed by SIGSEGV; the cluster is still usable"
+    )

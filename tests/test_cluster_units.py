@@ -21,7 +21,7 @@ from vgpu_magic.grammar import parse_memory
 from vgpu_magic.inventory import GPUInfo
 from vgpu_magic.layout import HostReport, layout_ranks
 from vgpu_magic.ranks.names import UnsendableName, names_to_send, pack_names, split_last_expression
-from vgpu_magic.ranks.run import LineStream
+from vgpu_magic.ranks.shown import LineStream, as_terminal_shows
 
 GIB_MIB = 1024
 GIB = 1024**3
@@ -358,21 +358,34 @@ def test_an_unpicklable_name_is_named():
 
 
 def test_carriage_returns_show_as_a_terminal_shows_them():
-    from vgpu_magic.ranks.run import as_terminal_shows
 
     assert as_terminal_shows("progress 1/30\rprogress 30/30") == "progress 30/30"
     assert as_terminal_shows("long line\rshort") == "shortline"
     assert as_terminal_shows("done\r") == "done"
-    # ipyparallel rewrites the collected text on "\r" (it can shrink): lines are counted, not characters.
+    # A bar's updates arrive in pieces, one "\r" each: shown as they come, each over the last, as a terminal does.
     out = io.StringIO()
     stream = LineStream("[rank 0] ", out)
-    text = ""
     for i in range(30):
-        text += f"\rprogress {i + 1}/30"
-        stream.feed(text.split("\r")[-1] if i % 2 else text)
-    stream.feed("progress 30/30\nnext line\n")
-    stream.feed("progress 30/30\nnext line\nlast", final=True)
-    assert out.getvalue().splitlines() == ["[rank 0] progress 30/30", "[rank 0] next line", "[rank 0] last"]
+        stream.feed(f"\rprogress {i + 1}/30")
+        assert [as_terminal_shows(line) for line in out.getvalue().split("\n")] == [f"[rank 0] progress {i + 1}/30"]
+    stream.feed("\nnext line\n")
+    stream.feed("last")
+    stream.end()
+    shown = [as_terminal_shows(line) for line in out.getvalue().split("\n")]
+    assert shown == ["[rank 0] progress 30/30", "[rank 0] next line", "[rank 0] last", ""]
+
+
+def test_a_bar_under_way_is_drawn_again_below_another_ranks_line_and_torchs_own_label_is_left_out():
+    out, live = io.StringIO(), {}
+    zero, one = (LineStream(f"[rank {r}] ", out, theirs=f"[rank{r}]:", live=live) for r in range(2))
+    zero.feed("\r 50%|#####     |")
+    one.feed("[rank1]: Traceback (most recent call last):\n")
+    zero.feed("\r100%|##########|\n")
+    assert [as_terminal_shows(line) for line in out.getvalue().split("\n")] == [
+        "[rank 1] Traceback (most recent call last):",
+        "[rank 0] 100%|##########|",
+        "",
+    ]
 
 
 def test_last_expression_is_captured():
@@ -385,8 +398,9 @@ def test_lines_are_labelled_whole_and_never_interleaved():
     zero, one = LineStream("[rank 0] ", out), LineStream("[rank 1] ", out)
     zero.feed("epoch 1 lo")
     one.feed("epoch 1 loss 0.5\nepo")
-    zero.feed("epoch 1 loss 0.4\n")
-    one.feed("epoch 1 loss 0.5\nepoch 2", final=True)
+    zero.feed("ss 0.4\n")
+    one.feed("ch 2")
+    one.end()
     assert out.getvalue().splitlines() == [
         "[rank 1] epoch 1 loss 0.5",
         "[rank 0] epoch 1 loss 0.4",
@@ -629,7 +643,7 @@ def test_a_failing_rank_is_summed_up_in_one_line():
 class _Pending(__import__("concurrent.futures").futures.Future):
     """A rank's AsyncResult as the fault policy reads it: a future with the rank's output so far."""
 
-    stdout = stderr = ""
+    output_events = ()
 
     def ready(self):
         return self.done()

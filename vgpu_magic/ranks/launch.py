@@ -3,20 +3,22 @@
 
 The engine on each host is the launcher's agent (torchrun's design): :func:`run_rank` starts the script as the
 engine's child, in the kernel's folder, with the rank's plan and ``sys.argv = [FILE, *ARGS]``; streams its
-output; and reports a non-zero end as a launcher does (``exited with status 3``, ``was killed by SIGSEGV``) with
-the last lines of its stderr. Interrupted, it stops the child (SIGTERM, SIGKILL after :data:`TERM_GRACE` s); the
-child dies with its engine. Each engine keeps a *spare*: a child started in the background with the framework
-imported and nothing of the user's, waiting for its launch (:func:`child`); one started with another environment
-than the launch's (outside the plan's per-run ports and ids) is not used.
+output; and reports a non-zero end as a launcher does (``exited with status 3``, ``was killed by SIGSEGV``).
+Interrupted, it passes SIGINT on to the child, as torchrun's agent does, and kills it after
+:data:`INTERRUPT_GRACE` s; the child dies with its engine. Each engine keeps a *spare*: a child started
+in the background with the framework imported and nothing of the user's, waiting for its launch (:func:`child`).
+A spare is not used where it would run the script otherwise than a new process: started with another environment
+than the launch's (outside the plan's per-run ports and ids), before packages were installed, or with the framework
+imported for a script that sets environment variables before it imports it (those launch cold).
 """
 
 from __future__ import annotations
 
 import codecs
-import collections
 import contextlib
 import json
 import os
+import re
 import selectors
 import signal
 import socket
@@ -26,32 +28,34 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .shown import as_terminal_shows, how_it_ended
+from .shown import how_it_ended
 
-__all__ = ["ProcessExited", "TERM_GRACE", "child", "launch_request", "run_rank", "warm"]
+__all__ = ["INTERRUPT_GRACE", "ProcessExited", "child", "kernel_environ", "launch_request", "run_rank", "warm"]
 
-#: Seconds a launched process has after SIGTERM before SIGKILL (below the fault policy's grace for its engine).
-TERM_GRACE = 1.5
+#: Seconds a launched process has after SIGINT (its ``except KeyboardInterrupt``) before SIGKILL: torchrun's.
+INTERRUPT_GRACE = 30.0
 #: Seconds to wait for the rest of the output once the process exited (a grandchild may hold its pipes).
 DRAIN = 1.0
-#: Lines of stderr a failure report quotes.
-TAIL_LINES = 20
 #: What a spare runs (``python -c``: nothing of the user's folder on ``sys.path``, ``sys.flags`` as plain ``python``).
 _CHILD = "from vgpu_magic.ranks.launch import child; child()"
 
 
 class ProcessExited(RuntimeError):
-    """The rank's process ended with a non-zero status: how (first line), then the last of its stderr."""
+    """The rank's process ended with a non-zero status: how."""
 
 
-def launch_request(
-    plan: Any, path: str, args: list[str], cwd: str, preload: list[str], spare: bool = True
-) -> dict[str, Any]:
+def kernel_environ() -> tuple[str, dict[str, str]]:
+    """In the kernel: its host and its environment as it is now, which a launch on that host starts from."""
+    return socket.gethostname(), dict(os.environ)
+
+
+def launch_request(plan: Any, path: str, args: list[str], cwd: str, preload: list[str], spare: bool = True) -> dict:
     """What :func:`run_rank` needs to launch one rank with its :class:`~vgpu_magic.frameworks.base.RankPlan`
     (plain data, sent to its engine); ``preload``: the modules a spare imports; ``spare``: keep one for the
     next launch. The script makes its own call to join the others, as under its launcher."""
     return {
         "spare": spare,
+        "environ": kernel_environ(),
         "plan_env": dict(plan.env),
         "setup": plan.setup,
         "setup_args": list(plan.args),
@@ -64,6 +68,9 @@ def launch_request(
 
 # -- on the engine: the per-host agent ----------------------------------------------
 
+#: :func:`kernel_environ`'s, or ``None`` (the engine's own).
+Environ = tuple[str, dict[str, str]] | None
+
 
 @dataclass
 class _Process:
@@ -73,33 +80,64 @@ class _Process:
     control: socket.socket
     #: Its environment outside the rank's plan (whose ports and ids change every run, read when the script joins).
     base: dict[str, str]
+    #: What else it was made with: its imports and the installed packages (:func:`_made`).
+    made: tuple
+
+
+def _made(preload: list[str]) -> tuple:
+    """A child's imports, and the installed packages as it found them: an install since (``pip install -e``) is
+    not on its import path. Each folder's modification time changes as a package or ``.pth`` file comes or goes."""
+    import site
+
+    folders = sorted({*site.getsitepackages(), site.getusersitepackages()})
+    return (tuple(preload), tuple(os.stat(f).st_mtime_ns for f in folders if os.path.isdir(f)))
+
+
+#: ``os.environ[...] =``, ``environ.setdefault(`` or ``.update(``, ``putenv(``.
+_SETS_ENVIRONMENT = re.compile(rb"environ\s*\[[^]]*\]\s*=[^=]|environ\s*\.\s*(setdefault|update)\s*\(|putenv\s*\(")
+
+
+def _sets_environment(path: str) -> bool:
+    """Does the script at ``path`` set environment variables? Frameworks read theirs at import (``OMP_NUM_THREADS``,
+    ``TORCH_LOGS``, ``JAX_ENABLE_X64``): such a script imports its framework itself, as under plain ``python``."""
+    with contextlib.suppress(OSError), open(path, "rb") as source:
+        return bool(_SETS_ENVIRONMENT.search(source.read()))
+    return False  # the script's own run says what is wrong with it
 
 
 _spare: _Process | None = None
 
 
-def _spare_for(plan_env: dict[str, str], preload: list[str]) -> _Process:
+def _spare_for(plan_env: dict[str, str], preload: list[str], environ: Environ) -> _Process:
     """The waiting spare, if it lives and was started with this environment; else a new child."""
     global _spare
     proc, _spare = _spare, None
-    if proc is not None and proc.popen.poll() is None and proc.base == _base(plan_env):
+    fits = proc is not None and (proc.base, proc.made) == (_base(plan_env, environ), _made(preload))
+    if fits and proc.popen.poll() is None:
         return proc
     if proc is not None:
         proc.control.close()
         proc.popen.kill()
         proc.popen.communicate()
-    return _start(plan_env, preload)
+    return _start(plan_env, preload, environ)
 
 
-def _base(plan_env: dict[str, str]) -> dict[str, str]:
-    """The engine's environment outside the plan, without ipyparallel's own variables (its key among them)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("IPP_") and k not in plan_env}
+def _base(plan_env: dict[str, str], environ: Environ) -> dict[str, str]:
+    """A launch's environment outside the plan: the kernel's as the run found it (``environ``: :func:`kernel_environ`;
+    a launcher run from the notebook inherits it), the engine's own on another host; with the cluster's own
+    variables (:mod:`.lifetime`'s) over it, without ipyparallel's (its key among them)."""
+    from . import lifetime
+
+    ours = {k: os.environ[k] for k in (lifetime.OWNER_ENV, lifetime.CLUSTER_ENV) if k in os.environ}
+    here = environ is not None and environ[0] == socket.gethostname()
+    env = {**(environ[1] if here else os.environ), **ours}
+    return {k: v for k, v in env.items() if not k.startswith("IPP_") and k not in plan_env}
 
 
-def _start(plan_env: dict[str, str], preload: list[str]) -> _Process:
+def _start(plan_env: dict[str, str], preload: list[str], environ: Environ) -> _Process:
     """Start a child that imports ``preload`` and waits for its launch on a socket."""
     ours, theirs = socket.socketpair()
-    base = _base(plan_env)
+    base, made = _base(plan_env, environ), _made(preload)
     try:
         popen = subprocess.Popen(
             [sys.executable, "-c", _CHILD, str(os.getpid()), str(theirs.fileno()), *preload],
@@ -112,14 +150,14 @@ def _start(plan_env: dict[str, str], preload: list[str]) -> _Process:
         )
     finally:
         theirs.close()
-    return _Process(popen, ours, base)
+    return _Process(popen, ours, base, made)
 
 
-def warm(plan_env: dict[str, str], preload: list[str]) -> None:
-    """Run on an engine: make sure a spare is there, started with the rank's plan ``plan_env``, importing
-    ``preload``."""
+def warm(plan_env: dict[str, str], preload: list[str], environ: Environ = None) -> None:
+    """Run on an engine: make sure a spare is there, started with the rank's plan ``plan_env`` over ``environ``
+    (:func:`_base`), importing ``preload`` (a launch that comes before its imports end waits for them)."""
     global _spare
-    _spare = _spare_for(plan_env, preload)
+    _spare = _spare_for(plan_env, preload, environ)
 
 
 def run_rank(request: dict[str, Any]) -> int:
@@ -127,32 +165,33 @@ def run_rank(request: dict[str, Any]) -> int:
     child, stream its output, and wait for its end: its PID, or :class:`ProcessExited`."""
     global _spare
     plan_env, path, cwd = request["plan_env"], request["argv"][0], request["cwd"]
-    for what, where, ok in (("folder", cwd, os.path.isdir), ("script", path, os.path.isfile)):
+    for what, where, ok in (("folder", cwd, os.path.isdir), ("script", os.path.join(cwd, path), os.path.isfile)):
         if not ok(where):
             raise ProcessExited(f"could not start: the {what} {where} does not exist on {socket.gethostname()}")
-    proc = _spare_for(plan_env, request["preload"])
+    preload = [] if _sets_environment(os.path.join(cwd, path)) else request["preload"]
+    proc = _spare_for(plan_env, preload, request["environ"])
     # The engine takes SIGINT only inside a cell's code (run.interrupt_only_the_cell); a launch is
     # interrupted as a cell is, so the fault policy can stop it.
     outside = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         launch = {k: request[k] for k in ("setup", "setup_args", "devices", "argv", "cwd")}
-        proc.control.sendall(json.dumps({**launch, "env": {**proc.base, **plan_env}}).encode())
+        # PWD as a shell that ran the launcher there sets it.
+        proc.control.sendall(json.dumps({**launch, "env": {**proc.base, "PWD": cwd, **plan_env}}).encode())
         proc.control.shutdown(socket.SHUT_WR)
-        code, tail = _follow(proc.popen)
+        code = _follow(proc.popen)
     finally:
         signal.signal(signal.SIGINT, outside)
         proc.control.close()
-        _spare = _start(plan_env, request["preload"]) if request["spare"] else None
+        _spare = _start(plan_env, preload, request["environ"]) if request["spare"] else None
     if code == 0:
         return proc.popen.pid
-    # No PID in the first line: ranks that ended alike are reported together.
-    raise ProcessExited("\n".join([how_it_ended(code), *tail]))
+    # No PID: ranks that ended alike are reported together. What it wrote (its traceback) was shown as it wrote it.
+    raise ProcessExited(how_it_ended(code))
 
 
-def _follow(popen: subprocess.Popen) -> tuple[int, list[str]]:
-    """Copy the child's stdout and stderr to this process' own until it exits: its exit status and the last
-    lines of its stderr. Interrupted, stop the child first."""
-    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES + 1)
+def _follow(popen: subprocess.Popen) -> int:
+    """Copy the child's stdout and stderr to this process' own until it exits: its exit status. Interrupted,
+    interrupt the child (SIGINT), and kill it after :data:`INTERRUPT_GRACE` s."""
     selector = selectors.DefaultSelector()
     for pipe, out in ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr)):
         selector.register(pipe, selectors.EVENT_READ, (out, codecs.getincrementaldecoder("utf-8")("replace")))
@@ -165,11 +204,8 @@ def _follow(popen: subprocess.Popen) -> tuple[int, list[str]]:
                 selector.unregister(key.fileobj)
             text = decoder.decode(data, final=not data)
             if text:
+                # Not flushed: the engine sends what gathered at its own pace, not one message per read.
                 out.write(text)
-                out.flush()
-            if text and out is sys.stderr:
-                lines = ((tail.pop() if tail else "") + text).split("\n")
-                tail.extend(lines)
 
     try:
         while popen.poll() is None:
@@ -179,15 +215,17 @@ def _follow(popen: subprocess.Popen) -> tuple[int, list[str]]:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     popen.wait(0.2)
     except KeyboardInterrupt:
-        if popen.poll() is None:
-            popen.terminate()
-            try:
-                popen.wait(TERM_GRACE)
-            except subprocess.TimeoutExpired:
-                popen.kill()
-                popen.wait()
         # A process that ended on its own as the interrupt came is reported as it ended.
-        if popen.returncode in (-signal.SIGTERM, -signal.SIGKILL):
+        if popen.poll() is None:
+            popen.send_signal(signal.SIGINT)
+            deadline = time.monotonic() + INTERRUPT_GRACE
+            while popen.poll() is None and time.monotonic() < deadline:
+                if selector.get_map():  # what its handler prints goes on streaming
+                    copy(0.2)
+                else:
+                    time.sleep(0.05)
+            if popen.poll() is None:
+                popen.kill()
             raise
     finally:
         # What is still in the pipes, then stop: a grandchild that kept them open is not waited for.
@@ -197,8 +235,7 @@ def _follow(popen: subprocess.Popen) -> tuple[int, list[str]]:
         selector.close()
         for pipe in (popen.stdout, popen.stderr):
             pipe.close()
-    lines = [as_terminal_shows(line) for line in tail if line.strip()]
-    return popen.wait(), lines[-TAIL_LINES:]
+    return popen.wait()
 
 
 # -- in the launched process --------------------------------------------------------
@@ -224,14 +261,14 @@ def _die_with_parent(parent: int) -> None:
 def child() -> None:
     """A spare (``python -c ... PARENT FD MODULE...``): import the modules, wait for the launch on the socket
     ``FD``, then become the script's process as ``python FILE ARGS`` would be."""
-    import builtins
     import importlib
-    import importlib.machinery
-    import io
-    import types
+    import runpy
 
     parent, fd, preload = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
     _die_with_parent(parent)
+    # Python's own SIGINT handler (KeyboardInterrupt), which it does not install where it starts with SIGINT
+    # ignored, as the engine has it outside a cell.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     control = socket.socket(fileno=fd)
     for module in preload:
         # The script's own import of it will say what is wrong, as it would under its launcher.
@@ -258,14 +295,9 @@ def child() -> None:
         prepare_rank({}, launch["setup"], tuple(launch["setup_args"]), devices=devices)
     # As on a terminal: each line reaches the notebook when printed.
     sys.stdout.reconfigure(line_buffering=True)
-    main = types.ModuleType("__main__")
-    loader = importlib.machinery.SourceFileLoader("__main__", path)
-    main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins, __loader__=loader)
-    sys.modules["__main__"] = main
     try:
-        with io.open_code(path) as source:
-            code = compile(source.read(), path, "exec", dont_inherit=True)
-        exec(code, main.__dict__)
+        # As torch's launcher runs a script (torch.distributed.run's run_script_path).
+        runpy.run_path(path, run_name="__main__")
     except Exception as exc:  # noqa: BLE001 - whatever the script raises ends it, as an uncaught exception does
         # Python's own report of an uncaught exception, from the script's first frame on.
         tb = exc.__traceback__

@@ -297,9 +297,10 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
 
 
 def _script_path(args: Any, last_cd: str) -> str:
-    """The absolute path of the script the line form of ``%vgpu_run`` runs; :class:`UsageError`
-    if none is given, ``-o`` is (a script has no last value), it is not a file, or the kernel's current folder
-    (``last_cd``, where ``%cd`` last went) was deleted: the ranks start there."""
+    """The script the line form of ``%vgpu_run`` runs, as typed (a shell's ``~`` expanded; the script's
+    ``sys.argv[0]``, as under its launcher); :class:`UsageError` if none is given, ``-o`` is (a script has no
+    last value), it is not a file, or the kernel's current folder (``last_cd``, where ``%cd`` last went) was
+    deleted: the ranks start there."""
     if args.script is None:
         raise UsageError("say which script to run, e.g. %vgpu_run train.py --epochs 2, or use %%vgpu_run with a cell")
     if args.output is not None:
@@ -308,7 +309,7 @@ def _script_path(args: Any, last_cd: str) -> str:
         os.getcwd()
     except FileNotFoundError:
         raise UsageError(f"the current folder {last_cd!r} is gone; %cd to one that exists, then run again") from None
-    path = os.path.abspath(os.path.expanduser(args.script))
+    path = os.path.expanduser(args.script)
     if not os.path.isfile(path):
         raise UsageError(f"script {args.script!r} is not a file (looked in {os.getcwd()})")
     return path

@@ -29,8 +29,8 @@ from . import launch, names, processes
 from .hosts import prepare_rank, report_host
 from .launchers import LAUNCHERS, MAX_RANKS, LauncherPlan, plan_launcher
 from .processes import ClusterStartError
-from .run import RankProcesses, RankRun, RankRunError, interrupt_only_the_cell, mark_displays
-from .shown import HeldBack, rank_env
+from .run import RankProcesses, RankRun, RankRunError, interrupt_only_the_cell
+from .shown import HeldBack, rank_env, record_output
 
 __all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current"]
 
@@ -189,7 +189,7 @@ class RankCluster:
             self._launchers.update(launchers)
             self._cleanups = processes.clean_up_when_kernel_dies(self.cluster, self.launcher_plan, self._token)
             self.client = self.cluster.connect_client_sync()
-            mark_displays(self.client)
+            record_output(self.client)
             # interactive=False: no progress bar in the cell (the start summary says what started).
             self.client.wait_for_engines(self.n, timeout=ENGINE_TIMEOUT, block=True, interactive=False)
             self.layout = layout_ranks(self._read_hosts(sorted(self.client.ids)[: self.n]), self.given_gpus)
@@ -217,8 +217,10 @@ class RankCluster:
                 # A spare on every engine, importing as the start returns: a launch that comes first waits for
                 # its spare's imports, as it would for its own.
                 preload = self._preload()
+                environ = launch.kernel_environ()
                 warming = [
-                    self.client[e].apply_async(launch.warm, p.env, preload) for e, p in zip(self.engine_ids, self.plans)
+                    self.client[e].apply_async(launch.warm, p.env, preload, environ)
+                    for e, p in zip(self.engine_ids, self.plans)
                 ]
                 for ar in warming:
                     ar.get(timeout=ENGINE_TIMEOUT)
@@ -366,7 +368,7 @@ class RankCluster:
         self._require_running()
         self.layout = layout_ranks(self._read_hosts(self.engine_ids), self.given_gpus)
         self.plans = self._plan_ranks()
-        where, preload = (os.path.abspath(path), list(args), os.getcwd()), self._preload()
+        where, preload = (path, list(args), os.getcwd()), self._preload()
         requests = [launch.launch_request(plan, *where, preload, self.spares) for plan in self.plans]
 
         def submit(rank: int) -> Any:

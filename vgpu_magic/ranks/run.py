@@ -5,7 +5,8 @@ kernel: each rank's output streams live as whole lines labelled ``[rank r]``, it
 them; its memory is sampled (:mod:`.memory`). The first rank that raises or dies ends the run, but the others
 get :data:`COLLECT` seconds (from the latest failure) to finish on their own, so that every rank's own error is
 collected; then every rank still running gets SIGINT, and one still busy after :data:`GRACE` seconds (blocked in
-a collective) is killed and the cluster marked for a restart. :class:`RankRunError` names every failing rank's
+a collective; a script's launch gets its process' :data:`~.launch.INTERRUPT_GRACE` more) is killed and the
+cluster marked for a restart. :class:`RankRunError` names every failing rank's
 error, the same ones grouped. An interrupt of the kernel interrupts the ranks the same way. A rank's process is
 reached through :class:`RankProcesses`: by PID on this host, through its engine on another.
 """
@@ -24,8 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ..runtime import running_cell
+from .launch import INTERRUPT_GRACE
 from .memory import RankMonitor
-from .shown import HeldBack, as_terminal_shows, how_it_ended, notebook_traceback
+from .shown import HeldBack, LineStream, events, how_it_ended, notebook_traceback, show_display
 
 __all__ = [
     "GRACE",
@@ -34,7 +36,6 @@ __all__ = [
     "RankRunError",
     "RankRun",
     "interrupt_only_the_cell",
-    "mark_displays",
     "process_alive",
 ]
 
@@ -66,7 +67,12 @@ class RankRunError(RuntimeError):
     same traceback on several ranks once)."""
 
     def __init__(
-        self, failures: list[RankFailure], interrupted: list[int], killed: list[int], must_restart: bool
+        self,
+        failures: list[RankFailure],
+        interrupted: list[int],
+        killed: list[int],
+        must_restart: bool,
+        grace: float = GRACE,
     ) -> None:
         #: Every rank's own failure, the first seen first.
         self.failures = list(failures)
@@ -74,16 +80,17 @@ class RankRunError(RuntimeError):
         self.interrupted = interrupted
         self.killed = killed
         self.must_restart = must_restart
+        self.grace = grace
         super().__init__(self.headline())
 
     def headline(self, state: bool = True) -> str:
         """One line: what failed (ranks with the same failure together), what was done to the others, and
         (``state``) whether the cluster is usable."""
-        parts = [f"{_rank_s(ranks)} {summary}" for summary, ranks in _grouped(self.failures, "summary")]
+        parts = [_rank_s(ranks, summary) for summary, ranks in _grouped(self.failures, "summary")]
         if self.interrupted:
             parts.append(f"interrupted {_rank_s(self.interrupted)}")
         if self.killed:
-            parts.append(f"killed {_rank_s(self.killed)} (did not stop within {GRACE:g} s of SIGINT)")
+            parts.append(f"killed {_rank_s(self.killed)} (did not stop within {self.grace:g} s of SIGINT)")
         if state and self.must_restart:
             parts.append("the cluster must be restarted: %vgpu_cluster restart")
         elif state:
@@ -108,66 +115,22 @@ def _grouped(failures: list[RankFailure], key: str) -> list[tuple[Any, list[int]
     return list(groups.items())
 
 
-def _rank_s(ranks: list[int]) -> str:
-    """``"rank 0"`` or ``"ranks 0, 1"``, in rank order."""
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in sorted(ranks))}"
+def _rank_s(ranks: list[int], said: str = "") -> str:
+    """``"rank 0"`` or ``"ranks 0, 1"``, in rank order; followed by what is ``said`` of them, a leading "was"
+    agreeing (``"ranks 1, 2 were killed by SIGABRT"``)."""
+    several = len(ranks) > 1
+    if several and said.startswith("was "):
+        said = "were " + said[4:]
+    return f"rank{'s' if several else ''} {', '.join(str(r) for r in sorted(ranks))}{' ' if said else ''}{said}"
 
 
-def _killed(ranks: list[int]) -> str:
+def _killed(ranks: list[int], grace: float) -> str:
     """``"rank 0 did not stop within 3 s of SIGINT and was killed"``."""
     were = "were" if len(ranks) > 1 else "was"
-    return f"{_rank_s(ranks)} did not stop within {GRACE:g} s of SIGINT and {were} killed"
+    return _rank_s(ranks, f"did not stop within {grace:g} s of SIGINT and {were} killed")
 
 
 # -- watching the ranks ---------------------------------------------------------------
-
-
-class LineStream:
-    """Whole lines of one rank's stream, labelled, each as a terminal leaves it; the partial tail waits.
-    ``feed`` gets the rank's whole output so far, counted in lines: ipyparallel rewrites the text at a ``\\r``,
-    so it can shrink, but never loses a newline."""
-
-    def __init__(self, label: str, out: TextIO, shown: Callable[[str], bool] = lambda line: True) -> None:
-        self.label = label
-        self.out = out
-        self.shown = shown
-        self.emitted = 0
-        self.last = ""
-
-    def feed(self, text: str, final: bool = False) -> None:
-        if text == self.last and not final:
-            return
-        self.last = text
-        lines = text.split("\n")
-        tail = lines.pop()
-        if final and tail:
-            lines.append(tail)
-        new = lines[self.emitted :]
-        if not new:
-            return
-        self.emitted = len(lines)
-        text = "".join(f"{self.label}{line}\n" for line in map(as_terminal_shows, new) if self.shown(line))
-        if text:
-            self.out.write(text)
-            self.out.flush()
-
-
-def show_display(rank: int, content: dict[str, Any], out: TextIO) -> None:
-    """What rank ``rank`` displayed (``display_data``: HTML, an image, a rich table, a widget): in a notebook a
-    ``[rank r]`` line then the output itself, in a terminal its text, labelled. In a kernel ipyparallel relays
-    a rank's widget messages to the front end, so a widget (a ``tqdm.auto`` bar) is live there."""
-    from IPython import get_ipython
-
-    data = content.get("data") or {}
-    shell = get_ipython()
-    if getattr(shell, "kernel", None) is None or set(data) <= {"text/plain"}:
-        lines = str(data.get("text/plain", "")).splitlines() or [""]
-        out.write("".join(f"[rank {rank}] {as_terminal_shows(line)}\n" for line in lines))
-        out.flush()
-        return
-    out.write(f"[rank {rank}]\n")
-    out.flush()
-    shell.display_pub.publish(data=data, metadata={**(content.get("metadata") or {}), "rank": rank})
 
 
 @dataclass
@@ -225,35 +188,42 @@ class RankRun:
     def __post_init__(self) -> None:
         self.trace = None  # the run's MemoryTrace, once it ended
         self.killed: list[int] = []
-        self._displayed: dict[int, int] = {}  # how many of each rank's display outputs were shown
+        self._seen: dict[int, int] = {}  # how many of each rank's output events were shown
+        #: Seconds a rank has to come back after SIGINT: a launch's, its process' too.
+        self.grace = GRACE + (INTERRUPT_GRACE if self.launched else 0.0)
 
     def _emit(self, results: list[Any], streams: list[tuple[LineStream, LineStream]], final: bool = False) -> None:
         for rank, (ar, (out, err)) in enumerate(zip(results, streams)):
-            # The text first: a display not yet seen below came after all of its lines.
-            lines = (ar.stdout or "").split("\n")
-            marks = _marks_of(ar)
-            displayed = list(getattr(ar, "outputs", None) or [])
-            shown = ready = self._displayed.get(rank, 0)
-            while ready < len(displayed) and (
-                final or marks is None or (ready < len(marks) and marks[ready] < len(lines))
-            ):
-                ready += 1
-            for index in range(shown, ready):
-                # The lines the rank printed before this display, then the display: in the order it made them.
-                before = lines[: marks[index]] if marks is not None and index < len(marks) else lines[:-1]
-                out.feed("".join(line + "\n" for line in before))
-                show_display(rank, displayed[index], self.stdout)
-            self._displayed[rank] = ready
-            out.feed("\n".join(lines), final)
-            err.feed(ar.stderr or "", final)
+            seen = self._seen.get(rank, 0)
+            # Read once: the list grows on ipyparallel's thread meanwhile.
+            new = events(ar)[seen:]
+            self._seen[rank] = seen + len(new)
+            for kind, content in new:
+                if kind == "display":
+                    show_display(rank, content, self.stdout)
+                else:
+                    (out if kind == "stdout" else err).feed(content)
+            if final:
+                out.end()
+                err.end()
 
-    def _drain(self, results: list[Any]) -> None:
-        """Wait (briefly) for the last output of every finished, living rank: ipyparallel can deliver a
-        rank's reply before the iopub messages carrying its last lines."""
-        deadline = time.monotonic() + OUTPUT_WAIT
-        for rank, ar in enumerate(results):
-            if ar.ready() and self._alive(rank):
-                ar.wait_for_output(max(0.0, deadline - time.monotonic()))
+    def _drain(self, results: list[Any], streams: list[tuple[LineStream, LineStream]]) -> None:
+        """Show the rest of the output of every finished, living rank: ipyparallel can deliver a rank's reply
+        long before the messages carrying its last lines (a run that printed a million lines: seconds). Waited
+        for as long as more keeps coming; a rank whose output stopped coming for :data:`OUTPUT_WAIT` seconds
+        before its end is said to be cut."""
+        waiting = [rank for rank, ar in enumerate(results) if ar.ready() and self._alive(rank)]
+        arrived, since = -1, time.monotonic()
+        while waiting and time.monotonic() - since < OUTPUT_WAIT:
+            self._emit(results, streams)
+            waiting = [rank for rank in waiting if not results[rank].wait_for_output(0)]
+            count = sum(len(events(results[rank])) for rank in waiting)
+            if count != arrived:
+                arrived, since = count, time.monotonic()
+            time.sleep(POLL if waiting else 0)
+        self._emit(results, streams, final=True)
+        for rank in waiting:
+            self.stderr.write(f"[rank {rank}] the rest of its output did not arrive within {OUTPUT_WAIT:g} s\n")
 
     def _alive(self, rank: int) -> bool:
         return self.procs.alive(rank)
@@ -272,9 +242,8 @@ class RankRun:
         if ename == "EngineError" or not self._alive(rank):
             return self._death(rank)
         if ename == "ProcessExited":
-            # A launched script's process (:mod:`.launch`): how it ended, then the last it wrote to stderr.
-            how, *tail = str(evalue).splitlines()
-            return RankFailure(rank, "error", how, tuple(tail) or (how,))
+            # A launched script's process (:mod:`.launch`): how it ended; its traceback was shown as it wrote it.
+            return RankFailure(rank, "error", str(evalue))
         # The headline is one line; the whole message is in the traceback.
         first = (str(evalue).strip().splitlines() or [""])[0]
         return RankFailure(rank, "error", f"raised {ename}: {first}".rstrip(": "), tb)
@@ -299,7 +268,7 @@ class RankRun:
         running = [r for r, ar in enumerate(results) if r not in done and not _settled(ar) and self._alive(r)]
         for rank in running:
             self.procs.signal(rank, signal.SIGINT)
-        deadline = time.monotonic() + GRACE
+        deadline = time.monotonic() + self.grace
         while time.monotonic() < deadline and any(not _settled(results[r]) and self._alive(r) for r in running):
             time.sleep(POLL)
         stuck = [r for r in running if not _settled(results[r]) and self._alive(r)]
@@ -328,9 +297,9 @@ class RankRun:
         interrupt): the ranks that died or were killed; ``None`` when it is still usable (another rank's error
         alone, which started the stop, leaves it so)."""
         died = [f for f in getattr(exc, "failures", ()) if f.kind == "died"]
-        reasons = [f"{_rank_s(ranks)} {summary}" for summary, ranks in _grouped(died, "summary")]
+        reasons = [_rank_s(ranks, summary) for summary, ranks in _grouped(died, "summary")]
         if self.killed:
-            reasons.append(_killed(self.killed))
+            reasons.append(_killed(self.killed, self.grace))
         return "; ".join(reasons) or None
 
     def run(self) -> list[Any]:
@@ -339,9 +308,13 @@ class RankRun:
         held = self.held or HeldBack()
         held.mark()
 
+        live: dict = {}
+
         def line_streams(rank: int) -> tuple[LineStream, LineStream]:
+            # stderr with stdout, as a terminal shows both (not as errors: the run's own error says if it failed).
             label, shown = f"[rank {rank}] ", lambda line: held.shown(rank, line)
-            return LineStream(label, self.stdout, shown), LineStream(label, self.stderr, shown)
+            streams = (LineStream(label, self.stdout, shown, f"[rank{rank}]:", live) for _ in range(2))
+            return tuple(streams)
 
         streams = [line_streams(r) for r in range(n)]
         memory = RankMonitor(
@@ -387,13 +360,16 @@ class RankRun:
                     [ar for ar in results if not ar.ready()], timeout=POLL, return_when=futures.FIRST_COMPLETED
                 )
         except KeyboardInterrupt:
-            _, killed = self._stop_others(results, set(failures))
-            self._drain(results)
-            self._emit(results, streams, final=True)
+            running, killed = self._stop_others(results, set(failures))
+            self._drain(results, streams)
             self.trace = memory.finish(interrupted=True)
+            said = [f"interrupted {_rank_s(running)}" if running else "no rank was running"]
             if killed:
-                self.stderr.write(f"{_killed(killed)}; the cluster must be restarted: %vgpu_cluster restart\n")
-            raise
+                said.append(f"{_killed(killed, self.grace)}; the cluster must be restarted: %vgpu_cluster restart")
+            interrupt = KeyboardInterrupt("; ".join(said))
+            # IPython shows this one line, not the way the interrupt came through the kernel and vgpu_magic.
+            interrupt._render_traceback_ = lambda: [f"KeyboardInterrupt: {interrupt}"]
+            raise interrupt from None
         interrupted: list[int] = []
         killed: list[int] = []
         if failures or timed_out:
@@ -404,8 +380,7 @@ class RankRun:
                 if exc is not None and getattr(exc, "ename", type(exc).__name__) != "KeyboardInterrupt":
                     failures[rank] = self._failure(rank, ar)
             interrupted = [r for r in interrupted if r not in failures]
-        self._drain(results)
-        self._emit(results, streams, final=True)
+        self._drain(results, streams)
         self.trace = memory.finish(bool(failures or timed_out), sorted(failures), timed_out is not None)
         if failures or timed_out:
             every = list(failures.values()) or [timed_out]
@@ -414,40 +389,8 @@ class RankRun:
                 held_back = held.this_run.get(failure.rank, ())
                 self.stderr.write("".join(f"[rank {failure.rank}] {line}\n" for line in held_back))
             must_restart = bool(killed) or any(f.kind == "died" for f in every)
-            raise RankRunError(every, interrupted, killed, must_restart)
+            raise RankRunError(every, interrupted, killed, must_restart, self.grace)
         return results
-
-
-def _marks_of(ar: Any) -> list[int] | None:
-    """How many stdout lines the rank of ``ar`` had printed before each of its displays so far
-    (:func:`mark_displays`); ``None`` for a result whose messages were not marked."""
-    children = getattr(ar, "_children", None) or []
-    if not children or not all(hasattr(c, "display_marks") for c in children):
-        return None
-    return [m for c in children for m in c.display_marks]
-
-
-def mark_displays(client: Any) -> None:
-    """Make ``client`` record, as each display of a request arrives, how many stdout lines the engine had
-    sent before it (ipyparallel keeps a request's streams and displays apart, each in the order the engine
-    sent them). The record starts when the request's future is made, before the request is sent, so no
-    display can arrive unmarked."""
-    create = client.create_message_futures
-
-    def create_marked(msg_id: str, *args: Any, **kwargs: Any) -> list[Any]:
-        futures = create(msg_id, *args, **kwargs)
-        future, marks = futures[0], []
-        metadata = client.metadata[msg_id]
-
-        def mark(msg: dict) -> None:
-            if msg["header"]["msg_type"] == "display_data":
-                marks.append((metadata["stdout"] or "").count("\n"))
-
-        future.display_marks = marks
-        future.iopub_callbacks.append(mark)
-        return futures
-
-    client.create_message_futures = create_marked
 
 
 def _settled(ar: Any) -> bool:

@@ -1,7 +1,9 @@
 """What of a rank's output reaches the notebook: each rank gets its framework's quiet log settings where the
 user set none (:func:`rank_env`); the start-up lines no setting silences (the framework's ``chatter``) are held
 back per rank (:class:`HeldBack`; ``%vgpu_cluster log RANK``, and a failing rank's with its traceback);
-``verbose`` shows everything. A rank's traceback names the notebook's cell (:func:`notebook_traceback`).
+``verbose`` shows everything. A rank's traceback names the notebook's cell (:func:`notebook_traceback`). Its
+output is recorded as it arrives (:func:`record_output`) and shown in whole lines labelled with its rank
+(:class:`LineStream`), its displays in their place among them (:func:`show_display`).
 """
 
 from __future__ import annotations
@@ -10,9 +12,21 @@ import os
 import re
 import signal
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, TextIO
 
-__all__ = ["HELD_LINES", "HeldBack", "rank_env", "notebook_traceback", "as_terminal_shows", "how_it_ended"]
+__all__ = [
+    "HELD_LINES",
+    "HeldBack",
+    "LineStream",
+    "as_terminal_shows",
+    "events",
+    "how_it_ended",
+    "notebook_traceback",
+    "rank_env",
+    "record_output",
+    "show_display",
+]
 
 #: Lines held back per rank (the oldest go first).
 HELD_LINES = 2000
@@ -72,6 +86,58 @@ def notebook_traceback(text: str, count: int | None) -> list[str]:
     return _COUNT.sub(shown, text).splitlines()
 
 
+class LineStream:
+    """One rank's stream as a terminal shows it: whole lines, labelled, each as a terminal leaves it; an
+    unfinished line that returns to its start (a progress bar's ``\r``) is shown as it goes, each update over the
+    last, and over another rank's, as on torchrun's terminal; a whole line takes the unfinished one's place, which
+    its next update draws again below (``live``, shared by the streams of one ``out``, says whose line is
+    unfinished). ``theirs``: the framework's own label of the rank's lines, left out (torch's ``[rank1]:``)."""
+
+    def __init__(
+        self,
+        label: str,
+        out: TextIO,
+        shown: Callable[[str], bool] = lambda line: True,
+        theirs: str = "",
+        live: dict | None = None,
+    ) -> None:
+        self.label = label
+        self.out = out
+        self.shown = shown
+        self.theirs = theirs
+        self.live = {} if live is None else live
+        self.tail = ""
+
+    def feed(self, text: str) -> None:
+        """The next of what the rank wrote."""
+        *lines, self.tail = (self.tail + text).split("\n")
+        self._write([f"{self.label}{self._text(line)}\n" for line in lines if self.shown(line)], bool(lines))
+        if "\r" in self.tail:
+            self._write([f"{self.label}{self._text(self.tail)}"], False)
+            self.live["by"] = self
+
+    def end(self) -> None:
+        """The rank is done: its last line, even unfinished."""
+        if self.tail:
+            self._write([f"{self.label}{self._text(self.tail)}\n"], True)
+            self.tail = ""
+
+    def _text(self, line: str) -> str:
+        line = as_terminal_shows(line)
+        return line.removeprefix(f"{self.theirs} ").removeprefix(self.theirs) if self.theirs else line
+
+    def _write(self, lines: list[str], ends: bool) -> None:
+        """Write ``lines``; ``ends``: a line of this stream ended (its unfinished one, if shown, with it)."""
+        owner = self.live.get("by")
+        if owner is not None and (lines or ends):
+            # Over the unfinished line; where nothing is written, that line stays.
+            lines.insert(0, "\r" if lines else "\n")
+            del self.live["by"]
+        if lines:
+            self.out.write("".join(lines))
+            self.out.flush()
+
+
 def as_terminal_shows(line: str) -> str:
     """The text a terminal shows for ``line``: each ``\\r`` returns to the start,
     and what follows overwrites what was there (``'10/30\\r20/30'`` -> ``'20/30'``)."""
@@ -84,3 +150,55 @@ def as_terminal_shows(line: str) -> str:
 def how_it_ended(code: int) -> str:
     """An exit status as a launcher says it: ``exited with status 3``, ``was killed by SIGSEGV``."""
     return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+
+
+def show_display(rank: int, content: dict[str, Any], out: TextIO) -> None:
+    """What rank ``rank`` displayed (``display_data``: HTML, an image, a rich table, a widget): in a notebook a
+    ``[rank r]`` line then the output itself, in a terminal its text, labelled. In a kernel ipyparallel relays
+    a rank's widget messages to the front end, so a widget (a ``tqdm.auto`` bar) is live there."""
+    from IPython import get_ipython
+
+    data = content.get("data") or {}
+    shell = get_ipython()
+    if getattr(shell, "kernel", None) is None or set(data) <= {"text/plain"}:
+        lines = str(data.get("text/plain", "")).splitlines() or [""]
+        out.write("".join(f"[rank {rank}] {as_terminal_shows(line)}\n" for line in lines))
+        out.flush()
+        return
+    out.write(f"[rank {rank}]\n")
+    out.flush()
+    shell.display_pub.publish(data=data, metadata={**(content.get("metadata") or {}), "rank": rank})
+
+
+def events(ar: Any) -> list[tuple[str, Any]]:
+    """What the rank of ``ar`` sent so far, in order (:func:`record_output`)."""
+    children = getattr(ar, "_children", None) or [ar]
+    return getattr(children[0], "output_events", [])
+
+
+def record_output(client: Any) -> None:
+    """Make ``client`` keep each request's output as it arrives, in the order the engine sent it, as
+    ``output_events``: ``("stdout" | "stderr", text)`` and ``("display", content)``. ipyparallel keeps a
+    request's displays apart from its streams, and each stream as one text it copies whole at each message
+    (quadratic: a rank that printed a million lines fell seconds behind); that text is emptied as it is
+    recorded. The record starts when the request's future is made, before the request is sent."""
+    create = client.create_message_futures
+
+    def create_recorded(msg_id: str, *args: Any, **kwargs: Any) -> list[Any]:
+        futures = create(msg_id, *args, **kwargs)
+        events: list[tuple[str, Any]] = []
+        metadata = client.metadata[msg_id]
+
+        def record(msg: dict) -> None:
+            kind, content = msg["header"]["msg_type"], msg["content"]
+            if kind == "stream":
+                events.append((content["name"], content["text"]))
+                metadata[content["name"]] = ""
+            elif kind == "display_data":
+                events.append(("display", content))
+
+        futures[0].output_events = events
+        futures[0].iopub_callbacks.append(record)
+        return futures
+
+    client.create_message_futures = create_recorded

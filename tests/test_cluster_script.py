@@ -1,0 +1,233 @@
+"""A script run (``%vgpu_run FILE``) from a real Jupyter kernel against what ``torchrun`` gives the same
+script: its output whole and in order, its signals, its environment, its ``sys.argv``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import psutil
+import pytest
+
+from support import kernel_errors, kernel_run, kernel_stdout, kernel_stream, started_kernel
+from vgpu_magic.ranks.shown import as_terminal_shows
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """A fresh kernel running 2 torch ranks (the live memory view on, as by default): ``(manager, client)``.
+    At the end none of the ranks' processes may be left."""
+    with started_kernel(graceful=True) as (km, kc):
+        reply = kernel_run(kc, "%load_ext vgpu_magic\n%vgpu_cluster start 2 --framework torch")
+        assert not kernel_errors(reply), kernel_errors(reply)
+        reply = kernel_run(kc, "import json, vgpu_magic\nprint(json.dumps(sorted(vgpu_magic.cluster()._owned)))")
+        pids = json.loads(kernel_stdout(reply).strip().splitlines()[-1])
+        yield km, kc
+        kernel_run(kc, "%vgpu_cluster stop")
+    _, alive = psutil.wait_procs([p for p in map(_process, pids) if p], timeout=15)
+    assert alive == []
+
+
+def _process(pid: int) -> psutil.Process | None:
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid)
+    return None
+
+
+def test_every_line_a_rank_prints_arrives_in_order(kernel, tmp_path):
+    """Issue 37, row 25: 500,000 lines per rank with the live view on delivered 513,558 of 1,000,002 lines,
+    neither rank's last, and the run said it succeeded (the run waited 5 s for output still on its way)."""
+    _, kc = kernel
+    script = tmp_path / "lines.py"
+    script.write_text("for i in range(500_000):\n    print(f'line {i}')\nprint('END')\n")
+    reply = kernel_run(kc, f"%vgpu_run {script}", timeout=500)
+    assert not kernel_errors(reply), kernel_errors(reply)
+    assert kernel_stream(reply, "stderr") == ""
+    lines = kernel_stdout(reply).splitlines()
+    for rank in (0, 1):
+        label = f"[rank {rank}] "
+        mine = [line[len(label) :] for line in lines if line.startswith(label)]
+        assert mine == [f"line {i}" for i in range(500_000)] + ["END"]
+
+
+def test_ctrl_c_reaches_the_script_on_every_rank_and_says_so_in_one_line(kernel, tmp_path):
+    """Issue 37, rows 1 and 3: the launched process started with SIGINT ignored (the spare's engine's) and was
+    stopped with SIGTERM, so its ``except KeyboardInterrupt`` never ran; the interrupt printed a 65-135 line
+    traceback through the kernel's internals."""
+    km, kc = kernel
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, time\n"
+        "try:\n"
+        "    print('training', flush=True)\n"
+        "    time.sleep(120)\n"
+        "except KeyboardInterrupt:\n"
+        f"    open(os.path.join({str(tmp_path)!r}, 'saved-' + os.environ['RANK']), 'w').close()\n"
+        "    print('saved', flush=True)\n"
+    )
+    started: list[str] = []
+
+    def interrupt_once_both_train(msg: dict) -> None:
+        if msg["msg_type"] == "stream":
+            started.extend(line for line in msg["content"]["text"].splitlines() if line.endswith("training"))
+            if len(started) == 2:
+                started.append("sent")
+                km.interrupt_kernel()
+
+    reply = kernel_run(kc, f"%vgpu_run --no-plot {script}", on_message=interrupt_once_both_train)
+    [error] = [m["content"] for m in reply if m["msg_type"] == "error"]
+    assert error["traceback"] == ["KeyboardInterrupt: interrupted ranks 0, 1"]
+    assert sorted(p.name for p in tmp_path.glob("saved-*")) == ["saved-0", "saved-1"]
+    assert sorted(line for line in kernel_stdout(reply).splitlines() if "saved" in line) == [
+        "[rank 0] saved",
+        "[rank 1] saved",
+    ]
+    # The cluster came through: the next launch runs.
+    reply = kernel_run(kc, f"%vgpu_run --no-plot {tmp_path / 'lines.py'}")
+    assert not kernel_errors(reply), kernel_errors(reply)
+
+
+def test_argv_is_as_typed_and_the_kernels_environment_is_the_launchs(kernel, tmp_path):
+    """Issue 37, rows 4 and 14: ``%env`` and ``os.environ`` after the start did not reach a script (``!torchrun``
+    passes them); ``sys.argv[0]`` was made absolute (torchrun keeps it as typed)."""
+    _, kc = kernel
+    (tmp_path / "show.py").write_text(
+        "import os, sys\nprint(sys.argv, os.environ.get('FOO'), os.environ.get('BAR'), os.environ['RANK'])\n"
+    )
+    cell = f"%cd {tmp_path}\n%env FOO=from-env\nimport os\nos.environ['BAR'] = 'set'\n%vgpu_run --no-plot show.py x"
+    reply = kernel_run(kc, cell)
+    assert not kernel_errors(reply), kernel_errors(reply)
+    shown = sorted(line for line in kernel_stdout(reply).splitlines() if line.startswith("[rank"))
+    assert shown == [f"[rank {r}] ['show.py', 'x'] from-env set {r}" for r in (0, 1)]
+    reply = kernel_run(kc, "del os.environ['BAR']\n%env FOO=\n%cd -")
+    assert not kernel_errors(reply), kernel_errors(reply)
+
+
+def test_a_script_that_configures_torch_through_the_environment_gets_its_settings(kernel, tmp_path):
+    """Issue 37, row 17: the warm spare had imported torch already, so a script's ``OMP_NUM_THREADS`` set before its
+    ``import torch`` was ignored (threads 1 under %vgpu_run, 2 under plain python)."""
+    _, kc = kernel
+    script = tmp_path / "threads.py"
+    script.write_text("import os\nos.environ['OMP_NUM_THREADS'] = '2'\nimport torch\nprint(torch.get_num_threads())\n")
+    reply = kernel_run(kc, f"%vgpu_run --no-plot {script}")
+    assert not kernel_errors(reply), kernel_errors(reply)
+    assert sorted(kernel_stdout(reply).splitlines()) == ["[rank 0] 2", "[rank 1] 2"]
+
+
+def test_a_package_installed_after_the_start_is_importable_at_the_first_run(kernel, tmp_path):
+    """Issue 37, row 29: the first %vgpu_run after ``pip install -e mypkg`` raised ModuleNotFoundError (the spare
+    had read the import path before the install). What the install adds is a ``.pth`` file in site-packages."""
+    import site
+    import uuid
+
+    _, kc = kernel
+    name = f"vgpu_test_pkg_{uuid.uuid4().hex[:8]}"
+    (tmp_path / "src" / name).mkdir(parents=True)
+    (tmp_path / "src" / name / "__init__.py").write_text("WHO = 'installed'\n")
+    (tmp_path / "use.py").write_text(f"import {name}\nprint({name}.WHO)\n")
+    pth = next(p for p in map(Path, site.getsitepackages()) if p.is_dir()) / f"__editable__{name}.pth"
+    pth.write_text(f"{tmp_path / 'src'}\n")
+    try:
+        reply = kernel_run(kc, f"%vgpu_run --no-plot {tmp_path / 'use.py'}")
+    finally:
+        pth.unlink()
+    assert not kernel_errors(reply), kernel_errors(reply)
+    assert sorted(kernel_stdout(reply).splitlines()) == ["[rank 0] installed", "[rank 1] installed"]
+
+
+#: A script that writes what its process was given: environment, argv, signal dispositions (Python's and the
+#: kernel's masks), to ``ARGV[1]-RANK.json``.
+DUMP = """
+import json, os, signal, sys
+handlers = {s.name: str(signal.getsignal(s)) for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)}
+status = open("/proc/self/status").read().splitlines()
+masks = dict(line.split(":\\t") for line in status if line[:6] in ("SigBlk", "SigIgn"))
+given = {"env": dict(os.environ), "argv": sys.argv, "handlers": handlers, "masks": masks}
+json.dump(given, open(f"{sys.argv[1]}-{os.environ['RANK']}.json", "w"))
+"""
+
+#: What a rank is given otherwise than under torchrun, and why.
+INTENDED = {
+    # torchrun's agent's own bookkeeping (its run id, restarts, its error file), which no script reads.
+    "TORCHELASTIC_RUN_ID": "the elastic agent's",
+    "TORCHELASTIC_RESTART_COUNT": "the elastic agent's",
+    "TORCHELASTIC_MAX_RESTARTS": "the elastic agent's",
+    "TORCHELASTIC_USE_AGENT_STORE": "the elastic agent's",
+    "TORCHELASTIC_ERROR_FILE": "the elastic agent's",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "the elastic agent's",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE": "the elastic agent's",
+    "MASTER_PORT": "a free port each run, chosen by each launcher",
+    # Rank 0's reachable address, never localhost (torchrun --standalone's), so that other hosts reach it too.
+    "MASTER_ADDR": "rank 0's reachable address",
+    # Set by the shell that ran torchrun (the command it ran last).
+    "_": "the shell's",
+    # The cluster's own: its processes' owner (a stop or a dead kernel ends them) and its token.
+    "VGPU_MAGIC_OWNER": "the cluster's processes' owner",
+    "VGPU_MAGIC_CLUSTER": "the cluster's token",
+}
+
+
+def test_a_launched_rank_is_given_what_torchrun_gives_it(kernel, tmp_path):
+    """Issue 37, row 4: a rank's environment and signal dispositions, variable by variable, against
+    ``torchrun``'s for the same script from the same kernel; only those :data:`INTENDED` differ."""
+    _, kc = kernel
+    (tmp_path / "dump.py").write_text(DUMP)
+    cell = (
+        f"%cd {tmp_path}\n%env FOO=1\n"
+        "!{sys.executable} -m torch.distributed.run --standalone --nproc-per-node 2 dump.py torchrun\n"
+        "%vgpu_run --no-plot dump.py ours\n%cd -"
+    )
+    reply = kernel_run(kc, "import sys\n" + cell)
+    assert not kernel_errors(reply), kernel_errors(reply)
+    for rank in (0, 1):
+        ours, theirs = (json.loads((tmp_path / f"{who}-{rank}.json").read_text()) for who in ("ours", "torchrun"))
+        assert ours["env"]["FOO"] == "1"
+        differ = {
+            name: (ours["env"].get(name), theirs["env"].get(name))
+            for name in {*ours["env"], *theirs["env"]}
+            if ours["env"].get(name) != theirs["env"].get(name) and name not in INTENDED
+        }
+        assert differ == {}
+        assert (ours["handlers"], ours["masks"]) == (theirs["handlers"], theirs["masks"])
+        assert ours["argv"] == ["dump.py", "ours"] and theirs["argv"] == ["dump.py", "torchrun"]
+
+
+def test_a_progress_bar_on_stderr_is_live_and_not_an_error(kernel, tmp_path):
+    """Issue 37, row 5: a plain ``from tqdm import tqdm`` bar did not move for the whole run, then both finished
+    bars arrived at the end in the notebook's stderr (an error-coloured box)."""
+    _, kc = kernel
+    script = tmp_path / "bar.py"
+    script.write_text("import time\nfrom tqdm import tqdm\nfor step in tqdm(range(40)):\n    time.sleep(0.05)\n")
+    reply = kernel_run(kc, f"%vgpu_run --no-plot {script}")
+    assert not kernel_errors(reply), kernel_errors(reply)
+    assert kernel_stream(reply, "stderr") == ""
+    for rank in (0, 1):
+        # The bar came in pieces as it moved, each over the last.
+        updates = [m["content"]["text"] for m in reply if m["msg_type"] == "stream" and "%|" in m["content"]["text"]]
+        assert len([text for text in updates if f"[rank {rank}]" in text]) >= 2 and "\r" in "".join(updates)
+    shown = [as_terminal_shows(line) for line in kernel_stdout(reply).split("\n")]
+    assert sorted(line.split("|")[0] for line in shown if "40/40" in line) == ["[rank 0] 100%", "[rank 1] 100%"]
+
+
+def test_a_failing_ranks_traceback_is_shown_once_under_its_own_label(kernel, tmp_path):
+    """Issue 37, row 6: a failing rank's traceback streamed live, then again above the RankRunError; torch's own
+    label doubled ours (``[rank 1] [rank1]:``)."""
+    _, kc = kernel
+    script = tmp_path / "ddp.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\nt = torch.ones(1)\n"
+        "for step in range(100):\n    if step == 5 and dist.get_rank() == 1:\n"
+        "        raise ValueError('bad batch')\n    dist.all_reduce(t)\n"
+    )
+    reply = kernel_run(kc, f"%vgpu_run --no-plot {script}")
+    [error] = [m["content"] for m in reply if m["msg_type"] == "error"]
+    # Rank 1 exits with status 1, or gloo aborts it on its way out (SIGABRT); the error says how, in one line.
+    [line] = error["traceback"]
+    assert line.startswith(("RankRunError: rank 1 ", "RankRunError: ranks 0, 1 ")), line
+    everything = kernel_stdout(reply) + kernel_stream(reply, "stderr") + "\n".join(error["traceback"])
+    assert everything.count("ValueError: bad batch") == 1
+    assert "[rank 1] ValueError: bad batch" in kernel_stdout(reply)
+    assert "[rank1]:" not in everything and "[rank0]:" not in everything
