@@ -27,11 +27,26 @@ os.environ["IPYTHONDIR"] = tempfile.mkdtemp(prefix="vgpu-magic-tests-ipython-")
 
 import pytest
 
-from support import ARTIFACTS, last_json, our_processes, run_python
+from support import ARTIFACTS, EXIT_ABORTS, last_json, our_processes, run_python, too_many_exit_aborts
 
 
 def pytest_unconfigure(config) -> None:
     shutil.rmtree(os.environ["IPYTHONDIR"], ignore_errors=True)
+
+
+def pytest_sessionfinish(session) -> None:
+    if too_many_exit_aborts():
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The runs that torch's exit-time abort made run again are counted, never hidden (support.EXIT_ABORTS)."""
+    runs, again = EXIT_ABORTS["runs"], EXIT_ABORTS["again"]
+    if runs:
+        verdict = "too many: the session fails" if too_many_exit_aborts() else "within the allowed rate"
+        terminalreporter.write_line(
+            f"torch's exit-time abort (pytorch/pytorch#190489): {again} of {runs} guarded runs ran again, {verdict}"
+        )
 
 
 @pytest.fixture(autouse=True)

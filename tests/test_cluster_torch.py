@@ -251,11 +251,11 @@ def test_ipython_syntax_in_a_cell_runs_on_the_ranks(shell, ranks, capsys):
 
 
 def torchrun_two_ranks(
-    script: Path, *args: str, env: dict[str, str], cwd: Path = ROOT, writes: Path | None = None
+    script: Path, *args: str, env: dict[str, str], results: str, cwd: Path = ROOT, writes: Path | None = None
 ) -> None:
     """Run ``script ARGS`` under ``torchrun --standalone --nproc-per-node 2`` in ``cwd``; it must succeed (once more,
-    with the folder it ``writes`` in, default ``cwd``, as it was, after torch's abort at exit:
-    :func:`once_more_after_torchs_exit_abort`)."""
+    with the folder it ``writes`` in, default ``cwd``, as it was, after torch's abort at exit once both ranks wrote
+    ``results.RANK``: :func:`once_more_after_torchs_exit_abort`)."""
     torchrun = Path(sys.executable).with_name("torchrun")
 
     def run() -> None:
@@ -270,17 +270,25 @@ def torchrun_two_ranks(
         assert proc.returncode == 0, proc.stderr[-3000:]
 
     assert (writes or cwd) != ROOT, "a run that writes in the checkout is not restored"
-    once_more_after_torchs_exit_abort(run, failure_text, writes or cwd)
+    once_more_after_torchs_exit_abort(run, failure_text, writes or cwd, each_rank(cwd / results))
 
 
-def vgpu_run_script(shell, line: str, folder: Path) -> None:
-    """``%vgpu_run LINE`` in ``folder``, once more (from the folder as it was) after torch's abort at exit."""
+def each_rank(results: Path) -> list[Path]:
+    """The file each of 2 ranks writes last: ``results.RANK``."""
+    return [results.with_name(f"{results.name}.{rank}") for rank in range(2)]
 
-    once_more_after_torchs_exit_abort(lambda: shell.run_line_magic("vgpu_run", line), failure_text, folder)
+
+def vgpu_run_script(shell, line: str, folder: Path, results: str) -> None:
+    """``%vgpu_run LINE`` in ``folder``, once more (from the folder as it was) after torch's abort at exit once both
+    ranks wrote ``results.RANK``."""
+    once_more_after_torchs_exit_abort(
+        lambda: shell.run_line_magic("vgpu_run", line), failure_text, folder, each_rank(folder / results)
+    )
 
 
 def test_same_weights_as_torchrun(shell, ranks, tmp_path):
-    torchrun_two_ranks(PARITY_SCRIPT, env={**CHILD_ENV, "PARITY_OUT": str(tmp_path / "weights")}, writes=tmp_path)
+    out = str(tmp_path / "weights")
+    torchrun_two_ranks(PARITY_SCRIPT, env={**CHILD_ENV, "PARITY_OUT": out}, results=out, writes=tmp_path)
     by_torchrun = [json.loads((tmp_path / f"weights.{r}").read_text()) for r in range(2)]
     shell.run_cell_magic("vgpu_run", "-o ours", PARITY_SCRIPT.read_text())
     assert shell.user_ns["ours"] == by_torchrun
@@ -311,9 +319,9 @@ def test_a_ddp_script_three_runs_in_a_row_match_torchrun_with_its_edits_and_snap
             for folder in (theirs, ours):
                 (folder / "ddp_settings.py").write_text("LEARNING_RATE = 0.02\n")
         args = (str(epochs), "2", "--out", "weights")
-        torchrun_two_ranks(theirs / TRAIN_SCRIPT.name, *args, env=CHILD_ENV, cwd=theirs)
+        torchrun_two_ranks(theirs / TRAIN_SCRIPT.name, *args, env=CHILD_ENV, results="weights", cwd=theirs)
         capsys.readouterr()
-        vgpu_run_script(shell, f"--timeout 120 ddp_train.py {' '.join(args)}", ours)
+        vgpu_run_script(shell, f"--timeout 120 ddp_train.py {' '.join(args)}", ours, "weights")
         by_torchrun = [json.loads((theirs / f"weights.{r}").read_text()) for r in range(2)]
         assert [json.loads((ours / f"weights.{r}").read_text()) for r in range(2)] == by_torchrun
         assert [r["resumed_at"] for r in by_torchrun] == [(0, 4, 8)[run]] * 2
@@ -334,8 +342,8 @@ def test_an_fsdp2_script_three_runs_in_a_row_match_torchrun_bit_for_bit(shell, l
     monkeypatch.chdir(ours)
     for run, steps in enumerate((2, 4, 6)):
         args = ("--steps", str(steps), "--out", "weights")
-        torchrun_two_ranks(theirs / FSDP2_SCRIPT.name, *args, env=CHILD_ENV, cwd=theirs)
-        vgpu_run_script(shell, f"--timeout 200 {FSDP2_SCRIPT.name} {' '.join(args)}", ours)
+        torchrun_two_ranks(theirs / FSDP2_SCRIPT.name, *args, env=CHILD_ENV, results="weights", cwd=theirs)
+        vgpu_run_script(shell, f"--timeout 200 {FSDP2_SCRIPT.name} {' '.join(args)}", ours, "weights")
         by_torchrun = [json.loads((theirs / f"weights.{r}").read_text()) for r in range(2)]
         assert [json.loads((ours / f"weights.{r}").read_text()) for r in range(2)] == by_torchrun
         assert by_torchrun[0] == by_torchrun[1] and by_torchrun[0]["resumed_at"] == (0, 2, 4)[run]
