@@ -28,8 +28,9 @@ ARTIFACTS = ROOT / "artifacts"
 CHILD_ENV = {
     **os.environ,
     "TF_CPP_MIN_LOG_LEVEL": "2",
-    # As in the Makefile: oneDNN's CPU allocator (the one with statistics) whatever the CPU's maker.
-    "TF_ENABLE_ONEDNN_OPTS": "1",
+    # As in the Makefile: oneDNN's CPU allocator (the one with statistics) whatever the CPU's maker, unless the run
+    # chose (make test-anycpu runs with it off too).
+    "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1"),
     "PYTHONUNBUFFERED": "1",
     "MPLBACKEND": "Agg",
 }
