@@ -7,8 +7,10 @@ named ``conftest``, so with ``tests`` and ``notebooks`` collected together that 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -279,3 +281,47 @@ def once_more_after_torchs_exit_abort(
         return run()
     finally:
         shutil.rmtree(kept.parent, ignore_errors=True)
+
+
+#: Where deterministic reference runs (torchrun's) are kept between sessions, under a key of all they depend on.
+REFERENCES = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vgpu-magic-tests" / "references"
+
+#: Set by ``--fidelity`` (tests/conftest.py, make test-fidelity): measure every reference again, never read one.
+FRESH_REFERENCES = False
+
+#: What a run's floats depend on besides its inputs, the versions and the CPU: the float kernels it was told to use.
+FLOAT_KERNELS = ("ATEN_CPU_CAPABILITY", "TF_ENABLE_ONEDNN_OPTS", "XLA_FLAGS", "OMP_NUM_THREADS")
+
+
+def cpu_flags() -> str:
+    """The CPU's instruction sets, which the frameworks pick their float kernels by."""
+    with contextlib.suppress(OSError):
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        return next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
+    return platform.processor()
+
+
+def reference_run(run: Callable[[], Any], folder: Path, inputs: list[str], env: dict[str, str]) -> None:
+    """``run()``, a deterministic run that writes only in ``folder``, or its result read back: what the folder
+    held after it is kept in :data:`REFERENCES` under a key of ``inputs`` (the script, its arguments, the versions),
+    the folder's files before it, the CPU and the float kernels ``env`` chose, and put back instead of running where
+    the key is the same, unless :data:`FRESH_REFERENCES` (the fidelity tier re-measures them all)."""
+    key = hashlib.sha256()
+    parts = [*inputs, sys.version, cpu_flags(), *(f"{name}={env.get(name)}" for name in FLOAT_KERNELS)]
+    for part in parts:
+        key.update(f"{part}\0".encode())
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        key.update(f"{path.relative_to(folder)}\0".encode() + path.read_bytes())
+    kept = REFERENCES / key.hexdigest()
+    if kept.is_dir() and not FRESH_REFERENCES:
+        for entry in folder.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        shutil.copytree(kept, folder, dirs_exist_ok=True)
+        return
+    run()
+    # Whole or not at all: a session that stops mid-copy leaves no half reference to read.
+    partial = kept.with_name(f"{kept.name}.{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(folder, partial)
+    shutil.rmtree(kept, ignore_errors=True)
+    partial.rename(kept)

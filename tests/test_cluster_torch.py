@@ -16,13 +16,21 @@ import subprocess
 import sys
 import threading
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import psutil
 import pytest
 from IPython.core.error import UsageError
 
-from support import CHILD_ENV, ROOT, failure_text, once_more_after_torchs_exit_abort, our_processes
+from support import (
+    CHILD_ENV,
+    ROOT,
+    failure_text,
+    once_more_after_torchs_exit_abort,
+    our_processes,
+    reference_run,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -255,7 +263,8 @@ def torchrun_two_ranks(
 ) -> None:
     """Run ``script ARGS`` under ``torchrun --standalone --nproc-per-node 2`` in ``cwd``; it must succeed (once more,
     with the folder it ``writes`` in, default ``cwd``, as it was, after torch's abort at exit once both ranks wrote
-    ``results.RANK``: :func:`once_more_after_torchs_exit_abort`)."""
+    ``results.RANK``: :func:`once_more_after_torchs_exit_abort`). A deterministic reference: what it wrote is read
+    back from the last run with the same inputs (:func:`reference_run`)."""
     torchrun = Path(sys.executable).with_name("torchrun")
 
     def run() -> None:
@@ -269,8 +278,16 @@ def torchrun_two_ranks(
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
 
-    assert (writes or cwd) != ROOT, "a run that writes in the checkout is not restored"
-    once_more_after_torchs_exit_abort(run, failure_text, writes or cwd, each_rank(cwd / results))
+    folder = writes or cwd
+    assert folder != ROOT, "a run that writes in the checkout is not restored"
+    inputs = [f"torch {version('torch')}", script.read_text(), *args]
+    inputs += [f"{name}={value.replace(str(folder), '<folder>')}" for name, value in env.items() if "PARITY" in name]
+    reference_run(
+        lambda: once_more_after_torchs_exit_abort(run, failure_text, folder, each_rank(cwd / results)),
+        folder,
+        inputs,
+        env,
+    )
 
 
 def each_rank(results: Path) -> list[Path]:
@@ -286,6 +303,8 @@ def vgpu_run_script(shell, line: str, folder: Path, results: str) -> None:
     )
 
 
+@pytest.mark.anycpu
+@pytest.mark.fidelity
 def test_same_weights_as_torchrun(shell, ranks, tmp_path):
     out = str(tmp_path / "weights")
     torchrun_two_ranks(PARITY_SCRIPT, env={**CHILD_ENV, "PARITY_OUT": out}, results=out, writes=tmp_path)
@@ -304,6 +323,8 @@ def job_folder(parent: Path, name: str) -> Path:
     return folder
 
 
+@pytest.mark.anycpu
+@pytest.mark.fidelity
 def test_a_ddp_script_three_runs_in_a_row_match_torchrun_with_its_edits_and_snapshots(
     shell, launcher_ranks, tmp_path, capsys, monkeypatch
 ):
@@ -331,6 +352,8 @@ def test_a_ddp_script_three_runs_in_a_row_match_torchrun_with_its_edits_and_snap
         assert finals == ["[rank 0] rank 0", "[rank 1] rank 1"]
 
 
+@pytest.mark.anycpu
+@pytest.mark.fidelity
 def test_an_fsdp2_script_three_runs_in_a_row_match_torchrun_bit_for_bit(shell, launcher_ranks, tmp_path, monkeypatch):
     """Issue 22: an FSDP2 script in the shape of pytorch/examples' (meta-device model sharded with fully_shard,
     its own init and destroy, a checkpoint in its folder to resume from), three runs in a row, each bit-identical
@@ -643,7 +666,8 @@ def test_a_coordinator_port_in_use_is_refused_before_anything_starts(shell, fram
     assert our_processes() <= before
 
 
-def test_stop_start_five_times_leaves_nothing(shell, capsys):
+@pytest.mark.stress
+def test_stop_start_five_times_leaves_nothing(shell, capsys, repeats):
     from vgpu_magic.ranks import rank_cluster
 
     running = rank_cluster.current()
@@ -652,13 +676,13 @@ def test_stop_start_five_times_leaves_nothing(shell, capsys):
     before = our_processes()
     # One rank each time: the lifecycle (controller, engine, process group) is what is repeated; the
     # two-rank rendezvous is covered above.
-    for _ in range(5):
+    for _ in range(times := repeats(5)):
         shell.run_line_magic("vgpu_cluster", "start 1 --framework torch")
         pids = rank_cluster.current().pids
         assert len(pids) == 1 and set(pids) <= our_processes()
         shell.run_line_magic("vgpu_cluster", "stop")
         assert our_processes() <= before
-    assert capsys.readouterr().out.count("stopped 1 PyTorch rank\n") == 5
+    assert capsys.readouterr().out.count("stopped 1 PyTorch rank\n") == times
 
 
 def test_a_new_start_replaces_the_running_cluster_and_unload_ext_stops_it(shell):

@@ -1,5 +1,6 @@
-"""The one retry the suite allows (torch's abort at exit, pytorch/pytorch#190489) covers only a run whose ranks all
-finished their work, is counted, and fails the session above its rate."""
+"""The suite's own helpers that decide what a run proves: the one retry it allows (torch's abort at exit,
+pytorch/pytorch#190489) covers only a run whose ranks all finished their work, is counted, and fails the session
+above its rate; a reference run is read back only where everything it depends on is the same."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from unittest import mock
 import pytest
 
 import support
-from support import TORCH_EXIT_ABORT, once_more_after_torchs_exit_abort
+from support import TORCH_EXIT_ABORT, once_more_after_torchs_exit_abort, reference_run
 
 
 def aborting_run(folder, writes: list[str], aborts: int):
@@ -71,3 +72,53 @@ def test_the_same_abort_twice_fails(tmp_path, counts):
 def test_more_than_one_run_in_ten_again_fails_the_session(counts, runs, again, too_many):
     counts.update(runs=runs, again=again)
     assert support.too_many_exit_aborts() is too_many
+
+
+@pytest.fixture
+def references(tmp_path, monkeypatch):
+    monkeypatch.setattr(support, "REFERENCES", tmp_path / "references")
+    folder = tmp_path / "job"
+    folder.mkdir()
+    (folder / "train.py").write_text("print('hi')")
+    runs = []
+
+    def run() -> None:
+        runs.append(1)
+        (folder / "weights.0").write_text(f"run {len(runs)}")
+        (folder / "train.py").write_text("edited by the run")
+
+    def reference(inputs=("torch 2.14.1",), env=None) -> str:
+        reference_run(run, folder, list(inputs), env or {})
+        return (folder / "weights.0").read_text()
+
+    return folder, runs, reference
+
+
+def test_a_reference_is_read_back_as_the_run_left_its_folder(references):
+    folder, runs, reference = references
+    assert reference() == "run 1"
+    (folder / "weights.0").unlink()
+    (folder / "train.py").write_text("print('hi')")
+    assert reference() == "run 1" and len(runs) == 1
+    assert (folder / "train.py").read_text() == "edited by the run"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"inputs": ("torch 2.13.0",)},
+        {"env": {"ATEN_CPU_CAPABILITY": "default"}},
+        {"env": {"TF_ENABLE_ONEDNN_OPTS": "0"}},
+        {"folder": "print('changed')"},
+        {"fresh": True},
+    ],
+    ids=["version", "torch-kernels", "onednn", "folder", "fidelity-tier"],
+)
+def test_a_reference_runs_again_where_what_it_depends_on_changed(references, monkeypatch, change):
+    folder, _, reference = references
+    reference()
+    # The folder as it was before the first run, but for the change.
+    (folder / "weights.0").unlink()
+    (folder / "train.py").write_text(change.get("folder", "print('hi')"))
+    monkeypatch.setattr(support, "FRESH_REFERENCES", change.get("fresh", False))
+    assert reference(change.get("inputs", ("torch 2.14.1",)), change.get("env")) == "run 2"
