@@ -86,17 +86,16 @@ test-fidelity: setup-test system-deps
 test-packaging: setup-test
 	$(TEST_ENV) $(PY) -m pytest tests -m packaging $(PYTEST_ARGS)
 
-# Each extra's lower bound in pyproject.toml (pinned in tests/oldest.txt), in a venv of its own: the tests that
-# start no process (the contract tests of what we use of ipyparallel, torch and JAX among them), then one test on
-# real ranks per framework.
+# Each extra's lower bound in pyproject.toml (pinned in tests/oldest.txt; JAX's is the version `make test` runs), in
+# a venv of its own: the tests that start no process (the contract tests of what we use of ipyparallel and torch
+# among them), then one test on real ranks per framework.
 OLDEST := .venv-oldest
 OLDEST_RANKS := tests/test_cluster_frameworks.py::test_tensorflow_workers_match_plain_tf_config_processes \
-	tests/test_cluster_torch.py::test_same_weights_as_torchrun \
-	tests/test_cluster_frameworks.py::test_jax_two_processes_of_two_cpu_devices
+	tests/test_cluster_torch.py::test_same_weights_as_torchrun
 $(OLDEST)/.installed: pyproject.toml tests/oldest.txt
 	[ -x $(OLDEST)/bin/python ] || $(PYTHON) -m venv $(OLDEST)
 	$(OLDEST)/bin/python -m pip install --quiet --upgrade pip
-	$(OLDEST)/bin/python -m pip install --quiet -c tests/oldest.txt -e '.[cpu,test,jax,torch,cluster]'
+	$(OLDEST)/bin/python -m pip install --quiet -c tests/oldest.txt -e '.[cpu,test,torch,cluster]'
 	touch $@
 test-oldest: $(OLDEST)/.installed
 	$(TEST_ENV) $(OLDEST)/bin/python -m pytest tests -m "not slow and not browser" $(PYTEST_ARGS)
