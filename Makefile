@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine:
 #   make lab    set up and start JupyterLab on the quickstart notebook (CPU TensorFlow)
-#   make test   set up (Python packages + Chromium) and run the whole suite, notebooks included
+#   make test   set up (Python packages + Chromium) and run the complete suite, notebooks included (the other
+#               tiers: test-fast, test-anycpu, test-stress, test-fidelity, test-packaging, test-oldest, test-full)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
