@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine:
 #   make lab    set up and start JupyterLab on the quickstart notebook (CPU TensorFlow)
-#   make test   set up (Python packages + Chromium) and run the whole suite, notebooks included
+#   make test   set up (Python packages + Chromium) and run the complete suite, notebooks included (the other
+#               tiers: test-fast, test-anycpu, test-stress, test-fidelity, test-packaging, test-oldest, test-full)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -14,7 +15,7 @@ PYTEST_ARGS ?=
 # default only on some Intel CPUs, and only oneDNN's CPU allocator keeps the statistics %vgpu_status shows.
 TEST_ENV := TF_CPP_MIN_LOG_LEVEL=2 TF_ENABLE_ONEDNN_OPTS=1
 
-.PHONY: setup setup-test system-deps lab lint test test-fast bench clean notebooks gpu-check gpu-wheels
+.PHONY: setup setup-test system-deps lab lint test test-fast test-anycpu test-stress test-fidelity test-packaging test-oldest test-full bench clean notebooks gpu-check gpu-wheels
 
 setup: $(VENV)/.installed-$(EXTRAS)
 setup-test: $(VENV)/.installed-$(TEST_EXTRAS)
@@ -56,12 +57,54 @@ lint: setup-test
 	$(VENV)/bin/ruff check vgpu_magic tests benchmarks
 	$(VENV)/bin/lint-imports --no-cache
 
-test: setup-test system-deps lint
-	$(TEST_ENV) $(PY) -m pytest tests notebooks --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg $(PYTEST_ARGS)
+NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg
 
-# The suite without the browser test and notebooks, for quick iterations.
+# The complete suite, notebooks included, with the stress loops short; the tiers below add what it leaves out.
+test: setup-test system-deps lint
+	$(TEST_ENV) $(PY) -m pytest tests notebooks $(NBVAL) -m "not packaging" $(PYTEST_ARGS)
+
+# The tests that start no fresh process (no slow test, no browser, no notebook), for quick iterations.
 test-fast: setup-test lint
-	$(TEST_ENV) $(PY) -m pytest tests -m "not browser" $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest tests -m "not slow and not browser" $(PYTEST_ARGS)
+
+# Stored outputs and float expectations must not depend on the CPU's float kernels: the notebooks and the tests
+# marked anycpu, again with each framework's CPU kernels at their most generic (PyTorch's default, TensorFlow
+# without oneDNN, XLA at SSE4.2) and at AVX2 (`make test` ran them with the machine's own).
+ANYCPU_KERNELS := "ATEN_CPU_CAPABILITY=default TF_ENABLE_ONEDNN_OPTS=0 XLA_FLAGS=--xla_cpu_max_isa=SSE4_2" \
+	"ATEN_CPU_CAPABILITY=avx2 TF_ENABLE_ONEDNN_OPTS=1 XLA_FLAGS=--xla_cpu_max_isa=AVX2"
+test-anycpu: setup-test system-deps
+	for kernels in $(ANYCPU_KERNELS); do echo "== $$kernels"; \
+	  env TF_CPP_MIN_LOG_LEVEL=2 $$kernels $(PY) -m pytest tests notebooks $(NBVAL) -m anycpu $(PYTEST_ARGS) || exit 1; done
+
+# The stress loops at their full counts (`make test` runs a fifth of each).
+test-stress: setup-test system-deps
+	$(TEST_ENV) $(PY) -m pytest tests -m stress --stress $(PYTEST_ARGS)
+
+# torchrun's reference runs measured again (`make test` reads them back from ~/.cache/vgpu-magic-tests where their
+# inputs, versions, CPU and float kernels are the same).
+test-fidelity: setup-test system-deps
+	$(TEST_ENV) $(PY) -m pytest tests -m fidelity --fidelity $(PYTEST_ARGS)
+
+# A fresh environment built from binder/ runs the quickstart (minutes: it installs TensorFlow).
+test-packaging: setup-test
+	$(TEST_ENV) $(PY) -m pytest tests -m packaging $(PYTEST_ARGS)
+
+# Each extra's lower bound in pyproject.toml (pinned in tests/oldest.txt; JAX's is the version `make test` runs), in
+# a venv of its own: the tests that start no process (the contract tests of what we use of ipyparallel and torch
+# among them), then one test on real ranks per framework.
+OLDEST := .venv-oldest
+OLDEST_RANKS := tests/test_cluster_frameworks.py::test_tensorflow_workers_match_plain_tf_config_processes \
+	tests/test_cluster_torch.py::test_same_weights_as_torchrun
+$(OLDEST)/.installed: pyproject.toml tests/oldest.txt
+	[ -x $(OLDEST)/bin/python ] || $(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install --quiet --upgrade pip
+	$(OLDEST)/bin/python -m pip install --quiet -c tests/oldest.txt -e '.[cpu,test,torch,cluster]'
+	touch $@
+test-oldest: $(OLDEST)/.installed
+	$(TEST_ENV) $(OLDEST)/bin/python -m pytest tests -m "not slow and not browser" $(PYTEST_ARGS)
+	$(TEST_ENV) $(OLDEST)/bin/python -m pytest $(OLDEST_RANKS) $(PYTEST_ARGS)
+
+test-full: test test-anycpu test-stress test-fidelity test-packaging test-oldest
 
 # Ratios and timings measured in one run (a few minutes; tests never assert on wall-clock time).
 bench: setup-test

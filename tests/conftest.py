@@ -27,11 +27,43 @@ os.environ["IPYTHONDIR"] = tempfile.mkdtemp(prefix="vgpu-magic-tests-ipython-")
 
 import pytest
 
-from support import ARTIFACTS, last_json, our_processes, run_python
+import support
+from support import ARTIFACTS, EXIT_ABORTS, last_json, our_processes, run_python, too_many_exit_aborts
 
 
 def pytest_unconfigure(config) -> None:
     shutil.rmtree(os.environ["IPYTHONDIR"], ignore_errors=True)
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--stress", action="store_true", help="run the loops marked stress their full count")
+    parser.addoption("--fidelity", action="store_true", help="measure the reference runs again, never read them back")
+
+
+def pytest_configure(config) -> None:
+    support.FRESH_REFERENCES = config.getoption("fidelity")
+
+
+@pytest.fixture
+def repeats(request):
+    """``repeats(full) -> int``: a stress loop's count: ``full`` under ``--stress`` (make test-stress), else a
+    fifth of it (at least 2), enough to see the race on most runs of the suite."""
+    return lambda full: full if request.config.getoption("stress") else max(2, full // 5)
+
+
+def pytest_sessionfinish(session) -> None:
+    if too_many_exit_aborts():
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The runs that torch's exit-time abort made run again are counted, never hidden (support.EXIT_ABORTS)."""
+    runs, again = EXIT_ABORTS["runs"], EXIT_ABORTS["again"]
+    if runs:
+        verdict = "too many: the session fails" if too_many_exit_aborts() else "within the allowed rate"
+        terminalreporter.write_line(
+            f"torch's exit-time abort (pytorch/pytorch#190489): {again} of {runs} guarded runs ran again, {verdict}"
+        )
 
 
 @pytest.fixture(autouse=True)

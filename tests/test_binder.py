@@ -20,7 +20,7 @@ from support import CHILD_ENV, ROOT
 
 BINDER_MEMORY_LIMIT = 2 * 1024**3
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slow, pytest.mark.packaging, pytest.mark.timeout(1200)]
 
 
 def _run(cmd, **kwargs):

@@ -248,7 +248,8 @@ def chromium():
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """A JupyterLab 4 server for the module: ``(base_url, token, notebooks_dir)``."""
+    """One Jupyter server for the module and both front ends, as users have it where both are installed: JupyterLab 4
+    under ``lab/`` and Notebook 7 under ``notebooks/``: ``(base_url, token, notebooks_dir)``."""
     with _jupyter_server("jupyterlab", tmp_path_factory.mktemp("lab")) as served:
         yield served
 
@@ -298,24 +299,24 @@ def _expect_panel_applied_three(sync_api, panel) -> None:
     )
 
 
-def test_notebook7_panel_splits_the_cpu(chromium, tmp_path, artifacts_dir):
+def test_notebook7_panel_splits_the_cpu(chromium, lab, artifacts_dir):
     # Notebook 7 swallows arrow keys on a focused slider handle (measured with Chromium 156), so
     # here the count is typed into the box next to the slider, as a keyboard user would.
+    pytest.importorskip("notebook")
     sync_api, _ = chromium
-    with _jupyter_server("notebook", tmp_path) as served:
-        page = _open(chromium, served, "notebooks", "panel.ipynb", ["%load_ext vgpu_magic", "%vgpu_split"])
-        try:
-            _run_cell(page, sync_api, 0)
-            _run_cell(page, sync_api, 1)
-            panel = page.locator(".vgpu-split-panel")
-            panel.wait_for(timeout=120_000)
-            sync_api.expect(panel.locator(".vgpu-count-text input")).to_have_value("1")
-            _set_count_by_typing(panel, 3)
-            _expect_panel_applied_three(sync_api, panel)
-            panel.scroll_into_view_if_needed()
-            panel.screenshot(path=str(artifacts_dir / "browser_panel_notebook7.png"))
-        finally:
-            page.close()
+    page = _open(chromium, lab, "notebooks", "panel_notebook7.ipynb", ["%load_ext vgpu_magic", "%vgpu_split"])
+    try:
+        _run_cell(page, sync_api, 0)
+        _run_cell(page, sync_api, 1)
+        panel = page.locator(".vgpu-split-panel")
+        panel.wait_for(timeout=120_000)
+        sync_api.expect(panel.locator(".vgpu-count-text input")).to_have_value("1")
+        _set_count_by_typing(panel, 3)
+        _expect_panel_applied_three(sync_api, panel)
+        panel.scroll_into_view_if_needed()
+        panel.screenshot(path=str(artifacts_dir / "browser_panel_notebook7.png"))
+    finally:
+        page.close()
 
 
 # -- colours as rendered --------------------------------------------------------------------
@@ -821,24 +822,24 @@ def test_jupyterlab_live_memory_view_mid_fit_and_its_final_image_read_in_light_a
         page.close()
 
 
-def test_notebook7_shows_the_live_memory_view_then_its_image(chromium, tmp_path, artifacts_dir):
+def test_notebook7_shows_the_live_memory_view_then_its_image(chromium, lab, artifacts_dir):
+    pytest.importorskip("notebook")
     sync_api, _ = chromium
     cells = [*LIVE_CELLS[:3], LIVE_CELLS[3].replace("epochs=6", "epochs=2")]
-    with _jupyter_server("notebook", tmp_path) as served:
-        page = _open(chromium, served, "notebooks", "live.ipynb", cells)
-        try:
-            for index in range(len(cells) - 1):
-                _run_cell(page, sync_api, index, timeout_ms=240_000)
-            fit = page.locator(".jp-Notebook .jp-Cell").nth(len(cells) - 1)
-            _run_cell(page, sync_api, len(cells) - 1, wait=False)
-            view = fit.locator(".vgpu-live")
-            _wait_for_live_rows(page, view, 8)
-            view.first.scroll_into_view_if_needed()
-            view.first.screenshot(path=str(artifacts_dir / "browser_live_notebook7.png"))
-            sync_api.expect(fit.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]"), timeout=240_000)
-            sync_api.expect(fit.locator(".jp-OutputArea-output img")).to_have_count(1, timeout=60_000)
-        finally:
-            page.close()
+    page = _open(chromium, lab, "notebooks", "live_notebook7.ipynb", cells)
+    try:
+        for index in range(len(cells) - 1):
+            _run_cell(page, sync_api, index, timeout_ms=240_000)
+        fit = page.locator(".jp-Notebook .jp-Cell").nth(len(cells) - 1)
+        _run_cell(page, sync_api, len(cells) - 1, wait=False)
+        view = fit.locator(".vgpu-live")
+        _wait_for_live_rows(page, view, 8)
+        view.first.scroll_into_view_if_needed()
+        view.first.screenshot(path=str(artifacts_dir / "browser_live_notebook7.png"))
+        sync_api.expect(fit.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]"), timeout=240_000)
+        sync_api.expect(fit.locator(".jp-OutputArea-output img")).to_have_count(1, timeout=60_000)
+    finally:
+        page.close()
 
 
 # -- the estimate's verdict ------------------------------------------------------------------------

@@ -23,7 +23,8 @@ def shell(cluster_shell):
     return cluster_shell
 
 
-def test_every_rank_failing_at_once_is_named_and_none_is_killed(shell):
+@pytest.mark.stress
+def test_every_rank_failing_at_once_is_named_and_none_is_killed(shell, repeats):
     """Issue 25, row 1: the policy interrupted ranks whose own error had not reached the kernel yet;
     now and then one never answered and was SIGKILLed (2 runs in 10). Four ranks (TensorFlow's CPU
     wiring imports nothing: the quickest), 20 runs, each naming all four ranks' error once."""
@@ -32,7 +33,7 @@ def test_every_rank_failing_at_once_is_named_and_none_is_killed(shell):
 
     shell.run_line_magic("vgpu_cluster", "start 4 --framework tensorflow")
     pids = list(vgpu_magic.cluster().pids)
-    for run in range(20):
+    for run in range(repeats(20)):
         with pytest.raises(RankRunError) as info, contextlib.redirect_stderr(io.StringIO()):
             shell.run_cell_magic("vgpu_run", "--no-plot", "raise ValueError('bad argument')")
         error = info.value
@@ -46,7 +47,8 @@ def test_every_rank_failing_at_once_is_named_and_none_is_killed(shell):
         assert shell.user_ns["after"] == pids
 
 
-def test_a_rank_interrupted_as_it_replies_is_not_killed(shell, monkeypatch):
+@pytest.mark.stress
+def test_a_rank_interrupted_as_it_replies_is_not_killed(shell, monkeypatch, repeats):
     """Without the collecting second, ranks are interrupted as their own error is on its way: SIGINT
     then lands in the engine after the user's code, where ipykernel drops the reply. Such a rank went
     idle, so it is not stuck and is never killed (before, 12 runs of 30 killed one)."""
@@ -56,7 +58,7 @@ def test_a_rank_interrupted_as_it_replies_is_not_killed(shell, monkeypatch):
     monkeypatch.setattr(run, "COLLECT", 0.0)
     shell.run_line_magic("vgpu_cluster", "start 4 --framework tensorflow")
     pids = list(vgpu_magic.cluster().pids)
-    for attempt in range(20):
+    for attempt in range(repeats(20)):
         said = io.StringIO()
         try:
             with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):

@@ -41,6 +41,7 @@ def quiet_run(ranks, code: str):
         return ranks.run(code, output=True), out.getvalue()
 
 
+@pytest.mark.anycpu
 def test_tensorflow_workers_match_plain_tf_config_processes(tmp_path):
     from vgpu_magic.ranks.hosts import free_port
 

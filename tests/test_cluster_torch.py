@@ -16,13 +16,21 @@ import subprocess
 import sys
 import threading
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import psutil
 import pytest
 from IPython.core.error import UsageError
 
-from support import CHILD_ENV, ROOT, failure_text, once_more_after_torchs_exit_abort, our_processes
+from support import (
+    CHILD_ENV,
+    ROOT,
+    failure_text,
+    once_more_after_torchs_exit_abort,
+    our_processes,
+    reference_run,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -254,11 +262,12 @@ def test_ipython_syntax_in_a_cell_runs_on_the_ranks(shell, ranks, capsys):
 
 
 def torchrun_two_ranks(
-    script: Path, *args: str, env: dict[str, str], cwd: Path = ROOT, writes: Path | None = None
+    script: Path, *args: str, env: dict[str, str], results: str, cwd: Path = ROOT, writes: Path | None = None
 ) -> None:
     """Run ``script ARGS`` under ``torchrun --standalone --nproc-per-node 2`` in ``cwd``; it must succeed (once more,
-    with the folder it ``writes`` in, default ``cwd``, as it was, after torch's abort at exit:
-    :func:`once_more_after_torchs_exit_abort`)."""
+    with the folder it ``writes`` in, default ``cwd``, as it was, after torch's abort at exit once both ranks wrote
+    ``results.RANK``: :func:`once_more_after_torchs_exit_abort`). A deterministic reference: what it wrote is read
+    back from the last run with the same inputs (:func:`reference_run`)."""
     torchrun = Path(sys.executable).with_name("torchrun")
 
     def run() -> None:
@@ -272,18 +281,36 @@ def torchrun_two_ranks(
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
 
-    assert (writes or cwd) != ROOT, "a run that writes in the checkout is not restored"
-    once_more_after_torchs_exit_abort(run, failure_text, writes or cwd)
+    folder = writes or cwd
+    assert folder != ROOT, "a run that writes in the checkout is not restored"
+    inputs = [f"torch {version('torch')}", script.read_text(), *args]
+    inputs += [f"{name}={value.replace(str(folder), '<folder>')}" for name, value in env.items() if "PARITY" in name]
+    reference_run(
+        lambda: once_more_after_torchs_exit_abort(run, failure_text, folder, each_rank(cwd / results)),
+        folder,
+        inputs,
+        env,
+    )
 
 
-def vgpu_run_script(shell, line: str, folder: Path) -> None:
-    """``%vgpu_run LINE`` in ``folder``, once more (from the folder as it was) after torch's abort at exit."""
+def each_rank(results: Path) -> list[Path]:
+    """The file each of 2 ranks writes last: ``results.RANK``."""
+    return [results.with_name(f"{results.name}.{rank}") for rank in range(2)]
 
-    once_more_after_torchs_exit_abort(lambda: shell.run_line_magic("vgpu_run", line), failure_text, folder)
+
+def vgpu_run_script(shell, line: str, folder: Path, results: str) -> None:
+    """``%vgpu_run LINE`` in ``folder``, once more (from the folder as it was) after torch's abort at exit once both
+    ranks wrote ``results.RANK``."""
+    once_more_after_torchs_exit_abort(
+        lambda: shell.run_line_magic("vgpu_run", line), failure_text, folder, each_rank(folder / results)
+    )
 
 
+@pytest.mark.anycpu
+@pytest.mark.fidelity
 def test_same_weights_as_torchrun(shell, ranks, tmp_path):
-    torchrun_two_ranks(PARITY_SCRIPT, env={**CHILD_ENV, "PARITY_OUT": str(tmp_path / "weights")}, writes=tmp_path)
+    out = str(tmp_path / "weights")
+    torchrun_two_ranks(PARITY_SCRIPT, env={**CHILD_ENV, "PARITY_OUT": out}, results=out, writes=tmp_path)
     by_torchrun = [json.loads((tmp_path / f"weights.{r}").read_text()) for r in range(2)]
     shell.run_cell_magic("vgpu_run", "-o ours", PARITY_SCRIPT.read_text())
     assert shell.user_ns["ours"] == by_torchrun
@@ -299,6 +326,8 @@ def job_folder(parent: Path, name: str) -> Path:
     return folder
 
 
+@pytest.mark.anycpu
+@pytest.mark.fidelity
 def test_a_ddp_script_three_runs_in_a_row_match_torchrun_with_its_edits_and_snapshots(
     shell, launcher_ranks, tmp_path, capsys, monkeypatch
 ):
@@ -314,9 +343,9 @@ def test_a_ddp_script_three_runs_in_a_row_match_torchrun_with_its_edits_and_snap
             for folder in (theirs, ours):
                 (folder / "ddp_settings.py").write_text("LEARNING_RATE = 0.02\n")
         args = (str(epochs), "2", "--out", "weights")
-        torchrun_two_ranks(theirs / TRAIN_SCRIPT.name, *args, env=CHILD_ENV, cwd=theirs)
+        torchrun_two_ranks(theirs / TRAIN_SCRIPT.name, *args, env=CHILD_ENV, results="weights", cwd=theirs)
         capsys.readouterr()
-        vgpu_run_script(shell, f"--timeout 120 ddp_train.py {' '.join(args)}", ours)
+        vgpu_run_script(shell, f"--timeout 120 ddp_train.py {' '.join(args)}", ours, "weights")
         by_torchrun = [json.loads((theirs / f"weights.{r}").read_text()) for r in range(2)]
         assert [json.loads((ours / f"weights.{r}").read_text()) for r in range(2)] == by_torchrun
         assert [r["resumed_at"] for r in by_torchrun] == [(0, 4, 8)[run]] * 2
@@ -326,6 +355,8 @@ def test_a_ddp_script_three_runs_in_a_row_match_torchrun_with_its_edits_and_snap
         assert finals == ["[rank 0] rank 0", "[rank 1] rank 1"]
 
 
+@pytest.mark.anycpu
+@pytest.mark.fidelity
 def test_an_fsdp2_script_three_runs_in_a_row_match_torchrun_bit_for_bit(shell, launcher_ranks, tmp_path, monkeypatch):
     """Issue 22: an FSDP2 script in the shape of pytorch/examples' (meta-device model sharded with fully_shard,
     its own init and destroy, a checkpoint in its folder to resume from), three runs in a row, each bit-identical
@@ -337,8 +368,8 @@ def test_an_fsdp2_script_three_runs_in_a_row_match_torchrun_bit_for_bit(shell, l
     monkeypatch.chdir(ours)
     for run, steps in enumerate((2, 4, 6)):
         args = ("--steps", str(steps), "--out", "weights")
-        torchrun_two_ranks(theirs / FSDP2_SCRIPT.name, *args, env=CHILD_ENV, cwd=theirs)
-        vgpu_run_script(shell, f"--timeout 200 {FSDP2_SCRIPT.name} {' '.join(args)}", ours)
+        torchrun_two_ranks(theirs / FSDP2_SCRIPT.name, *args, env=CHILD_ENV, results="weights", cwd=theirs)
+        vgpu_run_script(shell, f"--timeout 200 {FSDP2_SCRIPT.name} {' '.join(args)}", ours, "weights")
         by_torchrun = [json.loads((theirs / f"weights.{r}").read_text()) for r in range(2)]
         assert [json.loads((ours / f"weights.{r}").read_text()) for r in range(2)] == by_torchrun
         assert by_torchrun[0] == by_torchrun[1] and by_torchrun[0]["resumed_at"] == (0, 2, 4)[run]
@@ -644,7 +675,8 @@ def test_a_coordinator_port_in_use_is_refused_before_anything_starts(shell, fram
     assert our_processes() <= before
 
 
-def test_stop_start_five_times_leaves_nothing(shell, capsys):
+@pytest.mark.stress
+def test_stop_start_five_times_leaves_nothing(shell, capsys, repeats):
     from vgpu_magic.ranks import rank_cluster
 
     running = rank_cluster.current()
@@ -653,13 +685,13 @@ def test_stop_start_five_times_leaves_nothing(shell, capsys):
     before = our_processes()
     # One rank each time: the lifecycle (controller, engine, process group) is what is repeated; the
     # two-rank rendezvous is covered above.
-    for _ in range(5):
+    for _ in range(times := repeats(5)):
         shell.run_line_magic("vgpu_cluster", "start 1 --framework torch")
         pids = rank_cluster.current().pids
         assert len(pids) == 1 and set(pids) <= our_processes()
         shell.run_line_magic("vgpu_cluster", "stop")
         assert our_processes() <= before
-    assert capsys.readouterr().out.count("stopped 1 PyTorch rank\n") == 5
+    assert capsys.readouterr().out.count("stopped 1 PyTorch rank\n") == times
 
 
 def test_a_new_start_replaces_the_running_cluster_and_unload_ext_stops_it(shell):

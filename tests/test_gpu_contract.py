@@ -37,6 +37,8 @@ def test_torch_maps_nccl_and_its_default_to_gloo_for_cuda(monkeypatch):
     from vgpu_magic.frameworks.torch import gloo_for_nccl
 
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda"))
+    if hasattr(torch._C, "_get_accelerator"):  # where torch 2.13's BackendConfig asks
+        monkeypatch.setattr(torch._C, "_get_accelerator", lambda: torch.device("cuda"))
     assert BackendConfig(Backend.UNDEFINED).get_device_backend_map() == {"cuda": "nccl"}
     assert BackendConfig("nccl").get_device_backend_map() == {"cuda": "nccl"}
     for asked in (None, "nccl", "cuda:nccl", "cpu:gloo,cuda:nccl"):

@@ -140,7 +140,8 @@ def test_a_ddp_script_runs_twice_from_the_jobs_tasks(slurm, tmp_path, monkeypatc
                 return failure_text(error) + said.getvalue()
 
             try:
-                once_more_after_torchs_exit_abort(launch, what_was_said, tmp_path)
+                results = [tmp_path / f"run{run}.{rank}" for rank in range(2)]
+                once_more_after_torchs_exit_abort(launch, what_was_said, tmp_path, results)
             except Exception as exc:
                 raise AssertionError(f"run {run} failed; the ranks said:\n{said.getvalue()[-4000:]}") from exc
             found = [json.loads((tmp_path / f"run{run}.{r}").read_text()) for r in range(2)]

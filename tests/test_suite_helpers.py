@@ -1,0 +1,124 @@
+"""The suite's own helpers that decide what a run proves: the one retry it allows (torch's abort at exit,
+pytorch/pytorch#190489) covers only a run whose ranks all finished their work, is counted, and fails the session
+above its rate; a reference run is read back only where everything it depends on is the same."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+
+import support
+from support import TORCH_EXIT_ABORT, once_more_after_torchs_exit_abort, reference_run
+
+
+def aborting_run(folder, writes: list[str], aborts: int):
+    """A run that writes ``writes`` in ``folder`` and then aborts at exit, its first ``aborts`` times."""
+    calls = []
+
+    def run() -> str:
+        calls.append(sorted(p.name for p in folder.iterdir()))
+        for name in writes:
+            (folder / name).write_text(str(len(calls)))
+        if len(calls) <= aborts:
+            raise RuntimeError(f"rank 1 was killed by SIGABRT\n{TORCH_EXIT_ABORT}")
+        return "done"
+
+    return run, calls
+
+
+@pytest.fixture
+def counts():
+    with mock.patch.dict(support.EXIT_ABORTS, {"runs": 0, "again": 0}):
+        yield support.EXIT_ABORTS
+
+
+def test_an_abort_after_every_rank_wrote_its_result_runs_again_from_the_folder_as_it_was(tmp_path, counts):
+    (tmp_path / "snapshot").write_text("before")
+    run, calls = aborting_run(tmp_path, ["out.0", "out.1"], aborts=1)
+    results = [tmp_path / "out.0", tmp_path / "out.1"]
+    assert once_more_after_torchs_exit_abort(run, str, tmp_path, results) == "done"
+    assert calls == [["snapshot"], ["snapshot"]]
+    assert counts == {"runs": 1, "again": 1}
+
+
+@pytest.mark.parametrize("writes", [["out.0"], []], ids=["one-rank-unfinished", "none-finished"])
+def test_an_abort_before_a_rank_finished_fails_as_it_is(tmp_path, counts, writes):
+    run, calls = aborting_run(tmp_path, writes, aborts=1)
+    with pytest.raises(RuntimeError, match="SIGABRT"):
+        once_more_after_torchs_exit_abort(run, str, tmp_path, [tmp_path / "out.0", tmp_path / "out.1"])
+    assert len(calls) == 1 and counts == {"runs": 1, "again": 0}
+
+
+def test_a_result_left_by_an_earlier_run_does_not_count_as_finished(tmp_path, counts):
+    (tmp_path / "out.0").write_text("earlier")
+    (tmp_path / "out.1").write_text("earlier")
+    run, calls = aborting_run(tmp_path, ["out.0"], aborts=1)
+    with pytest.raises(RuntimeError, match="SIGABRT"):
+        once_more_after_torchs_exit_abort(run, str, tmp_path, [tmp_path / "out.0", tmp_path / "out.1"])
+    assert len(calls) == 1
+
+
+def test_the_same_abort_twice_fails(tmp_path, counts):
+    run, calls = aborting_run(tmp_path, ["out.0", "out.1"], aborts=2)
+    with pytest.raises(RuntimeError, match="SIGABRT"):
+        once_more_after_torchs_exit_abort(run, str, tmp_path, [tmp_path / "out.0", tmp_path / "out.1"])
+    assert len(calls) == 2 and counts == {"runs": 1, "again": 1}
+
+
+@pytest.mark.parametrize(
+    ("runs", "again", "too_many"), [(15, 1, False), (15, 2, True), (3, 1, False), (30, 3, False), (30, 4, True)]
+)
+def test_more_than_one_run_in_ten_again_fails_the_session(counts, runs, again, too_many):
+    counts.update(runs=runs, again=again)
+    assert support.too_many_exit_aborts() is too_many
+
+
+@pytest.fixture
+def references(tmp_path, monkeypatch):
+    monkeypatch.setattr(support, "REFERENCES", tmp_path / "references")
+    folder = tmp_path / "job"
+    folder.mkdir()
+    (folder / "train.py").write_text("print('hi')")
+    runs = []
+
+    def run() -> None:
+        runs.append(1)
+        (folder / "weights.0").write_text(f"run {len(runs)}")
+        (folder / "train.py").write_text("edited by the run")
+
+    def reference(inputs=("torch 2.14.1",), env=None) -> str:
+        reference_run(run, folder, list(inputs), env or {})
+        return (folder / "weights.0").read_text()
+
+    return folder, runs, reference
+
+
+def test_a_reference_is_read_back_as_the_run_left_its_folder(references):
+    folder, runs, reference = references
+    assert reference() == "run 1"
+    (folder / "weights.0").unlink()
+    (folder / "train.py").write_text("print('hi')")
+    assert reference() == "run 1" and len(runs) == 1
+    assert (folder / "train.py").read_text() == "edited by the run"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"inputs": ("torch 2.13.0",)},
+        {"env": {"ATEN_CPU_CAPABILITY": "default"}},
+        {"env": {"TF_ENABLE_ONEDNN_OPTS": "0"}},
+        {"folder": "print('changed')"},
+        {"fresh": True},
+    ],
+    ids=["version", "torch-kernels", "onednn", "folder", "fidelity-tier"],
+)
+def test_a_reference_runs_again_where_what_it_depends_on_changed(references, monkeypatch, change):
+    folder, _, reference = references
+    reference()
+    # The folder as it was before the first run, but for the change.
+    (folder / "weights.0").unlink()
+    (folder / "train.py").write_text(change.get("folder", "print('hi')"))
+    monkeypatch.setattr(support, "FRESH_REFERENCES", change.get("fresh", False))
+    assert reference(change.get("inputs", ("torch 2.14.1",)), change.get("env")) == "run 2"
