@@ -17,7 +17,14 @@ import psutil
 import pytest
 from IPython.core.error import UsageError
 
-from support import CHILD_ENV, ROOT, TORCH_EXIT_ABORT, kernel_run, kernel_stdout, started_kernel
+from support import (
+    CHILD_ENV,
+    ROOT,
+    kernel_run,
+    kernel_stdout,
+    once_more_after_torchs_exit_abort,
+    started_kernel,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -44,7 +51,12 @@ def torchrun_weights(tmp_path_factory):
     from test_cluster_torch import torchrun_two_ranks
 
     folder = tmp_path_factory.mktemp("torchrun")
-    torchrun_two_ranks(SCRIPTS / "ddp_parity.py", env={**CHILD_ENV, "PARITY_OUT": str(folder / "w")}, writes=folder)
+    torchrun_two_ranks(
+        SCRIPTS / "ddp_parity.py",
+        env={**CHILD_ENV, "PARITY_OUT": str(folder / "w")},
+        results=str(folder / "w"),
+        writes=folder,
+    )
     return [json.loads((folder / f"w.{r}").read_text()) for r in range(2)]
 
 
@@ -55,15 +67,13 @@ def ended(job, state: str = "COMPLETED"):
 
 
 def weights_of_a_job(folder: Path, submit) -> list:
-    """ddp_parity.py's weights from the job ``submit(script)`` returns; once more after torch's exit abort."""
+    """ddp_parity.py's weights from the job ``submit(script)`` returns; once more (counted) after torch's exit
+    abort where both ranks had written their weights (:func:`once_more_after_torchs_exit_abort`)."""
     os.environ["PARITY_OUT"] = str(folder / "w")
+    results = [folder / f"w.{r}" for r in range(2)]
     try:
-        for _ in range(2):
-            job = submit(folder / "ddp_parity.py")
-            if job.wait(timeout=JOB_TIMEOUT) == "COMPLETED" or TORCH_EXIT_ABORT not in job.logs():
-                break
-        ended(job)
-        return [json.loads((folder / f"w.{r}").read_text()) for r in range(2)]
+        once_more_after_torchs_exit_abort(lambda: ended(submit(folder / "ddp_parity.py")), str, folder, results)
+        return [json.loads(path.read_text()) for path in results]
     finally:
         del os.environ["PARITY_OUT"]
 
