@@ -340,9 +340,10 @@ def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
         alive += _running_after(late, 5.0)
-    for pid in owned:
-        # Reaped here where nothing else waits for them (the clean-up watchers): else each stays a zombie child of
-        # the kernel until it exits. A PID that is not this process's child is none of its business.
+    for pid in {*owned, *procs}:
+        # Reaped here where nothing else waits for them (the clean-up watchers; the controller, whose launcher's
+        # reaping waits on an event loop a kernel may never run): else each stays a zombie child of the kernel until
+        # it exits. A PID that is not this process's child is none of its business.
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
     return alive
