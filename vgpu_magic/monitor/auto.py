@@ -72,7 +72,6 @@ class AutoMonitoring:
             finally:
                 auto._local.depth = 0
 
-        monitored.__vgpu_auto_monitor__ = True  # type: ignore[attr-defined]
         return monitored
 
     @staticmethod

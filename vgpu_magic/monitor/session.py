@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from .display import DISPLAY_MODES, detect_frontend, interrupts_deferred
+from .display import DISPLAY_MODES, detect_frontend, interrupts_deferred, running_shell
 from .plot import save_trace_figure
 from .recorder import MemoryRecorder
 from .sampler import PROCESS_LABEL, DeviceSampler, model_variables, variable_bytes
@@ -42,16 +42,6 @@ def process_sampler(provisional: bool = False) -> DeviceSampler:
     return DeviceSampler(series, lambda names: [], provisional=provisional)
 
 
-def _shell() -> Any:
-    import sys
-
-    if "IPython" not in sys.modules:
-        return None
-    from IPython import get_ipython
-
-    return get_ipython()
-
-
 class MonitorSession:
     """Watch the memory of every logical device while a block of code runs: a custom training loop in
     JAX, PyTorch or TensorFlow, or (through :class:`~vgpu_magic.monitor.callback.MemoryMonitor`) Keras'
@@ -74,16 +64,7 @@ class MonitorSession:
     view
         A view object to use instead (see :class:`vgpu_magic.monitor.views.View`).
 
-    Examples
-    --------
-    ::
-
-        with vgpu_magic.MemoryMonitor(model=model) as mon:
-            for step, batch in enumerate(dist_ds):
-                strategy.run(train_step, args=(batch,))
-                mon.sample(step=step)
-        mon.to_csv("memory.csv")
-        mon.savefig("memory.png")"""
+    Examples are in docs/live-view.md."""
 
     def __init__(
         self,
@@ -243,7 +224,7 @@ class MonitorSession:
     def _watch_cell(self) -> None:
         """End the run with its cell at the latest (an interrupted ``fit`` still gets its final image),
         and draw final images there, after the training."""
-        shell = _shell()
+        shell = running_shell()
         if shell is None or self._shell_watched is shell:
             return
         self._unwatch_cell()
