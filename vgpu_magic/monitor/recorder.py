@@ -123,7 +123,7 @@ class MemoryRecorder:
         self.report_once("sampler", f"memory cannot be read, monitoring is off ({type(exc).__name__}: {exc})")
 
     # -- lifecycle ----------------------------------------------------------------
-    def start(self, kind: str = "custom", epochs: int | None = None, steps: int | None = None) -> None:
+    def start(self, kind: str = "custom", epochs: int | None = None) -> None:
         """Begin a run: a new trace, sampled from now on."""
         self._stop_thread()
         self.kind = self.phase = kind
@@ -139,14 +139,8 @@ class MemoryRecorder:
             self._failed(exc)
             return
         self.stats.devices = len(self._sampler.devices)
-        self.trace = MemoryTrace(
-            self._sampler.series,
-            kind,
-            baseline,
-            epochs_total=epochs,
-            steps_total=steps,
-            subject=getattr(self._sampler, "subject", ""),
-        )
+        subject = getattr(self._sampler, "subject", "")
+        self.trace = MemoryTrace(self._sampler.series, kind, baseline, epochs_total=epochs, subject=subject)
         self.active = True
         self.refresh_variables()
         self._view_call("start", self.trace)

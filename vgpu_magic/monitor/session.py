@@ -200,7 +200,7 @@ class MonitorSession:
         self._watch_cell()
         self._recorder.view = self._make_view()
         self._joining = False
-        self._recorder.start(kind, epochs=params.get("epochs") if kind == "fit" else None, steps=params.get("steps"))
+        self._recorder.start(kind, epochs=params.get("epochs") if kind == "fit" else None)
 
     def _run_params(self) -> dict:
         """``epochs`` and ``steps`` of the run, where known (Keras' params)."""
