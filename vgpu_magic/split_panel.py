@@ -1,10 +1,5 @@
-"""The widget face of ``%vgpu_split`` (or :func:`panel`): pick a device, a count and memory, then Apply.
-
-The panel holds widgets and nothing else of its own: whether the request is valid, the line
-that reproduces it, whether it fits and what Apply did all come from the planner and
-:mod:`vgpu_magic.outcomes`, so the panel, the magic and the API cannot disagree. The widget
-tree is built once; afterwards only trait values change.
-"""
+"""The widget face of ``%vgpu_split`` (or :func:`panel`): pick a device, a count and memory, then Apply. Every
+verdict comes from the planner and :mod:`vgpu_magic.outcomes`, so the panel, the magic and the API cannot disagree."""
 
 from __future__ import annotations
 
