@@ -7,6 +7,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 
+import traitlets
+
 try:
     import ipywidgets as widgets
 except ImportError as exc:  # pragma: no cover - exercised only without the widgets extra
@@ -69,14 +71,15 @@ class SplitPanel:
         self.watcher = watcher
         self.last_result: SplitResult | None = None
         self.last_message = ""
-        self._syncing_count = False
         #: True once the framework's runtime started: the controls are disabled.
         self.locked = False
         self._device_sliders: list[widgets.IntSlider] = []
         self._build_controls()
         self.root = self._layout()
-        self.count_slider.observe(self._on_slider, "value")
-        self.count_text.observe(self._on_count, "value")
+        # The typed box is the count; the slider follows it up to where it stops.
+        clamp = (lambda n: max(1, min(n, SLIDER_MAX_DEVICES)), lambda n: n)
+        traitlets.link((self.count_text, "value"), (self.count_slider, "value"), transform=clamp)
+        self.count_text.observe(self._fit_memory_controls, "value")
         self.target.observe(self._on_target, "value")
         self.custom.observe(self._on_memory_mode, "value")
         self.even_memory.observe(self._update, "value")
@@ -221,18 +224,6 @@ class SplitPanel:
             return None
 
     # -- reacting to the widgets --------------------------------------------
-    def _on_slider(self, change=None) -> None:
-        if not self._syncing_count:
-            self.count_text.value = self.count_slider.value
-
-    def _on_count(self, change=None) -> None:
-        self._syncing_count = True
-        try:
-            self.count_slider.value = max(1, min(self.count_text.value, SLIDER_MAX_DEVICES))
-        finally:
-            self._syncing_count = False
-        self._fit_memory_controls()
-
     def _on_target(self, change=None) -> None:
         on_cpu = self.gpu is None
         for widget in (self.custom, self.even_memory, *self._device_sliders):
@@ -271,7 +262,7 @@ class SplitPanel:
         share = None if gpu is None else even_share_mib(gpu, self.capabilities, count)
         return max(self._capacity_mib() // count if share is None else share, MIN_MEMORY_MIB)
 
-    def _fit_memory_controls(self) -> None:
+    def _fit_memory_controls(self, change=None) -> None:
         """Re-range the memory sliders for the chosen device and count; the even
         split goes back to the largest that fits, (free - reserve) // count."""
         capacity = self._capacity_mib()
