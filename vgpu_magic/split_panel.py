@@ -45,14 +45,8 @@ _SLIDER = {"width": "36em"}
 
 
 class SplitPanel:
-    """Widgets that build a :class:`~vgpu_magic.planner.SplitRequest` and apply it.
-
-    ``inventory`` is the devices to offer (:func:`panel` probes this machine); ``watcher`` names
-    the cell that started the runtime (default: the loaded extension's); ``framework_named`` is
-    echoed in the line the panel shows; ``configuration`` reads what the framework has, shown once
-    its runtime started. The widgets are attributes (``root`` is the box displayed);
-    ``last_result`` and ``last_message`` are what the last Apply returned and printed.
-    """
+    """Widgets that build a :class:`~vgpu_magic.planner.SplitRequest` and apply it; ``root`` is the box displayed,
+    ``configuration`` reads what the framework has once its runtime started."""
 
     def __init__(
         self,

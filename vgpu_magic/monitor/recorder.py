@@ -54,20 +54,9 @@ def _print_report(message: str) -> None:
 
 
 class MemoryRecorder:
-    """Records one run at a time; :meth:`start` begins the next with a fresh trace (and :attr:`view`).
-
-    Parameters
-    ----------
-    sampler_factory
-        Returns an object with ``series``, ``devices``, ``read() -> [(current, peak), ...]`` and,
-        optionally, ``provisional``. Called when a run starts, and again while provisional.
-    view
-        The view to feed (see :mod:`vgpu_magic.monitor.views`); ``interval`` seconds between samples.
-    variables
-        ``variables(sampler)``: the bytes of the variables on each of its devices, or ``None``.
-    report, background
-        Where one-line problem reports go (stderr by default); sample from a thread of the recorder.
-    """
+    """Records one run at a time; :meth:`start` begins the next with a fresh trace. ``sampler_factory()`` returns a
+    :class:`~vgpu_magic.monitor.sampler.DeviceSampler` (or its shape), asked again while it is ``provisional``;
+    ``variables(sampler)``: the variables' bytes per device, or ``None``; ``report``: where problems go."""
 
     def __init__(
         self,
