@@ -261,13 +261,9 @@ class SplitPanel:
         split goes back to the largest that fits, (free - reserve) // count."""
         capacity = self._capacity_mib()
         each = self._even_default()
-        # Raise max before value (and lower value before max) so nothing is clamped on the way.
-        if each > self.even_memory.max:
+        with self.even_memory.hold_trait_notifications():  # validated together: nothing clamped on the way
             self.even_memory.max = each
             self.even_memory.value = each
-        else:
-            self.even_memory.value = each
-            self.even_memory.max = each
         while len(self._device_sliders) < min(max(self.count, 1), MAX_DEVICES):
             slider = widgets.IntSlider(
                 value=each,
