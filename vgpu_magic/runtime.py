@@ -212,11 +212,7 @@ class RuntimeWatcher:
 
 
 def _resolve(framework):
-    if framework is None:
-        return frameworks.select()
-    if isinstance(framework, str):
-        return frameworks.get(framework)
-    return framework
+    return frameworks.select(framework) if framework is None or isinstance(framework, str) else framework
 
 
 #: The loaded extension's watcher (see :func:`activate`).
