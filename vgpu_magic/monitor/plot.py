@@ -56,16 +56,8 @@ def _decimate(times: Any, values: list[Any], limit: int = MAX_POINTS) -> tuple[A
     n = len(times)
     if n <= limit:
         return times, values
-    k = math.ceil(n / limit)
-    m = (n // k) * k
-    t = times[:m:k]
-    out = []
-    for v in values:
-        head = v[:m].reshape(-1, k).max(axis=1)
-        out.append(np.append(head, v[m:].max()) if m < n else head)
-    if m < n:
-        t = np.append(t, times[m])
-    return t, out
+    starts = np.arange(0, n, math.ceil(n / limit))
+    return times[starts], [np.maximum.reduceat(v, starts) for v in values]
 
 
 def _style(ax: Any) -> None:
