@@ -58,20 +58,16 @@ class MemoryMonitor(MonitorSession):
     def on_train_begin(self, logs=None) -> None:
         self._begin("fit")
 
-    def on_train_end(self, logs=None) -> None:
-        self._end()
-
     def on_test_begin(self, logs=None) -> None:
         self._begin("evaluate")
-
-    def on_test_end(self, logs=None) -> None:
-        self._end()
 
     def on_predict_begin(self, logs=None) -> None:
         self._begin("predict")
 
-    def on_predict_end(self, logs=None) -> None:
+    def _run_end(self, logs=None) -> None:
         self._end()
+
+    on_train_end = on_test_end = on_predict_end = _run_end
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
         steps = (self.params or {}).get("steps")
