@@ -135,20 +135,8 @@ class AutoMonitoring:
         return self.monitors[-1] if self.monitors else None
 
 
-#: The process-wide automatic monitoring that ``%vgpu_monitor`` switches.
+#: The process-wide automatic monitoring that ``%vgpu_monitor`` switches, and its switches.
 AUTO = AutoMonitoring()
-
-
-def enable(**options: Any) -> None:
-    """Turn on :data:`AUTO`."""
-    AUTO.enable(**options)
-
-
-def disable() -> None:
-    """Turn off :data:`AUTO`."""
-    AUTO.disable()
-
-
-def status() -> str:
-    """A one-line description of :data:`AUTO`."""
-    return AUTO.status()
+enable = AUTO.enable
+disable = AUTO.disable
+status = AUTO.status
