@@ -49,7 +49,7 @@ class RecorderStats:
         self.sample_seconds += seconds
 
 
-def _print_report(message: str) -> None:
+def print_report(message: str) -> None:
     print(f"vgpu_magic: {message}", file=sys.stderr, flush=True)
 
 
@@ -66,7 +66,7 @@ class MemoryRecorder:
         interval: float = 0.05,
         variables: Callable[[Any], dict[str, int] | None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        report: Callable[[str], None] = _print_report,
+        report: Callable[[str], None] = print_report,
         background: bool = False,
     ) -> None:
         self._sampler_factory = sampler_factory

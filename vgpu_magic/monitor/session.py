@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from .display import DISPLAY_MODES, detect_frontend, interrupts_deferred, running_shell
 from .plot import save_trace_figure
-from .recorder import MemoryRecorder
+from .recorder import MemoryRecorder, print_report
 from .sampler import PROCESS_LABEL, DeviceSampler, model_variables, variable_bytes
 from .trace import MemoryTrace, SeriesInfo
 from .views import NullView, TextSummaryView
@@ -152,11 +152,9 @@ class MonitorSession:
         return variable_bytes(sampler.framework, model_variables(model), sampler.devices)
 
     def _report(self, message: str) -> None:
-        import sys
-
         if message not in self._reported:
             self._reported.add(message)
-            print(f"vgpu_magic: {message}", file=sys.stderr, flush=True)
+            print_report(message)
 
     def _report_once_per_process(self, message: str) -> None:
         """Report what every later run of any monitor would find the same, once."""
