@@ -128,8 +128,13 @@ class MemoryRecorder:
             self._failed(exc)
             return
         self.stats.devices = len(self._sampler.devices)
-        subject = getattr(self._sampler, "subject", "")
-        self.trace = MemoryTrace(self._sampler.series, kind, baseline, epochs_total=epochs, subject=subject)
+        self.trace = MemoryTrace(
+            self._sampler.series,
+            kind,
+            baseline,
+            epochs_total=epochs,
+            subject=getattr(self._sampler, "subject", ""),
+        )
         self.active = True
         self.refresh_variables()
         self._view_call("start", self.trace)
