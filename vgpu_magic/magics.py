@@ -1,7 +1,4 @@
-"""The IPython face: ``%vgpu_split`` and ``%vgpu_status`` parse their line
-(:mod:`vgpu_magic.grammar`) and call the engine (:mod:`vgpu_magic.outcomes`,
-:mod:`vgpu_magic.report`); user mistakes become a one-line ``UsageError``.
-"""
+"""The IPython face: ``%vgpu_split`` and ``%vgpu_status`` parse their line and call the engine."""
 
 from __future__ import annotations
 
