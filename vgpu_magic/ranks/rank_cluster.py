@@ -71,14 +71,7 @@ class RankCluster:
     ranks follow the launcher's order (``SLURM_PROCID``, the MPI rank). ``join``: each rank also makes the
     script's own call (``init_process_group``, ``jax.distributed.initialize``) at start. ``verbose``: show the
     ranks' framework start-up lines too (held back by default: :mod:`.shown`). :class:`ValueError` for a request
-    that cannot work, before anything starts.
-
-    Examples
-    --------
-    >>> ranks = RankCluster(2, "torch", join=True).start()  # doctest: +SKIP
-    >>> ranks.run("import torch.distributed as dist; dist.get_rank()", output=True)  # doctest: +SKIP
-    [0, 1]
-    >>> ranks.stop()                                      # doctest: +SKIP
+    that cannot work, before anything starts. Its use: docs/ranks.md.
     """
 
     def __init__(
