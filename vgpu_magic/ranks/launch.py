@@ -274,10 +274,8 @@ def child() -> None:
         # The script's own import of it will say what is wrong, as it would under its launcher.
         with contextlib.suppress(Exception):
             importlib.import_module(module)
-    received = b""
-    while chunk := control.recv(65536):
-        received += chunk
-    control.close()
+    with control, control.makefile("rb") as launched:
+        received = launched.read()
     if not received:
         os._exit(0)
     launch = json.loads(received)
