@@ -173,7 +173,6 @@ class ClusterMagics(Magics):
         args = _parse(self.vgpu_run, line, "%vgpu_run train.py --epochs 2")
         if args.output is not None and not args.output.isidentifier():
             raise UsageError(f"-o {args.output!r} is not a Python name; use e.g. -o results")
-        timeout = args.timeout
         if cell is None:
             path = _script_path(args, str((self.shell.user_ns.get("_dh") or ["?"])[-1]))
         elif args.script is not None:
@@ -198,7 +197,7 @@ class ClusterMagics(Magics):
         kernel = getattr(self.shell, "kernel", None)
         plot = not args.no_plot and kernel is not None and importlib.util.find_spec("matplotlib") is not None
         if cell is None:
-            running.run_script(path, list(args.script_args), timeout=timeout, plot=plot)
+            running.run_script(path, list(args.script_args), timeout=args.timeout, plot=plot)
             return
         try:
             # The %%vgpu_run line in front, as a comment (IPython drops leading blank lines): a rank's traceback
@@ -206,7 +205,7 @@ class ClusterMagics(Magics):
             values = running.run(
                 f"# %%vgpu_run {line}\n{cell}",
                 namespace=self.shell.user_ns,
-                timeout=timeout,
+                timeout=args.timeout,
                 output=args.output is not None,
                 plot=plot,
             )
