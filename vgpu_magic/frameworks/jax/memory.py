@@ -1,8 +1,5 @@
-"""Bytes on each JAX device, exact, for ``%vgpu_status`` and the live memory plot, once JAX's backend runs.
-
-JAX's CPU devices keep no allocator statistics (``memory_stats()`` is ``None``), but the bytes of the live
-arrays' shards on each device are exact: an 8 MiB array put on device 1 shows on device 1 only. A device with
-``memory_stats()`` (a GPU) is read from its allocator, peak included.
+"""Bytes on each JAX device, exact, for ``%vgpu_status`` and the live memory plot, once JAX's backend runs: the live
+arrays' shards on a CPU device (which has no ``memory_stats()``), the allocator's figures on a GPU (docs/split.md).
 """
 
 from __future__ import annotations
