@@ -1,14 +1,10 @@
-"""Running one piece of work on every rank under the fault policy.
+"""Running one piece of work on every rank under the fault policy docs/ranks.md states (*When a rank fails*).
 
 :class:`RankRun` submits the work to each rank (one ipyparallel ``AsyncResult`` each) and watches them from the
 kernel: each rank's output streams live as whole lines labelled ``[rank r]``, its displays in their place among
-them; its memory is sampled (:mod:`.memory`). The first rank that raises or dies ends the run, but the others
-get :data:`COLLECT` seconds (from the latest failure) to finish on their own, so that every rank's own error is
-collected; then every rank still running gets SIGINT, and one still busy after :data:`GRACE` seconds (blocked in
-a collective; a script's launch gets its process' :data:`~.launch.INTERRUPT_GRACE` more) is killed and the
-cluster marked for a restart. :class:`RankRunError` names every failing rank's
-error, the same ones grouped. An interrupt of the kernel interrupts the ranks the same way. A rank's process is
-reached through :class:`RankProcesses`: by PID on this host, through its engine on another.
+them; its memory is sampled (:mod:`.memory`). The policy's delays are :data:`COLLECT` and :data:`GRACE` (a script's
+launch gets its process' :data:`~.launch.INTERRUPT_GRACE` more). A rank's process is reached through
+:class:`RankProcesses`: by PID on this host, through its engine on another.
 """
 
 from __future__ import annotations
