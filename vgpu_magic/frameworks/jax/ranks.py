@@ -3,10 +3,8 @@ split request, planned on the rank by the planner.
 
 An unchanged ``jax.distributed.initialize()`` works on a rank, as under a cluster JAX detects itself: the rank's
 environment has ``JAX_COORDINATOR_ADDRESS`` and ``VGPU_MAGIC_JAX_NUM_PROCESSES`` / ``_PROCESS_ID``, which a
-cluster environment registered with JAX's auto-detection (:func:`setup_rank`) hands to it. The coordinator is
-rank 0's address and a port chosen there; under SLURM what JAX's ``SlurmCluster`` computes. On CPU each process
-gets ``--split K`` CPU devices and gloo collectives; on a GPU each process uses its own GPU, or all share the
-first with a cap each (JAX cannot split a GPU, so ``--split`` is refused there).
+cluster environment registered with JAX's auto-detection (:func:`setup_rank`) hands to it. Where the coordinator
+runs and what each process gets: docs/ranks.md.
 
 XLA's GPU collectives go through NCCL, and NCCL before 2.30 refuses two ranks on one GPU at the first
 collective ("Duplicate GPU detected", measured on an H100 with NCCL 2.28.9, even with
