@@ -258,7 +258,7 @@ def local_launchers(cluster: Any) -> dict[int, Any]:
 
 def batch_jobs(cluster: Any) -> list[str]:
     """The batch job ids of ``cluster``'s engine sets (SLURM)."""
-    return [es.job_id for es in cluster.engines.values() if getattr(es, "job_id", "")]
+    return [es.job_id for es in getattr(cluster, "engines", {}).values() if getattr(es, "job_id", "")]
 
 
 #: Run when the kernel dies without a stop: remove what matches each argument (a glob).

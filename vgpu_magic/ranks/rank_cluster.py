@@ -406,8 +406,7 @@ class RankCluster:
         then each rank (its host too when they run on several)."""
         if not self.running:
             return ["no cluster running"]
-        engine_sets = getattr(self.cluster, "engines", {}).values()
-        jobs = "".join(f", job {es.job_id}" for es in engine_sets if getattr(es, "job_id", ""))
+        jobs = "".join(f", job {job}" for job in processes.batch_jobs(self.cluster))
         lines = [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} on {self.launcher_plan.describe()}{jobs}"]
         lines.extend(self.plans[0].notes if self.plans else ())
         join_call = self.fw.join_call
