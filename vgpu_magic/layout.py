@@ -97,8 +97,6 @@ class RankPlace:
     gpu: GPUInfo | None
     #: How many ranks of its host use that GPU (1: a GPU of its own).
     gpu_shared_by: int
-    #: Every GPU its process sees, in CUDA's order (``gpu`` is one of them).
-    gpus_seen: tuple[GPUInfo, ...] = ()
     #: Its host's NCCL version, where known (several ranks on one GPU need 2.30 or later).
     nccl: tuple[int, ...] | None = None
 
@@ -230,7 +228,6 @@ def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> Ra
             p,
             gpu=chosen[p.rank],
             gpu_shared_by=counts[identity(p)] if chosen[p.rank] else 1,
-            gpus_seen=tuple(seen.get(p.rank, ())),
         )
         for p in layout.places
     )
