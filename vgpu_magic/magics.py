@@ -84,10 +84,8 @@ class VGPUMagics(Magics):
                 "give a device count, e.g. %vgpu_split 4 (see %vgpu_split? for options); "
                 "the panel (%vgpu_split alone) needs a notebook"
             )
-        try:
+        with usage_errors(ImportError):
             from .split_panel import panel
-        except ImportError as exc:
-            raise UsageError(str(exc)) from None
         with usage_errors():
             shown = panel(self.watcher, framework=framework)
         from IPython.display import display
