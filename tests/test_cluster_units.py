@@ -137,10 +137,11 @@ def test_jax_coordinator_and_devices():
         for rank in range(2)
     ]
     # The devices are planned on the rank (setup_rank): 2 CPU devices each, no cap.
-    assert [p.args for p in plans] == [("127.0.0.1:5000", 2, 0, None, 2, None), ("127.0.0.1:5000", 2, 1, None, 2, None)]
+    assert [p.args for p in plans] == [("127.0.0.1:5000", 2, 0, None), ("127.0.0.1:5000", 2, 1, None)]
+    assert [(p.devices.count, p.devices.target) for p in plans] == [(2, "cpu")] * 2
     gpu_plans = plan("jax", 2, gpus=[GPU(0, 40)], nccl=(2, 30, 7))
     # Half of what is left after both ranks' CUDA contexts: (40960 - 2 * 1024) / 2.
-    assert [p.args[3:] for p in gpu_plans] == [(0, 1, 19456)] * 2
+    assert [(p.args[3], p.devices.count, p.devices.memory) for p in gpu_plans] == [(0, 1, 19456)] * 2
     assert "19456 MiB each" in gpu_plans[0].notes[0]
     assert [p.env["JAX_LOCAL_DEVICE_IDS"] for p in gpu_plans] == ["0", "0"]
     # NCCL 2.30+ lets two ranks use one GPU when asked; older ones refuse at the first collective.

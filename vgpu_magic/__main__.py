@@ -1,8 +1,5 @@
 """``python -m vgpu_magic``: the engine from a terminal.
 
-    python -m vgpu_magic status [--json]
-    python -m vgpu_magic plan 4 --memory 1024      # validate a split for this machine
-
 A split only lasts as long as the process that made it, so the CLI does not
 apply one: use ``%vgpu_split`` in the kernel, ``vgpu_magic.split()`` in the
 script, or ``VGPU_MAGIC_SPLIT`` for kernels started later.

@@ -1,12 +1,4 @@
-"""The Python API: the same engine the magics use, for scripts and tests.
-
-    >>> import vgpu_magic
-    >>> vgpu_magic.split(4)                      # doctest: +SKIP
-    >>> strategy = vgpu_magic.strategy()         # doctest: +SKIP
-
-Bad input raises :class:`ValueError` and configures nothing; a different split after the
-runtime started warns (:class:`RuntimeStartedWarning`) and returns a ``"blocked"`` result.
-"""
+"""The Python API: the same engine the magics use, for scripts and tests (docs/split.md)."""
 
 from __future__ import annotations
 
@@ -121,42 +113,8 @@ def split(
     framework: str | None = None,
     dry_run: bool = False,
 ) -> SplitResult:
-    """Split a GPU (or the CPU) into ``count`` logical devices.
-
-    Parameters
-    ----------
-    count
-        Number of logical devices, 1..:data:`~vgpu_magic.planner.MAX_DEVICES`.
-    memory
-        MiB per logical GPU: one value for all, one per device, or ``None`` to
-        divide free memory (minus the framework's reserve) evenly. Strings with
-        units (``"2GB"``, ``"1024,2048"``) are accepted. Not allowed on CPU.
-    cpu
-        Split the CPU even when a GPU is present.
-    gpu
-        Physical GPU to split (default 0).
-    others
-        ``"hide"`` (default) or ``"keep"`` the other GPUs of a multi-GPU machine.
-    visible
-        Physical GPUs the framework may use, e.g. ``[0, 2]``; ``[]`` hides all.
-    growth
-        Turn on memory growth for visible GPUs instead of splitting.
-    framework
-        A name in :data:`vgpu_magic.frameworks.REGISTRY` or an alias; default: the
-        one imported, else the one installed, else :data:`vgpu_magic.frameworks.DEFAULT`.
-    dry_run
-        Validate and report without configuring.
-
-    Returns
-    -------
-    SplitResult
-        ``status`` is ``"applied"``, ``"unchanged"``, ``"planned"`` or ``"blocked"``.
-
-    Raises
-    ------
-    ValueError
-        When the request is invalid; nothing is configured.
-    """
+    """Split a GPU (or the CPU) into ``count`` logical devices; the keywords are ``%vgpu_split``'s options
+    (docs/split.md), ``memory`` in MiB or with units. Bad input raises :class:`ValueError` and configures nothing."""
     if not isinstance(dry_run, bool):
         raise PlanError("dry_run= takes True or False")
     request = make_request(
@@ -171,15 +129,11 @@ def split(
 
 
 def status(framework: str | None = None) -> StatusReport:
-    """Physical and logical devices, caps, memory (if running), replicas and
-    runtime state of every imported framework (or the selected one). Never
-    starts a runtime."""
+    """What ``%vgpu_status`` shows, as a :class:`StatusReport`; never starts a runtime."""
     return collect_status(None, framework)
 
 
 def strategy(framework: str | None = None):
-    """A data-parallel helper over the split's devices: for TensorFlow a
-    ``tf.distribute.MirroredStrategy`` whose cross-device reduction works on
-    logical GPUs sharing one card. Starts the framework's runtime (as any
-    strategy does)."""
+    """A data-parallel strategy over the split's devices (TensorFlow: a ``MirroredStrategy`` that reduces
+    through one device); starts the runtime."""
     return frameworks.select(framework).strategy()

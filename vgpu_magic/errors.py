@@ -12,11 +12,11 @@ _LINE_BREAKS = str.maketrans({c: repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1
 EXCERPT_CHARS = 40
 
 
-def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
+def excerpt(value: object) -> str:
     """``repr`` of a user value, shortened to an excerpt: a 10 kB line is not echoed whole."""
     text = value if isinstance(value, str) else repr(value)
-    if len(text) > limit:
-        return repr(text[: limit - 3] + "...") + f" ({len(text)} characters)"
+    if len(text) > EXCERPT_CHARS:
+        return repr(text[: EXCERPT_CHARS - 3] + "...") + f" ({len(text)} characters)"
     return repr(text) if isinstance(value, str) else text
 
 

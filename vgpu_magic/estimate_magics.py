@@ -1,9 +1,5 @@
-"""The ``%%vgpu_estimate`` magic: a thin face over :func:`vgpu_magic.memory_estimate.estimate`.
-
-Its line is parsed and checked whole (the same checks as the Python API's)
-before the cell runs; a mistake is one plain sentence that quotes the bad
-token and says what would work, and changes nothing.
-"""
+"""The ``%%vgpu_estimate`` magic: a thin face over :func:`vgpu_magic.memory_estimate.estimate`; its line is checked
+whole before the cell runs."""
 
 from __future__ import annotations
 

@@ -11,17 +11,18 @@ and says what would work; :func:`parse_arguments` does the same for what argpars
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import re
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from . import frameworks
-from .errors import PlanError, excerpt
+from .errors import USER_ERRORS, PlanError, excerpt
 from .planner import MAX_DEVICES
 from .plans import SplitRequest
 from .units import parse_memory, parse_memory_list, parse_seconds, parse_whole_number  # noqa: F401 - and from here
@@ -220,6 +221,17 @@ def _refused(parser: argparse.ArgumentParser, err: argparse.ArgumentError, magic
         return f"{option} takes no value; write {option} alone"
     example = getattr(getattr(action, "type", None), "example", None)
     return f"{option} needs a value, " + (f"e.g. {example}" if example else f"see {magic}? for examples")
+
+
+@contextlib.contextmanager
+def usage_errors(*errors: type[Exception]) -> Iterator[None]:
+    """Around a magic's work: each of ``errors`` (default: :data:`~vgpu_magic.errors.USER_ERRORS`, every error a
+    user can cause) becomes the magic's one-line :class:`UsageError`."""
+    caught = errors or USER_ERRORS
+    try:
+        yield
+    except caught as exc:
+        raise UsageError(str(exc)) from None
 
 
 def parse_arguments(

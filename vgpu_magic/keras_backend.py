@@ -1,11 +1,5 @@
-"""Is Keras on the backend of the framework being split?
-
-Keras 3 reads its backend (``KERAS_BACKEND``, else ``~/.keras/keras.json``,
-else TensorFlow) once, when it is first imported. A split of JAX's devices does
-nothing for Keras models when Keras was imported on TensorFlow, and the other
-way round, so the split says so. Imports nothing: Keras is only looked at when
-it is already imported.
-"""
+"""Is Keras on the backend of the framework being split? Keras 3 reads its backend once, at its import, so a split
+of JAX's devices does nothing for a Keras imported on TensorFlow (and the other way round). Imports no Keras."""
 
 from __future__ import annotations
 

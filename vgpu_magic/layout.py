@@ -7,10 +7,7 @@ engine id, grouped by host), gives each its local rank, node rank and GPU, and
 keeps the launcher's conventions (under SLURM, the hosts of
 ``SLURM_STEP_NODELIST``). Each framework plans its ranks from the
 :class:`RankLayout` (``Framework.plan_ranks``), so the GPU path and multi-host
-layouts are tested on recorded data.
-
-This module sits below ``frameworks/`` and ``ranks/``: both read it, it reads
-neither. Importing it imports no framework, no NVML and no ipyparallel.
+layouts are tested on recorded data (docs/architecture.md: the rules layer).
 """
 
 from __future__ import annotations
@@ -100,8 +97,6 @@ class RankPlace:
     gpu: GPUInfo | None
     #: How many ranks of its host use that GPU (1: a GPU of its own).
     gpu_shared_by: int
-    #: Every GPU its process sees, in CUDA's order (``gpu`` is one of them).
-    gpus_seen: tuple[GPUInfo, ...] = ()
     #: Its host's NCCL version, where known (several ranks on one GPU need 2.30 or later).
     nccl: tuple[int, ...] | None = None
 
@@ -167,16 +162,8 @@ def expand_tasks_per_node(text: str) -> list[int]:
 
 
 def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = None) -> RankLayout:
-    """Order the ranks and place them on their hosts. Pure.
-
-    Ranks follow the launcher's rank where every engine has one (SLURM,
-    OpenMPI, PMI), else the engine ids, grouped by host (hosts in order of
-    their first engine). Local ranks and node ranks are the launcher's where it
-    gives them, else the order within and among hosts. Rank 0's address is the
-    leader, except under SLURM, where it is the first host of
-    ``SLURM_STEP_NODELIST`` (what JAX's and torch's SLURM conventions use).
-    ``gpus``: the GPUs every host is planned with, where the caller gave them.
-    """
+    """Order the ranks and place them on their hosts, as docs/ranks.md (*Where the ranks run*) says. Pure.
+    ``gpus``: the GPUs every host is planned with, where the caller gave them."""
     if not reports:
         raise ValueError("no engine reported its host")
     launcher_ranks = [r.launcher_rank for r in reports]
@@ -241,7 +228,6 @@ def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> Ra
             p,
             gpu=chosen[p.rank],
             gpu_shared_by=counts[identity(p)] if chosen[p.rank] else 1,
-            gpus_seen=tuple(seen.get(p.rank, ())),
         )
         for p in layout.places
     )

@@ -1,14 +1,10 @@
-"""The IPython face: ``%vgpu_split`` and ``%vgpu_status`` parse their line
-(:mod:`vgpu_magic.grammar`) and call the engine (:mod:`vgpu_magic.outcomes`,
-:mod:`vgpu_magic.report`); user mistakes become a one-line ``UsageError``.
-"""
+"""The IPython face: ``%vgpu_split`` and ``%vgpu_status`` parse their line and call the engine."""
 
 from __future__ import annotations
 
 import numbers
 import os
 import sys
-from contextlib import contextmanager
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
@@ -18,7 +14,7 @@ from traitlets import Bool
 
 from . import frameworks
 from .errors import USER_ERRORS, excerpt
-from .grammar import framework_name, parse_arguments, parse_split_line, split_arguments
+from .grammar import framework_name, parse_arguments, parse_split_line, split_arguments, usage_errors
 from .outcomes import as_sentence, execute, print_summary, remedy, runtime_started_lines
 from .report import collect_status
 from .runtime import RuntimeWatcher
@@ -29,15 +25,6 @@ ENV_SPLIT = "VGPU_MAGIC_SPLIT"
 
 def _warn(text: str) -> None:
     print(f"vgpu_magic warning: {text}", file=sys.stderr)
-
-
-@contextmanager
-def _usage_errors():
-    """Every error a user can cause, as one line."""
-    try:
-        yield
-    except USER_ERRORS as exc:
-        raise UsageError(str(exc)) from None
 
 
 @magics_class
@@ -81,7 +68,7 @@ class VGPUMagics(Magics):
         identical split is accepted. Splitting gives no speedup: it is for testing
         distributed code.
         """
-        with _usage_errors():
+        with usage_errors():
             request, args = parse_split_line(line, self.vgpu_split.parser)
             says_nothing = request == type(request)(framework=request.framework)
             if says_nothing and not (args.dry_run or args.return_result or args.quiet):
@@ -97,11 +84,9 @@ class VGPUMagics(Magics):
                 "give a device count, e.g. %vgpu_split 4 (see %vgpu_split? for options); "
                 "the panel (%vgpu_split alone) needs a notebook"
             )
-        try:
+        with usage_errors(ImportError):
             from .split_panel import panel
-        except ImportError as exc:
-            raise UsageError(str(exc)) from None
-        with _usage_errors():
+        with usage_errors():
             shown = panel(self.watcher, framework=framework)
         from IPython.display import display
 
@@ -132,7 +117,7 @@ class VGPUMagics(Magics):
         Every framework imported in the kernel gets a section (or the one
         ``%vgpu_split`` would configure, when none is imported).
         """
-        with _usage_errors():
+        with usage_errors():
             args = parse_arguments(
                 self.vgpu_status.parser,
                 line,

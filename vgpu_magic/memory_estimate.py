@@ -1,11 +1,4 @@
-"""Will it fit? Each rank's peak memory on N devices, before anyone rents them.
-
-:func:`estimate` runs a cell (model building and training steps) as rank R of N with the framework's own
-tools (``frameworks/torch/estimate.py``, ``frameworks/jax/estimate.py``), allocating none of its tensors, and
-returns a :class:`MemoryEstimate`: per rank the peak, its phase and its parts at that moment; with a device size,
-the verdict after what CUDA and the framework keep and, where it does not fit, levers re-estimated or bounded.
-TensorFlow cannot be estimated: it has neither fake tensors nor a compile-only memory analysis.
-"""
+"""Will it fit? Each rank's peak memory on N devices, before anyone rents them (docs/estimates.md)."""
 
 from __future__ import annotations
 
@@ -203,14 +196,10 @@ def estimate(
     namespace: dict | None = None,
     progress: Callable[[str], None] = lambda line: None,
 ) -> MemoryEstimate:
-    """Each rank's peak memory when ``code_or_function`` (a cell's code, or a function of no arguments,
-    that builds the model and runs a training step) runs on ``ranks`` devices (default: the count in
-    ``gpu``: a size ``"80GB"``, ``"8x80GB"`` or a model in :data:`GPU_MODELS`; else 1). ``framework``: torch or
-    jax (default: the one the code names). ``rank`` / ``all_ranks``: which ranks to run as (FSDP's uneven
-    shards make them differ). ``namespace``: names the code may use; it runs in a copy, nothing stays.
-    ``progress``: called with a line before each run of the cell (a run takes seconds to minutes).
-    Raises :class:`PlanError` (one line, nothing changed) for bad input, TensorFlow, or no training step.
-    """
+    """Each rank's peak memory when ``code_or_function`` (a cell's code, or a function of no arguments) runs on
+    ``ranks`` devices; the other arguments are ``%%vgpu_estimate``'s options (docs/estimates.md). ``namespace``: the
+    names the code may use, in a copy; ``progress``: called with a line before each run of the cell. Bad input,
+    TensorFlow or a cell without a training step raise :class:`PlanError` (one line, nothing changed)."""
     count, gpu_mib, gpu_label = parse_gpu(gpu) if gpu is not None else (None, None, None)
     ranks = ranks if ranks is not None else count or 1
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:

@@ -1,10 +1,5 @@
-"""Outcomes: apply a validated plan through a framework, and say what happened.
-
-An identical configuration is a quiet no-op, even after the runtime started; a
-different one after start is refused with the reason and the remedy, never
-half-applied. :class:`SplitResult` is the one vocabulary of outcomes and
-:func:`summary_lines` the one renderer of it for every face.
-"""
+"""Outcomes: apply a validated plan through a framework, and say what happened. An identical configuration is a
+quiet no-op even after the runtime started; a different one then is refused, never half-applied."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""What ``%vgpu_status`` shows, as data with three renderings: HTML for
-notebooks, plain text for terminals, JSON for machines.
-
-One section per framework: every framework imported in the kernel, or the
-one that would be configured when none is. Collecting a status never starts a
-runtime: memory in use is read only when the runtime already runs. Colours
-come from the front end (the HTML inherits its text colour), so the report
-reads the same on light and dark themes.
-"""
+"""What ``%vgpu_status`` shows, as data rendered as HTML (in the front end's colours), text or JSON. Collecting
+it never starts a runtime: memory in use is read only where the runtime already runs."""
 
 from __future__ import annotations
 
@@ -23,8 +16,7 @@ from .units import MIB, format_bytes
 
 @dataclass(frozen=True)
 class LogicalDeviceStatus:
-    """One logical device: its name, the physical device it lives on, its cap
-    (MiB, ``None`` = uncapped), and current/peak bytes when the runtime runs."""
+    """One logical device: its cap in MiB (``None``: uncapped), current/peak bytes when the runtime runs."""
 
     name: str
     physical: str

@@ -1,11 +1,5 @@
-"""Has a framework's runtime started, and which line of which cell started it?
-
-A framework can only be configured before its runtime starts (TensorFlow: its
-first op; JAX: its backend; PyTorch: CUDA). Nothing here starts one: a
-framework is only asked once it is imported. :class:`RuntimeWatcher`, an
-IPython ``pre_run_cell``/``post_run_cell`` hook pair, remembers per framework
-the line that started its runtime, so the messages can quote it.
-"""
+"""Has a framework's runtime started, and which line of which cell started it? Nothing here starts one: a
+framework is only asked once it is imported."""
 
 from __future__ import annotations
 
@@ -120,11 +114,8 @@ def _imported():
 
 
 class RuntimeWatcher:
-    """Notes, per framework, the cell that started its runtime, and the line in it: each imported
-    framework calls :meth:`_starting` as its runtime starts
-    (:meth:`~vgpu_magic.frameworks.base.Framework.watch_runtime_start`), which reads the running
-    cell's line from the stack. Register :meth:`pre_run_cell` and :meth:`post_run_cell` on
-    ``shell.events``; a framework imported later is watched from its import on (:func:`activate`)."""
+    """Notes, per framework, the cell and the line in it that started its runtime (each framework calls
+    :meth:`_starting` then); register :meth:`pre_run_cell` and :meth:`post_run_cell` on ``shell.events``."""
 
     def __init__(self, shell=None) -> None:
         self.shell = shell
@@ -221,11 +212,7 @@ class RuntimeWatcher:
 
 
 def _resolve(framework):
-    if framework is None:
-        return frameworks.select()
-    if isinstance(framework, str):
-        return frameworks.get(framework)
-    return framework
+    return frameworks.select(framework) if framework is None or isinstance(framework, str) else framework
 
 
 #: The loaded extension's watcher (see :func:`activate`).

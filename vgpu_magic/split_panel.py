@@ -1,16 +1,13 @@
-"""The widget face of ``%vgpu_split`` (or :func:`panel`): pick a device, a count and memory, then Apply.
-
-The panel holds widgets and nothing else of its own: whether the request is valid, the line
-that reproduces it, whether it fits and what Apply did all come from the planner and
-:mod:`vgpu_magic.outcomes`, so the panel, the magic and the API cannot disagree. The widget
-tree is built once; afterwards only trait values change.
-"""
+"""The widget face of ``%vgpu_split`` (or :func:`panel`): pick a device, a count and memory, then Apply. Every
+verdict comes from the planner and :mod:`vgpu_magic.outcomes`, so the panel, the magic and the API cannot disagree."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
 from dataclasses import replace
+
+import traitlets
 
 try:
     import ipywidgets as widgets
@@ -47,14 +44,8 @@ _SLIDER = {"width": "36em"}
 
 
 class SplitPanel:
-    """Widgets that build a :class:`~vgpu_magic.planner.SplitRequest` and apply it.
-
-    ``inventory`` is the devices to offer (:func:`panel` probes this machine); ``watcher`` names
-    the cell that started the runtime (default: the loaded extension's); ``framework_named`` is
-    echoed in the line the panel shows; ``configuration`` reads what the framework has, shown once
-    its runtime started. The widgets are attributes (``root`` is the box displayed);
-    ``last_result`` and ``last_message`` are what the last Apply returned and printed.
-    """
+    """Widgets that build a :class:`~vgpu_magic.planner.SplitRequest` and apply it; ``root`` is the box displayed,
+    ``configuration`` reads what the framework has once its runtime started."""
 
     def __init__(
         self,
@@ -73,14 +64,15 @@ class SplitPanel:
         self.watcher = watcher
         self.last_result: SplitResult | None = None
         self.last_message = ""
-        self._syncing_count = False
         #: True once the framework's runtime started: the controls are disabled.
         self.locked = False
         self._device_sliders: list[widgets.IntSlider] = []
         self._build_controls()
         self.root = self._layout()
-        self.count_slider.observe(self._on_slider, "value")
-        self.count_text.observe(self._on_count, "value")
+        # The typed box is the count; the slider follows it up to where it stops.
+        clamp = (lambda n: max(1, min(n, SLIDER_MAX_DEVICES)), lambda n: n)
+        traitlets.link((self.count_text, "value"), (self.count_slider, "value"), transform=clamp)
+        self.count_text.observe(self._fit_memory_controls, "value")
         self.target.observe(self._on_target, "value")
         self.custom.observe(self._on_memory_mode, "value")
         self.even_memory.observe(self._update, "value")
@@ -225,18 +217,6 @@ class SplitPanel:
             return None
 
     # -- reacting to the widgets --------------------------------------------
-    def _on_slider(self, change=None) -> None:
-        if not self._syncing_count:
-            self.count_text.value = self.count_slider.value
-
-    def _on_count(self, change=None) -> None:
-        self._syncing_count = True
-        try:
-            self.count_slider.value = max(1, min(self.count_text.value, SLIDER_MAX_DEVICES))
-        finally:
-            self._syncing_count = False
-        self._fit_memory_controls()
-
     def _on_target(self, change=None) -> None:
         on_cpu = self.gpu is None
         for widget in (self.custom, self.even_memory, *self._device_sliders):
@@ -275,18 +255,14 @@ class SplitPanel:
         share = None if gpu is None else even_share_mib(gpu, self.capabilities, count)
         return max(self._capacity_mib() // count if share is None else share, MIN_MEMORY_MIB)
 
-    def _fit_memory_controls(self) -> None:
+    def _fit_memory_controls(self, change=None) -> None:
         """Re-range the memory sliders for the chosen device and count; the even
         split goes back to the largest that fits, (free - reserve) // count."""
         capacity = self._capacity_mib()
         each = self._even_default()
-        # Raise max before value (and lower value before max) so nothing is clamped on the way.
-        if each > self.even_memory.max:
+        with self.even_memory.hold_trait_notifications():  # validated together: nothing clamped on the way
             self.even_memory.max = each
             self.even_memory.value = each
-        else:
-            self.even_memory.value = each
-            self.even_memory.max = each
         while len(self._device_sliders) < min(max(self.count, 1), MAX_DEVICES):
             slider = widgets.IntSlider(
                 value=each,

@@ -1,9 +1,5 @@
-"""Batch jobs: the rehearsed script submitted unchanged, each task wired as the rehearsal wires its rank
-(:mod:`.slurm`), tracked from a folder of its own beside the script, ``.vgpu_jobs/<id>/``: a job outlives the
-kernel that submitted it, and any later kernel finds it (:func:`jobs`). The folder holds what submitting said
-(``job.json``) and what the tasks leave (``rank-R.log``, ``rank-R.exit``, ``job.out``, ``job.exit``).
-A job backend is one class (:class:`JobBackend`) in :data:`BACKENDS`; SLURM's is the one there is.
-"""
+"""Batch jobs: the rehearsed script submitted unchanged, each task wired as the rehearsal wires its rank, tracked
+from ``.vgpu_jobs/<id>/`` beside the script, so a job outlives the kernel that submitted it (docs/jobs.md)."""
 
 from __future__ import annotations
 
@@ -67,10 +63,7 @@ class JobSpec:
 
 
 class JobBackend(Protocol):
-    """One way to run jobs (``folder``: the job's own): ``script`` is what is submitted (SLURM: the batch script,
-    to keep, edit and submit by hand); ``submit`` returns the job's id, or raises :class:`ValueError` with the
-    scheduler's own reason; ``state`` is SLURM's word (PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, TIMEOUT) and
-    why; ``logs`` is a rank's output so far, stdout and stderr."""
+    """One way to run jobs; docs/jobs.md has each call's contract (``state``: SLURM's word and why)."""
 
     def script(self, spec: JobSpec) -> str: ...
     def submit(self, spec: JobSpec) -> str: ...

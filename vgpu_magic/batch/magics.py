@@ -1,5 +1,4 @@
-"""``%vgpu_job``: a thin face over :func:`~vgpu_magic.batch.submit`, :class:`~vgpu_magic.batch.Job` and
-:func:`~vgpu_magic.batch.jobs`. Bad input is one ``UsageError`` line, and nothing is submitted."""
+"""``%vgpu_job``: a thin face over :func:`~vgpu_magic.batch.submit`, :class:`~vgpu_magic.batch.Job` and ``jobs``."""
 
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ def register(name: str, framework: str | Framework) -> None:
     _instances.pop(name, None)
 
 
-def choices(conjunction: str = "or") -> str:
+def choices() -> str:
     """The registered names for help and error texts: ``"tensorflow (tf), jax or torch"``."""
     spelled = []
     for name in REGISTRY:
@@ -62,7 +62,7 @@ def choices(conjunction: str = "or") -> str:
         spelled.append(f"{name} ({', '.join(aliases)})" if aliases else name)
     if len(spelled) == 1:
         return spelled[0]
-    return f"{', '.join(spelled[:-1])} {conjunction} {spelled[-1]}"
+    return f"{', '.join(spelled[:-1])} or {spelled[-1]}"
 
 
 def resolve_name(name: str) -> str:

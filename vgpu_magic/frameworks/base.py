@@ -118,11 +118,7 @@ class Framework(CudaUser, abc.ABC):
             with contextlib.nullcontext() if self.module in sys.modules else self.importing():
                 return importlib.import_module(self.module)
         except ImportError as exc:
-            raise self.import_error(exc) from exc
-
-    def import_error(self, exc: BaseException) -> FrameworkImportError:
-        """The one-line error for a failed import of the framework."""
-        return FrameworkImportError.of(self.label, self.module, self.capabilities.install_hint, exc)
+            raise FrameworkImportError.of(self.label, self.module, self.capabilities.install_hint, exc) from exc
 
     def importing(self) -> contextlib.AbstractContextManager:
         """Around the import of :attr:`module`, whoever imports it first once the extension is loaded

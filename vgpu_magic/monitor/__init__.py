@@ -7,12 +7,6 @@ view updates five times a second, each update followed by at least 200 times its
 stays under 0.5 % of the kernel's time (``benchmarks/monitor_overhead.py``). ``monitor.trace`` is a
 :class:`MemoryTrace` (plain data, bounded, peaks exact; ``to_csv``, ``savefig``); ``traces`` keeps the latest
 10 runs. A failing view or sampler is reported once and never stops training.
-
-Modules: :mod:`.trace` (the data), :mod:`.sampler` (reading memory), :mod:`.recorder` (sampling into the
-trace, feeding a view), :mod:`.session` (the Keras-free monitor), :mod:`.callback` (the Keras face),
-:mod:`.views` (the view contract, the text view), :mod:`.live` and ``live.js`` (the live widget),
-:mod:`.plot` (the static image), :mod:`.display` (the notebook output), :mod:`.auto` and :mod:`.magics`
-(``%vgpu_monitor``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Automatic monitoring: every Keras ``fit``/``evaluate``/``predict`` gets a
-:class:`~vgpu_magic.monitor.callback.MemoryMonitor` without code changes.
-
-:class:`AutoMonitoring` replaces ``keras.Model.fit``, ``evaluate`` and ``predict`` with wrappers that append
-a fresh monitor to ``callbacks``; :meth:`~AutoMonitoring.disable` puts back exactly what was there (no
-attribute where the method was inherited), but only what is still its own: another tool's later patch
-stays, and this wrapper inside it passes through. A call that already has a monitor, runs inside a
-monitored call (``fit``'s validation), or receives Keras' own ``CallbackList`` is left alone. Importing
-this module imports no Keras; :meth:`~AutoMonitoring.enable` does (which starts no runtime)."""
+"""Automatic monitoring: ``keras.Model.fit``/``evaluate``/``predict`` wrapped to append a fresh
+:class:`~vgpu_magic.monitor.callback.MemoryMonitor`, unless the call has one, runs inside a monitored call or gets
+Keras' own ``CallbackList``. :meth:`~AutoMonitoring.disable` restores only what is still its own: another tool's
+later patch stays, and this wrapper inside it passes through. Importing this module imports no Keras."""
 
 from __future__ import annotations
 
@@ -72,7 +67,6 @@ class AutoMonitoring:
             finally:
                 auto._local.depth = 0
 
-        monitored.__vgpu_auto_monitor__ = True  # type: ignore[attr-defined]
         return monitored
 
     @staticmethod
@@ -141,20 +135,8 @@ class AutoMonitoring:
         return self.monitors[-1] if self.monitors else None
 
 
-#: The process-wide automatic monitoring that ``%vgpu_monitor`` switches.
+#: The process-wide automatic monitoring that ``%vgpu_monitor`` switches, and its switches.
 AUTO = AutoMonitoring()
-
-
-def enable(**options: Any) -> None:
-    """Turn on :data:`AUTO`."""
-    AUTO.enable(**options)
-
-
-def disable() -> None:
-    """Turn off :data:`AUTO`."""
-    AUTO.disable()
-
-
-def status() -> str:
-    """A one-line description of :data:`AUTO`."""
-    return AUTO.status()
+enable = AUTO.enable
+disable = AUTO.disable
+status = AUTO.status

@@ -24,23 +24,9 @@ def _keras_default(method: Any) -> Any:
 
 
 class MemoryMonitor(MonitorSession):
-    """Watch the memory of every logical device during Keras' ``fit``,
-    ``evaluate`` and ``predict`` (a callback), or a custom loop (a context
-    manager); see :class:`~vgpu_magic.monitor.session.MonitorSession` for
-    the parameters.
-
-    Examples
-    --------
-    ::
-
-        model.fit(ds, epochs=3, callbacks=[vgpu_magic.MemoryMonitor()])
-
-        with vgpu_magic.MemoryMonitor(model=model) as mon:
-            for step, batch in enumerate(dist_ds):
-                strategy.run(train_step, args=(batch,))
-                mon.sample(step=step)
-        mon.to_csv("memory.csv")
-    """
+    """Watch the memory of every logical device during Keras' ``fit``, ``evaluate`` and ``predict`` (a
+    callback), or a custom loop (a context manager); parameters: :class:`MonitorSession`; examples:
+    docs/live-view.md."""
 
     _model: Any = None
     #: Set by Keras (``set_params``) for each run; ``None`` before, as in ``keras.callbacks.Callback``.
@@ -72,20 +58,16 @@ class MemoryMonitor(MonitorSession):
     def on_train_begin(self, logs=None) -> None:
         self._begin("fit")
 
-    def on_train_end(self, logs=None) -> None:
-        self._end()
-
     def on_test_begin(self, logs=None) -> None:
         self._begin("evaluate")
-
-    def on_test_end(self, logs=None) -> None:
-        self._end()
 
     def on_predict_begin(self, logs=None) -> None:
         self._begin("predict")
 
-    def on_predict_end(self, logs=None) -> None:
+    def _run_end(self, logs=None) -> None:
         self._end()
+
+    on_train_end = on_test_end = on_predict_end = _run_end
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
         steps = (self.params or {}).get("steps")

@@ -19,16 +19,18 @@ __all__ = ["DISPLAY_MODES", "DisplaySurface", "MemoryFrame", "detect_frontend", 
 DISPLAY_MODES = ("auto", "rich", "text", "none")
 
 
-def detect_frontend() -> str:
-    """``"rich"`` inside a Jupyter kernel, else ``"text"`` (terminal IPython, scripts); imports no IPython."""
+def running_shell() -> Any:
+    """IPython's running shell, or ``None``; imports no IPython."""
     if "IPython" not in sys.modules:
-        return "text"
+        return None
     from IPython import get_ipython
 
-    shell = get_ipython()
-    if shell is None or getattr(shell, "kernel", None) is None:
-        return "text"
-    return "rich"
+    return get_ipython()
+
+
+def detect_frontend() -> str:
+    """``"rich"`` inside a Jupyter kernel, else ``"text"`` (terminal IPython, scripts)."""
+    return "text" if getattr(running_shell(), "kernel", None) is None else "rich"
 
 
 class MemoryFrame:

@@ -1,11 +1,6 @@
-"""The live view: a widget the browser draws, fed only new rows of the trace.
-
-:class:`LiveMemoryView` shows a ``MemoryWidget`` (an anywidget; ``live.js`` draws the trace as SVG in the
-theme's colours) in one display output when a run starts, before Keras' progress bar prints, so the bar
-stays one stream output below it. Each update sends the rows added since the last one as one custom
-message; series, units, epoch marks and the title are traits. When the run ends the same output gets the
-static image (:mod:`vgpu_magic.monitor.plot`), which stays in saved notebooks. Not bqplot: setting a
-``Lines``' arrays re-sends every point (``benchmarks/monitor_overhead.py`` measures both)."""
+"""The live view: an anywidget the browser draws (``live.js``), fed only the rows added since the last update, shown
+before Keras' progress bar prints so the bar stays below it; the static image replaces it when the run ends. Not
+bqplot: setting a ``Lines``' arrays re-sends every point (``benchmarks/monitor_overhead.py`` measures both)."""
 
 from __future__ import annotations
 

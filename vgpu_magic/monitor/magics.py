@@ -1,10 +1,5 @@
-"""The ``%vgpu_monitor`` magic: a thin face over :mod:`vgpu_magic.monitor.auto`.
-
-It parses its line into an action and options, validates all of it (the
-options through the same checks as ``MemoryMonitor(...)``), and only then
-switches automatic monitoring. A mistake is one plain sentence that quotes
-the bad token and says what would work.
-"""
+"""The ``%vgpu_monitor`` magic: a thin face over :mod:`vgpu_magic.monitor.auto` that validates its whole line (the
+options through ``MemoryMonitor(...)``'s checks) before it switches anything."""
 
 from __future__ import annotations
 
@@ -40,11 +35,7 @@ _interval.example = "--interval 0.05"  # type: ignore[attr-defined]
 
 
 def parse_monitor_line(line: str) -> tuple[str, dict[str, object]]:
-    """``"on --display text"`` -> ``("on", {"display": "text"})``.
-
-    Raises :class:`~IPython.core.error.UsageError` with one sentence for
-    anything else; changes nothing.
-    """
+    """``"on --display text"`` -> ``("on", {"display": "text"})``; a one-sentence ``UsageError`` for anything else."""
     try:
         args = parse_arguments(
             MonitorMagics.vgpu_monitor.parser,

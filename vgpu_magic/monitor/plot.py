@@ -1,11 +1,6 @@
-"""The static picture of a :class:`~vgpu_magic.monitor.trace.MemoryTrace`: one matplotlib figure (Agg,
-no pyplot), drawn once when a run ends; what stays in the notebook and in ``savefig``'s file.
-
-As the live view: device memory and RSS in separate panels, each in the unit the live view ended with;
-one solid line per series (a step until the next sample), its running peak dotted, a cap dashed (equal
-caps interleave their dashes); series alike all run long as ONE line; epoch starts dotted; the variable
-bytes per replica in a side panel. Transparent: the legend and epoch labels sit on a light card with dark
-text and epoch lines alternate dark and light dots (4.5:1 on light and dark themes); axes are mid grey."""
+"""The static picture of a :class:`~vgpu_magic.monitor.trace.MemoryTrace` (docs/live-view.md shows what it draws):
+one matplotlib figure (Agg, no pyplot), drawn once when a run ends, what stays in the notebook and ``savefig``'s
+file. Transparent, so text that must read on light and dark themes sits on a light card (4.5:1 or more)."""
 
 from __future__ import annotations
 
@@ -61,16 +56,8 @@ def _decimate(times: Any, values: list[Any], limit: int = MAX_POINTS) -> tuple[A
     n = len(times)
     if n <= limit:
         return times, values
-    k = math.ceil(n / limit)
-    m = (n // k) * k
-    t = times[:m:k]
-    out = []
-    for v in values:
-        head = v[:m].reshape(-1, k).max(axis=1)
-        out.append(np.append(head, v[m:].max()) if m < n else head)
-    if m < n:
-        t = np.append(t, times[m])
-    return t, out
+    starts = np.arange(0, n, math.ceil(n / limit))
+    return times[starts], [np.maximum.reduceat(v, starts) for v in values]
 
 
 def _style(ax: Any) -> None:

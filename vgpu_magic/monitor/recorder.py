@@ -49,25 +49,14 @@ class RecorderStats:
         self.sample_seconds += seconds
 
 
-def _print_report(message: str) -> None:
+def print_report(message: str) -> None:
     print(f"vgpu_magic: {message}", file=sys.stderr, flush=True)
 
 
 class MemoryRecorder:
-    """Records one run at a time; :meth:`start` begins the next with a fresh trace (and :attr:`view`).
-
-    Parameters
-    ----------
-    sampler_factory
-        Returns an object with ``series``, ``devices``, ``read() -> [(current, peak), ...]`` and,
-        optionally, ``provisional``. Called when a run starts, and again while provisional.
-    view
-        The view to feed (see :mod:`vgpu_magic.monitor.views`); ``interval`` seconds between samples.
-    variables
-        ``variables(sampler)``: the bytes of the variables on each of its devices, or ``None``.
-    report, background
-        Where one-line problem reports go (stderr by default); sample from a thread of the recorder.
-    """
+    """Records one run at a time; :meth:`start` begins the next with a fresh trace. ``sampler_factory()`` returns a
+    :class:`~vgpu_magic.monitor.sampler.DeviceSampler` (or its shape), asked again while it is ``provisional``;
+    ``variables(sampler)``: the variables' bytes per device, or ``None``; ``report``: where problems go."""
 
     def __init__(
         self,
@@ -77,7 +66,7 @@ class MemoryRecorder:
         interval: float = 0.05,
         variables: Callable[[Any], dict[str, int] | None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        report: Callable[[str], None] = _print_report,
+        report: Callable[[str], None] = print_report,
         background: bool = False,
     ) -> None:
         self._sampler_factory = sampler_factory
@@ -123,7 +112,7 @@ class MemoryRecorder:
         self.report_once("sampler", f"memory cannot be read, monitoring is off ({type(exc).__name__}: {exc})")
 
     # -- lifecycle ----------------------------------------------------------------
-    def start(self, kind: str = "custom", epochs: int | None = None, steps: int | None = None) -> None:
+    def start(self, kind: str = "custom", epochs: int | None = None) -> None:
         """Begin a run: a new trace, sampled from now on."""
         self._stop_thread()
         self.kind = self.phase = kind
@@ -144,7 +133,6 @@ class MemoryRecorder:
             kind,
             baseline,
             epochs_total=epochs,
-            steps_total=steps,
             subject=getattr(self._sampler, "subject", ""),
         )
         self.active = True

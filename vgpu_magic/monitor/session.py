@@ -13,9 +13,9 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..units import parse_seconds
-from .display import DISPLAY_MODES, detect_frontend, interrupts_deferred
+from .display import DISPLAY_MODES, detect_frontend, interrupts_deferred, running_shell
 from .plot import save_trace_figure
-from .recorder import MemoryRecorder
+from .recorder import MemoryRecorder, print_report
 from .sampler import PROCESS_LABEL, DeviceSampler, model_variables, variable_bytes
 from .trace import MemoryTrace, SeriesInfo
 from .views import NullView, TextSummaryView
@@ -43,16 +43,6 @@ def process_sampler(provisional: bool = False) -> DeviceSampler:
     return DeviceSampler(series, lambda names: [], provisional=provisional)
 
 
-def _shell() -> Any:
-    import sys
-
-    if "IPython" not in sys.modules:
-        return None
-    from IPython import get_ipython
-
-    return get_ipython()
-
-
 class MonitorSession:
     """Watch the memory of every logical device while a block of code runs: a custom training loop in
     JAX, PyTorch or TensorFlow, or (through :class:`~vgpu_magic.monitor.callback.MemoryMonitor`) Keras'
@@ -75,16 +65,7 @@ class MonitorSession:
     view
         A view object to use instead (see :class:`vgpu_magic.monitor.views.View`).
 
-    Examples
-    --------
-    ::
-
-        with vgpu_magic.MemoryMonitor(model=model) as mon:
-            for step, batch in enumerate(dist_ds):
-                strategy.run(train_step, args=(batch,))
-                mon.sample(step=step)
-        mon.to_csv("memory.csv")
-        mon.savefig("memory.png")"""
+    Examples are in docs/live-view.md."""
 
     def __init__(
         self,
@@ -171,11 +152,9 @@ class MonitorSession:
         return variable_bytes(sampler.framework, model_variables(model), sampler.devices)
 
     def _report(self, message: str) -> None:
-        import sys
-
         if message not in self._reported:
             self._reported.add(message)
-            print(f"vgpu_magic: {message}", file=sys.stderr, flush=True)
+            print_report(message)
 
     def _report_once_per_process(self, message: str) -> None:
         """Report what every later run of any monitor would find the same, once."""
@@ -219,7 +198,7 @@ class MonitorSession:
         self._watch_cell()
         self._recorder.view = self._make_view()
         self._joining = False
-        self._recorder.start(kind, epochs=params.get("epochs") if kind == "fit" else None, steps=params.get("steps"))
+        self._recorder.start(kind, epochs=params.get("epochs") if kind == "fit" else None)
 
     def _run_params(self) -> dict:
         """``epochs`` and ``steps`` of the run, where known (Keras' params)."""
@@ -243,7 +222,7 @@ class MonitorSession:
     def _watch_cell(self) -> None:
         """End the run with its cell at the latest (an interrupted ``fit`` still gets its final image),
         and draw final images there, after the training."""
-        shell = _shell()
+        shell = running_shell()
         if shell is None or self._shell_watched is shell:
             return
         self._unwatch_cell()

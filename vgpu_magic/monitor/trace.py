@@ -97,7 +97,6 @@ class MemoryTrace:
     kind: str = "custom"
     baseline_peak: tuple[int, ...] = ()
     epochs_total: int | None = None
-    steps_total: int | None = None
     #: (time, epoch) at each epoch's start.
     epoch_starts: list[tuple[float, int]] = field(default_factory=list)
     #: Bytes of variables on each logical device; empty when no model was known.

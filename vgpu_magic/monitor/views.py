@@ -1,9 +1,5 @@
-"""What the recorder feeds: views of a :class:`~vgpu_magic.monitor.trace.MemoryTrace`.
-
-The contract is :class:`View`, whose calls must never stop training (the recorder switches off a view
-that raises); :class:`TextSummaryView` prints a line per epoch, :class:`NullView` records only. What the
-live view and the static image share lives here too: colours, each panel's unit, the title, which series
-read the same, and the updates' rhythm (:class:`RedrawThrottle`)."""
+"""What the recorder feeds: the :class:`View` contract, the text and null views, and what the live view and the
+static image share (colours, units, title, series read the same, the updates' rhythm)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
 """A script run is a launch: ``%vgpu_run FILE ARGS`` starts new rank processes every time, as ``torchrun`` /
-``srun`` / ``mpirun`` do.
-
-The engine on each host is the launcher's agent (torchrun's design): :func:`run_rank` starts the script as the
-engine's child, in the kernel's folder, with the rank's plan and ``sys.argv = [FILE, *ARGS]``; streams its
-output; and reports a non-zero end as a launcher does (``exited with status 3``, ``was killed by SIGSEGV``).
-Interrupted, it passes SIGINT on to the child, as torchrun's agent does, and kills it after
-:data:`INTERRUPT_GRACE` s; the child dies with its engine. Each engine keeps a *spare*: a child started
-in the background with the framework imported and nothing of the user's, waiting for its launch (:func:`child`).
-A spare is not used where it would run the script otherwise than a new process: started with another environment
-than the launch's (outside the plan's per-run ports and ids), before packages were installed, or with the framework
-imported for a script that sets environment variables before it imports it (those launch cold).
+``srun`` / ``mpirun`` do; docs/ranks.md (*Cells and scripts*) says what a launch gives the script and when a spare
+is used. The engine on each host is the launcher's agent (torchrun's design): :func:`run_rank` starts the script as
+its child, which dies with it, and follows it; :func:`child` is a spare, waiting with the framework imported.
 """
 
 from __future__ import annotations
@@ -274,10 +266,8 @@ def child() -> None:
         # The script's own import of it will say what is wrong, as it would under its launcher.
         with contextlib.suppress(Exception):
             importlib.import_module(module)
-    received = b""
-    while chunk := control.recv(65536):
-        received += chunk
-    control.close()
+    with control, control.makefile("rb") as launched:
+        received = launched.read()
     if not received:
         os._exit(0)
     launch = json.loads(received)

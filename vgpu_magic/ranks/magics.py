@@ -14,9 +14,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from ..errors import USER_ERRORS, PlanError
+from ..errors import PlanError
 from ..frameworks import choices
-from ..grammar import choice, framework_name, parse_arguments, seconds, whole
+from ..grammar import choice, framework_name, parse_arguments, seconds, usage_errors, whole
 from ..planner import MAX_DEVICES
 from .launchers import LAUNCHERS, MAX_RANKS
 
@@ -33,10 +33,8 @@ _RANK = whole("rank", 0, MAX_RANKS - 1, "%vgpu_cluster log 1")
 
 def _parse(magic: Any, line: str, example: str) -> argparse.Namespace:
     """``line`` read by ``magic``'s parser with the shared grammar (:func:`~vgpu_magic.grammar.parse_arguments`)."""
-    try:
+    with usage_errors(PlanError):
         return parse_arguments(magic.parser, line, example=example)
-    except PlanError as exc:
-        raise UsageError(str(exc)) from None
 
 
 @magics_class
@@ -109,10 +107,8 @@ class ClusterMagics(Magics):
         """
         args = _parse(self.vgpu_cluster, line, _START)
         if args.n is not None:
-            try:
+            with usage_errors(argparse.ArgumentTypeError):
                 args.n = (_RANK if args.action == "log" else _RANK_COUNT)(args.n)
-            except argparse.ArgumentTypeError as exc:
-                raise UsageError(str(exc)) from None
         from . import rank_cluster
 
         options = _launcher_options(args)
@@ -130,19 +126,15 @@ class ClusterMagics(Magics):
         if args.action == "status":
             print("\n".join(running.describe()))
         elif args.action == "log":
-            try:
+            with usage_errors(ValueError):
                 held = running.log(args.n)
-            except ValueError as exc:
-                raise UsageError(str(exc)) from None
             print("\n".join(held) or "nothing held back (every line the ranks wrote was shown)")
         elif args.action == "stop":
             running.stop()
             print(f"stopped {running.n} {running.label} rank{'s' if running.n > 1 else ''}")
         else:
-            try:
+            with usage_errors():
                 running.restart()
-            except USER_ERRORS as exc:
-                raise UsageError(str(exc)) from None
             print("\n".join(running.describe()))
 
     @magic_arguments()
@@ -173,7 +165,6 @@ class ClusterMagics(Magics):
         args = _parse(self.vgpu_run, line, "%vgpu_run train.py --epochs 2")
         if args.output is not None and not args.output.isidentifier():
             raise UsageError(f"-o {args.output!r} is not a Python name; use e.g. -o results")
-        timeout = args.timeout
         if cell is None:
             path = _script_path(args, str((self.shell.user_ns.get("_dh") or ["?"])[-1]))
         elif args.script is not None:
@@ -198,20 +189,18 @@ class ClusterMagics(Magics):
         kernel = getattr(self.shell, "kernel", None)
         plot = not args.no_plot and kernel is not None and importlib.util.find_spec("matplotlib") is not None
         if cell is None:
-            running.run_script(path, list(args.script_args), timeout=timeout, plot=plot)
+            running.run_script(path, list(args.script_args), timeout=args.timeout, plot=plot)
             return
-        try:
+        with usage_errors():
             # The %%vgpu_run line in front, as a comment (IPython drops leading blank lines): a rank's traceback
             # then gives the notebook cell's line numbers.
             values = running.run(
                 f"# %%vgpu_run {line}\n{cell}",
                 namespace=self.shell.user_ns,
-                timeout=timeout,
+                timeout=args.timeout,
                 output=args.output is not None,
                 plot=plot,
             )
-        except USER_ERRORS as exc:
-            raise UsageError(str(exc)) from None
         if args.output is not None:
             self.shell.user_ns[args.output] = values
 
@@ -267,7 +256,7 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
     from ..grammar import parse_memory
     from ..units import MIB
 
-    try:
+    with usage_errors(ValueError):
         memory = parse_memory(args.memory) * MIB if args.memory is not None else None
         ranks = rank_cluster.RankCluster(
             args.n,
@@ -280,8 +269,6 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
             join=args.join,
             verbose=args.verbose,
         )
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
     if running is not None and running.same_request(ranks) and not running.must_restart:
         # "Run all" re-runs the start cell: keep the ranks and their state rather than start afresh.
         print("already running (%vgpu_cluster restart starts afresh)")
@@ -289,10 +276,8 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
         return
     if running is not None:
         print(f"stopping the running cluster ({running.n} {running.label} rank{'s' if running.n > 1 else ''}) first")
-    try:
+    with usage_errors():
         ranks.start()
-    except USER_ERRORS as exc:
-        raise UsageError(str(exc)) from None
     print("\n".join(ranks.describe()))
 
 

@@ -242,10 +242,7 @@ del _vgpu_pickle
 def _first_failure(view: Any, code: str, variable: str) -> tuple[int, Any] | None:
     """Run ``code`` on every rank of ``view``: ``(rank, value)`` of the first whose ``variable`` it set, or ``None``."""
     view.execute(code, block=True)
-    for rank, failed in enumerate(view.pull(variable, block=True)):
-        if failed:
-            return rank, failed
-    return None
+    return next(((rank, failed) for rank, failed in enumerate(view.pull(variable, block=True)) if failed), None)
 
 
 def pull_values(view: Any, ranks: list[Any]) -> list[Any]:

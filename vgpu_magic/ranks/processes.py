@@ -168,23 +168,21 @@ def check_memory_fits(n: int, fw: Any) -> bool:
 def check_port_free(port: int) -> None:
     """:class:`ClusterStartError` naming ``port`` (and who holds it) if it cannot be bound here (else JAX's
     coordinator only says "rank 0 died", and TensorFlow fails in the first ``MultiWorkerMirroredStrategy()``)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("", port))
-    except OSError as exc:
-        import psutil
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("", port))
+        except OSError as exc:
+            import psutil
 
-        pids: set[int] = set()
-        # Naming the holder is a courtesy; where psutil may not list connections, the port alone is said.
-        with contextlib.suppress(psutil.Error):
-            pids = {c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.pid}
-        holder = f" by pid {', '.join(map(str, sorted(pids)))}" if pids else ""
-        raise ClusterStartError(
-            f"--port {port} is in use on this machine{holder} ({exc.strerror}); "
-            "choose another, or leave --port out for a free one"
-        ) from None
-    finally:
-        sock.close()
+            pids: set[int] = set()
+            # Naming the holder is a courtesy; where psutil may not list connections, the port alone is said.
+            with contextlib.suppress(psutil.Error):
+                pids = {c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.pid}
+            holder = f" by pid {', '.join(map(str, sorted(pids)))}" if pids else ""
+            raise ClusterStartError(
+                f"--port {port} is in use on this machine{holder} ({exc.strerror}); "
+                "choose another, or leave --port out for a free one"
+            ) from None
 
 
 def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> Any:
@@ -260,7 +258,7 @@ def local_launchers(cluster: Any) -> dict[int, Any]:
 
 def batch_jobs(cluster: Any) -> list[str]:
     """The batch job ids of ``cluster``'s engine sets (SLURM)."""
-    return [es.job_id for es in cluster.engines.values() if getattr(es, "job_id", "")]
+    return [es.job_id for es in getattr(cluster, "engines", {}).values() if getattr(es, "job_id", "")]
 
 
 #: Run when the kernel dies without a stop: remove what matches each argument (a glob).

@@ -71,14 +71,7 @@ class RankCluster:
     ranks follow the launcher's order (``SLURM_PROCID``, the MPI rank). ``join``: each rank also makes the
     script's own call (``init_process_group``, ``jax.distributed.initialize``) at start. ``verbose``: show the
     ranks' framework start-up lines too (held back by default: :mod:`.shown`). :class:`ValueError` for a request
-    that cannot work, before anything starts.
-
-    Examples
-    --------
-    >>> ranks = RankCluster(2, "torch", join=True).start()  # doctest: +SKIP
-    >>> ranks.run("import torch.distributed as dist; dist.get_rank()", output=True)  # doctest: +SKIP
-    [0, 1]
-    >>> ranks.stop()                                      # doctest: +SKIP
+    that cannot work, before anything starts. Its use: docs/ranks.md.
     """
 
     def __init__(
@@ -413,8 +406,7 @@ class RankCluster:
         then each rank (its host too when they run on several)."""
         if not self.running:
             return ["no cluster running"]
-        engine_sets = getattr(self.cluster, "engines", {}).values()
-        jobs = "".join(f", job {es.job_id}" for es in engine_sets if getattr(es, "job_id", ""))
+        jobs = "".join(f", job {job}" for job in processes.batch_jobs(self.cluster))
         lines = [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} on {self.launcher_plan.describe()}{jobs}"]
         lines.extend(self.plans[0].notes if self.plans else ())
         join_call = self.fw.join_call

@@ -1,14 +1,10 @@
-"""Running one piece of work on every rank under the fault policy.
+"""Running one piece of work on every rank under the fault policy docs/ranks.md states (*When a rank fails*).
 
 :class:`RankRun` submits the work to each rank (one ipyparallel ``AsyncResult`` each) and watches them from the
 kernel: each rank's output streams live as whole lines labelled ``[rank r]``, its displays in their place among
-them; its memory is sampled (:mod:`.memory`). The first rank that raises or dies ends the run, but the others
-get :data:`COLLECT` seconds (from the latest failure) to finish on their own, so that every rank's own error is
-collected; then every rank still running gets SIGINT, and one still busy after :data:`GRACE` seconds (blocked in
-a collective; a script's launch gets its process' :data:`~.launch.INTERRUPT_GRACE` more) is killed and the
-cluster marked for a restart. :class:`RankRunError` names every failing rank's
-error, the same ones grouped. An interrupt of the kernel interrupts the ranks the same way. A rank's process is
-reached through :class:`RankProcesses`: by PID on this host, through its engine on another.
+them; its memory is sampled (:mod:`.memory`). The policy's delays are :data:`COLLECT` and :data:`GRACE` (a script's
+launch gets its process' :data:`~.launch.INTERRUPT_GRACE` more). A rank's process is reached through
+:class:`RankProcesses`: by PID on this host, through its engine on another.
 """
 
 from __future__ import annotations
@@ -212,7 +208,7 @@ class RankRun:
         long before the messages carrying its last lines (a run that printed a million lines: seconds). Waited
         for as long as more keeps coming; a rank whose output stopped coming for :data:`OUTPUT_WAIT` seconds
         before its end is said to be cut."""
-        waiting = [rank for rank, ar in enumerate(results) if ar.ready() and self._alive(rank)]
+        waiting = [rank for rank, ar in enumerate(results) if ar.ready() and self.procs.alive(rank)]
         arrived, since = -1, time.monotonic()
         while waiting and time.monotonic() - since < OUTPUT_WAIT:
             self._emit(results, streams)
@@ -225,9 +221,6 @@ class RankRun:
         for rank in waiting:
             self.stderr.write(f"[rank {rank}] the rest of its output did not arrive within {OUTPUT_WAIT:g} s\n")
 
-    def _alive(self, rank: int) -> bool:
-        return self.procs.alive(rank)
-
     def _failure(self, rank: int, ar: Any) -> RankFailure:
         exc = _error(ar)
         # A remote error's own traceback as the notebook's cell, without ipyparallel's "[engine:method]" line
@@ -239,7 +232,7 @@ class RankRun:
             tb = tuple(exc.render_traceback()) if hasattr(exc, "render_traceback") else (str(exc),)
         ename = getattr(exc, "ename", type(exc).__name__)
         evalue = getattr(exc, "evalue", str(exc))
-        if ename == "EngineError" or not self._alive(rank):
+        if ename == "EngineError" or not self.procs.alive(rank):
             return self._death(rank)
         if ename == "ProcessExited":
             # A launched script's process (:mod:`.launch`): how it ended; its traceback was shown as it wrote it.
@@ -265,19 +258,19 @@ class RankRun:
         """SIGINT every rank still running (not in ``done``, nor :func:`_settled`); kill those still busy
         after GRACE. A rank whose engine went idle without a reply (an interrupt that came as it was
         replying) is not stuck."""
-        running = [r for r, ar in enumerate(results) if r not in done and not _settled(ar) and self._alive(r)]
+        running = [r for r, ar in enumerate(results) if r not in done and not _settled(ar) and self.procs.alive(r)]
         for rank in running:
             self.procs.signal(rank, signal.SIGINT)
         deadline = time.monotonic() + self.grace
-        while time.monotonic() < deadline and any(not _settled(results[r]) and self._alive(r) for r in running):
+        while time.monotonic() < deadline and any(not _settled(results[r]) and self.procs.alive(r) for r in running):
             time.sleep(POLL)
-        stuck = [r for r in running if not _settled(results[r]) and self._alive(r)]
+        stuck = [r for r in running if not _settled(results[r]) and self.procs.alive(r)]
         for rank in stuck:
             self.procs.signal(rank, signal.SIGKILL)
         # Replies may trail the engines' idle; SIGKILL is delivered asynchronously: report the killed once gone.
         futures.wait([ar for r, ar in enumerate(results) if r not in stuck and _settled(ar)], timeout=COLLECT)
         deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and any(self._alive(r) for r in stuck):
+        while time.monotonic() < deadline and any(self.procs.alive(r) for r in stuck):
             time.sleep(POLL)
         self.killed = stuck
         return running, stuck
@@ -289,7 +282,7 @@ class RankRun:
                 continue
             if ar.ready() and not ar.successful():
                 failures[rank] = self._failure(rank, ar)
-            elif not ar.ready() and not self._alive(rank):
+            elif not ar.ready() and not self.procs.alive(rank):
                 failures[rank] = self._death(rank)
 
     def restart_reason(self, exc: BaseException) -> str | None:
@@ -416,8 +409,6 @@ def interrupt_only_the_cell() -> None:
     request: one meant for a cell that had just finished lost the reply, or ended the engine's loop),
     and a failed cell does not abort the next one (ipykernel's abort of the cells queued behind an
     error can catch a run sent as soon as the last one failed)."""
-    import signal
-
     from IPython import get_ipython
 
     shell = get_ipython()

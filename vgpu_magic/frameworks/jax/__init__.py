@@ -1,13 +1,7 @@
-"""JAX: N CPU devices (next to a GPU or without one), and this process's share of a GPU.
-
-* **CPU devices**: ``jax.config.update("jax_num_cpu_devices", N)`` (JAX 0.5+) or
-  ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (before), read when the backend starts; a later
-  change is refused first, naming the cell that started it (JAX would raise a bare ``RuntimeError``).
-* **No GPU split**: no JAX or XLA setting turns one GPU into several devices. ``--cpu`` gives N CPU devices
-  next to the GPU and ``--memory`` caps this process's share of its GPUs, a fraction of CUDA's total:
-  ``XLA_CLIENT_MEM_FRACTION`` where the user set that name (jaxlib's current one), else
-  ``XLA_PYTHON_CLIENT_MEM_FRACTION``; never both, which jaxlib refuses (and JAX then runs on CPU).
-* **Memory growth**: ``XLA_PYTHON_CLIENT_PREALLOCATE=false``; it combines with a cap.
+"""JAX: N CPU devices (next to a GPU or without one), and this process's share of a GPU; docs/split.md says
+through which settings. A later CPU count is refused first, naming the cell that started the backend (JAX would
+raise a bare ``RuntimeError``); of the two fraction variables only one is ever set (jaxlib refuses both, and JAX
+then runs on CPU).
 
 Devices have JAX's own names (``cpu:3``, as ``str(device)`` says) everywhere. Memory readings live in
 :mod:`.memory`, ``vgpu_magic.mesh()`` and ``distribution()`` in :mod:`.mesh`, the ranks' ``jax.distributed``

@@ -1,11 +1,6 @@
-"""JAX's part of :func:`vgpu_magic.estimate`: the cell's jitted steps compiled, not run, and read with XLA's
-``memory_analysis()`` (arguments, outputs, temporaries per device; donated buffers once).
-
-The cell runs in a helper process with N CPU devices, so the kernel's JAX is untouched and N need not be its
-split; the cell must stand alone. There a jitted function, called, is compiled for its arguments' shapes and
-shardings and returns its outputs as ``jax.ShapeDtypeStruct`` (``jax.device_put`` places them), so the next
-step compiles from them and nothing of a step's size is allocated.
-"""
+"""JAX's part of :func:`vgpu_magic.estimate`: the cell's jitted steps compiled, not run, in a helper process with
+N CPU devices (the kernel's JAX untouched), read with XLA's ``memory_analysis()`` (docs/estimates.md). A jitted call
+returns its outputs as ``jax.ShapeDtypeStruct``, so the next step compiles from them and nothing is allocated."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Bytes on each JAX device, exact, for ``%vgpu_status`` and the live memory plot, once JAX's backend runs.
-
-JAX's CPU devices keep no allocator statistics (``memory_stats()`` is ``None``), but the bytes of the live
-arrays' shards on each device are exact: an 8 MiB array put on device 1 shows on device 1 only. A device with
-``memory_stats()`` (a GPU) is read from its allocator, peak included.
+"""Bytes on each JAX device, exact, for ``%vgpu_status`` and the live memory plot, once JAX's backend runs: the live
+arrays' shards on a CPU device (which has no ``memory_stats()``), the allocator's figures on a GPU (docs/split.md).
 """
 
 from __future__ import annotations
@@ -11,6 +8,7 @@ import math
 import time
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["LiveArrayBytes", "MemoryReader", "devices_by_name", "device_index"]
@@ -36,17 +34,15 @@ def devices_by_name(jax: Any, names: Sequence[str]) -> list[Any]:
     return found
 
 
+@dataclass(slots=True, eq=False)
 class _Sharded:
     """A multi-device array's bytes per device slot (from its sharding: no per-shard objects are made), and the
     addresses of its buffers once asked."""
 
-    __slots__ = ("ref", "parts", "signature", "addresses")
-
-    def __init__(self, array: Any, parts: tuple[tuple[int, int], ...], signature: tuple) -> None:
-        self.ref = weakref.ref(array)
-        self.parts = parts
-        self.signature = signature
-        self.addresses: set[tuple[int, int]] | None = None
+    ref: weakref.ref
+    parts: tuple[tuple[int, int], ...]
+    signature: tuple
+    addresses: set[tuple[int, int]] | None = None
 
 
 class LiveArrayBytes:
@@ -82,7 +78,7 @@ class LiveArrayBytes:
         shape = tuple(sharding.shard_shape(array.shape))
         nbytes = math.prod(shape) * array.dtype.itemsize
         parts = tuple((slot[d], nbytes) for d in sharding.addressable_devices if d in slot)
-        return _Sharded(array, parts, (shape, array.dtype))
+        return _Sharded(weakref.ref(array), parts, (shape, array.dtype))
 
     def _addresses(self, sharded: _Sharded) -> set[tuple[int, int]]:
         if sharded.addresses is None:

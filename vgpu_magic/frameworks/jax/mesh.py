@@ -16,15 +16,7 @@ __all__ = ["mesh", "distribution"]
 def mesh(axis_names: str | Sequence[str] = ("data",), shape: Sequence[int] | None = None, devices: Any = None) -> Any:
     """A ``jax.sharding.Mesh`` over the split's devices (every CPU device after a CPU split, also next to a GPU;
     else ``jax.devices()``) or over ``devices``: ``axis_names`` such as ``"data"`` or ``("data", "model")``,
-    ``shape`` the devices along each axis, e.g. ``(4, 2)`` (may be left out for one axis).
-
-    Examples
-    --------
-    ::
-
-        In [1]: %vgpu_split 8 --framework jax
-        In [2]: mesh = vgpu_magic.mesh("data")
-        In [3]: x = jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))
+    ``shape`` the devices along each axis, e.g. ``(4, 2)`` (may be left out for one axis). Its use: docs/split.md.
     """
     import numpy as np
 
@@ -49,16 +41,7 @@ def mesh(axis_names: str | Sequence[str] = ("data",), shape: Sequence[int] | Non
 def distribution() -> Any:
     """Keras 3's ``keras.distribution.DataParallel`` over the split's devices, which needs Keras on JAX: where
     Keras is not imported yet and ``KERAS_BACKEND`` is unset, this sets it to ``jax``; Keras on another backend
-    is an error saying how to fix it.
-
-    Examples
-    --------
-    ::
-
-        In [1]: import os; os.environ["KERAS_BACKEND"] = "jax"
-        In [2]: %vgpu_split 8 --framework jax
-        In [3]: import keras
-        In [4]: keras.distribution.set_distribution(vgpu_magic.distribution())
+    is an error saying how to fix it. Its use: docs/split.md.
     """
     if "keras" not in sys.modules and not os.environ.get("KERAS_BACKEND", "").strip():
         os.environ["KERAS_BACKEND"] = "jax"

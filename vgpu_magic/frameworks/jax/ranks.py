@@ -3,10 +3,8 @@ split request, planned on the rank by the planner.
 
 An unchanged ``jax.distributed.initialize()`` works on a rank, as under a cluster JAX detects itself: the rank's
 environment has ``JAX_COORDINATOR_ADDRESS`` and ``VGPU_MAGIC_JAX_NUM_PROCESSES`` / ``_PROCESS_ID``, which a
-cluster environment registered with JAX's auto-detection (:func:`setup_rank`) hands to it. The coordinator is
-rank 0's address and a port chosen there; under SLURM what JAX's ``SlurmCluster`` computes. On CPU each process
-gets ``--split K`` CPU devices and gloo collectives; on a GPU each process uses its own GPU, or all share the
-first with a cap each (JAX cannot split a GPU, so ``--split`` is refused there).
+cluster environment registered with JAX's auto-detection (:func:`setup_rank`) hands to it. Where the coordinator
+runs and what each process gets: docs/ranks.md.
 
 XLA's GPU collectives go through NCCL, and NCCL before 2.30 refuses two ranks on one GPU at the first
 collective ("Duplicate GPU detected", measured on an H100 with NCCL 2.28.9, even with
@@ -68,7 +66,7 @@ def plan_ranks(
         if shared:
             notes += ("ranks share a GPU: NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL 2.30+) lets its collectives run",)
         for place, cap in zip(places, caps):
-            args = (coordinator, n, place.rank, place.gpu.index, 1, cap)
+            args = (coordinator, n, place.rank, place.gpu.index)
             env = {"JAX_LOCAL_DEVICE_IDS": str(place.gpu.index), **shared, **joining(place)}
             devices = SplitRequest(count=1, memory=cap, gpu=place.gpu.index, memory_growth=True, framework=name)
             plans.append(RankPlan(place.rank, env, SETUP, args, notes, devices))
@@ -77,7 +75,7 @@ def plan_ranks(
             f"jax.distributed on {coordinator}: {n} processes × {per_process} CPU devices = {n * per_process} devices",
         )
         for place in places:
-            args = (coordinator, n, place.rank, None, per_process, None)
+            args = (coordinator, n, place.rank, None)
             env = {"JAX_PLATFORMS": "cpu", "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo", **joining(place)}
             devices = SplitRequest(count=per_process, target="cpu", framework=name)
             plans.append(RankPlan(place.rank, env, SETUP, args, notes, devices))
@@ -102,15 +100,7 @@ def _shared_gpu_env(layout: RankLayout) -> dict[str, str]:
     return {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
 
 
-def setup_rank(
-    coordinator: str,
-    num_processes: int,
-    process_id: int,
-    gpu: int | None,
-    count: int,
-    cap_mib: int | None,
-    join: bool = False,
-) -> str:
+def setup_rank(coordinator: str, num_processes: int, process_id: int, gpu: int | None, join: bool = False) -> str:
     """Run on the rank once its ``devices`` are split: make an unchanged ``jax.distributed.initialize()`` find this
     rank's place (``gpu``: CUDA's index on its host); with ``join``, also make that call (rank 0 hosts the
     coordinator)."""

@@ -1,12 +1,5 @@
-"""PyTorch's part of :func:`vgpu_magic.estimate`: a cell run as rank R of N, its tensors not allocated.
-
-Torch's own tools: the fake process group (``backend="fake"``, any world size), ``FakeTensorMode`` and
-``MemTracker``. Code written for ``cuda`` runs on fake CPU tensors with CUDA's 512 B blocks and its
-optimizer defaults (foreach), so no CUDA context is made. ``DistributedDataParallel`` touches data in its
-C++ reducer, so a stand-in keeps what DDP keeps: one flat gradient bucket per dtype from construction on,
-the gradients copied into it (or, with ``gradient_as_bucket_view=True``, views of it). Whatever the cell
-raises, the process group, the environment and every patched function are restored.
-"""
+"""PyTorch's part of :func:`vgpu_magic.estimate`: a cell run as rank R of N under torch's fake process group,
+``FakeTensorMode`` and ``MemTracker``, its tensors not allocated (docs/estimates.md says what it covers)."""
 
 from __future__ import annotations
 
@@ -146,7 +139,8 @@ class _CudaOnCpu(TorchFunctionMode):
 
 
 class _DDPStandIn(torch.nn.Module):
-    """What ``DistributedDataParallel`` keeps in memory, without its C++ reducer."""
+    """What ``DistributedDataParallel`` keeps in memory (one flat gradient bucket per dtype, the gradients copied
+    into it or, with ``gradient_as_bucket_view=True``, views of it), without its C++ reducer, which reads data."""
 
     def __init__(self, module: torch.nn.Module, *args: Any, gradient_as_bucket_view: bool = False, **kwargs: Any):
         super().__init__()
