@@ -338,12 +338,21 @@ def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
         alive += _running_after(late, 5.0)
-    for pid in {*owned, *procs}:
-        # Reaped here where nothing else waits for them (the clean-up watchers; the controller, whose launcher's
-        # reaping waits on an event loop a kernel may never run): else each stays a zombie child of the kernel until
-        # it exits. A PID that is not this process's child is none of its business.
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
+    # Reaped here where nothing else waits for them (the clean-up watchers; the controller, whose launcher's reaping
+    # waits on an event loop a kernel may never run): else each stays a zombie child of the kernel until it exits.
+    # A PID that is not this process's child is none of its business; one just ended may take a moment to be waitable.
+    pending = {*owned, *procs} - set(spared) - {proc.pid for proc in alive}
+    deadline = time.monotonic() + 2.0
+    while pending:
+        for pid in list(pending):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    pending.discard(pid)
+            except ChildProcessError:
+                pending.discard(pid)
+        if not pending or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     return alive
 
 
