@@ -192,7 +192,7 @@ def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> 
 
     from traitlets.config import Config
 
-    from . import engine_launcher as ours
+    from . import upstream as ours
 
     kwargs: dict[str, Any] = {}
     if plan.controller_ip:
@@ -206,7 +206,7 @@ def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> 
         config[launcher].engine_cmd = lifetime.watched_command("ipyparallel.engine")
         config[launcher].environment = dict(env)
     config.merge(Config(copy.deepcopy(plan.config)))
-    # Ours (:mod:`.engine_launcher`) for local and SLURM engines, ipyparallel's own for the others.
+    # Ours (:mod:`.upstream`) for local and SLURM engines, ipyparallel's own for the others.
     engines = {"local": ours.ExitRecordingEngineSetLauncher, "slurm": ours.ReasonedSlurmEngineSetLauncher}
     cluster = ours.RanksCluster(
         n=n,

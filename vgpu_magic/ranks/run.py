@@ -391,7 +391,9 @@ def _settled(ar: Any) -> bool:
     comes before its reply), or its engine said it went idle (the status ipyparallel resolves each
     message's output future with; ``ar.wait_for_output`` waits for the reply too)? A rank that is done
     is not interrupted, nor killed for a reply that an interrupt lost."""
-    children = getattr(ar, "_children", ())
+    from .upstream import message_futures
+
+    children = message_futures(ar)
     return ar.ready() or _error(ar) is not None or (bool(children) and all(c.output.done() for c in children))
 
 
@@ -411,12 +413,13 @@ def interrupt_only_the_cell() -> None:
     error can catch a run sent as soon as the last one failed)."""
     from IPython import get_ipython
 
+    from . import upstream
+
     shell = get_ipython()
     shell.events.register("pre_execute", lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
     shell.events.register("post_execute", lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-    shell.kernel.pre_handler_hook = lambda: None
-    shell.kernel.post_handler_hook = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)
-    shell.kernel._abort_queues = lambda *args, **kwargs: None
+    upstream.set_handler_hooks(shell.kernel, lambda: None, lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    upstream.no_abort_after_an_error(shell.kernel)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 

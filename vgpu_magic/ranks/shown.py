@@ -172,8 +172,9 @@ def show_display(rank: int, content: dict[str, Any], out: TextIO) -> None:
 
 def events(ar: Any) -> list[tuple[str, Any]]:
     """What the rank of ``ar`` sent so far, in order (:func:`record_output`)."""
-    children = getattr(ar, "_children", None) or [ar]
-    return getattr(children[0], "output_events", [])
+    from .upstream import message_futures
+
+    return getattr((message_futures(ar) or [ar])[0], "output_events", [])
 
 
 def record_output(client: Any) -> None:
@@ -182,10 +183,9 @@ def record_output(client: Any) -> None:
     request's displays apart from its streams, and each stream as one text it copies whole at each message
     (quadratic: a rank that printed a million lines fell seconds behind); that text is emptied as it is
     recorded. The record starts when the request's future is made, before the request is sent."""
-    create = client.create_message_futures
+    from .upstream import watch_requests
 
-    def create_recorded(msg_id: str, *args: Any, **kwargs: Any) -> list[Any]:
-        futures = create(msg_id, *args, **kwargs)
+    def record_request(msg_id: str, future: Any) -> Callable[[dict], None]:
         events: list[tuple[str, Any]] = []
         metadata = client.metadata[msg_id]
 
@@ -197,8 +197,7 @@ def record_output(client: Any) -> None:
             elif kind == "display_data":
                 events.append(("display", content))
 
-        futures[0].output_events = events
-        futures[0].iopub_callbacks.append(record)
-        return futures
+        future.output_events = events
+        return record
 
-    client.create_message_futures = create_recorded
+    watch_requests(client, record_request)

@@ -1,8 +1,11 @@
-"""ipyparallel's cluster and engine launchers as the ranks use them: local engines record how they exit
-(ipyparallel reaps an engine in a thread and hands its status to an event loop that may never run it while a cell
-watches the ranks), SLURM's keeps what ``sbatch`` and ``scancel`` say, and the cluster loaded from its file by
-another process (JupyterLab's cluster panel) stays silent. At module level, so that the cluster file names classes
-ipyparallel's own tools can import. Importing this module imports ipyparallel.
+"""Every use of ipyparallel's and ipykernel's private or undocumented members, each with why and the upstream
+behaviour it relies on, which ``tests/test_upstream_contract.py`` checks on the versions ``pyproject.toml`` allows.
+
+The cluster and launchers: local engines record how they exit (ipyparallel reaps an engine in a thread and hands its
+status to an event loop that may never run it while a cell watches the ranks), SLURM's keeps what ``sbatch`` and
+``scancel`` say, and the cluster loaded from its file by another process (JupyterLab's cluster panel) stays silent;
+at module level, so that the cluster file names classes ipyparallel's tools can import. Then the client's and the
+engine kernel's hooks. Importing this module imports ipyparallel.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import json
 import logging
 import os
 import subprocess
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -22,6 +26,10 @@ __all__ = [
     "ExitRecordingEngineSetLauncher",
     "RanksCluster",
     "ReasonedSlurmEngineSetLauncher",
+    "message_futures",
+    "watch_requests",
+    "set_handler_hooks",
+    "no_abort_after_an_error",
 ]
 
 #: Where ipyparallel's cluster objects log: nowhere. The ranks report what goes wrong themselves; a stop is silent
@@ -60,6 +68,8 @@ class RanksCluster(Cluster):
             json.dump(self.to_dict(), new)
         os.replace(f"{self.cluster_file}.new", self.cluster_file)
 
+    # ipyparallel calls these (``on_stop``) as its controller, and each engine set, stop; ``_is_running`` and
+    # ``ClusterManager._cluster_key`` say whether any part still runs and under which key the manager holds it.
     def _controller_stopped(self, stop_data: Any = None) -> None:
         super()._controller_stopped(stop_data)
         self._leave_manager()
@@ -87,6 +97,8 @@ class ExitRecordingProcess(psutil.Process):
 class ExitRecordingEngineLauncher(LocalEngineLauncher):
     """ipyparallel's local engine launcher; ``process.exit_code`` is the engine's exit status once reaped."""
 
+    # ipyparallel sets ``process`` (a psutil.Process) then calls ``_start_waiting``, whose thread reaps the engine
+    # through ``process.wait``; upstream would need the exit status kept on the launcher.
     def _start_waiting(self) -> None:
         self.process = ExitRecordingProcess(self.process.pid)
         super()._start_waiting()
@@ -106,8 +118,48 @@ class ReasonedSlurmEngineSetLauncher(SlurmEngineSetLauncher):
 
     entrypoint_name = f"{__name__}.ReasonedSlurmEngineSetLauncher"
 
+    # ipyparallel runs ``sbatch`` and ``scancel`` through ``_run_command(command, **kwargs)``, which returns their
+    # stdout; upstream would need their stderr kept in the error it raises.
     def _run_command(self, command: list[str], **kwargs: Any) -> str:
         proc = subprocess.run(command, capture_output=True, check=False, **kwargs)
         if proc.returncode:
             raise subprocess.CalledProcessError(proc.returncode, command, proc.stdout, proc.stderr)
         return proc.stdout.decode("utf8", "replace")
+
+
+def message_futures(ar: Any) -> list[Any]:
+    """The futures of ``ar``'s requests, one per message (``AsyncResult._children``; none where it has no such
+    list): ipyparallel keeps a request's IOPub callbacks there, and resolves each one's ``output`` future when its
+    engine goes idle after it (the only sign of a request whose reply an interrupt lost)."""
+    return list(getattr(ar, "_children", None) or ())
+
+
+def watch_requests(client: Any, watch: Callable[[str, Any], Callable[[dict], None]]) -> None:
+    """Call ``watch(msg_id, future)`` as ``client`` makes each request's future, before the request is sent, and
+    what it returns with each IOPub message of that request, on ipyparallel's thread as it arrives. ipyparallel has
+    no public hook for every request: ``Client._send`` makes each request's futures through
+    ``Client.create_message_futures`` (the first one a ``MessageFuture``), and ``Client._dispatch_iopub`` calls its
+    ``iopub_callbacks``."""
+    create = client.create_message_futures
+
+    def create_watched(msg_id: str, *args: Any, **kwargs: Any) -> list[Any]:
+        futures = create(msg_id, *args, **kwargs)
+        futures[0].iopub_callbacks.append(watch(msg_id, futures[0]))
+        return futures
+
+    client.create_message_futures = create_watched
+
+
+def set_handler_hooks(kernel: Any, pre: Callable[[], None], post: Callable[[], None]) -> None:
+    """Make ipykernel's ``kernel`` call ``pre`` before and ``post`` after each request it handles, in place of its
+    ``pre_handler_hook`` (which sets SIGINT to ``default_int_handler`` for the whole request) and
+    ``post_handler_hook`` (which restores what ``pre`` saved): ``Kernel.dispatch_shell`` calls both, no argument."""
+    kernel.pre_handler_hook = pre
+    kernel.post_handler_hook = post
+
+
+def no_abort_after_an_error(kernel: Any) -> None:
+    """Keep ipykernel's ``kernel`` from aborting the requests queued behind a failed cell: ``execute_request``
+    calls ``Kernel._abort_queues`` after an error (``stop_on_error``, true in each of ipyparallel's execute
+    requests), which aborts what arrives for a while after it; upstream would need a way to clear it."""
+    kernel._abort_queues = lambda *args, **kwargs: None
