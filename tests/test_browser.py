@@ -783,6 +783,15 @@ def test_jupyterlab_live_memory_view_mid_fit_and_its_final_image_read_in_light_a
             view.first.screenshot(path=str(artifacts_dir / f"browser_live_{suffix}.png"))
             panels = [p.get_attribute("data-panel") for p in view.first.locator("svg.vgpu-live-panel").all()]
             assert panels == ["device memory", "process RSS"], panels
+            # Issue 37, row 12: RSS is drawn on an axis fitted to its readings (from 0 its growth was flat), its
+            # non-zero base labelled on the axis; device memory from 0.
+            ranges = {
+                p.get_attribute("data-panel"): [float(p.get_attribute(f"data-{end}")) for end in ("ymin", "ymax")]
+                for p in view.first.locator("svg.vgpu-live-panel").all()
+            }
+            assert ranges["device memory"][0] == 0 and 0 < ranges["process RSS"][1] / 2 < ranges["process RSS"][0]
+            base = view.first.locator("svg[data-panel='process RSS'] text").all_text_contents()[1]  # after the title
+            assert float(base) == pytest.approx(ranges["process RSS"][0], rel=0.01), base
             found = view.first.evaluate(_SVG_COLOURS_JS)
             measured[f"{suffix}/live text"] = min(_text_contrasts(view.first) + _contrasts(found["texts"]))
             measured[f"{suffix}/live lines"] = min(_contrasts(found["lines"]))

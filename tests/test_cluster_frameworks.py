@@ -107,3 +107,53 @@ def test_a_jax_multi_process_script_runs_twice_in_a_row(tmp_path):
             ]
             seen = [json.loads((tmp_path / f"run{run}.{p}").read_text()) for p in range(2)]
             assert seen == [{"seen": [p, 2, 2, 4], "gathered": [0, 1, 10, 11]} for p in range(2)]
+
+
+def test_a_jax_script_that_sets_its_environment_before_importing_jax_gets_it(tmp_path):
+    """Issue 37, row 17: the rank's setup (its devices, the cluster environment) imported JAX before the script,
+    so ``JAX_ENABLE_X64=1`` set by the script before ``import jax`` gave float32 under %vgpu_run, float64 under
+    plain python. The setup now runs when the script imports JAX: the devices and wiring are still the rank's."""
+    script = tmp_path / "x64.py"
+    script.write_text(
+        "import os\nos.environ['JAX_ENABLE_X64'] = '1'\nimport jax, jax.numpy as jnp\n"
+        "if 'JAX_COORDINATOR_ADDRESS' in os.environ:\n    jax.distributed.initialize()\n"
+        "print(jnp.zeros(1).dtype, jax.process_count(), jax.local_device_count())\n"
+    )
+    plain = subprocess.run([sys.executable, str(script)], env=CHILD_ENV, capture_output=True, text=True, timeout=240)
+    assert plain.stdout.split() == ["float64", "1", "1"], plain.stderr[-2000:]
+    with ranks_of("jax", 2, split=2) as ranks:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            ranks.run_script(str(script))
+    assert sorted(line for line in out.getvalue().splitlines() if "float" in line) == [
+        "[rank 0] float64 2 2",
+        "[rank 1] float64 2 2",
+    ]
+
+
+def test_a_tensorflow_rank_with_devices_reads_what_the_script_set_before_importing_tensorflow(tmp_path):
+    """Issue 37, row 17: a rank with devices to split (TensorFlow's GPU ranks) imported TensorFlow before the
+    script, so what the script set before its ``import tensorflow`` (``TF_ENABLE_ONEDNN_OPTS``, read once at
+    import) was ignored. Launched as an engine launches a rank (:func:`~vgpu_magic.ranks.launch.run_rank`), with a
+    CPU split standing in for the GPU's (CPU ranks have no devices to split); compared with plain python."""
+    from vgpu_magic.layout import RankPlan
+    from vgpu_magic.plans import SplitRequest
+    from vgpu_magic.ranks import launch
+
+    script = tmp_path / "onednn.py"
+    script.write_text(
+        "import os\nasked = os.environ.get('TF_ENABLE_ONEDNN_OPTS') != '1'\n"
+        "os.environ['TF_ENABLE_ONEDNN_OPTS'] = str(int(asked))\n"
+        "import tensorflow as tf\nfrom tensorflow.python.util import _pywrap_util_port\n"
+        "print(_pywrap_util_port.IsMklEnabled() == asked, len(tf.config.list_logical_devices('CPU')))\n"
+    )
+    plain = subprocess.run([sys.executable, str(script)], env=CHILD_ENV, capture_output=True, text=True, timeout=240)
+    assert plain.stdout.split() == ["True", "1"], plain.stderr[-2000:]
+    before = our_processes()
+    plan = RankPlan(0, {}, "", (), (), SplitRequest(count=2, target="cpu", framework="tensorflow"))
+    request = launch.launch_request(plan, str(script), [], str(tmp_path), ["tensorflow"], spare=False)
+    request["environ"] = (request["environ"][0], CHILD_ENV)
+    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()):
+        launch.run_rank(request)
+    assert out.getvalue().split() == ["True", "2"]
+    assert our_processes() <= before

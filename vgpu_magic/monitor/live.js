@@ -85,10 +85,23 @@ function tickStep(x) {
   return 10 * p;
 }
 
-function ticks(top) {
-  const step = tickStep(top / 4);
+// The y-axis, in the panel's unit: [bottom, top, tick step], both ends on a tick. A process's memory starts far
+// from 0 (the interpreter, its imports), so from 0 its growth would look flat: its axis fits its readings, from the
+// lowest non-zero one (a rank that ended reads 0), as the final image's; device memory is drawn from 0. The top
+// only grows during a run, so the scale does not jitter (the lowest reading only falls).
+function yRange(top, low, fromZero, state) {
+  const fitted = !fromZero && low <= top;
+  const span = fitted ? Math.max(top - low, 0.05 * top) : top;
+  const lo = fitted ? Math.max(0, low - 0.15 * span) : 0;
+  const hi = Math.max(top + 0.08 * span, state.ymax || 0);
+  const step = tickStep((hi - lo) / 4);
+  state.ymax = Math.ceil(hi / step - 1e-9) * step;
+  return [Math.floor(lo / step + 1e-9) * step, state.ymax, step];
+}
+
+function ticks(lo, top, step) {
   const out = [];
-  for (let v = 0; v <= top * 1.0001; v += step) out.push(v);
+  for (let i = 0; lo + i * step <= top * 1.0001; i++) out.push(lo + i * step);
   return out;
 }
 
@@ -137,36 +150,39 @@ function groupLabel(series, g) {
   return (consecutive && labels.length > 2 ? `${labels[0]}…${labels[labels.length - 1]}` : labels.join(", ")) + ", same";
 }
 
-function drawPanel(s, series, indices, unit, title, marks, xmax, state, last) {
+function drawPanel(s, series, indices, unit, title, marks, xmax, state, last, fromZero) {
   const [unitName, scale] = unit;
   if (state.unit !== unitName) {
     state.unit = unitName;
     state.ymax = 0;
   }
-  let top = 0;
+  let top = 0, low = Infinity;
   for (const k of indices) {
     const cur = s.values[2 * k] || [], peak = s.values[2 * k + 1] || [];
-    for (const v of cur) if (v > top) top = v;
+    for (const v of cur) {
+      if (v > top) top = v;
+      if (v > 0 && v < low) low = v;
+    }
     for (const v of peak) if (v > top) top = v;
     if (series[k].cap) top = Math.max(top, series[k].cap);
   }
-  // The scale only grows during a run, in round steps, so it does not jitter.
   // Never below 1 KiB: an allocator reporting nothing is drawn at zero on a sane scale.
-  const ymax = Math.max(state.ymax || 0, niceCeil(Math.max(top, 1024) * 1.08 / scale));
-  state.ymax = ymax;
+  const [ymin, ymax, step] = yRange(Math.max(top, 1024) / scale, low / scale, fromZero, state);
   const h = PANEL_H + (last ? 14 : 0);
   const plotH = PANEL_H - TOP - BOTTOM;
   const x = (t) => LEFT + (t / xmax) * (W - LEFT - RIGHT);
-  const y = (v) => TOP + plotH - (v / scale / ymax) * plotH;
-  const out = [`<svg class="vgpu-live-panel" data-panel="${esc(title)}" viewBox="0 0 ${W} ${h}" width="100%" `
-    + `style="max-width:${W}px;display:block;font-family:${FONT}" role="img" aria-label="${esc(title)}">`];
+  // A reading below the axis (a rank that ended) lies on its bottom.
+  const y = (v) => TOP + plotH - Math.max(0, (v / scale - ymin) / (ymax - ymin)) * plotH;
+  const out = [`<svg class="vgpu-live-panel" data-panel="${esc(title)}" data-ymin="${ymin}" data-ymax="${ymax}" `
+    + `viewBox="0 0 ${W} ${h}" width="100%" style="max-width:${W}px;display:block;font-family:${FONT}" role="img" `
+    + `aria-label="${esc(title)}">`];
   out.push(`<text x="${LEFT}" y="13" font-size="12" fill="${TEXT}">${esc(title)} (${unitName})</text>`);
-  for (const v of ticks(ymax)) {
+  for (const v of ticks(ymin, ymax, step)) {
     const yy = y(v * scale).toFixed(1);
     out.push(`<line x1="${LEFT}" x2="${W - RIGHT}" y1="${yy}" y2="${yy}" stroke="${GRID}" stroke-width="1"/>`);
     out.push(`<text x="${LEFT - 6}" y="${yy}" font-size="11" fill="${MUTED}" text-anchor="end" dominant-baseline="middle">${fmt(v)}</text>`);
   }
-  for (const v of ticks(xmax)) {
+  for (const v of ticks(0, xmax, tickStep(xmax / 4))) {
     const xx = x(v).toFixed(1);
     out.push(`<line x1="${xx}" x2="${xx}" y1="${TOP + plotH}" y2="${TOP + plotH + 4}" stroke="${AXIS}"/>`);
     out.push(`<text x="${xx}" y="${TOP + plotH + 16}" font-size="11" fill="${MUTED}" text-anchor="middle">${fmt(v)}</text>`);
@@ -245,7 +261,8 @@ function render({ model, el }) {
     const parts = [`<div class="vgpu-live-title" style="font-weight:600;margin-bottom:2px">${esc(model.get("title") || "")}</div>`];
     parts.push(`<div class="vgpu-live-legend" style="font-size:11px;line-height:18px;margin-bottom:2px">${legend(s, series, panels)}</div>`);
     panels.forEach(([key, title, indices], i) => {
-      parts.push(drawPanel(s, series, indices, units[key] || ["MiB", 1048576], title, marks, xmax, states[key], i === panels.length - 1));
+      parts.push(drawPanel(s, series, indices, units[key] || ["MiB", 1048576], title, marks, xmax, states[key], i === panels.length - 1,
+        key === "device"));
     });
     const note = model.get("note");
     if (note) parts.push(`<div class="vgpu-live-note" style="font-size:11px;color:${MUTED}">${esc(note)}</div>`);

@@ -5,9 +5,14 @@ and the addresses and ports chosen there. The reports and the ranks' layout are 
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.abc
+import importlib.util
 import os
 import socket
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from ..inventory import nccl_version, visible_gpus
@@ -16,19 +21,9 @@ from ..plans import SplitRequest
 
 #: Variables a launcher sets that tell a process its place; reported as they are.
 LAUNCHER_VARIABLES = (
-    "SLURM_JOB_ID",
-    "SLURM_PROCID",
-    "SLURM_LOCALID",
-    "SLURM_NODEID",
-    "SLURM_NTASKS",
-    "SLURM_STEP_NUM_TASKS",
-    "SLURM_STEP_NODELIST",
-    "SLURM_JOB_NODELIST",
-    "SLURM_STEP_TASKS_PER_NODE",
-    "SLURM_TASKS_PER_NODE",
-    "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_LOCAL_RANK",
-    "PMI_RANK",
+    *("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"),
+    *("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"),
+    *("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_RANK"),
 )
 
 
@@ -76,13 +71,23 @@ def report_host(engine_id: int, controller: str) -> HostReport:
 
 
 def prepare_rank(
-    env: dict[str, str], setup: str, args: tuple[Any, ...], join: bool = False, devices: SplitRequest | None = None
+    env: dict[str, str],
+    setup: str,
+    args: tuple[Any, ...],
+    join: bool = False,
+    devices: SplitRequest | None = None,
+    framework: str = "",
 ) -> str:
     """Run on the rank, the one rank setup of every framework's :class:`~vgpu_magic.layout.RankPlan`: set its
     environment, as a launcher would before the process starts; split its ``devices`` as ``%vgpu_split`` would, on
     this rank's own devices; then run its framework's setup, if any; with ``join`` the setup also makes the
-    script's own call (``init_process_group``, ``jax.distributed.initialize``)."""
+    script's own call (``init_process_group``, ``jax.distributed.initialize``). With ``framework`` (a launched
+    script's), the devices and setup wait until the script imports that module, so that what it set before its
+    import (``JAX_ENABLE_X64``) is what the framework reads, as under plain ``python``."""
     os.environ.update(env)
+    if framework and framework not in sys.modules:
+        sys.meta_path.insert(0, _AfterImport(framework, lambda: prepare_rank({}, setup, args, join, devices)))
+        return f"set up when the script imports {framework}"
     if devices is not None:
         from .. import frameworks
         from ..planner import configuration_after, plan_split
@@ -95,3 +100,24 @@ def prepare_rank(
         return "environment set"
     module, _, function = setup.partition(":")
     return getattr(importlib.import_module(module), function)(*args, join=join)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Leaves finding ``name`` to the other finders, and has its loader call ``then()`` once the module ran."""
+
+    def __init__(self, name: str, then: Callable[[], Any]) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader.exec_module = functools.partial(self._run, spec.loader, spec.loader.exec_module)
+        return spec
+
+    def _run(self, loader: Any, run: Callable[[Any], None], module: Any) -> None:
+        del loader.exec_module
+        run(module)
+        self.then()

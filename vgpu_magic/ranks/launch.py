@@ -166,7 +166,7 @@ def run_rank(request: dict[str, Any]) -> int:
     # interrupted as a cell is, so the fault policy can stop it.
     outside = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        launch = {k: request[k] for k in ("setup", "setup_args", "devices", "argv", "cwd")}
+        launch = {k: request[k] for k in ("setup", "setup_args", "devices", "argv", "cwd", "preload")}
         # PWD as a shell that ran the launcher there sets it.
         proc.control.sendall(json.dumps({**launch, "env": {**proc.base, "PWD": cwd, **plan_env}}).encode())
         proc.control.shutdown(socket.SHUT_WR)
@@ -282,7 +282,7 @@ def child() -> None:
         from .hosts import prepare_rank
 
         devices = SplitRequest(**launch["devices"]) if launch["devices"] else None
-        prepare_rank({}, launch["setup"], tuple(launch["setup_args"]), devices=devices)
+        prepare_rank({}, launch["setup"], tuple(launch["setup_args"]), devices=devices, framework=launch["preload"][0])
     # As on a terminal: each line reaches the notebook when printed.
     sys.stdout.reconfigure(line_buffering=True)
     try:

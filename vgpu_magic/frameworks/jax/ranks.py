@@ -16,15 +16,20 @@ from __future__ import annotations
 
 import functools
 
-from ...budget import check_rank_request, rank_share_mib
+from ...budget import rank_share_mib
 from ...devices import MULTI_RANK_NCCL
 from ...layout import RankLayout, RankPlan
 from ...plans import SplitRequest
 from ..base import Framework
+from ..rank_places import checked_places
 
 __all__ = ["plan_ranks", "setup_rank", "slurm_coordinator_port"]
 
 SETUP = "vgpu_magic.frameworks.jax.ranks:setup_rank"
+SPLIT_ON_GPU = (
+    "--split {split} on a GPU: JAX cannot split one GPU into several devices; "
+    "start more ranks instead (each rank is one process with one GPU device)"
+)
 
 
 def slurm_coordinator_port(job_id: int) -> int:
@@ -36,15 +41,8 @@ def plan_ranks(
     framework: Framework, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
 ) -> list[RankPlan]:
     """JAX's :meth:`~vgpu_magic.frameworks.base.Framework.plan_ranks`."""
-    places = layout.places
+    places, on_gpu = checked_places(layout, split, memory_mib, {True: SPLIT_ON_GPU})
     n = len(places)
-    on_gpu = all(p.gpu for p in places)
-    if split is not None and on_gpu:
-        raise ValueError(
-            f"--split {split} on a GPU: JAX cannot split one GPU into several devices; "
-            "start more ranks instead (each rank is one process with one GPU device)"
-        )
-    check_rank_request(split, memory_mib, [p.gpu for p in places])
     if port is None:
         port = slurm_coordinator_port(layout.slurm.job_id) if layout.slurm is not None else places[0].port
     coordinator = f"{layout.leader}:{port}"

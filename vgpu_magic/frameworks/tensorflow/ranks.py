@@ -8,30 +8,28 @@ from __future__ import annotations
 
 import json
 
-from ...budget import check_rank_request, check_sizes, rank_share_mib
+from ...budget import check_sizes, rank_share_mib
 from ...layout import RankLayout, RankPlan
 from ...plans import SplitRequest
 from ..base import Framework
+from ..rank_places import checked_places
 
 __all__ = ["plan_ranks", "setup_rank", "SLURM_PORT_BASE"]
 
 #: The first port ``SlurmClusterResolver`` gives the tasks of a node (its ``port_base``).
 SLURM_PORT_BASE = 8888
+SPLIT_ON_CPU = (
+    "--split {split} on CPU changes nothing: MultiWorkerMirroredStrategy uses one CPU device per worker, "
+    "so {n} workers give {n} replicas; drop --split or start more ranks"
+)
 
 
 def plan_ranks(
     framework: Framework, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
 ) -> list[RankPlan]:
     """TensorFlow's :meth:`~vgpu_magic.frameworks.base.Framework.plan_ranks`."""
-    places = layout.places
+    places, on_gpu = checked_places(layout, split, memory_mib, {False: SPLIT_ON_CPU})
     n = len(places)
-    on_gpu = all(p.gpu for p in places)
-    if split is not None and not on_gpu:
-        raise ValueError(
-            f"--split {split} on CPU changes nothing: MultiWorkerMirroredStrategy uses one CPU device per worker, "
-            f"so {n} workers give {n} replicas; drop --split or start more ranks"
-        )
-    check_rank_request(split, memory_mib, [p.gpu for p in places])
     workers = _workers(layout, port)
     per_worker = split or 1
     caps = [

@@ -20,25 +20,22 @@ import sys
 import uuid
 from typing import Any
 
-from ...budget import check_rank_request, rank_share_mib
+from ...budget import rank_share_mib
 from ...layout import RankLayout, RankPlan
 from ..base import Framework
+from ..rank_places import checked_places
 
 __all__ = ["plan_ranks", "setup_rank", "gloo_for_nccl", "say_the_cap"]
 
 SETUP = "vgpu_magic.frameworks.torch.ranks:setup_rank"
+SPLIT_REFUSED = "--split {split} has no meaning for torch: a rank is one process with one device; start more ranks"
 
 
 def plan_ranks(
     framework: Framework, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
 ) -> list[RankPlan]:
     """PyTorch's :meth:`~vgpu_magic.frameworks.base.Framework.plan_ranks`: what ``torchrun`` gives each worker."""
-    if split is not None:
-        raise ValueError(
-            f"--split {split} has no meaning for torch: a rank is one process with one device; start more ranks instead"
-        )
-    places = layout.places
-    check_rank_request(split, memory_mib, [p.gpu for p in places])
+    places, _ = checked_places(layout, split, memory_mib, dict.fromkeys((True, False), SPLIT_REFUSED))
     n = len(places)
     master_port = port or places[0].port
     own_gpus = all(p.gpu is not None for p in places) and not layout.gpus_shared
