@@ -175,7 +175,7 @@ def test_the_magic_passes_the_launcher_flags_through(shell, monkeypatch, slurm_o
     seen = {}
 
     def record(self):
-        seen.update(launcher=self.launcher, options=self.launcher_options, plan=self.launcher_plan)
+        seen.update(launcher=self.spec.launcher, options=self.spec.launcher_options, plan=self.launcher_plan)
         raise rank_cluster.ClusterStartError("recorded")
 
     monkeypatch.setattr(rank_cluster.RankCluster, "start", record)
@@ -190,7 +190,7 @@ def test_the_magic_passes_the_launcher_flags_through(shell, monkeypatch, slurm_o
         "partition": "gpu",
         "account": "p1",
         "time": "30",
-        "sbatch": ["--mem=4G", "--gres=gpu:1"],
+        "sbatch": ("--mem=4G", "--gres=gpu:1"),
         "controller_address": "10.1.2.3",
     }
     assert seen["plan"].controller_location == "10.1.2.3"

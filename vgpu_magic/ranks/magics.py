@@ -269,7 +269,7 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
             join=args.join,
             verbose=args.verbose,
         )
-    if running is not None and running.same_request(ranks) and not running.must_restart:
+    if running is not None and running.runs(ranks.spec):
         # "Run all" re-runs the start cell: keep the ranks and their state rather than start afresh.
         print("already running (%vgpu_cluster restart starts afresh)")
         print("\n".join(running.describe()))
