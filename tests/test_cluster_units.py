@@ -271,14 +271,16 @@ def started(ranks, hosts=("host0", "host1")):
     every rank, on ``hosts``."""
     import os
 
+    from vgpu_magic.ranks.spec import ClusterState
+
     reports = [HostReport(e, host, f"10.0.0.{e + 1}", os.getpid(), (), 43000 + e) for e, host in enumerate(hosts)]
-    ranks.cluster, ranks.layout = object(), layout_ranks(reports)
+    ranks.cluster, ranks.layout, ranks.state = object(), layout_ranks(reports), ClusterState.RUNNING
     ranks.engine_ids, ranks.pids = list(range(len(hosts))), [os.getpid()] * len(hosts)
     ranks.plans = ranks.fw.plan_ranks(ranks.layout, None, None, None)
     try:
         yield ranks
     finally:
-        ranks.cluster = None
+        ranks._forget()
 
 
 def test_status_names_each_ranks_host_when_they_run_on_several():
@@ -352,6 +354,36 @@ def test_run_all_keeps_the_running_ranks_only_for_the_same_start_line(shell, mon
         shell.run_line_magic("vgpu_cluster", "start 2 --framework jax --verbose")
         assert "already running" not in capsys.readouterr().out
         assert starts == [dataclasses.replace(running.spec, verbose=True)]
+
+
+def test_status_says_where_the_cluster_stands(shell, monkeypatch, capsys, tmp_path):
+    """Issue 33: the cluster's state is one enum (was `cluster is None` and a `must_restart` string), said in words
+    by `%vgpu_cluster status`; a cluster that must be restarted refuses runs and a "Run all" start alike."""
+    from vgpu_magic.ranks import RankCluster, rank_cluster
+    from vgpu_magic.ranks.spec import ClusterNotRunning, ClusterState
+
+    ranks = RankCluster(2, "jax", gpus=[])
+    assert ranks.state is ClusterState.STOPPED and ranks.describe() == ["2 JAX ranks stopped"]
+    with pytest.raises(ClusterNotRunning, match=r"^the cluster is not running; start it with %vgpu_cluster start"):
+        ranks.run("1")
+    with started(ranks):
+        monkeypatch.setattr(rank_cluster, "current", lambda: ranks)
+        assert ranks.state is ClusterState.RUNNING and repr(ranks) == "<RankCluster 2 × jax, running>"
+        shell.run_line_magic("vgpu_cluster", "status")
+        shown = capsys.readouterr().out
+        assert shown.startswith("2 JAX ranks on local ipyparallel engines\n") and "restart" not in shown
+        ranks.state, ranks.reason = ClusterState.MUST_RESTART, "rank 1 was killed by SIGKILL"
+        shell.run_line_magic("vgpu_cluster", "status")
+        shown = capsys.readouterr().out.splitlines()
+        assert shown[-1] == "must be restarted (rank 1 was killed by SIGKILL): %vgpu_cluster restart"
+        assert ranks.must_restart == "rank 1 was killed by SIGKILL" and not ranks.runs(ranks.spec)
+        (tmp_path / "train.py").write_text("print(1)\n")
+        refused = r"^the cluster must be restarted \(rank 1 was killed by SIGKILL\): %vgpu_cluster restart$"
+        with pytest.raises(UsageError, match=refused):
+            shell.run_cell_magic("vgpu_run", "--no-plot", "1")
+        with pytest.raises(UsageError, match=refused):
+            shell.run_line_magic("vgpu_run", str(tmp_path / "train.py"))
+    assert ranks.state is ClusterState.STOPPED and ranks.must_restart is None
 
 
 def test_split_refuses_torch_and_points_at_the_ranks():

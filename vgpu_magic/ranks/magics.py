@@ -14,11 +14,12 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from ..errors import PlanError
+from ..errors import USER_ERRORS, PlanError
 from ..frameworks import choices
 from ..grammar import choice, framework_name, parse_arguments, seconds, usage_errors, whole
 from ..planner import MAX_DEVICES
 from .launchers import LAUNCHERS, MAX_RANKS
+from .spec import ClusterNotRunning
 
 __all__ = ["ClusterMagics"]
 
@@ -183,15 +184,14 @@ class ClusterMagics(Magics):
         running = rank_cluster.current()
         if running is None:
             raise UsageError("no cluster running; start one with %vgpu_cluster start 2 --framework torch")
-        if running.must_restart:
-            raise UsageError(f"the cluster must be restarted ({running.must_restart}): %vgpu_cluster restart")
         # A Jupyter kernel can show the live plot; a terminal cannot.
         kernel = getattr(self.shell, "kernel", None)
         plot = not args.no_plot and kernel is not None and importlib.util.find_spec("matplotlib") is not None
-        if cell is None:
-            running.run_script(path, list(args.script_args), timeout=args.timeout, plot=plot)
-            return
-        with usage_errors():
+        # The cluster itself refuses a run while it must be restarted.
+        with usage_errors(*USER_ERRORS, ClusterNotRunning):
+            if cell is None:
+                running.run_script(path, list(args.script_args), timeout=args.timeout, plot=plot)
+                return
             # The %%vgpu_run line in front, as a comment (IPython drops leading blank lines): a rank's traceback
             # then gives the notebook cell's line numbers.
             values = running.run(

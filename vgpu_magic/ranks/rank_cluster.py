@@ -31,7 +31,7 @@ from .launchers import LAUNCHERS, MAX_RANKS, LauncherPlan, plan_launcher
 from .processes import ClusterStartError
 from .run import RankProcesses, RankRun, RankRunError, interrupt_only_the_cell
 from .shown import HeldBack, rank_env, record_output
-from .spec import ClusterSpec
+from .spec import ClusterNotRunning, ClusterSpec, ClusterState
 
 __all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current"]
 
@@ -73,7 +73,7 @@ class RankCluster:
     script's own call (``init_process_group``, ``jax.distributed.initialize``) at start. ``verbose``: show the
     ranks' framework start-up lines too (held back by default: :mod:`.shown`). ``spares``: a warm spare per rank
     for script runs, where memory allows. :class:`ValueError` for a request that cannot work, before anything
-    starts. The request is kept as :attr:`spec`. Its use: docs/ranks.md.
+    starts. The request is kept as :attr:`spec`, where it stands as :attr:`state`. Its use: docs/ranks.md.
     """
 
     def __init__(
@@ -139,7 +139,7 @@ class RankCluster:
         """What a cluster that runs nothing holds: before its start, after its stop."""
         self.cluster = self.client = self.view = None
         self.layout: RankLayout | None = None
-        self.must_restart: str | None = None
+        self.state, self.reason = ClusterState.STOPPED, ""
         self.rank_names = names.RankNames()
         # _launchers: engine launchers by PID, kept after ipyparallel forgets a stopped one (for exit statuses);
         # _token: carried by every process of this cluster (:func:`.lifetime.processes_of`).
@@ -149,11 +149,17 @@ class RankCluster:
 
     @property
     def running(self) -> bool:
-        return self.cluster is not None
+        """Started and not stopped (usable, or to be restarted)."""
+        return self.state in (ClusterState.RUNNING, ClusterState.MUST_RESTART)
+
+    @property
+    def must_restart(self) -> str | None:
+        """Why the cluster must be restarted (:attr:`state` ``MUST_RESTART``), or ``None``."""
+        return self.reason if self.state is ClusterState.MUST_RESTART else None
 
     def runs(self, spec: ClusterSpec) -> bool:
         """Is this cluster running ``spec`` and usable? Then a start of ``spec`` ("Run all") keeps its ranks."""
-        return self.running and not self.must_restart and self.spec == spec
+        return self.state is ClusterState.RUNNING and self.spec == spec
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> RankCluster:
@@ -166,7 +172,7 @@ class RankCluster:
             previous, _current = _current, self
         if previous is not None and previous is not self:
             previous.stop()
-        self._token, self._started_at = uuid.uuid4().hex, time.time()
+        self._token, self._started_at, self.state = uuid.uuid4().hex, time.time(), ClusterState.STARTING
         try:
             self.spares = processes.check_memory_fits(self.n, self.fw) and self.spec.spares
             if self.spec.port is not None:
@@ -229,6 +235,7 @@ class RankCluster:
                 why = processes.start_failure(exc, self.launcher_plan) or f"{type(exc).__name__}: {exc}"
                 raise ClusterStartError(f"the ranks could not start: {why}; {left}") from exc
             raise
+        self.state = ClusterState.RUNNING
         atexit.register(self.stop)
         # %px / %%px on the ranks, as ipyparallel users expect: a convenience, so a shell that cannot take
         # the magics is no error.
@@ -301,9 +308,9 @@ class RankCluster:
     # -- using the ranks ----------------------------------------------------------------
     def _require_running(self) -> None:
         if not self.running:
-            raise RuntimeError("the cluster is not running; start it with %vgpu_cluster start N --framework NAME")
-        if self.must_restart:
-            raise RuntimeError(f"the cluster must be restarted ({self.must_restart}): %vgpu_cluster restart")
+            raise ClusterNotRunning("the cluster is not running; start it with %vgpu_cluster start N --framework NAME")
+        if self.state is ClusterState.MUST_RESTART:
+            raise ClusterNotRunning(f"the cluster must be restarted ({self.reason}): %vgpu_cluster restart")
 
     def run(
         self,
@@ -345,10 +352,12 @@ class RankCluster:
         try:
             return runner.run()
         except (RankRunError, KeyboardInterrupt) as exc:
-            self.must_restart = runner.restart_reason(exc)
+            self.reason = runner.restart_reason(exc) or ""
+            if self.reason:
+                self.state = ClusterState.MUST_RESTART
             raise
         finally:
-            if not self.must_restart:
+            if self.state is ClusterState.RUNNING:
                 self.rank_names.settle(self.view, candidates)
 
     def run_script(
@@ -403,7 +412,7 @@ class RankCluster:
         """Lines for ``%vgpu_cluster start`` / ``status``: where the ranks run, how they are wired, the two modes,
         then each rank (its host too when they run on several)."""
         if not self.running:
-            return ["no cluster running"]
+            return [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} {self.state.value}"]
         jobs = "".join(f", job {job}" for job in processes.batch_jobs(self.cluster))
         lines = [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} on {self.launcher_plan.describe()}{jobs}"]
         lines.extend(self.plans[0].notes if self.plans else ())
@@ -433,10 +442,9 @@ class RankCluster:
                 state += f", GPU {format_bytes(info.gpu)}"
             where = f" on {info.host}" if several_hosts else ""
             lines.append(f"  rank {info.rank}: pid {info.pid}{where}, {state}")
-        if self.must_restart:
-            lines.append(f"must be restarted ({self.must_restart}): %vgpu_cluster restart")
+        if self.state is ClusterState.MUST_RESTART:
+            lines.append(f"{self.state.value} ({self.reason}): %vgpu_cluster restart")
         return lines
 
     def __repr__(self) -> str:
-        state = "running" if self.running else "stopped"
-        return f"<RankCluster {self.n} × {self.framework}, {state}>"
+        return f"<RankCluster {self.n} × {self.framework}, {self.state.value}>"

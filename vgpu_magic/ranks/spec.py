@@ -1,15 +1,17 @@
-"""What a rank cluster was asked for, as plain data (torch elastic's ``WorkerSpec``): :class:`ClusterSpec`, the
-validated request, frozen.
+"""What a rank cluster was asked for and where it stands, as plain data (torch elastic's ``WorkerSpec`` and
+``WorkerState``): :class:`ClusterSpec`, the validated request, frozen; :class:`ClusterState`, said in words by
+``%vgpu_cluster status``.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["ClusterSpec"]
+__all__ = ["ClusterNotRunning", "ClusterSpec", "ClusterState"]
 
 
 @dataclass(frozen=True)
@@ -42,3 +44,17 @@ def _frozen(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return tuple(_frozen(item) for item in value)
     return value
+
+
+class ClusterState(enum.Enum):
+    """Where a cluster stands; the value is how ``%vgpu_cluster status`` says it."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    #: A rank died or was killed: the ranks' state is gone, and a restart is the way on.
+    MUST_RESTART = "must be restarted"
+    STOPPED = "stopped"
+
+
+class ClusterNotRunning(RuntimeError):
+    """The cluster is stopped or must be restarted; the message says which command helps."""
