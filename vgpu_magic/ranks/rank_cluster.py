@@ -192,7 +192,7 @@ class RankCluster:
             # Rank order: the launcher's ranks, else the engines', grouped by host.
             self.engine_ids = [place.engine_id for place in self.layout.places]
             self.pids = [place.pid for place in self.layout.places]
-            if not self.launcher_plan.remote:
+            if not self.launcher_plan.launcher.remote:
                 # Local and mpiexec engines are this host's processes; a SLURM job's tasks and SSH
                 # engines are ended through their launcher (stop), a PID elsewhere names nothing here.
                 self._owned.update(self.pids)
@@ -266,7 +266,7 @@ class RankCluster:
         places, here = self.layout.places, socket.gethostname()
         return RankProcesses(
             self.pids,
-            [not self.launcher_plan.remote or place.hostname == here for place in places],
+            [not self.launcher_plan.launcher.remote or place.hostname == here for place in places],
             # How each exited, as the wait that reaped it returned it (None where no such wait is ours: mpiexec's).
             lambda rank: getattr(getattr(self._launchers.get(self.pids[rank]), "process", None), "exit_code", None),
             engine_alive=lambda rank: self.client is not None and self.engine_ids[rank] in self.client.ids,
@@ -414,7 +414,9 @@ class RankCluster:
         if not self.running:
             return [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} {self.state.value}"]
         jobs = "".join(f", job {job}" for job in processes.batch_jobs(self.cluster))
-        lines = [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} on {self.launcher_plan.describe()}{jobs}"]
+        lines = [
+            f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} on {self.launcher_plan.launcher.description}{jobs}"
+        ]
         lines.extend(self.plans[0].notes if self.plans else ())
         join_call = self.fw.join_call
         if join_call and self.join:
@@ -428,7 +430,7 @@ class RankCluster:
             )
         # Lines a notebook shows whole (a long one wraps mid-word in JupyterLab's output area).
         lines.append("cells (%%vgpu_run): run in these ranks, which keep their state")
-        step = ", as steps of the job's allocation" if self.spec.launcher == "slurm" else ""
+        step = self.launcher_plan.launcher.launches
         spare = f"no spare: {'memory is tight' if self.spec.spares else 'spares=False'}, each launch starts cold"
         spare = f"a spare waits with {self.fw.module} imported" if self.spares else spare
         lines.append(f"scripts (%vgpu_run FILE): a fresh launch each run{step} ({spare})")
