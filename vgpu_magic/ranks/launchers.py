@@ -128,7 +128,7 @@ class SlurmLauncher(Launcher):
         "sbatch": {
             "action": "append",
             "metavar": "OPTION",
-            "help": "one more #SBATCH option, e.g. --sbatch=--mem=4G (repeatable)",
+            "help": "an #SBATCH option (repeatable): --sbatch=--mem=4G",
         },
         "srun": None,
         "controller_address": _CONTROLLER_ADDRESS,

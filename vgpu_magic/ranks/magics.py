@@ -51,9 +51,10 @@ def _launcher_flags(magic: Any) -> Any:
     """Each launcher's flags (:attr:`.Launcher.options`), an argument group per launcher in ``%vgpu_cluster?``;
     a flag launchers share goes in the first one's group. Put below every other ``@argument``: what follows a
     group in the parser joins it."""
-    decorators = []
+    decorators, declared = [], set()
     for launcher in LAUNCHERS.values():
-        flags = [key for key, flag in launcher.options.items() if flag and _LAUNCHER_FLAGS[key][0] == launcher.name]
+        flags = [key for key, flag in launcher.options.items() if flag and key not in declared]
+        declared.update(flags)
         decorators += [argument_group(f"--launcher {launcher.name}")] if flags else []
         for key in flags:
             shared = f" ({' or '.join(_LAUNCHER_FLAGS[key])})" if len(_LAUNCHER_FLAGS[key]) > 1 else ""
@@ -230,9 +231,10 @@ def _launcher_options(args) -> dict:
     """The launcher flags given, as ``launcher_options``; a flag for another launcher is a UsageError."""
     options = {key: getattr(args, key) for key in _LAUNCHER_FLAGS if getattr(args, key) is not None}
     launcher = args.launcher or "local"
-    for key in [key for key in options if key not in LAUNCHERS[launcher].options]:
-        flag = f"--{key.replace('_', '-')}"
-        raise UsageError(f"{flag} goes with --launcher {' or '.join(_LAUNCHER_FLAGS[key])}, not {launcher}")
+    wrong = [key for key in options if key not in LAUNCHERS[launcher].options]
+    if wrong:
+        takes = " or ".join(_LAUNCHER_FLAGS[wrong[0]])
+        raise UsageError(f"--{wrong[0].replace('_', '-')} goes with --launcher {takes}, not {launcher}")
     return options
 
 
