@@ -97,8 +97,13 @@ def test_ssh_hosts_are_spread_in_blocks_with_their_own_ports():
 
 
 def test_ssh_host_counts_and_the_engines_environment():
-    plan = plan_launcher(
-        "ssh", 3, {"hosts": {"127.0.0.1": 3}, "python": "/opt/py/bin/python", "environment": {"A": "1"}}
+    from vgpu_magic.ranks.spec import ClusterSpec
+
+    options = {"hosts": {"127.0.0.1": 3}, "python": "/opt/py/bin/python", "environment": {"A": "1"}}
+    plan = plan_launcher("ssh", 3, options)
+    # The options as a spec holds them (read-only mappings) plan the same: a spec can start its cluster again.
+    assert plan == plan_launcher(
+        "ssh", 3, ClusterSpec(3, "jax", launcher="ssh", launcher_options=options).launcher_options
     )
     assert plan.config["SSHEngineSetLauncher"]["engines"]["127.0.0.1"]["n"] == 3
     assert plan.config["SSHEngineSetLauncher"]["engine_cmd"] == [

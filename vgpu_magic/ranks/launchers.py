@@ -17,6 +17,7 @@ import shlex
 import shutil
 import socket
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -199,7 +200,7 @@ class SSHLauncher(Launcher):
             )
         if isinstance(hosts, str):
             hosts = [h for h in hosts.split(",") if h.strip()]
-        if isinstance(hosts, dict):
+        if isinstance(hosts, Mapping):
             counts = {str(h).strip(): c for h, c in hosts.items()}
             bad = [(h, c) for h, c in counts.items() if not isinstance(c, int) or c < 1]
             if bad:
@@ -267,7 +268,7 @@ def _strings(key: str, value: Any) -> list[str]:
 
 def _environment(options: dict[str, Any]) -> dict[str, str]:
     env = options.get("environment") or {}
-    if not isinstance(env, dict) or not all(isinstance(k, str) and k.isidentifier() for k in env):
+    if not isinstance(env, Mapping) or not all(isinstance(k, str) and k.isidentifier() for k in env):
         raise ValueError(f"environment {env!r} must map variable names to values, e.g. {{'PYTHONPATH': '/src'}}")
     return {k: str(v) for k, v in env.items()}
 
