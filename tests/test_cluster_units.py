@@ -275,7 +275,7 @@ def started(ranks, hosts=("host0", "host1")):
 
     reports = [HostReport(e, host, f"10.0.0.{e + 1}", os.getpid(), (), 43000 + e) for e, host in enumerate(hosts)]
     ranks.cluster, ranks.layout, ranks.state = object(), layout_ranks(reports), ClusterState.RUNNING
-    ranks.engine_ids, ranks.pids = list(range(len(hosts))), [os.getpid()] * len(hosts)
+    ranks.engine_ids, ranks.pids, ranks.spares = list(range(len(hosts))), [os.getpid()] * len(hosts), True
     ranks.plans = ranks.fw.plan_ranks(ranks.layout, None, None, None)
     try:
         yield ranks

@@ -121,8 +121,7 @@ class RankCluster:
             if gpus is None
             else tuple(GPUInfo(index, total_mib=total // MIB, nvml_index=index) for index, total in gpus)
         )
-        # Planned once on what n engines started on this host would report; start() plans again from what the
-        # engines report.
+        # Planned on what n engines on this host would report; start() plans again from what they report.
         try:
             seen = self.given_gpus if self.given_gpus is not None else visible_gpus()
         except NVMLReadError as exc:
@@ -131,8 +130,6 @@ class RankCluster:
         self._plan_ranks(layout_ranks(here, self.given_gpus))
         self.plans: list[RankPlan] = []
         self._started_at = 0.0
-        #: Whether each rank keeps a warm spare for script runs (asked for, and memory not tight).
-        self.spares = spares
         self._forget()
 
     def _forget(self) -> None:
@@ -174,6 +171,7 @@ class RankCluster:
             previous.stop()
         self._token, self._started_at, self.state = uuid.uuid4().hex, time.time(), ClusterState.STARTING
         try:
+            #: Whether each rank keeps a warm spare for script runs (asked for, and memory not tight).
             self.spares = processes.check_memory_fits(self.n, self.fw) and self.spec.spares
             if self.spec.port is not None:
                 processes.check_port_free(self.spec.port)
