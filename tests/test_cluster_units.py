@@ -6,6 +6,8 @@ for ranks, and leave none behind."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import io
 import json
 import threading
@@ -263,22 +265,32 @@ def test_a_rank_reports_its_gpus_in_cudas_order_never_nvmls(monkeypatch):
     assert [(g.index, g.nvml_index) for g in visible_gpus()] == [(0, 1)]
 
 
+@contextlib.contextmanager
+def started(ranks, hosts=("host0", "host1")):
+    """``ranks`` as start() leaves them after reading the hosts, without processes: this process stands for
+    every rank, on ``hosts``."""
+    import os
+
+    from vgpu_magic.ranks.spec import ClusterState
+
+    reports = [HostReport(e, host, f"10.0.0.{e + 1}", os.getpid(), (), 43000 + e) for e, host in enumerate(hosts)]
+    ranks.cluster, ranks.layout, ranks.state = object(), layout_ranks(reports), ClusterState.RUNNING
+    ranks.engine_ids, ranks.pids, ranks.spares = list(range(len(hosts))), [os.getpid()] * len(hosts), True
+    ranks.plans = ranks.fw.plan_ranks(ranks.layout, None, None, None)
+    try:
+        yield ranks
+    finally:
+        ranks._forget()
+
+
 def test_status_names_each_ranks_host_when_they_run_on_several():
     import os
 
     from vgpu_magic.ranks import RankCluster
 
-    ranks = RankCluster(2, "jax", gpus=[])
-    reports = [HostReport(e, f"host{e}", f"10.0.0.{e + 1}", os.getpid(), (), 43000 + e) for e in range(2)]
-    # The state start() leaves after reading the hosts, without processes: this process stands for both ranks.
-    ranks.cluster, ranks.layout = object(), layout_ranks(reports)
-    ranks.engine_ids, ranks.pids = [0, 1], [os.getpid()] * 2
-    ranks.plans = get("jax").plan_ranks(ranks.layout, None, None, None)
-    try:
+    with started(RankCluster(2, "jax", gpus=[])) as ranks:
         lines = ranks.describe()
         assert [info.host for info in ranks.status()] == ["host0", "host1"]
-    finally:
-        ranks.cluster = None
     assert lines[1] == "jax.distributed on 10.0.0.1:43000: 2 processes × 1 CPU devices = 2 devices"
     assert lines[2] == (
         "each rank has its launcher's environment; your code calls jax.distributed.initialize(), as under its launcher"
@@ -288,6 +300,90 @@ def test_status_names_each_ranks_host_when_they_run_on_several():
     assert lines[4] == "scripts (%vgpu_run FILE): a fresh launch each run (a spare waits with jax imported)"
     assert lines[5].startswith(f"  rank 0: pid {os.getpid()} on host0, alive")
     assert lines[6].startswith(f"  rank 1: pid {os.getpid()} on host1, alive")
+
+
+#: For each field of ClusterSpec, a value other than the one the tests below start with (2 JAX ranks, defaults).
+OTHER_REQUEST = {
+    "n": 3,
+    "framework": "torch",
+    "split": 2,
+    "memory": 2 * GIB,
+    "port": 29500,
+    "gpus": ((0, 16 * GIB),),
+    "launcher": "mpi",
+    "launcher_options": {"mpi_args": ["-v"]},
+    "join": True,
+    "verbose": True,
+    "spares": False,
+}
+
+
+def test_a_start_that_differs_in_any_field_of_the_spec_is_another_request():
+    """Issue 33: RankCluster.same_request listed its keys by hand, so an option forgotten there made "Run all" say
+    "already running" for another request. Now the spec's equality decides, over every field there is."""
+    import inspect
+
+    from vgpu_magic.ranks import RankCluster
+    from vgpu_magic.ranks.spec import ClusterSpec
+
+    fields = [field.name for field in dataclasses.fields(ClusterSpec)]
+    # The start takes the spec's fields and nothing else: an option added to the start is a field of the spec.
+    assert list(inspect.signature(RankCluster).parameters) == fields
+    assert sorted(OTHER_REQUEST) == sorted(fields)
+    with started(RankCluster(2, "jax", gpus=[])) as running:
+        assert running.runs(RankCluster(2, "jax", gpus=()).spec)
+        for name in fields:
+            asked = dataclasses.replace(running.spec, **{name: OTHER_REQUEST[name]})
+            assert asked != running.spec and not running.runs(asked), name
+    # The same values in a list or a tuple are the same request, and the caller's list cannot change it later.
+    options = {"mpi_args": ["-v"]}
+    spec = ClusterSpec(2, "jax", launcher_options=options)
+    options["mpi_args"].append("-x")
+    assert spec == ClusterSpec(2, "jax", launcher_options={"mpi_args": ("-v",)})
+
+
+def test_run_all_keeps_the_running_ranks_only_for_the_same_start_line(shell, monkeypatch, capsys):
+    from vgpu_magic.ranks import RankCluster, rank_cluster
+
+    starts = []
+    monkeypatch.setattr(RankCluster, "start", lambda self: starts.append(self.spec))
+    with started(RankCluster(2, "jax"), hosts=("node0", "node0")) as running:
+        monkeypatch.setattr(rank_cluster, "current", lambda: running)
+        shell.run_line_magic("vgpu_cluster", "start 2 --framework jax")
+        assert "already running" in capsys.readouterr().out and starts == []
+        shell.run_line_magic("vgpu_cluster", "start 2 --framework jax --verbose")
+        assert "already running" not in capsys.readouterr().out
+        assert starts == [dataclasses.replace(running.spec, verbose=True)]
+
+
+def test_status_says_where_the_cluster_stands(shell, monkeypatch, capsys, tmp_path):
+    """Issue 33: the cluster's state is one enum (was `cluster is None` and a `must_restart` string), said in words
+    by `%vgpu_cluster status`; a cluster that must be restarted refuses runs and a "Run all" start alike."""
+    from vgpu_magic.ranks import RankCluster, rank_cluster
+    from vgpu_magic.ranks.spec import ClusterNotRunning, ClusterState
+
+    ranks = RankCluster(2, "jax", gpus=[])
+    assert ranks.state is ClusterState.STOPPED and ranks.describe() == ["2 JAX ranks stopped"]
+    with pytest.raises(ClusterNotRunning, match=r"^the cluster is not running; start it with %vgpu_cluster start"):
+        ranks.run("1")
+    with started(ranks):
+        monkeypatch.setattr(rank_cluster, "current", lambda: ranks)
+        assert ranks.state is ClusterState.RUNNING and repr(ranks) == "<RankCluster 2 × jax, running>"
+        shell.run_line_magic("vgpu_cluster", "status")
+        shown = capsys.readouterr().out
+        assert shown.startswith("2 JAX ranks on local ipyparallel engines\n") and "restart" not in shown
+        ranks.state, ranks.reason = ClusterState.MUST_RESTART, "rank 1 was killed by SIGKILL"
+        shell.run_line_magic("vgpu_cluster", "status")
+        shown = capsys.readouterr().out.splitlines()
+        assert shown[-1] == "must be restarted (rank 1 was killed by SIGKILL): %vgpu_cluster restart"
+        assert ranks.must_restart == "rank 1 was killed by SIGKILL" and not ranks.runs(ranks.spec)
+        (tmp_path / "train.py").write_text("print(1)\n")
+        refused = r"^the cluster must be restarted \(rank 1 was killed by SIGKILL\): %vgpu_cluster restart$"
+        with pytest.raises(UsageError, match=refused):
+            shell.run_cell_magic("vgpu_run", "--no-plot", "1")
+        with pytest.raises(UsageError, match=refused):
+            shell.run_line_magic("vgpu_run", str(tmp_path / "train.py"))
+    assert ranks.state is ClusterState.STOPPED and ranks.must_restart is None
 
 
 def test_split_refuses_torch_and_points_at_the_ranks():

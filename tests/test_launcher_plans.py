@@ -7,6 +7,7 @@ host are in ``test_cluster_slurm.py`` and ``test_cluster_hosts.py``)."""
 from __future__ import annotations
 
 import shutil
+from typing import ClassVar
 
 import pytest
 from IPython.core.error import UsageError
@@ -71,7 +72,7 @@ def test_slurm_options_become_sbatch_lines_around_ipyparallels_srun(slurm_on_pat
     assert lines[-1].startswith("srun --cpu-bind=none ") and "ipyparallel.engine" in lines[-1]
     # The engines are told to reach the controller by this host's name; it listens on every interface.
     assert plan.controller_ip == "*" and plan.controller_location
-    assert plan.describe() == "ipyparallel engines in one SLURM job (sbatch + srun)"
+    assert plan.launcher.description == "ipyparallel engines in one SLURM job (sbatch + srun)"
 
 
 def test_without_options_the_script_is_ipyparallels_own(slurm_on_path, tmp_path):
@@ -96,8 +97,13 @@ def test_ssh_hosts_are_spread_in_blocks_with_their_own_ports():
 
 
 def test_ssh_host_counts_and_the_engines_environment():
-    plan = plan_launcher(
-        "ssh", 3, {"hosts": {"127.0.0.1": 3}, "python": "/opt/py/bin/python", "environment": {"A": "1"}}
+    from vgpu_magic.ranks.spec import ClusterSpec
+
+    options = {"hosts": {"127.0.0.1": 3}, "python": "/opt/py/bin/python", "environment": {"A": "1"}}
+    plan = plan_launcher("ssh", 3, options)
+    # The options as a spec holds them (read-only mappings) plan the same: a spec can start its cluster again.
+    assert plan == plan_launcher(
+        "ssh", 3, ClusterSpec(3, "jax", launcher="ssh", launcher_options=options).launcher_options
     )
     assert plan.config["SSHEngineSetLauncher"]["engines"]["127.0.0.1"]["n"] == 3
     assert plan.config["SSHEngineSetLauncher"]["engine_cmd"] == [
@@ -133,6 +139,43 @@ def test_ssh_host_counts_and_the_engines_environment():
 def test_refusals_say_what_would_work(slurm_on_path, name, n, options, match):
     with pytest.raises(ValueError, match=match):
         plan_launcher(name, n, options)
+
+
+def test_a_launcher_is_one_class_found_by_its_name(monkeypatch):
+    """Issue 33: a launcher was four tables keyed by name (its options, its plan, its description, whether it is
+    remote) and flags declared again in the magic; now defining one class adds it."""
+    from vgpu_magic.ranks import launchers
+
+    monkeypatch.setattr(launchers, "LAUNCHERS", dict(launchers.LAUNCHERS))
+
+    class PBSLauncher(launchers.Launcher):
+        name, description, remote = "pbs", "ipyparallel engines in one PBS job", True
+        options: ClassVar = {"queue": {"help": "the queue"}}
+
+        @classmethod
+        def plan(cls, n, options, cluster_id):
+            return launchers.LauncherPlan(cls.name, {"PBSEngineSetLauncher": {"queue": options.get("queue", "")}})
+
+    plan = launchers.plan_launcher("pbs", 2, {"queue": "gpu"})
+    assert plan.launcher is PBSLauncher and plan.launcher.remote
+    assert plan.config == {"PBSEngineSetLauncher": {"queue": "gpu"}}
+    with pytest.raises(ValueError, match=r"^the pbs launcher has no option 'hosts'; it takes: queue$"):
+        launchers.plan_launcher("pbs", 2, {"hosts": ["a"]})
+    assert list(launchers.LAUNCHERS) == ["local", "mpi", "slurm", "ssh", "pbs"]
+
+
+def test_the_magics_help_has_each_launchers_flags_in_its_own_group(shell):
+    from vgpu_magic.ranks.launchers import LAUNCHERS
+
+    help_text = shell.find_line_magic("vgpu_cluster").__doc__
+    groups = dict(part.split(":\n", 1) for part in help_text.split("\n\n--launcher ")[1:])
+    assert list(groups) == ["slurm", "ssh"]
+    for launcher in LAUNCHERS.values():
+        for key, flag in launcher.options.items():
+            # Each flag in one group, a shared one in the first launcher's, saying which launchers take it.
+            assert (flag is not None) == (f"--{key.replace('_', '-')}" in help_text), key
+    assert "--partition" in groups["slurm"] and "--hosts" in groups["ssh"]
+    assert "--controller-address" in groups["slurm"] and "(slurm or ssh)" in " ".join(groups["slurm"].split())
 
 
 def test_slurm_without_sbatch_says_where_to_run(monkeypatch):
@@ -175,7 +218,7 @@ def test_the_magic_passes_the_launcher_flags_through(shell, monkeypatch, slurm_o
     seen = {}
 
     def record(self):
-        seen.update(launcher=self.launcher, options=self.launcher_options, plan=self.launcher_plan)
+        seen.update(launcher=self.spec.launcher, options=self.spec.launcher_options, plan=self.launcher_plan)
         raise rank_cluster.ClusterStartError("recorded")
 
     monkeypatch.setattr(rank_cluster.RankCluster, "start", record)
@@ -190,7 +233,7 @@ def test_the_magic_passes_the_launcher_flags_through(shell, monkeypatch, slurm_o
         "partition": "gpu",
         "account": "p1",
         "time": "30",
-        "sbatch": ["--mem=4G", "--gres=gpu:1"],
+        "sbatch": ("--mem=4G", "--gres=gpu:1"),
         "controller_address": "10.1.2.3",
     }
     assert seen["plan"].controller_location == "10.1.2.3"

@@ -12,15 +12,25 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.core.magic_arguments import argument, argument_group, magic_arguments
 
-from ..errors import PlanError
+from ..errors import USER_ERRORS, PlanError
 from ..frameworks import choices
 from ..grammar import choice, framework_name, parse_arguments, seconds, usage_errors, whole
 from ..planner import MAX_DEVICES
 from .launchers import LAUNCHERS, MAX_RANKS
+from .spec import ClusterNotRunning
 
 __all__ = ["ClusterMagics"]
+
+#: The launcher options the magic has a flag for (``--controller-address`` for ``controller_address``), and the
+#: launchers that take each.
+_LAUNCHER_FLAGS = {
+    key: [name for name, other in LAUNCHERS.items() if key in other.options]
+    for launcher in LAUNCHERS.values()
+    for key, flag in launcher.options.items()
+    if flag
+}
 
 _ACTIONS = ("start", "status", "log", "stop", "restart")
 _START = "%vgpu_cluster start 2 --framework torch"
@@ -35,6 +45,25 @@ def _parse(magic: Any, line: str, example: str) -> argparse.Namespace:
     """``line`` read by ``magic``'s parser with the shared grammar (:func:`~vgpu_magic.grammar.parse_arguments`)."""
     with usage_errors(PlanError):
         return parse_arguments(magic.parser, line, example=example)
+
+
+def _launcher_flags(magic: Any) -> Any:
+    """Each launcher's flags (:attr:`.Launcher.options`), an argument group per launcher in ``%vgpu_cluster?``;
+    a flag launchers share goes in the first one's group. Put below every other ``@argument``: what follows a
+    group in the parser joins it."""
+    decorators, declared = [], set()
+    for launcher in LAUNCHERS.values():
+        flags = [key for key, flag in launcher.options.items() if flag and key not in declared]
+        declared.update(flags)
+        decorators += [argument_group(f"--launcher {launcher.name}")] if flags else []
+        for key in flags:
+            shared = f" ({' or '.join(_LAUNCHER_FLAGS[key])})" if len(_LAUNCHER_FLAGS[key]) > 1 else ""
+            flag = launcher.options[key]
+            decorators.append(argument(f"--{key.replace('_', '-')}", **{**flag, "help": flag["help"] + shared}))
+    # magic_arguments reads its decorators last applied first.
+    for decorator in reversed(decorators):
+        magic = decorator(magic)
+    return magic
 
 
 @magics_class
@@ -63,20 +92,8 @@ class ClusterMagics(Magics):
     @argument(
         "--launcher",
         type=choice(LAUNCHERS, "--launcher {value} is not a launcher; use " + ", ".join(LAUNCHERS), "--launcher ssh"),
-        help="how ipyparallel starts the engines: local processes (default), one mpiexec job, "
-        "one SLURM job (sbatch + srun) or over SSH on --hosts",
+        help=f"how ipyparallel starts the engines: {', '.join(LAUNCHERS)} (default local; their options below)",
     )
-    @argument("--partition", help="slurm: the partition (#SBATCH --partition)")
-    @argument("--account", help="slurm: the account to charge (#SBATCH --account)")
-    @argument("--time", help="slurm: the job's time limit, e.g. 30 or 01:00:00 (#SBATCH --time)")
-    @argument(
-        "--sbatch",
-        action="append",
-        metavar="OPTION",
-        help="slurm: one more #SBATCH option, e.g. --sbatch=--mem=4G (repeatable)",
-    )
-    @argument("--hosts", help="ssh: the hosts, comma-separated (user@host or host:port); ranks spread evenly")
-    @argument("--controller-address", help="slurm/ssh: the address engines reach this kernel's controller at")
     @argument(
         "--join",
         action="store_true",
@@ -88,6 +105,7 @@ class ClusterMagics(Magics):
         action="store_true",
         help="show the ranks' framework start-up lines too (held back by default: %%vgpu_cluster log)",
     )
+    @_launcher_flags
     @line_magic
     def vgpu_cluster(self, line: str) -> None:
         """Start, inspect, stop or restart the ranks.
@@ -111,13 +129,11 @@ class ClusterMagics(Magics):
                 args.n = (_RANK if args.action == "log" else _RANK_COUNT)(args.n)
         from . import rank_cluster
 
-        options = _launcher_options(args)
-        if args.action != "start":
-            _refuse_start_options(args, options)
         running = rank_cluster.current()
         if args.action == "start":
-            _start(args, options, running)
+            _start(args, _launcher_options(args), running)
             return
+        _refuse_start_options(self.vgpu_cluster.parser, args)
         if running is None:
             if args.action == "restart":
                 raise UsageError("no cluster to restart; start one with %vgpu_cluster start 2 --framework torch")
@@ -183,15 +199,14 @@ class ClusterMagics(Magics):
         running = rank_cluster.current()
         if running is None:
             raise UsageError("no cluster running; start one with %vgpu_cluster start 2 --framework torch")
-        if running.must_restart:
-            raise UsageError(f"the cluster must be restarted ({running.must_restart}): %vgpu_cluster restart")
         # A Jupyter kernel can show the live plot; a terminal cannot.
         kernel = getattr(self.shell, "kernel", None)
         plot = not args.no_plot and kernel is not None and importlib.util.find_spec("matplotlib") is not None
-        if cell is None:
-            running.run_script(path, list(args.script_args), timeout=args.timeout, plot=plot)
-            return
-        with usage_errors():
+        # The cluster itself refuses a run while it must be restarted.
+        with usage_errors(*USER_ERRORS, ClusterNotRunning):
+            if cell is None:
+                running.run_script(path, list(args.script_args), timeout=args.timeout, plot=plot)
+                return
             # The %%vgpu_run line in front, as a comment (IPython drops leading blank lines): a rank's traceback
             # then gives the notebook cell's line numbers.
             values = running.run(
@@ -212,38 +227,25 @@ class ClusterMagics(Magics):
                 running.stop()
 
 
-#: The launcher options the magic has a flag for (``--controller-address`` for ``controller_address``).
-_LAUNCHER_FLAGS = ("partition", "account", "time", "sbatch", "hosts", "controller_address")
-
-
 def _launcher_options(args) -> dict:
     """The launcher flags given, as ``launcher_options``; a flag for another launcher is a UsageError."""
     options = {key: getattr(args, key) for key in _LAUNCHER_FLAGS if getattr(args, key) is not None}
     launcher = args.launcher or "local"
-    for key in options:
-        if args.action == "start" and key not in LAUNCHERS[launcher]:
-            takes = [name for name, accepted in LAUNCHERS.items() if key in accepted]
-            flag = f"--{key.replace('_', '-')}"
-            raise UsageError(f"{flag} goes with --launcher {' or '.join(takes)}, not {launcher}")
+    wrong = [key for key in options if key not in LAUNCHERS[launcher].options]
+    if wrong:
+        takes = " or ".join(_LAUNCHER_FLAGS[wrong[0]])
+        raise UsageError(f"--{wrong[0].replace('_', '-')} goes with --launcher {takes}, not {launcher}")
     return options
 
 
-def _refuse_start_options(args: Any, options: dict[str, Any]) -> None:
-    """:class:`UsageError` quoting the first option given that only ``start`` takes."""
-    given = (
-        ("N", None if args.action == "log" else args.n),
-        ("--framework", args.framework),
-        ("--split", args.split),
-        ("--memory", args.memory),
-        ("--port", args.port),
-        ("--launcher", args.launcher),
-        ("--join", args.join or None),
-        ("--verbose", args.verbose or None),
-    )
-    extra = [name if value is True else f"{name} {value}" for name, value in given if value is not None]
-    extra += [f"--{key.replace('_', '-')}" for key in options]
-    if extra:
-        raise UsageError(f"{extra[0]!r} only goes with start, e.g. %vgpu_cluster start 2 --framework torch")
+def _refuse_start_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """:class:`UsageError` quoting the first option given that only ``start`` takes (``N`` too, but for ``log``)."""
+    unset = vars(parser.parse_args([args.action]))
+    for key, value in vars(args).items():
+        if key != "action" and value != unset[key] and not (key == "n" and args.action == "log"):
+            name = "N" if key == "n" else f"--{key.replace('_', '-')}"
+            said = name if value is True or key in _LAUNCHER_FLAGS else f"{name} {value}"
+            raise UsageError(f"{said!r} only goes with start, e.g. %vgpu_cluster start 2 --framework torch")
 
 
 def _start(args: Any, options: dict[str, Any], running: Any) -> None:
@@ -269,7 +271,7 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
             join=args.join,
             verbose=args.verbose,
         )
-    if running is not None and running.same_request(ranks) and not running.must_restart:
+    if running is not None and running.runs(ranks.spec):
         # "Run all" re-runs the start cell: keep the ranks and their state rather than start afresh.
         print("already running (%vgpu_cluster restart starts afresh)")
         print("\n".join(running.describe()))

@@ -31,6 +31,7 @@ from .launchers import LAUNCHERS, MAX_RANKS, LauncherPlan, plan_launcher
 from .processes import ClusterStartError
 from .run import RankProcesses, RankRun, RankRunError, interrupt_only_the_cell
 from .shown import HeldBack, rank_env, record_output
+from .spec import ClusterNotRunning, ClusterSpec, ClusterState
 
 __all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current"]
 
@@ -70,8 +71,9 @@ class RankCluster:
     sees). ``launcher`` / ``launcher_options``: how ipyparallel starts the engines (:mod:`.launchers`); the
     ranks follow the launcher's order (``SLURM_PROCID``, the MPI rank). ``join``: each rank also makes the
     script's own call (``init_process_group``, ``jax.distributed.initialize``) at start. ``verbose``: show the
-    ranks' framework start-up lines too (held back by default: :mod:`.shown`). :class:`ValueError` for a request
-    that cannot work, before anything starts. Its use: docs/ranks.md.
+    ranks' framework start-up lines too (held back by default: :mod:`.shown`). ``spares``: a warm spare per rank
+    for script runs, where memory allows. :class:`ValueError` for a request that cannot work, before anything
+    starts. The request is kept as :attr:`spec`, where it stands as :attr:`state`. Its use: docs/ranks.md.
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class RankCluster:
         launcher_options: dict[str, Any] | None = None,
         join: bool = False,
         verbose: bool = False,
+        spares: bool = True,
     ) -> None:
         if not isinstance(n, int) or not 1 <= n <= MAX_RANKS:
             raise ValueError(f"rank count {n!r} is out of range; use 1..{MAX_RANKS}")
@@ -96,12 +99,6 @@ class RankCluster:
         self.framework, self.label = self.fw.name, self.fw.label
         self.cluster_id = f"vgpu-{uuid.uuid4().hex[:8]}"
         self.launcher_plan: LauncherPlan = plan_launcher(launcher, n, launcher_options, self.cluster_id)
-        self.launcher = launcher
-        self.launcher_options = dict(launcher_options or {})
-        self.join = bool(join)
-        self.verbose = bool(verbose)
-        #: Each rank's held-back start-up lines (:meth:`log`).
-        self.held = HeldBack(self.fw.chatter, self.verbose)
         missing = [m for m in ("ipyparallel", "psutil", "cloudpickle") if importlib.util.find_spec(m) is None]
         no_framework = importlib.util.find_spec(self.fw.module) is None
         framework_hint = f"{self.label} is not installed in this kernel; {self.fw.capabilities.install_hint}"
@@ -111,36 +108,35 @@ class RankCluster:
             raise ValueError(f"the ranks need {', '.join(missing)}: pip install 'vgpu_magic[cluster]'{also}")
         if no_framework:
             raise ValueError(framework_hint)
+        #: What was asked for, validated below (a request that cannot work fails before anything starts).
+        self.spec = ClusterSpec(
+            n, self.fw.name, split, memory, port, gpus, launcher, launcher_options or {}, join, verbose, spares
+        )
+        self.n, self.join = n, bool(join)
+        #: Each rank's held-back start-up lines (:meth:`log`).
+        self.held = HeldBack(self.fw.chatter, bool(verbose))
         #: The GPUs the caller planned for (every host then plans with them), or ``None``: each engine's own.
         self.given_gpus = (
             None
             if gpus is None
             else tuple(GPUInfo(index, total_mib=total // MIB, nvml_index=index) for index, total in gpus)
         )
-        memory_mib = None if memory is None else memory // MIB
-        # Planned once on what n engines started on this host would report, so a request that cannot work fails
-        # before anything starts; start() plans again from what the engines report.
+        # Planned on what n engines on this host would report; start() plans again from what they report.
         try:
             seen = self.given_gpus if self.given_gpus is not None else visible_gpus()
         except NVMLReadError as exc:
             raise ValueError(str(exc)) from None
         here = [HostReport(e, socket.gethostname(), "127.0.0.1", 0, seen, 0, nccl=nccl_version()) for e in range(n)]
-        self.fw.plan_ranks(layout_ranks(here, self.given_gpus), split, memory_mib, port)
-        self.n = n
-        self.split = split
-        self.memory = memory
-        self.memory_mib = memory_mib
-        self.port = port
+        self._plan_ranks(layout_ranks(here, self.given_gpus))
         self.plans: list[RankPlan] = []
         self._started_at = 0.0
-        self.spares = True
         self._forget()
 
     def _forget(self) -> None:
         """What a cluster that runs nothing holds: before its start, after its stop."""
         self.cluster = self.client = self.view = None
         self.layout: RankLayout | None = None
-        self.must_restart: str | None = None
+        self.state, self.reason = ClusterState.STOPPED, ""
         self.rank_names = names.RankNames()
         # _launchers: engine launchers by PID, kept after ipyparallel forgets a stopped one (for exit statuses);
         # _token: carried by every process of this cluster (:func:`.lifetime.processes_of`).
@@ -150,12 +146,17 @@ class RankCluster:
 
     @property
     def running(self) -> bool:
-        return self.cluster is not None
+        """Started and not stopped (usable, or to be restarted)."""
+        return self.state in (ClusterState.RUNNING, ClusterState.MUST_RESTART)
 
-    def same_request(self, other: RankCluster) -> bool:
-        """Does ``other`` ask for the same ranks and wiring as this cluster?"""
-        keys = ("n", "framework", "split", "memory", "port", "given_gpus", "launcher", "launcher_options", "join")
-        return all(getattr(self, key) == getattr(other, key) for key in (*keys, "verbose"))
+    @property
+    def must_restart(self) -> str | None:
+        """Why the cluster must be restarted (:attr:`state` ``MUST_RESTART``), or ``None``."""
+        return self.reason if self.state is ClusterState.MUST_RESTART else None
+
+    def runs(self, spec: ClusterSpec) -> bool:
+        """Is this cluster running ``spec`` and usable? Then a start of ``spec`` ("Run all") keeps its ranks."""
+        return self.state is ClusterState.RUNNING and self.spec == spec
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> RankCluster:
@@ -168,12 +169,12 @@ class RankCluster:
             previous, _current = _current, self
         if previous is not None and previous is not self:
             previous.stop()
-        self._token, self._started_at = uuid.uuid4().hex, time.time()
+        self._token, self._started_at, self.state = uuid.uuid4().hex, time.time(), ClusterState.STARTING
         try:
-            #: Whether each rank keeps a warm spare for script runs (not where memory is tight).
-            self.spares = processes.check_memory_fits(self.n, self.fw)
-            if self.port is not None:
-                processes.check_port_free(self.port)
+            #: Whether each rank keeps a warm spare for script runs (asked for, and memory not tight).
+            self.spares = processes.check_memory_fits(self.n, self.fw) and self.spec.spares
+            if self.spec.port is not None:
+                processes.check_port_free(self.spec.port)
             self.cluster = processes.new_ipp_cluster(self.launcher_plan, self.n, self.cluster_id, self._token)
             processes.despite_interrupts(lambda: self.cluster.start_cluster_sync(n=self.n))
             # Remembered at once, so that even engines that never register are stopped.
@@ -189,13 +190,13 @@ class RankCluster:
             # Rank order: the launcher's ranks, else the engines', grouped by host.
             self.engine_ids = [place.engine_id for place in self.layout.places]
             self.pids = [place.pid for place in self.layout.places]
-            if not self.launcher_plan.remote:
+            if not self.launcher_plan.launcher.remote:
                 # Local and mpiexec engines are this host's processes; a SLURM job's tasks and SSH
                 # engines are ended through their launcher (stop), a PID elsewhere names nothing here.
                 self._owned.update(self.pids)
             self.view = self.client[self.engine_ids]
             self.view.block = True
-            self.plans = self._plan_ranks()
+            self.plans = self._plan_ranks(self.layout)
 
             def wire(rank: int) -> Any:
                 # Each rank's environment and setup, all ranks at once (a rendezvous).
@@ -232,6 +233,7 @@ class RankCluster:
                 why = processes.start_failure(exc, self.launcher_plan) or f"{type(exc).__name__}: {exc}"
                 raise ClusterStartError(f"the ranks could not start: {why}; {left}") from exc
             raise
+        self.state = ClusterState.RUNNING
         atexit.register(self.stop)
         # %px / %%px on the ranks, as ipyparallel users expect: a convenience, so a shell that cannot take
         # the magics is no error.
@@ -249,10 +251,11 @@ class RankCluster:
         pending = [self.client[e].apply_async(report_host, e, controller) for e in engine_ids]
         return [ar.get(timeout=ENGINE_TIMEOUT) for ar in pending]
 
-    def _plan_ranks(self) -> list[RankPlan]:
-        """The framework's plans, with its log settings (:func:`~.shown.rank_env`)."""
-        quiet = rank_env(self.fw, self.verbose)
-        plans = self.fw.plan_ranks(self.layout, self.split, self.memory_mib, self.port)
+    def _plan_ranks(self, layout: RankLayout) -> list[RankPlan]:
+        """The framework's plans for ``layout``, with its log settings (:func:`~.shown.rank_env`)."""
+        spec, quiet = self.spec, rank_env(self.fw, self.spec.verbose)
+        memory_mib = None if spec.memory is None else spec.memory // MIB
+        plans = self.fw.plan_ranks(layout, spec.split, memory_mib, spec.port)
         return [dataclasses.replace(plan, env={**quiet, **plan.env}) for plan in plans]
 
     def _processes(self) -> RankProcesses:
@@ -261,7 +264,7 @@ class RankCluster:
         places, here = self.layout.places, socket.gethostname()
         return RankProcesses(
             self.pids,
-            [not self.launcher_plan.remote or place.hostname == here for place in places],
+            [not self.launcher_plan.launcher.remote or place.hostname == here for place in places],
             # How each exited, as the wait that reaped it returned it (None where no such wait is ours: mpiexec's).
             lambda rank: getattr(getattr(self._launchers.get(self.pids[rank]), "process", None), "exit_code", None),
             engine_alive=lambda rank: self.client is not None and self.engine_ids[rank] in self.client.ids,
@@ -303,9 +306,9 @@ class RankCluster:
     # -- using the ranks ----------------------------------------------------------------
     def _require_running(self) -> None:
         if not self.running:
-            raise RuntimeError("the cluster is not running; start it with %vgpu_cluster start N --framework NAME")
-        if self.must_restart:
-            raise RuntimeError(f"the cluster must be restarted ({self.must_restart}): %vgpu_cluster restart")
+            raise ClusterNotRunning("the cluster is not running; start it with %vgpu_cluster start N --framework NAME")
+        if self.state is ClusterState.MUST_RESTART:
+            raise ClusterNotRunning(f"the cluster must be restarted ({self.reason}): %vgpu_cluster restart")
 
     def run(
         self,
@@ -347,10 +350,12 @@ class RankCluster:
         try:
             return runner.run()
         except (RankRunError, KeyboardInterrupt) as exc:
-            self.must_restart = runner.restart_reason(exc)
+            self.reason = runner.restart_reason(exc) or ""
+            if self.reason:
+                self.state = ClusterState.MUST_RESTART
             raise
         finally:
-            if not self.must_restart:
+            if self.state is ClusterState.RUNNING:
                 self.rank_names.settle(self.view, candidates)
 
     def run_script(
@@ -360,7 +365,7 @@ class RankCluster:
         kernel's current folder, fresh coordinator ports, under the fault policy of :meth:`run`."""
         self._require_running()
         self.layout = layout_ranks(self._read_hosts(self.engine_ids), self.given_gpus)
-        self.plans = self._plan_ranks()
+        self.plans = self._plan_ranks(self.layout)
         where, preload = (path, list(args), os.getcwd()), self._preload()
         requests = [launch.launch_request(plan, *where, preload, self.spares) for plan in self.plans]
 
@@ -405,9 +410,11 @@ class RankCluster:
         """Lines for ``%vgpu_cluster start`` / ``status``: where the ranks run, how they are wired, the two modes,
         then each rank (its host too when they run on several)."""
         if not self.running:
-            return ["no cluster running"]
+            return [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} {self.state.value}"]
         jobs = "".join(f", job {job}" for job in processes.batch_jobs(self.cluster))
-        lines = [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} on {self.launcher_plan.describe()}{jobs}"]
+        lines = [
+            f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} on {self.launcher_plan.launcher.description}{jobs}"
+        ]
         lines.extend(self.plans[0].notes if self.plans else ())
         join_call = self.fw.join_call
         if join_call and self.join:
@@ -421,8 +428,8 @@ class RankCluster:
             )
         # Lines a notebook shows whole (a long one wraps mid-word in JupyterLab's output area).
         lines.append("cells (%%vgpu_run): run in these ranks, which keep their state")
-        step = ", as steps of the job's allocation" if self.launcher == "slurm" else ""
-        spare = "no spare: memory is tight, each launch starts cold"
+        step = self.launcher_plan.launcher.launches
+        spare = f"no spare: {'memory is tight' if self.spec.spares else 'spares=False'}, each launch starts cold"
         spare = f"a spare waits with {self.fw.module} imported" if self.spares else spare
         lines.append(f"scripts (%vgpu_run FILE): a fresh launch each run{step} ({spare})")
         infos = self.status()
@@ -435,10 +442,9 @@ class RankCluster:
                 state += f", GPU {format_bytes(info.gpu)}"
             where = f" on {info.host}" if several_hosts else ""
             lines.append(f"  rank {info.rank}: pid {info.pid}{where}, {state}")
-        if self.must_restart:
-            lines.append(f"must be restarted ({self.must_restart}): %vgpu_cluster restart")
+        if self.state is ClusterState.MUST_RESTART:
+            lines.append(f"{self.state.value} ({self.reason}): %vgpu_cluster restart")
         return lines
 
     def __repr__(self) -> str:
-        state = "running" if self.running else "stopped"
-        return f"<RankCluster {self.n} × {self.framework}, {state}>"
+        return f"<RankCluster {self.n} × {self.framework}, {self.state.value}>"

@@ -1,0 +1,60 @@
+"""What a rank cluster was asked for and where it stands, as plain data (torch elastic's ``WorkerSpec`` and
+``WorkerState``): :class:`ClusterSpec`, the validated request, frozen; :class:`ClusterState`, said in words by
+``%vgpu_cluster status``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+__all__ = ["ClusterNotRunning", "ClusterSpec", "ClusterState"]
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The ranks a start asks for, once validated: :class:`~.rank_cluster.RankCluster`'s arguments, ``memory`` the
+    per-rank GPU cap in bytes and ``gpus`` ``((cuda_index, total_bytes), ...)``. Every field takes part in equality:
+    a start that differs from the running cluster in any of them is another request, never "already running"."""
+
+    n: int
+    framework: str
+    split: int | None = None
+    memory: int | None = None
+    port: int | None = None
+    gpus: tuple[tuple[int, int], ...] | None = None
+    launcher: str = "local"
+    launcher_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    join: bool = False
+    verbose: bool = False
+    spares: bool = True
+
+    def __post_init__(self) -> None:
+        # A list and a tuple of the same values are the same request; nothing the caller still holds can change it.
+        object.__setattr__(self, "launcher_options", _frozen(self.launcher_options))
+        object.__setattr__(self, "gpus", _frozen(self.gpus))
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return MappingProxyType({key: _frozen(item) for key, item in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(item) for item in value)
+    return value
+
+
+class ClusterState(enum.Enum):
+    """Where a cluster stands; the value is how ``%vgpu_cluster status`` says it."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    #: A rank died or was killed: the ranks' state is gone, and a restart is the way on.
+    MUST_RESTART = "must be restarted"
+    STOPPED = "stopped"
+
+
+class ClusterNotRunning(RuntimeError):
+    """The cluster is stopped or must be restarted; the message says which command helps."""
