@@ -137,6 +137,8 @@ def test_a_cell_that_uses_two_frameworks_that_can_be_estimated_must_say_which():
         vgpu_magic.estimate("raise AssertionError('ran')\nimport torch, jax", ranks=2)
     with pytest.raises(PlanError, match="tensorflow cannot be estimated"):
         vgpu_magic.estimate("raise AssertionError('ran')\nimport torch, jax", ranks=2, framework="tf")
+    with pytest.raises(PlanError, match="tensorflow cannot be estimated"):  # Keras alone: its default backend's
+        vgpu_magic.estimate("raise AssertionError('ran')\nimport keras", ranks=2)
 
 
 #: A framework that ``%%vgpu_estimate`` can estimate: one package, its ``estimate`` module beside it.
