@@ -167,7 +167,7 @@ def _framework(code: types.CodeType, requested: str | None, namespace: dict) -> 
     modules = [getattr(v, "__module__", None) or "" for v in values] + [
         c.__module__ for v in values for c in (v if isinstance(v, type) else type(v)).__mro__
     ]
-    # Those that can be estimated first: a cell may use another one's tools (TensorFlow's data) beside its own.
+    # Those that can be estimated first: a cell may use another framework's tools (its data loading) too.
     found = sorted(frameworks.written_for(used | {m.split(".")[0] for m in modules}), key=lambda f: not f.estimator)
     if len(found) > 1 and found[1].estimator and not requested:  # either estimate would run the other's code
         one, other = found[:2]
@@ -242,7 +242,7 @@ def estimate(
 
 def _as_the_cells(exc: Exception) -> Exception:
     """The cell's own error with the cell's lines only (and the notebook's code they called): not the frames of
-    vgpu_magic, torch or the standard library between them, nor the errors torch raised on the way."""
+    vgpu_magic, the framework or the standard library between them, nor the errors raised on the way."""
     ours = (os.path.dirname(__file__), *{sysconfig.get_path(p) for p in ("stdlib", "purelib", "platlib")})
     kept = [(f, line) for f, line in traceback.walk_tb(exc.__traceback__) if not f.f_code.co_filename.startswith(ours)]
     trace = None
