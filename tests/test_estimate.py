@@ -256,6 +256,7 @@ def test_levers_are_bounds_that_hold_each_marked_and_none_the_cell_uses():
 
 def test_reshard_is_offered_only_to_a_cell_that_turned_it_off_and_jax_temporaries_are_not_activations():
     from vgpu_magic.frameworks.jax.estimate import levers
+    from vgpu_magic.memory_estimate import _judged
 
     no_reshard = FSDP_CELL.replace("fully_shard(layer)", "fully_shard(layer, reshard_after_forward=False)")
     off = vgpu_magic.estimate(no_reshard, ranks=2, gpu="600MB")
@@ -267,7 +268,9 @@ def test_reshard_is_offered_only_to_a_cell_that_turned_it_off_and_jax_temporarie
         0, 3 * GIB, {"arguments": GIB, "outputs": GIB // 2, "temporaries": GIB + GIB // 2}, "in jitted step"
     )
     jax = MemoryEstimate("JAX", 8, [step], "SPMD over 8 devices", "2 GiB", 2 * GIB, GIB // 2)
-    assert levers(jax, set(), rerun=None) == [
+    (lever,) = levers(step.categories, 8, jax.parallelism, set())
+    assert lever["saves"] == GIB + GIB // 2
+    assert [_judged(lever, jax, rerun=None)] == [
         "jax.checkpoint, bf16, a smaller batch shrink XLA's temporaries: at best peak 1.50 GiB, could fit (with none)"
     ]
 

@@ -163,8 +163,9 @@ def estimate_ranks(cell, code, world, ranks, namespace, gpu, progress):
 def kept_mib(gpu_mib):
     return gpu_mib // 4
 
-def levers(result, uses, rerun):
-    return [f"{sorted(uses)}: on {2 * result.world} ranks, peak {rerun(2 * result.world).peak_bytes >> 30} GiB"]
+def levers(parts, world, parallelism, uses):
+    return [{"lever": f"{sorted(uses)} {parallelism}", "ranks": 2 * world},
+            {"lever": "half the state", "saves": parts["state"] // 2, "note": "at most"}]
 """,
 }
 
@@ -199,7 +200,10 @@ def test_a_framework_package_and_its_registry_line_are_all_an_estimate_needs(tmp
         [1, 2],
     )
     assert found.kept_bytes == 256 << 20 and found.fits is False
-    assert found.levers == ["['fakefw.shard']: on 4 ranks, peak 1 GiB"]
+    assert found.levers == [
+        "['fakefw.shard'] fake over 2: peak 1.00 GiB, still does not fit by 256.0 MiB (re-estimated)",
+        "half the state: at best peak 1.00 GiB, still does not fit by 256.0 MiB (at most)",
+    ]
 
 
 @pytest.mark.slow

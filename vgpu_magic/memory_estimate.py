@@ -236,8 +236,21 @@ def estimate(
         result.gpu_bytes, result.kept_bytes = gpu_mib * 2**20, estimator.kept_mib(gpu_mib) * 2**20
         if not result.fits:
             rerun = partial(estimate, code_or_function, framework=chosen.name, namespace=namespace, progress=progress)
-            result.levers = estimator.levers(result, set(first.get("uses", ())), rerun)
+            parts = max(per_rank, key=lambda r: r.peak_bytes).categories
+            levers = estimator.levers(parts, ranks, result.parallelism, set(first.get("uses", ())))
+            result.levers = [_judged(lever, result, rerun) for lever in levers]
     return result
+
+
+def _judged(lever: dict[str, Any], result: MemoryEstimate, rerun: Callable[[int], MemoryEstimate]) -> str:
+    """A framework's lever against the device: re-estimated on its ``ranks``, or a bound from what it ``saves``."""
+    if "ranks" in lever:
+        outcome = f"{result.outcome(rerun(lever['ranks']).peak_bytes)} (re-estimated)"
+    elif "saves" in lever:
+        outcome = result.outcome(result.peak_bytes - lever["saves"], bound=True)
+    else:
+        outcome = "not re-estimated"
+    return f"{lever['lever']}: {outcome}" + (f" ({lever['note']})" if "note" in lever else "")
 
 
 def _as_the_cells(exc: Exception) -> Exception:

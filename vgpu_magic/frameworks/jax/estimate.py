@@ -60,13 +60,12 @@ def kept_mib(gpu_mib: int) -> int:
     return gpu_mib - int(gpu_mib * float(fraction or "0.75"))
 
 
-def levers(result: Any, uses: set[str], rerun: Callable[[int], Any]) -> list[str]:
+def levers(parts: dict[str, int], world: int, parallelism: str, uses: set[str]) -> list[dict[str, Any]]:
     """XLA's temporaries are activations, gradients and scratch alike: one lever names what shrinks them (none the
-    cell already uses), bounded by them."""
-    temporaries = max(result.ranks, key=lambda r: r.peak_bytes).categories.get("temporaries", 0)
+    cell already uses), which saves at most them."""
     tools = [t for t, use in (("jax.checkpoint", "checkpointing"), ("bf16", "bf16")) if use not in uses]
-    bound = result.outcome(result.peak_bytes - temporaries, bound=True)
-    return [f"{', '.join([*tools, 'a smaller batch'])} shrink XLA's temporaries: {bound} (with none)"]
+    shrink = f"{', '.join([*tools, 'a smaller batch'])} shrink XLA's temporaries"
+    return [{"lever": shrink, "saves": parts.get("temporaries", 0), "note": "with none"}]
 
 
 def _run(cell: str) -> dict[str, Any]:

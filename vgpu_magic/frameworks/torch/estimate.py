@@ -8,7 +8,6 @@ import os
 import sys
 import types
 from collections.abc import Callable, Iterator
-from functools import partial
 from typing import Any
 
 from ...errors import PlanError
@@ -64,23 +63,21 @@ def kept_mib(gpu_mib: int) -> int:
     return CUDA_CONTEXT_MIB
 
 
-def levers(result: Any, uses: set[str], rerun: Callable[[int], Any]) -> list[str]:
-    """What could make ``result`` (a MemoryEstimate that does not fit) fit, each against the device: re-estimated
-    (``rerun(ranks)``), or bounded by what the peak holds of what it shrinks (a lever saves at most that); none
-    that the cell already uses."""
-    parts = max(result.ranks, key=lambda r: r.peak_bytes).categories
-    peak, world, bound, found = result.peak_bytes, result.world, partial(result.outcome, bound=True), []
+def levers(parts: dict[str, int], world: int, parallelism: str, uses: set[str]) -> list[dict[str, Any]]:
+    """What could make a peak of ``parts`` fit, none that the cell already uses: FSDP over twice the ranks (to
+    re-estimate), or what the peak holds of what a lever shrinks (it ``saves`` at most that)."""
     batch = parts.get("activations", 0) + parts.get("temporaries", 0)  # what grows with the batch, at most
     state = sum(parts.get(k, 0) for k in ("parameters", "gradients", "optimizer state")) * (world - 1) // world
-    if "FSDP" in result.parallelism:
-        found.append(f"FSDP over {2 * world} ranks: {result.outcome(rerun(2 * world).peak_bytes)} (re-estimated)")
+    found: list[dict[str, Any]] = []
+    if "FSDP" in parallelism:
+        found.append({"lever": f"FSDP over {2 * world} ranks", "ranks": 2 * world})
     elif world > 1:
-        found.append(f"shard the model's state with FSDP2 (fully_shard): {bound(peak - state)}")
+        found.append({"lever": "shard the model's state with FSDP2 (fully_shard)", "saves": state})
     if "no reshard" in uses:
-        found.append("reshard_after_forward=True (the default; this cell passes False): not re-estimated")
+        found.append({"lever": "reshard_after_forward=True (the default; this cell passes False)"})
     if parts.get("activations") and "checkpointing" not in uses:
         kept = "if nothing were kept for the backward; it keeps each checkpointed block's input"
-        found.append(f"activation checkpointing: {bound(peak - parts['activations'])} ({kept})")
+        found.append({"lever": "activation checkpointing", "saves": parts["activations"], "note": kept})
     if batch and "bf16" not in uses:
-        found.append(f"bf16 compute (torch.autocast): {bound(peak - batch // 2)}")
-    return found + [f"half the batch: {bound(peak - batch // 2)}"] * bool(batch)
+        found.append({"lever": "bf16 compute (torch.autocast)", "saves": batch // 2})
+    return found + [{"lever": "half the batch", "saves": batch // 2}] * bool(batch)
