@@ -92,7 +92,7 @@ def test_each_rank_within_ten_percent_of_a_real_gloo_run(cell, ranks, parallelis
 
 
 def test_single_device_estimate_equals_the_same_step_run_for_real():
-    from vgpu_magic.frameworks.torch.estimate import PeakTracker
+    from vgpu_magic.frameworks.torch.fake_rank import PeakTracker
 
     with PeakTracker() as tracker:
         exec(PLAIN_CELL, {})
@@ -127,23 +127,45 @@ def test_cuda_code_is_estimated_without_a_gpu_with_cudas_defaults():
     assert all(v % 512 == 0 for v in cuda.ranks[0].categories.values())
 
 
+def swapped_by_the_estimate() -> list:
+    """What the estimate replaces for a rank's run, as the classes and modules themselves hold it."""
+    import torch.distributed as dist
+    from torch.distributed._tools import mem_tracker
+    from torch.distributed.device_mesh import DeviceMesh
+
+    held = [(torch.Tensor, "__deepcopy__"), (torch.nn.Parameter, "__deepcopy__"), (torch.nn.Module, "compile"),
+            (DeviceMesh, "__init__"), (mem_tracker._WeakRefInfo, "_calculate_mem_consumed"), (torch, "compile"),
+            (dist, "init_process_group"), (torch.cuda, "is_available"), (sys, "excepthook"),
+            (torch.nn.parallel, "DistributedDataParallel")]  # fmt: skip
+    return [vars(owner)[name] for owner, name in held]
+
+
 def test_the_kernel_is_untouched_whatever_the_cell_raised():
-    import torch
     import torch.distributed as dist
 
-    before = (dict(os.environ), torch.nn.parallel.DistributedDataParallel, dist.init_process_group, sys.excepthook)
+    before = dict(os.environ), swapped_by_the_estimate()
     namespace = {"keep": 1}
     with pytest.raises(ZeroDivisionError):
         vgpu_magic.estimate(FSDP_CELL + "\nkeep = 2\n1 / 0", ranks=4, namespace=namespace)
     assert not dist.is_initialized()
-    assert (
-        dict(os.environ),
-        torch.nn.parallel.DistributedDataParallel,
-        dist.init_process_group,
-        sys.excepthook,
-    ) == before
+    assert (dict(os.environ), swapped_by_the_estimate()) == before
     assert namespace == {"keep": 1}
     assert torch.ones(2).sum().item() == 2.0  # no fake mode left on
+    with pytest.raises(ZeroDivisionError):
+        vgpu_magic.estimate(ddp_step_that_fails, ranks=2)
+    assert "left_behind" not in globals() and DistributedDataParallel.__module__ == "torch.nn.parallel.distributed"
+    assert (dict(os.environ), swapped_by_the_estimate()) == before
+
+
+def test_what_an_estimate_changes_in_a_mapping_is_put_back_when_it_raises():
+    from vgpu_magic.frameworks.base import restored
+
+    mapping = {"kept": "1", "changed": "2", "deleted": "3"}
+    with pytest.raises(ZeroDivisionError), restored(mapping):
+        mapping.update(changed="two", added="4")
+        del mapping["deleted"]
+        raise ZeroDivisionError
+    assert mapping == {"kept": "1", "changed": "2", "deleted": "3"}
 
 
 def ddp_step():
@@ -151,6 +173,14 @@ def ddp_step():
     model = DistributedDataParallel(torch.nn.Linear(1000, 1000))
     model(torch.randn(64, 1000)).sum().backward()
     torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+
+def ddp_step_that_fails():
+    """A step that leaves a name in its module before it fails."""
+    global left_behind
+    left_behind = DistributedDataParallel
+    ddp_step()
+    raise ZeroDivisionError
 
 
 def test_a_function_is_estimated_with_its_own_module_names_stood_in_for():
@@ -225,7 +255,8 @@ def test_levers_are_bounds_that_hold_each_marked_and_none_the_cell_uses():
 
 
 def test_reshard_is_offered_only_to_a_cell_that_turned_it_off_and_jax_temporaries_are_not_activations():
-    from vgpu_magic.memory_estimate import _levers
+    from vgpu_magic.frameworks.jax.estimate import levers
+    from vgpu_magic.memory_estimate import _judged
 
     no_reshard = FSDP_CELL.replace("fully_shard(layer)", "fully_shard(layer, reshard_after_forward=False)")
     off = vgpu_magic.estimate(no_reshard, ranks=2, gpu="600MB")
@@ -237,7 +268,9 @@ def test_reshard_is_offered_only_to_a_cell_that_turned_it_off_and_jax_temporarie
         0, 3 * GIB, {"arguments": GIB, "outputs": GIB // 2, "temporaries": GIB + GIB // 2}, "in jitted step"
     )
     jax = MemoryEstimate("JAX", 8, [step], "SPMD over 8 devices", "2 GiB", 2 * GIB, GIB // 2)
-    assert _levers(jax, set(), rerun=None) == [
+    (lever,) = levers(step.categories, 8, jax.parallelism, set())
+    assert lever["saves"] == GIB + GIB // 2
+    assert [_judged(lever, jax, rerun=None)] == [
         "jax.checkpoint, bf16, a smaller batch shrink XLA's temporaries: at best peak 1.50 GiB, could fit (with none)"
     ]
 

@@ -3,6 +3,7 @@ the device idiom, ``torch.compile``, a pytree of JAX shardings; and leaves the n
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -129,6 +130,80 @@ def test_the_framework_is_what_the_code_uses_not_its_comments():
         vgpu_magic.estimate("raise AssertionError('ran')\nimport torch", ranks=2, framework="jax")
     with pytest.raises(PlanError, match="no jitted step"):  # a JAX cell (no torch ran) whose comment names torch
         vgpu_magic.estimate("# as in torch\nimport jax.numpy as jnp\nx = jnp.ones(3)", ranks=2)
+
+
+def test_a_cell_that_uses_two_frameworks_that_can_be_estimated_must_say_which():
+    with pytest.raises(PlanError, match=r"the cell uses JAX and PyTorch; say --framework jax or torch$"):
+        vgpu_magic.estimate("raise AssertionError('ran')\nimport torch, jax", ranks=2)
+    with pytest.raises(PlanError, match="tensorflow cannot be estimated"):
+        vgpu_magic.estimate("raise AssertionError('ran')\nimport torch, jax", ranks=2, framework="tf")
+    with pytest.raises(PlanError, match="tensorflow cannot be estimated"):  # Keras alone: its default backend's
+        vgpu_magic.estimate("raise AssertionError('ran')\nimport keras", ranks=2)
+
+
+#: A framework that ``%%vgpu_estimate`` can estimate: one package, its ``estimate`` module beside it.
+FAKE_PACKAGE = {
+    "__init__.py": """
+from vgpu_magic.devices import Capabilities
+from vgpu_magic.frameworks.base import Framework
+
+class Fake(Framework):
+    capabilities = Capabilities(name="fakefw", label="FakeFW")
+    module = "fakefw"
+    runtime_started = probe_inventory = read_configuration = None
+
+FRAMEWORK = Fake()
+""",
+    "estimate.py": """
+def estimate_ranks(cell, code, world, ranks, namespace, gpu, progress):
+    progress(f"{sorted(code.co_names)} on {world} ranks, {gpu}")
+    return [{"peak_bytes": (r + 1) << 30, "categories": {"state": (r + 1) << 30}, "phase": "in its step",
+             "parallelism": f"fake over {world}", "uses": ["fakefw.shard"]} for r in ranks]
+
+def kept_mib(gpu_mib):
+    return gpu_mib // 4
+
+def levers(parts, world, parallelism, uses):
+    return [{"lever": f"{sorted(uses)} {parallelism}", "ranks": 2 * world},
+            {"lever": "half the state", "saves": parts["state"] // 2, "note": "at most"}]
+""",
+}
+
+
+def test_a_framework_package_and_its_registry_line_are_all_an_estimate_needs(tmp_path, monkeypatch):
+    from vgpu_magic import frameworks
+    from vgpu_magic.estimate_magics import EstimateMagics
+    from vgpu_magic.memory_estimate import estimable
+
+    assert f"{' or '.join(estimable())}; default: the cell's" in EstimateMagics.vgpu_estimate.parser.format_help()
+    (tmp_path / "fakefw").mkdir()
+    for name, text in FAKE_PACKAGE.items():
+        (tmp_path / "fakefw" / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(frameworks, "_instances", {})
+    # Imported before it is registered, as the extension's load imports every registered framework first.
+    monkeypatch.setitem(frameworks.REGISTRY, "fakefw", importlib.import_module("fakefw").FRAMEWORK)
+    try:
+        lines = []
+        found = vgpu_magic.estimate("import fakefw\nfakefw.step()", gpu="2x1GB", all_ranks=True, progress=lines.append)
+        with pytest.raises(
+            PlanError, match=r"cannot tell the framework of this cell; say --framework jax or torch or fakefw$"
+        ):
+            vgpu_magic.estimate("x = 1")
+    finally:
+        for name in ("fakefw", "fakefw.estimate"):
+            sys.modules.pop(name, None)
+    assert lines == ["['fakefw', 'step'] on 2 ranks, ('1 GiB', 1073741824)", "['fakefw', 'step'] on 4 ranks, None"]
+    assert (found.framework, found.parallelism, [r.peak_bytes >> 30 for r in found.ranks]) == (
+        "FakeFW",
+        "fake over 2",
+        [1, 2],
+    )
+    assert found.kept_bytes == 256 << 20 and found.fits is False
+    assert found.levers == [
+        "['fakefw.shard'] fake over 2: peak 1.00 GiB, still does not fit by 256.0 MiB (re-estimated)",
+        "half the state: at best peak 1.00 GiB, still does not fit by 256.0 MiB (at most)",
+    ]
 
 
 @pytest.mark.slow

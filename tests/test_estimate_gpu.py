@@ -41,11 +41,11 @@ def test_estimate_within_ten_percent_of_max_memory_allocated(wrap):
         pytest.skip("torch sees no GPU here")
     import torch.distributed as dist
 
-    from vgpu_magic.frameworks.torch.estimate import estimate_rank
+    from vgpu_magic.frameworks.torch.fake_rank import estimate_rank
 
     cell = CELL.format(wrap=wrap)
     cuda_before = torch.cuda.is_initialized()
-    estimated = estimate_rank(cell, 1, 0, None)["peak_bytes"]
+    estimated = estimate_rank(compile(cell, "<cell>", "exec"), 1, 0, None)["peak_bytes"]
     assert not dist.is_initialized() and torch.cuda.is_initialized() == cuda_before
     # cuBLAS's workspaces come once per process with the first product: the verdict's allowance, not the step.
     start = torch.cuda.memory_allocated()
@@ -93,11 +93,11 @@ SHAPES = {"deep": {"width": 2048, "depth": 8, "batch": 256}, "wide": {"width": 4
 def test_each_ranks_estimate_within_ten_percent_of_its_max_memory_allocated(wrap, shape, tmp_path):
     """Two ranks sharing the GPU, started as the planner plans them: each rank's estimate against its own peak."""
     from vgpu_magic.frameworks import get
-    from vgpu_magic.frameworks.torch.estimate import estimate_rank
+    from vgpu_magic.frameworks.torch.fake_rank import estimate_rank
 
     gpus = gpus_for("torch")
     cell = RANKS_CELL.format(wrap=WRAPS[wrap], **SHAPES[shape])
-    estimated = [estimate_rank(cell, 2, rank, None)["peak_bytes"] for rank in range(2)]
+    estimated = [estimate_rank(compile(cell, "<cell>", "exec"), 2, r, None)["peak_bytes"] for r in range(2)]
     (tmp_path / "cell.py").write_text(cell)
     plans = get("torch").plan_ranks(rank_layout(2, gpus), None, None, None)
     ranks = run_ranks(plans, [plan.args[2] for plan in plans], "cell_on_cuda.py", str(tmp_path / "cell.py"))

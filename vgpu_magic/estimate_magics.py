@@ -12,7 +12,7 @@ from IPython.display import Pretty, display
 
 from .errors import PlanError, excerpt
 from .grammar import framework_name, parse_arguments, whole
-from .memory_estimate import GPU_MODELS, MAX_ALL_RANKS, MemoryEstimate, estimate, parse_gpu
+from .memory_estimate import GPU_MODELS, MAX_ALL_RANKS, MemoryEstimate, estimable, estimate, parse_gpu
 
 
 def _gpu(text: str) -> str:
@@ -24,6 +24,7 @@ def _gpu(text: str) -> str:
 
 
 _gpu.example = "--gpu 80GB"  # type: ignore[attr-defined]
+_ESTIMABLE = " or ".join(estimable())
 
 
 @magics_class
@@ -49,7 +50,7 @@ class EstimateMagics(Magics):
         help="the rank to run as (default 0)",
     )
     @argument("--all-ranks", "-a", action="store_true", help=f"run as every rank (at most {MAX_ALL_RANKS})")
-    @argument("--framework", "-f", type=framework_name, metavar="NAME", help="torch or jax; default: the cell's")
+    @argument("--framework", "-f", type=framework_name, metavar="NAME", help=f"{_ESTIMABLE}; default: the cell's")
     @argument("-o", dest="output", metavar="NAME", help="store the MemoryEstimate in this variable too")
     def vgpu_estimate(self, line: str, cell: str) -> MemoryEstimate:
         """Estimate each rank's peak memory for a cell that builds a model and runs a

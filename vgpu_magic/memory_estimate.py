@@ -2,27 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
 import html
+import importlib
 import json
 import linecache
 import os
 import re
-import sys
 import sysconfig
 import traceback
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
-from unittest import mock
 
 from . import frameworks
 from .errors import PlanError, excerpt
-from .frameworks.base import code_names
-from .inventory import CUDA_CONTEXT_MIB
-from .units import format_bytes
+from .frameworks.base import Framework, code_names
+from .units import format_bytes, parse_memory
 
 #: Device memory as ``nvidia-smi`` reports it (MiB), by model; a name's spaces, dashes and case do not matter.
 GPU_MODELS = {
@@ -48,8 +45,6 @@ def parse_gpu(text: str) -> tuple[int | None, int, str]:
     model = _MODEL_KEYS.get(re.sub(r"[\s_-]", "", what.lower()))
     if model:
         return count, GPU_MODELS[model], model
-    from .grammar import parse_memory
-
     try:
         mib = parse_memory(what)
     except PlanError:
@@ -160,29 +155,36 @@ def _compiled(cell: str) -> types.CodeType:
     return code
 
 
-def _framework(code: types.CodeType, requested: str | None, namespace: dict) -> str:
+def estimable() -> list[str]:
+    """The registered frameworks whose cells can be estimated (:attr:`Framework.estimator`), by name."""
+    return [fw.name for fw in frameworks.all_frameworks() if fw.estimator]
+
+
+def _framework(code: types.CodeType, requested: str | None, namespace: dict) -> Framework:
     # The names the code uses (not its comments), and the packages of the notebook's objects among them.
     used = code_names(code)
     values = [v for k, v in namespace.items() if k in used]
     modules = [getattr(v, "__module__", None) or "" for v in values] + [
         c.__module__ for v in values for c in (v if isinstance(v, type) else type(v)).__mro__
     ]
-    roots = {module.split(".")[0] for module in modules}
-    found = [n for n in ("torch", "jax", "tensorflow") if n in used | roots]
-    found += ["tensorflow"] * (not found and "keras" in used | roots)
-    name = frameworks.resolve_name(requested) if requested else found and found[0]
-    if not name:
-        raise PlanError("cannot tell the framework of this cell; say --framework torch or --framework jax")
-    if name not in ("torch", "jax"):
+    # Those that can be estimated first: a cell may use another framework's tools (its data loading) too.
+    found = sorted(frameworks.written_for(used | {m.split(".")[0] for m in modules}), key=lambda f: not f.estimator)
+    if len(found) > 1 and found[1].estimator and not requested:  # either estimate would run the other's code
+        one, other = found[:2]
+        raise PlanError(f"the cell uses {one.label} and {other.label}; say --framework {one.name} or {other.name}")
+    chosen = frameworks.get(requested) if requested else found and found[0]
+    if not chosen:
+        raise PlanError(f"cannot tell the framework of this cell; say --framework {' or '.join(estimable())}")
+    if not chosen.estimator:
         raise PlanError(
-            f"{name} cannot be estimated: it has no fake tensors and no compile-only memory analysis; "
+            f"{chosen.name} cannot be estimated: it has no fake tensors and no compile-only memory analysis; "
             "measure it on a real GPU split (%vgpu_split N --memory SIZE) instead"
         )
-    if found and name not in found:  # the cell would run for real in the other framework's estimate
+    if found and chosen not in found:  # the cell would run for real in the other framework's estimate
         raise PlanError(
-            f"--framework {requested}: the cell uses {found[0]}; say --framework {found[0]} or leave it out"
+            f"--framework {requested}: the cell uses {found[0].name}; say --framework {found[0].name} or leave it out"
         )
-    return name
+    return chosen
 
 
 def estimate(
@@ -198,8 +200,9 @@ def estimate(
 ) -> MemoryEstimate:
     """Each rank's peak memory when ``code_or_function`` (a cell's code, or a function of no arguments) runs on
     ``ranks`` devices; the other arguments are ``%%vgpu_estimate``'s options (docs/estimates.md). ``namespace``: the
-    names the code may use, in a copy; ``progress``: called with a line before each run of the cell. Bad input,
-    TensorFlow or a cell without a training step raise :class:`PlanError` (one line, nothing changed)."""
+    names the code may use, in a copy; ``progress``: called with a line before each run of the cell. Bad input, a
+    framework that cannot be estimated or a cell without a training step raise :class:`PlanError` (one line, nothing
+    changed)."""
     count, gpu_mib, gpu_label = parse_gpu(gpu) if gpu is not None else (None, None, None)
     ranks = ranks if ranks is not None else count or 1
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
@@ -213,99 +216,49 @@ def estimate(
     if not callable(code_or_function) and not (isinstance(code_or_function, str) and code_or_function.strip()):
         raise PlanError("nothing to estimate; give the code that builds the model and runs a training step")
     code = code_or_function.__code__ if callable(code_or_function) else _compiled(code_or_function)
-    name = _framework(code, framework, getattr(code_or_function, "__globals__", namespace or {}))
-    chosen = list(range(ranks)) if all_ranks else [rank]
+    chosen = _framework(code, framework, getattr(code_or_function, "__globals__", namespace or {}))
+    rank_list = list(range(ranks)) if all_ranks else [rank]
+    gpu_named = (gpu_label, gpu_mib * 2**20) if gpu is not None else None
     __tracebackhide__ = True
-    label = frameworks.get(name).label
     try:
-        if name == "torch":
-            with _without_triton(), mock.patch.dict(os.environ):  # torch's tools set TORCHINDUCTOR_CACHE_DIR
-                from .frameworks.torch.estimate import estimate_rank
-
-                cell = code_or_function if callable(code_or_function) else code
-                gpu_named = (gpu_label, gpu_mib * 2**20) if gpu is not None else None
-                found = []
-                for r in chosen:
-                    progress(f"estimating: the cell runs as rank {r} of {ranks} ({label}, fake tensors)…")
-                    found.append((r, estimate_rank(cell, ranks, r, namespace, gpu_named)))
-        else:
-            from .frameworks.jax.estimate import estimate_ranks
-
-            progress(f"estimating: the cell's jitted steps compile for {ranks} devices ({label})…")
-            found = list(zip(chosen, estimate_ranks(code_or_function, ranks, chosen, namespace)))
+        estimator = importlib.import_module(chosen.estimator)
+        found = estimator.estimate_ranks(code_or_function, code, ranks, rank_list, namespace, gpu_named, progress)
     except PlanError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever the cell raises is its own, shown in its lines
         raise _as_the_cells(exc) from None
-    if not any(f["peak_bytes"] for _, f in found):
-        if name == "jax":
-            raise PlanError("the cell ran no jitted step; wrap the training step in jax.jit and call it")
-        raise PlanError("the cell made no tensors; put the model and one training step in it")
-    if name == "torch" and not any(f["backward"] for _, f in found):
-        raise PlanError("the cell has no training step (no backward pass ran); add one, e.g. loss.backward()")
-    first = found[0][1]
-    per_rank = [RankMemory(r, f["peak_bytes"], f["categories"], f["phase"]) for r, f in found]
-    result = MemoryEstimate(label, ranks, per_rank, first["parallelism"], gpu_label, notes=list(first.get("notes", [])))
+    first = found[0]
+    per_rank = [RankMemory(r, f["peak_bytes"], f["categories"], f["phase"]) for r, f in zip(rank_list, found)]
+    result = MemoryEstimate(
+        chosen.label, ranks, per_rank, first["parallelism"], gpu_label, notes=list(first.get("notes", []))
+    )
     if gpu_mib is not None:
-        result.gpu_bytes, result.kept_bytes = gpu_mib * 2**20, _kept_mib(name, gpu_mib) * 2**20
+        result.gpu_bytes, result.kept_bytes = gpu_mib * 2**20, estimator.kept_mib(gpu_mib) * 2**20
         if not result.fits:
-            rerun = partial(estimate, code_or_function, framework=name, namespace=namespace, progress=progress)
-            result.levers = _levers(result, set(first.get("uses", ())), rerun)
+            rerun = partial(estimate, code_or_function, framework=chosen.name, namespace=namespace, progress=progress)
+            parts = max(per_rank, key=lambda r: r.peak_bytes).categories
+            levers = estimator.levers(parts, ranks, result.parallelism, set(first.get("uses", ())))
+            result.levers = [_judged(lever, result, rerun) for lever in levers]
     return result
 
 
-@contextlib.contextmanager
-def _without_triton() -> Iterator[None]:
-    # With TensorFlow loaded, importing Triton (torch's tools import torch._dynamo, which looks for it) crashes
-    # the process (TensorFlow 2.21 beside torch 2.14's Triton: a segfault). The estimate needs no Triton; the
-    # kernel's own later import of it is the kernel's, so nothing of this stays.
-    hidden = "tensorflow" in sys.modules and "triton" not in sys.modules
-    if hidden:
-        sys.modules["triton"] = None
-    try:
-        yield
-    finally:
-        if hidden and sys.modules.get("triton", "") is None:
-            del sys.modules["triton"]
+def _judged(lever: dict[str, Any], result: MemoryEstimate, rerun: Callable[[int], MemoryEstimate]) -> str:
+    """A framework's lever against the device: re-estimated on its ``ranks``, or a bound from what it ``saves``."""
+    if "ranks" in lever:
+        outcome = f"{result.outcome(rerun(lever['ranks']).peak_bytes)} (re-estimated)"
+    elif "saves" in lever:
+        outcome = result.outcome(result.peak_bytes - lever["saves"], bound=True)
+    else:
+        outcome = "not re-estimated"
+    return f"{lever['lever']}: {outcome}" + (f" ({lever['note']})" if "note" in lever else "")
 
 
 def _as_the_cells(exc: Exception) -> Exception:
     """The cell's own error with the cell's lines only (and the notebook's code they called): not the frames of
-    vgpu_magic, torch or the standard library between them, nor the errors torch raised on the way."""
+    vgpu_magic, the framework or the standard library between them, nor the errors raised on the way."""
     ours = (os.path.dirname(__file__), *{sysconfig.get_path(p) for p in ("stdlib", "purelib", "platlib")})
     kept = [(f, line) for f, line in traceback.walk_tb(exc.__traceback__) if not f.f_code.co_filename.startswith(ours)]
     trace = None
     for frame, line in reversed(kept):
         trace = types.TracebackType(trace, frame, frame.f_lasti, line)
     return exc.with_traceback(trace)
-
-
-def _kept_mib(name: str, gpu_mib: int) -> int:
-    if name == "jax":  # XLA's client takes 75 % of the card by default (XLA_CLIENT_MEM_FRACTION, or its old name)
-        fraction = os.environ.get("XLA_CLIENT_MEM_FRACTION") or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-        return gpu_mib - int(gpu_mib * float(fraction or "0.75"))
-    return CUDA_CONTEXT_MIB  # torch keeps nothing back itself: its planner reserve is this same allowance
-
-
-def _levers(result: MemoryEstimate, uses: set[str], rerun: Callable[[int], MemoryEstimate]) -> list[str]:
-    """What could make it fit, each against the device: re-estimated, or bounded by what the peak holds of
-    what it shrinks (a lever saves at most that); none that the cell already uses."""
-    parts = max(result.ranks, key=lambda r: r.peak_bytes).categories
-    peak, world, bound, levers = result.peak_bytes, result.world, partial(result.outcome, bound=True), []
-    batch = parts.get("activations", 0) + parts.get("temporaries", 0)  # what grows with the batch, at most
-    if result.framework == "JAX":  # XLA's temporaries are activations, gradients and scratch alike
-        tools = [t for t, use in (("jax.checkpoint", "checkpointing"), ("bf16", "bf16")) if use not in uses]
-        return [f"{', '.join([*tools, 'a smaller batch'])} shrink XLA's temporaries: {bound(peak - batch)} (with none)"]
-    state = sum(parts.get(k, 0) for k in ("parameters", "gradients", "optimizer state")) * (world - 1) // world
-    if "FSDP" in result.parallelism:
-        levers.append(f"FSDP over {2 * world} ranks: {result.outcome(rerun(2 * world).peak_bytes)} (re-estimated)")
-    elif world > 1:
-        levers.append(f"shard the model's state with FSDP2 (fully_shard): {bound(peak - state)}")
-    if "no reshard" in uses:
-        levers.append("reshard_after_forward=True (the default; this cell passes False): not re-estimated")
-    if parts.get("activations") and "checkpointing" not in uses:
-        kept = "if nothing were kept for the backward; it keeps each checkpointed block's input"
-        levers.append(f"activation checkpointing: {bound(peak - parts['activations'])} ({kept})")
-    if batch and "bf16" not in uses:
-        levers.append(f"bf16 compute (torch.autocast): {bound(peak - batch // 2)}")
-    return levers + [f"half the batch: {bound(peak - batch // 2)}"] * bool(batch)

@@ -7,7 +7,7 @@ import sys
 
 import torch.distributed as dist
 
-from vgpu_magic.frameworks.torch.estimate import PeakTracker
+from vgpu_magic.frameworks.torch.fake_rank import PeakTracker
 
 dist.init_process_group("gloo")
 with open(sys.argv[1]) as f:

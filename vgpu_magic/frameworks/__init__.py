@@ -24,6 +24,7 @@ __all__ = [
     "get",
     "register",
     "imported",
+    "written_for",
     "select",
     "resolve_name",
     "choices",
@@ -102,6 +103,12 @@ def imported() -> list[Framework]:
     backend = _keras_backend()
     found = [fw for fw in all_frameworks() if fw.capabilities.splits_in_process and fw.imported()]
     return sorted(found, key=lambda fw: fw.name != backend)
+
+
+def written_for(names: set[str]) -> list[Framework]:
+    """The frameworks that code using ``names`` is written for (:meth:`Framework.used_by`), in registry order;
+    code that uses Keras and none of them is for Keras' default backend, :data:`DEFAULT`."""
+    return [fw for fw in all_frameworks() if fw.used_by(names)] or [get(DEFAULT)] * ("keras" in names)
 
 
 def _keras_backend() -> str:

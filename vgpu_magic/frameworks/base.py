@@ -13,7 +13,7 @@ import importlib.util
 import os
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any, ClassVar
 
 from ..devices import Capabilities, ConfigSnapshot, DeviceInventory
@@ -50,6 +50,19 @@ def call_before_start(owner: Any, name: str, starting: Callable[..., bool], call
             setattr(owner, name, original)
 
     return undo
+
+
+@contextlib.contextmanager
+def restored(mapping: MutableMapping) -> Iterator[None]:
+    """Around a block that changes ``mapping`` (``os.environ``, a module's names): afterwards, also when it raised,
+    what it added is gone and what it changed or deleted is back."""
+    before = dict(mapping)
+    try:
+        yield
+    finally:
+        for key in mapping.keys() - before.keys():
+            del mapping[key]
+        mapping.update(before)
 
 
 class CudaUser:
@@ -212,6 +225,22 @@ class Framework(CudaUser, abc.ABC):
         from ..keras_backend import keras_backend_warning
 
         return keras_backend_warning(self.keras_backend, self.label)
+
+    # -- memory estimate ---------------------------------------------------------
+    def used_by(self, names: set[str]) -> bool:
+        """Is this framework used by code that uses ``names`` (its global names, the packages it imports and those
+        of the objects it uses)?"""
+        return self.module in names
+
+    @property
+    def estimator(self) -> str | None:
+        """The module that estimates a cell written for it (``%%vgpu_estimate``): its package's ``estimate``, with
+        ``estimate_ranks``, ``kept_mib`` and ``levers`` (docs/architecture.md); ``None`` where it has none.
+        Imports no framework."""
+        name = f"{type(self).__module__}.estimate"
+        with contextlib.suppress(ModuleNotFoundError):  # a framework defined in a module, not in a package
+            return name if importlib.util.find_spec(name) else None
+        return None
 
     # -- helpers -----------------------------------------------------------------
     def strategy(self, devices: list[str] | None = None) -> Any:

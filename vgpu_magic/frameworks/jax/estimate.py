@@ -9,20 +9,33 @@ import os
 import re
 import subprocess
 import sys
+import types
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["estimate_ranks"]
+from ...errors import PlanError
+from . import ENV_CLIENT_FRACTION, ENV_FRACTION
+
+__all__ = ["estimate_ranks", "kept_mib", "levers"]
 
 _MARK = "VGPU_ESTIMATE "
 _CELL = "<vgpu_estimate cell>"
 
 
-def estimate_ranks(cell: Any, world: int, ranks: list[int], namespace: dict | None) -> list[dict[str, Any]]:
-    """Each chosen rank's (device's) peak: the largest of the cell's compiled steps."""
-    from ...errors import PlanError
-
+def estimate_ranks(
+    cell: Any,
+    code: types.CodeType,
+    world: int,
+    ranks: list[int],
+    namespace: dict | None,
+    gpu: tuple[str, int] | None,
+    progress: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """Each of ``ranks``' (devices') peak: the largest of the cell's compiled steps. The cell stands alone: the
+    helper sees no notebook names, and a cell that runs no jitted step is refused (PlanError)."""
     if not isinstance(cell, str):
         raise PlanError("a JAX estimate takes the cell's code (it runs in a helper process with N devices)")
+    progress(f"estimating: the cell's jitted steps compile for {world} devices (JAX)…")
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={world}".strip()
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-m", __name__], input=cell, capture_output=True, text=True, env=env)
@@ -32,11 +45,27 @@ def estimate_ranks(cell: Any, world: int, ranks: list[int], namespace: dict | No
         where = "".join(f"line {n} of the cell: " for n in re.findall(rf'"{_CELL}", line (\d+)', proc.stderr)[-1:])
         raise RuntimeError(f"{where}{(errors or ['no output'])[-1]} (in the estimate's helper, {world} devices)")
     found = json.loads(lines[-1][len(_MARK) :])
+    if not found["peak_bytes"]:
+        raise PlanError("the cell ran no jitted step; wrap the training step in jax.jit and call it")
     found["notes"] = [
         "compiled for CPU devices: a GPU compile chooses its own temporaries, and on an H100 the test "
         "cell's real peak was twice this estimate (tests/test_estimate_gpu.py's finding)"
     ]
     return [found] * len(ranks)  # one SPMD program: every device's figures are the same
+
+
+def kept_mib(gpu_mib: int) -> int:
+    """What XLA's client leaves of a GPU: 25 % by default (``XLA_CLIENT_MEM_FRACTION``, or its old name)."""
+    fraction = os.environ.get(ENV_CLIENT_FRACTION) or os.environ.get(ENV_FRACTION)
+    return gpu_mib - int(gpu_mib * float(fraction or "0.75"))
+
+
+def levers(parts: dict[str, int], world: int, parallelism: str, uses: set[str]) -> list[dict[str, Any]]:
+    """XLA's temporaries are activations, gradients and scratch alike: one lever names what shrinks them (none the
+    cell already uses), which saves at most them."""
+    tools = [t for t, use in (("jax.checkpoint", "checkpointing"), ("bf16", "bf16")) if use not in uses]
+    shrink = f"{', '.join([*tools, 'a smaller batch'])} shrink XLA's temporaries"
+    return [{"lever": shrink, "saves": parts.get("temporaries", 0), "note": "with none"}]
 
 
 def _run(cell: str) -> dict[str, Any]:
