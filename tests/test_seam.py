@@ -324,3 +324,33 @@ def test_frameworks_import_nothing_from_the_layers_above_them():
             if any(f"vgpu_magic.{layer}" in target for layer in ("ranks", "monitor")):
                 upward.append(f"{path.relative_to(package)}:{node.lineno} imports {target}")
     assert upward == []
+
+
+def test_a_framework_registered_by_its_modules_name_is_imported_once_after_the_extension_loaded(
+    ip, tmp_path, monkeypatch
+):
+    # Resolving the registry's "module:attr" imports that module: the import watcher must not take that import
+    # for the user's own and resolve the registry again, without end.
+    (tmp_path / "vgpu_lazy_fakefw.py").write_text(
+        "import sys\n"
+        "IMPORTS = getattr(sys, '_vgpu_lazy_imports', 0) + 1\n"
+        "sys._vgpu_lazy_imports = IMPORTS\n"
+        "from tests.test_seam import FakeFramework\n"
+        "FRAMEWORK = FakeFramework()\n"
+        "FRAMEWORK.module = 'vgpu_lazy_fakefw'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    saved = dict(frameworks.REGISTRY)
+    frameworks.register("lazyfw", "vgpu_lazy_fakefw:FRAMEWORK")
+    try:
+        import vgpu_lazy_fakefw
+
+        assert vgpu_lazy_fakefw.IMPORTS == 1
+        assert frameworks.get("lazyfw") is vgpu_lazy_fakefw.FRAMEWORK
+    finally:
+        frameworks.REGISTRY.clear()
+        frameworks.REGISTRY.update(saved)
+        frameworks._instances.pop("lazyfw", None)
+        sys.modules.pop("vgpu_lazy_fakefw", None)
+        if hasattr(sys, "_vgpu_lazy_imports"):
+            del sys._vgpu_lazy_imports

@@ -263,17 +263,24 @@ class _FrameworkImports(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if self._finding or "." in name:
             return None
-        fw = next((f for f in frameworks.all_frameworks() if f.module == name), None)
-        if fw is None:
-            return None
+        others = [key for key, entry in frameworks.REGISTRY.items() if _resolvable(entry, name)]
         self._finding = True
         try:
-            spec = importlib.util.find_spec(name)
+            fw = next((f for f in map(frameworks.get, others) if f.module == name), None)
+            spec = None if fw is None else importlib.util.find_spec(name)
         finally:
             self._finding = False
         if spec is not None and spec.loader is not None:
             spec.loader = _WatchedLoader(spec.loader, fw)
         return spec
+
+
+def _resolvable(entry: Any, importing: str) -> bool:
+    """Can a registry entry (``"module:attr"``) be resolved while ``importing`` is found? Not when its module is
+    the one being imported (it would run twice) or is still running (its attribute is not there yet)."""
+    module = str(entry).partition(":")[0] if isinstance(entry, str) else ""
+    running = getattr(getattr(sys.modules.get(module), "__spec__", None), "_initializing", False)
+    return not (module.split(".")[0] == importing or running)
 
 
 class _WatchedLoader(importlib.abc.Loader):
