@@ -308,3 +308,51 @@ def test_ranks_that_ended_alike_are_said_in_agreement():
     assert (
         str(error) == "ranks 1, 2, 3 were killed by SIGABRT; rank 0 was killed by SIGSEGV; the cluster is still usable"
     )
+
+
+@pytest.mark.parametrize("peer", [True, False])
+def test_only_a_traceback_that_says_its_peer_went_is_said_in_one_line(peer):
+    """Issue 37, row 6: rank 0's consequential gloo traceback, after rank 1's own, is one line in the output and in
+    the error, its text kept in the error's per-rank data; an error of its own (a second, independent failure) is
+    never hidden."""
+    from concurrent import futures
+
+    from vgpu_magic.ranks.run import RankProcesses, RankRun, RankRunError
+
+    class Reply(futures.Future):
+        def ready(self):
+            return self.done()
+
+        def successful(self):
+            return False
+
+        def wait_for_output(self, timeout=None):
+            return True
+
+    own = "ValueError: bad batch"
+    second = "RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:1" if peer else "KeyError: 'x'"
+    replies = [Reply(), Reply()]
+    for rank, (reply, last) in enumerate(zip(replies, (second, own))):
+        tb = f'Traceback (most recent call last):\n  File "s.py", line 7, in <module>\n    step()\n{last}\n'
+        reply.output_events = [("stderr", "".join(f"[rank{rank}]: {line}\n" for line in tb.splitlines()))]
+        error = Exception("exited with status 1")
+        error.ename, error.evalue = "ProcessExited", "exited with status 1"
+        reply.set_exception(error)
+    said = io.StringIO()
+    runner = RankRun(RankProcesses([os.getpid()] * 2), lambda rank: replies[rank], stdout=said, stderr=said)
+    with pytest.raises(RankRunError) as info:
+        runner.run()
+    lines = said.getvalue().splitlines()
+    assert f"[rank 1] {own}" in lines
+    if peer:
+        assert str(info.value) == (
+            "rank 1 exited with status 1; rank 0 stopped: its peer closed the connection (rank 1 failed first); "
+            "the cluster is still usable"
+        )
+        assert [line for line in lines if line.startswith("[rank 0]")] == [
+            "[rank 0] stopped: its peer closed the connection (rank 1 failed first)"
+        ]
+        assert info.value.failures[-1].traceback[-1] == second
+    else:
+        assert str(info.value) == "ranks 0, 1 exited with status 1; the cluster is still usable"
+        assert f"[rank 0] {second}" in lines and "peer" not in said.getvalue()

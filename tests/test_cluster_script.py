@@ -231,3 +231,31 @@ def test_a_failing_ranks_traceback_is_shown_once_under_its_own_label(kernel, tmp
     assert everything.count("ValueError: bad batch") == 1
     assert "[rank 1] ValueError: bad batch" in kernel_stdout(reply)
     assert "[rank1]:" not in everything and "[rank0]:" not in everything
+
+
+# -- the fault policy's words and the interrupt's grace (issue 37, rows 2, 6, 7) --------------------------------
+
+
+def test_the_ranks_a_failure_took_down_are_said_in_one_line_each(kernel, tmp_path):
+    """Issue 37, row 6: when rank 1 raised, rank 0's consequential gloo traceback (``Connection closed by peer``,
+    ~15 lines) streamed in full. Now it is one line, in the live output and in the RankRunError, whose per-rank
+    data keeps the whole text."""
+    _, kc = kernel
+    script = tmp_path / "ddp.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\nt = torch.ones(1)\n"
+        "for step in range(100):\n    if step == 5 and dist.get_rank() == 1:\n"
+        "        raise ValueError('bad batch')\n    dist.all_reduce(t)\n"
+    )
+    reply = kernel_run(kc, f"%vgpu_run --no-plot {script}")
+    [error] = [m["content"] for m in reply if m["msg_type"] == "error"]
+    everything = kernel_stdout(reply) + kernel_stream(reply, "stderr") + "\n".join(error["traceback"])
+    assert everything.count("ValueError: bad batch") == 1
+    said = "rank 0 stopped: its peer closed the connection (rank 1 failed first)"
+    assert f"[{said.replace(' stopped', '] stopped')}" in kernel_stdout(reply).splitlines()
+    [line] = error["traceback"]
+    assert line.startswith("RankRunError: rank 1 ") and f"; {said}; the cluster is still usable" in line, line
+    assert "Connection closed by peer" not in everything and "[rank 0] Traceback" not in everything
+    # The whole text is kept with the rank's failure.
+    reply = kernel_run(kc, "import sys\nprint('\\n'.join(sys.last_value.failures[-1].traceback))")
+    assert "Connection closed by peer" in kernel_stdout(reply)

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 from ..runtime import running_cell
 from .launch import INTERRUPT_GRACE
 from .memory import RankMonitor
-from .shown import HeldBack, LineStream, events, how_it_ended, notebook_traceback, show_display
+from .shown import PEER_GONE, HeldBack, LineStream, events, how_it_ended, notebook_traceback, show_display
 
 __all__ = [
     "GRACE",
@@ -49,7 +49,8 @@ SAMPLE_EVERY = 0.2
 
 @dataclass(frozen=True)
 class RankFailure:
-    """Why one rank did not finish: ``kind`` is ``"error"``, ``"died"`` or ``"timeout"``."""
+    """Why one rank did not finish: ``kind`` is ``"error"``, ``"died"``, ``"timeout"`` or ``"peer"`` (its error
+    said another rank went, one that failed first: its traceback is kept, not shown)."""
 
     rank: int
     kind: str
@@ -96,7 +97,7 @@ class RankRunError(RuntimeError):
     def _render_traceback_(self) -> list[str]:
         lines = [
             f"[{_rank_s(ranks)}] {line}"
-            for traceback, ranks in _grouped(self.failures, "traceback")
+            for traceback, ranks in _grouped([f for f in self.failures if f.kind != "peer"], "traceback")
             for block in traceback
             for line in block.splitlines()
         ]
@@ -188,7 +189,7 @@ class RankRun:
         #: Seconds a rank has to come back after SIGINT: a launch's, its process' too.
         self.grace = GRACE + (INTERRUPT_GRACE if self.launched else 0.0)
 
-    def _emit(self, results: list[Any], streams: list[tuple[LineStream, LineStream]], final: bool = False) -> None:
+    def _emit(self, results: list[Any], streams: list[tuple[LineStream, LineStream]]) -> None:
         for rank, (ar, (out, err)) in enumerate(zip(results, streams)):
             seen = self._seen.get(rank, 0)
             # Read once: the list grows on ipyparallel's thread meanwhile.
@@ -199,9 +200,6 @@ class RankRun:
                     show_display(rank, content, self.stdout)
                 else:
                     (out if kind == "stdout" else err).feed(content)
-            if final:
-                out.end()
-                err.end()
 
     def _drain(self, results: list[Any], streams: list[tuple[LineStream, LineStream]]) -> None:
         """Show the rest of the output of every finished, living rank: ipyparallel can deliver a rank's reply
@@ -217,9 +215,25 @@ class RankRun:
             if count != arrived:
                 arrived, since = count, time.monotonic()
             time.sleep(POLL if waiting else 0)
-        self._emit(results, streams, final=True)
+        self._emit(results, streams)
         for rank in waiting:
             self.stderr.write(f"[rank {rank}] the rest of its output did not arrive within {OUTPUT_WAIT:g} s\n")
+
+    def _end(self, streams: list[tuple[LineStream, LineStream]], failures: dict[int, RankFailure], stopped=()) -> None:
+        """End each rank's streams. A rank that failed (or was ``stopped`` as it did) saying its peer went
+        (:data:`~.shown.PEER_GONE`, in what it printed or raised) while another failed otherwise was taken down by
+        that one: one line says so, in its stream and its failure, which keeps the whole text; those go last."""
+        failed = {*stopped, *(r for r, f in failures.items() if f.kind == "error")}
+        peers = [r for r in failed if streams[r][1].peer or PEER_GONE.search(getattr(failures.get(r), "summary", ""))]
+        first = [r for r in failures if r not in peers]
+        said = f"stopped: its peer closed the connection ({_rank_s(first[:1])} failed first)" if first else None
+        for rank, (out, err) in enumerate(streams):
+            held = out.end() + err.end(said if rank in peers else None)
+            if said and rank in peers:
+                failures[rank] = RankFailure(rank, "peer", said, tuple(held) or failures[rank].traceback)
+        for rank in peers:
+            if rank in failures:
+                failures[rank] = failures.pop(rank)
 
     def _failure(self, rank: int, ar: Any) -> RankFailure:
         exc = _error(ar)
@@ -355,6 +369,7 @@ class RankRun:
         except KeyboardInterrupt:
             running, killed = self._stop_others(results, set(failures))
             self._drain(results, streams)
+            self._end(streams, {})
             self.trace = memory.finish(interrupted=True)
             said = [f"interrupted {_rank_s(running)}" if running else "no rank was running"]
             if killed:
@@ -372,8 +387,9 @@ class RankRun:
                 exc = _error(ar) if rank not in failures and rank not in killed else None
                 if exc is not None and getattr(exc, "ename", type(exc).__name__) != "KeyboardInterrupt":
                     failures[rank] = self._failure(rank, ar)
-            interrupted = [r for r in interrupted if r not in failures]
         self._drain(results, streams)
+        self._end(streams, failures, interrupted)
+        interrupted = [r for r in interrupted if r not in failures]
         self.trace = memory.finish(bool(failures or timed_out), sorted(failures), timed_out is not None)
         if failures or timed_out:
             every = list(failures.values()) or [timed_out]
