@@ -3,8 +3,8 @@
 :class:`RankRun` submits the work to each rank (one ipyparallel ``AsyncResult`` each) and watches them from the
 kernel: each rank's output streams live as whole lines labelled ``[rank r]``, its displays in their place among
 them; its memory is sampled (:mod:`.memory`). The policy's delays are :data:`COLLECT` and :data:`GRACE` (a script's
-launch gets its process' :data:`~.launch.INTERRUPT_GRACE` more). A rank's process is reached through
-:class:`RankProcesses`: by PID on this host, through its engine on another.
+launch more, while its engine stops the process it launched: :func:`.launch.progressing`). A rank's process is
+reached through :class:`RankProcesses`: by PID on this host, through its engine on another.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ..runtime import running_cell
-from .launch import INTERRUPT_GRACE
+from .launch import INTERRUPT_LIMIT, STUCK
+from .lifetime import WATCHER_NAME
 from .memory import RankMonitor
 from .shown import PEER_GONE, HeldBack, LineStream, events, how_it_ended, notebook_traceback, show_display
 
@@ -70,6 +71,7 @@ class RankRunError(RuntimeError):
         killed: list[int],
         must_restart: bool,
         grace: float = GRACE,
+        log: str = "",
     ) -> None:
         #: Every rank's own failure, the first seen first.
         self.failures = list(failures)
@@ -78,6 +80,8 @@ class RankRunError(RuntimeError):
         self.killed = killed
         self.must_restart = must_restart
         self.grace = grace
+        #: ``"; the processes' log: PATH"``, kept where the cluster must be restarted.
+        self.log = log
         super().__init__(self.headline())
 
     def headline(self, state: bool = True) -> str:
@@ -92,7 +96,7 @@ class RankRunError(RuntimeError):
             parts.append("the cluster must be restarted: %vgpu_cluster restart")
         elif state:
             parts.append("the cluster is still usable")
-        return "; ".join(parts)
+        return "; ".join(parts) + self.log
 
     def _render_traceback_(self) -> list[str]:
         lines = [
@@ -144,6 +148,8 @@ class RankProcesses:
     hosts: list[str] | None = None
     #: ``engine(rank)``: the rank's ipyparallel view (its allocator's figures are read through it).
     engine: Callable[[int], Any] | None = None
+    #: ``keep_log()``: keep what the processes logged, where a rank died: ``"; the processes' log: PATH"``.
+    keep_log: Callable[[], str] = lambda: ""
 
     def on_this_host(self, rank: int) -> bool:
         return self.local is None or self.local[rank]
@@ -159,6 +165,16 @@ class RankProcesses:
                 os.kill(self.pids[rank], signum)
         elif self.engine_signal is not None:
             self.engine_signal(rank, signum)
+
+    def launching(self, rank: int) -> bool:
+        """Does the rank's engine still have a process it launched (its watcher aside)? Elsewhere it may."""
+        import psutil
+
+        with contextlib.suppress(psutil.Error):
+            return not self.on_this_host(rank) or any(
+                p.name() != WATCHER_NAME for p in psutil.Process(self.pids[rank]).children()
+            )
+        return False
 
     def memory_pids(self) -> list[int | None]:
         """The PIDs the kernel can read memory of (``None`` for a rank on another host)."""
@@ -186,8 +202,8 @@ class RankRun:
         self.trace = None  # the run's MemoryTrace, once it ended
         self.killed: list[int] = []
         self._seen: dict[int, int] = {}  # how many of each rank's output events were shown
-        #: Seconds a rank has to come back after SIGINT: a launch's, its process' too.
-        self.grace = GRACE + (INTERRUPT_GRACE if self.launched else 0.0)
+        #: Seconds a rank has at most to come back after SIGINT: a launch's, its process' too.
+        self.grace = GRACE + (INTERRUPT_LIMIT + STUCK if self.launched else 0.0)
 
     def _emit(self, results: list[Any], streams: list[tuple[LineStream, LineStream]]) -> None:
         for rank, (ar, (out, err)) in enumerate(zip(results, streams)):
@@ -275,8 +291,14 @@ class RankRun:
         running = [r for r, ar in enumerate(results) if r not in done and not _settled(ar) and self.procs.alive(r)]
         for rank in running:
             self.procs.signal(rank, signal.SIGINT)
-        deadline = time.monotonic() + self.grace
-        while time.monotonic() < deadline and any(not _settled(results[r]) and self.procs.alive(r) for r in running):
+        start = time.monotonic()
+        deadline = start + GRACE
+        while time.monotonic() < deadline and (
+            busy := [r for r in running if not _settled(results[r]) and self.procs.alive(r)]
+        ):
+            if self.launched and any(self.procs.launching(r) for r in busy):
+                # Its engine stops the process it launched while that makes progress (:func:`.launch.progressing`).
+                deadline = min(start + self.grace, time.monotonic() + GRACE)
             time.sleep(POLL)
         stuck = [r for r in running if not _settled(results[r]) and self.procs.alive(r)]
         for rank in stuck:
@@ -373,7 +395,8 @@ class RankRun:
             self.trace = memory.finish(interrupted=True)
             said = [f"interrupted {_rank_s(running)}" if running else "no rank was running"]
             if killed:
-                said.append(f"{_killed(killed, self.grace)}; the cluster must be restarted: %vgpu_cluster restart")
+                restart = f"the cluster must be restarted: %vgpu_cluster restart{self.procs.keep_log()}"
+                said.append(f"{_killed(killed, self.grace)}; {restart}")
             interrupt = KeyboardInterrupt("; ".join(said))
             # IPython shows this one line, not the way the interrupt came through the kernel and vgpu_magic.
             interrupt._render_traceback_ = lambda: [f"KeyboardInterrupt: {interrupt}"]
@@ -398,7 +421,8 @@ class RankRun:
                 held_back = held.this_run.get(failure.rank, ())
                 self.stderr.write("".join(f"[rank {failure.rank}] {line}\n" for line in held_back))
             must_restart = bool(killed) or any(f.kind == "died" for f in every)
-            raise RankRunError(every, interrupted, killed, must_restart, self.grace)
+            log = self.procs.keep_log() if must_restart else ""
+            raise RankRunError(every, interrupted, killed, must_restart, self.grace, log)
         return results
 
 
