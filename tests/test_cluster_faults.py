@@ -356,3 +356,29 @@ def test_only_a_traceback_that_says_its_peer_went_is_said_in_one_line(peer):
     else:
         assert str(info.value) == "ranks 0, 1 exited with status 1; the cluster is still usable"
         assert f"[rank 0] {second}" in lines and "peer" not in said.getvalue()
+
+
+@pytest.mark.parametrize("working", [True, False])
+def test_an_interrupted_launch_is_waited_for_while_it_works_and_killed_once_stuck(monkeypatch, working):
+    """Issue 37, row 2: the grace of an interrupted launch was a fixed 30 s. A process whose SIGINT handler keeps
+    working (here: printing) is waited for past the time without progress that ends one that sits idle."""
+    import signal
+    import subprocess
+    import sys
+
+    from vgpu_magic.ranks import launch
+
+    monkeypatch.setattr(launch, "STUCK", 1.0)
+    work = "for i in range(15):\n    print(i, flush=True)\n    time.sleep(0.2)\n" if working else "time.sleep(60)\n"
+    code = f"import signal, time\nsignal.signal(signal.SIGINT, lambda *a: None)\nprint('ready', flush=True)\n{work}"
+    popen = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert popen.stdout.readline() == b"ready\n"
+    # The engine's interrupt, as the kernel's SIGINT brings it.
+    previous = signal.signal(signal.SIGALRM, signal.default_int_handler)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    try:
+        with pytest.raises(KeyboardInterrupt), contextlib.redirect_stdout(io.StringIO()):
+            launch._follow(popen)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert popen.wait(10) == (0 if working else -signal.SIGKILL)

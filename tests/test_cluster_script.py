@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from pathlib import Path
 
 import psutil
@@ -325,8 +326,9 @@ def test_a_rank_that_dies_mid_run_keeps_the_processes_log(kernel, tmp_path):
     )
     reply = kernel_run(kc, f"%vgpu_run --no-plot {script}")
     [error] = [m["content"] for m in reply if m["msg_type"] == "error"]
-    said, _, path = error["evalue"].partition("; the processes' log: ")
-    assert said.startswith("rank 1 was killed by SIGKILL") and "must be restarted" in said and path, error["evalue"]
+    said = re.fullmatch(r"rank 1 was killed by SIGKILL \(pid \d+\); the processes' log: (.+?); .*", error["evalue"])
+    assert said and "the cluster must be restarted" in error["evalue"], error["evalue"]
+    path = said.group(1)
     reply = kernel_run(kc, "%vgpu_cluster restart")
     assert not kernel_errors(reply), kernel_errors(reply)
     kept = Path(path).read_text()

@@ -27,8 +27,9 @@ __all__ = ["INTERRUPT_LIMIT", "ProcessExited", "child", "kernel_environ", "launc
 
 #: Seconds a launched process has at most after SIGINT (its ``except KeyboardInterrupt``) while it makes progress.
 INTERRUPT_LIMIT = 120.0
-#: Seconds without progress (CPU time, I/O, output) after which an interrupted process is stuck, and killed.
-STUCK = 3.0
+#: Seconds without progress (CPU time, I/O, output) after which an interrupted process is stuck, and killed: long
+#: enough for a rank's handler to wait for another's save (``dist.barrier()``), short of torchrun's fixed 30 s.
+STUCK = 10.0
 #: Seconds to wait for the rest of the output once the process exited (a grandchild may hold its pipes).
 DRAIN = 1.0
 #: What a spare runs (``python -c``: nothing of the user's folder on ``sys.path``, ``sys.flags`` as plain ``python``).
@@ -235,22 +236,17 @@ def _follow(popen: subprocess.Popen) -> int:
 
 
 def progressing(pid: int) -> Iterator[None]:
-    """Yields (the caller waits a moment each time) while process ``pid`` and those below it made progress (CPU time,
-    characters read or written) in the last :data:`STUCK` s, for :data:`INTERRUPT_LIMIT` s at most."""
+    """Yields (the caller waits a moment each time) while process ``pid`` made progress (CPU time, characters read
+    or written: its output too) in the last :data:`STUCK` s, for :data:`INTERRUPT_LIMIT` s at most."""
     import psutil
 
     start = moved = time.monotonic()
     last = None
     while (now := time.monotonic()) - start < INTERRUPT_LIMIT and now - moved < STUCK:
-        done = 0.0
         with contextlib.suppress(psutil.Error):
-            top = psutil.Process(pid)
-            for proc in (top, *top.children(recursive=True)):
-                with contextlib.suppress(psutil.Error):
-                    cpu, io = proc.cpu_times(), proc.io_counters()
-                    done += cpu.user + cpu.system + io.read_chars + io.write_chars
-        if done != last:
-            last, moved = done, now
+            proc = psutil.Process(pid)
+            if (done := (*proc.cpu_times(), *proc.io_counters())) != last:
+                last, moved = done, now
         yield
 
 

@@ -22,7 +22,6 @@ from typing import Any, TextIO
 
 from ..runtime import running_cell
 from .launch import INTERRUPT_LIMIT, STUCK
-from .lifetime import WATCHER_NAME
 from .memory import RankMonitor
 from .shown import PEER_GONE, HeldBack, LineStream, events, how_it_ended, notebook_traceback, show_display
 
@@ -71,7 +70,6 @@ class RankRunError(RuntimeError):
         killed: list[int],
         must_restart: bool,
         grace: float = GRACE,
-        log: str = "",
     ) -> None:
         #: Every rank's own failure, the first seen first.
         self.failures = list(failures)
@@ -80,8 +78,6 @@ class RankRunError(RuntimeError):
         self.killed = killed
         self.must_restart = must_restart
         self.grace = grace
-        #: ``"; the processes' log: PATH"``, kept where the cluster must be restarted.
-        self.log = log
         super().__init__(self.headline())
 
     def headline(self, state: bool = True) -> str:
@@ -96,7 +92,7 @@ class RankRunError(RuntimeError):
             parts.append("the cluster must be restarted: %vgpu_cluster restart")
         elif state:
             parts.append("the cluster is still usable")
-        return "; ".join(parts) + self.log
+        return "; ".join(parts)
 
     def _render_traceback_(self) -> list[str]:
         lines = [
@@ -148,7 +144,7 @@ class RankProcesses:
     hosts: list[str] | None = None
     #: ``engine(rank)``: the rank's ipyparallel view (its allocator's figures are read through it).
     engine: Callable[[int], Any] | None = None
-    #: ``keep_log()``: keep what the processes logged, where a rank died: ``"; the processes' log: PATH"``.
+    #: ``keep_log()``: keep what the processes logged (a rank died): ``"; the processes' log: PATH"``.
     keep_log: Callable[[], str] = lambda: ""
 
     def on_this_host(self, rank: int) -> bool:
@@ -165,16 +161,6 @@ class RankProcesses:
                 os.kill(self.pids[rank], signum)
         elif self.engine_signal is not None:
             self.engine_signal(rank, signum)
-
-    def launching(self, rank: int) -> bool:
-        """Does the rank's engine still have a process it launched (its watcher aside)? Elsewhere it may."""
-        import psutil
-
-        with contextlib.suppress(psutil.Error):
-            return not self.on_this_host(rank) or any(
-                p.name() != WATCHER_NAME for p in psutil.Process(self.pids[rank]).children()
-            )
-        return False
 
     def memory_pids(self) -> list[int | None]:
         """The PIDs the kernel can read memory of (``None`` for a rank on another host)."""
@@ -202,7 +188,8 @@ class RankRun:
         self.trace = None  # the run's MemoryTrace, once it ended
         self.killed: list[int] = []
         self._seen: dict[int, int] = {}  # how many of each rank's output events were shown
-        #: Seconds a rank has at most to come back after SIGINT: a launch's, its process' too.
+        #: Seconds a rank has at most to come back after SIGINT: a launch's, its process' too (its engine kills
+        #: that once it is stuck: :func:`.launch.progressing`).
         self.grace = GRACE + (INTERRUPT_LIMIT + STUCK if self.launched else 0.0)
 
     def _emit(self, results: list[Any], streams: list[tuple[LineStream, LineStream]]) -> None:
@@ -238,7 +225,7 @@ class RankRun:
     def _end(self, streams: list[tuple[LineStream, LineStream]], failures: dict[int, RankFailure], stopped=()) -> None:
         """End each rank's streams. A rank that failed (or was ``stopped`` as it did) saying its peer went
         (:data:`~.shown.PEER_GONE`, in what it printed or raised) while another failed otherwise was taken down by
-        that one: one line says so, in its stream and its failure, which keeps the whole text; those go last."""
+        that one: one line says so, in its stream and its failure, which keeps the whole text."""
         failed = {*stopped, *(r for r, f in failures.items() if f.kind == "error")}
         peers = [r for r in failed if streams[r][1].peer or PEER_GONE.search(getattr(failures.get(r), "summary", ""))]
         first = [r for r in failures if r not in peers]
@@ -247,9 +234,6 @@ class RankRun:
             held = out.end() + err.end(said if rank in peers else None)
             if said and rank in peers:
                 failures[rank] = RankFailure(rank, "peer", said, tuple(held) or failures[rank].traceback)
-        for rank in peers:
-            if rank in failures:
-                failures[rank] = failures.pop(rank)
 
     def _failure(self, rank: int, ar: Any) -> RankFailure:
         exc = _error(ar)
@@ -282,7 +266,8 @@ class RankRun:
         # The host too for a rank on another host: 'pid 1234 on node2'.
         elsewhere = not self.procs.on_this_host(rank) and self.procs.hosts
         where = f"pid {self.procs.pids[rank]}" + (f" on {self.procs.hosts[rank]}" if elsewhere else "")
-        return RankFailure(rank, "died", f"{how} ({where})", (f"rank {rank} {how}",))
+        # With what the processes logged, which a restart would remove.
+        return RankFailure(rank, "died", f"{how} ({where}){self.procs.keep_log()}", (f"rank {rank} {how}",))
 
     def _stop_others(self, results: list[Any], done: set[int]) -> tuple[list[int], list[int]]:
         """SIGINT every rank still running (not in ``done``, nor :func:`_settled`); kill those still busy
@@ -291,14 +276,8 @@ class RankRun:
         running = [r for r, ar in enumerate(results) if r not in done and not _settled(ar) and self.procs.alive(r)]
         for rank in running:
             self.procs.signal(rank, signal.SIGINT)
-        start = time.monotonic()
-        deadline = start + GRACE
-        while time.monotonic() < deadline and (
-            busy := [r for r in running if not _settled(results[r]) and self.procs.alive(r)]
-        ):
-            if self.launched and any(self.procs.launching(r) for r in busy):
-                # Its engine stops the process it launched while that makes progress (:func:`.launch.progressing`).
-                deadline = min(start + self.grace, time.monotonic() + GRACE)
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline and any(not _settled(results[r]) and self.procs.alive(r) for r in running):
             time.sleep(POLL)
         stuck = [r for r in running if not _settled(results[r]) and self.procs.alive(r)]
         for rank in stuck:
@@ -395,8 +374,7 @@ class RankRun:
             self.trace = memory.finish(interrupted=True)
             said = [f"interrupted {_rank_s(running)}" if running else "no rank was running"]
             if killed:
-                restart = f"the cluster must be restarted: %vgpu_cluster restart{self.procs.keep_log()}"
-                said.append(f"{_killed(killed, self.grace)}; {restart}")
+                said.append(f"{_killed(killed, self.grace)}; the cluster must be restarted: %vgpu_cluster restart")
             interrupt = KeyboardInterrupt("; ".join(said))
             # IPython shows this one line, not the way the interrupt came through the kernel and vgpu_magic.
             interrupt._render_traceback_ = lambda: [f"KeyboardInterrupt: {interrupt}"]
@@ -415,14 +393,14 @@ class RankRun:
         interrupted = [r for r in interrupted if r not in failures]
         self.trace = memory.finish(bool(failures or timed_out), sorted(failures), timed_out is not None)
         if failures or timed_out:
-            every = list(failures.values()) or [timed_out]
+            # A rank that another's failure took down after it.
+            every = sorted(failures.values(), key=lambda failure: failure.kind == "peer") or [timed_out]
             for failure in every:
                 # What a failing rank wrote is part of its failure.
                 held_back = held.this_run.get(failure.rank, ())
                 self.stderr.write("".join(f"[rank {failure.rank}] {line}\n" for line in held_back))
             must_restart = bool(killed) or any(f.kind == "died" for f in every)
-            log = self.procs.keep_log() if must_restart else ""
-            raise RankRunError(every, interrupted, killed, must_restart, self.grace, log)
+            raise RankRunError(every, interrupted, killed, must_restart, self.grace)
         return results
 
 
