@@ -382,3 +382,26 @@ def test_an_interrupted_launch_is_waited_for_while_it_works_and_killed_once_stuc
     finally:
         signal.signal(signal.SIGALRM, previous)
     assert popen.wait(10) == (0 if working else -signal.SIGKILL)
+
+
+def test_the_kept_log_has_a_dead_processs_log_that_ipyparallel_removed(tmp_path):
+    """Issue 37, row 7: ipyparallel reads and removes the log of a process that ended (on its own thread, at any
+    time); the kept log takes it from the launcher that read it."""
+    from types import SimpleNamespace
+
+    from vgpu_magic.ranks import processes
+
+    (tmp_path / "log").mkdir()
+    cluster = SimpleNamespace(profile_dir=str(tmp_path), cluster_id=f"vgpu-x{os.getpid()}")
+    (tmp_path / "log" / f"ipcontroller-{cluster.cluster_id}-1.log").write_text("controller says\n")
+    gone = SimpleNamespace(output_file=str(tmp_path / "log" / f"ipengine-{cluster.cluster_id}-1.log"))
+    gone.get_output = lambda: "engine 1 says before it died\n"
+    said = processes.keep_logs(cluster, [gone])
+    path = said.removeprefix("; the processes' log: ")
+    try:
+        with open(path) as log:
+            kept = log.read()
+    finally:
+        os.remove(path)
+    assert f"==> ipengine-{cluster.cluster_id}-1.log <==\nengine 1 says before it died" in kept
+    assert f"==> ipcontroller-{cluster.cluster_id}-1.log <==\ncontroller says" in kept

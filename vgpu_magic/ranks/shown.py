@@ -95,8 +95,7 @@ class LineStream:
     last, and over another rank's, as on torchrun's terminal; a whole line takes the unfinished one's place, which
     its next update draws again below (``live``, shared by the streams of one ``out``, says whose line is
     unfinished). ``theirs``: the framework's own label of the rank's lines, left out (torch's ``[rank1]:``). A
-    traceback waits for its exception line; one that says a peer went (:data:`PEER_GONE`, ``peer``) waits with
-    all after it for :meth:`end`, which knows whether another rank failed first."""
+    traceback waits for its last line; one saying a peer went (:data:`PEER_GONE`: ``peer``) waits for :meth:`end`."""
 
     def __init__(
         self,
