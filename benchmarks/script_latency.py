@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -101,6 +102,7 @@ def main() -> None:
     finally:
         kc.stop_channels()
         km.shutdown_kernel()
+        shutil.rmtree(folder, ignore_errors=True)
     for index, name in enumerate(("(a) run start -> first line", "(b) last line -> run returns")):
         mine, ref = statistics.median(o[index] for o in ours), statistics.median(t[index] for t in theirs)
         print(
