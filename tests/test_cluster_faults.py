@@ -308,3 +308,100 @@ def test_ranks_that_ended_alike_are_said_in_agreement():
     assert (
         str(error) == "ranks 1, 2, 3 were killed by SIGABRT; rank 0 was killed by SIGSEGV; the cluster is still usable"
     )
+
+
+@pytest.mark.parametrize("peer", [True, False])
+def test_only_a_traceback_that_says_its_peer_went_is_said_in_one_line(peer):
+    """Issue 37, row 6: rank 0's consequential gloo traceback, after rank 1's own, is one line in the output and in
+    the error, its text kept in the error's per-rank data; an error of its own (a second, independent failure) is
+    never hidden."""
+    from concurrent import futures
+
+    from vgpu_magic.ranks.run import RankProcesses, RankRun, RankRunError
+
+    class Reply(futures.Future):
+        def ready(self):
+            return self.done()
+
+        def successful(self):
+            return False
+
+        def wait_for_output(self, timeout=None):
+            return True
+
+    own = "ValueError: bad batch"
+    second = "RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:1" if peer else "KeyError: 'x'"
+    replies = [Reply(), Reply()]
+    for rank, (reply, last) in enumerate(zip(replies, (second, own))):
+        tb = f'Traceback (most recent call last):\n  File "s.py", line 7, in <module>\n    step()\n{last}\n'
+        reply.output_events = [("stderr", "".join(f"[rank{rank}]: {line}\n" for line in tb.splitlines()))]
+        error = Exception("exited with status 1")
+        error.ename, error.evalue = "ProcessExited", "exited with status 1"
+        reply.set_exception(error)
+    said = io.StringIO()
+    runner = RankRun(RankProcesses([os.getpid()] * 2), lambda rank: replies[rank], stdout=said, stderr=said)
+    with pytest.raises(RankRunError) as info:
+        runner.run()
+    lines = said.getvalue().splitlines()
+    assert f"[rank 1] {own}" in lines
+    if peer:
+        assert str(info.value) == (
+            "rank 1 exited with status 1; rank 0 stopped: its peer closed the connection (rank 1 failed first); "
+            "the cluster is still usable"
+        )
+        assert [line for line in lines if line.startswith("[rank 0]")] == [
+            "[rank 0] stopped: its peer closed the connection (rank 1 failed first)"
+        ]
+        assert info.value.failures[-1].traceback[-1] == second
+    else:
+        assert str(info.value) == "ranks 0, 1 exited with status 1; the cluster is still usable"
+        assert f"[rank 0] {second}" in lines and "peer" not in said.getvalue()
+
+
+@pytest.mark.parametrize("working", [True, False])
+def test_an_interrupted_launch_is_waited_for_while_it_works_and_killed_once_stuck(monkeypatch, working):
+    """Issue 37, row 2: the grace of an interrupted launch was a fixed 30 s. A process whose SIGINT handler keeps
+    working (here: printing) is waited for past the time without progress that ends one that sits idle."""
+    import signal
+    import subprocess
+    import sys
+
+    from vgpu_magic.ranks import launch
+
+    monkeypatch.setattr(launch, "STUCK", 1.0)
+    work = "for i in range(15):\n    print(i, flush=True)\n    time.sleep(0.2)\n" if working else "time.sleep(60)\n"
+    code = f"import signal, time\nsignal.signal(signal.SIGINT, lambda *a: None)\nprint('ready', flush=True)\n{work}"
+    popen = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert popen.stdout.readline() == b"ready\n"
+    # The engine's interrupt, as the kernel's SIGINT brings it.
+    previous = signal.signal(signal.SIGALRM, signal.default_int_handler)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    try:
+        with pytest.raises(KeyboardInterrupt), contextlib.redirect_stdout(io.StringIO()):
+            launch._follow(popen)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert popen.wait(10) == (0 if working else -signal.SIGKILL)
+
+
+def test_the_kept_log_has_a_dead_processs_log_that_ipyparallel_removed(tmp_path):
+    """Issue 37, row 7: ipyparallel reads and removes the log of a process that ended (on its own thread, at any
+    time); the kept log takes it from the launcher that read it."""
+    from types import SimpleNamespace
+
+    from vgpu_magic.ranks import processes
+
+    (tmp_path / "log").mkdir()
+    cluster = SimpleNamespace(profile_dir=str(tmp_path), cluster_id=f"vgpu-x{os.getpid()}")
+    (tmp_path / "log" / f"ipcontroller-{cluster.cluster_id}-1.log").write_text("controller says\n")
+    gone = SimpleNamespace(output_file=str(tmp_path / "log" / f"ipengine-{cluster.cluster_id}-1.log"))
+    gone.get_output = lambda: "engine 1 says before it died\n"
+    said = processes.keep_logs(cluster, [gone])
+    path = said.removeprefix("; the processes' log: ")
+    try:
+        with open(path) as log:
+            kept = log.read()
+    finally:
+        os.remove(path)
+    assert f"==> ipengine-{cluster.cluster_id}-1.log <==\nengine 1 says before it died" in kept
+    assert f"==> ipcontroller-{cluster.cluster_id}-1.log <==\ncontroller says" in kept

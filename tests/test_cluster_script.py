@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 from pathlib import Path
 
 import psutil
@@ -231,3 +233,105 @@ def test_a_failing_ranks_traceback_is_shown_once_under_its_own_label(kernel, tmp
     assert everything.count("ValueError: bad batch") == 1
     assert "[rank 1] ValueError: bad batch" in kernel_stdout(reply)
     assert "[rank1]:" not in everything and "[rank0]:" not in everything
+
+
+# -- the fault policy's words and the interrupt's grace (issue 37, rows 2, 6, 7) --------------------------------
+
+
+def test_the_ranks_a_failure_took_down_are_said_in_one_line_each(kernel, tmp_path):
+    """Issue 37, row 6: when rank 1 raised, rank 0's consequential gloo traceback (``Connection closed by peer``,
+    ~15 lines) streamed in full. Now it is one line, in the live output and in the RankRunError, whose per-rank
+    data keeps the whole text."""
+    _, kc = kernel
+    script = tmp_path / "ddp.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\nt = torch.ones(1)\n"
+        "for step in range(100):\n    if step == 5 and dist.get_rank() == 1:\n"
+        "        raise ValueError('bad batch')\n    dist.all_reduce(t)\n"
+    )
+    reply = kernel_run(kc, f"%vgpu_run --no-plot {script}")
+    [error] = [m["content"] for m in reply if m["msg_type"] == "error"]
+    everything = kernel_stdout(reply) + kernel_stream(reply, "stderr") + "\n".join(error["traceback"])
+    assert everything.count("ValueError: bad batch") == 1
+    said = "rank 0 stopped: its peer closed the connection (rank 1 failed first)"
+    assert f"[{said.replace(' stopped', '] stopped')}" in kernel_stdout(reply).splitlines()
+    [line] = error["traceback"]
+    assert line.startswith("RankRunError: rank 1 ") and f"; {said}; the cluster is still usable" in line, line
+    assert "Connection closed by peer" not in everything and "[rank 0] Traceback" not in everything
+    # The whole text is kept with the rank's failure.
+    reply = kernel_run(kc, "import sys\nprint('\\n'.join(sys.last_value.failures[-1].traceback))")
+    assert "Connection closed by peer" in kernel_stdout(reply)
+
+
+@contextlib.contextmanager
+def machine_loaded(processes: int = 8):
+    """``processes`` busy loops (load ≈ ``processes``) while the block runs."""
+    import subprocess
+    import sys
+
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+
+
+def test_an_interrupted_launch_that_is_still_saving_under_load_is_not_killed(kernel, tmp_path):
+    """Issue 37, row 2: an interrupted launch had a fixed grace (30 s, then SIGKILL; the engines 3 s more), so a
+    script whose ``except KeyboardInterrupt`` was still at work, slowed by a loaded machine, lost its save and
+    the cluster had to be restarted. The grace lasts while the process makes progress (CPU time, I/O, output)."""
+    km, kc = kernel
+    script = tmp_path / "save.py"
+    script.write_text(
+        "import os, time\n"
+        "try:\n"
+        "    print('training', flush=True)\n"
+        "    time.sleep(300)\n"
+        "except KeyboardInterrupt:\n"
+        "    for part in range(40):\n"
+        "        print(f'saving part {part}', flush=True)\n"
+        "        time.sleep(1)\n"
+        f"    open(os.path.join({str(tmp_path)!r}, 'saved-' + os.environ['RANK']), 'w').close()\n"
+    )
+    started: list[str] = []
+
+    def interrupt_once_both_train(msg: dict) -> None:
+        if msg["msg_type"] == "stream":
+            started.extend(line for line in msg["content"]["text"].splitlines() if line.endswith("training"))
+            if len(started) == 2:
+                started.append("sent")
+                km.interrupt_kernel()
+
+    with machine_loaded():
+        reply = kernel_run(kc, f"%vgpu_run --no-plot {script}", timeout=400, on_message=interrupt_once_both_train)
+    [error] = [m["content"] for m in reply if m["msg_type"] == "error"]
+    assert error["traceback"] == ["KeyboardInterrupt: interrupted ranks 0, 1"]
+    assert sorted(p.name for p in tmp_path.glob("saved-*")) == ["saved-0", "saved-1"]
+    (tmp_path / "again.py").write_text("print('again')\n")
+    reply = kernel_run(kc, f"%vgpu_run --no-plot {tmp_path / 'again.py'}")
+    assert not kernel_errors(reply), kernel_errors(reply)
+
+
+def test_a_rank_that_dies_mid_run_keeps_the_processes_log(kernel, tmp_path):
+    """Issue 37, row 7: what the engines log goes to a log file of the cluster's, kept only when something failed;
+    the log of a rank killed by a signal during ``%vgpu_run`` was removed with it (ipyparallel removes the log of
+    a process that ended, and the restart the rest)."""
+    _, kc = kernel
+    script = tmp_path / "die.py"
+    script.write_text(
+        "import os, signal, time\nif os.environ['RANK'] == '1':\n    os.kill(os.getppid(), signal.SIGKILL)\n"
+        "time.sleep(60)\n"
+    )
+    reply = kernel_run(kc, f"%vgpu_run --no-plot {script}")
+    [error] = [m["content"] for m in reply if m["msg_type"] == "error"]
+    said = re.fullmatch(r"rank 1 was killed by SIGKILL \(pid \d+\); the processes' log: (.+?); .*", error["evalue"])
+    assert said and "the cluster must be restarted" in error["evalue"], error["evalue"]
+    path = said.group(1)
+    reply = kernel_run(kc, "%vgpu_cluster restart")
+    assert not kernel_errors(reply), kernel_errors(reply)
+    kept = Path(path).read_text()
+    os.remove(path)
+    # Every engine's log, the dead one's too, and the controller's.
+    assert kept.count("==> ipengine-") == 2 and "==> ipcontroller-" in kept, kept[:2000]

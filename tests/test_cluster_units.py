@@ -476,10 +476,10 @@ def test_a_bar_under_way_is_drawn_again_below_another_ranks_line_and_torchs_own_
     out, live = io.StringIO(), {}
     zero, one = (LineStream(f"[rank {r}] ", out, theirs=f"[rank{r}]:", live=live) for r in range(2))
     zero.feed("\r 50%|#####     |")
-    one.feed("[rank1]: Traceback (most recent call last):\n")
+    one.feed("[rank1]: epoch 1: loss 0.5, accuracy 0.9\n")
     zero.feed("\r100%|##########|\n")
     assert [as_terminal_shows(line) for line in out.getvalue().split("\n")] == [
-        "[rank 1] Traceback (most recent call last):",
+        "[rank 1] epoch 1: loss 0.5, accuracy 0.9",
         "[rank 0] 100%|##########|",
         "",
     ]

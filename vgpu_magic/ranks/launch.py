@@ -17,15 +17,19 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from .shown import how_it_ended
 
-__all__ = ["INTERRUPT_GRACE", "ProcessExited", "child", "kernel_environ", "launch_request", "run_rank", "warm"]
+__all__ = ["INTERRUPT_LIMIT", "ProcessExited", "child", "kernel_environ", "launch_request", "run_rank", "warm"]
 
-#: Seconds a launched process has after SIGINT (its ``except KeyboardInterrupt``) before SIGKILL: torchrun's.
-INTERRUPT_GRACE = 30.0
+#: Seconds a launched process has at most after SIGINT (its ``except KeyboardInterrupt``) while it makes progress.
+INTERRUPT_LIMIT = 120.0
+#: Seconds without progress (CPU time, I/O, output) after which an interrupted process is stuck, and killed: long
+#: enough for a rank's handler to wait for another's save (``dist.barrier()``), short of torchrun's fixed 30 s.
+STUCK = 10.0
 #: Seconds to wait for the rest of the output once the process exited (a grandchild may hold its pipes).
 DRAIN = 1.0
 #: What a spare runs (``python -c``: nothing of the user's folder on ``sys.path``, ``sys.flags`` as plain ``python``).
@@ -183,7 +187,7 @@ def run_rank(request: dict[str, Any]) -> int:
 
 def _follow(popen: subprocess.Popen) -> int:
     """Copy the child's stdout and stderr to this process' own until it exits: its exit status. Interrupted,
-    interrupt the child (SIGINT), and kill it after :data:`INTERRUPT_GRACE` s."""
+    interrupt the child (SIGINT), and kill it once it is stuck (:func:`progressing`)."""
     selector = selectors.DefaultSelector()
     for pipe, out in ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr)):
         selector.register(pipe, selectors.EVENT_READ, (out, codecs.getincrementaldecoder("utf-8")("replace")))
@@ -210,8 +214,9 @@ def _follow(popen: subprocess.Popen) -> int:
         # A process that ended on its own as the interrupt came is reported as it ended.
         if popen.poll() is None:
             popen.send_signal(signal.SIGINT)
-            deadline = time.monotonic() + INTERRUPT_GRACE
-            while popen.poll() is None and time.monotonic() < deadline:
+            for _ in progressing(popen.pid):
+                if popen.poll() is not None:
+                    break
                 if selector.get_map():  # what its handler prints goes on streaming
                     copy(0.2)
                 else:
@@ -228,6 +233,21 @@ def _follow(popen: subprocess.Popen) -> int:
         for pipe in (popen.stdout, popen.stderr):
             pipe.close()
     return popen.wait()
+
+
+def progressing(pid: int) -> Iterator[None]:
+    """Yields (the caller waits a moment each time) while process ``pid`` made progress (CPU time, characters read
+    or written: its output too) in the last :data:`STUCK` s, for :data:`INTERRUPT_LIMIT` s at most."""
+    import psutil
+
+    start = moved = time.monotonic()
+    last = None
+    while (now := time.monotonic()) - start < INTERRUPT_LIMIT and now - moved < STUCK:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            if (done := (*proc.cpu_times(), *proc.io_counters())) != last:
+                last, moved = done, now
+        yield
 
 
 # -- in the launched process --------------------------------------------------------

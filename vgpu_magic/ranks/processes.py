@@ -227,20 +227,26 @@ def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> 
     return cluster
 
 
-def keep_logs(cluster: Any) -> str:
+def keep_logs(cluster: Any, launchers: Any = ()) -> str:
     """``"; the processes' log: PATH"``: what ``cluster``'s processes logged so far (which its stop removes), in
-    one file outside the profile; ``""`` where they logged nothing."""
+    one file outside the profile; ``""`` where they logged nothing. A process of ``launchers`` that ended had its
+    log removed by ipyparallel, which read it first."""
     import glob
     import tempfile
 
-    logs = sorted(glob.glob(os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*.log"))) if cluster else []
-    if not logs:
+    pattern = os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*.log") if cluster else ""
+    texts = {}
+    for log in sorted(glob.glob(pattern)) if pattern else ():
+        with contextlib.suppress(OSError), open(log, errors="replace") as lines:
+            texts[os.path.basename(log)] = lines.read()
+    for launcher in launchers:
+        name = os.path.basename(getattr(launcher, "output_file", "") or "")
+        texts[name] = texts.get(name) or (launcher.get_output() if name else "")
+    if not any(texts.values()):
         return ""
     path = os.path.join(tempfile.gettempdir(), f"vgpu_magic-{cluster.cluster_id}.log")
     with open(path, "w") as kept:
-        for log in logs:
-            with contextlib.suppress(OSError), open(log, errors="replace") as lines:
-                kept.write(f"==> {os.path.basename(log)} <==\n{lines.read()}\n")
+        kept.writelines(f"==> {name} <==\n{text}\n" for name, text in sorted(texts.items()) if text)
     return f"; the processes' log: {path}"
 
 

@@ -271,6 +271,7 @@ class RankCluster:
             engine_signal=lambda rank, signum: processes.signal_engine(self.client, self.engine_ids[rank], signum),
             hosts=[place.hostname for place in places],
             engine=lambda rank: self.client[self.engine_ids[rank]],
+            keep_log=lambda: processes.keep_logs(self.cluster, self._launchers.values()),
         )
 
     def stop(self) -> None:

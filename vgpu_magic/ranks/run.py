@@ -3,8 +3,8 @@
 :class:`RankRun` submits the work to each rank (one ipyparallel ``AsyncResult`` each) and watches them from the
 kernel: each rank's output streams live as whole lines labelled ``[rank r]``, its displays in their place among
 them; its memory is sampled (:mod:`.memory`). The policy's delays are :data:`COLLECT` and :data:`GRACE` (a script's
-launch gets its process' :data:`~.launch.INTERRUPT_GRACE` more). A rank's process is reached through
-:class:`RankProcesses`: by PID on this host, through its engine on another.
+launch more, while its engine stops the process it launched: :func:`.launch.progressing`). A rank's process is
+reached through :class:`RankProcesses`: by PID on this host, through its engine on another.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ..runtime import running_cell
-from .launch import INTERRUPT_GRACE
+from .launch import INTERRUPT_LIMIT, STUCK
 from .memory import RankMonitor
-from .shown import HeldBack, LineStream, events, how_it_ended, notebook_traceback, show_display
+from .shown import PEER_GONE, HeldBack, LineStream, events, how_it_ended, notebook_traceback, show_display
 
 __all__ = [
     "GRACE",
@@ -49,7 +49,8 @@ SAMPLE_EVERY = 0.2
 
 @dataclass(frozen=True)
 class RankFailure:
-    """Why one rank did not finish: ``kind`` is ``"error"``, ``"died"`` or ``"timeout"``."""
+    """Why one rank did not finish: ``kind`` is ``"error"``, ``"died"``, ``"timeout"`` or ``"peer"`` (its error
+    said another rank went, one that failed first: its traceback is kept, not shown)."""
 
     rank: int
     kind: str
@@ -96,7 +97,7 @@ class RankRunError(RuntimeError):
     def _render_traceback_(self) -> list[str]:
         lines = [
             f"[{_rank_s(ranks)}] {line}"
-            for traceback, ranks in _grouped(self.failures, "traceback")
+            for traceback, ranks in _grouped([f for f in self.failures if f.kind != "peer"], "traceback")
             for block in traceback
             for line in block.splitlines()
         ]
@@ -143,6 +144,8 @@ class RankProcesses:
     hosts: list[str] | None = None
     #: ``engine(rank)``: the rank's ipyparallel view (its allocator's figures are read through it).
     engine: Callable[[int], Any] | None = None
+    #: ``keep_log()``: keep what the processes logged (a rank died): ``"; the processes' log: PATH"``.
+    keep_log: Callable[[], str] = lambda: ""
 
     def on_this_host(self, rank: int) -> bool:
         return self.local is None or self.local[rank]
@@ -185,10 +188,11 @@ class RankRun:
         self.trace = None  # the run's MemoryTrace, once it ended
         self.killed: list[int] = []
         self._seen: dict[int, int] = {}  # how many of each rank's output events were shown
-        #: Seconds a rank has to come back after SIGINT: a launch's, its process' too.
-        self.grace = GRACE + (INTERRUPT_GRACE if self.launched else 0.0)
+        #: Seconds a rank has at most to come back after SIGINT: a launch's, its process' too (its engine kills
+        #: that once it is stuck: :func:`.launch.progressing`).
+        self.grace = GRACE + (INTERRUPT_LIMIT + STUCK if self.launched else 0.0)
 
-    def _emit(self, results: list[Any], streams: list[tuple[LineStream, LineStream]], final: bool = False) -> None:
+    def _emit(self, results: list[Any], streams: list[tuple[LineStream, LineStream]]) -> None:
         for rank, (ar, (out, err)) in enumerate(zip(results, streams)):
             seen = self._seen.get(rank, 0)
             # Read once: the list grows on ipyparallel's thread meanwhile.
@@ -199,9 +203,6 @@ class RankRun:
                     show_display(rank, content, self.stdout)
                 else:
                     (out if kind == "stdout" else err).feed(content)
-            if final:
-                out.end()
-                err.end()
 
     def _drain(self, results: list[Any], streams: list[tuple[LineStream, LineStream]]) -> None:
         """Show the rest of the output of every finished, living rank: ipyparallel can deliver a rank's reply
@@ -217,9 +218,22 @@ class RankRun:
             if count != arrived:
                 arrived, since = count, time.monotonic()
             time.sleep(POLL if waiting else 0)
-        self._emit(results, streams, final=True)
+        self._emit(results, streams)
         for rank in waiting:
             self.stderr.write(f"[rank {rank}] the rest of its output did not arrive within {OUTPUT_WAIT:g} s\n")
+
+    def _end(self, streams: list[tuple[LineStream, LineStream]], failures: dict[int, RankFailure], stopped=()) -> None:
+        """End each rank's streams. A rank that failed (or was ``stopped`` as it did) saying its peer went
+        (:data:`~.shown.PEER_GONE`, in what it printed or raised) while another failed otherwise was taken down by
+        that one: one line says so, in its stream and its failure, which keeps the whole text."""
+        failed = {*stopped, *(r for r, f in failures.items() if f.kind == "error")}
+        peers = [r for r in failed if streams[r][1].peer or PEER_GONE.search(getattr(failures.get(r), "summary", ""))]
+        first = [r for r in failures if r not in peers]
+        said = f"stopped: its peer closed the connection ({_rank_s(first[:1])} failed first)" if first else None
+        for rank, (out, err) in enumerate(streams):
+            held = out.end() + err.end(said if rank in peers else None)
+            if said and rank in peers:
+                failures[rank] = RankFailure(rank, "peer", said, tuple(held) or failures[rank].traceback)
 
     def _failure(self, rank: int, ar: Any) -> RankFailure:
         exc = _error(ar)
@@ -252,7 +266,8 @@ class RankRun:
         # The host too for a rank on another host: 'pid 1234 on node2'.
         elsewhere = not self.procs.on_this_host(rank) and self.procs.hosts
         where = f"pid {self.procs.pids[rank]}" + (f" on {self.procs.hosts[rank]}" if elsewhere else "")
-        return RankFailure(rank, "died", f"{how} ({where})", (f"rank {rank} {how}",))
+        # With what the processes logged, which a restart would remove.
+        return RankFailure(rank, "died", f"{how} ({where}){self.procs.keep_log()}", (f"rank {rank} {how}",))
 
     def _stop_others(self, results: list[Any], done: set[int]) -> tuple[list[int], list[int]]:
         """SIGINT every rank still running (not in ``done``, nor :func:`_settled`); kill those still busy
@@ -355,6 +370,7 @@ class RankRun:
         except KeyboardInterrupt:
             running, killed = self._stop_others(results, set(failures))
             self._drain(results, streams)
+            self._end(streams, {})
             self.trace = memory.finish(interrupted=True)
             said = [f"interrupted {_rank_s(running)}" if running else "no rank was running"]
             if killed:
@@ -372,11 +388,13 @@ class RankRun:
                 exc = _error(ar) if rank not in failures and rank not in killed else None
                 if exc is not None and getattr(exc, "ename", type(exc).__name__) != "KeyboardInterrupt":
                     failures[rank] = self._failure(rank, ar)
-            interrupted = [r for r in interrupted if r not in failures]
         self._drain(results, streams)
+        self._end(streams, failures, interrupted)
+        interrupted = [r for r in interrupted if r not in failures]
         self.trace = memory.finish(bool(failures or timed_out), sorted(failures), timed_out is not None)
         if failures or timed_out:
-            every = list(failures.values()) or [timed_out]
+            # A rank that another's failure took down after it.
+            every = sorted(failures.values(), key=lambda failure: failure.kind == "peer") or [timed_out]
             for failure in every:
                 # What a failing rank wrote is part of its failure.
                 held_back = held.this_run.get(failure.rank, ())

@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 __all__ = [
     "HELD_LINES",
+    "PEER_GONE",
     "HeldBack",
     "LineStream",
     "as_terminal_shows",
@@ -30,6 +31,8 @@ __all__ = [
 
 #: Lines held back per rank (the oldest go first).
 HELD_LINES = 2000
+#: An exception line of torch.distributed that says another rank went (gloo's, NCCL's).
+PEER_GONE = re.compile(r"DistBackendError|Connection (closed|reset) by peer|remote process exited")
 
 
 def rank_env(fw, verbose: bool = False, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
@@ -91,7 +94,8 @@ class LineStream:
     unfinished line that returns to its start (a progress bar's ``\r``) is shown as it goes, each update over the
     last, and over another rank's, as on torchrun's terminal; a whole line takes the unfinished one's place, which
     its next update draws again below (``live``, shared by the streams of one ``out``, says whose line is
-    unfinished). ``theirs``: the framework's own label of the rank's lines, left out (torch's ``[rank1]:``)."""
+    unfinished). ``theirs``: the framework's own label of the rank's lines, left out (torch's ``[rank1]:``). A
+    traceback waits for its last line; one saying a peer went (:data:`PEER_GONE`: ``peer``) waits for :meth:`end`."""
 
     def __init__(
         self,
@@ -107,20 +111,43 @@ class LineStream:
         self.theirs = theirs
         self.live = {} if live is None else live
         self.tail = ""
+        self.held: list[str] | None = None
+        self.peer = False
 
     def feed(self, text: str) -> None:
         """The next of what the rank wrote."""
         *lines, self.tail = (self.tail + text).split("\n")
-        self._write([f"{self.label}{self._text(line)}\n" for line in lines if self.shown(line)], bool(lines))
-        if "\r" in self.tail:
+        shown = [f"{self.label}{self._text(line)}\n" for line in self._now(lines) if self.shown(line)]
+        self._write(shown, bool(shown))
+        if "\r" in self.tail and self.held is None:
             self._write([f"{self.label}{self._text(self.tail)}"], False)
             self.live["by"] = self
 
-    def end(self) -> None:
-        """The rank is done: its last line, even unfinished."""
-        if self.tail:
-            self._write([f"{self.label}{self._text(self.tail)}\n"], True)
-            self.tail = ""
+    def _now(self, lines: list[str]) -> list[str]:
+        """Those of ``lines`` shown now, the others held."""
+        shown = []
+        for line in lines:
+            text = self._text(line)
+            if self.held is None and not text.startswith("Traceback (most recent call last)"):
+                shown.append(line)
+                continue
+            self.held = [*(self.held or []), line]
+            if not self.peer and text[:1].strip() and not text.startswith("Traceback"):
+                self.peer = bool(PEER_GONE.search(text))
+                if not self.peer:
+                    shown, self.held = shown + self.held, None
+        return shown
+
+    def end(self, said: str | None = None) -> list[str]:
+        """The rank is done: what was held (or ``said``, one line, in its place), and its last line, even
+        unfinished. Returns the text held."""
+        held, self.held, self.peer = self.held or [], None, False
+        if held and self.tail:
+            held, self.tail = [*held, self.tail], ""
+        shown = [said] if said is not None and held else [line for line in held if self.shown(line)]
+        shown, self.tail = shown + ([self.tail] if self.tail else []), ""
+        self._write([f"{self.label}{self._text(line)}\n" for line in shown], bool(shown))
+        return [self._text(line) for line in held]
 
     def _text(self, line: str) -> str:
         line = as_terminal_shows(line)
