@@ -169,11 +169,10 @@ def _html_table(header: tuple[str, ...], rows: list[tuple[str, ...]], names: int
     which suits only the figures)."""
     align = ['<{} style="text-align:left">'] * names + ["<{}>"] * (len(header) - names)
     heads = "".join(a.format("th") + f"{html.escape(h)}</th>" for a, h in zip(align, header))
-    out = ["<table>", f"<tr>{heads}</tr>"]
-    for r in rows:
-        out.append("<tr>" + "".join(a.format("td") + f"{html.escape(c)}</td>" for a, c in zip(align, r)) + "</tr>")
-    out.append("</table>")
-    return "\n".join(out)
+    body = [
+        "<tr>" + "".join(a.format("td") + f"{html.escape(c)}</td>" for a, c in zip(align, r)) + "</tr>" for r in rows
+    ]
+    return "\n".join(["<table>", f"<tr>{heads}</tr>", *body, "</table>"])
 
 
 def code_spans(text: str) -> str:

@@ -72,8 +72,7 @@ def title_text(trace: MemoryTrace, final: bool = False) -> str:
     if final:
         if len(trace) and (trace.epochs_total or trace.step[-1]):
             parts.append(f"{trace.step[-1] + 1} steps")
-        parts.append(f"{trace.duration:.1f} s")
-        parts.append((trace.ending or "interrupted") if trace.interrupted else "done")
+        parts += [f"{trace.duration:.1f} s", (trace.ending or "interrupted") if trace.interrupted else "done"]
     return "memory · " + " · ".join(parts)
 
 
