@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import psutil
@@ -347,19 +349,35 @@ def test_the_batch_script_and_bad_lines_need_no_slurm(tmp_path, monkeypatch):
     assert not (tmp_path / ".vgpu_jobs").exists()
 
 
-def test_a_job_past_its_time_limit_says_so(slurm, tmp_path):
+def test_a_job_past_its_time_limit_says_so_and_how_long_it_ran(slurm, tmp_path, capsys):
+    """Its elapsed time too: SLURM's while it holds the job, then from the job's folder once SLURM forgot it, at
+    least the one-minute limit and no longer growing."""
+    from IPython.testing.globalipapp import get_ipython
+
     import vgpu_magic
 
     (tmp_path / "sleeps.py").write_text(SLEEPER)
     job = vgpu_magic.submit("sleeps.py", time="1")
+    started(job)
+    assert timedelta(0) <= job.elapsed < timedelta(seconds=JOB_TIMEOUT)
     assert job.wait(timeout=JOB_TIMEOUT) == "TIMEOUT", job.summary()
     assert job.exit_codes == [None]
     assert job.summary().startswith(f"{job.job_id} sleeps.py: TIMEOUT")
+    assert timedelta(seconds=55) <= job.elapsed < timedelta(seconds=JOB_TIMEOUT)
     # Once SLURM has forgotten the job (MinJobAge), the state is read from what its task left.
     deadline = time.monotonic() + 60
     while slurm_knows(job.job_id) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not slurm_knows(job.job_id) and job.state == "TIMEOUT"
+    elapsed = job.elapsed
+    assert timedelta(seconds=55) <= elapsed < timedelta(seconds=JOB_TIMEOUT)
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "vgpu_magic")
+    capsys.readouterr()
+    for line in ("status", f"status {job.job_id}"):
+        ip.run_line_magic("vgpu_job", line)
+        shown = re.search(rf"^{job.job_id} sleeps.py: TIMEOUT, elapsed (\d+):(\d\d):(\d\d), ", capsys.readouterr().out)
+        assert shown and timedelta(seconds=int(shown[1]) * 3600 + int(shown[2]) * 60 + int(shown[3])) == elapsed
 
 
 def slurm_knows(job_id: str) -> bool:

@@ -1,7 +1,6 @@
-"""The bottom layer, plain data: the devices (:class:`GPUInfo`, :class:`DeviceInventory`), what a framework can
-do with them and its words for it (:class:`Capabilities`), and its configuration (:class:`ConfigSnapshot`).
-Filled by the probes and the frameworks; read by every layer. Imports nothing of vgpu_magic.
-"""
+"""The bottom layer, plain data: the devices (:class:`GPUInfo`, :class:`DeviceInventory`), what a framework can do with
+them and its words for it (:class:`Capabilities`), and its configuration (:class:`ConfigSnapshot`). Filled by the probes
+and the frameworks; read by every layer. Imports nothing of vgpu_magic."""
 
 from __future__ import annotations
 
@@ -134,9 +133,7 @@ class ConfigSnapshot:
         names = self.logical_names()
         gpus = [d for p in self.gpu_names if p in names for d in names[p]]
         cpus = [d for p in self.cpu_names for d in names.get(p, [])]
-        if split_cpu_first and len(cpus) > 1:
-            return cpus
-        return gpus or cpus
+        return cpus if split_cpu_first and len(cpus) > 1 else gpus or cpus
 
     def caps_mib(self) -> dict[str, int | None]:
         """Logical device name -> its cap in MiB (``None`` where uncapped)."""

@@ -1,7 +1,6 @@
-"""The probes: what devices this machine has, read from NVML and CUDA's driver (never at import). Each framework
-fills a :class:`~vgpu_magic.devices.DeviceInventory` from them (``Framework.probe_inventory``). A missing NVML means
-"no GPU details", never an error; a GPU that disappears while being read gives :class:`NVMLReadError`.
-"""
+"""The probes: what devices this machine has, read from NVML and CUDA's driver (never at import). Each framework fills a
+:class:`~vgpu_magic.devices.DeviceInventory` from them (``Framework.probe_inventory``). A missing NVML means "no GPU
+details", never an error; a GPU that disappears while being read gives :class:`NVMLReadError`."""
 
 from __future__ import annotations
 
@@ -16,16 +15,14 @@ from .units import MIB
 
 
 def open_nvml():
-    """Import and initialise NVML, or return ``None`` when there is no driver.
-    The caller shuts it down (``nvmlShutdown``) when done."""
+    """Import and initialise NVML, or return ``None`` when there is no driver; the caller shuts it down."""
     try:
         import pynvml
     except ImportError:
         return None
     try:
         pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        # NVMLError_LibraryNotFound, _DriverNotLoaded, ...: no usable GPU here.
+    except pynvml.NVMLError:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...: no usable GPU here
         return None
     return pynvml
 
@@ -35,9 +32,9 @@ def _text(value: Any) -> str:
 
 
 def nvml_gpus() -> list[dict[str, Any]]:
-    """Every GPU NVML can see, in NVML (PCI) order, as dicts of :class:`GPUInfo`'s fields but ``index``;
-    a GPU in MIG mode is its MIG devices, each with its own memory and ``MIG-…`` UUID (what
-    ``CUDA_VISIBLE_DEVICES`` names). Raises :class:`NVMLReadError` when NVML fails part-way."""
+    """Every GPU NVML can see, in NVML (PCI) order, as dicts of :class:`GPUInfo`'s fields but ``index``; a GPU in MIG
+    mode is its MIG devices, each with its own memory and ``MIG-…`` UUID (what ``CUDA_VISIBLE_DEVICES`` names). Raises
+    :class:`NVMLReadError` when NVML fails part-way."""
     nvml = open_nvml()
     if nvml is None:
         return []
@@ -109,9 +106,9 @@ def nvml_pids_with_context() -> dict[int, set[int]]:
 
 
 def cuda_to_nvml_order(n_gpus: int, nvml: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
-    """The NVML device of a framework's GPU i (CUDA's numbering): ``CUDA_VISIBLE_DEVICES`` (indices or
-    UUIDs; set and empty: none) says which; without it the orders agree on the usual machines
-    (``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes it certain)."""
+    """The NVML device of a framework's GPU i (CUDA's numbering): ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs; set and
+    empty: none) says which; without it the orders agree on the usual machines (``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes
+    it certain)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         order = nvml
@@ -120,7 +117,6 @@ def cuda_to_nvml_order(n_gpus: int, nvml: list[dict[str, Any]]) -> list[dict[str
     else:
         order = []
         for token in (t.strip() for t in visible.split(",")):
-            match = None
             if token.isdigit():
                 match = next((g for g in nvml if g["nvml_index"] == int(token)), None)
             elif token.startswith("MIG-"):
@@ -133,17 +129,13 @@ def cuda_to_nvml_order(n_gpus: int, nvml: list[dict[str, Any]]) -> list[dict[str
 
 
 def cuda_gpus(count: int, nvml: list[dict[str, Any]]) -> tuple[GPUInfo, ...]:
-    """A framework's ``count`` GPUs in CUDA's numbering, each with NVML's details
-    where :func:`cuda_to_nvml_order` matches one."""
-    return tuple(
-        GPUInfo(i) if details is None else GPUInfo(i, **details)
-        for i, details in enumerate(cuda_to_nvml_order(count, nvml))
-    )
+    """A framework's ``count`` GPUs in CUDA's numbering, each with NVML's details where one matches."""
+    return tuple(GPUInfo(i, **(details or {})) for i, details in enumerate(cuda_to_nvml_order(count, nvml)))
 
 
 def visible_gpus() -> tuple[GPUInfo, ...]:
-    """The GPUs CUDA shows this process, in CUDA's order, with NVML's details
-    (``CUDA_VISIBLE_DEVICES`` picks and orders them); starts no CUDA context."""
+    """The GPUs CUDA shows this process, in CUDA's order, with NVML's details (``CUDA_VISIBLE_DEVICES`` picks and orders
+    them); starts no CUDA context."""
     nvml = nvml_gpus()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     count = len(nvml) if visible is None else len(visible.split(",")) if visible.strip() else 0
@@ -155,10 +147,9 @@ def visible_gpus() -> tuple[GPUInfo, ...]:
 
 @functools.lru_cache(maxsize=16)
 def cuda_total_bytes(index: int) -> int | None:
-    """CUDA's total memory of its device ``index`` (``cuDeviceTotalMem``: what
-    ``torch.cuda.mem_get_info()[1]`` reports and what torch's and XLA's memory
-    fractions multiply; below NVML's total, by 480 MiB on an H100). Read through
-    the driver library without creating a context; ``None`` without a driver."""
+    """CUDA's total memory of its device ``index`` (``cuDeviceTotalMem``: what ``torch.cuda.mem_get_info()[1]`` reports
+    and what torch's and XLA's memory fractions multiply; below NVML's total, by 480 MiB on an H100). Read through the
+    driver library without creating a context; ``None`` without a driver."""
     import ctypes
 
     try:
@@ -174,9 +165,9 @@ def cuda_total_bytes(index: int) -> int | None:
 
 
 def nccl_version() -> tuple[int, ...] | None:
-    """The NCCL the frameworks here load (the ``nvidia-nccl-cu*`` wheel torch and
-    JAX's CUDA plugin depend on; the oldest where several are installed), read from
-    the installed files: loads no library. ``None`` where none is installed that way."""
+    """The NCCL the frameworks here load (the ``nvidia-nccl-cu*`` wheel torch and JAX's CUDA plugin depend on; the
+    oldest where several are installed), read from the installed files: loads no library. ``None`` where none is
+    installed that way."""
     import importlib.metadata
 
     found = []

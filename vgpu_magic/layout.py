@@ -1,14 +1,9 @@
-"""The ranks' hosts and the ranks laid out on them, as plain data.
-
-A :class:`HostReport` is what one engine says about where it runs
-(``vgpu_magic.ranks.hosts.report_host`` makes it, on the engine); :func:`layout_ranks`
-is pure: from the reports it orders the ranks (the launcher's rank, else the
-engine id, grouped by host), gives each its local rank, node rank and GPU, and
-keeps the launcher's conventions (under SLURM, the hosts of
-``SLURM_STEP_NODELIST``). Each framework plans its ranks from the
-:class:`RankLayout` (``Framework.plan_ranks``), so the GPU path and multi-host
-layouts are tested on recorded data (docs/architecture.md: the rules layer).
-"""
+"""The ranks' hosts and the ranks laid out on them, as plain data. A :class:`HostReport` is what one engine says about
+where it runs (``vgpu_magic.ranks.hosts.report_host`` makes it, on the engine); :func:`layout_ranks` is pure: from the
+reports it orders the ranks (the launcher's rank, else the engine id, grouped by host), gives each its local rank, node
+rank and GPU, and keeps the launcher's conventions (under SLURM, the hosts of ``SLURM_STEP_NODELIST``). Each framework
+plans its ranks from the :class:`RankLayout` (``Framework.plan_ranks``), so the GPU path and multi-host layouts are
+tested on recorded data (docs/architecture.md: the rules layer)."""
 
 from __future__ import annotations
 
@@ -23,13 +18,9 @@ from .plans import SplitRequest
 
 @dataclass(frozen=True)
 class HostReport:
-    """What one engine says about where it runs.
-
-    ``gpus`` are the GPUs this process sees, numbered as CUDA numbers them
-    (``index``), with NVML's details (``nvml_index``, memory); ``port`` is a
-    free TCP port the OS gave on this host; ``launcher`` holds the launcher's
-    variables that were set (``vgpu_magic.ranks.hosts.LAUNCHER_VARIABLES``).
-    """
+    """What one engine says about where it runs. ``gpus`` are the GPUs this process sees, numbered as CUDA numbers them
+    (``index``), with NVML's details (``nvml_index``, memory); ``port`` is a free TCP port the OS gave on this host;
+    ``launcher`` holds the launcher's variables that were set (``vgpu_magic.ranks.hosts.LAUNCHER_VARIABLES``)."""
 
     engine_id: int
     hostname: str
@@ -44,17 +35,15 @@ class HostReport:
     @property
     def launcher_rank(self) -> int | None:
         """The rank the launcher gave this process (SLURM, OpenMPI, PMI), if any."""
-        for name in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-            if self.launcher.get(name, "").isdigit():
-                return int(self.launcher[name])
-        return None
+        return self.launcher_number("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
     @property
     def launcher_local_rank(self) -> int | None:
-        for name in ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"):
-            if self.launcher.get(name, "").isdigit():
-                return int(self.launcher[name])
-        return None
+        return self.launcher_number("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+
+    def launcher_number(self, *names: str) -> int | None:
+        """The first of the launcher's variables ``names`` that is set to a number."""
+        return next((int(self.launcher[name]) for name in names if self.launcher.get(name, "").isdigit()), None)
 
 
 @dataclass(frozen=True)
@@ -129,9 +118,8 @@ class RankLayout:
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
-    """``"n[1-2],m5,o[03-04,6]"`` -> ``["n1", "n2", "m5", "o03", "o04", "o6"]``: a
-    SLURM host list, in order, zero padding kept (as ``scontrol show hostnames``
-    and TensorFlow's ``SlurmClusterResolver`` expand it)."""
+    """``"n[1-2],m5,o[03-04,6]"`` -> ``["n1", "n2", "m5", "o03", "o04", "o6"]``: a SLURM host list, in order, zero
+    padding kept (as ``scontrol show hostnames`` and TensorFlow's ``SlurmClusterResolver`` expand it)."""
     hosts: list[str] = []
     for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", hostlist):
         match = re.fullmatch(r"([^\[\]]*)(?:\[([^\]]+)\])?([^\[\]]*)", part)
@@ -162,8 +150,8 @@ def expand_tasks_per_node(text: str) -> list[int]:
 
 
 def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = None) -> RankLayout:
-    """Order the ranks and place them on their hosts, as docs/ranks.md (*Where the ranks run*) says. Pure.
-    ``gpus``: the GPUs every host is planned with, where the caller gave them."""
+    """Order the ranks and place them on their hosts, as docs/ranks.md (*Where the ranks run*) says. Pure. ``gpus``: the
+    GPUs every host is planned with, where the caller gave them."""
     if not reports:
         raise ValueError("no engine reported its host")
     launcher_ranks = [r.launcher_rank for r in reports]
@@ -183,7 +171,7 @@ def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = N
     for rank, report in enumerate(ordered):
         group = by_host[report.hostname]
         local = report.launcher_local_rank
-        node = int(report.launcher["SLURM_NODEID"]) if report.launcher.get("SLURM_NODEID", "").isdigit() else None
+        node = report.launcher_number("SLURM_NODEID")
         places.append(
             RankPlace(
                 rank=rank,
@@ -206,15 +194,13 @@ def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = N
 
 
 def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> RankLayout:
-    """Each rank's GPU: its own where its host has one per local rank (the
-    ``local_rank``-th it sees), else the first it sees, shared."""
+    """Each rank's GPU: its own where its host has one per local rank (the ``local_rank``-th it sees), else the first it
+    sees, shared."""
     chosen: dict[int, GPUInfo | None] = {}
     for place in layout.places:
         gpus = seen.get(place.rank, ())
-        if not gpus:
-            chosen[place.rank] = None
-        else:
-            chosen[place.rank] = gpus[place.local_rank] if len(gpus) >= place.local_world_size else gpus[0]
+        own = len(gpus) >= place.local_world_size
+        chosen[place.rank] = (gpus[place.local_rank] if own else gpus[0]) if gpus else None
 
     def identity(place: RankPlace) -> tuple[str, int | str] | None:
         gpu = chosen[place.rank]
@@ -224,11 +210,7 @@ def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> Ra
 
     counts = Counter(identity(place) for place in layout.places)
     places = tuple(
-        replace(
-            p,
-            gpu=chosen[p.rank],
-            gpu_shared_by=counts[identity(p)] if chosen[p.rank] else 1,
-        )
+        replace(p, gpu=chosen[p.rank], gpu_shared_by=counts[identity(p)] if chosen[p.rank] else 1)
         for p in layout.places
     )
     return replace(layout, places=places)
@@ -236,8 +218,8 @@ def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> Ra
 
 @dataclass(frozen=True)
 class RankPlan:
-    """What one rank gets, as its framework's launcher would give it: its environment, its own ``devices`` (split
-    on the rank by ``ranks.hosts.prepare_rank``), then ``setup(*args)`` (``"module:function"``, run on the rank)."""
+    """What one rank gets, as its framework's launcher would give it: its environment, its own ``devices`` (split on the
+    rank by ``ranks.hosts.prepare_rank``), then ``setup(*args)`` (``"module:function"``, run on the rank)."""
 
     rank: int
     env: dict[str, str]

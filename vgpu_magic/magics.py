@@ -64,9 +64,8 @@ class VGPUMagics(Magics):
           In [7]: %vgpu_split 8 --framework jax  # 8 JAX CPU devices (also before `import jax`)
           In [8]: %vgpu_split                    # the widget panel (in a notebook)
 
-        Run it before any framework code starts the runtime; afterwards only the
-        identical split is accepted. Splitting gives no speedup: it is for testing
-        distributed code.
+        Run it before any framework code starts the runtime; afterwards only the identical split is accepted.
+        Splitting gives no speedup: it is for testing distributed code.
         """
         with usage_errors():
             request, args = parse_split_line(line, self.vgpu_split.parser)
@@ -102,8 +101,8 @@ class VGPUMagics(Magics):
     )
     def vgpu_status(self, line: str = ""):
         """
-        Show physical and logical devices, caps, memory, replicas and whether
-        each framework's runtime started. Never starts the runtime.
+        Show physical and logical devices, caps, memory, replicas and whether each framework's runtime started.
+        Never starts the runtime.
 
         Examples
         --------
@@ -114,8 +113,7 @@ class VGPUMagics(Magics):
           In [3]: s = %vgpu_status -r    # also return the StatusReport
           In [4]: %vgpu_status --framework jax
 
-        Every framework imported in the kernel gets a section (or the one
-        ``%vgpu_split`` would configure, when none is imported).
+        Every framework imported in the kernel gets a section (or the one ``%vgpu_split`` would configure, if none).
         """
         with usage_errors():
             args = parse_arguments(

@@ -36,14 +36,11 @@ def as_sentence(line: str) -> str:
 
 @dataclass
 class SplitResult:
-    """What ``%vgpu_split`` / :func:`vgpu_magic.split` did.
-
-    ``status`` is ``"applied"``, ``"unchanged"`` (already configured exactly so), ``"planned"``
-    (dry run) or ``"blocked"`` (the runtime already started with a different configuration;
-    nothing changed, ``blocked_reason`` says why). ``devices`` and ``configuration`` are what
-    the framework has after the call (would have, for ``"planned"``); ``replaced`` names the
-    split it replaced, e.g. ``"3 logical CPUs"``; ``warnings`` what did not stop the call.
-    """
+    """What ``%vgpu_split`` / :func:`vgpu_magic.split` did. ``status`` is ``"applied"``, ``"unchanged"`` (already
+    configured exactly so), ``"planned"`` (dry run) or ``"blocked"`` (the runtime already started with a different
+    configuration; nothing changed, ``blocked_reason`` says why). ``devices`` and ``configuration`` are what the
+    framework has after the call (would have, for ``"planned"``); ``replaced`` names the split it replaced, e.g.
+    ``"3 logical CPUs"``; ``warnings`` what did not stop the call."""
 
     status: str
     plan: SplitPlan
@@ -128,9 +125,8 @@ def summary_lines(result: SplitResult) -> tuple[list[str], list[str]]:
 
 
 def print_summary(result: SplitResult, quiet: bool = False) -> str:
-    """Print :func:`summary_lines` as the magic and the panel show them: what happened on stdout
-    (nothing when ``quiet``) after ``vgpu_magic:``, warnings on stderr after ``vgpu_magic warning:``.
-    Returns what it printed."""
+    """Print :func:`summary_lines` as the magic and the panel show them, and return it: what happened on stdout
+    (nothing when ``quiet``) after ``vgpu_magic:``, warnings on stderr after ``vgpu_magic warning:``."""
     said, warned = summary_lines(result)
     printed = []
     if said and not quiet:
@@ -157,10 +153,10 @@ def apply_plan(
     caps = framework.capabilities
     notes = list(warnings or ())
     if runtime.cuda_holders:
+        holders = ", ".join(runtime.cuda_holders)
         notes.append(
-            "this process already holds a CUDA context through "
-            + ", ".join(runtime.cuda_holders)
-            + f"; the memory it uses is not available to {caps.label}'s devices"
+            f"this process already holds a CUDA context through {holders}; the memory it uses is not available "
+            f"to {caps.label}'s devices"
         )
     replaced = ""
     if dry_run:
@@ -199,11 +195,9 @@ def execute(
     """Plan ``request`` against this machine and apply it (what every face calls); an invalid
     request raises :class:`PlanError` before any configuration is touched."""
     fw = frameworks.select(request.framework) if inventory is None else frameworks.get(inventory.framework)
-    if inventory is None:
-        inventory = fw.probe_inventory()
+    inventory = fw.probe_inventory() if inventory is None else inventory
     plan_ = plan_split(request, inventory)
     # A CUDA context held elsewhere only matters where the framework sees a GPU (and asking NVML takes a while).
     state = runtime_state(watcher, fw, check_cuda=bool(inventory.gpus))
-    keras = fw.keras_backend_warning()
-    extra = [keras] if keras else []
+    extra = [w for w in [fw.keras_backend_warning()] if w]
     return apply_plan(fw, plan_, state, dry_run=dry_run, current=inventory.current, warnings=extra)

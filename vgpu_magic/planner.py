@@ -1,10 +1,7 @@
-"""Turn a split request into a validated :class:`SplitPlan`, or a precise error.
-
-The one place requests are validated, so no two faces can disagree. Pure: it reads a
-:class:`~vgpu_magic.devices.DeviceInventory` (plain data, with the framework's
-:class:`~vgpu_magic.devices.Capabilities` and configuration) and touches no framework.
-A plan the framework would refuse when its runtime starts is refused here. Memory is in MiB.
-"""
+"""Turn a split request into a validated :class:`SplitPlan`, or a precise error. The one place requests are
+validated, so no two faces can disagree. Pure: it reads a :class:`~vgpu_magic.devices.DeviceInventory` (plain data,
+with the framework's :class:`~vgpu_magic.devices.Capabilities` and configuration) and touches no framework. A plan the
+framework would refuse when its runtime starts is refused here. Memory is in MiB."""
 
 from __future__ import annotations
 
@@ -50,10 +47,8 @@ def configuration_after(plan: SplitPlan, snap: ConfigSnapshot) -> ConfigSnapshot
 
 
 def _check_start_rules(plan: SplitPlan, inventory: DeviceInventory) -> None:
-    """Refuse a plan whose resulting configuration the framework would reject
-    (now, or when its runtime starts)."""
-    capabilities = inventory.capabilities
-    label = capabilities.label
+    """Refuse a plan whose resulting configuration the framework would reject (now, or when its runtime starts)."""
+    capabilities, label = inventory.capabilities, inventory.capabilities.label
     current = inventory.current or unconfigured(inventory)
     after = configuration_after(plan, current)
     if not capabilities.growth_with_split:
@@ -93,8 +88,7 @@ def _check_start_rules(plan: SplitPlan, inventory: DeviceInventory) -> None:
 
 
 def plan_split(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
-    """Validate ``request`` against ``inventory`` and return the plan to apply, or raise
-    :class:`PlanError`."""
+    """Validate ``request`` against ``inventory`` and return the plan to apply, or raise :class:`PlanError`."""
     capabilities = inventory.capabilities
     if not capabilities.splits_in_process:
         raise PlanError(
@@ -109,8 +103,7 @@ def plan_split(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
 def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
     """The plan ``request`` stands for on ``inventory``, in the order a person checks it:
     the words, the count, visibility and growth, then the device it splits."""
-    capabilities = inventory.capabilities
-    label = capabilities.label
+    capabilities, label = inventory.capabilities, inventory.capabilities.label
     if request.others not in ("hide", "keep"):
         raise PlanError(f"--others {excerpt(request.others)} is not a choice; use hide or keep")
     if request.target not in ("auto", "gpu", "cpu"):
@@ -158,15 +151,7 @@ def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
     if not split_requested:
         if request.visible is None and not request.memory_growth:
             raise PlanError("nothing to do; give a device count, e.g. %vgpu_split 4 (see %vgpu_split? for options)")
-        return SplitPlan(
-            "GPU",
-            None,
-            (),
-            request.visible,
-            request.memory_growth,
-            framework=capabilities.name,
-            framework_named=request.framework,
-        )
+        return SplitPlan("GPU", None, (), request.visible, request.memory_growth, **_named(request, capabilities))
     if target == "gpu" and not inventory.gpus:
         raise PlanError(f"GPU {gpu_index} does not exist: {label} sees no GPU here; drop --gpu to split the CPU")
     if not inventory.gpus or target == "cpu":
@@ -182,8 +167,7 @@ def _cpu_plan(
     request: SplitRequest, count: int, sizes: tuple[int, ...] | None, inventory: DeviceInventory, forced: bool
 ) -> SplitPlan:
     """``count`` logical CPUs (the CPU was asked for, or there is no GPU)."""
-    capabilities = inventory.capabilities
-    label = capabilities.label
+    capabilities, label = inventory.capabilities, inventory.capabilities.label
     if sizes is not None and not capabilities.cpu_caps:
         raise PlanError(
             f"memory caps are not supported on CPU devices ({label} cannot cap logical CPUs); "
@@ -199,27 +183,15 @@ def _cpu_plan(
         # A data-parallel strategy prefers GPUs: the logical CPUs are only its replicas with the GPUs hidden.
         visible = ()
         notes = (f"GPUs hidden so {capabilities.replicas_by} uses the logical CPUs (add --visible 0 to keep GPU 0)",)
-    return SplitPlan(
-        "CPU",
-        0,
-        (None,) * count,
-        visible,
-        request.memory_growth,
-        None,
-        notes,
-        cpu_forced=forced,
-        framework=capabilities.name,
-        framework_named=request.framework,
-        split_phrase=capabilities.split_phrase,
-    )
+    named = _named(request, capabilities)
+    return SplitPlan("CPU", 0, (None,) * count, visible, request.memory_growth, None, notes, cpu_forced=forced, **named)
 
 
 def _gpu_plan(
     request: SplitRequest, count: int, sizes: tuple[int, ...] | None, gpu: GPUInfo, inventory: DeviceInventory
 ) -> SplitPlan:
     """``count`` logical GPUs on ``gpu``, with their memory caps and what else stays visible."""
-    capabilities = inventory.capabilities
-    label = capabilities.label
+    capabilities, label = inventory.capabilities, inventory.capabilities.label
     if count > 1 and not capabilities.splits_gpu:
         raise PlanError(
             f"{label} cannot split one GPU into several devices; use %vgpu_split {count} --cpu for {count} CPU "
@@ -251,19 +223,16 @@ def _gpu_plan(
             f"too, against {logical} logical GPUs), and NCCL refuses two devices of one card: use "
             "vgpu_magic.strategy(), or pass cross_device_ops=tf.distribute.ReductionToOneDevice()"
         )
+    named, chosen = _named(request, capabilities), sizes is not None
     return SplitPlan(
-        "GPU",
-        gpu.index,
-        tuple(limits),
-        visible,
-        request.memory_growth,
-        usable,
-        tuple(notes),
-        framework=capabilities.name,
-        sizes_chosen=sizes is not None,
-        framework_named=request.framework,
-        split_phrase=capabilities.split_phrase,
+        "GPU", gpu.index, limits, visible, request.memory_growth, usable, tuple(notes), sizes_chosen=chosen, **named
     )
+
+
+def _named(request: SplitRequest, capabilities: Capabilities) -> dict[str, str | None]:
+    """A split plan's words: the framework's name and phrase, and the name the user gave it."""
+    named = {"framework": capabilities.name, "framework_named": request.framework}
+    return {**named, "split_phrase": capabilities.split_phrase}
 
 
 def _gpu_limits(
@@ -298,8 +267,7 @@ def _visible_beside(
     request: SplitRequest, gpu: GPUInfo, inventory: DeviceInventory, notes: list[str]
 ) -> tuple[int, ...] | None:
     """The GPUs visible beside the split one (``None``: leave visibility as it is); adds a note when it hides some."""
-    capabilities = inventory.capabilities
-    label = capabilities.label
+    capabilities, label = inventory.capabilities, inventory.capabilities.label
     if request.visible is not None:
         if request.others == "hide" and len(request.visible) > 1:
             raise PlanError("--visible keeps several GPUs but --others hide hides them; add --others keep")

@@ -1,8 +1,6 @@
-"""The planner's data: what the user asked for (:class:`SplitRequest`), the
-validated configuration (:class:`SplitPlan`) and the verdict on memory
-(:class:`FitVerdict`). Plain frozen dataclasses; the decisions are in
-:mod:`vgpu_magic.planner`.
-"""
+"""The planner's data: what the user asked for (:class:`SplitRequest`), the validated configuration (:class:`SplitPlan`)
+and the verdict on memory (:class:`FitVerdict`). Plain frozen dataclasses; the decisions are in
+:mod:`vgpu_magic.planner`."""
 
 from __future__ import annotations
 
@@ -11,9 +9,8 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class SplitRequest:
-    """What the user asked for, before validation against the machine: ``%vgpu_split``'s
-    options (see its help), with ``target`` ``"auto"`` (the GPU if there is one), ``"gpu"``
-    or ``"cpu"``."""
+    """What the user asked for, before validation against the machine: ``%vgpu_split``'s options (see its help), with
+    ``target`` ``"auto"`` (the GPU if there is one), ``"gpu"`` or ``"cpu"``."""
 
     #: ``None``: inferred (1, or the length of a memory list).
     count: int | None = None
@@ -77,9 +74,8 @@ class SplitPlan:
         return "; ".join(parts) or "no change"
 
     def magic_line(self) -> str:
-        """The ``%vgpu_split`` line a person would write for this plan: sizes
-        only when they chose sizes, so the line still works when free memory
-        changes a little."""
+        """The ``%vgpu_split`` line a person would write for this plan: sizes only when they chose sizes, so the line
+        still works when free memory changes a little."""
         words = ["%vgpu_split"]
         if self.splits:
             words.append(str(self.count))
@@ -111,10 +107,8 @@ def _format_caps(limits: tuple[int | None, ...]) -> str:
     values = [m for m in limits if m is not None]
     if not values:
         return ""
-    if len(values) == 1:
-        return f"{values[0]} MiB"
     if len(set(values)) == 1:
-        return f"{values[0]} MiB each"
+        return f"{values[0]} MiB" + (" each" if len(values) > 1 else "")
     return " + ".join(f"{m}" for m in values) + " MiB"
 
 
@@ -138,7 +132,5 @@ class FitVerdict:
         if self.usable_mib is None:
             return f"{self.total_mib} MiB asked; free memory unknown (NVML unavailable), so it is not checked"
         verdict = "fits" if self.fits else f"does not fit ({self.total_mib - self.usable_mib} MiB too much)"
-        return (
-            f"{self.total_mib} of {self.usable_mib} MiB usable ({self.free_mib} free − {self.reserve_mib} kept back): "
-            f"{verdict}"
-        )
+        kept = f"{self.free_mib} free − {self.reserve_mib} kept back"
+        return f"{self.total_mib} of {self.usable_mib} MiB usable ({kept}): {verdict}"

@@ -169,11 +169,10 @@ def _html_table(header: tuple[str, ...], rows: list[tuple[str, ...]], names: int
     which suits only the figures)."""
     align = ['<{} style="text-align:left">'] * names + ["<{}>"] * (len(header) - names)
     heads = "".join(a.format("th") + f"{html.escape(h)}</th>" for a, h in zip(align, header))
-    out = ["<table>", f"<tr>{heads}</tr>"]
-    for r in rows:
-        out.append("<tr>" + "".join(a.format("td") + f"{html.escape(c)}</td>" for a, c in zip(align, r)) + "</tr>")
-    out.append("</table>")
-    return "\n".join(out)
+    body = [
+        "<tr>" + "".join(a.format("td") + f"{html.escape(c)}</td>" for a, c in zip(align, r)) + "</tr>" for r in rows
+    ]
+    return "\n".join(["<table>", f"<tr>{heads}</tr>", *body, "</table>"])
 
 
 def code_spans(text: str) -> str:
@@ -205,9 +204,11 @@ class StatusReport:
         for s in self.sections:
             if out:
                 out.append("")
-            out.append(s.headline())
-            out.append("Physical devices:")
-            out.append(f"  {s.words.host_name}" if s.inventory.cpus else "  no CPU device")
+            out += [
+                s.headline(),
+                "Physical devices:",
+                f"  {s.words.host_name}" if s.inventory.cpus else "  no CPU device",
+            ]
             out += [f"  {line}" for line in s.gpu_lines()]
             out.append(f"{s.devices_caption()}:")
             if s.cpu_devices():
@@ -239,11 +240,9 @@ class StatusReport:
             flag = "⚠ " if s.runtime.cuda_holders else ""
             label = f"{s.label} {s.inventory.version or ''}".rstrip()
             parts.append(f"<p><b>{esc(label)}</b> — <span class='vgpu-state'>{flag}{state}</span></p>")
-            parts.append("<p><b>Physical devices</b></p><ul>")
-            parts.append(f"<li>{esc(s.words.host_name)}</li>")
+            parts.append(f"<p><b>Physical devices</b></p><ul>\n<li>{esc(s.words.host_name)}</li>")
             parts += [f"<li>{esc(line)}</li>" for line in s.gpu_lines()]
-            parts.append("</ul>")
-            parts.append(f"<p><b>{esc(s.devices_caption())}</b></p>")
+            parts += ["</ul>", f"<p><b>{esc(s.devices_caption())}</b></p>"]
             if s.cpu_devices():
                 parts.append(f"<p>{esc(s.cpu_line())}</p>")
             rows = s.gpu_rows()
@@ -285,18 +284,10 @@ def collect_framework(fw, watcher=None) -> FrameworkStatus:
         for name, cap in zip(devices, caps):
             r = readings.get(name, {})
             logical.append(LogicalDeviceStatus(name, physical, cap, r.get("current"), r.get("peak")))
-    return FrameworkStatus(
-        inventory=inventory,
-        runtime=runtime,
-        logical=logical,
-        # A framework that cannot split a process uses one device in it.
-        replicas=len(snap.replica_devices(fw.capabilities.replicas_on_split_cpu))
-        if fw.capabilities.splits_in_process
-        else 1,
-        visible_gpus=snap.visible_gpus,
-        host_memory=host,
-        notes=list(inventory.notes),
-    )
+    # A framework that cannot split a process uses one device in it.
+    words = fw.capabilities
+    replicas = len(snap.replica_devices(words.replicas_on_split_cpu)) if words.splits_in_process else 1
+    return FrameworkStatus(inventory, runtime, logical, replicas, snap.visible_gpus, host, list(inventory.notes))
 
 
 def collect_status(watcher=None, framework: str | None = None) -> StatusReport:

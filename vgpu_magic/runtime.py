@@ -1,5 +1,5 @@
-"""Has a framework's runtime started, and which line of which cell started it? Nothing here starts one: a
-framework is only asked once it is imported."""
+"""Has a framework's runtime started, and which line of which cell started it? Nothing here starts one: a framework is
+only asked once it is imported."""
 
 from __future__ import annotations
 
@@ -18,19 +18,15 @@ NO_LONGER_CHANGE = "devices can no longer change"
 
 
 def cuda_context_holders(
-    nvml_holders: dict[int, set[int]] | None = None,
-    exclude: str = "",
-    started_by: dict[str, CellRef] | None = None,
+    nvml_holders: dict[int, set[int]] | None = None, exclude: str = "", started_by: dict[str, CellRef] | None = None
 ) -> tuple[str, ...]:
-    """The labels of the frameworks (already imported) that hold a CUDA context in this process
-    (each answers for itself), with the line that started it where ``started_by`` knows it.
-    ``nvml_holders`` (NVML index -> PIDs) may be passed in; ``exclude`` names the framework
-    being configured (its own context is not a problem for it)."""
+    """The labels of the frameworks (already imported) that hold a CUDA context in this process (each answers for
+    itself), with the line that started it where ``started_by`` knows it. ``nvml_holders`` (NVML index -> PIDs) may be
+    passed in; ``exclude`` names the framework being configured (its own context is not a problem for it)."""
     known = started_by or {}
     holders = frameworks.cuda_context_holders(exclude=exclude)
     found = [fw.label + (f" (since {known[fw.name]})" if fw.name in known else "") for fw in holders]
-    if nvml_holders is None:
-        nvml_holders = inventory.nvml_pids_with_context()
+    nvml_holders = inventory.nvml_pids_with_context() if nvml_holders is None else nvml_holders
     gpus = sorted(i for i, pids in nvml_holders.items() if os.getpid() in pids)
     if gpus and not found:
         found.append("a CUDA context on NVML GPU " + ", ".join(str(i) for i in gpus))
@@ -39,8 +35,8 @@ def cuda_context_holders(
 
 @dataclass(frozen=True)
 class CellRef:
-    """A cell by its execution count and first line, and the line in it that started a
-    runtime (its number and text) when that is known."""
+    """A cell by its execution count and first line, and the line in it that started a runtime (its number and text)
+    when that is known."""
 
     execution_count: int | None
     first_line: str
@@ -154,8 +150,8 @@ class RuntimeWatcher:
         self._watching.clear()
 
     def _starting(self, name: str) -> None:
-        """``name``'s runtime is starting: note the running cell's line that started it (the cell's
-        own frame on the stack: the one IPython's ``run_code`` runs), if a cell runs."""
+        """``name``'s runtime is starting: note the running cell's line that started it (the cell's own frame on the
+        stack: the one IPython's ``run_code`` runs), if a cell runs."""
         self._watching.pop(name, None)
         shell_module = sys.modules.get("IPython.core.interactiveshell")
         if shell_module is None or self._current_line is None:
@@ -199,9 +195,8 @@ class RuntimeWatcher:
                 self.started_by[fw.name] = CellRef(count, first_line(getattr(info, "raw_cell", "") or ""))
 
     def state(self, framework=None, check_cuda: bool = True) -> RuntimeState:
-        """The state of ``framework`` (a :class:`~vgpu_magic.frameworks.Framework`
-        or a name; default: the selected one). Called mid-cell, it blames the
-        running cell if the runtime started since the cell began."""
+        """The state of ``framework`` (a :class:`~vgpu_magic.frameworks.Framework` or a name; default: the selected
+        one). Called mid-cell, it blames the running cell if the runtime started since the cell began."""
         fw = _resolve(framework)
         started_by = self.started_by.get(fw.name)
         before_load = fw.name in self.started_before_load
@@ -225,14 +220,14 @@ def active_watcher() -> RuntimeWatcher | None:
 
 
 def running_cell() -> int | None:
-    """The execution count of the notebook cell running now (``None`` outside a stored
-    cell, or when the extension is not loaded)."""
+    """The execution count of the notebook cell running now (``None`` outside a stored cell, or when the extension is
+    not loaded)."""
     return _active._running_count() if _active is not None else None
 
 
 def activate(watcher: RuntimeWatcher) -> None:
-    """Make ``watcher`` the one every face and the API ask (``load_ipython_extension``), and have
-    every framework imported from now on imported its way and watched (:class:`_FrameworkImports`)."""
+    """Make ``watcher`` the one every face and the API ask (``load_ipython_extension``), and have every framework
+    imported from now on imported its way and watched (:class:`_FrameworkImports`)."""
     global _active
     _active = watcher
     _remove_finder()
@@ -254,8 +249,8 @@ def _remove_finder() -> None:
 
 class _FrameworkImports(importlib.abc.MetaPathFinder):
     """Imports each framework's module, whoever imports it first, under the framework's
-    :meth:`~vgpu_magic.frameworks.base.Framework.importing`, and then has the active watcher
-    watch its runtime's start."""
+    :meth:`~vgpu_magic.frameworks.base.Framework.importing`, and then has the active watcher watch its runtime's
+    start."""
 
     def __init__(self) -> None:
         self._finding = False
@@ -299,8 +294,8 @@ class _WatchedLoader(importlib.abc.Loader):
 
 
 def runtime_state(watcher: RuntimeWatcher | None = None, framework=None, check_cuda: bool = True) -> RuntimeState:
-    """The runtime state of ``framework``, with the culprit cell when a watcher is
-    given or the extension's is active."""
+    """The runtime state of ``framework``, with the culprit cell when a watcher is given or the extension's is
+    active."""
     watcher = watcher or _active
     if watcher is not None:
         return watcher.state(framework, check_cuda=check_cuda)
@@ -309,13 +304,6 @@ def runtime_state(watcher: RuntimeWatcher | None = None, framework=None, check_c
 
 def _state(fw, started_by: CellRef | None, before_load: bool, check_cuda: bool, known=None) -> RuntimeState:
     started = fw.runtime_started()
-    return RuntimeState(
-        imported=fw.imported(),
-        started=started,
-        started_by=started_by if started else None,
-        started_before_load=before_load and started,
-        cuda_holders=cuda_context_holders(exclude=fw.name, started_by=known) if check_cuda else (),
-        framework=fw.name,
-        label=fw.label,
-        runtime_word=fw.capabilities.runtime_word,
-    )
+    holders = cuda_context_holders(exclude=fw.name, started_by=known) if check_cuda else ()
+    by, word = started_by if started else None, fw.capabilities.runtime_word
+    return RuntimeState(fw.name, fw.label, fw.imported(), started, by, before_load and started, holders, word)

@@ -40,7 +40,9 @@ from .runtime import RuntimeState, RuntimeWatcher, runtime_state
 #: The count slider stops here; larger counts (up to the planner's limit) are typed in.
 SLIDER_MAX_DEVICES = 16
 _WIDE = {"description_width": "9em"}
-_SLIDER = {"width": "36em"}
+#: How every slider looks: a wide description, a long track.
+_SLIDER = {"style": _WIDE, "layout": {"width": "36em"}}
+_MIB_SLIDER = {**_SLIDER, "min": MIN_MEMORY_MIB, "readout_format": "d"}
 
 
 class SplitPanel:
@@ -78,8 +80,7 @@ class SplitPanel:
         self.even_memory.observe(self._update, "value")
         for widget in (self.target, self.count_text, self.custom, self.even_memory):
             widget.observe(self._notice_start, "value")
-        # Tracebacks and prints of a button callback go nowhere visible in
-        # JupyterLab unless an Output widget captures them.
+        # Tracebacks and prints of a button callback go nowhere visible in JupyterLab unless an Output captures them.
         self.apply_button.on_click(self.output.capture(clear_output=True, wait=True)(lambda _button: self.apply()))
         self._open_on_current()
         self._on_target()
@@ -96,25 +97,13 @@ class SplitPanel:
         # The slider has no readout of its own: the typed box is the one number shown, so the two can
         # never disagree (the slider stops at 16; larger counts are typed, and the planner says what is allowed).
         self.count_slider = widgets.IntSlider(
-            value=1,
-            min=1,
-            max=SLIDER_MAX_DEVICES,
-            description="Logical devices",
-            readout=False,
-            style=_WIDE,
-            layout=_SLIDER,
+            value=1, min=1, max=SLIDER_MAX_DEVICES, description="Logical devices", readout=False, **_SLIDER
         )
         self.count_text = widgets.IntText(value=1, layout=widgets.Layout(width="6em"))
         self.count_text.tooltip = f"1..{MAX_DEVICES}; the slider stops at {SLIDER_MAX_DEVICES}"
         self.custom = widgets.Checkbox(value=False, description="custom size per device", indent=False)
         self.even_memory = widgets.IntSlider(
-            value=MIN_MEMORY_MIB,
-            min=MIN_MEMORY_MIB,
-            max=MIN_MEMORY_MIB,
-            description="MiB each",
-            readout_format="d",
-            style=_WIDE,
-            layout=_SLIDER,
+            value=MIN_MEMORY_MIB, max=MIN_MEMORY_MIB, description="MiB each", **_MIB_SLIDER
         )
         self.device_memory = widgets.VBox()
         self.memory_note = widgets.HTML()
@@ -133,22 +122,9 @@ class SplitPanel:
         for name, widget in named.items():
             widget.add_class(f"vgpu-{name}")
         heading = panel_text.heading_html(self.capabilities.label, self.inventory.notes, self.capabilities.device_noun)
-        root = widgets.VBox(
-            [
-                widgets.HTML(heading),
-                self.banner,
-                self.target,
-                widgets.HBox([self.count_slider, self.count_text]),
-                self.custom,
-                self.even_memory,
-                self.device_memory,
-                self.memory_note,
-                self.usage,
-                self.magic,
-                self.apply_button,
-                self.output,
-            ]
-        )
+        count = widgets.HBox([self.count_slider, self.count_text])
+        root = widgets.VBox([widgets.HTML(heading), self.banner, self.target, count, self.custom, self.even_memory])
+        root.children += (self.device_memory, self.memory_note, self.usage, self.magic, self.apply_button, self.output)
         root.add_class("vgpu-split-panel")
         return root
 
@@ -161,9 +137,7 @@ class SplitPanel:
     @property
     def gpu(self) -> GPUInfo | None:
         """The GPU chosen in the dropdown, or ``None`` for the CPU."""
-        if self.target.value == CPU_KEY:
-            return None
-        return next(g for g in self.inventory.gpus if gpu_key(g) == self.target.value)
+        return next((g for g in self.inventory.gpus if gpu_key(g) == self.target.value), None)
 
     @property
     def memory_limits(self) -> tuple[int, ...] | None:
@@ -250,30 +224,20 @@ class SplitPanel:
     def _even_default(self) -> int:
         """The planner's even share of the chosen GPU (what ``%vgpu_split N`` gives each device); where NVML
         cannot tell, an even share of the slider range."""
-        count = max(self.count, 1)
-        gpu = self.gpu
+        count, gpu = max(self.count, 1), self.gpu
         share = None if gpu is None else even_share_mib(gpu, self.capabilities, count)
         return max(self._capacity_mib() // count if share is None else share, MIN_MEMORY_MIB)
 
     def _fit_memory_controls(self, change=None) -> None:
         """Re-range the memory sliders for the chosen device and count; the even
         split goes back to the largest that fits, (free - reserve) // count."""
-        capacity = self._capacity_mib()
-        each = self._even_default()
+        capacity, each = self._capacity_mib(), self._even_default()
         with self.even_memory.hold_trait_notifications():  # validated together: nothing clamped on the way
             self.even_memory.max = each
             self.even_memory.value = each
         while len(self._device_sliders) < min(max(self.count, 1), MAX_DEVICES):
-            slider = widgets.IntSlider(
-                value=each,
-                min=MIN_MEMORY_MIB,
-                max=capacity,
-                readout_format="d",
-                style=_WIDE,
-                layout=_SLIDER,
-                description=f"device {len(self._device_sliders)} MiB",
-                disabled=self.locked,
-            )
+            slider = widgets.IntSlider(value=each, max=capacity, **_MIB_SLIDER)
+            slider.description, slider.disabled = f"device {len(self._device_sliders)} MiB", self.locked
             slider.observe(self._update, "value")
             slider.observe(self._notice_start, "value")
             self._device_sliders.append(slider)

@@ -10,6 +10,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
 
@@ -63,11 +64,11 @@ class JobSpec:
 
 
 class JobBackend(Protocol):
-    """One way to run jobs; docs/jobs.md has each call's contract (``state``: SLURM's word and why)."""
+    """One way to run jobs; docs/jobs.md has each call's contract (``state``: SLURM's word, why, time run)."""
 
     def script(self, spec: JobSpec) -> str: ...
     def submit(self, spec: JobSpec) -> str: ...
-    def state(self, job_id: str, folder: Path) -> tuple[str, str]: ...
+    def state(self, job_id: str, folder: Path) -> tuple[str, str, timedelta]: ...
     def cancel(self, job_id: str) -> None: ...
     def logs(self, folder: Path, rank: int) -> str: ...
 
@@ -93,6 +94,11 @@ class Job:
     @property
     def state(self) -> str:
         return self.backend.state(self.job_id, self.folder)[0]
+
+    @property
+    def elapsed(self) -> timedelta:
+        """How long it has run (a :class:`~datetime.timedelta`; zero while pending), or ran once it ended."""
+        return self.backend.state(self.job_id, self.folder)[2]
 
     @property
     def exit_codes(self) -> list[int | None]:
@@ -126,11 +132,13 @@ class Job:
         self.backend.cancel(self.job_id)
 
     def summary(self, lines: int = 5) -> str:
-        """``ID NAME: STATE, ...`` with each failed rank's exit status and last lines, and why the job ended."""
-        state, reason = self.backend.state(self.job_id, self.folder)
-        codes = self.exit_codes
+        """``ID NAME: STATE, elapsed [D-]HH:MM:SS, ...`` with each failed rank's exit status and last lines, and why
+        the job ended."""
+        state, reason, elapsed = self.backend.state(self.job_id, self.folder)
+        codes, (hours, seconds) = self.exit_codes, divmod(elapsed.seconds, 3600)
+        ran = f"{elapsed.days}-" * bool(elapsed.days) + f"{hours:02}:{seconds // 60:02}:{seconds % 60:02}"
         said = [
-            f"{self.job_id} {Path(self.spec.script).name}: {state}, {self.spec.nodes} node(s) × "
+            f"{self.job_id} {Path(self.spec.script).name}: {state}, elapsed {ran}, {self.spec.nodes} node(s) × "
             f"{self.spec.ranks_per_node} rank(s), exit codes by rank [{', '.join(map(str, codes))}]"
         ]
         for rank, code in enumerate(codes):

@@ -10,6 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 from .. import frameworks
@@ -19,12 +20,12 @@ from ..layout import HostReport, SlurmStep, layout_ranks
 from ..ranks.hosts import LAUNCHER_VARIABLES
 from . import FOLDER, JobBackend, JobSpec
 
-#: The batch script: the job's folder made first (its id is known only then), one ``srun`` whose tasks each write
-#: their exit status beside their output, then the step's status.
+#: The batch script: the job's folder made first (its id is known only then) with its start time, one ``srun`` whose
+#: tasks each write their exit status beside their output, then the step's status.
 TEMPLATE = """#!/bin/bash
 {options}#SBATCH --output=/dev/null
 job={jobs}/$SLURM_JOB_ID
-mkdir -p "$job" && exec >"$job/job.out" 2>&1
+mkdir -p "$job" && date +%s >"$job/job.start" && exec >"$job/job.out" 2>&1
 # Each line of the ranks' output reaches their logs when printed (%vgpu_job logs --follow).
 export PYTHONUNBUFFERED=1
 srun --kill-on-bad-exit=1 --output="$job/rank-%t.log" \\
@@ -63,17 +64,18 @@ class SlurmJobs(JobBackend):
             raise ValueError(f"SLURM refused the job: {reason.removeprefix('sbatch: error: ')}")
         return done.stdout.strip().split(";")[0]
 
-    def state(self, job_id: str, folder: Path) -> tuple[str, str]:
-        shown = dict(re.findall(r"(JobState|Reason)=(\S+)", _run(["scontrol", "show", "job", "-o", job_id]).stdout))
+    def state(self, job_id: str, folder: Path) -> tuple[str, str, timedelta]:
+        said = _run(["scontrol", "show", "job", "-o", job_id]).stdout
+        shown = dict(re.findall(r"(JobState|Reason|RunTime)=(\S+)", said))
         if shown:
-            return shown["JobState"], "" if shown.get("Reason", "None") == "None" else shown["Reason"]
-        # SLURM has forgotten the job (MinJobAge): its batch script wrote its end, unless SLURM ended it first.
-        if (folder / "job.exit").exists():
-            status = (folder / "job.exit").read_text().strip()
-            return ("COMPLETED", "") if status == "0" else ("FAILED", f"srun exited with status {status}")
-        if "DUE TO TIME LIMIT" in "".join(path.read_text(errors="replace") for path in folder.glob("*.log")):
-            return "TIMEOUT", "its time limit was reached"
-        return "CANCELLED", "it ended before its batch script did"
+            days, hours, minutes, seconds = re.fullmatch(r"(?:(\d+)-)?(\d+):(\d+):(\d+)", shown["RunTime"]).groups()
+            elapsed = timedelta(days=int(days or 0), hours=int(hours), minutes=int(minutes), seconds=int(seconds))
+            return shown["JobState"], "" if shown.get("Reason", "None") == "None" else shown["Reason"], elapsed
+        # SLURM has forgotten the job (MinJobAge): it ran from its start until the last file written in its folder
+        # (its batch script's end, or SLURM's CANCELLED AT line in the ranks' logs where SLURM ended it).
+        start, ended = folder / "job.start", max(path.stat().st_mtime for path in folder.iterdir())
+        elapsed = timedelta(seconds=round(ended - float(start.read_text()))) if start.exists() else timedelta(0)
+        return (*_ended(folder), elapsed)
 
     def cancel(self, job_id: str) -> None:
         _run(["scancel", job_id])
@@ -81,6 +83,16 @@ class SlurmJobs(JobBackend):
     def logs(self, folder: Path, rank: int) -> str:
         path = folder / f"rank-{rank}.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _ended(folder: Path) -> tuple[str, str]:
+    """A job's end from its folder: its batch script wrote it, unless SLURM ended the script first."""
+    if (folder / "job.exit").exists():
+        status = (folder / "job.exit").read_text().strip()
+        return ("COMPLETED", "") if status == "0" else ("FAILED", f"srun exited with status {status}")
+    if "DUE TO TIME LIMIT" in "".join(path.read_text(errors="replace") for path in folder.glob("*.log")):
+        return "TIMEOUT", "its time limit was reached"
+    return "CANCELLED", "it ended before its batch script did"
 
 
 def _run(argv: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:

@@ -22,11 +22,10 @@ class AutoMonitoring:
     from ``factory()`` (by default ``MemoryMonitor(**options)``)."""
 
     def __init__(self, factory: Callable[[], Any] | None = None) -> None:
-        self._factory = factory
+        self._factory, self._model_class = factory, None
         self._options: dict[str, Any] = {}
         self._saved: dict[str, Any] = {}
         self._wrappers: dict[str, Any] = {}
-        self._model_class: Any = None
         #: Methods another tool had patched over ours when monitoring was switched off.
         self.kept: list[str] = []
         self._local = threading.local()
@@ -103,17 +102,15 @@ class AutoMonitoring:
         """Restore ``keras.Model`` as it was where the method is still ours."""
         if not self.enabled:
             return
-        model = self._model_class
-        kept = []
+        model, self.kept = self._model_class, []
         for name, original in self._saved.items():
             if model.__dict__.get(name) is not self._wrappers[name]:
-                kept.append(name)  # another tool's later patch: not ours to undo
+                self.kept.append(name)  # another tool's later patch: not ours to undo
             elif original is _MISSING:
                 delattr(model, name)
             else:
                 setattr(model, name, original)
         self._saved, self._wrappers, self._model_class = {}, {}, None
-        self.kept = kept
 
     def status(self) -> str:
         if not self.enabled:
@@ -125,9 +122,7 @@ class AutoMonitoring:
                 )
             return "automatic memory monitoring is off"
         extra = ", ".join(f"{k}={v!r}" for k, v in self._options.items())
-        return "automatic memory monitoring is on for keras.Model.fit/evaluate/predict" + (
-            f" ({extra})" if extra else ""
-        )
+        return f"automatic memory monitoring is on for keras.Model.fit/evaluate/predict{f' ({extra})' if extra else ''}"
 
     @property
     def last_monitor(self) -> Any:
@@ -137,6 +132,4 @@ class AutoMonitoring:
 
 #: The process-wide automatic monitoring that ``%vgpu_monitor`` switches, and its switches.
 AUTO = AutoMonitoring()
-enable = AUTO.enable
-disable = AUTO.disable
-status = AUTO.status
+enable, disable, status = AUTO.enable, AUTO.disable, AUTO.status

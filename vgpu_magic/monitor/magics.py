@@ -77,15 +77,11 @@ class MonitorMagics(Magics):
         help="how each monitor shows memory: auto (a live plot in a notebook, text elsewhere), rich, text or none",
     )
     @argument(
-        "--interval",
-        type=_interval,
-        metavar="SECONDS",
-        help="seconds between samples, 0.001 to 3600 (default 0.05)",
+        "--interval", type=_interval, metavar="SECONDS", help="seconds between samples, 0.001 to 3600 (default 0.05)"
     )
     def vgpu_monitor(self, line: str = "") -> None:
         """
-        Monitor the memory of every logical device in every Keras
-        ``fit``/``evaluate``/``predict``, without changing the code.
+        Monitor the memory of every logical device in every Keras ``fit``/``evaluate``/``predict``, unchanged.
 
         Examples
         --------
@@ -96,10 +92,8 @@ class MonitorMagics(Magics):
           In [3]: %vgpu_monitor status
           In [4]: %vgpu_monitor off                 # keras.Model as before
 
-        ``off`` undoes only what is still its own: a later patch of
-        ``keras.Model.fit`` by another tool stays. ``%unload_ext vgpu_magic``
-        turns it off too. For one call, pass
-        ``callbacks=[vgpu_magic.MemoryMonitor()]`` instead.
+        ``off`` undoes only what is still its own: a later patch of ``keras.Model.fit`` by another tool stays.
+        ``%unload_ext vgpu_magic`` turns it off too. For one call, pass ``callbacks=[vgpu_magic.MemoryMonitor()]``.
         """
         from . import auto
 

@@ -1,6 +1,5 @@
-"""The recorder: samples memory into a :class:`MemoryTrace` and feeds a view; knows nothing of Keras.
-
-With ``background=True`` a thread of the recorder samples every ``interval`` and feeds the view; the
+"""The recorder: samples memory into a :class:`MemoryTrace` and feeds a view; knows nothing of Keras. With
+``background=True`` a thread of the recorder samples every ``interval`` and feeds the view; the
 training thread's hooks only say which step and epoch it is. Training does not call back at a steady pace
 (Keras' first step of an epoch, a big model's step, a JAX loop dispatching ahead hold the training thread
 for seconds: an unpaced ``MirroredStrategy`` fit fed from its hooks updated 2.2 times a second, in bursts).
@@ -39,9 +38,8 @@ class RecorderStats:
 
     def __init__(self) -> None:
         self.costs: deque[float] = deque(maxlen=KEPT_COSTS)
-        self.samples = 0
+        self.samples = self.devices = 0
         self.sample_seconds = 0.0
-        self.devices = 0
 
     def add(self, seconds: float) -> None:
         self.costs.append(seconds)
@@ -69,15 +67,9 @@ class MemoryRecorder:
         report: Callable[[str], None] = print_report,
         background: bool = False,
     ) -> None:
-        self._sampler_factory = sampler_factory
-        self._sampler: Any = None
-        self.view = view
-        self.interval = interval
-        self._variables = variables
-        self.clock = clock
-        self._report = report
-        self._reported: set[str] = set()
-        self._background = background
+        self._sampler_factory, self._sampler, self._variables = sampler_factory, None, variables
+        self.view, self.interval, self.clock = view, interval, clock
+        self._report, self._reported, self._background = report, set(), background
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.RLock()
@@ -129,11 +121,7 @@ class MemoryRecorder:
             return
         self.stats.devices = len(self._sampler.devices)
         self.trace = MemoryTrace(
-            self._sampler.series,
-            kind,
-            baseline,
-            epochs_total=epochs,
-            subject=getattr(self._sampler, "subject", ""),
+            self._sampler.series, kind, baseline, epochs_total=epochs, subject=getattr(self._sampler, "subject", "")
         )
         self.active = True
         self.refresh_variables()
@@ -253,11 +241,8 @@ class MemoryRecorder:
             return self.trace
         self._maybe_join()
         self._sample_at(self.clock())
-        self.active = False
-        trace = self.trace
-        trace.duration = self.clock() - self._t0
-        trace.interrupted = interrupted
-        trace.finished = True
+        self.active, trace = False, self.trace
+        trace.duration, trace.interrupted, trace.finished = self.clock() - self._t0, interrupted, True
         self.refresh_variables()
         self._view_call("finish", trace)
         return trace

@@ -1,8 +1,7 @@
-"""Reading memory per device, through the framework seam (nothing here names a framework).
-
-Each logical GPU is one series with its cap; logical CPUs are one series each, or ONE "host allocator"
-series where the framework says they share one (``Capabilities.cpus_share_allocator``); the ``"process"``
-series adds the process' resident memory (RSS), true where an allocator keeps no statistics."""
+"""Reading memory per device, through the framework seam (nothing here names a framework). Each logical GPU is one
+series with its cap; logical CPUs are one series each, or ONE "host allocator" series where the framework says they
+share one (``Capabilities.cpus_share_allocator``); the ``"process"`` series adds the process' resident memory (RSS),
+true where an allocator keeps no statistics."""
 
 from __future__ import annotations
 
@@ -15,17 +14,8 @@ from typing import Any
 from ..units import MIB
 from .trace import SeriesInfo, short_name
 
-__all__ = [
-    "DeviceSampler",
-    "SamplerError",
-    "build_series",
-    "monitored_devices",
-    "normalize_device",
-    "process_memory_reader",
-    "variable_bytes",
-    "model_variables",
-    "PROCESS_LABEL",
-]
+__all__ = ["DeviceSampler", "SamplerError", "build_series", "monitored_devices", "normalize_device"]
+__all__ += ["process_memory_reader", "variable_bytes", "model_variables", "PROCESS_LABEL"]
 
 #: The legend of the process series.
 PROCESS_LABEL = "process RSS (all memory of this Python process)"
@@ -62,11 +52,8 @@ def build_series(
     cpus = tuple(d for d in devices if _device_type(d) == "CPU")
     series = [SeriesInfo(d, short_name(d), (d,), caps.get(d)) for d in devices if _device_type(d) != "CPU"]
     if cpus and shared_cpus:
-        if len(cpus) > 1:
-            label = f"host allocator (shared by {len(cpus)} logical CPUs)"
-        else:
-            label = f"host allocator ({short_name(cpus[0])})"
-        series.append(SeriesInfo("host", label, cpus, None))
+        shared = f"shared by {len(cpus)} logical CPUs" if len(cpus) > 1 else short_name(cpus[0])
+        series.append(SeriesInfo("host", f"host allocator ({shared})", cpus, None))
     elif cpus:
         series += [SeriesInfo(d, short_name(d), (d,), None) for d in cpus]
     if process or (process is None and cpus):
@@ -138,10 +125,8 @@ def variable_bytes(framework: Any, variables: Iterable[Any], devices: Sequence[s
 
 def model_variables(model: Any) -> list[Any]:
     """A Keras model's variables and its optimizer's (slots included)."""
-    found = list(getattr(model, "variables", None) or [])
     optimizer = getattr(model, "optimizer", None)
-    found += list(getattr(optimizer, "variables", None) or [])
-    return found
+    return [*(getattr(model, "variables", None) or []), *(getattr(optimizer, "variables", None) or [])]
 
 
 #: Seconds between two reads of the process' RSS (see :class:`DeviceSampler`).
@@ -175,11 +160,8 @@ class DeviceSampler:
         self._reader = reader
         #: The reader must be read where the training runs (:attr:`MemoryReader.training_thread_only`).
         self.training_thread_only = getattr(reader, "training_thread_only", False)
-        self._process = None
-        self._process_last: tuple[int, int] = (0, 0)
-        self._process_time = -float("inf")
-        if len(device_series) < len(self.series):
-            self._process = process if process is not None else process_memory_reader()
+        self._process_last, self._process_time = (0, 0), -float("inf")
+        self._process = None if len(device_series) == len(self.series) else process or process_memory_reader()
 
     @classmethod
     def for_framework(
@@ -212,7 +194,6 @@ class DeviceSampler:
         if self._process is not None:
             now = perf_counter()
             if now - self._process_time >= PROCESS_EVERY:
-                self._process_last = self._process()
-                self._process_time = now
+                self._process_last, self._process_time = self._process(), now
             found.append(self._process_last)
         return found

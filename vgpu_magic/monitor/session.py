@@ -1,9 +1,6 @@
-"""The monitor's session: records runs and shows them, with no framework in it.
-
-:class:`MonitorSession` drives a :class:`~vgpu_magic.monitor.recorder.MemoryRecorder`
-and picks its view (the live widget in a notebook, text elsewhere); the Keras
-callback (:class:`~vgpu_magic.monitor.callback.MemoryMonitor`) only maps
-Keras' events onto it."""
+"""The monitor's session, with no framework in it: :class:`MonitorSession` drives a
+:class:`~vgpu_magic.monitor.recorder.MemoryRecorder` and picks its view (the live widget in a notebook, text
+elsewhere); the Keras callback (:class:`~vgpu_magic.monitor.callback.MemoryMonitor`) only maps Keras' events onto it."""
 
 from __future__ import annotations
 
@@ -21,9 +18,7 @@ from .trace import MemoryTrace, SeriesInfo
 from .views import NullView, TextSummaryView
 
 if TYPE_CHECKING:
-    # ``start`` and ``__enter__`` return the monitor itself, a MonitorSession or
-    # its Keras subclass; typing.Self is Python 3.11+.
-    from typing_extensions import Self
+    from typing_extensions import Self  # typing.Self is Python 3.11+
 
 __all__ = ["MonitorSession", "process_sampler", "KEPT_TRACES"]
 
@@ -94,10 +89,8 @@ class MonitorSession:
         self._recorder = MemoryRecorder(
             self._make_sampler, None, interval=seconds, variables=self._variables, report=self._report, background=True
         )
-        self._depth = 0
+        self._depth = self._epoch_base = self._next_step = 0
         self._fresh = False
-        self._epoch_base = 0
-        self._next_step = 0
         self._shell_watched: Any = None
         self._pending: list[Any] = []
 
@@ -132,12 +125,11 @@ class MonitorSession:
                 self._devices,
                 model=self._current_model(),
                 strategy=self._strategy,
-                process=True if self._joining else None,
+                process=self._joining or None,
             )
             sampler.read()
         except Exception as exc:  # noqa: BLE001 - any framework's error; a monitor never stops training
-            # e.g. TensorFlow's host allocator without statistics: the process' memory is still true.
-            # Said once per process: every later run would read the same.
+            # e.g. TensorFlow's host allocator without statistics; every later run would read the same.
             self._report_once_per_process(
                 f"device memory cannot be read ({exc}); the memory view shows the process' memory"
             )
@@ -175,9 +167,7 @@ class MonitorSession:
                 )
                 return TextSummaryView()
             return LiveMemoryView(defer=self._defer_to_cell_end)
-        if mode == "text":
-            return TextSummaryView()
-        return NullView()
+        return TextSummaryView() if mode == "text" else NullView()
 
     # -- runs -------------------------------------------------------------------------
     def _begin(self, kind: str) -> None:
@@ -200,8 +190,7 @@ class MonitorSession:
         self._joining = False
         self._recorder.start(kind, epochs=params.get("epochs") if kind == "fit" else None)
 
-    def _run_params(self) -> dict:
-        """``epochs`` and ``steps`` of the run, where known (Keras' params)."""
+    def _run_params(self) -> dict:  # epochs and steps, where known (Keras' params)
         return {}
 
     def _end(self) -> None:
@@ -292,18 +281,10 @@ class MonitorSession:
     def __exit__(self, exc_type, exc, tb) -> None:
         self.finish(interrupted=exc_type is not None)
 
-    # What the recorder knows, read-only.
-    trace = property(
-        lambda self: self._recorder.trace,
-        doc="The current (or last) run's :class:`MemoryTrace`; ``None`` before the first run.",
-    )
-    stats = property(
-        lambda self: self._recorder.stats,
-        doc="Samples taken in the current (or last) run and what they cost (a ``RecorderStats``).",
-    )
-    view = property(
-        lambda self: self._recorder.view, doc="The view of the current (or last) run; ``None`` after it failed."
-    )
+    # What the recorder knows of the current (or last) run, read-only.
+    trace = property(lambda self: self._recorder.trace, doc="Its :class:`MemoryTrace`; ``None`` before the first.")
+    stats = property(lambda self: self._recorder.stats, doc="Its samples and what they cost (``RecorderStats``).")
+    view = property(lambda self: self._recorder.view, doc="Its view; ``None`` after it failed.")
     active = property(lambda self: self._recorder.active, doc="Whether a run is being recorded now.")
 
     def _require_trace(self) -> MemoryTrace:

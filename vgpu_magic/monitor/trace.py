@@ -1,7 +1,6 @@
-"""The memory trace: plain data, no framework, no matplotlib.
-
-A :class:`MemoryTrace` holds one run: its series (:class:`SeriesInfo`) and, per sample, the time, step,
-epoch, phase and every series' current and peak bytes, column-wise in :mod:`array` arrays.
+"""The memory trace: plain data, no framework, no matplotlib. A :class:`MemoryTrace` holds one run: its series
+(:class:`SeriesInfo`) and, per sample, the time, step, epoch, phase and every series' current and peak bytes,
+column-wise in :mod:`array` arrays.
 
 Bounded memory: at most ``3 * recent`` rows. The latest samples stay at full resolution; older ones become
 a min/max envelope (per bucket of samples two rows, its minima at its first time, its maxima at its last;
@@ -31,11 +30,10 @@ RECENT_SAMPLES = 8192
 
 @dataclass(frozen=True)
 class SeriesInfo:
-    """One memory series: what one allocator (or the process) reports.
-
-    ``key`` is the rows' ``device`` (``"/device:GPU:1"``, ``"host"`` for a host allocator the logical CPUs
-    share, ``"process"`` for RSS); ``devices`` the logical devices it covers; ``cap`` in bytes or ``None``;
-    ``panel`` where it is drawn (``"process"``: RSS dwarfs the allocators, so it has a panel of its own)."""
+    """One memory series: what one allocator (or the process) reports. ``key`` is the rows' ``device``
+    (``"/device:GPU:1"``, ``"host"`` for a host allocator the logical CPUs share, ``"process"`` for RSS); ``devices``
+    the logical devices it covers; ``cap`` in bytes or ``None``; ``panel`` where it is drawn (``"process"``: RSS dwarfs
+    the allocators, so it has a panel of its own)."""
 
     key: str
     label: str
@@ -70,14 +68,10 @@ class _Columns:
     __slots__ = ("time", "step", "epoch", "phase", "current", "peak", "n", "envelope", "bucket")
 
     def __init__(self, series_count: int) -> None:
-        self.time = array("d")
-        self.step = array("q")
-        self.epoch = array("q")
-        self.phase = array("b")
+        self.time, self.step, self.epoch, self.phase = array("d"), array("q"), array("q"), array("b")
         self.current = [array("q") for _ in range(series_count)]
         self.peak = [array("q") for _ in range(series_count)]
-        self.n = 0
-        self.envelope = 0
+        self.n = self.envelope = 0
         self.bucket = 1  # samples per envelope bucket (two rows)
 
     def all(self) -> list[array]:
@@ -86,12 +80,11 @@ class _Columns:
 
 @dataclass(eq=False)
 class MemoryTrace:
-    """Samples of every memory series during one run.
-
-    ``kind`` is what ran (``"fit"``, ``"custom"``...); ``baseline_peak`` each series' peak when the run
-    started (a peak that never rises above it was reached before the run); ``recent`` the samples kept at
-    full resolution. Per row: ``time`` since the start, ``step``, ``epoch`` (0-based), ``phase``
-    (``"validate"`` for a fit's validation). Two traces are equal when they describe the same run."""
+    """Samples of every memory series during one run. ``kind`` is what ran (``"fit"``, ``"custom"``...);
+    ``baseline_peak`` each series' peak when the run started (a peak that never rises above it was reached before the
+    run); ``recent`` the samples kept at full resolution. Per row: ``time`` since the start, ``step``, ``epoch``
+    (0-based), ``phase`` (``"validate"`` for a fit's validation). Two traces are equal when they describe the same
+    run."""
 
     series: tuple[SeriesInfo, ...]
     kind: str = "custom"
@@ -127,36 +120,26 @@ class MemoryTrace:
         if len(readings) != len(self.series):
             raise ValueError(f"{len(readings)} readings for {len(self.series)} series")
         values = [(int(cur), int(pk)) for cur, pk in readings]
-        row = (float(time), int(step), int(epoch))
-        try:
-            code = self._phases.index(phase)
-        except ValueError:
+        if phase not in self._phases:
             self._phases.append(phase)
-            code = len(self._phases) - 1
-        cols = self._cols
+        code, cols = self._phases.index(phase), self._cols
+        row = (float(time), int(step), int(epoch), code, *(c for c, _ in values), *(p for _, p in values))
         n = cols.n
         if len(cols.time) != n:  # a row an interrupt left half-written: never counted, drop it
             for column in cols.all():
                 del column[n:]
-        cols.time.append(row[0])
-        cols.step.append(row[1])
-        cols.epoch.append(row[2])
-        cols.phase.append(code)
-        for i, (cur, pk) in enumerate(values):
-            cols.current[i].append(cur)
-            cols.peak[i].append(pk)
+        for column, value in zip(cols.all(), row):
+            column.append(value)
         cols.n = n + 1  # the commit: one assignment
         for i, (cur, pk) in enumerate(values):
-            if cur > self._max_current[i]:
-                self._max_current[i] = cur
-            if pk > self._max_peak[i]:
-                self._max_peak[i] = pk
+            self._max_current[i] = max(self._max_current[i], cur)
+            self._max_peak[i] = max(self._max_peak[i], pk)
         if cols.n - cols.envelope >= 2 * self.recent:
             self._cols = _compacted(cols, self.recent)
 
     def add_series(self, series: Sequence[SeriesInfo], baseline_peak: Sequence[int]) -> None:
-        """Use ``series`` from now on: every series so far (by key) and some that joined the run, which
-        read 0 B in the rows before (their allocator did not exist yet)."""
+        """Use ``series`` from now on: every series so far (by key) and some that joined the run, which read 0 B in the
+        rows before (their allocator did not exist yet)."""
         cols, old = self._cols, {s.key: i for i, s in enumerate(self.series)}
         if not set(old) <= {s.key for s in series}:
             raise ValueError(f"{[s.key for s in series]} leaves out some of {list(old)}")
@@ -187,17 +170,9 @@ class MemoryTrace:
         """Samples per envelope bucket of older rows; 1 while every sample is kept."""
         return self._cols.bucket
 
-    @property
-    def time(self) -> array:
-        return self._column(self._cols.time)
-
-    @property
-    def step(self) -> array:
-        return self._column(self._cols.step)
-
-    @property
-    def epoch(self) -> array:
-        return self._column(self._cols.epoch)
+    time = property(lambda self: self._column(self._cols.time), doc="Per row, seconds since the run's start.")
+    step = property(lambda self: self._column(self._cols.step), doc="Per row, the training step.")
+    epoch = property(lambda self: self._column(self._cols.epoch), doc="Per row, the epoch (0-based).")
 
     @property
     def current(self) -> list[array]:
@@ -240,10 +215,8 @@ class MemoryTrace:
 
     def latest(self, index: int) -> tuple[int, int] | None:
         """The last ``(current, peak)`` of series ``index``; ``None`` before any sample."""
-        cols = self._cols
-        if not cols.n:
-            return None
-        return cols.current[index][cols.n - 1], cols.peak[index][cols.n - 1]
+        cols, last = self._cols, self._cols.n - 1
+        return (cols.current[index][last], cols.peak[index][last]) if cols.n else None
 
     def run_peak(self, index: int) -> int | None:
         """The peak reached during this run (exact), or ``None`` where it did not rise above the start's."""
@@ -274,13 +247,10 @@ class MemoryTrace:
         return f"peak ≤ {format_bytes(self.baseline_peak[index], unit)} (reached before this run)"
 
     def device_label(self, device: str) -> str:
-        """What this trace's series call ``device`` (the framework's words: JAX's ``"cpu:3"``), else its short
-        name (``"CPU:3"``), so the variables read as the legend does."""
+        """What this trace's series call ``device`` (the framework's words: JAX's ``"cpu:3"``), else its short name
+        (``"CPU:3"``), so the variables read as the legend does."""
         short = short_name(device)
-        return next(
-            (s.label for s in self.series if len(s.devices) == 1 and short_name(s.devices[0]) == short),
-            short,
-        )
+        return next((s.label for s in self.series if len(s.devices) == 1 and short_name(s.devices[0]) == short), short)
 
     def variables_text(self) -> str:
         """``'variables per replica: CPU:0 20.1 MiB, CPU:1 20.1 MiB'``, or ``''``."""
@@ -305,9 +275,9 @@ class MemoryTrace:
 
 
 def _compacted(cols: _Columns, recent: int) -> _Columns:
-    """New columns (the old left untouched) where the oldest ``recent`` full-resolution rows joined the
-    envelope, whose adjacent buckets merge while it has more than ``recent`` rows. Each bucket is a span
-    of old rows; a merged span's extremes are its parts', as a pair's minima row is never above its maxima."""
+    """New columns (the old left untouched) where the oldest ``recent`` full-resolution rows joined the envelope, whose
+    adjacent buckets merge while it has more than ``recent`` rows. Each bucket is a span of old rows; a merged span's
+    extremes are its parts', as a pair's minima row is never above its maxima."""
     bucket = max(cols.bucket, 4)  # 4 samples -> 2 rows: the first halving
     aged = cols.envelope + recent
     spans = [(k, k + 2) for k in range(0, cols.envelope, 2)]

@@ -10,23 +10,11 @@ from typing import TextIO
 from ..units import format_bytes, joined_alike, unit_for
 from .trace import MemoryTrace
 
-__all__ = [
-    "View",
-    "RedrawThrottle",
-    "TextSummaryView",
-    "NullView",
-    "summary_line",
-    "panel_unit",
-    "alike_groups",
-    "group_label",
-    "title_text",
-    "PALETTE",
-    "DARK_PALETTE",
-]
+__all__ = ["View", "RedrawThrottle", "TextSummaryView", "NullView", "summary_line", "panel_unit", "alike_groups"]
+__all__ += ["group_label", "title_text", "PALETTE", "DARK_PALETTE"]
 
-#: Series colours. On a light background each has at least 4.5:1 contrast
-#: (WCAG's minimum for text, so also for the lines and legend swatches); the
-#: live view draws with :data:`DARK_PALETTE` on a dark theme, the same hues lighter.
+#: Series colours. On a light background each has at least 4.5:1 contrast (WCAG's minimum for text, so also for the
+#: lines and legend swatches); the live view draws with :data:`DARK_PALETTE` on a dark theme, the same hues lighter.
 PALETTE = ("#1f77b4", "#b35f0b", "#258625", "#d62728", "#8f60ba", "#168084", "#c14495", "#757575", "#797913", "#976c46")
 DARK_PALETTE = (
     "#2283c5",
@@ -45,14 +33,8 @@ DARK_PALETTE = (
 def panel_unit(trace: MemoryTrace, panel: str) -> tuple[str, int]:
     """The unit of one panel (``"device"`` or ``"process"``) for its largest cap, baseline or reading so
     far, KiB at least: the live view's last unit is the final image's."""
-    top = max(
-        (
-            max(s.cap or 0, base, trace.max_reading(i))
-            for i, (s, base) in enumerate(zip(trace.series, trace.baseline_peak))
-            if s.panel == panel
-        ),
-        default=0,
-    )
+    series = enumerate(zip(trace.series, trace.baseline_peak))
+    top = max((max(s.cap or 0, base, trace.max_reading(i)) for i, (s, base) in series if s.panel == panel), default=0)
     return unit_for(top, smallest="KiB")
 
 
@@ -90,8 +72,7 @@ def title_text(trace: MemoryTrace, final: bool = False) -> str:
     if final:
         if len(trace) and (trace.epochs_total or trace.step[-1]):
             parts.append(f"{trace.step[-1] + 1} steps")
-        parts.append(f"{trace.duration:.1f} s")
-        parts.append((trace.ending or "interrupted") if trace.interrupted else "done")
+        parts += [f"{trace.duration:.1f} s", (trace.ending or "interrupted") if trace.interrupted else "done"]
     return "memory · " + " · ".join(parts)
 
 
@@ -124,15 +105,12 @@ def summary_line(trace: MemoryTrace) -> str:
     ``'; '``-separated; three or more in a row alike as one (``'CPU:0…CPU:7, each: now 988 B, ...'``)."""
     parts = []
     for i, s in enumerate(trace.series):
-        latest = trace.latest(i)
-        if latest is None:
-            parts.append((s.label, "no samples", s.panel))
-            continue
-        if trace.all_zero(i):
-            parts.append((s.label, "nothing allocated", s.panel))
-            continue
-        cap = f" of cap {format_bytes(s.cap)}" if s.cap else ""
-        parts.append((s.label, f"now {format_bytes(latest[0])}, {trace.peak_text(i)}{cap}", s.panel))
+        latest, cap = trace.latest(i), f" of cap {format_bytes(s.cap)}" if s.cap else ""
+        if latest is None or trace.all_zero(i):
+            said = "no samples" if latest is None else "nothing allocated"
+        else:
+            said = f"now {format_bytes(latest[0])}, {trace.peak_text(i)}{cap}"
+        parts.append((s.label, said, s.panel))
     return "; ".join(joined_alike(parts, ": "))
 
 
@@ -151,8 +129,7 @@ class TextSummaryView(View):
 
     def finish(self, trace: MemoryTrace) -> None:
         state = (trace.ending or "interrupted") if trace.interrupted else "done"
-        line = f"memory · {trace.kind} {state} in {trace.duration:.1f} s, {len(trace)} samples"
-        line += f" · {summary_line(trace)}"
+        line = f"memory · {trace.kind} {state} in {trace.duration:.1f} s, {len(trace)} samples · {summary_line(trace)}"
         if trace.variable_bytes:
             line += f" · {trace.variables_text()}"
         self._print(line)
@@ -165,16 +142,12 @@ class RedrawThrottle:
     :meth:`reset` at the run start puts the first update ``min_interval`` into the run."""
 
     def __init__(self, min_interval: float = 0.2, budget_factor: float = 200.0) -> None:
-        self.min_interval = min_interval
-        self.budget_factor = budget_factor
-        self.due = -math.inf
-        self.last_start = -math.inf
+        self.min_interval, self.budget_factor = min_interval, budget_factor
+        self.due = self.last_start = -math.inf
         self.last_cost = 0.0
 
     def reset(self, now: float) -> None:
-        self.due = now + self.min_interval
-        self.last_start = now
-        self.last_cost = 0.0
+        self.due, self.last_start, self.last_cost = now + self.min_interval, now, 0.0
 
     def next_allowed(self) -> float:
         return max(self.due, self.last_start + self.budget_factor * self.last_cost)

@@ -1,12 +1,9 @@
-"""JAX: N CPU devices (next to a GPU or without one), and this process's share of a GPU; docs/split.md says
-through which settings. A later CPU count is refused first, naming the cell that started the backend (JAX would
-raise a bare ``RuntimeError``); of the two fraction variables only one is ever set (jaxlib refuses both, and JAX
-then runs on CPU).
-
-Devices have JAX's own names (``cpu:3``, as ``str(device)`` says) everywhere. Memory readings live in
-:mod:`.memory`, ``vgpu_magic.mesh()`` and ``distribution()`` in :mod:`.mesh`, the ranks' ``jax.distributed``
-wiring in :mod:`.ranks`. Importing this module imports neither JAX nor Keras.
-"""
+"""JAX: N CPU devices (next to a GPU or without one), and this process's share of a GPU; docs/split.md says through
+which settings. A later CPU count is refused first, naming the cell that started the backend (JAX would raise a bare
+``RuntimeError``); of the two fraction variables only one is ever set (jaxlib refuses both, and JAX then runs on CPU).
+Devices have JAX's own names (``cpu:3``, as ``str(device)`` says) everywhere. Memory readings live in :mod:`.memory`,
+``vgpu_magic.mesh()`` and ``distribution()`` in :mod:`.mesh`, the ranks' ``jax.distributed`` wiring in :mod:`.ranks`.
+Importing this module imports neither JAX nor Keras."""
 
 from __future__ import annotations
 
@@ -62,31 +59,25 @@ GLOO_CONNECTED = r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected n
 
 
 def backend_started() -> bool:
-    """Has JAX's backend started (so devices are fixed)? Never imports JAX: asks ``xla_bridge``, or in JAX
-    versions without ``backends_are_initialized()``, reads the backend cache it reads."""
+    """Has JAX's backend started (so devices are fixed)? Never imports JAX: asks ``xla_bridge``, or in JAX versions
+    without ``backends_are_initialized()``, reads the backend cache it reads."""
     bridge = sys.modules.get("jax._src.xla_bridge")
     if bridge is None:
         return False
     check = getattr(bridge, "backends_are_initialized", None)
-    if check is not None:
-        return bool(check())
-    return bool(getattr(bridge, "_backends", None))
+    return bool(check()) if check is not None else bool(getattr(bridge, "_backends", None))
 
 
 def xla_flags_count(flags: str) -> int | None:
     """The ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS`` (the last one, as in XLA), or ``None``."""
     found = _COUNT_FLAG.findall(flags or "")
-    if not found or not found[-1].isdigit():
-        return None
-    return int(found[-1])
+    return int(found[-1]) if found and found[-1].isdigit() else None
 
 
 def xla_flags_with_count(flags: str, count: int | None) -> str:
     """``flags`` with the CPU device count set to ``count`` (removed for ``None``), every other flag kept."""
     kept = " ".join(_COUNT_FLAG.sub(" ", flags or "").split())
-    if count is None:
-        return kept
-    return f"{kept} --xla_force_host_platform_device_count={count}".strip()
+    return kept if count is None else f"{kept} --xla_force_host_platform_device_count={count}".strip()
 
 
 def _has_num_cpu_devices(jax: Any) -> bool:
@@ -99,15 +90,13 @@ def _platforms_allow_gpu() -> bool:
     jax = sys.modules.get("jax")
     chosen = getattr(getattr(jax, "config", None), "jax_platforms", None) if jax else None
     chosen = chosen or os.environ.get("JAX_PLATFORMS", "")
-    if not chosen.strip():
-        return True
-    return any(p.strip().lower() in _GPU_PLATFORMS for p in chosen.split(","))
+    return not chosen.strip() or any(p.strip().lower() in _GPU_PLATFORMS for p in chosen.split(","))
 
 
 @functools.lru_cache(maxsize=1)
 def gpu_backend_installed() -> bool:
-    """Is a GPU backend installed for JAX (a CUDA/ROCm plugin in the ``jax_plugins`` namespace package, or a
-    jaxlib built with CUDA)? Read from the installed files, once per process: imports and starts nothing."""
+    """Is a GPU backend installed for JAX (a CUDA/ROCm plugin in the ``jax_plugins`` namespace package, or a jaxlib
+    built with CUDA)? Read from the installed files, once per process: imports and starts nothing."""
     import pkgutil
 
     try:
@@ -127,16 +116,13 @@ def gpu_backend_installed() -> bool:
 
 
 def _user_namespace_uses_jax() -> bool:
-    """Does ``__main__`` (the notebook's or script's globals) hold a JAX module, or a function, class or array
-    of JAX's?"""
+    """Does ``__main__`` (the notebook's or script's globals) hold a JAX module, or a function, class or array of
+    JAX's?"""
     main = sys.modules.get("__main__")
     for value in list(getattr(main, "__dict__", {}).values()):
         try:
-            names = (
-                (value.__name__,)
-                if isinstance(value, types.ModuleType)
-                else (getattr(value, "__module__", None), type(value).__module__)
-            )
+            module = isinstance(value, types.ModuleType)
+            names = (value.__name__,) if module else (getattr(value, "__module__", None), type(value).__module__)
         except Exception:  # noqa: BLE001 - a user object whose attributes raise is not JAX's
             continue
         if any(isinstance(n, str) and n.split(".")[0] in ("jax", "jaxlib") for n in names):
@@ -157,13 +143,11 @@ class Jax(Framework):
         self._counters: dict[str, LiveArrayBytes] = {}
 
     def imported(self) -> bool:
-        """Is JAX in use here? TensorFlow imports JAX itself where it is installed, so next to TensorFlow JAX
-        counts only once its backend started or the user's namespace holds something of JAX's."""
+        """Is JAX in use here? TensorFlow imports JAX itself where it is installed, so next to TensorFlow JAX counts
+        only once its backend started or the user's namespace holds something of JAX's."""
         if "jax" not in sys.modules:
             return False
-        if "tensorflow" not in sys.modules or backend_started():
-            return True
-        return _user_namespace_uses_jax()
+        return "tensorflow" not in sys.modules or backend_started() or _user_namespace_uses_jax()
 
     def runtime_started(self) -> bool:
         return backend_started()
@@ -284,8 +268,8 @@ class Jax(Framework):
         return _set_env("XLA_FLAGS", xla_flags_with_count(os.environ.get("XLA_FLAGS", ""), count) or None)
 
     def _fraction(self, caps: dict[str, int | None]) -> str | None:
-        """JAX's memory fraction for caps in MiB: one for the process, of the capped GPU's total as CUDA counts
-        it (what XLA multiplies by; NVML's, larger, where the driver cannot be asked: the cap lands a little low)."""
+        """JAX's memory fraction for caps in MiB: one for the process, of the capped GPU's total as CUDA counts it (what
+        XLA multiplies by; NVML's, larger, where the driver cannot be asked: the cap lands a little low)."""
         if not caps:
             return None
         gpus = {g.name: g for g in self._gpus()[0]}
@@ -345,12 +329,10 @@ class Jax(Framework):
 
     # -- helpers -----------------------------------------------------------------------
     def split_devices(self) -> list[Any]:
-        """Every CPU device where CPU devices were split (also next to a GPU), else ``jax.devices()``. Starts
-        JAX's backend."""
+        """Every CPU device where CPU devices were split (also next to a GPU), else ``jax.devices()``. Starts JAX's
+        backend."""
         jax = self.load()
-        if self._cpu_count() is not None:
-            return list(jax.devices("cpu"))
-        return list(jax.devices())
+        return list(jax.devices("cpu") if self._cpu_count() is not None else jax.devices())
 
     def strategy(self, devices: list[str] | None = None) -> Any:
         """A ``jax.sharding.Mesh`` with one ``"data"`` axis over the split's devices (or ``devices``, by name)."""

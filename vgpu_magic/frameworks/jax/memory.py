@@ -1,6 +1,5 @@
 """Bytes on each JAX device, exact, for ``%vgpu_status`` and the live memory plot, once JAX's backend runs: the live
-arrays' shards on a CPU device (which has no ``memory_stats()``), the allocator's figures on a GPU (docs/split.md).
-"""
+arrays' shards on a CPU device (which has no ``memory_stats()``), the allocator's figures on a GPU (docs/split.md)."""
 
 from __future__ import annotations
 
@@ -46,15 +45,13 @@ class _Sharded:
 
 
 class LiveArrayBytes:
-    """Exact bytes of the live arrays' shards on each device of one platform.
-
-    Several array objects can hold one buffer (``addressable_shards[i].data`` of a sharded array, the arrays
-    given to ``jax.make_array_from_single_device_arrays``, ...) and ``jax.live_arrays()`` lists each, so a buffer
-    counts once: single-device arrays are told apart by their buffer's address, and one with the shape, dtype and
-    device of a sharded array's shard is checked against that array's buffers (only then are they read: that is
-    the costly part). What each array holds is kept by its id, guarded by a weak reference, so a read is a lookup
-    per live array (``benchmarks/jax_split.py`` measures it).
-    """
+    """Exact bytes of the live arrays' shards on each device of one platform. Several array objects can hold one buffer
+    (``addressable_shards[i].data`` of a sharded array, the arrays given to
+    ``jax.make_array_from_single_device_arrays``, ...) and ``jax.live_arrays()`` lists each, so a buffer counts once:
+    single-device arrays are told apart by their buffer's address, and one with the shape, dtype and device of a sharded
+    array's shard is checked against that array's buffers (only then are they read: that is the costly part). What each
+    array holds is kept by its id, guarded by a weak reference, so a read is a lookup per live array
+    (``benchmarks/jax_split.py`` measures it)."""
 
     def __init__(self, jax: Any, platform: str) -> None:
         self._jax = jax
@@ -64,8 +61,8 @@ class LiveArrayBytes:
         self._known: dict[int, Any] = {}
 
     def _entry(self, array: Any) -> Any:
-        """``(ref, slot, address, bytes, signature)`` for a single-device array,
-        a :class:`_Sharded` for a multi-device one, ``None`` off this platform."""
+        """``(ref, slot, address, bytes, signature)`` for a single-device array, a :class:`_Sharded` for a multi-device
+        one, ``None`` off this platform."""
         devices = array.devices()
         slot = self.slot
         if len(devices) == 1:
@@ -130,15 +127,12 @@ class LiveArrayBytes:
 
 
 class MemoryReader:
-    """``reader(names) -> [(current, peak), ...]`` in bytes, one pair per device name (``"cpu:3"``,
-    ``"/device:CPU:3"`` or ``"CPU:3"``).
-
-    A device with ``memory_stats()`` (GPU) is read from its allocator; one without (CPU) from the bytes of the
-    live arrays' shards on it, with the running maximum of those reads as its peak; one count serves every CPU
-    device of a read. ``peaks`` and ``counters`` may be shared, so that ``%vgpu_status`` and the monitor report
-    the same peaks. ``budget`` bounds the time counting may take: after a count of ``c`` seconds, calls in the
-    next ``c / budget`` seconds return it again (the monitor samples every 0.05 s); ``None`` counts every call.
-    """
+    """``reader(names) -> [(current, peak), ...]`` in bytes, one pair per device name (``"cpu:3"``, ``"/device:CPU:3"``
+    or ``"CPU:3"``). A device with ``memory_stats()`` (GPU) is read from its allocator; one without (CPU) from the bytes
+    of the live arrays' shards on it, with the running maximum of those reads as its peak; one count serves every CPU
+    device of a read. ``peaks`` and ``counters`` may be shared, so that ``%vgpu_status`` and the monitor report the same
+    peaks. ``budget`` bounds the time counting may take: after a count of ``c`` seconds, calls in the next ``c /
+    budget`` seconds return it again (the monitor samples every 0.05 s); ``None`` counts every call."""
 
     #: Read it on the training thread only: counted from another thread in the middle of a step, the live
     #: arrays are those between a donated buffer's end and its replacement, and the count dips to 0 B.
@@ -151,10 +145,9 @@ class MemoryReader:
         counters: dict[str, LiveArrayBytes] | None = None,
         budget: float | None = None,
     ) -> None:
-        self._jax = jax
+        self._jax, self._budget = jax, budget
         self._peaks = {} if peaks is None else peaks
         self._counters = {} if counters is None else counters
-        self._budget = budget
         self._counts: dict[int, tuple[list[int], float]] = {}
         self._plans: dict[tuple[str, ...], list[tuple[str, Any, LiveArrayBytes | None, int]]] = {}
 
@@ -186,12 +179,10 @@ class MemoryReader:
                 stats = device.memory_stats()
                 out.append((int(stats.get("bytes_in_use", 0)), int(stats.get("peak_bytes_in_use", 0))))
                 continue
-            per_device = totals.get(id(counter))
-            if per_device is None:
-                per_device = totals[id(counter)] = self._count(counter)
-            current = per_device[slot]
-            peak = max(peaks.get(full, 0), current)
-            peaks[full] = peak
+            if id(counter) not in totals:
+                totals[id(counter)] = self._count(counter)
+            current = totals[id(counter)][slot]
+            peaks[full] = peak = max(peaks.get(full, 0), current)
             out.append((current, peak))
         return out
 

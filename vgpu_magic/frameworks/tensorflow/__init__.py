@@ -1,10 +1,8 @@
-"""TensorFlow: logical GPUs with memory caps on one GPU, or logical CPUs.
-
-The only module that touches ``tf.config``, read with calls that do not start the runtime
-(``context.context()._initialized`` tells whether it started). TensorFlow 2.21 writes INFO lines to file
-descriptor 2 while it is imported, before it reads ``TF_CPP_MIN_LOG_LEVEL``: where vgpu_magic imports it and
-the level is not an explicit 0, those lines are dropped and every other line passes. The ranks: :mod:`.ranks`.
-"""
+"""TensorFlow: logical GPUs with memory caps on one GPU, or logical CPUs. The only module that touches ``tf.config``,
+read with calls that do not start the runtime (``context.context()._initialized`` tells whether it started). TensorFlow
+2.21 writes INFO lines to file descriptor 2 while it is imported, before it reads ``TF_CPP_MIN_LOG_LEVEL``: where
+vgpu_magic imports it and the level is not an explicit 0, those lines are dropped and every other line passes. The
+ranks: :mod:`.ranks`."""
 
 from __future__ import annotations
 
@@ -28,18 +26,12 @@ __all__ = ["TensorFlow", "FRAMEWORK", "CAPABILITIES", "system_reserve_mib", "set
 
 
 def system_reserve_mib(free_mib: int, compute_capability: tuple[int, int] | None) -> int:
-    """Memory TensorFlow keeps back on each GPU for CUDA itself (``MinSystemMemory`` in its ``gpu_device.cc``);
-    an unknown compute capability counts as the newest (the largest reserve)."""
+    """Memory TensorFlow keeps back on each GPU for CUDA itself (``MinSystemMemory`` in its ``gpu_device.cc``); an
+    unknown compute capability counts as the newest (the largest reserve)."""
     if free_mib < 2048:
         return 225
     major = compute_capability[0] if compute_capability else 99
-    if major <= 6:
-        return 500
-    if major <= 7:
-        return 1050
-    if major <= 8:
-        return 1536
-    return 1800
+    return next((mib for newest, mib in ((6, 500), (7, 1050), (8, 1536)) if major <= newest), 1800)
 
 
 CAPABILITIES = Capabilities(
@@ -63,10 +55,8 @@ _INFO_LINE = re.compile(
     r"|WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR)$"
 )
 
-
 #: The start of any C++ log line or absl notice: a line that does not continue the one before.
 _LOG_LINE = re.compile(r"^(?:[IWEF]\d{4} \d\d:\d\d:|WARNING: |[A-Za-z_.]+Error|Traceback)")
-
 
 #: The INFO records a strategy made by :meth:`TensorFlow.strategy` causes (at its making, at every traced
 #: reduction, at the first step of ``fit``).
@@ -126,8 +116,8 @@ class TensorFlow(Framework):
     )
 
     def importing(self) -> contextlib.AbstractContextManager:
-        """Without the INFO lines TensorFlow writes while it is imported, which no level silences, unless
-        the user asked for them (an unset level is TensorFlow's default, 0, but nobody chose it)."""
+        """Without the INFO lines TensorFlow writes while it is imported, which no level silences, unless the user asked
+        for them (an unset level is TensorFlow's default, 0, but nobody chose it)."""
         level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "").strip()
         hidden = not level or (level.isdigit() and int(level) >= 1)
         return _without_cpp_info_lines() if hidden else contextlib.nullcontext()
@@ -163,15 +153,13 @@ class TensorFlow(Framework):
         n_gpus = len(tf.config.list_physical_devices("GPU"))
         n_cpus = len(tf.config.list_physical_devices("CPU"))
         nvml = nvml_gpus() if n_gpus else []
-        notes = []
-        if n_gpus and not nvml:
-            notes.append("NVML unavailable: GPU memory unknown, give --memory explicitly")
+        notes = ("NVML unavailable: GPU memory unknown, give --memory explicitly",) if n_gpus and not nvml else ()
         return DeviceInventory(
             gpus=cuda_gpus(n_gpus, nvml),
             cpus=n_cpus,
             version=tf.__version__,
             nvml_available=bool(nvml),
-            notes=tuple(notes),
+            notes=notes,
             capabilities=CAPABILITIES,
             current=self.read_configuration(),
         )
@@ -180,13 +168,9 @@ class TensorFlow(Framework):
         tf = self.load()
         cpus = tf.config.list_physical_devices("CPU")
         gpus = tf.config.list_physical_devices("GPU")
-        logical = {}
-        for dev in cpus + gpus:
-            configs = tf.config.get_logical_device_configuration(dev)
-            if configs:
-                logical[dev.name] = tuple(c.memory_limit for c in configs)
-        visible = tf.config.get_visible_devices("GPU")
-        visible_idx = tuple(gpus.index(d) for d in visible if d in gpus)
+        configs = {dev.name: tf.config.get_logical_device_configuration(dev) for dev in cpus + gpus}
+        logical = {name: tuple(c.memory_limit for c in found) for name, found in configs.items() if found}
+        visible_idx = tuple(gpus.index(d) for d in tf.config.get_visible_devices("GPU") if d in gpus)
         growth = tuple(bool(tf.config.experimental.get_memory_growth(d)) for d in gpus)
         return ConfigSnapshot(
             cpu_names=tuple(d.name for d in cpus),
@@ -254,8 +238,8 @@ class TensorFlow(Framework):
         return sum(r["current"] for r in readings), sum(r["peak"] for r in readings)
 
     def memory_reader(self) -> Reader:
-        """Through the C function under ``tf.config.experimental.get_memory_info``, bound to the context once:
-        right after a training step each Python call level in between costs as much as the read itself
+        """Through the C function under ``tf.config.experimental.get_memory_info``, bound to the context once: right
+        after a training step each Python call level in between costs as much as the read itself
         (``benchmarks/monitor_overhead.py``). Once the runtime runs, the context's handle stays valid."""
         from tensorflow.python import pywrap_tfe
         from tensorflow.python.eager import context
@@ -264,11 +248,7 @@ class TensorFlow(Framework):
         info_of = pywrap_tfe.TFE_GetMemoryInfo
 
         def read(names: list[str]) -> list[tuple[int, int]]:
-            found = []
-            for name in names:
-                info = info_of(handle, name)
-                found.append((info["current"], info["peak"]))
-            return found
+            return [(info["current"], info["peak"]) for info in (info_of(handle, name) for name in names)]
 
         return read
 
@@ -286,12 +266,11 @@ class TensorFlow(Framework):
 
     # -- helpers -----------------------------------------------------------------------
     def strategy(self, devices: list[str] | None = None) -> Any:
-        """A ``MirroredStrategy`` over the split's logical devices; starts the runtime. Logical GPUs of one card
-        cannot use NCCL, so reductions go through one device (TensorFlow's own fallback, minus its warning)."""
+        """A ``MirroredStrategy`` over the split's logical devices; starts the runtime. Logical GPUs of one card cannot
+        use NCCL, so reductions go through one device (TensorFlow's own fallback, minus its warning)."""
         tf = self.load()
         snap = self.read_configuration()
-        if devices is None:
-            devices = snap.replica_devices()
+        devices = snap.replica_devices() if devices is None else devices
         shared_gpu = any(len(v) > 1 for k, v in snap.logical.items() if k in snap.gpu_names)
         cross = tf.distribute.ReductionToOneDevice() if shared_gpu else None
         logger = tf.get_logger()
