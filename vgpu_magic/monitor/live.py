@@ -14,8 +14,6 @@ from ..units import format_bytes
 from .trace import MemoryTrace
 from .views import DARK_PALETTE, PALETTE, RedrawThrottle, View, panel_unit, summary_line, title_text
 
-__all__ = ["LiveMemoryView", "memory_widget", "static_image", "widget_available", "WIDGET_INSTALL_HINT"]
-
 WIDGET_INSTALL_HINT = "pip install 'vgpu_magic[widgets]'"
 
 

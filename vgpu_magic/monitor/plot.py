@@ -12,8 +12,6 @@ from ..units import format_bytes, unit_for
 from .trace import MemoryTrace, short_name
 from .views import PALETTE, alike_groups, group_label, panel_unit, title_text
 
-__all__ = ["MemoryFigure", "render_static", "save_trace_figure", "PLOT_INSTALL_HINT", "require_matplotlib", "TEXT"]
-
 #: At most this many points per line (bucket maxima beyond it, so no spike disappears).
 MAX_POINTS = 1500
 

@@ -18,8 +18,6 @@ from typing import Any
 
 from ..monitor.trace import MemoryTrace, SeriesInfo
 
-__all__ = ["RankMemorySampler", "RankMonitor", "report_allocator"]
-
 #: Seconds between a rank's reports of its allocator's figures. Files, not ipyparallel's ``publish_data``: a thread's
 #: data published after the cell returned (what a run's last samples read) did not reach the client while the engine
 #: was idle (ipyparallel 9.2, ipykernel 7.4), and goes to whichever request the engine runs then.

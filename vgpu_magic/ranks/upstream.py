@@ -21,17 +21,6 @@ import psutil
 from ipyparallel.cluster.cluster import Cluster, ClusterManager
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher, SlurmEngineSetLauncher
 
-__all__ = [
-    "ExitRecordingEngineLauncher",
-    "ExitRecordingEngineSetLauncher",
-    "RanksCluster",
-    "ReasonedSlurmEngineSetLauncher",
-    "message_futures",
-    "watch_requests",
-    "set_handler_hooks",
-    "no_abort_after_an_error",
-]
-
 #: Where ipyparallel's cluster objects log: nowhere. The ranks report what goes wrong themselves; a stop is silent
 #: (ipyparallel logs a process's whole log file when it ends by a signal); a copy elsewhere stays out of its log.
 QUIET = logging.getLogger("vgpu_magic.ranks.ipyparallel")

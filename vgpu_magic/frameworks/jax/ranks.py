@@ -23,8 +23,6 @@ from ...plans import SplitRequest
 from ..base import Framework
 from ..rank_places import checked_places
 
-__all__ = ["plan_ranks", "setup_rank", "slurm_coordinator_port"]
-
 SETUP = "vgpu_magic.frameworks.jax.ranks:setup_rank"
 SPLIT_ON_GPU = (
     "--split {split} on a GPU: JAX cannot split one GPU into several devices; "

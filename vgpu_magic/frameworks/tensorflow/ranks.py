@@ -14,8 +14,6 @@ from ...plans import SplitRequest
 from ..base import Framework
 from ..rank_places import checked_places
 
-__all__ = ["plan_ranks", "setup_rank", "SLURM_PORT_BASE"]
-
 #: The first port ``SlurmClusterResolver`` gives the tasks of a node (its ``port_base``).
 SLURM_PORT_BASE = 8888
 SPLIT_ON_CPU = (

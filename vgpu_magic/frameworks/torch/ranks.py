@@ -25,8 +25,6 @@ from ...layout import RankLayout, RankPlan
 from ..base import Framework
 from ..rank_places import checked_places
 
-__all__ = ["plan_ranks", "setup_rank", "gloo_for_nccl", "say_the_cap"]
-
 SETUP = "vgpu_magic.frameworks.torch.ranks:setup_rank"
 SPLIT_REFUSED = "--split {split} has no meaning for torch: a rank is one process with one device; start more ranks"
 
