@@ -15,9 +15,6 @@ from .views import PALETTE, alike_groups, group_label, panel_unit, title_text
 #: At most this many points per line (bucket maxima beyond it, so no spike disappears).
 MAX_POINTS = 1500
 
-#: What to install for the plot; the live view and ``savefig`` say the same.
-PLOT_INSTALL_HINT = "pip install 'vgpu_magic[plot]'"
-
 #: The smallest top of a memory axis, in bytes.
 MIN_TOP = 1024
 
@@ -44,17 +41,17 @@ def require_matplotlib(purpose: str) -> None:
         import matplotlib  # noqa: F401
     except ImportError as exc:
         missing = (getattr(exc, "name", None) or "matplotlib").split(".")[0]
-        raise ImportError(f"{missing} is not installed, so {purpose}; {PLOT_INSTALL_HINT}") from None
+        raise ImportError(f"{missing} is not installed, so {purpose}; pip install 'vgpu_magic[plot]'") from None
 
 
-def _decimate(times: Any, values: list[Any], limit: int = MAX_POINTS) -> tuple[Any, list[Any]]:
-    """At most ``limit`` points: bucket starts and bucket maxima."""
+def _decimate(times: Any, values: list[Any]) -> tuple[Any, list[Any]]:
+    """At most :data:`MAX_POINTS` points: bucket starts and bucket maxima."""
     import numpy as np
 
     n = len(times)
-    if n <= limit:
+    if n <= MAX_POINTS:
         return times, values
-    starts = np.arange(0, n, math.ceil(n / limit))
+    starts = np.arange(0, n, math.ceil(n / MAX_POINTS))
     return times[starts], [np.maximum.reduceat(v, starts) for v in values]
 
 
@@ -71,7 +68,7 @@ class MemoryFigure:
     (:func:`~vgpu_magic.monitor.views.alike_groups`), ``lines`` and ``peak_lines`` each group's,
     ``legend``, ``title``, ``vax`` the variables panel (``None`` without variables)."""
 
-    def __init__(self, trace: MemoryTrace, dpi: int = DPI, width: float = 9.0) -> None:
+    def __init__(self, trace: MemoryTrace, dpi: int = DPI) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.lines import Line2D
@@ -88,7 +85,7 @@ class MemoryFigure:
         # title, legend (with room under it for the epoch labels above the top panel), panels
         title_h, legend_h, panel_h, gap_h, bottom_h = 0.36, 0.2 * rows + 0.35, 1.7, 0.5, 0.5
         height = title_h + legend_h + len(panels) * panel_h + (len(panels) - 1) * gap_h + bottom_h
-        self.fig = Figure(figsize=(width, height), dpi=dpi)
+        self.fig = Figure(figsize=(9.0, height), dpi=dpi)
         self.fig.patch.set_alpha(0.0)
         self.canvas = FigureCanvasAgg(self.fig)
         right = 0.67 if trace.variable_bytes else 0.97
@@ -249,14 +246,8 @@ class MemoryFigure:
         return out.getvalue()
 
 
-def render_static(trace: MemoryTrace, dpi: int = DPI) -> bytes:
-    """The final image of ``trace``: a transparent PNG."""
-    return MemoryFigure(trace, dpi=dpi).png()
-
-
 def save_trace_figure(trace: MemoryTrace, path: str, dpi: int = DPI) -> str:
-    """Write the static figure of ``trace`` to ``path`` (format from its suffix); :class:`ImportError`
-    with the install hint without matplotlib."""
+    """Write the static figure of ``trace`` to ``path`` (format from its suffix)."""
     require_matplotlib("the plot cannot be saved")
     MemoryFigure(trace, dpi=dpi).fig.savefig(path, dpi=dpi, transparent=True)
     return path
