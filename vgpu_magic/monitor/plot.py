@@ -20,11 +20,12 @@ MIN_TOP = 1024
 
 #: Pixels per inch. With the font sizes below, the smallest text (8.5 pt) is 12 px high.
 DPI = 100
-_TICK_PT, _LABEL_PT, _TITLE_PT, _NOTE_PT = 8.5, 9.5, 10.5, 8.0
+_TICK_PT, _TITLE_PT, _NOTE_PT = 8.5, 10.5, 8.0
 
 #: Axes and titles: a mid grey that reads on white and on JupyterLab's dark background (#111).
 TEXT = "#777777"
 _GRID = "#8a8a8a"
+_LABEL, _NOTE = {"fontsize": 9.5, "color": TEXT}, {"fontsize": _NOTE_PT, "color": TEXT}
 #: The legend's card and its text (about 15:1).
 _CARD, _CARD_TEXT = "#f7f7f7", "#222222"
 
@@ -120,7 +121,7 @@ class MemoryFigure:
             borderaxespad=0.0,
         )
         self._draw_marks()
-        self.axes[panels[-1]].set_xlabel("time (s)", fontsize=_LABEL_PT, color=TEXT)
+        self.axes[panels[-1]].set_xlabel("time (s)", **_LABEL)
         if self.vax is not None:
             self._draw_variables()
 
@@ -155,7 +156,7 @@ class MemoryFigure:
             low = max(0.0, low - 0.15 * span) if panel == "process" else 0.0
             # Never below 1 KiB: an allocator reporting nothing is drawn at zero on a sane scale.
             ax.set_ylim(low / scale, max(top + 0.08 * span, MIN_TOP) / scale)
-            ax.set_ylabel(f"{_PANEL_TITLES[panel]} ({name})", fontsize=_LABEL_PT, color=TEXT)
+            ax.set_ylabel(f"{_PANEL_TITLES[panel]} ({name})", **_LABEL)
             capped = [g for g in self.groups if trace.series[g[0]].panel == panel and trace.series[g[0]].cap]
             for cap in sorted({trace.series[g[0]].cap for g in capped}):
                 group = [g[0] for g in capped if trace.series[g[0]].cap == cap]
@@ -165,27 +166,11 @@ class MemoryFigure:
                     style = (k * dash, (dash, gap)) if gap else (0, (dash, 3.0))
                     ax.axhline(cap / scale, color=PALETTE[i % len(PALETTE)], lw=1.2, alpha=0.9, ls=style, label="_cap")
                 names = ", ".join(short_name(trace.series[i].label) for g in capped if g[0] in group for i in g)
-                ax.text(
-                    0.995,
-                    cap / scale,
-                    f"cap {format_bytes(cap)} ({names}) ",
-                    transform=ax.get_yaxis_transform(),
-                    ha="right",
-                    va="top",
-                    fontsize=_NOTE_PT,
-                    color=TEXT,
-                )
+                text = f"cap {format_bytes(cap)} ({names}) "
+                ax.text(0.995, cap / scale, text, transform=ax.get_yaxis_transform(), ha="right", va="top", **_NOTE)
             if len(trace) and all(trace.all_zero(i) for i in members):
-                ax.text(
-                    0.5,
-                    0.5,
-                    "nothing allocated (every reading is 0 B)",
-                    transform=ax.transAxes,
-                    ha="center",
-                    va="center",
-                    fontsize=_LABEL_PT,
-                    color=TEXT,
-                )
+                text = "nothing allocated (every reading is 0 B)"
+                ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", **_LABEL)
         self.lines, self.peak_lines = [], []
         for group in self.groups:
             i = group[0]
@@ -228,7 +213,7 @@ class MemoryFigure:
         trace, vax = self.trace, self.vax
         _style(vax)
         vax.grid(False)
-        vax.set_title("variables per replica", fontsize=_LABEL_PT, loc="left", color=TEXT)
+        vax.set_title("variables per replica", loc="left", **_LABEL)
         names = [trace.device_label(d) for d in trace.variable_bytes]
         values = list(trace.variable_bytes.values())
         unit, scale = unit_for(max(values))
@@ -236,9 +221,9 @@ class MemoryFigure:
         vax.barh(ys, [v / scale for v in values], color=TEXT, alpha=0.6, height=0.6)
         vax.set_yticks(ys, names)
         vax.set_xlim(0, max(max(values) / scale, 1) * 1.9)
-        vax.set_xlabel(unit, fontsize=_LABEL_PT, color=TEXT)
+        vax.set_xlabel(unit, **_LABEL)
         for y, v in zip(ys, values):
-            vax.text(v / scale, y, " " + format_bytes(v, unit), va="center", fontsize=_NOTE_PT, color=TEXT)
+            vax.text(v / scale, y, " " + format_bytes(v, unit), va="center", **_NOTE)
 
     def png(self) -> bytes:
         out = io.BytesIO()
