@@ -28,6 +28,7 @@ _GRID = "#8a8a8a"
 _LABEL, _NOTE = {"fontsize": 9.5, "color": TEXT}, {"fontsize": _NOTE_PT, "color": TEXT}
 #: The legend's card and its text (about 15:1).
 _CARD, _CARD_TEXT = "#f7f7f7", "#222222"
+_EPOCH = {"fontsize": _NOTE_PT, "color": _CARD_TEXT, "bbox": {"facecolor": _CARD, "edgecolor": "none", "pad": 1.0}}
 
 _PANEL_TITLES = {"device": "device memory", "process": "process RSS"}
 
@@ -186,27 +187,17 @@ class MemoryFigure:
 
     def _draw_marks(self) -> None:
         """Epoch starts: dark and light dots in every panel, a label above where it fits."""
-        starts = self.trace.epoch_starts
         first = self.trace.epoch[0] if len(self.trace) else 0  # the epoch the run began in: no mark
         panels = list(self.axes.values())
+        top, above = panels[0], panels[0].get_xaxis_transform()
         last_label = -math.inf
-        for t, epoch in ((t, e) for t, e in starts if e != first):
+        for t, epoch in ((t, e) for t, e in self.trace.epoch_starts if e != first):
             for ax in panels:
                 ax.axvline(t, color=_CARD_TEXT, ls=(0, (1.5, 1.5)), lw=1.0, label="_epoch")
                 ax.axvline(t, color=_CARD, ls=(1.5, (1.5, 1.5)), lw=1.0, label="_epoch")
-            where = t / panels[0].get_xlim()[1]
+            where = t / top.get_xlim()[1]
             if where - last_label >= 0.045:
-                panels[0].text(
-                    t,
-                    1.02,
-                    f"e{epoch + 1}",
-                    transform=panels[0].get_xaxis_transform(),
-                    fontsize=_NOTE_PT,
-                    color=_CARD_TEXT,
-                    va="bottom",
-                    ha="center",
-                    bbox={"facecolor": _CARD, "edgecolor": "none", "pad": 1.0},
-                )
+                top.text(t, 1.02, f"e{epoch + 1}", transform=above, va="bottom", ha="center", **_EPOCH)
                 last_label = where
 
     def _draw_variables(self) -> None:
