@@ -98,9 +98,7 @@ class LiveMemoryView(View):
         self.clock = clock
         self._defer = defer
         self.widget: Any = None
-        self._sent = 0
-        self._bucket = 1
-        self._marks = 0
+        self._sent, self._bucket, self._marks = 0, 1, 0
         self.update_costs: list[float] = []
         self.update_times: list[float] = []
         self.final_cost = 0.0
@@ -171,8 +169,7 @@ class LiveMemoryView(View):
 
         begin = self.clock()
         try:
-            png, text = static_image(trace)
-            self.surface.show(MemoryFrame(png, text))
+            self.surface.show(MemoryFrame(*static_image(trace)))
         finally:
             if self.widget is not None:
                 self.widget.close()
