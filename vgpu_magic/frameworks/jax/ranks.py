@@ -8,6 +8,7 @@ Importing this imports no JAX."""
 from __future__ import annotations
 
 import functools
+import os
 
 from ...budget import rank_share_mib
 from ...devices import MULTI_RANK_NCCL
@@ -108,8 +109,6 @@ def setup_rank(coordinator: str, num_processes: int, process_id: int, gpu: int |
 def _register_cluster_environment() -> None:
     """Put a cluster environment reading the rank's ``VGPU_MAGIC_JAX_*`` variables first in JAX's auto-detection
     (JAX registers each ``ClusterEnv`` subclass as it is defined), ahead of any SLURM or MPI variables."""
-    import os
-
     from jax._src import clusters
 
     class VgpuMagicRanks(clusters.ClusterEnv):
