@@ -177,13 +177,9 @@ class MemoryFigure:
             i = group[0]
             ax, scale = self.axes[trace.series[i].panel], self.units[trace.series[i].panel][1]
             dash = DASHES[len([g for g in self.lines if g.axes is ax]) % len(DASHES)]
-            colour = PALETTE[i % len(PALETTE)]
-            self.peak_lines.append(
-                ax.plot(times, values[i + count] / scale, color=colour, lw=1.0, ls=":", drawstyle="steps-post")[0]
-            )
-            self.lines.append(
-                ax.plot(times, values[i] / scale, color=colour, lw=1.6, ls=dash, drawstyle="steps-post")[0]
-            )
+            steps = {"color": PALETTE[i % len(PALETTE)], "drawstyle": "steps-post"}
+            self.peak_lines.append(ax.plot(times, values[i + count] / scale, lw=1.0, ls=":", **steps)[0])
+            self.lines.append(ax.plot(times, values[i] / scale, lw=1.6, ls=dash, **steps)[0])
 
     def _draw_marks(self) -> None:
         """Epoch starts: dark and light dots in every panel, a label above where it fits."""
