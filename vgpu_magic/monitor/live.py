@@ -96,7 +96,7 @@ class LiveMemoryView(View):
         self.throttle = RedrawThrottle()
         self._make_widget = widget or memory_widget
         self.clock = clock
-        self._defer = defer
+        self._defer = defer or (lambda draw: draw())
         self.widget: Any = None
         self._sent, self._bucket, self._marks = 0, 1, 0
         self.update_costs: list[float] = []
@@ -159,10 +159,7 @@ class LiveMemoryView(View):
 
     def finish(self, trace: MemoryTrace) -> None:
         self._update(trace)
-        if self._defer is None:
-            self._final(trace)
-        else:
-            self._defer(lambda: self._final(trace))
+        self._defer(lambda: self._final(trace))
 
     def _final(self, trace: MemoryTrace) -> None:
         from .display import MemoryFrame
