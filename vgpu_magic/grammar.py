@@ -1,12 +1,7 @@
-"""The argument grammar of the faces.
-
-Magics declare their arguments with IPython's ``@magic_arguments()``, so their help comes from the declarations
-that parse the line. The ``type=`` callables here wrap the value parsers of :mod:`vgpu_magic.units` (free of
-IPython, which the Python API and the monitor call directly) and refuse a token with one sentence that quotes it
-and says what would work; :func:`parse_arguments` does the same for what argparse itself refuses
-(:class:`~vgpu_magic.errors.PlanError`). ``%vgpu_split`` lines, the persistent split and the CLI all parse into a
-:class:`~vgpu_magic.plans.SplitRequest` here. Nothing is evaluated.
-"""
+"""The argument grammar of the faces: the ``type=`` callables of IPython's ``@magic_arguments()`` declarations (so a
+magic's help comes from what parses its line) over :mod:`vgpu_magic.units`' parsers, each refusing a token with one
+sentence that quotes it and says what would work, as :func:`parse_arguments` does for what argparse refuses.
+``%vgpu_split`` lines, the persistent split and the CLI parse into a :class:`~vgpu_magic.plans.SplitRequest` here."""
 
 from __future__ import annotations
 
@@ -204,19 +199,13 @@ def _split_grammar(line: str = "") -> None:
     runtime starts."""
 
 
-def _action(parser: argparse.ArgumentParser, name: str | None) -> argparse.Action | None:
-    for action in parser._actions:
-        if name in ("/".join(action.option_strings), action.metavar, action.dest):
-            return action
-    return None
-
-
 def _refused(parser: argparse.ArgumentParser, err: argparse.ArgumentError, magic: str) -> str:
     """One sentence for an option argparse refused."""
     if isinstance(err.__context__, argparse.ArgumentTypeError):
         return err.message  # a type= callable's own sentence
-    action = _action(parser, err.argument_name)
-    option = action.option_strings[0] if action is not None and action.option_strings else err.argument_name
+    name = err.argument_name
+    action = next((a for a in parser._actions if name in ("/".join(a.option_strings), a.metavar, a.dest)), None)
+    option = action.option_strings[0] if action is not None and action.option_strings else name
     if action is not None and action.nargs == 0:
         return f"{option} takes no value; write {option} alone"
     example = getattr(getattr(action, "type", None), "example", None)

@@ -10,9 +10,8 @@ from ..layout import RankLayout, RankPlace
 def checked_places(
     layout: RankLayout, split: int | None, memory_mib: int | None, refused: dict[bool, str]
 ) -> tuple[tuple[RankPlace, ...], bool]:
-    """``layout``'s places and whether each has a GPU, or :class:`ValueError`: ``refused[on_gpu]`` where the
-    framework cannot split there (``{split}`` and the rank count ``{n}`` filled in), else what
-    :func:`~vgpu_magic.budget.check_rank_request` says."""
+    """``layout``'s places and whether each has a GPU, or :class:`ValueError`: ``refused[on_gpu]`` (``{split}`` and
+    the rank count ``{n}`` filled in) where the framework cannot split there, else ``check_rank_request``'s."""
     places = layout.places
     on_gpu = all(p.gpu for p in places)
     if split is not None and on_gpu in refused:

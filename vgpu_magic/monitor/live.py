@@ -14,8 +14,6 @@ from ..units import format_bytes
 from .trace import MemoryTrace
 from .views import DARK_PALETTE, PALETTE, RedrawThrottle, View, panel_unit, summary_line, title_text
 
-__all__ = ["LiveMemoryView", "memory_widget", "static_image", "widget_available", "WIDGET_INSTALL_HINT"]
-
 WIDGET_INSTALL_HINT = "pip install 'vgpu_magic[widgets]'"
 
 
@@ -49,7 +47,6 @@ def _widget_class() -> type:
 
 
 def memory_widget(**traits: Any) -> Any:
-    """A new ``MemoryWidget``."""
     import uuid
 
     return _widget_class()(key=uuid.uuid4().hex, **traits)
@@ -79,36 +76,29 @@ def _series(trace: MemoryTrace) -> list[dict[str, Any]]:
 
 class LiveMemoryView(View):
     """Feeds a ``MemoryWidget`` on ``surface`` (a :class:`~vgpu_magic.monitor.display.DisplaySurface`) and
-    leaves the final image there: ``final_image(trace) -> (png, text)``, drawn when ``defer(draw)`` says
-    (e.g. at the cell's end, so it does not count against the run). ``widget(**traits)`` builds the widget
-    (tests pass a fake). ``update_costs``, ``update_times`` and ``final_cost`` keep each update's kernel
-    seconds (``cost_clock``: the thread's CPU time) and start, and the final image's, for the benchmark."""
+    leaves the final image (:func:`static_image`) there, drawn when ``defer(draw)`` says (e.g. at the cell's end,
+    so it does not count against the run). ``widget(**traits)`` builds the widget (tests pass a fake).
+    ``update_costs``, ``update_times`` and ``final_cost`` keep each update's kernel seconds (the thread's CPU
+    time) and start, and the final image's, for the benchmark."""
 
     def __init__(
         self,
         surface: Any = None,
-        throttle: RedrawThrottle | None = None,
         widget: Callable[..., Any] | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        cost_clock: Callable[[], float] = time.thread_time,
         defer: Callable[[Callable[[], None]], None] | None = None,
-        final_image: Callable[[MemoryTrace], tuple[bytes | None, str]] | None = None,
     ) -> None:
         if surface is None:
             from .display import DisplaySurface
 
             surface = DisplaySurface()
         self.surface = surface
-        self.throttle = throttle or RedrawThrottle()
+        self.throttle = RedrawThrottle()
         self._make_widget = widget or memory_widget
         self.clock = clock
-        self.cost_clock = cost_clock
-        self._defer = defer
-        self._final_image = final_image or static_image
+        self._defer = defer or (lambda draw: draw())
         self.widget: Any = None
-        self._sent = 0
-        self._bucket = 1
-        self._marks = 0
+        self._sent, self._bucket, self._marks = 0, 1, 0
         self.update_costs: list[float] = []
         self.update_times: list[float] = []
         self.final_cost = 0.0
@@ -139,7 +129,7 @@ class LiveMemoryView(View):
         """Send the rows added since the last update (all, as a reset, where the envelope or columns changed)."""
         if self.widget is None:
             return
-        start, cpu = self.clock(), self.cost_clock()
+        start, cpu = self.clock(), time.thread_time()
         reset = trace.decimated != self._bucket or len(trace) < self._sent
         first = 0 if reset else self._sent
         n = len(trace)
@@ -162,25 +152,21 @@ class LiveMemoryView(View):
                 setattr(self.widget, name, value)
         # The kernel's own work (this thread's CPU time): on a busy machine the wall clock
         # would also count the time other processes had the core, and starve the view.
-        cost = self.cost_clock() - cpu
+        cost = time.thread_time() - cpu
         self.throttle.record(start, cost)
         self.update_costs.append(cost)
         self.update_times.append(start)
 
     def finish(self, trace: MemoryTrace) -> None:
         self._update(trace)
-        if self._defer is None:
-            self._final(trace)
-        else:
-            self._defer(lambda: self._final(trace))
+        self._defer(lambda: self._final(trace))
 
     def _final(self, trace: MemoryTrace) -> None:
         from .display import MemoryFrame
 
         begin = self.clock()
         try:
-            png, text = self._final_image(trace)
-            self.surface.show(MemoryFrame(png, text))
+            self.surface.show(MemoryFrame(*static_image(trace)))
         finally:
             if self.widget is not None:
                 self.widget.close()
@@ -189,13 +175,11 @@ class LiveMemoryView(View):
 
 def static_image(trace: MemoryTrace) -> tuple[bytes | None, str]:
     """The final frame: the static figure as a transparent PNG (``None`` without matplotlib) and its text."""
-    from .plot import render_static
+    from .plot import MemoryFigure, require_matplotlib
 
     text = title_text(trace, final=True) + "\n" + summary_line(trace)
     try:
-        from .plot import require_matplotlib
-
         require_matplotlib("the final memory plot is text only")
     except ImportError:
         return None, text
-    return render_static(trace), text
+    return MemoryFigure(trace).png(), text

@@ -12,26 +12,23 @@ from ..units import format_bytes, unit_for
 from .trace import MemoryTrace, short_name
 from .views import PALETTE, alike_groups, group_label, panel_unit, title_text
 
-__all__ = ["MemoryFigure", "render_static", "save_trace_figure", "PLOT_INSTALL_HINT", "require_matplotlib", "TEXT"]
-
 #: At most this many points per line (bucket maxima beyond it, so no spike disappears).
 MAX_POINTS = 1500
-
-#: What to install for the plot; the live view and ``savefig`` say the same.
-PLOT_INSTALL_HINT = "pip install 'vgpu_magic[plot]'"
 
 #: The smallest top of a memory axis, in bytes.
 MIN_TOP = 1024
 
 #: Pixels per inch. With the font sizes below, the smallest text (8.5 pt) is 12 px high.
 DPI = 100
-_TICK_PT, _LABEL_PT, _TITLE_PT, _NOTE_PT = 8.5, 9.5, 10.5, 8.0
+_TICK_PT, _TITLE_PT, _NOTE_PT = 8.5, 10.5, 8.0
 
 #: Axes and titles: a mid grey that reads on white and on JupyterLab's dark background (#111).
 TEXT = "#777777"
 _GRID = "#8a8a8a"
+_LABEL, _NOTE = {"fontsize": 9.5, "color": TEXT}, {"fontsize": _NOTE_PT, "color": TEXT}
 #: The legend's card and its text (about 15:1).
 _CARD, _CARD_TEXT = "#f7f7f7", "#222222"
+_EPOCH = {"fontsize": _NOTE_PT, "color": _CARD_TEXT, "bbox": {"facecolor": _CARD, "edgecolor": "none", "pad": 1.0}}
 
 _PANEL_TITLES = {"device": "device memory", "process": "process RSS"}
 
@@ -46,17 +43,17 @@ def require_matplotlib(purpose: str) -> None:
         import matplotlib  # noqa: F401
     except ImportError as exc:
         missing = (getattr(exc, "name", None) or "matplotlib").split(".")[0]
-        raise ImportError(f"{missing} is not installed, so {purpose}; {PLOT_INSTALL_HINT}") from None
+        raise ImportError(f"{missing} is not installed, so {purpose}; pip install 'vgpu_magic[plot]'") from None
 
 
-def _decimate(times: Any, values: list[Any], limit: int = MAX_POINTS) -> tuple[Any, list[Any]]:
-    """At most ``limit`` points: bucket starts and bucket maxima."""
+def _decimate(times: Any, values: list[Any]) -> tuple[Any, list[Any]]:
+    """At most :data:`MAX_POINTS` points: bucket starts and bucket maxima."""
     import numpy as np
 
     n = len(times)
-    if n <= limit:
+    if n <= MAX_POINTS:
         return times, values
-    starts = np.arange(0, n, math.ceil(n / limit))
+    starts = np.arange(0, n, math.ceil(n / MAX_POINTS))
     return times[starts], [np.maximum.reduceat(v, starts) for v in values]
 
 
@@ -73,7 +70,7 @@ class MemoryFigure:
     (:func:`~vgpu_magic.monitor.views.alike_groups`), ``lines`` and ``peak_lines`` each group's,
     ``legend``, ``title``, ``vax`` the variables panel (``None`` without variables)."""
 
-    def __init__(self, trace: MemoryTrace, dpi: int = DPI, width: float = 9.0) -> None:
+    def __init__(self, trace: MemoryTrace, dpi: int = DPI) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.lines import Line2D
@@ -90,7 +87,7 @@ class MemoryFigure:
         # title, legend (with room under it for the epoch labels above the top panel), panels
         title_h, legend_h, panel_h, gap_h, bottom_h = 0.36, 0.2 * rows + 0.35, 1.7, 0.5, 0.5
         height = title_h + legend_h + len(panels) * panel_h + (len(panels) - 1) * gap_h + bottom_h
-        self.fig = Figure(figsize=(width, height), dpi=dpi)
+        self.fig = Figure(figsize=(9.0, height), dpi=dpi)
         self.fig.patch.set_alpha(0.0)
         self.canvas = FigureCanvasAgg(self.fig)
         right = 0.67 if trace.variable_bytes else 0.97
@@ -125,7 +122,7 @@ class MemoryFigure:
             borderaxespad=0.0,
         )
         self._draw_marks()
-        self.axes[panels[-1]].set_xlabel("time (s)", fontsize=_LABEL_PT, color=TEXT)
+        self.axes[panels[-1]].set_xlabel("time (s)", **_LABEL)
         if self.vax is not None:
             self._draw_variables()
 
@@ -160,7 +157,7 @@ class MemoryFigure:
             low = max(0.0, low - 0.15 * span) if panel == "process" else 0.0
             # Never below 1 KiB: an allocator reporting nothing is drawn at zero on a sane scale.
             ax.set_ylim(low / scale, max(top + 0.08 * span, MIN_TOP) / scale)
-            ax.set_ylabel(f"{_PANEL_TITLES[panel]} ({name})", fontsize=_LABEL_PT, color=TEXT)
+            ax.set_ylabel(f"{_PANEL_TITLES[panel]} ({name})", **_LABEL)
             capped = [g for g in self.groups if trace.series[g[0]].panel == panel and trace.series[g[0]].cap]
             for cap in sorted({trace.series[g[0]].cap for g in capped}):
                 group = [g[0] for g in capped if trace.series[g[0]].cap == cap]
@@ -170,70 +167,40 @@ class MemoryFigure:
                     style = (k * dash, (dash, gap)) if gap else (0, (dash, 3.0))
                     ax.axhline(cap / scale, color=PALETTE[i % len(PALETTE)], lw=1.2, alpha=0.9, ls=style, label="_cap")
                 names = ", ".join(short_name(trace.series[i].label) for g in capped if g[0] in group for i in g)
-                ax.text(
-                    0.995,
-                    cap / scale,
-                    f"cap {format_bytes(cap)} ({names}) ",
-                    transform=ax.get_yaxis_transform(),
-                    ha="right",
-                    va="top",
-                    fontsize=_NOTE_PT,
-                    color=TEXT,
-                )
+                text = f"cap {format_bytes(cap)} ({names}) "
+                ax.text(0.995, cap / scale, text, transform=ax.get_yaxis_transform(), ha="right", va="top", **_NOTE)
             if len(trace) and all(trace.all_zero(i) for i in members):
-                ax.text(
-                    0.5,
-                    0.5,
-                    "nothing allocated (every reading is 0 B)",
-                    transform=ax.transAxes,
-                    ha="center",
-                    va="center",
-                    fontsize=_LABEL_PT,
-                    color=TEXT,
-                )
+                text = "nothing allocated (every reading is 0 B)"
+                ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", **_LABEL)
         self.lines, self.peak_lines = [], []
         for group in self.groups:
             i = group[0]
             ax, scale = self.axes[trace.series[i].panel], self.units[trace.series[i].panel][1]
             dash = DASHES[len([g for g in self.lines if g.axes is ax]) % len(DASHES)]
-            colour = PALETTE[i % len(PALETTE)]
-            self.peak_lines.append(
-                ax.plot(times, values[i + count] / scale, color=colour, lw=1.0, ls=":", drawstyle="steps-post")[0]
-            )
-            self.lines.append(
-                ax.plot(times, values[i] / scale, color=colour, lw=1.6, ls=dash, drawstyle="steps-post")[0]
-            )
+            steps = {"color": PALETTE[i % len(PALETTE)], "drawstyle": "steps-post"}
+            self.peak_lines.append(ax.plot(times, values[i + count] / scale, lw=1.0, ls=":", **steps)[0])
+            self.lines.append(ax.plot(times, values[i] / scale, lw=1.6, ls=dash, **steps)[0])
 
     def _draw_marks(self) -> None:
         """Epoch starts: dark and light dots in every panel, a label above where it fits."""
-        starts = self.trace.epoch_starts
         first = self.trace.epoch[0] if len(self.trace) else 0  # the epoch the run began in: no mark
         panels = list(self.axes.values())
+        top, above = panels[0], panels[0].get_xaxis_transform()
         last_label = -math.inf
-        for t, epoch in ((t, e) for t, e in starts if e != first):
+        for t, epoch in ((t, e) for t, e in self.trace.epoch_starts if e != first):
             for ax in panels:
                 ax.axvline(t, color=_CARD_TEXT, ls=(0, (1.5, 1.5)), lw=1.0, label="_epoch")
                 ax.axvline(t, color=_CARD, ls=(1.5, (1.5, 1.5)), lw=1.0, label="_epoch")
-            where = t / panels[0].get_xlim()[1]
+            where = t / top.get_xlim()[1]
             if where - last_label >= 0.045:
-                panels[0].text(
-                    t,
-                    1.02,
-                    f"e{epoch + 1}",
-                    transform=panels[0].get_xaxis_transform(),
-                    fontsize=_NOTE_PT,
-                    color=_CARD_TEXT,
-                    va="bottom",
-                    ha="center",
-                    bbox={"facecolor": _CARD, "edgecolor": "none", "pad": 1.0},
-                )
+                top.text(t, 1.02, f"e{epoch + 1}", transform=above, va="bottom", ha="center", **_EPOCH)
                 last_label = where
 
     def _draw_variables(self) -> None:
         trace, vax = self.trace, self.vax
         _style(vax)
         vax.grid(False)
-        vax.set_title("variables per replica", fontsize=_LABEL_PT, loc="left", color=TEXT)
+        vax.set_title("variables per replica", loc="left", **_LABEL)
         names = [trace.device_label(d) for d in trace.variable_bytes]
         values = list(trace.variable_bytes.values())
         unit, scale = unit_for(max(values))
@@ -241,9 +208,9 @@ class MemoryFigure:
         vax.barh(ys, [v / scale for v in values], color=TEXT, alpha=0.6, height=0.6)
         vax.set_yticks(ys, names)
         vax.set_xlim(0, max(max(values) / scale, 1) * 1.9)
-        vax.set_xlabel(unit, fontsize=_LABEL_PT, color=TEXT)
+        vax.set_xlabel(unit, **_LABEL)
         for y, v in zip(ys, values):
-            vax.text(v / scale, y, " " + format_bytes(v, unit), va="center", fontsize=_NOTE_PT, color=TEXT)
+            vax.text(v / scale, y, " " + format_bytes(v, unit), va="center", **_NOTE)
 
     def png(self) -> bytes:
         out = io.BytesIO()
@@ -251,14 +218,8 @@ class MemoryFigure:
         return out.getvalue()
 
 
-def render_static(trace: MemoryTrace, dpi: int = DPI) -> bytes:
-    """The final image of ``trace``: a transparent PNG."""
-    return MemoryFigure(trace, dpi=dpi).png()
-
-
 def save_trace_figure(trace: MemoryTrace, path: str, dpi: int = DPI) -> str:
-    """Write the static figure of ``trace`` to ``path`` (format from its suffix); :class:`ImportError`
-    with the install hint without matplotlib."""
+    """Write the static figure of ``trace`` to ``path`` (format from its suffix)."""
     require_matplotlib("the plot cannot be saved")
     MemoryFigure(trace, dpi=dpi).fig.savefig(path, dpi=dpi, transparent=True)
     return path

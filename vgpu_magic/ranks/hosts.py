@@ -1,7 +1,6 @@
-"""Where the ranks run: each engine's report of its host (:func:`report_host`, applied on the engine),
-and the addresses and ports chosen there. The reports and the ranks' layout are plain data in
-:mod:`vgpu_magic.layout`, below the frameworks. Imports no framework, no NVML and no ipyparallel.
-"""
+"""Where the ranks run: each engine's report of its host (:func:`report_host`, applied on the engine), and the
+addresses and ports chosen there. The reports and the ranks' layout are plain data in :mod:`vgpu_magic.layout`,
+below the frameworks. Imports no framework, no NVML and no ipyparallel."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Each rank's memory, sampled from the kernel so the ranks run unchanged, into the monitor's trace and view.
-
-:class:`RankMemorySampler` reads each rank's RSS (psutil) and GPU memory (NVML per PID); where NVML lists
-processes but none of the ranks' PIDs (a container), each rank reports its own allocator's figures instead
-(:func:`report_allocator`). :class:`RankMonitor` feeds them to the monitor's
-:class:`~vgpu_magic.monitor.recorder.MemoryRecorder`: the same trace and live view as a monitored ``fit``.
-"""
+"""Each rank's memory, sampled from the kernel so the ranks run unchanged: RSS (psutil) and GPU memory (NVML per PID;
+where NVML lists processes but none of the ranks' PIDs, a container, each rank reports its own allocator's figures),
+into the same trace and live view as a monitored ``fit``."""
 
 from __future__ import annotations
 
@@ -17,8 +13,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..monitor.trace import MemoryTrace, SeriesInfo
-
-__all__ = ["RankMemorySampler", "RankMonitor", "report_allocator"]
 
 #: Seconds between a rank's reports of its allocator's figures. Files, not ipyparallel's ``publish_data``: a thread's
 #: data published after the cell returned (what a run's last samples read) did not reach the client while the engine
@@ -191,15 +185,13 @@ class RankMonitor:
 
         self.sampler = RankMemorySampler(pids, gpu, launched, engine)
         if not self.sampler.series:  # every rank on another host: nothing to show from here
-            view = None
+            view = NullView()
         elif view is None and live:
             from ..monitor.live import LiveMemoryView, widget_available
             from ..monitor.views import TextSummaryView
 
             view = LiveMemoryView() if widget_available() else TextSummaryView()
-        self.recorder = MemoryRecorder(
-            lambda: self.sampler, view if view is not None else NullView(), interval=interval
-        )
+        self.recorder = MemoryRecorder(lambda: self.sampler, view or NullView(), interval=interval)
 
     def start(self) -> None:
         self.recorder.start("%vgpu_run" if self.sampler.launched else "%%vgpu_run")

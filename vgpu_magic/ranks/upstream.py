@@ -1,12 +1,7 @@
 """Every use of ipyparallel's and ipykernel's private or undocumented members, each with why and the upstream
 behaviour it relies on, which ``tests/test_upstream_contract.py`` checks on the versions ``pyproject.toml`` allows.
-
-The cluster and launchers: local engines record how they exit (ipyparallel reaps an engine in a thread and hands its
-status to an event loop that may never run it while a cell watches the ranks), SLURM's keeps what ``sbatch`` and
-``scancel`` say, and the cluster loaded from its file by another process (JupyterLab's cluster panel) stays silent;
-at module level, so that the cluster file names classes ipyparallel's tools can import. Then the client's and the
-engine kernel's hooks. Importing this module imports ipyparallel.
-"""
+The cluster and launchers are at module level, so that the cluster file names classes ipyparallel's tools can import.
+Importing this module imports ipyparallel."""
 
 from __future__ import annotations
 
@@ -20,17 +15,6 @@ from typing import Any
 import psutil
 from ipyparallel.cluster.cluster import Cluster, ClusterManager
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher, SlurmEngineSetLauncher
-
-__all__ = [
-    "ExitRecordingEngineLauncher",
-    "ExitRecordingEngineSetLauncher",
-    "RanksCluster",
-    "ReasonedSlurmEngineSetLauncher",
-    "message_futures",
-    "watch_requests",
-    "set_handler_hooks",
-    "no_abort_after_an_error",
-]
 
 #: Where ipyparallel's cluster objects log: nowhere. The ranks report what goes wrong themselves; a stop is silent
 #: (ipyparallel logs a process's whole log file when it ends by a signal); a copy elsewhere stays out of its log.
@@ -95,7 +79,8 @@ class ExitRecordingProcess(psutil.Process):
 
 
 class ExitRecordingEngineLauncher(LocalEngineLauncher):
-    """ipyparallel's local engine launcher; ``process.exit_code`` is the engine's exit status once reaped."""
+    """ipyparallel's local engine launcher; ``process.exit_code`` is the engine's exit status once reaped (ipyparallel
+    hands it to an event loop that may never run it while a cell watches the ranks)."""
 
     # ipyparallel sets ``process`` (a psutil.Process) then calls ``_start_waiting``, whose thread reaps the engine
     # through ``process.wait``; upstream would need the exit status kept on the launcher.

@@ -1,20 +1,14 @@
-"""JAX's ranks: a coordinator on rank 0's host for ``jax.distributed.initialize``, and each process's devices as a
-split request, planned on the rank by the planner.
-
-An unchanged ``jax.distributed.initialize()`` works on a rank, as under a cluster JAX detects itself: the rank's
-environment has ``JAX_COORDINATOR_ADDRESS`` and ``VGPU_MAGIC_JAX_NUM_PROCESSES`` / ``_PROCESS_ID``, which a
-cluster environment registered with JAX's auto-detection (:func:`setup_rank`) hands to it. Where the coordinator
-runs and what each process gets: docs/ranks.md.
-
-XLA's GPU collectives go through NCCL, and NCCL before 2.30 refuses two ranks on one GPU at the first
-collective ("Duplicate GPU detected", measured on an H100 with NCCL 2.28.9, even with
-``NCCL_MULTI_RANK_GPU_ENABLE=1``): ranks sharing a GPU are refused before anything starts with an older (or
-unreadable) NCCL, and get ``NCCL_MULTI_RANK_GPU_ENABLE=1`` with 2.30 or later. Importing this imports no JAX.
-"""
+"""JAX's ranks: a coordinator on rank 0's host for ``jax.distributed.initialize`` (an unchanged call finds it, as under
+a cluster JAX detects itself: :func:`setup_rank`), and each process's devices as a split request, planned on the rank
+(docs/ranks.md). XLA's GPU collectives go through NCCL, which before 2.30 refuses two ranks on one GPU at the first
+collective ("Duplicate GPU detected", measured on an H100 with NCCL 2.28.9, even with ``NCCL_MULTI_RANK_GPU_ENABLE=1``):
+ranks sharing a GPU with an older (or unreadable) NCCL are refused before anything starts (:func:`_shared_gpu_env`).
+Importing this imports no JAX."""
 
 from __future__ import annotations
 
 import functools
+import os
 
 from ...budget import rank_share_mib
 from ...devices import MULTI_RANK_NCCL
@@ -22,8 +16,6 @@ from ...layout import RankLayout, RankPlan
 from ...plans import SplitRequest
 from ..base import Framework
 from ..rank_places import checked_places
-
-__all__ = ["plan_ranks", "setup_rank", "slurm_coordinator_port"]
 
 SETUP = "vgpu_magic.frameworks.jax.ranks:setup_rank"
 SPLIT_ON_GPU = (
@@ -48,35 +40,32 @@ def plan_ranks(
     coordinator = f"{layout.leader}:{port}"
     per_process = split or 1
     name = framework.name
-    plans = []
-
-    def joining(place) -> dict[str, str]:
-        return {
-            "JAX_COORDINATOR_ADDRESS": coordinator,
-            "VGPU_MAGIC_JAX_NUM_PROCESSES": str(n),
-            "VGPU_MAGIC_JAX_PROCESS_ID": str(place.rank),
-        }
-
     if on_gpu:
         shared = _shared_gpu_env(layout)
         caps = [rank_share_mib(p.gpu, p.gpu_shared_by, memory_mib, framework.capabilities) for p in places]
         notes = (f"jax.distributed on {coordinator}: {n} processes × 1 GPU device, {min(caps)} MiB each",)
         if shared:
             notes += ("ranks share a GPU: NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL 2.30+) lets its collectives run",)
-        for place, cap in zip(places, caps):
-            args = (coordinator, n, place.rank, place.gpu.index)
-            env = {"JAX_LOCAL_DEVICE_IDS": str(place.gpu.index), **shared, **joining(place)}
-            devices = SplitRequest(count=1, memory=cap, gpu=place.gpu.index, memory_growth=True, framework=name)
-            plans.append(RankPlan(place.rank, env, SETUP, args, notes, devices))
     else:
+        caps = [None] * n
         notes = (
             f"jax.distributed on {coordinator}: {n} processes × {per_process} CPU devices = {n * per_process} devices",
         )
-        for place in places:
-            args = (coordinator, n, place.rank, None)
-            env = {"JAX_PLATFORMS": "cpu", "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo", **joining(place)}
+    plans = []
+    for place, cap in zip(places, caps):
+        joining = {
+            "JAX_COORDINATOR_ADDRESS": coordinator,
+            "VGPU_MAGIC_JAX_NUM_PROCESSES": str(n),
+            "VGPU_MAGIC_JAX_PROCESS_ID": str(place.rank),
+        }
+        if on_gpu:
+            env = {"JAX_LOCAL_DEVICE_IDS": str(place.gpu.index), **shared, **joining}
+            devices = SplitRequest(count=1, memory=cap, gpu=place.gpu.index, memory_growth=True, framework=name)
+        else:
+            env = {"JAX_PLATFORMS": "cpu", "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo", **joining}
             devices = SplitRequest(count=per_process, target="cpu", framework=name)
-            plans.append(RankPlan(place.rank, env, SETUP, args, notes, devices))
+        args = (coordinator, n, place.rank, place.gpu.index if on_gpu else None)
+        plans.append(RankPlan(place.rank, env, SETUP, args, notes, devices))
     return plans
 
 
@@ -120,8 +109,6 @@ def setup_rank(coordinator: str, num_processes: int, process_id: int, gpu: int |
 def _register_cluster_environment() -> None:
     """Put a cluster environment reading the rank's ``VGPU_MAGIC_JAX_*`` variables first in JAX's auto-detection
     (JAX registers each ``ClusterEnv`` subclass as it is defined), ahead of any SLURM or MPI variables."""
-    import os
-
     from jax._src import clusters
 
     class VgpuMagicRanks(clusters.ClusterEnv):

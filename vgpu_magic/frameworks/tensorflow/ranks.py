@@ -14,10 +14,9 @@ from ...plans import SplitRequest
 from ..base import Framework
 from ..rank_places import checked_places
 
-__all__ = ["plan_ranks", "setup_rank", "SLURM_PORT_BASE"]
-
 #: The first port ``SlurmClusterResolver`` gives the tasks of a node (its ``port_base``).
 SLURM_PORT_BASE = 8888
+SETUP = "vgpu_magic.frameworks.tensorflow.ranks:setup_rank"
 SPLIT_ON_CPU = (
     "--split {split} on CPU changes nothing: MultiWorkerMirroredStrategy uses one CPU device per worker, "
     "so {n} workers give {n} replicas; drop --split or start more ranks"
@@ -52,9 +51,7 @@ def plan_ranks(
         # Planned again on the worker's own devices; a share below the planner's minimum is refused before then.
         check_sizes((each,))
         devices = SplitRequest(count=per_worker, memory=each, gpu=place.gpu.index, framework=framework.name)
-        args = (place.gpu.index, per_worker, each)
-        setup = "vgpu_magic.frameworks.tensorflow.ranks:setup_rank"
-        plans.append(RankPlan(place.rank, env, setup, args, notes, devices))
+        plans.append(RankPlan(place.rank, env, SETUP, (place.gpu.index, per_worker, each), notes, devices))
     return plans
 
 

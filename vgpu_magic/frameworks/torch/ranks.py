@@ -1,16 +1,14 @@
 """PyTorch's ranks get what ``torchrun --standalone --nproc-per-node 2`` gives each worker (measured, torch 2.14),
 computed from their hosts: ``MASTER_ADDR`` is rank 0's host (under SLURM the step's first), ``LOCAL_*`` and
-``GROUP_RANK`` are per host; with no agent, rank 0 hosts the TCP store, as in a plain ``init_process_group``
-launch, and the agent's variables are left out.
+``GROUP_RANK`` are per host; with no agent, rank 0 hosts the TCP store, as in a plain ``init_process_group`` launch,
+and the agent's variables are left out.
 
 Backend: NCCL where every rank has a GPU of its own. NCCL before 2.30 refuses two ranks on one GPU at DDP's
-construction ("Duplicate GPU detected", measured on an H100, torch 2.11, NCCL 2.28.9), so where ranks share a
-GPU ``init_process_group`` maps NCCL to gloo (:func:`gloo_for_nccl`), and a rank's ``LOCAL_RANK`` is its GPU's
-index, so ``set_device(LOCAL_RANK)`` and ``DDP(device_ids=[LOCAL_RANK])`` reach the shared card
-(``CUDA_VISIBLE_DEVICES=0,0`` would show no device). Each rank is capped with
-``set_per_process_memory_fraction`` of CUDA's total, after room for every rank's own CUDA context.
-Importing this module imports no PyTorch.
-"""
+construction ("Duplicate GPU detected", measured on an H100, torch 2.11, NCCL 2.28.9), so where ranks share a GPU
+``init_process_group`` maps NCCL to gloo (:func:`gloo_for_nccl`), and a rank's ``LOCAL_RANK`` is its GPU's index, so
+``set_device(LOCAL_RANK)`` and ``DDP(device_ids=[LOCAL_RANK])`` reach the shared card (``CUDA_VISIBLE_DEVICES=0,0``
+would show no device). Each rank is capped with ``set_per_process_memory_fraction`` of CUDA's total, after room for
+every rank's own CUDA context. Importing this module imports no PyTorch."""
 
 from __future__ import annotations
 
@@ -24,8 +22,6 @@ from ...budget import rank_share_mib
 from ...layout import RankLayout, RankPlan
 from ..base import Framework
 from ..rank_places import checked_places
-
-__all__ = ["plan_ranks", "setup_rank", "gloo_for_nccl", "say_the_cap"]
 
 SETUP = "vgpu_magic.frameworks.torch.ranks:setup_rank"
 SPLIT_REFUSED = "--split {split} has no meaning for torch: a rank is one process with one device; start more ranks"
@@ -52,9 +48,8 @@ def plan_ranks(
         rank_share_mib(p.gpu, p.gpu_shared_by, memory_mib, framework.capabilities) if p.gpu else None for p in places
     ]
     if any(caps):
-        notes.append(
-            f"each rank capped at {min(c for c in caps if c)} MiB of its GPU (set_per_process_memory_fraction)"
-        )
+        least = min(c for c in caps if c)
+        notes.append(f"each rank capped at {least} MiB of its GPU (set_per_process_memory_fraction)")
     # One id per run for every rank: a SLURM job's own where the ranks are its tasks (each plans alone).
     run_id = str(layout.slurm.job_id) if layout.slurm is not None else uuid.uuid4().hex
     hosts = len({p.node_rank for p in places})
@@ -64,7 +59,6 @@ def plan_ranks(
             "MASTER_ADDR": layout.leader,
             "MASTER_PORT": str(master_port),
             "RANK": str(place.rank),
-            # cuda:LOCAL_RANK is the rank's GPU: its own (the local rank-th), or the one it shares.
             "LOCAL_RANK": str(place.local_rank if place.gpu is None else place.gpu.index),
             "WORLD_SIZE": str(n),
             "LOCAL_WORLD_SIZE": str(place.local_world_size),
