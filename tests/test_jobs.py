@@ -352,6 +352,15 @@ def test_a_job_past_its_time_limit_says_so(slurm, tmp_path):
 
     (tmp_path / "sleeps.py").write_text(SLEEPER)
     job = vgpu_magic.submit("sleeps.py", time="1")
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while "started" not in job.logs() and time.monotonic() < deadline:
+        time.sleep(0.25)
+    shown = subprocess.run(["scontrol", "show", "job", job.job_id], capture_output=True, text=True, check=True)
+    assert "TimeLimit=00:01:00" in shown.stdout, shown.stdout
+    # A minute is SLURM's shortest limit at submission; an administrator's cut of a running job's limit to what
+    # it has run is ended by the controller's same time-limit check (and its step's "DUE TO TIME LIMIT"), a
+    # minute sooner.
+    subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "TimeLimit=0"], check=True, timeout=30)
     assert job.wait(timeout=JOB_TIMEOUT) == "TIMEOUT", job.summary()
     assert job.exit_codes == [None]
     assert job.summary().startswith(f"{job.job_id} sleeps.py: TIMEOUT")
