@@ -160,17 +160,6 @@ def cluster_shell(ip):
     assert our_processes() <= before
 
 
-@pytest.fixture(scope="module")
-def without_spares():
-    """Ranks the module starts keep no warm spare: a spare (one more process per rank, importing its framework
-    as the start returns) serves script runs only, and costs a module that runs cells CPU time it waits on."""
-    from vgpu_magic.ranks import processes
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(processes, "check_memory_fits", lambda n, fw: False)
-        yield
-
-
 @pytest.fixture
 def cpu_inventory(monkeypatch):
     """Make in-process TensorFlow requests see a CPU-only machine, so refusal tests

@@ -22,7 +22,6 @@ pytestmark = [
 ]
 
 
-@pytest.mark.usefixtures("without_spares")  # a cell runs, no script
 def test_torch_ranks_on_engines_started_by_mpiexec(monkeypatch):
     from vgpu_magic.ranks import RankCluster
 

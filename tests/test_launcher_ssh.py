@@ -16,18 +16,18 @@ import time
 
 import pytest
 
-from support import TF_ALL_REDUCE, left_running, our_processes, processes_of, without_kept_log
+from support import TF_ALL_REDUCE, left_running, no_warm_spares, our_processes, processes_of, without_kept_log
 
-# No script runs here: the ranks keep no warm spares.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.usefixtures("without_spares")]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 #: Seconds a cell may run on the ranks (a collective that cannot connect fails instead of hanging).
 RUN_TIMEOUT = 120
 
 
 @contextlib.contextmanager
-def ranks_on_two_hosts(two_hosts, framework: str, **options):
-    """Rank 0 on this host, rank 1 on the second, started over SSH; afterwards nothing left."""
+def ranks_on_two_hosts(two_hosts, framework: str, spares: bool = False, **options):
+    """Rank 0 on this host, rank 1 on the second, started over SSH, with warm spares where ``spares`` (no test here
+    runs a script); afterwards nothing left."""
     from vgpu_magic.ranks import RankCluster
 
     env = {"TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -40,7 +40,9 @@ def ranks_on_two_hosts(two_hosts, framework: str, **options):
         "environment": env,
     }
     before = our_processes()
-    ranks = RankCluster(2, framework, launcher="ssh", launcher_options=launcher_options, join=True, **options).start()
+    ranks = RankCluster(2, framework, launcher="ssh", launcher_options=launcher_options, join=True, **options)
+    with contextlib.nullcontext() if spares else no_warm_spares():
+        ranks.start()
     cluster_id = ranks.cluster_id
     try:
         yield ranks
@@ -63,8 +65,9 @@ def quiet_run(ranks, code: str):
 
 @pytest.fixture(scope="class")
 def torch_ranks(two_hosts):
-    """One torch cluster across the hosts for a class's tests; stopped after them."""
-    with ranks_on_two_hosts(two_hosts, "torch") as ranks:
+    """One torch cluster across the hosts for a class's tests; stopped after them. The one with warm spares: that
+    none is left on either host is checked at its stop."""
+    with ranks_on_two_hosts(two_hosts, "torch", spares=True) as ranks:
         yield ranks
 
 
