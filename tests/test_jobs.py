@@ -352,9 +352,7 @@ def test_a_job_past_its_time_limit_says_so(slurm, tmp_path):
 
     (tmp_path / "sleeps.py").write_text(SLEEPER)
     job = vgpu_magic.submit("sleeps.py", time="1")
-    deadline = time.monotonic() + JOB_TIMEOUT
-    while "started" not in job.logs() and time.monotonic() < deadline:
-        time.sleep(0.25)
+    started(job)
     shown = subprocess.run(["scontrol", "show", "job", job.job_id], capture_output=True, text=True, check=True)
     assert "TimeLimit=00:01:00" in shown.stdout, shown.stdout
     # A minute is SLURM's shortest limit at submission; an administrator's cut of a running job's limit to what
