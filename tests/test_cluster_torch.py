@@ -343,25 +343,35 @@ def test_a_rank_raising_before_a_barrier_stops_every_rank(shell, ranks):
         shell.run_cell_magic("vgpu_run", "", "1")
 
 
-def test_kill_9_of_a_rank_mid_training_is_reported_with_its_signal(shell, ranks):
+def test_kill_9_of_a_rank_mid_training_is_reported_with_its_signal(shell, ranks, tmp_path):
     from vgpu_magic.ranks import RankRunError
 
     victim = ranks.pids[1]
     before = our_processes()
-    timer = threading.Timer(4.0, os.kill, (victim, signal.SIGKILL))
-    timer.start()
+    training, ended = tmp_path / "training", threading.Event()
+
+    def kill_once_training() -> None:
+        while not training.exists():
+            if ended.wait(0.05):
+                return
+        os.kill(victim, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_once_training)
+    killer.start()
     code = (
         "import torch, torch.distributed as dist, time\n"
         "t = torch.ones(1000)\n"
         "for step in range(100000):\n"
         "    dist.all_reduce(t)\n"
+        f"    if step == 20:\n        open({str(training)!r}, 'w').close()\n"
         "    time.sleep(0.01)\n"
     )
     try:
         with pytest.raises(RankRunError, match="rank 1 was killed by SIGKILL") as info:
             shell.run_cell_magic("vgpu_run", "--timeout 120", code)
     finally:
-        timer.cancel()
+        ended.set()
+        killer.join()
     assert info.value.failure.kind == "died" and info.value.must_restart
     shell.run_line_magic("vgpu_cluster", "restart")
     assert victim not in our_processes() and not (set(ranks.pids) & (before - {victim}))
