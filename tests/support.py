@@ -171,6 +171,17 @@ def refused_changing_nothing(shell, magic: str, line: str, match: str) -> None:
     assert psutil.Process().children(recursive=True) == before
 
 
+@contextlib.contextmanager
+def no_warm_spares() -> Iterator[None]:
+    """Ranks started inside keep no warm spare: a spare (one more process per rank, importing its framework as the
+    start returns) serves script runs only, and costs ranks that run cells CPU time a test waits on."""
+    from vgpu_magic.ranks import processes
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(processes, "check_memory_fits", lambda n, fw: False)
+        yield
+
+
 def our_processes() -> set[int]:
     """The live processes this test process started, directly or not."""
     import psutil

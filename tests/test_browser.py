@@ -660,21 +660,23 @@ def test_jupyterlab_monitored_fit_keeps_the_progress_bar_whole_and_plots_cpu_mem
 
 # -- the live memory view ------------------------------------------------------------------------
 
-#: A fit long enough (about 40 s: 6 epochs of 40 steps, each held 0.15 s) to look at its live view in
-#: both themes while it runs: Keras 3 on JAX, data-parallel over 4 CPU devices, whose bytes JAX counts
-#: exactly per device (TensorFlow's host allocator keeps no statistics on CPU), so the view shows both of
-#: its panels: the devices, and the process' RSS that dwarfs them.
+#: A fit long enough (up to 40 s: 6 epochs of 40 steps, each held 0.15 s until the test, done looking, writes
+#: RELEASE_FILE beside the notebook) to look at its live view in both themes while it runs: Keras 3 on JAX,
+#: data-parallel over 4 CPU devices, whose bytes JAX counts exactly per device (TensorFlow's host allocator keeps
+#: no statistics on CPU), so the view shows both of its panels: the devices, and the process' RSS that dwarfs them.
 LIVE_CELLS = [
     "import os\nos.environ['KERAS_BACKEND'] = 'jax'\n%load_ext vgpu_magic",
     "%vgpu_split 4 --framework jax",
-    """import time
+    """import os
+import time
 import numpy as np
 import keras
 import vgpu_magic
 
 class Pace(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
-        time.sleep(0.15)
+        if not os.path.exists("fit.released"):  # RELEASE_FILE
+            time.sleep(0.15)
 
     def on_train_batch_end(self, batch, logs=None):
         pass  # waits for each step: no deep queue of multi-device steps (docs/split.md, Limits)
@@ -687,6 +689,9 @@ model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(256, activation
 model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))""",
     "model.fit(x, y, batch_size=32, epochs=6, verbose=1, callbacks=[vgpu_magic.MemoryMonitor(), Pace()])",
 ]
+
+#: Written beside the notebook once the test has looked at the live view: the fit stops pacing its steps.
+RELEASE_FILE = "fit.released"
 
 #: Each SVG text of the live view: its text, its computed fill, and the background layers under it.
 _SVG_COLOURS_JS = """
@@ -795,6 +800,7 @@ def test_jupyterlab_live_memory_view_mid_fit_and_its_final_image_read_in_light_a
             found = view.first.evaluate(_SVG_COLOURS_JS)
             measured[f"{suffix}/live text"] = min(_text_contrasts(view.first) + _contrasts(found["texts"]))
             measured[f"{suffix}/live lines"] = min(_contrasts(found["lines"]))
+        (lab[2] / RELEASE_FILE).touch()
         sync_api.expect(fit.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]"), timeout=240_000)
         image = fit.locator(".jp-OutputArea-output img")
         sync_api.expect(image).to_have_count(1, timeout=60_000)
@@ -828,6 +834,7 @@ def test_jupyterlab_live_memory_view_mid_fit_and_its_final_image_read_in_light_a
         low = {k: v for k, v in report.items() if v[0] < minimum[k.split("/", 1)[1]]}
         assert not low, f"below the minimum contrast on the rendered background: {low}"
     finally:
+        (lab[2] / RELEASE_FILE).unlink(missing_ok=True)
         page.close()
 
 
@@ -845,9 +852,11 @@ def test_notebook7_shows_the_live_memory_view_then_its_image(chromium, lab, arti
         _wait_for_live_rows(page, view, 8)
         view.first.scroll_into_view_if_needed()
         view.first.screenshot(path=str(artifacts_dir / "browser_live_notebook7.png"))
+        (lab[2] / RELEASE_FILE).touch()
         sync_api.expect(fit.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]"), timeout=240_000)
         sync_api.expect(fit.locator(".jp-OutputArea-output img")).to_have_count(1, timeout=60_000)
     finally:
+        (lab[2] / RELEASE_FILE).unlink(missing_ok=True)
         page.close()
 
 

@@ -317,6 +317,104 @@ def test_same_weights_as_torchrun(shell, ranks, tmp_path):
     assert by_torchrun[0] == by_torchrun[1]
 
 
+# The fault policy on the --join ranks, before the script runs start ranks without --join.
+
+
+def test_a_rank_raising_before_a_barrier_stops_every_rank(shell, ranks):
+    from vgpu_magic.ranks import RankRunError
+
+    code = (
+        "import torch.distributed as dist\nif dist.get_rank() == 1:\n    raise ValueError('bad batch on rank 1')\n"
+        "dist.barrier()"
+    )
+    with pytest.raises(RankRunError) as info:
+        shell.run_cell_magic("vgpu_run", "", code)
+    err = info.value
+    assert err.failure.rank == 1 and err.failure.kind == "error"
+    shown = "\n".join(err._render_traceback_())
+    assert "[rank 1]" in shown and "bad batch on rank 1" in shown
+    # Rank 0 sat in the barrier, where SIGINT cannot reach Python: it was killed, and the cluster says so.
+    assert err.interrupted == [0]
+    assert not psutil.pid_exists(ranks.pids[0]) or psutil.Process(ranks.pids[0]).status() == psutil.STATUS_ZOMBIE
+    assert err.must_restart
+    # Why: rank 0 was killed (rank 1's error alone would have left the cluster usable).
+    reason = "rank 0 did not stop within 3 s of SIGINT and was killed"
+    with pytest.raises(UsageError, match=rf"^the cluster must be restarted \({reason}\): %vgpu_cluster restart$"):
+        shell.run_cell_magic("vgpu_run", "", "1")
+
+
+def test_kill_9_of_a_rank_mid_training_is_reported_with_its_signal(shell, ranks, tmp_path):
+    from vgpu_magic.ranks import RankRunError
+
+    victim = ranks.pids[1]
+    before = our_processes()
+    training, ended = tmp_path / "training", threading.Event()
+
+    def kill_once_training() -> None:
+        while not training.exists():
+            if ended.wait(0.05):
+                return
+        os.kill(victim, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_once_training)
+    killer.start()
+    code = (
+        "import torch, torch.distributed as dist, time\n"
+        "t = torch.ones(1000)\n"
+        "for step in range(100000):\n"
+        "    dist.all_reduce(t)\n"
+        f"    if step == 20:\n        open({str(training)!r}, 'w').close()\n"
+        "    time.sleep(0.01)\n"
+    )
+    try:
+        with pytest.raises(RankRunError, match="rank 1 was killed by SIGKILL") as info:
+            shell.run_cell_magic("vgpu_run", "--timeout 120", code)
+    finally:
+        ended.set()
+        killer.join()
+    assert info.value.failure.kind == "died" and info.value.must_restart
+    shell.run_line_magic("vgpu_cluster", "restart")
+    assert victim not in our_processes() and not (set(ranks.pids) & (before - {victim}))
+
+
+def test_a_rank_that_exits_is_reported_with_its_status(shell, ranks):
+    from vgpu_magic.ranks import RankRunError
+
+    # The status the process exited with (in a real kernel this used to be unknown: test_cluster_kernel.py).
+    with pytest.raises(RankRunError, match=r"^rank 1 exited with status 3 \(pid \d+\)") as info:
+        cell = "import os, time\nif os.environ['RANK'] == '1':\n    os._exit(3)\ntime.sleep(30)"
+        shell.run_cell_magic("vgpu_run", "--timeout 60", cell)
+    assert info.value.failure.kind == "died" and info.value.must_restart
+    shell.run_line_magic("vgpu_cluster", "restart")
+
+
+def test_timeout_interrupts_the_ranks_and_the_cluster_stays_usable(shell, ranks):
+    from vgpu_magic.ranks import RankRunError
+
+    still_running = r"did not finish within --timeout 1 s \(still running: ranks 0, 1\)"
+    with pytest.raises(RankRunError, match=still_running) as info:
+        shell.run_cell_magic("vgpu_run", "--timeout 1", "import time\ntime.sleep(120)")
+    assert info.value.killed == [] and not info.value.must_restart
+    shell.run_cell_magic("vgpu_run", "-o after", "'still usable'")
+    assert shell.user_ns["after"] == ["still usable"] * 2
+
+
+def test_interrupting_the_kernel_interrupts_the_ranks(shell, ranks):
+    # A kernel turns SIGINT into KeyboardInterrupt; a suite started in the background inherits SIGINT ignored.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            shell.run_cell_magic("vgpu_run", "", "import time\nfor _ in range(1200):\n    time.sleep(0.1)")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    # Both ranks came back from their sleep, so the same engines run the next cell.
+    pids = list(ranks.pids)
+    shell.run_cell_magic("vgpu_run", "-o after", "import os\nos.getpid()")
+    assert shell.user_ns["after"] == pids
+
+
 def job_folder(parent: Path, name: str) -> Path:
     """A folder of its own holding the DDP tutorial-shaped script and the module it imports."""
     folder = parent / name
@@ -566,91 +664,6 @@ def test_a_stop_says_nothing_of_a_log_file_already_gone(shell, capsys, monkeypat
     shell.run_line_magic("vgpu_cluster", "stop")
     printed = capsys.readouterr()
     assert printed.out == "stopped 1 PyTorch rank\n" and "Failed to remove" not in printed.err
-
-
-def test_a_rank_raising_before_a_barrier_stops_every_rank(shell, ranks):
-    from vgpu_magic.ranks import RankRunError
-
-    code = (
-        "import torch.distributed as dist\nif dist.get_rank() == 1:\n    raise ValueError('bad batch on rank 1')\n"
-        "dist.barrier()"
-    )
-    with pytest.raises(RankRunError) as info:
-        shell.run_cell_magic("vgpu_run", "", code)
-    err = info.value
-    assert err.failure.rank == 1 and err.failure.kind == "error"
-    shown = "\n".join(err._render_traceback_())
-    assert "[rank 1]" in shown and "bad batch on rank 1" in shown
-    # Rank 0 sat in the barrier, where SIGINT cannot reach Python: it was killed, and the cluster says so.
-    assert err.interrupted == [0]
-    assert not psutil.pid_exists(ranks.pids[0]) or psutil.Process(ranks.pids[0]).status() == psutil.STATUS_ZOMBIE
-    assert err.must_restart
-    # Why: rank 0 was killed (rank 1's error alone would have left the cluster usable).
-    reason = "rank 0 did not stop within 3 s of SIGINT and was killed"
-    with pytest.raises(UsageError, match=rf"^the cluster must be restarted \({reason}\): %vgpu_cluster restart$"):
-        shell.run_cell_magic("vgpu_run", "", "1")
-
-
-def test_kill_9_of_a_rank_mid_training_is_reported_with_its_signal(shell, ranks):
-    from vgpu_magic.ranks import RankRunError
-
-    victim = ranks.pids[1]
-    before = our_processes()
-    timer = threading.Timer(4.0, os.kill, (victim, signal.SIGKILL))
-    timer.start()
-    code = (
-        "import torch, torch.distributed as dist, time\n"
-        "t = torch.ones(1000)\n"
-        "for step in range(100000):\n"
-        "    dist.all_reduce(t)\n"
-        "    time.sleep(0.01)\n"
-    )
-    try:
-        with pytest.raises(RankRunError, match="rank 1 was killed by SIGKILL") as info:
-            shell.run_cell_magic("vgpu_run", "--timeout 120", code)
-    finally:
-        timer.cancel()
-    assert info.value.failure.kind == "died" and info.value.must_restart
-    shell.run_line_magic("vgpu_cluster", "restart")
-    assert victim not in our_processes() and not (set(ranks.pids) & (before - {victim}))
-
-
-def test_a_rank_that_exits_is_reported_with_its_status(shell, ranks):
-    from vgpu_magic.ranks import RankRunError
-
-    # The status the process exited with (in a real kernel this used to be unknown: test_cluster_kernel.py).
-    with pytest.raises(RankRunError, match=r"^rank 1 exited with status 3 \(pid \d+\)") as info:
-        cell = "import os, time\nif os.environ['RANK'] == '1':\n    os._exit(3)\ntime.sleep(30)"
-        shell.run_cell_magic("vgpu_run", "--timeout 60", cell)
-    assert info.value.failure.kind == "died" and info.value.must_restart
-    shell.run_line_magic("vgpu_cluster", "restart")
-
-
-def test_timeout_interrupts_the_ranks_and_the_cluster_stays_usable(shell, ranks):
-    from vgpu_magic.ranks import RankRunError
-
-    still_running = r"did not finish within --timeout 1 s \(still running: ranks 0, 1\)"
-    with pytest.raises(RankRunError, match=still_running) as info:
-        shell.run_cell_magic("vgpu_run", "--timeout 1", "import time\ntime.sleep(120)")
-    assert info.value.killed == [] and not info.value.must_restart
-    shell.run_cell_magic("vgpu_run", "-o after", "'still usable'")
-    assert shell.user_ns["after"] == ["still usable"] * 2
-
-
-def test_interrupting_the_kernel_interrupts_the_ranks(shell, ranks):
-    # A kernel turns SIGINT into KeyboardInterrupt; a suite started in the background inherits SIGINT ignored.
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            shell.run_cell_magic("vgpu_run", "", "import time\nfor _ in range(1200):\n    time.sleep(0.1)")
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    # Both ranks came back from their sleep, so the same engines run the next cell.
-    pids = list(ranks.pids)
-    shell.run_cell_magic("vgpu_run", "-o after", "import os\nos.getpid()")
-    assert shell.user_ns["after"] == pids
 
 
 @pytest.mark.parametrize("framework", ["torch", "jax", "tensorflow"])

@@ -359,18 +359,24 @@ def test_a_job_past_its_time_limit_says_so_and_how_long_it_ran(slurm, tmp_path, 
     (tmp_path / "sleeps.py").write_text(SLEEPER)
     job = vgpu_magic.submit("sleeps.py", time="1")
     started(job)
-    assert timedelta(0) <= job.elapsed < timedelta(seconds=JOB_TIMEOUT)
+    shown = subprocess.run(["scontrol", "show", "job", job.job_id], capture_output=True, text=True, check=True)
+    assert "TimeLimit=00:01:00" in shown.stdout, shown.stdout
+    # A minute is SLURM's shortest limit at submission; an administrator's cut of a running job's limit to what
+    # it has run is ended by the controller's same time-limit check (and its step's "DUE TO TIME LIMIT"), a
+    # minute sooner.
+    subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "TimeLimit=0"], check=True, timeout=30)
     assert job.wait(timeout=JOB_TIMEOUT) == "TIMEOUT", job.summary()
-    assert job.exit_codes == [None]
+    # SLURM's SIGTERM reaches the rank and its wrapper together: the wrapper may outlive the rank and record 143.
+    assert job.exit_codes in ([None], [143])
     assert job.summary().startswith(f"{job.job_id} sleeps.py: TIMEOUT")
-    assert timedelta(seconds=55) <= job.elapsed < timedelta(seconds=JOB_TIMEOUT)
+    assert timedelta(seconds=1) <= job.elapsed < timedelta(seconds=JOB_TIMEOUT)
     # Once SLURM has forgotten the job (MinJobAge), the state is read from what its task left.
     deadline = time.monotonic() + 60
     while slurm_knows(job.job_id) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not slurm_knows(job.job_id) and job.state == "TIMEOUT"
     elapsed = job.elapsed
-    assert timedelta(seconds=55) <= elapsed < timedelta(seconds=JOB_TIMEOUT)
+    assert timedelta(seconds=1) <= elapsed < timedelta(seconds=JOB_TIMEOUT)
     ip = get_ipython()
     ip.run_line_magic("load_ext", "vgpu_magic")
     capsys.readouterr()

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from support import TF_ALL_REDUCE, failure_text, once_more_after_torchs_exit_abort, processes_of
+from support import TF_ALL_REDUCE, failure_text, no_warm_spares, once_more_after_torchs_exit_abort, processes_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -49,13 +49,16 @@ def step_daemons() -> set[int]:
 
 
 @contextlib.contextmanager
-def slurm_ranks(slurm, framework: str, n: int, launcher_options: dict | None = None, **options):
-    """Ranks in a SLURM job; afterwards the queue is empty and no process is left."""
+def slurm_ranks(slurm, framework: str, n: int, launcher_options: dict | None = None, scripts: bool = False, **options):
+    """Ranks in a SLURM job, with warm spares only where ``scripts`` run; afterwards the queue is empty and no
+    process is left."""
     from vgpu_magic.ranks import RankCluster
 
     steps = step_daemons()
     launcher_options = {"time": "10", **(launcher_options or {})}
-    ranks = RankCluster(n, framework, launcher="slurm", launcher_options=launcher_options, join=True, **options).start()
+    ranks = RankCluster(n, framework, launcher="slurm", launcher_options=launcher_options, join=True, **options)
+    with contextlib.nullcontext() if scripts else no_warm_spares():
+        ranks.start()
     cluster_id = ranks.cluster_id
     profile = Path(ranks.cluster.profile_dir)
     try:
@@ -127,7 +130,7 @@ def test_a_ddp_script_runs_twice_from_the_jobs_tasks(slurm, tmp_path, monkeypatc
     for name in ("ddp_train.py", "ddp_settings.py"):
         (tmp_path / name).write_text((scripts / name).read_text())
     monkeypatch.chdir(tmp_path)
-    with slurm_ranks(slurm, "torch", 2) as ranks:
+    with slurm_ranks(slurm, "torch", 2, scripts=True) as ranks:
         job = next(iter(ranks.cluster.engines.values())).job_id
         for run, epochs in enumerate((4, 8)):
             said = io.StringIO()

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from support import TF_ALL_REDUCE, left_running, our_processes, processes_of, without_kept_log
+from support import TF_ALL_REDUCE, left_running, no_warm_spares, our_processes, processes_of, without_kept_log
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -25,8 +25,9 @@ RUN_TIMEOUT = 120
 
 
 @contextlib.contextmanager
-def ranks_on_two_hosts(two_hosts, framework: str, **options):
-    """Rank 0 on this host, rank 1 on the second, started over SSH; afterwards nothing left."""
+def ranks_on_two_hosts(two_hosts, framework: str, spares: bool = False, **options):
+    """Rank 0 on this host, rank 1 on the second, started over SSH, with warm spares where ``spares`` (no test here
+    runs a script); afterwards nothing left."""
     from vgpu_magic.ranks import RankCluster
 
     env = {"TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -39,7 +40,9 @@ def ranks_on_two_hosts(two_hosts, framework: str, **options):
         "environment": env,
     }
     before = our_processes()
-    ranks = RankCluster(2, framework, launcher="ssh", launcher_options=launcher_options, join=True, **options).start()
+    ranks = RankCluster(2, framework, launcher="ssh", launcher_options=launcher_options, join=True, **options)
+    with contextlib.nullcontext() if spares else no_warm_spares():
+        ranks.start()
     cluster_id = ranks.cluster_id
     try:
         yield ranks
@@ -60,27 +63,73 @@ def quiet_run(ranks, code: str):
         return ranks.run(code, output=True, timeout=RUN_TIMEOUT)
 
 
-def test_torch_ddp_across_two_hosts(two_hosts):
-    """One engine per host, each started over SSH on its host and reaching the controller;
-    status names each rank's host; a gloo all-reduce crosses the hosts, wired with
-    rank 0's host's real address."""
-    with ranks_on_two_hosts(two_hosts, "torch") as ranks:
-        lines = ranks.describe()
+@pytest.fixture(scope="class")
+def torch_ranks(two_hosts):
+    """One torch cluster across the hosts for a class's tests; stopped after them. The one with warm spares: that
+    none is left on either host is checked at its stop."""
+    with ranks_on_two_hosts(two_hosts, "torch", spares=True) as ranks:
+        yield ranks
+
+
+class TestTorchOnTwoHosts:
+    """The torch tests share one cluster: the second breaks it last."""
+
+    def test_torch_ddp_across_two_hosts(self, two_hosts, torch_ranks):
+        """One engine per host, each started over SSH on its host and reaching the controller;
+        status names each rank's host; a gloo all-reduce crosses the hosts, wired with
+        rank 0's host's real address."""
+        lines = torch_ranks.describe()
         found = quiet_run(
-            ranks,
+            torch_ranks,
             "import os, socket, torch, torch.distributed as dist\n"
             "t = torch.tensor([float(dist.get_rank() + 1)])\n"
             "dist.all_reduce(t)\n"
             "(dist.get_rank(), socket.gethostname(), os.environ['MASTER_ADDR'], os.environ['LOCAL_RANK'], t.item())",
         )
-    hosts = [f[1] for f in found]
-    assert sorted(hosts) == sorted([two_hosts.first.hostname, two_hosts.second.hostname])
-    assert "ipyparallel engines started over SSH" in lines[0]
-    for rank, host in enumerate(hosts):
-        assert any(line.startswith(f"  rank {rank}: pid ") and f" on {host}, alive" in line for line in lines), lines
-    leader = two_hosts.host(hosts[0])
-    # MASTER_ADDR is rank 0's host's real address on both; each rank is local rank 0 on its host.
-    assert [(f[0], f[2], f[3], f[4]) for f in found] == [(0, leader.address, "0", 3.0), (1, leader.address, "0", 3.0)]
+        hosts = [f[1] for f in found]
+        assert sorted(hosts) == sorted([two_hosts.first.hostname, two_hosts.second.hostname])
+        assert "ipyparallel engines started over SSH" in lines[0]
+        for rank, host in enumerate(hosts):
+            assert any(line.startswith(f"  rank {rank}: pid ") and f" on {host}, alive" in line for line in lines), (
+                lines
+            )
+        leader = two_hosts.host(hosts[0])
+        # MASTER_ADDR is rank 0's host's real address on both; each rank is local rank 0 on its host.
+        assert [(f[0], f[2], f[3], f[4]) for f in found] == [
+            (0, leader.address, "0", 3.0),
+            (1, leader.address, "0", 3.0),
+        ]
+
+    def test_a_rank_on_the_second_host_is_interrupted_and_reported_through_its_engine(self, two_hosts, torch_ranks):
+        """The second host has process IDs of its own, as a real one has: the PID its rank reports names
+        nothing (or another process) here. The fault policy reaches that rank through its engine: a
+        timeout interrupts it (through the engine's nanny) and it comes back, so the cluster stays usable;
+        when it dies, the run says so at once, naming its host."""
+        import socket
+
+        from vgpu_magic.ranks.run import RankRunError
+
+        hosts = quiet_run(torch_ranks, "import socket\nsocket.gethostname()")
+        there = hosts.index(two_hosts.second.hostname)
+        assert hosts[1 - there] == socket.gethostname()
+        with pytest.raises(RankRunError) as info, contextlib.redirect_stderr(io.StringIO()):
+            torch_ranks.run("import time\ntime.sleep(60)", timeout=3)
+        assert info.value.failure.kind == "timeout"
+        assert sorted(info.value.interrupted) == [0, 1] and info.value.killed == []
+        assert quiet_run(torch_ranks, "'back'") == ["back", "back"]
+
+        pid = torch_ranks.pids[there]
+        with pytest.raises(RankRunError) as info, contextlib.redirect_stderr(io.StringIO()):
+            # Within RUN_TIMEOUT, or the failure would be a timeout: the nanny tells the controller at once.
+            torch_ranks.run(
+                f"import os, socket, time\nif socket.gethostname() == {hosts[there]!r}:\n"
+                "    os._exit(3)\ntime.sleep(60)",
+                timeout=RUN_TIMEOUT,
+            )
+        failure = info.value.failure
+        assert (failure.rank, failure.kind) == (there, "died")
+        assert failure.summary == f"died (exit status unknown) (pid {pid} on {two_hosts.second.hostname})"
+        assert torch_ranks.must_restart
 
 
 def test_tensorflow_multiworker_across_two_hosts(two_hosts):
@@ -114,39 +163,6 @@ def test_jax_distributed_across_two_hosts(two_hosts):
     assert [f[2].rsplit(":", 1)[0] for f in found] == [leader.address, leader.address]
     assert [(f[0], f[3]) for f in found] == [(0, [10, 11]), (1, [10, 11])]
     assert {f[1] for f in found} == {two_hosts.first.hostname, two_hosts.second.hostname}
-
-
-def test_a_rank_on_the_second_host_is_interrupted_and_reported_through_its_engine(two_hosts):
-    """The second host has process IDs of its own, as a real one has: the PID its rank reports names
-    nothing (or another process) here. The fault policy reaches that rank through its engine: a
-    timeout interrupts it (through the engine's nanny) and it comes back, so the cluster stays usable;
-    when it dies, the run says so at once, naming its host."""
-    import socket
-
-    from vgpu_magic.ranks.run import RankRunError
-
-    with ranks_on_two_hosts(two_hosts, "torch") as ranks:
-        hosts = quiet_run(ranks, "import socket\nsocket.gethostname()")
-        there = hosts.index(two_hosts.second.hostname)
-        assert hosts[1 - there] == socket.gethostname()
-        with pytest.raises(RankRunError) as info, contextlib.redirect_stderr(io.StringIO()):
-            ranks.run("import time\ntime.sleep(60)", timeout=3)
-        assert info.value.failure.kind == "timeout"
-        assert sorted(info.value.interrupted) == [0, 1] and info.value.killed == []
-        assert quiet_run(ranks, "'back'") == ["back", "back"]
-
-        pid = ranks.pids[there]
-        with pytest.raises(RankRunError) as info, contextlib.redirect_stderr(io.StringIO()):
-            # Within RUN_TIMEOUT, or the failure would be a timeout: the nanny tells the controller at once.
-            ranks.run(
-                f"import os, socket, time\nif socket.gethostname() == {hosts[there]!r}:\n"
-                "    os._exit(3)\ntime.sleep(60)",
-                timeout=RUN_TIMEOUT,
-            )
-        failure = info.value.failure
-        assert (failure.rank, failure.kind) == (there, "died")
-        assert failure.summary == f"died (exit status unknown) (pid {pid} on {two_hosts.second.hostname})"
-        assert ranks.must_restart
 
 
 def test_a_host_that_refuses_the_key_is_named_with_sshs_own_reason(two_hosts, tmp_path):

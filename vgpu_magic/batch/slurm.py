@@ -86,12 +86,13 @@ class SlurmJobs(JobBackend):
 
 
 def _ended(folder: Path) -> tuple[str, str]:
-    """A job's end from its folder: its batch script wrote it, unless SLURM ended the script first."""
+    """A job's end from its folder: SLURM's time-limit line in a rank's log (the batch script may still write its
+    status after SLURM's SIGTERM), else what its batch script wrote, unless SLURM ended the script first."""
+    if "DUE TO TIME LIMIT" in "".join(path.read_text(errors="replace") for path in folder.glob("*.log")):
+        return "TIMEOUT", "its time limit was reached"
     if (folder / "job.exit").exists():
         status = (folder / "job.exit").read_text().strip()
         return ("COMPLETED", "") if status == "0" else ("FAILED", f"srun exited with status {status}")
-    if "DUE TO TIME LIMIT" in "".join(path.read_text(errors="replace") for path in folder.glob("*.log")):
-        return "TIMEOUT", "its time limit was reached"
     return "CANCELLED", "it ended before its batch script did"
 
 
