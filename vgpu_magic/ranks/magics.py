@@ -1,6 +1,4 @@
-"""``%vgpu_cluster`` and ``%vgpu_run`` / ``%%vgpu_run``: thin faces over :class:`~.rank_cluster.RankCluster`.
-Bad input is a one-line :class:`~IPython.core.error.UsageError` raised before anything starts.
-"""
+"""``%vgpu_cluster`` and ``%vgpu_run`` / ``%%vgpu_run``: thin faces over :class:`~.rank_cluster.RankCluster`."""
 
 from __future__ import annotations
 
@@ -42,15 +40,13 @@ _RANK = whole("rank", 0, MAX_RANKS - 1, "%vgpu_cluster log 1")
 
 
 def _parse(magic: Any, line: str, example: str) -> argparse.Namespace:
-    """``line`` read by ``magic``'s parser with the shared grammar (:func:`~vgpu_magic.grammar.parse_arguments`)."""
     with usage_errors(PlanError):
         return parse_arguments(magic.parser, line, example=example)
 
 
 def _launcher_flags(magic: Any) -> Any:
-    """Each launcher's flags (:attr:`.Launcher.options`), an argument group per launcher in ``%vgpu_cluster?``;
-    a flag launchers share goes in the first one's group. Put below every other ``@argument``: what follows a
-    group in the parser joins it."""
+    """Each launcher's flags, a group per launcher (a shared flag in the first one's). Put below every other
+    ``@argument``: what follows a group in the parser joins it."""
     decorators, declared = [], set()
     for launcher in LAUNCHERS.values():
         flags = [key for key, flag in launcher.options.items() if flag and key not in declared]
@@ -249,8 +245,7 @@ def _refuse_start_options(parser: argparse.ArgumentParser, args: argparse.Namesp
 
 
 def _start(args: Any, options: dict[str, Any], running: Any) -> None:
-    """``%vgpu_cluster start``: the ranks ``args`` ask for, unless ``running`` already is
-    that cluster; a running cluster asked for differently is stopped first."""
+    """``%vgpu_cluster start``: the ranks ``args`` ask for, unless ``running`` is that cluster (else stopped first)."""
     from . import rank_cluster
 
     if args.n is None or args.framework is None:
@@ -284,10 +279,8 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
 
 
 def _script_path(args: Any, last_cd: str) -> str:
-    """The script the line form of ``%vgpu_run`` runs, as typed (a shell's ``~`` expanded; the script's
-    ``sys.argv[0]``, as under its launcher); :class:`UsageError` if none is given, ``-o`` is (a script has no
-    last value), it is not a file, or the kernel's current folder (``last_cd``, where ``%cd`` last went) was
-    deleted: the ranks start there."""
+    """The script ``%vgpu_run`` runs, as typed (``~`` expanded: its ``sys.argv[0]``); UsageError where there is none,
+    ``-o`` is given, it is no file, or the kernel's current folder (``last_cd``, where the ranks start) was deleted."""
     if args.script is None:
         raise UsageError("say which script to run, e.g. %vgpu_run train.py --epochs 2, or use %%vgpu_run with a cell")
     if args.output is not None:
