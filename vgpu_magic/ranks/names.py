@@ -154,11 +154,9 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
 def names_to_send(code: str, namespace: dict[str, Any], on_ranks: set[str] = frozenset()) -> list[str]:
     """The notebook names ``code`` reads before assigning them, that ``namespace`` holds, except those
     ``on_ranks`` (assigned by earlier cells on the ranks: a DDP model), never overwritten from the notebook."""
-    visitor = _ReadsBeforeWrites()
-    visitor.visit(ast.parse(code))
     return [
         name
-        for name in visitor.read
+        for name in _visited(code).read
         if name in namespace
         and name not in on_ranks
         and not name.startswith("_")
@@ -169,9 +167,13 @@ def names_to_send(code: str, namespace: dict[str, Any], on_ranks: set[str] = fro
 
 def names_written(code: str) -> set[str]:
     """The names ``code`` may bind at its top level, on any path (not comprehension variables)."""
+    return _visited(code).bound
+
+
+def _visited(code: str) -> _ReadsBeforeWrites:
     visitor = _ReadsBeforeWrites()
     visitor.visit(ast.parse(code))
-    return visitor.bound
+    return visitor
 
 
 def pack_names(namespace: dict[str, Any], names: list[str]) -> dict[str, bytes]:
