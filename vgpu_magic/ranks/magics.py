@@ -14,8 +14,9 @@ from IPython.core.magic_arguments import argument, argument_group, magic_argumen
 
 from ..errors import USER_ERRORS, PlanError
 from ..frameworks import choices
-from ..grammar import choice, framework_name, parse_arguments, seconds, usage_errors, whole
+from ..grammar import choice, framework_name, parse_arguments, parse_memory, seconds, usage_errors, whole
 from ..planner import MAX_DEVICES
+from ..units import MIB
 from .launchers import LAUNCHERS, MAX_RANKS
 from .spec import ClusterNotRunning
 
@@ -250,8 +251,6 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
 
     if args.n is None or args.framework is None:
         raise UsageError("say how many ranks and which framework, e.g. %vgpu_cluster start 2 --framework torch")
-    from ..grammar import parse_memory
-    from ..units import MIB
 
     with usage_errors(ValueError):
         memory = parse_memory(args.memory) * MIB if args.memory is not None else None
