@@ -1,9 +1,5 @@
-"""The framework seam: one package per framework, one registry, one way to pick.
-
-Each package here (``__init__.py``, ``ranks.py``, ...) defines a :class:`~vgpu_magic.frameworks.base.Framework`
-subclass: adding a framework is one new package and one line in :data:`REGISTRY`. Importing this package
-imports no framework and none of the modules below until one is asked for.
-"""
+"""The framework seam: one package per framework (a :class:`~.base.Framework` subclass), one line each in
+:data:`REGISTRY`, one way to pick. Importing this imports no framework until one is asked for."""
 
 from __future__ import annotations
 
@@ -97,22 +93,19 @@ def all_frameworks() -> list[Framework]:
 
 
 def imported() -> list[Framework]:
-    """The registered frameworks imported here whose devices can be configured in this process
-    (``Capabilities.splits_in_process``; not PyTorch): what ``%vgpu_status`` shows. The one ``KERAS_BACKEND``
-    names comes first (Keras on JAX imports TensorFlow too, for its data tools), then registry order."""
+    """The imported frameworks that split devices in this process (not PyTorch), ``KERAS_BACKEND``'s first (Keras
+    on JAX imports TensorFlow too, for its data tools)."""
     backend = _keras_backend()
     found = [fw for fw in all_frameworks() if fw.capabilities.splits_in_process and fw.imported()]
     return sorted(found, key=lambda fw: fw.name != backend)
 
 
 def written_for(names: set[str]) -> list[Framework]:
-    """The frameworks that code using ``names`` is written for (:meth:`Framework.used_by`), in registry order;
-    code that uses Keras and none of them is for Keras' default backend, :data:`DEFAULT`."""
+    """The frameworks code using ``names`` is written for (:meth:`Framework.used_by`); Keras alone: :data:`DEFAULT`."""
     return [fw for fw in all_frameworks() if fw.used_by(names)] or [get(DEFAULT)] * ("keras" in names)
 
 
 def _keras_backend() -> str:
-    """The framework ``KERAS_BACKEND`` names (``""`` when unset)."""
     backend = os.environ.get("KERAS_BACKEND", "").strip().lower()
     return ALIASES.get(backend, backend)
 
@@ -124,9 +117,8 @@ def cuda_context_holders(exclude: str = "") -> list[CudaUser]:
 
 
 def select(requested: str | None = None) -> Framework:
-    """The framework a command applies to: the one named (``--framework NAME``); else, among those that split
-    devices in one process, the one imported, else the one installed, else the one ``KERAS_BACKEND`` names, else
-    :data:`DEFAULT`."""
+    """The framework named, else among those that split devices in one process the one imported, else installed,
+    else ``KERAS_BACKEND``'s, else :data:`DEFAULT`."""
     if requested:
         return get(requested)
     backend = _keras_backend()
