@@ -57,9 +57,7 @@ def choices() -> str:
     for name in REGISTRY:
         aliases = [a for a, target in ALIASES.items() if target == name]
         spelled.append(f"{name} ({', '.join(aliases)})" if aliases else name)
-    if len(spelled) == 1:
-        return spelled[0]
-    return f"{', '.join(spelled[:-1])} or {spelled[-1]}"
+    return " or ".join([", ".join(spelled[:-1]), spelled[-1]] if len(spelled) > 1 else spelled)
 
 
 def resolve_name(name: str) -> str:
