@@ -11,7 +11,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import Pretty, display
 
 from .errors import PlanError, excerpt
-from .grammar import framework_name, parse_arguments, whole
+from .grammar import framework_name, parse_arguments, usage_errors, whole
 from .memory_estimate import GPU_MODELS, MAX_ALL_RANKS, MemoryEstimate, estimable, estimate, parse_gpu
 
 
@@ -60,13 +60,11 @@ class EstimateMagics(Magics):
            ...: model = Net(); fully_shard(model); model(x).sum().backward(); opt.step()
         """
         __tracebackhide__ = True  # a failing cell is shown in its own lines (estimate() keeps only those)
-        try:
+        with usage_errors(PlanError):
             args = parse_arguments(self.vgpu_estimate.parser, line, example="%%vgpu_estimate --ranks 8 --gpu 80GB")
             if args.output is not None and not args.output.isidentifier():
                 raise PlanError(f"-o {excerpt(args.output)} is not a variable name; use e.g. -o fit")
             options = {k: v for k, v in vars(args).items() if k != "output"}  # estimate's own keywords
-        except PlanError as exc:
-            raise UsageError(str(exc)) from None
         # A run takes minutes: a line says what runs, empty before and after (nbval reads no display updates).
         shown = display(Pretty(""), display_id=True)
         try:
