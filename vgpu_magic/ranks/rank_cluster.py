@@ -371,14 +371,11 @@ class RankCluster:
         sampler = RankMemorySampler(procs.memory_pids(), self._gpu())
         rss, gpu = dict(zip(sampler.ranks, sampler.rss())), dict(zip(sampler.ranks, sampler.gpu()))
         sampler.close()
-        infos = []
-        for rank, pid in enumerate(procs.pids):
-            alive = procs.alive(rank)
-            rank_rss = rss.get(rank) if alive else None
-            infos.append(
-                RankInfo(rank, self.engine_ids[rank], pid, alive, rank_rss, gpu.get(rank), places[rank].hostname)
-            )
-        return infos
+        alive = [procs.alive(rank) for rank in range(len(procs.pids))]
+        return [
+            RankInfo(rank, self.engine_ids[rank], pid, up, rss.get(rank) if up else None, gpu.get(rank), place.hostname)
+            for rank, (pid, place, up) in enumerate(zip(procs.pids, places, alive))
+        ]
 
     def log(self, rank: int | None = None) -> list[str]:
         """The start-up lines the ranks (or ``rank``) wrote and were not shown (``%vgpu_cluster log [RANK]``)."""
