@@ -55,11 +55,8 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
         return added
 
     def visit_Name(self, node: ast.Name) -> None:
-        if isinstance(node.ctx, ast.Store):
-            self._store(node.id)
-        else:
-            # Load, and Del: `del name` needs the name to exist.
-            self._load(node.id)
+        # Load, and Del: `del name` needs the name to exist.
+        (self._store if isinstance(node.ctx, ast.Store) else self._load)(node.id)
 
     def visit_Assign(self, node: ast.Assign) -> None:
         self.visit(node.value)
@@ -108,13 +105,11 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
 
     visit_TryStar = visit_Try
 
-    def visit_Import(self, node: ast.Import) -> None:
-        for alias in node.names:
+    def visit_Import(self, node: ast.Import | ast.ImportFrom) -> None:
+        for alias in node.names:  # `import a.b` binds a; `from a import b` binds b, a name without dots
             self._store(alias.asname or alias.name.split(".")[0])
 
-    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
-        for alias in node.names:
-            self._store(alias.asname or alias.name)
+    visit_ImportFrom = visit_Import
 
     def _comprehension(self, node: Any) -> None:
         first, *rest = node.generators
