@@ -123,9 +123,7 @@ class _CudaOnCpu(TorchFunctionMode):
     used = False
 
     def _cpu(self, value: Any) -> Any:
-        if (isinstance(value, torch.device) and value.type == "cuda") or (
-            isinstance(value, str) and _CUDA.fullmatch(value)
-        ):
+        if isinstance(value, (torch.device, str)) and _CUDA.fullmatch(str(value)):
             self.used = True
             return torch.device("cpu")
         return value
