@@ -8,24 +8,7 @@ import os
 import sys
 
 from ..errors import FrameworkChoiceError
-from .base import Capabilities, CudaUser, Framework, FrameworkImportError
-
-__all__ = [
-    "REGISTRY",
-    "ALIASES",
-    "Capabilities",
-    "Framework",
-    "FrameworkChoiceError",
-    "FrameworkImportError",
-    "get",
-    "register",
-    "imported",
-    "written_for",
-    "select",
-    "resolve_name",
-    "choices",
-    "cuda_context_holders",
-]
+from .base import Capabilities, CudaUser, Framework, FrameworkImportError  # noqa: F401 - re-exported
 
 #: name -> "module:attribute" of its Framework instance (imported on first use).
 REGISTRY: dict[str, str | Framework] = {
