@@ -392,16 +392,10 @@ class RankCluster:
             f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} on {self.launcher_plan.launcher.description}{jobs}"
         ]
         lines.extend(self.plans[0].notes if self.plans else ())
-        join_call = self.fw.join_call
-        if join_call and self.join:
-            lines.append(
-                f"each rank has joined ({join_call} at start, --join): cells must not call it again; "
-                "scripts make their own call"
-            )
-        elif join_call:
-            lines.append(
-                f"each rank has its launcher's environment; your code calls {join_call}, as under its launcher"
-            )
+        call = self.fw.join_call
+        joined = f"has joined ({call} at start, --join): cells must not call it again; scripts make their own call"
+        own = f"has its launcher's environment; your code calls {call}, as under its launcher"
+        lines += [f"each rank {joined if self.join else own}"] * bool(call)
         # Lines a notebook shows whole (a long one wraps mid-word in JupyterLab's output area).
         lines.append("cells (%%vgpu_run): run in these ranks, which keep their state")
         step = self.launcher_plan.launcher.launches
