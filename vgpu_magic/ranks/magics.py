@@ -254,16 +254,9 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
 
     with usage_errors(ValueError):
         memory = parse_memory(args.memory) * MIB if args.memory is not None else None
+        asked = {key: getattr(args, key) for key in ("split", "port", "join", "verbose")}
         ranks = rank_cluster.RankCluster(
-            args.n,
-            args.framework,
-            split=args.split,
-            memory=memory,
-            port=args.port,
-            launcher=args.launcher or "local",
-            launcher_options=options,
-            join=args.join,
-            verbose=args.verbose,
+            args.n, args.framework, memory=memory, launcher=args.launcher or "local", launcher_options=options, **asked
         )
     if running is not None and running.runs(ranks.spec):
         # "Run all" re-runs the start cell: keep the ranks and their state rather than start afresh.
