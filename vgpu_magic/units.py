@@ -3,6 +3,7 @@ digits only (``int()`` would take ``"1_0"``, ``"+3"`` or ``"٣"``) and refuse wi
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import re
@@ -39,16 +40,12 @@ def joined_alike(parts: list[tuple[str, ...]], between: str) -> list[str]:
     """``(label, text[, group])`` tuples as ``label + between + text``; three or more in a row alike but for the
     label become one: ``'CPU:0…CPU:7, each' + between + text``."""
     out: list[str] = []
-    start = 0
-    while start < len(parts):
-        end = start
-        while end + 1 < len(parts) and parts[end + 1][1:] == parts[start][1:]:
-            end += 1
-        if end - start >= 2:
-            out.append(f"{parts[start][0]}…{parts[end][0]}, each{between}{parts[start][1]}")
+    for _, alike in itertools.groupby(parts, key=lambda part: part[1:]):
+        run = list(alike)
+        if len(run) >= 3:
+            out.append(f"{run[0][0]}…{run[-1][0]}, each{between}{run[0][1]}")
         else:
-            out.extend(f"{part[0]}{between}{part[1]}" for part in parts[start : end + 1])
-        start = end + 1
+            out.extend(f"{part[0]}{between}{part[1]}" for part in run)
     return out
 
 
