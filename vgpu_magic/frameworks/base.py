@@ -147,12 +147,10 @@ class Framework(CudaUser, abc.ABC):
                 if os.environ.get(name) == value:
                     del os.environ[name]
 
-    # -- runtime -----------------------------------------------------------------
     @abc.abstractmethod
     def runtime_started(self) -> bool:
         """Has the runtime started (so the configuration is fixed)? Never imports or starts the framework."""
 
-    # -- devices and configuration ----------------------------------------------
     @abc.abstractmethod
     def probe_inventory(self) -> DeviceInventory:
         """The physical devices, :attr:`capabilities` and the configuration; may import, never starts the runtime."""
@@ -186,7 +184,6 @@ class Framework(CudaUser, abc.ABC):
                 ) from exc
             raise
 
-    # -- memory ------------------------------------------------------------------
     def memory_readings(self, devices: list[str]) -> dict[str, dict[str, int]]:
         """``{device: {"current": bytes, "peak": bytes}}`` for the devices that can tell, once the runtime runs."""
         return {}
@@ -209,7 +206,6 @@ class Framework(CudaUser, abc.ABC):
 
         return keras_backend_warning(self.keras_backend, self.label)
 
-    # -- memory estimate ---------------------------------------------------------
     def used_by(self, names: set[str]) -> bool:
         """Is it used by code whose global names, imported packages and objects' packages are ``names``?"""
         return self.module in names
@@ -223,12 +219,10 @@ class Framework(CudaUser, abc.ABC):
             return name if importlib.util.find_spec(name) else None
         return None
 
-    # -- helpers -----------------------------------------------------------------
     def strategy(self, devices: list[str] | None = None) -> Any:
         """A data-parallel helper over the split's devices (may start the runtime)."""
         raise NotImplementedError(f"{self.label} has no strategy helper")
 
-    # -- ranks -------------------------------------------------------------------
     def plan_ranks(
         self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
     ) -> list[RankPlan]:

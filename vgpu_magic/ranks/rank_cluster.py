@@ -147,7 +147,6 @@ class RankCluster:
         """Is this cluster running ``spec`` and usable? Then a start of ``spec`` ("Run all") keeps its ranks."""
         return self.state is ClusterState.RUNNING and self.spec == spec
 
-    # -- lifecycle -------------------------------------------------------------------
     def start(self) -> RankCluster:
         """Start, wire and make this the current cluster; :class:`ClusterStartError` leaves nothing running."""
         global _current
@@ -288,7 +287,6 @@ class RankCluster:
         self.stop()
         return self.start()
 
-    # -- using the ranks ----------------------------------------------------------------
     def _require_running(self) -> None:
         if not self.running:
             raise ClusterNotRunning("the cluster is not running; start it with %vgpu_cluster start N --framework NAME")
