@@ -26,9 +26,8 @@ MAX_RANKS = 64
 #: Launcher name -> its class, in the order they are defined.
 LAUNCHERS: dict[str, type[Launcher]] = {}
 
-#: The batch script ``sbatch`` gets: ipyparallel's own (``--export=ALL``, one ``srun`` of
-#: ``ipengine``) with the user's lines. ``{n}``, ``{cluster_id}``, ``{output_file}`` and
-#: ``{program_and_args}`` are filled in by ipyparallel.
+#: The batch script ``sbatch`` gets: ipyparallel's own (``--export=ALL``, one ``srun`` of ``ipengine``) with the
+#: user's lines; ipyparallel fills in ``{n}``, ``{cluster_id}``, ``{output_file}`` and ``{program_and_args}``.
 SLURM_TEMPLATE = """#!/bin/sh
 #SBATCH --export=ALL
 #SBATCH --job-name=ipengine-{{cluster_id}}
