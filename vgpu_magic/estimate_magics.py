@@ -25,6 +25,7 @@ def _gpu(text: str) -> str:
 
 _gpu.example = "--gpu 80GB"  # type: ignore[attr-defined]
 _ESTIMABLE = " or ".join(estimable())
+_RANKS, _RANK = whole("--ranks", 1, 2**20, "--ranks 8"), whole("--rank", 0, 2**20, "--rank 0")
 
 
 @magics_class
@@ -33,22 +34,9 @@ class EstimateMagics(Magics):
 
     @cell_magic
     @magic_arguments()
-    @argument(
-        "--ranks",
-        "-n",
-        type=whole("--ranks", 1, 2**20, "--ranks 8"),
-        metavar="N",
-        help="ranks; default: the count in --gpu 8x80GB, else 1",
-    )
+    @argument("--ranks", "-n", type=_RANKS, metavar="N", help="ranks; default: the count in --gpu 8x80GB, else 1")
     @argument("--gpu", "-g", type=_gpu, metavar="SIZE", help=f"80GB, 8x80GB or a model ({', '.join(GPU_MODELS)})")
-    @argument(
-        "--rank",
-        "-r",
-        type=whole("--rank", 0, 2**20, "--rank 0"),
-        default=0,
-        metavar="R",
-        help="the rank to run as (default 0)",
-    )
+    @argument("--rank", "-r", type=_RANK, default=0, metavar="R", help="the rank to run as (default 0)")
     @argument("--all-ranks", "-a", action="store_true", help=f"run as every rank (at most {MAX_ALL_RANKS})")
     @argument("--framework", "-f", type=framework_name, metavar="NAME", help=f"{_ESTIMABLE}; default: the cell's")
     @argument("-o", dest="output", metavar="NAME", help="store the MemoryEstimate in this variable too")

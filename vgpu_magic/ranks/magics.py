@@ -38,6 +38,7 @@ _MAX_TIMEOUT = 7 * 24 * 3600.0
 #: N is a rank count for ``start`` and a rank for ``log``.
 _RANK_COUNT = whole("rank count", 1, MAX_RANKS, _START)
 _RANK = whole("rank", 0, MAX_RANKS - 1, "%vgpu_cluster log 1")
+_PORT = whole("--port", 1, 65535, "--port 29500")
 
 
 def _parse(magic: Any, line: str, example: str) -> argparse.Namespace:
@@ -81,11 +82,7 @@ class ClusterMagics(Magics):
         help="TensorFlow on GPU: logical GPUs per worker; JAX on CPU: CPU devices per process",
     )
     @argument("--memory", help="per-rank GPU memory cap (2048 = MiB, 2GB, 1.5G); default an even share")
-    @argument(
-        "--port",
-        type=whole("--port", 1, 65535, "--port 29500"),
-        help="coordinator port (default: a free port from the OS)",
-    )
+    @argument("--port", type=_PORT, help="coordinator port (default: a free port from the OS)")
     @argument(
         "--launcher",
         type=choice(LAUNCHERS, "--launcher {value} is not a launcher; use " + ", ".join(LAUNCHERS), "--launcher ssh"),
