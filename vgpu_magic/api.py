@@ -53,8 +53,7 @@ _OPTIONS = {"cpu": False, "gpu": None, "others": "hide", "visible": None, "growt
 def make_request(
     count: int | None = None, memory: int | str | Sequence[int | str] | None = None, **options: Any
 ) -> SplitRequest:
-    """A :class:`SplitRequest` from :func:`split`'s Python values, their types checked: integers of any
-    integral type (``numpy.int64`` too); anything else gets a :class:`ValueError` that says what would work."""
+    """A :class:`SplitRequest` from :func:`split`'s Python values, their types checked (``numpy.int64`` is whole)."""
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise PlanError(f"unknown option {unknown[0]!r}; use {', '.join(sorted({*_OPTIONS, 'memory', 'dry_run'}))}")
@@ -94,8 +93,7 @@ def make_request(
 
 
 def plan(count: int | None = None, memory=None, **options) -> SplitPlan:
-    """Validate a split against this machine without applying it: :func:`split`'s arguments
-    (``dry_run`` is accepted and changes nothing)."""
+    """Validate a split of :func:`split`'s arguments against this machine without applying it."""
     options.pop("dry_run", None)
     request = make_request(count, memory, **options)
     return plan_split(request, frameworks.select(request.framework).probe_inventory())

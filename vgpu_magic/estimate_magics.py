@@ -11,7 +11,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import Pretty, display
 
 from .errors import PlanError, excerpt
-from .grammar import framework_name, parse_arguments, whole
+from .grammar import framework_name, parse_arguments, usage_errors, whole
 from .memory_estimate import GPU_MODELS, MAX_ALL_RANKS, MemoryEstimate, estimable, estimate, parse_gpu
 
 
@@ -25,6 +25,7 @@ def _gpu(text: str) -> str:
 
 _gpu.example = "--gpu 80GB"  # type: ignore[attr-defined]
 _ESTIMABLE = " or ".join(estimable())
+_RANKS, _RANK = whole("--ranks", 1, 2**20, "--ranks 8"), whole("--rank", 0, 2**20, "--rank 0")
 
 
 @magics_class
@@ -33,22 +34,9 @@ class EstimateMagics(Magics):
 
     @cell_magic
     @magic_arguments()
-    @argument(
-        "--ranks",
-        "-n",
-        type=whole("--ranks", 1, 2**20, "--ranks 8"),
-        metavar="N",
-        help="ranks; default: the count in --gpu 8x80GB, else 1",
-    )
+    @argument("--ranks", "-n", type=_RANKS, metavar="N", help="ranks; default: the count in --gpu 8x80GB, else 1")
     @argument("--gpu", "-g", type=_gpu, metavar="SIZE", help=f"80GB, 8x80GB or a model ({', '.join(GPU_MODELS)})")
-    @argument(
-        "--rank",
-        "-r",
-        type=whole("--rank", 0, 2**20, "--rank 0"),
-        default=0,
-        metavar="R",
-        help="the rank to run as (default 0)",
-    )
+    @argument("--rank", "-r", type=_RANK, default=0, metavar="R", help="the rank to run as (default 0)")
     @argument("--all-ranks", "-a", action="store_true", help=f"run as every rank (at most {MAX_ALL_RANKS})")
     @argument("--framework", "-f", type=framework_name, metavar="NAME", help=f"{_ESTIMABLE}; default: the cell's")
     @argument("-o", dest="output", metavar="NAME", help="store the MemoryEstimate in this variable too")
@@ -60,13 +48,11 @@ class EstimateMagics(Magics):
            ...: model = Net(); fully_shard(model); model(x).sum().backward(); opt.step()
         """
         __tracebackhide__ = True  # a failing cell is shown in its own lines (estimate() keeps only those)
-        try:
+        with usage_errors(PlanError):
             args = parse_arguments(self.vgpu_estimate.parser, line, example="%%vgpu_estimate --ranks 8 --gpu 80GB")
             if args.output is not None and not args.output.isidentifier():
                 raise PlanError(f"-o {excerpt(args.output)} is not a variable name; use e.g. -o fit")
             options = {k: v for k, v in vars(args).items() if k != "output"}  # estimate's own keywords
-        except PlanError as exc:
-            raise UsageError(str(exc)) from None
         # A run takes minutes: a line says what runs, empty before and after (nbval reads no display updates).
         shown = display(Pretty(""), display_id=True)
         try:

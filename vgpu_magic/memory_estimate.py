@@ -84,8 +84,7 @@ class MemoryEstimate:
     notes: list[str] = field(default_factory=list)
 
     @property
-    def peak_bytes(self) -> int:
-        """The largest rank's peak."""
+    def peak_bytes(self) -> int:  # the largest rank's
         return max(r.peak_bytes for r in self.ranks)
 
     @property
@@ -199,10 +198,8 @@ def estimate(
     progress: Callable[[str], None] = lambda line: None,
 ) -> MemoryEstimate:
     """Each rank's peak memory when ``code_or_function`` (a cell's code, or a function of no arguments) runs on
-    ``ranks`` devices; the other arguments are ``%%vgpu_estimate``'s options (docs/estimates.md). ``namespace``: the
-    names the code may use, in a copy; ``progress``: called with a line before each run of the cell. Bad input, a
-    framework that cannot be estimated or a cell without a training step raise :class:`PlanError` (one line, nothing
-    changed)."""
+    ``ranks`` devices, with ``%%vgpu_estimate``'s options (docs/estimates.md); ``progress`` gets a line before each
+    run. Bad input, a framework that cannot be estimated or a cell without a training step: :class:`PlanError`."""
     count, gpu_mib, gpu_label = parse_gpu(gpu) if gpu is not None else (None, None, None)
     ranks = ranks if ranks is not None else count or 1
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
@@ -254,8 +251,7 @@ def _judged(lever: dict[str, Any], result: MemoryEstimate, rerun: Callable[[int]
 
 
 def _as_the_cells(exc: Exception) -> Exception:
-    """The cell's own error with the cell's lines only (and the notebook's code they called): not the frames of
-    vgpu_magic, the framework or the standard library between them, nor the errors raised on the way."""
+    """The cell's own error, its traceback cut to the cell's (and the notebook's) frames."""
     ours = (os.path.dirname(__file__), *{sysconfig.get_path(p) for p in ("stdlib", "purelib", "platlib")})
     kept = [(f, line) for f, line in traceback.walk_tb(exc.__traceback__) if not f.f_code.co_filename.startswith(ours)]
     trace = None

@@ -1,11 +1,9 @@
-"""Sizes and seconds, read from people and written for people. The value parsers serve the magics' grammar, the
-Python API, the monitor and the estimator alike and know nothing of IPython: ASCII digits only (``int()`` would take
-``"1_0"``, ``"+3"`` or ``"٣"``), sizes in MiB, bare or with a unit; a refusal is a
-:class:`~vgpu_magic.errors.PlanError` quoting the text. :func:`format_bytes` and :func:`joined_alike` write figures.
-"""
+"""Sizes and seconds, read from people and written for people; the parsers know nothing of IPython, take ASCII
+digits only (``int()`` would take ``"1_0"``, ``"+3"`` or ``"٣"``) and refuse with a PlanError quoting the text."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import re
@@ -22,9 +20,7 @@ UNITS = (("GiB", GIB, 2), ("MiB", MIB, 1), ("KiB", 1024, 1), ("B", 1, 0))
 
 
 def unit_for(top: float, smallest: str = "B") -> tuple[str, int]:
-    """``(name, bytes)`` of the unit ``top`` bytes are read in: the largest
-    not above it (as :func:`format_bytes` writes it), ``smallest`` at least.
-    The one picker of the status, the live view's axes and the final image."""
+    """``(name, bytes)`` of the unit ``top`` bytes are read in: the largest not above it, ``smallest`` at least."""
     for name, scale, _ in UNITS:
         if top >= scale or name == smallest:
             return name, scale
@@ -32,8 +28,7 @@ def unit_for(top: float, smallest: str = "B") -> tuple[str, int]:
 
 
 def format_bytes(n: int | float | None, unit: str | None = None) -> str:
-    """``1536 * 2**20`` -> ``'1.50 GiB'``; in a given ``unit`` (an axis'):
-    ``'1536.0 MiB'``; ``None`` -> ``'—'``."""
+    """``1536 * 2**20`` -> ``'1.50 GiB'``; in a given ``unit``: ``'1536.0 MiB'``; ``None`` -> ``'—'``."""
     if n is None:
         return "—"
     name = unit or unit_for(n)[0]
@@ -42,20 +37,15 @@ def format_bytes(n: int | float | None, unit: str | None = None) -> str:
 
 
 def joined_alike(parts: list[tuple[str, ...]], between: str) -> list[str]:
-    """``(label, text)`` or ``(label, text, group)`` tuples as ``label + between + text``;
-    three or more in a row with the same text (and group) become one:
-    ``'CPU:0…CPU:7, each' + between + text``."""
+    """``(label, text[, group])`` tuples as ``label + between + text``; three or more in a row alike but for the
+    label become one: ``'CPU:0…CPU:7, each' + between + text``."""
     out: list[str] = []
-    start = 0
-    while start < len(parts):
-        end = start
-        while end + 1 < len(parts) and parts[end + 1][1:] == parts[start][1:]:
-            end += 1
-        if end - start >= 2:
-            out.append(f"{parts[start][0]}…{parts[end][0]}, each{between}{parts[start][1]}")
+    for _, alike in itertools.groupby(parts, key=lambda part: part[1:]):
+        run = list(alike)
+        if len(run) >= 3:
+            out.append(f"{run[0][0]}…{run[-1][0]}, each{between}{run[0][1]}")
         else:
-            out.extend(f"{part[0]}{between}{part[1]}" for part in parts[start : end + 1])
-        start = end + 1
+            out.extend(f"{part[0]}{between}{part[1]}" for part in run)
     return out
 
 
@@ -75,10 +65,7 @@ def parse_whole_number(text: str) -> int | None:
 
 
 def parse_memory(text: str) -> int:
-    """Parse one memory size into MiB: ``2048``, ``2048MB``, ``1.5G``, ``2GiB``.
-
-    A bare number is MiB (TensorFlow's "MB"); ``G``/``GB``/``GiB`` are 1024 MiB.
-    """
+    """One memory size in MiB: ``2048`` (TensorFlow's "MB"), ``2048MB``, ``1.5G``, ``2GiB`` (``G`` is 1024 MiB)."""
     match = _MEMORY_RE.match(text)
     unit = match.group("unit").lower() if match else None
     if match is None or unit not in _UNITS:
@@ -113,9 +100,8 @@ def parse_seconds(
     option: str = "--interval",
     example: str = "0.05",
 ) -> float:
-    """A positive, finite number of seconds in ``[minimum, maximum]`` written with ASCII digits
-    (``0.05``, ``2``) or, for an ``option`` of the Python API (``"interval="``), a real number
-    (not a bool, not text); raises :class:`PlanError` otherwise."""
+    """Seconds in ``[minimum, maximum]`` written with ASCII digits (``0.05``) or, for an ``option`` of the Python API
+    (``"interval="``), a real number (not a bool, not text); else :class:`PlanError`."""
     if option.endswith("="):
         valid = isinstance(text, numbers.Real) and not isinstance(text, bool)
     else:

@@ -1,9 +1,5 @@
-"""The framework seam: one package per framework, one registry, one way to pick.
-
-Each package here (``__init__.py``, ``ranks.py``, ...) defines a :class:`~vgpu_magic.frameworks.base.Framework`
-subclass: adding a framework is one new package and one line in :data:`REGISTRY`. Importing this package
-imports no framework and none of the modules below until one is asked for.
-"""
+"""The framework seam: one package per framework (a :class:`~.base.Framework` subclass), one line each in
+:data:`REGISTRY`, one way to pick. Importing this imports no framework until one is asked for."""
 
 from __future__ import annotations
 
@@ -12,24 +8,7 @@ import os
 import sys
 
 from ..errors import FrameworkChoiceError
-from .base import Capabilities, CudaUser, Framework, FrameworkImportError
-
-__all__ = [
-    "REGISTRY",
-    "ALIASES",
-    "Capabilities",
-    "Framework",
-    "FrameworkChoiceError",
-    "FrameworkImportError",
-    "get",
-    "register",
-    "imported",
-    "written_for",
-    "select",
-    "resolve_name",
-    "choices",
-    "cuda_context_holders",
-]
+from .base import Capabilities, CudaUser, Framework, FrameworkImportError  # noqa: F401 - re-exported
 
 #: name -> "module:attribute" of its Framework instance (imported on first use).
 REGISTRY: dict[str, str | Framework] = {
@@ -61,9 +40,7 @@ def choices() -> str:
     for name in REGISTRY:
         aliases = [a for a, target in ALIASES.items() if target == name]
         spelled.append(f"{name} ({', '.join(aliases)})" if aliases else name)
-    if len(spelled) == 1:
-        return spelled[0]
-    return f"{', '.join(spelled[:-1])} or {spelled[-1]}"
+    return " or ".join([", ".join(spelled[:-1]), spelled[-1]] if len(spelled) > 1 else spelled)
 
 
 def resolve_name(name: str) -> str:
@@ -97,22 +74,19 @@ def all_frameworks() -> list[Framework]:
 
 
 def imported() -> list[Framework]:
-    """The registered frameworks imported here whose devices can be configured in this process
-    (``Capabilities.splits_in_process``; not PyTorch): what ``%vgpu_status`` shows. The one ``KERAS_BACKEND``
-    names comes first (Keras on JAX imports TensorFlow too, for its data tools), then registry order."""
+    """The imported frameworks that split devices in this process (not PyTorch), ``KERAS_BACKEND``'s first (Keras
+    on JAX imports TensorFlow too, for its data tools)."""
     backend = _keras_backend()
     found = [fw for fw in all_frameworks() if fw.capabilities.splits_in_process and fw.imported()]
     return sorted(found, key=lambda fw: fw.name != backend)
 
 
 def written_for(names: set[str]) -> list[Framework]:
-    """The frameworks that code using ``names`` is written for (:meth:`Framework.used_by`), in registry order;
-    code that uses Keras and none of them is for Keras' default backend, :data:`DEFAULT`."""
+    """The frameworks code using ``names`` is written for (:meth:`Framework.used_by`); Keras alone: :data:`DEFAULT`."""
     return [fw for fw in all_frameworks() if fw.used_by(names)] or [get(DEFAULT)] * ("keras" in names)
 
 
 def _keras_backend() -> str:
-    """The framework ``KERAS_BACKEND`` names (``""`` when unset)."""
     backend = os.environ.get("KERAS_BACKEND", "").strip().lower()
     return ALIASES.get(backend, backend)
 
@@ -124,9 +98,8 @@ def cuda_context_holders(exclude: str = "") -> list[CudaUser]:
 
 
 def select(requested: str | None = None) -> Framework:
-    """The framework a command applies to: the one named (``--framework NAME``); else, among those that split
-    devices in one process, the one imported, else the one installed, else the one ``KERAS_BACKEND`` names, else
-    :data:`DEFAULT`."""
+    """The framework named, else among those that split devices in one process the one imported, else installed,
+    else ``KERAS_BACKEND``'s, else :data:`DEFAULT`."""
     if requested:
         return get(requested)
     backend = _keras_backend()

@@ -1,13 +1,8 @@
-"""How the ranks' engines are started: ipyparallel's own engine-set launchers (local, ``mpiexec``, one SLURM
-job of ``sbatch`` + ``srun``, SSH), one :class:`Launcher` class each, found by ``--launcher`` in :data:`LAUNCHERS`
-(as ipyparallel's ``cluster/launcher.py`` has one class per launcher): a class owns its options, their
-``%vgpu_cluster`` flags, their validation and ipyparallel's configuration, so a new launcher is one class.
-
-:func:`plan_launcher` validates a request completely, before anything starts, and returns a
-:class:`LauncherPlan`; nothing here starts or signals a process. Engines on other hosts must reach the
-controller, so under ``slurm`` and ``ssh`` it listens on every interface and tells the engines
-``controller_address``: by default this host's name under SLURM, and under SSH this host's address on the
-route to the first host.
+"""How the ranks' engines start: ipyparallel's engine-set launchers (local, ``mpiexec``, a SLURM job, SSH), one
+:class:`Launcher` class each in :data:`LAUNCHERS`, owning its options, flags, validation and ipyparallel's
+configuration. :func:`plan_launcher` validates a request completely and starts nothing. Under ``slurm`` and ``ssh``
+the controller listens on every interface; engines reach it at ``controller_address`` (default: this host's name
+under SLURM, its address on the route to the first host under SSH).
 """
 
 from __future__ import annotations
@@ -31,9 +26,8 @@ MAX_RANKS = 64
 #: Launcher name -> its class, in the order they are defined.
 LAUNCHERS: dict[str, type[Launcher]] = {}
 
-#: The batch script ``sbatch`` gets: ipyparallel's own (``--export=ALL``, one ``srun`` of
-#: ``ipengine``) with the user's lines. ``{n}``, ``{cluster_id}``, ``{output_file}`` and
-#: ``{program_and_args}`` are filled in by ipyparallel.
+#: The batch script ``sbatch`` gets: ipyparallel's own (``--export=ALL``, one ``srun`` of ``ipengine``) with the
+#: user's lines; ipyparallel fills in ``{n}``, ``{cluster_id}``, ``{output_file}`` and ``{program_and_args}``.
 SLURM_TEMPLATE = """#!/bin/sh
 #SBATCH --export=ALL
 #SBATCH --job-name=ipengine-{{cluster_id}}
@@ -74,9 +68,8 @@ def plan_launcher(name: str, n: int, options: dict[str, Any] | None = None, clus
 
 
 class Launcher:
-    """One way ipyparallel starts the engines. ``options``: the ``launcher_options`` it takes, each with its
-    ``%vgpu_cluster`` flag's argparse keywords, or ``None`` for the Python API's only; :meth:`plan` validates them.
-    Defining a subclass registers it in :data:`LAUNCHERS` under its ``name``."""
+    """One way ipyparallel starts the engines. ``options``: the ``launcher_options`` it takes, each with its flag's
+    argparse keywords (``None``: the Python API's only). A subclass registers itself in :data:`LAUNCHERS`."""
 
     name: ClassVar[str]
     #: Where the engines run, for the start summary.
@@ -177,8 +170,7 @@ class SlurmLauncher(Launcher):
 
 
 class SSHLauncher(Launcher):
-    """``hosts``: a list spreads the ranks evenly, a ``{host: count}`` dict says how many; ``python``: the
-    remote interpreter."""
+    """``hosts``: a list spreads the ranks evenly, a ``{host: count}`` dict says how many."""
 
     name, description, remote = "ssh", "ipyparallel engines started over SSH", True
     options: ClassVar = {

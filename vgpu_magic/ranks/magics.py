@@ -1,6 +1,4 @@
-"""``%vgpu_cluster`` and ``%vgpu_run`` / ``%%vgpu_run``: thin faces over :class:`~.rank_cluster.RankCluster`.
-Bad input is a one-line :class:`~IPython.core.error.UsageError` raised before anything starts.
-"""
+"""``%vgpu_cluster`` and ``%vgpu_run`` / ``%%vgpu_run``: thin faces over :class:`~.rank_cluster.RankCluster`."""
 
 from __future__ import annotations
 
@@ -16,8 +14,9 @@ from IPython.core.magic_arguments import argument, argument_group, magic_argumen
 
 from ..errors import USER_ERRORS, PlanError
 from ..frameworks import choices
-from ..grammar import choice, framework_name, parse_arguments, seconds, usage_errors, whole
+from ..grammar import choice, framework_name, parse_arguments, parse_memory, seconds, usage_errors, whole
 from ..planner import MAX_DEVICES
+from ..units import MIB
 from .launchers import LAUNCHERS, MAX_RANKS
 from .spec import ClusterNotRunning
 
@@ -39,18 +38,17 @@ _MAX_TIMEOUT = 7 * 24 * 3600.0
 #: N is a rank count for ``start`` and a rank for ``log``.
 _RANK_COUNT = whole("rank count", 1, MAX_RANKS, _START)
 _RANK = whole("rank", 0, MAX_RANKS - 1, "%vgpu_cluster log 1")
+_PORT = whole("--port", 1, 65535, "--port 29500")
 
 
 def _parse(magic: Any, line: str, example: str) -> argparse.Namespace:
-    """``line`` read by ``magic``'s parser with the shared grammar (:func:`~vgpu_magic.grammar.parse_arguments`)."""
     with usage_errors(PlanError):
         return parse_arguments(magic.parser, line, example=example)
 
 
 def _launcher_flags(magic: Any) -> Any:
-    """Each launcher's flags (:attr:`.Launcher.options`), an argument group per launcher in ``%vgpu_cluster?``;
-    a flag launchers share goes in the first one's group. Put below every other ``@argument``: what follows a
-    group in the parser joins it."""
+    """Each launcher's flags, a group per launcher (a shared flag in the first one's). Put below every other
+    ``@argument``: what follows a group in the parser joins it."""
     decorators, declared = [], set()
     for launcher in LAUNCHERS.values():
         flags = [key for key, flag in launcher.options.items() if flag and key not in declared]
@@ -84,11 +82,7 @@ class ClusterMagics(Magics):
         help="TensorFlow on GPU: logical GPUs per worker; JAX on CPU: CPU devices per process",
     )
     @argument("--memory", help="per-rank GPU memory cap (2048 = MiB, 2GB, 1.5G); default an even share")
-    @argument(
-        "--port",
-        type=whole("--port", 1, 65535, "--port 29500"),
-        help="coordinator port (default: a free port from the OS)",
-    )
+    @argument("--port", type=_PORT, help="coordinator port (default: a free port from the OS)")
     @argument(
         "--launcher",
         type=choice(LAUNCHERS, "--launcher {value} is not a launcher; use " + ", ".join(LAUNCHERS), "--launcher ssh"),
@@ -249,27 +243,17 @@ def _refuse_start_options(parser: argparse.ArgumentParser, args: argparse.Namesp
 
 
 def _start(args: Any, options: dict[str, Any], running: Any) -> None:
-    """``%vgpu_cluster start``: the ranks ``args`` ask for, unless ``running`` already is
-    that cluster; a running cluster asked for differently is stopped first."""
+    """``%vgpu_cluster start``: the ranks ``args`` ask for, unless ``running`` is that cluster (else stopped first)."""
     from . import rank_cluster
 
     if args.n is None or args.framework is None:
         raise UsageError("say how many ranks and which framework, e.g. %vgpu_cluster start 2 --framework torch")
-    from ..grammar import parse_memory
-    from ..units import MIB
 
     with usage_errors(ValueError):
         memory = parse_memory(args.memory) * MIB if args.memory is not None else None
+        asked = {key: getattr(args, key) for key in ("split", "port", "join", "verbose")}
         ranks = rank_cluster.RankCluster(
-            args.n,
-            args.framework,
-            split=args.split,
-            memory=memory,
-            port=args.port,
-            launcher=args.launcher or "local",
-            launcher_options=options,
-            join=args.join,
-            verbose=args.verbose,
+            args.n, args.framework, memory=memory, launcher=args.launcher or "local", launcher_options=options, **asked
         )
     if running is not None and running.runs(ranks.spec):
         # "Run all" re-runs the start cell: keep the ranks and their state rather than start afresh.
@@ -284,10 +268,8 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
 
 
 def _script_path(args: Any, last_cd: str) -> str:
-    """The script the line form of ``%vgpu_run`` runs, as typed (a shell's ``~`` expanded; the script's
-    ``sys.argv[0]``, as under its launcher); :class:`UsageError` if none is given, ``-o`` is (a script has no
-    last value), it is not a file, or the kernel's current folder (``last_cd``, where ``%cd`` last went) was
-    deleted: the ranks start there."""
+    """The script ``%vgpu_run`` runs, as typed (``~`` expanded: its ``sys.argv[0]``); UsageError where there is none,
+    ``-o`` is given, it is no file, or the kernel's current folder (``last_cd``, where the ranks start) was deleted."""
     if args.script is None:
         raise UsageError("say which script to run, e.g. %vgpu_run train.py --epochs 2, or use %%vgpu_run with a cell")
     if args.output is not None:

@@ -1,9 +1,5 @@
-"""Which notebook names a cell reads and binds, and how they travel to the ranks.
-
-:func:`names_to_send`: the names a cell reads before assigning them (an AST walk); :func:`names_written`: the
-names it may bind on the ranks (rank state, never overwritten from the notebook); :class:`RankNames` sends them,
-each cloudpickled on its own, and settles which are rank state after a run.
-"""
+"""Which notebook names a cell reads (:func:`names_to_send`) and binds (:func:`names_written`: rank state), and how
+:class:`RankNames` sends them to the ranks, each cloudpickled on its own."""
 
 from __future__ import annotations
 
@@ -16,22 +12,14 @@ from ..errors import UnsendableName
 __all__ = ["RankNames", "UnsendableName", "names_to_send", "names_written", "pull_values", "split_last_expression"]
 
 
-# -- names a cell reads ---------------------------------------------------------------
-
 #: Names IPython puts in every namespace; never sent.
 _SHELL_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
 
 
 class _ReadsBeforeWrites(ast.NodeVisitor):
-    """Names whose first use, in evaluation order, is a read (so the cell needs
-    the notebook's value). Right-hand sides are visited before their targets.
-
-    ``written`` holds the names bound on every path so far (a name bound only in
-    one branch of an ``if``, or in a loop body that may not run, is still read
-    from the notebook after it); ``bound`` holds every name bound anywhere.
-    Comprehensions, lambdas and function bodies are scopes of their own: their
-    targets and parameters are neither reads nor notebook names.
-    """
+    """Names whose first use, in evaluation order, is a read (the cell needs the notebook's value). ``written``: the
+    names bound on every path so far (not one branch of an ``if`` or a loop body only); ``bound``: those bound
+    anywhere. Comprehensions, lambdas and function bodies are scopes of their own."""
 
     def __init__(self, written: set[str] | None = None) -> None:
         self.read: list[str] = []
@@ -67,11 +55,8 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
         return added
 
     def visit_Name(self, node: ast.Name) -> None:
-        if isinstance(node.ctx, ast.Store):
-            self._store(node.id)
-        else:
-            # Load, and Del: `del name` needs the name to exist.
-            self._load(node.id)
+        # Load, and Del: `del name` needs the name to exist.
+        (self._store if isinstance(node.ctx, ast.Store) else self._load)(node.id)
 
     def visit_Assign(self, node: ast.Assign) -> None:
         self.visit(node.value)
@@ -120,13 +105,11 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
 
     visit_TryStar = visit_Try
 
-    def visit_Import(self, node: ast.Import) -> None:
-        for alias in node.names:
+    def visit_Import(self, node: ast.Import | ast.ImportFrom) -> None:
+        for alias in node.names:  # `import a.b` binds a; `from a import b` binds b, a name without dots
             self._store(alias.asname or alias.name.split(".")[0])
 
-    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
-        for alias in node.names:
-            self._store(alias.asname or alias.name)
+    visit_ImportFrom = visit_Import
 
     def _comprehension(self, node: Any) -> None:
         first, *rest = node.generators
@@ -166,11 +149,9 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
 def names_to_send(code: str, namespace: dict[str, Any], on_ranks: set[str] = frozenset()) -> list[str]:
     """The notebook names ``code`` reads before assigning them, that ``namespace`` holds, except those
     ``on_ranks`` (assigned by earlier cells on the ranks: a DDP model), never overwritten from the notebook."""
-    visitor = _ReadsBeforeWrites()
-    visitor.visit(ast.parse(code))
     return [
         name
-        for name in visitor.read
+        for name in _visited(code).read
         if name in namespace
         and name not in on_ranks
         and not name.startswith("_")
@@ -181,14 +162,17 @@ def names_to_send(code: str, namespace: dict[str, Any], on_ranks: set[str] = fro
 
 def names_written(code: str) -> set[str]:
     """The names ``code`` may bind at its top level, on any path (not comprehension variables)."""
+    return _visited(code).bound
+
+
+def _visited(code: str) -> _ReadsBeforeWrites:
     visitor = _ReadsBeforeWrites()
     visitor.visit(ast.parse(code))
-    return visitor.bound
+    return visitor
 
 
 def pack_names(namespace: dict[str, Any], names: list[str]) -> dict[str, bytes]:
-    """Each named value cloudpickled on its own (so a rank that cannot unpickle one can say
-    which); :class:`UnsendableName` names the first that cannot be pickled."""
+    """Each named value cloudpickled on its own (a rank can say which it cannot unpickle); else UnsendableName."""
     import cloudpickle
 
     blobs = {}
@@ -205,8 +189,7 @@ def pack_names(namespace: dict[str, Any], names: list[str]) -> dict[str, bytes]:
 
 
 def split_last_expression(code: str, target: str) -> str:
-    """``code`` with its last statement, if an expression, assigned to ``target``
-    (so ``-o NAME`` can pull the value); else ``code`` plus ``target = None``."""
+    """``code`` with its last statement, if an expression, assigned to ``target`` (else ``target = None``)."""
     tree = ast.parse(code)
     last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else ast.Expr(ast.Constant(None))
     tree.body.append(ast.Assign(targets=[ast.Name(id=target, ctx=ast.Store())], value=last.value))
@@ -246,8 +229,7 @@ def _first_failure(view: Any, code: str, variable: str) -> tuple[int, Any] | Non
 
 
 def pull_values(view: Any, ranks: list[Any]) -> list[Any]:
-    """Each rank's ``_vgpu_out`` (``ranks``: one view per rank, in rank order);
-    :class:`UnsendableName` in one line if one cannot come back."""
+    """Each rank's ``_vgpu_out`` (``ranks``: a view each, in rank order); UnsendableName if one cannot come back."""
     failure = _first_failure(view, _CHECK_OUT, "_vgpu_out_failed")
     if failure:
         rank, (kind, reason) = failure
@@ -265,8 +247,7 @@ class RankNames:
         self.names: set[str] = set()
 
     def send(self, view: Any, code: str, namespace: dict[str, Any]) -> None:
-        """Bind the names ``code`` reads from ``namespace`` on the ranks of ``view``, by value, except rank
-        state; :class:`UnsendableName` naming the first a rank cannot unpickle, with the rank's reason."""
+        """Bind the names ``code`` reads from ``namespace`` on the ranks of ``view``, by value, except rank state."""
         to_send = names_to_send(code, namespace, self.names)
         if not to_send:
             return
@@ -280,8 +261,8 @@ class RankNames:
             )
 
     def settle(self, view: Any, candidates: set[str]) -> None:
-        """The rank state becomes those of ``candidates`` (the names a cell may have bound) and the earlier
-        ones that exist on the ranks: a name deleted there, or never assigned, is the notebook's again."""
+        """Rank state becomes the names of it and of ``candidates`` that exist on the ranks (a deleted one is the
+        notebook's again)."""
         from ipyparallel.error import IPythonError
 
         asked = sorted(self.names | candidates)

@@ -62,19 +62,13 @@ def current() -> RankCluster | None:
 
 
 class RankCluster:
-    """N ranks of one framework on ipyparallel engines.
-
-    ``n`` ranks (1..:data:`~.launchers.MAX_RANKS`) of ``framework`` (a registry name or alias). ``split``:
-    TensorFlow's logical GPUs per worker, JAX's CPU devices per process. ``memory``: per-rank GPU cap in bytes
-    (default an even share). ``port``: the coordinator port (default: one the OS gives on the host that binds
-    it). ``gpus``: ``[(cuda_index, total_bytes), ...]`` every host is planned with (default: what each engine
-    sees). ``launcher`` / ``launcher_options``: how ipyparallel starts the engines (:mod:`.launchers`); the
-    ranks follow the launcher's order (``SLURM_PROCID``, the MPI rank). ``join``: each rank also makes the
-    script's own call (``init_process_group``, ``jax.distributed.initialize``) at start. ``verbose``: show the
-    ranks' framework start-up lines too (held back by default: :mod:`.shown`). ``spares``: a warm spare per rank
-    for script runs, where memory allows. :class:`ValueError` for a request that cannot work, before anything
-    starts. The request is kept as :attr:`spec`, where it stands as :attr:`state`. Its use: docs/ranks.md.
-    """
+    """``n`` ranks of ``framework`` on ipyparallel engines (docs/ranks.md): ``split`` TensorFlow's logical GPUs per
+    worker or JAX's CPU devices per process; ``memory`` the per-rank GPU cap in bytes; ``port`` the coordinator's
+    (default: one free on the host that binds it); ``gpus`` ``[(cuda_index, total_bytes), ...]`` every host is
+    planned with; ``launcher(_options)`` how the engines start (:mod:`.launchers`), in its rank order; ``join``:
+    each rank makes the script's own join call at start; ``verbose``: show the ranks' start-up lines (:mod:`.shown`);
+    ``spares``: a warm spare per rank for script runs, where memory allows. A request that cannot work is a
+    :class:`ValueError` before anything starts; it is kept as :attr:`spec`, where it stands as :attr:`state`."""
 
     def __init__(
         self,
@@ -116,11 +110,7 @@ class RankCluster:
         #: Each rank's held-back start-up lines (:meth:`log`).
         self.held = HeldBack(self.fw.chatter, bool(verbose))
         #: The GPUs the caller planned for (every host then plans with them), or ``None``: each engine's own.
-        self.given_gpus = (
-            None
-            if gpus is None
-            else tuple(GPUInfo(index, total_mib=total // MIB, nvml_index=index) for index, total in gpus)
-        )
+        self.given_gpus = gpus if gpus is None else tuple(GPUInfo(i, total_mib=t // MIB, nvml_index=i) for i, t in gpus)
         # Planned on what n engines on this host would report; start() plans again from what they report.
         try:
             seen = self.given_gpus if self.given_gpus is not None else visible_gpus()
@@ -133,15 +123,14 @@ class RankCluster:
         self._forget()
 
     def _forget(self) -> None:
-        """What a cluster that runs nothing holds: before its start, after its stop."""
         self.cluster = self.client = self.view = None
         self.layout: RankLayout | None = None
         self.state, self.reason = ClusterState.STOPPED, ""
         self.rank_names = names.RankNames()
         # _launchers: engine launchers by PID, kept after ipyparallel forgets a stopped one (for exit statuses);
-        # _token: carried by every process of this cluster (:func:`.lifetime.processes_of`).
+        # _token: carried by every process of this cluster (:func:`.lifetime.processes_of`); _cleanups: the
+        # watchers that clean up after a kernel that dies (:func:`.processes.clean_up_when_kernel_dies`).
         self.engine_ids, self.pids, self._owned, self._launchers, self._token = [], [], set(), {}, ""
-        # _cleanups: the watchers that clean up after a kernel that dies (:func:`.processes.clean_up_when_kernel_dies`).
         self._cleanups: set[int] = set()
 
     @property
@@ -158,10 +147,8 @@ class RankCluster:
         """Is this cluster running ``spec`` and usable? Then a start of ``spec`` ("Run all") keeps its ranks."""
         return self.state is ClusterState.RUNNING and self.spec == spec
 
-    # -- lifecycle -------------------------------------------------------------------
     def start(self) -> RankCluster:
-        """Start the engines, wire them, and make this the current cluster; :class:`ClusterStartError` if
-        starting or wiring fails, and then nothing started is left running."""
+        """Start, wire and make this the current cluster; :class:`ClusterStartError` leaves nothing running."""
         global _current
         if self.running:
             return self
@@ -245,7 +232,6 @@ class RankCluster:
         return self
 
     def _read_hosts(self, engine_ids: list[int]) -> list[HostReport]:
-        """Each engine's :class:`~vgpu_magic.layout.HostReport`."""
         # ipyparallel's controller_location is where engines connect when the controller listens on every interface.
         controller = self.cluster.controller_location or self.cluster.controller_ip or "127.0.0.1"
         pending = [self.client[e].apply_async(report_host, e, controller) for e in engine_ids]
@@ -275,8 +261,7 @@ class RankCluster:
         )
 
     def stop(self) -> None:
-        """Stop every process this cluster started (SIGTERM, then SIGKILL) and check that none is left.
-        Safe to call twice."""
+        """Stop every process this cluster started (SIGTERM, then SIGKILL), checking none is left; idempotent."""
         global _current
         if self.cluster is not None:
             processes.unlist(self.cluster)
@@ -300,11 +285,9 @@ class RankCluster:
             raise RuntimeError(f"after stopping, {'; '.join(left)}")
 
     def restart(self) -> RankCluster:
-        """Stop and start again with the same ranks and wiring."""
         self.stop()
         return self.start()
 
-    # -- using the ranks ----------------------------------------------------------------
     def _require_running(self) -> None:
         if not self.running:
             raise ClusterNotRunning("the cluster is not running; start it with %vgpu_cluster start N --framework NAME")
@@ -319,10 +302,8 @@ class RankCluster:
         output: bool = False,
         plot: bool = False,
     ) -> list[Any] | None:
-        """Run ``code`` on every rank under the fault policy (:mod:`.run`), the names it reads from
-        ``namespace`` sent by value first (except rank state, :attr:`rank_names`); with ``output``, each
-        rank's last value in rank order. :class:`~.names.UnsendableName`, :class:`~.run.RankRunError`, or
-        :class:`RuntimeError` if the cluster is not usable."""
+        """Run ``code`` on every rank under the fault policy (:mod:`.run`), the names it reads from ``namespace``
+        sent by value first (not rank state); with ``output``, each rank's last value in rank order."""
         self._require_running()
         compile(code, "<cell>", "exec")
         self.rank_names.send(self.view, code, namespace or {})
@@ -346,8 +327,7 @@ class RankCluster:
         return self.layout is not None and any(p.gpu for p in self.layout.places)
 
     def _watch(self, runner: RankRun, candidates: set[str]) -> list[Any]:
-        """Run ``runner``; mark the cluster for a restart where ranks died or were killed, else settle
-        which of ``candidates`` (the names the code may bind) are now rank state."""
+        """Run ``runner``; lost ranks: must restart; else settle which ``candidates`` are rank state."""
         try:
             return runner.run()
         except (RankRunError, KeyboardInterrupt) as exc:
@@ -362,8 +342,7 @@ class RankCluster:
     def run_script(
         self, path: str, args: list[str] | tuple[str, ...] = (), timeout: float | None = None, plot: bool = False
     ) -> None:
-        """Launch ``path ARGS`` on every rank as ``torchrun`` does (:mod:`.launch`): new processes in this
-        kernel's current folder, fresh coordinator ports, under the fault policy of :meth:`run`."""
+        """Launch ``path ARGS`` on every rank as ``torchrun`` does (:mod:`.launch`): new processes, fresh ports."""
         self._require_running()
         self.layout = layout_ranks(self._read_hosts(self.engine_ids), self.given_gpus)
         self.plans = self._plan_ranks(self.layout)
@@ -382,8 +361,7 @@ class RankCluster:
         return [self.fw.module, *sorted(setups)]
 
     def status(self) -> list[RankInfo]:
-        """Each rank's PID, liveness, host and memory (RSS, and GPU memory where NVML has it; none for a rank on
-        another host)."""
+        """Each rank's PID, liveness, host and memory (RSS, and GPU where NVML has it; none on another host)."""
         from .memory import RankMemorySampler
 
         if not self.running:
@@ -392,14 +370,11 @@ class RankCluster:
         sampler = RankMemorySampler(procs.memory_pids(), self._gpu())
         rss, gpu = dict(zip(sampler.ranks, sampler.rss())), dict(zip(sampler.ranks, sampler.gpu()))
         sampler.close()
-        infos = []
-        for rank, pid in enumerate(procs.pids):
-            alive = procs.alive(rank)
-            rank_rss = rss.get(rank) if alive else None
-            infos.append(
-                RankInfo(rank, self.engine_ids[rank], pid, alive, rank_rss, gpu.get(rank), places[rank].hostname)
-            )
-        return infos
+        alive = [procs.alive(rank) for rank in range(len(procs.pids))]
+        return [
+            RankInfo(rank, self.engine_ids[rank], pid, up, rss.get(rank) if up else None, gpu.get(rank), place.hostname)
+            for rank, (pid, place, up) in enumerate(zip(procs.pids, places, alive))
+        ]
 
     def log(self, rank: int | None = None) -> list[str]:
         """The start-up lines the ranks (or ``rank``) wrote and were not shown (``%vgpu_cluster log [RANK]``)."""
@@ -408,8 +383,7 @@ class RankCluster:
         return self.held.lines(rank)
 
     def describe(self) -> list[str]:
-        """Lines for ``%vgpu_cluster start`` / ``status``: where the ranks run, how they are wired, the two modes,
-        then each rank (its host too when they run on several)."""
+        """Lines for ``%vgpu_cluster start`` / ``status``: where and how the ranks run, the two modes, each rank."""
         if not self.running:
             return [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} {self.state.value}"]
         jobs = "".join(f", job {job}" for job in processes.batch_jobs(self.cluster))
@@ -417,16 +391,10 @@ class RankCluster:
             f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} on {self.launcher_plan.launcher.description}{jobs}"
         ]
         lines.extend(self.plans[0].notes if self.plans else ())
-        join_call = self.fw.join_call
-        if join_call and self.join:
-            lines.append(
-                f"each rank has joined ({join_call} at start, --join): cells must not call it again; "
-                "scripts make their own call"
-            )
-        elif join_call:
-            lines.append(
-                f"each rank has its launcher's environment; your code calls {join_call}, as under its launcher"
-            )
+        call = self.fw.join_call
+        joined = f"has joined ({call} at start, --join): cells must not call it again; scripts make their own call"
+        own = f"has its launcher's environment; your code calls {call}, as under its launcher"
+        lines += [f"each rank {joined if self.join else own}"] * bool(call)
         # Lines a notebook shows whole (a long one wraps mid-word in JupyterLab's output area).
         lines.append("cells (%%vgpu_run): run in these ranks, which keep their state")
         step = self.launcher_plan.launcher.launches

@@ -1,7 +1,5 @@
-"""What a rank cluster was asked for and where it stands, as plain data (torch elastic's ``WorkerSpec`` and
-``WorkerState``): :class:`ClusterSpec`, the validated request, frozen; :class:`ClusterState`, said in words by
-``%vgpu_cluster status``.
-"""
+"""What a rank cluster was asked for (:class:`ClusterSpec`) and where it stands (:class:`ClusterState`), as plain
+data: torch elastic's ``WorkerSpec`` and ``WorkerState``."""
 
 from __future__ import annotations
 
@@ -16,9 +14,8 @@ __all__ = ["ClusterNotRunning", "ClusterSpec", "ClusterState"]
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """The ranks a start asks for, once validated: :class:`~.rank_cluster.RankCluster`'s arguments, ``memory`` the
-    per-rank GPU cap in bytes and ``gpus`` ``((cuda_index, total_bytes), ...)``. Every field takes part in equality:
-    a start that differs from the running cluster in any of them is another request, never "already running"."""
+    """:class:`~.rank_cluster.RankCluster`'s validated arguments. Every field takes part in equality: a start that
+    differs from the running cluster in any is another request, never "already running"."""
 
     n: int
     framework: str

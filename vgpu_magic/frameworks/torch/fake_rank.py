@@ -123,9 +123,7 @@ class _CudaOnCpu(TorchFunctionMode):
     used = False
 
     def _cpu(self, value: Any) -> Any:
-        if (isinstance(value, torch.device) and value.type == "cuda") or (
-            isinstance(value, str) and _CUDA.fullmatch(value)
-        ):
+        if isinstance(value, (torch.device, str)) and _CUDA.fullmatch(str(value)):
             self.used = True
             return torch.device("cpu")
         return value
@@ -261,9 +259,8 @@ def _swap(stack: contextlib.ExitStack, owner: Any, name: str, value: Any) -> Non
 
 
 def _fake_copies(namespace: dict, names: set[str], into: dict, fake: Any) -> None:
-    """Each of the notebook's names that the cell uses, deep-copied into ``into`` with fake tensors (no memory),
-    so what the cell does to them (fully_shard, .to(), a backward's .grad, an optimizer step) stays there. The
-    notebook's functions it calls see the copies; what cannot be copied (a generator) is shared."""
+    """The notebook's ``names`` deep-copied into ``into`` with fake tensors, so what the cell does to them stays there;
+    the notebook's functions it calls see the copies; what cannot be copied (a generator) is shared."""
 
     def fake_copy(tensor: torch.Tensor, memo: dict) -> torch.Tensor:
         if id(tensor) in memo:
@@ -318,9 +315,8 @@ def estimate_rank(
     namespace: dict | None,
     gpu: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
-    """Run ``cell`` (compiled code, or a function of no arguments) as ``rank`` of ``world`` on GPUs ``gpu``
-    (name, bytes): its peak, the peak's parts and phase, whether a backward pass ran, its parallelism, notes.
-    Refuses (PlanError) in a process with its own default process group, which the estimate would replace."""
+    """Run ``cell`` (code, or a function of no arguments) as ``rank`` of ``world`` on GPUs ``gpu`` (name, bytes): its
+    peak, parts, phase, parallelism, notes and whether a backward ran. PlanError where a process group exists."""
     global _tracker
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.distributed.device_mesh import DeviceMesh
@@ -359,10 +355,8 @@ def estimate_rank(
         return (lambda m: m) if model is None else model
 
     # fully_shard's world-size views of every parameter allocate nothing: the tracker need not walk them.
-    fully_shard, tensor_parallel = (
-        noted("FSDP2", torch.distributed.fsdp.fully_shard, True),
-        noted("TP (DTensor)", parallel.parallelize_module),
-    )
+    fully_shard = noted("FSDP2", torch.distributed.fsdp.fully_shard, True)
+    tensor_parallel = noted("TP (DTensor)", parallel.parallelize_module)
     ours = {
         id(torch.nn.parallel.DistributedDataParallel): DDP,
         id(torch.distributed.fsdp.fully_shard): fully_shard,
@@ -373,21 +367,16 @@ def estimate_rank(
     namespace = {k: ours.get(id(v), v) for k, v in notebook.items()}
     # A function's own module names too (restored afterwards, with whatever the function assigned there).
     names = getattr(cell, "__globals__", {})
-    env = {
-        "RANK": rank,
-        "LOCAL_RANK": rank,
-        "WORLD_SIZE": world,
-        "LOCAL_WORLD_SIZE": world,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": 29500,
-    }
     cuda, blocks = _CudaOnCpu(), mem_tracker._WeakRefInfo._calculate_mem_consumed
     propagate = ShardingPropagator._propagate_tensor_meta_non_cached  # shapes only: no memory to track
     foreach = optimizer._get_foreach_kernels_supported_devices  # CUDA's optimizers default to foreach, CPU's do not
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with contextlib.ExitStack() as stack:
         stack.enter_context(restored(os.environ))  # the rank's variables go afterwards
-        os.environ.update({k: str(v) for k, v in env.items()})
+        os.environ.update(
+            dict.fromkeys(("RANK", "LOCAL_RANK"), str(rank)), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500"
+        )
+        os.environ.update(dict.fromkeys(("WORLD_SIZE", "LOCAL_WORLD_SIZE"), str(world)))
         stack.enter_context(restored(names))
         names.update({k: ours[id(v)] for k, v in names.items() if id(v) in ours})
         for target, name, value in (
