@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TextIO
 
 from ..runtime import running_cell
@@ -25,15 +26,7 @@ from .launch import INTERRUPT_LIMIT, STUCK
 from .memory import RankMonitor
 from .shown import PEER_GONE, HeldBack, LineStream, events, how_it_ended, notebook_traceback, show_display
 
-__all__ = [
-    "GRACE",
-    "RankProcesses",
-    "RankFailure",
-    "RankRunError",
-    "RankRun",
-    "interrupt_only_the_cell",
-    "process_alive",
-]
+__all__ = ["RankProcesses", "RankFailure", "RankRunError", "RankRun", "interrupt_only_the_cell", "process_alive"]
 
 #: Seconds the other ranks get, after the first failure, to finish (or fail) on their own.
 COLLECT = 1.0
@@ -318,13 +311,11 @@ class RankRun:
 
         live: dict = {}
 
-        def line_streams(rank: int) -> tuple[LineStream, LineStream]:
-            # stderr with stdout, as a terminal shows both (not as errors: the run's own error says if it failed).
-            label, shown = f"[rank {rank}] ", lambda line: held.shown(rank, line)
-            streams = (LineStream(label, self.stdout, shown, f"[rank{rank}]:", live) for _ in range(2))
-            return tuple(streams)
+        def stream(r: int) -> LineStream:
+            return LineStream(f"[rank {r}] ", self.stdout, partial(held.shown, r), f"[rank{r}]:", live)
 
-        streams = [line_streams(r) for r in range(n)]
+        # stderr with stdout, as a terminal shows both (not as errors: the run's own error says if it failed).
+        streams = [(stream(r), stream(r)) for r in range(n)]
         memory = RankMonitor(
             self.procs.memory_pids(),
             self.gpu,
