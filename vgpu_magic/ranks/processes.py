@@ -219,11 +219,10 @@ def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> 
         **kwargs,
     )
     cluster.owner = True
-    if plan.name == "slurm":
-        # ipyparallel writes the batch script into the kernel's working folder (the user's notebooks);
-        # an absolute name puts it with the engines' log in the profile instead, removed by stop().
-        log = os.path.join(cluster.profile_dir, "log")
-        cluster.config.SlurmEngineSetLauncher.batch_file_name = os.path.join(log, f"ipengine-{cluster_id}.sbatch")
+    # ipyparallel writes a SLURM batch script into the kernel's working folder (the user's notebooks); an absolute
+    # name puts it with the engines' log in the profile instead, removed by stop_launched() (unused by the others).
+    batch_file = os.path.join(cluster.profile_dir, "log", f"ipengine-{cluster_id}.sbatch")
+    cluster.config.SlurmEngineSetLauncher.batch_file_name = batch_file
     return cluster
 
 
@@ -405,16 +404,14 @@ def stop_launched(cluster: Any, plan: LauncherPlan) -> list[str]:
     with contextlib.suppress(Exception):
         cluster.stop_cluster_sync()
     unlist(cluster)
-    # The controller's record of its engines, which it removes only when it exits of itself.
+    # The controller's record of its engines (which it removes only when it exits of itself), the batch script.
     connection.append(os.path.join(cluster.profile_dir, "log", f"engines{cluster.cluster_id}.json"))
+    connection.append(cluster.config.SlurmEngineSetLauncher.batch_file_name)
     for path in connection:  # left by a controller that was killed
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
     # Stopped here: ipyparallel's own stop at exit (or when the object goes) would only try again, noisily.
     cluster.shutdown_atexit = False
-    if plan.name == "slurm":
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(cluster.config.SlurmEngineSetLauncher.batch_file_name)
     left = []
     for job in jobs:
         if not wait_job_gone(job, REMOTE_STOP_TIMEOUT / 2):
