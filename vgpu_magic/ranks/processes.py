@@ -1,7 +1,5 @@
-"""The ranks' processes: checked before they start (memory, port), started by ipyparallel under
-:mod:`.lifetime`'s watch of this kernel, and made sure of when they stop (SIGTERM, SIGKILL, a batch job out
-of the queue, SSH hosts cleaned).
-"""
+"""The ranks' processes: checked before they start (memory, port), started by ipyparallel under :mod:`.lifetime`'s
+watch of this kernel, and made sure of when they stop (SIGTERM, SIGKILL, a batch job out of the queue, SSH hosts)."""
 
 from __future__ import annotations
 
@@ -25,7 +23,6 @@ __all__ = ["CONTROLLER_ARGS", "ClusterStartError", "check_memory_fits", "check_p
 
 #: Seconds processes get after SIGTERM before SIGKILL when the cluster stops.
 STOP_GRACE = 2.0
-
 #: Seconds a cancelled batch job may take to leave the queue, and remote engines to exit.
 REMOTE_STOP_TIMEOUT = 30.0
 #: The controller's heartbeat. The hub accepts a registering engine only once its heart has answered a ping, so
@@ -36,8 +33,6 @@ CONTROLLER_ARGS = (
     f"--HeartMonitor.period={HEARTBEAT_MS}",
     f"--HeartMonitor.max_heartmonitor_misses={30_000 // HEARTBEAT_MS}",
 )
-
-
 #: Seconds a start or stop under way may take to end after an interrupt, before it is left to itself.
 UNINTERRUPTED_LIMIT = 60.0
 
@@ -75,8 +70,7 @@ REMOTE_CLEANUP = (
 
 
 def ssh(location: str, args: tuple[str, ...], command: str, timeout: float = REMOTE_STOP_TIMEOUT) -> tuple[bool, str]:
-    """Run ``command`` on ``location`` over ssh (never asking for a password): whether it ran, and its
-    stdout or ssh's own reason why not."""
+    """Run ``command`` on ``location`` over ssh, never asking for a password: whether it ran, its stdout or why not."""
     try:
         proc = subprocess.run(
             ["ssh", "-o", "BatchMode=yes", *args, location, command],
@@ -235,7 +229,7 @@ def keep_logs(cluster: Any, launchers: Any = ()) -> str:
 
     pattern = os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*.log") if cluster else ""
     texts = {}
-    for log in sorted(glob.glob(pattern)) if pattern else ():
+    for log in sorted(glob.glob(pattern)):
         with contextlib.suppress(OSError), open(log, errors="replace") as lines:
             texts[os.path.basename(log)] = lines.read()
     for launcher in launchers:
@@ -271,12 +265,10 @@ _REMOVE = "import glob, os, sys; [os.remove(p) for pattern in sys.argv[1:] for p
 
 
 def clean_up_when_kernel_dies(cluster: Any, plan: LauncherPlan, token: str) -> set[int]:
-    """What a stop does itself, done by watched processes next to the kernel when it dies without a stop
-    (:func:`.lifetime.run_when_this_process_dies`): engines on other hosts, which cannot watch this kernel's PID,
-    ended through their launcher; the cluster's file (which ipyparallel's tools list), its controller's connection
-    files and its processes' logs in the profile removed. Returns the watchers' PIDs: a stop ends them last, so
-    that a kernel killed while it stops (Jupyter's shutdown sends SIGTERM after 2.5 s, SIGKILL after 5 s) still
-    has them clean up."""
+    """A stop's own work, done by watchers (:func:`.lifetime.run_when_this_process_dies`) if the kernel dies without
+    one: engines on other hosts (which cannot watch its PID) ended through their launcher; the cluster's file, its
+    controller's connection files and its processes' logs removed. Returns the watchers' PIDs: a stop ends them last,
+    so that a kernel killed while it stops (Jupyter's shutdown: SIGKILL after 5 s) still has them clean up."""
     import shlex
 
     logs = os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*")
@@ -294,8 +286,7 @@ def _connection_files(cluster: Any) -> list[str]:
 
 
 def _ssh_cleanups(cluster: Any, plan: LauncherPlan) -> list[tuple[str, tuple[str, ...], str, str]]:
-    """``(location, ssh args, PIDs there of the engines cluster started, REMOTE_CLEANUP command)`` for each SSH
-    host of ``plan``."""
+    """``(location, ssh args, PIDs of the cluster's engines there, REMOTE_CLEANUP command)`` per SSH host."""
     if not plan.ssh_hosts:
         return []
     engines = [
@@ -320,12 +311,9 @@ def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared:
 
     procs: dict[int, Any] = {}
     for pid in sorted(owned):
-        try:
-            proc = psutil.Process(pid)
-            procs[pid] = proc
-            procs.update((child.pid, child) for child in proc.children(recursive=True))
-        except psutil.Error:
-            continue
+        with contextlib.suppress(psutil.Error):
+            procs[pid] = psutil.Process(pid)
+            procs.update((child.pid, child) for child in procs[pid].children(recursive=True))
     ended: set[int] = set(spared)
     alive: list[Any] = []
     # Twice where a token marks them: a process forked while the first round ended its parent (a controller
@@ -380,16 +368,15 @@ def _running_after(procs: list[Any], timeout: float) -> list[Any]:
 
 
 def signal_engine(client: Any, engine_id: int, signum: int) -> None:
-    """Send ``signum`` to engine ``engine_id`` through its nanny (for an engine on another host); one already
-    gone is no error."""
+    """Send ``signum`` to engine ``engine_id`` (on another host) through its nanny; one already gone is no error."""
     with contextlib.suppress(Exception):
         client.send_signal(signum, targets=[engine_id], block=False).get(timeout=5.0)
 
 
 def unlist(cluster: Any) -> None:
-    """Remove ``cluster``'s file, and write it no more (``""`` turns it off). Before its processes are ended: a
-    panel that loaded it then would find them gone and list a dead cluster for good. ipyparallel removes it once
-    it saw each of its processes stop; those that ended before leave it, or its late callbacks write it again."""
+    """Remove ``cluster``'s file and write it no more, before its processes end (a panel that loaded it then would
+    list a dead cluster for good): ipyparallel's own removal, once each process stopped, misses those that ended
+    before, and its late callbacks write it again."""
     cluster.remove_cluster_file()
     cluster.cluster_file = ""
 
