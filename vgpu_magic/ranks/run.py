@@ -1,10 +1,8 @@
 """Running one piece of work on every rank under the fault policy docs/ranks.md states (*When a rank fails*).
 
 :class:`RankRun` submits the work to each rank (one ipyparallel ``AsyncResult`` each) and watches them from the
-kernel: each rank's output streams live as whole lines labelled ``[rank r]``, its displays in their place among
-them; its memory is sampled (:mod:`.memory`). The policy's delays are :data:`COLLECT` and :data:`GRACE` (a script's
-launch more, while its engine stops the process it launched: :func:`.launch.progressing`). A rank's process is
-reached through :class:`RankProcesses`: by PID on this host, through its engine on another.
+kernel: output streams live, labelled ``[rank r]`` (:mod:`.shown`); memory is sampled (:mod:`.memory`). A rank's
+process is reached through :class:`RankProcesses`: by PID on this host, through its engine on another.
 """
 
 from __future__ import annotations
@@ -42,8 +40,8 @@ SAMPLE_EVERY = 0.2
 
 @dataclass(frozen=True)
 class RankFailure:
-    """Why one rank did not finish: ``kind`` is ``"error"``, ``"died"``, ``"timeout"`` or ``"peer"`` (its error
-    said another rank went, one that failed first: its traceback is kept, not shown)."""
+    """Why one rank did not finish: ``kind`` is ``"error"``, ``"died"``, ``"timeout"`` or ``"peer"`` (its error said
+    another rank, which failed first, went: its traceback is kept, not shown)."""
 
     rank: int
     kind: str
@@ -52,9 +50,8 @@ class RankFailure:
 
 
 class RankRunError(RuntimeError):
-    """A run on the ranks failed; IPython shows :meth:`_render_traceback_`
-    (each failing rank's traceback, each line labelled with its ranks; the
-    same traceback on several ranks once)."""
+    """A run on the ranks failed; IPython shows :meth:`_render_traceback_`: each failing rank's traceback, each line
+    labelled with its ranks (the same traceback on several ranks once)."""
 
     def __init__(
         self,
@@ -64,7 +61,6 @@ class RankRunError(RuntimeError):
         must_restart: bool,
         grace: float = GRACE,
     ) -> None:
-        #: Every rank's own failure, the first seen first.
         self.failures = list(failures)
         self.failure = self.failures[0]
         self.interrupted = interrupted
@@ -98,7 +94,7 @@ class RankRunError(RuntimeError):
 
 
 def _grouped(failures: list[RankFailure], key: str) -> list[tuple[Any, list[int]]]:
-    """``[(value, ranks), ...]``: each ``key`` value of the failures with the ranks sharing it, first seen first."""
+    """``[(value, ranks), ...]``: each ``key`` value of the failures with its ranks, first seen first."""
     groups: dict[Any, list[int]] = {}
     for failure in failures:
         groups.setdefault(getattr(failure, key), []).append(failure.rank)
@@ -106,8 +102,7 @@ def _grouped(failures: list[RankFailure], key: str) -> list[tuple[Any, list[int]
 
 
 def _rank_s(ranks: list[int], said: str = "") -> str:
-    """``"rank 0"`` or ``"ranks 0, 1"``, in rank order; followed by what is ``said`` of them, a leading "was"
-    agreeing (``"ranks 1, 2 were killed by SIGABRT"``)."""
+    """``"rank 0"``, ``"ranks 0, 1"``; then what is ``said`` of them, "was" agreeing: ``"ranks 1, 2 were killed"``."""
     several = len(ranks) > 1
     if several and said.startswith("was "):
         said = "were " + said[4:]
@@ -125,9 +120,8 @@ def _killed(ranks: list[int], grace: float) -> str:
 
 @dataclass
 class RankProcesses:
-    """How the fault policy reaches each rank's process: on this host (``local[rank]``, all by default) by its
-    PID (``exit_code(rank)``: how it exited, when known); on another host through its engine, alive while
-    registered (``engine_alive``) and signalled through its nanny (``engine_signal``)."""
+    """How the fault policy reaches each rank's process: on this host (``local[rank]``, all by default) by its PID
+    (``exit_code(rank)``, when known); on another through its engine (``engine_alive``, ``engine_signal``)."""
 
     pids: list[int]
     local: list[bool] | None = None
@@ -162,8 +156,7 @@ class RankProcesses:
 
 @dataclass
 class RankRun:
-    """One run on every rank. ``submit(rank)`` returns that rank's AsyncResult;
-    ``procs`` reaches the ranks' processes (liveness, signals, memory)."""
+    """One run on every rank. ``submit(rank)`` returns that rank's AsyncResult."""
 
     procs: RankProcesses
     submit: Callable[[int], Any]
@@ -181,8 +174,7 @@ class RankRun:
         self.trace = None  # the run's MemoryTrace, once it ended
         self.killed: list[int] = []
         self._seen: dict[int, int] = {}  # how many of each rank's output events were shown
-        #: Seconds a rank has at most to come back after SIGINT: a launch's, its process' too (its engine kills
-        #: that once it is stuck: :func:`.launch.progressing`).
+        #: Seconds a rank has at most to come back after SIGINT: a launch's, while its engine stops its process.
         self.grace = GRACE + (INTERRUPT_LIMIT + STUCK if self.launched else 0.0)
 
     def _emit(self, results: list[Any], streams: list[tuple[LineStream, LineStream]]) -> None:
@@ -198,10 +190,8 @@ class RankRun:
                     (out if kind == "stdout" else err).feed(content)
 
     def _drain(self, results: list[Any], streams: list[tuple[LineStream, LineStream]]) -> None:
-        """Show the rest of the output of every finished, living rank: ipyparallel can deliver a rank's reply
-        long before the messages carrying its last lines (a run that printed a million lines: seconds). Waited
-        for as long as more keeps coming; a rank whose output stopped coming for :data:`OUTPUT_WAIT` seconds
-        before its end is said to be cut."""
+        """Show the rest of the output of every finished, living rank: ipyparallel can deliver a rank's reply long
+        before its last lines (a million lines: seconds). Waited for while more keeps coming within OUTPUT_WAIT."""
         waiting = [rank for rank, ar in enumerate(results) if ar.ready() and self.procs.alive(rank)]
         arrived, since = -1, time.monotonic()
         while waiting and time.monotonic() - since < OUTPUT_WAIT:
@@ -216,9 +206,8 @@ class RankRun:
             self.stderr.write(f"[rank {rank}] the rest of its output did not arrive within {OUTPUT_WAIT:g} s\n")
 
     def _end(self, streams: list[tuple[LineStream, LineStream]], failures: dict[int, RankFailure], stopped=()) -> None:
-        """End each rank's streams. A rank that failed (or was ``stopped`` as it did) saying its peer went
-        (:data:`~.shown.PEER_GONE`, in what it printed or raised) while another failed otherwise was taken down by
-        that one: one line says so, in its stream and its failure, which keeps the whole text."""
+        """End each rank's streams. A rank that failed (or was ``stopped``) saying its peer went (:data:`PEER_GONE`)
+        while another failed otherwise was taken down by that one: one line says so, in its stream and failure."""
         failed = {*stopped, *(r for r, f in failures.items() if f.kind == "error")}
         peers = [r for r in failed if streams[r][1].peer or PEER_GONE.search(getattr(failures.get(r), "summary", ""))]
         first = [r for r in failures if r not in peers]
@@ -256,16 +245,13 @@ class RankRun:
             if code is None:
                 time.sleep(POLL)
         how = "died (exit status unknown)" if code is None else how_it_ended(code)
-        # The host too for a rank on another host: 'pid 1234 on node2'.
         elsewhere = not self.procs.on_this_host(rank) and self.procs.hosts
         where = f"pid {self.procs.pids[rank]}" + (f" on {self.procs.hosts[rank]}" if elsewhere else "")
         # With what the processes logged, which a restart would remove.
         return RankFailure(rank, "died", f"{how} ({where}){self.procs.keep_log()}", (f"rank {rank} {how}",))
 
     def _stop_others(self, results: list[Any], done: set[int]) -> tuple[list[int], list[int]]:
-        """SIGINT every rank still running (not in ``done``, nor :func:`_settled`); kill those still busy
-        after GRACE. A rank whose engine went idle without a reply (an interrupt that came as it was
-        replying) is not stuck."""
+        """SIGINT every rank still running (not in ``done``, nor :func:`_settled`), kill those still busy after it."""
         running = [r for r, ar in enumerate(results) if r not in done and not _settled(ar) and self.procs.alive(r)]
         for rank in running:
             self.procs.signal(rank, signal.SIGINT)
@@ -294,9 +280,8 @@ class RankRun:
                 failures[rank] = self._death(rank)
 
     def restart_reason(self, exc: BaseException) -> str | None:
-        """Why the cluster must be restarted after this run ended with ``exc`` (a :class:`RankRunError` or an
-        interrupt): the ranks that died or were killed; ``None`` when it is still usable (another rank's error
-        alone, which started the stop, leaves it so)."""
+        """Why the cluster must be restarted after this run ended with ``exc``: the ranks that died or were killed;
+        ``None`` when it is still usable (a rank's error alone leaves it so)."""
         died = [f for f in getattr(exc, "failures", ()) if f.kind == "died"]
         reasons = [_rank_s(ranks, summary) for summary, ranks in _grouped(died, "summary")]
         if self.killed:
@@ -396,10 +381,9 @@ class RankRun:
 
 
 def _settled(ar: Any) -> bool:
-    """Is the rank done with the work: its reply came, or its code raised (the error it published
-    comes before its reply), or its engine said it went idle (the status ipyparallel resolves each
-    message's output future with; ``ar.wait_for_output`` waits for the reply too)? A rank that is done
-    is not interrupted, nor killed for a reply that an interrupt lost."""
+    """Is the rank done with the work: its reply came, or its code raised (the error it published comes before its
+    reply), or its engine went idle (each message's output future is resolved then)? A rank that is done is not
+    interrupted, nor killed for a reply that an interrupt lost."""
     from .upstream import message_futures
 
     children = message_futures(ar)
@@ -416,10 +400,9 @@ def _error(ar: Any) -> BaseException | None:
 
 
 def interrupt_only_the_cell() -> None:
-    """On a rank's engine: SIGINT interrupts a cell's own code only (ipykernel takes it for the whole
-    request: one meant for a cell that had just finished lost the reply, or ended the engine's loop),
-    and a failed cell does not abort the next one (ipykernel's abort of the cells queued behind an
-    error can catch a run sent as soon as the last one failed)."""
+    """On a rank's engine: SIGINT interrupts a cell's own code only (ipykernel takes it for the whole request: one
+    meant for a cell that had just finished lost the reply, or ended the engine's loop), and a failed cell does not
+    abort the next one (ipykernel's abort of the cells queued behind an error caught a run sent right after)."""
     from IPython import get_ipython
 
     from . import upstream
