@@ -292,7 +292,7 @@ class RankRun:
         """Run to the end; the per-rank AsyncResults, or :class:`RankRunError`."""
         n = len(self.procs.pids)
         held = self.held or HeldBack()
-        held.mark()
+        held.this_run = {}
 
         live: dict = {}
 

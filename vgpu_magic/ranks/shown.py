@@ -1,9 +1,7 @@
-"""What of a rank's output reaches the notebook: each rank gets its framework's quiet log settings where the
-user set none (:func:`rank_env`); the start-up lines no setting silences (the framework's ``chatter``) are held
-back per rank (:class:`HeldBack`; ``%vgpu_cluster log RANK``, and a failing rank's with its traceback);
-``verbose`` shows everything. A rank's traceback names the notebook's cell (:func:`notebook_traceback`). Its
-output is recorded as it arrives (:func:`record_output`) and shown in whole lines labelled with its rank
-(:class:`LineStream`), its displays in their place among them (:func:`show_display`).
+"""What of a rank's output reaches the notebook: its framework's quiet log settings where the user set none
+(:func:`rank_env`); the start-up lines no setting silences held back per rank (:class:`HeldBack`), unless
+``verbose``; its output recorded as it arrives (:func:`record_output`) and shown in whole lines labelled with its
+rank (:class:`LineStream`), its displays in their place among them (:func:`show_display`).
 """
 
 from __future__ import annotations
@@ -55,7 +53,7 @@ class HeldBack:
     def __init__(self, patterns: tuple[str, ...] = (), verbose: bool = False) -> None:
         self.pattern = re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns and not verbose else None
         self.held: dict[int, deque[str]] = {}
-        #: What each rank held back in the current run (:meth:`mark`).
+        #: What each rank held back in the current run (emptied as one starts).
         self.this_run: dict[int, list[str]] = {}
 
     def shown(self, rank: int, line: str) -> bool:
@@ -65,10 +63,6 @@ class HeldBack:
         self.held.setdefault(rank, deque(maxlen=HELD_LINES)).append(line)
         self.this_run.setdefault(rank, []).append(line)
         return False
-
-    def mark(self) -> None:
-        """A run starts."""
-        self.this_run = {}
 
     def lines(self, rank: int | None = None) -> list[str]:
         """What ``%vgpu_cluster log [RANK]`` prints: the held-back lines, labelled."""
@@ -90,12 +84,11 @@ def notebook_traceback(text: str, count: int | None) -> list[str]:
 
 
 class LineStream:
-    """One rank's stream as a terminal shows it: whole lines, labelled, each as a terminal leaves it; an
-    unfinished line that returns to its start (a progress bar's ``\r``) is shown as it goes, each update over the
-    last, and over another rank's, as on torchrun's terminal; a whole line takes the unfinished one's place, which
-    its next update draws again below (``live``, shared by the streams of one ``out``, says whose line is
-    unfinished). ``theirs``: the framework's own label of the rank's lines, left out (torch's ``[rank1]:``). A
-    traceback waits for its last line; one saying a peer went (:data:`PEER_GONE`: ``peer``) waits for :meth:`end`."""
+    """One rank's stream as a terminal shows it: whole lines, labelled; an unfinished line that returns to its start
+    (a progress bar's ``\r``) is drawn as it goes, over the last update and over another rank's, as on torchrun's
+    terminal (``live``, shared by the streams of one ``out``, says whose line is unfinished). ``theirs``: the
+    framework's own label of the rank's lines, left out (torch's ``[rank1]:``). A traceback waits for its last
+    line; one saying a peer went (:data:`PEER_GONE`: ``peer``) waits for :meth:`end`."""
 
     def __init__(
         self,
@@ -205,11 +198,10 @@ def events(ar: Any) -> list[tuple[str, Any]]:
 
 
 def record_output(client: Any) -> None:
-    """Make ``client`` keep each request's output as it arrives, in the order the engine sent it, as
-    ``output_events``: ``("stdout" | "stderr", text)`` and ``("display", content)``. ipyparallel keeps a
-    request's displays apart from its streams, and each stream as one text it copies whole at each message
-    (quadratic: a rank that printed a million lines fell seconds behind); that text is emptied as it is
-    recorded. The record starts when the request's future is made, before the request is sent."""
+    """Make ``client`` keep each request's output in the order the engine sent it, as ``output_events``:
+    ``("stdout" | "stderr", text)`` and ``("display", content)``, from before the request is sent. ipyparallel
+    keeps displays apart from streams, and each stream as one text it copies whole at each message (quadratic: a
+    million lines fell seconds behind), which is emptied as it is recorded."""
     from .upstream import watch_requests
 
     def record_request(msg_id: str, future: Any) -> Callable[[dict], None]:
