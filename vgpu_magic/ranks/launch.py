@@ -46,9 +46,8 @@ def kernel_environ() -> tuple[str, dict[str, str]]:
 
 
 def launch_request(plan: Any, path: str, args: list[str], cwd: str, preload: list[str], spare: bool = True) -> dict:
-    """What :func:`run_rank` needs to launch one rank with its :class:`~vgpu_magic.frameworks.base.RankPlan`
-    (plain data, sent to its engine); ``preload``: the modules a spare imports; ``spare``: keep one for the
-    next launch. The script makes its own call to join the others, as under its launcher."""
+    """What :func:`run_rank` needs to launch one rank with its :class:`~vgpu_magic.frameworks.base.RankPlan`, as plain
+    data; ``preload``: the modules a spare imports; ``spare``: keep one for the next launch."""
     return {
         "spare": spare,
         "environ": kernel_environ(),
@@ -81,8 +80,8 @@ class _Process:
 
 
 def _made(preload: list[str]) -> tuple:
-    """A child's imports, and the installed packages as it found them: an install since (``pip install -e``) is
-    not on its import path. Each folder's modification time changes as a package or ``.pth`` file comes or goes."""
+    """A child's imports, and the installed packages as it found them (the folders' modification times): an install
+    since (``pip install -e``) is not on its import path."""
     import site
 
     folders = sorted({*site.getsitepackages(), site.getusersitepackages()})
@@ -192,7 +191,11 @@ def _follow(popen: subprocess.Popen) -> int:
     for pipe, out in ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr)):
         selector.register(pipe, selectors.EVENT_READ, (out, codecs.getincrementaldecoder("utf-8")("replace")))
 
-    def copy(timeout: float | None) -> None:
+    def copy(timeout: float) -> None:
+        if not selector.get_map():  # both pipes closed: wait for the exit instead
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(timeout)
+            return
         for key, _ in selector.select(timeout):
             out, decoder = key.data
             data = os.read(key.fd, 65536)
@@ -205,11 +208,7 @@ def _follow(popen: subprocess.Popen) -> int:
 
     try:
         while popen.poll() is None:
-            if selector.get_map():
-                copy(0.2)
-            else:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    popen.wait(0.2)
+            copy(0.2)
     except KeyboardInterrupt:
         # A process that ended on its own as the interrupt came is reported as it ended.
         if popen.poll() is None:
@@ -217,10 +216,7 @@ def _follow(popen: subprocess.Popen) -> int:
             for _ in progressing(popen.pid):
                 if popen.poll() is not None:
                     break
-                if selector.get_map():  # what its handler prints goes on streaming
-                    copy(0.2)
-                else:
-                    time.sleep(0.05)
+                copy(0.2)  # what its handler prints goes on streaming
             if popen.poll() is None:
                 popen.kill()
             raise
@@ -258,8 +254,7 @@ def _die_with_parent(parent: int) -> None:
     if sys.platform.startswith("linux"):
         import ctypes
 
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     else:
         import psutil
 
