@@ -1,17 +1,12 @@
 """Nothing a cluster starts outlives its kernel.
 
 A kernel can die without running ``atexit`` (SIGKILL, the OOM killer, XLA's ``abort()``), so each process a
-cluster starts watches its *owner* itself. :data:`OWNER_ENV` names the owner as ``"host:pid:start-time"`` (the
-start time tells it from a later process reusing the PID; the host keeps a process on another machine from
-mistaking a local PID for its kernel). :func:`watch_owner` waits for the owner's exit (``pidfd_open``: no
-polling), then SIGKILLs this process and everything below it (SIGKILL: a rank blocked in a collective never gets
-back to Python). The controller and the engines (``python -m vgpu_magic.ranks.lifetime ipyparallel.engine
-ARGS``, :func:`watched_command`) are watched from a small process forked *beside* them before anything is
-loaded, which a rank holding the GIL in C code cannot starve; a process they fork watches for itself
-(:func:`os.register_at_fork`). Every process also carries its cluster's :data:`CLUSTER_ENV` token, so
-:func:`processes_of` finds them all, re-parented ones too. Processes on other hosts (SLURM, ssh) cannot see the
-kernel's PID: there a watched local process runs the launcher's own stop when the kernel dies
-(``python -m vgpu_magic.ranks.lifetime --then 'scancel JOBID'``).
+cluster starts watches its owner itself (:data:`OWNER_ENV`, :func:`watch_owner`), then SIGKILLs itself and all
+below it: a rank blocked in a collective never gets back to Python. The controller and the engines
+(:func:`watched_command`) are watched from a small process forked beside them before anything is loaded, which a
+rank holding the GIL in C code cannot starve; a process they fork watches for itself. Every process carries its
+cluster's :data:`CLUSTER_ENV` token (:func:`processes_of`). Processes on other hosts cannot see the kernel's PID:
+there a watched local process runs the launcher's own stop (``--then 'scancel JOBID'``) when the kernel dies.
 """
 
 from __future__ import annotations
@@ -30,7 +25,8 @@ import time
 
 __all__ = ["OWNER_ENV", "CLUSTER_ENV", "WATCHER_NAME", "watch_owner", "run_when_this_process_dies", "processes_of"]
 
-#: ``"host:pid:start-time"`` of the process whose death ends this one.
+#: ``"host:pid:start-time"`` of the process whose death ends this one (the start time tells it from a later
+#: process reusing the PID; the host keeps a process on another machine from taking a local PID for its owner).
 OWNER_ENV = "VGPU_MAGIC_OWNER"
 #: A token shared by every process of one cluster (:func:`processes_of`).
 CLUSTER_ENV = "VGPU_MAGIC_CLUSTER"
@@ -79,10 +75,9 @@ def _end_process_tree(pid: int) -> None:
     """SIGKILL ``pid`` (this process, unless its watcher's) and everything below it, but the caller."""
     import psutil
 
-    try:
+    below = []
+    with contextlib.suppress(psutil.Error):
         below = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        below = []
     for proc in below:
         if proc.pid != os.getpid():
             with contextlib.suppress(psutil.Error):
@@ -118,10 +113,9 @@ def _watch_from_beside(pid: int, created: float) -> None:
 
 
 def watch_owner(owner: str | None = None, then: str | None = None, beside: bool = False) -> bool:
-    """Start the watch: when ``owner`` (default: :data:`OWNER_ENV`) exits, run ``then`` (a shell command, if
-    any), then SIGKILL this process and its descendants. The watch is a daemon thread, or with ``beside`` a
-    process of its own (call it before any thread starts). Returns whether a watch runs: not without an owner
-    on this host."""
+    """When ``owner`` (default: :data:`OWNER_ENV`) exits, run the shell command ``then``, then SIGKILL this process and
+    its descendants; watched (``pidfd_open``: no polling) by a daemon thread, or with ``beside`` a process of its own
+    (call it before any thread starts). Whether a watch runs: not without an owner on this host."""
     owner = owner or os.environ.get(OWNER_ENV)
     if not owner:
         return False
