@@ -11,6 +11,7 @@ import re
 import signal
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 __all__ = [
@@ -75,14 +76,10 @@ _COUNT = re.compile(r"(Cell(?:\x1b\[[0-9;]*m|\s)*)In\[\d+\]")
 
 def notebook_traceback(text: str, count: int | None) -> list[str]:
     """A rank's traceback with the notebook cell's ``In[count]`` (or none) for the rank's own "Cell In[k]"."""
-
-    def shown(found: re.Match) -> str:
-        cell = found.group(1)
-        return f"{cell}In[{count}]" if count is not None else re.sub(r"\s", "", cell)
-
-    return _COUNT.sub(shown, text).splitlines()
+    return _COUNT.sub(lambda m: re.sub(r"\s", "", m[1]) if count is None else f"{m[1]}In[{count}]", text).splitlines()
 
 
+@dataclass(eq=False)
 class LineStream:
     """One rank's stream as a terminal shows it: whole lines, labelled; an unfinished line that returns to its start
     (a progress bar's ``\r``) is drawn as it goes, over the last update and over another rank's, as on torchrun's
@@ -90,22 +87,14 @@ class LineStream:
     framework's own label of the rank's lines, left out (torch's ``[rank1]:``). A traceback waits for its last
     line; one saying a peer went (:data:`PEER_GONE`: ``peer``) waits for :meth:`end`."""
 
-    def __init__(
-        self,
-        label: str,
-        out: TextIO,
-        shown: Callable[[str], bool] = lambda line: True,
-        theirs: str = "",
-        live: dict | None = None,
-    ) -> None:
-        self.label = label
-        self.out = out
-        self.shown = shown
-        self.theirs = theirs
-        self.live = {} if live is None else live
-        self.tail = ""
-        self.held: list[str] | None = None
-        self.peer = False
+    label: str
+    out: TextIO
+    shown: Callable[[str], bool] = lambda line: True
+    theirs: str = ""
+    live: dict = field(default_factory=dict)
+    tail: str = field(default="", init=False)
+    held: list[str] | None = field(default=None, init=False)
+    peer: bool = field(default=False, init=False)
 
     def feed(self, text: str) -> None:
         """The next of what the rank wrote."""
