@@ -43,12 +43,14 @@ def owner_of_this_process() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{psutil.Process().create_time():.3f}"
 
 
-def _owner_alive(pid: int, created: float) -> bool:
+def process_alive(pid: int, created: float | None = None) -> bool:
+    """Is ``pid`` running (a zombie, dead but not yet reaped, is not), started at ``created`` if given (not a later
+    process reusing the PID)?"""
     import psutil
 
     try:
         proc = psutil.Process(pid)
-        return abs(proc.create_time() - created) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE
+        return (created is None or abs(proc.create_time() - created) < 0.01) and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
 
@@ -61,7 +63,7 @@ def _wait_for_exit(pid: int, created: float) -> None:
         fd = None
     try:
         # Checked after opening the pidfd: a PID reused since is not our owner.
-        while _owner_alive(pid, created):
+        while process_alive(pid, created):
             if fd is not None:
                 select.select([fd], [], [])
             else:

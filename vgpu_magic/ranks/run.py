@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 from ..runtime import running_cell
 from .launch import INTERRUPT_LIMIT, STUCK
+from .lifetime import process_alive
 from .memory import RankMonitor
 from .shown import PEER_GONE, HeldBack, LineStream, events, how_it_ended, notebook_traceback, show_display
 
@@ -413,13 +414,3 @@ def interrupt_only_the_cell() -> None:
     upstream.set_handler_hooks(shell.kernel, lambda: None, lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     upstream.no_abort_after_an_error(shell.kernel)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def process_alive(pid: int) -> bool:
-    """Is ``pid`` running (a zombie, dead but not yet reaped, is not)?"""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
