@@ -35,8 +35,6 @@ GRACE = 3.0
 POLL = 0.05
 #: Seconds to wait, at the end of a run, for output still on its way from finished ranks.
 OUTPUT_WAIT = 5.0
-#: Seconds between memory samples.
-SAMPLE_EVERY = 0.2
 
 
 @dataclass(frozen=True)
@@ -303,12 +301,7 @@ class RankRun:
         # stderr with stdout, as a terminal shows both (not as errors: the run's own error says if it failed).
         streams = [(stream(r), stream(r)) for r in range(n)]
         memory = RankMonitor(
-            self.procs.memory_pids(),
-            self.gpu,
-            live=self.plot,
-            interval=SAMPLE_EVERY,
-            launched=self.launched,
-            engine=self.procs.engine,
+            self.procs.memory_pids(), self.gpu, self.plot, launched=self.launched, engine=self.procs.engine
         )
         start = time.monotonic()
         results: list[Any] = []
@@ -332,12 +325,8 @@ class RankRun:
                     collected_by = now + COLLECT
                 elif not failures and not all(looked) and self.timeout is not None and now - start > self.timeout:
                     late = [r for r in range(n) if not looked[r]]
-                    timed_out = RankFailure(
-                        late[0],
-                        "timeout",
-                        f"did not finish within --timeout {self.timeout:g} s (still running: {_rank_s(late)})",
-                        (f"timed out after {self.timeout:g} s",),
-                    )
+                    said = f"did not finish within --timeout {self.timeout:g} s (still running: {_rank_s(late)})"
+                    timed_out = RankFailure(late[0], "timeout", said, (f"timed out after {self.timeout:g} s",))
                 if timed_out or now >= collected_by or all(looked[r] or r in failures for r in range(n)):
                     break
                 # AsyncResults are futures: wake as soon as one finishes, else look again after POLL.
@@ -356,15 +345,13 @@ class RankRun:
             # IPython shows this one line, not the way the interrupt came through the kernel and vgpu_magic.
             interrupt._render_traceback_ = lambda: [f"KeyboardInterrupt: {interrupt}"]
             raise interrupt from None
-        interrupted: list[int] = []
-        killed: list[int] = []
-        if failures or timed_out:
-            interrupted, killed = self._stop_others(results, set(failures))
-            for rank, ar in enumerate(results):
-                # A rank that came back (from the interrupt, or as it was sent) with an error of its own failed too.
-                exc = _error(ar) if rank not in failures and rank not in killed else None
-                if exc is not None and getattr(exc, "ename", type(exc).__name__) != "KeyboardInterrupt":
-                    failures[rank] = self._failure(rank, ar)
+        # Without a failure or a timeout every rank succeeded: nothing to stop, no error to find.
+        interrupted, killed = self._stop_others(results, set(failures)) if failures or timed_out else ([], [])
+        for rank, ar in enumerate(results):
+            # A rank that came back (from the interrupt, or as it was sent) with an error of its own failed too.
+            exc = _error(ar) if rank not in failures and rank not in killed else None
+            if exc is not None and getattr(exc, "ename", type(exc).__name__) != "KeyboardInterrupt":
+                failures[rank] = self._failure(rank, ar)
         self._drain(results, streams)
         self._end(streams, failures, interrupted)
         interrupted = [r for r in interrupted if r not in failures]
