@@ -1,8 +1,6 @@
-"""Multi-process rehearsal: N ranks on ipyparallel engines, wired as the real launchers wire them
-(torchrun's environment, ``TF_CONFIG``, ``jax.distributed``), run under one fault policy.
-:class:`~.rank_cluster.RankCluster` is the engine; :mod:`.magics` its faces. Importing this package
-imports neither ipyparallel nor any framework.
-"""
+"""Multi-process rehearsal: N ranks on ipyparallel engines, wired as the real launchers wire them (torchrun's
+environment, ``TF_CONFIG``, ``jax.distributed``), under one fault policy. :class:`~.rank_cluster.RankCluster` is
+the engine; :mod:`.magics` its faces. Importing this package imports neither ipyparallel nor any framework."""
 
 from __future__ import annotations
 

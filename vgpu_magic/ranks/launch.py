@@ -118,9 +118,8 @@ def _spare_for(plan_env: dict[str, str], preload: list[str], environ: Environ) -
 
 
 def _base(plan_env: dict[str, str], environ: Environ) -> dict[str, str]:
-    """A launch's environment outside the plan: the kernel's as the run found it (``environ``: :func:`kernel_environ`;
-    a launcher run from the notebook inherits it), the engine's own on another host; with the cluster's own
-    variables (:mod:`.lifetime`'s) over it, without ipyparallel's (its key among them)."""
+    """A launch's environment outside the plan: the kernel's ``environ`` (a launcher run from the notebook inherits
+    it), the engine's own on another host; with :mod:`.lifetime`'s variables, without ipyparallel's (its key)."""
     from . import lifetime
 
     ours = {k: os.environ[k] for k in (lifetime.OWNER_ENV, lifetime.CLUSTER_ENV) if k in os.environ}
@@ -149,8 +148,7 @@ def _start(plan_env: dict[str, str], preload: list[str], environ: Environ) -> _P
 
 
 def warm(plan_env: dict[str, str], preload: list[str], environ: Environ = None) -> None:
-    """Run on an engine: make sure a spare is there, started with the rank's plan ``plan_env`` over ``environ``
-    (:func:`_base`), importing ``preload`` (a launch that comes before its imports end waits for them)."""
+    """Run on an engine: make sure a spare waits, started with ``plan_env`` over ``environ``, importing ``preload``."""
     global _spare
     _spare = _spare_for(plan_env, preload, environ)
 

@@ -137,9 +137,8 @@ def rank_footprint(module: str) -> int:
 
 
 def check_memory_fits(n: int, fw: Any) -> bool:
-    """Do ``n`` ranks fit in the host's available memory with a warm spare each (:mod:`.launch`: a second
-    process with the framework imported)? ``False`` where only the ranks fit; :class:`ClusterStartError` in one
-    line where not even they do. Estimated from one measured rank, measured only where the bound leaves doubt."""
+    """Do ``n`` ranks fit in the host's memory with a warm spare each (:mod:`.launch`)? ``False`` where only the ranks
+    fit; :class:`ClusterStartError` where not even they do. One rank is measured only where the bound leaves doubt."""
     import psutil
 
     from ..units import format_bytes
@@ -180,8 +179,7 @@ def check_port_free(port: int) -> None:
 
 
 def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> Any:
-    """ipyparallel's cluster for ``n`` engines, configured with the launcher ``plan``, its
-    processes marked with the cluster's ``token``."""
+    """ipyparallel's cluster for ``n`` engines, as the launcher ``plan`` says, its processes marked with ``token``."""
     import copy
 
     from traitlets.config import Config
@@ -244,8 +242,7 @@ def keep_logs(cluster: Any, launchers: Any = ()) -> str:
 
 
 def local_launchers(cluster: Any) -> dict[int, Any]:
-    """The launcher of every process ipyparallel started for ``cluster`` on this host, by PID (SSH engines
-    and a batch job's tasks are ended through their launcher, :func:`stop_launched`)."""
+    """The launcher of every process ipyparallel started for ``cluster`` on this host, by PID."""
     from ipyparallel.cluster.launcher import LocalProcessLauncher, SSHLauncher
 
     launchers = [cluster.controller]
