@@ -57,10 +57,9 @@ def process_alive(pid: int, created: float | None = None) -> bool:
 
 def _wait_for_exit(pid: int, created: float) -> None:
     """Return once the owner has exited (or never existed)."""
-    try:
+    fd = None
+    with contextlib.suppress(AttributeError, OSError):
         fd = os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        fd = None
     try:
         # Checked after opening the pidfd: a PID reused since is not our owner.
         while process_alive(pid, created):
@@ -143,13 +142,8 @@ def watch_owner(owner: str | None = None, then: str | None = None, beside: bool 
     return True
 
 
-def _watch_again_after_fork() -> None:
-    # Threads do not survive fork; a forked child watches for itself.
-    if _watching:
-        watch_owner(_watching["owner"])
-
-
-os.register_at_fork(after_in_child=_watch_again_after_fork)
+# Threads do not survive fork; a forked child watches for itself.
+os.register_at_fork(after_in_child=lambda: _watching and watch_owner(_watching["owner"]))
 
 
 def watched_command(module: str) -> list[str]:
@@ -201,9 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     if not argv:
         sys.exit("usage: python -m vgpu_magic.ranks.lifetime MODULE [ARGS...] | --then COMMAND")
     watch_owner(beside=True)
-    module = argv[0]
-    sys.argv = [module, *argv[1:]]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    sys.argv = argv
+    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":
