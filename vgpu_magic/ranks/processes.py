@@ -94,9 +94,8 @@ def _last_line(text: str | bytes | None) -> str:
 
 
 def start_failure(exc: BaseException, plan: LauncherPlan) -> str:
-    """Why a start failed, in one line, in the launcher's own words: a command's stderr (``sbatch: fatal:
-    ...``), or ssh's reason for the first host it cannot reach (ipyparallel only says "Unable to get remote
-    shell information")."""
+    """Why a start failed, in the launcher's own words: a command's stderr (``sbatch: fatal: ...``), or ssh's reason
+    for the first host it cannot reach (ipyparallel only says "Unable to get remote shell information")."""
     while exc is not None:
         if isinstance(exc, subprocess.CalledProcessError) and _last_line(exc.stderr):
             return _last_line(exc.stderr).rstrip(".")
@@ -129,8 +128,7 @@ RANK_MEMORY_BOUND = 2 * 1024**3
 
 @functools.cache
 def rank_footprint(module: str) -> int:
-    """Resident bytes of one rank with ``module`` (and an engine's own imports) imported, measured once per
-    kernel in a fresh interpreter."""
+    """Resident bytes of a fresh interpreter with ``module`` and an engine's own imports imported (once per kernel)."""
     code = f"import psutil, ipyparallel.engine.app, {module}; print(psutil.Process().memory_info().rss)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     return int(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else 0
@@ -219,9 +217,8 @@ def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> 
 
 
 def keep_logs(cluster: Any, launchers: Any = ()) -> str:
-    """``"; the processes' log: PATH"``: what ``cluster``'s processes logged so far (which its stop removes), in
-    one file outside the profile; ``""`` where they logged nothing. A process of ``launchers`` that ended had its
-    log removed by ipyparallel, which read it first."""
+    """``"; the processes' log: PATH"``: what ``cluster``'s processes logged (which its stop removes), kept in one file,
+    or ``""``. A process of ``launchers`` that ended had its log removed by ipyparallel, which read it first."""
     import glob
     import tempfile
 
@@ -301,9 +298,8 @@ def _ssh_cleanups(cluster: Any, plan: LauncherPlan) -> list[tuple[str, tuple[str
 
 
 def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared: set[int] = frozenset()) -> list[Any]:
-    """End the processes a cluster started on this host: ``owned`` and their children, and every process
-    carrying its ``token`` (also those whose parent died first), but those ``spared``. SIGTERM, then SIGKILL
-    after :data:`STOP_GRACE` seconds for what is still alive; returns those that survived even that."""
+    """End ``owned`` and their children, and every process carrying ``token`` (orphans too), but those ``spared``:
+    SIGTERM, then SIGKILL after :data:`STOP_GRACE` seconds; returns those that survived even that."""
     import psutil
 
     procs: dict[int, Any] = {}
@@ -347,9 +343,8 @@ def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared:
 
 
 def _running_after(procs: list[Any], timeout: float) -> list[Any]:
-    """Those of ``procs`` still running after up to ``timeout`` seconds. A zombie has ended: an orphan's is
-    reaped by the host's init when that gets to it (seconds, in some containers), which a stop need not
-    wait for (``psutil.wait_procs`` does)."""
+    """Those of ``procs`` still running after up to ``timeout`` seconds. A zombie has ended: a stop need not wait
+    for init to reap an orphan's (seconds, in some containers), as ``psutil.wait_procs`` does."""
     import psutil
 
     def running(proc: Any) -> bool:
@@ -379,9 +374,8 @@ def unlist(cluster: Any) -> None:
 
 
 def stop_launched(cluster: Any, plan: LauncherPlan) -> list[str]:
-    """Stop what ipyparallel launched for ``cluster`` through its launchers, make sure the batch jobs left the
-    queue (``scancel -s KILL`` if not) and on each SSH host the engines are gone and the cluster's folder
-    removed, and remove the batch script. Returns what is still left, in words."""
+    """Stop what ipyparallel launched for ``cluster``, make sure the batch jobs left the queue (``scancel -s KILL``
+    if not) and each SSH host has no engine nor the cluster's folder left. Returns what is still left, in words."""
     # Read before the stop: ipyparallel forgets the engines it stopped.
     jobs, cleanups, connection = batch_jobs(cluster), _ssh_cleanups(cluster, plan), _connection_files(cluster)
     # If this fails, local processes are gone already (the caller checked) and remote ones are checked below.
