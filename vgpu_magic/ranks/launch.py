@@ -183,8 +183,7 @@ def run_rank(request: dict[str, Any]) -> int:
 
 
 def _follow(popen: subprocess.Popen) -> int:
-    """Copy the child's stdout and stderr to this process' own until it exits: its exit status. Interrupted,
-    interrupt the child (SIGINT), and kill it once it is stuck (:func:`progressing`)."""
+    """Copy the child's output to this process' own until it exits: its status. Interrupted: SIGINT, killed if stuck."""
     selector = selectors.DefaultSelector()
     for pipe, out in ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr)):
         selector.register(pipe, selectors.EVENT_READ, (out, codecs.getincrementaldecoder("utf-8")("replace")))

@@ -35,6 +35,8 @@ GRACE = 3.0
 POLL = 0.05
 #: Seconds to wait, at the end of a run, for output still on its way from finished ranks.
 OUTPUT_WAIT = 5.0
+#: How a run says the cluster is left unusable.
+_RESTART = "the cluster must be restarted: %vgpu_cluster restart"
 
 
 @dataclass(frozen=True)
@@ -76,10 +78,8 @@ class RankRunError(RuntimeError):
             parts.append(f"interrupted {_rank_s(self.interrupted)}")
         if self.killed:
             parts.append(f"killed {_rank_s(self.killed)} (did not stop within {self.grace:g} s of SIGINT)")
-        if state and self.must_restart:
-            parts.append("the cluster must be restarted: %vgpu_cluster restart")
-        elif state:
-            parts.append("the cluster is still usable")
+        if state:
+            parts.append(_RESTART if self.must_restart else "the cluster is still usable")
         return "; ".join(parts)
 
     def _render_traceback_(self) -> list[str]:
@@ -340,7 +340,7 @@ class RankRun:
             self.trace = memory.finish(interrupted=True)
             said = [f"interrupted {_rank_s(running)}" if running else "no rank was running"]
             if killed:
-                said.append(f"{_killed(killed, self.grace)}; the cluster must be restarted: %vgpu_cluster restart")
+                said.append(f"{_killed(killed, self.grace)}; {_RESTART}")
             interrupt = KeyboardInterrupt("; ".join(said))
             # IPython shows this one line, not the way the interrupt came through the kernel and vgpu_magic.
             interrupt._render_traceback_ = lambda: [f"KeyboardInterrupt: {interrupt}"]

@@ -162,9 +162,8 @@ def how_it_ended(code: int) -> str:
 
 
 def show_display(rank: int, content: dict[str, Any], out: TextIO) -> None:
-    """What rank ``rank`` displayed (``display_data``: HTML, an image, a rich table, a widget): in a notebook a
-    ``[rank r]`` line then the output itself, in a terminal its text, labelled. In a kernel ipyparallel relays
-    a rank's widget messages to the front end, so a widget (a ``tqdm.auto`` bar) is live there."""
+    """What rank ``rank`` displayed (``display_data``): in a notebook a ``[rank r]`` line then the output itself, in a
+    terminal its text, labelled. ipyparallel relays a rank's widget messages, so a ``tqdm.auto`` bar is live."""
     from IPython import get_ipython
 
     data = content.get("data") or {}
