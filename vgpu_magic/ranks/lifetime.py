@@ -154,9 +154,7 @@ def watched_command(module: str) -> list[str]:
 def run_when_this_process_dies(command: str, token: str = "") -> subprocess.Popen:
     """Start a watcher of this process, in a session of its own, that runs ``command`` when this process dies
     without killing the watcher first; with ``token`` it carries ``CLUSTER_ENV``, so the cluster's stop ends it."""
-    env = {**os.environ, OWNER_ENV: owner_of_this_process()}
-    if token:
-        env[CLUSTER_ENV] = token
+    env = {**os.environ, OWNER_ENV: owner_of_this_process(), **({CLUSTER_ENV: token} if token else {})}
     return subprocess.Popen(
         [sys.executable, "-m", __name__, "--then", command],
         env=env,
@@ -174,13 +172,10 @@ def processes_of(token: str, since: float = 0.0) -> list:
     me = psutil.Process().username()
     found = []
     for proc in psutil.process_iter(["username", "create_time"]):
-        try:
-            if proc.info["username"] != me or proc.info["create_time"] < since - 1 or proc.pid == os.getpid():
-                continue
-            if proc.environ().get(CLUSTER_ENV) == token:
+        with contextlib.suppress(psutil.Error):
+            mine = proc.info["username"] == me and proc.info["create_time"] >= since - 1 and proc.pid != os.getpid()
+            if mine and proc.environ().get(CLUSTER_ENV) == token:
                 found.append(proc)
-        except psutil.Error:
-            continue
     return found
 
 
