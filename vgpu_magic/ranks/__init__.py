@@ -4,6 +4,7 @@ the engine; :mod:`.magics` its faces. Importing this package imports neither ipy
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __all__ = ["RankCluster", "RankInfo", "ClusterStartError", "RankRunError", "UnsendableName", "cluster"]
@@ -20,8 +21,6 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'vgpu_magic.ranks' has no attribute {name!r}")
 

@@ -275,8 +275,7 @@ def clean_up_when_kernel_dies(cluster: Any, plan: LauncherPlan, token: str) -> s
 
 def _connection_files(cluster: Any) -> list[str]:
     """The controller's connection files, which it removes only when it exits of itself."""
-    controller = getattr(cluster, "controller", None)
-    return list(controller.connection_files.values()) if controller is not None else []
+    return list(cluster.controller.connection_files.values()) if getattr(cluster, "controller", None) else []
 
 
 def _ssh_cleanups(cluster: Any, plan: LauncherPlan) -> list[tuple[str, tuple[str, ...], str, str]]:
