@@ -1,8 +1,7 @@
-"""A script run is a launch: ``%vgpu_run FILE ARGS`` starts new rank processes every time, as ``torchrun`` /
-``srun`` / ``mpirun`` do; docs/ranks.md (*Cells and scripts*) says what a launch gives the script and when a spare
-is used. The engine on each host is the launcher's agent (torchrun's design): :func:`run_rank` starts the script as
-its child, which dies with it, and follows it; :func:`child` is a spare, waiting with the framework imported.
-"""
+"""A script run is a launch: ``%vgpu_run FILE ARGS`` starts new rank processes every time, as ``torchrun`` / ``srun``
+/ ``mpirun`` do (docs/ranks.md, *Cells and scripts*). The engine on each host is the launcher's agent (torchrun's
+design): :func:`run_rank` starts the script as its child, which dies with it, and follows it; :func:`child` is a
+spare, waiting with the framework imported."""
 
 from __future__ import annotations
 
