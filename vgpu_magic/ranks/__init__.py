@@ -1,11 +1,10 @@
-"""Multi-process rehearsal: N ranks on ipyparallel engines, wired as the real launchers wire them
-(torchrun's environment, ``TF_CONFIG``, ``jax.distributed``), run under one fault policy.
-:class:`~.rank_cluster.RankCluster` is the engine; :mod:`.magics` its faces. Importing this package
-imports neither ipyparallel nor any framework.
-"""
+"""Multi-process rehearsal: N ranks on ipyparallel engines, wired as the real launchers wire them (torchrun's
+environment, ``TF_CONFIG``, ``jax.distributed``), under one fault policy. :class:`~.rank_cluster.RankCluster` is
+the engine; :mod:`.magics` its faces. Importing this package imports neither ipyparallel nor any framework."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __all__ = ["RankCluster", "RankInfo", "ClusterStartError", "RankRunError", "UnsendableName", "cluster"]
@@ -22,8 +21,6 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'vgpu_magic.ranks' has no attribute {name!r}")
 

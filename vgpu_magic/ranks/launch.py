@@ -1,8 +1,7 @@
-"""A script run is a launch: ``%vgpu_run FILE ARGS`` starts new rank processes every time, as ``torchrun`` /
-``srun`` / ``mpirun`` do; docs/ranks.md (*Cells and scripts*) says what a launch gives the script and when a spare
-is used. The engine on each host is the launcher's agent (torchrun's design): :func:`run_rank` starts the script as
-its child, which dies with it, and follows it; :func:`child` is a spare, waiting with the framework imported.
-"""
+"""A script run is a launch: ``%vgpu_run FILE ARGS`` starts new rank processes every time, as ``torchrun`` / ``srun``
+/ ``mpirun`` do (docs/ranks.md, *Cells and scripts*). The engine on each host is the launcher's agent (torchrun's
+design): :func:`run_rank` starts the script as its child, which dies with it, and follows it; :func:`child` is a
+spare, waiting with the framework imported."""
 
 from __future__ import annotations
 
@@ -46,9 +45,8 @@ def kernel_environ() -> tuple[str, dict[str, str]]:
 
 
 def launch_request(plan: Any, path: str, args: list[str], cwd: str, preload: list[str], spare: bool = True) -> dict:
-    """What :func:`run_rank` needs to launch one rank with its :class:`~vgpu_magic.frameworks.base.RankPlan`
-    (plain data, sent to its engine); ``preload``: the modules a spare imports; ``spare``: keep one for the
-    next launch. The script makes its own call to join the others, as under its launcher."""
+    """What :func:`run_rank` needs to launch one rank with its :class:`~vgpu_magic.frameworks.base.RankPlan`, as plain
+    data; ``preload``: the modules a spare imports; ``spare``: keep one for the next launch."""
     return {
         "spare": spare,
         "environ": kernel_environ(),
@@ -81,8 +79,8 @@ class _Process:
 
 
 def _made(preload: list[str]) -> tuple:
-    """A child's imports, and the installed packages as it found them: an install since (``pip install -e``) is
-    not on its import path. Each folder's modification time changes as a package or ``.pth`` file comes or goes."""
+    """A child's imports, and the installed packages as it found them (the folders' modification times): an install
+    since (``pip install -e``) is not on its import path."""
     import site
 
     folders = sorted({*site.getsitepackages(), site.getusersitepackages()})
@@ -119,9 +117,8 @@ def _spare_for(plan_env: dict[str, str], preload: list[str], environ: Environ) -
 
 
 def _base(plan_env: dict[str, str], environ: Environ) -> dict[str, str]:
-    """A launch's environment outside the plan: the kernel's as the run found it (``environ``: :func:`kernel_environ`;
-    a launcher run from the notebook inherits it), the engine's own on another host; with the cluster's own
-    variables (:mod:`.lifetime`'s) over it, without ipyparallel's (its key among them)."""
+    """A launch's environment outside the plan: the kernel's ``environ`` (a launcher run from the notebook inherits
+    it), the engine's own on another host; with :mod:`.lifetime`'s variables, without ipyparallel's (its key)."""
     from . import lifetime
 
     ours = {k: os.environ[k] for k in (lifetime.OWNER_ENV, lifetime.CLUSTER_ENV) if k in os.environ}
@@ -150,8 +147,7 @@ def _start(plan_env: dict[str, str], preload: list[str], environ: Environ) -> _P
 
 
 def warm(plan_env: dict[str, str], preload: list[str], environ: Environ = None) -> None:
-    """Run on an engine: make sure a spare is there, started with the rank's plan ``plan_env`` over ``environ``
-    (:func:`_base`), importing ``preload`` (a launch that comes before its imports end waits for them)."""
+    """Run on an engine: make sure a spare waits, started with ``plan_env`` over ``environ``, importing ``preload``."""
     global _spare
     _spare = _spare_for(plan_env, preload, environ)
 
@@ -186,13 +182,16 @@ def run_rank(request: dict[str, Any]) -> int:
 
 
 def _follow(popen: subprocess.Popen) -> int:
-    """Copy the child's stdout and stderr to this process' own until it exits: its exit status. Interrupted,
-    interrupt the child (SIGINT), and kill it once it is stuck (:func:`progressing`)."""
+    """Copy the child's output to this process' own until it exits: its status. Interrupted: SIGINT, killed if stuck."""
     selector = selectors.DefaultSelector()
     for pipe, out in ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr)):
         selector.register(pipe, selectors.EVENT_READ, (out, codecs.getincrementaldecoder("utf-8")("replace")))
 
-    def copy(timeout: float | None) -> None:
+    def copy(timeout: float) -> None:
+        if not selector.get_map():  # both pipes closed: wait for the exit instead
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(timeout)
+            return
         for key, _ in selector.select(timeout):
             out, decoder = key.data
             data = os.read(key.fd, 65536)
@@ -205,11 +204,7 @@ def _follow(popen: subprocess.Popen) -> int:
 
     try:
         while popen.poll() is None:
-            if selector.get_map():
-                copy(0.2)
-            else:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    popen.wait(0.2)
+            copy(0.2)
     except KeyboardInterrupt:
         # A process that ended on its own as the interrupt came is reported as it ended.
         if popen.poll() is None:
@@ -217,10 +212,7 @@ def _follow(popen: subprocess.Popen) -> int:
             for _ in progressing(popen.pid):
                 if popen.poll() is not None:
                     break
-                if selector.get_map():  # what its handler prints goes on streaming
-                    copy(0.2)
-                else:
-                    time.sleep(0.05)
+                copy(0.2)  # what its handler prints goes on streaming
             if popen.poll() is None:
                 popen.kill()
             raise
@@ -258,8 +250,7 @@ def _die_with_parent(parent: int) -> None:
     if sys.platform.startswith("linux"):
         import ctypes
 
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     else:
         import psutil
 

@@ -1,17 +1,12 @@
 """Nothing a cluster starts outlives its kernel.
 
 A kernel can die without running ``atexit`` (SIGKILL, the OOM killer, XLA's ``abort()``), so each process a
-cluster starts watches its *owner* itself. :data:`OWNER_ENV` names the owner as ``"host:pid:start-time"`` (the
-start time tells it from a later process reusing the PID; the host keeps a process on another machine from
-mistaking a local PID for its kernel). :func:`watch_owner` waits for the owner's exit (``pidfd_open``: no
-polling), then SIGKILLs this process and everything below it (SIGKILL: a rank blocked in a collective never gets
-back to Python). The controller and the engines (``python -m vgpu_magic.ranks.lifetime ipyparallel.engine
-ARGS``, :func:`watched_command`) are watched from a small process forked *beside* them before anything is
-loaded, which a rank holding the GIL in C code cannot starve; a process they fork watches for itself
-(:func:`os.register_at_fork`). Every process also carries its cluster's :data:`CLUSTER_ENV` token, so
-:func:`processes_of` finds them all, re-parented ones too. Processes on other hosts (SLURM, ssh) cannot see the
-kernel's PID: there a watched local process runs the launcher's own stop when the kernel dies
-(``python -m vgpu_magic.ranks.lifetime --then 'scancel JOBID'``).
+cluster starts watches its owner itself (:data:`OWNER_ENV`, :func:`watch_owner`), then SIGKILLs itself and all
+below it: a rank blocked in a collective never gets back to Python. The controller and the engines
+(:func:`watched_command`) are watched from a small process forked beside them before anything is loaded, which a
+rank holding the GIL in C code cannot starve; a process they fork watches for itself. Every process carries its
+cluster's :data:`CLUSTER_ENV` token (:func:`processes_of`). Processes on other hosts cannot see the kernel's PID:
+there a watched local process runs the launcher's own stop (``--then 'scancel JOBID'``) when the kernel dies.
 """
 
 from __future__ import annotations
@@ -30,7 +25,8 @@ import time
 
 __all__ = ["OWNER_ENV", "CLUSTER_ENV", "WATCHER_NAME", "watch_owner", "run_when_this_process_dies", "processes_of"]
 
-#: ``"host:pid:start-time"`` of the process whose death ends this one.
+#: ``"host:pid:start-time"`` of the process whose death ends this one (the start time tells it from a later
+#: process reusing the PID; the host keeps a process on another machine from taking a local PID for its owner).
 OWNER_ENV = "VGPU_MAGIC_OWNER"
 #: A token shared by every process of one cluster (:func:`processes_of`).
 CLUSTER_ENV = "VGPU_MAGIC_CLUSTER"
@@ -47,25 +43,26 @@ def owner_of_this_process() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{psutil.Process().create_time():.3f}"
 
 
-def _owner_alive(pid: int, created: float) -> bool:
+def process_alive(pid: int, created: float | None = None) -> bool:
+    """Is ``pid`` running (a zombie, dead but not yet reaped, is not), started at ``created`` if given (not a later
+    process reusing the PID)?"""
     import psutil
 
     try:
         proc = psutil.Process(pid)
-        return abs(proc.create_time() - created) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE
+        return (created is None or abs(proc.create_time() - created) < 0.01) and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
 
 
 def _wait_for_exit(pid: int, created: float) -> None:
     """Return once the owner has exited (or never existed)."""
-    try:
+    fd = None
+    with contextlib.suppress(AttributeError, OSError):
         fd = os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        fd = None
     try:
         # Checked after opening the pidfd: a PID reused since is not our owner.
-        while _owner_alive(pid, created):
+        while process_alive(pid, created):
             if fd is not None:
                 select.select([fd], [], [])
             else:
@@ -79,10 +76,9 @@ def _end_process_tree(pid: int) -> None:
     """SIGKILL ``pid`` (this process, unless its watcher's) and everything below it, but the caller."""
     import psutil
 
-    try:
+    below = []
+    with contextlib.suppress(psutil.Error):
         below = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        below = []
     for proc in below:
         if proc.pid != os.getpid():
             with contextlib.suppress(psutil.Error):
@@ -118,10 +114,9 @@ def _watch_from_beside(pid: int, created: float) -> None:
 
 
 def watch_owner(owner: str | None = None, then: str | None = None, beside: bool = False) -> bool:
-    """Start the watch: when ``owner`` (default: :data:`OWNER_ENV`) exits, run ``then`` (a shell command, if
-    any), then SIGKILL this process and its descendants. The watch is a daemon thread, or with ``beside`` a
-    process of its own (call it before any thread starts). Returns whether a watch runs: not without an owner
-    on this host."""
+    """When ``owner`` (default: :data:`OWNER_ENV`) exits, run the shell command ``then``, then SIGKILL this process and
+    its descendants; watched (``pidfd_open``: no polling) by a daemon thread, or with ``beside`` a process of its own
+    (call it before any thread starts). Whether a watch runs: not without an owner on this host."""
     owner = owner or os.environ.get(OWNER_ENV)
     if not owner:
         return False
@@ -147,13 +142,8 @@ def watch_owner(owner: str | None = None, then: str | None = None, beside: bool 
     return True
 
 
-def _watch_again_after_fork() -> None:
-    # Threads do not survive fork; a forked child watches for itself.
-    if _watching:
-        watch_owner(_watching["owner"])
-
-
-os.register_at_fork(after_in_child=_watch_again_after_fork)
+# Threads do not survive fork; a forked child watches for itself.
+os.register_at_fork(after_in_child=lambda: _watching and watch_owner(_watching["owner"]))
 
 
 def watched_command(module: str) -> list[str]:
@@ -164,9 +154,7 @@ def watched_command(module: str) -> list[str]:
 def run_when_this_process_dies(command: str, token: str = "") -> subprocess.Popen:
     """Start a watcher of this process, in a session of its own, that runs ``command`` when this process dies
     without killing the watcher first; with ``token`` it carries ``CLUSTER_ENV``, so the cluster's stop ends it."""
-    env = {**os.environ, OWNER_ENV: owner_of_this_process()}
-    if token:
-        env[CLUSTER_ENV] = token
+    env = {**os.environ, OWNER_ENV: owner_of_this_process(), **({CLUSTER_ENV: token} if token else {})}
     return subprocess.Popen(
         [sys.executable, "-m", __name__, "--then", command],
         env=env,
@@ -184,13 +172,10 @@ def processes_of(token: str, since: float = 0.0) -> list:
     me = psutil.Process().username()
     found = []
     for proc in psutil.process_iter(["username", "create_time"]):
-        try:
-            if proc.info["username"] != me or proc.info["create_time"] < since - 1 or proc.pid == os.getpid():
-                continue
-            if proc.environ().get(CLUSTER_ENV) == token:
+        with contextlib.suppress(psutil.Error):
+            mine = proc.info["username"] == me and proc.info["create_time"] >= since - 1 and proc.pid != os.getpid()
+            if mine and proc.environ().get(CLUSTER_ENV) == token:
                 found.append(proc)
-        except psutil.Error:
-            continue
     return found
 
 
@@ -205,9 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     if not argv:
         sys.exit("usage: python -m vgpu_magic.ranks.lifetime MODULE [ARGS...] | --then COMMAND")
     watch_owner(beside=True)
-    module = argv[0]
-    sys.argv = [module, *argv[1:]]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    sys.argv = argv
+    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,5 @@
-"""The ranks' processes: checked before they start (memory, port), started by ipyparallel under
-:mod:`.lifetime`'s watch of this kernel, and made sure of when they stop (SIGTERM, SIGKILL, a batch job out
-of the queue, SSH hosts cleaned).
-"""
+"""The ranks' processes: checked before they start (memory, port), started by ipyparallel under :mod:`.lifetime`'s
+watch of this kernel, and made sure of when they stop (SIGTERM, SIGKILL, a batch job out of the queue, SSH hosts)."""
 
 from __future__ import annotations
 
@@ -25,7 +23,6 @@ __all__ = ["CONTROLLER_ARGS", "ClusterStartError", "check_memory_fits", "check_p
 
 #: Seconds processes get after SIGTERM before SIGKILL when the cluster stops.
 STOP_GRACE = 2.0
-
 #: Seconds a cancelled batch job may take to leave the queue, and remote engines to exit.
 REMOTE_STOP_TIMEOUT = 30.0
 #: The controller's heartbeat. The hub accepts a registering engine only once its heart has answered a ping, so
@@ -36,8 +33,6 @@ CONTROLLER_ARGS = (
     f"--HeartMonitor.period={HEARTBEAT_MS}",
     f"--HeartMonitor.max_heartmonitor_misses={30_000 // HEARTBEAT_MS}",
 )
-
-
 #: Seconds a start or stop under way may take to end after an interrupt, before it is left to itself.
 UNINTERRUPTED_LIMIT = 60.0
 
@@ -75,8 +70,7 @@ REMOTE_CLEANUP = (
 
 
 def ssh(location: str, args: tuple[str, ...], command: str, timeout: float = REMOTE_STOP_TIMEOUT) -> tuple[bool, str]:
-    """Run ``command`` on ``location`` over ssh (never asking for a password): whether it ran, and its
-    stdout or ssh's own reason why not."""
+    """Run ``command`` on ``location`` over ssh, never asking for a password: whether it ran, its stdout or why not."""
     try:
         proc = subprocess.run(
             ["ssh", "-o", "BatchMode=yes", *args, location, command],
@@ -100,9 +94,8 @@ def _last_line(text: str | bytes | None) -> str:
 
 
 def start_failure(exc: BaseException, plan: LauncherPlan) -> str:
-    """Why a start failed, in one line, in the launcher's own words: a command's stderr (``sbatch: fatal:
-    ...``), or ssh's reason for the first host it cannot reach (ipyparallel only says "Unable to get remote
-    shell information")."""
+    """Why a start failed, in the launcher's own words: a command's stderr (``sbatch: fatal: ...``), or ssh's reason
+    for the first host it cannot reach (ipyparallel only says "Unable to get remote shell information")."""
     while exc is not None:
         if isinstance(exc, subprocess.CalledProcessError) and _last_line(exc.stderr):
             return _last_line(exc.stderr).rstrip(".")
@@ -135,17 +128,15 @@ RANK_MEMORY_BOUND = 2 * 1024**3
 
 @functools.cache
 def rank_footprint(module: str) -> int:
-    """Resident bytes of one rank with ``module`` (and an engine's own imports) imported, measured once per
-    kernel in a fresh interpreter."""
+    """Resident bytes of a fresh interpreter with ``module`` and an engine's own imports imported (once per kernel)."""
     code = f"import psutil, ipyparallel.engine.app, {module}; print(psutil.Process().memory_info().rss)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     return int(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else 0
 
 
 def check_memory_fits(n: int, fw: Any) -> bool:
-    """Do ``n`` ranks fit in the host's available memory with a warm spare each (:mod:`.launch`: a second
-    process with the framework imported)? ``False`` where only the ranks fit; :class:`ClusterStartError` in one
-    line where not even they do. Estimated from one measured rank, measured only where the bound leaves doubt."""
+    """Do ``n`` ranks fit in the host's memory with a warm spare each (:mod:`.launch`)? ``False`` where only the ranks
+    fit; :class:`ClusterStartError` where not even they do. One rank is measured only where the bound leaves doubt."""
     import psutil
 
     from ..units import format_bytes
@@ -186,8 +177,7 @@ def check_port_free(port: int) -> None:
 
 
 def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> Any:
-    """ipyparallel's cluster for ``n`` engines, configured with the launcher ``plan``, its
-    processes marked with the cluster's ``token``."""
+    """ipyparallel's cluster for ``n`` engines, as the launcher ``plan`` says, its processes marked with ``token``."""
     import copy
 
     from traitlets.config import Config
@@ -219,24 +209,22 @@ def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> 
         **kwargs,
     )
     cluster.owner = True
-    if plan.name == "slurm":
-        # ipyparallel writes the batch script into the kernel's working folder (the user's notebooks);
-        # an absolute name puts it with the engines' log in the profile instead, removed by stop().
-        log = os.path.join(cluster.profile_dir, "log")
-        cluster.config.SlurmEngineSetLauncher.batch_file_name = os.path.join(log, f"ipengine-{cluster_id}.sbatch")
+    # ipyparallel writes a SLURM batch script into the kernel's working folder (the user's notebooks); an absolute
+    # name puts it with the engines' log in the profile instead, removed by stop_launched() (unused by the others).
+    batch_file = os.path.join(cluster.profile_dir, "log", f"ipengine-{cluster_id}.sbatch")
+    cluster.config.SlurmEngineSetLauncher.batch_file_name = batch_file
     return cluster
 
 
 def keep_logs(cluster: Any, launchers: Any = ()) -> str:
-    """``"; the processes' log: PATH"``: what ``cluster``'s processes logged so far (which its stop removes), in
-    one file outside the profile; ``""`` where they logged nothing. A process of ``launchers`` that ended had its
-    log removed by ipyparallel, which read it first."""
+    """``"; the processes' log: PATH"``: what ``cluster``'s processes logged (which its stop removes), kept in one file,
+    or ``""``. A process of ``launchers`` that ended had its log removed by ipyparallel, which read it first."""
     import glob
     import tempfile
 
     pattern = os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*.log") if cluster else ""
     texts = {}
-    for log in sorted(glob.glob(pattern)) if pattern else ():
+    for log in sorted(glob.glob(pattern)):
         with contextlib.suppress(OSError), open(log, errors="replace") as lines:
             texts[os.path.basename(log)] = lines.read()
     for launcher in launchers:
@@ -251,8 +239,7 @@ def keep_logs(cluster: Any, launchers: Any = ()) -> str:
 
 
 def local_launchers(cluster: Any) -> dict[int, Any]:
-    """The launcher of every process ipyparallel started for ``cluster`` on this host, by PID (SSH engines
-    and a batch job's tasks are ended through their launcher, :func:`stop_launched`)."""
+    """The launcher of every process ipyparallel started for ``cluster`` on this host, by PID."""
     from ipyparallel.cluster.launcher import LocalProcessLauncher, SSHLauncher
 
     launchers = [cluster.controller]
@@ -272,12 +259,10 @@ _REMOVE = "import glob, os, sys; [os.remove(p) for pattern in sys.argv[1:] for p
 
 
 def clean_up_when_kernel_dies(cluster: Any, plan: LauncherPlan, token: str) -> set[int]:
-    """What a stop does itself, done by watched processes next to the kernel when it dies without a stop
-    (:func:`.lifetime.run_when_this_process_dies`): engines on other hosts, which cannot watch this kernel's PID,
-    ended through their launcher; the cluster's file (which ipyparallel's tools list), its controller's connection
-    files and its processes' logs in the profile removed. Returns the watchers' PIDs: a stop ends them last, so
-    that a kernel killed while it stops (Jupyter's shutdown sends SIGTERM after 2.5 s, SIGKILL after 5 s) still
-    has them clean up."""
+    """A stop's own work, done by watchers (:func:`.lifetime.run_when_this_process_dies`) if the kernel dies without
+    one: engines on other hosts (which cannot watch its PID) ended through their launcher; the cluster's file, its
+    controller's connection files and its processes' logs removed. Returns the watchers' PIDs: a stop ends them last,
+    so that a kernel killed while it stops (Jupyter's shutdown: SIGKILL after 5 s) still has them clean up."""
     import shlex
 
     logs = os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*")
@@ -290,13 +275,11 @@ def clean_up_when_kernel_dies(cluster: Any, plan: LauncherPlan, token: str) -> s
 
 def _connection_files(cluster: Any) -> list[str]:
     """The controller's connection files, which it removes only when it exits of itself."""
-    controller = getattr(cluster, "controller", None)
-    return list(controller.connection_files.values()) if controller is not None else []
+    return list(cluster.controller.connection_files.values()) if getattr(cluster, "controller", None) else []
 
 
 def _ssh_cleanups(cluster: Any, plan: LauncherPlan) -> list[tuple[str, tuple[str, ...], str, str]]:
-    """``(location, ssh args, PIDs there of the engines cluster started, REMOTE_CLEANUP command)`` for each SSH
-    host of ``plan``."""
+    """``(location, ssh args, PIDs of the cluster's engines there, REMOTE_CLEANUP command)`` per SSH host."""
     if not plan.ssh_hosts:
         return []
     engines = [
@@ -314,19 +297,15 @@ def _ssh_cleanups(cluster: Any, plan: LauncherPlan) -> list[tuple[str, tuple[str
 
 
 def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared: set[int] = frozenset()) -> list[Any]:
-    """End the processes a cluster started on this host: ``owned`` and their children, and every process
-    carrying its ``token`` (also those whose parent died first), but those ``spared``. SIGTERM, then SIGKILL
-    after :data:`STOP_GRACE` seconds for what is still alive; returns those that survived even that."""
+    """End ``owned`` and their children, and every process carrying ``token`` (orphans too), but those ``spared``:
+    SIGTERM, then SIGKILL after :data:`STOP_GRACE` seconds; returns those that survived even that."""
     import psutil
 
     procs: dict[int, Any] = {}
     for pid in sorted(owned):
-        try:
-            proc = psutil.Process(pid)
-            procs[pid] = proc
-            procs.update((child.pid, child) for child in proc.children(recursive=True))
-        except psutil.Error:
-            continue
+        with contextlib.suppress(psutil.Error):
+            procs[pid] = psutil.Process(pid)
+            procs.update((child.pid, child) for child in procs[pid].children(recursive=True))
     ended: set[int] = set(spared)
     alive: list[Any] = []
     # Twice where a token marks them: a process forked while the first round ended its parent (a controller
@@ -363,9 +342,8 @@ def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared:
 
 
 def _running_after(procs: list[Any], timeout: float) -> list[Any]:
-    """Those of ``procs`` still running after up to ``timeout`` seconds. A zombie has ended: an orphan's is
-    reaped by the host's init when that gets to it (seconds, in some containers), which a stop need not
-    wait for (``psutil.wait_procs`` does)."""
+    """Those of ``procs`` still running after up to ``timeout`` seconds. A zombie has ended: a stop need not wait
+    for init to reap an orphan's (seconds, in some containers), as ``psutil.wait_procs`` does."""
     import psutil
 
     def running(proc: Any) -> bool:
@@ -381,40 +359,36 @@ def _running_after(procs: list[Any], timeout: float) -> list[Any]:
 
 
 def signal_engine(client: Any, engine_id: int, signum: int) -> None:
-    """Send ``signum`` to engine ``engine_id`` through its nanny (for an engine on another host); one already
-    gone is no error."""
+    """Send ``signum`` to engine ``engine_id`` (on another host) through its nanny; one already gone is no error."""
     with contextlib.suppress(Exception):
         client.send_signal(signum, targets=[engine_id], block=False).get(timeout=5.0)
 
 
 def unlist(cluster: Any) -> None:
-    """Remove ``cluster``'s file, and write it no more (``""`` turns it off). Before its processes are ended: a
-    panel that loaded it then would find them gone and list a dead cluster for good. ipyparallel removes it once
-    it saw each of its processes stop; those that ended before leave it, or its late callbacks write it again."""
+    """Remove ``cluster``'s file and write it no more, before its processes end (a panel that loaded it then would
+    list a dead cluster for good): ipyparallel's own removal, once each process stopped, misses those that ended
+    before, and its late callbacks write it again."""
     cluster.remove_cluster_file()
     cluster.cluster_file = ""
 
 
 def stop_launched(cluster: Any, plan: LauncherPlan) -> list[str]:
-    """Stop what ipyparallel launched for ``cluster`` through its launchers, make sure the batch jobs left the
-    queue (``scancel -s KILL`` if not) and on each SSH host the engines are gone and the cluster's folder
-    removed, and remove the batch script. Returns what is still left, in words."""
+    """Stop what ipyparallel launched for ``cluster``, make sure the batch jobs left the queue (``scancel -s KILL``
+    if not) and each SSH host has no engine nor the cluster's folder left. Returns what is still left, in words."""
     # Read before the stop: ipyparallel forgets the engines it stopped.
     jobs, cleanups, connection = batch_jobs(cluster), _ssh_cleanups(cluster, plan), _connection_files(cluster)
     # If this fails, local processes are gone already (the caller checked) and remote ones are checked below.
     with contextlib.suppress(Exception):
         cluster.stop_cluster_sync()
     unlist(cluster)
-    # The controller's record of its engines, which it removes only when it exits of itself.
+    # The controller's record of its engines (which it removes only when it exits of itself), the batch script.
     connection.append(os.path.join(cluster.profile_dir, "log", f"engines{cluster.cluster_id}.json"))
+    connection.append(cluster.config.SlurmEngineSetLauncher.batch_file_name)
     for path in connection:  # left by a controller that was killed
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
     # Stopped here: ipyparallel's own stop at exit (or when the object goes) would only try again, noisily.
     cluster.shutdown_atexit = False
-    if plan.name == "slurm":
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(cluster.config.SlurmEngineSetLauncher.batch_file_name)
     left = []
     for job in jobs:
         if not wait_job_gone(job, REMOTE_STOP_TIMEOUT / 2):

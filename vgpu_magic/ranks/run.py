@@ -1,10 +1,8 @@
 """Running one piece of work on every rank under the fault policy docs/ranks.md states (*When a rank fails*).
 
 :class:`RankRun` submits the work to each rank (one ipyparallel ``AsyncResult`` each) and watches them from the
-kernel: each rank's output streams live as whole lines labelled ``[rank r]``, its displays in their place among
-them; its memory is sampled (:mod:`.memory`). The policy's delays are :data:`COLLECT` and :data:`GRACE` (a script's
-launch more, while its engine stops the process it launched: :func:`.launch.progressing`). A rank's process is
-reached through :class:`RankProcesses`: by PID on this host, through its engine on another.
+kernel: output streams live, labelled ``[rank r]`` (:mod:`.shown`); memory is sampled (:mod:`.memory`). A rank's
+process is reached through :class:`RankProcesses`: by PID on this host, through its engine on another.
 """
 
 from __future__ import annotations
@@ -18,22 +16,16 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TextIO
 
 from ..runtime import running_cell
 from .launch import INTERRUPT_LIMIT, STUCK
+from .lifetime import process_alive
 from .memory import RankMonitor
 from .shown import PEER_GONE, HeldBack, LineStream, events, how_it_ended, notebook_traceback, show_display
 
-__all__ = [
-    "GRACE",
-    "RankProcesses",
-    "RankFailure",
-    "RankRunError",
-    "RankRun",
-    "interrupt_only_the_cell",
-    "process_alive",
-]
+__all__ = ["RankProcesses", "RankFailure", "RankRunError", "RankRun", "interrupt_only_the_cell", "process_alive"]
 
 #: Seconds the other ranks get, after the first failure, to finish (or fail) on their own.
 COLLECT = 1.0
@@ -43,14 +35,14 @@ GRACE = 3.0
 POLL = 0.05
 #: Seconds to wait, at the end of a run, for output still on its way from finished ranks.
 OUTPUT_WAIT = 5.0
-#: Seconds between memory samples.
-SAMPLE_EVERY = 0.2
+#: How a run says the cluster is left unusable.
+_RESTART = "the cluster must be restarted: %vgpu_cluster restart"
 
 
 @dataclass(frozen=True)
 class RankFailure:
-    """Why one rank did not finish: ``kind`` is ``"error"``, ``"died"``, ``"timeout"`` or ``"peer"`` (its error
-    said another rank went, one that failed first: its traceback is kept, not shown)."""
+    """Why one rank did not finish: ``kind`` is ``"error"``, ``"died"``, ``"timeout"`` or ``"peer"`` (its error said
+    another rank, which failed first, went: its traceback is kept, not shown)."""
 
     rank: int
     kind: str
@@ -59,9 +51,8 @@ class RankFailure:
 
 
 class RankRunError(RuntimeError):
-    """A run on the ranks failed; IPython shows :meth:`_render_traceback_`
-    (each failing rank's traceback, each line labelled with its ranks; the
-    same traceback on several ranks once)."""
+    """A run on the ranks failed; IPython shows :meth:`_render_traceback_`: each failing rank's traceback, each line
+    labelled with its ranks (the same traceback on several ranks once)."""
 
     def __init__(
         self,
@@ -71,7 +62,6 @@ class RankRunError(RuntimeError):
         must_restart: bool,
         grace: float = GRACE,
     ) -> None:
-        #: Every rank's own failure, the first seen first.
         self.failures = list(failures)
         self.failure = self.failures[0]
         self.interrupted = interrupted
@@ -88,10 +78,8 @@ class RankRunError(RuntimeError):
             parts.append(f"interrupted {_rank_s(self.interrupted)}")
         if self.killed:
             parts.append(f"killed {_rank_s(self.killed)} (did not stop within {self.grace:g} s of SIGINT)")
-        if state and self.must_restart:
-            parts.append("the cluster must be restarted: %vgpu_cluster restart")
-        elif state:
-            parts.append("the cluster is still usable")
+        if state:
+            parts.append(_RESTART if self.must_restart else "the cluster is still usable")
         return "; ".join(parts)
 
     def _render_traceback_(self) -> list[str]:
@@ -105,7 +93,7 @@ class RankRunError(RuntimeError):
 
 
 def _grouped(failures: list[RankFailure], key: str) -> list[tuple[Any, list[int]]]:
-    """``[(value, ranks), ...]``: each ``key`` value of the failures with the ranks sharing it, first seen first."""
+    """``[(value, ranks), ...]``: each ``key`` value of the failures with its ranks, first seen first."""
     groups: dict[Any, list[int]] = {}
     for failure in failures:
         groups.setdefault(getattr(failure, key), []).append(failure.rank)
@@ -113,8 +101,7 @@ def _grouped(failures: list[RankFailure], key: str) -> list[tuple[Any, list[int]
 
 
 def _rank_s(ranks: list[int], said: str = "") -> str:
-    """``"rank 0"`` or ``"ranks 0, 1"``, in rank order; followed by what is ``said`` of them, a leading "was"
-    agreeing (``"ranks 1, 2 were killed by SIGABRT"``)."""
+    """``"rank 0"``, ``"ranks 0, 1"``; then what is ``said`` of them, "was" agreeing: ``"ranks 1, 2 were killed"``."""
     several = len(ranks) > 1
     if several and said.startswith("was "):
         said = "were " + said[4:]
@@ -132,9 +119,8 @@ def _killed(ranks: list[int], grace: float) -> str:
 
 @dataclass
 class RankProcesses:
-    """How the fault policy reaches each rank's process: on this host (``local[rank]``, all by default) by its
-    PID (``exit_code(rank)``: how it exited, when known); on another host through its engine, alive while
-    registered (``engine_alive``) and signalled through its nanny (``engine_signal``)."""
+    """How the fault policy reaches each rank's process: on this host (``local[rank]``, all by default) by its PID
+    (``exit_code(rank)``, when known); on another through its engine (``engine_alive``, ``engine_signal``)."""
 
     pids: list[int]
     local: list[bool] | None = None
@@ -169,8 +155,7 @@ class RankProcesses:
 
 @dataclass
 class RankRun:
-    """One run on every rank. ``submit(rank)`` returns that rank's AsyncResult;
-    ``procs`` reaches the ranks' processes (liveness, signals, memory)."""
+    """One run on every rank. ``submit(rank)`` returns that rank's AsyncResult."""
 
     procs: RankProcesses
     submit: Callable[[int], Any]
@@ -188,8 +173,7 @@ class RankRun:
         self.trace = None  # the run's MemoryTrace, once it ended
         self.killed: list[int] = []
         self._seen: dict[int, int] = {}  # how many of each rank's output events were shown
-        #: Seconds a rank has at most to come back after SIGINT: a launch's, its process' too (its engine kills
-        #: that once it is stuck: :func:`.launch.progressing`).
+        #: Seconds a rank has at most to come back after SIGINT: a launch's, while its engine stops its process.
         self.grace = GRACE + (INTERRUPT_LIMIT + STUCK if self.launched else 0.0)
 
     def _emit(self, results: list[Any], streams: list[tuple[LineStream, LineStream]]) -> None:
@@ -205,10 +189,8 @@ class RankRun:
                     (out if kind == "stdout" else err).feed(content)
 
     def _drain(self, results: list[Any], streams: list[tuple[LineStream, LineStream]]) -> None:
-        """Show the rest of the output of every finished, living rank: ipyparallel can deliver a rank's reply
-        long before the messages carrying its last lines (a run that printed a million lines: seconds). Waited
-        for as long as more keeps coming; a rank whose output stopped coming for :data:`OUTPUT_WAIT` seconds
-        before its end is said to be cut."""
+        """Show the rest of the output of every finished, living rank: ipyparallel can deliver a rank's reply long
+        before its last lines (a million lines: seconds). Waited for while more keeps coming within OUTPUT_WAIT."""
         waiting = [rank for rank, ar in enumerate(results) if ar.ready() and self.procs.alive(rank)]
         arrived, since = -1, time.monotonic()
         while waiting and time.monotonic() - since < OUTPUT_WAIT:
@@ -223,9 +205,8 @@ class RankRun:
             self.stderr.write(f"[rank {rank}] the rest of its output did not arrive within {OUTPUT_WAIT:g} s\n")
 
     def _end(self, streams: list[tuple[LineStream, LineStream]], failures: dict[int, RankFailure], stopped=()) -> None:
-        """End each rank's streams. A rank that failed (or was ``stopped`` as it did) saying its peer went
-        (:data:`~.shown.PEER_GONE`, in what it printed or raised) while another failed otherwise was taken down by
-        that one: one line says so, in its stream and its failure, which keeps the whole text."""
+        """End each rank's streams. A rank that failed (or was ``stopped``) saying its peer went (:data:`PEER_GONE`)
+        while another failed otherwise was taken down by that one: one line says so, in its stream and failure."""
         failed = {*stopped, *(r for r, f in failures.items() if f.kind == "error")}
         peers = [r for r in failed if streams[r][1].peer or PEER_GONE.search(getattr(failures.get(r), "summary", ""))]
         first = [r for r in failures if r not in peers]
@@ -263,16 +244,13 @@ class RankRun:
             if code is None:
                 time.sleep(POLL)
         how = "died (exit status unknown)" if code is None else how_it_ended(code)
-        # The host too for a rank on another host: 'pid 1234 on node2'.
         elsewhere = not self.procs.on_this_host(rank) and self.procs.hosts
         where = f"pid {self.procs.pids[rank]}" + (f" on {self.procs.hosts[rank]}" if elsewhere else "")
         # With what the processes logged, which a restart would remove.
         return RankFailure(rank, "died", f"{how} ({where}){self.procs.keep_log()}", (f"rank {rank} {how}",))
 
     def _stop_others(self, results: list[Any], done: set[int]) -> tuple[list[int], list[int]]:
-        """SIGINT every rank still running (not in ``done``, nor :func:`_settled`); kill those still busy
-        after GRACE. A rank whose engine went idle without a reply (an interrupt that came as it was
-        replying) is not stuck."""
+        """SIGINT every rank still running (not in ``done``, nor :func:`_settled`), kill those still busy after it."""
         running = [r for r, ar in enumerate(results) if r not in done and not _settled(ar) and self.procs.alive(r)]
         for rank in running:
             self.procs.signal(rank, signal.SIGINT)
@@ -301,9 +279,8 @@ class RankRun:
                 failures[rank] = self._death(rank)
 
     def restart_reason(self, exc: BaseException) -> str | None:
-        """Why the cluster must be restarted after this run ended with ``exc`` (a :class:`RankRunError` or an
-        interrupt): the ranks that died or were killed; ``None`` when it is still usable (another rank's error
-        alone, which started the stop, leaves it so)."""
+        """Why the cluster must be restarted after this run ended with ``exc``: the ranks that died or were killed;
+        ``None`` when it is still usable (a rank's error alone leaves it so)."""
         died = [f for f in getattr(exc, "failures", ()) if f.kind == "died"]
         reasons = [_rank_s(ranks, summary) for summary, ranks in _grouped(died, "summary")]
         if self.killed:
@@ -314,24 +291,17 @@ class RankRun:
         """Run to the end; the per-rank AsyncResults, or :class:`RankRunError`."""
         n = len(self.procs.pids)
         held = self.held or HeldBack()
-        held.mark()
+        held.this_run = {}
 
         live: dict = {}
 
-        def line_streams(rank: int) -> tuple[LineStream, LineStream]:
-            # stderr with stdout, as a terminal shows both (not as errors: the run's own error says if it failed).
-            label, shown = f"[rank {rank}] ", lambda line: held.shown(rank, line)
-            streams = (LineStream(label, self.stdout, shown, f"[rank{rank}]:", live) for _ in range(2))
-            return tuple(streams)
+        def stream(r: int) -> LineStream:
+            return LineStream(f"[rank {r}] ", self.stdout, partial(held.shown, r), f"[rank{r}]:", live)
 
-        streams = [line_streams(r) for r in range(n)]
+        # stderr with stdout, as a terminal shows both (not as errors: the run's own error says if it failed).
+        streams = [(stream(r), stream(r)) for r in range(n)]
         memory = RankMonitor(
-            self.procs.memory_pids(),
-            self.gpu,
-            live=self.plot,
-            interval=SAMPLE_EVERY,
-            launched=self.launched,
-            engine=self.procs.engine,
+            self.procs.memory_pids(), self.gpu, self.plot, launched=self.launched, engine=self.procs.engine
         )
         start = time.monotonic()
         results: list[Any] = []
@@ -355,12 +325,8 @@ class RankRun:
                     collected_by = now + COLLECT
                 elif not failures and not all(looked) and self.timeout is not None and now - start > self.timeout:
                     late = [r for r in range(n) if not looked[r]]
-                    timed_out = RankFailure(
-                        late[0],
-                        "timeout",
-                        f"did not finish within --timeout {self.timeout:g} s (still running: {_rank_s(late)})",
-                        (f"timed out after {self.timeout:g} s",),
-                    )
+                    said = f"did not finish within --timeout {self.timeout:g} s (still running: {_rank_s(late)})"
+                    timed_out = RankFailure(late[0], "timeout", said, (f"timed out after {self.timeout:g} s",))
                 if timed_out or now >= collected_by or all(looked[r] or r in failures for r in range(n)):
                     break
                 # AsyncResults are futures: wake as soon as one finishes, else look again after POLL.
@@ -374,20 +340,18 @@ class RankRun:
             self.trace = memory.finish(interrupted=True)
             said = [f"interrupted {_rank_s(running)}" if running else "no rank was running"]
             if killed:
-                said.append(f"{_killed(killed, self.grace)}; the cluster must be restarted: %vgpu_cluster restart")
+                said.append(f"{_killed(killed, self.grace)}; {_RESTART}")
             interrupt = KeyboardInterrupt("; ".join(said))
             # IPython shows this one line, not the way the interrupt came through the kernel and vgpu_magic.
             interrupt._render_traceback_ = lambda: [f"KeyboardInterrupt: {interrupt}"]
             raise interrupt from None
-        interrupted: list[int] = []
-        killed: list[int] = []
-        if failures or timed_out:
-            interrupted, killed = self._stop_others(results, set(failures))
-            for rank, ar in enumerate(results):
-                # A rank that came back (from the interrupt, or as it was sent) with an error of its own failed too.
-                exc = _error(ar) if rank not in failures and rank not in killed else None
-                if exc is not None and getattr(exc, "ename", type(exc).__name__) != "KeyboardInterrupt":
-                    failures[rank] = self._failure(rank, ar)
+        # Without a failure or a timeout every rank succeeded: nothing to stop, no error to find.
+        interrupted, killed = self._stop_others(results, set(failures)) if failures or timed_out else ([], [])
+        for rank, ar in enumerate(results):
+            # A rank that came back (from the interrupt, or as it was sent) with an error of its own failed too.
+            exc = _error(ar) if rank not in failures and rank not in killed else None
+            if exc is not None and getattr(exc, "ename", type(exc).__name__) != "KeyboardInterrupt":
+                failures[rank] = self._failure(rank, ar)
         self._drain(results, streams)
         self._end(streams, failures, interrupted)
         interrupted = [r for r in interrupted if r not in failures]
@@ -405,10 +369,9 @@ class RankRun:
 
 
 def _settled(ar: Any) -> bool:
-    """Is the rank done with the work: its reply came, or its code raised (the error it published
-    comes before its reply), or its engine said it went idle (the status ipyparallel resolves each
-    message's output future with; ``ar.wait_for_output`` waits for the reply too)? A rank that is done
-    is not interrupted, nor killed for a reply that an interrupt lost."""
+    """Is the rank done with the work: its reply came, or its code raised (the error it published comes before its
+    reply), or its engine went idle (each message's output future is resolved then)? A rank that is done is not
+    interrupted, nor killed for a reply that an interrupt lost."""
     from .upstream import message_futures
 
     children = message_futures(ar)
@@ -425,10 +388,9 @@ def _error(ar: Any) -> BaseException | None:
 
 
 def interrupt_only_the_cell() -> None:
-    """On a rank's engine: SIGINT interrupts a cell's own code only (ipykernel takes it for the whole
-    request: one meant for a cell that had just finished lost the reply, or ended the engine's loop),
-    and a failed cell does not abort the next one (ipykernel's abort of the cells queued behind an
-    error can catch a run sent as soon as the last one failed)."""
+    """On a rank's engine: SIGINT interrupts a cell's own code only (ipykernel takes it for the whole request: one
+    meant for a cell that had just finished lost the reply, or ended the engine's loop), and a failed cell does not
+    abort the next one (ipykernel's abort of the cells queued behind an error caught a run sent right after)."""
     from IPython import get_ipython
 
     from . import upstream
@@ -439,13 +401,3 @@ def interrupt_only_the_cell() -> None:
     upstream.set_handler_hooks(shell.kernel, lambda: None, lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     upstream.no_abort_after_an_error(shell.kernel)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def process_alive(pid: int) -> bool:
-    """Is ``pid`` running (a zombie, dead but not yet reaped, is not)?"""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

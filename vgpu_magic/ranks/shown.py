@@ -1,9 +1,7 @@
-"""What of a rank's output reaches the notebook: each rank gets its framework's quiet log settings where the
-user set none (:func:`rank_env`); the start-up lines no setting silences (the framework's ``chatter``) are held
-back per rank (:class:`HeldBack`; ``%vgpu_cluster log RANK``, and a failing rank's with its traceback);
-``verbose`` shows everything. A rank's traceback names the notebook's cell (:func:`notebook_traceback`). Its
-output is recorded as it arrives (:func:`record_output`) and shown in whole lines labelled with its rank
-(:class:`LineStream`), its displays in their place among them (:func:`show_display`).
+"""What of a rank's output reaches the notebook: its framework's quiet log settings where the user set none
+(:func:`rank_env`); the start-up lines no setting silences held back per rank (:class:`HeldBack`), unless
+``verbose``; its output recorded as it arrives (:func:`record_output`) and shown in whole lines labelled with its
+rank (:class:`LineStream`), its displays in their place among them (:func:`show_display`).
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ import re
 import signal
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 __all__ = [
@@ -55,7 +54,7 @@ class HeldBack:
     def __init__(self, patterns: tuple[str, ...] = (), verbose: bool = False) -> None:
         self.pattern = re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns and not verbose else None
         self.held: dict[int, deque[str]] = {}
-        #: What each rank held back in the current run (:meth:`mark`).
+        #: What each rank held back in the current run (emptied as one starts).
         self.this_run: dict[int, list[str]] = {}
 
     def shown(self, rank: int, line: str) -> bool:
@@ -65,10 +64,6 @@ class HeldBack:
         self.held.setdefault(rank, deque(maxlen=HELD_LINES)).append(line)
         self.this_run.setdefault(rank, []).append(line)
         return False
-
-    def mark(self) -> None:
-        """A run starts."""
-        self.this_run = {}
 
     def lines(self, rank: int | None = None) -> list[str]:
         """What ``%vgpu_cluster log [RANK]`` prints: the held-back lines, labelled."""
@@ -81,38 +76,25 @@ _COUNT = re.compile(r"(Cell(?:\x1b\[[0-9;]*m|\s)*)In\[\d+\]")
 
 def notebook_traceback(text: str, count: int | None) -> list[str]:
     """A rank's traceback with the notebook cell's ``In[count]`` (or none) for the rank's own "Cell In[k]"."""
-
-    def shown(found: re.Match) -> str:
-        cell = found.group(1)
-        return f"{cell}In[{count}]" if count is not None else re.sub(r"\s", "", cell)
-
-    return _COUNT.sub(shown, text).splitlines()
+    return _COUNT.sub(lambda m: re.sub(r"\s", "", m[1]) if count is None else f"{m[1]}In[{count}]", text).splitlines()
 
 
+@dataclass(eq=False)
 class LineStream:
-    """One rank's stream as a terminal shows it: whole lines, labelled, each as a terminal leaves it; an
-    unfinished line that returns to its start (a progress bar's ``\r``) is shown as it goes, each update over the
-    last, and over another rank's, as on torchrun's terminal; a whole line takes the unfinished one's place, which
-    its next update draws again below (``live``, shared by the streams of one ``out``, says whose line is
-    unfinished). ``theirs``: the framework's own label of the rank's lines, left out (torch's ``[rank1]:``). A
-    traceback waits for its last line; one saying a peer went (:data:`PEER_GONE`: ``peer``) waits for :meth:`end`."""
+    """One rank's stream as a terminal shows it: whole lines, labelled; an unfinished line that returns to its start
+    (a progress bar's ``\r``) is drawn as it goes, over the last update and over another rank's, as on torchrun's
+    terminal (``live``, shared by the streams of one ``out``, says whose line is unfinished). ``theirs``: the
+    framework's own label of the rank's lines, left out (torch's ``[rank1]:``). A traceback waits for its last
+    line; one saying a peer went (:data:`PEER_GONE`: ``peer``) waits for :meth:`end`."""
 
-    def __init__(
-        self,
-        label: str,
-        out: TextIO,
-        shown: Callable[[str], bool] = lambda line: True,
-        theirs: str = "",
-        live: dict | None = None,
-    ) -> None:
-        self.label = label
-        self.out = out
-        self.shown = shown
-        self.theirs = theirs
-        self.live = {} if live is None else live
-        self.tail = ""
-        self.held: list[str] | None = None
-        self.peer = False
+    label: str
+    out: TextIO
+    shown: Callable[[str], bool] = lambda line: True
+    theirs: str = ""
+    live: dict = field(default_factory=dict)
+    tail: str = field(default="", init=False)
+    held: list[str] | None = field(default=None, init=False)
+    peer: bool = field(default=False, init=False)
 
     def feed(self, text: str) -> None:
         """The next of what the rank wrote."""
@@ -180,9 +162,8 @@ def how_it_ended(code: int) -> str:
 
 
 def show_display(rank: int, content: dict[str, Any], out: TextIO) -> None:
-    """What rank ``rank`` displayed (``display_data``: HTML, an image, a rich table, a widget): in a notebook a
-    ``[rank r]`` line then the output itself, in a terminal its text, labelled. In a kernel ipyparallel relays
-    a rank's widget messages to the front end, so a widget (a ``tqdm.auto`` bar) is live there."""
+    """What rank ``rank`` displayed (``display_data``): in a notebook a ``[rank r]`` line then the output itself, in a
+    terminal its text, labelled. ipyparallel relays a rank's widget messages, so a ``tqdm.auto`` bar is live."""
     from IPython import get_ipython
 
     data = content.get("data") or {}
@@ -205,11 +186,10 @@ def events(ar: Any) -> list[tuple[str, Any]]:
 
 
 def record_output(client: Any) -> None:
-    """Make ``client`` keep each request's output as it arrives, in the order the engine sent it, as
-    ``output_events``: ``("stdout" | "stderr", text)`` and ``("display", content)``. ipyparallel keeps a
-    request's displays apart from its streams, and each stream as one text it copies whole at each message
-    (quadratic: a rank that printed a million lines fell seconds behind); that text is emptied as it is
-    recorded. The record starts when the request's future is made, before the request is sent."""
+    """Make ``client`` keep each request's output in the order the engine sent it, as ``output_events``:
+    ``("stdout" | "stderr", text)`` and ``("display", content)``, from before the request is sent. ipyparallel
+    keeps displays apart from streams, and each stream as one text it copies whole at each message (quadratic: a
+    million lines fell seconds behind), which is emptied as it is recorded."""
     from .upstream import watch_requests
 
     def record_request(msg_id: str, future: Any) -> Callable[[dict], None]:
