@@ -314,16 +314,24 @@ def test_apply_in_a_fresh_shell_creates_exactly_the_planned_logical_cpus():
     assert "reproduce with: %vgpu_split 3" in out["message"]
 
 
+#: A fresh shell's first two cells, as in a notebook: the extension loaded (In [1]), then a panel shown and
+#: moved to ``{count}`` but not applied (In [2]), bound to ``{name}``.
+PANEL_SHOWN_IN_CELL_2 = """
+import json
+from IPython.core.interactiveshell import InteractiveShell
+ip = InteractiveShell.instance()
+ip.run_cell("%load_ext vgpu_magic", store_history=True)
+ip.run_cell("import vgpu_magic\\n{name} = vgpu_magic.panel()\\n{name}.count_text.value = {count}", store_history=True)
+{name} = ip.user_ns["{name}"]
+"""
+
+
 @pytest.mark.slow
 def test_runtime_started_by_a_cell_locks_the_panel_and_names_that_cell():
     proc = run_python(
-        """
-        import json
-        from IPython.core.interactiveshell import InteractiveShell
-        ip = InteractiveShell.instance()
-        ip.run_cell("%load_ext vgpu_magic", store_history=True)
-        ip.run_cell("import vgpu_magic\\nearly = vgpu_magic.panel()\\nearly.count_text.value = 2", store_history=True)
-        early = ip.user_ns["early"]
+        PANEL_SHOWN_IN_CELL_2.format(name="early", count=2)
+        + textwrap.dedent(
+            """
         early_locked_before_click = early.locked
         ip.run_cell("import tensorflow as tf\\nx = tf.constant(1.0)", store_history=True)
         import tensorflow as tf
@@ -343,6 +351,7 @@ def test_runtime_started_by_a_cell_locks_the_panel_and_names_that_cell():
             "cpus": len(tf.config.list_logical_devices("CPU")),
         }))
         """
+        )
     )
     out = last_json(proc.stdout)
     assert out["early_locked_before_click"] is False
@@ -421,13 +430,9 @@ def test_a_locked_panel_shows_what_the_framework_has_and_same_as_reproduces_it()
     # Notebook 02 in a browser: a panel moved to 3 and never applied, 4 configured elsewhere, the runtime
     # started; the panel must not keep saying "Same as: %vgpu_split 3" once it is locked.
     proc = run_python(
-        """
-        import json
-        from IPython.core.interactiveshell import InteractiveShell
-        ip = InteractiveShell.instance()
-        ip.run_cell("%load_ext vgpu_magic", store_history=True)
-        ip.run_cell("import vgpu_magic\\npanel = vgpu_magic.panel()\\npanel.count_text.value = 3", store_history=True)
-        panel = ip.user_ns["panel"]
+        PANEL_SHOWN_IN_CELL_2.format(name="panel", count=3)
+        + textwrap.dedent(
+            """
         before = panel.magic_line
         ip.run_cell("%vgpu_split 4", store_history=True)
         ip.run_cell("import tensorflow as tf\\nn = len(tf.config.list_logical_devices('CPU'))", store_history=True)
@@ -438,6 +443,7 @@ def test_a_locked_panel_shows_what_the_framework_has_and_same_as_reproduces_it()
                           "count": panel.count_text.value, "shown": panel.magic.value,
                           "late": late.magic_line, "n": ip.user_ns["n"]}))
         """
+        )
     )
     out = last_json(proc.stdout)
     assert out["before"] == "%vgpu_split 3" and out["n"] == 4
