@@ -21,38 +21,18 @@ Run by hand (``make bench``), never by the test suite::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import queue
 import statistics
-import subprocess
-import sys
-import textwrap
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from fresh_shell import LOADED, ROOT, run_fresh
+
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(ROOT), "KERAS_BACKEND": "jax"}
 ENV.pop("VGPU_MAGIC_SPLIT", None)
 
-SHELL = """
-import contextlib, io, json, sys, time
-from IPython.core.interactiveshell import InteractiveShell
-
-shell = InteractiveShell.instance()
-shell.run_line_magic("load_ext", "vgpu_magic")
-
-
-def timed(fn, *args):
-    sink = io.StringIO()
-    start = time.perf_counter()
-    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-        fn(*args)
-    return (time.perf_counter() - start) * 1000
-"""
-
 IMPORT_THEN_SPLIT = (
-    SHELL
+    LOADED
     + """
 import_ms = timed(__import__, "jax")
 split_ms = timed(shell.run_line_magic, "vgpu_split", "8 --framework jax")
@@ -63,7 +43,7 @@ print(json.dumps({"import_ms": import_ms, "split_ms": split_ms}))
 )
 
 SPLIT_WITH_IMPORT = (
-    SHELL
+    LOADED
     + """
 assert "jax" not in sys.modules
 split_ms = timed(shell.run_line_magic, "vgpu_split", "8 --framework jax")
@@ -112,12 +92,7 @@ print(json.dumps(rows))
 
 
 def fresh(code: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"benchmark child failed:\n{proc.stdout}\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_fresh(code, ENV)
 
 
 def spread(values: list[float]) -> str:

@@ -20,32 +20,14 @@ fills the OS file cache first.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from fresh_shell import LOADED, SHELL, run_fresh
+
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
 ENV.pop("VGPU_MAGIC_SPLIT", None)
-
-SHELL = """
-import contextlib, io, json, os, sys, time
-from IPython.core.interactiveshell import InteractiveShell
-
-shell = InteractiveShell.instance()
-
-
-def timed(fn, *args):
-    sink = io.StringIO()
-    start = time.perf_counter()
-    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-        fn(*args)
-    return (time.perf_counter() - start) * 1000
-"""
 
 #: (a): only the extension load.
 LOAD = (
@@ -59,9 +41,8 @@ print(json.dumps({"load_ms": ms, "heavy": heavy}))
 
 #: (b) first half and (c): import TensorFlow, then split, then status.
 IMPORT_THEN_SPLIT = (
-    SHELL
+    LOADED
     + """
-shell.run_line_magic("load_ext", "vgpu_magic")
 import_ms = timed(__import__, "tensorflow")
 split_ms = timed(shell.run_line_magic, "vgpu_split", "4")
 status_ms = timed(shell.run_line_magic, "vgpu_status", "")
@@ -79,9 +60,8 @@ print(json.dumps({
 
 #: (b) second half: the split as a user meets it in a new kernel, import included.
 SPLIT_WITH_IMPORT = (
-    SHELL
+    LOADED
     + """
-shell.run_line_magic("load_ext", "vgpu_magic")
 assert "tensorflow" not in sys.modules
 split_ms = timed(shell.run_line_magic, "vgpu_split", "4")
 print(json.dumps({"split_with_import_ms": split_ms}))
@@ -90,12 +70,7 @@ print(json.dumps({"split_with_import_ms": split_ms}))
 
 
 def run(code: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=ENV, cwd=ROOT, check=False
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"benchmark child failed:\n{proc.stdout}\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_fresh(code, ENV)
 
 
 def summary(values: list[float]) -> str:

@@ -27,6 +27,7 @@ setup, args = os.environ.pop("VGPU_TEST_SETUP"), tuple(json.loads(os.environ.pop
 said = prepare_rank({}, setup, args, devices=SplitRequest(**devices) if devices else None)
 print(json.dumps({"setup": said}), flush=True)
 sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(os.path.realpath(sys.argv[0]))  # as python, torchrun and %vgpu_run give a script
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 

@@ -123,6 +123,15 @@ def kernel_errors(messages: list[dict]) -> list[str]:
     return [f"{m['content']['ename']}: {m['content']['evalue']}" for m in messages if m["msg_type"] == "error"]
 
 
+def started_torch_ranks(kc) -> list[int]:
+    """Load vgpu_magic in the kernel behind ``kc`` and start 2 torch ranks there: the PIDs of the processes the
+    cluster owns, for a test to prove that none is left."""
+    reply = kernel_run(kc, "%load_ext vgpu_magic\n%vgpu_cluster start 2 --framework torch")
+    assert not kernel_errors(reply), kernel_errors(reply)
+    reply = kernel_run(kc, "import json, vgpu_magic\nprint(json.dumps(sorted(vgpu_magic.cluster()._owned)))")
+    return json.loads(kernel_stdout(reply).strip().splitlines()[-1])
+
+
 def kernel_output(kc, code: str, timeout: float = 120) -> dict[str, str]:
     """Run ``code`` in the kernel: what it printed on ``stdout`` and ``stderr``, and its ``error``."""
     messages = kernel_run(kc, code, timeout)

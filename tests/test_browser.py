@@ -39,6 +39,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -254,6 +255,12 @@ def lab(tmp_path_factory):
         yield served
 
 
+def _run_cells(page, sync_api, count: int) -> None:
+    """Run the notebook's first ``count`` cells in order, as :func:`_run_cell` does, each given 4 minutes."""
+    for index in range(count):
+        _run_cell(page, sync_api, index, timeout_ms=240_000)
+
+
 def _open(chromium, served, front_end_path: str, name: str, cells: list[str]):
     """Write notebook ``name`` with ``cells`` and open it, alone, in a new page; returns the page."""
     _, browser = chromium
@@ -313,8 +320,7 @@ def test_notebook7_panel_splits_the_cpu(chromium, lab, artifacts_dir):
         sync_api.expect(panel.locator(".vgpu-count-text input")).to_have_value("1")
         _set_count_by_typing(panel, 3)
         _expect_panel_applied_three(sync_api, panel)
-        panel.scroll_into_view_if_needed()
-        panel.screenshot(path=str(artifacts_dir / "browser_panel_notebook7.png"))
+        _screenshot(panel, artifacts_dir / "browser_panel_notebook7.png")
     finally:
         page.close()
 
@@ -425,6 +431,19 @@ def _switch_theme(page, sync_api, name: str, light: bool) -> None:
     page.locator("#jupyterlab-splash").wait_for(state="detached", timeout=30_000)
 
 
+def _each_theme(page, sync_api, order: tuple[str, ...] = ("light", "dark")) -> Iterator[str]:
+    """Switch JupyterLab to each theme of ``order`` in turn (``"light"``, ``"dark"``), yielding its name."""
+    for name in order:
+        _switch_theme(page, sync_api, f"JupyterLab {name.title()}", name == "light")
+        yield name
+
+
+def _screenshot(locator, path: Path) -> None:
+    """``locator``'s picture in ``path``, scrolled into view first."""
+    locator.scroll_into_view_if_needed()
+    locator.screenshot(path=str(path))
+
+
 #: The notebook for the panel, the runtime and the themes, cell by cell: the panel used before the
 #: split; what a GPU machine shows (from data: nothing reaches TensorFlow), a panel asked for more than
 #: fits and a status with logical GPUs; a split to 6 and the cell that starts TensorFlow's runtime;
@@ -520,17 +539,10 @@ def test_jupyterlab_panel_opens_on_the_live_split_and_reads_in_light_and_dark(ch
         sync_api.expect(status).to_contain_text("6 logical CPUs")
 
         measured = {}
-        for theme, light in (("JupyterLab Light", True), ("JupyterLab Dark", False)):
-            _switch_theme(page, sync_api, theme, light)
-            suffix = "light" if light else "dark"
-            late.scroll_into_view_if_needed()
-            late.screenshot(path=str(artifacts_dir / f"browser_panel_{suffix}.png"))
-            status.scroll_into_view_if_needed()
-            status.screenshot(path=str(artifacts_dir / f"browser_status_{suffix}.png"))
-            gpu.scroll_into_view_if_needed()
-            gpu.screenshot(path=str(artifacts_dir / f"browser_panel_gpu_{suffix}.png"))
-            gpu_status.scroll_into_view_if_needed()
-            gpu_status.screenshot(path=str(artifacts_dir / f"browser_status_gpu_{suffix}.png"))
+        for suffix in _each_theme(page, sync_api):
+            shots = {"panel": late, "status": status, "panel_gpu": gpu, "status_gpu": gpu_status}
+            for name, locator in shots.items():
+                _screenshot(locator, artifacts_dir / f"browser_{name}_{suffix}.png")
             parts = {"banner": banners, "status": status, "panel": late, "gpu panel": gpu, "gpu status": gpu_status}
             for part, locator in parts.items():
                 measured[(suffix, part)] = min(_text_contrasts(locator))
@@ -612,14 +624,12 @@ def test_jupyterlab_monitored_fit_keeps_the_progress_bar_whole_and_plots_cpu_mem
     sync_api, _ = chromium
     page = _open(chromium, lab, LAB_PATH, "monitor.ipynb", MONITOR_CELLS)
     try:
-        for index in range(len(MONITOR_CELLS)):
-            _run_cell(page, sync_api, index, timeout_ms=240_000)
+        _run_cells(page, sync_api, len(MONITOR_CELLS))
         # No red text under any cell: TensorFlow's C++ lines stay out of a Lab started as users start theirs.
         stderr = page.locator('.jp-Notebook .jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')
         assert stderr.count() == 0, stderr.all_inner_texts()
         fit = page.locator(".jp-Notebook .jp-Cell").nth(3)
-        fit.scroll_into_view_if_needed()
-        fit.screenshot(path=str(artifacts_dir / "browser_monitor_fit.png"))
+        _screenshot(fit, artifacts_dir / "browser_monitor_fit.png")
         outputs = fit.locator(".jp-OutputArea-child")
         kinds = []
         for i in range(outputs.count()):
@@ -770,22 +780,18 @@ def test_jupyterlab_live_memory_view_mid_fit_and_its_final_image_read_in_light_a
     page = _open(chromium, lab, LAB_PATH, "live.ipynb", LIVE_CELLS)
     measured: dict[str, tuple[float, str]] = {}
     try:
-        for index in range(len(LIVE_CELLS) - 1):
-            _run_cell(page, sync_api, index, timeout_ms=240_000)
+        _run_cells(page, sync_api, len(LIVE_CELLS) - 1)
         _switch_theme(page, sync_api, "JupyterLab Light", True)
         fit = page.locator(".jp-Notebook .jp-Cell").nth(len(LIVE_CELLS) - 1)
         _run_cell(page, sync_api, len(LIVE_CELLS) - 1, wait=False)
         view = fit.locator(".vgpu-live")
-        for theme, light in (("JupyterLab Light", True), ("JupyterLab Dark", False)):
-            _switch_theme(page, sync_api, theme, light)
-            suffix = "light" if light else "dark"
+        for suffix in _each_theme(page, sync_api):
             before = _wait_for_live_rows(page, view, 8)
             # Live: more samples arrive while the fit runs, with no new output and no image.
             seen = _wait_for_live_rows(page, view, before + 4)
             assert seen > before and not fit.locator(".jp-OutputArea-output img").count()
             assert fit.locator(".jp-InputPrompt").inner_text().strip() == "[*]:", "the fit ended too early"
-            view.first.scroll_into_view_if_needed()
-            view.first.screenshot(path=str(artifacts_dir / f"browser_live_{suffix}.png"))
+            _screenshot(view.first, artifacts_dir / f"browser_live_{suffix}.png")
             panels = [p.get_attribute("data-panel") for p in view.first.locator("svg.vgpu-live-panel").all()]
             assert panels == ["device memory", "process RSS"], panels
             # Issue 37, row 12: RSS is drawn on an axis fitted to its readings (from 0 its growth was flat), its
@@ -810,11 +816,8 @@ def test_jupyterlab_live_memory_view_mid_fit_and_its_final_image_read_in_light_a
         assert re.search(r"40/40", progress.last.inner_text())
         png = base64.b64decode((image.get_attribute("src") or "").split(",", 1)[1])
         (artifacts_dir / "browser_final.png").write_bytes(png)
-        for theme, light in (("JupyterLab Dark", False), ("JupyterLab Light", True)):
-            _switch_theme(page, sync_api, theme, light)
-            suffix = "light" if light else "dark"
-            image.scroll_into_view_if_needed()
-            image.screenshot(path=str(artifacts_dir / f"browser_final_{suffix}.png"))
+        for suffix in _each_theme(page, sync_api, ("dark", "light")):
+            _screenshot(image, artifacts_dir / f"browser_final_{suffix}.png")
             colours = _image_colour_contrasts(png, image.evaluate(_LAYERS_JS))
             assert "#777777" in colours, colours  # the image's text colour
             measured[f"{suffix}/final text"] = (colours["#777777"], "#777777")
@@ -844,14 +847,12 @@ def test_notebook7_shows_the_live_memory_view_then_its_image(chromium, lab, arti
     cells = [*LIVE_CELLS[:3], LIVE_CELLS[3].replace("epochs=6", "epochs=2")]
     page = _open(chromium, lab, "notebooks", "live_notebook7.ipynb", cells)
     try:
-        for index in range(len(cells) - 1):
-            _run_cell(page, sync_api, index, timeout_ms=240_000)
+        _run_cells(page, sync_api, len(cells) - 1)
         fit = page.locator(".jp-Notebook .jp-Cell").nth(len(cells) - 1)
         _run_cell(page, sync_api, len(cells) - 1, wait=False)
         view = fit.locator(".vgpu-live")
         _wait_for_live_rows(page, view, 8)
-        view.first.scroll_into_view_if_needed()
-        view.first.screenshot(path=str(artifacts_dir / "browser_live_notebook7.png"))
+        _screenshot(view.first, artifacts_dir / "browser_live_notebook7.png")
         (lab[2] / RELEASE_FILE).touch()
         sync_api.expect(fit.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]"), timeout=240_000)
         sync_api.expect(fit.locator(".jp-OutputArea-output img")).to_have_count(1, timeout=60_000)
@@ -883,17 +884,13 @@ def test_jupyterlab_shows_the_estimates_verdict_readable_in_light_and_dark(chrom
     sync_api, _ = chromium
     page = _open(chromium, lab, LAB_PATH, "estimate.ipynb", ESTIMATE_CELLS)
     try:
-        for index in range(len(ESTIMATE_CELLS)):
-            _run_cell(page, sync_api, index, timeout_ms=240_000)
+        _run_cells(page, sync_api, len(ESTIMATE_CELLS))
         verdict = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".jp-OutputArea-output").last
         sync_api.expect(verdict).to_contain_text("does not fit by")
         sync_api.expect(verdict).to_contain_text("activation checkpointing")
         low = {}
-        for theme, light in (("JupyterLab Light", True), ("JupyterLab Dark", False)):
-            _switch_theme(page, sync_api, theme, light)
-            suffix = "light" if light else "dark"
-            verdict.scroll_into_view_if_needed()
-            verdict.screenshot(path=str(artifacts_dir / f"browser_estimate_{suffix}.png"))
+        for suffix in _each_theme(page, sync_api):
+            _screenshot(verdict, artifacts_dir / f"browser_estimate_{suffix}.png")
             lowest = min(_text_contrasts(verdict))
             if lowest[0] < 4.5:
                 low[suffix] = lowest

@@ -6,13 +6,12 @@ kernel shutdown leaving no rank behind."""
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 
 import psutil
 import pytest
 
-from support import kernel_errors, kernel_run, kernel_stdout, started_kernel
+from support import kernel_errors, kernel_run, kernel_stdout, started_kernel, started_torch_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -24,10 +23,7 @@ def kernel_with_torch_ranks():
     ranks; then none of the ranks' first processes may be left."""
     pids: list[int] = []
     with started_kernel(graceful=True) as (km, kc):
-        reply = kernel_run(kc, "%load_ext vgpu_magic\n%vgpu_cluster start 2 --framework torch")
-        assert not kernel_errors(reply), kernel_errors(reply)
-        reply = kernel_run(kc, "import json, vgpu_magic\nprint(json.dumps(sorted(vgpu_magic.cluster()._owned)))")
-        pids = json.loads(kernel_stdout(reply).strip().splitlines()[-1])
+        pids = started_torch_ranks(kc)
         yield km, kc
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):

@@ -7,12 +7,13 @@ import contextlib
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 
-from support import kernel_errors, kernel_run, kernel_stdout, kernel_stream, started_kernel
+from support import kernel_errors, kernel_run, kernel_stdout, kernel_stream, started_kernel, started_torch_ranks
 from vgpu_magic.ranks.shown import as_terminal_shows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -23,10 +24,7 @@ def kernel():
     """A fresh kernel running 2 torch ranks (the live memory view on, as by default): ``(manager, client)``.
     At the end none of the ranks' processes may be left."""
     with started_kernel(graceful=True) as (km, kc):
-        reply = kernel_run(kc, "%load_ext vgpu_magic\n%vgpu_cluster start 2 --framework torch")
-        assert not kernel_errors(reply), kernel_errors(reply)
-        reply = kernel_run(kc, "import json, vgpu_magic\nprint(json.dumps(sorted(vgpu_magic.cluster()._owned)))")
-        pids = json.loads(kernel_stdout(reply).strip().splitlines()[-1])
+        pids = started_torch_ranks(kc)
         yield km, kc
         kernel_run(kc, "%vgpu_cluster stop")
     _, alive = psutil.wait_procs([p for p in map(_process, pids) if p], timeout=15)
@@ -55,6 +53,21 @@ def test_every_line_a_rank_prints_arrives_in_order(kernel, tmp_path):
         assert mine == [f"line {i}" for i in range(500_000)] + ["END"]
 
 
+def interrupt_once_both_train(km) -> Callable[[dict], None]:
+    """An ``on_message`` for :func:`kernel_run` that interrupts the kernel (as the notebook's stop button does)
+    once both ranks printed ``training``, and only once."""
+    started: list[str] = []
+
+    def interrupt(msg: dict) -> None:
+        if msg["msg_type"] == "stream":
+            started.extend(line for line in msg["content"]["text"].splitlines() if line.endswith("training"))
+            if len(started) == 2:
+                started.append("sent")
+                km.interrupt_kernel()
+
+    return interrupt
+
+
 def test_ctrl_c_reaches_the_script_on_every_rank_and_says_so_in_one_line(kernel, tmp_path):
     """Issue 37, rows 1 and 3: the launched process started with SIGINT ignored (the spare's engine's) and was
     stopped with SIGTERM, so its ``except KeyboardInterrupt`` never ran; the interrupt printed a 65-135 line
@@ -70,16 +83,7 @@ def test_ctrl_c_reaches_the_script_on_every_rank_and_says_so_in_one_line(kernel,
         f"    open(os.path.join({str(tmp_path)!r}, 'saved-' + os.environ['RANK']), 'w').close()\n"
         "    print('saved', flush=True)\n"
     )
-    started: list[str] = []
-
-    def interrupt_once_both_train(msg: dict) -> None:
-        if msg["msg_type"] == "stream":
-            started.extend(line for line in msg["content"]["text"].splitlines() if line.endswith("training"))
-            if len(started) == 2:
-                started.append("sent")
-                km.interrupt_kernel()
-
-    reply = kernel_run(kc, f"%vgpu_run --no-plot {script}", on_message=interrupt_once_both_train)
+    reply = kernel_run(kc, f"%vgpu_run --no-plot {script}", on_message=interrupt_once_both_train(km))
     [error] = [m["content"] for m in reply if m["msg_type"] == "error"]
     assert error["traceback"] == ["KeyboardInterrupt: interrupted ranks 0, 1"]
     assert sorted(p.name for p in tmp_path.glob("saved-*")) == ["saved-0", "saved-1"]
@@ -214,9 +218,9 @@ def test_a_progress_bar_on_stderr_is_live_and_not_an_error(kernel, tmp_path):
     assert sorted(line.split("|")[0] for line in shown if "40/40" in line) == ["[rank 0] 100%", "[rank 1] 100%"]
 
 
-def test_a_failing_ranks_traceback_is_shown_once_under_its_own_label(kernel, tmp_path):
-    """Issue 37, row 6: a failing rank's traceback streamed live, then again above the RankRunError; torch's own
-    label doubled ours (``[rank 1] [rank1]:``)."""
+def _run_rank_1_failing(kernel, tmp_path) -> tuple[list[dict], dict, str]:
+    """``%vgpu_run`` of a gloo script whose rank 1 raises ``ValueError: bad batch`` at step 5: the reply, its one
+    error, and everything it showed (stdout, stderr, the error's lines)."""
     _, kc = kernel
     script = tmp_path / "ddp.py"
     script.write_text(
@@ -226,10 +230,16 @@ def test_a_failing_ranks_traceback_is_shown_once_under_its_own_label(kernel, tmp
     )
     reply = kernel_run(kc, f"%vgpu_run --no-plot {script}")
     [error] = [m["content"] for m in reply if m["msg_type"] == "error"]
+    return reply, error, kernel_stdout(reply) + kernel_stream(reply, "stderr") + "\n".join(error["traceback"])
+
+
+def test_a_failing_ranks_traceback_is_shown_once_under_its_own_label(kernel, tmp_path):
+    """Issue 37, row 6: a failing rank's traceback streamed live, then again above the RankRunError; torch's own
+    label doubled ours (``[rank 1] [rank1]:``)."""
+    reply, error, everything = _run_rank_1_failing(kernel, tmp_path)
     # Rank 1 exits with status 1, or gloo aborts it on its way out (SIGABRT); the error says how, in one line.
     [line] = error["traceback"]
     assert line.startswith(("RankRunError: rank 1 ", "RankRunError: ranks 0, 1 ")), line
-    everything = kernel_stdout(reply) + kernel_stream(reply, "stderr") + "\n".join(error["traceback"])
     assert everything.count("ValueError: bad batch") == 1
     assert "[rank 1] ValueError: bad batch" in kernel_stdout(reply)
     assert "[rank1]:" not in everything and "[rank0]:" not in everything
@@ -243,15 +253,7 @@ def test_the_ranks_a_failure_took_down_are_said_in_one_line_each(kernel, tmp_pat
     ~15 lines) streamed in full. Now it is one line, in the live output and in the RankRunError, whose per-rank
     data keeps the whole text."""
     _, kc = kernel
-    script = tmp_path / "ddp.py"
-    script.write_text(
-        "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\nt = torch.ones(1)\n"
-        "for step in range(100):\n    if step == 5 and dist.get_rank() == 1:\n"
-        "        raise ValueError('bad batch')\n    dist.all_reduce(t)\n"
-    )
-    reply = kernel_run(kc, f"%vgpu_run --no-plot {script}")
-    [error] = [m["content"] for m in reply if m["msg_type"] == "error"]
-    everything = kernel_stdout(reply) + kernel_stream(reply, "stderr") + "\n".join(error["traceback"])
+    reply, error, everything = _run_rank_1_failing(kernel, tmp_path)
     assert everything.count("ValueError: bad batch") == 1
     said = "rank 0 stopped: its peer closed the connection (rank 1 failed first)"
     assert f"[{said.replace(' stopped', '] stopped')}" in kernel_stdout(reply).splitlines()
@@ -295,17 +297,8 @@ def test_an_interrupted_launch_that_is_still_saving_under_load_is_not_killed(ker
         "        time.sleep(1)\n"
         f"    open(os.path.join({str(tmp_path)!r}, 'saved-' + os.environ['RANK']), 'w').close()\n"
     )
-    started: list[str] = []
-
-    def interrupt_once_both_train(msg: dict) -> None:
-        if msg["msg_type"] == "stream":
-            started.extend(line for line in msg["content"]["text"].splitlines() if line.endswith("training"))
-            if len(started) == 2:
-                started.append("sent")
-                km.interrupt_kernel()
-
     with machine_loaded():
-        reply = kernel_run(kc, f"%vgpu_run --no-plot {script}", timeout=400, on_message=interrupt_once_both_train)
+        reply = kernel_run(kc, f"%vgpu_run --no-plot {script}", timeout=400, on_message=interrupt_once_both_train(km))
     [error] = [m["content"] for m in reply if m["msg_type"] == "error"]
     assert error["traceback"] == ["KeyboardInterrupt: interrupted ranks 0, 1"]
     assert sorted(p.name for p in tmp_path.glob("saved-*")) == ["saved-0", "saved-1"]

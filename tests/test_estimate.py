@@ -24,6 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 MEASURE = ROOT / "tests" / "scripts" / "measure_cell.py"
 GIB = 2**30
 
+#: What every cell trains: two Adam steps of ``model`` on a batch of 64 rows of ``{width}``.
+TWO_STEPS = """opt = torch.optim.Adam(model.parameters())
+x = torch.randn(64, {width})
+for _ in range(2):
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
 FSDP_CELL = """
 import torch
 from torch.distributed.fsdp import fully_shard
@@ -32,13 +40,7 @@ model = torch.nn.Sequential(*[torch.nn.Linear(1000, 1000) for _ in range(8)])
 for layer in model:
     fully_shard(layer)
 fully_shard(model)
-opt = torch.optim.Adam(model.parameters())
-x = torch.randn(64, 1000)
-for _ in range(2):
-    model(x).sum().backward()
-    opt.step()
-    opt.zero_grad()
-"""
+""" + TWO_STEPS.format(width=1000)
 DDP_CELL = FSDP_CELL.replace(
     "for layer in model:\n    fully_shard(layer)\nfully_shard(model)",
     "model = torch.nn.parallel.DistributedDataParallel(model{options})",
@@ -51,13 +53,7 @@ torch.manual_seed(0)
 mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
 model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024))
 model = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-opt = torch.optim.Adam(model.parameters())
-x = torch.randn(64, 1024)
-for _ in range(2):
-    model(x).sum().backward()
-    opt.step()
-    opt.zero_grad()
-"""
+""" + TWO_STEPS.format(width=1024)
 PLAIN_CELL = FSDP_CELL.replace("for layer in model:\n    fully_shard(layer)\nfully_shard(model)\n", "")
 
 

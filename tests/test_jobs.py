@@ -247,26 +247,28 @@ def test_cancel_leaves_nothing_in_the_queue_or_the_process_table(slurm, tmp_path
     assert slurm.squeue() == [] and processes_running(tmp_path / "sleeps.py") == []
 
 
+def _said_from(kc, folder: Path, code: str) -> str:
+    """What ``code`` printed, run by the kernel behind ``kc`` from ``folder`` (``os`` imported there)."""
+    return kernel_stdout(kernel_run(kc, f"import os\nos.chdir({str(folder)!r})\n{code}"))
+
+
 def test_a_job_outlives_its_killed_kernel_and_a_new_kernel_finds_it(slurm, tmp_path):
     (tmp_path / "sleeps.py").write_text(SLEEPER.replace("300", "8"))
     env = {"SLURM_CONF": str(slurm.conf), "PYTHONPATH": str(ROOT)}
     with started_kernel(env) as (_, kc):
-        said = kernel_stdout(
-            kernel_run(
-                kc,
-                f"import os\nos.chdir({str(tmp_path)!r})\n%load_ext vgpu_magic\n"
-                "job = %vgpu_job submit --ranks-per-node 2 sleeps.py\nprint(job.job_id, os.getpid())",
-            )
+        said = _said_from(
+            kc,
+            tmp_path,
+            "%load_ext vgpu_magic\njob = %vgpu_job submit --ranks-per-node 2 sleeps.py\nprint(job.job_id, os.getpid())",
         )
         job_id, pid = said.split()[-2:]
         os.kill(int(pid), signal.SIGKILL)
     with started_kernel(env) as (_, kc):
-        said = kernel_stdout(
-            kernel_run(
-                kc,
-                f"import os, vgpu_magic\nos.chdir({str(tmp_path)!r})\nfound = vgpu_magic.jobs()\n"
-                "print([j.job_id for j in found], found[0].wait(timeout=240), found[0].exit_codes)",
-            )
+        said = _said_from(
+            kc,
+            tmp_path,
+            "import vgpu_magic\nfound = vgpu_magic.jobs()\n"
+            "print([j.job_id for j in found], found[0].wait(timeout=240), found[0].exit_codes)",
         )
     assert said.strip().splitlines()[-1] == f"[{job_id!r}] COMPLETED [0, 0]"
 

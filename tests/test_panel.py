@@ -314,16 +314,29 @@ def test_apply_in_a_fresh_shell_creates_exactly_the_planned_logical_cpus():
     assert "reproduce with: %vgpu_split 3" in out["message"]
 
 
+#: A fresh shell's first two cells, as in a notebook: the extension loaded (In [1]), then a panel shown and
+#: moved to ``{count}`` but not applied (In [2]), bound to ``{name}``.
+PANEL_SHOWN_IN_CELL_2 = """
+import json
+from IPython.core.interactiveshell import InteractiveShell
+ip = InteractiveShell.instance()
+ip.run_cell("%load_ext vgpu_magic", store_history=True)
+ip.run_cell("import vgpu_magic\\n{name} = vgpu_magic.panel()\\n{name}.count_text.value = {count}", store_history=True)
+{name} = ip.user_ns["{name}"]
+"""
+
+
+def after_a_panel_in_cell_2(name: str, count: int, code: str) -> dict:
+    """Run ``code`` in a fresh shell after :data:`PANEL_SHOWN_IN_CELL_2`: the JSON it printed last."""
+    return last_json(run_python(PANEL_SHOWN_IN_CELL_2.format(name=name, count=count) + textwrap.dedent(code)).stdout)
+
+
 @pytest.mark.slow
 def test_runtime_started_by_a_cell_locks_the_panel_and_names_that_cell():
-    proc = run_python(
+    out = after_a_panel_in_cell_2(
+        "early",
+        2,
         """
-        import json
-        from IPython.core.interactiveshell import InteractiveShell
-        ip = InteractiveShell.instance()
-        ip.run_cell("%load_ext vgpu_magic", store_history=True)
-        ip.run_cell("import vgpu_magic\\nearly = vgpu_magic.panel()\\nearly.count_text.value = 2", store_history=True)
-        early = ip.user_ns["early"]
         early_locked_before_click = early.locked
         ip.run_cell("import tensorflow as tf\\nx = tf.constant(1.0)", store_history=True)
         import tensorflow as tf
@@ -342,9 +355,8 @@ def test_runtime_started_by_a_cell_locks_the_panel_and_names_that_cell():
             "banner_shown": late.banner.layout.display != "none",
             "cpus": len(tf.config.list_logical_devices("CPU")),
         }))
-        """
+        """,
     )
-    out = last_json(proc.stdout)
     assert out["early_locked_before_click"] is False
     assert out["early_locked"] is True
     assert out["early_message"].startswith(
@@ -420,14 +432,10 @@ def test_magic_shows_the_panel_in_a_real_kernel_and_apply_splits_the_cpu():
 def test_a_locked_panel_shows_what_the_framework_has_and_same_as_reproduces_it():
     # Notebook 02 in a browser: a panel moved to 3 and never applied, 4 configured elsewhere, the runtime
     # started; the panel must not keep saying "Same as: %vgpu_split 3" once it is locked.
-    proc = run_python(
+    out = after_a_panel_in_cell_2(
+        "panel",
+        3,
         """
-        import json
-        from IPython.core.interactiveshell import InteractiveShell
-        ip = InteractiveShell.instance()
-        ip.run_cell("%load_ext vgpu_magic", store_history=True)
-        ip.run_cell("import vgpu_magic\\npanel = vgpu_magic.panel()\\npanel.count_text.value = 3", store_history=True)
-        panel = ip.user_ns["panel"]
         before = panel.magic_line
         ip.run_cell("%vgpu_split 4", store_history=True)
         ip.run_cell("import tensorflow as tf\\nn = len(tf.config.list_logical_devices('CPU'))", store_history=True)
@@ -437,9 +445,8 @@ def test_a_locked_panel_shows_what_the_framework_has_and_same_as_reproduces_it()
         print(json.dumps({"before": before, "locked": panel.locked, "line": panel.magic_line,
                           "count": panel.count_text.value, "shown": panel.magic.value,
                           "late": late.magic_line, "n": ip.user_ns["n"]}))
-        """
+        """,
     )
-    out = last_json(proc.stdout)
     assert out["before"] == "%vgpu_split 3" and out["n"] == 4
     assert out["locked"] and out["count"] == 4
     assert out["line"] == out["late"] == "%vgpu_split 4"

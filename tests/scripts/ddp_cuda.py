@@ -9,6 +9,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from nvml_used import nvml_used
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 MIB = 2**20
@@ -56,16 +57,7 @@ def main() -> None:
     checksum = float(checksum_t)
     peak = torch.cuda.max_memory_reserved()
     cuda_total = torch.cuda.mem_get_info()[1]
-    used = None  # what NVML counts for this process: its allocator's memory and its CUDA context
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i)):
-                used = proc.usedGpuMemory if proc.pid == os.getpid() else used
-    except Exception:  # noqa: BLE001 - no NVML, or PIDs from another namespace: the figure is left out
-        pass
+    used = nvml_used()  # before the over-cap allocation below
     try:
         over = torch.empty(int(os.environ["VGPU_TEST_CAP_MIB"]) * MIB + 64 * MIB, dtype=torch.uint8, device="cuda")
         over_cap = f"allocated {over.numel() // MIB} MiB"

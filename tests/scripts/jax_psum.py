@@ -9,6 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from nvml_used import nvml_used
 
 MIB = 2**20
 
@@ -20,16 +21,7 @@ total = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))(x)
 work = jax.numpy.ones((1024, 1024)) @ jax.numpy.ones((1024, 1024))
 work.block_until_ready()
 stats = jax.local_devices()[0].memory_stats() or {}
-used = None  # what NVML counts for this process: its allocator's memory and its CUDA context
-try:
-    import pynvml
-
-    pynvml.nvmlInit()
-    for i in range(pynvml.nvmlDeviceGetCount()):
-        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i)):
-            used = proc.usedGpuMemory if proc.pid == os.getpid() else used
-except Exception:  # noqa: BLE001 - no NVML, or PIDs from another namespace: the figure is left out
-    pass
+used = nvml_used()  # before the over-cap allocation below
 try:
     over = jax.numpy.zeros(int(os.environ["VGPU_TEST_CAP_MIB"]) * MIB + 64 * MIB, dtype=jax.numpy.uint8)
     over.block_until_ready()
