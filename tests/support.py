@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -301,6 +302,10 @@ def once_more_after_torchs_exit_abort(
         return run()
     finally:
         shutil.rmtree(kept.parent, ignore_errors=True)
+
+
+#: JAX is an extra: the lower-bound tier (`make test-oldest`) installs none, so a test that needs it says so.
+needs_jax = pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="JAX is not installed here")
 
 
 def without_kept_log(message: str) -> str:

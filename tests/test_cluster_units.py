@@ -17,7 +17,7 @@ import psutil
 import pytest
 from IPython.core.error import UsageError
 
-from support import refused_changing_nothing
+from support import needs_jax, refused_changing_nothing
 from vgpu_magic.frameworks import get
 from vgpu_magic.grammar import parse_memory
 from vgpu_magic.inventory import GPUInfo
@@ -283,6 +283,7 @@ def started(ranks, hosts=("host0", "host1")):
         ranks._forget()
 
 
+@needs_jax
 def test_status_names_each_ranks_host_when_they_run_on_several():
     import os
 
@@ -318,6 +319,7 @@ OTHER_REQUEST = {
 }
 
 
+@needs_jax
 def test_a_start_that_differs_in_any_field_of_the_spec_is_another_request():
     """Issue 33: RankCluster.same_request listed its keys by hand, so an option forgotten there made "Run all" say
     "already running" for another request. Now the spec's equality decides, over every field there is."""
@@ -342,6 +344,7 @@ def test_a_start_that_differs_in_any_field_of_the_spec_is_another_request():
     assert spec == ClusterSpec(2, "jax", launcher_options={"mpi_args": ("-v",)})
 
 
+@needs_jax
 def test_run_all_keeps_the_running_ranks_only_for_the_same_start_line(shell, monkeypatch, capsys):
     from vgpu_magic.ranks import RankCluster, rank_cluster
 
@@ -356,6 +359,7 @@ def test_run_all_keeps_the_running_ranks_only_for_the_same_start_line(shell, mon
         assert starts == [dataclasses.replace(running.spec, verbose=True)]
 
 
+@needs_jax
 def test_status_says_where_the_cluster_stands(shell, monkeypatch, capsys, tmp_path):
     """Issue 33: the cluster's state is one enum (was `cluster is None` and a `must_restart` string), said in words
     by `%vgpu_cluster status`; a cluster that must be restarted refuses runs and a "Run all" start alike."""
@@ -683,6 +687,7 @@ def test_loading_the_extension_starts_and_imports_nothing_of_the_cluster(py):
     assert proc.stdout.strip().splitlines()[-1] == "[]"
 
 
+@needs_jax
 @pytest.mark.parametrize(
     ("absent", "match"),
     [

@@ -15,6 +15,7 @@ from IPython.core.error import UsageError
 from torch.nn.parallel import DistributedDataParallel
 
 import vgpu_magic
+from support import needs_jax
 from vgpu_magic.errors import PlanError
 from vgpu_magic.inventory import CUDA_CONTEXT_MIB
 from vgpu_magic.memory_estimate import MemoryEstimate, RankMemory, parse_gpu
@@ -271,6 +272,7 @@ def test_reshard_is_offered_only_to_a_cell_that_turned_it_off_and_jax_temporarie
     ]
 
 
+@needs_jax
 def test_a_jax_cell_that_checkpoints_in_bf16_is_offered_neither():
     cell = JAX_CELL.read_text().replace("jnp.ones((512, 1024))", "jnp.ones((512, 1024), jnp.bfloat16)")
     cell = cell.replace("def loss(", "@jax.checkpoint\ndef loss(")
@@ -440,6 +442,7 @@ def test_jax_step_on_eight_devices_matches_the_live_bytes_of_a_real_run(no_proce
     assert abs(parts["arguments"] + parts["outputs"] - real) <= 0.10 * real, (parts, real)
 
 
+@needs_jax
 def test_jax_without_a_jitted_step_and_tensorflow_are_refused():
     with pytest.raises(PlanError, match="no jitted step"):
         vgpu_magic.estimate("import jax.numpy as jnp\nx = jnp.ones(3)", ranks=2)

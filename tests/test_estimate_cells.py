@@ -17,7 +17,7 @@ import torch.distributed as dist
 from IPython.core.error import UsageError
 
 import vgpu_magic
-from support import kernel_output, kernel_run, started_kernel
+from support import kernel_output, kernel_run, needs_jax, started_kernel
 from vgpu_magic.errors import PlanError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +55,7 @@ def test_the_notebooks_objects_are_untouched_by_a_cell_that_shards_and_trains_th
     assert torch.equal(weight, before) and model(torch.randn(2, 16)).shape == (2, 16)
 
 
+@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="a notebook's CUDA model needs a CUDA build of torch")
 def test_the_notebooks_functions_and_gpu_models_are_estimated_on_copies():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -125,6 +126,7 @@ def test_a_compiled_model_is_estimated_eagerly_and_said_so():
     assert torch.compile is not None and torch.compile.__module__ == "torch"
 
 
+@needs_jax
 def test_the_framework_is_what_the_code_uses_not_its_comments():
     with pytest.raises(PlanError, match="--framework jax: the cell uses torch; say --framework torch"):
         vgpu_magic.estimate("raise AssertionError('ran')\nimport torch", ranks=2, framework="jax")
