@@ -266,7 +266,9 @@ class _FrameworkImports(importlib.abc.MetaPathFinder):
         finally:
             self._finding = False
         if spec is not None and spec.loader is not None:
-            spec.loader = _WatchedLoader(spec.loader, fw)
+            spec.loader = frameworks.ImportedThen(
+                spec.loader, lambda: _active is not None and _active.watch(fw), fw.importing
+            )
         return spec
 
 
@@ -276,21 +278,6 @@ def _resolvable(entry: Any, importing: str) -> bool:
     module = str(entry).partition(":")[0] if isinstance(entry, str) else ""
     running = getattr(getattr(sys.modules.get(module), "__spec__", None), "_initializing", False)
     return not (module.split(".")[0] == importing or running)
-
-
-class _WatchedLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any, fw: Any) -> None:
-        self.loader, self.fw = loader, fw
-
-    def create_module(self, spec: Any) -> Any:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        module.__spec__.loader = module.__loader__ = self.loader
-        with self.fw.importing():
-            self.loader.exec_module(module)
-        if _active is not None:
-            _active.watch(self.fw)
 
 
 def runtime_state(watcher: RuntimeWatcher | None = None, framework=None, check_cuda: bool = True) -> RuntimeState:

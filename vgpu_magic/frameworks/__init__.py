@@ -8,7 +8,7 @@ import os
 import sys
 
 from ..errors import FrameworkChoiceError
-from .base import Capabilities, CudaUser, Framework, FrameworkImportError  # noqa: F401 - re-exported
+from .base import Capabilities, CudaUser, Framework, FrameworkImportError, ImportedThen  # noqa: F401 - re-exported
 
 #: name -> "module:attribute" of its Framework instance (imported on first use).
 REGISTRY: dict[str, str | Framework] = {

@@ -6,6 +6,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import importlib
+import importlib.abc
 import importlib.util
 import os
 import sys
@@ -57,6 +58,23 @@ def restored(mapping: MutableMapping) -> Iterator[None]:
         for key in mapping.keys() - before.keys():
             del mapping[key]
         mapping.update(before)
+
+
+class ImportedThen(importlib.abc.Loader):
+    """``loader``, running its module inside ``around()`` and calling ``then()`` after: what runs when a framework is
+    imported, whoever imports it (the kernel's runtime watcher; a launched rank's setup that waits for the script)."""
+
+    def __init__(self, loader: Any, then: Callable[[], Any], around: Callable = contextlib.nullcontext) -> None:
+        self.loader, self.then, self.around = loader, then, around
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        module.__spec__.loader = module.__loader__ = self.loader
+        with self.around():
+            self.loader.exec_module(module)
+        self.then()
 
 
 class CudaUser:

@@ -4,7 +4,6 @@ below the frameworks. Imports no framework, no NVML and no ipyparallel."""
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.abc
 import importlib.util
@@ -110,13 +109,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if name != self.name:
             return None
+        from ..frameworks import ImportedThen
+
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.loader is not None:
-            spec.loader.exec_module = functools.partial(self._run, spec.loader, spec.loader.exec_module)
+            spec.loader = ImportedThen(spec.loader, self.then)
         return spec
-
-    def _run(self, loader: Any, run: Callable[[Any], None], module: Any) -> None:
-        del loader.exec_module
-        run(module)
-        self.then()
