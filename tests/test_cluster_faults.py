@@ -384,6 +384,35 @@ def test_an_interrupted_launch_is_waited_for_while_it_works_and_killed_once_stuc
     assert popen.wait(10) == (0 if working else -signal.SIGKILL)
 
 
+def test_an_interrupted_launch_is_waited_for_by_its_cpu_time_where_psutil_counts_no_io(monkeypatch):
+    """macOS: psutil.Process has no io_counters. A process that computes is still seen to make progress."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from vgpu_magic.ranks import launch
+
+    class WithoutIO(psutil.Process):
+        @property
+        def io_counters(self):
+            raise AttributeError("io_counters")
+
+    monkeypatch.setattr(psutil, "Process", WithoutIO)
+    monkeypatch.setattr(launch, "STUCK", 1.0)
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"])
+    try:
+        for _ in launch.progressing(busy.pid):
+            if busy.poll() is not None:
+                break
+            time.sleep(0.2)
+        assert busy.wait(10) == 0
+    finally:
+        busy.kill()
+        busy.wait()
+
+
 def test_the_kept_log_has_a_dead_processs_log_that_ipyparallel_removed(tmp_path):
     """Issue 37, row 7: ipyparallel reads and removes the log of a process that ended (on its own thread, at any
     time); the kept log takes it from the launcher that read it."""

@@ -237,7 +237,9 @@ def progressing(pid: int) -> Iterator[None]:
     while (now := time.monotonic()) - start < INTERRUPT_LIMIT and now - moved < STUCK:
         with contextlib.suppress(psutil.Error):
             proc = psutil.Process(pid)
-            if (done := (*proc.cpu_times(), *proc.io_counters())) != last:
+            # psutil has no io_counters on macOS: there CPU time alone tells progress.
+            done = (*proc.cpu_times(), *(proc.io_counters() if hasattr(proc, "io_counters") else ()))
+            if done != last:
                 last, moved = done, now
         yield
 
