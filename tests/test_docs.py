@@ -134,8 +134,24 @@ def _pattern(expected: str) -> re.Pattern:
     return re.compile("".join(lines))
 
 
+_RANK_LINE = re.compile(r"\[rank (\d+)\] ")
+
+
+def in_rank_order(text: str) -> str:
+    """``text`` with each run of consecutive ``[rank N]`` lines in rank order, each rank's own lines in their order:
+    ranks print at the same time, so their lines interleave as they arrive (as on torchrun's terminal)."""
+    lines, run = [], []
+    for line in text.splitlines(keepends=True):
+        if found := _RANK_LINE.match(line):
+            run.append((int(found[1]), line))
+            continue
+        lines += [ranked for _, ranked in sorted(run, key=lambda pair: pair[0])] + [line]
+        run = []
+    return "".join(lines + [ranked for _, ranked in sorted(run, key=lambda pair: pair[0])])
+
+
 def matches(expected: str, shown: str) -> bool:
-    return _pattern(expected).fullmatch(shown.rstrip("\n") + "\n") is not None
+    return _pattern(in_rank_order(expected)).fullmatch(in_rank_order(shown.rstrip("\n") + "\n")) is not None
 
 
 def test_the_output_pattern_reads_ellipses_as_the_docs_mean_them():
@@ -144,6 +160,9 @@ def test_the_output_pattern_reads_ellipses_as_the_docs_mean_them():
     assert matches("first\n…\nlast\n", "first\nlast\n")
     assert not matches("a … c\n", "a b\nc\n")
     assert not matches("first\nlast\n", "first\nmiddle\nlast\n")
+    # Ranks print at once: their lines may arrive interleaved, each rank's own still in order.
+    assert matches("[rank 0] a\n[rank 0] b\n[rank 1] c\ndone\n", "[rank 1] c\n[rank 0] a\n[rank 0] b\ndone\n")
+    assert not matches("[rank 0] a\n[rank 0] b\n", "[rank 0] b\n[rank 0] a\n")
 
 
 def runs(page: Path) -> list[list[tuple[Block, Block | None]]]:
