@@ -120,14 +120,29 @@ def test_identical_split_after_start_is_quiet_and_a_different_one_is_blocked():
     assert "Out[6]: 2" in cells[5]["out"]
 
 
-def test_cell_that_starts_the_runtime_and_splits_is_blamed():
-    cells = run_cells(
-        "%load_ext vgpu_magic",
-        "import tensorflow as tf\nx = tf.ones(2)\n%vgpu_split 2 -r",
-        "%vgpu_split 3 -r",
-    )
-    assert_blocked(cells[1], "line 2 of the cell In [2]: `x = tf.ones(2)`")
-    assert_blocked(cells[2], "line 2 of the cell In [2]: `x = tf.ones(2)`")
+@pytest.mark.parametrize(
+    ("sources", "blocked", "culprit"),
+    [
+        # the cell that starts the runtime and splits is blamed, and again by the next split
+        (
+            ("%load_ext vgpu_magic", "import tensorflow as tf\nx = tf.ones(2)\n%vgpu_split 2 -r", "%vgpu_split 3 -r"),
+            (1, 2),
+            "line 2 of the cell In [2]: `x = tf.ones(2)`",
+        ),
+        # the extension loaded after TensorFlow's import but before its start: loading says nothing
+        (
+            ("import tensorflow as tf", "%load_ext vgpu_magic", "v = tf.Variable(3.0)", "%vgpu_split 4 -r"),
+            (3,),
+            "line 1 of the cell In [3]: `v = tf.Variable(3.0)`",
+        ),
+    ],
+    ids=["splits-in-the-starting-cell", "loaded-after-the-import"],
+)
+def test_the_cell_that_started_the_runtime_is_blamed(sources, blocked, culprit):
+    cells = run_cells(*sources)
+    assert all(cells[i]["err"] == "" for i in range(blocked[0]) if "%load_ext" in sources[i])
+    for i in blocked:
+        assert_blocked(cells[i], culprit)
 
 
 def test_the_line_that_started_the_runtime_is_named_not_the_cells_first():
@@ -188,17 +203,6 @@ def test_extension_loaded_after_the_runtime_started():
     assert "Restart the kernel and run %load_ext vgpu_magic before any TensorFlow code" in warning
     assert_blocked(cells[3], "a cell run before vgpu_magic was loaded")
     assert cells[4]["result"]["status"] == "unchanged"
-
-
-def test_extension_loaded_after_tensorflow_import_but_before_start():
-    cells = run_cells(
-        "import tensorflow as tf",
-        "%load_ext vgpu_magic",
-        "v = tf.Variable(3.0)",
-        "%vgpu_split 4 -r",
-    )
-    assert cells[1]["err"] == ""
-    assert_blocked(cells[3], "line 1 of the cell In [3]: `v = tf.Variable(3.0)`")
 
 
 def test_status_and_dry_run_never_start_the_runtime():
