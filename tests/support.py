@@ -79,7 +79,11 @@ def kernel_run(kc, code: str, timeout: float = 240, on_message=None) -> list[dic
     messages = []
     deadline = time.monotonic() + timeout
     while True:
-        msg = kc.get_iopub_msg(timeout=max(1.0, deadline - time.monotonic()))
+        left = deadline - time.monotonic()
+        if left <= 0:  # a cell that keeps sending (a live view) would otherwise never time out
+            kinds = [m["msg_type"] for m in messages[-8:]]
+            raise TimeoutError(f"not idle after {timeout:g} s; the request's last messages: {kinds}")
+        msg = kc.get_iopub_msg(timeout=left)
         if msg["parent_header"].get("msg_id") != msg_id:
             continue
         messages.append(msg)
