@@ -99,7 +99,7 @@ class ExitRecordingEngineSetLauncher(LocalEngineSetLauncher):
 
 class ReasonedSlurmEngineSetLauncher(SlurmEngineSetLauncher):
     """ipyparallel's SLURM launcher, keeping what ``sbatch``/``scancel`` say on stderr (ipyparallel lets it
-    go to the kernel's terminal), so that a failing submit says why (:func:`~.processes.start_failure`)."""
+    go to the kernel's terminal), so that a failing submit says why (:meth:`~.launchers.Launcher.start_failure`)."""
 
     entrypoint_name = f"{__name__}.ReasonedSlurmEngineSetLauncher"
 
