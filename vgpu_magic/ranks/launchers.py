@@ -33,16 +33,6 @@ REMOTE_STOP_TIMEOUT = 30.0
 #: Launcher name -> its class, in the order they are defined.
 LAUNCHERS: dict[str, type[Launcher]] = {}
 
-#: The batch script ``sbatch`` gets: ipyparallel's own (``--export=ALL``, one ``srun`` of ``ipengine``) with the
-#: user's lines; ipyparallel fills in ``{n}``, ``{cluster_id}``, ``{output_file}`` and ``{program_and_args}``.
-SLURM_TEMPLATE = """#!/bin/sh
-#SBATCH --export=ALL
-#SBATCH --job-name=ipengine-{{cluster_id}}
-#SBATCH --ntasks={{n}}
-#SBATCH --output={{output_file}}
-{lines}srun {srun}{{program_and_args}}
-"""
-
 
 @dataclass(frozen=True)
 class LauncherPlan:
@@ -169,25 +159,22 @@ class SlurmLauncher(Launcher):
         "controller_address": _CONTROLLER_ADDRESS,
         "environment": None,
     }
-    #: The one-word options and a value each takes.
-    _WORDS: ClassVar[dict[str, str]] = {"partition": "gpu", "account": "myproject", "time": "01:00:00", "qos": "normal"}
+    #: The one-word options: the trait of ipyparallel's ``SlurmLauncher`` each sets, and a value each takes.
+    _WORDS: ClassVar = {
+        "partition": ("queue", "gpu"),
+        "account": ("account", "myproject"),
+        "time": ("timelimit", "01:00:00"),
+        "qos": ("qos", "normal"),
+    }
 
     @classmethod
-    def plan(cls, n: int, options: dict[str, Any], cluster_id: str) -> LauncherPlan:
-        for command in ("sbatch", "srun", "scancel", "squeue"):
-            if shutil.which(command) is None:
-                raise ValueError(
-                    f"the slurm launcher needs {command} on PATH "
-                    "(run it on a SLURM login node, or apt-get install slurm-client)"
-                )
-        lines = []
-        for key, example in cls._WORDS.items():
-            value = options.get(key)
-            if value is None:
-                continue
+    def sbatch_options(cls, options: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
+        """``options``' one-word options by name and its extra ``#SBATCH`` lines, checked (:class:`ValueError`)."""
+        words = {key: options[key] for key in cls._WORDS if options.get(key) is not None}
+        for key, value in words.items():
             if not isinstance(value, (str, int)) or not str(value).strip() or any(c.isspace() for c in str(value)):
-                raise ValueError(f"slurm {key} {value!r} is not one word; e.g. --{key}={example}")
-            lines.append(f"#SBATCH --{key}={value}")
+                raise ValueError(f"slurm {key}={value!r} is not one word; e.g. --{key}={cls._WORDS[key][1]}")
+        lines = []
         for line in _strings("sbatch", options.get("sbatch", [])):
             text = line.strip()
             if not text.startswith("#SBATCH"):
@@ -199,15 +186,25 @@ class SlurmLauncher(Launcher):
                     f"sbatch line {line!r} sets what the launcher sets itself (one task per rank, --export=ALL)"
                 )
             lines.append(text)
-        srun = " ".join(shlex.quote(a) for a in _strings("srun", options.get("srun", [])))
-        # The job gets the kernel's environment (--export=ALL); extra variables are exported by the script.
-        lines += [f"export {k}={shlex.quote(v)}" for k, v in _environment(options).items()]
-        script = SLURM_TEMPLATE.format(
-            lines="".join(_escape(line) + "\n" for line in lines), srun=_escape(srun) + " " if srun else ""
-        )
-        config: dict[str, dict[str, Any]] = {"SlurmEngineSetLauncher": {"batch_template": script}}
+        return {key: str(value) for key, value in words.items()}, lines
+
+    @classmethod
+    def plan(cls, n: int, options: dict[str, Any], cluster_id: str) -> LauncherPlan:
+        for command in ("sbatch", "srun", "scancel", "squeue"):
+            if shutil.which(command) is None:
+                raise ValueError(
+                    f"the slurm launcher needs {command} on PATH "
+                    "(run it on a SLURM login node, or apt-get install slurm-client)"
+                )
+        words, lines = cls.sbatch_options(options)
+        srun = "".join(f"{shlex.quote(arg)} " for arg in _strings("srun", options.get("srun", [])))
+        traits: dict[str, Any] = {cls._WORDS[key][0]: value for key, value in words.items()}
+        # The job gets sbatch's environment (--export=ALL), which ipyparallel gives the launcher's.
+        traits["environment"] = _environment(options)
+        # What ipyparallel's traits cannot say, for the template of ours (:mod:`.upstream`).
+        traits["namespace"] = {"sbatch": "".join(f"{line}\n" for line in lines), "srun": srun}
         address = options.get("controller_address") or socket.gethostname()
-        return LauncherPlan("slurm", config, controller_ip="*", controller_location=str(address))
+        return LauncherPlan("slurm", {"SlurmEngineSetLauncher": traits}, "*", str(address))
 
     @classmethod
     def configure(cls, cluster: Any) -> None:
@@ -443,8 +440,3 @@ def _environment(options: dict[str, Any]) -> dict[str, str]:
     if not isinstance(env, Mapping) or not all(isinstance(k, str) and k.isidentifier() for k in env):
         raise ValueError(f"environment {env!r} must map variable names to values, e.g. {{'PYTHONPATH': '/src'}}")
     return {k: str(v) for k, v in env.items()}
-
-
-def _escape(text: str) -> str:
-    """Braces in user text survive ipyparallel's template formatting."""
-    return text.replace("{", "{{").replace("}", "}}")
