@@ -93,8 +93,8 @@ class Launcher:
 
     @classmethod
     def describe(cls, cluster: Any) -> str:
-        """Where ``cluster``'s engines run, for the start summary."""
-        return cls.description
+        """Where ``cluster``'s engines run, for the start summary, with their batch jobs."""
+        return cls.description + "".join(f", job {job}" for job in _batch_jobs(cluster))
 
     @classmethod
     def start_failure(cls, exc: BaseException | None, plan: LauncherPlan) -> str:
@@ -107,8 +107,10 @@ class Launcher:
 
     @classmethod
     def clean_up_commands(cls, cluster: Any, plan: LauncherPlan) -> list[list[str]]:
-        """What ends the engines a watch of this kernel's PID cannot reach, if the kernel dies unstopped."""
-        return []
+        """What ends the engines a watch of this kernel's PID cannot reach, if the kernel dies unstopped: their batch
+        jobs' deletion (ipyparallel's ``delete_command``: ``scancel``)."""
+        engine_sets = getattr(cluster, "engines", {}).values()
+        return [[*es.delete_command, es.job_id] for es in engine_sets if getattr(es, "job_id", "")]
 
     @classmethod
     def stopper(cls, cluster: Any, plan: LauncherPlan) -> Callable[[], list[str]]:
@@ -212,14 +214,6 @@ class SlurmLauncher(Launcher):
         # name puts it with the engines' log in the profile instead, removed by the stop.
         batch_file = os.path.join(cluster.profile_dir, "log", f"ipengine-{cluster.cluster_id}.sbatch")
         cluster.config.SlurmEngineSetLauncher.batch_file_name = batch_file
-
-    @classmethod
-    def describe(cls, cluster: Any) -> str:
-        return cls.description + "".join(f", job {job}" for job in _batch_jobs(cluster))
-
-    @classmethod
-    def clean_up_commands(cls, cluster: Any, plan: LauncherPlan) -> list[list[str]]:
-        return [["scancel", job] for job in _batch_jobs(cluster)]
 
     @classmethod
     def stopper(cls, cluster: Any, plan: LauncherPlan) -> Callable[[], list[str]]:
@@ -370,15 +364,9 @@ REMOTE_CLEANUP = (
 
 def ssh(location: str, args: tuple[str, ...], command: str, timeout: float = REMOTE_STOP_TIMEOUT) -> tuple[bool, str]:
     """Run ``command`` on ``location`` over ssh, never asking for a password: whether it ran, its stdout or why not."""
+    argv = ["ssh", "-o", "BatchMode=yes", *args, location, command]
     try:
-        proc = subprocess.run(
-            ["ssh", "-o", "BatchMode=yes", *args, location, command],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            stdin=subprocess.DEVNULL,
-            check=False,
-        )
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         return False, f"ssh {location}: no answer within {timeout:g} s"
     if proc.returncode == 0:
@@ -409,11 +397,9 @@ def _batch_jobs(cluster: Any) -> list[str]:
 
 def _job_gone(job: str, timeout: float) -> bool:
     """Has SLURM job ``job`` left ``squeue`` within ``timeout`` seconds?"""
-    deadline = time.monotonic() + timeout
+    deadline, squeue = time.monotonic() + timeout, ["squeue", "-h", "-j", job, "-o", "%i"]
     while True:
-        proc = subprocess.run(
-            ["squeue", "-h", "-j", job, "-o", "%i"], capture_output=True, text=True, timeout=30, check=False
-        )
+        proc = subprocess.run(squeue, capture_output=True, text=True, timeout=30, check=False)
         # squeue exits non-zero for a job id it no longer knows: gone as well.
         if proc.returncode != 0 or not proc.stdout.strip():
             return True
