@@ -351,6 +351,32 @@ def test_the_batch_script_and_bad_lines_need_no_slurm(tmp_path, monkeypatch):
     assert not (tmp_path / ".vgpu_jobs").exists()
 
 
+def test_a_jobs_slurm_options_are_the_slurm_launchers(tmp_path, monkeypatch):
+    """Issue 33: the job backend builds on the ranks' SLURM launcher: its flags and their help, its checks, and
+    more #SBATCH lines as it takes them."""
+    from IPython.testing.globalipapp import get_ipython
+
+    from vgpu_magic.batch import JobSpec
+    from vgpu_magic.ranks.launchers import SlurmLauncher
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('never')\n")
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "vgpu_magic")
+    line = "script --partition gpu --account p1 --sbatch=--mem=4G --sbatch='#SBATCH --gres=gpu:1' train.py"
+    text = ip.run_line_magic("vgpu_job", line)
+    for option in ("--partition=gpu", "--account=p1", "--mem=4G", "--gres=gpu:1"):
+        assert f"#SBATCH {option}\n" in text
+    with pytest.raises(UsageError, match=r"^sbatch line '--ntasks=8' sets what the launcher sets itself"):
+        ip.run_line_magic("vgpu_job", "script --sbatch=--ntasks=8 train.py")
+    with pytest.raises(ValueError, match=r"^slurm partition='a b' is not one word; e.g. --partition=gpu$"):
+        JobSpec("train.py", partition="a b")
+    help_text = " ".join(ip.find_line_magic("vgpu_job").__doc__.split())
+    for key in ("time", "partition", "account", "sbatch"):
+        assert " ".join(SlurmLauncher.options[key]["help"].split()) in help_text, key
+    assert not (tmp_path / ".vgpu_jobs").exists()
+
+
 def test_a_job_past_its_time_limit_says_so_and_how_long_it_ran(slurm, tmp_path, capsys):
     """Its elapsed time too: SLURM's while it holds the job, then from the job's folder once SLURM forgot it, at
     least the one-minute limit and no longer growing."""

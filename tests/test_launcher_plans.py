@@ -31,11 +31,11 @@ def slurm_on_path(monkeypatch):
 
 
 def batch_script(plan, tmp_path, n=2) -> str:
-    """The script ipyparallel's own SlurmEngineSetLauncher writes from the plan's configuration."""
-    from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
+    """The script the plan's engine launcher (ipyparallel's SlurmEngineSetLauncher) writes from its configuration."""
     from traitlets.config import Config
+    from traitlets.utils.importstring import import_item
 
-    launcher = SlurmEngineSetLauncher(
+    launcher = import_item(plan.launcher.engines)(
         work_dir=str(tmp_path), config=Config(plan.config), profile_dir=str(tmp_path), cluster_id="c1"
     )
     launcher.write_batch_script(n)
@@ -66,9 +66,10 @@ def test_slurm_options_become_sbatch_lines_around_ipyparallels_srun(slurm_on_pat
         "#SBATCH --time=01:00:00",
         "#SBATCH --mem=4G",
         "#SBATCH --gres=gpu:1",
-        "export NCCL_DEBUG='INFO {x}'",
     ):
         assert line in lines
+    # The job gets sbatch's environment (--export=ALL): ipyparallel runs sbatch with the launcher's.
+    assert plan.config["SlurmEngineSetLauncher"]["environment"] == {"NCCL_DEBUG": "INFO {x}"}
     assert lines[-1].startswith("srun --cpu-bind=none ") and "ipyparallel.engine" in lines[-1]
     # The engines are told to reach the controller by this host's name; it listens on every interface.
     assert plan.controller_ip == "*" and plan.controller_location
@@ -77,7 +78,7 @@ def test_slurm_options_become_sbatch_lines_around_ipyparallels_srun(slurm_on_pat
 
 def test_without_options_the_script_is_ipyparallels_own(slurm_on_path, tmp_path):
     script = batch_script(plan_launcher("slurm", 3), tmp_path, n=3)
-    sbatch = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    sbatch = sorted(line for line in script.splitlines() if line.startswith("#SBATCH"))
     assert sbatch[:3] == ["#SBATCH --export=ALL", "#SBATCH --job-name=ipengine-c1", "#SBATCH --ntasks=3"]
     assert len(sbatch) == 4 and sbatch[3].startswith("#SBATCH --output=")
     assert script.splitlines()[-1].startswith("srun ") and "ipyparallel.engine" in script
@@ -123,7 +124,7 @@ def test_ssh_host_counts_and_the_engines_environment():
         ("pbs", 2, {}, "launcher 'pbs' is not supported; use local, mpi, slurm, ssh"),
         ("local", 2, {"hosts": ["a"]}, "the local launcher has no option 'hosts'; it takes: none"),
         ("slurm", 2, {"queue": "x"}, "the slurm launcher has no option 'queue'; it takes: partition, account"),
-        ("slurm", 2, {"partition": "a b"}, "slurm partition 'a b' is not one word; e.g. --partition=gpu"),
+        ("slurm", 2, {"partition": "a b"}, "slurm partition='a b' is not one word; e.g. --partition=gpu"),
         ("slurm", 2, {"sbatch": ["mem=4G"]}, "sbatch line 'mem=4G' is neither '#SBATCH ...' nor an option"),
         ("slurm", 2, {"sbatch": ["--ntasks=8"]}, "sets what the launcher sets itself"),
         ("slurm", 2, {"srun": [1]}, "srun \\[1\\] must be a list of strings"),

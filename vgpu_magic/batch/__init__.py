@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from .. import frameworks
+from ..ranks.launchers import SlurmLauncher
 
 __all__ = ["BACKENDS", "FOLDER", "Job", "JobBackend", "JobSpec", "jobs", "submit"]
 
@@ -38,6 +39,8 @@ class JobSpec:
     time: str | None = None
     partition: str | None = None
     account: str | None = None
+    #: More ``#SBATCH`` lines, as the SLURM launcher of the ranks takes them (``"--mem=4G"``).
+    sbatch: tuple[str, ...] = ()
     name: str | None = None
     port: int | None = None
     backend: str = "slurm"
@@ -52,9 +55,10 @@ class JobSpec:
             value = getattr(self, key)
             if value is not None and (type(value) is not int or not low <= value <= 65535):
                 raise ValueError(f"{key}={value!r} is not a whole number {low}..65535")
-        for key in ("time", "partition", "account", "name"):  # SLURM says what else is wrong with them
-            if not re.fullmatch(r"[^\s'\"]*", str(getattr(self, key) or "")):
-                raise ValueError(f"{key}={getattr(self, key)!r} is not one word; e.g. time=01:00:00, partition=gpu")
+        # Time, partition, account and #SBATCH lines as the ranks' SLURM launcher checks them (SLURM says the rest).
+        object.__setattr__(self, "sbatch", tuple(SlurmLauncher.sbatch_options(vars(self))[1]))
+        if not re.fullmatch(r"[^\s'\"]*", self.name or ""):
+            raise ValueError(f"name={self.name!r} is not one word; e.g. name=run1")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
 

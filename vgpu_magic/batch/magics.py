@@ -14,6 +14,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from ..errors import PlanError, excerpt
 from ..frameworks import choices
 from ..grammar import choice, framework_name, parse_arguments, whole
+from ..ranks.launchers import SlurmLauncher
 from . import ENDED, Job, JobSpec, backend, jobs, submit
 
 __all__ = ["JobMagics"]
@@ -39,9 +40,10 @@ class JobMagics(Magics):
     @argument("--nodes", "-N", type=whole("--nodes", 1, 4096, "--nodes 2"), default=1, help="nodes (default 1)")
     @argument("--ranks-per-node", "-n", type=whole("--ranks-per-node", 1, 1024, "-n 8"), default=1, help="default 1")
     @argument("--gpus-per-node", type=whole("--gpus-per-node", 0, 1024, "--gpus-per-node 8"), help="GPUs per node")
-    @argument("--time", help="time limit, e.g. 30 or 01:00:00")
-    @argument("--partition")
-    @argument("--account")
+    @argument("--time", **SlurmLauncher.options["time"])
+    @argument("--partition", **SlurmLauncher.options["partition"])
+    @argument("--account", **SlurmLauncher.options["account"])
+    @argument("--sbatch", **SlurmLauncher.options["sbatch"])
     @argument("--name", help="the job's name (default vgpu-<script name>)")
     @argument("--port", type=whole("--port", 1, 65535, "--port 29500"), help="rank 0's port (default: from the job id)")
     @argument("--rank", "-r", type=whole("--rank", 0, 2**20, "--rank 0"), help="logs: this rank's only")
@@ -64,7 +66,8 @@ class JobMagics(Magics):
         if args.action in ("submit", "script"):
             if args.target is None:
                 raise UsageError(f"say which script to {args.action}, e.g. {_SUBMIT}")
-            options = {k: getattr(args, k) for k in ("gpus_per_node", "time", "partition", "account", "name", "port")}
+            keys = ("gpus_per_node", "time", "partition", "account", "sbatch", "name", "port")
+            options = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
             request = (args.target, tuple(args.script_args), args.framework, args.nodes, args.ranks_per_node)
             try:
                 if args.action == "script":

@@ -18,6 +18,7 @@ from ..frameworks.base import RankPlan
 from ..inventory import visible_gpus
 from ..layout import HostReport, SlurmStep, layout_ranks
 from ..ranks.hosts import LAUNCHER_VARIABLES
+from ..ranks.launchers import SlurmLauncher
 from . import FOLDER, JobBackend, JobSpec
 
 #: The batch script: the job's folder made first (its id is known only then) with its start time, one ``srun`` whose
@@ -42,11 +43,13 @@ PORT_BASE = 15000
 
 class SlurmJobs(JobBackend):
     def script(self, spec: JobSpec) -> str:
-        options = {"nodes": spec.nodes, "time": spec.time, "partition": spec.partition, "account": spec.account}
-        options.update({"job-name": spec.name or f"vgpu-{Path(spec.script).stem}", "chdir": os.getcwd()})
+        words, lines = SlurmLauncher.sbatch_options(vars(spec))
+        name = spec.name or f"vgpu-{Path(spec.script).stem}"
+        options = {**words, "nodes": spec.nodes, "job-name": name, "chdir": os.getcwd()}
         options.update({"ntasks-per-node": spec.ranks_per_node, "gpus-per-node": spec.gpus_per_node})
         return TEMPLATE.format(
-            options="".join(f"#SBATCH --{k}={shlex.quote(str(v))}\n" for k, v in options.items() if v is not None),
+            options="".join(f"#SBATCH --{k}={shlex.quote(str(v))}\n" for k, v in options.items() if v is not None)
+            + "".join(f"{line}\n" for line in lines),
             jobs=shlex.quote(str(Path(spec.script).parent / FOLDER)),
             python=shlex.quote(sys.executable),
             framework=spec.framework,

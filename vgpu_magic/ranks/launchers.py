@@ -1,18 +1,23 @@
 """How the ranks' engines start: ipyparallel's engine-set launchers (local, ``mpiexec``, a SLURM job, SSH), one
-:class:`Launcher` class each in :data:`LAUNCHERS`, owning its options, flags, validation and ipyparallel's
-configuration. :func:`plan_launcher` validates a request completely and starts nothing. Under ``slurm`` and ``ssh``
-the controller listens on every interface; engines reach it at ``controller_address`` (default: this host's name
-under SLURM, its address on the route to the first host under SSH).
+:class:`Launcher` class each in :data:`LAUNCHERS`, owning its options, flags, validation, ipyparallel's
+configuration, what a failed start says, and the clean-up of what it started elsewhere. :func:`plan_launcher`
+validates a request completely and starts nothing. Under ``slurm`` and ``ssh`` the controller listens on every
+interface; engines reach it at ``controller_address`` (default: this host's name under SLURM, its address on the
+route to the first host under SSH).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 import shlex
 import shutil
 import socket
+import subprocess
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -23,18 +28,10 @@ __all__ = ["LAUNCHERS", "MAX_RANKS", "Launcher", "LauncherPlan", "plan_launcher"
 #: The most ranks a cluster has.
 MAX_RANKS = 64
 
+#: Seconds a cancelled batch job may take to leave the queue, and remote engines to exit.
+REMOTE_STOP_TIMEOUT = 30.0
 #: Launcher name -> its class, in the order they are defined.
 LAUNCHERS: dict[str, type[Launcher]] = {}
-
-#: The batch script ``sbatch`` gets: ipyparallel's own (``--export=ALL``, one ``srun`` of ``ipengine``) with the
-#: user's lines; ipyparallel fills in ``{n}``, ``{cluster_id}``, ``{output_file}`` and ``{program_and_args}``.
-SLURM_TEMPLATE = """#!/bin/sh
-#SBATCH --export=ALL
-#SBATCH --job-name=ipengine-{{cluster_id}}
-#SBATCH --ntasks={{n}}
-#SBATCH --output={{output_file}}
-{lines}srun {srun}{{program_and_args}}
-"""
 
 
 @dataclass(frozen=True)
@@ -74,6 +71,8 @@ class Launcher:
     name: ClassVar[str]
     #: Where the engines run, for the start summary.
     description: ClassVar[str]
+    #: ipyparallel's engine-set launcher: its abbreviation, or a class by its import name.
+    engines: ClassVar[str]
     options: ClassVar[dict[str, dict[str, Any] | None]] = {}
     #: Can engines run on another host than the kernel's?
     remote: ClassVar[bool] = False
@@ -88,13 +87,45 @@ class Launcher:
         """How ipyparallel starts ``n`` engines with ``options`` (their names already checked)."""
         return LauncherPlan(cls.name)
 
+    @classmethod
+    def configure(cls, cluster: Any) -> None:
+        """Configure ipyparallel's ``cluster`` where its plan cannot: what depends on the cluster's own folders."""
+
+    @classmethod
+    def describe(cls, cluster: Any) -> str:
+        """Where ``cluster``'s engines run, for the start summary, with their batch jobs."""
+        return cls.description + "".join(f", job {job}" for job in _batch_jobs(cluster))
+
+    @classmethod
+    def start_failure(cls, exc: BaseException | None, plan: LauncherPlan) -> str:
+        """Why a start failed, in the launcher's own words (a command's stderr: ``sbatch: fatal: ...``), or ``""``."""
+        while exc is not None:
+            if isinstance(exc, subprocess.CalledProcessError) and _last_line(exc.stderr):
+                return _last_line(exc.stderr).rstrip(".")
+            exc = exc.__cause__ or exc.__context__
+        return ""
+
+    @classmethod
+    def clean_up_commands(cls, cluster: Any, plan: LauncherPlan) -> list[list[str]]:
+        """What ends the engines a watch of this kernel's PID cannot reach, if the kernel dies unstopped: their batch
+        jobs' deletion (ipyparallel's ``delete_command``: ``scancel``)."""
+        engine_sets = getattr(cluster, "engines", {}).values()
+        return [[*es.delete_command, es.job_id] for es in engine_sets if getattr(es, "job_id", "")]
+
+    @classmethod
+    def stopper(cls, cluster: Any, plan: LauncherPlan) -> Callable[[], list[str]]:
+        """Read before ipyparallel stops ``cluster`` (it forgets what it stopped): what then says what is left."""
+        return list
+
 
 class LocalLauncher(Launcher):
     name, description = "local", "local ipyparallel engines"
+    # Ours (:mod:`.upstream`): it keeps each engine's exit status.
+    engines = "vgpu_magic.ranks.upstream.ExitRecordingEngineSetLauncher"
 
 
 class MPILauncher(Launcher):
-    name, description = "mpi", "ipyparallel engines started by mpiexec"
+    name, description, engines = "mpi", "ipyparallel engines started by mpiexec", "mpi"
     options: ClassVar = {"mpi_args": None}
 
     @classmethod
@@ -114,6 +145,8 @@ _CONTROLLER_ADDRESS = {"help": "the address engines reach this kernel's controll
 class SlurmLauncher(Launcher):
     name, description = "slurm", "ipyparallel engines in one SLURM job (sbatch + srun)"
     remote, launches = True, ", as steps of the job's allocation"
+    # Ours (:mod:`.upstream`): it keeps what sbatch says on stderr.
+    engines = "vgpu_magic.ranks.upstream.ReasonedSlurmEngineSetLauncher"
     options: ClassVar = {
         "partition": {"help": "the partition (#SBATCH --partition)"},
         "account": {"help": "the account to charge (#SBATCH --account)"},
@@ -128,25 +161,22 @@ class SlurmLauncher(Launcher):
         "controller_address": _CONTROLLER_ADDRESS,
         "environment": None,
     }
-    #: The one-word options and a value each takes.
-    _WORDS: ClassVar[dict[str, str]] = {"partition": "gpu", "account": "myproject", "time": "01:00:00", "qos": "normal"}
+    #: The one-word options: the trait of ipyparallel's ``SlurmLauncher`` each sets, and a value each takes.
+    _WORDS: ClassVar = {
+        "partition": ("queue", "gpu"),
+        "account": ("account", "myproject"),
+        "time": ("timelimit", "01:00:00"),
+        "qos": ("qos", "normal"),
+    }
 
     @classmethod
-    def plan(cls, n: int, options: dict[str, Any], cluster_id: str) -> LauncherPlan:
-        for command in ("sbatch", "srun", "scancel", "squeue"):
-            if shutil.which(command) is None:
-                raise ValueError(
-                    f"the slurm launcher needs {command} on PATH "
-                    "(run it on a SLURM login node, or apt-get install slurm-client)"
-                )
-        lines = []
-        for key, example in cls._WORDS.items():
-            value = options.get(key)
-            if value is None:
-                continue
+    def sbatch_options(cls, options: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
+        """``options``' one-word options by name and its extra ``#SBATCH`` lines, checked (:class:`ValueError`)."""
+        words = {key: options[key] for key in cls._WORDS if options.get(key) is not None}
+        for key, value in words.items():
             if not isinstance(value, (str, int)) or not str(value).strip() or any(c.isspace() for c in str(value)):
-                raise ValueError(f"slurm {key} {value!r} is not one word; e.g. --{key}={example}")
-            lines.append(f"#SBATCH --{key}={value}")
+                raise ValueError(f"slurm {key}={value!r} is not one word; e.g. --{key}={cls._WORDS[key][1]}")
+        lines = []
         for line in _strings("sbatch", options.get("sbatch", [])):
             text = line.strip()
             if not text.startswith("#SBATCH"):
@@ -158,21 +188,56 @@ class SlurmLauncher(Launcher):
                     f"sbatch line {line!r} sets what the launcher sets itself (one task per rank, --export=ALL)"
                 )
             lines.append(text)
-        srun = " ".join(shlex.quote(a) for a in _strings("srun", options.get("srun", [])))
-        # The job gets the kernel's environment (--export=ALL); extra variables are exported by the script.
-        lines += [f"export {k}={shlex.quote(v)}" for k, v in _environment(options).items()]
-        script = SLURM_TEMPLATE.format(
-            lines="".join(_escape(line) + "\n" for line in lines), srun=_escape(srun) + " " if srun else ""
-        )
-        config: dict[str, dict[str, Any]] = {"SlurmEngineSetLauncher": {"batch_template": script}}
+        return {key: str(value) for key, value in words.items()}, lines
+
+    @classmethod
+    def plan(cls, n: int, options: dict[str, Any], cluster_id: str) -> LauncherPlan:
+        for command in ("sbatch", "srun", "scancel", "squeue"):
+            if shutil.which(command) is None:
+                raise ValueError(
+                    f"the slurm launcher needs {command} on PATH "
+                    "(run it on a SLURM login node, or apt-get install slurm-client)"
+                )
+        words, lines = cls.sbatch_options(options)
+        srun = "".join(f"{shlex.quote(arg)} " for arg in _strings("srun", options.get("srun", [])))
+        traits: dict[str, Any] = {cls._WORDS[key][0]: value for key, value in words.items()}
+        # The job gets sbatch's environment (--export=ALL), which ipyparallel gives the launcher's.
+        traits["environment"] = _environment(options)
+        # What ipyparallel's traits cannot say, for the template of ours (:mod:`.upstream`).
+        traits["namespace"] = {"sbatch": "".join(f"{line}\n" for line in lines), "srun": srun}
         address = options.get("controller_address") or socket.gethostname()
-        return LauncherPlan("slurm", config, controller_ip="*", controller_location=str(address))
+        return LauncherPlan("slurm", {"SlurmEngineSetLauncher": traits}, "*", str(address))
+
+    @classmethod
+    def configure(cls, cluster: Any) -> None:
+        # ipyparallel writes the batch script into the kernel's working folder (the user's notebooks); an absolute
+        # name puts it with the engines' log in the profile instead, removed by the stop.
+        batch_file = os.path.join(cluster.profile_dir, "log", f"ipengine-{cluster.cluster_id}.sbatch")
+        cluster.config.SlurmEngineSetLauncher.batch_file_name = batch_file
+
+    @classmethod
+    def stopper(cls, cluster: Any, plan: LauncherPlan) -> Callable[[], list[str]]:
+        """The batch jobs out of the queue (``scancel -s KILL`` if they do not leave), the batch script removed."""
+        jobs = _batch_jobs(cluster)
+
+        def make_sure() -> list[str]:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(cluster.config.SlurmEngineSetLauncher.batch_file_name)
+            left = []
+            for job in jobs:
+                if not _job_gone(job, REMOTE_STOP_TIMEOUT / 2):
+                    subprocess.run(["scancel", "-s", "KILL", job], capture_output=True, timeout=30, check=False)
+                    if not _job_gone(job, REMOTE_STOP_TIMEOUT / 2):
+                        left.append(f"SLURM job {job} is still in squeue")
+            return left
+
+        return make_sure
 
 
 class SSHLauncher(Launcher):
     """``hosts``: a list spreads the ranks evenly, a ``{host: count}`` dict says how many."""
 
-    name, description, remote = "ssh", "ipyparallel engines started over SSH", True
+    name, description, remote, engines = "ssh", "ipyparallel engines started over SSH", True, "ssh"
     options: ClassVar = {
         "hosts": {"help": "the hosts, comma-separated (user@host or host:port); ranks spread evenly"},
         "ssh_args": None,
@@ -243,11 +308,109 @@ class SSHLauncher(Launcher):
         }
         return LauncherPlan("ssh", config, "*", str(address), tuple(targets))
 
+    @classmethod
+    def start_failure(cls, exc: BaseException | None, plan: LauncherPlan) -> str:
+        """Also ssh's reason for the first host it cannot reach (ipyparallel only says "Unable to get remote shell
+        information")."""
+        said = super().start_failure(exc, plan)
+        for location, args in plan.ssh_hosts if not said else ():
+            reached, reason = ssh(location, ("-o", "ConnectTimeout=10", *args), "true", timeout=15)
+            if not reached:
+                return reason.rstrip(".")
+        return said
+
+    @classmethod
+    def clean_up_commands(cls, cluster: Any, plan: LauncherPlan) -> list[list[str]]:
+        return [
+            ["ssh", *args, location, f"kill {pids} 2>/dev/null; {cleanup}"]
+            for location, args, pids, cleanup in _ssh_cleanups(cluster, plan)
+        ]
+
+    @classmethod
+    def stopper(cls, cluster: Any, plan: LauncherPlan) -> Callable[[], list[str]]:
+        """Each host with no engine nor the cluster's folder left."""
+        cleanups = _ssh_cleanups(cluster, plan)
+
+        def make_sure() -> list[str]:
+            left = []
+            for location, args, pids, cleanup in cleanups:
+                reached, out = ssh(location, args, cleanup)
+                if not reached and pids:
+                    left.append(f"{location}: engines {pids} may be left ({out})")
+                elif reached and out.partition("left:")[2].strip():
+                    left.append(f"{location}: engines {out.partition('left:')[2].strip()} left")
+                # Not reached and no engine started there: nothing was left to end.
+            return left
+
+        return make_sure
+
 
 def ssh_target(host: str) -> tuple[str, str | None]:
     """``"user@node:2222"`` -> ``("user@node", "2222")``; the port is None when not given."""
     location, _, port = host.partition(":")
     return location, port or None
+
+
+#: Run on an SSH host at stop: wait for the engines (PIDs there) to exit, SIGKILL what
+#: survived, remove the cluster's folder, and say which PIDs are left.
+REMOTE_CLEANUP = (
+    "pids='{pids}'; for i in $(seq 40); do alive=''; "
+    'for p in $pids; do kill -0 $p 2>/dev/null && alive="$alive $p"; done; '
+    '[ -z "$alive" ] && break; sleep 0.25; done; [ -n "$alive" ] && kill -9 $alive 2>/dev/null && sleep 0.5; '
+    "still=''; for p in $pids; do kill -0 $p 2>/dev/null && still=\"$still $p\"; done; "
+    "rm -rf '{folder}'; echo left:$still"
+)
+
+
+def ssh(location: str, args: tuple[str, ...], command: str, timeout: float = REMOTE_STOP_TIMEOUT) -> tuple[bool, str]:
+    """Run ``command`` on ``location`` over ssh, never asking for a password: whether it ran, its stdout or why not."""
+    argv = ["ssh", "-o", "BatchMode=yes", *args, location, command]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return False, f"ssh {location}: no answer within {timeout:g} s"
+    if proc.returncode == 0:
+        return True, proc.stdout
+    return False, _last_line(proc.stderr) or f"ssh {location} exited with status {proc.returncode}"
+
+
+def _ssh_cleanups(cluster: Any, plan: LauncherPlan) -> list[tuple[str, tuple[str, ...], str, str]]:
+    """``(location, ssh args, PIDs of the cluster's engines there, REMOTE_CLEANUP command)`` per SSH host."""
+    engines = [
+        (launcher.location, launcher.pid)
+        for engine_set in cluster.engines.values()
+        for launcher in getattr(engine_set, "launchers", {}).values()
+        if (getattr(launcher, "pid", None) or -1) > 0
+    ]
+    folder = plan.config["SSHEngineSetLauncher"]["remote_profile_dir"]
+    found = []
+    for location, args in plan.ssh_hosts:
+        pids = " ".join(str(pid) for where, pid in engines if where == location)
+        found.append((location, args, pids, REMOTE_CLEANUP.format(pids=pids, folder=folder)))
+    return found
+
+
+def _batch_jobs(cluster: Any) -> list[str]:
+    """The batch job ids of ``cluster``'s engine sets."""
+    return [es.job_id for es in getattr(cluster, "engines", {}).values() if getattr(es, "job_id", "")]
+
+
+def _job_gone(job: str, timeout: float) -> bool:
+    """Has SLURM job ``job`` left ``squeue`` within ``timeout`` seconds?"""
+    deadline, squeue = time.monotonic() + timeout, ["squeue", "-h", "-j", job, "-o", "%i"]
+    while True:
+        proc = subprocess.run(squeue, capture_output=True, text=True, timeout=30, check=False)
+        # squeue exits non-zero for a job id it no longer knows: gone as well.
+        if proc.returncode != 0 or not proc.stdout.strip():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+
+
+def _last_line(text: str | bytes | None) -> str:
+    text = text.decode("utf8", "replace") if isinstance(text, bytes) else text or ""
+    return ([line.strip() for line in text.splitlines() if line.strip()] or [""])[-1]
 
 
 def _strings(key: str, value: Any) -> list[str]:
@@ -263,8 +426,3 @@ def _environment(options: dict[str, Any]) -> dict[str, str]:
     if not isinstance(env, Mapping) or not all(isinstance(k, str) and k.isidentifier() for k in env):
         raise ValueError(f"environment {env!r} must map variable names to values, e.g. {{'PYTHONPATH': '/src'}}")
     return {k: str(v) for k, v in env.items()}
-
-
-def _escape(text: str) -> str:
-    """Braces in user text survive ipyparallel's template formatting."""
-    return text.replace("{", "{{").replace("}", "}}")

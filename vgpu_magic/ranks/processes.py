@@ -1,5 +1,5 @@
 """The ranks' processes: checked before they start (memory, port), started by ipyparallel under :mod:`.lifetime`'s
-watch of this kernel, and made sure of when they stop (SIGTERM, SIGKILL, a batch job out of the queue, SSH hosts)."""
+watch of this kernel, and made sure of when they stop (SIGTERM, SIGKILL, then as their launcher says)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,6 @@ __all__ = ["CONTROLLER_ARGS", "ClusterStartError", "check_memory_fits", "check_p
 
 #: Seconds processes get after SIGTERM before SIGKILL when the cluster stops.
 STOP_GRACE = 2.0
-#: Seconds a cancelled batch job may take to leave the queue, and remote engines to exit.
-REMOTE_STOP_TIMEOUT = 30.0
 #: The controller's heartbeat. The hub accepts a registering engine only once its heart has answered a ping, so
 #: ipyparallel's default 3 s period made every start wait one or two periods for nothing (``benchmarks/cluster.py``
 #: measures both). 150 misses keep ipyparallel's 30 s before a silent engine counts as dead.
@@ -56,70 +54,6 @@ def despite_interrupts(call: Any) -> Any:
     if interrupt is not None:
         raise interrupt
     return future.result()
-
-
-#: Run on an SSH host at stop: wait for the engines (PIDs there) to exit, SIGKILL what
-#: survived, remove the cluster's folder, and say which PIDs are left.
-REMOTE_CLEANUP = (
-    "pids='{pids}'; for i in $(seq 40); do alive=''; "
-    'for p in $pids; do kill -0 $p 2>/dev/null && alive="$alive $p"; done; '
-    '[ -z "$alive" ] && break; sleep 0.25; done; [ -n "$alive" ] && kill -9 $alive 2>/dev/null && sleep 0.5; '
-    "still=''; for p in $pids; do kill -0 $p 2>/dev/null && still=\"$still $p\"; done; "
-    "rm -rf '{folder}'; echo left:$still"
-)
-
-
-def ssh(location: str, args: tuple[str, ...], command: str, timeout: float = REMOTE_STOP_TIMEOUT) -> tuple[bool, str]:
-    """Run ``command`` on ``location`` over ssh, never asking for a password: whether it ran, its stdout or why not."""
-    try:
-        proc = subprocess.run(
-            ["ssh", "-o", "BatchMode=yes", *args, location, command],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            stdin=subprocess.DEVNULL,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return False, f"ssh {location}: no answer within {timeout:g} s"
-    if proc.returncode == 0:
-        return True, proc.stdout
-    return False, _last_line(proc.stderr) or f"ssh {location} exited with status {proc.returncode}"
-
-
-def _last_line(text: str | bytes | None) -> str:
-    if isinstance(text, bytes):
-        text = text.decode("utf8", "replace")
-    return ([line.strip() for line in (text or "").splitlines() if line.strip()] or [""])[-1]
-
-
-def start_failure(exc: BaseException, plan: LauncherPlan) -> str:
-    """Why a start failed, in the launcher's own words: a command's stderr (``sbatch: fatal: ...``), or ssh's reason
-    for the first host it cannot reach (ipyparallel only says "Unable to get remote shell information")."""
-    while exc is not None:
-        if isinstance(exc, subprocess.CalledProcessError) and _last_line(exc.stderr):
-            return _last_line(exc.stderr).rstrip(".")
-        exc = exc.__cause__ or exc.__context__
-    for location, args in plan.ssh_hosts:
-        reached, reason = ssh(location, ("-o", "ConnectTimeout=10", *args), "true", timeout=15)
-        if not reached:
-            return reason.rstrip(".")
-    return ""
-
-
-def wait_job_gone(job: str, timeout: float) -> bool:
-    """Has SLURM job ``job`` left ``squeue`` within ``timeout`` seconds?"""
-    deadline = time.monotonic() + timeout
-    while True:
-        proc = subprocess.run(
-            ["squeue", "-h", "-j", job, "-o", "%i"], capture_output=True, text=True, timeout=30, check=False
-        )
-        # squeue exits non-zero for a job id it no longer knows: gone as well.
-        if proc.returncode != 0 or not proc.stdout.strip():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.25)
 
 
 #: Host memory one rank is assumed to need at most before one is measured (torch on CPU measured ~530 MiB).
@@ -196,11 +130,9 @@ def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> 
         config[launcher].engine_cmd = lifetime.watched_command("ipyparallel.engine")
         config[launcher].environment = dict(env)
     config.merge(Config(copy.deepcopy(plan.config)))
-    # Ours (:mod:`.upstream`) for local and SLURM engines, ipyparallel's own for the others.
-    engines = {"local": ours.ExitRecordingEngineSetLauncher, "slurm": ours.ReasonedSlurmEngineSetLauncher}
     cluster = ours.RanksCluster(
         n=n,
-        engines=engines.get(plan.name, plan.name),
+        engines=plan.launcher.engines,
         cluster_id=cluster_id,
         log=ours.QUIET,
         log_level=logging.ERROR,
@@ -209,10 +141,7 @@ def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> 
         **kwargs,
     )
     cluster.owner = True
-    # ipyparallel writes a SLURM batch script into the kernel's working folder (the user's notebooks); an absolute
-    # name puts it with the engines' log in the profile instead, removed by stop_launched() (unused by the others).
-    batch_file = os.path.join(cluster.profile_dir, "log", f"ipengine-{cluster_id}.sbatch")
-    cluster.config.SlurmEngineSetLauncher.batch_file_name = batch_file
+    plan.launcher.configure(cluster)
     return cluster
 
 
@@ -249,51 +178,26 @@ def local_launchers(cluster: Any) -> dict[int, Any]:
     return {launcher.pid: launcher for launcher in ours if (launcher.pid or -1) > 0}
 
 
-def batch_jobs(cluster: Any) -> list[str]:
-    """The batch job ids of ``cluster``'s engine sets (SLURM)."""
-    return [es.job_id for es in getattr(cluster, "engines", {}).values() if getattr(es, "job_id", "")]
-
-
 #: Run when the kernel dies without a stop: remove what matches each argument (a glob).
 _REMOVE = "import glob, os, sys; [os.remove(p) for pattern in sys.argv[1:] for p in glob.glob(pattern)]"
 
 
 def clean_up_when_kernel_dies(cluster: Any, plan: LauncherPlan, token: str) -> set[int]:
     """A stop's own work, done by watchers (:func:`.lifetime.run_when_this_process_dies`) if the kernel dies without
-    one: engines on other hosts (which cannot watch its PID) ended through their launcher; the cluster's file, its
-    controller's connection files and its processes' logs removed. Returns the watchers' PIDs: a stop ends them last,
-    so that a kernel killed while it stops (Jupyter's shutdown: SIGKILL after 5 s) still has them clean up."""
+    one: engines on other hosts (which cannot watch its PID) ended by their launcher's commands; the cluster's file,
+    its controller's connection files and its processes' logs removed. Returns the watchers' PIDs: a stop ends them
+    last, so that a kernel killed while it stops (Jupyter's shutdown: SIGKILL after 5 s) still has them clean up."""
     import shlex
 
     logs = os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*")
     commands = [shlex.join([sys.executable, "-c", _REMOVE, cluster.cluster_file, logs, *_connection_files(cluster)])]
-    commands += [shlex.join(["scancel", job]) for job in batch_jobs(cluster)]
-    for location, args, pids, cleanup in _ssh_cleanups(cluster, plan):
-        commands.append(shlex.join(["ssh", *args, location, f"kill {pids} 2>/dev/null; {cleanup}"]))
+    commands += [shlex.join(command) for command in plan.launcher.clean_up_commands(cluster, plan)]
     return {lifetime.run_when_this_process_dies(command, token).pid for command in commands}
 
 
 def _connection_files(cluster: Any) -> list[str]:
     """The controller's connection files, which it removes only when it exits of itself."""
     return list(cluster.controller.connection_files.values()) if getattr(cluster, "controller", None) else []
-
-
-def _ssh_cleanups(cluster: Any, plan: LauncherPlan) -> list[tuple[str, tuple[str, ...], str, str]]:
-    """``(location, ssh args, PIDs of the cluster's engines there, REMOTE_CLEANUP command)`` per SSH host."""
-    if not plan.ssh_hosts:
-        return []
-    engines = [
-        (launcher.location, launcher.pid)
-        for engine_set in cluster.engines.values()
-        for launcher in getattr(engine_set, "launchers", {}).values()
-        if (getattr(launcher, "pid", None) or -1) > 0
-    ]
-    folder = plan.config["SSHEngineSetLauncher"]["remote_profile_dir"]
-    found = []
-    for location, args in plan.ssh_hosts:
-        pids = " ".join(str(pid) for where, pid in engines if where == location)
-        found.append((location, args, pids, REMOTE_CLEANUP.format(pids=pids, folder=folder)))
-    return found
 
 
 def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared: set[int] = frozenset()) -> list[Any]:
@@ -373,33 +277,19 @@ def unlist(cluster: Any) -> None:
 
 
 def stop_launched(cluster: Any, plan: LauncherPlan) -> list[str]:
-    """Stop what ipyparallel launched for ``cluster``, make sure the batch jobs left the queue (``scancel -s KILL``
-    if not) and each SSH host has no engine nor the cluster's folder left. Returns what is still left, in words."""
+    """Stop what ipyparallel launched for ``cluster`` and make sure, as its launcher does, that nothing is left
+    where it started engines. Returns what is still left, in words."""
     # Read before the stop: ipyparallel forgets the engines it stopped.
-    jobs, cleanups, connection = batch_jobs(cluster), _ssh_cleanups(cluster, plan), _connection_files(cluster)
+    make_sure, connection = plan.launcher.stopper(cluster, plan), _connection_files(cluster)
     # If this fails, local processes are gone already (the caller checked) and remote ones are checked below.
     with contextlib.suppress(Exception):
         cluster.stop_cluster_sync()
     unlist(cluster)
-    # The controller's record of its engines (which it removes only when it exits of itself), the batch script.
+    # The controller's record of its engines (which it removes only when it exits of itself).
     connection.append(os.path.join(cluster.profile_dir, "log", f"engines{cluster.cluster_id}.json"))
-    connection.append(cluster.config.SlurmEngineSetLauncher.batch_file_name)
     for path in connection:  # left by a controller that was killed
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
     # Stopped here: ipyparallel's own stop at exit (or when the object goes) would only try again, noisily.
     cluster.shutdown_atexit = False
-    left = []
-    for job in jobs:
-        if not wait_job_gone(job, REMOTE_STOP_TIMEOUT / 2):
-            subprocess.run(["scancel", "-s", "KILL", job], capture_output=True, timeout=30, check=False)
-            if not wait_job_gone(job, REMOTE_STOP_TIMEOUT / 2):
-                left.append(f"SLURM job {job} is still in squeue")
-    for location, args, pids, cleanup in cleanups:
-        reached, out = ssh(location, args, cleanup)
-        if not reached and pids:
-            left.append(f"{location}: engines {pids} may be left ({out})")
-        elif reached and out.partition("left:")[2].strip():
-            left.append(f"{location}: engines {out.partition('left:')[2].strip()} left")
-        # Not reached and no engine started there: nothing was left to end.
-    return left
+    return make_sure()

@@ -217,7 +217,8 @@ class RankCluster:
             if isinstance(exc, RankRunError):
                 raise ClusterStartError(f"wiring {self.label} failed: {exc.headline(state=False)}; {left}") from exc
             if isinstance(exc, Exception) and not isinstance(exc, ClusterStartError):
-                why = processes.start_failure(exc, self.launcher_plan) or f"{type(exc).__name__}: {exc}"
+                plan = self.launcher_plan
+                why = plan.launcher.start_failure(exc, plan) or f"{type(exc).__name__}: {exc}"
                 raise ClusterStartError(f"the ranks could not start: {why}; {left}") from exc
             raise
         self.state = ClusterState.RUNNING
@@ -386,10 +387,8 @@ class RankCluster:
         """Lines for ``%vgpu_cluster start`` / ``status``: where and how the ranks run, the two modes, each rank."""
         if not self.running:
             return [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} {self.state.value}"]
-        jobs = "".join(f", job {job}" for job in processes.batch_jobs(self.cluster))
-        lines = [
-            f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} on {self.launcher_plan.launcher.description}{jobs}"
-        ]
+        where = self.launcher_plan.launcher.describe(self.cluster)
+        lines = [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} on {where}"]
         lines.extend(self.plans[0].notes if self.plans else ())
         call = self.fw.join_call
         joined = f"has joined ({call} at start, --join): cells must not call it again; scripts make their own call"

@@ -15,6 +15,7 @@ from typing import Any
 import psutil
 from ipyparallel.cluster.cluster import Cluster, ClusterManager
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher, SlurmEngineSetLauncher
+from traitlets import Dict, Unicode
 
 #: Where ipyparallel's cluster objects log: nowhere. The ranks report what goes wrong themselves; a stop is silent
 #: (ipyparallel logs a process's whole log file when it ends by a signal); a copy elsewhere stays out of its log.
@@ -99,9 +100,17 @@ class ExitRecordingEngineSetLauncher(LocalEngineSetLauncher):
 
 class ReasonedSlurmEngineSetLauncher(SlurmEngineSetLauncher):
     """ipyparallel's SLURM launcher, keeping what ``sbatch``/``scancel`` say on stderr (ipyparallel lets it
-    go to the kernel's terminal), so that a failing submit says why (:func:`~.processes.start_failure`)."""
+    go to the kernel's terminal), so that a failing submit says why (:meth:`~.launchers.Launcher.start_failure`)."""
 
     entrypoint_name = f"{__name__}.ReasonedSlurmEngineSetLauncher"
+    # ipyparallel's own template (its traits add --ntasks, --output, --partition, --account, --qos, --time) with two
+    # things it has no trait for, through its ``namespace``: more #SBATCH lines (upstream would need its template to
+    # write ``SlurmLauncher.options``, which it never does) and srun's own arguments (upstream would need a trait).
+    default_template = Unicode(
+        "#!/bin/sh\n#SBATCH --export=ALL\n#SBATCH --job-name=ipengine-{cluster_id}\n"
+        "{sbatch}srun {srun}{program_and_args}\n"
+    )
+    namespace = Dict({"sbatch": "", "srun": ""}, config=True)
 
     # ipyparallel runs ``sbatch`` and ``scancel`` through ``_run_command(command, **kwargs)``, which returns their
     # stdout; upstream would need their stderr kept in the error it raises.
