@@ -109,6 +109,7 @@ def test_errors_that_land_just_after_a_look_are_not_taken_for_success():
 
 def test_different_failures_are_named_each_and_the_same_ones_grouped():
     from vgpu_magic.ranks.run import RankFailure, RankRunError
+    from vgpu_magic.ranks.spec import RankOutcome, RunResult
 
     failures = [
         RankFailure(2, "error", "raised ValueError: bad argument", ("Traceback", "ValueError: bad argument")),
@@ -116,7 +117,7 @@ def test_different_failures_are_named_each_and_the_same_ones_grouped():
         RankFailure(3, "died", "was killed by SIGKILL (pid 12)", ("rank 3 was killed by SIGKILL",)),
         RankFailure(1, "error", "raised KeyError: 'x'", ("Traceback", "KeyError: 'x'")),
     ]
-    error = RankRunError(failures, interrupted=[], killed=[], must_restart=True)
+    error = RankRunError(RunResult({f.rank: RankOutcome("failed", f) for f in failures}, must_restart=True, grace=3))
     assert str(error) == (
         "ranks 0, 2 raised ValueError: bad argument; rank 3 was killed by SIGKILL (pid 12); "
         "rank 1 raised KeyError: 'x'; the cluster must be restarted: %vgpu_cluster restart"
@@ -130,6 +131,62 @@ def test_different_failures_are_named_each_and_the_same_ones_grouped():
         "[rank 1] KeyError: 'x'",
         f"RankRunError: {error}",
     ]
+
+
+def test_the_error_renders_the_run_result_rank_by_rank():
+    """Issue 33: RankRunError renders a RunResult by rank (torch elastic's shape) where it took parallel lists: the
+    run's timeout names its ranks interrupted, a killed rank is interrupted and killed, a rank its peer took down is
+    named with that failure only, and a finished rank not at all."""
+    import dataclasses
+
+    from vgpu_magic.ranks.run import RankRunError, _outcome
+    from vgpu_magic.ranks.spec import RankFailure, RankOutcome, RunResult
+
+    late = RankFailure(0, "timeout", "did not finish within --timeout 5 s (still running: ranks 0, 2)", ("timed out",))
+    ended = {
+        0: RankOutcome("interrupted", late),
+        1: RankOutcome("finished"),
+        2: RankOutcome("interrupted", killed=True),
+    }
+    result = RunResult(ended, must_restart=True, grace=3)
+    error = RankRunError(result)
+    assert error.result is result and list(result.outcomes) == [0, 1, 2]
+    assert str(error) == (
+        "rank 0 did not finish within --timeout 5 s (still running: ranks 0, 2); interrupted ranks 0, 2; "
+        "killed rank 2 (did not stop within 3 s of SIGINT); the cluster must be restarted: %vgpu_cluster restart"
+    )
+    assert error._render_traceback_() == ["[rank 0] timed out", f"RankRunError: {error}"]
+    assert (error.failure, error.failures, error.interrupted, error.killed) == (late, [late], [0, 2], [2])
+
+    own = RankFailure(1, "error", "raised ValueError: bad batch", ("Traceback", "ValueError: bad batch"))
+    said = "stopped: its peer closed the connection (rank 1 failed first)"
+    ended = {
+        1: RankOutcome("failed", own),
+        0: RankOutcome("peer", RankFailure(0, "peer", said, ("RuntimeError: Connection closed by peer",))),
+        3: RankOutcome("peer", RankFailure(3, "peer", said, ("RuntimeError: Connection closed by peer",)), killed=True),
+        2: RankOutcome("interrupted"),
+    }
+    error = RankRunError(RunResult(ended, must_restart=True, grace=3))
+    assert str(error) == (
+        f"rank 1 raised ValueError: bad batch; ranks 0, 3 {said}; interrupted rank 2; "
+        "killed rank 3 (did not stop within 3 s of SIGINT); the cluster must be restarted: %vgpu_cluster restart"
+    )
+    # A peer's traceback is kept in its failure, not shown.
+    assert error._render_traceback_() == [
+        "[rank 1] Traceback",
+        "[rank 1] ValueError: bad batch",
+        f"RankRunError: {error}",
+    ]
+    assert (error.failure, error.interrupted, error.killed, error.must_restart) == (own, [2], [3], True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        error.result.must_restart = False
+    # Each rank's outcome as a run builds it from its failure and what the fault policy did to it.
+    peer = ended[3].failure
+    assert _outcome(None, stopped=False, killed=False) == RankOutcome("finished")
+    assert _outcome(None, stopped=True, killed=True) == RankOutcome("interrupted", killed=True)
+    assert _outcome(late, stopped=True, killed=False) == RankOutcome("interrupted", late)
+    assert _outcome(own, stopped=True, killed=False) == RankOutcome("failed", own)
+    assert _outcome(peer, stopped=True, killed=True) == RankOutcome("peer", peer, killed=True)
 
 
 def test_a_start_ssh_refuses_says_why_in_one_line(shell):
@@ -301,10 +358,11 @@ def test_a_start_returns_while_the_spares_import_and_a_launch_waits_for_them(mon
 def test_ranks_that_ended_alike_are_said_in_agreement():
     """Issue 37, row 14: "ranks 1, 2, 3 was killed by SIGABRT"."""
     from vgpu_magic.ranks.run import RankFailure, RankRunError
+    from vgpu_magic.ranks.spec import RankOutcome, RunResult
 
     failures = [RankFailure(r, "error", "was killed by SIGABRT", ("x",)) for r in (1, 2, 3)]
     failures.append(RankFailure(0, "error", "was killed by SIGSEGV", ("x",)))
-    error = RankRunError(failures, [], [], must_restart=False)
+    error = RankRunError(RunResult({f.rank: RankOutcome("failed", f) for f in failures}, must_restart=False, grace=3))
     assert (
         str(error) == "ranks 1, 2, 3 were killed by SIGABRT; rank 0 was killed by SIGSEGV; the cluster is still usable"
     )
@@ -353,8 +411,14 @@ def test_only_a_traceback_that_says_its_peer_went_is_said_in_one_line(peer):
             "[rank 0] stopped: its peer closed the connection (rank 1 failed first)"
         ]
         assert info.value.failures[-1].traceback[-1] == second
+        # The rank that failed first comes first; the one it took down says so.
+        assert [(rank, outcome.end) for rank, outcome in info.value.result.outcomes.items()] == [
+            (1, "failed"),
+            (0, "peer"),
+        ]
     else:
         assert str(info.value) == "ranks 0, 1 exited with status 1; the cluster is still usable"
+        assert [outcome.end for outcome in info.value.result.outcomes.values()] == ["failed", "failed"]
         assert f"[rank 0] {second}" in lines and "peer" not in said.getvalue()
 
 

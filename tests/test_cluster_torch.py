@@ -562,6 +562,10 @@ def test_one_failing_script_rank_stops_the_others_and_the_engines_stay(
     assert "[rank 1] ValueError: bad batch on rank 1" in shown and f'[rank 1]   File "{script}", line 5' in shown
     assert "launch.py" not in shown
     assert not info.value.must_restart and launcher_ranks.pids == engines
+    # Issue 33: the run's result by rank: rank 1's own failure first, then rank 0, stopped by the fault policy.
+    outcomes = info.value.result.outcomes
+    assert [(rank, outcome.end) for rank, outcome in outcomes.items()] == [(1, "failed"), (0, "interrupted")]
+    assert outcomes[1].failure is info.value.failure and outcomes[0].failure is None
     launched_pids = [int((tmp_path / f"{r}.pid").read_text()) for r in range(2)]
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in launched_pids)
     shell.run_cell_magic("vgpu_run", "-o after", "import os\nos.getpid()")

@@ -24,6 +24,7 @@ from .launch import INTERRUPT_LIMIT, STUCK
 from .lifetime import process_alive
 from .memory import RankMonitor
 from .shown import PEER_GONE, HeldBack, LineStream, events, how_it_ended, notebook_traceback, show_display
+from .spec import RankFailure, RankOutcome, RunResult
 
 __all__ = ["RankProcesses", "RankFailure", "RankRunError", "RankRun", "interrupt_only_the_cell", "process_alive"]
 
@@ -39,35 +40,16 @@ OUTPUT_WAIT = 5.0
 _RESTART = "the cluster must be restarted: %vgpu_cluster restart"
 
 
-@dataclass(frozen=True)
-class RankFailure:
-    """Why one rank did not finish: ``kind`` is ``"error"``, ``"died"``, ``"timeout"`` or ``"peer"`` (its error said
-    another rank, which failed first, went: its traceback is kept, not shown)."""
-
-    rank: int
-    kind: str
-    summary: str
-    traceback: tuple[str, ...] = ()
-
-
 class RankRunError(RuntimeError):
-    """A run on the ranks failed; IPython shows :meth:`_render_traceback_`: each failing rank's traceback, each line
-    labelled with its ranks (the same traceback on several ranks once)."""
+    """A run on the ranks failed, as its ``result`` says rank by rank; IPython shows :meth:`_render_traceback_`: each
+    failing rank's traceback, each line labelled with its ranks (the same traceback on several ranks once)."""
 
-    def __init__(
-        self,
-        failures: list[RankFailure],
-        interrupted: list[int],
-        killed: list[int],
-        must_restart: bool,
-        grace: float = GRACE,
-    ) -> None:
-        self.failures = list(failures)
+    def __init__(self, result: RunResult) -> None:
+        self.result, self.must_restart = result, result.must_restart
+        self.failures = [outcome.failure for outcome in result.outcomes.values() if outcome.failure is not None]
         self.failure = self.failures[0]
-        self.interrupted = interrupted
-        self.killed = killed
-        self.must_restart = must_restart
-        self.grace = grace
+        self.interrupted = [rank for rank, outcome in result.outcomes.items() if outcome.end == "interrupted"]
+        self.killed = [rank for rank, outcome in result.outcomes.items() if outcome.killed]
         super().__init__(self.headline())
 
     def headline(self, state: bool = True) -> str:
@@ -77,7 +59,7 @@ class RankRunError(RuntimeError):
         if self.interrupted:
             parts.append(f"interrupted {_rank_s(self.interrupted)}")
         if self.killed:
-            parts.append(f"killed {_rank_s(self.killed)} (did not stop within {self.grace:g} s of SIGINT)")
+            parts.append(f"killed {_rank_s(self.killed)} (did not stop within {self.result.grace:g} s of SIGINT)")
         if state:
             parts.append(_RESTART if self.must_restart else "the cluster is still usable")
         return "; ".join(parts)
@@ -346,15 +328,14 @@ class RankRun:
             interrupt._render_traceback_ = lambda: [f"KeyboardInterrupt: {interrupt}"]
             raise interrupt from None
         # Without a failure or a timeout every rank succeeded: nothing to stop, no error to find.
-        interrupted, killed = self._stop_others(results, set(failures)) if failures or timed_out else ([], [])
+        stopped, killed = self._stop_others(results, set(failures)) if failures or timed_out else ([], [])
         for rank, ar in enumerate(results):
             # A rank that came back (from the interrupt, or as it was sent) with an error of its own failed too.
             exc = _error(ar) if rank not in failures and rank not in killed else None
             if exc is not None and getattr(exc, "ename", type(exc).__name__) != "KeyboardInterrupt":
                 failures[rank] = self._failure(rank, ar)
         self._drain(results, streams)
-        self._end(streams, failures, interrupted)
-        interrupted = [r for r in interrupted if r not in failures]
+        self._end(streams, failures, stopped)
         self.trace = memory.finish(bool(failures or timed_out), sorted(failures), timed_out is not None)
         if failures or timed_out:
             # A rank that another's failure took down after it.
@@ -364,8 +345,17 @@ class RankRun:
                 held_back = held.this_run.get(failure.rank, ())
                 self.stderr.write("".join(f"[rank {failure.rank}] {line}\n" for line in held_back))
             must_restart = bool(killed) or any(f.kind == "died" for f in every)
-            raise RankRunError(every, interrupted, killed, must_restart, self.grace)
+            fate = {failure.rank: failure for failure in every}
+            ended = {r: _outcome(fate.get(r), r in stopped, r in killed) for r in [*fate, *range(n)]}
+            raise RankRunError(RunResult(ended, must_restart, self.grace))
         return results
+
+
+def _outcome(failure: RankFailure | None, stopped: bool, killed: bool) -> RankOutcome:
+    """As the fault policy left the rank, unless it failed of its own (or said its peer went) after the interrupt."""
+    if getattr(failure, "kind", "timeout") == "timeout":
+        return RankOutcome("interrupted" if stopped else "finished", failure, killed)
+    return RankOutcome("peer" if failure.kind == "peer" else "failed", failure, killed)
 
 
 def _settled(ar: Any) -> bool:

@@ -1,5 +1,5 @@
-"""What a rank cluster was asked for (:class:`ClusterSpec`) and where it stands (:class:`ClusterState`), as plain
-data: torch elastic's ``WorkerSpec`` and ``WorkerState``."""
+"""What a rank cluster was asked for (:class:`ClusterSpec`), where it stands (:class:`ClusterState`) and how a run on
+it ended (:class:`RunResult`), as plain data: torch elastic's ``WorkerSpec``, ``WorkerState`` and ``RunResult``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["ClusterNotRunning", "ClusterSpec", "ClusterState"]
+__all__ = ["ClusterNotRunning", "ClusterSpec", "ClusterState", "RankFailure", "RankOutcome", "RunResult"]
 
 
 @dataclass(frozen=True)
@@ -55,3 +55,34 @@ class ClusterState(enum.Enum):
 
 class ClusterNotRunning(RuntimeError):
     """The cluster is stopped or must be restarted; the message says which command helps."""
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """Why one rank did not finish: ``kind`` is ``"error"``, ``"died"``, ``"timeout"`` or ``"peer"`` (its error said
+    another rank, which failed first, went: its traceback is kept, not shown)."""
+
+    rank: int
+    kind: str
+    summary: str
+    traceback: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """How a rank's part of a run ended: ``end`` is ``"finished"``, ``"failed"``, ``"peer"`` (stopped: its peer failed)
+    or ``"interrupted"`` (by the fault policy; ``killed`` too when it did not stop); ``failure`` says why."""
+
+    end: str
+    failure: RankFailure | None = None
+    killed: bool = False
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How a failed run ended (torch elastic's ``RunResult``): ``outcomes`` by rank, those with a failure first in the
+    order the failures were seen; whether the cluster ``must_restart``; ``grace``: the seconds SIGINT gave each rank."""
+
+    outcomes: Mapping[int, RankOutcome]
+    must_restart: bool
+    grace: float
