@@ -104,8 +104,14 @@ def check_slurm_tasks(found, n: int):
 
 
 def test_torch_ddp_ranks_are_tasks_of_one_slurm_job(slurm):
-    """Also: partition, time limit and extra #SBATCH lines are what sbatch ran, as the job shows."""
-    options = {"partition": "debug", "time": "7", "sbatch": ["--comment=vgpu-test"]}
+    """Also: partition, time limit and extra #SBATCH lines are what sbatch ran, as the job shows, and the
+    launcher's environment reaches every task (through sbatch's own, ``--export=ALL``)."""
+    options = {
+        "partition": "debug",
+        "time": "7",
+        "sbatch": ["--comment=vgpu-test"],
+        "environment": {"VGPU_SLURM_PROBE": "a b {x}"},
+    }
     with slurm_ranks(slurm, "torch", 2, options) as ranks:
         assert "ipyparallel engines in one SLURM job (sbatch + srun), job " in ranks.describe()[0]
         shown = slurm.scontrol("show", "job", next(iter(ranks.cluster.engines.values())).job_id)
@@ -114,10 +120,11 @@ def test_torch_ddp_ranks_are_tasks_of_one_slurm_job(slurm):
             identity(TORCH_RANK) + "import torch, torch.distributed as dist\n"
             "t = torch.tensor([float(dist.get_rank() + 1)])\n"
             "dist.all_reduce(t)\n"
-            "(*_who, dist.get_world_size(), t.item())",
+            "import os\n"
+            "(*_who, dist.get_world_size(), t.item(), os.environ.get('VGPU_SLURM_PROBE'))",
         )
     check_slurm_tasks(found, 2)
-    assert [who[-2:] for who in found] == [(2, 3.0), (2, 3.0)]
+    assert [who[-3:] for who in found] == [(2, 3.0, "a b {x}"), (2, 3.0, "a b {x}")]
     assert "Partition=debug" in shown and "TimeLimit=00:07:00" in shown and "Comment=vgpu-test" in shown
 
 
