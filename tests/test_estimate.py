@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 import vgpu_magic
 from support import needs_jax
 from vgpu_magic.errors import PlanError
+from vgpu_magic.frameworks.torch.estimate import without_triton
 from vgpu_magic.inventory import CUDA_CONTEXT_MIB
 from vgpu_magic.memory_estimate import MemoryEstimate, RankMemory, parse_gpu
 from vgpu_magic.units import format_bytes
@@ -89,7 +90,8 @@ def test_each_rank_within_ten_percent_of_a_real_gloo_run(cell, ranks, parallelis
 
 
 def test_single_device_estimate_equals_the_same_step_run_for_real():
-    from vgpu_magic.frameworks.torch.fake_rank import PeakTracker
+    with without_triton():  # this process may have imported TensorFlow (other tests): Triton would crash it
+        from vgpu_magic.frameworks.torch.fake_rank import PeakTracker
 
     with PeakTracker() as tracker:
         exec(PLAIN_CELL, {})
@@ -127,8 +129,10 @@ def test_cuda_code_is_estimated_without_a_gpu_with_cudas_defaults():
 def swapped_by_the_estimate() -> list:
     """What the estimate replaces for a rank's run, as the classes and modules themselves hold it."""
     import torch.distributed as dist
-    from torch.distributed._tools import mem_tracker
     from torch.distributed.device_mesh import DeviceMesh
+
+    with without_triton():
+        from torch.distributed._tools import mem_tracker
 
     held = [(torch.Tensor, "__deepcopy__"), (torch.nn.Parameter, "__deepcopy__"), (torch.nn.Module, "compile"),
             (DeviceMesh, "__init__"), (mem_tracker._WeakRefInfo, "_calculate_mem_consumed"), (torch, "compile"),

@@ -28,7 +28,7 @@ def estimate_ranks(
 ) -> list[dict[str, Any]]:
     """Each of ``ranks``' figures as rank of ``world`` on GPUs ``gpu`` (name, bytes): :func:`.fake_rank.estimate_rank`.
     A cell that made no tensors or ran no backward pass is refused (PlanError)."""
-    with _without_triton(), restored(os.environ):  # torch's tools set TORCHINDUCTOR_CACHE_DIR
+    with without_triton(), restored(os.environ):  # torch's tools set TORCHINDUCTOR_CACHE_DIR
         from .fake_rank import estimate_rank
 
         found = []
@@ -43,7 +43,8 @@ def estimate_ranks(
 
 
 @contextlib.contextmanager
-def _without_triton() -> Iterator[None]:
+def without_triton() -> Iterator[None]:
+    """Around an import of :mod:`.fake_rank` or of torch's memory tools."""
     # With TensorFlow loaded, importing Triton (torch's tools import torch._dynamo, which looks for it) crashes
     # the process (TensorFlow 2.21 beside torch 2.14's Triton: a segfault). The estimate needs no Triton; the
     # kernel's own later import of it is the kernel's, so nothing of this stays.
