@@ -2,21 +2,86 @@
 single-node SLURM cluster (the test suite's ``tests/local_slurm.py``),
 which needs root on Linux and Debian's ``slurm-wlm`` and ``munge``. Where
 those are missing its cells are skipped with the reason, as the SLURM tests
-are."""
+are.
+
+Each notebook runs in a kernel started as users start theirs (:func:`support.as_a_user`: without the test
+runner's variables, under which ipykernel drops C-level stderr, and without the suite's TensorFlow log level), so
+nbval's comparison with the stored outputs also proves that no framework chatter reaches a user's notebook. The
+cells whose output nbval does not compare are held to that too: every stderr line a cell shows is one its stored
+output shows. A notebook leaves no process behind."""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
+import nbval.kernel
 import pytest
 
-# The notebooks' throwaway SLURM is the test suite's (tests/local_slurm.py).
+# The notebooks' throwaway SLURM is the test suite's (tests/local_slurm.py); so are a user's kernel and the process
+# check (tests/support.py).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support import as_a_user, left_running, our_processes
 
 #: The notebooks that start a local SLURM cluster.
 SLURM_NOTEBOOKS = ("10_slurm.ipynb", "12_rehearse_estimate_submit.ipynb")
+
+
+_start_new_kernel = nbval.kernel.start_new_kernel
+
+
+def _start_as_a_user(*args, **kwargs):
+    # TF_ENABLE_ONEDNN_OPTS stays: make test-anycpu runs the notebooks with oneDNN off as well as on.
+    dropped = set(as_a_user()) - {"TF_ENABLE_ONEDNN_OPTS"}
+    env = {name: value for name, value in os.environ.items() if name not in dropped}
+    return _start_new_kernel(*args, env=env, **kwargs)
+
+
+nbval.kernel.start_new_kernel = _start_as_a_user
+
+
+def _stderr_lines(item, outputs) -> list[str]:
+    """What ``outputs`` wrote on stderr, sanitized as nbval sanitizes what it compares."""
+    text = item.sanitize("".join(o.get("text", "") for o in outputs if o.get("name") == "stderr"))
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def _shape(line: str) -> str:
+    """A line with its numbers as ``#`` (times, sizes, PIDs and ports change from run to run)."""
+    return re.sub(r"\d+(\.\d+)?", "#", line)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    result = yield
+    ran = getattr(item, "test_outputs", None)
+    if ran is not None:
+        meant = {_shape(line) for line in _stderr_lines(item, item.cell.outputs)}
+        unmeant = [line for line in _stderr_lines(item, ran) if _shape(line) not in meant]
+        assert not unmeant, f"red text the stored output does not show: {unmeant}"
+    return result
+
+
+_processes_before: dict[Path, set[int]] = {}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    if item.path.suffix == ".ipynb":
+        _processes_before.setdefault(item.path, our_processes())
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield
+    # The notebook's last cell: nbval has stopped its kernel.
+    if item.path.suffix == ".ipynb" and (nextitem is None or nextitem.path != item.path):
+        left = left_running(_processes_before.pop(item.path))
+        assert not left, f"processes left behind by {item.path.name}: {left}"
+    return result
 
 
 def _why_not_slurm() -> str | None:

@@ -6,7 +6,8 @@ user's code writes arrives.
   given to the ranks where the user set none; a rank's traceback names the notebook's cell.
 * The kernel: loaded before TensorFlow, the extension starts it quietly where the user set nothing.
 
-The slow tests run in kernels started as users start theirs (:func:`support.as_a_user`).
+The slow tests run in kernels started as users start theirs (:func:`support.as_a_user`); so do the notebooks
+under nbval (``notebooks/conftest.py``), which proves that no framework chatter reaches a user's notebook there.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 
 import pytest
 
-from support import ROOT, as_a_user, kernel_output, kernel_run, refused_changing_nothing, started_kernel
+from support import as_a_user, kernel_output, kernel_run, refused_changing_nothing, started_kernel
 from vgpu_magic.frameworks import get
 from vgpu_magic.ranks.run import RankProcesses, RankRun, RankRunError
 from vgpu_magic.ranks.shown import HeldBack, notebook_traceback, rank_env
@@ -207,48 +208,3 @@ def test_tensorflow_ranks_are_quiet_and_their_tracebacks_name_the_notebooks_cell
     traceback = "\n".join(error["traceback"])
     assert f"In[{count}]" in traceback and "line 3" in traceback, traceback
     assert ":execute]" not in traceback
-
-
-# -- the notebooks, as users run them -------------------------------------------------------------------------------
-
-#: Every notebook but 10 (SLURM, which needs root; not executed here): a second pass of the notebooks nbval checks.
-AS_USERS_RUN = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb") if not p.stem.startswith("10_"))
-
-
-def _stderr_lines(cell) -> list[str]:
-    text = "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("name") == "stderr")
-    return [line for line in text.splitlines() if line.strip()]
-
-
-def _shape(line: str) -> str:
-    """A line with its numbers as ``#`` (times, sizes, PIDs and ports change from run to run)."""
-    import re
-
-    return re.sub(r"\d+(\.\d+)?", "#", line)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", AS_USERS_RUN)
-def test_a_notebook_run_as_users_run_it_shows_no_red_text_it_does_not_mean_to(name, no_process_left_behind):
-    """Executed in a kernel started as users start theirs: every stderr line a cell shows is one its stored
-    output (what the notebook means to show, checked by nbval) shows too."""
-    import nbformat
-    from nbclient import NotebookClient
-
-    from support import CHILD_ENV
-
-    path = ROOT / "notebooks" / f"{name}.ipynb"
-    stored = nbformat.read(path, as_version=4)
-    ran = nbformat.read(path, as_version=4)
-    env = {**CHILD_ENV, "PYTHONPATH": str(ROOT), **as_a_user()}
-    client = NotebookClient(ran, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
-    client.execute(env={k: v for k, v in env.items() if v is not None})
-    unmeant = {}
-    for number, (mine, theirs) in enumerate(zip(ran.cells, stored.cells)):
-        if mine.cell_type != "code":
-            continue
-        meant = {_shape(line) for line in _stderr_lines(theirs)}
-        extra = [line for line in _stderr_lines(mine) if _shape(line) not in meant]
-        if extra:
-            unmeant[f"cell {number}: {mine.source.splitlines()[0] if mine.source else ''}"] = extra
-    assert not unmeant, unmeant
