@@ -118,7 +118,8 @@ clean:
 
 # Re-run the tutorial notebooks in place, storing fresh real outputs (what nbval checks against).
 # PYTEST_CURRENT_TEST makes ipykernel leave C-level stderr (TensorFlow's timestamped C++ log lines) out of the
-# cell outputs, exactly as it does under nbval, so the stored outputs match what the test run produces.
+# cell outputs, so none is stored; nbval runs the notebooks in kernels started as users start theirs, which keep
+# it, so a C-level line that reaches a user's notebook fails the suite (notebooks/conftest.py).
 notebooks: setup-test
 	for nb in notebooks/*.ipynb; do PYTEST_CURRENT_TEST=notebooks $(TEST_ENV) $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace "$$nb" || exit 1; done
 
