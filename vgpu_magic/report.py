@@ -69,7 +69,6 @@ class FrameworkStatus:
             "notes": list(self.notes),
         }
 
-    # -- rendering helpers ---------------------------------------------------------
     def headline(self) -> str:
         return f"{self.label} {self.inventory.version or ''}".rstrip() + f" — {self.state()}"
 

@@ -91,7 +91,6 @@ def device_caps(framework: Any) -> dict[str, int | None]:
     return {name: None if mib is None else int(mib) * MIB for name, mib in caps.items()}
 
 
-# -- the process' resident memory ----------------------------------------------------------
 def process_memory_reader() -> Callable[[], tuple[int, int]]:
     """``read() -> (rss, peak_rss)`` in bytes for this process, from psutil; the peak is the
     operating system's high-water mark (``ru_maxrss``, or the peak working set)."""
@@ -112,7 +111,6 @@ def process_memory_reader() -> Callable[[], tuple[int, int]]:
     return read
 
 
-# -- variables per device -------------------------------------------------------------------
 def variable_bytes(framework: Any, variables: Iterable[Any], devices: Sequence[str] = ()) -> dict[str, int]:
     """Bytes of ``variables`` on each logical device, each part where the framework places it
     (:meth:`~vgpu_magic.frameworks.base.Framework.variable_bytes`); ``devices`` first, 0 where nothing lives."""

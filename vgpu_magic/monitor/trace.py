@@ -114,7 +114,6 @@ class MemoryTrace:
         self._max_current = [0] * len(self.series)
         self._max_peak = [0] * len(self.series)
 
-    # -- recording ------------------------------------------------------------
     def append(self, time: float, step: int, epoch: int, phase: str, readings: Sequence[tuple[int, int]]) -> None:
         """Add one sample, whole or not at all: ``readings`` holds ``(current, peak)`` per series."""
         if len(readings) != len(self.series):
@@ -161,7 +160,6 @@ class MemoryTrace:
     def mark_epoch(self, time: float, epoch: int) -> None:
         self.epoch_starts.append((time, epoch))
 
-    # -- reading --------------------------------------------------------------
     def __len__(self) -> int:
         return self._cols.n
 

@@ -158,7 +158,6 @@ class Jax(Framework):
             return None
         return call_before_start(bridge, "backends", lambda: not backend_started(), callback)
 
-    # -- devices and configuration -------------------------------------------------
     def _gpu_count(self, nvml: list[dict[str, Any]]) -> int:
         """GPUs JAX has (once started) or will have (NVML and ``CUDA_VISIBLE_DEVICES``, given a GPU backend)."""
         if backend_started():
@@ -286,7 +285,6 @@ class Jax(Framework):
         # The planner caps one GPU; the variable applies to every GPU of the process.
         return max(fractions, key=float)
 
-    # -- memory ----------------------------------------------------------------------
     def memory_readings(self, devices: list[str]) -> dict[str, dict[str, int]]:
         """Current bytes per device; ``peak`` is the allocator's (GPU), else the highest read so far (CPU)."""
         try:
@@ -327,7 +325,6 @@ class Jax(Framework):
 
     plan_ranks = ranks.plan_ranks
 
-    # -- helpers -----------------------------------------------------------------------
     def split_devices(self) -> list[Any]:
         """Every CPU device where CPU devices were split (also next to a GPU), else ``jax.devices()``. Starts JAX's
         backend."""

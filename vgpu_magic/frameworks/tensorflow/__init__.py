@@ -147,7 +147,6 @@ class TensorFlow(Framework):
         except (AttributeError, RuntimeError):
             return False
 
-    # -- devices and configuration -------------------------------------------------
     def probe_inventory(self) -> DeviceInventory:
         tf = self.load()
         n_gpus = len(tf.config.list_physical_devices("GPU"))
@@ -218,7 +217,6 @@ class TensorFlow(Framework):
                     tf.config.experimental.set_memory_growth(gpus[i], want)
                     undo.append(lambda i=i, was=was: tf.config.experimental.set_memory_growth(gpus[i], was))
 
-    # -- memory ----------------------------------------------------------------------
     def memory_readings(self, devices: list[str]) -> dict[str, dict[str, int]]:
         tf = self.load()
         out = {}
@@ -264,7 +262,6 @@ class TensorFlow(Framework):
             out[device] = out.get(device, 0) + math.prod(part.shape) * part.dtype.size
         return out
 
-    # -- helpers -----------------------------------------------------------------------
     def strategy(self, devices: list[str] | None = None) -> Any:
         """A ``MirroredStrategy`` over the split's logical devices; starts the runtime. Logical GPUs of one card cannot
         use NCCL, so reductions go through one device (TensorFlow's own fallback, minus its warning)."""

@@ -1,7 +1,6 @@
-"""PyTorch: one device per process (no logical devices: ``%vgpu_split`` refuses it and points at the ranks), so
-several devices are several processes, wired as ``torchrun`` wires them (:mod:`.ranks`). Importing this module
-imports no PyTorch.
-"""
+"""PyTorch: one device per process (no logical devices: ``%vgpu_split`` refuses it and points at the ranks), so several
+devices are several processes, wired as ``torchrun`` wires them (:mod:`.ranks`). Importing this module imports no
+PyTorch."""
 
 from __future__ import annotations
 
