@@ -1,5 +1,4 @@
-"""The ``%%vgpu_estimate`` magic: a thin face over :func:`vgpu_magic.memory_estimate.estimate`; its line is checked
-whole before the cell runs."""
+"""``%%vgpu_estimate``: a thin face over :func:`vgpu_magic.memory_estimate.estimate`; its line is checked first."""
 
 from __future__ import annotations
 

@@ -134,8 +134,7 @@ def cuda_gpus(count: int, nvml: list[dict[str, Any]]) -> tuple[GPUInfo, ...]:
 
 
 def visible_gpus() -> tuple[GPUInfo, ...]:
-    """The GPUs CUDA shows this process, in CUDA's order, with NVML's details (``CUDA_VISIBLE_DEVICES`` picks and orders
-    them); starts no CUDA context."""
+    """The GPUs CUDA shows this process, in its order (``CUDA_VISIBLE_DEVICES``), with NVML's details; no CUDA start."""
     nvml = nvml_gpus()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     count = len(nvml) if visible is None else len(visible.split(",")) if visible.strip() else 0

@@ -194,8 +194,7 @@ def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = N
 
 
 def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> RankLayout:
-    """Each rank's GPU: its own where its host has one per local rank (the ``local_rank``-th it sees), else the first it
-    sees, shared."""
+    """Each rank's GPU: the ``local_rank``-th it sees where its host has one per local rank, else the first, shared."""
     chosen: dict[int, GPUInfo | None] = {}
     for place in layout.places:
         gpus = seen.get(place.rank, ())

@@ -21,9 +21,8 @@ def _keras_default(method: Any) -> Any:
 
 
 class MemoryMonitor(MonitorSession):
-    """Watch the memory of every logical device during Keras' ``fit``, ``evaluate`` and ``predict`` (a
-    callback), or a custom loop (a context manager); parameters: :class:`MonitorSession`; examples:
-    docs/live-view.md."""
+    """Watch the memory of every logical device during Keras' ``fit``, ``evaluate`` and ``predict`` (a callback), or a
+    custom loop (a context manager); parameters: :class:`MonitorSession`; examples: docs/live-view.md."""
 
     _model: Any = None
     #: Set by Keras (``set_params``) for each run; ``None`` before, as in ``keras.callbacks.Callback``.

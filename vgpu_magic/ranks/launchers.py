@@ -308,8 +308,7 @@ class SSHLauncher(Launcher):
 
     @classmethod
     def start_failure(cls, exc: BaseException | None, plan: LauncherPlan) -> str:
-        """Also ssh's reason for the first host it cannot reach (ipyparallel only says "Unable to get remote shell
-        information")."""
+        """Also ssh's reason for the first host it cannot reach (ipyparallel: "Unable to get remote shell info...")."""
         said = super().start_failure(exc, plan)
         for location, args in plan.ssh_hosts if not said else ():
             reached, reason = ssh(location, ("-o", "ConnectTimeout=10", *args), "true", timeout=15)

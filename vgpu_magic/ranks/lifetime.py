@@ -179,8 +179,7 @@ def processes_of(token: str, since: float = 0.0) -> list:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``MODULE ARGS...``: run ``MODULE`` as ``__main__`` under the watch; ``--then CMD``: wait for the owner,
-    then run ``CMD``."""
+    """``MODULE ARGS...``: ``MODULE`` as ``__main__``, watched; ``--then CMD``: ``CMD`` once the owner is gone."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--then"] and len(argv) == 2:
         if not watch_owner(then=argv[1]):

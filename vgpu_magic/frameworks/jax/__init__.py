@@ -116,8 +116,7 @@ def gpu_backend_installed() -> bool:
 
 
 def _user_namespace_uses_jax() -> bool:
-    """Does ``__main__`` (the notebook's or script's globals) hold a JAX module, or a function, class or array of
-    JAX's?"""
+    """Does ``__main__`` (the notebook's or script's globals) hold a JAX module, or a function, class or array of it?"""
     main = sys.modules.get("__main__")
     for value in list(getattr(main, "__dict__", {}).values()):
         try:
@@ -326,8 +325,7 @@ class Jax(Framework):
     plan_ranks = ranks.plan_ranks
 
     def split_devices(self) -> list[Any]:
-        """Every CPU device where CPU devices were split (also next to a GPU), else ``jax.devices()``. Starts JAX's
-        backend."""
+        """Every CPU device where CPU devices were split (also next to a GPU), else ``jax.devices()``. Starts JAX."""
         jax = self.load()
         return list(jax.devices("cpu") if self._cpu_count() is not None else jax.devices())
 

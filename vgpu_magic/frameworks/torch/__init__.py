@@ -1,6 +1,5 @@
 """PyTorch: one device per process (no logical devices: ``%vgpu_split`` refuses it and points at the ranks), so several
-devices are several processes, wired as ``torchrun`` wires them (:mod:`.ranks`). Importing this module imports no
-PyTorch."""
+devices are several processes, wired as ``torchrun`` wires them (:mod:`.ranks`). Importing it imports no torch."""
 
 from __future__ import annotations
 
