@@ -176,8 +176,7 @@ class Jax(Framework):
 
     def _gpus(self) -> tuple[tuple[GPUInfo, ...], bool]:
         nvml = nvml_gpus() if (backend_started() or gpu_backend_installed()) else []
-        count = self._gpu_count(nvml)
-        return cuda_gpus(count, nvml), bool(nvml)
+        return cuda_gpus(self._gpu_count(nvml), nvml), bool(nvml)
 
     def probe_inventory(self) -> DeviceInventory:
         jax = self.load()
@@ -226,14 +225,8 @@ class Jax(Framework):
         growth = os.environ.get(ENV_PREALLOCATE, "").strip().lower() in ("false", "0") or (
             os.environ.get(ENV_ALLOCATOR, "").strip().lower() == "platform"
         )
-        return ConfigSnapshot(
-            cpu_names=(CPU_NAME,),
-            gpu_names=tuple(g.name for g in gpus),
-            logical=logical,
-            visible_gpus=tuple(g.index for g in gpus),
-            memory_growth=(growth,) * len(gpus),
-            device_names=DEVICE_NAMES,
-        )
+        names, visible = tuple(g.name for g in gpus), tuple(g.index for g in gpus)
+        return ConfigSnapshot((CPU_NAME,), names, logical, visible, (growth,) * len(gpus), DEVICE_NAMES)
 
     def read_configuration(self) -> ConfigSnapshot:
         return self._snapshot(self._gpus()[0])

@@ -171,13 +171,8 @@ class TensorFlow(Framework):
         logical = {name: tuple(c.memory_limit for c in found) for name, found in configs.items() if found}
         visible_idx = tuple(gpus.index(d) for d in tf.config.get_visible_devices("GPU") if d in gpus)
         growth = tuple(bool(tf.config.experimental.get_memory_growth(d)) for d in gpus)
-        return ConfigSnapshot(
-            cpu_names=tuple(d.name for d in cpus),
-            gpu_names=tuple(d.name for d in gpus),
-            logical=logical,
-            visible_gpus=visible_idx,
-            memory_growth=growth,
-        )
+        cpu_names, gpu_names = tuple(d.name for d in cpus), tuple(d.name for d in gpus)
+        return ConfigSnapshot(cpu_names, gpu_names, logical, visible_idx, growth)
 
     def write_configuration(self, old: ConfigSnapshot, new: ConfigSnapshot) -> None:
         tf = self.load()
