@@ -91,12 +91,9 @@ def nvml_pids_with_context() -> dict[int, set[int]]:
     holders: dict[int, set[int]] = {}
     try:
         for i in range(nvml.nvmlDeviceGetCount()):
-            try:
-                handle = nvml.nvmlDeviceGetHandleByIndex(i)
-                procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            except nvml.NVMLError:
-                continue
-            holders[i] = {p.pid for p in procs}
+            with contextlib.suppress(nvml.NVMLError):
+                procs = nvml.nvmlDeviceGetComputeRunningProcesses(nvml.nvmlDeviceGetHandleByIndex(i))
+                holders[i] = {p.pid for p in procs}
     except nvml.NVMLError:
         pass
     finally:

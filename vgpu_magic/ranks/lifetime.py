@@ -43,8 +43,7 @@ def owner_of_this_process() -> str:
 
 
 def process_alive(pid: int, created: float | None = None) -> bool:
-    """Is ``pid`` running (a zombie, dead but not yet reaped, is not), started at ``created`` if given (not a later
-    process reusing the PID)?"""
+    """Is ``pid`` running (a zombie, dead but not yet reaped, is not), started at ``created`` if given (not reused)?"""
     import psutil
 
     try:
@@ -123,13 +122,6 @@ def watch_owner(owner: str | None = None, then: str | None = None, beside: bool 
     pid, created = int(pid_text), float(created_text)
     if host != socket.gethostname():
         return False
-    if beside and sys.platform.startswith("linux"):
-        _watch_from_beside(pid, created)
-        # Only after the watcher's fork: a watcher that watched too would end itself before the watched process.
-        _watching["owner"] = owner
-        return True
-    # A child this process forks watches the owner for itself (it runs no ``then``: that is this process's).
-    _watching["owner"] = owner
 
     def watch() -> None:
         _wait_for_exit(pid, created)
@@ -137,7 +129,13 @@ def watch_owner(owner: str | None = None, then: str | None = None, beside: bool 
             subprocess.run(shlex.split(then), check=False, timeout=60)
         _end_process_tree(os.getpid())
 
-    threading.Thread(target=watch, name=f"vgpu_magic-owner-watch({pid})", daemon=True).start()
+    if beside and sys.platform.startswith("linux"):
+        _watch_from_beside(pid, created)
+    else:
+        threading.Thread(target=watch, name=f"vgpu_magic-owner-watch({pid})", daemon=True).start()
+    # A child this process forks watches the owner for itself (it runs no ``then``: that is this process's). Set only
+    # after the watcher's fork: a watcher that watched too would end itself before the watched process.
+    _watching["owner"] = owner
     return True
 
 
