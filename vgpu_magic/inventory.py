@@ -104,8 +104,7 @@ def nvml_pids_with_context() -> dict[int, set[int]]:
 
 def cuda_to_nvml_order(n_gpus: int, nvml: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
     """The NVML device of a framework's GPU i (CUDA's numbering): ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs; set and
-    empty: none) says which; without it the orders agree on the usual machines (``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes
-    it certain)."""
+    empty: none) says which; without it the orders agree as a rule (``CUDA_DEVICE_ORDER=PCI_BUS_ID``: always)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         order = nvml
@@ -162,8 +161,7 @@ def cuda_total_bytes(index: int) -> int | None:
 
 def nccl_version() -> tuple[int, ...] | None:
     """The NCCL the frameworks here load (the ``nvidia-nccl-cu*`` wheel torch and JAX's CUDA plugin depend on; the
-    oldest where several are installed), read from the installed files: loads no library. ``None`` where none is
-    installed that way."""
+    oldest where several are installed), read from the installed files: loads no library; ``None`` without one."""
     import importlib.metadata
 
     found = []

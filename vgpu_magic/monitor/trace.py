@@ -81,10 +81,9 @@ class _Columns:
 @dataclass(eq=False)
 class MemoryTrace:
     """Samples of every memory series during one run. ``kind`` is what ran (``"fit"``, ``"custom"``...);
-    ``baseline_peak`` each series' peak when the run started (a peak that never rises above it was reached before the
-    run); ``recent`` the samples kept at full resolution. Per row: ``time`` since the start, ``step``, ``epoch``
-    (0-based), ``phase`` (``"validate"`` for a fit's validation). Two traces are equal when they describe the same
-    run."""
+    ``baseline_peak`` each series' peak when the run started (a peak never above it was reached before the run);
+    ``recent`` the samples kept at full resolution. Per row: ``time`` since the start, ``step``, ``epoch`` (0-based),
+    ``phase`` (``"validate"`` for a fit's validation). Two traces are equal when they describe the same run."""
 
     series: tuple[SeriesInfo, ...]
     kind: str = "custom"
