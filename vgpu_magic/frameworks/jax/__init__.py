@@ -168,11 +168,8 @@ class Jax(Framework):
         if not nvml or not _platforms_allow_gpu() or not gpu_backend_installed():
             return 0
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible is None:
-            return len(nvml)
-        if not visible.strip():
-            return 0  # set and empty: CUDA shows no device
-        return sum(1 for g in cuda_to_nvml_order(len(visible.split(",")), nvml) if g is not None)
+        asked = len(nvml) if visible is None else len(visible.split(","))
+        return sum(1 for g in cuda_to_nvml_order(asked, nvml) if g is not None)
 
     def _gpus(self) -> tuple[tuple[GPUInfo, ...], bool]:
         nvml = nvml_gpus() if (backend_started() or gpu_backend_installed()) else []
