@@ -92,7 +92,7 @@ class Launcher:
     @classmethod
     def describe(cls, cluster: Any) -> str:
         """Where ``cluster``'s engines run, for the start summary, with their batch jobs."""
-        return cls.description + "".join(f", job {job}" for job in _batch_jobs(cluster))
+        return cls.description + "".join(f", job {es.job_id}" for es in _batch_sets(cluster))
 
     @classmethod
     def start_failure(cls, exc: BaseException | None, plan: LauncherPlan) -> str:
@@ -107,8 +107,7 @@ class Launcher:
     def clean_up_commands(cls, cluster: Any, plan: LauncherPlan) -> list[list[str]]:
         """What ends the engines a watch of this kernel's PID cannot reach, if the kernel dies unstopped: their batch
         jobs' deletion (ipyparallel's ``delete_command``: ``scancel``)."""
-        engine_sets = getattr(cluster, "engines", {}).values()
-        return [[*es.delete_command, es.job_id] for es in engine_sets if getattr(es, "job_id", "")]
+        return [[*es.delete_command, es.job_id] for es in _batch_sets(cluster)]
 
     @classmethod
     def stopper(cls, cluster: Any, plan: LauncherPlan) -> Callable[[], list[str]]:
@@ -216,7 +215,7 @@ class SlurmLauncher(Launcher):
     @classmethod
     def stopper(cls, cluster: Any, plan: LauncherPlan) -> Callable[[], list[str]]:
         """The batch jobs out of the queue (``scancel -s KILL`` if they do not leave), the batch script removed."""
-        jobs = _batch_jobs(cluster)
+        jobs = [es.job_id for es in _batch_sets(cluster)]
 
         def make_sure() -> list[str]:
             with contextlib.suppress(FileNotFoundError):
@@ -387,9 +386,9 @@ def _ssh_cleanups(cluster: Any, plan: LauncherPlan) -> list[tuple[str, tuple[str
     return found
 
 
-def _batch_jobs(cluster: Any) -> list[str]:
-    """The batch job ids of ``cluster``'s engine sets."""
-    return [es.job_id for es in getattr(cluster, "engines", {}).values() if getattr(es, "job_id", "")]
+def _batch_sets(cluster: Any) -> list[Any]:
+    """``cluster``'s engine sets that are batch jobs (a ``job_id``)."""
+    return [es for es in getattr(cluster, "engines", {}).values() if getattr(es, "job_id", "")]
 
 
 def _job_gone(job: str, timeout: float) -> bool:
