@@ -36,8 +36,7 @@ class MemoryFrame:
     """The final image: PNG (``None`` without matplotlib) plus its text form."""
 
     def __init__(self, png: bytes | None, text: str) -> None:
-        self.png = png
-        self.text = text
+        self.png, self.text = png, text
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
         bundle = {"text/plain": self.text}

@@ -79,8 +79,7 @@ class MonitorSession:
         if isinstance(devices, str):
             devices = [d for d in devices.split(",") if d.strip()]
         self._devices = None if devices is None else list(devices)
-        self._model_hint = model
-        self._strategy = strategy
+        self._model_hint, self._strategy = model, strategy
         self.display = display
         self._view = view
         self.traces: list[MemoryTrace] = []
