@@ -1,9 +1,7 @@
 """vgpu_magic: test multi-device training code on one GPU, or on none.
 
-``%load_ext vgpu_magic`` registers ``%vgpu_split``, ``%vgpu_status`` and
-``%vgpu_monitor``. Importing this package is cheap: TensorFlow, JAX,
-ipywidgets and matplotlib are imported only when a feature needs them.
-"""
+``%load_ext vgpu_magic`` registers ``%vgpu_split``, ``%vgpu_status`` and ``%vgpu_monitor``. Importing this package is
+cheap: TensorFlow, JAX, ipywidgets and matplotlib are imported only when a feature needs them."""
 
 from __future__ import annotations
 

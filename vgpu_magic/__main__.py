@@ -1,9 +1,7 @@
 """``python -m vgpu_magic``: the engine from a terminal.
 
-A split only lasts as long as the process that made it, so the CLI does not
-apply one: use ``%vgpu_split`` in the kernel, ``vgpu_magic.split()`` in the
-script, or ``VGPU_MAGIC_SPLIT`` for kernels started later.
-"""
+A split only lasts as long as the process that made it, so the CLI does not apply one: use ``%vgpu_split`` in the
+kernel, ``vgpu_magic.split()`` in the script, or ``VGPU_MAGIC_SPLIT`` for kernels started later."""
 
 from __future__ import annotations
 

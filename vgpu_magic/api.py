@@ -132,6 +132,5 @@ def status(framework: str | None = None) -> StatusReport:
 
 
 def strategy(framework: str | None = None):
-    """A data-parallel strategy over the split's devices (TensorFlow: a ``MirroredStrategy`` that reduces
-    through one device); starts the runtime."""
+    """A data-parallel strategy over the split's devices (TensorFlow: a ``MirroredStrategy``); starts the runtime."""
     return frameworks.select(framework).strategy()

@@ -1,7 +1,6 @@
-"""GPU memory budgets, pure arithmetic over plain data in MiB: the limits every request meets and what the
-devices of a GPU, or each rank sharing one, may use. Below the frameworks: the planner (a split in one process)
-and the frameworks' rank wiring (``Framework.plan_ranks``) read the same rules, and no framework reaches up.
-"""
+"""GPU memory budgets, pure arithmetic over plain data in MiB: the limits every request meets and what the devices of a
+GPU, or each rank sharing one, may use. Below the frameworks: the planner (a split in one process) and the frameworks'
+rank wiring (``Framework.plan_ranks``) read the same rules, and no framework reaches up."""
 
 from __future__ import annotations
 

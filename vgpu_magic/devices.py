@@ -142,3 +142,10 @@ class ConfigSnapshot:
             for physical, names in self.logical_names().items()
             for name, cap in itertools.zip_longest(names, self.logical.get(physical, ()))
         }
+
+
+def unconfigured(inventory: DeviceInventory) -> ConfigSnapshot:
+    """The configuration of a framework nobody configured yet on ``inventory``'s devices."""
+    cpus = tuple(f"/physical_device:CPU:{i}" for i in range(max(inventory.cpus, 1)))
+    gpus = inventory.gpus
+    return ConfigSnapshot(cpus, tuple(g.name for g in gpus), {}, tuple(g.index for g in gpus), (False,) * len(gpus))

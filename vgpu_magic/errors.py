@@ -1,7 +1,6 @@
-"""The project's vocabulary for user mistakes: exceptions whose message is one line that
-quotes the bad value (:func:`excerpt`) and says what would work. Every face catches
-:data:`USER_ERRORS` and shows that line; the Python API lets them through. A leaf module.
-"""
+"""The project's vocabulary for user mistakes: exceptions whose message is one line that quotes the bad value
+(:func:`excerpt`) and says what would work. Every face catches :data:`USER_ERRORS` and shows that line; the Python API
+lets them through."""
 
 from __future__ import annotations
 

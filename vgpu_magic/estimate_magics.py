@@ -1,5 +1,4 @@
-"""The ``%%vgpu_estimate`` magic: a thin face over :func:`vgpu_magic.memory_estimate.estimate`; its line is checked
-whole before the cell runs."""
+"""``%%vgpu_estimate``: a thin face over :func:`vgpu_magic.memory_estimate.estimate`; its line is checked first."""
 
 from __future__ import annotations
 
@@ -11,10 +10,11 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import Pretty, display
 
 from .errors import PlanError, excerpt
-from .grammar import framework_name, parse_arguments, usage_errors, whole
+from .grammar import framework_name, parse_arguments, usage_errors, whole, with_example
 from .memory_estimate import GPU_MODELS, MAX_ALL_RANKS, MemoryEstimate, estimable, estimate, parse_gpu
 
 
+@with_example("--gpu 80GB")
 def _gpu(text: str) -> str:
     try:
         parse_gpu(text)
@@ -23,7 +23,6 @@ def _gpu(text: str) -> str:
     return text
 
 
-_gpu.example = "--gpu 80GB"  # type: ignore[attr-defined]
 _ESTIMABLE = " or ".join(estimable())
 _RANKS, _RANK = whole("--ranks", 1, 2**20, "--ranks 8"), whole("--rank", 0, 2**20, "--rank 0")
 

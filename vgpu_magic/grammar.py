@@ -25,7 +25,7 @@ from .units import parse_memory, parse_memory_list, parse_seconds, parse_whole_n
 _NEGATIVE = re.compile(r"-[0-9]+", re.ASCII)
 
 
-def _example(text: str) -> Callable[[Callable], Callable]:
+def with_example(text: str) -> Callable[[Callable], Callable]:
     """Attach the example :func:`parse_arguments` shows when the option's value is missing."""
 
     def attach(func: Callable) -> Callable:
@@ -39,7 +39,7 @@ def choice(values: Sequence[str], refusal: str, example: str) -> Callable[[str],
     """A ``type=`` accepting one of ``values``; ``refusal`` is the sentence for anything else
     (``{value}`` the quoted token), ``example`` an option line that works."""
 
-    @_example(example)
+    @with_example(example)
     def one_of(text: str) -> str:
         if text not in values:
             raise argparse.ArgumentTypeError(refusal.format(value=excerpt(text)))
@@ -51,7 +51,7 @@ def choice(values: Sequence[str], refusal: str, example: str) -> Callable[[str],
 def seconds(option: str, minimum: float, maximum: float, example: str = "0.05") -> Callable[[str], float]:
     """A ``type=`` for :func:`parse_seconds`; ``example``: a value that works."""
 
-    @_example(f"{option} {example}")
+    @with_example(f"{option} {example}")
     def number_of_seconds(text: str) -> float:
         try:
             return parse_seconds(text, minimum=minimum, maximum=maximum, option=option, example=example)
@@ -65,7 +65,7 @@ def whole(subject: str, minimum: int, maximum: int, example: str) -> Callable[[s
     """A ``type=`` for a whole number in ``[minimum, maximum]`` written with ASCII digits
     (``"+2"`` and ``"1_0"`` are refused, as ``int()`` would take them); ``example``: a line that works."""
 
-    @_example(example)
+    @with_example(example)
     def whole_number(text: str) -> int:
         _refuse_negative(text, subject, f"use {minimum}..{maximum}, e.g. {example}")
         value = parse_whole_number(text)
@@ -90,7 +90,7 @@ def _refuse_negative(text: str, subject: str, hint: str) -> None:
         raise argparse.ArgumentTypeError(f"{subject} {_short(text)} is negative; {hint}")
 
 
-@_example("%vgpu_split 4")
+@with_example("%vgpu_split 4")
 def _count(text: str) -> int:
     _refuse_negative(text, "device count", f"use 1..{MAX_DEVICES}, e.g. %vgpu_split 4")
     count = parse_whole_number(text)
@@ -101,7 +101,7 @@ def _count(text: str) -> int:
     return count
 
 
-@_example("--gpu 1")
+@with_example("--gpu 1")
 def _gpu_index(text: str) -> int:
     _refuse_negative(text, "--gpu", "GPU indices start at 0, e.g. --gpu 1")
     index = parse_whole_number(text)
@@ -110,7 +110,7 @@ def _gpu_index(text: str) -> int:
     return index
 
 
-@_example("--memory 2048")
+@with_example("--memory 2048")
 def _memory(text: str) -> tuple[int, ...]:
     _refuse_negative(text, "--memory", "sizes are positive MiB, e.g. --memory 2048")
     try:
@@ -119,7 +119,7 @@ def _memory(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-@_example("--visible 0,1")
+@with_example("--visible 0,1")
 def _visible(text: str) -> tuple[int, ...]:
     _refuse_negative(text, "--visible", "GPU indices start at 0, e.g. --visible 0,1")
     if text.strip().lower() == "none":
@@ -132,7 +132,7 @@ def _visible(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
-@_example("--framework jax")
+@with_example("--framework jax")
 def framework_name(text: str) -> str:
     """A ``type=`` for ``--framework``: the registry's name for ``text`` (aliases resolved)."""
     from .frameworks import FrameworkChoiceError, resolve_name

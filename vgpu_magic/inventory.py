@@ -91,12 +91,9 @@ def nvml_pids_with_context() -> dict[int, set[int]]:
     holders: dict[int, set[int]] = {}
     try:
         for i in range(nvml.nvmlDeviceGetCount()):
-            try:
-                handle = nvml.nvmlDeviceGetHandleByIndex(i)
-                procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            except nvml.NVMLError:
-                continue
-            holders[i] = {p.pid for p in procs}
+            with contextlib.suppress(nvml.NVMLError):
+                procs = nvml.nvmlDeviceGetComputeRunningProcesses(nvml.nvmlDeviceGetHandleByIndex(i))
+                holders[i] = {p.pid for p in procs}
     except nvml.NVMLError:
         pass
     finally:
@@ -107,8 +104,7 @@ def nvml_pids_with_context() -> dict[int, set[int]]:
 
 def cuda_to_nvml_order(n_gpus: int, nvml: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
     """The NVML device of a framework's GPU i (CUDA's numbering): ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs; set and
-    empty: none) says which; without it the orders agree on the usual machines (``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes
-    it certain)."""
+    empty: none) says which; without it the orders agree as a rule (``CUDA_DEVICE_ORDER=PCI_BUS_ID``: always)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         order = nvml
@@ -134,8 +130,7 @@ def cuda_gpus(count: int, nvml: list[dict[str, Any]]) -> tuple[GPUInfo, ...]:
 
 
 def visible_gpus() -> tuple[GPUInfo, ...]:
-    """The GPUs CUDA shows this process, in CUDA's order, with NVML's details (``CUDA_VISIBLE_DEVICES`` picks and orders
-    them); starts no CUDA context."""
+    """The GPUs CUDA shows this process, in its order (``CUDA_VISIBLE_DEVICES``), with NVML's details; no CUDA start."""
     nvml = nvml_gpus()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     count = len(nvml) if visible is None else len(visible.split(",")) if visible.strip() else 0
@@ -166,8 +161,7 @@ def cuda_total_bytes(index: int) -> int | None:
 
 def nccl_version() -> tuple[int, ...] | None:
     """The NCCL the frameworks here load (the ``nvidia-nccl-cu*`` wheel torch and JAX's CUDA plugin depend on; the
-    oldest where several are installed), read from the installed files: loads no library. ``None`` where none is
-    installed that way."""
+    oldest where several are installed), read from the installed files: loads no library; ``None`` without one."""
     import importlib.metadata
 
     found = []

@@ -7,8 +7,7 @@ import sys
 
 
 def keras_backend() -> str | None:
-    """The backend of the Keras imported in this process, or ``None`` when
-    Keras 3 is not imported."""
+    """The backend of the Keras imported in this process, or ``None`` when Keras 3 is not imported."""
     keras = sys.modules.get("keras")
     backend = getattr(getattr(keras, "backend", None), "backend", None)
     if not callable(backend):

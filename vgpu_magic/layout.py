@@ -83,9 +83,9 @@ class RankPlace:
     #: The free port its engine chose on its host.
     port: int
     #: Its GPU (CUDA's index on its host), or ``None`` without one.
-    gpu: GPUInfo | None
+    gpu: GPUInfo | None = None
     #: How many ranks of its host use that GPU (1: a GPU of its own).
-    gpu_shared_by: int
+    gpu_shared_by: int = 1
     #: Its host's NCCL version, where known (several ranks on one GPU need 2.30 or later).
     nccl: tuple[int, ...] | None = None
 
@@ -183,8 +183,6 @@ def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = N
                 address=report.address,
                 pid=report.pid,
                 port=report.port,
-                gpu=None,
-                gpu_shared_by=1,
                 nccl=report.nccl,
             )
         )
@@ -194,8 +192,7 @@ def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = N
 
 
 def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> RankLayout:
-    """Each rank's GPU: its own where its host has one per local rank (the ``local_rank``-th it sees), else the first it
-    sees, shared."""
+    """Each rank's GPU: the ``local_rank``-th it sees where its host has one per local rank, else the first, shared."""
     chosen: dict[int, GPUInfo | None] = {}
     for place in layout.places:
         gpus = seen.get(place.rank, ())

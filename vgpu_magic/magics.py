@@ -42,7 +42,6 @@ class VGPUMagics(Magics):
         super().__init__(shell=shell, **kwargs)
         self.watcher = watcher or RuntimeWatcher(shell)
 
-    # -- %vgpu_split --------------------------------------------------------
     @line_magic
     @magic_arguments()
     @split_arguments
@@ -91,7 +90,6 @@ class VGPUMagics(Magics):
 
         display(shown)
 
-    # -- %vgpu_status -------------------------------------------------------
     @line_magic
     @magic_arguments()
     @argument("--json", action="store_true", help="print JSON instead of the table")
@@ -131,7 +129,6 @@ class VGPUMagics(Magics):
             display(report)
         return report if args.return_result else None
 
-    # -- load-time behaviour -----------------------------------------------
     def on_load(self) -> None:
         """Warn about runtimes that already started, then apply the persistent split: ${ENV_SPLIT}, else
         ``c.VGPUMagics.split`` (a line, or a count; anything else is reported in one line and ignored)."""

@@ -1,6 +1,5 @@
-"""What the split panel says and shows: labels, the theme-aware runtime banner,
-the choice it opens on and its slider range (plain functions of plain data, no
-widgets), kept apart from the widget logic in :mod:`vgpu_magic.split_panel`."""
+"""What the split panel says and shows: labels, the theme-aware runtime banner, the choice it opens on and its slider
+range (plain functions of plain data, no widgets), kept apart from the widget logic in :mod:`vgpu_magic.split_panel`."""
 
 from __future__ import annotations
 

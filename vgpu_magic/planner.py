@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .budget import MAX_DEVICES, MAX_MEMORY_MIB, MIN_MEMORY_MIB, check_sizes, even_share_mib, usable_mib  # noqa: F401
-from .devices import Capabilities, ConfigSnapshot, DeviceInventory, GPUInfo
+from .devices import Capabilities, ConfigSnapshot, DeviceInventory, GPUInfo, unconfigured
 from .errors import PlanError, excerpt
 from .plans import FitVerdict, SplitPlan, SplitRequest
 
@@ -16,17 +16,6 @@ from .plans import FitVerdict, SplitPlan, SplitRequest
 def check_fit(limits: tuple[int, ...], gpu: GPUInfo, capabilities: Capabilities) -> FitVerdict:
     """How ``limits`` (MiB per logical device) compare with what ``gpu`` can give."""
     return FitVerdict(sum(limits), usable_mib(gpu, capabilities), gpu.free_mib)
-
-
-def unconfigured(inventory: DeviceInventory) -> ConfigSnapshot:
-    """The configuration of a framework nobody configured yet on ``inventory``'s devices."""
-    return ConfigSnapshot(
-        cpu_names=tuple(f"/physical_device:CPU:{i}" for i in range(max(inventory.cpus, 1))),
-        gpu_names=tuple(f"/physical_device:GPU:{g.index}" for g in inventory.gpus),
-        logical={},
-        visible_gpus=tuple(g.index for g in inventory.gpus),
-        memory_growth=(False,) * len(inventory.gpus),
-    )
 
 
 def configuration_after(plan: SplitPlan, snap: ConfigSnapshot) -> ConfigSnapshot:

@@ -1,6 +1,5 @@
 """The planner's data: what the user asked for (:class:`SplitRequest`), the validated configuration (:class:`SplitPlan`)
-and the verdict on memory (:class:`FitVerdict`). Plain frozen dataclasses; the decisions are in
-:mod:`vgpu_magic.planner`."""
+and the verdict on memory (:class:`FitVerdict`). Plain frozen dataclasses; :mod:`vgpu_magic.planner` decides."""
 
 from __future__ import annotations
 

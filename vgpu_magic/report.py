@@ -69,7 +69,6 @@ class FrameworkStatus:
             "notes": list(self.notes),
         }
 
-    # -- rendering helpers ---------------------------------------------------------
     def headline(self) -> str:
         return f"{self.label} {self.inventory.version or ''}".rstrip() + f" — {self.state()}"
 
@@ -165,8 +164,7 @@ def _aligned(rows: list[tuple[str, ...]], right_from: int) -> list[str]:
 
 
 def _html_table(header: tuple[str, ...], rows: list[tuple[str, ...]], names: int) -> str:
-    """A table; the first ``names`` columns read left-aligned (JupyterLab right-aligns every cell,
-    which suits only the figures)."""
+    """A table, its first ``names`` columns left-aligned (JupyterLab right-aligns every cell: right for figures)."""
     align = ['<{} style="text-align:left">'] * names + ["<{}>"] * (len(header) - names)
     heads = "".join(a.format("th") + f"{html.escape(h)}</th>" for a, h in zip(align, header))
     body = [

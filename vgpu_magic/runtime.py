@@ -35,8 +35,7 @@ def cuda_context_holders(
 
 @dataclass(frozen=True)
 class CellRef:
-    """A cell by its execution count and first line, and the line in it that started a runtime (its number and text)
-    when that is known."""
+    """A cell by its execution count and first line, and the line that started a runtime (number, text) if known."""
 
     execution_count: int | None
     first_line: str
@@ -220,8 +219,7 @@ def active_watcher() -> RuntimeWatcher | None:
 
 
 def running_cell() -> int | None:
-    """The execution count of the notebook cell running now (``None`` outside a stored cell, or when the extension is
-    not loaded)."""
+    """The execution count of the notebook cell running now (``None`` outside a stored cell, or with no extension)."""
     return _active._running_count() if _active is not None else None
 
 
@@ -248,9 +246,8 @@ def _remove_finder() -> None:
 
 
 class _FrameworkImports(importlib.abc.MetaPathFinder):
-    """Imports each framework's module, whoever imports it first, under the framework's
-    :meth:`~vgpu_magic.frameworks.base.Framework.importing`, and then has the active watcher watch its runtime's
-    start."""
+    """Imports each framework's module, whoever imports it first, under its framework's
+    :meth:`~vgpu_magic.frameworks.base.Framework.importing`, then has the active watcher watch its runtime start."""
 
     def __init__(self) -> None:
         self._finding = False
@@ -281,8 +278,7 @@ def _resolvable(entry: Any, importing: str) -> bool:
 
 
 def runtime_state(watcher: RuntimeWatcher | None = None, framework=None, check_cuda: bool = True) -> RuntimeState:
-    """The runtime state of ``framework``, with the culprit cell when a watcher is given or the extension's is
-    active."""
+    """The runtime state of ``framework``, with the culprit cell where ``watcher`` (or the extension's) knows it."""
     watcher = watcher or _active
     if watcher is not None:
         return watcher.state(framework, check_cuda=check_cuda)

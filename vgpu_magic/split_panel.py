@@ -128,7 +128,6 @@ class SplitPanel:
         root.add_class("vgpu-split-panel")
         return root
 
-    # -- what the widgets say ---------------------------------------------
     @property
     def count(self) -> int:
         """Number of logical devices asked for (the typed box; the slider stops at 16)."""
@@ -190,7 +189,6 @@ class SplitPanel:
         except PlanError:
             return None
 
-    # -- reacting to the widgets --------------------------------------------
     def _on_target(self, change=None) -> None:
         on_cpu = self.gpu is None
         for widget in (self.custom, self.even_memory, *self._device_sliders):
@@ -267,7 +265,6 @@ class SplitPanel:
         else:
             self.apply_button.disabled = self.locked
 
-    # -- runtime state -----------------------------------------------------
     def _open_on_current(self, unsplit: bool = False) -> None:
         """Start from the framework's live (or planned) configuration, not from 1 device;
         ``unsplit``: an unconfigured framework shows its one device (the locked panel's)."""
@@ -307,7 +304,6 @@ class SplitPanel:
         for widget in (*controls, *self._device_sliders):
             widget.disabled = True
 
-    # -- Apply ---------------------------------------------------------------
     def apply(self) -> SplitResult | None:
         """Plan and apply what the widgets say, printing what the magic prints; the
         :class:`~vgpu_magic.outcomes.SplitResult`, or ``None`` when the planner refused (its message printed)."""
@@ -327,7 +323,6 @@ class SplitPanel:
         self.refresh()
         return result
 
-    # -- display -------------------------------------------------------------
     def _repr_mimebundle_(self, **kwargs):
         return self.root._repr_mimebundle_(**kwargs)
 

@@ -136,8 +136,7 @@ class Job:
         self.backend.cancel(self.job_id)
 
     def summary(self, lines: int = 5) -> str:
-        """``ID NAME: STATE, elapsed [D-]HH:MM:SS, ...`` with each failed rank's exit status and last lines, and why
-        the job ended."""
+        """``ID NAME: STATE, elapsed [D-]HH:MM:SS, ...``, each failed rank's exit status and last lines, why it ended"""
         state, reason, elapsed = self.backend.state(self.job_id, self.folder)
         codes, (hours, seconds) = self.exit_codes, divmod(elapsed.seconds, 3600)
         ran = f"{elapsed.days}-" * bool(elapsed.days) + f"{hours:02}:{seconds // 60:02}:{seconds % 60:02}"

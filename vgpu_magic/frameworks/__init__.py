@@ -63,10 +63,9 @@ def _load(entry: str | CudaUser) -> CudaUser:
 def get(name: str) -> Framework:
     """The framework registered as ``name`` (or an alias)."""
     key = resolve_name(name)
-    found = _instances.get(key)
-    if found is None:
-        found = _instances[key] = _load(REGISTRY[key])
-    return found
+    if key not in _instances:
+        _instances[key] = _load(REGISTRY[key])
+    return _instances[key]
 
 
 def all_frameworks() -> list[Framework]:

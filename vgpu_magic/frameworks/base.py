@@ -230,8 +230,7 @@ class Framework(CudaUser, abc.ABC):
 
     @property
     def estimator(self) -> str | None:
-        """Its package's ``estimate`` module (``estimate_ranks``, ``kept_mib``, ``levers``: docs/architecture.md),
-        or ``None`` where it has none."""
+        """Its package's ``estimate`` module (``estimate_ranks``, ``kept_mib``, ``levers``) or None."""
         name = f"{type(self).__module__}.estimate"
         with contextlib.suppress(ModuleNotFoundError):  # a framework defined in a module, not in a package
             return name if importlib.util.find_spec(name) else None

@@ -79,8 +79,7 @@ class AutoMonitoring:
         return not any(isinstance(cb, MemoryMonitor) for cb in callbacks)
 
     def enable(self, **options: Any) -> None:
-        """Monitor every later ``fit``/``evaluate``/``predict``; ``options``
-        go to each :class:`MemoryMonitor` (e.g. ``display="text"``)."""
+        """Monitor every later ``fit``/``evaluate``/``predict``; ``options`` go to each :class:`MemoryMonitor`."""
         import keras
 
         if options:

@@ -1,11 +1,8 @@
-"""The Keras face: :class:`MemoryMonitor`, a Keras callback over
-:class:`~vgpu_magic.monitor.session.MonitorSession`.
+"""The Keras face: :class:`MemoryMonitor`, a Keras callback over :class:`~vgpu_magic.monitor.session.MonitorSession`.
 
-It imports no Keras: Keras 3 takes any object with the callback methods.
-Steps are noted in the ``on_*_batch_begin`` hooks, which Keras calls on the
-training thread with no logs. The ``on_*_batch_end`` hooks are marked as
-Keras' own defaults, so Keras keeps handing batch-end logs to callbacks on a
-worker thread instead of making every step wait for them."""
+It imports no Keras: Keras 3 takes any object with the callback methods. Steps are noted in the ``on_*_batch_begin``
+hooks, which Keras calls on the training thread with no logs. The ``on_*_batch_end`` hooks are marked as Keras' own
+defaults, so Keras keeps handing batch-end logs to callbacks on a worker thread instead of making every step wait."""
 
 from __future__ import annotations
 
@@ -24,9 +21,8 @@ def _keras_default(method: Any) -> Any:
 
 
 class MemoryMonitor(MonitorSession):
-    """Watch the memory of every logical device during Keras' ``fit``, ``evaluate`` and ``predict`` (a
-    callback), or a custom loop (a context manager); parameters: :class:`MonitorSession`; examples:
-    docs/live-view.md."""
+    """Watch the memory of every logical device during Keras' ``fit``, ``evaluate`` and ``predict`` (a callback), or a
+    custom loop (a context manager); parameters: :class:`MonitorSession`; examples: docs/live-view.md."""
 
     _model: Any = None
     #: Set by Keras (``set_params``) for each run; ``None`` before, as in ``keras.callbacks.Callback``.
@@ -48,7 +44,6 @@ class MemoryMonitor(MonitorSession):
     def set_model(self, model: Any) -> None:
         self._model = model
 
-    # -- Keras hooks ------------------------------------------------------------------
     def set_params(self, params: dict) -> None:
         # Keras sets params once per fit/evaluate/predict call, not for the
         # evaluate that a fit runs for validation: that tells nested from new.

@@ -13,9 +13,8 @@ from typing import Any
 
 __all__ = ["DISPLAY_MODES", "DisplaySurface", "MemoryFrame", "detect_frontend", "interrupts_deferred"]
 
-#: ``display=`` values: ``"auto"`` (a live plot in a Jupyter kernel, text
-#: elsewhere), ``"rich"`` (the live plot), ``"text"`` (per-epoch lines) or
-#: ``"none"`` (record only).
+#: ``display=`` values: ``"auto"`` (a live plot in a Jupyter kernel, text elsewhere), ``"rich"`` (the live plot),
+#: ``"text"`` (per-epoch lines) or ``"none"`` (record only).
 DISPLAY_MODES = ("auto", "rich", "text", "none")
 
 
@@ -37,8 +36,7 @@ class MemoryFrame:
     """The final image: PNG (``None`` without matplotlib) plus its text form."""
 
     def __init__(self, png: bytes | None, text: str) -> None:
-        self.png = png
-        self.text = text
+        self.png, self.text = png, text
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
         bundle = {"text/plain": self.text}

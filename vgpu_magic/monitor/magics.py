@@ -8,13 +8,14 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..errors import USER_ERRORS, FrameworkImportError
-from ..grammar import choice, parse_arguments, seconds
+from ..grammar import choice, parse_arguments, seconds, with_example
 
 __all__ = ["MonitorMagics", "parse_monitor_line"]
 
 ACTIONS = ("on", "off", "status")
 
 
+@with_example("--display text")
 def _display_mode(text: str) -> str:
     """``--display``'s value: one of the display modes (read when used, so loading stays cheap)."""
     from .display import DISPLAY_MODES
@@ -23,15 +24,12 @@ def _display_mode(text: str) -> str:
     return choice(DISPLAY_MODES, refusal, "--display text")(text)
 
 
+@with_example("--interval 0.05")
 def _interval(text: str) -> float:
     """``--interval``'s value, within the bounds ``MemoryMonitor(interval=...)`` accepts."""
     from .session import MAX_INTERVAL, MIN_INTERVAL
 
     return seconds("--interval", MIN_INTERVAL, MAX_INTERVAL)(text)
-
-
-_display_mode.example = "--display text"  # type: ignore[attr-defined]
-_interval.example = "--interval 0.05"  # type: ignore[attr-defined]
 
 
 def parse_monitor_line(line: str) -> tuple[str, dict[str, object]]:

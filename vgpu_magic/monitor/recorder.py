@@ -103,7 +103,6 @@ class MemoryRecorder:
         self.active = False
         self.report_once("sampler", f"memory cannot be read, monitoring is off ({type(exc).__name__}: {exc})")
 
-    # -- lifecycle ----------------------------------------------------------------
     def start(self, kind: str = "custom", epochs: int | None = None) -> None:
         """Begin a run: a new trace, sampled from now on."""
         self._stop_thread()

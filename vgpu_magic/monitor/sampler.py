@@ -5,6 +5,7 @@ true where an allocator keeps no statistics."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
@@ -61,13 +62,6 @@ def build_series(
     return tuple(series)
 
 
-def _strategy_devices(strategy: Any) -> tuple[str, ...]:
-    try:
-        return tuple(strategy.extended.worker_devices)
-    except (AttributeError, RuntimeError):  # no strategy, or one without worker devices
-        return ()
-
-
 def monitored_devices(
     framework: Any, devices: Iterable[str] | None = None, model: Any = None, strategy: Any = None
 ) -> list[str]:
@@ -81,17 +75,11 @@ def monitored_devices(
     names = list(framework.read_configuration().replica_devices())
     if strategy is None and model is not None:
         strategy = getattr(model, "distribute_strategy", None)
-    names += [normalize_device(d) for d in _strategy_devices(strategy)]
+    with contextlib.suppress(AttributeError, RuntimeError):  # no strategy, or one without worker devices
+        names += [normalize_device(d) for d in strategy.extended.worker_devices]
     return list(dict.fromkeys(names))
 
 
-def device_caps(framework: Any) -> dict[str, int | None]:
-    """Logical device name -> cap in bytes (``None`` where uncapped)."""
-    caps = framework.read_configuration().caps_mib()
-    return {name: None if mib is None else int(mib) * MIB for name, mib in caps.items()}
-
-
-# -- the process' resident memory ----------------------------------------------------------
 def process_memory_reader() -> Callable[[], tuple[int, int]]:
     """``read() -> (rss, peak_rss)`` in bytes for this process, from psutil; the peak is the
     operating system's high-water mark (``ru_maxrss``, or the peak working set)."""
@@ -112,7 +100,6 @@ def process_memory_reader() -> Callable[[], tuple[int, int]]:
     return read
 
 
-# -- variables per device -------------------------------------------------------------------
 def variable_bytes(framework: Any, variables: Iterable[Any], devices: Sequence[str] = ()) -> dict[str, int]:
     """Bytes of ``variables`` on each logical device, each part where the framework places it
     (:meth:`~vgpu_magic.frameworks.base.Framework.variable_bytes`); ``devices`` first, 0 where nothing lives."""
@@ -175,7 +162,9 @@ class DeviceSampler:
         """A sampler over :func:`monitored_devices` of ``framework``, with its caps and CPU grouping."""
         names = monitored_devices(framework, devices, model=model, strategy=strategy)
         shared = framework.capabilities.cpus_share_allocator
-        series = build_series(names, device_caps(framework), shared_cpus=shared, process=process)
+        caps_mib = framework.read_configuration().caps_mib()
+        caps = {name: None if mib is None else int(mib) * MIB for name, mib in caps_mib.items()}
+        series = build_series(names, caps, shared_cpus=shared, process=process)
         # A device's own series is labelled in the framework's words (JAX: "cpu:3").
         series = [replace(s, label=framework.device_label(s.key)) if s.devices == (s.key,) else s for s in series]
         sampler = cls(series, framework.memory_reader())

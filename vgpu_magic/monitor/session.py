@@ -79,8 +79,7 @@ class MonitorSession:
         if isinstance(devices, str):
             devices = [d for d in devices.split(",") if d.strip()]
         self._devices = None if devices is None else list(devices)
-        self._model_hint = model
-        self._strategy = strategy
+        self._model_hint, self._strategy = model, strategy
         self.display = display
         self._view = view
         self.traces: list[MemoryTrace] = []
@@ -94,7 +93,6 @@ class MonitorSession:
         self._shell_watched: Any = None
         self._pending: list[Any] = []
 
-    # -- what the recorder needs ----------------------------------------------------
     def _current_model(self) -> Any:
         return self._model_hint
 
@@ -169,7 +167,6 @@ class MonitorSession:
             return LiveMemoryView(defer=self._defer_to_cell_end)
         return TextSummaryView() if mode == "text" else NullView()
 
-    # -- runs -------------------------------------------------------------------------
     def _begin(self, kind: str) -> None:
         fresh, self._fresh = self._fresh, False
         if self._depth and not fresh:
@@ -246,7 +243,6 @@ class MonitorSession:
                 self._close(interrupted=getattr(result, "error_in_exec", None) is not None)
             self._run_pending()
 
-    # -- the public API -------------------------------------------------------------
     def start(self, kind: str = "custom") -> Self:
         """Begin a run by hand; it ends with :meth:`finish` or, in IPython, with the cell at the latest."""
         self._fresh = True

@@ -81,10 +81,9 @@ class _Columns:
 @dataclass(eq=False)
 class MemoryTrace:
     """Samples of every memory series during one run. ``kind`` is what ran (``"fit"``, ``"custom"``...);
-    ``baseline_peak`` each series' peak when the run started (a peak that never rises above it was reached before the
-    run); ``recent`` the samples kept at full resolution. Per row: ``time`` since the start, ``step``, ``epoch``
-    (0-based), ``phase`` (``"validate"`` for a fit's validation). Two traces are equal when they describe the same
-    run."""
+    ``baseline_peak`` each series' peak when the run started (a peak never above it was reached before the run);
+    ``recent`` the samples kept at full resolution. Per row: ``time`` since the start, ``step``, ``epoch`` (0-based),
+    ``phase`` (``"validate"`` for a fit's validation). Two traces are equal when they describe the same run."""
 
     series: tuple[SeriesInfo, ...]
     kind: str = "custom"
@@ -114,7 +113,6 @@ class MemoryTrace:
         self._max_current = [0] * len(self.series)
         self._max_peak = [0] * len(self.series)
 
-    # -- recording ------------------------------------------------------------
     def append(self, time: float, step: int, epoch: int, phase: str, readings: Sequence[tuple[int, int]]) -> None:
         """Add one sample, whole or not at all: ``readings`` holds ``(current, peak)`` per series."""
         if len(readings) != len(self.series):
@@ -161,7 +159,6 @@ class MemoryTrace:
     def mark_epoch(self, time: float, epoch: int) -> None:
         self.epoch_starts.append((time, epoch))
 
-    # -- reading --------------------------------------------------------------
     def __len__(self) -> int:
         return self._cols.n
 

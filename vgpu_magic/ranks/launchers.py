@@ -1,10 +1,8 @@
 """How the ranks' engines start: ipyparallel's engine-set launchers (local, ``mpiexec``, a SLURM job, SSH), one
-:class:`Launcher` class each in :data:`LAUNCHERS`, owning its options, flags, validation, ipyparallel's
-configuration, what a failed start says, and the clean-up of what it started elsewhere. :func:`plan_launcher`
-validates a request completely and starts nothing. Under ``slurm`` and ``ssh`` the controller listens on every
-interface; engines reach it at ``controller_address`` (default: this host's name under SLURM, its address on the
-route to the first host under SSH).
-"""
+:class:`Launcher` each in :data:`LAUNCHERS`, owning its options, flags, validation, ipyparallel's configuration, what a
+failed start says, and the clean-up of what it started elsewhere. :func:`plan_launcher` validates a request completely
+and starts nothing. Under ``slurm`` and ``ssh`` the controller listens on every interface; engines reach it at
+``controller_address`` (default: this host's name under SLURM, its address on the route to the first host under SSH)."""
 
 from __future__ import annotations
 
@@ -94,7 +92,7 @@ class Launcher:
     @classmethod
     def describe(cls, cluster: Any) -> str:
         """Where ``cluster``'s engines run, for the start summary, with their batch jobs."""
-        return cls.description + "".join(f", job {job}" for job in _batch_jobs(cluster))
+        return cls.description + "".join(f", job {es.job_id}" for es in _batch_sets(cluster))
 
     @classmethod
     def start_failure(cls, exc: BaseException | None, plan: LauncherPlan) -> str:
@@ -109,8 +107,7 @@ class Launcher:
     def clean_up_commands(cls, cluster: Any, plan: LauncherPlan) -> list[list[str]]:
         """What ends the engines a watch of this kernel's PID cannot reach, if the kernel dies unstopped: their batch
         jobs' deletion (ipyparallel's ``delete_command``: ``scancel``)."""
-        engine_sets = getattr(cluster, "engines", {}).values()
-        return [[*es.delete_command, es.job_id] for es in engine_sets if getattr(es, "job_id", "")]
+        return [[*es.delete_command, es.job_id] for es in _batch_sets(cluster)]
 
     @classmethod
     def stopper(cls, cluster: Any, plan: LauncherPlan) -> Callable[[], list[str]]:
@@ -218,7 +215,7 @@ class SlurmLauncher(Launcher):
     @classmethod
     def stopper(cls, cluster: Any, plan: LauncherPlan) -> Callable[[], list[str]]:
         """The batch jobs out of the queue (``scancel -s KILL`` if they do not leave), the batch script removed."""
-        jobs = _batch_jobs(cluster)
+        jobs = [es.job_id for es in _batch_sets(cluster)]
 
         def make_sure() -> list[str]:
             with contextlib.suppress(FileNotFoundError):
@@ -310,8 +307,7 @@ class SSHLauncher(Launcher):
 
     @classmethod
     def start_failure(cls, exc: BaseException | None, plan: LauncherPlan) -> str:
-        """Also ssh's reason for the first host it cannot reach (ipyparallel only says "Unable to get remote shell
-        information")."""
+        """Also ssh's reason for the first host it cannot reach (ipyparallel: "Unable to get remote shell info...")."""
         said = super().start_failure(exc, plan)
         for location, args in plan.ssh_hosts if not said else ():
             reached, reason = ssh(location, ("-o", "ConnectTimeout=10", *args), "true", timeout=15)
@@ -390,9 +386,9 @@ def _ssh_cleanups(cluster: Any, plan: LauncherPlan) -> list[tuple[str, tuple[str
     return found
 
 
-def _batch_jobs(cluster: Any) -> list[str]:
-    """The batch job ids of ``cluster``'s engine sets."""
-    return [es.job_id for es in getattr(cluster, "engines", {}).values() if getattr(es, "job_id", "")]
+def _batch_sets(cluster: Any) -> list[Any]:
+    """``cluster``'s engine sets that are batch jobs (a ``job_id``)."""
+    return [es for es in getattr(cluster, "engines", {}).values() if getattr(es, "job_id", "")]
 
 
 def _job_gone(job: str, timeout: float) -> bool:

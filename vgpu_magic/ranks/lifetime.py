@@ -1,13 +1,12 @@
 """Nothing a cluster starts outlives its kernel.
 
-A kernel can die without running ``atexit`` (SIGKILL, the OOM killer, XLA's ``abort()``), so each process a
-cluster starts watches its owner itself (:data:`OWNER_ENV`, :func:`watch_owner`), then SIGKILLs itself and all
-below it: a rank blocked in a collective never gets back to Python. The controller and the engines
-(:func:`watched_command`) are watched from a small process forked beside them before anything is loaded, which a
-rank holding the GIL in C code cannot starve; a process they fork watches for itself. Every process carries its
-cluster's :data:`CLUSTER_ENV` token (:func:`processes_of`). Processes on other hosts cannot see the kernel's PID:
-there a watched local process runs the launcher's own stop (``--then 'scancel JOBID'``) when the kernel dies.
-"""
+A kernel can die without running ``atexit`` (SIGKILL, the OOM killer, XLA's ``abort()``), so each process a cluster
+starts watches its owner itself (:data:`OWNER_ENV`, :func:`watch_owner`), then SIGKILLs itself and all below it: a rank
+blocked in a collective never gets back to Python. The controller and the engines (:func:`watched_command`) are watched
+from a small process forked beside them before anything is loaded, which a rank holding the GIL in C code cannot starve;
+a process they fork watches for itself. Every process carries its cluster's :data:`CLUSTER_ENV` token
+(:func:`processes_of`). Processes on other hosts cannot see the kernel's PID: there a watched local process runs the
+launcher's own stop (``--then 'scancel JOBID'``) when the kernel dies."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ def owner_of_this_process() -> str:
 
 
 def process_alive(pid: int, created: float | None = None) -> bool:
-    """Is ``pid`` running (a zombie, dead but not yet reaped, is not), started at ``created`` if given (not a later
-    process reusing the PID)?"""
+    """Is ``pid`` running (a zombie, dead but not yet reaped, is not), started at ``created`` if given (not reused)?"""
     import psutil
 
     try:
@@ -124,13 +122,6 @@ def watch_owner(owner: str | None = None, then: str | None = None, beside: bool 
     pid, created = int(pid_text), float(created_text)
     if host != socket.gethostname():
         return False
-    if beside and sys.platform.startswith("linux"):
-        _watch_from_beside(pid, created)
-        # Only after the watcher's fork: a watcher that watched too would end itself before the watched process.
-        _watching["owner"] = owner
-        return True
-    # A child this process forks watches the owner for itself (it runs no ``then``: that is this process's).
-    _watching["owner"] = owner
 
     def watch() -> None:
         _wait_for_exit(pid, created)
@@ -138,7 +129,13 @@ def watch_owner(owner: str | None = None, then: str | None = None, beside: bool 
             subprocess.run(shlex.split(then), check=False, timeout=60)
         _end_process_tree(os.getpid())
 
-    threading.Thread(target=watch, name=f"vgpu_magic-owner-watch({pid})", daemon=True).start()
+    if beside and sys.platform.startswith("linux"):
+        _watch_from_beside(pid, created)
+    else:
+        threading.Thread(target=watch, name=f"vgpu_magic-owner-watch({pid})", daemon=True).start()
+    # A child this process forks watches the owner for itself (it runs no ``then``: that is this process's). Set only
+    # after the watcher's fork: a watcher that watched too would end itself before the watched process.
+    _watching["owner"] = owner
     return True
 
 
@@ -180,8 +177,7 @@ def processes_of(token: str, since: float = 0.0) -> list:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``MODULE ARGS...``: run ``MODULE`` as ``__main__`` under the watch; ``--then CMD``: wait for the owner,
-    then run ``CMD``."""
+    """``MODULE ARGS...``: ``MODULE`` as ``__main__``, watched; ``--then CMD``: ``CMD`` once the owner is gone."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--then"] and len(argv) == 2:
         if not watch_owner(then=argv[1]):

@@ -248,7 +248,6 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
 
     if args.n is None or args.framework is None:
         raise UsageError("say how many ranks and which framework, e.g. %vgpu_cluster start 2 --framework torch")
-
     with usage_errors(ValueError):
         memory = parse_memory(args.memory) * MIB if args.memory is not None else None
         asked = {key: getattr(args, key) for key in ("split", "port", "join", "verbose")}

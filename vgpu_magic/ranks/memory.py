@@ -22,8 +22,8 @@ REPORT_EVERY = 0.2
 
 def report_allocator(path: str) -> None:
     """Run on a rank: a thread that writes ``"current peak"`` GPU bytes of the frameworks' allocators
-    (:meth:`~vgpu_magic.frameworks.base.Framework.gpu_allocator_bytes`) to ``path`` every :data:`REPORT_EVERY` s,
-    until ``path``'s folder is removed."""
+    (:meth:`~vgpu_magic.frameworks.base.Framework.gpu_allocator_bytes`) to ``path`` every :data:`REPORT_EVERY` s, until
+    its folder is removed."""
     import threading
 
     from ..frameworks import cuda_context_holders
@@ -45,9 +45,8 @@ def report_allocator(path: str) -> None:
 
 class RankMemorySampler:
     """Each rank's RSS and GPU memory, for the ranks on this host (``pids[rank]`` is ``None`` elsewhere); with
-    ``launched``, with the processes it started, until its launch has ended (``ended``: after it, the engine's
-    child is the next launch's spare). Peaks are the highest readings seen (or an allocator's own); a rank that
-    is gone reads 0."""
+    ``launched``, with the processes it started, until its launch has ended (``ended``: after it, the engine's child is
+    the next launch's spare). Peaks are the highest readings seen (or an allocator's own); a rank gone reads 0."""
 
     def __init__(
         self, pids: list[int | None], gpu: bool, launched: bool = False, engine: Callable[[int], Any] | None = None
@@ -117,8 +116,7 @@ class RankMemorySampler:
         return used
 
     def _nvml_knows_the_ranks(self, used: dict[int, int]) -> bool:
-        """False when NVML lists processes (``used``) but none of the ranks' PIDs: its PIDs are another
-        namespace's."""
+        """False when NVML lists processes (``used``) but none of the ranks' PIDs: its PIDs are another namespace's."""
         return not used or any(p is not None and p.pid in used for p in self._procs)
 
     def gpu(self) -> list[int | None]:

@@ -261,8 +261,7 @@ class RankNames:
             )
 
     def settle(self, view: Any, candidates: set[str]) -> None:
-        """Rank state becomes the names of it and of ``candidates`` that exist on the ranks (a deleted one is the
-        notebook's again)."""
+        """Rank state: its names and ``candidates`` that exist on the ranks (one deleted is the notebook's again)."""
         from ipyparallel.error import IPythonError
 
         asked = sorted(self.names | candidates)

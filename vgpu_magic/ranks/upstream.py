@@ -129,11 +129,10 @@ def message_futures(ar: Any) -> list[Any]:
 
 
 def watch_requests(client: Any, watch: Callable[[str, Any], Callable[[dict], None]]) -> None:
-    """Call ``watch(msg_id, future)`` as ``client`` makes each request's future, before the request is sent, and
-    what it returns with each IOPub message of that request, on ipyparallel's thread as it arrives. ipyparallel has
-    no public hook for every request: ``Client._send`` makes each request's futures through
-    ``Client.create_message_futures`` (the first one a ``MessageFuture``), and ``Client._dispatch_iopub`` calls its
-    ``iopub_callbacks``."""
+    """Call ``watch(msg_id, future)`` as ``client`` makes each request's future, before the request is sent, and what it
+    returns with each IOPub message of that request, on ipyparallel's thread as it arrives. ipyparallel has no public
+    hook for every request: ``Client._send`` makes each request's futures through ``Client.create_message_futures`` (the
+    first one a ``MessageFuture``), and ``Client._dispatch_iopub`` calls its ``iopub_callbacks``."""
     create = client.create_message_futures
 
     def create_watched(msg_id: str, *args: Any, **kwargs: Any) -> list[Any]:

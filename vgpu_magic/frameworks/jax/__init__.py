@@ -116,8 +116,7 @@ def gpu_backend_installed() -> bool:
 
 
 def _user_namespace_uses_jax() -> bool:
-    """Does ``__main__`` (the notebook's or script's globals) hold a JAX module, or a function, class or array of
-    JAX's?"""
+    """Does ``__main__`` (the notebook's or script's globals) hold a JAX module, or a function, class or array of it?"""
     main = sys.modules.get("__main__")
     for value in list(getattr(main, "__dict__", {}).values()):
         try:
@@ -158,7 +157,6 @@ class Jax(Framework):
             return None
         return call_before_start(bridge, "backends", lambda: not backend_started(), callback)
 
-    # -- devices and configuration -------------------------------------------------
     def _gpu_count(self, nvml: list[dict[str, Any]]) -> int:
         """GPUs JAX has (once started) or will have (NVML and ``CUDA_VISIBLE_DEVICES``, given a GPU backend)."""
         if backend_started():
@@ -170,16 +168,12 @@ class Jax(Framework):
         if not nvml or not _platforms_allow_gpu() or not gpu_backend_installed():
             return 0
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible is None:
-            return len(nvml)
-        if not visible.strip():
-            return 0  # set and empty: CUDA shows no device
-        return sum(1 for g in cuda_to_nvml_order(len(visible.split(",")), nvml) if g is not None)
+        asked = len(nvml) if visible is None else len(visible.split(","))
+        return sum(1 for g in cuda_to_nvml_order(asked, nvml) if g is not None)
 
     def _gpus(self) -> tuple[tuple[GPUInfo, ...], bool]:
         nvml = nvml_gpus() if (backend_started() or gpu_backend_installed()) else []
-        count = self._gpu_count(nvml)
-        return cuda_gpus(count, nvml), bool(nvml)
+        return cuda_gpus(self._gpu_count(nvml), nvml), bool(nvml)
 
     def probe_inventory(self) -> DeviceInventory:
         jax = self.load()
@@ -228,14 +222,8 @@ class Jax(Framework):
         growth = os.environ.get(ENV_PREALLOCATE, "").strip().lower() in ("false", "0") or (
             os.environ.get(ENV_ALLOCATOR, "").strip().lower() == "platform"
         )
-        return ConfigSnapshot(
-            cpu_names=(CPU_NAME,),
-            gpu_names=tuple(g.name for g in gpus),
-            logical=logical,
-            visible_gpus=tuple(g.index for g in gpus),
-            memory_growth=(growth,) * len(gpus),
-            device_names=DEVICE_NAMES,
-        )
+        names, visible = tuple(g.name for g in gpus), tuple(g.index for g in gpus)
+        return ConfigSnapshot((CPU_NAME,), names, logical, visible, (growth,) * len(gpus), DEVICE_NAMES)
 
     def read_configuration(self) -> ConfigSnapshot:
         return self._snapshot(self._gpus()[0])
@@ -286,7 +274,6 @@ class Jax(Framework):
         # The planner caps one GPU; the variable applies to every GPU of the process.
         return max(fractions, key=float)
 
-    # -- memory ----------------------------------------------------------------------
     def memory_readings(self, devices: list[str]) -> dict[str, dict[str, int]]:
         """Current bytes per device; ``peak`` is the allocator's (GPU), else the highest read so far (CPU)."""
         try:
@@ -327,10 +314,8 @@ class Jax(Framework):
 
     plan_ranks = ranks.plan_ranks
 
-    # -- helpers -----------------------------------------------------------------------
     def split_devices(self) -> list[Any]:
-        """Every CPU device where CPU devices were split (also next to a GPU), else ``jax.devices()``. Starts JAX's
-        backend."""
+        """Every CPU device where CPU devices were split (also next to a GPU), else ``jax.devices()``. Starts JAX."""
         jax = self.load()
         return list(jax.devices("cpu") if self._cpu_count() is not None else jax.devices())
 

@@ -61,8 +61,7 @@ class LiveArrayBytes:
         self._known: dict[int, Any] = {}
 
     def _entry(self, array: Any) -> Any:
-        """``(ref, slot, address, bytes, signature)`` for a single-device array, a :class:`_Sharded` for a multi-device
-        one, ``None`` off this platform."""
+        """``(ref, slot, address, bytes, signature)`` of a one-device array, a :class:`_Sharded`, or None elsewhere."""
         devices = array.devices()
         slot = self.slot
         if len(devices) == 1:

@@ -1,7 +1,6 @@
-"""``vgpu_magic.mesh`` and ``vgpu_magic.distribution``: a ``jax.sharding.Mesh`` and Keras 3's ``DataParallel``
-over the split's JAX devices. Both start JAX's backend (as any ``jax.devices()`` call does), so split first.
-Importing this module imports neither JAX nor Keras.
-"""
+"""``vgpu_magic.mesh`` and ``vgpu_magic.distribution``: a ``jax.sharding.Mesh`` and Keras 3's ``DataParallel`` over the
+split's JAX devices. Both start JAX's backend (as any ``jax.devices()`` call does), so split first. Importing this
+module imports neither JAX nor Keras."""
 
 from __future__ import annotations
 

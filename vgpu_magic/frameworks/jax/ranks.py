@@ -89,8 +89,7 @@ def _shared_gpu_env(layout: RankLayout) -> dict[str, str]:
 
 def setup_rank(coordinator: str, num_processes: int, process_id: int, gpu: int | None, join: bool = False) -> str:
     """Run on the rank once its ``devices`` are split: make an unchanged ``jax.distributed.initialize()`` find this
-    rank's place (``gpu``: CUDA's index on its host); with ``join``, also make that call (rank 0 hosts the
-    coordinator)."""
+    rank's place (``gpu``: its CUDA index); with ``join``, also make that call (rank 0 hosts the coordinator)."""
     _register_cluster_environment()
     if not join:
         return f"jax.distributed.initialize() joins {coordinator} as process {process_id} of {num_processes}"

@@ -147,7 +147,6 @@ class TensorFlow(Framework):
         except (AttributeError, RuntimeError):
             return False
 
-    # -- devices and configuration -------------------------------------------------
     def probe_inventory(self) -> DeviceInventory:
         tf = self.load()
         n_gpus = len(tf.config.list_physical_devices("GPU"))
@@ -172,13 +171,8 @@ class TensorFlow(Framework):
         logical = {name: tuple(c.memory_limit for c in found) for name, found in configs.items() if found}
         visible_idx = tuple(gpus.index(d) for d in tf.config.get_visible_devices("GPU") if d in gpus)
         growth = tuple(bool(tf.config.experimental.get_memory_growth(d)) for d in gpus)
-        return ConfigSnapshot(
-            cpu_names=tuple(d.name for d in cpus),
-            gpu_names=tuple(d.name for d in gpus),
-            logical=logical,
-            visible_gpus=visible_idx,
-            memory_growth=growth,
-        )
+        cpu_names, gpu_names = tuple(d.name for d in cpus), tuple(d.name for d in gpus)
+        return ConfigSnapshot(cpu_names, gpu_names, logical, visible_idx, growth)
 
     def write_configuration(self, old: ConfigSnapshot, new: ConfigSnapshot) -> None:
         tf = self.load()
@@ -218,7 +212,6 @@ class TensorFlow(Framework):
                     tf.config.experimental.set_memory_growth(gpus[i], want)
                     undo.append(lambda i=i, was=was: tf.config.experimental.set_memory_growth(gpus[i], was))
 
-    # -- memory ----------------------------------------------------------------------
     def memory_readings(self, devices: list[str]) -> dict[str, dict[str, int]]:
         tf = self.load()
         out = {}
@@ -264,7 +257,6 @@ class TensorFlow(Framework):
             out[device] = out.get(device, 0) + math.prod(part.shape) * part.dtype.size
         return out
 
-    # -- helpers -----------------------------------------------------------------------
     def strategy(self, devices: list[str] | None = None) -> Any:
         """A ``MirroredStrategy`` over the split's logical devices; starts the runtime. Logical GPUs of one card cannot
         use NCCL, so reductions go through one device (TensorFlow's own fallback, minus its warning)."""

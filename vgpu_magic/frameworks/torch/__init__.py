@@ -1,14 +1,13 @@
-"""PyTorch: one device per process (no logical devices: ``%vgpu_split`` refuses it and points at the ranks), so
-several devices are several processes, wired as ``torchrun`` wires them (:mod:`.ranks`). Importing this module
-imports no PyTorch.
-"""
+"""PyTorch: one device per process (no logical devices: ``%vgpu_split`` refuses it and points at the ranks), so several
+devices are several processes, wired as ``torchrun`` wires them (:mod:`.ranks`). Importing it imports no torch."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 
-from ...devices import Capabilities, ConfigSnapshot, DeviceInventory, cuda_context_mib
+from ...devices import Capabilities, ConfigSnapshot, DeviceInventory, cuda_context_mib, unconfigured
 from ...inventory import visible_gpus
 from ..base import Framework, Reader
 from . import ranks
@@ -82,21 +81,14 @@ class Torch(Framework):
     def probe_inventory(self) -> DeviceInventory:
         """The GPUs CUDA shows this process (NVML; imports no PyTorch)."""
         gpus = visible_gpus()
-        current = ConfigSnapshot(
-            cpu_names=("/physical_device:CPU:0",),
-            gpu_names=tuple(g.name for g in gpus),
-            logical={},
-            visible_gpus=tuple(g.index for g in gpus),
-            memory_growth=(False,) * len(gpus),
-        )
-        return DeviceInventory(
+        inventory = DeviceInventory(
             gpus=gpus,
             cpus=1,
             version=getattr(sys.modules.get("torch"), "__version__", None),
             nvml_available=bool(gpus),
             capabilities=CAPABILITIES,
-            current=current,
         )
+        return replace(inventory, current=unconfigured(inventory))
 
     def read_configuration(self) -> ConfigSnapshot:
         return self.probe_inventory().current
