@@ -45,7 +45,7 @@ class SlurmJobs(JobBackend):
     def script(self, spec: JobSpec) -> str:
         words, lines = SlurmLauncher.sbatch_options(vars(spec))
         name = spec.name or f"vgpu-{Path(spec.script).stem}"
-        options = {**words, "nodes": spec.nodes, "job-name": name, "chdir": os.getcwd()}
+        options = {"nodes": spec.nodes, **words, "job-name": name, "chdir": os.getcwd()}
         options.update({"ntasks-per-node": spec.ranks_per_node, "gpus-per-node": spec.gpus_per_node})
         return TEMPLATE.format(
             options="".join(f"#SBATCH --{k}={shlex.quote(str(v))}\n" for k, v in options.items() if v is not None)
