@@ -60,8 +60,13 @@ lint: setup-test
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg
 
 # The complete suite, notebooks included, with the stress loops short; the tiers below add what it leaves out.
+# Two workers (pytest-xdist), each taking whole files: most of a serial run waits on the processes a test starts,
+# and every shared thing a test needs (IPython profile, ports, SLURM, hosts, Jupyter) is its worker's own. Two, as
+# CI has two cores: more would starve the tests whose subject is the fault policy's timing.
+TEST_WORKERS ?= 2
 test: setup-test system-deps lint
-	$(TEST_ENV) $(PY) -m pytest tests notebooks $(NBVAL) -m "not packaging" $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest tests notebooks $(NBVAL) -m "not packaging" -n $(TEST_WORKERS) --dist loadfile \
+	  $(PYTEST_ARGS)
 
 # The tests that start no fresh process (no slow test, no browser, no notebook), for quick iterations.
 test-fast: setup-test lint

@@ -52,8 +52,18 @@ def repeats(request):
 
 
 def pytest_sessionfinish(session) -> None:
-    if too_many_exit_aborts():
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: the session that started it counts and judges
+        workeroutput["exit_aborts"] = dict(EXIT_ABORTS)
+    elif too_many_exit_aborts():
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """A pytest-xdist worker ended: its guarded runs count in this session's rate."""
+    for key, value in getattr(node, "workeroutput", {}).get("exit_aborts", {}).items():
+        EXIT_ABORTS[key] += value
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
