@@ -92,10 +92,10 @@ SHAPES = {"deep": {"width": 2048, "depth": 8, "batch": 256}, "wide": {"width": 4
 @pytest.mark.parametrize("wrap", WRAPS)
 def test_each_ranks_estimate_within_ten_percent_of_its_max_memory_allocated(wrap, shape, tmp_path):
     """Two ranks sharing the GPU, started as the planner plans them: each rank's estimate against its own peak."""
+    gpus = gpus_for("torch")
     from vgpu_magic.frameworks import get
     from vgpu_magic.frameworks.torch.fake_rank import estimate_rank
 
-    gpus = gpus_for("torch")
     cell = RANKS_CELL.format(wrap=WRAPS[wrap], **SHAPES[shape])
     estimated = [estimate_rank(compile(cell, "<cell>", "exec"), 2, r, None)["peak_bytes"] for r in range(2)]
     (tmp_path / "cell.py").write_text(cell)

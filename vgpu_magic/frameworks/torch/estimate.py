@@ -3,11 +3,9 @@ tensors (:mod:`.fake_rank`), and what could make it fit (docs/estimates.md)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from ...errors import PlanError
@@ -28,34 +26,19 @@ def estimate_ranks(
 ) -> list[dict[str, Any]]:
     """Each of ``ranks``' figures as rank of ``world`` on GPUs ``gpu`` (name, bytes): :func:`.fake_rank.estimate_rank`.
     A cell that made no tensors or ran no backward pass is refused (PlanError)."""
-    with without_triton(), restored(os.environ):  # torch's tools set TORCHINDUCTOR_CACHE_DIR
-        from .fake_rank import estimate_rank
+    with restored(os.environ):  # torch's tools set TORCHINDUCTOR_CACHE_DIR
+        from .fake_rank import estimate_rank, without_triton
 
         found = []
         for rank in ranks:
             progress(f"estimating: the cell runs as rank {rank} of {world} (PyTorch, fake tensors)…")
-            found.append(estimate_rank(cell if callable(cell) else code, world, rank, namespace, gpu))
+            with without_triton():
+                found.append(estimate_rank(cell if callable(cell) else code, world, rank, namespace, gpu))
     if not any(f["peak_bytes"] for f in found):
         raise PlanError("the cell made no tensors; put the model and one training step in it")
     if not any(f["backward"] for f in found):
         raise PlanError("the cell has no training step (no backward pass ran); add one, e.g. loss.backward()")
     return found
-
-
-@contextlib.contextmanager
-def without_triton() -> Iterator[None]:
-    """Around an import of :mod:`.fake_rank` or of torch's memory tools."""
-    # With TensorFlow loaded, importing Triton (torch's tools import torch._dynamo, which looks for it) crashes
-    # the process (TensorFlow 2.21 beside torch 2.14's Triton: a segfault). The estimate needs no Triton; the
-    # kernel's own later import of it is the kernel's, so nothing of this stays.
-    hidden = "tensorflow" in sys.modules and "triton" not in sys.modules
-    if hidden:
-        sys.modules["triton"] = None
-    try:
-        yield
-    finally:
-        if hidden and sys.modules.get("triton", "") is None:
-            del sys.modules["triton"]
 
 
 def kept_mib(gpu_mib: int) -> int:

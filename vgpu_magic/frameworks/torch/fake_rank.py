@@ -16,14 +16,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import DataDependentOutputException
-from torch.distributed._tools import mem_tracker
 from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.overrides import TorchFunctionMode
 
 from ...errors import PlanError
 from ..base import code_names, restored
 
-__all__ = ["PeakTracker", "estimate_rank"]
+__all__ = ["PeakTracker", "estimate_rank", "without_triton"]
+
+
+@contextlib.contextmanager
+def without_triton() -> Iterator[None]:
+    """Around an import of torch's memory tools (this module's own below) and an estimate's run."""
+    # With TensorFlow loaded, importing Triton (torch's tools import torch._dynamo, which looks for it) crashes
+    # the process (TensorFlow 2.21 beside torch 2.14's Triton: a segfault). The estimate needs no Triton; the
+    # kernel's own later import of it is the kernel's, so nothing of this stays.
+    hidden = "tensorflow" in sys.modules and "triton" not in sys.modules
+    if hidden:
+        sys.modules["triton"] = None
+    try:
+        yield
+    finally:
+        if hidden and sys.modules.get("triton", "") is None:
+            del sys.modules["triton"]
+
+
+with without_triton():  # whoever imports this module: with TensorFlow loaded, Triton would crash the process
+    from torch.distributed._tools import mem_tracker
 
 CATEGORIES = {
     "Parameter": "parameters",
