@@ -62,11 +62,12 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanit
 # The complete suite, notebooks included, with the stress loops short; the tiers below add what it leaves out.
 # Two workers (pytest-xdist), each taking whole files: most of a serial run waits on the processes a test starts,
 # and every shared thing a test needs (IPython profile, ports, SLURM, hosts, Jupyter) is its worker's own. Two, as
-# CI has two cores: more would starve the tests whose subject is the fault policy's timing.
+# CI has two cores: more would starve the tests whose subject is the fault policy's timing. A worker that crashes
+# ends the run, its test failed: replaced, it would leave the session waiting forever (pytest-xdist#1378).
 TEST_WORKERS ?= 2
 test: setup-test system-deps lint
 	$(TEST_ENV) $(PY) -m pytest tests notebooks $(NBVAL) -m "not packaging" -n $(TEST_WORKERS) --dist loadfile \
-	  $(PYTEST_ARGS)
+	  --max-worker-restart=0 $(PYTEST_ARGS)
 
 # The tests that start no fresh process (no slow test, no browser, no notebook), for quick iterations.
 test-fast: setup-test lint
