@@ -72,7 +72,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if runs:
         verdict = "too many: the session fails" if too_many_exit_aborts() else "within the allowed rate"
         terminalreporter.write_line(
-            f"torch's exit-time abort (pytorch/pytorch#190489): {again} of {runs} guarded runs ran again, {verdict}"
+            f"torch's exit-time abort (pytorch/pytorch#190489): {runs} guarded runs, {again} tries again, {verdict}"
         )
 
 

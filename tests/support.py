@@ -253,21 +253,30 @@ def two_gpu_snapshot(logical=None, visible=(0, 1), growth=(False, False)):
 
 
 #: What torch 2.14 prints when a gloo process aborts as it exits, its work done and its group destroyed
-#: (std::terminate in teardown; pytorch/pytorch#190489 shows it without the destroy). Seen now and then under load:
+#: (std::terminate in teardown; pytorch/pytorch#190489 shows it without the destroy). A core dump shows why: the
+#: group is freed only as the interpreter finalizes (DDP holds it past ``destroy_process_group``), and a gloo worker
+#: thread that still holds its last all-reduce, made in a backward pass, must take the GIL to free the autograd
+#: context that work captured (``_stash_obj_in_tls("context")``), which a finalizing interpreter refuses. Measured
+#: under two busy loops: 4 of 30 torchrun runs of ddp_train.py (pytorch/examples' shape), 0 of 40 of ddp_parity.py;
 #: plain torchrun and our launches alike. The product reports it as torchrun does, the exit status as it is ("rank 1
 #: was killed by SIGABRT") with the rank's last stderr lines, which carry this text: a launcher cannot tell an abort
 #: after the work from one during it, and a job scheduler sees the same failed exit.
 TORCH_EXIT_ABORT = "terminate called without an active exception"
 
-#: The runs :func:`once_more_after_torchs_exit_abort` guarded this session and how many it ran again; tests/conftest.py
+#: The runs :func:`once_more_after_torchs_exit_abort` guarded this session and how many tries again; tests/conftest.py
 #: prints them and fails the session when :func:`too_many_exit_aborts`.
 EXIT_ABORTS = {"runs": 0, "again": 0}
 
 
+#: How many times a guarded run may run again: at the measured rate (about one run in eight under load), a run that
+#: aborts four times in a row is a one-in-four-thousand event, not the upstream race.
+EXIT_ABORT_RETRIES = 3
+
+
 def too_many_exit_aborts() -> bool:
-    """More than one guarded run in ten ran again (one is allowed whatever the count): the abort is no longer the
-    rare upstream one, or it hides a crash of ours."""
-    return EXIT_ABORTS["again"] > max(1, EXIT_ABORTS["runs"] // 10)
+    """More tries again than a third of the guarded runs (two are allowed whatever the count): the abort is no longer
+    the upstream race, whose rate is about one run in eight under load, or it hides a crash of ours."""
+    return EXIT_ABORTS["again"] > max(2, EXIT_ABORTS["runs"] // 3)
 
 
 def failure_text(error: BaseException) -> str:
@@ -286,24 +295,26 @@ def once_more_after_torchs_exit_abort(
 ) -> Any:
     """``run()``; where it fails, ``said(error)`` shows that a process aborted as it exited
     (:data:`TORCH_EXIT_ABORT`) and every rank wrote its file of ``results`` during this run (its work was done),
-    put ``folder`` back as it was before and run once more, counted in :data:`EXIT_ABORTS`. Any other failure (a
-    rank that did not finish), or the same abort twice, fails the test as it is."""
+    put ``folder`` back as it was before and run again (at most :data:`EXIT_ABORT_RETRIES` times), each counted in
+    :data:`EXIT_ABORTS`. Any other failure (a rank that did not finish), or that abort on every try, fails the test
+    as it is."""
     kept = Path(tempfile.mkdtemp(prefix="vgpu-before-run-")) / "kept"
     shutil.copytree(folder, kept)
     EXIT_ABORTS["runs"] += 1
-    before = [written(path) for path in results]
     try:
-        return run()
-    except Exception as error:
-        finished = all(written(path) not in (None, then) for path, then in zip(results, before))
-        if TORCH_EXIT_ABORT not in said(error) or not finished:
-            raise
-        EXIT_ABORTS["again"] += 1
-        # In place: the folder may be the current one (of this process, or of the ranks' launches).
-        for entry in folder.iterdir():
-            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-        shutil.copytree(kept, folder, dirs_exist_ok=True)
-        return run()
+        for retries in range(EXIT_ABORT_RETRIES + 1):
+            before = [written(path) for path in results]
+            try:
+                return run()
+            except Exception as error:
+                finished = all(written(path) not in (None, then) for path, then in zip(results, before))
+                if TORCH_EXIT_ABORT not in said(error) or not finished or retries == EXIT_ABORT_RETRIES:
+                    raise
+            EXIT_ABORTS["again"] += 1
+            # In place: the folder may be the current one (of this process, or of the ranks' launches).
+            for entry in folder.iterdir():
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            shutil.copytree(kept, folder, dirs_exist_ok=True)
     finally:
         shutil.rmtree(kept.parent, ignore_errors=True)
 

@@ -1,6 +1,6 @@
-"""The suite's own helpers that decide what a run proves: the one retry it allows (torch's abort at exit,
-pytorch/pytorch#190489) covers only a run whose ranks all finished their work, is counted, and fails the session
-above its rate; a reference run is read back only where everything it depends on is the same."""
+"""The suite's own helpers that decide what a run proves: the retries it allows (torch's abort at exit,
+pytorch/pytorch#190489) cover only a run whose ranks all finished their work, are counted, and fail the session
+above their rate; a reference run is read back only where everything it depends on is the same."""
 
 from __future__ import annotations
 
@@ -59,17 +59,27 @@ def test_a_result_left_by_an_earlier_run_does_not_count_as_finished(tmp_path, co
     assert len(calls) == 1
 
 
-def test_the_same_abort_twice_fails(tmp_path, counts):
-    run, calls = aborting_run(tmp_path, ["out.0", "out.1"], aborts=2)
+def test_the_abort_on_every_try_fails(tmp_path, counts):
+    tries = support.EXIT_ABORT_RETRIES + 1
+    run, calls = aborting_run(tmp_path, ["out.0", "out.1"], aborts=tries)
     with pytest.raises(RuntimeError, match="SIGABRT"):
         once_more_after_torchs_exit_abort(run, str, tmp_path, [tmp_path / "out.0", tmp_path / "out.1"])
-    assert len(calls) == 2 and counts == {"runs": 1, "again": 1}
+    assert len(calls) == tries and counts == {"runs": 1, "again": tries - 1}
+
+
+def test_each_try_again_starts_from_the_folder_as_it_was_and_is_counted(tmp_path, counts):
+    (tmp_path / "snapshot").write_text("before")
+    run, calls = aborting_run(tmp_path, ["out.0", "out.1"], aborts=support.EXIT_ABORT_RETRIES)
+    assert once_more_after_torchs_exit_abort(run, str, tmp_path, [tmp_path / "out.0", tmp_path / "out.1"]) == "done"
+    assert calls == [["snapshot"]] * (support.EXIT_ABORT_RETRIES + 1)
+    assert counts == {"runs": 1, "again": support.EXIT_ABORT_RETRIES}
 
 
 @pytest.mark.parametrize(
-    ("runs", "again", "too_many"), [(15, 1, False), (15, 2, True), (3, 1, False), (30, 3, False), (30, 4, True)]
+    ("runs", "again", "too_many"),
+    [(19, 2, False), (19, 6, False), (19, 7, True), (3, 2, False), (3, 3, True), (30, 10, False), (30, 11, True)],
 )
-def test_more_than_one_run_in_ten_again_fails_the_session(counts, runs, again, too_many):
+def test_more_than_a_third_of_the_runs_again_fails_the_session(counts, runs, again, too_many):
     counts.update(runs=runs, again=again)
     assert support.too_many_exit_aborts() is too_many
 
