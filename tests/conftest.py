@@ -13,6 +13,7 @@ session uses a throwaway IPython profile (``IPYTHONDIR``), never the user's.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -24,6 +25,14 @@ from unittest import mock
 # A throwaway IPython profile for the whole session, never the user's: set before anything reads it (support's
 # CHILD_ENV, IPython), so the kernels, controllers and engines the tests start inherit it too.
 os.environ["IPYTHONDIR"] = tempfile.mkdtemp(prefix="vgpu-magic-tests-ipython-")
+
+# Triton (torch's compiler: torch.optim's constructors and torch's memory tools import it on first use) segfaults when
+# it is imported after TensorFlow (TensorFlow 2.21 beside torch 2.14's Triton; the other order works). A worker runs
+# the in-process tests of every framework in whatever order pytest-xdist hands it files, so it imports Triton first,
+# as a kernel that uses both must (docs/estimates.md). The product keeps its own imports out of it (fake_rank's
+# without_triton), which a fresh interpreter checks (test_estimate.py).
+with contextlib.suppress(ImportError):
+    import triton  # noqa: F401
 
 import pytest
 
