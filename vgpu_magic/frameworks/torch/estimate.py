@@ -30,9 +30,9 @@ def estimate_ranks(
         from .fake_rank import estimate_rank, without_triton
 
         found = []
-        for rank in ranks:
-            progress(f"estimating: the cell runs as rank {rank} of {world} (PyTorch, fake tensors)…")
-            with without_triton():
+        with without_triton():
+            for rank in ranks:
+                progress(f"estimating: the cell runs as rank {rank} of {world} (PyTorch, fake tensors)…")
                 found.append(estimate_rank(cell if callable(cell) else code, world, rank, namespace, gpu))
     if not any(f["peak_bytes"] for f in found):
         raise PlanError("the cell made no tensors; put the model and one training step in it")
