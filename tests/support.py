@@ -263,7 +263,7 @@ def two_gpu_snapshot(logical=None, visible=(0, 1), growth=(False, False)):
 #: after the work from one during it, and a job scheduler sees the same failed exit.
 TORCH_EXIT_ABORT = "terminate called without an active exception"
 
-#: The runs :func:`once_more_after_torchs_exit_abort` guarded this session and how many tries again; tests/conftest.py
+#: The runs :func:`again_after_torchs_exit_abort` guarded this session and how many tries again; tests/conftest.py
 #: prints them and fails the session when :func:`too_many_exit_aborts`.
 EXIT_ABORTS = {"runs": 0, "again": 0}
 
@@ -290,7 +290,7 @@ def written(path: Path) -> int | None:
     return path.stat().st_mtime_ns if path.exists() else None
 
 
-def once_more_after_torchs_exit_abort(
+def again_after_torchs_exit_abort(
     run: Callable[[], Any], said: Callable[[BaseException], str], folder: Path, results: list[Path]
 ) -> Any:
     """``run()``; where it fails, ``said(error)`` shows that a process aborted as it exited

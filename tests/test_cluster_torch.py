@@ -26,8 +26,8 @@ from IPython.core.error import UsageError
 from support import (
     CHILD_ENV,
     ROOT,
+    again_after_torchs_exit_abort,
     failure_text,
-    once_more_after_torchs_exit_abort,
     our_processes,
     reference_run,
 )
@@ -264,9 +264,9 @@ def test_ipython_syntax_in_a_cell_runs_on_the_ranks(shell, ranks, capsys):
 def torchrun_two_ranks(
     script: Path, *args: str, env: dict[str, str], results: str, cwd: Path = ROOT, writes: Path | None = None
 ) -> None:
-    """Run ``script ARGS`` under ``torchrun --standalone --nproc-per-node 2`` in ``cwd``; it must succeed (once more,
+    """Run ``script ARGS`` under ``torchrun --standalone --nproc-per-node 2`` in ``cwd``; it must succeed (again,
     with the folder it ``writes`` in, default ``cwd``, as it was, after torch's abort at exit once both ranks wrote
-    ``results.RANK``: :func:`once_more_after_torchs_exit_abort`). A deterministic reference: what it wrote is read
+    ``results.RANK``: :func:`again_after_torchs_exit_abort`). A deterministic reference: what it wrote is read
     back from the last run with the same inputs (:func:`reference_run`)."""
     torchrun = Path(sys.executable).with_name("torchrun")
 
@@ -286,7 +286,7 @@ def torchrun_two_ranks(
     inputs = [f"torch {version('torch')}", script.read_text(), *args]
     inputs += [f"{name}={value.replace(str(folder), '<folder>')}" for name, value in env.items() if "PARITY" in name]
     reference_run(
-        lambda: once_more_after_torchs_exit_abort(run, failure_text, folder, each_rank(cwd / results)),
+        lambda: again_after_torchs_exit_abort(run, failure_text, folder, each_rank(cwd / results)),
         folder,
         inputs,
         env,
@@ -299,9 +299,9 @@ def each_rank(results: Path) -> list[Path]:
 
 
 def vgpu_run_script(shell, line: str, folder: Path, results: str) -> None:
-    """``%vgpu_run LINE`` in ``folder``, once more (from the folder as it was) after torch's abort at exit once both
+    """``%vgpu_run LINE`` in ``folder``, again (from the folder as it was) after torch's abort at exit once both
     ranks wrote ``results.RANK``."""
-    once_more_after_torchs_exit_abort(
+    again_after_torchs_exit_abort(
         lambda: shell.run_line_magic("vgpu_run", line), failure_text, folder, each_rank(folder / results)
     )
 

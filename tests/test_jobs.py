@@ -22,9 +22,9 @@ from IPython.core.error import UsageError
 from support import (
     CHILD_ENV,
     ROOT,
+    again_after_torchs_exit_abort,
     kernel_run,
     kernel_stdout,
-    once_more_after_torchs_exit_abort,
     started_kernel,
 )
 
@@ -69,12 +69,12 @@ def ended(job, state: str = "COMPLETED"):
 
 
 def weights_of_a_job(folder: Path, submit) -> list:
-    """ddp_parity.py's weights from the job ``submit(script)`` returns; once more (counted) after torch's exit
-    abort where both ranks had written their weights (:func:`once_more_after_torchs_exit_abort`)."""
+    """ddp_parity.py's weights from the job ``submit(script)`` returns; again (counted) after torch's exit
+    abort where both ranks had written their weights (:func:`again_after_torchs_exit_abort`)."""
     os.environ["PARITY_OUT"] = str(folder / "w")
     results = [folder / f"w.{r}" for r in range(2)]
     try:
-        once_more_after_torchs_exit_abort(lambda: ended(submit(folder / "ddp_parity.py")), str, folder, results)
+        again_after_torchs_exit_abort(lambda: ended(submit(folder / "ddp_parity.py")), str, folder, results)
         return [json.loads(path.read_text()) for path in results]
     finally:
         del os.environ["PARITY_OUT"]

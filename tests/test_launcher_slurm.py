@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from support import TF_ALL_REDUCE, failure_text, no_warm_spares, once_more_after_torchs_exit_abort, processes_of
+from support import TF_ALL_REDUCE, again_after_torchs_exit_abort, failure_text, no_warm_spares, processes_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -151,7 +151,7 @@ def test_a_ddp_script_runs_twice_from_the_jobs_tasks(slurm, tmp_path, monkeypatc
 
             try:
                 results = [tmp_path / f"run{run}.{rank}" for rank in range(2)]
-                once_more_after_torchs_exit_abort(launch, what_was_said, tmp_path, results)
+                again_after_torchs_exit_abort(launch, what_was_said, tmp_path, results)
             except Exception as exc:
                 raise AssertionError(f"run {run} failed; the ranks said:\n{said.getvalue()[-4000:]}") from exc
             found = [json.loads((tmp_path / f"run{run}.{r}").read_text()) for r in range(2)]

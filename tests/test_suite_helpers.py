@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 
 import support
-from support import TORCH_EXIT_ABORT, once_more_after_torchs_exit_abort, reference_run
+from support import TORCH_EXIT_ABORT, again_after_torchs_exit_abort, reference_run
 
 
 def aborting_run(folder, writes: list[str], aborts: int):
@@ -37,7 +37,7 @@ def test_an_abort_after_every_rank_wrote_its_result_runs_again_from_the_folder_a
     (tmp_path / "snapshot").write_text("before")
     run, calls = aborting_run(tmp_path, ["out.0", "out.1"], aborts=1)
     results = [tmp_path / "out.0", tmp_path / "out.1"]
-    assert once_more_after_torchs_exit_abort(run, str, tmp_path, results) == "done"
+    assert again_after_torchs_exit_abort(run, str, tmp_path, results) == "done"
     assert calls == [["snapshot"], ["snapshot"]]
     assert counts == {"runs": 1, "again": 1}
 
@@ -46,7 +46,7 @@ def test_an_abort_after_every_rank_wrote_its_result_runs_again_from_the_folder_a
 def test_an_abort_before_a_rank_finished_fails_as_it_is(tmp_path, counts, writes):
     run, calls = aborting_run(tmp_path, writes, aborts=1)
     with pytest.raises(RuntimeError, match="SIGABRT"):
-        once_more_after_torchs_exit_abort(run, str, tmp_path, [tmp_path / "out.0", tmp_path / "out.1"])
+        again_after_torchs_exit_abort(run, str, tmp_path, [tmp_path / "out.0", tmp_path / "out.1"])
     assert len(calls) == 1 and counts == {"runs": 1, "again": 0}
 
 
@@ -55,7 +55,7 @@ def test_a_result_left_by_an_earlier_run_does_not_count_as_finished(tmp_path, co
     (tmp_path / "out.1").write_text("earlier")
     run, calls = aborting_run(tmp_path, ["out.0"], aborts=1)
     with pytest.raises(RuntimeError, match="SIGABRT"):
-        once_more_after_torchs_exit_abort(run, str, tmp_path, [tmp_path / "out.0", tmp_path / "out.1"])
+        again_after_torchs_exit_abort(run, str, tmp_path, [tmp_path / "out.0", tmp_path / "out.1"])
     assert len(calls) == 1
 
 
@@ -63,14 +63,14 @@ def test_the_abort_on_every_try_fails(tmp_path, counts):
     tries = support.EXIT_ABORT_RETRIES + 1
     run, calls = aborting_run(tmp_path, ["out.0", "out.1"], aborts=tries)
     with pytest.raises(RuntimeError, match="SIGABRT"):
-        once_more_after_torchs_exit_abort(run, str, tmp_path, [tmp_path / "out.0", tmp_path / "out.1"])
+        again_after_torchs_exit_abort(run, str, tmp_path, [tmp_path / "out.0", tmp_path / "out.1"])
     assert len(calls) == tries and counts == {"runs": 1, "again": tries - 1}
 
 
 def test_each_try_again_starts_from_the_folder_as_it_was_and_is_counted(tmp_path, counts):
     (tmp_path / "snapshot").write_text("before")
     run, calls = aborting_run(tmp_path, ["out.0", "out.1"], aborts=support.EXIT_ABORT_RETRIES)
-    assert once_more_after_torchs_exit_abort(run, str, tmp_path, [tmp_path / "out.0", tmp_path / "out.1"]) == "done"
+    assert again_after_torchs_exit_abort(run, str, tmp_path, [tmp_path / "out.0", tmp_path / "out.1"]) == "done"
     assert calls == [["snapshot"]] * (support.EXIT_ABORT_RETRIES + 1)
     assert counts == {"runs": 1, "again": support.EXIT_ABORT_RETRIES}
 
