@@ -41,6 +41,16 @@ def _start_as_a_user(*args, **kwargs):
 
 nbval.kernel.start_new_kernel = _start_as_a_user
 
+#: What nbval's comparisons and the stderr check below sanitize with, however nbval was asked to run.
+SANITIZE = Path(__file__).with_name("nbval_sanitize.cfg")
+
+
+def pytest_configure(config):
+    # `pytest --nbval-lax notebooks` and `pytest --nbval notebooks` run as make test does: the volatile text (PIDs,
+    # ports, a cell's execution count, which lax mode runs without) is sanitized in the stored and the fresh output.
+    if getattr(config.option, "nbval_sanitize_with", "") is None:
+        config.option.nbval_sanitize_with = str(SANITIZE)
+
 
 def _stderr_lines(item, outputs) -> list[str]:
     """What ``outputs`` wrote on stderr, sanitized as nbval sanitizes what it compares."""
