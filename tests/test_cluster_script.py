@@ -53,6 +53,56 @@ def test_every_line_a_rank_prints_arrives_in_order(kernel, tmp_path):
         assert mine == [f"line {i}" for i in range(500_000)] + ["END"]
 
 
+def _own_lines(text: str, rank: int) -> list[str]:
+    """The lines of ``text`` labelled with ``rank``, without the label."""
+    label = f"[rank {rank}] "
+    return [line[len(label) :] for line in text.splitlines() if line.startswith(label)]
+
+
+def test_a_printed_line_arrives_whole_on_its_own_stream_while_the_framework_logs(kernel, tmp_path):
+    """Issue 45: ``print("process", i, "of", n)`` reached the notebook as ``[rank 0] process[Gloo] Rank 0 is
+    connected ...``: under ``PYTHONUNBUFFERED`` (this machine's, CI's, the suite's) each piece of a print left on
+    its own, and Gloo's C++ wrote its line to the same stdout between two. And a rank's stderr reached the notebook's
+    stdout. Every line arrives whole, labelled, in order, on the stream it was written to, whatever a framework
+    writes at C level meanwhile (here a thread's ``os.write`` to fd 1 and fd 2)."""
+    _, kc = kernel
+    script = tmp_path / "both.py"
+    script.write_text(
+        "import os, threading\n"
+        "def log():\n"
+        "    for i in range(1000):\n"
+        "        os.write(1, f'framework line {i}\\n'.encode())\n"
+        "        os.write(2, f'framework warning {i}\\n'.encode())\n"
+        "logger = threading.Thread(target=log)\n"
+        "logger.start()\n"
+        "for i in range(1000):\n"
+        "    print('a', i, 'b')\n"
+        "logger.join()\n"
+    )
+    reply = kernel_run(kc, f"%env PYTHONUNBUFFERED=1\n%vgpu_run --no-plot {script}")
+    assert not kernel_errors(reply), kernel_errors(reply)
+    out, err = kernel_stdout(reply), kernel_stream(reply, "stderr")
+    for rank in (0, 1):
+        theirs = [line for line in _own_lines(out, rank) if line.startswith("framework")]
+        assert [line for line in _own_lines(out, rank) if line not in theirs] == [f"a {i} b" for i in range(1000)]
+        assert theirs == [f"framework line {i}" for i in range(1000)]
+        assert _own_lines(err, rank) == [f"framework warning {i}" for i in range(1000)]
+
+
+def test_a_cells_stderr_reaches_the_notebooks_stderr(kernel):
+    """Issue 43, row 11: a rank's warnings reached the notebook on its stdout stream."""
+    _, kc = kernel
+    cell = "%%vgpu_run --no-plot\nimport sys, warnings\nprint('out')\nwarnings.warn('careful')\n"
+    cell += "print('err', file=sys.stderr)"
+    reply = kernel_run(kc, cell)
+    assert not kernel_errors(reply), kernel_errors(reply)
+    out, err = kernel_stdout(reply), kernel_stream(reply, "stderr")
+    for rank in (0, 1):
+        assert _own_lines(out, rank) == ["out"]
+        assert _own_lines(err, rank)[-1] == "err"
+        assert any("UserWarning: careful" in line for line in _own_lines(err, rank))
+
+
 def interrupt_once_both_train(km) -> Callable[[dict], None]:
     """An ``on_message`` for :func:`kernel_run` that interrupts the kernel (as the notebook's stop button does)
     once both ranks printed ``training``, and only once."""
@@ -203,18 +253,19 @@ def test_a_launched_rank_is_given_what_torchrun_gives_it(kernel, tmp_path):
 
 def test_a_progress_bar_on_stderr_is_live_and_not_an_error(kernel, tmp_path):
     """Issue 37, row 5: a plain ``from tqdm import tqdm`` bar did not move for the whole run, then both finished
-    bars arrived at the end in the notebook's stderr (an error-coloured box)."""
+    bars arrived at the end in the notebook's stderr. Issue 45: the bar is on stderr, where tqdm writes it and
+    Jupyter shows any cell's, and moves there."""
     _, kc = kernel
     script = tmp_path / "bar.py"
     script.write_text("import time\nfrom tqdm import tqdm\nfor step in tqdm(range(40)):\n    time.sleep(0.05)\n")
     reply = kernel_run(kc, f"%vgpu_run --no-plot {script}")
     assert not kernel_errors(reply), kernel_errors(reply)
-    assert kernel_stream(reply, "stderr") == ""
+    assert "%|" not in kernel_stdout(reply)
     for rank in (0, 1):
         # The bar came in pieces as it moved, each over the last.
         updates = [m["content"]["text"] for m in reply if m["msg_type"] == "stream" and "%|" in m["content"]["text"]]
         assert len([text for text in updates if f"[rank {rank}]" in text]) >= 2 and "\r" in "".join(updates)
-    shown = [as_terminal_shows(line) for line in kernel_stdout(reply).split("\n")]
+    shown = [as_terminal_shows(line) for line in kernel_stream(reply, "stderr").split("\n")]
     assert sorted(line.split("|")[0] for line in shown if "40/40" in line) == ["[rank 0] 100%", "[rank 1] 100%"]
 
 
@@ -241,7 +292,7 @@ def test_a_failing_ranks_traceback_is_shown_once_under_its_own_label(kernel, tmp
     [line] = error["traceback"]
     assert line.startswith(("RankRunError: rank 1 ", "RankRunError: ranks 0, 1 ")), line
     assert everything.count("ValueError: bad batch") == 1
-    assert "[rank 1] ValueError: bad batch" in kernel_stdout(reply)
+    assert "[rank 1] ValueError: bad batch" in kernel_stream(reply, "stderr")
     assert "[rank1]:" not in everything and "[rank0]:" not in everything
 
 
@@ -256,7 +307,7 @@ def test_the_ranks_a_failure_took_down_are_said_in_one_line_each(kernel, tmp_pat
     reply, error, everything = _run_rank_1_failing(kernel, tmp_path)
     assert everything.count("ValueError: bad batch") == 1
     said = "rank 0 stopped: its peer closed the connection (rank 1 failed first)"
-    assert f"[{said.replace(' stopped', '] stopped')}" in kernel_stdout(reply).splitlines()
+    assert f"[{said.replace(' stopped', '] stopped')}" in kernel_stream(reply, "stderr").splitlines()
     [line] = error["traceback"]
     assert line.startswith("RankRunError: rank 1 ") and f"; {said}; the cluster is still usable" in line, line
     assert "Connection closed by peer" not in everything and "[rank 0] Traceback" not in everything

@@ -497,10 +497,9 @@ def test_each_script_run_is_a_new_process_as_python_starts_one(shell, launcher_r
     )
     script.write_text(body.format(own=1, folder=str(tmp_path), end="exit()"))
     first, first_err = launched(shell, str(script), capsys)
-    assert first_err == ""
     (tmp_path / "helper_mod.py").write_text((tmp_path / "helper_mod.py").read_text().replace("VALUE = 1", "VALUE = 2"))
     script.write_text(body.format(own=2, folder=str(tmp_path), end="quit(0)"))
-    second, _ = launched(shell, str(script), capsys)
+    second, second_err = launched(shell, str(script), capsys)
     seen = [[line.split() for line in out if "] seen " in line] for out in (first, second)]
     for run, values in ((0, "1"), (1, "2")):
         assert sorted(words[1] for words in seen[run]) == ["0]", "1]"]
@@ -509,10 +508,11 @@ def test_each_script_run_is_a_new_process_as_python_starts_one(shell, launcher_r
         assert {(int(w[4]), w[5], w[6], w[7]) for w in seen[run]} == expected
     pids = {int(w[3]) for run in seen for w in run}
     assert len(pids) == 4 and not pids & set(launcher_ranks.pids)
-    for out in (first, second):
+    for out, err in ((first, first_err), (second, second_err)):
         assert sorted(line for line in out if "atexit" in line) == ["[rank 0] atexit 0", "[rank 1] atexit 1"]
-        # A rank's stderr is shown with its stdout, as a terminal shows both (issue 37, row 5).
-        assert sorted(line.split()[1] for line in out if "UserWarning: old() is going away" in line) == [
+        # A rank's stderr is shown on the notebook's stderr, as a cell's is (issue 45).
+        assert "UserWarning" not in "\n".join(out)
+        assert sorted(line.split()[1] for line in err.splitlines() if "UserWarning: old() is going away" in line) == [
             "0]",
             "1]",
         ]
@@ -529,7 +529,7 @@ def test_a_script_that_fails_is_reported_as_its_launcher_reports_it(shell, launc
     with pytest.raises(RankRunError, match=r"^(ranks 0, 1|rank 0|rank 1) exited with status 2;") as info:
         shell.run_line_magic("vgpu_run", f"{TRAIN_SCRIPT} many 2 --out x")
     # Shown once, as the ranks wrote it; the error says how they ended (issue 37, row 6).
-    assert "invalid int value: 'many'" in capsys.readouterr().out
+    assert "invalid int value: 'many'" in capsys.readouterr().err
     assert info.value._render_traceback_() == [f"RankRunError: {info.value}"]
     assert not info.value.must_restart
     with pytest.raises(UsageError, match=r"script 'no_such\.py' is not a file"):
@@ -558,7 +558,7 @@ def test_one_failing_script_rank_stops_the_others_and_the_engines_stay(
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RankRunError, match=r"^rank 1 exited with status 1; interrupted rank 0;") as info:
         shell.run_line_magic("vgpu_run", f"--timeout 120 {script}")
-    shown = capsys.readouterr().out
+    shown = capsys.readouterr().err
     assert "[rank 1] ValueError: bad batch on rank 1" in shown and f'[rank 1]   File "{script}", line 5' in shown
     assert "launch.py" not in shown
     assert not info.value.must_restart and launcher_ranks.pids == engines
@@ -593,7 +593,7 @@ def test_a_native_death_shows_its_signal_and_last_stderr_lines(shell, launcher_r
         RankRunError, match=rf"^rank 1 {how}(; interrupted rank 0)?; the cluster is still usable$"
     ) as info:
         shell.run_line_magic("vgpu_run", f"--timeout 120 {script}")
-    assert "[rank 1] native: about to go" in capsys.readouterr().out.splitlines()
+    assert "[rank 1] native: about to go" in capsys.readouterr().err.splitlines()
     assert not info.value.must_restart
 
 

@@ -509,6 +509,34 @@ def test_lines_are_labelled_whole_and_never_interleaved():
     ]
 
 
+def test_a_ranks_stdout_and_stderr_are_each_shown_on_their_own_in_whole_lines():
+    """Issue 45: a rank's stderr went into the same line as its stdout, so a line printed in pieces was cut by a
+    framework's log line (``[rank 0] process[Gloo] Rank 0 is connected ...``), and all of it on stdout."""
+    import os
+
+    from vgpu_magic.ranks.run import RankProcesses, RankRun
+
+    results = [_Pending(), _Pending()]
+    for rank, ar in enumerate(results):
+        ar.output_events = [
+            ("stdout", "process"),
+            ("stderr", f"[Gloo] Rank {rank} is connected\n"),
+            ("stdout", f" {rank} of 2\n"),
+            ("stderr", "\r 50%|#####     |"),
+            # A line on stdout leaves the bar on stderr as it is.
+            ("stdout", "next line\n"),
+            ("stderr", "\r100%|##########|\n"),
+        ]
+        ar.set_result(None)
+    out, err = io.StringIO(), io.StringIO()
+    RankRun(RankProcesses([os.getpid()] * 2), lambda rank: results[rank], stdout=out, stderr=err).run()
+    assert out.getvalue() == "".join(f"[rank {r}] process {r} of 2\n[rank {r}] next line\n" for r in range(2))
+    assert [as_terminal_shows(line) for line in err.getvalue().split("\n")] == [
+        *(f"[rank {r}] {line}" for r in range(2) for line in (f"[Gloo] Rank {r} is connected", "100%|##########|")),
+        "",
+    ]
+
+
 @pytest.fixture(scope="module")
 def shell(ip):
     """The in-process shell; loading vgpu_magic registers %vgpu_cluster."""

@@ -128,9 +128,9 @@ def test_a_failing_ranks_held_back_lines_are_shown_with_its_traceback():
     run = RankRun(RankProcesses([os.getpid()]), lambda rank: _Failed(), stdout=out, stderr=err, held=held)
     with pytest.raises(RankRunError) as info:
         run.run()
-    # What it wrote as it wrote it (stderr with stdout, as a terminal shows both), then what was held back.
-    assert out.getvalue().splitlines() == ["[rank 0] the rank's own last words"]
-    assert err.getvalue().splitlines() == [f"[rank 0] {line}" for line in TF_START]
+    # What it wrote to stderr as it wrote it (issue 45: on stderr), then what was held back.
+    assert out.getvalue() == ""
+    assert err.getvalue().splitlines() == ["[rank 0] the rank's own last words", *(f"[rank 0] {x}" for x in TF_START)]
     # ipyparallel's "[0:execute]" heading is gone; no rank's own cell count (no notebook cell runs here).
     assert info.value._render_traceback_()[:2] == [
         "[rank 0] Traceback (most recent call last):",
@@ -195,13 +195,12 @@ def test_tensorflow_ranks_are_quiet_and_their_tracebacks_name_the_notebooks_cell
     assert not run["error"], run
     assert run["stdout"].count("sum 2.0") == 2
     assert "INFO:tensorflow" not in run["stdout"]
-    # A rank's stderr is shown with its stdout, as a terminal shows both (issue 37, row 5).
-    assert run["stderr"] == ""
+    # A rank's stderr is shown on the notebook's stderr, as a cell's is (issue 45).
     for rank in (0, 1):
-        assert f"[rank {rank}] the rank's own stderr" in run["stdout"]
-        assert f"[rank {rank}] " in run["stdout"] and "UserWarning: the rank's warning" in run["stdout"]
+        assert f"[rank {rank}] the rank's own stderr" in run["stderr"].splitlines()
+        assert f"[rank {rank}] " in run["stderr"] and "UserWarning: the rank's warning" in run["stderr"]
     for chatter in ("absl::InitializeLog", "oneDNN", "I0000", "coordination", "grpc"):
-        assert chatter not in run["stdout"], run["stdout"]
+        assert chatter not in run["stdout"] + run["stderr"], run
     assert "[rank 1] " in log["stdout"] and "oneDNN custom operations are on" in log["stdout"]
     count = next(m["content"]["execution_count"] for m in failing if m["msg_type"] == "execute_input")
     error = next(m["content"] for m in failing if m["msg_type"] == "error")

@@ -296,8 +296,11 @@ def child() -> None:
 
         devices = SplitRequest(**launch["devices"]) if launch["devices"] else None
         prepare_rank({}, launch["setup"], tuple(launch["setup_args"]), devices=devices, framework=launch["preload"][0])
-    # As on a terminal: each line reaches the notebook when printed.
-    sys.stdout.reconfigure(line_buffering=True)
+    # As on a terminal: each line reaches the notebook when printed, in one write, even under PYTHONUNBUFFERED (its
+    # write-through sends a print's pieces one by one, and a framework's C++ writing to the same stream, Gloo's
+    # "[Gloo] Rank 0 is connected", lands between two). A flush (``flush=True``) sends an unfinished line at once.
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=False)
     try:
         # As torch's launcher runs a script (torch.distributed.run's run_script_path).
         runpy.run_path(path, run_name="__main__")

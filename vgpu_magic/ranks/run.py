@@ -275,13 +275,15 @@ class RankRun:
         held = self.held or HeldBack()
         held.this_run = {}
 
-        live: dict = {}
+        lives: dict[int, dict] = {}
 
-        def stream(r: int) -> LineStream:
-            return LineStream(f"[rank {r}] ", self.stdout, partial(held.shown, r), f"[rank{r}]:", live)
+        def stream(r: int, out: TextIO) -> LineStream:
+            # Whose unfinished line is drawn is one record per output, which every rank's stream to it shares.
+            return LineStream(f"[rank {r}] ", out, partial(held.shown, r), f"[rank{r}]:", lives.setdefault(id(out), {}))
 
-        # stderr with stdout, as a terminal shows both (not as errors: the run's own error says if it failed).
-        streams = [(stream(r), stream(r)) for r in range(n)]
+        # A rank's stdout to the notebook's stdout, its stderr (warnings, tracebacks, frameworks' logs) to its stderr,
+        # as Jupyter shows a cell's own and a terminal keeps them: two streams.
+        streams = [(stream(r, self.stdout), stream(r, self.stderr)) for r in range(n)]
         memory = RankMonitor(
             self.procs.memory_pids(), self.gpu, self.plot, launched=self.launched, engine=self.procs.engine
         )
