@@ -17,7 +17,7 @@ from .. import frameworks
 from ..frameworks.base import RankPlan
 from ..inventory import visible_gpus
 from ..layout import HostReport, SlurmStep, layout_ranks
-from ..ranks.hosts import LAUNCHER_VARIABLES
+from ..ranks.hosts import LAUNCHER_VARIABLES, free_port
 from ..ranks.launchers import SlurmLauncher
 from . import FOLDER, JobBackend, JobSpec
 
@@ -30,7 +30,7 @@ job={jobs}/$SLURM_JOB_ID
 mkdir -p "$job" && date +%s >"$job/job.start" && exec >"$job/job.out" 2>&1
 # Each line of the ranks' output reaches their logs when printed (%vgpu_job logs --follow).
 export PYTHONUNBUFFERED=1
-free=$({python} -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+free=$({python} -m vgpu_magic.batch.slurm --free-port)
 srun --kill-on-bad-exit=1 --output="$job/rank-%t.log" \\
   sh -c 'export TORCHELASTIC_ERROR_FILE="$0/rank-$SLURM_PROCID.error.json"; "$@"; s=$?
          echo $s >"$0/rank-$SLURM_PROCID.exit"; exit $s' "$job" \\
@@ -139,4 +139,7 @@ def main(framework: str, port: str, free: str, script: str, *args: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1:] == ["--free-port"]:  # the batch script's, on the first node
+        print(free_port())
+    else:
+        main(*sys.argv[1:])
