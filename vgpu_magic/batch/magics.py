@@ -14,7 +14,7 @@ from ..errors import PlanError, excerpt
 from ..frameworks import choices
 from ..grammar import choice, framework_name, parse_arguments, whole
 from ..ranks.launchers import SlurmLauncher
-from . import ENDED, Job, JobSpec, Shown, backend, index_file, jobs, running_cell, submit
+from . import ENDED, Job, Jobs, JobSpec, Shown, backend, index_file, jobs, running_cell, submit
 
 __all__ = ["JobMagics"]
 
@@ -22,7 +22,7 @@ _ACTIONS = ("submit", "script", "status", "logs", "cancel")
 _SUBMIT = "%vgpu_job submit --framework torch --nodes 2 --ranks-per-node 8 train.py --epochs 2"
 #: Seconds between two looks at a followed job's logs.
 FOLLOW_POLL = 0.5
-#: The options each action takes (``--name``: a flag and its dest).
+#: The options each action takes, by their long flags (the others take none).
 _TAKES = {
     "submit": {"--framework", "--nodes", "--ranks-per-node", "--gpus-per-node", "--time", "--partition", "--account"}
     | {"--sbatch", "--name", "--port"},
@@ -88,14 +88,12 @@ class JobMagics(Magics):
             print(f"follow it with %vgpu_job logs {job.job_id} --follow")
             return self._printed(job)
         if args.action == "status":
-            found = jobs()
-            if args.target is not None:
-                found = type(found)([self._job(args.target)])
+            found = jobs() if args.target is None else Jobs([self._job(args.target)])
             print(found.summary() or f"no jobs yet (listed in {index_file()})")
             return self._printed(found)
         if args.target is None:
             raise UsageError(f"say which job, e.g. %vgpu_job {args.action} 12 (%vgpu_job status lists them)")
-        job = self._job(args.target, args.action)
+        job = self._job(args.target)
         if args.action == "cancel":
             try:
                 job.cancel()
@@ -141,7 +139,7 @@ class JobMagics(Magics):
         shown.printed_in = running_cell(self.shell)
         return shown
 
-    def _job(self, job_id: str, action: str = "status") -> Job:
+    def _job(self, job_id: str) -> Job:
         """Job ``job_id`` of this user's (the newest of that id: ids start again on a new cluster)."""
         found = [job for job in jobs() if job.job_id == job_id]
         if not found:
