@@ -36,6 +36,12 @@ JOB_TIMEOUT = 240
 SLEEPER = "import os, time\nprint('started', os.environ['RANK'], flush=True)\ntime.sleep(300)\n"
 
 
+@pytest.fixture(autouse=True)
+def own_index(monkeypatch, tmp_path):
+    """Each test's own index of jobs (the user's lists the jobs of every cluster, whose ids start again at 1)."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+
+
 @pytest.fixture
 def slurm(local_slurm, monkeypatch, tmp_path):
     """The single-node cluster, reached by SLURM's commands; the test runs in its own folder."""
@@ -254,7 +260,7 @@ def _said_from(kc, folder: Path, code: str) -> str:
 
 def test_a_job_outlives_its_killed_kernel_and_a_new_kernel_finds_it(slurm, tmp_path):
     (tmp_path / "sleeps.py").write_text(SLEEPER.replace("300", "8"))
-    env = {"SLURM_CONF": str(slurm.conf), "PYTHONPATH": str(ROOT)}
+    env = {"SLURM_CONF": str(slurm.conf), "PYTHONPATH": str(ROOT), "XDG_DATA_HOME": os.environ["XDG_DATA_HOME"]}
     with started_kernel(env) as (_, kc):
         said = _said_from(
             kc,
@@ -301,7 +307,7 @@ def test_logs_follow_until_the_job_ends(slurm, tmp_path, capsys):
 
 def test_each_task_plans_the_whole_layout_alone_from_slurms_variables():
     """No SLURM needed: what rank 3 of 2 nodes × 2 tasks computes is torchrun's environment for that place, with
-    the job's id as the run id every task agrees on, and rank 0's port from the job id."""
+    the job's id as the run id every task agrees on, and rank 0's port the one the batch script found free."""
     from vgpu_magic.batch.slurm import plan_tasks
 
     env = {
@@ -313,10 +319,10 @@ def test_each_task_plans_the_whole_layout_alone_from_slurms_variables():
         "SLURM_LOCALID": "1",
         "SLURM_NODEID": "1",
     }
-    plans = plan_tasks("torch", env)
+    plans = plan_tasks("torch", env, free=41234)
     assert [p.env["RANK"] for p in plans] == ["0", "1", "2", "3"]
     assert [p.env["GROUP_RANK"] for p in plans] == ["0", "0", "1", "1"]
-    assert {p.env["MASTER_ADDR"] for p in plans} == {"node07"} and {p.env["MASTER_PORT"] for p in plans} == {"19321"}
+    assert {p.env["MASTER_ADDR"] for p in plans} == {"node07"} and {p.env["MASTER_PORT"] for p in plans} == {"41234"}
     assert {p.env["TORCHELASTIC_RUN_ID"] for p in plans} == {"4321"}
     assert plans[3].env["LOCAL_WORLD_SIZE"] == "2" and plans[3].env["WORLD_SIZE"] == "4"
     workers = json.loads(plan_tasks("tensorflow", env, port=9000)[3].env["TF_CONFIG"])
@@ -336,14 +342,14 @@ def test_the_batch_script_and_bad_lines_need_no_slurm(tmp_path, monkeypatch):
     text = ip.run_line_magic("vgpu_job", "script -f jax --nodes 2 -n 8 --gpus-per-node 8 --time 30 train.py --lr 0.1")
     for line in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--time=30", f"--chdir={tmp_path}"):
         assert f"#SBATCH {line}\n" in text
-    assert f"-m vgpu_magic.batch.slurm jax 0 {tmp_path / 'train.py'} --lr 0.1\n" in text
+    assert f'-m vgpu_magic.batch.slurm jax 0 "$free" {tmp_path / "train.py"} --lr 0.1\n' in text
     for line, said in (
         ("submit --nodes two train.py", "--nodes 'two' is not a whole number"),
         ("submit missing.py", "script 'missing.py' is not a file"),
         ("submit -f mxnet train.py", "framework 'mxnet' is not supported"),
         ("submit --time '1 hour' train.py", "time='1 hour' is not one word"),
         ("status 1 2", "'2' is not understood here"),
-        ("logs 99", "job '99' is not one of the jobs under"),
+        ("logs 99", "job '99' is not one of your jobs (%vgpu_job status lists them)"),
     ):
         with pytest.raises(UsageError) as info:
             ip.run_line_magic("vgpu_job", line)
@@ -417,3 +423,222 @@ def test_a_job_past_its_time_limit_says_so_and_how_long_it_ran(slurm, tmp_path, 
 def slurm_knows(job_id: str) -> bool:
     shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, check=False)
     return "JobState=" in shown.stdout
+
+
+def magic_shell():
+    from IPython.testing.globalipapp import get_ipython
+
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "vgpu_magic")
+    return ip
+
+
+def test_a_moved_script_leaves_every_job_readable_and_an_ended_job_is_not_cancelled(slurm, tmp_path, capsys):
+    """Issue 43 rows 1 and 12: a stored job is a record (its script may have moved); cancelling a job that ended
+    says so (``scancel`` itself says nothing)."""
+    import vgpu_magic
+
+    for name in ("a.py", "b.py"):
+        (tmp_path / name).write_text(f"print('this is {name}')\n")
+    first, second = (ended(vgpu_magic.submit(name)) for name in ("a.py", "b.py"))
+    (tmp_path / "a.py").rename(tmp_path / "a_old.py")
+    assert [job.job_id for job in vgpu_magic.jobs()] == [first.job_id, second.job_id]
+    ip = magic_shell()
+    capsys.readouterr()
+    ip.run_line_magic("vgpu_job", "status")
+    ip.run_line_magic("vgpu_job", f"logs {first.job_id}")
+    out = capsys.readouterr().out
+    assert f"{first.job_id} a.py: COMPLETED" in out and f"{second.job_id} b.py: COMPLETED" in out
+    assert "[rank 0] this is a.py" in out
+    with pytest.raises(UsageError, match=rf"^job {first.job_id} already ended \(COMPLETED\): there is nothing to"):
+        ip.run_line_magic("vgpu_job", f"cancel {first.job_id}")
+
+
+def test_a_job_submitted_from_a_sub_folder_is_found_there_and_the_line_says_its_layout(slurm, tmp_path, capsys):
+    """Issue 43 rows 4 and 13: the job's folder is beside the script, its id in this user's index; the submit
+    line echoes the layout and the script's own arguments (``-n 2`` after the script is the script's)."""
+    (tmp_path / "train.py").write_text("import sys\nprint('args', sys.argv[1:])\n")
+    (tmp_path / "nb").mkdir()
+    os.chdir(tmp_path / "nb")
+    ip = magic_shell()
+    job = ip.run_line_magic("vgpu_job", "submit ../train.py -n 2")
+    assert f"submitted job {job.job_id}, 1 node(s) × 1 rank(s): python ../train.py -n 2\n" in capsys.readouterr().out
+    ended(job)
+    ip.run_line_magic("vgpu_job", f"logs {job.job_id}")
+    assert "[rank 0] args ['-n', '2']" in capsys.readouterr().out
+    assert (tmp_path / ".vgpu_jobs" / job.job_id).is_dir()
+    os.chdir(tmp_path / "data")
+    import vgpu_magic
+
+    assert [found.job_id for found in vgpu_magic.jobs()] == [job.job_id]
+
+
+def test_a_job_slurm_could_never_start_is_refused_and_a_pending_one_says_why(slurm, tmp_path, capsys):
+    """Issue 43 row 5: what ``sbatch --test-only`` refuses is refused (more nodes or CPUs than the cluster has);
+    a pending job's summary says SLURM's reason, and once cancelled not that reason as why it ended."""
+    (tmp_path / "train.py").write_text("print('never')\n")
+    ip = magic_shell()
+    for line in ("submit --nodes 5 train.py", f"submit -n {slurm.cpus * 4} train.py"):
+        with pytest.raises(UsageError, match=r"^SLURM refused the job: Requested node configuration is not"):
+            ip.run_line_magic("vgpu_job", line)
+    assert slurm.squeue() == [] and not (tmp_path / ".vgpu_jobs").exists()
+    job = ip.run_line_magic("vgpu_job", "submit --sbatch=--begin=now+1hour train.py")
+    assert job.summary().endswith("\n  PENDING: BeginTime"), job.summary()
+    ip.run_line_magic("vgpu_job", f"cancel {job.job_id}")
+    assert job.wait(timeout=60) == "CANCELLED" and "BeginTime" not in job.summary()
+
+
+def test_stopping_a_follow_stops_the_cell_and_says_the_job_goes_on(slurm, tmp_path, capsys, monkeypatch):
+    """Issue 43 row 7: KeyboardInterrupt again after the line, so a notebook's Run All stops there."""
+    from types import SimpleNamespace
+
+    from vgpu_magic.batch import magics
+
+    def stop(seconds):
+        raise KeyboardInterrupt
+
+    (tmp_path / "sleeps.py").write_text(SLEEPER)
+    ip = magic_shell()
+    job = ip.run_line_magic("vgpu_job", "submit sleeps.py")
+    started(job)
+    monkeypatch.setattr(magics, "time", SimpleNamespace(sleep=stop))
+    capsys.readouterr()
+    with pytest.raises(KeyboardInterrupt):
+        ip.run_line_magic("vgpu_job", f"logs {job.job_id} --follow")
+    assert f"stopped following job {job.job_id}; the job goes on (RUNNING)\n" in capsys.readouterr().out
+    assert job.state == "RUNNING"
+    job.cancel()
+    assert job.wait(timeout=60) == "CANCELLED"
+
+
+def test_rank_0s_port_is_free_on_its_node_whatever_the_job_id(slurm, tmp_path):
+    """Issue 43 row 8: another process (another SLURM's job 1) holding the port a job id would give is no matter:
+    the batch script takes a port free on the first node, as ``torchrun --standalone`` does."""
+    import socket
+
+    import vgpu_magic
+
+    (tmp_path / "joins.py").write_text(
+        "import torch.distributed as dist\ndist.init_process_group('gloo')\ndist.barrier()\n"
+        "print('joined', dist.get_rank(), flush=True)\ndist.destroy_process_group()\n"
+    )
+    (tmp_path / "first.py").write_text("print('first')\n")
+    last = int(ended(vgpu_magic.submit("first.py")).job_id)
+    held = []
+    for job_id in range(last + 1, last + 4):  # the next ids, without and with sbatch --test-only's
+        sock = socket.socket()
+        sock.bind(("", 15000 + job_id % 10000))
+        sock.listen()
+        held.append(sock)
+    try:
+        job = again_after_torchs_exit_abort(
+            lambda: ended(vgpu_magic.submit("joins.py", ranks_per_node=2)), str, tmp_path, []
+        )
+    finally:
+        for sock in held:
+            sock.close()
+    assert "[rank 0] joined 0" in job.logs() and "[rank 1] joined 1" in job.logs()
+
+
+def test_a_killed_rank_is_named_and_torchs_record_writes_its_error_file(slurm, tmp_path):
+    """Issue 43 nits: exit 137 is SIGKILL in the summary; TORCHELASTIC_ERROR_FILE is each task's own, so torch's
+    ``@record`` writes what torchrun's Root Cause block reads."""
+    import vgpu_magic
+
+    (tmp_path / "killed.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    (tmp_path / "records.py").write_text(
+        "from torch.distributed.elastic.multiprocessing.errors import record\n\n"
+        "@record\ndef main():\n    raise ValueError('bad config')\n\nmain()\n"
+    )
+    killed, records = vgpu_magic.submit("killed.py"), vgpu_magic.submit("records.py", ranks_per_node=2)
+    assert "\n  rank 0 exited with status 137 (SIGKILL):" in ended(killed, "FAILED").summary()
+    ended(records, "FAILED")
+    written = [records.folder / f"rank-{rank}.error.json" for rank in range(2)]
+    assert any(path.exists() for path in written), records.logs()
+    for path in filter(Path.exists, written):
+        assert "ValueError: bad config" in json.loads(path.read_text())["message"]["message"]
+
+
+def recorded_job(folder: Path, state: str, codes: list, monkeypatch, **said) -> Path:
+    """A job's folder as a submit left it (its script since gone), listed in the index, SLURM's state patched in."""
+    from vgpu_magic.batch import index_file
+    from vgpu_magic.batch.slurm import SlurmJobs
+
+    job = folder / ".vgpu_jobs" / "7"
+    job.mkdir(parents=True)
+    record = {"job_id": "7", "script": str(folder / "gone.py"), "args": [], "ranks_per_node": len(codes), **said}
+    (job / "job.json").write_text(json.dumps(record))
+    for rank, code in enumerate(codes):
+        (job / f"rank-{rank}.exit").write_text(f"{code}\n")
+        (job / f"rank-{rank}.log").write_text("INFO:tensorflow:Enabled multi-worker collective ops\nstep 1\n")
+    index_file().parent.mkdir(parents=True)
+    index_file().write_text(f"{job}\n")
+    monkeypatch.setattr(SlurmJobs, "state", lambda self, job_id, folder: (state, "", timedelta(seconds=3)))
+    return job
+
+
+def test_a_cancelled_jobs_ranks_did_not_fail_and_a_killed_one_is_named(tmp_path, monkeypatch):
+    """Issue 43 nits, no SLURM needed: SLURM's SIGTERM or SIGKILL of a cancel is not a rank's failure; where the
+    job failed, a status above 128 names its signal."""
+    from vgpu_magic.batch import Job
+    from vgpu_magic.batch.slurm import SlurmJobs
+
+    job = Job(recorded_job(tmp_path, "CANCELLED", [143, 137], monkeypatch))
+    assert (
+        job.summary() == "7 gone.py: CANCELLED, elapsed 00:00:03, 1 node(s) × 2 rank(s), exit codes by rank [143, 137]"
+    )
+    monkeypatch.setattr(SlurmJobs, "state", lambda *_: ("FAILED", "NonZeroExitCode", timedelta(seconds=3)))
+    shown = job.summary()
+    assert (
+        "\n  rank 0 exited with status 143 (SIGTERM):\n" in shown
+        and "\n  rank 1 exited with status 137 (SIGKILL):\n" in shown
+    )
+    assert shown.endswith("\n    step 1\n  FAILED: NonZeroExitCode")
+
+
+def test_status_and_submit_show_their_lines_once_and_a_jobs_chatter_is_held_back(tmp_path, monkeypatch, capsys):
+    """Issue 43 nits: no ``Out[]`` repeating what the magic printed (the value still comes back); TensorFlow's
+    start-up lines held back from ``logs`` as from a rehearsal's ranks, kept in the rank's log file."""
+    import vgpu_magic
+
+    recorded_job(tmp_path, "COMPLETED", [0], monkeypatch, framework="tensorflow")
+    monkeypatch.chdir(tmp_path)
+    ip = magic_shell()
+    capsys.readouterr()
+    ip.run_cell("%vgpu_job status", store_history=True)
+    out = capsys.readouterr().out
+    # A terminal writes its prompt first; a kernel sends no result where nothing is to be shown.
+    assert out.count("7 gone.py: COMPLETED") == 1 and not re.search(r"Out\[\d+\]: \S", out), out
+    ip.run_cell("found = %vgpu_job status\nfound[0].job_id", store_history=True)
+    assert re.search(r"Out\[\d+\]: '7'", capsys.readouterr().out)
+    ip.run_cell("found", store_history=True)
+    assert capsys.readouterr().out.count("7 gone.py: COMPLETED") == 1
+    assert vgpu_magic.jobs()[0].logs() == "[rank 0] step 1\n"
+    assert "INFO:tensorflow" in (tmp_path / ".vgpu_jobs" / "7" / "rank-0.log").read_text()
+
+
+def test_each_action_takes_only_its_own_options_and_jobs_lines_only_their_own(tmp_path, monkeypatch):
+    """Issue 43 row 6 and nits, no SLURM needed: ``--sbatch`` lines that set what the job's options or wiring set,
+    a time limit in seconds (SLURM's is in minutes), an option of another action, a logs without an id."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('never')\n")
+    ip = magic_shell()
+    for line, said in (
+        ("script --sbatch=--ntasks-per-node=2 train.py", "sets what the job's own options or wiring set: use ranks"),
+        ("script --sbatch=--chdir=/tmp train.py", "'#SBATCH --chdir=/tmp' sets what the job's own options"),
+        ("script '--sbatch=#SBATCH -N 2' train.py", "use nodes= (--nodes)"),
+        ("script --sbatch=-N2 train.py", "use nodes= (--nodes)"),
+        ("script --sbatch=--distribution=cyclic train.py", "the job sets it itself"),
+        ("script --time 00:00:20 train.py", "time='00:00:20' has seconds, which SLURM rounds up to a minute"),
+        ("script --time 1-0:0:30 train.py", "time='1-0:0:30' has seconds"),
+        ("status --rank 3", "status does not take --rank; it takes no options"),
+        ("cancel 3 --follow", "cancel does not take --follow"),
+        ("submit --rank 1 train.py", "submit does not take --rank"),
+        ("logs", "say which job, e.g. %vgpu_job logs 12"),
+    ):
+        with pytest.raises(UsageError) as info:
+            ip.run_line_magic("vgpu_job", line)
+        assert said in str(info.value) and "\n" not in str(info.value), (line, str(info.value))
+    for time_limit in ("30", "1:00", "01:00:00", "1-12", "2-0:30:00"):
+        assert f"#SBATCH --time={time_limit}\n" in ip.run_line_magic("vgpu_job", f"script --time {time_limit} train.py")
+    assert not (tmp_path / ".vgpu_jobs").exists()

@@ -1,5 +1,6 @@
 """Batch jobs: the rehearsed script submitted unchanged, each task wired as the rehearsal wires its rank, tracked
-from ``.vgpu_jobs/<id>/`` beside the script, so a job outlives the kernel that submitted it (docs/jobs.md)."""
+from ``.vgpu_jobs/<id>/`` beside the script and listed in this user's index of jobs, so a job outlives the kernel
+that submitted it and any notebook finds it (docs/jobs.md)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import importlib
 import json
 import os
 import re
+import signal
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -16,19 +18,33 @@ from typing import Protocol
 
 from .. import frameworks
 from ..ranks.launchers import SlurmLauncher
+from ..ranks.shown import HeldBack
 
-__all__ = ["BACKENDS", "FOLDER", "Job", "JobBackend", "JobSpec", "jobs", "submit"]
+__all__ = ["BACKENDS", "FOLDER", "Job", "JobBackend", "JobSpec", "Jobs", "index_file", "jobs", "submit"]
 
 FOLDER = ".vgpu_jobs"
 BACKENDS = {"slurm": "vgpu_magic.batch.slurm:SlurmJobs"}
 #: The states after which nothing changes (SLURM's words).
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL")
+#: ``#SBATCH`` flags that would contradict the job's own options (-> the option to use) or its wiring (-> None): the
+#: tasks' count, placement (block: :func:`~vgpu_magic.batch.slurm.plan_tasks`), folder and output are the job's.
+SET_BY_THE_JOB = {
+    **dict.fromkeys(("--nodes", "-N"), "nodes"),
+    **dict.fromkeys(("--ntasks-per-node", "--ntasks", "-n"), "ranks_per_node"),
+    "--gpus-per-node": "gpus_per_node",
+    **dict.fromkeys(("--time", "-t"), "time"),
+    **dict.fromkeys(("--partition", "-p"), "partition"),
+    **dict.fromkeys(("--account", "-A"), "account"),
+    **dict.fromkeys(("--job-name", "-J"), "name"),
+    **dict.fromkeys(("--chdir", "-D", "--output", "-o", "--error", "-e", "--distribution", "-m", "--array", "-a")),
+}
 
 
 @dataclass(frozen=True)
 class JobSpec:
     """``script ARGS`` under ``framework``'s wiring on ``nodes`` × ``ranks_per_node`` tasks; ``port``: rank 0's
-    (default: from the job id). Checked whole when made: a one-line :class:`ValueError` quotes what is wrong."""
+    (default: one free on the first node when the job starts). Checked whole when made: a one-line
+    :class:`ValueError` quotes what is wrong; a stored job's is read back as a record (:meth:`stored`)."""
 
     script: str
     args: tuple[str, ...] = ()
@@ -57,14 +73,40 @@ class JobSpec:
                 raise ValueError(f"{key}={value!r} is not a whole number {low}..65535")
         # Time, partition, account and #SBATCH lines as the ranks' SLURM launcher checks them (SLURM says the rest).
         object.__setattr__(self, "sbatch", tuple(SlurmLauncher.sbatch_options(vars(self))[1]))
+        for line in self.sbatch:
+            word = (line.split()[1:2] or [""])[0].split("=")[0]
+            flag = word if word.startswith("--") else word[:2]  # -N2 is -N 2
+            if flag in SET_BY_THE_JOB:
+                option = SET_BY_THE_JOB[flag]
+                use = f"use {option}= (--{option.replace('_', '-')})" if option else "the job sets it itself"
+                raise ValueError(f"sbatch line {line!r} sets what the job's own options or wiring set: {use}")
+        # SLURM counts limits in whole minutes and rounds seconds up: 00:00:20 would be one minute.
+        _, days, clock = str(self.time or "").rpartition("-")  # M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
+        if len(clock.split(":")) >= (3 if days else 2) and clock.split(":")[-1].strip("0"):
+            raise ValueError(f"time={self.time!r} has seconds, which SLURM rounds up to a minute; e.g. time=1")
         if not re.fullmatch(r"[^\s'\"]*", self.name or ""):
             raise ValueError(f"name={self.name!r} is not one word; e.g. name=run1")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
 
+    @classmethod
+    def stored(cls, said: dict) -> JobSpec:
+        """A submitted request as its job's folder keeps it: a record, read as written and never checked again as a
+        new request (its script may have moved since; a later version may keep more fields)."""
+        spec = object.__new__(cls)
+        for field in dataclasses.fields(cls):
+            value = said.get(field.name, field.default)
+            object.__setattr__(spec, field.name, tuple(value) if isinstance(value, list) else value)
+        return spec
+
     @property
     def ranks(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    @property
+    def layout(self) -> str:
+        """``N node(s) × R rank(s)``, as the job's lines say it."""
+        return f"{self.nodes} node(s) × {self.ranks_per_node} rank(s)"
 
 
 class JobBackend(Protocol):
@@ -82,14 +124,32 @@ def backend(name: str) -> JobBackend:
     return getattr(importlib.import_module(module), cls)()
 
 
-class Job:
+class Shown:
+    """Displayed as its :meth:`summary`, except by the cell whose magic printed its lines and returned it (where an
+    ``Out[]`` would say it twice)."""
+
+    printed_in: object = None
+
+    def _ipython_display_(self) -> None:
+        from IPython import get_ipython
+
+        if self.printed_in is None or self.printed_in is not running_cell(get_ipython()):
+            print(self.summary())
+
+
+def running_cell(shell) -> object:
+    """The result IPython fills in for the cell running now (one object per cell run), if any."""
+    return getattr(getattr(shell, "displayhook", None), "exec_result", None)
+
+
+class Job(Shown):
     """A submitted job, read from its folder and its backend: any kernel can make one."""
 
     def __init__(self, folder: str | os.PathLike) -> None:
         self.folder = Path(folder)
         said = json.loads((self.folder / "job.json").read_text())
         self.job_id: str = said.pop("job_id")
-        self.spec = JobSpec(**said)
+        self.spec = JobSpec.stored(said)
         self.backend = backend(self.spec.backend)
 
     def __repr__(self) -> str:
@@ -112,13 +172,14 @@ class Job:
         return [int(path.read_text()) if path.exists() and path.read_text().strip() else None for path in paths]
 
     def logs(self, rank: int | None = None, read: dict[int, int] | None = None) -> str:
-        """Each rank's output (or rank ``rank``'s), every line labelled ``[rank r]`` as ``%vgpu_run`` labels it;
-        with ``read`` (rank -> characters read, updated) only the whole lines written since."""
-        added = []
+        """Each rank's output (or rank ``rank``'s), every line labelled ``[rank r]`` as ``%vgpu_run`` labels it, the
+        framework's start-up chatter held back as the rehearsal holds it (``rank-R.log`` keeps it); with ``read``
+        (rank -> characters read, updated) only the whole lines written since."""
+        added, held = [], HeldBack(frameworks.get(self.spec.framework).chatter)
         for r in range(self.spec.ranks) if rank is None else [rank]:
             text, start = self.backend.logs(self.folder, r), 0 if read is None else read.get(r, 0)
             done = len(text) if read is None else text.rfind("\n") + 1
-            added += [f"[rank {r}] {line}\n" for line in text[start:done].splitlines()]
+            added += [f"[rank {r}] {line}\n" for line in text[start:done].splitlines() if held.shown(r, line)]
             if read is not None:
                 read[r] = max(start, done)
         return "".join(added)
@@ -133,22 +194,30 @@ class Job:
         return state
 
     def cancel(self) -> None:
+        """Cancel it; :class:`ValueError` where it already ended (SLURM's ``scancel`` says nothing then)."""
+        state = self.state
+        if state in ENDED:
+            raise ValueError(f"job {self.job_id} already ended ({state}): there is nothing to cancel")
         self.backend.cancel(self.job_id)
 
     def summary(self, lines: int = 5) -> str:
-        """``ID NAME: STATE, elapsed [D-]HH:MM:SS, ...``, each failed rank's exit status and last lines, why it ended"""
+        """``ID NAME: STATE, elapsed [D-]HH:MM:SS, ...``, each failed rank's exit status and last lines, why it ended
+        or why SLURM keeps it pending. A rank ended by SLURM's own signal, where SLURM ended the job (a cancel, its
+        time limit), did not fail."""
         state, reason, elapsed = self.backend.state(self.job_id, self.folder)
         codes, (hours, seconds) = self.exit_codes, divmod(elapsed.seconds, 3600)
         ran = f"{elapsed.days}-" * bool(elapsed.days) + f"{hours:02}:{seconds // 60:02}:{seconds % 60:02}"
         said = [
-            f"{self.job_id} {Path(self.spec.script).name}: {state}, elapsed {ran}, {self.spec.nodes} node(s) × "
-            f"{self.spec.ranks_per_node} rank(s), exit codes by rank [{', '.join(map(str, codes))}]"
+            f"{self.job_id} {Path(self.spec.script).name}: {state}, elapsed {ran}, {self.spec.layout}, "
+            f"exit codes by rank [{', '.join(map(str, codes))}]"
         ]
+        slurms = (128 + signal.SIGTERM, 128 + signal.SIGKILL) if state in ("CANCELLED", "TIMEOUT") else ()
         for rank, code in enumerate(codes):
-            if code:
+            if code and code not in slurms:
                 tail = [line for line in self.backend.logs(self.folder, rank).splitlines() if line.strip()]
-                said += [f"  rank {rank} exited with status {code}:", *(f"    {line}" for line in tail[-lines:])]
-        return "\n".join(said + ([f"  {state}: {reason}"] if state in ENDED and reason else []))
+                killed = f" ({signal.Signals(code - 128).name})" if code - 128 in signal.valid_signals() else ""
+                said += [f"  rank {rank} exited with status {code}{killed}:", *(f"    {x}" for x in tail[-lines:])]
+        return "\n".join(said + ([f"  {state}: {reason}"] if reason and (state in ENDED or state == "PENDING") else []))
 
 
 def submit(script: str, args=(), framework: str = "torch", nodes: int = 1, ranks_per_node: int = 1, **options) -> Job:
@@ -159,10 +228,31 @@ def submit(script: str, args=(), framework: str = "torch", nodes: int = 1, ranks
     folder = Path(spec.script).parent / FOLDER / job_id
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "job.json").write_text(json.dumps({"job_id": job_id, **dataclasses.asdict(spec)}))
+    index_file().parent.mkdir(parents=True, exist_ok=True)
+    with index_file().open("a") as index:  # one short appended line: whole even when two kernels submit at once
+        index.write(f"{folder}\n")
     return Job(folder)
 
 
-def jobs(root: str | os.PathLike = ".") -> list[Job]:
-    """The jobs submitted from scripts in ``root``'s tree (default: this folder's), oldest first."""
-    found = [Job(path.parent) for path in Path(root).resolve().rglob(f"{FOLDER}/*/job.json")]
-    return sorted(found, key=lambda job: (len(job.job_id), job.job_id))
+def index_file() -> Path:
+    """This user's jobs, one folder a line, oldest first: ``$XDG_DATA_HOME/vgpu_magic/jobs`` (XDG's default data
+    folder, ``~/.local/share``, where that is unset or not absolute)."""
+    data = os.environ.get("XDG_DATA_HOME", "")
+    return (Path(data) if os.path.isabs(data) else Path.home() / ".local" / "share") / "vgpu_magic" / "jobs"
+
+
+def jobs(root: str | os.PathLike | None = None) -> Jobs:
+    """This user's jobs, wherever their scripts were (:func:`index_file`; those whose folder is gone are left out),
+    oldest first; with ``root``, the jobs of the scripts in that folder's tree instead."""
+    if root is not None:
+        found = [Job(path.parent) for path in Path(root).resolve().rglob(f"{FOLDER}/*/job.json")]
+        return Jobs(sorted(found, key=lambda job: (len(job.job_id), job.job_id)))
+    listed = index_file().read_text().splitlines() if index_file().exists() else []
+    return Jobs(Job(folder) for folder in dict.fromkeys(listed) if (Path(folder) / "job.json").is_file())
+
+
+class Jobs(Shown, list):
+    """Jobs (a list), displayed as their summaries."""
+
+    def summary(self) -> str:
+        return "\n".join(job.summary() for job in self)

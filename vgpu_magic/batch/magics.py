@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import shlex
 import time
-from pathlib import Path
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
@@ -15,7 +14,7 @@ from ..errors import PlanError, excerpt
 from ..frameworks import choices
 from ..grammar import choice, framework_name, parse_arguments, whole
 from ..ranks.launchers import SlurmLauncher
-from . import ENDED, Job, JobSpec, backend, jobs, submit
+from . import ENDED, Job, Jobs, JobSpec, Shown, backend, index_file, jobs, running_cell, submit
 
 __all__ = ["JobMagics"]
 
@@ -23,6 +22,13 @@ _ACTIONS = ("submit", "script", "status", "logs", "cancel")
 _SUBMIT = "%vgpu_job submit --framework torch --nodes 2 --ranks-per-node 8 train.py --epochs 2"
 #: Seconds between two looks at a followed job's logs.
 FOLLOW_POLL = 0.5
+#: The options each action takes, by their long flags (the others take none).
+_TAKES = {
+    "submit": {"--framework", "--nodes", "--ranks-per-node", "--gpus-per-node", "--time", "--partition", "--account"}
+    | {"--sbatch", "--name", "--port"},
+    "logs": {"--rank", "--follow"},
+}
+_TAKES["script"] = _TAKES["submit"]
 
 
 @magics_class
@@ -45,7 +51,7 @@ class JobMagics(Magics):
     @argument("--account", **SlurmLauncher.options["account"])
     @argument("--sbatch", **SlurmLauncher.options["sbatch"])
     @argument("--name", help="the job's name (default vgpu-<script name>)")
-    @argument("--port", type=whole("--port", 1, 65535, "--port 29500"), help="rank 0's port (default: from the job id)")
+    @argument("--port", type=whole("--port", 1, 65535, "--port 29500"), help="rank 0's port (default: a free one)")
     @argument("--rank", "-r", type=whole("--rank", 0, 2**20, "--rank 0"), help="logs: this rank's only")
     @argument("--follow", action="store_true", help="logs: stream until the job ends (interrupt stops following)")
     @argument("script_args", nargs="*", metavar="ARGS", help="the script's own arguments (its sys.argv[1:])")
@@ -58,7 +64,7 @@ class JobMagics(Magics):
 
             %vgpu_job submit --framework torch --nodes 2 --ranks-per-node 8 --time 01:00:00 train.py --epochs 2
             %vgpu_job script --framework torch --nodes 2 --ranks-per-node 8 train.py   # the batch script
-            %vgpu_job status          # every job of this folder's scripts
+            %vgpu_job status          # every job of yours, wherever its script was
             %vgpu_job logs 123 --rank 0 --follow
             %vgpu_job cancel 123
         """
@@ -77,15 +83,22 @@ class JobMagics(Magics):
                 job = submit(*request, **options)
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
-            print(f"submitted job {job.job_id}; follow it with %vgpu_job logs {job.job_id} --follow")
-            return job
+            command = shlex.join(["python", args.target, *args.script_args])
+            print(f"submitted job {job.job_id}, {job.spec.layout}: {command}")
+            print(f"follow it with %vgpu_job logs {job.job_id} --follow")
+            return self._printed(job)
         if args.action == "status":
-            found = jobs() if args.target is None else [self._job(args.target)]
-            print("\n".join(job.summary() for job in found) or f"no jobs under {Path.cwd()}")
-            return found
-        job = self._job(args.target, args.action)
+            found = jobs() if args.target is None else Jobs([self._job(args.target)])
+            print(found.summary() or f"no jobs yet (listed in {index_file()})")
+            return self._printed(found)
+        if args.target is None:
+            raise UsageError(f"say which job, e.g. %vgpu_job {args.action} 12 (%vgpu_job status lists them)")
+        job = self._job(args.target)
         if args.action == "cancel":
-            job.cancel()
+            try:
+                job.cancel()
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
             return print(f"cancelled job {job.job_id}")
         if args.rank is not None and args.rank >= job.spec.ranks:
             raise UsageError(f"--rank {args.rank} is not a rank of job {job.job_id}; use 0..{job.spec.ranks - 1}")
@@ -110,16 +123,28 @@ class JobMagics(Magics):
             args = parse_arguments(parser, shlex.join([*words[:1], *target, *options]), example=_SUBMIT)
             if args.script_args:  # a second id
                 raise PlanError(f"{excerpt(' '.join(args.script_args))} is not understood here; use e.g. {_SUBMIT}")
+            for word in options:
+                action = parser._option_string_actions.get(word.split("=")[0])
+                flag = action and max(action.option_strings, key=len)
+                if flag and flag not in _TAKES.get(args.action, ()):
+                    takes = ", ".join(sorted(_TAKES.get(args.action, ()))) or "no options"
+                    raise PlanError(f"{args.action} does not take {flag}; it takes {takes}")
             args.script_args = words[at:]
             return args
         except PlanError as exc:
             raise UsageError(str(exc)) from None
 
-    def _job(self, job_id: str | None, action: str = "status") -> Job:
+    def _printed(self, shown: Shown) -> Shown:
+        """``shown``, not displayed again as this cell's ``Out[]``: the magic printed it."""
+        shown.printed_in = running_cell(self.shell)
+        return shown
+
+    def _job(self, job_id: str) -> Job:
+        """Job ``job_id`` of this user's (the newest of that id: ids start again on a new cluster)."""
         found = [job for job in jobs() if job.job_id == job_id]
         if not found:
-            raise UsageError(f"job {job_id!r} is not one of the jobs under {Path.cwd()}; e.g. %vgpu_job {action} 12")
-        return found[0]
+            raise UsageError(f"job {job_id!r} is not one of your jobs (%vgpu_job status lists them)")
+        return found[-1]
 
     def _follow(self, job: Job, rank: int | None) -> None:
         read: dict[int, int] = {}
@@ -131,5 +156,7 @@ class JobMagics(Magics):
                     break
                 time.sleep(FOLLOW_POLL)
         except KeyboardInterrupt:
-            print(f"stopped following job {job.job_id} (it goes on)")
+            # Raised again: a notebook's Run All stops here as at any interrupted cell (the next may be a cancel).
+            print(f"stopped following job {job.job_id}; the job goes on ({job.state})")
+            raise
         print(job.summary())

@@ -17,28 +17,28 @@ from .. import frameworks
 from ..frameworks.base import RankPlan
 from ..inventory import visible_gpus
 from ..layout import HostReport, SlurmStep, layout_ranks
-from ..ranks.hosts import LAUNCHER_VARIABLES
+from ..ranks.hosts import LAUNCHER_VARIABLES, free_port
 from ..ranks.launchers import SlurmLauncher
 from . import FOLDER, JobBackend, JobSpec
 
-#: The batch script: the job's folder made first (its id is known only then) with its start time, one ``srun`` whose
-#: tasks each write their exit status beside their output, then the step's status.
+#: The batch script: the job's folder made first (its id is known only then) with its start time, a port free on
+#: this node (the first: rank 0's), one ``srun`` whose tasks each write their exit status beside their output (and
+#: torch's ``@record`` its error file, as under torchrun), then the step's status.
 TEMPLATE = """#!/bin/bash
 {options}#SBATCH --output=/dev/null
 job={jobs}/$SLURM_JOB_ID
 mkdir -p "$job" && date +%s >"$job/job.start" && exec >"$job/job.out" 2>&1
 # Each line of the ranks' output reaches their logs when printed (%vgpu_job logs --follow).
 export PYTHONUNBUFFERED=1
+free=$({python} -m vgpu_magic.batch.slurm --free-port)
 srun --kill-on-bad-exit=1 --output="$job/rank-%t.log" \\
-  sh -c '"$@"; s=$?; echo $s >"$0/rank-$SLURM_PROCID.exit"; exit $s' "$job" \\
-  {python} -m vgpu_magic.batch.slurm {framework} {port} {command}
+  sh -c 'export TORCHELASTIC_ERROR_FILE="$0/rank-$SLURM_PROCID.error.json"; "$@"; s=$?
+         echo $s >"$0/rank-$SLURM_PROCID.exit"; exit $s' "$job" \\
+  {python} -m vgpu_magic.batch.slurm {framework} {port} "$free" {command}
 status=$?
 echo $status >"$job/job.exit"
 exit $status
 """
-#: Rank 0's port where none is given, from the job id as PyTorch Lightning's SLURM support picks it: each task
-#: computes it alone.
-PORT_BASE = 15000
 
 
 class SlurmJobs(JobBackend):
@@ -58,13 +58,19 @@ class SlurmJobs(JobBackend):
         )
 
     def submit(self, spec: JobSpec) -> str:
-        try:
-            done = _run(["sbatch", "--parsable"], self.script(spec))
-        except FileNotFoundError:
-            raise ValueError("SLURM's sbatch is not on PATH: submit from a SLURM login node") from None
-        if done.returncode != 0:
-            reason = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-            raise ValueError(f"SLURM refused the job: {reason.removeprefix('sbatch: error: ')}")
+        """``sbatch``, once ``sbatch --test-only`` says SLURM could ever start the job (``sbatch`` alone queues a job
+        asking for more than the partition has, pending forever)."""
+        script = self.script(spec)
+        for test in (["--test-only"], ["--parsable"]):
+            try:
+                done = _run(["sbatch", *test], script)
+            except FileNotFoundError:
+                raise ValueError("SLURM's sbatch is not on PATH: submit from a SLURM login node") from None
+            if done.returncode != 0:
+                reason = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+                for said in ("sbatch: error: ", "allocation failure: "):
+                    reason = reason.removeprefix(said)
+                raise ValueError(f"SLURM refused the job: {reason}")
         return done.stdout.strip().split(";")[0]
 
     def state(self, job_id: str, folder: Path) -> tuple[str, str, timedelta]:
@@ -73,7 +79,9 @@ class SlurmJobs(JobBackend):
         if shown:
             days, hours, minutes, seconds = re.fullmatch(r"(?:(\d+)-)?(\d+):(\d+):(\d+)", shown["RunTime"]).groups()
             elapsed = timedelta(days=int(days or 0), hours=int(hours), minutes=int(minutes), seconds=int(seconds))
-            return shown["JobState"], "" if shown.get("Reason", "None") == "None" else shown["Reason"], elapsed
+            # A cancelled job keeps the reason it was pending for, which is not why it ended.
+            stale = shown.get("Reason", "None") == "None" or shown["JobState"] == "CANCELLED"
+            return shown["JobState"], "" if stale else shown["Reason"], elapsed
         # SLURM has forgotten the job (MinJobAge): it ran from its start until the last file written in its folder
         # (its batch script's end, or SLURM's CANCELLED AT line in the ranks' logs where SLURM ended it).
         start, ended = folder / "job.start", max(path.stat().st_mtime for path in folder.iterdir())
@@ -81,7 +89,10 @@ class SlurmJobs(JobBackend):
         return (*_ended(folder), elapsed)
 
     def cancel(self, job_id: str) -> None:
-        _run(["scancel", job_id])
+        done = _run(["scancel", job_id])
+        if done.returncode != 0 or done.stderr.strip():
+            reason = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+            raise ValueError(f"SLURM did not cancel job {job_id}: {reason.removeprefix('scancel: error: ')}")
 
     def logs(self, folder: Path, rank: int) -> str:
         path = folder / f"rank-{rank}.log"
@@ -103,9 +114,10 @@ def _run(argv: list[str], stdin: str | None = None) -> subprocess.CompletedProce
     return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=60, check=False)
 
 
-def plan_tasks(framework: str, env: dict[str, str], port: int | None = None) -> list[RankPlan]:
+def plan_tasks(framework: str, env: dict[str, str], port: int | None = None, free: int = 0) -> list[RankPlan]:
     """Every task's plan, in rank order, from a SLURM step's environment (block distribution: the first node's
-    tasks are ranks 0..k-1), each host planned with this one's GPUs."""
+    tasks are ranks 0..k-1), each host planned with this one's GPUs; ``free``: a port free on the first node, as
+    the rehearsal's first engine reports one (rank 0's where the framework takes it and ``port`` is not given)."""
     step = SlurmStep.from_env(env)
     if step is None:
         raise RuntimeError("not a task of a SLURM job step (SLURM_JOB_ID, SLURM_STEP_NODELIST, ... unset)")
@@ -113,14 +125,13 @@ def plan_tasks(framework: str, env: dict[str, str], port: int | None = None) -> 
     for node, (host, count) in enumerate(zip(step.hosts, step.tasks_per_node)):
         for local in range(count):
             place = {"SLURM_PROCID": str(len(reports)), "SLURM_LOCALID": str(local), "SLURM_NODEID": str(node)}
-            port_here = PORT_BASE + step.job_id % 10000
-            reports.append(HostReport(len(reports), host, host, 0, gpus, port_here, {**shared, **place}))
+            reports.append(HostReport(len(reports), host, host, 0, gpus, free, {**shared, **place}))
     return frameworks.get(framework).plan_ranks(layout_ranks(reports, gpus), None, None, port)
 
 
-def main(framework: str, port: str, script: str, *args: str) -> None:
+def main(framework: str, port: str, free: str, script: str, *args: str) -> None:
     rank = int(os.environ["SLURM_PROCID"])
-    plan = plan_tasks(framework, dict(os.environ), int(port) or None)[rank]
+    plan = plan_tasks(framework, dict(os.environ), int(port) or None, int(free))[rank]
     if rank == 0:
         print(f"vgpu_magic job: {plan.notes[0]}; no per-rank memory caps or device splits (a job has its real GPUs)")
     sys.stdout.flush()
@@ -128,4 +139,7 @@ def main(framework: str, port: str, script: str, *args: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1:] == ["--free-port"]:  # the batch script's, on the first node
+        print(free_port())
+    else:
+        main(*sys.argv[1:])
