@@ -9,6 +9,7 @@ declares more CPUs than the machine has (``SlurmdParameters=config_overrides``);
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -19,6 +20,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from vgpu_magic.ranks import lifetime
 from vgpu_magic.ranks.hosts import free_port
@@ -138,6 +141,17 @@ class LocalSlurm:
     def env(self) -> dict[str, str]:
         """The environment for SLURM commands aimed at this cluster."""
         return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def step_daemons(self) -> set[int]:
+        """The PIDs of this cluster's ``slurmstepd`` processes, by ``SLURM_CONF`` in their environment (as the
+        sweep finds them): another SLURM on the machine (another test run's, a user's) has its own."""
+        found = set()
+        for proc in psutil.process_iter(["name", "status"]):
+            if proc.info["name"] == "slurmstepd" and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                with contextlib.suppress(psutil.Error):
+                    if proc.environ().get("SLURM_CONF") == str(self.conf):
+                        found.add(proc.pid)
+        return found
 
     def squeue(self) -> list[str]:
         """The jobs in the queue, one ``"JOBID STATE NAME"`` line each."""

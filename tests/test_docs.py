@@ -27,7 +27,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 _FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
-_LINK = re.compile(r"\]\(([^)\s]+)\)")
+_LINK = re.compile(r"\]\(([^)\s]+)\)|\b(?:src|srcset)=\"([^\"\s]+)\"")
+_PICTURE = re.compile(r"<picture>(.*?)</picture>", re.DOTALL)
 
 
 @dataclass
@@ -65,7 +66,8 @@ def anchors(page: Path) -> set[str]:
 
 
 def relative_links(page: Path) -> list[str]:
-    return [t for t in _LINK.findall(_outside_fences(page.read_text())) if not re.match(r"[a-z]+:", t)]
+    targets = [md or html for md, html in _LINK.findall(_outside_fences(page.read_text()))]
+    return [t for t in targets if not re.match(r"[a-z]+:", t)]
 
 
 def broken_links(page: Path) -> list[str]:
@@ -81,6 +83,18 @@ def broken_links(page: Path) -> list[str]:
     return broken
 
 
+def test_each_readme_image_has_its_dark_theme_version():
+    """GitHub serves a <picture>'s dark <source> to its dark theme: no light screenshot as a white slab there."""
+    text = _outside_fences((ROOT / "README.md").read_text())
+    lights = re.findall(r"docs/images/\w+_light\.png", text)
+    pictures = _PICTURE.findall(text)
+    assert lights and len(pictures) == len(lights)
+    for picture, light in zip(pictures, lights):
+        dark = light.replace("_light.png", "_dark.png")
+        assert f'<source media="(prefers-color-scheme: dark)" srcset="{dark}">' in picture
+        assert f'src="{light}"' in picture and "alt=" in picture
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_resolves(page):
     assert not broken_links(page)
@@ -92,10 +106,12 @@ def test_a_missing_file_or_heading_is_a_broken_link(tmp_path):
     page.write_text(
         "[ok](other.md#its-heading-code) [here](#a-b) [gone](gone.md) [no heading](other.md#nothing) "
         "[web](https://example.org/x.md)\n## A, b\n```text\n[in a fence](fenced.md)\n```\n"
+        '<picture><source srcset="dark.png"><img src="other.md"></picture>\n'
     )
     assert broken_links(page) == [
         "gone.md: no such file",
         f"other.md#nothing: no heading #nothing in {tmp_path}/other.md",
+        "dark.png: no such file",
     ]
 
 

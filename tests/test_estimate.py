@@ -387,6 +387,8 @@ def test_magic_estimates_stores_and_refuses(ip, capsys):
         ("--ranks 2 --rank -1", "--rank -1 is negative"),
         ("--ranks 2 -o 1a", "not a variable name"),
         ("--ranks 2 --gpu", "--gpu needs a value"),
+        ("--ranks 2 --gpu -1GB", "--gpu '-1GB' is neither a size nor a GPU model"),
+        ("--gpu -1GB --ranks 2", "--gpu '-1GB' is neither a size nor a GPU model"),
         ("--gpu 8x24", "e.g. 8x24GB"),
     ]:
         with pytest.raises(UsageError, match=match):

@@ -107,6 +107,27 @@ def test_a_step_that_reads_its_loss_is_estimated_and_names_the_lines():
     assert note.startswith("lines 8, 9 read a tensor's value") and "0 stood in" in note
 
 
+def test_a_step_behind_a_read_value_is_said_to_be_skipped_not_missing():
+    cell = "import torch\nmodel = torch.nn.Linear(64, 64, device='cuda')\n"
+    cell += "loss = model(torch.randn(8, 64, device='cuda')).pow(2).mean()\nif loss.item() > 0:\n    loss.backward()\n"
+    with pytest.raises(PlanError) as refused:
+        vgpu_magic.estimate(cell, ranks=2)
+    said = str(refused.value)
+    assert "no training step" not in said and "line 4 read a tensor's value" in said and "0 stood in" in said
+    assert "\n" not in said
+
+
+def test_a_value_dependent_shape_is_one_line_of_advice(ip):
+    cell = CPU_STEP + "x = model(torch.randn(4, 256))\nidx = torch.nonzero(x > 0)\n"
+    with pytest.raises(UsageError) as refused:
+        ip.run_cell_magic("vgpu_estimate", "--ranks 2", cell)
+    said = str(refused.value)
+    assert said.startswith("line 8 ('idx = torch.nonzero(x > 0)')") and "torch.nonzero_static" in said
+    assert "\n" not in said
+    fixed = cell.replace("torch.nonzero(x > 0)", "torch.nonzero_static(x > 0, size=8)")
+    assert vgpu_magic.estimate(fixed, ranks=2).peak_bytes > 0  # what the advice says works
+
+
 def test_the_device_idiom_is_estimated_for_the_gpu():
     idiom = vgpu_magic.estimate(STEP.format(device='"cuda" if torch.cuda.is_available() else "cpu"'), gpu="2x80GB")
     cuda = vgpu_magic.estimate(STEP.format(device='"cuda"'), gpu="2x80GB")

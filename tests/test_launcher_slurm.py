@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from support import TF_ALL_REDUCE, again_after_torchs_exit_abort, failure_text, no_warm_spares, processes_of
@@ -40,21 +42,13 @@ TORCH_RANK = "int(os.environ['RANK'])"
 TF_RANK = "json.loads(os.environ['TF_CONFIG'])['task']['index']"
 
 
-def step_daemons() -> set[int]:
-    return {
-        p.pid
-        for p in psutil.process_iter(["name", "status"])
-        if p.info["name"] == "slurmstepd" and p.info["status"] != psutil.STATUS_ZOMBIE
-    }
-
-
 @contextlib.contextmanager
 def slurm_ranks(slurm, framework: str, n: int, launcher_options: dict | None = None, scripts: bool = False, **options):
     """Ranks in a SLURM job, with warm spares only where ``scripts`` run; afterwards the queue is empty and no
     process is left."""
     from vgpu_magic.ranks import RankCluster
 
-    steps = step_daemons()
+    steps = slurm.step_daemons()
     launcher_options = {"time": "10", **(launcher_options or {})}
     ranks = RankCluster(n, framework, launcher="slurm", launcher_options=launcher_options, join=True, **options)
     with contextlib.nullcontext() if scripts else no_warm_spares():
@@ -71,10 +65,10 @@ def slurm_ranks(slurm, framework: str, n: int, launcher_options: dict | None = N
     assert slurm.squeue() == []
     # slurmstepd reaps its tasks and exits just after the job ends: allow it a moment.
     deadline = time.monotonic() + 20
-    while (processes_of(cluster_id) or step_daemons() - steps) and time.monotonic() < deadline:
+    while (processes_of(cluster_id) or slurm.step_daemons() - steps) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert processes_of(cluster_id) == []
-    assert step_daemons() <= steps
+    assert slurm.step_daemons() <= steps
     # No batch script left behind, in the working folder (ipyparallel's default) or beside the engines' logs.
     assert not Path("slurm_engine.sbatch").exists()
     assert not list((profile / "log").glob(f"*{cluster_id}*.sbatch"))
@@ -85,6 +79,23 @@ def slurm(local_slurm, monkeypatch):
     """The single-node cluster, the one SLURM commands reach during the test."""
     monkeypatch.setenv("SLURM_CONF", str(local_slurm.conf))
     return local_slurm
+
+
+def test_only_this_clusters_step_daemons_are_counted(slurm, tmp_path, no_process_left_behind):
+    # A job of another SLURM on the machine (another test run's, a user's) starts and ends when it will.
+    impostor = tmp_path / "slurmstepd"
+    shutil.copy(shutil.which("sleep"), impostor)
+    ours, theirs = (
+        subprocess.Popen([impostor, "60"], env={**os.environ, "SLURM_CONF": conf})
+        for conf in (str(slurm.conf), str(tmp_path / "another" / "slurm.conf"))
+    )
+    try:
+        found = slurm.step_daemons()
+        assert ours.pid in found and theirs.pid not in found
+    finally:
+        for proc in (ours, theirs):
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def quiet_run(ranks, code: str):

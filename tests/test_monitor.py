@@ -28,7 +28,8 @@ from vgpu_magic.monitor.sampler import DeviceSampler, SamplerError, build_series
 from vgpu_magic.monitor.trace import MemoryTrace, SeriesInfo
 from vgpu_magic.monitor.views import RedrawThrottle, TextSummaryView, View
 
-MIB = 1024 * 1024
+KIB = 1024
+MIB = 1024 * KIB
 GIB = 1024 * MIB
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CPUS = [f"/device:CPU:{i}" for i in range(4)]
@@ -315,6 +316,26 @@ def test_live_view_shows_one_widget_feeds_it_new_rows_only_and_leaves_the_final_
     assert "done" in bundle["text/plain"] and "shared by 4 logical CPUs" in bundle["text/plain"]
 
 
+def test_the_live_views_unit_holds_mid_fit_and_its_title_counts_steps_and_their_rate():
+    display, clock = FakeDisplay(), FakeClock()
+    view = live_view(display, clock)
+    trace = MemoryTrace(build_series(CPUS), kind="fit", baseline_peak=(0,), epochs_total=2)
+    view.start(trace)
+    (widget,) = view.widgets
+    units = []
+    for k in range(60):  # 57 KiB growing to 3 MiB, 10 steps a second
+        clock.now += 0.1
+        trace.append(k * 0.1, k, 0, "fit", [(57 * KIB + k * 52 * KIB, 57 * KIB + k * 52 * KIB)])
+        view.sampled(trace, clock.now)
+        units.append(widget.units["device"])
+    assert units[0] == units[-1] == ["KiB", KIB]  # 3.1 MiB reads 3121 KiB: no label rescaled mid-fit
+    view.epoch_end(trace, 0)  # an update now, whatever the throttle says
+    assert widget.title == "memory · fit · epoch 1/2 · step 60 · 10.0 steps/s · live"
+    trace.append(6.0, 60, 0, "fit", [(20 * MIB, 20 * MIB)])  # past four digits in KiB: the next unit
+    view.sampled(trace, clock.now + 1)
+    assert widget.units["device"] == ["MiB", MIB]
+
+
 def test_the_final_image_is_transparent():
     import numpy as np
     from PIL import Image
@@ -357,7 +378,7 @@ def test_epoch_marks_and_the_title_are_traits_set_when_they_change():
     trace.append(1.0, 1, 1, "fit", [(MIB, MIB)])
     view.epoch_end(trace, 0)
     assert widget.marks == [[1.0, 1]]  # the first epoch's start is the run's start: no mark
-    assert widget.title == "memory · fit · epoch 2/2 · live"
+    assert widget.title == "memory · fit · epoch 2/2 · step 2 · 1.0 steps/s · live"
     assert widget.note == "variables per replica: CPU:0…CPU:3, each 3.0 MiB"
 
 

@@ -27,6 +27,7 @@ from vgpu_magic.monitor.magics import parse_monitor_line
         ("on --interval ５", "--interval '５' is not a number of seconds; use e.g. --interval 0.05"),
         ("on --interval 1_0", "--interval '1_0' is not a number of seconds; use e.g. --interval 0.05"),
         ("on --interval -1", "--interval '-1' is not a number of seconds; use e.g. --interval 0.05"),
+        ("on --interval -1s", "--interval '-1s' is not a number of seconds; use e.g. --interval 0.05"),
         ("on --interval 0", "--interval '0' is out of range; use 0.001 to 3600 seconds"),
         ("on --interval 99999", "--interval '99999' is out of range; use 0.001 to 3600 seconds"),
         (

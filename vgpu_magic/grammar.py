@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import itertools
 import re
 import shlex
 from collections.abc import Callable, Iterator, Sequence
@@ -212,6 +213,23 @@ def _refused(parser: argparse.ArgumentParser, err: argparse.ArgumentError, magic
     return f"{option} needs a value, " + (f"e.g. {example}" if example else f"see {magic}? for examples")
 
 
+def _parsed(parser: argparse.ArgumentParser, words: list[str], magic: str) -> tuple[argparse.Namespace, list[str]]:
+    """``parser.parse_known_args(words)``, each refusal one PlanError line. An option's value that starts with a
+    dash (``--gpu -1GB``) argparse takes for an option, refusing the first as lacking a value: read again as
+    ``--gpu=-1GB``, so that the value's own type says what is wrong with it."""
+    try:
+        return parser.parse_known_args(words)
+    except argparse.ArgumentError as err:
+        options = {*err.argument_name.split("/")} if err.argument_name else set()
+        known = {s for a in parser._actions for s in a.option_strings}
+        for i, (word, value) in enumerate(itertools.pairwise(words)):
+            if word in options and value.startswith("-") and value.split("=")[0] not in known:
+                return _parsed(parser, [*words[:i], f"{word}={value}", *words[i + 2 :]], magic)
+        raise PlanError(_refused(parser, err, magic)) from None
+    except UsageError as exc:  # what argparse still reports through parser.error()
+        raise PlanError(str(exc)) from None
+
+
 @contextlib.contextmanager
 def usage_errors(*errors: type[Exception]) -> Iterator[None]:
     """Around a magic's work: each of ``errors`` (default: :data:`~vgpu_magic.errors.USER_ERRORS`, every error a
@@ -237,12 +255,7 @@ def parse_arguments(
     # Structured errors instead of argparse's printed English; and no abbreviations (--mem is not --memory).
     parser.exit_on_error = False
     parser.allow_abbrev = False
-    try:
-        args, extras = parser.parse_known_args(words)
-    except argparse.ArgumentError as err:
-        raise PlanError(_refused(parser, err, magic)) from None
-    except UsageError as exc:  # what argparse still reports through parser.error()
-        raise PlanError(str(exc)) from None
+    args, extras = _parsed(parser, words, magic)
     if extras:
         first = extras[0]
         if first.startswith("-") and not _NEGATIVE.fullmatch(first):

@@ -4,17 +4,23 @@ bqplot: setting a ``Lines``' arrays re-sends every point (``benchmarks/monitor_o
 
 from __future__ import annotations
 
+import bisect
 import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..units import format_bytes
+from ..units import format_bytes, unit_for
 from .trace import MemoryTrace
-from .views import DARK_PALETTE, PALETTE, RedrawThrottle, View, panel_unit, summary_line, title_text
+from .views import DARK_PALETTE, PALETTE, RedrawThrottle, View, panel_top, summary_line, title_text
 
 WIDGET_INSTALL_HINT = "pip install 'vgpu_magic[widgets]'"
+#: A live panel keeps its unit while its largest figure reads in four digits in it ("3121 KiB"): a unit picked
+#: afresh from each update's largest figure rescaled every label mid-fit (KiB, then MiB).
+KEPT_UNIT_DIGITS = 4
+#: Seconds of the run the live title's step rate is measured over (Keras' and tqdm's bars average theirs too).
+RATE_WINDOW_S = 5.0
 
 
 def widget_available() -> bool:
@@ -53,11 +59,21 @@ def memory_widget(**traits: Any) -> Any:
 
 
 def _title(trace: MemoryTrace) -> str:
-    return title_text(trace) + " · live"
+    return " · ".join(filter(None, (title_text(trace), _progress(trace), "live")))
 
 
-def _units(trace: MemoryTrace) -> dict[str, list]:
-    return {panel: list(panel_unit(trace, panel)) for panel in ("device", "process")}
+def _progress(trace: MemoryTrace) -> str:
+    """``'step 340 · 85.0 steps/s'``, as Keras' and tqdm's bars count (the rate over the last
+    :data:`RATE_WINDOW_S`); nothing where the run counts no steps."""
+    if not len(trace) or not (trace.epochs_total or trace.step[-1]):
+        return ""
+    times, steps = trace.time, trace.step
+    k = bisect.bisect_left(times, times[-1] - RATE_WINDOW_S)
+    seconds, done = times[-1] - times[k], steps[-1] - steps[k]
+    if seconds <= 0 or done <= 0:
+        return f"step {steps[-1] + 1}"
+    rate = done / seconds
+    return f"step {steps[-1] + 1} · " + (f"{rate:.1f} steps/s" if rate >= 1 else f"{1 / rate:.1f} s/step")
 
 
 def _series(trace: MemoryTrace) -> list[dict[str, Any]]:
@@ -99,14 +115,16 @@ class LiveMemoryView(View):
         self._defer = defer or (lambda draw: draw())
         self.widget: Any = None
         self._sent, self._bucket, self._marks = 0, 1, 0
+        self._units: dict[str, list] = {}
         self.update_costs: list[float] = []
         self.update_times: list[float] = []
         self.final_cost = 0.0
 
     def start(self, trace: MemoryTrace) -> None:
         begin = self.clock()
+        self._units = {}
         self.widget = self._make_widget(
-            series=_series(trace), units=_units(trace), title=_title(trace), note=trace.variables_text()
+            series=_series(trace), units=self._kept_units(trace), title=_title(trace), note=trace.variables_text()
         )
         self.surface.show(self.widget)
         self.throttle.reset(begin)
@@ -124,6 +142,14 @@ class LiveMemoryView(View):
             self.widget.series = _series(trace)
             self._bucket = 0  # a reset: the rows have new columns
             self._update(trace)
+
+    def _kept_units(self, trace: MemoryTrace) -> dict[str, list]:
+        """Each panel's unit, kept while its :func:`panel_top` reads in :data:`KEPT_UNIT_DIGITS` digits in it."""
+        for panel in ("device", "process"):
+            top, kept = panel_top(trace, panel), self._units.get(panel)
+            if kept is None or top >= 10**KEPT_UNIT_DIGITS * kept[1]:
+                self._units[panel] = list(unit_for(top, smallest="KiB"))
+        return dict(self._units)
 
     def _update(self, trace: MemoryTrace) -> None:
         """Send the rows added since the last update (all, as a reset, where the envelope or columns changed)."""
@@ -147,7 +173,11 @@ class LiveMemoryView(View):
             self._marks = len(trace.epoch_starts)
             first_epoch = trace.epoch[0] if len(trace) else 0  # the epoch the run began in: no mark
             self.widget.marks = [[round(t, 3), e] for t, e in trace.epoch_starts if e != first_epoch]
-        for name, value in (("title", _title(trace)), ("units", _units(trace)), ("note", trace.variables_text())):
+        for name, value in (
+            ("title", _title(trace)),
+            ("units", self._kept_units(trace)),
+            ("note", trace.variables_text()),
+        ):
             if getattr(self.widget, name) != value:
                 setattr(self.widget, name, value)
         # The kernel's own work (this thread's CPU time): on a busy machine the wall clock

@@ -10,8 +10,8 @@ from typing import TextIO
 from ..units import format_bytes, joined_alike, unit_for
 from .trace import MemoryTrace
 
-__all__ = ["View", "RedrawThrottle", "TextSummaryView", "NullView", "summary_line", "panel_unit", "alike_groups"]
-__all__ += ["group_label", "title_text", "PALETTE", "DARK_PALETTE"]
+__all__ = ["View", "RedrawThrottle", "TextSummaryView", "NullView", "summary_line", "panel_top", "panel_unit"]
+__all__ += ["alike_groups", "group_label", "title_text", "PALETTE", "DARK_PALETTE"]
 
 #: Series colours. On a light background each has at least 4.5:1 contrast (WCAG's minimum for text, so also for the
 #: lines and legend swatches); the live view draws with :data:`DARK_PALETTE` on a dark theme, the same hues lighter.
@@ -30,12 +30,15 @@ DARK_PALETTE = (
 )
 
 
-def panel_unit(trace: MemoryTrace, panel: str) -> tuple[str, int]:
-    """The unit of one panel (``"device"`` or ``"process"``) for its largest cap, baseline or reading so
-    far, KiB at least: the live view's last unit is the final image's."""
+def panel_top(trace: MemoryTrace, panel: str) -> int:
+    """The largest cap, baseline or reading so far of one panel (``"device"`` or ``"process"``), in bytes."""
     series = enumerate(zip(trace.series, trace.baseline_peak))
-    top = max((max(s.cap or 0, base, trace.max_reading(i)) for i, (s, base) in series if s.panel == panel), default=0)
-    return unit_for(top, smallest="KiB")
+    return max((max(s.cap or 0, base, trace.max_reading(i)) for i, (s, base) in series if s.panel == panel), default=0)
+
+
+def panel_unit(trace: MemoryTrace, panel: str) -> tuple[str, int]:
+    """The unit of one panel for its :func:`panel_top`, KiB at least (the final image's)."""
+    return unit_for(panel_top(trace, panel), smallest="KiB")
 
 
 def alike_groups(trace: MemoryTrace, members: list[int]) -> list[list[int]]:

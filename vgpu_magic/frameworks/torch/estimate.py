@@ -3,12 +3,14 @@ tensors (:mod:`.fake_rank`), and what could make it fit (docs/estimates.md)."""
 
 from __future__ import annotations
 
+import linecache
 import os
+import traceback
 import types
 from collections.abc import Callable
 from typing import Any
 
-from ...errors import PlanError
+from ...errors import PlanError, excerpt
 from ...inventory import CUDA_CONTEXT_MIB
 from ..base import restored
 
@@ -25,20 +27,44 @@ def estimate_ranks(
     progress: Callable[[str], None],
 ) -> list[dict[str, Any]]:
     """Each of ``ranks``' figures as rank of ``world`` on GPUs ``gpu`` (name, bytes): :func:`.fake_rank.estimate_rank`.
-    A cell that made no tensors or ran no backward pass is refused (PlanError)."""
+    A cell that made no tensors, ran no backward pass or made a shape from values is refused (PlanError)."""
     with restored(os.environ):  # torch's tools set TORCHINDUCTOR_CACHE_DIR
+        from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
         from .fake_rank import estimate_rank, without_triton
 
         found = []
         with without_triton():
             for rank in ranks:
                 progress(f"estimating: the cell runs as rank {rank} of {world} (PyTorch, fake tensors)…")
-                found.append(estimate_rank(cell if callable(cell) else code, world, rank, namespace, gpu))
+                try:
+                    found.append(estimate_rank(cell if callable(cell) else code, world, rank, namespace, gpu))
+                except DynamicOutputShapeException as exc:
+                    raise PlanError(_shape_from_values(exc, code.co_filename)) from None
     if not any(f["peak_bytes"] for f in found):
         raise PlanError("the cell made no tensors; put the model and one training step in it")
     if not any(f["backward"] for f in found):
+        reads = sorted({line for f in found for line in f["reads"]})
+        if reads:  # a value the estimate does not have decided that no step runs (if loss.item() > 0: ...)
+            raise PlanError(
+                f"no backward pass ran: line{'s' * (len(reads) > 1)} {', '.join(map(str, reads))} read a tensor's "
+                "value, which an estimate does not have (0 stood in), so a step that depends on it was skipped; "
+                "estimate the step without the condition"
+            )
         raise PlanError("the cell has no training step (no backward pass ran); add one, e.g. loss.backward()")
     return found
+
+
+def _shape_from_values(exc: Exception, cell_file: str) -> str:
+    """One line for an op whose output's shape depends on values (``torch.nonzero``, a boolean mask): fake tensors
+    have none, so it cannot run in an estimate."""
+    lines = [(f.f_lineno, f.f_code.co_filename) for f, _ in traceback.walk_tb(exc.__traceback__)]
+    line = next((n for n, name in reversed(lines) if name == cell_file), None)
+    where = f"line {line} ({excerpt(linecache.getline(cell_file, line).strip())})" if line else "the cell"
+    return (
+        f"{where} makes a tensor whose shape depends on values ({exc.args[0]}), which an estimate does not have; "
+        "give it a fixed shape, e.g. torch.nonzero_static(x, size=K), or use a mask (x * (x > 0))"
+    )
 
 
 def kept_mib(gpu_mib: int) -> int:

@@ -130,10 +130,12 @@ class PeakTracker(mem_tracker.MemTracker):
                 self.phase = "in the optimizer step" if self._in_opt else phase
 
     def result(self) -> dict[str, Any]:
-        """The peak (bytes) on the busiest device, its parts by category, its phase."""
+        """The peak (bytes) on the busiest device, its parts by category, its phase; the cell's lines that read a
+        tensor's value."""
         snap = max(self.get_tracker_snapshot("peak").values(), key=lambda s: s["Total"], default={"Total": 0})
         parts = {CATEGORIES.get(k.value, k.value): v for k, v in snap.items() if k != "Total"}
-        return {"peak_bytes": snap["Total"], "categories": parts, "phase": self.phase, "backward": self.backward}
+        found = {"peak_bytes": snap["Total"], "categories": parts, "phase": self.phase, "backward": self.backward}
+        return found | {"reads": sorted(self.reads)}
 
 
 class _CudaOnCpu(TorchFunctionMode):
