@@ -1,10 +1,12 @@
 """``make gpu-check``: every GPU path of the suite on a real card, in one call, with its results kept.
 
-Runs the suite's GPU tests (torch and JAX; TensorFlow's where TensorFlow is installed) and records what each
-did, the estimates they compared with ``torch.cuda.max_memory_allocated``, and whether an MPS daemon could be
-started, in ``benchmarks/results/gpu.json`` (and a dated copy beside it, so earlier runs stay). Where ``$OUT``
-is set (a lent device machine), the files are copied there too. On a machine without an NVIDIA GPU it says so
-in one line and exits 0.
+Runs the suite's GPU tests (torch and JAX; TensorFlow's where TensorFlow is installed: among them ranks sharing the
+GPU over gloo and over ``--backend nccl``, their weights compared and the pre-flight's figures held against
+``torch.cuda.mem_get_info``) and records what each did, the estimates they compared with
+``torch.cuda.max_memory_allocated``, and whether the ranks' MPS daemon starts and stops, in
+``benchmarks/results/gpu.json`` (and a dated copy beside it, so earlier runs stay). Where ``$OUT`` is set (a lent
+device machine), the files are copied there too. On a machine without an NVIDIA GPU it says so in one line and
+exits 0.
 
 What a device machine lacks (IPython, ipyparallel: the suite's imports) travels as wheels in ``.whl/``
 (git-ignored), which ``make gpu-wheels`` fills on a machine with network access; they are installed into a
@@ -66,23 +68,20 @@ def carried_wheels(into: Path) -> list[str]:
 
 
 def mps() -> str:
-    """Whether an MPS control daemon can be started here (it is stopped again at once)."""
-    control = shutil.which("nvidia-cuda-mps-control")
-    if control is None:
-        return "not available: no nvidia-cuda-mps-control on PATH"
-    pipes = tempfile.mkdtemp(prefix="vgpu-mps-")
-    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": pipes, "CUDA_MPS_LOG_DIRECTORY": pipes}
+    """Whether the ranks' MPS daemon (``vgpu_magic.ranks.mps``, as ``--backend nccl`` starts it) starts and stops."""
+    sys.path.insert(0, str(ROOT))
+    from vgpu_magic.ranks.mps import CONTROL, MPSDaemon
+
+    if shutil.which(CONTROL) is None:
+        return f"not available: no {CONTROL} on PATH"
+    daemon = MPSDaemon(tempfile.mkdtemp(prefix="vgpu-mps-"))
     try:
-        started = subprocess.run([control, "-d"], env=env, capture_output=True, text=True, timeout=30)
-        if started.returncode != 0:
-            return f"not available: nvidia-cuda-mps-control -d exited {started.returncode}: {started.stderr.strip()}"
-        asked = subprocess.run([control], input="get_server_list\n", env=env, capture_output=True, text=True)
-        return f"started and stopped (server list: {asked.stdout.strip() or 'empty'})"
-    except (OSError, subprocess.SubprocessError) as error:
+        daemon.start()
+        return "started and stopped"
+    except RuntimeError as error:
         return f"not available: {error}"
     finally:
-        subprocess.run([control], input="quit\n", env=env, capture_output=True, text=True, timeout=30, check=False)
-        shutil.rmtree(pipes, ignore_errors=True)
+        daemon.stop()
 
 
 def nccl() -> str | None:

@@ -142,12 +142,14 @@ def test_jax_coordinator_and_devices():
     assert [p.args for p in plans] == [("127.0.0.1:5000", 2, 0, None), ("127.0.0.1:5000", 2, 1, None)]
     assert [(p.devices.count, p.devices.target) for p in plans] == [(2, "cpu")] * 2
     gpu_plans = plan("jax", 2, gpus=[GPU(0, 40)], nccl=(2, 30, 7))
-    # Half of what is left after both ranks' CUDA contexts: (40960 - 2 * 1024) / 2.
-    assert [(p.args[3], p.devices.count, p.devices.memory) for p in gpu_plans] == [(0, 1, 19456)] * 2
-    assert "19456 MiB each" in gpu_plans[0].notes[0]
+    # Half of what is left after both ranks' CUDA contexts (1024 MiB, the SM count unknown) and NCCL's buffers
+    # (8 channels each, half of 16 SMs: 64 + 8 × 18 = 208 MiB): (40960 - 2 * (1024 + 208)) / 2.
+    assert [(p.args[3], p.devices.count, p.devices.memory) for p in gpu_plans] == [(0, 1, 19248)] * 2
+    assert "19248 MiB each" in gpu_plans[0].notes[0]
     assert [p.env["JAX_LOCAL_DEVICE_IDS"] for p in gpu_plans] == ["0", "0"]
     # NCCL 2.30+ lets two ranks use one GPU when asked; older ones refuse at the first collective.
     assert [p.env["NCCL_MULTI_RANK_GPU_ENABLE"] for p in gpu_plans] == ["1", "1"]
+    assert [(p.env["NCCL_NVLS_ENABLE"], p.env["NCCL_MAX_CTAS"]) for p in gpu_plans] == [("0", "8")] * 2
     with pytest.raises(ValueError, match=r"^2 JAX ranks would share GPU 0 of node0 with NCCL 2\.28\.9, which refuses"):
         plan("jax", 2, gpus=[GPU(0, 40)], nccl=(2, 28, 9))
     with pytest.raises(ValueError, match=r"an NCCL whose version cannot be read.*start one rank per GPU, or CPU ranks"):
@@ -169,8 +171,8 @@ def test_jax_coordinator_and_devices():
             None,
             48 * GIB_MIB,
             [GPU(0, 80)],
-            r"exceeds its 79872 MiB \(81920 MiB in all \(free memory unknown\) minus 2 × 1024 MiB for each rank's "
-            r"CUDA context and PyTorch's reserve\); use at most 39936MiB",
+            r"^2 ranks × \(48\.00 GiB cap \+ 1\.00 GiB CUDA context\) = 98\.0 GiB > 80\.0 GiB in all \(free memory "
+            r"unknown\) on GPU 0; use at most --memory 39936MiB$",
         ),
         ("jax", 2, 0, None, [], "--split 0 is out of range"),
     ],
@@ -316,6 +318,8 @@ OTHER_REQUEST = {
     "join": True,
     "verbose": True,
     "spares": False,
+    "backend": "nccl",
+    "mps": True,
 }
 
 

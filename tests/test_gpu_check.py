@@ -45,3 +45,25 @@ def test_its_plugin_records_each_tests_outcome_by_node_id(tmp_path):
         "test_three.py::test_skips": "skipped: no GPU visible to torch",
         "test_three.py::test_set_up_fails": "failed",
     }
+
+
+def test_it_starts_and_stops_the_ranks_mps_daemon_where_one_can_run(tmp_path, monkeypatch):
+    """``gpu.json``'s ``mps``: the package's own daemon (``vgpu_magic.ranks.mps``), with a fake control on ``PATH``
+    that records what it was asked; none on ``PATH``: not available, in one line."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert gpu_check.mps() == "not available: no nvidia-cuda-mps-control on PATH"
+    record = tmp_path / "asked"
+    control = tmp_path / "nvidia-cuda-mps-control"
+    control.write_text(
+        f'#!/bin/sh\necho "$* $CUDA_MPS_PIPE_DIRECTORY" >> {record}\n'
+        f'[ "$1" = -d ] || (read line; echo "$line" >> {record})\n'
+    )
+    control.chmod(0o755)
+    assert gpu_check.mps() == "started and stopped"
+    started, quit, stdin = record.read_text().splitlines()
+    folder = started.split()[1]
+    assert started == f"-d {folder}" and (quit, stdin) == (f" {folder}", "quit")
+    assert not os.path.exists(folder)

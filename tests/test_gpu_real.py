@@ -169,7 +169,7 @@ def test_split_of_second_gpu_hides_the_others(gpu_count):
 )
 def test_two_torch_ranks_share_one_gpu_with_an_unchanged_script(args):
     from vgpu_magic.frameworks import get
-    from vgpu_magic.inventory import CUDA_CONTEXT_MIB
+    from vgpu_magic.inventory import cuda_context_mib
 
     gpus = gpus_for("torch")
     plans = get("torch").plan_ranks(rank_layout(2, gpus), None, None, None)
@@ -186,7 +186,60 @@ def test_two_torch_ranks_share_one_gpu_with_an_unchanged_script(args):
         assert result["peak_reserved"] <= cap * MIB
         assert result["over_cap"] == "OutOfMemoryError"
         if result["nvml_used"] is not None:  # NVML's figure for this process: its cap and its own CUDA context
-            assert result["nvml_used"] - result["reserved_now"] <= CUDA_CONTEXT_MIB * MIB
+            assert result["nvml_used"] - result["reserved_now"] <= cuda_context_mib(gpus[0]) * MIB
+    assert_the_preflight_held(gpus[0], plans, results)
+
+
+def assert_the_preflight_held(gpu, plans, results) -> None:
+    """The card's free memory (``torch.cuda.mem_get_info``) as the ranks end went down by no more than the
+    pre-flight counted: each rank's cap, CUDA context and NCCL's buffers (its ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``)."""
+    from vgpu_magic.inventory import cuda_context_mib
+
+    counted = [
+        int(p.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"].split("=")[1].rstrip("M"))
+        if "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" in p.env
+        else p.args[2] + cuda_context_mib(gpu)
+        for p in plans
+    ]
+    used = gpu.free_mib * MIB - min(r["cuda_free"] for r in results)
+    print(json.dumps({"preflight_mib": counted, "free_before_mib": gpu.free_mib, "used_mib": used // MIB}))
+    assert used <= sum(counted) * MIB
+
+
+def test_two_torch_ranks_share_one_gpu_over_nccl_with_gloos_weights(tmp_path):
+    """``--backend nccl``: NCCL 2.30's multi-rank mode, under an MPS daemon of the ranks' own where MPS can run; DDP's
+    weights equal gloo's to float tolerance, and the pre-flight's figures hold. Refused before starting with an older
+    NCCL."""
+    import shutil
+
+    from vgpu_magic.frameworks import get
+    from vgpu_magic.inventory import MULTI_RANK_NCCL, nccl_version
+    from vgpu_magic.ranks.mps import CONTROL, MPSDaemon
+
+    gpus = gpus_for("torch")
+    torch = get("torch")
+    if nccl_version() is None or nccl_version() < MULTI_RANK_NCCL:
+        with pytest.raises(ValueError, match="refuses two ranks on one GPU at the first collective"):
+            torch.plan_ranks(rank_layout(2, gpus), None, None, None, "nccl")
+        return
+    gloo = torch.plan_ranks(rank_layout(2, gpus), None, None, None)
+    nccl = torch.plan_ranks(rank_layout(2, gpus), None, None, None, "nccl")
+    assert [p.args[0] for p in gloo + nccl] == ["gloo"] * 2 + ["nccl"] * 2
+    expected = [lines[-1] for lines in run_ranks(gloo, [p.args[2] for p in gloo], "ddp_cuda.py")]
+    daemon = MPSDaemon(str(tmp_path / "mps")) if shutil.which(CONTROL) else None
+    if daemon is not None:
+        daemon.start()
+        nccl = [dataclasses.replace(p, env={**p.env, **daemon.env}) for p in nccl]
+    try:
+        results = [lines[-1] for lines in run_ranks(nccl, [p.args[2] for p in nccl], "ddp_cuda.py")]
+    finally:
+        if daemon is not None:
+            daemon.stop()
+    print(json.dumps({"mps": daemon is not None, "gloo": expected, "nccl": results}))
+    assert daemon is None or not (tmp_path / "mps").exists()
+    assert all(r["backend"] == "nccl" and r["all_reduce"] == 3.0 for r in results)
+    assert [r["checksum"] for r in results] == pytest.approx([r["checksum"] for r in expected], rel=1e-5)
+    assert_the_preflight_held(gpus[0], nccl, results)
 
 
 def test_two_jax_ranks_share_one_gpu_or_are_refused_before_starting():

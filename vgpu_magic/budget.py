@@ -4,7 +4,9 @@ rank wiring (``Framework.plan_ranks``) read the same rules, and no framework rea
 
 from __future__ import annotations
 
-from .devices import CUDA_CONTEXT_MIB, Capabilities, GPUInfo
+from dataclasses import replace
+
+from .devices import Capabilities, GPUInfo, cuda_context_mib
 from .errors import PlanError
 
 MAX_DEVICES = 64
@@ -20,7 +22,7 @@ def usable_mib(gpu: GPUInfo, capabilities: Capabilities) -> int | None:
     if gpu.free_mib is None:
         return None
     reserve = capabilities.gpu_reserve_mib
-    return gpu.free_mib - (reserve(gpu.free_mib, gpu.compute_capability) if reserve else 0)
+    return gpu.free_mib - (reserve(gpu) if reserve else 0)
 
 
 def even_share_mib(gpu: GPUInfo, capabilities: Capabilities, count: int) -> int | None:
@@ -53,10 +55,13 @@ def check_rank_request(split: int | None, memory: int | None, gpus: list[GPUInfo
         check_sizes((memory,))
 
 
-def rank_share_mib(gpu: GPUInfo, shared_by: int, memory: int | None, capabilities: Capabilities) -> int:
-    """Each rank's cap in MiB on ``gpu``, which ``shared_by`` ranks use: ``memory`` (``--memory``), or an
-    even share. Each rank is a process with its own CUDA context (outside any cap) and its framework's
-    reserve: the larger of the two comes out once per rank before the rest (free memory, else the total)
+def rank_share_mib(
+    gpu: GPUInfo, shared_by: int, memory: int | None, capabilities: Capabilities, nccl_mib: int = 0
+) -> int:
+    """Each rank's cap in MiB on ``gpu``, which ``shared_by`` ranks use: ``memory`` (``--memory``), or an even
+    share. The pre-flight: each rank is a process with its own CUDA context (outside any cap; by the GPU's SMs,
+    :func:`~vgpu_magic.devices.cuda_context_mib`) or its framework's reserve, the larger, and ``nccl_mib`` of NCCL's
+    buffers where NCCL is the backend: these come out once per rank before the rest (free memory, else the total)
     is shared. A request that cannot fit is refused with the figures."""
     base = gpu.free_mib if gpu.free_mib is not None else gpu.total_mib
     if base is None:
@@ -67,24 +72,25 @@ def rank_share_mib(gpu: GPUInfo, shared_by: int, memory: int | None, capabilitie
             )
         return memory
     reserve = capabilities.gpu_reserve_mib
-    each = max(reserve(base, gpu.compute_capability) if reserve else 0, CUDA_CONTEXT_MIB)
+    context = cuda_context_mib(gpu)
+    each = max(reserve(replace(gpu, free_mib=base)) if reserve else 0, context)
+    outside = f"{_gib(each)} CUDA context" + (f" and {capabilities.label}'s reserve" if each > context else "")
+    outside += f" + {_gib(nccl_mib)} NCCL buffers" if nccl_mib else ""
+    each += nccl_mib
     usable = base - shared_by * each
-    what = "free" if gpu.free_mib is not None else "in all (free memory unknown)"
-    figures = (
-        f"{base} MiB {what} minus {shared_by} × {each} MiB for each rank's CUDA context and {capabilities.label}'s "
-        "reserve"
-    )
-    if memory is not None:
-        if memory * shared_by > usable:
-            raise PlanError(
-                f"--memory {memory}MiB × {shared_by} ranks on one GPU exceeds its {max(usable, 0)} MiB ({figures}); "
-                f"use at most {max(usable, 0) // shared_by}MiB"
-            )
-        return memory
-    share = usable // shared_by
-    if share < MIN_MEMORY_MIB:
+    cap = memory if memory is not None else MIN_MEMORY_MIB
+    if shared_by * (cap + each) > base:
+        what = "free" if gpu.free_mib is not None else "in all (free memory unknown)"
+        fits = f"use at most --memory {usable // shared_by}MiB" if usable >= shared_by * MIN_MEMORY_MIB else ""
+        ranks = f"{shared_by} rank{'s' * (shared_by > 1)}"
         raise PlanError(
-            f"GPU {gpu.index} has {max(usable, 0)} MiB usable ({figures}); {shared_by} ranks would get "
-            f"{max(share, 0)} MiB each (minimum {MIN_MEMORY_MIB}); start fewer ranks"
+            f"{ranks} × ({_gib(cap)} {'cap' if memory else 'minimum cap'} + {outside}) = "
+            f"{_gib(shared_by * (cap + each), 1)} > {_gib(base, 1)} {what} on GPU {gpu.index}; "
+            f"{fits or 'start fewer ranks'}"
         )
-    return share
+    return memory if memory is not None else usable // shared_by
+
+
+def _gib(mib: int, decimals: int = 2) -> str:
+    """``512`` -> ``'0.50 GiB'``: the pre-flight's figures, all in one unit."""
+    return f"{mib / 1024:.{decimals}f} GiB"

@@ -8,16 +8,27 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-#: GPU memory a process takes outside its framework's allocator and cap, the one figure the planner's
-#: reserve and the estimate's verdict use. Measured on an H100 (torch 2.11, CUDA 13): the CUDA context
-#: 621 MiB, cuBLAS's workspaces 64 MiB more with the first matrix product (test_estimate_gpu.py), and for
-#: a DDP rank after five steps (NCCL's buffers too) NVML's "used" minus torch's reserved was 880 MiB.
+#: GPU memory a process takes outside its framework's allocator and cap where its GPU's SM count is unknown, the
+#: figure the estimate's verdict uses. Measured on an H100 (torch 2.11, CUDA 13): the CUDA context 621 MiB, cuBLAS's
+#: workspaces 64 MiB more with the first matrix product (test_estimate_gpu.py), and for a DDP rank after five steps
+#: (NCCL's buffers too) NVML's "used" minus torch's reserved was 880 MiB.
 CUDA_CONTEXT_MIB = 1024
 
 
-def cuda_context_mib(free_mib: int, compute_capability: tuple[int, int] | None) -> int:
-    """What a framework that keeps nothing back itself must leave on a GPU for its process: the context."""
-    return CUDA_CONTEXT_MIB
+def cuda_context_mib(gpu: GPUInfo) -> int:
+    """What one process takes on ``gpu`` outside its framework's allocator and cap (the reserve of a framework that
+    keeps nothing back itself): its CUDA context, which grows with the SMs (the field's figures: about 300 MB on
+    small GPUs to 560 MB on large; 621 MiB measured on an H100's 132), and the libraries' workspaces: 256 MiB and
+    5 MiB per SM (916 MiB on an H100, above the 880 measured); :data:`CUDA_CONTEXT_MIB` where NVML gave no count."""
+    return CUDA_CONTEXT_MIB if gpu.sm_count is None else 256 + 5 * gpu.sm_count
+
+
+def nccl_buffers_mib(channels: int | None) -> int:
+    """NCCL's device memory for one rank whose collectives use at most ``channels`` channels (``NCCL_MAX_CTAS``; none
+    where the rank does not share its GPU over NCCL: 0, as the context's allowance holds a rank of its own GPU's):
+    for each, a send and a receive buffer of every protocol at NCCL's default sizes (Simple 4 MiB, LL128 about
+    4.5 MiB, LL 0.5 MiB: 9 MiB), and 64 MiB for its own structures; ``make gpu-check`` compares it with a real run."""
+    return 64 + channels * 2 * 9 if channels else 0
 
 
 #: The first NCCL that lets several ranks use one GPU (``NCCL_MULTI_RANK_GPU_ENABLE=1``); older
@@ -37,6 +48,8 @@ class GPUInfo:
     nvml_index: int | None = None
     #: NVML's UUID (``GPU-…``, or ``MIG-…`` for a MIG device), where known.
     uuid: str | None = None
+    #: Its streaming multiprocessors, where NVML tells them (:func:`cuda_context_mib` grows with them).
+    sm_count: int | None = None
 
     @property
     def name(self) -> str:
@@ -73,8 +86,10 @@ class Capabilities:
     splits_cpu: bool = False  #: the host as several logical CPU devices
     cpu_caps: bool = False  #: memory caps on logical CPUs
     gpu_caps_required: bool = False  #: every logical GPU of a split must have a cap
-    #: ``(free_mib, compute_capability) -> MiB`` kept back on each GPU; ``None``: nothing a split must leave free.
-    gpu_reserve_mib: Callable[[int, tuple[int, int] | None], int] | None = field(default=None, compare=False)
+    #: ``GPUInfo -> MiB`` kept back on a GPU of that free memory; ``None``: nothing a split must leave free.
+    gpu_reserve_mib: Callable[[GPUInfo], int] | None = field(default=None, compare=False)
+    #: The collectives' backends ``--backend`` may choose for the ranks; none: the framework chooses its own.
+    rank_backends: tuple[str, ...] = ()
     memory_growth: bool = False  #: ``--growth`` means something (GPU memory allocated on demand)
     growth_with_split: bool = False  #: memory growth and a split (or a cap) may be set on one GPU
     uniform_growth: bool = False  #: every visible GPU must have the same growth setting when the runtime starts

@@ -9,7 +9,7 @@ import functools
 import os
 from typing import Any
 
-from .devices import CUDA_CONTEXT_MIB, MULTI_RANK_NCCL, DeviceInventory, GPUInfo  # noqa: F401 - and from here
+from .devices import CUDA_CONTEXT_MIB, MULTI_RANK_NCCL, DeviceInventory, GPUInfo, cuda_context_mib  # noqa: F401 - and from here
 from .errors import NVMLReadError
 from .units import MIB
 
@@ -56,6 +56,7 @@ def nvml_gpus() -> list[dict[str, Any]]:
                         "free_mib": int(mem.free // MIB),
                         "compute_capability": cc,
                         "uuid": _text(nvml.nvmlDeviceGetUUID(device)),
+                        "sm_count": _sm_count(nvml, device),
                     }
                 )
     except nvml.NVMLError as exc:
@@ -66,6 +67,14 @@ def nvml_gpus() -> list[dict[str, Any]]:
         with contextlib.suppress(nvml.NVMLError):
             nvml.nvmlShutdown()
     return gpus
+
+
+def _sm_count(nvml: Any, device: Any) -> int | None:
+    """A device's SMs (NVML's attributes; ``None`` where its driver answers them only for MIG devices)."""
+    try:
+        return int(nvml.nvmlDeviceGetAttributes(device).multiprocessorCount) or None
+    except (nvml.NVMLError, AttributeError):
+        return None
 
 
 def _mig_devices(nvml: Any, handle: Any) -> list[Any]:

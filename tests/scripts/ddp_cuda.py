@@ -56,7 +56,7 @@ def main() -> None:
         dist.all_reduce(checksum_t)
     checksum = float(checksum_t)
     peak = torch.cuda.max_memory_reserved()
-    cuda_total = torch.cuda.mem_get_info()[1]
+    cuda_free, cuda_total = torch.cuda.mem_get_info()
     used = nvml_used()  # before the over-cap allocation below
     try:
         over = torch.empty(int(os.environ["VGPU_TEST_CAP_MIB"]) * MIB + 64 * MIB, dtype=torch.uint8, device="cuda")
@@ -75,6 +75,7 @@ def main() -> None:
                 "reserved_now": torch.cuda.memory_reserved(),
                 "nvml_used": used,
                 "cuda_total": cuda_total,
+                "cuda_free": cuda_free,
                 "over_cap": over_cap,
                 "pid": os.getpid(),
             }

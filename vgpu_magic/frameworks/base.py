@@ -241,8 +241,14 @@ class Framework(CudaUser, abc.ABC):
         raise NotImplementedError(f"{self.label} has no strategy helper")
 
     def plan_ranks(
-        self, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
+        self,
+        layout: RankLayout,
+        split: int | None,
+        memory_mib: int | None,
+        port: int | None,
+        backend: str | None = None,
     ) -> list[RankPlan]:
         """One :class:`RankPlan` per rank of ``layout``, ``split`` devices and ``memory_mib`` each, ``port`` the
-        coordinator's (None: free ones). Pure; a request that cannot work is a one-line :class:`ValueError`."""
+        coordinator's (None: free ones), ``backend`` its collectives' (one of ``capabilities.rank_backends``; None:
+        the framework's choice). Pure; a request that cannot work is a one-line :class:`ValueError`."""
         raise ValueError(f"{self.label} cannot run as ranks of %vgpu_cluster")

@@ -99,6 +99,12 @@ class ClusterMagics(Magics):
         action="store_true",
         help="show the ranks' framework start-up lines too (held back by default: %%vgpu_cluster log)",
     )
+    @argument(
+        "--backend",
+        type=choice(("gloo", "nccl"), "--backend {value} is not a backend; use gloo or nccl", "--backend nccl"),
+        help="torch's collectives: nccl lets ranks share a GPU over NCCL 2.30+ (experimental); default gloo there",
+    )
+    @argument("--mps", action="store_true", help="with --backend nccl: refuse to start without an MPS daemon")
     @_launcher_flags
     @line_magic
     def vgpu_cluster(self, line: str) -> None:
@@ -112,6 +118,7 @@ class ClusterMagics(Magics):
             %vgpu_cluster start 4 --framework torch --launcher slurm --partition gpu --time 30
             %vgpu_cluster start 2 --framework jax --launcher ssh --hosts node1,node2
             %vgpu_cluster start 2 --framework torch --join   # init_process_group() done for you
+            %vgpu_cluster start 2 --framework torch --backend nccl   # two ranks on one GPU over NCCL 2.30+
             %vgpu_cluster status
             %vgpu_cluster log 1      # rank 1's framework start-up lines, held back from the cells' output
             %vgpu_cluster restart
@@ -250,7 +257,8 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
         raise UsageError("say how many ranks and which framework, e.g. %vgpu_cluster start 2 --framework torch")
     with usage_errors(ValueError):
         memory = parse_memory(args.memory) * MIB if args.memory is not None else None
-        asked = {key: getattr(args, key) for key in ("split", "port", "join", "verbose")}
+        asked = {key: getattr(args, key) for key in ("split", "port", "join", "verbose", "backend")}
+        asked["mps"] = args.mps or None
         ranks = rank_cluster.RankCluster(
             args.n, args.framework, memory=memory, launcher=args.launcher or "local", launcher_options=options, **asked
         )

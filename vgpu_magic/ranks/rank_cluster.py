@@ -25,9 +25,10 @@ from ..frameworks.base import RankPlan
 from ..inventory import GPUInfo, NVMLReadError, nccl_version, visible_gpus
 from ..layout import HostReport, RankLayout, layout_ranks
 from ..units import MIB, format_bytes
-from . import launch, names, processes
+from . import launch, lifetime, names, processes
 from .hosts import prepare_rank, report_host
 from .launchers import LAUNCHERS, MAX_RANKS, LauncherPlan, plan_launcher
+from .mps import MPSDaemon, plan_mps
 from .processes import ClusterStartError
 from .run import RankProcesses, RankRun, RankRunError, interrupt_only_the_cell
 from .shown import HeldBack, rank_env, record_output
@@ -67,7 +68,9 @@ class RankCluster:
     (default: one free on the host that binds it); ``gpus`` ``[(cuda_index, total_bytes), ...]`` every host is
     planned with; ``launcher(_options)`` how the engines start (:mod:`.launchers`), in its rank order; ``join``:
     each rank makes the script's own join call at start; ``verbose``: show the ranks' start-up lines (:mod:`.shown`);
-    ``spares``: a warm spare per rank for script runs, where memory allows. A request that cannot work is a
+    ``spares``: a warm spare per rank for script runs, where memory allows; ``backend``: the collectives' (torch:
+    ``"nccl"`` lets ranks share a GPU over NCCL 2.30+, default gloo there); ``mps``: an MPS daemon of the cluster's own
+    for them (default: where MPS can run; ``True``: refused where it cannot). A request that cannot work is a
     :class:`ValueError` before anything starts; it is kept as :attr:`spec`, where it stands as :attr:`state`."""
 
     def __init__(
@@ -83,6 +86,8 @@ class RankCluster:
         join: bool = False,
         verbose: bool = False,
         spares: bool = True,
+        backend: str | None = None,
+        mps: bool | None = None,
     ) -> None:
         if not isinstance(n, int) or not 1 <= n <= MAX_RANKS:
             raise ValueError(f"rank count {n!r} is out of range; use 1..{MAX_RANKS}")
@@ -104,7 +109,19 @@ class RankCluster:
             raise ValueError(framework_hint)
         #: What was asked for, validated below (a request that cannot work fails before anything starts).
         self.spec = ClusterSpec(
-            n, self.fw.name, split, memory, port, gpus, launcher, launcher_options or {}, join, verbose, spares
+            n,
+            self.fw.name,
+            split,
+            memory,
+            port,
+            gpus,
+            launcher,
+            launcher_options or {},
+            join,
+            verbose,
+            spares,
+            backend,
+            mps,
         )
         self.n, self.join = n, bool(join)
         #: Each rank's held-back start-up lines (:meth:`log`).
@@ -117,7 +134,10 @@ class RankCluster:
         except NVMLReadError as exc:
             raise ValueError(str(exc)) from None
         here = [HostReport(e, socket.gethostname(), "127.0.0.1", 0, seen, 0, nccl=nccl_version()) for e in range(n)]
-        self._plan_ranks(layout_ranks(here, self.given_gpus))
+        self.mps: MPSDaemon | None = None
+        planned = self._plan_ranks(layout_ranks(here, self.given_gpus))
+        remote = self.launcher_plan.launcher.remote
+        self.mps, self.mps_note = plan_mps(any(p.mps for p in planned), mps, remote, self.cluster_id)
         self.plans: list[RankPlan] = []
         self._started_at = 0.0
         self._forget()
@@ -169,6 +189,10 @@ class RankCluster:
             self._owned.update(launchers)
             self._launchers.update(launchers)
             self._cleanups = processes.clean_up_when_kernel_dies(self.cluster, self.launcher_plan, self._token)
+            if self.mps is not None:
+                # Before any rank starts CUDA: a process is MPS's client only if the daemon is there at its start.
+                self._cleanups.add(lifetime.run_when_this_process_dies(self.mps.stop_command(), self._token).pid)
+                self.mps.start()
             self.client = self.cluster.connect_client_sync()
             record_output(self.client)
             # interactive=False: no progress bar in the cell (the start summary says what started).
@@ -242,8 +266,9 @@ class RankCluster:
         """The framework's plans for ``layout``, with its log settings (:func:`~.shown.rank_env`)."""
         spec, quiet = self.spec, rank_env(self.fw, self.spec.verbose)
         memory_mib = None if spec.memory is None else spec.memory // MIB
-        plans = self.fw.plan_ranks(layout, spec.split, memory_mib, spec.port)
-        return [dataclasses.replace(plan, env={**quiet, **plan.env}) for plan in plans]
+        plans = self.fw.plan_ranks(layout, spec.split, memory_mib, spec.port, spec.backend)
+        mps = self.mps.env if self.mps is not None else {}
+        return [dataclasses.replace(plan, env={**quiet, **plan.env, **(mps if plan.mps else {})}) for plan in plans]
 
     def _processes(self) -> RankProcesses:
         """How the fault policy reaches the ranks: by PID on this host (every rank, unless the launcher is remote,
@@ -273,6 +298,8 @@ class RankCluster:
         left = []
         if self.cluster is not None:
             left = processes.stop_launched(self.cluster, self.launcher_plan)
+        if self.mps is not None:
+            self.mps.stop()  # once its clients, the ranks, are gone: it waits for them
         # The kernel may be killed while it stops (Jupyter's shutdown waits 5 s): its clean-up watchers go last.
         alive += processes.terminate(self._cleanups)
         self._forget()
@@ -390,6 +417,7 @@ class RankCluster:
         where = self.launcher_plan.launcher.describe(self.cluster)
         lines = [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} on {where}"]
         lines.extend(self.plans[0].notes if self.plans else ())
+        lines += [self.mps_note] * bool(self.mps_note)
         call = self.fw.join_call
         joined = f"has joined ({call} at start, --join): cells must not call it again; scripts make their own call"
         own = f"has its launcher's environment; your code calls {call}, as under its launcher"

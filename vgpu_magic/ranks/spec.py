@@ -28,6 +28,8 @@ class ClusterSpec:
     join: bool = False
     verbose: bool = False
     spares: bool = True
+    backend: str | None = None
+    mps: bool | None = None
 
     def __post_init__(self) -> None:
         # A list and a tuple of the same values are the same request; nothing the caller still holds can change it.

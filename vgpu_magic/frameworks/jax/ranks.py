@@ -2,7 +2,7 @@
 a cluster JAX detects itself: :func:`setup_rank`), and each process's devices as a split request, planned on the rank
 (docs/ranks.md). XLA's GPU collectives go through NCCL, which before 2.30 refuses two ranks on one GPU at the first
 collective ("Duplicate GPU detected", measured on an H100 with NCCL 2.28.9, even with ``NCCL_MULTI_RANK_GPU_ENABLE=1``):
-ranks sharing a GPU with an older (or unreadable) NCCL are refused before anything starts (:func:`_shared_gpu_env`).
+ranks sharing a GPU with an older (or unreadable) NCCL are refused before anything starts (``shared_gpu_channels``).
 Importing this imports no JAX."""
 
 from __future__ import annotations
@@ -11,17 +11,18 @@ import functools
 import os
 
 from ...budget import rank_share_mib
-from ...devices import MULTI_RANK_NCCL
+from ...devices import nccl_buffers_mib
 from ...layout import RankLayout, RankPlan
 from ...plans import SplitRequest
 from ..base import Framework
-from ..rank_places import checked_places
+from ..rank_places import checked_places, shared_gpu_channels, shared_gpu_env
 
 SETUP = "vgpu_magic.frameworks.jax.ranks:setup_rank"
 SPLIT_ON_GPU = (
     "--split {split} on a GPU: JAX cannot split one GPU into several devices; "
     "start more ranks instead (each rank is one process with one GPU device)"
 )
+SHARED_INSTEAD = "start one rank per GPU, or CPU ranks (%env CUDA_VISIBLE_DEVICES= before starting)"
 
 
 def slurm_coordinator_port(job_id: int) -> int:
@@ -30,10 +31,15 @@ def slurm_coordinator_port(job_id: int) -> int:
 
 
 def plan_ranks(
-    framework: Framework, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
+    framework: Framework,
+    layout: RankLayout,
+    split: int | None,
+    memory_mib: int | None,
+    port: int | None,
+    backend: str | None = None,
 ) -> list[RankPlan]:
     """JAX's :meth:`~vgpu_magic.frameworks.base.Framework.plan_ranks`."""
-    places, on_gpu = checked_places(layout, split, memory_mib, {True: SPLIT_ON_GPU})
+    places, on_gpu = checked_places(layout, split, memory_mib, {True: SPLIT_ON_GPU}, backend, framework.capabilities)
     n = len(places)
     if port is None:
         port = slurm_coordinator_port(layout.slurm.job_id) if layout.slurm is not None else places[0].port
@@ -41,10 +47,14 @@ def plan_ranks(
     per_process = split or 1
     name = framework.name
     if on_gpu:
-        shared = _shared_gpu_env(layout)
-        caps = [rank_share_mib(p.gpu, p.gpu_shared_by, memory_mib, framework.capabilities) for p in places]
+        channels = shared_gpu_channels(layout, framework.label, SHARED_INSTEAD)
+        buffers = [nccl_buffers_mib(channels.get(p.rank)) for p in places]
+        caps = [
+            rank_share_mib(p.gpu, p.gpu_shared_by, memory_mib, framework.capabilities, nccl)
+            for p, nccl in zip(places, buffers)
+        ]
         notes = (f"jax.distributed on {coordinator}: {n} processes × 1 GPU device, {min(caps)} MiB each",)
-        if shared:
+        if channels:
             notes += ("ranks share a GPU: NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL 2.30+) lets its collectives run",)
     else:
         caps = [None] * n
@@ -59,6 +69,7 @@ def plan_ranks(
             "VGPU_MAGIC_JAX_PROCESS_ID": str(place.rank),
         }
         if on_gpu:
+            shared = shared_gpu_env(channels[place.rank]) if place.rank in channels else {}
             env = {"JAX_LOCAL_DEVICE_IDS": str(place.gpu.index), **shared, **joining}
             devices = SplitRequest(count=1, memory=cap, gpu=place.gpu.index, memory_growth=True, framework=name)
         else:
@@ -67,24 +78,6 @@ def plan_ranks(
         args = (coordinator, n, place.rank, place.gpu.index if on_gpu else None)
         plans.append(RankPlan(place.rank, env, SETUP, args, notes, devices))
     return plans
-
-
-def _shared_gpu_env(layout: RankLayout) -> dict[str, str]:
-    """What ranks sharing a GPU need from NCCL (nothing where each has its own), or
-    :class:`ValueError` where their NCCL cannot have two ranks on one GPU."""
-    shared = [p for p in layout.places if p.gpu_shared_by > 1]
-    if not shared:
-        return {}
-    old = [p for p in shared if p.nccl is None or p.nccl < MULTI_RANK_NCCL]
-    if old:
-        place = old[0]
-        have = f"NCCL {'.'.join(map(str, place.nccl))}" if place.nccl else "an NCCL whose version cannot be read"
-        raise ValueError(
-            f"{place.gpu_shared_by} JAX ranks would share GPU {place.gpu.index} of {place.hostname} with {have}, "
-            f"which refuses two ranks on one GPU at the first collective (NCCL {'.'.join(map(str, MULTI_RANK_NCCL))} "
-            "or later allows it); start one rank per GPU, or CPU ranks (%env CUDA_VISIBLE_DEVICES= before starting)"
-        )
-    return {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
 
 
 def setup_rank(coordinator: str, num_processes: int, process_id: int, gpu: int | None, join: bool = False) -> str:

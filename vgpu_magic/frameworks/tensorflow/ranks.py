@@ -24,10 +24,15 @@ SPLIT_ON_CPU = (
 
 
 def plan_ranks(
-    framework: Framework, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
+    framework: Framework,
+    layout: RankLayout,
+    split: int | None,
+    memory_mib: int | None,
+    port: int | None,
+    backend: str | None = None,
 ) -> list[RankPlan]:
     """TensorFlow's :meth:`~vgpu_magic.frameworks.base.Framework.plan_ranks`."""
-    places, on_gpu = checked_places(layout, split, memory_mib, {False: SPLIT_ON_CPU})
+    places, on_gpu = checked_places(layout, split, memory_mib, {False: SPLIT_ON_CPU}, backend, framework.capabilities)
     n = len(places)
     workers = _workers(layout, port)
     per_worker = split or 1

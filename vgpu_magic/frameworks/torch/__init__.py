@@ -21,6 +21,7 @@ CAPABILITIES = Capabilities(
     install_hint="install it with pip install 'vgpu_magic[torch]'",
     splits_in_process=False,  # a process uses one device; several devices are several ranks
     gpu_reserve_mib=cuda_context_mib,  # torch keeps nothing back; each rank's CUDA context is outside its cap
+    rank_backends=("gloo", "nccl"),
     replicas_by="a DistributedDataParallel rank",
     # torch's own words: what fixes its devices is CUDA's start; a process uses devices, not replicas.
     runtime_word="CUDA runtime",

@@ -5,7 +5,8 @@ and the agent's variables are left out.
 
 Backend: NCCL where every rank has a GPU of its own. NCCL before 2.30 refuses two ranks on one GPU at DDP's
 construction ("Duplicate GPU detected", measured on an H100, torch 2.11, NCCL 2.28.9), so where ranks share a GPU
-``init_process_group`` maps NCCL to gloo (:func:`gloo_for_nccl`), and a rank's ``LOCAL_RANK`` is its GPU's index, so
+``init_process_group`` maps NCCL to gloo (:func:`gloo_for_nccl`) unless ``--backend nccl`` asks for NCCL 2.30's
+experimental multi-rank mode; and a rank's ``LOCAL_RANK`` is its GPU's index, so
 ``set_device(LOCAL_RANK)`` and ``DDP(device_ids=[LOCAL_RANK])`` reach the shared card (``CUDA_VISIBLE_DEVICES=0,0``
 would show no device). Each rank is capped with ``set_per_process_memory_fraction`` of CUDA's total, after room for
 every rank's own CUDA context. Importing this module imports no PyTorch."""
@@ -19,33 +20,47 @@ import uuid
 from typing import Any
 
 from ...budget import rank_share_mib
+from ...devices import cuda_context_mib, nccl_buffers_mib
 from ...layout import RankLayout, RankPlan
 from ..base import Framework
-from ..rank_places import checked_places
+from ..rank_places import checked_places, shared_gpu_channels, shared_gpu_env
 
 SETUP = "vgpu_magic.frameworks.torch.ranks:setup_rank"
 SPLIT_REFUSED = "--split {split} has no meaning for torch: a rank is one process with one device; start more ranks"
+NCCL_INSTEAD = "leave --backend out and they share it over gloo, or start one rank per GPU"
 
 
 def plan_ranks(
-    framework: Framework, layout: RankLayout, split: int | None, memory_mib: int | None, port: int | None
+    framework: Framework,
+    layout: RankLayout,
+    split: int | None,
+    memory_mib: int | None,
+    port: int | None,
+    backend: str | None = None,
 ) -> list[RankPlan]:
     """PyTorch's :meth:`~vgpu_magic.frameworks.base.Framework.plan_ranks`: what ``torchrun`` gives each worker."""
-    places, _ = checked_places(layout, split, memory_mib, dict.fromkeys((True, False), SPLIT_REFUSED))
+    refused = dict.fromkeys((True, False), SPLIT_REFUSED)
+    places, _ = checked_places(layout, split, memory_mib, refused, backend, framework.capabilities)
     n = len(places)
     master_port = port or places[0].port
     own_gpus = all(p.gpu is not None for p in places) and not layout.gpus_shared
-    backend = "nccl" if own_gpus else "gloo"
+    backend = backend or ("nccl" if own_gpus else "gloo")
+    channels = shared_gpu_channels(layout, framework.label, NCCL_INSTEAD) if backend == "nccl" else {}
     notes = [f"MASTER_ADDR:MASTER_PORT = {layout.leader}:{master_port}, world size {n}, backend {backend!r}"]
     if layout.gpus_shared:
-        shared = sorted({p.gpu.index for p in places if p.gpu is not None and p.gpu_shared_by > 1})
-        notes.append(
-            f"ranks share GPU {', '.join(map(str, shared))}: LOCAL_RANK is that GPU's index, so "
-            "set_device(LOCAL_RANK) reaches it; NCCL refuses two ranks on one GPU, so init_process_group's "
-            "'nccl' (and its default) run on gloo, for CUDA tensors too"
+        shared = ", ".join(map(str, sorted({p.gpu.index for p in places if p.gpu and p.gpu_shared_by > 1})))
+        how = (
+            f"NCCL in its experimental multi-rank mode (NVLS off, at most {min(channels.values())} CTAs a rank)"
+            if channels
+            else "gloo: NCCL refuses two ranks on one GPU, so init_process_group's 'nccl' (and its default) run on "
+            "gloo, for CUDA tensors too"
         )
+        reach = "LOCAL_RANK is that GPU's index, so set_device(LOCAL_RANK) reaches it"
+        notes.append(f"ranks share GPU {shared}: {reach}; {how}")
+    buffers = {p.rank: nccl_buffers_mib(channels.get(p.rank)) for p in places}
     caps = [
-        rank_share_mib(p.gpu, p.gpu_shared_by, memory_mib, framework.capabilities) if p.gpu else None for p in places
+        rank_share_mib(p.gpu, p.gpu_shared_by, memory_mib, framework.capabilities, buffers[p.rank]) if p.gpu else None
+        for p in places
     ]
     if any(caps):
         least = min(c for c in caps if c)
@@ -73,8 +88,13 @@ def plan_ranks(
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         }
+        if place.rank in channels:
+            # MPS's own limit on the rank (where a daemon serves it): all the pre-flight counted for it.
+            limit = cap + cuda_context_mib(place.gpu) + buffers[place.rank]
+            env.update(shared_gpu_env(channels[place.rank]))
+            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"{place.gpu.index}={limit}M"
         gpu_args = () if place.gpu is None else (place.gpu.index, cap)
-        plans.append(RankPlan(place.rank, env, SETUP, (backend, *gpu_args), tuple(notes)))
+        plans.append(RankPlan(place.rank, env, SETUP, (backend, *gpu_args), tuple(notes), mps=place.rank in channels))
     return plans
 
 

@@ -1,0 +1,93 @@
+"""An MPS control daemon of the cluster's own, for ranks that share a GPU over NCCL (``RankPlan.mps``): without one
+their kernels are time-sliced and a collective's CTAs spin while their peers wait for the GPU (users report more than
+20× slower). Its pipe and log folder is the cluster's own, so it neither joins nor stops a daemon of the machine's;
+each rank's limit comes in its plan (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``). Started and stopped with the cluster;
+``python -m vgpu_magic.ranks.mps FOLDER`` is the stop a watcher runs when the kernel dies without one."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+CONTROL = "nvidia-cuda-mps-control"
+#: Seconds the control may take to answer.
+TIMEOUT = 30
+
+
+@dataclass(frozen=True)
+class MPSDaemon:
+    """The daemon whose pipes and logs are in ``folder``."""
+
+    folder: str
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What its clients (the ranks) and its control read to find it."""
+        return {"CUDA_MPS_PIPE_DIRECTORY": self.folder, "CUDA_MPS_LOG_DIRECTORY": self.folder}
+
+    def start(self) -> None:
+        """``nvidia-cuda-mps-control -d``, or :class:`RuntimeError` with what it said."""
+        os.makedirs(self.folder, exist_ok=True)
+        try:
+            done = _control(["-d"], "", self.env)
+        except (OSError, subprocess.SubprocessError) as error:
+            raise RuntimeError(f"the MPS daemon could not start: {error}") from None
+        if done.returncode:
+            said = (done.stderr or done.stdout).strip() or "nothing"
+            raise RuntimeError(f"the MPS daemon could not start: {CONTROL} -d exited {done.returncode} ({said})")
+
+    def stop(self) -> None:
+        """``echo quit | nvidia-cuda-mps-control`` (it waits for its clients: the ranks go first), then its folder."""
+        quit_daemon(self.folder)
+
+    def stop_command(self) -> str:
+        """:meth:`stop` as a command, for a watcher of the kernel (:func:`.lifetime.run_when_this_process_dies`)."""
+        return shlex.join([sys.executable, "-m", __name__, self.folder])
+
+
+def _control(args: list[str], stdin: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    command = [CONTROL, *args]
+    return subprocess.run(
+        command, input=stdin, env={**os.environ, **env}, capture_output=True, text=True, timeout=TIMEOUT
+    )
+
+
+def quit_daemon(folder: str) -> None:
+    """Stop the daemon of ``folder`` (none running: nothing to stop) and remove the folder."""
+    if os.path.isdir(folder) and shutil.which(CONTROL):
+        # A daemon that does not answer goes with its folder's pipes.
+        with contextlib.suppress(subprocess.SubprocessError):
+            _control([], "quit\n", MPSDaemon(folder).env)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def plan_mps(wanted: bool, asked: bool | None, remote: bool, cluster_id: str) -> tuple[MPSDaemon | None, str]:
+    """The daemon a cluster starts, if any, and the line its start shows: one where its plans want one (``wanted``),
+    MPS can run here and ``asked`` is not ``False``; :class:`ValueError` where ``asked`` (``--mps``) and it cannot."""
+    why = ""
+    if not wanted:
+        why = "it serves ranks that share a GPU over NCCL (--backend nccl), and these do not"
+    elif remote:
+        why = "the ranks run on other hosts, and the daemon would run on this one"
+    elif shutil.which(CONTROL) is None:
+        why = f"MPS is unavailable here: {CONTROL} is not on PATH"
+    elif asked is False:
+        why = "mps=False"
+    if asked and why:
+        raise ValueError(f"--mps cannot be honoured: {why}; leave --mps out")
+    if not wanted:
+        return None, ""
+    if why:
+        return None, f"no MPS daemon ({why}): the ranks' kernels take turns on the GPU, and collectives spin meanwhile"
+    daemon = MPSDaemon(os.path.join(tempfile.gettempdir(), f"{cluster_id}-mps"))
+    return daemon, f"an MPS daemon of this cluster's own serves the ranks (its pipes and logs in {daemon.folder})"
+
+
+if __name__ == "__main__":
+    quit_daemon(sys.argv[1])
