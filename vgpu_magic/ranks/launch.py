@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -44,10 +45,20 @@ def kernel_environ() -> tuple[str, dict[str, str]]:
     return socket.gethostname(), dict(os.environ)
 
 
-def launch_request(plan: Any, path: str, args: list[str], cwd: str, preload: list[str], spare: bool = True) -> dict:
+def launch_request(
+    plan: Any, path: str, args: list[str], cwd: str, preload: list[str], spare: bool = True, faults: tuple = ()
+) -> dict:
     """What :func:`run_rank` needs to launch one rank with its :class:`~vgpu_magic.frameworks.base.RankPlan`, as plain
-    data; ``preload``: the modules a spare imports; ``spare``: keep one for the next launch."""
+    data; ``preload``: the modules a spare imports; ``spare``: keep one for the next launch; ``faults``: the run's
+    :class:`~.spec.Fault` s, those for this rank injected into its process."""
     return {
+        # When, on the host's clock: every rank's signal at the same moment (one rank preempted alone would fail in
+        # its peer's collective before that peer's own SIGTERM came).
+        "faults": [
+            (time.time() + f.after, f.after, int(f.signum), f.kill_after, f.said)
+            for f in faults
+            if f.rank in (None, plan.rank)
+        ],
         "spare": spare,
         "environ": kernel_environ(),
         "plan_env": dict(plan.env),
@@ -170,15 +181,48 @@ def run_rank(request: dict[str, Any]) -> int:
         # PWD as a shell that ran the launcher there sets it.
         proc.control.sendall(json.dumps({**launch, "env": {**proc.base, "PWD": cwd, **plan_env}}).encode())
         proc.control.shutdown(socket.SHUT_WR)
-        code = _follow(proc.popen)
+        injected, timers = _inject(proc.popen, request["faults"])
+        try:
+            code = _follow(proc.popen)
+        finally:
+            for timer in timers:
+                timer.cancel()
     finally:
         signal.signal(signal.SIGINT, outside)
         proc.control.close()
         _spare = _start(plan_env, preload, request["environ"]) if request["spare"] else None
+    if injected:
+        # A process a fault reached ended by it, whatever its status (a preempted script that saved and exited 0 did
+        # not finish its work): said with the option as typed, so that no one takes it for a bug.
+        raise ProcessExited(f"{how_it_ended(code)} (injected: {'; '.join(injected)})")
     if code == 0:
         return proc.popen.pid
     # No PID: ranks that ended alike are reported together. What it wrote (its traceback) was shown as it wrote it.
     raise ProcessExited(how_it_ended(code))
+
+
+def _inject(popen: subprocess.Popen, faults: list) -> tuple[list[str], list[threading.Timer]]:
+    """Start the timers that send each fault's signal to ``popen`` (then SIGKILL after a preemption's grace) while it
+    runs: what was sent (filled in as it is), and the timers to cancel once it ended."""
+    injected: list[str] = []
+
+    def send(signum: int, said: str) -> None:
+        if popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                popen.send_signal(signum)
+            injected.append(said)
+
+    timers = []
+    for at, after, signum, kill_after, said in faults:
+        wait = max(0.0, at - time.time())
+        timers.append(threading.Timer(wait, send, (signum, f"{said}: {signal.Signals(signum).name} at {after:g} s")))
+        if kill_after is not None:
+            late = f"{said}: SIGKILL {kill_after:g} s after SIGTERM"
+            timers.append(threading.Timer(wait + kill_after, send, (signal.SIGKILL, late)))
+    for timer in timers:
+        timer.daemon = True
+        timer.start()
+    return injected, timers
 
 
 def _follow(popen: subprocess.Popen) -> int:

@@ -18,7 +18,7 @@ from ..grammar import choice, framework_name, parse_arguments, parse_memory, sec
 from ..planner import MAX_DEVICES
 from ..units import MIB
 from .launchers import LAUNCHERS, MAX_RANKS
-from .spec import ClusterNotRunning
+from .spec import ClusterNotRunning, checked_faults
 
 __all__ = ["ClusterMagics"]
 
@@ -164,6 +164,24 @@ class ClusterMagics(Magics):
         help="seconds the run may take before every rank is interrupted",
     )
     @argument("--no-plot", action="store_true", help="no live per-rank memory plot")
+    @argument(
+        "--max-restarts",
+        type=whole("--max-restarts", 0, 100, "--max-restarts 2"),
+        default=0,
+        help="line form: launch every rank again when one fails, up to N times, as torchrun --max-restarts N",
+    )
+    @argument(
+        "--fail",
+        action="append",
+        default=[],
+        metavar="RANK@SECONDS[:SIGNAL]",
+        help="line form: kill that rank's process that many seconds into the first launch (SIGKILL: a lost node)",
+    )
+    @argument(
+        "--preempt",
+        metavar="SECONDS[:GRACE]",
+        help="line form: SIGTERM every rank SECONDS in, SIGKILL GRACE s later (default 30), as SLURM preempts",
+    )
     @argument("script", nargs="?", help="line form: a script to run on every rank, as torchrun runs it")
     @argument("script_args", nargs=argparse.REMAINDER, help="line form: the script's own arguments (its sys.argv[1:])")
     @line_cell_magic
@@ -178,12 +196,18 @@ class ClusterMagics(Magics):
             loss
 
             %vgpu_run --timeout 600 train.py --epochs 2 --lr 0.1   # a fresh launch, as torchrun's
+            %vgpu_run --max-restarts 2 --fail 1@4 train.py   # rank 1 lost 4 s in; all ranks come back, twice at most
         """
         args = _parse(self.vgpu_run, line, "%vgpu_run train.py --epochs 2")
         if args.output is not None and not args.output.isidentifier():
             raise UsageError(f"-o {args.output!r} is not a Python name; use e.g. -o results")
         if cell is None:
             path = _script_path(args, str((self.shell.user_ns.get("_dh") or ["?"])[-1]))
+        elif args.max_restarts or args.fail or args.preempt is not None:
+            raise UsageError(
+                "--max-restarts, --fail and --preempt launch a script; a cell runs in ranks that keep their state: "
+                "%vgpu_run --max-restarts 2 train.py"
+            )
         elif args.script is not None:
             raise UsageError(
                 f"{args.script!r}: %%vgpu_run runs its cell; to run a script use the line form, %vgpu_run {args.script}"
@@ -203,10 +227,14 @@ class ClusterMagics(Magics):
         # A Jupyter kernel can show the live plot; a terminal cannot.
         kernel = getattr(self.shell, "kernel", None)
         plot = not args.no_plot and kernel is not None and importlib.util.find_spec("matplotlib") is not None
+        if cell is None:
+            with usage_errors(ValueError):
+                checked_faults(running.n, args.max_restarts, args.fail, args.preempt)
         # The cluster itself refuses a run while it must be restarted.
         with usage_errors(*USER_ERRORS, ClusterNotRunning):
             if cell is None:
-                running.run_script(path, list(args.script_args), timeout=args.timeout, plot=plot)
+                restarts = {"max_restarts": args.max_restarts, "fail": args.fail, "preempt": args.preempt}
+                running.run_script(path, list(args.script_args), timeout=args.timeout, plot=plot, **restarts)
                 return
             # The %%vgpu_run line in front, as a comment (IPython drops leading blank lines): a rank's traceback
             # then gives the notebook cell's line numbers.

@@ -32,7 +32,7 @@ from .mps import MPSDaemon, plan_mps
 from .processes import ClusterStartError
 from .run import RankProcesses, RankRun, RankRunError, interrupt_only_the_cell
 from .shown import HeldBack, rank_env, record_output
-from .spec import ClusterNotRunning, ClusterSpec, ClusterState
+from .spec import RESTART_COUNTS, ClusterNotRunning, ClusterSpec, ClusterState, RankOutcome, RunResult, checked_faults
 
 __all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current"]
 
@@ -262,13 +262,26 @@ class RankCluster:
         pending = [self.client[e].apply_async(report_host, e, controller) for e in engine_ids]
         return [ar.get(timeout=ENGINE_TIMEOUT) for ar in pending]
 
-    def _plan_ranks(self, layout: RankLayout) -> list[RankPlan]:
-        """The framework's plans for ``layout``, with its log settings (:func:`~.shown.rank_env`)."""
+    def _plan_ranks(self, layout: RankLayout, restart: tuple[int, int] = (0, 0)) -> list[RankPlan]:
+        """The framework's plans for ``layout``, with its log settings (:func:`~.shown.rank_env`); ``restart``: which
+        restart of how many at most, in the variables the framework's launcher counts them in (torchrun's)."""
         spec, quiet = self.spec, rank_env(self.fw, self.spec.verbose)
         memory_mib = None if spec.memory is None else spec.memory // MIB
         plans = self.fw.plan_ranks(layout, spec.split, memory_mib, spec.port, spec.backend)
         mps = self.mps.env if self.mps is not None else {}
-        return [dataclasses.replace(plan, env={**quiet, **plan.env, **(mps if plan.mps else {})}) for plan in plans]
+        counts = dict(zip(RESTART_COUNTS, map(str, restart)))
+        return [
+            dataclasses.replace(
+                plan,
+                env={
+                    **quiet,
+                    **plan.env,
+                    **{k: counts[k] for k in counts if k in plan.env},
+                    **(mps if plan.mps else {}),
+                },
+            )
+            for plan in plans
+        ]
 
     def _processes(self) -> RankProcesses:
         """How the fault policy reaches the ranks: by PID on this host (every rank, unless the launcher is remote,
@@ -368,20 +381,47 @@ class RankCluster:
                 self.rank_names.settle(self.view, candidates)
 
     def run_script(
-        self, path: str, args: list[str] | tuple[str, ...] = (), timeout: float | None = None, plot: bool = False
-    ) -> None:
-        """Launch ``path ARGS`` on every rank as ``torchrun`` does (:mod:`.launch`): new processes, fresh ports."""
+        self,
+        path: str,
+        args: list[str] | tuple[str, ...] = (),
+        timeout: float | None = None,
+        plot: bool = False,
+        max_restarts: int = 0,
+        fail: list[str] | tuple[str, ...] = (),
+        preempt: str | None = None,
+    ) -> RunResult:
+        """Launch ``path ARGS`` on every rank as ``torchrun`` does (:mod:`.launch`): new processes, fresh ports; as
+        ``torchrun --max-restarts``, all ranks launched again when one fails, up to ``max_restarts`` times; ``fail``
+        (``"RANK@SECONDS[:SIGNAL]"``) and ``preempt`` (``"SECONDS[:GRACE]"``) inject failures into the first launch;
+        ``timeout`` bounds the attempts together. The :class:`RunResult`, or :class:`RankRunError` with it."""
+        faults = checked_faults(self.n, max_restarts, fail, preempt)
         self._require_running()
-        self.layout = layout_ranks(self._read_hosts(self.engine_ids), self.given_gpus)
-        self.plans = self._plan_ranks(self.layout)
-        where, preload = (path, list(args), os.getcwd()), self._preload()
-        requests = [launch.launch_request(plan, *where, preload, self.spares) for plan in self.plans]
+        attempts, start = max_restarts + 1, time.monotonic()
+        for attempt in range(attempts):
+            self.layout = layout_ranks(self._read_hosts(self.engine_ids), self.given_gpus)
+            self.plans = self._plan_ranks(self.layout, (attempt, max_restarts))
+            requests = [
+                launch.launch_request(plan, path, list(args), os.getcwd(), self._preload(), self.spares, faults)
+                for plan in self.plans
+            ]
+            faults = []  # injected into the first launch only
 
-        def submit(rank: int) -> Any:
-            return self.client[self.engine_ids[rank]].apply_async(launch.run_rank, requests[rank])
+            def submit(rank: int, requests: list[dict] = requests) -> Any:
+                return self.client[self.engine_ids[rank]].apply_async(launch.run_rank, requests[rank])
 
-        runner = RankRun(self._processes(), submit, timeout, plot, self._gpu(), launched=True, held=self.held)
-        self._watch(runner, set())
+            left = None if timeout is None else max(0.001, timeout - (time.monotonic() - start))
+            runner = RankRun(self._processes(), submit, left, plot, self._gpu(), launched=True, held=self.held)
+            try:
+                self._watch(runner, set())
+            except RankRunError as exc:
+                if attempt + 1 == attempts or self.state is not ClusterState.RUNNING:
+                    raise RankRunError(dataclasses.replace(exc.result, attempts=attempt + 1)) from None
+                print(f"attempt {attempt + 1} of {attempts}: {exc.headline(state=False)} at ", end="")
+                print(f"{time.monotonic() - start:.1f} s; restarting the {self.n} rank{'s' * (self.n > 1)}")
+                continue
+            if attempt:
+                print(f"finished on attempt {attempt + 1} of {attempts}")
+            return RunResult(dict.fromkeys(range(self.n), RankOutcome("finished")), False, runner.grace, attempt + 1)
 
     def _preload(self) -> list[str]:
         """What a spare imports before its launch: the framework, and its rank setup's module."""

@@ -60,6 +60,8 @@ class RankRunError(RuntimeError):
             parts.append(f"interrupted {_rank_s(self.interrupted)}")
         if self.killed:
             parts.append(f"killed {_rank_s(self.killed)} (did not stop within {self.result.grace:g} s of SIGINT)")
+        if self.result.attempts > 1:
+            parts.append(f"after {self.result.attempts} attempts")
         if state:
             parts.append(_RESTART if self.must_restart else "the cluster is still usable")
         return "; ".join(parts)

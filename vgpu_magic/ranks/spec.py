@@ -4,12 +4,26 @@ it ended (:class:`RunResult`), as plain data: torch elastic's ``WorkerSpec``, ``
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+import re
+import signal
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["ClusterNotRunning", "ClusterSpec", "ClusterState", "RankFailure", "RankOutcome", "RunResult"]
+__all__ = [
+    "RESTART_COUNTS",
+    "ClusterNotRunning",
+    "ClusterSpec",
+    "ClusterState",
+    "Fault",
+    "RankFailure",
+    "RankOutcome",
+    "RunResult",
+    "checked_faults",
+    "parse_fail",
+    "parse_preempt",
+]
 
 
 @dataclass(frozen=True)
@@ -88,3 +102,69 @@ class RunResult:
     outcomes: Mapping[int, RankOutcome]
     must_restart: bool
     grace: float
+    #: How many times the ranks were launched (``max_restarts`` gives more than one).
+    attempts: int = 1
+
+
+#: The variables torchrun's agent counts restarts in (the restart, the most allowed): a launch sets them where the
+#: framework's plan has them.
+RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+#: A preemption's default grace between SIGTERM and SIGKILL: SLURM's ``KillWait``.
+PREEMPT_GRACE = 30.0
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A failure injected into the first launch of a script: ``signum`` sent ``after`` seconds to ``rank`` (``None``:
+    every rank), then SIGKILL ``kill_after`` seconds later where given (a preemption); ``said`` is the option as typed,
+    which the run's output quotes so that no one takes it for a bug."""
+
+    rank: int | None
+    after: float
+    signum: int
+    kill_after: float | None
+    said: str
+
+
+_FAIL = re.compile(r"(\d+)@(\d+(?:\.\d*)?|\.\d+)(?::(\w+))?")
+_PREEMPT = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(?::(\d+(?:\.\d*)?|\.\d+))?")
+
+
+def parse_fail(text: str) -> Fault:
+    """``--fail RANK@SECONDS[:SIGNAL]`` (SIGKILL by default, as a lost node): a :class:`Fault`, or ``ValueError``."""
+    match = _FAIL.fullmatch(str(text).strip())
+    if match is None:
+        raise ValueError(f"--fail {text!r} is not RANK@SECONDS[:SIGNAL]; use e.g. --fail 1@4 or --fail 1@4:SIGTERM")
+    name = (match[3] or "SIGKILL").upper()
+    name = name if name.startswith("SIG") else f"SIG{name}"
+    if not hasattr(signal.Signals, name) or name in ("SIGSTOP", "SIGCONT"):
+        raise ValueError(f"--fail {text!r}: {match[3]!r} is not a signal that ends a process; use e.g. SIGTERM")
+    return Fault(int(match[1]), _positive(match[2], f"--fail {text!r}"), signal.Signals[name], None, f"--fail {text}")
+
+
+def parse_preempt(text: str) -> Fault:
+    """``--preempt SECONDS[:GRACE]``: every rank SIGTERM, SIGKILL after GRACE (SLURM's preemption and ``KillWait``)."""
+    match = _PREEMPT.fullmatch(str(text).strip())
+    if match is None:
+        raise ValueError(f"--preempt {text!r} is not SECONDS[:GRACE]; use e.g. --preempt 3 or --preempt 3:10")
+    grace = PREEMPT_GRACE if match[2] is None else float(match[2])
+    return Fault(None, _positive(match[1], f"--preempt {text!r}"), signal.SIGTERM, grace, f"--preempt {text}")
+
+
+def _positive(seconds: str, said: str) -> float:
+    value = float(seconds)
+    if not 0 < value <= 7 * 24 * 3600:
+        raise ValueError(f"{said}: the seconds must be above 0 (and within a week), e.g. 4")
+    return value
+
+
+def checked_faults(n: int, max_restarts: int, fail: Sequence[str] | str, preempt: str | None) -> list[Fault]:
+    """A script run's restarts and faults on ``n`` ranks, checked before anything runs: the faults, or ValueError."""
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or not 0 <= max_restarts <= 100:
+        raise ValueError(f"--max-restarts {max_restarts!r} is not a count; use 0..100, e.g. --max-restarts 2")
+    faults = [parse_fail(text) for text in ([fail] if isinstance(fail, str) else fail)]
+    faults += [parse_preempt(preempt)] if preempt is not None else []
+    for fault in faults:
+        if fault.rank is not None and not 0 <= fault.rank < n:
+            raise ValueError(f"{fault.said}: rank {fault.rank} is not one of the ranks 0..{n - 1}")
+    return faults
