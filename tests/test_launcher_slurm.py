@@ -40,12 +40,16 @@ TORCH_RANK = "int(os.environ['RANK'])"
 TF_RANK = "json.loads(os.environ['TF_CONFIG'])['task']['index']"
 
 
-def step_daemons() -> set[int]:
-    return {
-        p.pid
-        for p in psutil.process_iter(["name", "status"])
-        if p.info["name"] == "slurmstepd" and p.info["status"] != psutil.STATUS_ZOMBIE
-    }
+def step_daemons(slurm) -> set[int]:
+    """The live ``slurmstepd`` of ``slurm``'s jobs (its slurmd's ``SLURM_CONF``), not another SLURM's on the machine
+    (issue 43, row 18)."""
+    found = set()
+    for p in psutil.process_iter(["name", "status"]):
+        if p.info["name"] == "slurmstepd" and p.info["status"] != psutil.STATUS_ZOMBIE:
+            with contextlib.suppress(psutil.Error):
+                if p.environ().get("SLURM_CONF") == str(slurm.conf):
+                    found.add(p.pid)
+    return found
 
 
 @contextlib.contextmanager
@@ -54,7 +58,7 @@ def slurm_ranks(slurm, framework: str, n: int, launcher_options: dict | None = N
     process is left."""
     from vgpu_magic.ranks import RankCluster
 
-    steps = step_daemons()
+    steps = step_daemons(slurm)
     launcher_options = {"time": "10", **(launcher_options or {})}
     ranks = RankCluster(n, framework, launcher="slurm", launcher_options=launcher_options, join=True, **options)
     with contextlib.nullcontext() if scripts else no_warm_spares():
@@ -71,10 +75,10 @@ def slurm_ranks(slurm, framework: str, n: int, launcher_options: dict | None = N
     assert slurm.squeue() == []
     # slurmstepd reaps its tasks and exits just after the job ends: allow it a moment.
     deadline = time.monotonic() + 20
-    while (processes_of(cluster_id) or step_daemons() - steps) and time.monotonic() < deadline:
+    while (processes_of(cluster_id) or step_daemons(slurm) - steps) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert processes_of(cluster_id) == []
-    assert step_daemons() <= steps
+    assert step_daemons(slurm) <= steps
     # No batch script left behind, in the working folder (ipyparallel's default) or beside the engines' logs.
     assert not Path("slurm_engine.sbatch").exists()
     assert not list((profile / "log").glob(f"*{cluster_id}*.sbatch"))
@@ -158,6 +162,45 @@ def test_a_ddp_script_runs_twice_from_the_jobs_tasks(slurm, tmp_path, monkeypatc
             assert [f["resumed_at"] for f in found] == [(0, 4)[run]] * 2
             assert found[0]["weights"] == found[1]["weights"]
         assert slurm.squeue()[0].split()[0] == str(job)
+
+
+#: Writes the ``SLURM_*`` variables it was given to ``ARGV[1]-PROCID.json``.
+SLURM_DUMP = """
+import json, os, sys
+given = {k: v for k, v in os.environ.items() if k.startswith(("SLURM_", "SLURMD_"))}
+json.dump(given, open(f"{sys.argv[1]}-{os.environ['SLURM_PROCID']}.json", "w"))
+"""
+
+
+def test_a_launched_script_has_the_slurm_variables_srun_gives_a_task_of_the_job(slurm, tmp_path, monkeypatch):
+    """Issue 46: a script that ``%vgpu_run`` launched from the job's engines had none of SLURM's step variables
+    (only the kernel's ``SLURM_CONF``): a launch started from the kernel's environment. Now it has the names that
+    ``srun python dump.py`` in the job's batch script gives a task (srun run with that script's environment), with
+    the same per-task values."""
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "dump.py").write_text(SLURM_DUMP)
+    monkeypatch.chdir(tmp_path)
+    with slurm_ranks(slurm, "torch", 2, scripts=True) as ranks:
+        job = next(iter(ranks.cluster.engines.values())).job_id
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            ranks.run_script("dump.py", ["ours"], timeout=RUN_TIMEOUT)
+        assert step_daemons(slurm)  # the job's, which the check that none is left looks for
+        [batch] = [
+            p.environ()
+            for p in psutil.process_iter(["cmdline"])
+            if (p.info["cmdline"] or [""])[-1].endswith("slurm_script") and p.environ().get("SLURM_JOB_ID") == job
+        ]
+        srun = ["srun", "--overlap", "-n", "2", sys.executable, "dump.py", "srun"]
+        ran = subprocess.run(srun, env=batch, capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False)
+        assert ran.returncode == 0, ran.stderr
+    per_task = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_ID", "SLURM_NTASKS")
+    for rank in (0, 1):
+        ours, theirs = (json.loads((tmp_path / f"{who}-{rank}.json").read_text()) for who in ("ours", "srun"))
+        assert set(ours) ^ set(theirs) == set()
+        assert [ours[name] for name in per_task] == [theirs[name] for name in per_task]
 
 
 def test_tensorflow_multiworker_ranks_in_slurm(slurm):

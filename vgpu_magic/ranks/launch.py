@@ -39,17 +39,36 @@ class ProcessExited(RuntimeError):
     """The rank's process ended with a non-zero status: how."""
 
 
-def kernel_environ() -> tuple[str, dict[str, str]]:
+@dataclass(frozen=True)
+class KernelEnviron:
+    """What a launch's environment starts from: the kernel's host and its environment at the run, and the prefixes
+    of the variables that the engines' own launch gave them (their launcher's ``task_variables``: ``SLURM_``)."""
+
+    host: str
+    environ: dict[str, str]
+    task_variables: tuple[str, ...] = ()
+
+
+def kernel_environ(task_variables: tuple[str, ...] = ()) -> KernelEnviron:
     """In the kernel: its host and its environment as it is now, which a launch on that host starts from."""
-    return socket.gethostname(), dict(os.environ)
+    return KernelEnviron(socket.gethostname(), dict(os.environ), tuple(task_variables))
 
 
-def launch_request(plan: Any, path: str, args: list[str], cwd: str, preload: list[str], spare: bool = True) -> dict:
+def launch_request(
+    plan: Any,
+    path: str,
+    args: list[str],
+    cwd: str,
+    preload: list[str],
+    spare: bool = True,
+    task_variables: tuple[str, ...] = (),
+) -> dict:
     """What :func:`run_rank` needs to launch one rank with its :class:`~vgpu_magic.frameworks.base.RankPlan`, as plain
-    data; ``preload``: the modules a spare imports; ``spare``: keep one for the next launch."""
+    data; ``preload``: the modules a spare imports; ``spare``: keep one for the next launch; ``task_variables``: the
+    launcher's (:class:`KernelEnviron`)."""
     return {
         "spare": spare,
-        "environ": kernel_environ(),
+        "environ": kernel_environ(task_variables),
         "plan_env": dict(plan.env),
         "setup": plan.setup,
         "setup_args": list(plan.args),
@@ -63,7 +82,7 @@ def launch_request(plan: Any, path: str, args: list[str], cwd: str, preload: lis
 # -- on the engine: the per-host agent ----------------------------------------------
 
 #: :func:`kernel_environ`'s, or ``None`` (the engine's own).
-Environ = tuple[str, dict[str, str]] | None
+Environ = KernelEnviron | None
 
 
 @dataclass
@@ -117,13 +136,19 @@ def _spare_for(plan_env: dict[str, str], preload: list[str], environ: Environ) -
 
 
 def _base(plan_env: dict[str, str], environ: Environ) -> dict[str, str]:
-    """A launch's environment outside the plan: the kernel's ``environ`` (a launcher run from the notebook inherits
-    it), the engine's own on another host; with :mod:`.lifetime`'s variables, without ipyparallel's (its key)."""
+    """A launch's environment outside the plan: on the kernel's host the kernel's ``environ`` (a launcher run from
+    the notebook inherits it) with what the engine's own launch gave it (``srun``'s ``SLURM_*``), which a task of that
+    launch has; the engine's own on another host (what ``ssh`` or ``srun`` gave it there). With :mod:`.lifetime`'s
+    variables, without ipyparallel's (its key)."""
     from . import lifetime
 
     ours = {k: os.environ[k] for k in (lifetime.OWNER_ENV, lifetime.CLUSTER_ENV) if k in os.environ}
-    here = environ is not None and environ[0] == socket.gethostname()
-    env = {**(environ[1] if here else os.environ), **ours}
+    env = dict(os.environ)
+    if environ is not None and environ.host == socket.gethostname():
+        theirs = environ.task_variables
+        env = {k: v for k, v in environ.environ.items() if not k.startswith(theirs)}
+        env.update({k: v for k, v in os.environ.items() if k.startswith(theirs)})
+    env.update(ours)
     return {k: v for k, v in env.items() if not k.startswith("IPP_") and k not in plan_env}
 
 

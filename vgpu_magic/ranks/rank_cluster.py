@@ -198,7 +198,7 @@ class RankCluster:
                 # A spare on every engine, importing as the start returns: a launch that comes first waits for
                 # its spare's imports, as it would for its own.
                 preload = self._preload()
-                environ = launch.kernel_environ()
+                environ = launch.kernel_environ(self.launcher_plan.launcher.task_variables)
                 warming = [
                     self.client[e].apply_async(launch.warm, p.env, preload, environ)
                     for e, p in zip(self.engine_ids, self.plans)
@@ -348,7 +348,8 @@ class RankCluster:
         self.layout = layout_ranks(self._read_hosts(self.engine_ids), self.given_gpus)
         self.plans = self._plan_ranks(self.layout)
         where, preload = (path, list(args), os.getcwd()), self._preload()
-        requests = [launch.launch_request(plan, *where, preload, self.spares) for plan in self.plans]
+        theirs = self.launcher_plan.launcher.task_variables
+        requests = [launch.launch_request(plan, *where, preload, self.spares, theirs) for plan in self.plans]
 
         def submit(rank: int) -> Any:
             return self.client[self.engine_ids[rank]].apply_async(launch.run_rank, requests[rank])
