@@ -62,13 +62,15 @@ def launch_request(
     preload: list[str],
     spare: bool = True,
     task_variables: tuple[str, ...] = (),
+    module: bool = False,
 ) -> dict:
     """What :func:`run_rank` needs to launch one rank with its :class:`~vgpu_magic.frameworks.base.RankPlan`, as plain
     data; ``preload``: the modules a spare imports; ``spare``: keep one for the next launch; ``task_variables``: the
-    launcher's (:class:`KernelEnviron`)."""
+    launcher's (:class:`KernelEnviron`); ``module``: ``path`` names a module, run as ``python -m`` runs it."""
     return {
         "spare": spare,
         "environ": kernel_environ(task_variables),
+        "module": module,
         "plan_env": dict(plan.env),
         "setup": plan.setup,
         "setup_args": list(plan.args),
@@ -182,16 +184,18 @@ def run_rank(request: dict[str, Any]) -> int:
     child, stream its output, and wait for its end: its PID, or :class:`ProcessExited`."""
     global _spare
     plan_env, path, cwd = request["plan_env"], request["argv"][0], request["cwd"]
-    for what, where, ok in (("folder", cwd, os.path.isdir), ("script", os.path.join(cwd, path), os.path.isfile)):
-        if not ok(where):
+    # A module is found by the launched process (python's "No module named ..." if not); a file it could run is here.
+    script = os.path.join(cwd, *path.split(".")) + ".py" if request["module"] else os.path.join(cwd, path)
+    for what, where, ok in (("folder", cwd, os.path.isdir), ("script", script, os.path.isfile)):
+        if not ok(where) and not (request["module"] and what == "script"):
             raise ProcessExited(f"could not start: the {what} {where} does not exist on {socket.gethostname()}")
-    preload = [] if _sets_environment(os.path.join(cwd, path)) else request["preload"]
+    preload = [] if _sets_environment(script) else request["preload"]
     proc = _spare_for(plan_env, preload, request["environ"])
     # The engine takes SIGINT only inside a cell's code (run.interrupt_only_the_cell); a launch is
     # interrupted as a cell is, so the fault policy can stop it.
     outside = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        launch = {k: request[k] for k in ("setup", "setup_args", "devices", "argv", "cwd", "preload")}
+        launch = {k: request[k] for k in ("setup", "setup_args", "devices", "argv", "cwd", "preload", "module")}
         # PWD as a shell that ran the launcher there sets it.
         proc.control.sendall(json.dumps({**launch, "env": {**proc.base, "PWD": cwd, **plan_env}}).encode())
         proc.control.shutdown(socket.SHUT_WR)
@@ -290,7 +294,7 @@ def _die_with_parent(parent: int) -> None:
 
 def child() -> None:
     """A spare (``python -c ... PARENT FD MODULE...``): import the modules, wait for the launch on the socket
-    ``FD``, then become the script's process as ``python FILE ARGS`` would be."""
+    ``FD``, then become the script's process as ``python FILE ARGS`` (or ``python -m MODULE ARGS``) would be."""
     import importlib
     import runpy
 
@@ -314,7 +318,8 @@ def child() -> None:
     os.environ.update(launch["env"])
     path = launch["argv"][0]
     sys.argv = list(launch["argv"])
-    sys.path[0] = os.path.dirname(os.path.realpath(path))
+    # As python puts it first on the import path: the current folder under -m, else the script's (links resolved).
+    sys.path[0] = os.getcwd() if launch["module"] else os.path.dirname(os.path.realpath(path))
     if launch["setup"] or launch["devices"]:
         from ..plans import SplitRequest
         from .hosts import prepare_rank
@@ -324,13 +329,38 @@ def child() -> None:
     # As on a terminal: each line reaches the notebook when printed.
     sys.stdout.reconfigure(line_buffering=True)
     try:
-        # As torch's launcher runs a script (torch.distributed.run's run_script_path).
-        runpy.run_path(path, run_name="__main__")
+        if launch["module"]:
+            # As python -m runs it: sys.argv[0] becomes the module's file, its module is __main__.
+            runpy.run_module(path, {"__annotations__": {}}, "__main__", alter_sys=True)
+        else:
+            _run_script(path)
     except Exception as exc:  # noqa: BLE001 - whatever the script raises ends it, as an uncaught exception does
         # Python's own report of an uncaught exception, from the script's first frame on.
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename != path:
+        tb, launching = exc.__traceback__, (__file__, runpy.run_module.__code__.co_filename)
+        while tb is not None and tb.tb_frame.f_code.co_filename.startswith((*launching, "<frozen importlib")):
             tb = tb.tb_next
+        if tb is None and launch["module"]:
+            # Not found, or its package failed before its code ran: python -m's one line.
+            print(f"{sys.executable}: {exc}", file=sys.stderr)
+            sys.exit(1)
         # torch.distributed's hook (which labels each line with the rank) reads the exception's own traceback.
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         sys.exit(1)
+
+
+def _run_script(path: str) -> None:
+    """Run the script at ``path`` as ``python PATH`` does: in a new ``__main__`` module, ``__file__`` absolute (as
+    Python 3.9 made it), ``__package__`` and ``__spec__`` None; the code's file name is ``__file__``."""
+    import builtins
+    import importlib.machinery
+    import io
+    import types
+
+    file = os.path.abspath(path)
+    main = types.ModuleType("__main__")
+    loader = importlib.machinery.SourceFileLoader("__main__", file)
+    main.__dict__.update(__file__=file, __cached__=None, __loader__=loader, __builtins__=builtins, __annotations__={})
+    sys.modules["__main__"] = main
+    with io.open_code(file) as source:
+        code = compile(source.read(), file, "exec", dont_inherit=True)
+    exec(code, main.__dict__)

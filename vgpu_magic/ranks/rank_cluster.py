@@ -341,15 +341,21 @@ class RankCluster:
                 self.rank_names.settle(self.view, candidates)
 
     def run_script(
-        self, path: str, args: list[str] | tuple[str, ...] = (), timeout: float | None = None, plot: bool = False
+        self,
+        path: str,
+        args: list[str] | tuple[str, ...] = (),
+        timeout: float | None = None,
+        plot: bool = False,
+        module: bool = False,
     ) -> None:
-        """Launch ``path ARGS`` on every rank as ``torchrun`` does (:mod:`.launch`): new processes, fresh ports."""
+        """Launch ``path ARGS`` on every rank as ``torchrun`` does (:mod:`.launch`): new processes, fresh ports;
+        ``module``: ``path`` is a module's name, run as ``torchrun -m`` (``python -m``) runs it."""
         self._require_running()
         self.layout = layout_ranks(self._read_hosts(self.engine_ids), self.given_gpus)
         self.plans = self._plan_ranks(self.layout)
         where, preload = (path, list(args), os.getcwd()), self._preload()
         theirs = self.launcher_plan.launcher.task_variables
-        requests = [launch.launch_request(plan, *where, preload, self.spares, theirs) for plan in self.plans]
+        requests = [launch.launch_request(plan, *where, preload, self.spares, theirs, module) for plan in self.plans]
 
         def submit(rank: int) -> Any:
             return self.client[self.engine_ids[rank]].apply_async(launch.run_rank, requests[rank])
