@@ -41,13 +41,13 @@ TF_RANK = "json.loads(os.environ['TF_CONFIG'])['task']['index']"
 
 
 def step_daemons(slurm) -> set[int]:
-    """The live ``slurmstepd`` of ``slurm``'s jobs (its slurmd's ``SLURM_CONF``), not another SLURM's on the machine
-    (issue 43, row 18)."""
+    """The live ``slurmstepd`` of ``slurm``'s jobs (they hold its slurmd's log open), not another SLURM's on the
+    machine (issue 43, row 18). Not by their ``SLURM_CONF``: their title overwrites most of their environment."""
     found = set()
     for p in psutil.process_iter(["name", "status"]):
         if p.info["name"] == "slurmstepd" and p.info["status"] != psutil.STATUS_ZOMBIE:
             with contextlib.suppress(psutil.Error):
-                if p.environ().get("SLURM_CONF") == str(slurm.conf):
+                if any(Path(f.path).parent == slurm.folder for f in p.open_files()):
                     found.add(p.pid)
     return found
 
