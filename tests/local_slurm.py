@@ -143,13 +143,14 @@ class LocalSlurm:
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
     def step_daemons(self) -> set[int]:
-        """The PIDs of this cluster's ``slurmstepd`` processes, by ``SLURM_CONF`` in their environment (as the
-        sweep finds them): another SLURM on the machine (another test run's, a user's) has its own."""
+        """The PIDs of this cluster's ``slurmstepd`` processes, which hold its slurmd's log (in :attr:`folder`) open:
+        another SLURM on the machine (another test run's, a user's) has its own. Not by their ``SLURM_CONF``: a step
+        daemon's title overwrites most of its environment."""
         found = set()
         for proc in psutil.process_iter(["name", "status"]):
             if proc.info["name"] == "slurmstepd" and proc.info["status"] != psutil.STATUS_ZOMBIE:
                 with contextlib.suppress(psutil.Error):
-                    if proc.environ().get("SLURM_CONF") == str(self.conf):
+                    if any(Path(f.path).parent == self.folder for f in proc.open_files()):
                         found.add(proc.pid)
         return found
 

@@ -251,6 +251,41 @@ def test_a_launched_rank_is_given_what_torchrun_gives_it(kernel, tmp_path):
         assert ours["argv"] == ["dump.py", "ours"] and theirs["argv"] == ["dump.py", "torchrun"]
 
 
+#: A script (or module) that writes what Python gave it as ``__main__`` to ``seen-ARGV[1]-RANK.json``.
+SEEN = """
+import json, os, sys
+seen = {
+    "file": __file__, "package": __package__, "spec": __spec__ and __spec__.name, "argv": sys.argv[1:],
+    "argv0": sys.argv[0], "path0": sys.path[0], "main": sys.modules["__main__"].__dict__ is globals(),
+    "globals": sorted(globals()), "cached": __cached__, "folder": os.path.dirname(__file__),
+}
+json.dump(seen, open(f"seen-{sys.argv[1]}-{os.environ.get('RANK', 0)}.json", "w"))
+"""
+
+
+@pytest.mark.parametrize("form", ["show.py", "-m pkg.show"])
+def test_a_script_or_module_is_main_as_python_makes_it(kernel, tmp_path, form):
+    """Issue 43, rows 11 and 14, issue 46: ``__file__`` was the path as typed (``os.path.dirname(__file__)`` then
+    ``""``), ``__package__`` ``''``, not Python's; ``-m pkg.train`` (torchrun's module form) was refused. Both now
+    against plain ``python show.py`` / ``python -m pkg.show`` from the same folder."""
+    _, kc = kernel
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    for where in (tmp_path / "show.py", tmp_path / "pkg" / "show.py"):
+        where.write_text(SEEN)
+    cell = f"import sys\n%cd {tmp_path}\n!{{sys.executable}} {form} python\n%vgpu_run --no-plot {form} ours\n%cd -"
+    reply = kernel_run(kc, cell)
+    assert not kernel_errors(reply), kernel_errors(reply)
+    python = json.loads((tmp_path / "seen-python-0.json").read_text())
+    for rank in (0, 1):
+        ours = json.loads((tmp_path / f"seen-ours-{rank}.json").read_text())
+        assert {**ours, "argv": ["python"]} == python
+    assert python["folder"] == str(tmp_path / ("pkg" if "-m" in form else ""))
+    assert (python["package"], python["argv0"]) == (
+        ("pkg", str(tmp_path / "pkg" / "show.py")) if "-m" in form else (None, "show.py")
+    )
+
+
 def test_a_progress_bar_on_stderr_is_live_and_not_an_error(kernel, tmp_path):
     """Issue 37, row 5: a plain ``from tqdm import tqdm`` bar did not move for the whole run, then both finished
     bars arrived at the end in the notebook's stderr. Issue 45: the bar is on stderr, where tqdm writes it and

@@ -586,6 +586,14 @@ def test_bad_cluster_lines_change_nothing(shell, line, match):
         ("train.py", "1", "%%vgpu_run runs its cell; to run a script use the line form"),
         ("", "def (", "the cell does not parse"),
         ("", "1", "no cluster running"),
+        # Issue 43, row 14: torchrun's options got a bare "unknown option" line; -m was refused.
+        ("--nproc-per-node 2 train.py", None, r"^'--nproc-per-node' is torchrun's: here %vgpu_cluster start N sets"),
+        ("--nproc_per_node=2 -m pkg.train", None, r"^'--nproc_per_node' is torchrun's: here %vgpu_cluster start N"),
+        ("--timeout 5 --standalone train.py", None, r"^'--standalone' is torchrun's: here %vgpu_cluster start N"),
+        ("-m pkg/train.py", None, r"^-m 'pkg/train.py' is not a module name; use e.g. -m pkg.train"),
+        ("-m", "1", r"^-m runs a module in the line form, e.g. %vgpu_run -m pkg.train"),
+        ("-m pkg.train", None, "no cluster running"),
+        ("train.py --nproc-per-node 2", None, "script 'train.py' is not a file"),
     ],
 )
 def test_bad_run_lines(shell, line, cell, match):

@@ -18,6 +18,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from support import TF_ALL_REDUCE, again_after_torchs_exit_abort, failure_text, no_warm_spares, processes_of
@@ -85,17 +86,19 @@ def test_only_this_clusters_step_daemons_are_counted(slurm, tmp_path, no_process
     # A job of another SLURM on the machine (another test run's, a user's) starts and ends when it will.
     impostor = tmp_path / "slurmstepd"
     shutil.copy(shutil.which("sleep"), impostor)
-    ours, theirs = (
-        subprocess.Popen([impostor, "60"], env={**os.environ, "SLURM_CONF": conf})
-        for conf in (str(slurm.conf), str(tmp_path / "another" / "slurm.conf"))
-    )
+    (tmp_path / "another").mkdir()
+    # As a real step daemon holds its slurmd's log open (its environment is not readable: its title overwrites it).
+    logs = [open(folder / "impostor.log", "w") for folder in (slurm.folder, tmp_path / "another")]  # noqa: SIM115
+    ours, theirs = (subprocess.Popen([impostor, "60"], stdout=log) for log in logs)
     try:
         found = slurm.step_daemons()
         assert ours.pid in found and theirs.pid not in found
     finally:
-        for proc in (ours, theirs):
+        for proc, log in zip((ours, theirs), logs):
             proc.kill()
             proc.wait(timeout=10)
+            log.close()
+            os.unlink(log.name)
 
 
 def quiet_run(ranks, code: str):
@@ -169,6 +172,45 @@ def test_a_ddp_script_runs_twice_from_the_jobs_tasks(slurm, tmp_path, monkeypatc
             assert [f["resumed_at"] for f in found] == [(0, 4)[run]] * 2
             assert found[0]["weights"] == found[1]["weights"]
         assert slurm.squeue()[0].split()[0] == str(job)
+
+
+#: Writes the ``SLURM_*`` variables it was given to ``ARGV[1]-PROCID.json``.
+SLURM_DUMP = """
+import json, os, sys
+given = {k: v for k, v in os.environ.items() if k.startswith(("SLURM_", "SLURMD_"))}
+json.dump(given, open(f"{sys.argv[1]}-{os.environ['SLURM_PROCID']}.json", "w"))
+"""
+
+
+def test_a_launched_script_has_the_slurm_variables_srun_gives_a_task_of_the_job(slurm, tmp_path, monkeypatch):
+    """Issue 46: a script that ``%vgpu_run`` launched from the job's engines had none of SLURM's step variables
+    (only the kernel's ``SLURM_CONF``): a launch started from the kernel's environment. Now it has the names that
+    ``srun python dump.py`` in the job's batch script gives a task (srun run with that script's environment), with
+    the same per-task values."""
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "dump.py").write_text(SLURM_DUMP)
+    monkeypatch.chdir(tmp_path)
+    with slurm_ranks(slurm, "torch", 2, scripts=True) as ranks:
+        job = next(iter(ranks.cluster.engines.values())).job_id
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            ranks.run_script("dump.py", ["ours"], timeout=RUN_TIMEOUT)
+        assert slurm.step_daemons()  # the job's, which the check that none is left looks for
+        [batch] = [
+            p.environ()
+            for p in psutil.process_iter(["cmdline"])
+            if (p.info["cmdline"] or [""])[-1].endswith("slurm_script") and p.environ().get("SLURM_JOB_ID") == job
+        ]
+        srun = ["srun", "--overlap", "-n", "2", sys.executable, "dump.py", "srun"]
+        ran = subprocess.run(srun, env=batch, capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False)
+        assert ran.returncode == 0, ran.stderr
+    per_task = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_ID", "SLURM_NTASKS")
+    for rank in (0, 1):
+        ours, theirs = (json.loads((tmp_path / f"{who}-{rank}.json").read_text()) for who in ("ours", "srun"))
+        assert set(ours) ^ set(theirs) == set()
+        assert [ours[name] for name in per_task] == [theirs[name] for name in per_task]
 
 
 def test_tensorflow_multiworker_ranks_in_slurm(slurm):

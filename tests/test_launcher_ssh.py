@@ -100,6 +100,28 @@ class TestTorchOnTwoHosts:
             (1, leader.address, "0", 3.0),
         ]
 
+    def test_a_launched_script_has_the_ssh_variables_ssh_gives_a_command(self, two_hosts, torch_ranks, tmp_path):
+        """Issue 46: what the engine's own launch gave it reaches a script it launches on every host: on the
+        kernel's host too, where the launch starts from the kernel's environment (``SSH_*`` were lost there). The
+        names are those ``ssh HOST env`` gives a command on that host."""
+        import json
+        import socket
+
+        script = tmp_path / "dump.py"
+        script.write_text(
+            "import json, os, socket\n"
+            "given = sorted(k for k in os.environ if k.startswith('SSH_'))\n"
+            f"json.dump(given, open(os.path.join({str(tmp_path)!r}, socket.gethostname() + '.json'), 'w'))\n"
+        )
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            torch_ranks.run_script(str(script), timeout=RUN_TIMEOUT)
+        for host in (two_hosts.first, two_hosts.second):
+            by_ssh = sorted(
+                line.split("=")[0] for line in two_hosts.ssh(host, "env").splitlines() if line[:4] == "SSH_"
+            )
+            assert json.loads((tmp_path / f"{host.hostname}.json").read_text()) == by_ssh and by_ssh
+        assert two_hosts.first.hostname == socket.gethostname()
+
     def test_a_rank_on_the_second_host_is_interrupted_and_reported_through_its_engine(self, two_hosts, torch_ranks):
         """The second host has process IDs of its own, as a real one has: the PID its rank reports names
         nothing (or another process) here. The fault policy reaches that rank through its engine: a

@@ -40,17 +40,36 @@ class ProcessExited(RuntimeError):
     """The rank's process ended with a non-zero status: how."""
 
 
-def kernel_environ() -> tuple[str, dict[str, str]]:
+@dataclass(frozen=True)
+class KernelEnviron:
+    """What a launch's environment starts from: the kernel's host and its environment at the run, and the prefixes
+    of the variables that the engines' own launch gave them (their launcher's ``task_variables``: ``SLURM_``)."""
+
+    host: str
+    environ: dict[str, str]
+    task_variables: tuple[str, ...] = ()
+
+
+def kernel_environ(task_variables: tuple[str, ...] = ()) -> KernelEnviron:
     """In the kernel: its host and its environment as it is now, which a launch on that host starts from."""
-    return socket.gethostname(), dict(os.environ)
+    return KernelEnviron(socket.gethostname(), dict(os.environ), tuple(task_variables))
 
 
 def launch_request(
-    plan: Any, path: str, args: list[str], cwd: str, preload: list[str], spare: bool = True, faults: tuple = ()
+    plan: Any,
+    path: str,
+    args: list[str],
+    cwd: str,
+    preload: list[str],
+    spare: bool = True,
+    task_variables: tuple[str, ...] = (),
+    module: bool = False,
+    faults: tuple = (),
 ) -> dict:
     """What :func:`run_rank` needs to launch one rank with its :class:`~vgpu_magic.frameworks.base.RankPlan`, as plain
-    data; ``preload``: the modules a spare imports; ``spare``: keep one for the next launch; ``faults``: the run's
-    :class:`~.spec.Fault` s, those for this rank injected into its process."""
+    data; ``preload``: the modules a spare imports; ``spare``: keep one for the next launch; ``task_variables``: the
+    launcher's (:class:`KernelEnviron`); ``module``: ``path`` names a module, run as ``python -m`` runs it;
+    ``faults``: the run's :class:`~.spec.Fault` s, those for this rank injected into its process."""
     return {
         # When, on the host's clock: every rank's signal at the same moment (one rank preempted alone would fail in
         # its peer's collective before that peer's own SIGTERM came).
@@ -60,7 +79,8 @@ def launch_request(
             if f.rank in (None, plan.rank)
         ],
         "spare": spare,
-        "environ": kernel_environ(),
+        "environ": kernel_environ(task_variables),
+        "module": module,
         "plan_env": dict(plan.env),
         "setup": plan.setup,
         "setup_args": list(plan.args),
@@ -74,7 +94,7 @@ def launch_request(
 # -- on the engine: the per-host agent ----------------------------------------------
 
 #: :func:`kernel_environ`'s, or ``None`` (the engine's own).
-Environ = tuple[str, dict[str, str]] | None
+Environ = KernelEnviron | None
 
 
 @dataclass
@@ -128,13 +148,19 @@ def _spare_for(plan_env: dict[str, str], preload: list[str], environ: Environ) -
 
 
 def _base(plan_env: dict[str, str], environ: Environ) -> dict[str, str]:
-    """A launch's environment outside the plan: the kernel's ``environ`` (a launcher run from the notebook inherits
-    it), the engine's own on another host; with :mod:`.lifetime`'s variables, without ipyparallel's (its key)."""
+    """A launch's environment outside the plan: on the kernel's host the kernel's ``environ`` (a launcher run from
+    the notebook inherits it) with what the engine's own launch gave it (``srun``'s ``SLURM_*``), which a task of that
+    launch has; the engine's own on another host (what ``ssh`` or ``srun`` gave it there). With :mod:`.lifetime`'s
+    variables, without ipyparallel's (its key)."""
     from . import lifetime
 
     ours = {k: os.environ[k] for k in (lifetime.OWNER_ENV, lifetime.CLUSTER_ENV) if k in os.environ}
-    here = environ is not None and environ[0] == socket.gethostname()
-    env = {**(environ[1] if here else os.environ), **ours}
+    env = dict(os.environ)
+    if environ is not None and environ.host == socket.gethostname():
+        theirs = environ.task_variables
+        env = {k: v for k, v in environ.environ.items() if not k.startswith(theirs)}
+        env.update({k: v for k, v in os.environ.items() if k.startswith(theirs)})
+    env.update(ours)
     return {k: v for k, v in env.items() if not k.startswith("IPP_") and k not in plan_env}
 
 
@@ -168,16 +194,18 @@ def run_rank(request: dict[str, Any]) -> int:
     child, stream its output, and wait for its end: its PID, or :class:`ProcessExited`."""
     global _spare
     plan_env, path, cwd = request["plan_env"], request["argv"][0], request["cwd"]
-    for what, where, ok in (("folder", cwd, os.path.isdir), ("script", os.path.join(cwd, path), os.path.isfile)):
-        if not ok(where):
+    # A module is found by the launched process (python's "No module named ..." if not); a file it could run is here.
+    script = os.path.join(cwd, *path.split(".")) + ".py" if request["module"] else os.path.join(cwd, path)
+    for what, where, ok in (("folder", cwd, os.path.isdir), ("script", script, os.path.isfile)):
+        if not ok(where) and not (request["module"] and what == "script"):
             raise ProcessExited(f"could not start: the {what} {where} does not exist on {socket.gethostname()}")
-    preload = [] if _sets_environment(os.path.join(cwd, path)) else request["preload"]
+    preload = [] if _sets_environment(script) else request["preload"]
     proc = _spare_for(plan_env, preload, request["environ"])
     # The engine takes SIGINT only inside a cell's code (run.interrupt_only_the_cell); a launch is
     # interrupted as a cell is, so the fault policy can stop it.
     outside = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        launch = {k: request[k] for k in ("setup", "setup_args", "devices", "argv", "cwd", "preload")}
+        launch = {k: request[k] for k in ("setup", "setup_args", "devices", "argv", "cwd", "preload", "module")}
         # PWD as a shell that ran the launcher there sets it.
         proc.control.sendall(json.dumps({**launch, "env": {**proc.base, "PWD": cwd, **plan_env}}).encode())
         proc.control.shutdown(socket.SHUT_WR)
@@ -309,7 +337,7 @@ def _die_with_parent(parent: int) -> None:
 
 def child() -> None:
     """A spare (``python -c ... PARENT FD MODULE...``): import the modules, wait for the launch on the socket
-    ``FD``, then become the script's process as ``python FILE ARGS`` would be."""
+    ``FD``, then become the script's process as ``python FILE ARGS`` (or ``python -m MODULE ARGS``) would be."""
     import importlib
     import runpy
 
@@ -333,7 +361,8 @@ def child() -> None:
     os.environ.update(launch["env"])
     path = launch["argv"][0]
     sys.argv = list(launch["argv"])
-    sys.path[0] = os.path.dirname(os.path.realpath(path))
+    # As python puts it first on the import path: the current folder under -m, else the script's (links resolved).
+    sys.path[0] = os.getcwd() if launch["module"] else os.path.dirname(os.path.realpath(path))
     if launch["setup"] or launch["devices"]:
         from ..plans import SplitRequest
         from .hosts import prepare_rank
@@ -346,13 +375,38 @@ def child() -> None:
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=False)
     try:
-        # As torch's launcher runs a script (torch.distributed.run's run_script_path).
-        runpy.run_path(path, run_name="__main__")
+        if launch["module"]:
+            # As python -m runs it: sys.argv[0] becomes the module's file, its module is __main__.
+            runpy.run_module(path, {"__annotations__": {}}, "__main__", alter_sys=True)
+        else:
+            _run_script(path)
     except Exception as exc:  # noqa: BLE001 - whatever the script raises ends it, as an uncaught exception does
         # Python's own report of an uncaught exception, from the script's first frame on.
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename != path:
+        tb, launching = exc.__traceback__, (__file__, runpy.run_module.__code__.co_filename)
+        while tb is not None and tb.tb_frame.f_code.co_filename.startswith((*launching, "<frozen importlib")):
             tb = tb.tb_next
+        if tb is None and launch["module"]:
+            # Not found, or its package failed before its code ran: python -m's one line.
+            print(f"{sys.executable}: {exc}", file=sys.stderr)
+            sys.exit(1)
         # torch.distributed's hook (which labels each line with the rank) reads the exception's own traceback.
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         sys.exit(1)
+
+
+def _run_script(path: str) -> None:
+    """Run the script at ``path`` as ``python PATH`` does: in a new ``__main__`` module, ``__file__`` absolute (as
+    Python 3.9 made it), ``__package__`` and ``__spec__`` None; the code's file name is ``__file__``."""
+    import builtins
+    import importlib.machinery
+    import io
+    import types
+
+    file = os.path.abspath(path)
+    main = types.ModuleType("__main__")
+    loader = importlib.machinery.SourceFileLoader("__main__", file)
+    main.__dict__.update(__file__=file, __cached__=None, __loader__=loader, __builtins__=builtins, __annotations__={})
+    sys.modules["__main__"] = main
+    with io.open_code(file) as source:
+        code = compile(source.read(), file, "exec", dont_inherit=True)
+    exec(code, main.__dict__)

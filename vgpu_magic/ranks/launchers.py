@@ -76,6 +76,9 @@ class Launcher:
     remote: ClassVar[bool] = False
     #: What a script run is, where more than a launch (the start summary).
     launches: ClassVar[str] = ""
+    #: The prefixes of the variables the launch gives each engine (``srun``'s ``SLURM_*``), which a script run
+    #: from the engine keeps over the kernel's environment, as a task of that launch has them.
+    task_variables: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls) -> None:
         LAUNCHERS[cls.name] = cls
@@ -124,6 +127,8 @@ class LocalLauncher(Launcher):
 class MPILauncher(Launcher):
     name, description, engines = "mpi", "ipyparallel engines started by mpiexec", "mpi"
     options: ClassVar = {"mpi_args": None}
+    # Open MPI's (and its PMIx's, PSM's); MPICH's Hydra gives PMI_* and MPI_LOCAL*.
+    task_variables = ("OMPI_", "PMIX_", "HFI_", "IPATH_", "PMI_", "MPI_LOCAL")
 
     @classmethod
     def plan(cls, n: int, options: dict[str, Any], cluster_id: str) -> LauncherPlan:
@@ -142,6 +147,7 @@ _CONTROLLER_ADDRESS = {"help": "the address engines reach this kernel's controll
 class SlurmLauncher(Launcher):
     name, description = "slurm", "ipyparallel engines in one SLURM job (sbatch + srun)"
     remote, launches = True, ", as steps of the job's allocation"
+    task_variables = ("SLURM_", "SLURMD_")
     # Ours (:mod:`.upstream`): it keeps what sbatch says on stderr.
     engines = "vgpu_magic.ranks.upstream.ReasonedSlurmEngineSetLauncher"
     options: ClassVar = {
@@ -235,6 +241,7 @@ class SSHLauncher(Launcher):
     """``hosts``: a list spreads the ranks evenly, a ``{host: count}`` dict says how many."""
 
     name, description, remote, engines = "ssh", "ipyparallel engines started over SSH", True, "ssh"
+    task_variables = ("SSH_",)
     options: ClassVar = {
         "hosts": {"help": "the hosts, comma-separated (user@host or host:port); ranks spread evenly"},
         "ssh_args": None,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
+import shlex
 import sys
 from typing import Any
 
@@ -164,6 +166,7 @@ class ClusterMagics(Magics):
         help="seconds the run may take before every rank is interrupted",
     )
     @argument("--no-plot", action="store_true", help="no live per-rank memory plot")
+    @argument("-m", "--module", action="store_true", help="SCRIPT is a module, run as torchrun -m (python -m) does")
     @argument(
         "--max-restarts",
         type=whole("--max-restarts", 0, 100, "--max-restarts 2"),
@@ -196,8 +199,10 @@ class ClusterMagics(Magics):
             loss
 
             %vgpu_run --timeout 600 train.py --epochs 2 --lr 0.1   # a fresh launch, as torchrun's
+            %vgpu_run -m pkg.train --epochs 2
             %vgpu_run --max-restarts 2 --fail 1@4 train.py   # rank 1 lost 4 s in; all ranks come back, twice at most
         """
+        _refuse_torchrun_options(line)
         args = _parse(self.vgpu_run, line, "%vgpu_run train.py --epochs 2")
         if args.output is not None and not args.output.isidentifier():
             raise UsageError(f"-o {args.output!r} is not a Python name; use e.g. -o results")
@@ -208,6 +213,8 @@ class ClusterMagics(Magics):
                 "--max-restarts, --fail and --preempt launch a script; a cell runs in ranks that keep their state: "
                 "%vgpu_run --max-restarts 2 train.py"
             )
+        elif args.module:
+            raise UsageError("-m runs a module in the line form, e.g. %vgpu_run -m pkg.train; %%vgpu_run runs its cell")
         elif args.script is not None:
             raise UsageError(
                 f"{args.script!r}: %%vgpu_run runs its cell; to run a script use the line form, %vgpu_run {args.script}"
@@ -234,7 +241,7 @@ class ClusterMagics(Magics):
         with usage_errors(*USER_ERRORS, ClusterNotRunning):
             if cell is None:
                 restarts = {"max_restarts": args.max_restarts, "fail": args.fail, "preempt": args.preempt}
-                running.run_script(path, list(args.script_args), timeout=args.timeout, plot=plot, **restarts)
+                running.run_script(path, list(args.script_args), args.timeout, plot, args.module, **restarts)
                 return
             # The %%vgpu_run line in front, as a comment (IPython drops leading blank lines): a rank's traceback
             # then gives the notebook cell's line numbers.
@@ -302,9 +309,34 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
     print("\n".join(ranks.describe()))
 
 
+#: torchrun's options for what the cluster decides (the ranks, their wiring, restarts), which ``%vgpu_run`` refuses.
+_TORCHRUN_ONLY = {
+    *("--nproc-per-node", "--nnodes", "--node-rank", "--standalone", "--master-addr", "--master-port"),
+    *("--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--max-restarts", "--monitor-interval"),
+    *("--start-method", "--role", "--no-python", "--run-path", "--log-dir", "--redirects", "--tee", "--local-addr"),
+}
+
+
+def _refuse_torchrun_options(line: str) -> None:
+    """UsageError quoting a torchrun option given before the script (``--nproc-per-node 2``): the cluster sets that."""
+    with contextlib.suppress(ValueError):  # the parser says what is wrong with the quotes
+        words = iter(shlex.split(line))
+        for word in words:
+            if not word.startswith("-"):
+                return  # the script: what follows is its own
+            if word in ("-o", "--output", "--timeout"):
+                next(words, None)
+            if word.split("=")[0].replace("_", "-") in _TORCHRUN_ONLY:
+                raise UsageError(
+                    f"{word.split('=')[0]!r} is torchrun's: here %vgpu_cluster start N sets the rank count "
+                    "and the ranks' wiring; then %vgpu_run train.py (or -m pkg.train) runs on each"
+                )
+
+
 def _script_path(args: Any, last_cd: str) -> str:
-    """The script ``%vgpu_run`` runs, as typed (``~`` expanded: its ``sys.argv[0]``); UsageError where there is none,
-    ``-o`` is given, it is no file, or the kernel's current folder (``last_cd``, where the ranks start) was deleted."""
+    """The script ``%vgpu_run`` runs, as typed (``~`` expanded: its ``sys.argv[0]``), or ``-m``'s module name;
+    UsageError where there is none, ``-o`` is given, it is no file, or the kernel's current folder (``last_cd``,
+    where the ranks start) was deleted."""
     if args.script is None:
         raise UsageError("say which script to run, e.g. %vgpu_run train.py --epochs 2, or use %%vgpu_run with a cell")
     if args.output is not None:
@@ -313,6 +345,10 @@ def _script_path(args: Any, last_cd: str) -> str:
         os.getcwd()
     except FileNotFoundError:
         raise UsageError(f"the current folder {last_cd!r} is gone; %cd to one that exists, then run again") from None
+    if args.module:
+        if not all(part.isidentifier() for part in args.script.split(".")):
+            raise UsageError(f"-m {args.script!r} is not a module name; use e.g. -m pkg.train")
+        return args.script
     path = os.path.expanduser(args.script)
     if not os.path.isfile(path):
         raise UsageError(f"script {args.script!r} is not a file (looked in {os.getcwd()})")

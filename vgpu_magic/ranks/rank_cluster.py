@@ -222,7 +222,7 @@ class RankCluster:
                 # A spare on every engine, importing as the start returns: a launch that comes first waits for
                 # its spare's imports, as it would for its own.
                 preload = self._preload()
-                environ = launch.kernel_environ()
+                environ = launch.kernel_environ(self.launcher_plan.launcher.task_variables)
                 warming = [
                     self.client[e].apply_async(launch.warm, p.env, preload, environ)
                     for e, p in zip(self.engine_ids, self.plans)
@@ -386,6 +386,7 @@ class RankCluster:
         args: list[str] | tuple[str, ...] = (),
         timeout: float | None = None,
         plot: bool = False,
+        module: bool = False,
         max_restarts: int = 0,
         fail: list[str] | tuple[str, ...] = (),
         preempt: str | None = None,
@@ -393,17 +394,16 @@ class RankCluster:
         """Launch ``path ARGS`` on every rank as ``torchrun`` does (:mod:`.launch`): new processes, fresh ports; as
         ``torchrun --max-restarts``, all ranks launched again when one fails, up to ``max_restarts`` times; ``fail``
         (``"RANK@SECONDS[:SIGNAL]"``) and ``preempt`` (``"SECONDS[:GRACE]"``) inject failures into the first launch;
-        ``timeout`` bounds the attempts together. The :class:`RunResult`, or :class:`RankRunError` with it."""
+        ``timeout`` bounds the attempts together; ``module``: ``path`` is a module's name, run as ``torchrun -m`` runs
+        it. The :class:`RunResult`, or :class:`RankRunError` with it."""
         faults = checked_faults(self.n, max_restarts, fail, preempt)
         self._require_running()
         attempts, start = max_restarts + 1, time.monotonic()
         for attempt in range(attempts):
             self.layout = layout_ranks(self._read_hosts(self.engine_ids), self.given_gpus)
             self.plans = self._plan_ranks(self.layout, (attempt, max_restarts))
-            requests = [
-                launch.launch_request(plan, path, list(args), os.getcwd(), self._preload(), self.spares, faults)
-                for plan in self.plans
-            ]
+            where, theirs = (path, list(args), os.getcwd(), self._preload()), self.launcher_plan.launcher.task_variables
+            requests = [launch.launch_request(plan, *where, self.spares, theirs, module, faults) for plan in self.plans]
             faults = []  # injected into the first launch only
 
             def submit(rank: int, requests: list[dict] = requests) -> Any:
