@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..units import parse_seconds
@@ -20,7 +20,7 @@ from .views import NullView, TextSummaryView
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is Python 3.11+
 
-__all__ = ["MonitorSession", "process_sampler", "KEPT_TRACES"]
+__all__ = ["MonitorSession", "process_sampler", "runtime_runs", "KEPT_TRACES"]
 
 #: Finished runs :attr:`MonitorSession.traces` keeps (the latest ones).
 KEPT_TRACES = 10
@@ -32,10 +32,18 @@ MIN_INTERVAL, MAX_INTERVAL = 0.001, 3600.0
 _SAID: set[str] = set()
 
 
-def process_sampler(provisional: bool = False) -> DeviceSampler:
-    """A sampler of this process' resident memory alone."""
+def process_sampler(joinable: Callable[[], bool] | None = None) -> DeviceSampler:
+    """A sampler of this process' resident memory alone (provisional, given ``joinable``)."""
     series = (SeriesInfo("process", PROCESS_LABEL, (), None, panel="process"),)
-    return DeviceSampler(series, lambda names: [], provisional=provisional)
+    return DeviceSampler(series, lambda names: [], joinable=joinable)
+
+
+def runtime_runs() -> bool:
+    """Whether any framework's runtime runs: lookups only, no import, no scan of the user's namespace, so that a
+    provisional sampler can ask it before each sample."""
+    from .. import frameworks
+
+    return any(fw.runtime_started() for fw in frameworks.all_frameworks())
 
 
 class MonitorSession:
@@ -110,13 +118,13 @@ class MonitorSession:
 
     def _make_sampler(self) -> DeviceSampler:
         """Every device of the framework whose runtime runs; while none runs, the process' RSS alone,
-        provisionally (the recorder asks again)."""
+        provisionally (the recorder asks again at the first sample after one started)."""
         framework = self._running_framework()
         if framework is None:
             if self._devices is not None:
                 self._report("no framework's runtime runs yet, so only the process' memory is read until one starts")
             self._joining = True
-            return process_sampler(provisional=True)
+            return process_sampler(joinable=runtime_runs)
         try:
             sampler = DeviceSampler.for_framework(
                 framework,
