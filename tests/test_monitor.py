@@ -856,6 +856,50 @@ def test_a_reader_that_counts_live_arrays_is_read_on_the_training_thread_only():
     assert set(readers) == {threading.current_thread()}
 
 
+def test_no_sampling_thread_waits_on_a_reader_only_the_training_thread_reads():
+    # JAX's reader: the hooks sample. A thread left to wait for them woke with no wait at all whenever an
+    # interval had passed until the next hook sampled (190,000 times in a 300-step Keras fit on JAX: 1.25x its time).
+    import threading
+
+    clock = FakeClock()
+    reader = fake_reader({"CPU:0": (MIB, MIB)}, [])
+    reader.training_thread_only = True
+    threads = threading.active_count()
+    recorder = MemoryRecorder(lambda: DeviceSampler(build_series(CPUS), reader=reader), None, interval=2**-7,
+                              clock=clock, background=True)  # fmt: skip
+    recorder.start("fit")
+    assert threading.active_count() == threads
+    for step in range(100):  # steps of an eighth of the interval: a sample every 8 steps, on this thread
+        clock.now += 2**-10
+        recorder.tick(step)
+    assert list(recorder.finish().step) == [0, *range(7, 100, 8), 99]
+
+
+def test_the_sampling_thread_ends_once_devices_join_that_only_the_training_thread_reads():
+    import threading
+
+    clock, runtime = FakeClock(), {"started": False}
+    reader = fake_reader({"CPU:0": (MIB, MIB)}, [])
+    reader.training_thread_only = True
+
+    def factory():
+        if runtime["started"]:
+            return DeviceSampler(build_series(CPUS, process=True), reader=reader, process=lambda: (GIB, GIB))
+        return DeviceSampler(build_series([], process=True), lambda names: [], process=lambda: (GIB, GIB),
+                             joinable=lambda: runtime["started"])  # fmt: skip
+
+    recorder = MemoryRecorder(factory, None, interval=0.001, clock=clock, background=True)
+    threads = threading.active_count()
+    recorder.start("fit")
+    thread = recorder._thread
+    assert thread.is_alive() and threading.active_count() == threads + 1  # it reads the process' RSS
+    runtime["started"] = True
+    recorder.tick(0)
+    thread.join(timeout=60)  # it looks at its next wake (1 ms)
+    assert not thread.is_alive()
+    assert [s.key for s in recorder.finish().series] == ["host", "process"]
+
+
 def test_devices_join_at_the_first_sample_after_their_runtime_started():
     clock, reports = FakeClock(), []
     runtime = {"started": False}

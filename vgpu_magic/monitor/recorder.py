@@ -5,6 +5,10 @@ training thread's hooks only say which step and epoch it is. Training does not c
 for seconds: an unpaced ``MirroredStrategy`` fit fed from its hooks updated 2.2 times a second, in bursts).
 The run's start, each epoch's end and the run's end are sampled on the caller's thread.
 
+A sampler whose reader must be read on the training thread (``training_thread_only``: JAX's count of live
+arrays) is sampled by the hooks alone, at most every ``interval``; the thread ends (or never starts) then,
+rather than wake to wait for them.
+
 Devices join: a provisional sampler (no runtime ran at the start) reads the process alone and says, cheaply,
 whether a runtime started since (``sampler.joinable()``); each sample on the training thread asks, and then a
 sampler again, so the devices join the trace at that sample (0 B in the rows before). Allocators keep their own
@@ -124,7 +128,7 @@ class MemoryRecorder:
         self.refresh_variables()
         self._view_call("start", self.trace)
         self._sample_at(self._t0)
-        if self._background and self.active:
+        if self._background and self.active and not self._on_training_thread_only():
             self._stop = threading.Event()
             # The cell's context: what the thread prints or sends belongs to the cell that runs.
             run = contextvars.copy_context().run
@@ -134,11 +138,16 @@ class MemoryRecorder:
             self._thread.start()
 
     def _sample_in_background(self) -> None:
-        while not self._stop.wait(max(0.0, self._last + self.interval - self.clock())):
+        wait = self.interval
+        while not self._stop.wait(wait):
             with self._lock:
+                # Not read here (a join to such a sampler, or a failed run): the hooks sample, or nothing does.
+                if not self.active or self._on_training_thread_only():
+                    return
                 now = self.clock()
-                if self.active and now - self._last >= self.interval and not self._on_training_thread_only():
+                if now - self._last >= self.interval:
                     self._sample_at(now)
+                wait = self._last + self.interval - now
 
     def _stop_thread(self) -> None:
         thread, self._thread = self._thread, None
