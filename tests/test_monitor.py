@@ -23,7 +23,7 @@ from vgpu_magic import frameworks
 from vgpu_magic.monitor.display import DisplaySurface, MemoryFrame, detect_frontend
 from vgpu_magic.monitor.live import LiveMemoryView
 from vgpu_magic.monitor.plot import MemoryFigure, save_trace_figure
-from vgpu_magic.monitor.recorder import MemoryRecorder
+from vgpu_magic.monitor.recorder import KEPT_COSTS, MemoryRecorder
 from vgpu_magic.monitor.sampler import DeviceSampler, SamplerError, build_series, normalize_device, variable_bytes
 from vgpu_magic.monitor.trace import MemoryTrace, SeriesInfo
 from vgpu_magic.monitor.views import RedrawThrottle, TextSummaryView, View
@@ -306,6 +306,7 @@ def test_live_view_shows_one_widget_feeds_it_new_rows_only_and_leaves_the_final_
     assert not any(message["reset"] for message in widget.sent)
     assert 13 <= len(widget.sent) <= 21  # every 0.2 or 0.3 s (samples come every 0.1 s) of 4 s, and the last
     assert len(view.update_costs) == len(widget.sent)
+    assert view.update_costs.maxlen == view.update_times.maxlen == KEPT_COSTS  # bounded through a long fit
     final = display.log[-1][1]
     assert isinstance(final, MemoryFrame) and widget.closed
     width, height = png_size(final.png)
