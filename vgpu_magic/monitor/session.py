@@ -20,7 +20,7 @@ from .views import NullView, TextSummaryView
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is Python 3.11+
 
-__all__ = ["MonitorSession", "process_sampler", "runtime_runs", "KEPT_TRACES"]
+__all__ = ["MonitorSession", "process_sampler", "KEPT_TRACES"]
 
 #: Finished runs :attr:`MonitorSession.traces` keeps (the latest ones).
 KEPT_TRACES = 10
@@ -36,14 +36,6 @@ def process_sampler(joinable: Callable[[], bool] | None = None) -> DeviceSampler
     """A sampler of this process' resident memory alone (provisional, given ``joinable``)."""
     series = (SeriesInfo("process", PROCESS_LABEL, (), None, panel="process"),)
     return DeviceSampler(series, lambda names: [], joinable=joinable)
-
-
-def runtime_runs() -> bool:
-    """Whether any framework's runtime runs: lookups only, no import, no scan of the user's namespace, so that a
-    provisional sampler can ask it before each sample."""
-    from .. import frameworks
-
-    return any(fw.runtime_started() for fw in frameworks.all_frameworks())
 
 
 class MonitorSession:
@@ -124,7 +116,11 @@ class MonitorSession:
             if self._devices is not None:
                 self._report("no framework's runtime runs yet, so only the process' memory is read until one starts")
             self._joining = True
-            return process_sampler(joinable=runtime_runs)
+            from .. import frameworks
+
+            # Asked before each sample: lookups only, no import and no scan of the user's namespace.
+            watched = frameworks.all_frameworks()
+            return process_sampler(joinable=lambda: any(fw.runtime_started() for fw in watched))
         try:
             sampler = DeviceSampler.for_framework(
                 framework,
