@@ -73,7 +73,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 SETUP = """
-import json, time
+import itertools, json, time
 import numpy as np
 %load_ext vgpu_magic
 %vgpu_split 4 --quiet
@@ -119,7 +119,7 @@ def timed_fit(monitored, data=None):
         view, stats = mon.view, mon.stats
         out.update(
             samples=stats.samples, sample_seconds=stats.sample_seconds, sample_costs=list(stats.costs),
-            devices=stats.devices, series=[s.label for s in mon.trace.series], update_costs=view.update_costs,
+            devices=stats.devices, series=[s.label for s in mon.trace.series], update_costs=list(view.update_costs),
             update_times=[t - view.update_times[0] for t in view.update_times], duration=mon.trace.duration,
             rows=len(mon.trace),
         )
@@ -141,7 +141,7 @@ def unpaced_fit(epochs, monitored=True):
     print(json.dumps({{
         "seconds": end.end - begin.start, "updates": len(times), "update_seconds": sum(view.update_costs),
         "sample_seconds": mon.stats.sample_seconds, "samples": mon.stats.samples,
-        "longest_gap": max((b - a for a, b in zip(times, times[1:])), default=0.0),
+        "longest_gap": max((b - a for a, b in itertools.pairwise(times)), default=0.0),
     }}))
 
 def final_image():

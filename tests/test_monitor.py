@@ -23,7 +23,7 @@ from vgpu_magic import frameworks
 from vgpu_magic.monitor.display import DisplaySurface, MemoryFrame, detect_frontend
 from vgpu_magic.monitor.live import LiveMemoryView
 from vgpu_magic.monitor.plot import MemoryFigure, save_trace_figure
-from vgpu_magic.monitor.recorder import MemoryRecorder
+from vgpu_magic.monitor.recorder import KEPT_COSTS, MemoryRecorder
 from vgpu_magic.monitor.sampler import DeviceSampler, SamplerError, build_series, normalize_device, variable_bytes
 from vgpu_magic.monitor.trace import MemoryTrace, SeriesInfo
 from vgpu_magic.monitor.views import RedrawThrottle, TextSummaryView, View
@@ -307,6 +307,7 @@ def test_live_view_shows_one_widget_feeds_it_new_rows_only_and_leaves_the_final_
     assert not any(message["reset"] for message in widget.sent)
     assert 13 <= len(widget.sent) <= 21  # every 0.2 or 0.3 s (samples come every 0.1 s) of 4 s, and the last
     assert len(view.update_costs) == len(widget.sent)
+    assert view.update_costs.maxlen == view.update_times.maxlen == KEPT_COSTS  # bounded through a long fit
     final = display.log[-1][1]
     assert isinstance(final, MemoryFrame) and widget.closed
     width, height = png_size(final.png)
@@ -877,15 +878,86 @@ def test_a_reader_that_counts_live_arrays_is_read_on_the_training_thread_only():
     assert set(readers) == {threading.current_thread()}
 
 
-def test_devices_join_the_run_once_a_runtime_starts_in_it():
+def test_no_sampling_thread_waits_on_a_reader_only_the_training_thread_reads():
+    # JAX's reader: the hooks sample. A thread left to wait for them woke with no wait at all whenever an
+    # interval had passed until the next hook sampled (190,000 times in a 300-step Keras fit on JAX: 1.25x its time).
+    import threading
+
+    clock = FakeClock()
+    reader = fake_reader({"CPU:0": (MIB, MIB)}, [])
+    reader.training_thread_only = True
+    threads = threading.active_count()
+    recorder = MemoryRecorder(lambda: DeviceSampler(build_series(CPUS), reader=reader), None, interval=2**-7,
+                              clock=clock, background=True)  # fmt: skip
+    recorder.start("fit")
+    assert threading.active_count() == threads
+    for step in range(100):  # steps of an eighth of the interval: a sample every 8 steps, on this thread
+        clock.now += 2**-10
+        recorder.tick(step)
+    assert list(recorder.finish().step) == [0, *range(7, 100, 8), 99]
+
+
+def test_the_sampling_thread_ends_once_devices_join_that_only_the_training_thread_reads():
+    import threading
+
+    clock, runtime = FakeClock(), {"started": False}
+    reader = fake_reader({"CPU:0": (MIB, MIB)}, [])
+    reader.training_thread_only = True
+
+    def factory():
+        if runtime["started"]:
+            return DeviceSampler(build_series(CPUS, process=True), reader=reader, process=lambda: (GIB, GIB))
+        return DeviceSampler(build_series([], process=True), lambda names: [], process=lambda: (GIB, GIB),
+                             joinable=lambda: runtime["started"])  # fmt: skip
+
+    recorder = MemoryRecorder(factory, None, interval=0.001, clock=clock, background=True)
+    threads = threading.active_count()
+    recorder.start("fit")
+    thread = recorder._thread
+    assert thread.is_alive() and threading.active_count() == threads + 1  # it reads the process' RSS
+    runtime["started"] = True
+    recorder.tick(0)
+    thread.join(timeout=60)  # it looks at its next wake (1 ms)
+    assert not thread.is_alive()
+    assert [s.key for s in recorder.finish().series] == ["host", "process"]
+
+
+def test_the_sampling_thread_ends_with_a_run_whose_sampler_failed():
+    # It used to wake with no wait until the run's end: JAX's count read from it failed on a donated array
+    # ("Array has been deleted") in 3 of 4 fits of the benchmark's model, and the fit took up to 3x as long.
+    import threading
+
+    clock, reads = FakeClock(), []
+
+    def reader(names):
+        reads.append(threading.current_thread())
+        if len(reads) > 2:  # the baseline and the start's sample read, then the thread's first
+            raise RuntimeError("Array has been deleted with shape=float32[].")
+        return [(MIB, MIB)]
+
+    recorder = MemoryRecorder(lambda: DeviceSampler(build_series(CPUS), reader=reader), None, interval=0.001,
+                              clock=clock, background=True, report=lambda message: None)  # fmt: skip
+    recorder.start("fit")
+    thread = recorder._thread
+    clock.now += 1.0  # a sample is due: the thread takes it, and it fails
+    thread.join(timeout=60)
+    assert not thread.is_alive() and len(reads) == 3 and not recorder.active
+
+
+def test_devices_join_at_the_first_sample_after_their_runtime_started():
     clock, reports = FakeClock(), []
     runtime = {"started": False}
     values = {"CPU:0": (3 * MIB, 4 * MIB)}
+    asked: list[bool] = []
+
+    def started() -> bool:
+        asked.append(runtime["started"])
+        return runtime["started"]
 
     def factory():
         if not runtime["started"]:
             return DeviceSampler(
-                build_series([], process=True), lambda names: [], process=lambda: (GIB, GIB), provisional=True
+                build_series([], process=True), lambda names: [], process=lambda: (GIB, GIB), joinable=started
             )
         return DeviceSampler(build_series(CPUS, process=True), fake_reader(values, []), process=lambda: (GIB, GIB))
 
@@ -895,13 +967,17 @@ def test_devices_join_the_run_once_a_runtime_starts_in_it():
     for step in range(10):
         clock.now += 0.1
         recorder.sample(step=step)
-    assert [s.key for s in recorder.trace.series] == ["process"]
+    assert [s.key for s in recorder.trace.series] == ["process"] and asked == [False] * 10
     runtime["started"] = True
-    for step in range(10, 20):
+    clock.now += 0.001  # well within the interval: the sample that joins them reads them all the same
+    recorder.sample(step=10)
+    assert [s.key for s in recorder.trace.series] == ["host", "process"]
+    assert recorder.trace.step[-1] == 10 and recorder.trace.latest(0) == (3 * MIB, 4 * MIB)
+    for step in range(11, 20):
         clock.now += 0.1
         recorder.sample(step=step)
     trace = recorder.finish()
-    assert [s.key for s in trace.series] == ["host", "process"]
+    assert len(asked) == 11  # asked no more once they joined
     assert view.calls == [("start", 1), ("series_changed", 2)]
     joined = trace.current[0]
     # Before its runtime started the device had no allocator: 0 B; since then its readings.
@@ -942,49 +1018,62 @@ def test_the_title_counts_epochs_as_keras_does_and_names_what_a_custom_loop_watc
     assert title_text(custom) == "memory · JAX · 8 devices · epoch 1"
 
 
+# The issue's code, as a notebook runs it, then the CSV's rows. The recorder's clock stands still, so no sample
+# is due but those the run takes itself: the devices join at the sample after the start, or not at all.
 JOINS = """
-import json, os, time
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-import vgpu_magic
-with vgpu_magic.MemoryMonitor(display="none", interval=0.01) as mon:
+import csv, io, json
+import numpy as np
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_line_magic("load_ext", "vgpu_magic")
+shell.run_line_magic("vgpu_split", "4 --framework {framework}")
+{imports}, vgpu_magic
+mon = vgpu_magic.MemoryMonitor(display="none")
+mon._recorder.clock = lambda: 0.0
+with mon:
     mon.sample(step=0)
-    before = [s.key for s in mon.trace.series]
     {start}
-    deadline = time.monotonic() + 60
-    while len(mon.trace.series) == 1 and time.monotonic() < deadline:  # the recorder looks every 0.5 s
-        mon.sample(step=1)
-        time.sleep(0.05)
-print(json.dumps({{"before": before, "after": [len(s.devices) for s in mon.trace.series],
-                  "subject": mon.trace.subject, "first": [c[0] for c in mon.trace.current],
-                  "last": [c[-1] for c in mon.trace.current]}}))
+    mon.sample(step=1)
+    joined = [s.key for s in mon.trace.series]
+mon.to_csv("memory.csv")
+rows = {{}}
+for row in csv.DictReader(open("memory.csv")):
+    rows.setdefault(row["device"], []).append([int(row["step"]), int(row["current"])])
+print(json.dumps({{"joined": joined, "subject": mon.trace.subject, "rows": rows}}))
 """
 
 
 @pytest.mark.slow
-def test_jax_devices_join_a_monitor_entered_before_jax_s_backend_started():
+def test_jax_devices_join_a_monitor_entered_before_jax_s_backend_started(tmp_path):
     from support import last_json, run_python
 
-    start = "import jax, jax.numpy as jnp\n    x = jax.device_put(jnp.ones((1024, 256)), jax.devices()[1])"
-    result = last_json(run_python(JOINS.format(start=start)).stdout)
-    assert result["before"] == ["process"]
-    # Four devices and the process: the 1 MiB array on the second device, which held nothing before.
-    assert result["after"] == [1, 1, 1, 1, 0] and result["subject"] == "JAX · 4 devices"
-    assert result["first"][:4] == [0, 0, 0, 0] and result["last"][1] == 1024 * 1024
+    start = "a = jax.device_put(jnp.ones(2**21, dtype=jnp.float32), jax.devices()[1]); a.block_until_ready()"
+    code = JOINS.format(framework="jax", imports="import jax, jax.numpy as jnp", start=start)
+    result = last_json(run_python(f"import os; os.chdir({str(tmp_path)!r})\n" + code).stdout)
+    devices = [f"/device:CPU:{i}" for i in range(4)]
+    assert result["joined"] == [*devices, "process"] and result["subject"] == "JAX · 4 devices"
+    rows = result["rows"]
+    # The 8 MiB array on device 1 from the sample after it on (0 B before: no backend ran), nothing on device 0.
+    assert rows["/device:CPU:1"] == [[0, 0], [1, 8 * MIB], [1, 8 * MIB]]
+    assert rows["/device:CPU:0"] == [[0, 0], [1, 0], [1, 0]]
 
 
 @pytest.mark.slow
-def test_tensorflow_s_devices_join_a_monitor_entered_before_its_runtime_started():
+def test_tensorflow_s_devices_join_a_monitor_entered_before_its_runtime_started(tmp_path):
     from support import last_json, run_python
 
-    start = "import tensorflow as tf\n    tf.constant([1.0])"
-    result = last_json(run_python(JOINS.format(start=start)).stdout)
-    assert result["before"] == ["process"]
-    # TensorFlow's one CPU (its host allocator), then the process.
-    assert result["after"] == [1, 0] and result["subject"] == "TensorFlow · 1 device"
+    start = "with tf.device('CPU:1'):\n        a = tf.constant(np.ones(2**21, dtype=np.float32))"
+    code = JOINS.format(framework="tensorflow", imports="import tensorflow as tf", start=start)
+    result = last_json(run_python(f"import os; os.chdir({str(tmp_path)!r})\n" + code).stdout)
+    # TensorFlow's four logical CPUs share its host allocator: one series, then the process.
+    assert result["joined"] == ["host", "process"] and result["subject"] == "TensorFlow · 4 devices"
+    (before, *after) = result["rows"]["host"]
+    assert before == [0, 0] and [step for step, _ in after] == [1, 1]
+    assert all(current >= 8 * MIB for _, current in after)  # the constant, counted from the sample after it
 
 
 TORCH_CUDA_STARTS_MID_RUN = """
-import json, time
+import json
 from unittest import mock
 import torch
 import vgpu_magic
@@ -992,6 +1081,7 @@ from vgpu_magic.inventory import GPUInfo
 
 real = torch.cuda.is_available()
 mon = vgpu_magic.MemoryMonitor(display="none")
+mon._recorder.clock = lambda: 0.0  # no sample is due but the run's own: they join at the next, or not at all
 mon.start()
 mon.sample(step=0)
 before = [s.key for s in mon.trace.series]
@@ -1003,15 +1093,11 @@ else:  # torch.cuda's own functions, as they read once CUDA started on two GPUs
     mock.patch.object(torch.cuda, "memory_allocated", held.__getitem__).start()
     mock.patch.object(torch.cuda, "max_memory_allocated", lambda i: held[i] + 512).start()
     mock.patch("vgpu_magic.frameworks.torch.visible_gpus", lambda: (GPUInfo(0), GPUInfo(1))).start()
-deadline, step = time.monotonic() + 60, 0
-while len(mon.trace.series) == len(before) and time.monotonic() < deadline:
-    step += 1
-    mon.sample(step=step)
-    time.sleep(0.01)
-mon.sample(step=step + 1)
+mon.sample(step=1)
+steps = list(mon.trace.step)
 trace = mon.finish()
 print(json.dumps({
-    "real": real, "before": before, "labels": [s.label for s in trace.series],
+    "real": real, "before": before, "labels": [s.label for s in trace.series], "steps": steps,
     "first": [c[0] for c in trace.current], "last": [list(trace.latest(i)) for i in range(len(trace.series))],
 }))
 """
@@ -1026,6 +1112,7 @@ def test_torch_cuda_devices_join_a_run_when_cuda_starts_in_it():
     assert gpus[0] == "cuda:0" and all(label.startswith("cuda:") for label in gpus)
     assert result["labels"][-1].startswith("process RSS")
     assert result["first"][0] == 0  # before CUDA started: no allocator, no bytes
+    assert result["steps"] == [0, 1]  # read at the first sample after CUDA started
     current, peak = result["last"][0]
     assert current >= 4 * MIB and peak >= current
     if not result["real"]:

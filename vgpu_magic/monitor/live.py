@@ -7,11 +7,13 @@ from __future__ import annotations
 import bisect
 import functools
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..units import format_bytes, unit_for
+from .recorder import KEPT_COSTS
 from .trace import MemoryTrace
 from .views import DARK_PALETTE, PALETTE, RedrawThrottle, View, panel_top, summary_line, title_text
 
@@ -94,8 +96,8 @@ class LiveMemoryView(View):
     """Feeds a ``MemoryWidget`` on ``surface`` (a :class:`~vgpu_magic.monitor.display.DisplaySurface`) and
     leaves the final image (:func:`static_image`) there, drawn when ``defer(draw)`` says (e.g. at the cell's end,
     so it does not count against the run). ``widget(**traits)`` builds the widget (tests pass a fake).
-    ``update_costs``, ``update_times`` and ``final_cost`` keep each update's kernel seconds (the thread's CPU
-    time) and start, and the final image's, for the benchmark."""
+    ``update_costs`` and ``update_times`` keep the latest :data:`~vgpu_magic.monitor.recorder.KEPT_COSTS` updates'
+    kernel seconds (the thread's CPU time) and starts, ``final_cost`` the final image's, for the benchmark."""
 
     def __init__(
         self,
@@ -116,8 +118,8 @@ class LiveMemoryView(View):
         self.widget: Any = None
         self._sent, self._bucket, self._marks = 0, 1, 0
         self._units: dict[str, list] = {}
-        self.update_costs: list[float] = []
-        self.update_times: list[float] = []
+        self.update_costs: deque[float] = deque(maxlen=KEPT_COSTS)
+        self.update_times: deque[float] = deque(maxlen=KEPT_COSTS)
         self.final_cost = 0.0
 
     def start(self, trace: MemoryTrace) -> None:

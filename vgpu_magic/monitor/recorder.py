@@ -5,10 +5,15 @@ training thread's hooks only say which step and epoch it is. Training does not c
 for seconds: an unpaced ``MirroredStrategy`` fit fed from its hooks updated 2.2 times a second, in bursts).
 The run's start, each epoch's end and the run's end are sampled on the caller's thread.
 
-Devices join: a ``provisional`` sampler (no runtime ran at the start) reads the process alone; every
-:data:`JOIN_EVERY` seconds a hook asks for a sampler again, and once a runtime runs its devices join the
-trace (0 B in the rows before). Allocators keep their own peaks, which nothing resets. A view or sampler
-that fails is reported once and switched off, never raising into the training loop."""
+A sampler whose reader must be read on the training thread (``training_thread_only``: JAX's count of live
+arrays) is sampled by the hooks alone, at most every ``interval``; the thread ends (or never starts) then,
+rather than wake to wait for them.
+
+Devices join: a provisional sampler (no runtime ran at the start) reads the process alone and says, cheaply,
+whether a runtime started since (``sampler.joinable()``); each sample on the training thread asks, and then a
+sampler again, so the devices join the trace at that sample (0 B in the rows before). Allocators keep their own
+peaks, which nothing resets. A view or sampler that fails is reported once and switched off, never raising into
+the training loop."""
 
 from __future__ import annotations
 
@@ -27,9 +32,6 @@ __all__ = ["MemoryRecorder", "RecorderStats", "KEPT_COSTS"]
 
 #: Per-sample costs kept for statistics (the count and the sum cover all).
 KEPT_COSTS = 4096
-
-#: Seconds between two looks for a runtime that started during the run.
-JOIN_EVERY = 0.5
 
 
 class RecorderStats:
@@ -53,7 +55,7 @@ def print_report(message: str) -> None:
 
 class MemoryRecorder:
     """Records one run at a time; :meth:`start` begins the next with a fresh trace. ``sampler_factory()`` returns a
-    :class:`~vgpu_magic.monitor.sampler.DeviceSampler` (or its shape), asked again while it is ``provisional``;
+    :class:`~vgpu_magic.monitor.sampler.DeviceSampler` (or its shape), asked again once its ``joinable()`` says so;
     ``variables(sampler)``: the variables' bytes per device, or ``None``; ``report``: where problems go."""
 
     def __init__(
@@ -78,7 +80,7 @@ class MemoryRecorder:
         self.active = False
         self.kind = self.phase = "custom"
         self.epoch = self.step = 0
-        self._t0 = self._joined = 0.0
+        self._t0 = 0.0
         self._last = -math.inf
 
     def report_once(self, key: str, message: str) -> None:
@@ -110,7 +112,7 @@ class MemoryRecorder:
         self.epoch = self.step = 0
         self.trace = None
         self.stats = RecorderStats()
-        self._t0 = self._joined = self.clock()
+        self._t0 = self.clock()
         self._last = -math.inf
         try:
             self._sampler = self._sampler_factory()
@@ -126,7 +128,7 @@ class MemoryRecorder:
         self.refresh_variables()
         self._view_call("start", self.trace)
         self._sample_at(self._t0)
-        if self._background and self.active:
+        if self._background and self.active and not self._on_training_thread_only():
             self._stop = threading.Event()
             # The cell's context: what the thread prints or sends belongs to the cell that runs.
             run = contextvars.copy_context().run
@@ -136,11 +138,16 @@ class MemoryRecorder:
             self._thread.start()
 
     def _sample_in_background(self) -> None:
-        while not self._stop.wait(max(0.0, self._last + self.interval - self.clock())):
+        wait = self.interval
+        while not self._stop.wait(wait):
             with self._lock:
+                # Not read here (a join to such a sampler, or a failed run): the hooks sample, or nothing does.
+                if not self.active or self._on_training_thread_only():
+                    return
                 now = self.clock()
-                if self.active and now - self._last >= self.interval and not self._on_training_thread_only():
+                if now - self._last >= self.interval:
                     self._sample_at(now)
+                wait = self._last + self.interval - now
 
     def _stop_thread(self) -> None:
         thread, self._thread = self._thread, None
@@ -149,15 +156,14 @@ class MemoryRecorder:
             thread.join()
 
     def tick(self, step: int | None = None) -> None:
-        """Call at every step: notes it, and samples when ``interval`` passed and no thread samples."""
+        """Call at every step: notes it, lets devices join (see the module docstring), and samples when ``interval``
+        passed and no thread samples."""
         if step is not None:
             self.step = step
-        if getattr(self._sampler, "provisional", False):
-            self._maybe_join()
-        if self._thread is None or self._on_training_thread_only():
-            now = self.clock()
-            if now - self._last >= self.interval:
-                self._sample_at(now)
+        now = self.clock()
+        due = now - self._last >= self.interval and (self._thread is None or self._on_training_thread_only())
+        if self._maybe_join() or due:  # devices that joined are read at once
+            self._sample_at(now)
 
     def _on_training_thread_only(self) -> bool:
         return getattr(self._sampler, "training_thread_only", False)
@@ -183,22 +189,21 @@ class MemoryRecorder:
                 return
             self._view_call("sampled", self.trace, now)
 
-    def _maybe_join(self) -> None:
-        """Devices of a runtime that started since: into the trace, 0 B before. Only on the training
-        thread: asking a framework from another thread while this one imports it can deadlock the import."""
-        now = self.clock()
-        if not (self.active and getattr(self._sampler, "provisional", False) and now - self._joined >= JOIN_EVERY):
-            return
-        self._joined = now
+    def _maybe_join(self) -> bool:
+        """Devices of a runtime that started since: into the trace, 0 B before; whether they joined. Only on the
+        training thread: asking a framework from another thread while this one imports it can deadlock the import."""
+        joinable = getattr(self._sampler, "joinable", None)
+        if not (self.active and joinable is not None and joinable()):
+            return False
         try:
             sampler = self._sampler_factory()
-            if getattr(sampler, "provisional", False):
-                return
+            if getattr(sampler, "joinable", None) is not None:
+                return False
             sampler.read()
         except Exception as exc:  # noqa: BLE001 - any framework's read error; the process is still read
             self.report_once("join", f"device memory cannot be read ({type(exc).__name__}: {exc})")
-            self._sampler.provisional = False
-            return
+            self._sampler.joinable = None
+            return False
         with self._lock:
             self._sampler = sampler
             self.stats.devices = len(sampler.devices)
@@ -207,6 +212,7 @@ class MemoryRecorder:
             self.trace.subject = getattr(sampler, "subject", "")
             self.refresh_variables()
             self._view_call("series_changed", self.trace)
+        return True
 
     def begin_epoch(self, epoch: int) -> None:
         with self._lock:

@@ -125,17 +125,18 @@ class DeviceSampler:
     (a framework's :meth:`~vgpu_magic.frameworks.base.Framework.memory_reader`, given ``"GPU:0"``-style
     names), the process series (last) through ``process()``, at most every :data:`PROCESS_EVERY` seconds:
     RSS moves slowly, its peak is the system's own, and a read costs as much as four allocators'.
-    A ``provisional`` sampler (made before any runtime ran) is asked for again: devices join the run."""
+    A provisional sampler (made before any runtime ran) has ``joinable()``, asked before each sample on the
+    training thread: true once a runtime started, and the recorder asks for a sampler again (devices join)."""
 
     def __init__(
         self,
         series: Sequence[SeriesInfo],
         reader: Callable[[list[str]], list[tuple[int, int]]],
         process: Callable[[], tuple[int, int]] | None = None,
-        provisional: bool = False,
+        joinable: Callable[[], bool] | None = None,
     ) -> None:
         self.series = tuple(series)
-        self.provisional = provisional
+        self.joinable = joinable
         #: Whose devices it reads (:meth:`for_framework`), for the variables per replica.
         self.framework: Any = None
         #: What it reads, in the framework's words (the title of a custom loop's view).

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..units import parse_seconds
@@ -32,10 +32,10 @@ MIN_INTERVAL, MAX_INTERVAL = 0.001, 3600.0
 _SAID: set[str] = set()
 
 
-def process_sampler(provisional: bool = False) -> DeviceSampler:
-    """A sampler of this process' resident memory alone."""
+def process_sampler(joinable: Callable[[], bool] | None = None) -> DeviceSampler:
+    """A sampler of this process' resident memory alone (provisional, given ``joinable``)."""
     series = (SeriesInfo("process", PROCESS_LABEL, (), None, panel="process"),)
-    return DeviceSampler(series, lambda names: [], provisional=provisional)
+    return DeviceSampler(series, lambda names: [], joinable=joinable)
 
 
 class MonitorSession:
@@ -110,13 +110,17 @@ class MonitorSession:
 
     def _make_sampler(self) -> DeviceSampler:
         """Every device of the framework whose runtime runs; while none runs, the process' RSS alone,
-        provisionally (the recorder asks again)."""
+        provisionally (the recorder asks again at the first sample after one started)."""
         framework = self._running_framework()
         if framework is None:
             if self._devices is not None:
                 self._report("no framework's runtime runs yet, so only the process' memory is read until one starts")
             self._joining = True
-            return process_sampler(provisional=True)
+            from .. import frameworks
+
+            # Asked before each sample: lookups only, no import and no scan of the user's namespace.
+            watched = frameworks.all_frameworks()
+            return process_sampler(joinable=lambda: any(fw.runtime_started() for fw in watched))
         try:
             sampler = DeviceSampler.for_framework(
                 framework,
