@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..devices import simulated_line
 from ..units import format_bytes
 from .trace import MemoryTrace
 from .views import DARK_PALETTE, PALETTE, RedrawThrottle, View, panel_unit, summary_line, title_text
@@ -106,7 +107,7 @@ class LiveMemoryView(View):
     def start(self, trace: MemoryTrace) -> None:
         begin = self.clock()
         self.widget = self._make_widget(
-            series=_series(trace), units=_units(trace), title=_title(trace), note=trace.variables_text()
+            series=_series(trace), units=_units(trace), title=_title(trace), note=trace.caption()
         )
         self.surface.show(self.widget)
         self.throttle.reset(begin)
@@ -147,7 +148,7 @@ class LiveMemoryView(View):
             self._marks = len(trace.epoch_starts)
             first_epoch = trace.epoch[0] if len(trace) else 0  # the epoch the run began in: no mark
             self.widget.marks = [[round(t, 3), e] for t, e in trace.epoch_starts if e != first_epoch]
-        for name, value in (("title", _title(trace)), ("units", _units(trace)), ("note", trace.variables_text())):
+        for name, value in (("title", _title(trace)), ("units", _units(trace)), ("note", trace.caption())):
             if getattr(self.widget, name) != value:
                 setattr(self.widget, name, value)
         # The kernel's own work (this thread's CPU time): on a busy machine the wall clock
@@ -177,7 +178,8 @@ def static_image(trace: MemoryTrace) -> tuple[bytes | None, str]:
     """The final frame: the static figure as a transparent PNG (``None`` without matplotlib) and its text."""
     from .plot import MemoryFigure, require_matplotlib
 
-    text = title_text(trace, final=True) + "\n" + summary_line(trace)
+    said = simulated_line(trace.simulated)
+    text = title_text(trace, final=True) + "\n" + summary_line(trace) + f"\n{said}" * bool(said)
     try:
         require_matplotlib("the final memory plot is text only")
     except ImportError:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import frameworks
+from ..devices import simulated_line
 from ..frameworks.base import RankPlan
 from ..inventory import GPUInfo, NVMLReadError, nccl_version, visible_gpus
 from ..layout import HostReport, RankLayout, layout_ranks
@@ -307,6 +308,7 @@ class RankCluster:
         sent by value first (not rank state); with ``output``, each rank's last value in rank order."""
         self._require_running()
         compile(code, "<cell>", "exec")
+        self._say_simulated()
         self.rank_names.send(self.view, code, namespace or {})
         if output:
             code = names.split_last_expression(code, "_vgpu_out")
@@ -323,6 +325,16 @@ class RankCluster:
             if shown is not None:
                 print(f"[rank {rank}] Out: {shown}")
         return None
+
+    def simulated(self) -> str:
+        """What the ranks only simulate, one line (:func:`~vgpu_magic.devices.simulated_line`); ``""``: nothing."""
+        return simulated_line(self.plans[0].simulated if self.plans else ())
+
+    def _say_simulated(self) -> None:
+        """A run's first line: what it simulates, once for all ranks (nothing where nothing is)."""
+        said = self.simulated()
+        if said:
+            print(said)
 
     def _gpu(self) -> bool:
         return self.layout is not None and any(p.gpu for p in self.layout.places)
@@ -347,6 +359,7 @@ class RankCluster:
         self._require_running()
         self.layout = layout_ranks(self._read_hosts(self.engine_ids), self.given_gpus)
         self.plans = self._plan_ranks(self.layout)
+        self._say_simulated()
         where, preload = (path, list(args), os.getcwd()), self._preload()
         requests = [launch.launch_request(plan, *where, preload, self.spares) for plan in self.plans]
 
@@ -390,6 +403,7 @@ class RankCluster:
         where = self.launcher_plan.launcher.describe(self.cluster)
         lines = [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} on {where}"]
         lines.extend(self.plans[0].notes if self.plans else ())
+        lines += [line for line in [self.simulated()] if line]
         call = self.fw.join_call
         joined = f"has joined ({call} at start, --join): cells must not call it again; scripts make their own call"
         own = f"has its launcher's environment; your code calls {call}, as under its launcher"

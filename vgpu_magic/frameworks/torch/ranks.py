@@ -47,6 +47,9 @@ def plan_ranks(
     caps = [
         rank_share_mib(p.gpu, p.gpu_shared_by, memory_mib, framework.capabilities) if p.gpu else None for p in places
     ]
+    # Gloo stands in for NCCL on the host (on CPU, or ranks sharing a GPU); ranks on GPUs of their own run for real.
+    gloo = ["collectives over gloo on the host, not NCCL", layout.sharing()] if backend == "gloo" else []
+    simulated = tuple(filter(None, gloo))
     if any(caps):
         least = min(c for c in caps if c)
         notes.append(f"each rank capped at {least} MiB of its GPU (set_per_process_memory_fraction)")
@@ -74,7 +77,7 @@ def plan_ranks(
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         }
         gpu_args = () if place.gpu is None else (place.gpu.index, cap)
-        plans.append(RankPlan(place.rank, env, SETUP, (backend, *gpu_args), tuple(notes)))
+        plans.append(RankPlan(place.rank, env, SETUP, (backend, *gpu_args), tuple(notes), simulated=simulated))
     return plans
 
 
