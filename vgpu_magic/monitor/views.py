@@ -7,6 +7,7 @@ import math
 import sys
 from typing import TextIO
 
+from ..devices import simulated_line
 from ..units import format_bytes, joined_alike, unit_for
 from .trace import MemoryTrace
 
@@ -132,7 +133,8 @@ class TextSummaryView(View):
         line = f"memory · {trace.kind} {state} in {trace.duration:.1f} s, {len(trace)} samples · {summary_line(trace)}"
         if trace.variable_bytes:
             line += f" · {trace.variables_text()}"
-        self._print(line)
+        said = simulated_line(trace.simulated)
+        self._print(line + f"\n{said}" * bool(said))
 
 
 class RedrawThrottle:
