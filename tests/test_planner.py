@@ -561,17 +561,18 @@ SPLIT_SIMULATES = [
 
 @pytest.mark.parametrize(("line", "inventory", "said"), SPLIT_SIMULATES)
 def test_a_split_says_once_what_it_simulates_and_nothing_where_nothing_is(line, inventory, said):
-    """Issue 48: the plan carries what the split only simulates, and the one summary says it in one line."""
+    """Issue 48: the plan carries what the split only simulates, and the one summary says it in one line where the
+    split is made (or would be); a quiet no-op stays one line, and a refused split configured nothing."""
     from vgpu_magic.outcomes import SplitResult, summary_lines
 
     plan = plan_line(line, inventory)
-    for status in ("applied", "planned", "unchanged"):
+    for status in ("applied", "planned"):
         shown, warned = summary_lines(SplitResult(status, plan, TENSORFLOW, devices=["/device:CPU:0"]))
         simulated = [text.strip() for text in shown + warned if "simulated" in text]
         assert simulated == ([said] if said else []), status
-    # Refused, nothing was configured: nothing is simulated.
-    shown, warned = summary_lines(SplitResult("blocked", plan, TENSORFLOW, blocked_reason="a cell"))
-    assert not [text for text in shown + warned if "simulated" in text]
+    for status, why in (("unchanged", ""), ("blocked", "a cell")):
+        shown, warned = summary_lines(SplitResult(status, plan, TENSORFLOW, blocked_reason=why))
+        assert not [text for text in shown + warned if "simulated" in text], status
 
 
 def test_jax_cpu_devices_simulate_in_jaxs_words():

@@ -102,8 +102,6 @@ def summary_lines(result: SplitResult) -> tuple[list[str], list[str]]:
     plan, caps, label = result.plan, result.capabilities, result.capabilities.label
     said: list[str] = []
     warned: list[str] = []
-    # What the split only simulates: said where it takes effect or stands, not where it was refused.
-    simulated = [f"  {line}" for line in [simulated_line(plan.simulated)] if line]
     if result.status == "blocked":
         what, culprit = runtime_started_lines(label, result.blocked_reason, caps.runtime_word)
         kept = _plural(result.replicas, "replica device" if caps.replica_noun == "replica" else caps.replica_noun)
@@ -112,7 +110,7 @@ def summary_lines(result: SplitResult) -> tuple[list[str], list[str]]:
     elif result.status == "unchanged" and result.is_default:
         said.append(f"{plan.describe()} is {label}'s default; nothing to configure")
     elif result.status == "unchanged":
-        said += [f"{label} already has {plan.describe()}; nothing changed", *simulated]
+        said.append(f"{label} already has {plan.describe()}; nothing changed")  # a quiet no-op: one line
     else:
         verb = "configured" if result.status == "applied" else "would configure"
         said.append(f"{label} {verb} {plan.describe()}")
@@ -121,7 +119,8 @@ def summary_lines(result: SplitResult) -> tuple[list[str], list[str]]:
         said += [f"  note: {note}" for note in plan.notes]
         tense = "will use" if result.status == "applied" else "would use"
         replicas = _plural(result.replicas, caps.replica_noun)
-        said += [f"  {caps.replicas_by} {tense} {replicas}: {', '.join(result.devices)}", *simulated]
+        said.append(f"  {caps.replicas_by} {tense} {replicas}: {', '.join(result.devices)}")
+        said += [f"  {line}" for line in [simulated_line(plan.simulated)] if line]
         said.append(f"  reproduce with: {plan.magic_line()}")
     return said, warned + result.warnings
 
