@@ -637,9 +637,6 @@ def test_the_caption_says_once_what_the_split_devices_simulate():
     view.start(trace)
     assert view.widgets[0].note == f"{said}\nvariables per replica: CPU:0 3.0 MiB"
     assert [line for line in static_image(trace)[1].splitlines() if "simulated" in line] == [said]
-    printed = io.StringIO()
-    TextSummaryView(printed).finish(trace)
-    assert printed.getvalue().splitlines()[1:] == [said]
     fw.snapshot = replace(fw.snapshot, logical={})
     assert not DeviceSampler.for_framework(fw).simulated
 

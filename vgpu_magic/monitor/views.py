@@ -7,7 +7,6 @@ import math
 import sys
 from typing import TextIO
 
-from ..devices import simulated_line
 from ..units import format_bytes, joined_alike, unit_for
 from .trace import MemoryTrace
 
@@ -133,8 +132,7 @@ class TextSummaryView(View):
         line = f"memory · {trace.kind} {state} in {trace.duration:.1f} s, {len(trace)} samples · {summary_line(trace)}"
         if trace.variable_bytes:
             line += f" · {trace.variables_text()}"
-        said = simulated_line(trace.simulated)
-        self._print(line + f"\n{said}" * bool(said))
+        self._print(line)
 
 
 class RedrawThrottle:
