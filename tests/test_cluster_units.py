@@ -295,14 +295,16 @@ def test_status_names_each_ranks_host_when_they_run_on_several():
         lines = ranks.describe()
         assert [info.host for info in ranks.status()] == ["host0", "host1"]
     assert lines[1] == "jax.distributed on 10.0.0.1:43000: 2 processes × 1 CPU devices = 2 devices"
-    assert lines[2] == (
+    # One process on each host: they share no CPU (issue 48).
+    assert lines[2] == "simulated: collectives over gloo on the host, not NCCL"
+    assert lines[3] == (
         "each rank has its launcher's environment; your code calls jax.distributed.initialize(), as under its launcher"
     )
     # The two modes, said plainly (issue 22).
-    assert lines[3] == "cells (%%vgpu_run): run in these ranks, which keep their state"
-    assert lines[4] == "scripts (%vgpu_run FILE): a fresh launch each run (a spare waits with jax imported)"
-    assert lines[5].startswith(f"  rank 0: pid {os.getpid()} on host0, alive")
-    assert lines[6].startswith(f"  rank 1: pid {os.getpid()} on host1, alive")
+    assert lines[4] == "cells (%%vgpu_run): run in these ranks, which keep their state"
+    assert lines[5] == "scripts (%vgpu_run FILE): a fresh launch each run (a spare waits with jax imported)"
+    assert lines[6].startswith(f"  rank 0: pid {os.getpid()} on host0, alive")
+    assert lines[7].startswith(f"  rank 1: pid {os.getpid()} on host1, alive")
 
 
 #: For each field of ClusterSpec, a value other than the one the tests below start with (2 JAX ranks, defaults).
@@ -886,3 +888,66 @@ def test_a_start_that_would_not_fit_in_memory_is_refused_in_one_line(monkeypatch
     assert f"but 8.00 GiB is available; start at most {8 * GIB // one} ranks" in message
     assert rank_cluster.current() is None
     assert psutil.Process().children(recursive=True) == before
+
+
+def simulated(plans) -> str:
+    """What every rank's plan says is simulated, said once (every rank's must be the same)."""
+    from vgpu_magic.devices import simulated_line
+
+    assert len({p.simulated for p in plans}) == 1
+    return simulated_line(plans[0].simulated)
+
+
+def test_what_the_ranks_simulate_comes_from_their_layout_in_each_frameworks_words():
+    """Issue 48: which backend stands in for NCCL and what the ranks share, decided where the ranks are planned;
+    nothing where the ranks run as a real run would (each on a GPU of its own, with NCCL)."""
+    gloo = "simulated: collectives over gloo on the host, not NCCL"
+    assert simulated(plan("torch", 2)) == f"{gloo}; the 2 ranks share the CPU"
+    assert simulated(plan("torch", 2, gpus=[GPU(0, 80)])) == f"{gloo}; the 2 ranks share one GPU"
+    assert simulated(plan("torch", 2, gpus=[GPU(0, 80), GPU(1, 80)])) == ""
+    assert simulated(plan("torch", 1)) == gloo
+    ring = "simulated: collectives over gRPC (RING) on the host, not NCCL"
+    assert simulated(plan("tensorflow", 3)) == f"{ring}; the 3 workers share the CPU"
+    shared = plan("tensorflow", 2, split=2, gpus=[GPU(0, 16, free_gib=16, cc=(8, 0))])
+    assert simulated(shared) == "simulated: the 2 workers share one GPU"
+    assert simulated(plan("tensorflow", 2, gpus=[GPU(0, 16), GPU(1, 16)])) == ""
+    assert simulated(plan("jax", 2, split=2)) == (
+        f"{gloo}; the 2 processes share the CPU; each process's 2 CPU devices share the CPU's cores"
+    )
+    jax_gpu = plan("jax", 2, gpus=[GPU(0, 80)], nccl=(2, 30, 7))
+    assert simulated(jax_gpu) == "simulated: the 2 processes share one GPU"
+    # Two hosts, one sharing its GPU: the shared one is named; two sharing: how many at most share one.
+    a_gpus, b_gpu = (GPU(0, 80), GPU(1, 80)), (GPU(0, 40),)
+    hosts = [("a", a_gpus), ("b", b_gpu)]
+    reports = [HostReport(e, hosts[e % 2][0], f"10.0.0.{e % 2}", 500 + e, hosts[e % 2][1], 41000 + e) for e in range(4)]
+    assert simulated(get("torch").plan_ranks(layout_ranks(reports), None, None, None)) == (
+        f"{gloo}; the 2 ranks share one GPU"
+    )
+    reports = [replace(r, gpus=b_gpu) for r in reports]
+    assert simulated(get("torch").plan_ranks(layout_ranks(reports), None, None, None)) == (
+        f"{gloo}; the ranks share their GPUs, up to 2 on one"
+    )
+
+
+@needs_jax
+def test_a_start_and_a_run_say_once_what_they_simulate(monkeypatch, capsys):
+    """Issue 48: ``%vgpu_cluster start`` / ``status`` and every run say it in one line, not per rank, before the
+    ranks' own output."""
+    from vgpu_magic.ranks import RankCluster, rank_cluster
+
+    class RanksSayHello:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def run(self) -> list:
+            print("[rank 0] hello")
+            return []
+
+    said = "simulated: collectives over gloo on the host, not NCCL; the 2 processes share the CPU"
+    monkeypatch.setattr(rank_cluster, "RankRun", RanksSayHello)
+    with started(RankCluster(2, "jax", gpus=[]), hosts=("node0", "node0")) as ranks:
+        assert [line for line in ranks.describe() if "simulated" in line] == [said]
+        monkeypatch.setattr(ranks.rank_names, "send", lambda *args: None)
+        monkeypatch.setattr(ranks.rank_names, "settle", lambda *args: None)
+        ranks.run("1")
+    assert capsys.readouterr().out == f"{said}\n[rank 0] hello\n"

@@ -216,6 +216,11 @@ def test_verdict_after_cuda_context_and_levers():
     data = json.loads(tight.to_json())
     assert data["fits"] is False and data["ranks"][0]["peak_bytes"] == tight.peak_bytes
     assert "does not fit by" in str(tight) and "<table>" in tight._repr_html_()
+    # What it only simulates, once, last (issue 48).
+    said = "simulated: fake tensors and a fake process group; NCCL's buffers are a fixed reserve, not counted"
+    assert [line for line in str(tight).splitlines() if "simulated" in line] == [said]
+    assert str(fits).splitlines()[-1] == said
+    assert "<th style='text-align:left'>simulated</th><td style='text-align:left'>fake tensors" in fits._repr_html_()
 
 
 LEVER_CELL = """
@@ -455,6 +460,9 @@ def test_jax_step_on_eight_devices_matches_the_live_bytes_of_a_real_run(no_proce
     assert ("jax" in sys.modules) == had_jax  # compiled in a helper process: this one's JAX is untouched
     parts = estimated.ranks[0].categories
     assert estimated.parallelism == "SPMD over 8 devices" and estimated.framework == "JAX"
+    assert str(estimated).splitlines()[-1] == (
+        "simulated: the cell's jitted steps compiled for CPU devices, not run (XLA's memory_analysis())"
+    )
     assert parts["temporaries"] > 0
     assert abs(parts["arguments"] + parts["outputs"] - real) <= 0.10 * real, (parts, real)
 

@@ -15,6 +15,7 @@ import io
 import itertools
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -638,6 +639,28 @@ def test_a_framework_whose_cpus_have_their_own_memory_gets_one_series_each_plus_
     assert fw.calls == [["CPU:0", "CPU:1", "CPU:2"]]
     shared = DeviceSampler.for_framework(FakeFramework(shared=True))
     assert [s.key for s in shared.series] == ["host", "process"]
+
+
+def test_the_caption_says_once_what_the_split_devices_simulate():
+    """Issue 48: the sampler reads the split from the framework's configuration, the recorder's trace carries it, and
+    the live view's caption and the final frame's text say it in one line; one device simulates nothing."""
+    from vgpu_magic.monitor.live import static_image
+
+    said = "simulated: 3 logical CPUs share one allocator and the CPU's cores"
+    assert DeviceSampler.for_framework(FakeFramework()).simulated == ("3 logical CPUs share the CPU's cores",)
+    fw = FakeFramework(shared=True)
+    recorder = MemoryRecorder(lambda: DeviceSampler.for_framework(fw), None, interval=0.05, clock=FakeClock())
+    recorder.start("fit", epochs=1)
+    trace = recorder.finish()
+    assert trace.caption() == said
+    display, clock = FakeDisplay(), FakeClock()
+    view = live_view(display, clock)
+    trace.variable_bytes = {"/device:CPU:0": 3 * MIB}
+    view.start(trace)
+    assert view.widgets[0].note == f"{said}\nvariables per replica: CPU:0 3.0 MiB"
+    assert [line for line in static_image(trace)[1].splitlines() if "simulated" in line] == [said]
+    fw.snapshot = replace(fw.snapshot, logical={})
+    assert not DeviceSampler.for_framework(fw).simulated
 
 
 def test_jax_names_its_devices_in_its_own_words_and_tensorflow_in_its_own():

@@ -543,3 +543,43 @@ def test_cpu_and_gpu_contradiction_is_checked_once_in_the_planner():
             plan_split(request, inventory)
     # GPU 0 named explicitly is no longer confused with the default.
     assert plan_split(vgpu_magic.api.make_request(2, cpu=True), inventory).device_type == "CPU"
+
+
+# -- what a split simulates (issue 48) -----------------------------------------
+
+
+SPLIT_SIMULATES = [
+    ("4", CPU_ONLY, "simulated: 4 logical CPUs share one allocator and the CPU's cores"),
+    ("4 --cpu", gpu_inventory(80000), "simulated: 4 logical CPUs share one allocator and the CPU's cores"),
+    ("4", gpu_inventory(80000), "simulated: 4 logical GPUs of one card: no NCCL between them"),
+    ("1", CPU_ONLY, ""),
+    ("1 --memory 4GB", gpu_inventory(80000), ""),
+    ("--visible 0", gpu_inventory(80000, 80000), ""),
+    ("--growth", gpu_inventory(80000), ""),
+]
+
+
+@pytest.mark.parametrize(("line", "inventory", "said"), SPLIT_SIMULATES)
+def test_a_split_says_once_what_it_simulates_and_nothing_where_nothing_is(line, inventory, said):
+    """Issue 48: the plan carries what the split only simulates, and the one summary says it in one line where the
+    split is made (or would be); a quiet no-op stays one line, and a refused split configured nothing."""
+    from vgpu_magic.outcomes import SplitResult, summary_lines
+
+    plan = plan_line(line, inventory)
+    for status in ("applied", "planned"):
+        shown, warned = summary_lines(SplitResult(status, plan, TENSORFLOW, devices=["/device:CPU:0"]))
+        simulated = [text.strip() for text in shown + warned if "simulated" in text]
+        assert simulated == ([said] if said else []), status
+    for status, why in (("unchanged", ""), ("blocked", "a cell")):
+        shown, warned = summary_lines(SplitResult(status, plan, TENSORFLOW, blocked_reason=why))
+        assert not [text for text in shown + warned if "simulated" in text], status
+
+
+def test_jax_cpu_devices_simulate_in_jaxs_words():
+    from vgpu_magic.devices import simulated_line
+    from vgpu_magic.frameworks.jax import CAPABILITIES as JAX
+
+    inventory = DeviceInventory(gpus=(), cpus=1, version="0.7.0", capabilities=JAX)
+    said = simulated_line(plan_split(SplitRequest(count=8), inventory).simulated)
+    # JAX's CPU devices each report their own figures: no shared allocator to speak of.
+    assert said == "simulated: 8 CPU devices share the CPU's cores"

@@ -114,6 +114,25 @@ class Capabilities:
     install_hint: str = ""  #: how to install it (``"install it with pip install 'vgpu_magic[cpu]'"``)
 
 
+def split_simulates(caps: Capabilities, kind: str, count: int) -> tuple[str, ...]:
+    """What ``count`` logical devices of one physical ``kind`` (``"CPU"``, ``"GPU"``) only simulate, in ``caps``'
+    words (:func:`simulated_line` says it): nothing for one device."""
+    if count < 2:
+        return ()
+    devices = f"{count} {caps.device_noun.format(kind=kind)}s"
+    if kind == "CPU":
+        return (f"{devices} share {'one allocator and ' * caps.cpus_share_allocator}the CPU's cores",)
+    no_nccl = ": no NCCL between them" * caps.replicas_nccl_unless_fewer_physical
+    return (f"{devices} of one card{no_nccl}",)
+
+
+def simulated_line(facts: tuple[str, ...] | list[str]) -> str:
+    """The one line every rehearsing output shows (``"simulated: ..."``, what the rehearsal does differently from a
+    real run), or ``""`` where nothing is simulated: ``facts`` come from the engine (a plan, the ranks' layout, an
+    estimate), never from a face."""
+    return "simulated: " + "; ".join(facts) if facts else ""
+
+
 @dataclass(frozen=True)
 class ConfigSnapshot:
     """A framework's device configuration as plain data. ``logical``: physical device name -> its logical

@@ -116,6 +116,20 @@ class RankLayout:
         """Do some ranks share a GPU (so NCCL, one rank per GPU, cannot be used)?"""
         return any(p.gpu_shared_by > 1 for p in self.places)
 
+    def sharing(self, noun: str = "ranks") -> str:
+        """What several ranks (``noun``: the framework's word) share that a real run gives each its own
+        (``"the 2 ranks share one GPU"``, ``"the 4 workers share the CPU"``), or ``""``: a fact for
+        :func:`~vgpu_magic.devices.simulated_line`."""
+        groups = Counter((p.hostname, None if p.gpu is None else p.gpu.index) for p in self.places)
+        shared = [(gpu, n) for (_, gpu), n in groups.items() if n > 1]
+        if not shared:
+            return ""
+        on_gpu = shared[0][0] is not None
+        if len(shared) == 1:
+            return f"the {shared[0][1]} {noun} share {'one GPU' if on_gpu else 'the CPU'}"
+        device = "their GPUs" if on_gpu else "each host's CPU"
+        return f"the {noun} share {device}, up to {max(n for _, n in shared)} on one"
+
 
 def expand_hostlist(hostlist: str) -> list[str]:
     """``"n[1-2],m5,o[03-04,6]"`` -> ``["n1", "n2", "m5", "o03", "o04", "o6"]``: a SLURM host list, in order, zero
@@ -229,3 +243,5 @@ class RankPlan:
     #: It shares its GPU over NCCL: an MPS daemon, where one can run, lets the ranks' kernels run at once (without
     #: one they are time-sliced and a collective's CTAs spin while their peers wait for the GPU).
     mps: bool = False
+    #: What the ranks only simulate, as :func:`~vgpu_magic.devices.simulated_line` says it (the same for every rank).
+    simulated: tuple[str, ...] = field(default=(), compare=False)

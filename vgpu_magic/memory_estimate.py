@@ -17,6 +17,7 @@ from functools import partial
 from typing import Any
 
 from . import frameworks
+from .devices import simulated_line
 from .errors import PlanError, excerpt
 from .frameworks.base import Framework, code_names
 from .units import format_bytes, parse_memory
@@ -82,6 +83,8 @@ class MemoryEstimate:
     kept_bytes: int = 0  #: what CUDA and the framework keep on each device before any tensor
     levers: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: What the estimate only simulates: its framework's estimator's ``SIMULATED``.
+    simulated: list[str] = field(default_factory=list)
 
     @property
     def peak_bytes(self) -> int:  # the largest rank's
@@ -123,7 +126,8 @@ class MemoryEstimate:
             where = f" {r.phase}" if r.phase else ""
             rows.append((f"rank {r.rank}", f"peak {format_bytes(r.peak_bytes)}{where}; held at that moment: {parts}"))
         rows += [("lever", lever) for lever in self.levers] + [("note", note) for note in self.notes]
-        return rows
+        label, _, said = simulated_line(self.simulated).partition(": ")
+        return rows + [(label, said)] * bool(said)
 
     def __repr__(self) -> str:
         return "\n".join(
@@ -226,8 +230,9 @@ def estimate(
         raise _as_the_cells(exc) from None
     first = found[0]
     per_rank = [RankMemory(r, f["peak_bytes"], f["categories"], f["phase"]) for r, f in zip(rank_list, found)]
+    notes, simulated = list(first.get("notes", [])), list(estimator.SIMULATED)
     result = MemoryEstimate(
-        chosen.label, ranks, per_rank, first["parallelism"], gpu_label, notes=list(first.get("notes", []))
+        chosen.label, ranks, per_rank, first["parallelism"], gpu_label, notes=notes, simulated=simulated
     )
     if gpu_mib is not None:
         result.gpu_bytes, result.kept_bytes = gpu_mib * 2**20, estimator.kept_mib(gpu_mib) * 2**20

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import frameworks
-from .devices import Capabilities, ConfigSnapshot, DeviceInventory
+from .devices import Capabilities, ConfigSnapshot, DeviceInventory, simulated_line
 from .frameworks import Framework
 from .planner import SplitPlan, SplitRequest, configuration_after, plan_split
 from .runtime import NO_LONGER_CHANGE, RuntimeState, RuntimeWatcher, runtime_state
@@ -110,7 +110,7 @@ def summary_lines(result: SplitResult) -> tuple[list[str], list[str]]:
     elif result.status == "unchanged" and result.is_default:
         said.append(f"{plan.describe()} is {label}'s default; nothing to configure")
     elif result.status == "unchanged":
-        said.append(f"{label} already has {plan.describe()}; nothing changed")
+        said.append(f"{label} already has {plan.describe()}; nothing changed")  # a quiet no-op: one line
     else:
         verb = "configured" if result.status == "applied" else "would configure"
         said.append(f"{label} {verb} {plan.describe()}")
@@ -120,6 +120,7 @@ def summary_lines(result: SplitResult) -> tuple[list[str], list[str]]:
         tense = "will use" if result.status == "applied" else "would use"
         replicas = _plural(result.replicas, caps.replica_noun)
         said.append(f"  {caps.replicas_by} {tense} {replicas}: {', '.join(result.devices)}")
+        said += [f"  {line}" for line in [simulated_line(plan.simulated)] if line]
         said.append(f"  reproduce with: {plan.magic_line()}")
     return said, warned + result.warnings
 

@@ -6,9 +6,10 @@ framework would refuse when its runtime starts is refused here. Memory is in MiB
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from .budget import MAX_DEVICES, MAX_MEMORY_MIB, MIN_MEMORY_MIB, check_sizes, even_share_mib, usable_mib  # noqa: F401
-from .devices import Capabilities, ConfigSnapshot, DeviceInventory, GPUInfo, unconfigured
+from .devices import Capabilities, ConfigSnapshot, DeviceInventory, GPUInfo, split_simulates, unconfigured
 from .errors import PlanError, excerpt
 from .plans import FitVerdict, SplitPlan, SplitRequest
 
@@ -172,7 +173,7 @@ def _cpu_plan(
         # A data-parallel strategy prefers GPUs: the logical CPUs are only its replicas with the GPUs hidden.
         visible = ()
         notes = (f"GPUs hidden so {capabilities.replicas_by} uses the logical CPUs (add --visible 0 to keep GPU 0)",)
-    named = _named(request, capabilities)
+    named = _named(request, capabilities, "CPU", count)
     return SplitPlan("CPU", 0, (None,) * count, visible, request.memory_growth, None, notes, cpu_forced=forced, **named)
 
 
@@ -212,16 +213,17 @@ def _gpu_plan(
             f"too, against {logical} logical GPUs), and NCCL refuses two devices of one card: use "
             "vgpu_magic.strategy(), or pass cross_device_ops=tf.distribute.ReductionToOneDevice()"
         )
-    named, chosen = _named(request, capabilities), sizes is not None
+    named, chosen = _named(request, capabilities, "GPU", count), sizes is not None
     return SplitPlan(
         "GPU", gpu.index, limits, visible, request.memory_growth, usable, tuple(notes), sizes_chosen=chosen, **named
     )
 
 
-def _named(request: SplitRequest, capabilities: Capabilities) -> dict[str, str | None]:
-    """A split plan's words: the framework's name and phrase, and the name the user gave it."""
+def _named(request: SplitRequest, capabilities: Capabilities, kind: str = "GPU", count: int = 0) -> dict[str, Any]:
+    """A split plan's words: the framework's name and phrase, the name the user gave it, and what ``count``
+    devices of one ``kind`` only simulate."""
     named = {"framework": capabilities.name, "framework_named": request.framework}
-    return {**named, "split_phrase": capabilities.split_phrase}
+    return {**named, "split_phrase": capabilities.split_phrase, "simulated": split_simulates(capabilities, kind, count)}
 
 
 def _gpu_limits(

@@ -48,6 +48,8 @@ class SplitPlan:
     framework_named: str | None = field(default=None, compare=False)
     #: How the framework says what a split makes (:attr:`~vgpu_magic.devices.Capabilities.split_phrase`).
     split_phrase: str = field(default="{count} logical {kind}{s} on {kind}:{index}", compare=False)
+    #: What the split only simulates (:func:`~vgpu_magic.devices.split_simulates`); empty: nothing.
+    simulated: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def count(self) -> int:

@@ -265,7 +265,7 @@ function render({ model, el }) {
         key === "device"));
     });
     const note = model.get("note");
-    if (note) parts.push(`<div class="vgpu-live-note" style="font-size:11px;color:${MUTED}">${esc(note)}</div>`);
+    if (note) parts.push(`<div class="vgpu-live-note" style="font-size:11px;color:${MUTED};white-space:pre-line">${esc(note)}</div>`);
     root.innerHTML = parts.join("");
     root.dataset.rows = String(s.t.length);
   }

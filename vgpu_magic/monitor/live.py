@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..devices import simulated_line
 from ..units import format_bytes, unit_for
 from .recorder import KEPT_COSTS
 from .trace import MemoryTrace
@@ -126,7 +127,7 @@ class LiveMemoryView(View):
         begin = self.clock()
         self._units = {}
         self.widget = self._make_widget(
-            series=_series(trace), units=self._kept_units(trace), title=_title(trace), note=trace.variables_text()
+            series=_series(trace), units=self._kept_units(trace), title=_title(trace), note=trace.caption()
         )
         self.surface.show(self.widget)
         self.throttle.reset(begin)
@@ -178,7 +179,7 @@ class LiveMemoryView(View):
         for name, value in (
             ("title", _title(trace)),
             ("units", self._kept_units(trace)),
-            ("note", trace.variables_text()),
+            ("note", trace.caption()),
         ):
             if getattr(self.widget, name) != value:
                 setattr(self.widget, name, value)
@@ -209,7 +210,8 @@ def static_image(trace: MemoryTrace) -> tuple[bytes | None, str]:
     """The final frame: the static figure as a transparent PNG (``None`` without matplotlib) and its text."""
     from .plot import MemoryFigure, require_matplotlib
 
-    text = title_text(trace, final=True) + "\n" + summary_line(trace)
+    said = simulated_line(trace.simulated)
+    text = title_text(trace, final=True) + "\n" + summary_line(trace) + f"\n{said}" * bool(said)
     try:
         require_matplotlib("the final memory plot is text only")
     except ImportError:

@@ -122,7 +122,12 @@ class MemoryRecorder:
             return
         self.stats.devices = len(self._sampler.devices)
         self.trace = MemoryTrace(
-            self._sampler.series, kind, baseline, epochs_total=epochs, subject=getattr(self._sampler, "subject", "")
+            self._sampler.series,
+            kind,
+            baseline,
+            epochs_total=epochs,
+            subject=getattr(self._sampler, "subject", ""),
+            simulated=getattr(self._sampler, "simulated", ()),
         )
         self.active = True
         self.refresh_variables()
@@ -210,6 +215,7 @@ class MemoryRecorder:
             # Their allocators did not exist when the run started: every byte they hold came in this run.
             self.trace.add_series(sampler.series, [0] * len(sampler.series))
             self.trace.subject = getattr(sampler, "subject", "")
+            self.trace.simulated = getattr(sampler, "simulated", ())
             self.refresh_variables()
             self._view_call("series_changed", self.trace)
         return True

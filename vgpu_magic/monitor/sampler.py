@@ -12,6 +12,7 @@ from dataclasses import replace
 from time import perf_counter
 from typing import Any
 
+from ..devices import split_simulates
 from ..units import MIB
 from .trace import SeriesInfo, short_name
 
@@ -141,6 +142,8 @@ class DeviceSampler:
         self.framework: Any = None
         #: What it reads, in the framework's words (the title of a custom loop's view).
         self.subject = "this process" if all(s.key == "process" for s in self.series) else ""
+        #: What the devices only simulate (:func:`~vgpu_magic.devices.split_simulates`), for the caption.
+        self.simulated: tuple[str, ...] = ()
         device_series = [s for s in self.series if s.key != "process"]
         if any(s.key == "process" for s in self.series[: len(device_series)]):
             raise ValueError("the process series comes after every device series")
@@ -163,7 +166,8 @@ class DeviceSampler:
         """A sampler over :func:`monitored_devices` of ``framework``, with its caps and CPU grouping."""
         names = monitored_devices(framework, devices, model=model, strategy=strategy)
         shared = framework.capabilities.cpus_share_allocator
-        caps_mib = framework.read_configuration().caps_mib()
+        configuration = framework.read_configuration()
+        caps_mib = configuration.caps_mib()
         caps = {name: None if mib is None else int(mib) * MIB for name, mib in caps_mib.items()}
         series = build_series(names, caps, shared_cpus=shared, process=process)
         # A device's own series is labelled in the framework's words (JAX: "cpu:3").
@@ -171,6 +175,11 @@ class DeviceSampler:
         sampler = cls(series, framework.memory_reader())
         sampler.framework = framework
         sampler.subject = f"{framework.capabilities.label} · {len(names)} device{'s' * (len(names) != 1)}"
+        sampler.simulated = tuple(
+            fact
+            for physical, logical in configuration.logical.items()
+            for fact in split_simulates(framework.capabilities, physical.split(":")[-2], len(logical))
+        )
         return sampler
 
     @property

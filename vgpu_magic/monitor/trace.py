@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
+from ..devices import simulated_line
 from ..units import format_bytes, joined_alike
 
 __all__ = ["SeriesInfo", "MemorySample", "MemoryTrace", "short_name", "RECENT_SAMPLES"]
@@ -101,6 +102,8 @@ class MemoryTrace:
     recent: int = RECENT_SAMPLES
     #: What a custom loop watches, in its framework's words (``"JAX · 8 devices"``).
     subject: str = ""
+    #: What its devices only simulate (:func:`~vgpu_magic.devices.split_simulates`), for the caption.
+    simulated: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.series = tuple(self.series)
@@ -248,6 +251,10 @@ class MemoryTrace:
         (``"CPU:3"``), so the variables read as the legend does."""
         short = short_name(device)
         return next((s.label for s in self.series if len(s.devices) == 1 and short_name(s.devices[0]) == short), short)
+
+    def caption(self) -> str:
+        """The lines under the plot: what is simulated (:func:`~vgpu_magic.devices.simulated_line`), the variables."""
+        return "\n".join(line for line in (simulated_line(self.simulated), self.variables_text()) if line)
 
     def variables_text(self) -> str:
         """``'variables per replica: CPU:0 20.1 MiB, CPU:1 20.1 MiB'``, or ``''``."""

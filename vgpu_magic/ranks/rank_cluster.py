@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import frameworks
+from ..devices import simulated_line
 from ..frameworks.base import RankPlan
 from ..inventory import GPUInfo, NVMLReadError, nccl_version, visible_gpus
 from ..layout import HostReport, RankLayout, layout_ranks
@@ -347,6 +348,7 @@ class RankCluster:
         sent by value first (not rank state); with ``output``, each rank's last value in rank order."""
         self._require_running()
         compile(code, "<cell>", "exec")
+        self._say_simulated()
         self.rank_names.send(self.view, code, namespace or {})
         if output:
             code = names.split_last_expression(code, "_vgpu_out")
@@ -363,6 +365,16 @@ class RankCluster:
             if shown is not None:
                 print(f"[rank {rank}] Out: {shown}")
         return None
+
+    def simulated(self) -> str:
+        """What the ranks only simulate, one line (:func:`~vgpu_magic.devices.simulated_line`); ``""``: nothing."""
+        return simulated_line(self.plans[0].simulated if self.plans else ())
+
+    def _say_simulated(self) -> None:
+        """A run's first line: what it simulates, once for all ranks (nothing where nothing is)."""
+        said = self.simulated()
+        if said:
+            print(said)
 
     def _gpu(self) -> bool:
         return self.layout is not None and any(p.gpu for p in self.layout.places)
@@ -402,6 +414,8 @@ class RankCluster:
         for attempt in range(attempts):
             self.layout = layout_ranks(self._read_hosts(self.engine_ids), self.given_gpus)
             self.plans = self._plan_ranks(self.layout, (attempt, max_restarts))
+            if attempt == 0:
+                self._say_simulated()
             where, theirs = (path, list(args), os.getcwd(), self._preload()), self.launcher_plan.launcher.task_variables
             requests = [launch.launch_request(plan, *where, self.spares, theirs, module, faults) for plan in self.plans]
             faults = []  # injected into the first launch only
@@ -458,6 +472,7 @@ class RankCluster:
         lines = [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} on {where}"]
         lines.extend(self.plans[0].notes if self.plans else ())
         lines += [self.mps_note] * bool(self.mps_note)
+        lines += [line for line in [self.simulated()] if line]
         call = self.fw.join_call
         joined = f"has joined ({call} at start, --join): cells must not call it again; scripts make their own call"
         own = f"has its launcher's environment; your code calls {call}, as under its launcher"

@@ -16,7 +16,10 @@ from typing import Any
 from ...errors import PlanError
 from . import ENV_CLIENT_FRACTION, ENV_FRACTION
 
-__all__ = ["estimate_ranks", "kept_mib", "levers"]
+__all__ = ["estimate_ranks", "kept_mib", "levers", "SIMULATED"]
+
+#: What the estimate only simulates (:func:`~vgpu_magic.devices.simulated_line`): nothing runs, no GPU compiles.
+SIMULATED = ("the cell's jitted steps compiled for CPU devices, not run (XLA's memory_analysis())",)
 
 _MARK = "VGPU_ESTIMATE "
 _CELL = "<vgpu_estimate cell>"

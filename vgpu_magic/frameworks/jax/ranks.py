@@ -11,7 +11,7 @@ import functools
 import os
 
 from ...budget import rank_share_mib
-from ...devices import nccl_buffers_mib
+from ...devices import nccl_buffers_mib, split_simulates
 from ...layout import RankLayout, RankPlan
 from ...plans import SplitRequest
 from ..base import Framework
@@ -61,6 +61,10 @@ def plan_ranks(
         notes = (
             f"jax.distributed on {coordinator}: {n} processes × {per_process} CPU devices = {n * per_process} devices",
         )
+    # On CPU, XLA's collectives run over gloo (JAX_CPU_COLLECTIVES_IMPLEMENTATION) where GPUs would use NCCL.
+    collectives = "" if on_gpu else "collectives over gloo on the host, not NCCL"
+    each = [f"each process's {fact}" for fact in split_simulates(framework.capabilities, "CPU", per_process)]
+    simulated = tuple(filter(None, [collectives, layout.sharing("processes"), *each]))
     plans = []
     for place, cap in zip(places, caps):
         joining = {
@@ -76,7 +80,7 @@ def plan_ranks(
             env = {"JAX_PLATFORMS": "cpu", "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo", **joining}
             devices = SplitRequest(count=per_process, target="cpu", framework=name)
         args = (coordinator, n, place.rank, place.gpu.index if on_gpu else None)
-        plans.append(RankPlan(place.rank, env, SETUP, args, notes, devices))
+        plans.append(RankPlan(place.rank, env, SETUP, args, notes, devices, simulated=simulated))
     return plans
 
 

@@ -46,17 +46,21 @@ def plan_ranks(
         if on_gpu
         else "on CPU each worker is one replica (MultiWorkerMirroredStrategy uses one CPU device per worker)",
     )
+    # On CPU, MultiWorkerMirroredStrategy's collectives run RING over gRPC where GPUs would use NCCL.
+    collectives = "" if on_gpu else "collectives over gRPC (RING) on the host, not NCCL"
+    simulated = tuple(filter(None, [collectives, layout.sharing("workers")]))
     plans = []
     for place, each in zip(places, caps):
         task = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": place.rank}}
         env = {"TF_CONFIG": json.dumps(task)}
         if not on_gpu:
-            plans.append(RankPlan(place.rank, env, "", (), notes))
+            plans.append(RankPlan(place.rank, env, "", (), notes, simulated=simulated))
             continue
         # Planned again on the worker's own devices; a share below the planner's minimum is refused before then.
         check_sizes((each,))
         devices = SplitRequest(count=per_worker, memory=each, gpu=place.gpu.index, framework=framework.name)
-        plans.append(RankPlan(place.rank, env, SETUP, (place.gpu.index, per_worker, each), notes, devices))
+        args = (place.gpu.index, per_worker, each)
+        plans.append(RankPlan(place.rank, env, SETUP, args, notes, devices, simulated=simulated))
     return plans
 
 

@@ -14,7 +14,11 @@ from ...errors import PlanError, excerpt
 from ...inventory import CUDA_CONTEXT_MIB
 from ..base import restored
 
-__all__ = ["estimate_ranks", "kept_mib", "levers"]
+__all__ = ["estimate_ranks", "kept_mib", "levers", "SIMULATED"]
+
+#: What the estimate only simulates (:func:`~vgpu_magic.devices.simulated_line`): no GPU, no NCCL; NCCL's buffers
+#: are inside :func:`kept_mib`'s fixed allowance.
+SIMULATED = ("fake tensors and a fake process group", "NCCL's buffers are a fixed reserve, not counted")
 
 
 def estimate_ranks(

@@ -62,6 +62,9 @@ def plan_ranks(
         rank_share_mib(p.gpu, p.gpu_shared_by, memory_mib, framework.capabilities, buffers[p.rank]) if p.gpu else None
         for p in places
     ]
+    # Gloo stands in for NCCL on the host (on CPU, or ranks sharing a GPU); ranks on GPUs of their own run for real.
+    gloo = ["collectives over gloo on the host, not NCCL", layout.sharing()] if backend == "gloo" else []
+    simulated = tuple(filter(None, gloo))
     if any(caps):
         least = min(c for c in caps if c)
         notes.append(f"each rank capped at {least} MiB of its GPU (set_per_process_memory_fraction)")
@@ -94,7 +97,17 @@ def plan_ranks(
             env.update(shared_gpu_env(channels[place.rank]))
             env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"{place.gpu.index}={limit}M"
         gpu_args = () if place.gpu is None else (place.gpu.index, cap)
-        plans.append(RankPlan(place.rank, env, SETUP, (backend, *gpu_args), tuple(notes), mps=place.rank in channels))
+        plans.append(
+            RankPlan(
+                place.rank,
+                env,
+                SETUP,
+                (backend, *gpu_args),
+                tuple(notes),
+                mps=place.rank in channels,
+                simulated=simulated,
+            )
+        )
     return plans
 
 
