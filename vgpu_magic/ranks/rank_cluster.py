@@ -17,7 +17,6 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from .. import frameworks
@@ -25,7 +24,7 @@ from ..devices import simulated_line
 from ..frameworks.base import RankPlan
 from ..inventory import GPUInfo, NVMLReadError, nccl_version, visible_gpus
 from ..layout import HostReport, RankLayout, layout_ranks
-from ..units import MIB, format_bytes
+from ..units import MIB
 from . import launch, lifetime, names, processes
 from .hosts import prepare_rank, report_host
 from .launchers import LAUNCHERS, MAX_RANKS, LauncherPlan, plan_launcher
@@ -34,6 +33,7 @@ from .processes import ClusterStartError
 from .run import RankProcesses, RankRun, RankRunError, interrupt_only_the_cell
 from .shown import HeldBack, rank_env, record_output
 from .spec import RESTART_COUNTS, ClusterNotRunning, ClusterSpec, ClusterState, RankOutcome, RunResult, checked_faults
+from .summary import RankInfo, describe, rank_infos
 
 __all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current"]
 
@@ -43,19 +43,6 @@ ENGINE_TIMEOUT = 120.0
 SETUP_TIMEOUT = 120.0
 _current: RankCluster | None = None
 _lock = threading.Lock()
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """One rank as ``%vgpu_cluster status`` shows it."""
-
-    rank: int
-    engine_id: int
-    pid: int
-    alive: bool
-    rss: int | None
-    gpu: int | None
-    host: str
 
 
 def current() -> RankCluster | None:
@@ -444,19 +431,7 @@ class RankCluster:
 
     def status(self) -> list[RankInfo]:
         """Each rank's PID, liveness, host and memory (RSS, and GPU where NVML has it; none on another host)."""
-        from .memory import RankMemorySampler
-
-        if not self.running:
-            return []
-        procs, places = self._processes(), self.layout.places
-        sampler = RankMemorySampler(procs.memory_pids(), self._gpu())
-        rss, gpu = dict(zip(sampler.ranks, sampler.rss())), dict(zip(sampler.ranks, sampler.gpu()))
-        sampler.close()
-        alive = [procs.alive(rank) for rank in range(len(procs.pids))]
-        return [
-            RankInfo(rank, self.engine_ids[rank], pid, up, rss.get(rank) if up else None, gpu.get(rank), place.hostname)
-            for rank, (pid, place, up) in enumerate(zip(procs.pids, places, alive))
-        ]
+        return rank_infos(self)
 
     def log(self, rank: int | None = None) -> list[str]:
         """The start-up lines the ranks (or ``rank``) wrote and were not shown (``%vgpu_cluster log [RANK]``)."""
@@ -466,36 +441,7 @@ class RankCluster:
 
     def describe(self) -> list[str]:
         """Lines for ``%vgpu_cluster start`` / ``status``: where and how the ranks run, the two modes, each rank."""
-        if not self.running:
-            return [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} {self.state.value}"]
-        where = self.launcher_plan.launcher.describe(self.cluster)
-        lines = [f"{self.n} {self.label} rank{'s' if self.n > 1 else ''} on {where}"]
-        lines.extend(self.plans[0].notes if self.plans else ())
-        lines += [self.mps_note] * bool(self.mps_note)
-        lines += [line for line in [self.simulated()] if line]
-        call = self.fw.join_call
-        joined = f"has joined ({call} at start, --join): cells must not call it again; scripts make their own call"
-        own = f"has its launcher's environment; your code calls {call}, as under its launcher"
-        lines += [f"each rank {joined if self.join else own}"] * bool(call)
-        # Lines a notebook shows whole (a long one wraps mid-word in JupyterLab's output area).
-        lines.append("cells (%%vgpu_run): run in these ranks, which keep their state")
-        step = self.launcher_plan.launcher.launches
-        spare = f"no spare: {'memory is tight' if self.spec.spares else 'spares=False'}, each launch starts cold"
-        spare = f"a spare waits with {self.fw.module} imported" if self.spares else spare
-        lines.append(f"scripts (%vgpu_run FILE): a fresh launch each run{step} ({spare})")
-        infos = self.status()
-        several_hosts = len({info.host for info in infos}) > 1
-        for info in infos:
-            state = "alive" if info.alive else "dead"
-            if info.alive and info.rss is not None:
-                state += f", RSS {format_bytes(info.rss)}"
-            if info.alive and info.gpu is not None:
-                state += f", GPU {format_bytes(info.gpu)}"
-            where = f" on {info.host}" if several_hosts else ""
-            lines.append(f"  rank {info.rank}: pid {info.pid}{where}, {state}")
-        if self.state is ClusterState.MUST_RESTART:
-            lines.append(f"{self.state.value} ({self.reason}): %vgpu_cluster restart")
-        return lines
+        return describe(self)
 
     def __repr__(self) -> str:
         return f"<RankCluster {self.n} × {self.framework}, {self.state.value}>"
