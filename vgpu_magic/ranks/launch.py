@@ -339,3 +339,7 @@ def child() -> None:
         # torch.distributed's hook (which labels each line with the rank) reads the exception's own traceback.
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         sys.exit(1)
+    finally:
+        # The script ended (of itself, unless by KeyboardInterrupt, which still ends it by SIGINT): a late interrupt
+        # must not end it by SIGINT instead, as it would once Python restored SIGINT's default action to finalize.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
