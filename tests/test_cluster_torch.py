@@ -544,7 +544,7 @@ def test_one_failing_script_rank_stops_the_others_and_the_engines_stay(
     shell, launcher_ranks, tmp_path, monkeypatch, capsys
 ):
     """The fault policy for launches: rank 1 raises while rank 0 waits with SIGINT blocked (as a process stuck
-    in native code may): rank 0's process is stopped all the same (SIGINT, then SIGKILL after torchrun's grace),
+    in native code may): rank 0's process is stopped all the same (SIGINT, then SIGKILL once stuck: said so),
     rank 1's traceback is shown once, and the same engines run the next launch."""
     from vgpu_magic.ranks import RankRunError
 
@@ -566,6 +566,8 @@ def test_one_failing_script_rank_stops_the_others_and_the_engines_stay(
     outcomes = info.value.result.outcomes
     assert [(rank, outcome.end) for rank, outcome in outcomes.items()] == [(1, "failed"), (0, "interrupted")]
     assert outcomes[1].failure is info.value.failure and outcomes[0].failure is None
+    # Issue 43, row 3: its engine killed it, and says so.
+    assert outcomes[0].killed == "made no progress for 10 s after SIGINT"
     launched_pids = [int((tmp_path / f"{r}.pid").read_text()) for r in range(2)]
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in launched_pids)
     shell.run_cell_magic("vgpu_run", "-o after", "import os\nos.getpid()")

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -27,9 +27,12 @@ __all__ = ["INTERRUPT_LIMIT", "ProcessExited", "child", "kernel_environ", "launc
 
 #: Seconds a launched process has at most after SIGINT (its ``except KeyboardInterrupt``) while it makes progress.
 INTERRUPT_LIMIT = 120.0
-#: Seconds without progress (CPU time, I/O, output) after which an interrupted process is stuck, and killed: long
+#: Seconds without progress (output, I/O, CPU time) after which an interrupted process is stuck, and killed: long
 #: enough for a rank's handler to wait for another's save (``dist.barrier()``), short of torchrun's fixed 30 s.
 STUCK = 10.0
+#: The share of a core an interrupted process must use to be making progress: the runtimes' own threads in a process
+#: blocked in a collective use about 0.002 (0.01 s every few seconds), a handler at work on a loaded machine far more.
+BUSY = 0.05
 #: Seconds to wait for the rest of the output once the process exited (a grandchild may hold its pipes).
 DRAIN = 1.0
 #: What a spare runs (``python -c``: nothing of the user's folder on ``sys.path``, ``sys.flags`` as plain ``python``).
@@ -38,6 +41,10 @@ _CHILD = "from vgpu_magic.ranks.launch import child; child()"
 
 class ProcessExited(RuntimeError):
     """The rank's process ended with a non-zero status: how."""
+
+
+class ProcessKilled(RuntimeError):
+    """The rank's process did not stop after SIGINT and was killed: why (the kernel reports the rank killed)."""
 
 
 @dataclass(frozen=True)
@@ -254,7 +261,8 @@ def _inject(popen: subprocess.Popen, faults: list) -> tuple[list[str], list[thre
 
 
 def _follow(popen: subprocess.Popen) -> int:
-    """Copy the child's output to this process' own until it exits: its status. Interrupted: SIGINT, killed if stuck."""
+    """Copy the child's output to this process' own until it exits: its status. Interrupted, the child gets SIGINT
+    (:func:`_stop`): ``KeyboardInterrupt`` once it stopped from it, :class:`ProcessKilled` where it would not."""
     selector = selectors.DefaultSelector()
     for pipe, out in ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr)):
         selector.register(pipe, selectors.EVENT_READ, (out, codecs.getincrementaldecoder("utf-8")("replace")))
@@ -274,45 +282,67 @@ def _follow(popen: subprocess.Popen) -> int:
                 # Not flushed: the engine sends what gathered at its own pace, not one message per read.
                 out.write(text)
 
+    interrupted, killed = False, ""
     try:
         while popen.poll() is None:
             copy(0.2)
     except KeyboardInterrupt:
         # A process that ended on its own as the interrupt came is reported as it ended.
-        if popen.poll() is None:
-            popen.send_signal(signal.SIGINT)
-            for _ in progressing(popen.pid):
-                if popen.poll() is not None:
-                    break
-                copy(0.2)  # what its handler prints goes on streaming
-            if popen.poll() is None:
-                popen.kill()
-            raise
+        interrupted = popen.poll() is None
+        if interrupted:
+            killed = _stop(popen, copy)
     finally:
-        # What is still in the pipes, then stop: a grandchild that kept them open is not waited for.
-        deadline = time.monotonic() + DRAIN
-        while selector.get_map() and time.monotonic() < deadline:
-            copy(max(0.0, deadline - time.monotonic()))
+        # What is still in the pipes, then stop: a grandchild that kept them open is not waited for. The process
+        # has ended: an interrupt now changes nothing of how it ended.
+        with contextlib.suppress(KeyboardInterrupt):
+            deadline = time.monotonic() + DRAIN
+            while selector.get_map() and time.monotonic() < deadline:
+                copy(max(0.0, deadline - time.monotonic()))
         selector.close()
         for pipe in (popen.stdout, popen.stderr):
             pipe.close()
-    return popen.wait()
+    code = popen.wait()
+    if killed:
+        raise ProcessKilled(killed)
+    # What SIGINT ends a Python process with (its handler done, or none); any other status is the process' own end
+    # (an exit on its way as the interrupt came, an error in its handler), reported as such.
+    if interrupted and code in (0, -signal.SIGINT):
+        raise KeyboardInterrupt
+    return code
+
+
+def _stop(popen: subprocess.Popen, copy: Callable[[float], None]) -> str:
+    """SIGINT the process and follow it (``copy``: its output) while it makes progress: ``""`` once it stopped, else
+    why it was killed."""
+    popen.send_signal(signal.SIGINT)
+    start = time.monotonic()
+    for _ in progressing(popen.pid):
+        if popen.poll() is not None:
+            return ""
+        copy(0.2)  # what its handler prints goes on streaming
+    if popen.poll() is not None:
+        return ""
+    popen.kill()
+    if time.monotonic() - start < INTERRUPT_LIMIT:
+        return f"made no progress for {STUCK:g} s after SIGINT"
+    return f"did not stop within {INTERRUPT_LIMIT:g} s of SIGINT"
 
 
 def progressing(pid: int) -> Iterator[None]:
-    """Yields (the caller waits a moment each time) while process ``pid`` made progress (CPU time, characters read
-    or written: its output too) in the last :data:`STUCK` s, for :data:`INTERRUPT_LIMIT` s at most."""
+    """Yields (the caller waits a moment each time) while process ``pid`` made progress in the last :data:`STUCK` s,
+    for :data:`INTERRUPT_LIMIT` s at most: it read or wrote (its output too), or used :data:`BUSY` of a core."""
     import psutil
 
     start = moved = time.monotonic()
-    last = None
+    io = used = None
     while (now := time.monotonic()) - start < INTERRUPT_LIMIT and now - moved < STUCK:
         with contextlib.suppress(psutil.Error):
             proc = psutil.Process(pid)
             # psutil has no io_counters on macOS: there CPU time alone tells progress.
-            done = (*proc.cpu_times(), *(proc.io_counters() if hasattr(proc, "io_counters") else ()))
-            if done != last:
-                last, moved = done, now
+            done = tuple(proc.io_counters()) if hasattr(proc, "io_counters") else ()
+            cpu = sum(proc.cpu_times()[:4])  # its own and its reaped children's, user and system
+            if used is None or done != io or cpu - used >= BUSY * STUCK:
+                io, used, moved = done, cpu, now
         yield
 
 
@@ -392,6 +422,10 @@ def child() -> None:
         # torch.distributed's hook (which labels each line with the rank) reads the exception's own traceback.
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         sys.exit(1)
+    finally:
+        # The script ended (of itself, unless by KeyboardInterrupt, which still ends it by SIGINT): a late interrupt
+        # must not end it by SIGINT instead, as it would once Python restored SIGINT's default action to finalize.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _run_script(path: str) -> None:

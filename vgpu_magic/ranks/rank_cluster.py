@@ -422,7 +422,7 @@ class RankCluster:
                 continue
             if attempt:
                 print(f"finished on attempt {attempt + 1} of {attempts}")
-            return RunResult(dict.fromkeys(range(self.n), RankOutcome("finished")), False, runner.grace, attempt + 1)
+            return RunResult(dict.fromkeys(range(self.n), RankOutcome("finished")), False, attempt + 1)
 
     def _preload(self) -> list[str]:
         """What a spare imports before its launch: the framework, and its rank setup's module."""

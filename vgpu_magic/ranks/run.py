@@ -58,8 +58,8 @@ class RankRunError(RuntimeError):
         parts = [_rank_s(ranks, summary) for summary, ranks in _grouped(self.failures, "summary")]
         if self.interrupted:
             parts.append(f"interrupted {_rank_s(self.interrupted)}")
-        if self.killed:
-            parts.append(f"killed {_rank_s(self.killed)} (did not stop within {self.result.grace:g} s of SIGINT)")
+        killed = _by_reason({rank: self.result.outcomes[rank].killed for rank in self.killed})
+        parts.extend(f"killed {_rank_s(ranks)} ({why})" for why, ranks in killed.items())
         if self.result.attempts > 1:
             parts.append(f"after {self.result.attempts} attempts")
         if state:
@@ -92,10 +92,11 @@ def _rank_s(ranks: list[int], said: str = "") -> str:
     return f"rank{'s' if several else ''} {', '.join(str(r) for r in sorted(ranks))}{' ' if said else ''}{said}"
 
 
-def _killed(ranks: list[int], grace: float) -> str:
-    """``"rank 0 did not stop within 3 s of SIGINT and was killed"``."""
+def _killed(ranks: list[int], why: str) -> str:
+    """``"rank 0 did not stop within 3 s of SIGINT and was killed"``: ``why`` is ``"did not stop within 3 s of
+    SIGINT"``."""
     were = "were" if len(ranks) > 1 else "was"
-    return _rank_s(ranks, f"did not stop within {grace:g} s of SIGINT and {were} killed")
+    return _rank_s(ranks, f"{why} and {were} killed")
 
 
 # -- watching the ranks ---------------------------------------------------------------
@@ -159,6 +160,8 @@ class RankRun:
         self._seen: dict[int, int] = {}  # how many of each rank's output events were shown
         #: Seconds a rank has at most to come back after SIGINT: a launch's, while its engine stops its process.
         self.grace = GRACE + (INTERRUPT_LIMIT + STUCK if self.launched else 0.0)
+        #: Why a rank whose engine did not come back after SIGINT was killed.
+        self.late = f"did not stop within {self.grace:g} s of SIGINT"
 
     def _emit(self, results: list[Any], streams: list[tuple[LineStream, LineStream]]) -> None:
         for rank, (ar, (out, err)) in enumerate(zip(results, streams)):
@@ -268,7 +271,7 @@ class RankRun:
         died = [f for f in getattr(exc, "failures", ()) if f.kind == "died"]
         reasons = [_rank_s(ranks, summary) for summary, ranks in _grouped(died, "summary")]
         if self.killed:
-            reasons.append(_killed(self.killed, self.grace))
+            reasons.append(_killed(self.killed, self.late))
         return "; ".join(reasons) or None
 
     def run(self) -> list[Any]:
@@ -325,37 +328,57 @@ class RankRun:
             self._end(streams, {})
             self.trace = memory.finish(interrupted=True)
             said = [f"interrupted {_rank_s(running)}" if running else "no rank was running"]
+            said.extend(_killed(ranks, why) for why, ranks in _by_reason(_gone(results, running)).items())
             if killed:
-                said.append(f"{_killed(killed, self.grace)}; {_RESTART}")
+                said.append(f"{_killed(killed, self.late)}; {_RESTART}")
             interrupt = KeyboardInterrupt("; ".join(said))
             # IPython shows this one line, not the way the interrupt came through the kernel and vgpu_magic.
             interrupt._render_traceback_ = lambda: [f"KeyboardInterrupt: {interrupt}"]
             raise interrupt from None
         # Without a failure or a timeout every rank succeeded: nothing to stop, no error to find.
         stopped, killed = self._stop_others(results, set(failures)) if failures or timed_out else ([], [])
+        why = {**_gone(results, stopped), **dict.fromkeys(killed, self.late)}
         for rank, ar in enumerate(results):
             # A rank that came back (from the interrupt, or as it was sent) with an error of its own failed too.
-            exc = _error(ar) if rank not in failures and rank not in killed else None
+            exc = _error(ar) if rank not in failures and rank not in why else None
             if exc is not None and getattr(exc, "ename", type(exc).__name__) != "KeyboardInterrupt":
                 failures[rank] = self._failure(rank, ar)
         self._drain(results, streams)
         self._end(streams, failures, stopped)
         self.trace = memory.finish(bool(failures or timed_out), sorted(failures), timed_out is not None)
         if failures or timed_out:
-            # A rank that another's failure took down after it.
-            every = sorted(failures.values(), key=lambda failure: failure.kind == "peer") or [timed_out]
+            # A rank that another's failure took down after it; the timeout first (a rank that failed of its own
+            # after the interrupt, a launch's taken down by its peer's kill, does not hide it), unless its rank failed.
+            every = sorted(failures.values(), key=lambda failure: failure.kind == "peer")
+            if timed_out and timed_out.rank not in failures:
+                every.insert(0, timed_out)
             for failure in every:
                 # What a failing rank wrote is part of its failure.
                 held_back = held.this_run.get(failure.rank, ())
                 self.stderr.write("".join(f"[rank {failure.rank}] {line}\n" for line in held_back))
             must_restart = bool(killed) or any(f.kind == "died" for f in every)
             fate = {failure.rank: failure for failure in every}
-            ended = {r: _outcome(fate.get(r), r in stopped, r in killed) for r in [*fate, *range(n)]}
-            raise RankRunError(RunResult(ended, must_restart, self.grace))
+            ended = {r: _outcome(fate.get(r), r in stopped, why.get(r, "")) for r in [*fate, *range(n)]}
+            raise RankRunError(RunResult(ended, must_restart))
         return results
 
 
-def _outcome(failure: RankFailure | None, stopped: bool, killed: bool) -> RankOutcome:
+def _gone(results: list[Any], ranks: list[int]) -> dict[int, str]:
+    """``{rank: why}``: each of ``ranks`` whose engine killed its launched process after SIGINT
+    (:class:`~.launch.ProcessKilled`); the engine lives on."""
+    errors = {rank: _error(results[rank]) for rank in ranks}
+    return {r: str(exc.evalue) for r, exc in errors.items() if getattr(exc, "ename", "") == "ProcessKilled"}
+
+
+def _by_reason(why: dict[int, str]) -> dict[str, list[int]]:
+    """``{why: ranks}``."""
+    ranks: dict[str, list[int]] = {}
+    for rank, said in why.items():
+        ranks.setdefault(said, []).append(rank)
+    return ranks
+
+
+def _outcome(failure: RankFailure | None, stopped: bool, killed: str) -> RankOutcome:
     """As the fault policy left the rank, unless it failed of its own (or said its peer went) after the interrupt."""
     if getattr(failure, "kind", "timeout") == "timeout":
         return RankOutcome("interrupted" if stopped else "finished", failure, killed)

@@ -87,21 +87,21 @@ class RankFailure:
 @dataclass(frozen=True)
 class RankOutcome:
     """How a rank's part of a run ended: ``end`` is ``"finished"``, ``"failed"``, ``"peer"`` (stopped: its peer failed)
-    or ``"interrupted"`` (by the fault policy; ``killed`` too when it did not stop); ``failure`` says why."""
+    or ``"interrupted"`` (by the fault policy); ``failure`` says why; ``killed``, when it did not stop from SIGINT,
+    why it was killed (``"made no progress for 10 s after SIGINT"``), else ``""``."""
 
     end: str
     failure: RankFailure | None = None
-    killed: bool = False
+    killed: str = ""
 
 
 @dataclass(frozen=True)
 class RunResult:
     """How a failed run ended (torch elastic's ``RunResult``): ``outcomes`` by rank, those with a failure first in the
-    order the failures were seen; whether the cluster ``must_restart``; ``grace``: the seconds SIGINT gave each rank."""
+    order the failures were seen; whether the cluster ``must_restart``."""
 
     outcomes: Mapping[int, RankOutcome]
     must_restart: bool
-    grace: float
     #: How many times the ranks were launched (``max_restarts`` gives more than one).
     attempts: int = 1
 
