@@ -309,10 +309,10 @@ def _start(args: Any, options: dict[str, Any], running: Any) -> None:
     print("\n".join(ranks.describe()))
 
 
-#: torchrun's options for what the cluster decides (the ranks, their wiring, restarts), which ``%vgpu_run`` refuses.
+#: torchrun's options for what the cluster decides (the ranks, their wiring), which ``%vgpu_run`` refuses.
 _TORCHRUN_ONLY = {
     *("--nproc-per-node", "--nnodes", "--node-rank", "--standalone", "--master-addr", "--master-port"),
-    *("--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--max-restarts", "--monitor-interval"),
+    *("--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--monitor-interval"),
     *("--start-method", "--role", "--no-python", "--run-path", "--log-dir", "--redirects", "--tee", "--local-addr"),
 }
 

@@ -410,8 +410,7 @@ class RankCluster:
             def submit(rank: int, requests: list[dict] = requests) -> Any:
                 return self.client[self.engine_ids[rank]].apply_async(launch.run_rank, requests[rank])
 
-            left = None if timeout is None else max(0.001, timeout - (time.monotonic() - start))
-            runner = RankRun(self._processes(), submit, left, plot, self._gpu(), launched=True, held=self.held)
+            runner = RankRun(self._processes(), submit, timeout, plot, self._gpu(), True, held=self.held, since=start)
             try:
                 self._watch(runner, set())
             except RankRunError as exc:

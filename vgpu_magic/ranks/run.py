@@ -153,6 +153,8 @@ class RankRun:
     stderr: TextIO = field(default_factory=lambda: sys.stderr)
     #: The ranks' held-back start-up lines (:mod:`.shown`); ``None`` shows every line.
     held: HeldBack | None = None
+    #: When the ``timeout`` started (``time.monotonic()``): before this run where it is a restart's, by default now.
+    since: float | None = None
 
     def __post_init__(self) -> None:
         self.trace = None  # the run's MemoryTrace, once it ended
@@ -292,7 +294,7 @@ class RankRun:
         memory = RankMonitor(
             self.procs.memory_pids(), self.gpu, self.plot, launched=self.launched, engine=self.procs.engine
         )
-        start = time.monotonic()
+        start = time.monotonic() if self.since is None else self.since
         results: list[Any] = []
         failures: dict[int, RankFailure] = {}
         timed_out: RankFailure | None = None
