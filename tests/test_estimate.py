@@ -286,7 +286,7 @@ def test_reshard_is_offered_only_to_a_cell_that_turned_it_off_and_jax_temporarie
     )
     jax = MemoryEstimate("JAX", 8, [step], "SPMD over 8 devices", "2 GiB", 2 * GIB, GIB // 2)
     (lever,) = levers(step.categories, 8, jax.parallelism, set())
-    assert lever["saves"] == GIB + GIB // 2
+    assert lever.saves == GIB + GIB // 2
     assert [_judged(lever, jax, rerun=None)] == [
         "jax.checkpoint, bf16, a smaller batch shrink XLA's temporaries: at best peak 1.50 GiB, could fit (with none)"
     ]

@@ -175,20 +175,29 @@ class Fake(Framework):
     module = "fakefw"
     runtime_started = probe_inventory = read_configuration = None
 
+    def estimator(self):
+        from . import estimate
+
+        return estimate
+
 FRAMEWORK = Fake()
 """,
     "estimate.py": """
+from vgpu_magic.frameworks.base import Lever, RankEstimate, RankMemory
+
+SIMULATED = ()
+
 def estimate_ranks(cell, code, world, ranks, namespace, gpu, progress):
     progress(f"{sorted(code.co_names)} on {world} ranks, {gpu}")
-    return [{"peak_bytes": (r + 1) << 30, "categories": {"state": (r + 1) << 30}, "phase": "in its step",
-             "parallelism": f"fake over {world}", "uses": ["fakefw.shard"]} for r in ranks]
+    return [RankEstimate(RankMemory(r, (r + 1) << 30, {"state": (r + 1) << 30}, "in its step"),
+                         f"fake over {world}", ("fakefw.shard",)) for r in ranks]
 
 def kept_mib(gpu_mib):
     return gpu_mib // 4
 
 def levers(parts, world, parallelism, uses):
-    return [{"lever": f"{sorted(uses)} {parallelism}", "ranks": 2 * world},
-            {"lever": "half the state", "saves": parts["state"] // 2, "note": "at most"}]
+    return [Lever(f"{sorted(uses)} {parallelism}", ranks=2 * world),
+            Lever("half the state", saves=parts["state"] // 2, note="at most")]
 """,
 }
 

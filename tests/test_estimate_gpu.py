@@ -45,7 +45,7 @@ def test_estimate_within_ten_percent_of_max_memory_allocated(wrap):
 
     cell = CELL.format(wrap=wrap)
     cuda_before = torch.cuda.is_initialized()
-    estimated = estimate_rank(compile(cell, "<cell>", "exec"), 1, 0, None)["peak_bytes"]
+    estimated = estimate_rank(compile(cell, "<cell>", "exec"), 1, 0, None).memory.peak_bytes
     assert not dist.is_initialized() and torch.cuda.is_initialized() == cuda_before
     # cuBLAS's workspaces come once per process with the first product: the verdict's allowance, not the step.
     start = torch.cuda.memory_allocated()
@@ -97,7 +97,7 @@ def test_each_ranks_estimate_within_ten_percent_of_its_max_memory_allocated(wrap
     from vgpu_magic.frameworks.torch.fake_rank import estimate_rank
 
     cell = RANKS_CELL.format(wrap=WRAPS[wrap], **SHAPES[shape])
-    estimated = [estimate_rank(compile(cell, "<cell>", "exec"), 2, r, None)["peak_bytes"] for r in range(2)]
+    estimated = [estimate_rank(compile(cell, "<cell>", "exec"), 2, r, None).memory.peak_bytes for r in range(2)]
     (tmp_path / "cell.py").write_text(cell)
     plans = get("torch").plan_ranks(rank_layout(2, gpus), None, None, None)
     ranks = run_ranks(plans, [plan.args[2] for plan in plans], "cell_on_cuda.py", str(tmp_path / "cell.py"))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import html
-import importlib
 import json
 import linecache
 import os
@@ -19,7 +18,7 @@ from typing import Any
 from . import frameworks
 from .devices import simulated_line
 from .errors import PlanError, excerpt
-from .frameworks.base import Framework, code_names
+from .frameworks.base import Framework, Lever, RankMemory, code_names
 from .units import format_bytes, parse_memory
 
 #: Device memory as ``nvidia-smi`` reports it (MiB), by model; a name's spaces, dashes and case do not matter.
@@ -58,16 +57,6 @@ def parse_gpu(text: str) -> tuple[int | None, int, str]:
     if what.isdigit() and mib < 1024:  # a bare number is MiB, and no GPU has less than a GiB: a unit was left out
         raise PlanError(f"--gpu {excerpt(text)} would be {mib} MiB per GPU; give the unit, e.g. {text.strip()}GB")
     return count, mib, f"{mib // 1024} GiB" if mib % 1024 == 0 else format_bytes(mib * 2**20)
-
-
-@dataclass
-class RankMemory:
-    """One rank's estimated peak (bytes), its parts by category and the phase where it peaks."""
-
-    rank: int
-    peak_bytes: int
-    categories: dict[str, int]
-    phase: str | None = None
 
 
 @dataclass(repr=False)
@@ -160,7 +149,7 @@ def _compiled(cell: str) -> types.CodeType:
 
 def estimable() -> list[str]:
     """The registered frameworks whose cells can be estimated (:attr:`Framework.estimator`), by name."""
-    return [fw.name for fw in frameworks.all_frameworks() if fw.estimator]
+    return [fw.name for fw in frameworks.all_frameworks() if fw.estimator()]
 
 
 def _framework(code: types.CodeType, requested: str | None, namespace: dict) -> Framework:
@@ -171,14 +160,14 @@ def _framework(code: types.CodeType, requested: str | None, namespace: dict) -> 
         c.__module__ for v in values for c in (v if isinstance(v, type) else type(v)).__mro__
     ]
     # Those that can be estimated first: a cell may use another framework's tools (its data loading) too.
-    found = sorted(frameworks.written_for(used | {m.split(".")[0] for m in modules}), key=lambda f: not f.estimator)
-    if len(found) > 1 and found[1].estimator and not requested:  # either estimate would run the other's code
+    found = sorted(frameworks.written_for(used | {m.split(".")[0] for m in modules}), key=lambda f: not f.estimator())
+    if len(found) > 1 and found[1].estimator() and not requested:  # either estimate would run the other's code
         one, other = found[:2]
         raise PlanError(f"the cell uses {one.label} and {other.label}; say --framework {one.name} or {other.name}")
     chosen = frameworks.get(requested) if requested else found and found[0]
     if not chosen:
         raise PlanError(f"cannot tell the framework of this cell; say --framework {' or '.join(estimable())}")
-    if not chosen.estimator:
+    if not chosen.estimator():
         raise PlanError(
             f"{chosen.name} cannot be estimated: it has no fake tensors and no compile-only memory analysis; "
             "measure it on a real GPU split (%vgpu_split N --memory SIZE) instead"
@@ -222,37 +211,36 @@ def estimate(
     gpu_named = (gpu_label, gpu_mib * 2**20) if gpu is not None else None
     __tracebackhide__ = True
     try:
-        estimator = importlib.import_module(chosen.estimator)
+        estimator = chosen.estimator()
         found = estimator.estimate_ranks(code_or_function, code, ranks, rank_list, namespace, gpu_named, progress)
     except PlanError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever the cell raises is its own, shown in its lines
         raise _as_the_cells(exc) from None
-    first = found[0]
-    per_rank = [RankMemory(r, f["peak_bytes"], f["categories"], f["phase"]) for r, f in zip(rank_list, found)]
-    notes, simulated = list(first.get("notes", [])), list(estimator.SIMULATED)
+    first, per_rank = found[0], [f.memory for f in found]
+    notes, simulated = list(first.notes), list(estimator.SIMULATED)
     result = MemoryEstimate(
-        chosen.label, ranks, per_rank, first["parallelism"], gpu_label, notes=notes, simulated=simulated
+        chosen.label, ranks, per_rank, first.parallelism, gpu_label, notes=notes, simulated=simulated
     )
     if gpu_mib is not None:
         result.gpu_bytes, result.kept_bytes = gpu_mib * 2**20, estimator.kept_mib(gpu_mib) * 2**20
         if not result.fits:
             rerun = partial(estimate, code_or_function, framework=chosen.name, namespace=namespace, progress=progress)
             parts = max(per_rank, key=lambda r: r.peak_bytes).categories
-            levers = estimator.levers(parts, ranks, result.parallelism, set(first.get("uses", ())))
+            levers = estimator.levers(parts, ranks, result.parallelism, set(first.uses))
             result.levers = [_judged(lever, result, rerun) for lever in levers]
     return result
 
 
-def _judged(lever: dict[str, Any], result: MemoryEstimate, rerun: Callable[[int], MemoryEstimate]) -> str:
+def _judged(lever: Lever, result: MemoryEstimate, rerun: Callable[[int], MemoryEstimate]) -> str:
     """A framework's lever against the device: re-estimated on its ``ranks``, or a bound from what it ``saves``."""
-    if "ranks" in lever:
-        outcome = f"{result.outcome(rerun(lever['ranks']).peak_bytes)} (re-estimated)"
-    elif "saves" in lever:
-        outcome = result.outcome(result.peak_bytes - lever["saves"], bound=True)
+    if lever.ranks is not None:
+        outcome = f"{result.outcome(rerun(lever.ranks).peak_bytes)} (re-estimated)"
+    elif lever.saves is not None:
+        outcome = result.outcome(result.peak_bytes - lever.saves, bound=True)
     else:
         outcome = "not re-estimated"
-    return f"{lever['lever']}: {outcome}" + (f" ({lever['note']})" if "note" in lever else "")
+    return f"{lever.name}: {outcome}" + f" ({lever.note})" * bool(lever.note)
 
 
 def _as_the_cells(exc: Exception) -> Exception:

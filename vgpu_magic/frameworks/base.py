@@ -12,6 +12,7 @@ import os
 import sys
 import types
 from collections.abc import Callable, Iterator, MutableMapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..devices import Capabilities, ConfigSnapshot, DeviceInventory
@@ -20,6 +21,40 @@ from ..layout import RankLayout, RankPlan
 
 #: ``reader(names) -> [(current, peak), ...]`` in bytes, one pair per device name.
 Reader = Callable[[list[str]], list[tuple[int, int]]]
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's estimated peak (bytes), its parts by category and the phase where it peaks."""
+
+    rank: int
+    peak_bytes: int
+    categories: dict[str, int]
+    phase: str | None = None
+
+
+@dataclass(frozen=True)
+class RankEstimate:
+    """What a framework's estimator found for one rank: its memory, how the cell shares the work out, what it already
+    does that a lever offers (``"bf16"``), notes for the reader, the cell's lines that read a tensor's value (which
+    an estimate has not: 0 stood in) and whether a backward pass ran."""
+
+    memory: RankMemory
+    parallelism: str = "single device"
+    uses: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    reads: tuple[int, ...] = ()
+    backward: bool = True
+
+
+@dataclass(frozen=True)
+class Lever:
+    """What could make a peak fit: re-estimated on ``ranks``, or at best the peak less what it ``saves``."""
+
+    name: str
+    ranks: int | None = None
+    saves: int | None = None
+    note: str = ""
 
 
 def code_names(code: types.CodeType) -> set[str]:
@@ -228,12 +263,10 @@ class Framework(CudaUser, abc.ABC):
         """Is it used by code whose global names, imported packages and objects' packages are ``names``?"""
         return self.module in names
 
-    @property
-    def estimator(self) -> str | None:
-        """Its package's ``estimate`` module (``estimate_ranks``, ``kept_mib``, ``levers``) or None."""
-        name = f"{type(self).__module__}.estimate"
-        with contextlib.suppress(ModuleNotFoundError):  # a framework defined in a module, not in a package
-            return name if importlib.util.find_spec(name) else None
+    def estimator(self) -> types.ModuleType | None:
+        """Its ``estimate`` module (``estimate_ranks``: a :class:`RankEstimate` per rank; ``kept_mib``; ``levers``: each
+        a :class:`Lever`; ``SIMULATED``), or None: imported here by a plain ``from . import estimate``, which
+        import-linter sees."""
         return None
 
     def strategy(self, devices: list[str] | None = None) -> Any:

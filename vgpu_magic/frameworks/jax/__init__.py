@@ -157,6 +157,11 @@ class Jax(Framework):
             return None
         return call_before_start(bridge, "backends", lambda: not backend_started(), callback)
 
+    def estimator(self) -> types.ModuleType:
+        from . import estimate
+
+        return estimate
+
     def _gpu_count(self, nvml: list[dict[str, Any]]) -> int:
         """GPUs JAX has (once started) or will have (NVML and ``CUDA_VISIBLE_DEVICES``, given a GPU backend)."""
         if backend_started():

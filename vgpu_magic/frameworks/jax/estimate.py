@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...errors import PlanError
+from ..base import Lever, RankEstimate, RankMemory
 from . import ENV_CLIENT_FRACTION, ENV_FRACTION
 
 __all__ = ["estimate_ranks", "kept_mib", "levers", "SIMULATED"]
@@ -33,7 +34,7 @@ def estimate_ranks(
     namespace: dict | None,
     gpu: tuple[str, int] | None,
     progress: Callable[[str], None],
-) -> list[dict[str, Any]]:
+) -> list[RankEstimate]:
     """Each of ``ranks``' (devices') peak: the largest of the cell's compiled steps. The cell stands alone: the
     helper sees no notebook names, and a cell that runs no jitted step is refused (PlanError)."""
     if not isinstance(cell, str):
@@ -50,11 +51,12 @@ def estimate_ranks(
     found = json.loads(lines[-1][len(_MARK) :])
     if not found["peak_bytes"]:
         raise PlanError("the cell ran no jitted step; wrap the training step in jax.jit and call it")
-    found["notes"] = [
+    notes = (
         "compiled for CPU devices: a GPU compile chooses its own temporaries, and on an H100 the test "
-        "cell's real peak was twice this estimate (tests/test_estimate_gpu.py's finding)"
-    ]
-    return [found] * len(ranks)  # one SPMD program: every device's figures are the same
+        "cell's real peak was twice this estimate (tests/test_estimate_gpu.py's finding)",
+    )
+    parts = [found[k] for k in ("peak_bytes", "categories", "phase")]  # one SPMD program: the same on every device
+    return [RankEstimate(RankMemory(r, *parts), found["parallelism"], (*found["uses"],), notes) for r in ranks]
 
 
 def kept_mib(gpu_mib: int) -> int:
@@ -63,12 +65,12 @@ def kept_mib(gpu_mib: int) -> int:
     return gpu_mib - int(gpu_mib * float(fraction or "0.75"))
 
 
-def levers(parts: dict[str, int], world: int, parallelism: str, uses: set[str]) -> list[dict[str, Any]]:
+def levers(parts: dict[str, int], world: int, parallelism: str, uses: set[str]) -> list[Lever]:
     """XLA's temporaries are activations, gradients and scratch alike: one lever names what shrinks them (none the
     cell already uses), which saves at most them."""
     tools = [t for t, use in (("jax.checkpoint", "checkpointing"), ("bf16", "bf16")) if use not in uses]
     shrink = f"{', '.join([*tools, 'a smaller batch'])} shrink XLA's temporaries"
-    return [{"lever": shrink, "saves": parts.get("temporaries", 0), "note": "with none"}]
+    return [Lever(shrink, saves=parts.get("temporaries", 0), note="with none")]
 
 
 def _run(cell: str) -> dict[str, Any]:

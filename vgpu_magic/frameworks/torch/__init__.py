@@ -4,6 +4,7 @@ devices are several processes, wired as ``torchrun`` wires them (:mod:`.ranks`).
 from __future__ import annotations
 
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -93,6 +94,11 @@ class Torch(Framework):
 
     def read_configuration(self) -> ConfigSnapshot:
         return self.probe_inventory().current
+
+    def estimator(self) -> types.ModuleType:
+        from . import estimate
+
+        return estimate
 
     plan_ranks = ranks.plan_ranks
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from ...errors import PlanError, excerpt
 from ...inventory import CUDA_CONTEXT_MIB
-from ..base import restored
+from ..base import Lever, RankEstimate, restored
 
 __all__ = ["estimate_ranks", "kept_mib", "levers", "SIMULATED"]
 
@@ -29,7 +29,7 @@ def estimate_ranks(
     namespace: dict | None,
     gpu: tuple[str, int] | None,
     progress: Callable[[str], None],
-) -> list[dict[str, Any]]:
+) -> list[RankEstimate]:
     """Each of ``ranks``' figures as rank of ``world`` on GPUs ``gpu`` (name, bytes): :func:`.fake_rank.estimate_rank`.
     A cell that made no tensors, ran no backward pass or made a shape from values is refused (PlanError)."""
     with restored(os.environ):  # torch's tools set TORCHINDUCTOR_CACHE_DIR
@@ -45,10 +45,10 @@ def estimate_ranks(
                     found.append(estimate_rank(cell if callable(cell) else code, world, rank, namespace, gpu))
                 except DynamicOutputShapeException as exc:
                     raise PlanError(_shape_from_values(exc, code.co_filename)) from None
-    if not any(f["peak_bytes"] for f in found):
+    if not any(f.memory.peak_bytes for f in found):
         raise PlanError("the cell made no tensors; put the model and one training step in it")
-    if not any(f["backward"] for f in found):
-        reads = sorted({line for f in found for line in f["reads"]})
+    if not any(f.backward for f in found):
+        reads = sorted({line for f in found for line in f.reads})
         if reads:  # a value the estimate does not have decided that no step runs (if loss.item() > 0: ...)
             raise PlanError(
                 f"no backward pass ran: line{'s' * (len(reads) > 1)} {', '.join(map(str, reads))} read a tensor's "
@@ -77,21 +77,21 @@ def kept_mib(gpu_mib: int) -> int:
     return CUDA_CONTEXT_MIB
 
 
-def levers(parts: dict[str, int], world: int, parallelism: str, uses: set[str]) -> list[dict[str, Any]]:
+def levers(parts: dict[str, int], world: int, parallelism: str, uses: set[str]) -> list[Lever]:
     """What could make a peak of ``parts`` fit, none that the cell already uses: FSDP over twice the ranks (to
     re-estimate), or what the peak holds of what a lever shrinks (it ``saves`` at most that)."""
     batch = parts.get("activations", 0) + parts.get("temporaries", 0)  # what grows with the batch, at most
     state = sum(parts.get(k, 0) for k in ("parameters", "gradients", "optimizer state")) * (world - 1) // world
-    found: list[dict[str, Any]] = []
+    found: list[Lever] = []
     if "FSDP" in parallelism:
-        found.append({"lever": f"FSDP over {2 * world} ranks", "ranks": 2 * world})
+        found.append(Lever(f"FSDP over {2 * world} ranks", ranks=2 * world))
     elif world > 1:
-        found.append({"lever": "shard the model's state with FSDP2 (fully_shard)", "saves": state})
+        found.append(Lever("shard the model's state with FSDP2 (fully_shard)", saves=state))
     if "no reshard" in uses:
-        found.append({"lever": "reshard_after_forward=True (the default; this cell passes False)"})
+        found.append(Lever("reshard_after_forward=True (the default; this cell passes False)"))
     if parts.get("activations") and "checkpointing" not in uses:
         kept = "if nothing were kept for the backward; it keeps each checkpointed block's input"
-        found.append({"lever": "activation checkpointing", "saves": parts["activations"], "note": kept})
+        found.append(Lever("activation checkpointing", saves=parts["activations"], note=kept))
     if batch and "bf16" not in uses:
-        found.append({"lever": "bf16 compute (torch.autocast)", "saves": batch // 2})
-    return found + [{"lever": "half the batch", "saves": batch // 2}] * bool(batch)
+        found.append(Lever("bf16 compute (torch.autocast)", saves=batch // 2))
+    return found + [Lever("half the batch", saves=batch // 2)] * bool(batch)

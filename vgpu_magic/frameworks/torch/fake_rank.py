@@ -20,7 +20,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.overrides import TorchFunctionMode
 
 from ...errors import PlanError
-from ..base import code_names, restored
+from ..base import RankEstimate, RankMemory, code_names, restored
 
 __all__ = ["PeakTracker", "estimate_rank", "without_triton"]
 
@@ -335,9 +335,9 @@ def estimate_rank(
     rank: int,
     namespace: dict | None,
     gpu: tuple[str, int] | None = None,
-) -> dict[str, Any]:
-    """Run ``cell`` (code, or a function of no arguments) as ``rank`` of ``world`` on GPUs ``gpu`` (name, bytes): its
-    peak, parts, phase, parallelism, notes and whether a backward ran. PlanError where a process group exists."""
+) -> RankEstimate:
+    """Run ``cell`` (code, or a function of no arguments) as ``rank`` of ``world`` on GPUs ``gpu`` (name, bytes): what
+    it held at its peak, its parallelism, notes and whether a backward ran. PlanError where a process group exists."""
     global _tracker
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.distributed.device_mesh import DeviceMesh
@@ -444,4 +444,6 @@ def estimate_rank(
             "estimate does not have: 0 stood in, so what was printed or decided from it is not the real run's"
         )
     parallelism = " + ".join(sorted(used - {"no reshard"}, reverse=True)) or "single device"
-    return {**tracker.result(), "parallelism": parallelism, "uses": sorted(tracker.uses | used), "notes": notes}
+    memory = RankMemory(rank, *(tracker.result()[k] for k in ("peak_bytes", "categories", "phase")))
+    uses, reads = tuple(sorted(tracker.uses | used)), tuple(sorted(tracker.reads))
+    return RankEstimate(memory, parallelism, uses, tuple(notes), reads, tracker.backward)
