@@ -204,6 +204,49 @@ def test_a_failing_rank_fails_the_job_with_its_status_and_last_lines(slurm, tmp_
     assert "[rank 1] ValueError: rank 1 gives up" in job.logs()
 
 
+def test_a_job_with_restarts_launches_every_task_again_and_resumes_as_one_that_never_failed(slurm, tmp_path, capsys):
+    """resume_train.py, whose rank 1 exits with status 3 at step 5 of the first attempt: with ``--max-restarts 1``
+    both tasks are launched again and resume from the checkpoint (the weights of a job that never failed); without,
+    the job fails as any job whose rank fails."""
+    from IPython.testing.globalipapp import get_ipython
+
+    import vgpu_magic
+
+    copied(tmp_path, "resume_train.py")
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "vgpu_magic")
+    for line, said in (
+        ("submit --max-restarts -1 resume_train.py", "--max-restarts -1 is negative; use 0..100"),
+        ("submit --max-restarts 101 resume_train.py", "--max-restarts 101 is out of range; use 0..100"),
+        ("logs 1 --max-restarts 1", "logs does not take --max-restarts"),
+    ):
+        with pytest.raises(UsageError) as info:
+            ip.run_line_magic("vgpu_job", line)
+        assert said in str(info.value) and "\n" not in str(info.value)
+    for bad in (-1, 101, True, "2"):
+        with pytest.raises(ValueError) as info:
+            vgpu_magic.submit("resume_train.py", max_restarts=bad)
+        assert f"--max-restarts {bad!r} is not a count; use 0..100" in str(info.value)
+    assert not (tmp_path / ".vgpu_jobs").exists()
+
+    never = vgpu_magic.submit("resume_train.py", [tmp_path / "never"], ranks_per_node=2)
+    fails = vgpu_magic.submit("resume_train.py", [tmp_path / "fails", 5], ranks_per_node=2)
+    restarted = ip.run_line_magic("vgpu_job", f"submit -n 2 --max-restarts 1 resume_train.py {tmp_path / 'w'} 5")
+    ended(restarted)
+    assert restarted.exit_codes == [0, 0] and restarted.attempt == 2
+    ended(never)
+    reference = json.loads((tmp_path / "never").read_text())["weights"]
+    assert json.loads((tmp_path / "w").read_text()) == {"weights": reference, "attempt": 1}
+    capsys.readouterr()
+    ip.run_line_magic("vgpu_job", f"status {restarted.job_id}")
+    shown = capsys.readouterr().out
+    assert f"{restarted.job_id} resume_train.py: COMPLETED" in shown and "[0, 0], attempt 2 of 2" in shown
+
+    ended(fails, "FAILED")
+    assert fails.exit_codes[1] == 3 and fails.attempt == 1 and "attempt" not in fails.summary().splitlines()[0]
+    assert not (tmp_path / "fails").exists()
+
+
 def test_slurm_refusing_is_one_usage_error_and_nothing_is_submitted(slurm, tmp_path):
     from IPython.testing.globalipapp import get_ipython
 

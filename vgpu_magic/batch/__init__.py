@@ -19,6 +19,7 @@ from typing import Protocol
 from .. import frameworks
 from ..ranks.launchers import SlurmLauncher
 from ..ranks.shown import HeldBack
+from ..ranks.spec import checked_faults
 
 __all__ = ["BACKENDS", "FOLDER", "Job", "JobBackend", "JobSpec", "Jobs", "index_file", "jobs", "submit"]
 
@@ -59,6 +60,8 @@ class JobSpec:
     sbatch: tuple[str, ...] = ()
     name: str | None = None
     port: int | None = None
+    #: Every task's script launched again when one fails, up to this many times (``torchrun --max-restarts``).
+    max_restarts: int = 0
     backend: str = "slurm"
 
     def __post_init__(self) -> None:
@@ -71,6 +74,7 @@ class JobSpec:
             value = getattr(self, key)
             if value is not None and (type(value) is not int or not low <= value <= 65535):
                 raise ValueError(f"{key}={value!r} is not a whole number {low}..65535")
+        checked_faults(self.ranks, self.max_restarts, (), None)
         # Time, partition, account and #SBATCH lines as the ranks' SLURM launcher checks them (SLURM says the rest).
         object.__setattr__(self, "sbatch", tuple(SlurmLauncher.sbatch_options(vars(self))[1]))
         for line in self.sbatch:
@@ -165,9 +169,15 @@ class Job(Shown):
         return self.backend.state(self.job_id, self.folder)[2]
 
     @property
+    def attempt(self) -> int:
+        """Which launch of the tasks' scripts runs (or ran last): 1, then 1 more for each restart."""
+        path = self.folder / "job.attempt"
+        return int(path.read_text()) if path.exists() and path.read_text().strip() else 1
+
+    @property
     def exit_codes(self) -> list[int | None]:
         """Each rank's exit status, by rank: ``None`` until it ends, and where SLURM killed its step (a rank failed,
-        a cancel, the time limit); above 128 where a signal killed it."""
+        a cancel, the time limit); above 128 where a signal killed it; the last attempt's."""
         paths = [self.folder / f"rank-{r}.exit" for r in range(self.spec.ranks)]
         return [int(path.read_text()) if path.exists() and path.read_text().strip() else None for path in paths]
 
@@ -207,9 +217,10 @@ class Job(Shown):
         state, reason, elapsed = self.backend.state(self.job_id, self.folder)
         codes, (hours, seconds) = self.exit_codes, divmod(elapsed.seconds, 3600)
         ran = f"{elapsed.days}-" * bool(elapsed.days) + f"{hours:02}:{seconds // 60:02}:{seconds % 60:02}"
+        attempts = f", attempt {self.attempt} of {self.spec.max_restarts + 1}" if self.spec.max_restarts else ""
         said = [
             f"{self.job_id} {Path(self.spec.script).name}: {state}, elapsed {ran}, {self.spec.layout}, "
-            f"exit codes by rank [{', '.join(map(str, codes))}]"
+            f"exit codes by rank [{', '.join(map(str, codes))}]{attempts}"
         ]
         slurms = (128 + signal.SIGTERM, 128 + signal.SIGKILL) if state in ("CANCELLED", "TIMEOUT") else ()
         for rank, code in enumerate(codes):

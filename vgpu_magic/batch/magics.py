@@ -25,7 +25,7 @@ FOLLOW_POLL = 0.5
 #: The options each action takes, by their long flags (the others take none).
 _TAKES = {
     "submit": {"--framework", "--nodes", "--ranks-per-node", "--gpus-per-node", "--time", "--partition", "--account"}
-    | {"--sbatch", "--name", "--port"},
+    | {"--sbatch", "--name", "--port", "--max-restarts"},
     "logs": {"--rank", "--follow"},
 }
 _TAKES["script"] = _TAKES["submit"]
@@ -52,6 +52,11 @@ class JobMagics(Magics):
     @argument("--sbatch", **SlurmLauncher.options["sbatch"])
     @argument("--name", help="the job's name (default vgpu-<script name>)")
     @argument("--port", type=whole("--port", 1, 65535, "--port 29500"), help="rank 0's port (default: a free one)")
+    @argument(
+        "--max-restarts",
+        type=whole("--max-restarts", 0, 100, "--max-restarts 2"),
+        help="launch every task's script again when one fails, up to N times, as torchrun --max-restarts N",
+    )
     @argument("--rank", "-r", type=whole("--rank", 0, 2**20, "--rank 0"), help="logs: this rank's only")
     @argument("--follow", action="store_true", help="logs: stream until the job ends (interrupt stops following)")
     @argument("script_args", nargs="*", metavar="ARGS", help="the script's own arguments (its sys.argv[1:])")
@@ -63,6 +68,7 @@ class JobMagics(Magics):
         ::
 
             %vgpu_job submit --framework torch --nodes 2 --ranks-per-node 8 --time 01:00:00 train.py --epochs 2
+            %vgpu_job submit --max-restarts 2 train.py   # every task's script again when one fails, twice at most
             %vgpu_job script --framework torch --nodes 2 --ranks-per-node 8 train.py   # the batch script
             %vgpu_job status          # every job of yours, wherever its script was
             %vgpu_job logs 123 --rank 0 --follow
@@ -72,7 +78,7 @@ class JobMagics(Magics):
         if args.action in ("submit", "script"):
             if args.target is None:
                 raise UsageError(f"say which script to {args.action}, e.g. {_SUBMIT}")
-            keys = ("gpus_per_node", "time", "partition", "account", "sbatch", "name", "port")
+            keys = ("gpus_per_node", "time", "partition", "account", "sbatch", "name", "port", "max_restarts")
             options = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
             request = (args.target, tuple(args.script_args), args.framework, args.nodes, args.ranks_per_node)
             try:

@@ -19,23 +19,30 @@ from ..inventory import visible_gpus
 from ..layout import HostReport, SlurmStep, layout_ranks
 from ..ranks.hosts import LAUNCHER_VARIABLES, free_port
 from ..ranks.launchers import SlurmLauncher
+from ..ranks.spec import RESTART_COUNTS
 from . import FOLDER, JobBackend, JobSpec
 
-#: The batch script: the job's folder made first (its id is known only then) with its start time, a port free on
-#: this node (the first: rank 0's), one ``srun`` whose tasks each write their exit status beside their output (and
-#: torch's ``@record`` its error file, as under torchrun), then the step's status.
+#: The batch script: the job's folder made first (its id is known only then) with its start time; then each attempt
+#: (up to ``max_restarts`` more, torchrun's agent's restarts: ``srun`` stops every task when one fails) its number, a
+#: port free on this node (the first: rank 0's), one ``srun`` whose tasks each write their exit status beside their
+#: output (and torch's ``@record`` its error file, as under torchrun), then the last step's status.
 TEMPLATE = """#!/bin/bash
 {options}#SBATCH --output=/dev/null
 job={jobs}/$SLURM_JOB_ID
 mkdir -p "$job" && date +%s >"$job/job.start" && exec >"$job/job.out" 2>&1
 # Each line of the ranks' output reaches their logs when printed (%vgpu_job logs --follow).
-export PYTHONUNBUFFERED=1
-free=$({python} -m vgpu_magic.batch.slurm --free-port)
-srun --kill-on-bad-exit=1 --output="$job/rank-%t.log" \\
-  sh -c 'export TORCHELASTIC_ERROR_FILE="$0/rank-$SLURM_PROCID.error.json"; "$@"; s=$?
-         echo $s >"$0/rank-$SLURM_PROCID.exit"; exit $s' "$job" \\
-  {python} -m vgpu_magic.batch.slurm {framework} {port} "$free" {command}
-status=$?
+export PYTHONUNBUFFERED=1 TORCHELASTIC_MAX_RESTARTS={restarts}
+for TORCHELASTIC_RESTART_COUNT in $(seq 0 {restarts}); do
+  export TORCHELASTIC_RESTART_COUNT && echo $((TORCHELASTIC_RESTART_COUNT + 1)) >"$job/job.attempt"
+  rm -f "$job"/rank-*.exit "$job"/rank-*.error.json  # the last attempt's only
+  free=$({python} -m vgpu_magic.batch.slurm --free-port)
+  srun --kill-on-bad-exit=1 --output="$job/rank-%t.log" --open-mode=append \\
+    sh -c 'export TORCHELASTIC_ERROR_FILE="$0/rank-$SLURM_PROCID.error.json"; "$@"; s=$?
+           echo $s >"$0/rank-$SLURM_PROCID.exit"; exit $s' "$job" \\
+    {python} -m vgpu_magic.batch.slurm {framework} {port} "$free" {command}
+  status=$?
+  [ $status = 0 ] && break
+done
 echo $status >"$job/job.exit"
 exit $status
 """
@@ -54,6 +61,7 @@ class SlurmJobs(JobBackend):
             python=shlex.quote(sys.executable),
             framework=spec.framework,
             port=spec.port or 0,
+            restarts=spec.max_restarts,
             command=shlex.join([spec.script, *spec.args]),
         )
 
@@ -132,10 +140,12 @@ def plan_tasks(framework: str, env: dict[str, str], port: int | None = None, fre
 def main(framework: str, port: str, free: str, script: str, *args: str) -> None:
     rank = int(os.environ["SLURM_PROCID"])
     plan = plan_tasks(framework, dict(os.environ), int(port) or None, int(free))[rank]
+    # The attempt is the batch script's (the job's agent), not the framework's first-launch default.
+    attempt = {key: os.environ[key] for key in RESTART_COUNTS if key in os.environ}
     if rank == 0:
         print(f"vgpu_magic job: {plan.notes[0]}; no per-rank memory caps or device splits (a job has its real GPUs)")
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, script, *args], {**os.environ, **plan.env})
+    os.execve(sys.executable, [sys.executable, script, *args], {**os.environ, **plan.env, **attempt})
 
 
 if __name__ == "__main__":
