@@ -1,19 +1,12 @@
 """The recorder: samples memory into a :class:`MemoryTrace` and feeds a view; knows nothing of Keras. With
-``background=True`` a thread of the recorder samples every ``interval`` and feeds the view; the
-training thread's hooks only say which step and epoch it is. Training does not call back at a steady pace
-(Keras' first step of an epoch, a big model's step, a JAX loop dispatching ahead hold the training thread
-for seconds: an unpaced ``MirroredStrategy`` fit fed from its hooks updated 2.2 times a second, in bursts).
-The run's start, each epoch's end and the run's end are sampled on the caller's thread.
+``background=True`` its thread samples every ``interval`` and feeds the view, as training does not call back at a
+steady pace (a hook-fed ``MirroredStrategy`` fit updated 2.2 times a second, in bursts); the training thread's hooks
+only say the step and epoch. The run's start, each epoch's end and the run's end are sampled on the caller's thread.
+A ``training_thread_only`` sampler (JAX's live arrays) is sampled by the hooks alone, at most every ``interval``.
 
-A sampler whose reader must be read on the training thread (``training_thread_only``: JAX's count of live
-arrays) is sampled by the hooks alone, at most every ``interval``; the thread ends (or never starts) then,
-rather than wake to wait for them.
-
-Devices join: a provisional sampler (no runtime ran at the start) reads the process alone and says, cheaply,
-whether a runtime started since (``sampler.joinable()``); each sample on the training thread asks, and then a
-sampler again, so the devices join the trace at that sample (0 B in the rows before). Allocators keep their own
-peaks, which nothing resets. A view or sampler that fails is reported once and switched off, never raising into
-the training loop."""
+Devices join: a provisional sampler (no runtime at the start) reads the process alone until ``sampler.joinable()``
+says a runtime started; the next sample asks for a sampler again (0 B in the rows before). Allocators keep their own
+peaks. A view or sampler that fails is reported once and switched off, never raising into the training loop."""
 
 from __future__ import annotations
 

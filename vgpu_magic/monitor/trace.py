@@ -1,15 +1,9 @@
 """The memory trace: plain data, no framework, no matplotlib. A :class:`MemoryTrace` holds one run: its series
 (:class:`SeriesInfo`) and, per sample, the time, step, epoch, phase and every series' current and peak bytes,
-column-wise in :mod:`array` arrays.
-
-Bounded memory: at most ``3 * recent`` rows. The latest samples stay at full resolution; older ones become
-a min/max envelope (per bucket of samples two rows, its minima at its first time, its maxima at its last;
-adjacent buckets merge as it grows, :attr:`MemoryTrace.decimated`), so every spike and dip stays visible;
-the run's peaks are kept apart, exact.
-
-Interrupts: a ``KeyboardInterrupt`` can land anywhere in :meth:`MemoryTrace.append`. A row is written to
-every column and only then counted, by one assignment; new columns are built aside and swapped in by one
-assignment. A sample is recorded whole or not at all."""
+column-wise in :mod:`array` arrays. At most ``3 * recent`` rows: older samples become a min/max envelope (two rows per
+bucket, minima at its first time, maxima at its last; :attr:`MemoryTrace.decimated`), so every spike and dip stays
+visible; the run's peaks are kept apart, exact. A ``KeyboardInterrupt`` in :meth:`MemoryTrace.append` records a sample
+whole or not at all: a row is counted, and new columns swapped in, by one assignment each."""
 
 from __future__ import annotations
 

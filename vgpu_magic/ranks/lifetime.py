@@ -1,12 +1,9 @@
-"""Nothing a cluster starts outlives its kernel.
-
-A kernel can die without running ``atexit`` (SIGKILL, the OOM killer, XLA's ``abort()``), so each process a cluster
-starts watches its owner itself (:data:`OWNER_ENV`, :func:`watch_owner`), then SIGKILLs itself and all below it: a rank
-blocked in a collective never gets back to Python. The controller and the engines (:func:`watched_command`) are watched
-from a small process forked beside them before anything is loaded, which a rank holding the GIL in C code cannot starve;
-a process they fork watches for itself. Every process carries its cluster's :data:`CLUSTER_ENV` token
-(:func:`processes_of`). Processes on other hosts cannot see the kernel's PID: there a watched local process runs the
-launcher's own stop (``--then 'scancel JOBID'``) when the kernel dies."""
+"""Nothing a cluster starts outlives its kernel, which can die without ``atexit`` (SIGKILL, the OOM killer, XLA's
+``abort()``): each process watches its owner (:data:`OWNER_ENV`, :func:`watch_owner`), then SIGKILLs itself and all
+below it (a rank blocked in a collective never gets back to Python). The controller and engines
+(:func:`watched_command`) are watched from a process forked beside them, which a rank holding the GIL cannot starve.
+Every process carries its cluster's :data:`CLUSTER_ENV` token (:func:`processes_of`). For processes on other hosts a
+watched local process runs the launcher's own stop (``--then 'scancel JOBID'``) when the kernel dies."""
 
 from __future__ import annotations
 

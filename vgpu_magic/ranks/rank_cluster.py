@@ -1,10 +1,7 @@
-"""The ranks: N ipyparallel engines wired as a framework's launcher wires its processes.
-
-:class:`RankCluster` is the work behind ``%vgpu_cluster`` and ``%%vgpu_run`` and needs no shell. ipyparallel
-starts, signals and stops the processes; this adds the ranks' hosts and order (:mod:`.hosts`), the framework's
-wiring, the fault policy (:mod:`.run`) and a stop checked with psutil (ipyparallel's SIGKILL comes late: TensorFlow
-workers were measured alive 5 s after SIGTERM). A kernel that dies without a stop takes them along (:mod:`.lifetime`).
-"""
+"""The ranks: N ipyparallel engines wired as a framework's launcher wires its processes. :class:`RankCluster`, the
+work behind ``%vgpu_cluster`` and ``%%vgpu_run``, adds to ipyparallel's processes their hosts and order (:mod:`.hosts`),
+the wiring, the fault policy (:mod:`.run`) and a stop checked with psutil (ipyparallel's SIGKILL comes late: TensorFlow
+workers lived 5 s past SIGTERM). A kernel that dies without a stop takes them along (:mod:`.lifetime`)."""
 
 from __future__ import annotations
 
@@ -135,9 +132,8 @@ class RankCluster:
         self.layout: RankLayout | None = None
         self.state, self.reason = ClusterState.STOPPED, ""
         self.rank_names = names.RankNames()
-        # _launchers: engine launchers by PID, kept after ipyparallel forgets a stopped one (for exit statuses);
-        # _token: carried by every process of this cluster (:func:`.lifetime.processes_of`); _cleanups: the
-        # watchers that clean up after a kernel that dies (:func:`.processes.clean_up_when_kernel_dies`).
+        # _launchers: by PID, kept after ipyparallel forgets a stopped one (exit statuses); _token: on every process
+        # of this cluster (:func:`.lifetime.processes_of`); _cleanups: :func:`.processes.clean_up_when_kernel_dies`'s.
         self.engine_ids, self.pids, self._owned, self._launchers, self._token = [], [], set(), {}, ""
         self._cleanups: set[int] = set()
 
@@ -190,8 +186,7 @@ class RankCluster:
             self.engine_ids = [place.engine_id for place in self.layout.places]
             self.pids = [place.pid for place in self.layout.places]
             if not self.launcher_plan.launcher.remote:
-                # Local and mpiexec engines are this host's processes; a SLURM job's tasks and SSH
-                # engines are ended through their launcher (stop), a PID elsewhere names nothing here.
+                # Local and mpiexec engines are this host's processes; SLURM and SSH engines end through their launcher.
                 self._owned.update(self.pids)
             self.view = self.client[self.engine_ids]
             self.view.block = True
@@ -207,8 +202,7 @@ class RankCluster:
             RankRun(self._processes(), wire, timeout=SETUP_TIMEOUT, held=self.held).run()
             self.view.apply_sync(interrupt_only_the_cell)
             if self.spares:
-                # A spare on every engine, importing as the start returns: a launch that comes first waits for
-                # its spare's imports, as it would for its own.
+                # A spare on every engine, importing as the start returns (a launch before then waits for it).
                 preload = self._preload()
                 environ = launch.kernel_environ(self.launcher_plan.launcher.task_variables)
                 warming = [
@@ -235,8 +229,7 @@ class RankCluster:
             raise
         self.state = ClusterState.RUNNING
         atexit.register(self.stop)
-        # %px / %%px on the ranks, as ipyparallel users expect: a convenience, so a shell that cannot take
-        # the magics is no error.
+        # %px / %%px on the ranks, as ipyparallel users expect: a convenience, no error where a shell cannot take them.
         with contextlib.suppress(Exception):
             from IPython import get_ipython
 
