@@ -1,9 +1,7 @@
-"""JAX's ranks: a coordinator on rank 0's host for ``jax.distributed.initialize`` (an unchanged call finds it, as under
-a cluster JAX detects itself: :func:`setup_rank`), and each process's devices as a split request, planned on the rank
-(docs/ranks.md). XLA's GPU collectives go through NCCL, which before 2.30 refuses two ranks on one GPU at the first
-collective ("Duplicate GPU detected", measured on an H100 with NCCL 2.28.9, even with ``NCCL_MULTI_RANK_GPU_ENABLE=1``):
-ranks sharing a GPU with an older (or unreadable) NCCL are refused before anything starts (``shared_gpu_channels``).
-Importing this imports no JAX."""
+"""JAX's ranks: a coordinator on rank 0's host that an unchanged ``jax.distributed.initialize`` finds
+(:func:`setup_rank`), and each process's devices as a split request, planned on the rank (docs/ranks.md). NCCL before
+2.30 refuses two ranks on one GPU ("Duplicate GPU detected", NCCL 2.28.9, even with ``NCCL_MULTI_RANK_GPU_ENABLE=1``):
+ranks sharing a GPU with an older (or unreadable) NCCL are refused before anything starts. Imports no JAX."""
 
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """PyTorch's ranks get what ``torchrun --standalone --nproc-per-node 2`` gives each worker (measured, torch 2.14),
-computed from their hosts: ``MASTER_ADDR`` is rank 0's host (under SLURM the step's first), ``LOCAL_*`` and
-``GROUP_RANK`` are per host; with no agent, rank 0 hosts the TCP store, as in a plain ``init_process_group`` launch,
-and the agent's variables are left out.
-
-Backend: NCCL where every rank has a GPU of its own. NCCL before 2.30 refuses two ranks on one GPU at DDP's
-construction ("Duplicate GPU detected", measured on an H100, torch 2.11, NCCL 2.28.9), so where ranks share a GPU
-``init_process_group`` maps NCCL to gloo (:func:`gloo_for_nccl`) unless ``--backend nccl`` asks for NCCL 2.30's
-experimental multi-rank mode; and a rank's ``LOCAL_RANK`` is its GPU's index, so
-``set_device(LOCAL_RANK)`` and ``DDP(device_ids=[LOCAL_RANK])`` reach the shared card (``CUDA_VISIBLE_DEVICES=0,0``
-would show no device). Each rank is capped with ``set_per_process_memory_fraction`` of CUDA's total, after room for
-every rank's own CUDA context. Importing this module imports no PyTorch."""
+from their hosts: ``MASTER_ADDR`` is rank 0's host (under SLURM the step's first), ``LOCAL_*`` and ``GROUP_RANK`` are
+per host; with no agent, rank 0 hosts the TCP store and the agent's variables are left out. Backend: NCCL where every
+rank has a GPU of its own. NCCL before 2.30 refuses two ranks on one GPU ("Duplicate GPU detected", NCCL 2.28.9), so
+where ranks share one ``init_process_group`` maps NCCL to gloo (:func:`gloo_for_nccl`) unless ``--backend nccl`` asks
+for NCCL 2.30's multi-rank mode; ``LOCAL_RANK`` is the GPU's index, so ``set_device(LOCAL_RANK)`` reaches the shared
+card. Each rank is capped with ``set_per_process_memory_fraction``, after room for every rank's CUDA context.
+Importing this module imports no PyTorch."""
 
 from __future__ import annotations
 
@@ -91,22 +87,15 @@ def plan_ranks(
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         }
-        if place.rank in channels:
+        shares = place.rank in channels
+        if shares:
             # MPS's own limit on the rank (where a daemon serves it): all the pre-flight counted for it.
             limit = cap + cuda_context_mib(place.gpu) + buffers[place.rank]
             env.update(shared_gpu_env(channels[place.rank]))
             env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"{place.gpu.index}={limit}M"
         gpu_args = () if place.gpu is None else (place.gpu.index, cap)
         plans.append(
-            RankPlan(
-                place.rank,
-                env,
-                SETUP,
-                (backend, *gpu_args),
-                tuple(notes),
-                mps=place.rank in channels,
-                simulated=simulated,
-            )
+            RankPlan(place.rank, env, SETUP, (backend, *gpu_args), tuple(notes), mps=shares, simulated=simulated)
         )
     return plans
 
@@ -173,8 +162,7 @@ def gloo_for_nccl(backend: str | None) -> str:
 
 
 def _map_nccl_to_gloo(dist) -> None:
-    """Make ``init_process_group`` (``torch.distributed``'s and ``distributed_c10d``'s) take
-    :func:`gloo_for_nccl` of the backend asked."""
+    """Make ``init_process_group`` (``torch.distributed``'s and ``distributed_c10d``'s) take :func:`gloo_for_nccl`."""
     from torch.distributed import distributed_c10d
 
     original = distributed_c10d.init_process_group
