@@ -58,8 +58,7 @@ class GPUInfo:
 
 @dataclass(frozen=True)
 class DeviceInventory:
-    """The physical devices a framework sees (GPUs in its order), what it can do with them
-    (``capabilities``) and its configuration now (``current``; ``None``: nothing configured yet)."""
+    """The GPUs a framework sees (in its order), what it can do with them and its configuration (``None``: none)."""
 
     gpus: tuple[GPUInfo, ...] = ()
     cpus: int = 1
@@ -115,8 +114,7 @@ class Capabilities:
 
 
 def split_simulates(caps: Capabilities, kind: str, count: int) -> tuple[str, ...]:
-    """What ``count`` logical devices of one physical ``kind`` (``"CPU"``, ``"GPU"``) only simulate, in ``caps``'
-    words (:func:`simulated_line` says it): nothing for one device."""
+    """What ``count`` logical devices of one physical ``kind`` only simulate, in ``caps``' words (one: nothing)."""
     if count < 2:
         return ()
     devices = f"{count} {caps.device_noun.format(kind=kind)}s"
@@ -148,8 +146,7 @@ class ConfigSnapshot:
     device_names: tuple[str, str] = field(default=("/device:CPU:{}", "/device:GPU:{}"), compare=False)
 
     def logical_names(self) -> dict[str, list[str]]:
-        """Physical device name -> the logical device names it will have: numbered per type in physical order,
-        as TensorFlow and JAX number them once started, and named as the framework names them."""
+        """Physical device name -> its logical device names, numbered and named as the framework will name them."""
         names: dict[str, list[str]] = {}
         counters = {"CPU": 0, "GPU": 0}
         for dtype, physical in [("CPU", n) for n in self.cpu_names] + [("GPU", n) for n in self.gpu_names]:
@@ -162,8 +159,7 @@ class ConfigSnapshot:
         return names
 
     def replica_devices(self, split_cpu_first: bool = False) -> list[str]:
-        """The devices a data-parallel strategy uses by default: every logical GPU, else every logical CPU;
-        with ``split_cpu_first`` (:attr:`Capabilities.replicas_on_split_cpu`), split CPUs even next to GPUs."""
+        """A data-parallel strategy's default devices: every logical GPU, else CPU (first with ``split_cpu_first``)."""
         names = self.logical_names()
         gpus = [d for p in self.gpu_names if p in names for d in names[p]]
         cpus = [d for p in self.cpu_names for d in names.get(p, [])]

@@ -37,8 +37,7 @@ def with_example(text: str) -> Callable[[Callable], Callable]:
 
 
 def choice(values: Sequence[str], refusal: str, example: str) -> Callable[[str], str]:
-    """A ``type=`` accepting one of ``values``; ``refusal`` is the sentence for anything else
-    (``{value}`` the quoted token), ``example`` an option line that works."""
+    """A ``type=`` accepting one of ``values``, else ``refusal`` (``{value}``: the token); ``example`` works."""
 
     @with_example(example)
     def one_of(text: str) -> str:
@@ -232,8 +231,7 @@ def _parsed(parser: argparse.ArgumentParser, words: list[str], magic: str) -> tu
 
 @contextlib.contextmanager
 def usage_errors(*errors: type[Exception]) -> Iterator[None]:
-    """Around a magic's work: each of ``errors`` (default: :data:`~vgpu_magic.errors.USER_ERRORS`, every error a
-    user can cause) becomes the magic's one-line :class:`UsageError`."""
+    """Around a magic's work: each of ``errors`` (default: ``USER_ERRORS``) becomes its one-line :class:`UsageError`."""
     caught = errors or USER_ERRORS
     try:
         yield

@@ -15,8 +15,7 @@ from .runtime import NO_LONGER_CHANGE, RuntimeState, RuntimeWatcher, runtime_sta
 
 
 def remedy(label: str, line: str = "the split") -> str:
-    """What to do when the runtime already started: ``line`` is the split to run
-    after a restart (a ``%vgpu_split`` line, when one is known)."""
+    """What to do once the runtime started: ``line`` is the ``%vgpu_split`` line to run after a restart."""
     return (
         f"restart the kernel and run {line} before any {label} code, or make the split persistent "
         "(VGPU_MAGIC_SPLIT or c.VGPUMagics.split) so it is applied when the extension loads"
@@ -193,8 +192,7 @@ def execute(
     dry_run: bool = False,
     inventory: DeviceInventory | None = None,
 ) -> SplitResult:
-    """Plan ``request`` against this machine and apply it (what every face calls); an invalid
-    request raises :class:`PlanError` before any configuration is touched."""
+    """Plan ``request`` on this machine and apply it (every face); :class:`PlanError` before anything is touched."""
     fw = frameworks.select(request.framework) if inventory is None else frameworks.get(inventory.framework)
     inventory = fw.probe_inventory() if inventory is None else inventory
     plan_ = plan_split(request, inventory)

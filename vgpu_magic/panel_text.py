@@ -35,8 +35,7 @@ def gpu_key(gpu: GPUInfo) -> str:
 
 
 def opening_choice(inventory: DeviceInventory) -> tuple[str, int] | None:
-    """The device (dropdown value) and count the framework's live (or planned)
-    configuration already has, so the panel opens there; ``None``: nothing split yet."""
+    """The device (dropdown value) and count the configuration already has; ``None``: nothing split yet."""
     current = inventory.current
     if current is None:
         return None
@@ -67,8 +66,7 @@ def gpu_label(gpu: GPUInfo) -> str:
 
 
 def heading_html(label: str, notes: tuple[str, ...] | list[str], noun: str = "logical {kind}") -> str:
-    """The panel's first line, with the inventory's notes under it; ``noun`` is the framework's
-    word for a device of a split (:attr:`~vgpu_magic.devices.Capabilities.device_noun`)."""
+    """The panel's first line, the inventory's notes under it; ``noun``: the framework's word for a device."""
     shown = "".join(f"<div>note: {html.escape(n)}</div>" for n in notes)
     devices = noun.format(kind=label) + ("s" if noun.endswith("device") else " devices")
     return f"<b>vgpu_magic</b> — split a device into {html.escape(devices)}{shown}"

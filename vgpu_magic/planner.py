@@ -20,8 +20,7 @@ def check_fit(limits: tuple[int, ...], gpu: GPUInfo, capabilities: Capabilities)
 
 
 def configuration_after(plan: SplitPlan, snap: ConfigSnapshot) -> ConfigSnapshot:
-    """The configuration ``plan`` produces from ``snap``. Equal to ``snap`` when
-    the plan asks for what is already there (an identical re-split)."""
+    """The configuration ``plan`` produces from ``snap`` (``snap`` itself for an identical re-split)."""
     logical = dict(snap.logical)
     visible = snap.visible_gpus if plan.visible_gpus is None else tuple(plan.visible_gpus)
     growth = snap.memory_growth
@@ -91,8 +90,7 @@ def plan_split(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
 
 
 def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
-    """The plan ``request`` stands for on ``inventory``, in the order a person checks it:
-    the words, the count, visibility and growth, then the device it splits."""
+    """``request``'s plan on ``inventory``, checked in order: words, count, visibility and growth, then device."""
     capabilities, label = inventory.capabilities, inventory.capabilities.label
     if request.others not in ("hide", "keep"):
         raise PlanError(f"--others {excerpt(request.others)} is not a choice; use hide or keep")
@@ -220,8 +218,7 @@ def _gpu_plan(
 
 
 def _named(request: SplitRequest, capabilities: Capabilities, kind: str = "GPU", count: int = 0) -> dict[str, Any]:
-    """A split plan's words: the framework's name and phrase, the name the user gave it, and what ``count``
-    devices of one ``kind`` only simulate."""
+    """A plan's words: the framework's name and phrase, the user's name for it, what ``count`` devices simulate."""
     named = {"framework": capabilities.name, "framework_named": request.framework}
     return {**named, "split_phrase": capabilities.split_phrase, "simulated": split_simulates(capabilities, kind, count)}
 

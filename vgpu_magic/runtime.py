@@ -109,8 +109,7 @@ def _imported():
 
 
 class RuntimeWatcher:
-    """Notes, per framework, the cell and the line in it that started its runtime (each framework calls
-    :meth:`_starting` then); register :meth:`pre_run_cell` and :meth:`post_run_cell` on ``shell.events``."""
+    """Notes the cell and line that started each framework's runtime; register its ``pre/post_run_cell`` events."""
 
     def __init__(self, shell=None) -> None:
         self.shell = shell
@@ -149,8 +148,7 @@ class RuntimeWatcher:
         self._watching.clear()
 
     def _starting(self, name: str) -> None:
-        """``name``'s runtime is starting: note the running cell's line that started it (the cell's own frame on the
-        stack: the one IPython's ``run_code`` runs), if a cell runs."""
+        """``name``'s runtime is starting: note the running cell's line that did it (its frame under ``run_code``)."""
         self._watching.pop(name, None)
         shell_module = sys.modules.get("IPython.core.interactiveshell")
         if shell_module is None or self._current_line is None:
@@ -194,8 +192,7 @@ class RuntimeWatcher:
                 self.started_by[fw.name] = CellRef(count, first_line(getattr(info, "raw_cell", "") or ""))
 
     def state(self, framework=None, check_cuda: bool = True) -> RuntimeState:
-        """The state of ``framework`` (a :class:`~vgpu_magic.frameworks.Framework` or a name; default: the selected
-        one). Called mid-cell, it blames the running cell if the runtime started since the cell began."""
+        """``framework``'s state (default: the selected one); mid-cell, the running cell is blamed for a new start."""
         fw = _resolve(framework)
         started_by = self.started_by.get(fw.name)
         before_load = fw.name in self.started_before_load
@@ -224,8 +221,7 @@ def running_cell() -> int | None:
 
 
 def activate(watcher: RuntimeWatcher) -> None:
-    """Make ``watcher`` the one every face and the API ask (``load_ipython_extension``), and have every framework
-    imported from now on imported its way and watched (:class:`_FrameworkImports`)."""
+    """Make ``watcher`` the one every face asks, and watch every framework imported from now on."""
     global _active
     _active = watcher
     _remove_finder()
@@ -246,8 +242,7 @@ def _remove_finder() -> None:
 
 
 class _FrameworkImports(importlib.abc.MetaPathFinder):
-    """Imports each framework's module, whoever imports it first, under its framework's
-    :meth:`~vgpu_magic.frameworks.base.Framework.importing`, then has the active watcher watch its runtime start."""
+    """Imports each framework under its :meth:`~.frameworks.base.Framework.importing`, then watches its start."""
 
     def __init__(self) -> None:
         self._finding = False

@@ -37,8 +37,7 @@ def format_bytes(n: int | float | None, unit: str | None = None) -> str:
 
 
 def joined_alike(parts: list[tuple[str, ...]], between: str) -> list[str]:
-    """``(label, text[, group])`` tuples as ``label + between + text``; three or more in a row alike but for the
-    label become one: ``'CPU:0…CPU:7, each' + between + text``."""
+    """``(label, text[, group])`` as ``label + between + text``; three or more alike in a row as one label."""
     out: list[str] = []
     for _, alike in itertools.groupby(parts, key=lambda part: part[1:]):
         run = list(alike)

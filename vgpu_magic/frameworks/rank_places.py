@@ -53,6 +53,5 @@ def shared_gpu_channels(layout: RankLayout, label: str, instead: str) -> dict[in
 
 
 def shared_gpu_env(channels: int) -> dict[str, str]:
-    """What a rank sharing its GPU needs from NCCL 2.30+: its experimental multi-rank mode, NVLS off (NCCL requires
-    it in that mode) and ``channels`` CTAs at most (:func:`shared_gpu_channels`)."""
+    """What a rank sharing its GPU needs from NCCL 2.30+: multi-rank mode, NVLS off, at most ``channels`` CTAs."""
     return {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_NVLS_ENABLE": "0", "NCCL_MAX_CTAS": str(channels)}

@@ -18,8 +18,7 @@ _MISSING = object()
 
 
 class AutoMonitoring:
-    """Patches ``keras.Model`` so that every ``fit``/``evaluate``/``predict`` is monitored by a monitor
-    from ``factory()`` (by default ``MemoryMonitor(**options)``)."""
+    """Patches ``keras.Model`` so every ``fit``/``evaluate``/``predict`` is monitored by ``factory()``'s monitor."""
 
     def __init__(self, factory: Callable[[], Any] | None = None) -> None:
         self._factory, self._model_class = factory, None

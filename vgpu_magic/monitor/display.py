@@ -49,8 +49,7 @@ class MemoryFrame:
 
 
 class DisplaySurface:
-    """One output, shown once through ``display(obj, display_id=True) -> handle`` (IPython's by default),
-    then updated in place through ``handle.update(obj)``."""
+    """One output, shown once (``display(obj, display_id=True) -> handle``), then updated by ``handle.update(obj)``."""
 
     def __init__(self, display: Callable[..., Any] | None = None) -> None:
         if display is None:

@@ -66,8 +66,7 @@ def _title(trace: MemoryTrace) -> str:
 
 
 def _progress(trace: MemoryTrace) -> str:
-    """``'step 340 · 85.0 steps/s'``, as Keras' and tqdm's bars count (the rate over the last
-    :data:`RATE_WINDOW_S`); nothing where the run counts no steps."""
+    """``'step 340 · 85.0 steps/s'``, the rate over :data:`RATE_WINDOW_S`; nothing where the run counts no steps."""
     if not len(trace) or not (trace.epochs_total or trace.step[-1]):
         return ""
     times, steps = trace.time, trace.step

@@ -28,8 +28,7 @@ KEPT_COSTS = 4096
 
 
 class RecorderStats:
-    """Samples taken and the kernel's seconds spent reading them (the
-    sampling thread's CPU time); ``costs`` keeps the latest :data:`KEPT_COSTS`."""
+    """Samples taken and the sampling thread's CPU seconds; ``costs`` keeps the latest :data:`KEPT_COSTS`."""
 
     def __init__(self) -> None:
         self.costs: deque[float] = deque(maxlen=KEPT_COSTS)
@@ -154,8 +153,7 @@ class MemoryRecorder:
             thread.join()
 
     def tick(self, step: int | None = None) -> None:
-        """Call at every step: notes it, lets devices join (see the module docstring), and samples when ``interval``
-        passed and no thread samples."""
+        """At every step: note it, let devices join, and sample when ``interval`` passed and no thread samples."""
         if step is not None:
             self.step = step
         now = self.clock()

@@ -47,8 +47,7 @@ def build_series(
     shared_cpus: bool = True,
     process: bool | None = False,
 ) -> tuple[SeriesInfo, ...]:
-    """The series for ``devices`` (see the module docstring); the ``"process"`` series when
-    ``process`` (``None``: when a CPU is watched)."""
+    """The series for ``devices``; the ``"process"`` series when ``process`` (``None``: when a CPU is watched)."""
     caps = caps or {}
     devices = list(dict.fromkeys(normalize_device(d) for d in devices))
     cpus = tuple(d for d in devices if _device_type(d) == "CPU")
@@ -82,8 +81,7 @@ def monitored_devices(
 
 
 def process_memory_reader() -> Callable[[], tuple[int, int]]:
-    """``read() -> (rss, peak_rss)`` in bytes for this process, from psutil; the peak is the
-    operating system's high-water mark (``ru_maxrss``, or the peak working set)."""
+    """``read() -> (rss, peak_rss)`` of this process in bytes (psutil; the peak: the OS's high-water mark)."""
     import psutil
 
     info = psutil.Process().memory_info

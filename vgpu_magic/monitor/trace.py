@@ -133,8 +133,7 @@ class MemoryTrace:
             self._cols = _compacted(cols, self.recent)
 
     def add_series(self, series: Sequence[SeriesInfo], baseline_peak: Sequence[int]) -> None:
-        """Use ``series`` from now on: every series so far (by key) and some that joined the run, which read 0 B in the
-        rows before (their allocator did not exist yet)."""
+        """Use ``series`` from now on: those so far (by key) and new ones, which read 0 B in the rows before."""
         cols, old = self._cols, {s.key: i for i, s in enumerate(self.series)}
         if not set(old) <= {s.key for s in series}:
             raise ValueError(f"{[s.key for s in series]} leaves out some of {list(old)}")
@@ -241,8 +240,7 @@ class MemoryTrace:
         return f"peak ≤ {format_bytes(self.baseline_peak[index], unit)} (reached before this run)"
 
     def device_label(self, device: str) -> str:
-        """What this trace's series call ``device`` (the framework's words: JAX's ``"cpu:3"``), else its short name
-        (``"CPU:3"``), so the variables read as the legend does."""
+        """The series' name of ``device`` (JAX's ``"cpu:3"``), else its short name: variables read as the legend."""
         short = short_name(device)
         return next((s.label for s in self.series if len(s.devices) == 1 and short_name(s.devices[0]) == short), short)
 

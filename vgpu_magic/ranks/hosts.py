@@ -45,16 +45,14 @@ def route_address(toward: str) -> str:
 
 
 def free_port(address: str = "") -> int:
-    """A free TCP port on this host, chosen by the OS (bound on every interface: free whichever address
-    binds it; ``address`` only says IPv4 or IPv6)."""
+    """A free TCP port on this host from the OS, bound on every interface (``address``: IPv4 or IPv6)."""
     with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
 
 
 def report_host(engine_id: int, controller: str) -> HostReport:
-    """Run on an engine: where it runs. The address this host reaches ``controller`` from (every engine
-    reaches the controller) is the one the others can use."""
+    """On an engine: where it runs; the address it reaches ``controller`` from is the one the others can use."""
     address = route_address(controller)
     return HostReport(
         engine_id=engine_id,

@@ -50,8 +50,7 @@ class LauncherPlan:
 
 
 def plan_launcher(name: str, n: int, options: dict[str, Any] | None = None, cluster_id: str = "vgpu") -> LauncherPlan:
-    """Validate ``name`` and ``options`` for ``n`` ranks and say how ipyparallel starts them; :class:`ValueError`
-    in one line quoting what is wrong otherwise."""
+    """Validate ``name`` and ``options`` for ``n`` ranks and plan their start; else a one-line :class:`ValueError`."""
     options = dict(options or {})
     if name not in LAUNCHERS:
         raise ValueError(f"launcher {name!r} is not supported; use {', '.join(LAUNCHERS)}")
@@ -108,8 +107,7 @@ class Launcher:
 
     @classmethod
     def clean_up_commands(cls, cluster: Any, plan: LauncherPlan) -> list[list[str]]:
-        """What ends the engines a watch of this kernel's PID cannot reach, if the kernel dies unstopped: their batch
-        jobs' deletion (ipyparallel's ``delete_command``: ``scancel``)."""
+        """What ends the engines a PID watch cannot reach if the kernel dies: their batch jobs' ``scancel``."""
         return [[*es.delete_command, es.job_id] for es in _batch_sets(cluster)]
 
     @classmethod

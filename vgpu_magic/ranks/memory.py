@@ -120,8 +120,7 @@ class RankMemorySampler:
         return not used or any(p is not None and p.pid in used for p in self._procs)
 
     def gpu(self) -> list[int | None]:
-        """GPU bytes per rank summed over GPUs, from NVML's per-process accounting; ``None`` where
-        NVML cannot tell (no NVML, or its PIDs are another namespace's)."""
+        """GPU bytes per rank from NVML's per-process accounting; ``None`` where NVML cannot tell."""
         used = self._nvml_used() if self._nvml is not None else {}
         if self._nvml is None or not self._nvml_knows_the_ranks(used):
             return [None] * len(self._procs)
@@ -131,8 +130,7 @@ class RankMemorySampler:
         return [None if self.launched and r in self.ended else p for r, p in zip(self.ranks, self._procs)]
 
     def read(self) -> list[tuple[int, int]]:
-        """``(current, peak)`` per series: GPU per rank (where a GPU exists; as its allocators report it, 0 before
-        a report, where NVML cannot tell), then RSS per rank."""
+        """``(current, peak)`` per series: GPU per rank (else its allocators' reports, 0 before one), then RSS."""
         gpu: list[Any] = self.gpu() if self._nvml is not None and not self._reports else []
         for rank in self.ranks if self._reports else ():
             try:
@@ -165,8 +163,7 @@ class RankMemorySampler:
 
 
 class RankMonitor:
-    """The memory of one ``%%vgpu_run`` or ``%vgpu_run FILE``: a recorder over a :class:`RankMemorySampler`,
-    shown live with ``live``. ``finish()`` shows the final image and returns the trace."""
+    """One run's memory: a recorder over a :class:`RankMemorySampler`, live with ``live``; ``finish()``: the trace."""
 
     def __init__(
         self,

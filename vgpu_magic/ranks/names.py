@@ -35,8 +35,7 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
             self.read.append(name)
 
     def _inner(self, local: set[str], parts: list[Any], walrus_from: Any = None) -> None:
-        """Reads of a nested scope (``local`` bound in it) that come from this one; a comprehension's
-        ``(y := ...)`` (``walrus_from``) binds ``y`` in this one."""
+        """Reads of a nested scope (``local`` bound in it) from this one; ``walrus_from``: its ``:=`` bind here."""
         inner = _ReadsBeforeWrites(self.written | local)
         for part in parts:
             inner.visit(part)

@@ -277,8 +277,7 @@ def unlist(cluster: Any) -> None:
 
 
 def stop_launched(cluster: Any, plan: LauncherPlan) -> list[str]:
-    """Stop what ipyparallel launched for ``cluster`` and make sure, as its launcher does, that nothing is left
-    where it started engines. Returns what is still left, in words."""
+    """Stop what ipyparallel launched for ``cluster``, check nothing is left where it ran; what is, in words."""
     # Read before the stop: ipyparallel forgets the engines it stopped.
     make_sure, connection = plan.launcher.stopper(cluster, plan), _connection_files(cluster)
     # If this fails, local processes are gone already (the caller checked) and remote ones are checked below.

@@ -265,8 +265,7 @@ class RankCluster:
         ]
 
     def _processes(self) -> RankProcesses:
-        """How the fault policy reaches the ranks: by PID on this host (every rank, unless the launcher is remote,
-        then those on a host of this host's name), through their engines elsewhere."""
+        """How the fault policy reaches the ranks: by PID on this host, through their engines elsewhere."""
         places, here = self.layout.places, socket.gethostname()
         return RankProcesses(
             self.pids,

@@ -48,8 +48,7 @@ def rank_env(fw, verbose: bool = False, environ: Mapping[str, str] = os.environ)
 
 
 class HeldBack:
-    """Each rank's held-back start-up lines: those matching ``patterns`` (whole-line regular expressions),
-    none with ``verbose``."""
+    """Each rank's held-back start-up lines: those matching ``patterns`` (whole lines), none with ``verbose``."""
 
     def __init__(self, patterns: tuple[str, ...] = (), verbose: bool = False) -> None:
         self.pattern = re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns and not verbose else None
@@ -121,8 +120,7 @@ class LineStream:
         return shown
 
     def end(self, said: str | None = None) -> list[str]:
-        """The rank is done: what was held (or ``said``, one line, in its place), and its last line, even
-        unfinished. Returns the text held."""
+        """The rank is done: what was held (or ``said`` in its place), and its last line, even unfinished."""
         held, self.held, self.peer = self.held or [], None, False
         if held and self.tail:
             held, self.tail = [*held, self.tail], ""
@@ -148,8 +146,7 @@ class LineStream:
 
 
 def as_terminal_shows(line: str) -> str:
-    """The text a terminal shows for ``line``: each ``\\r`` returns to the start,
-    and what follows overwrites what was there (``'10/30\\r20/30'`` -> ``'20/30'``)."""
+    """The text a terminal shows for ``line``: ``\\r`` returns to the start (``'10/30\\r20/30'`` -> ``'20/30'``)."""
     shown = ""
     for part in line.split("\r"):
         shown = part + shown[len(part) :]

@@ -83,8 +83,7 @@ def plan_ranks(
 
 
 def setup_rank(coordinator: str, num_processes: int, process_id: int, gpu: int | None, join: bool = False) -> str:
-    """Run on the rank once its ``devices`` are split: make an unchanged ``jax.distributed.initialize()`` find this
-    rank's place (``gpu``: its CUDA index); with ``join``, also make that call (rank 0 hosts the coordinator)."""
+    """On the rank, after its split: an unchanged ``jax.distributed.initialize()`` finds it; ``join``: call it."""
     _register_cluster_environment()
     if not join:
         return f"jax.distributed.initialize() joins {coordinator} as process {process_id} of {num_processes}"

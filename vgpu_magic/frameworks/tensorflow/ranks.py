@@ -78,6 +78,5 @@ def _workers(layout: RankLayout, port: int | None) -> list[str]:
 
 
 def setup_rank(gpu: int, count: int, cap_mib: int, join: bool = False) -> str:
-    """What a worker with a GPU has once its ``devices`` are split; ``join`` changes nothing: a worker joins in the
-    user's ``MultiWorkerMirroredStrategy()``."""
+    """What a worker with a GPU has once split; ``join`` changes nothing (``MultiWorkerMirroredStrategy()`` joins)."""
     return f"GPU {gpu}: {count} logical GPU(s) of {cap_mib} MiB"
