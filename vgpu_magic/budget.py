@@ -55,11 +55,9 @@ def check_rank_request(split: int | None, memory: int | None, gpus: list[GPUInfo
 def rank_share_mib(
     gpu: GPUInfo, shared_by: int, memory: int | None, capabilities: Capabilities, nccl_mib: int = 0
 ) -> int:
-    """Each rank's cap in MiB on ``gpu``, which ``shared_by`` ranks use: ``memory`` (``--memory``), or an even
-    share. The pre-flight: each rank is a process with its own CUDA context (outside any cap; by the GPU's SMs,
-    :func:`~vgpu_magic.devices.cuda_context_mib`) or its framework's reserve, the larger, and ``nccl_mib`` of NCCL's
-    buffers where NCCL is the backend: these come out once per rank before the rest (free memory, else the total)
-    is shared. A request that cannot fit is refused with the figures."""
+    """Each rank's cap in MiB on ``gpu``, which ``shared_by`` ranks use: ``memory`` (``--memory``), or an even share of
+    what is left (free memory, else the total) once each rank's CUDA context (``cuda_context_mib``) or framework reserve
+    the larger, and ``nccl_mib`` of NCCL's buffers came out. What cannot fit is refused with figures."""
     base = gpu.free_mib if gpu.free_mib is not None else gpu.total_mib
     if base is None:
         if memory is None:

@@ -213,9 +213,8 @@ def _refused(parser: argparse.ArgumentParser, err: argparse.ArgumentError, magic
 
 
 def _parsed(parser: argparse.ArgumentParser, words: list[str], magic: str) -> tuple[argparse.Namespace, list[str]]:
-    """``parser.parse_known_args(words)``, each refusal one PlanError line. An option's value that starts with a
-    dash (``--gpu -1GB``) argparse takes for an option, refusing the first as lacking a value: read again as
-    ``--gpu=-1GB``, so that the value's own type says what is wrong with it."""
+    """``parser.parse_known_args(words)``, each refusal one PlanError line. A value starting with a dash, which
+    argparse takes for an option, is read again as ``--gpu=-1GB``, so that its own type says what is wrong."""
     try:
         return parser.parse_known_args(words)
     except argparse.ArgumentError as err:
@@ -242,9 +241,8 @@ def usage_errors(*errors: type[Exception]) -> Iterator[None]:
 def parse_arguments(
     parser: argparse.ArgumentParser, line: str, *, example: str, options_hint: str | None = None
 ) -> argparse.Namespace:
-    """Read ``line`` with a magic's parser (``magic_func.parser``) as ``parse_argstring`` does,
-    but raise every refusal as one :class:`PlanError` line. ``example`` is a line that works,
-    shown when words are left over; ``options_hint`` follows an unknown option that resembles none."""
+    """Read ``line`` with ``magic_func.parser`` as ``parse_argstring`` does, each refusal one :class:`PlanError` line;
+    ``example``: a line that works, shown for leftover words; ``options_hint`` follows an unknown option."""
     magic = f"%{parser.prog}"
     try:
         words = shlex.split(line)
@@ -266,9 +264,8 @@ def parse_arguments(
 
 
 def parse_split_line(line: str, parser: Any = None) -> tuple[SplitRequest, argparse.Namespace]:
-    """A ``%vgpu_split`` argument line (``"2 --memory 2048"``) as a :class:`SplitRequest`, and the
-    namespace for the face-only flags (``--dry-run``, ``--return``, ``--quiet``). ``parser``: the
-    magic's own; by default one built from the same declarations."""
+    """A ``%vgpu_split`` argument line (``"2 --memory 2048"``) as a :class:`SplitRequest`, and the namespace of the
+    face-only flags (``--dry-run``, ``--return``, ``--quiet``); ``parser``: the magic's own (default: built alike)."""
     args = parse_arguments(parser or _split_grammar.parser, line, example="%vgpu_split 4 --memory 2048")
     memory = args.memory[0] if args.memory is not None and len(args.memory) == 1 else args.memory
     request = SplitRequest(

@@ -32,9 +32,8 @@ def _text(value: Any) -> str:
 
 
 def nvml_gpus() -> list[dict[str, Any]]:
-    """Every GPU NVML can see, in NVML (PCI) order, as dicts of :class:`GPUInfo`'s fields but ``index``; a GPU in MIG
-    mode is its MIG devices, each with its own memory and ``MIG-…`` UUID (what ``CUDA_VISIBLE_DEVICES`` names). Raises
-    :class:`NVMLReadError` when NVML fails part-way."""
+    """Every GPU NVML can see, in PCI order, as dicts of :class:`GPUInfo`'s fields but ``index``; a MIG GPU is its MIG
+    devices (their own memory and ``MIG-…`` UUID); :class:`NVMLReadError` when NVML fails part-way."""
     nvml = open_nvml()
     if nvml is None:
         return []
@@ -151,9 +150,8 @@ def visible_gpus() -> tuple[GPUInfo, ...]:
 
 @functools.lru_cache(maxsize=16)
 def cuda_total_bytes(index: int) -> int | None:
-    """CUDA's total memory of its device ``index`` (``cuDeviceTotalMem``: what ``torch.cuda.mem_get_info()[1]`` reports
-    and what torch's and XLA's memory fractions multiply; below NVML's total, by 480 MiB on an H100). Read through the
-    driver library without creating a context; ``None`` without a driver."""
+    """CUDA's total memory of device ``index`` (``cuDeviceTotalMem``, what torch's and XLA's memory fractions multiply;
+    480 MiB below NVML's on an H100), read from the driver without a context; ``None`` without a driver."""
     import ctypes
 
     try:

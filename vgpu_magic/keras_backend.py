@@ -19,9 +19,8 @@ def keras_backend() -> str | None:
 
 
 def keras_backend_warning(wanted: str | None, label: str) -> str | None:
-    """The warning for a split of ``label``'s devices (whose Keras backend is
-    ``wanted``) when Keras was already imported with another backend, else ``None``.
-    Each framework asks through :meth:`~vgpu_magic.frameworks.base.Framework.keras_backend_warning`."""
+    """The warning for a split of ``label``'s devices (Keras backend ``wanted``) when Keras was already imported with
+    another backend, else ``None`` (:meth:`~vgpu_magic.frameworks.base.Framework.keras_backend_warning`)."""
     found = keras_backend()
     if wanted is None or found is None or found == wanted:
         return None

@@ -18,9 +18,8 @@ from .plans import SplitRequest
 
 @dataclass(frozen=True)
 class HostReport:
-    """What one engine says about where it runs. ``gpus`` are the GPUs this process sees, numbered as CUDA numbers them
-    (``index``), with NVML's details (``nvml_index``, memory); ``port`` is a free TCP port the OS gave on this host;
-    ``launcher`` holds the launcher's variables that were set (``vgpu_magic.ranks.hosts.LAUNCHER_VARIABLES``)."""
+    """What one engine says about where it runs: ``gpus`` it sees, in CUDA's numbering (``index``) with NVML's details;
+    ``port`` a free TCP port here; ``launcher`` the launcher's variables set (``ranks.hosts.LAUNCHER_VARIABLES``)."""
 
     engine_id: int
     hostname: str
@@ -117,9 +116,8 @@ class RankLayout:
         return any(p.gpu_shared_by > 1 for p in self.places)
 
     def sharing(self, noun: str = "ranks") -> str:
-        """What several ranks (``noun``: the framework's word) share that a real run gives each its own
-        (``"the 2 ranks share one GPU"``, ``"the 4 workers share the CPU"``), or ``""``: a fact for
-        :func:`~vgpu_magic.devices.simulated_line`."""
+        """What several ranks (``noun``: the framework's word) share that a real run gives each its own (``"the 2 ranks
+        share one GPU"``), or ``""``: a fact for :func:`~vgpu_magic.devices.simulated_line`."""
         groups = Counter((p.hostname, None if p.gpu is None else p.gpu.index) for p in self.places)
         shared = [(gpu, n) for (_, gpu), n in groups.items() if n > 1]
         if not shared:
@@ -164,8 +162,7 @@ def expand_tasks_per_node(text: str) -> list[int]:
 
 
 def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = None) -> RankLayout:
-    """Order the ranks and place them on their hosts, as docs/ranks.md (*Where the ranks run*) says. Pure. ``gpus``: the
-    GPUs every host is planned with, where the caller gave them."""
+    """Order the ranks and place them on their hosts (docs/ranks.md); pure. ``gpus``: the GPUs every host plans with."""
     if not reports:
         raise ValueError("no engine reported its host")
     launcher_ranks = [r.launcher_rank for r in reports]

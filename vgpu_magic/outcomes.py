@@ -95,9 +95,8 @@ def _plural(n: int, word: str) -> str:
 
 
 def summary_lines(result: SplitResult) -> tuple[list[str], list[str]]:
-    """The one rendering of ``result`` for people: the lines that say what happened, and the
-    warnings (detail lines indented). The magic and the panel print them with
-    :func:`print_summary`; the API issues the warnings as one warning."""
+    """The one rendering of ``result`` for people: the lines that say what happened, and the warnings (details
+    indented); the magic and the panel print them (:func:`print_summary`), the API warns them as one warning."""
     plan, caps, label = result.plan, result.capabilities, result.capabilities.label
     said: list[str] = []
     warned: list[str] = []
@@ -146,8 +145,7 @@ def apply_plan(
     current: ConfigSnapshot | None = None,
     warnings: list[str] | None = None,
 ) -> SplitResult:
-    """Apply ``plan`` through ``framework``, or refuse it when ``runtime`` (the state checked just
-    before) started; ``current`` is the configuration the plan was made against (default: read again)."""
+    """Apply ``plan``, or refuse it when ``runtime`` started; ``current``: the configuration it was made against."""
     old = current if current is not None else framework.read_configuration()
     new = configuration_after(plan, old)
     caps = framework.capabilities

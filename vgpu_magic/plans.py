@@ -75,8 +75,7 @@ class SplitPlan:
         return "; ".join(parts) or "no change"
 
     def magic_line(self) -> str:
-        """The ``%vgpu_split`` line a person would write for this plan: sizes only when they chose sizes, so the line
-        still works when free memory changes a little."""
+        """The ``%vgpu_split`` line for this plan: sizes only when chosen, so it survives changes of free memory."""
         words = ["%vgpu_split"]
         if self.splits:
             words.append(str(self.count))

@@ -16,9 +16,8 @@ def checked_places(
     backend: str | None = None,
     capabilities: Capabilities | None = None,
 ) -> tuple[tuple[RankPlace, ...], bool]:
-    """``layout``'s places and whether each has a GPU, or :class:`ValueError`: ``refused[on_gpu]`` (``{split}`` and
-    the rank count ``{n}`` filled in) where the framework cannot split there, a ``backend`` its ranks do not take
-    (``capabilities.rank_backends``) or NCCL without a GPU, else ``check_rank_request``'s."""
+    """``layout``'s places and whether each has a GPU, or :class:`ValueError`: ``refused[on_gpu]`` (``{split}``,
+    ``{n}`` filled in) where it cannot split, a ``backend`` its ranks do not take, NCCL without a GPU, a bad request."""
     places = layout.places
     on_gpu = all(p.gpu for p in places)
     if split is not None and on_gpu in refused:
@@ -35,10 +34,9 @@ def checked_places(
 
 
 def shared_gpu_channels(layout: RankLayout, label: str, instead: str) -> dict[int, int]:
-    """NCCL's channels (``NCCL_MAX_CTAS``) for each rank that shares its GPU, by rank (none where each has its own):
-    its share of the GPU's SMs, at most 32, so that every rank's spinning CTAs are resident at once (more can hang:
-    a rank's collective waits on a peer's CTAs that cannot be scheduled); an unknown SM count is taken as 16, the
-    smallest MIG slice of an H100. :class:`ValueError`, with ``instead``, where their NCCL cannot share a GPU."""
+    """NCCL's channels (``NCCL_MAX_CTAS``) by rank, for ranks sharing a GPU: their share of its SMs (unknown: 16, an
+    H100's smallest MIG slice), at most 32, so every rank's spinning CTAs are resident at once (more can hang a
+    collective). :class:`ValueError`, with ``instead``, where their NCCL cannot share a GPU."""
     shared = [p for p in layout.places if p.gpu_shared_by > 1]
     old = [p for p in shared if p.nccl is None or p.nccl < MULTI_RANK_NCCL]
     if old:

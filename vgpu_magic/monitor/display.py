@@ -66,9 +66,8 @@ class DisplaySurface:
 
 @contextlib.contextmanager
 def interrupts_deferred() -> Iterator[list[int]]:
-    """Hold back ``SIGINT`` (a kernel interrupt) in the main thread for the duration, recording what
-    arrived: for the final image drawn when a cell ended, where an interrupt has nothing left to stop and
-    would lose the frame with a traceback from an event hook. Elsewhere it does nothing."""
+    """Hold back ``SIGINT`` in the main thread for the duration, recording what arrived: a final image drawn when a
+    cell ended has nothing left to stop, and would be lost with a traceback from an event hook. Elsewhere: nothing."""
     arrived: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield arrived

@@ -93,11 +93,9 @@ def _series(trace: MemoryTrace) -> list[dict[str, Any]]:
 
 
 class LiveMemoryView(View):
-    """Feeds a ``MemoryWidget`` on ``surface`` (a :class:`~vgpu_magic.monitor.display.DisplaySurface`) and
-    leaves the final image (:func:`static_image`) there, drawn when ``defer(draw)`` says (e.g. at the cell's end,
-    so it does not count against the run). ``widget(**traits)`` builds the widget (tests pass a fake).
-    ``update_costs`` and ``update_times`` keep the latest :data:`~vgpu_magic.monitor.recorder.KEPT_COSTS` updates'
-    kernel seconds (the thread's CPU time) and starts, ``final_cost`` the final image's, for the benchmark."""
+    """Feeds a ``MemoryWidget`` (``widget(**traits)``; tests pass a fake) on ``surface`` and leaves the final image
+    there, drawn when ``defer(draw)`` says (e.g. at the cell's end, outside the run). ``update_costs``, ``update_times``
+    and ``final_cost``: the latest updates' kernel CPU seconds and starts, the final image's, for the benchmark."""
 
     def __init__(
         self,

@@ -66,9 +66,8 @@ def _style(ax: Any) -> None:
 
 
 class MemoryFigure:
-    """The static figure of one trace: ``axes`` per panel, ``groups`` the series drawn as one line
-    (:func:`~vgpu_magic.monitor.views.alike_groups`), ``lines`` and ``peak_lines`` each group's,
-    ``legend``, ``title``, ``vax`` the variables panel (``None`` without variables)."""
+    """The static figure of one trace: ``axes`` per panel, ``groups`` the series drawn as one line, ``lines`` and
+    ``peak_lines`` each group's, ``legend``, ``title``, ``vax`` the variables panel (``None`` without variables)."""
 
     def __init__(self, trace: MemoryTrace, dpi: int = DPI) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg

@@ -46,9 +46,8 @@ def print_report(message: str) -> None:
 
 
 class MemoryRecorder:
-    """Records one run at a time; :meth:`start` begins the next with a fresh trace. ``sampler_factory()`` returns a
-    :class:`~vgpu_magic.monitor.sampler.DeviceSampler` (or its shape), asked again once its ``joinable()`` says so;
-    ``variables(sampler)``: the variables' bytes per device, or ``None``; ``report``: where problems go."""
+    """Records one run at a time (:meth:`start`: the next); ``sampler_factory()`` gives a ``DeviceSampler``, asked
+    again once it is ``joinable()``; ``variables(sampler)``: bytes per device or ``None``; ``report``: for problems."""
 
     def __init__(
         self,

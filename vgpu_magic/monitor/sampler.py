@@ -65,8 +65,7 @@ def build_series(
 def monitored_devices(
     framework: Any, devices: Iterable[str] | None = None, model: Any = None, strategy: Any = None
 ) -> list[str]:
-    """``devices``, or else every replica device of the framework's configuration plus those of
-    ``strategy`` (or ``model.distribute_strategy``), so a model without a strategy shows them all."""
+    """``devices``, else every replica device of the configuration and of ``strategy`` (or the model's)."""
     if devices is not None:
         names = [normalize_device(d) for d in devices]
         if not names:
@@ -100,8 +99,7 @@ def process_memory_reader() -> Callable[[], tuple[int, int]]:
 
 
 def variable_bytes(framework: Any, variables: Iterable[Any], devices: Sequence[str] = ()) -> dict[str, int]:
-    """Bytes of ``variables`` on each logical device, each part where the framework places it
-    (:meth:`~vgpu_magic.frameworks.base.Framework.variable_bytes`); ``devices`` first, 0 where nothing lives."""
+    """Bytes of ``variables`` on each logical device, as the framework places them; ``devices`` first, 0 where none."""
     out = {normalize_device(d): 0 for d in devices}
     for variable in {id(v): v for v in variables}.values():
         for device, size in framework.variable_bytes(variable).items():
@@ -120,12 +118,10 @@ PROCESS_EVERY = 0.5
 
 
 class DeviceSampler:
-    """Reads ``(current, peak)`` bytes of every series: the device series through ``reader(names)``
-    (a framework's :meth:`~vgpu_magic.frameworks.base.Framework.memory_reader`, given ``"GPU:0"``-style
-    names), the process series (last) through ``process()``, at most every :data:`PROCESS_EVERY` seconds:
-    RSS moves slowly, its peak is the system's own, and a read costs as much as four allocators'.
-    A provisional sampler (made before any runtime ran) has ``joinable()``, asked before each sample on the
-    training thread: true once a runtime started, and the recorder asks for a sampler again (devices join)."""
+    """Reads ``(current, peak)`` bytes of every series: the devices' through ``reader(names)`` (a framework's
+    ``memory_reader``), the process' (last) through ``process()``, at most every :data:`PROCESS_EVERY` s (RSS moves
+    slowly, and a read costs four allocators'). A provisional sampler's ``joinable()``, asked before each sample on the
+    training thread, says a runtime started: the recorder asks for a sampler again (devices join)."""
 
     def __init__(
         self,

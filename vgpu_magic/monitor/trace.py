@@ -25,10 +25,9 @@ RECENT_SAMPLES = 8192
 
 @dataclass(frozen=True)
 class SeriesInfo:
-    """One memory series: what one allocator (or the process) reports. ``key`` is the rows' ``device``
-    (``"/device:GPU:1"``, ``"host"`` for a host allocator the logical CPUs share, ``"process"`` for RSS); ``devices``
-    the logical devices it covers; ``cap`` in bytes or ``None``; ``panel`` where it is drawn (``"process"``: RSS dwarfs
-    the allocators, so it has a panel of its own)."""
+    """One memory series: what one allocator (or the process) reports. ``key``: the rows' ``device``
+    (``"/device:GPU:1"``, ``"host"``, ``"process"``); ``devices``: the logical devices it covers; ``cap`` in bytes or
+    ``None``; ``panel`` where it is drawn (``"process"``: RSS dwarfs the allocators)."""
 
     key: str
     label: str
@@ -75,10 +74,9 @@ class _Columns:
 
 @dataclass(eq=False)
 class MemoryTrace:
-    """Samples of every memory series during one run. ``kind`` is what ran (``"fit"``, ``"custom"``...);
-    ``baseline_peak`` each series' peak when the run started (a peak never above it was reached before the run);
-    ``recent`` the samples kept at full resolution. Per row: ``time`` since the start, ``step``, ``epoch`` (0-based),
-    ``phase`` (``"validate"`` for a fit's validation). Two traces are equal when they describe the same run."""
+    """Samples of every memory series during one run. ``kind``: what ran (``"fit"``...); ``baseline_peak``: each
+    series' peak at the start; ``recent``: samples kept at full resolution. Per row: ``time``, ``step``, ``epoch``
+    (0-based), ``phase`` (``"validate"``...). Two traces are equal when they describe the same run."""
 
     series: tuple[SeriesInfo, ...]
     kind: str = "custom"
@@ -271,9 +269,8 @@ class MemoryTrace:
 
 
 def _compacted(cols: _Columns, recent: int) -> _Columns:
-    """New columns (the old left untouched) where the oldest ``recent`` full-resolution rows joined the envelope, whose
-    adjacent buckets merge while it has more than ``recent`` rows. Each bucket is a span of old rows; a merged span's
-    extremes are its parts', as a pair's minima row is never above its maxima."""
+    """New columns (the old untouched) where the oldest ``recent`` rows joined the envelope, whose adjacent buckets
+    (spans of rows) merge while it has more than ``recent`` rows; a merged span's extremes are its parts'."""
     bucket = max(cols.bucket, 4)  # 4 samples -> 2 rows: the first halving
     aged = cols.envelope + recent
     spans = [(k, k + 2) for k in range(0, cols.envelope, 2)]

@@ -42,8 +42,7 @@ def panel_unit(trace: MemoryTrace, panel: str) -> tuple[str, int]:
 
 
 def alike_groups(trace: MemoryTrace, members: list[int]) -> list[list[int]]:
-    """``members`` (series indices) grouped where every reading and the cap are the same all run long:
-    such series are ONE line (:func:`group_label`), never drawn side by side as if they differed."""
+    """``members`` (series indices) grouped where every reading and cap are the same all run: ONE line each group."""
     current, peak, groups = trace.current, trace.peak, []
     for i in members:
         for group in groups:
@@ -139,9 +138,8 @@ class TextSummaryView(View):
 
 
 class RedrawThrottle:
-    """Allows an update at the next due time of a ``min_interval`` rhythm (due ``min_interval`` after the
-    last was *due*, so updates that come only at samples do not drift late), and no sooner than
-    ``budget_factor * last_cost`` after the last started: at most ``1 / budget_factor`` of the time.
+    """Allows an update at the next due time of a ``min_interval`` rhythm (counted from the last *due* time, so that
+    updates do not drift late), and no sooner than ``budget_factor * last_cost`` after the last started.
     :meth:`reset` at the run start puts the first update ``min_interval`` into the run."""
 
     def __init__(self, min_interval: float = 0.2, budget_factor: float = 200.0) -> None:

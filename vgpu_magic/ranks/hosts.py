@@ -26,9 +26,8 @@ LAUNCHER_VARIABLES = (
 
 
 def route_address(toward: str) -> str:
-    """This host's address on the route to ``toward`` (a host name or address, ``user@`` stripped): the
-    address hosts there reach this one at; loopback when ``toward`` is. A UDP ``connect`` only consults
-    the routing table (no packet is sent). :class:`ValueError` in one line when the name does not resolve."""
+    """This host's address on the route to ``toward`` (``user@`` stripped), where hosts there reach it; loopback when
+    ``toward`` is. A UDP ``connect`` sends no packet. :class:`ValueError` in one line when the name does not resolve."""
     name = toward.rpartition("@")[2]
     if name in ("", "*", "0.0.0.0", "localhost") or name.startswith("127."):
         return "127.0.0.1"
@@ -74,12 +73,10 @@ def prepare_rank(
     devices: SplitRequest | None = None,
     framework: str = "",
 ) -> str:
-    """Run on the rank, the one rank setup of every framework's :class:`~vgpu_magic.layout.RankPlan`: set its
-    environment, as a launcher would before the process starts; split its ``devices`` as ``%vgpu_split`` would, on
-    this rank's own devices; then run its framework's setup, if any; with ``join`` the setup also makes the
-    script's own call (``init_process_group``, ``jax.distributed.initialize``). With ``framework`` (a launched
-    script's), the devices and setup wait until the script imports that module, so that what it set before its
-    import (``JAX_ENABLE_X64``) is what the framework reads, as under plain ``python``."""
+    """On the rank, every framework's rank setup (:class:`~vgpu_magic.layout.RankPlan`): set its environment as a
+    launcher would, split its ``devices`` as ``%vgpu_split`` would, then run its framework's setup (with ``join`` also
+    the script's own join call). With ``framework`` (a launched script's), devices and setup wait for the script's
+    import of that module, so what it set before (``JAX_ENABLE_X64``) is read, as under plain ``python``."""
     os.environ.update(env)
     if framework and framework not in sys.modules:
         sys.meta_path.insert(0, _AfterImport(framework, lambda: prepare_rank({}, setup, args, join, devices)))

@@ -109,9 +109,8 @@ def _watch_from_beside(pid: int, created: float) -> None:
 
 
 def watch_owner(owner: str | None = None, then: str | None = None, beside: bool = False) -> bool:
-    """When ``owner`` (default: :data:`OWNER_ENV`) exits, run the shell command ``then``, then SIGKILL this process and
-    its descendants; watched (``pidfd_open``: no polling) by a daemon thread, or with ``beside`` a process of its own
-    (call it before any thread starts). Whether a watch runs: not without an owner on this host."""
+    """When ``owner`` (default: :data:`OWNER_ENV`) exits, run ``then``, then SIGKILL this process and descendants,
+    watched by a daemon thread (``pidfd_open``) or with ``beside`` a process (before any thread); whether it runs."""
     owner = owner or os.environ.get(OWNER_ENV)
     if not owner:
         return False

@@ -21,9 +21,8 @@ REPORT_EVERY = 0.2
 
 
 def report_allocator(path: str) -> None:
-    """Run on a rank: a thread that writes ``"current peak"`` GPU bytes of the frameworks' allocators
-    (:meth:`~vgpu_magic.frameworks.base.Framework.gpu_allocator_bytes`) to ``path`` every :data:`REPORT_EVERY` s, until
-    its folder is removed."""
+    """On a rank: a thread writing the allocators' ``"current peak"`` GPU bytes to ``path`` every
+    :data:`REPORT_EVERY` s, until its folder is removed."""
     import threading
 
     from ..frameworks import cuda_context_holders
@@ -44,9 +43,8 @@ def report_allocator(path: str) -> None:
 
 
 class RankMemorySampler:
-    """Each rank's RSS and GPU memory, for the ranks on this host (``pids[rank]`` is ``None`` elsewhere); with
-    ``launched``, with the processes it started, until its launch has ended (``ended``: after it, the engine's child is
-    the next launch's spare). Peaks are the highest readings seen (or an allocator's own); a rank gone reads 0."""
+    """RSS and GPU memory of the ranks on this host (``pids[rank]``: ``None`` elsewhere), with ``launched`` of their
+    processes until ``ended`` (then the engine's child is a spare). Peaks: the highest seen (or the allocator's)."""
 
     def __init__(
         self, pids: list[int | None], gpu: bool, launched: bool = False, engine: Callable[[int], Any] | None = None

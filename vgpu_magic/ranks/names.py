@@ -17,9 +17,8 @@ _SHELL_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
 
 
 class _ReadsBeforeWrites(ast.NodeVisitor):
-    """Names whose first use, in evaluation order, is a read (the cell needs the notebook's value). ``written``: the
-    names bound on every path so far (not one branch of an ``if`` or a loop body only); ``bound``: those bound
-    anywhere. Comprehensions, lambdas and function bodies are scopes of their own."""
+    """Names first used, in evaluation order, by a read (the notebook's value is needed). ``written``: bound on every
+    path so far; ``bound``: anywhere. Comprehensions, lambdas and function bodies are scopes of their own."""
 
     def __init__(self, written: set[str] | None = None) -> None:
         self.read: list[str] = []

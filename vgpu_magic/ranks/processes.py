@@ -184,9 +184,8 @@ _REMOVE = "import glob, os, sys; [os.remove(p) for pattern in sys.argv[1:] for p
 
 def clean_up_when_kernel_dies(cluster: Any, plan: LauncherPlan, token: str) -> set[int]:
     """A stop's own work, done by watchers (:func:`.lifetime.run_when_this_process_dies`) if the kernel dies without
-    one: engines on other hosts (which cannot watch its PID) ended by their launcher's commands; the cluster's file,
-    its controller's connection files and its processes' logs removed. Returns the watchers' PIDs: a stop ends them
-    last, so that a kernel killed while it stops (Jupyter's shutdown: SIGKILL after 5 s) still has them clean up."""
+    one: remote engines ended by their launcher's commands; the cluster's files and logs removed. Returns the watchers'
+    PIDs: a stop ends them last, so a kernel killed while it stops (Jupyter: SIGKILL after 5 s) still cleans up."""
     import shlex
 
     logs = os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*")
@@ -269,9 +268,8 @@ def signal_engine(client: Any, engine_id: int, signum: int) -> None:
 
 
 def unlist(cluster: Any) -> None:
-    """Remove ``cluster``'s file and write it no more, before its processes end (a panel that loaded it then would
-    list a dead cluster for good): ipyparallel's own removal, once each process stopped, misses those that ended
-    before, and its late callbacks write it again."""
+    """Remove ``cluster``'s file and write it no more, before its processes end (a panel would list a dead cluster for
+    good): ipyparallel's removal misses processes that ended before, and its late callbacks write it again."""
     cluster.remove_cluster_file()
     cluster.cluster_file = ""
 

@@ -25,10 +25,9 @@ QUIET.propagate = False
 
 
 class RanksCluster(Cluster):
-    """ipyparallel's cluster; the kernel that started it owns its file (``owner``). A copy another process loads
-    from it (JupyterLab's cluster panel: ipyparallel's ``ClusterManager``) watches the same processes; at their
-    stop it logged each one's log file into the Jupyter server's terminal as a failure, wrote the file again and
-    removed the logs. The copy logs nothing, leaves files to the owner, and leaves its manager once stopped."""
+    """ipyparallel's cluster, whose file the kernel that started it owns (``owner``). A copy loaded from it
+    (JupyterLab's ``ClusterManager``) logged each process' log as a failure at its stop, wrote the file again and
+    removed the logs: this copy logs nothing, leaves files to the owner, and leaves its manager once stopped."""
 
     owner = False
 
@@ -122,17 +121,15 @@ class ReasonedSlurmEngineSetLauncher(SlurmEngineSetLauncher):
 
 
 def message_futures(ar: Any) -> list[Any]:
-    """The futures of ``ar``'s requests, one per message (``AsyncResult._children``; none where it has no such
-    list): ipyparallel keeps a request's IOPub callbacks there, and resolves each one's ``output`` future when its
-    engine goes idle after it (the only sign of a request whose reply an interrupt lost)."""
+    """The futures of ``ar``'s requests, one per message (``AsyncResult._children``, else none): each one's ``output``
+    resolves when its engine goes idle after it (the only sign of a request whose reply an interrupt lost)."""
     return list(getattr(ar, "_children", None) or ())
 
 
 def watch_requests(client: Any, watch: Callable[[str, Any], Callable[[dict], None]]) -> None:
-    """Call ``watch(msg_id, future)`` as ``client`` makes each request's future, before the request is sent, and what it
-    returns with each IOPub message of that request, on ipyparallel's thread as it arrives. ipyparallel has no public
-    hook for every request: ``Client._send`` makes each request's futures through ``Client.create_message_futures`` (the
-    first one a ``MessageFuture``), and ``Client._dispatch_iopub`` calls its ``iopub_callbacks``."""
+    """Call ``watch(msg_id, future)`` as ``client`` makes each request's future, and what it returns with each IOPub
+    message of that request, on ipyparallel's thread. No public hook: ``Client.create_message_futures`` makes them
+    (the first a ``MessageFuture``); ``Client._dispatch_iopub`` calls their ``iopub_callbacks``."""
     create = client.create_message_futures
 
     def create_watched(msg_id: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -144,15 +141,13 @@ def watch_requests(client: Any, watch: Callable[[str, Any], Callable[[dict], Non
 
 
 def set_handler_hooks(kernel: Any, pre: Callable[[], None], post: Callable[[], None]) -> None:
-    """Make ipykernel's ``kernel`` call ``pre`` before and ``post`` after each request it handles, in place of its
-    ``pre_handler_hook`` (which sets SIGINT to ``default_int_handler`` for the whole request) and
-    ``post_handler_hook`` (which restores what ``pre`` saved): ``Kernel.dispatch_shell`` calls both, no argument."""
+    """Make ipykernel's ``kernel`` call ``pre`` and ``post`` around each request instead of its ``pre_handler_hook``
+    (SIGINT to ``default_int_handler``) and ``post_handler_hook``: ``Kernel.dispatch_shell`` calls both, no argument."""
     kernel.pre_handler_hook = pre
     kernel.post_handler_hook = post
 
 
 def no_abort_after_an_error(kernel: Any) -> None:
-    """Keep ipykernel's ``kernel`` from aborting the requests queued behind a failed cell: ``execute_request``
-    calls ``Kernel._abort_queues`` after an error (``stop_on_error``, true in each of ipyparallel's execute
-    requests), which aborts what arrives for a while after it; upstream would need a way to clear it."""
+    """Keep ``kernel`` from aborting requests queued behind a failed cell: ``execute_request`` calls ``_abort_queues``
+    after an error (``stop_on_error``, true in ipyparallel's requests); upstream would need a way to clear it."""
     kernel._abort_queues = lambda *args, **kwargs: None

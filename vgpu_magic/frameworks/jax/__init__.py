@@ -229,8 +229,7 @@ class Jax(Framework):
         return self._snapshot(self._gpus()[0])
 
     def write_configuration(self, old: ConfigSnapshot, new: ConfigSnapshot) -> None:
-        """CPU count through ``jax_num_cpu_devices`` (``XLA_FLAGS`` before JAX 0.5); GPU cap and growth through
-        ``XLA_PYTHON_CLIENT_*``, which JAX reads when its backend starts."""
+        """CPU count: ``jax_num_cpu_devices`` (``XLA_FLAGS`` before 0.5); GPU cap, growth: ``XLA_PYTHON_CLIENT_*``."""
         jax = self.load()
 
         def left() -> str:

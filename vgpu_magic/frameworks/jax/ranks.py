@@ -100,8 +100,7 @@ def setup_rank(coordinator: str, num_processes: int, process_id: int, gpu: int |
 
 @functools.cache
 def _register_cluster_environment() -> None:
-    """Put a cluster environment reading the rank's ``VGPU_MAGIC_JAX_*`` variables first in JAX's auto-detection
-    (JAX registers each ``ClusterEnv`` subclass as it is defined), ahead of any SLURM or MPI variables."""
+    """Make JAX's auto-detection read the rank's ``VGPU_MAGIC_JAX_*`` variables first, ahead of SLURM's or MPI's."""
     from jax._src import clusters
 
     class VgpuMagicRanks(clusters.ClusterEnv):

@@ -26,8 +26,7 @@ __all__ = ["TensorFlow", "FRAMEWORK", "CAPABILITIES", "system_reserve_mib", "set
 
 
 def system_reserve_mib(free_mib: int, compute_capability: tuple[int, int] | None) -> int:
-    """Memory TensorFlow keeps back on each GPU for CUDA itself (``MinSystemMemory`` in its ``gpu_device.cc``); an
-    unknown compute capability counts as the newest (the largest reserve)."""
+    """TensorFlow's reserve on each GPU for CUDA (``MinSystemMemory``); an unknown capability counts as newest."""
     if free_mib < 2048:
         return 225
     major = compute_capability[0] if compute_capability else 99
@@ -231,9 +230,8 @@ class TensorFlow(Framework):
         return sum(r["current"] for r in readings), sum(r["peak"] for r in readings)
 
     def memory_reader(self) -> Reader:
-        """Through the C function under ``tf.config.experimental.get_memory_info``, bound to the context once: right
-        after a training step each Python call level in between costs as much as the read itself
-        (``benchmarks/monitor_overhead.py``). Once the runtime runs, the context's handle stays valid."""
+        """Through the C function under ``tf.config.experimental.get_memory_info``, bound once: each call level
+        in between costs as much as the read (``benchmarks/monitor_overhead.py``); the handle stays valid."""
         from tensorflow.python import pywrap_tfe
         from tensorflow.python.eager import context
 

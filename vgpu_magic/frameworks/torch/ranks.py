@@ -101,8 +101,7 @@ def plan_ranks(
 
 
 def setup_rank(backend: str, gpu: int | None = None, cap_mib: int | None = None, join: bool = False) -> str:
-    """Run on the rank: pick and cap its GPU (``gpu``: CUDA's index on its host); where the plan says gloo for
-    GPU ranks (they share a GPU), map NCCL to gloo; with ``join``, also join the process group (``env://``)."""
+    """On the rank: pick and cap its GPU; gloo for GPU ranks maps NCCL to gloo; ``join``: join the process group."""
     if gpu is None and not join:
         return "torchrun's environment set"
     import torch
@@ -152,8 +151,7 @@ def say_the_cap(note: str) -> None:
 
 
 def gloo_for_nccl(backend: str | None) -> str:
-    """The backend string a rank sharing a GPU uses for ``backend`` (``None``: torch's default): torch's own
-    ``BackendConfig`` map, NCCL replaced by gloo, and gloo for CPU tensors where nothing was said."""
+    """The backend a rank sharing a GPU uses for ``backend`` (``None``: torch's default): NCCL replaced by gloo."""
     from torch.distributed.distributed_c10d import Backend, BackendConfig
 
     asked = BackendConfig(Backend.UNDEFINED if backend is None else backend).get_device_backend_map()
