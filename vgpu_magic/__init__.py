@@ -9,8 +9,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# Public names, resolved lazily so `import vgpu_magic` stays cheap. No submodule shares a
-# public name: importing a submodule sets it as a package attribute, which would shadow it.
+# Public names, resolved lazily (a cheap import); none is a submodule's name, which importing it would shadow.
 _LAZY = {
     "split": "api",
     "plan": "api",
@@ -39,8 +38,7 @@ _LAZY = {
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension", *_LAZY]
 
-#: The Magics classes the extension registers besides :class:`~vgpu_magic.magics.VGPUMagics`,
-#: as "module:Class" (imported at load, never at package import).
+#: The other Magics classes the extension registers, as "module:Class" (imported at load, not at import).
 _MAGICS: tuple[str, ...] = (
     ".ranks.magics:ClusterMagics",
     ".monitor.magics:MonitorMagics",

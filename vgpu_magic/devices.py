@@ -8,10 +8,8 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-#: GPU memory a process takes outside its framework's allocator and cap where its GPU's SM count is unknown, the
-#: figure the estimate's verdict uses. Measured on an H100 (torch 2.11, CUDA 13): the CUDA context 621 MiB, cuBLAS's
-#: workspaces 64 MiB more with the first matrix product (test_estimate_gpu.py), and for a DDP rank after five steps
-#: (NCCL's buffers too) NVML's "used" minus torch's reserved was 880 MiB.
+#: GPU memory a process takes outside its framework's allocator and cap where its SM count is unknown (the estimate's
+#: verdict uses it): on an H100, a DDP rank's NVML "used" minus torch's reserved was 880 MiB (test_estimate_gpu.py).
 CUDA_CONTEXT_MIB = 1024
 
 
@@ -31,8 +29,7 @@ def nccl_buffers_mib(channels: int | None) -> int:
     return 64 + channels * 2 * 9 if channels else 0
 
 
-#: The first NCCL that lets several ranks use one GPU (``NCCL_MULTI_RANK_GPU_ENABLE=1``); older
-#: ones refuse at the first communicator ("Duplicate GPU detected", measured with NCCL 2.28.9).
+#: The first NCCL that lets ranks share a GPU; older ones refuse ("Duplicate GPU detected", NCCL 2.28.9).
 MULTI_RANK_NCCL = (2, 30)
 
 
@@ -96,15 +93,13 @@ class Capabilities:
     #: All logical CPUs report one host allocator's figures: the monitor draws one series, not N identical lines.
     cpus_share_allocator: bool = False
     replicas_by: str = "the strategy"  #: what uses the replica devices, for messages (``"MirroredStrategy()"``)
-    #: The data-parallel helper uses split CPU devices even where GPUs are visible (JAX's ``vgpu_magic.mesh()``);
-    #: otherwise GPUs come first (``MirroredStrategy()``).
+    #: The data-parallel helper uses split CPUs even where GPUs are visible (``vgpu_magic.mesh()``), else GPUs first.
     replicas_on_split_cpu: bool = False
     #: The default helper reduces with NCCL unless there are fewer physical GPUs (hidden ones counted) than
     #: logical ones (``MirroredStrategy()``; RING otherwise), and NCCL refuses two logical devices of one card.
     replicas_nccl_unless_fewer_physical: bool = False
-    #: The framework's own words, for every message: what starts once and fixes the devices
-    #: (JAX: ``"backend"``), a device of a split and the phrase for a split (``{count}``, ``{kind}``,
-    #: ``{s}``, ``{index}``), what :attr:`replicas_by` calls a device, and the host in a device list.
+    #: The framework's own words: what starts once and fixes the devices (JAX: ``"backend"``), a split's device and
+    #: phrase (``{count}``, ``{kind}``, ``{s}``, ``{index}``), :attr:`replicas_by`'s device, a device list's host.
     runtime_word: str = "runtime"
     device_noun: str = "logical {kind}"
     split_phrase: str = "{count} logical {kind}{s} on {kind}:{index}"

@@ -11,11 +11,9 @@ from .planner import MIN_MEMORY_MIB
 from .plans import FitVerdict
 from .report import code_spans
 
-#: Widgets' HTML inherits the height of one control row (28 px in JupyterLab): text that wraps
-#: would read double-spaced, so the panel's own text sets an ordinary line height.
+#: Widgets' HTML inherits a control row's height (28 px): wrapped text would read double-spaced.
 TEXT_STYLE = "line-height:1.4"
-#: Theme-aware banner: JupyterLab's warn colours with fallbacks for other front ends; the text keeps
-#: the front end's own colour, so it reads on light and dark themes alike.
+#: Theme-aware banner: JupyterLab's warn colours, with fallbacks; the text keeps the front end's colour.
 BANNER_STYLE = (
     "border-left:4px solid var(--jp-warn-color0, #e65100);"
     "background:var(--jp-layout-color2, rgba(230, 81, 0, 0.08));"

@@ -91,8 +91,7 @@ class SplitPlan:
                     words += ["--gpu", str(self.physical_index)]
                 if self.visible_gpus is not None and len(self.visible_gpus) > 1:
                     words += ["--others", "keep"]
-        # Always spelled out (whether visibility is implied depends on the machine), except the
-        # "hide every GPU" that --cpu implies everywhere.
+                # Always spelled out (implied visibility depends on the machine), but the "hide every GPU" of --cpu.
         implied_by_cpu = self.cpu_forced and self.visible_gpus == ()
         if self.visible_gpus is not None and not implied_by_cpu:
             words += ["--visible", ",".join(str(i) for i in self.visible_gpus) or "none"]

@@ -97,8 +97,7 @@ def _shortened(line: str) -> str:
     return line if len(line) <= 80 else line[:77] + "..."
 
 
-#: What a watcher knew, kept across ``%reload_ext vgpu_magic`` (which re-imports the
-#: package, not this module): shell id -> (started_by, started_before_load).
+#: What a watcher knew, across ``%reload_ext`` (this module is not re-imported): shell id -> its two sets.
 _CARRIED: dict[int, tuple[dict[str, CellRef], set[str]]] = {}
 
 

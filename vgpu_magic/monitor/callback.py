@@ -45,8 +45,7 @@ class MemoryMonitor(MonitorSession):
         self._model = model
 
     def set_params(self, params: dict) -> None:
-        # Keras sets params once per fit/evaluate/predict call, not for the
-        # evaluate that a fit runs for validation: that tells nested from new.
+        # Keras sets params per fit/evaluate/predict call, not for a fit's validation: nested or new.
         self.params = params
         self._fresh = True
 

@@ -13,8 +13,7 @@ from typing import Any
 
 __all__ = ["DISPLAY_MODES", "DisplaySurface", "MemoryFrame", "detect_frontend", "interrupts_deferred"]
 
-#: ``display=`` values: ``"auto"`` (a live plot in a Jupyter kernel, text elsewhere), ``"rich"`` (the live plot),
-#: ``"text"`` (per-epoch lines) or ``"none"`` (record only).
+#: ``display=``: ``"auto"`` (live plot in Jupyter, else text), ``"rich"``, ``"text"`` (per epoch) or ``"none"``.
 DISPLAY_MODES = ("auto", "rich", "text", "none")
 
 

@@ -180,8 +180,7 @@ class LiveMemoryView(View):
         ):
             if getattr(self.widget, name) != value:
                 setattr(self.widget, name, value)
-        # The kernel's own work (this thread's CPU time): on a busy machine the wall clock
-        # would also count the time other processes had the core, and starve the view.
+                # This thread's CPU time: a busy machine's wall clock counts other processes' time and starves the view.
         cost = time.thread_time() - cpu
         self.throttle.record(start, cost)
         self.update_costs.append(cost)

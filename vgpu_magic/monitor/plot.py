@@ -32,8 +32,7 @@ _EPOCH = {"fontsize": _NOTE_PT, "color": _CARD_TEXT, "bbox": {"facecolor": _CARD
 
 _PANEL_TITLES = {"device": "device memory", "process": "process RSS"}
 
-#: The lines of one panel, in turn (as live.js): series that differ somewhere but overlap
-#: elsewhere stay apart by their dashes, never by moving them.
+#: The lines of one panel, in turn (as live.js): overlapping series stay apart by their dashes, never moved.
 DASHES = ("-", (0, (7, 3)), (0, (2, 2)), (0, (7, 3, 2, 3)))
 
 

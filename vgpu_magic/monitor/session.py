@@ -183,8 +183,7 @@ class MonitorSession:
         self._depth = 1
         self._epoch_base = self._next_step = 0
         params = self._run_params()
-        # The cell hook first: an interrupt landing anywhere after the view
-        # appeared still gets the run closed and its final image drawn.
+        # The cell hook first: an interrupt after the view appeared still closes the run and draws its image.
         self._watch_cell()
         self._recorder.view = self._make_view()
         self._joining = False

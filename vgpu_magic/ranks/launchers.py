@@ -75,8 +75,7 @@ class Launcher:
     remote: ClassVar[bool] = False
     #: What a script run is, where more than a launch (the start summary).
     launches: ClassVar[str] = ""
-    #: The prefixes of the variables the launch gives each engine (``srun``'s ``SLURM_*``), which a script run
-    #: from the engine keeps over the kernel's environment, as a task of that launch has them.
+    #: The prefixes of the launch's variables (``srun``'s ``SLURM_*``) that a script run keeps over the kernel's.
     task_variables: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls) -> None:
@@ -211,8 +210,7 @@ class SlurmLauncher(Launcher):
 
     @classmethod
     def configure(cls, cluster: Any) -> None:
-        # ipyparallel writes the batch script into the kernel's working folder (the user's notebooks); an absolute
-        # name puts it with the engines' log in the profile instead, removed by the stop.
+        # Not the kernel's working folder (the user's notebooks): the profile's log folder, removed by the stop.
         batch_file = os.path.join(cluster.profile_dir, "log", f"ipengine-{cluster.cluster_id}.sbatch")
         cluster.config.SlurmEngineSetLauncher.batch_file_name = batch_file
 
@@ -285,8 +283,7 @@ class SSHLauncher(Launcher):
         env = _environment(options)
         engine_cmd = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
         engine_cmd += [python, "-m", "ipyparallel.engine"]
-        # Each host's port goes into its own ssh/scp arguments: ipyparallel's "host:port" appends the
-        # port to one list its launchers share, so a second host would get the first host's port.
+        # Each host's port in its own ssh/scp arguments: ipyparallel's "host:port" shares one list between hosts.
         engines: dict[str, dict[str, Any]] = {}
         targets = []
         for host, count in counts.items():
@@ -303,8 +300,7 @@ class SSHLauncher(Launcher):
                 "engines": engines,
                 "remote_python": python,
                 "engine_cmd": engine_cmd,
-                # A folder of this cluster's own on each host (removed by stop), never the kernel's
-                # profile: on a host sharing the kernel's file system that would be the same files.
+                # The cluster's own folder, removed by stop: the kernel's profile may be on a shared file system.
                 "remote_profile_dir": f"/tmp/vgpu_magic-{cluster_id}",
             },
         }
@@ -352,8 +348,7 @@ def ssh_target(host: str) -> tuple[str, str | None]:
     return location, port or None
 
 
-#: Run on an SSH host at stop: wait for the engines (PIDs there) to exit, SIGKILL what
-#: survived, remove the cluster's folder, and say which PIDs are left.
+#: Run on an SSH host at stop: wait for the engines, SIGKILL survivors, remove the folder, say which PIDs are left.
 REMOTE_CLEANUP = (
     "pids='{pids}'; for i in $(seq 40); do alive=''; "
     'for p in $pids; do kill -0 $p 2>/dev/null && alive="$alive $p"; done; '

@@ -212,8 +212,7 @@ class RankCluster:
                 for ar in warming:
                     ar.get(timeout=ENGINE_TIMEOUT)
         except BaseException as exc:
-            # The start's own error first; what the cleanup found after it, never instead of it; then where the
-            # processes' logs (which the stop removes) are kept.
+            # The start's own error first, then what the cleanup found, then where the processes' logs are kept.
             kept = processes.keep_logs(self.cluster) if isinstance(exc, Exception) else ""
             try:
                 processes.despite_interrupts(self.stop)

@@ -82,8 +82,7 @@ class ExitRecordingEngineLauncher(LocalEngineLauncher):
     """ipyparallel's local engine launcher; ``process.exit_code`` is the engine's exit status once reaped (ipyparallel
     hands it to an event loop that may never run it while a cell watches the ranks)."""
 
-    # ipyparallel sets ``process`` (a psutil.Process) then calls ``_start_waiting``, whose thread reaps the engine
-    # through ``process.wait``; upstream would need the exit status kept on the launcher.
+    # ipyparallel's ``_start_waiting`` thread reaps the engine by ``process.wait``; upstream would keep its status.
     def _start_waiting(self) -> None:
         self.process = ExitRecordingProcess(self.process.pid)
         super()._start_waiting()
@@ -111,8 +110,7 @@ class ReasonedSlurmEngineSetLauncher(SlurmEngineSetLauncher):
     )
     namespace = Dict({"sbatch": "", "srun": ""}, config=True)
 
-    # ipyparallel runs ``sbatch`` and ``scancel`` through ``_run_command(command, **kwargs)``, which returns their
-    # stdout; upstream would need their stderr kept in the error it raises.
+    # ipyparallel's ``_run_command`` returns only stdout; upstream would need stderr kept in the error it raises.
     def _run_command(self, command: list[str], **kwargs: Any) -> str:
         proc = subprocess.run(command, capture_output=True, check=False, **kwargs)
         if proc.returncode:

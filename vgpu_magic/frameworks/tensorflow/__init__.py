@@ -57,8 +57,7 @@ _INFO_LINE = re.compile(
 #: The start of any C++ log line or absl notice: a line that does not continue the one before.
 _LOG_LINE = re.compile(r"^(?:[IWEF]\d{4} \d\d:\d\d:|WARNING: |[A-Za-z_.]+Error|Traceback)")
 
-#: The INFO records a strategy made by :meth:`TensorFlow.strategy` causes (at its making, at every traced
-#: reduction, at the first step of ``fit``).
+#: The INFO records :meth:`TensorFlow.strategy`'s strategy causes (made, each traced reduction, ``fit``'s first step).
 _STRATEGY_INFO = re.compile(
     r"^(Using MirroredStrategy with devices|Reduce to \S+ then broadcast to|Collective all_reduce tensors: )"
 )
@@ -184,8 +183,7 @@ class TensorFlow(Framework):
         def set_logical(physical_name: str, limits: tuple[int | None, ...] | None) -> None:
             dev = next(d for d in tf.config.list_physical_devices() if d.name == physical_name)
             if limits is None:
-                # Back to no configuration (an undo): TensorFlow has no public call for it, and
-                # set_logical_device_configuration(dev, None) raises TypeError.
+                # An undo: TensorFlow has no public call; set_logical_device_configuration(dev, None) raises TypeError.
                 from tensorflow.python.eager import context
 
                 context.context()._virtual_device_map.pop(dev, None)
