@@ -1,7 +1,6 @@
-"""The argument grammar of the faces: the ``type=`` callables of IPython's ``@magic_arguments()`` declarations (so a
-magic's help comes from what parses its line) over :mod:`vgpu_magic.units`' parsers, each refusing a token with one
-sentence that quotes it and says what would work, as :func:`parse_arguments` does for what argparse refuses.
-``%vgpu_split`` lines, the persistent split and the CLI parse into a :class:`~vgpu_magic.plans.SplitRequest` here."""
+"""The faces' argument grammar: the ``type=`` callables of the ``@magic_arguments()`` declarations (so help comes
+from what parses), over :mod:`vgpu_magic.units`' parsers, each refusal one sentence quoting the token and saying what
+would work. ``%vgpu_split`` lines, the persistent split and the CLI parse into a ``SplitRequest`` here."""
 
 from __future__ import annotations
 

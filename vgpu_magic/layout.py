@@ -1,9 +1,7 @@
-"""The ranks' hosts and the ranks laid out on them, as plain data. A :class:`HostReport` is what one engine says about
-where it runs (``vgpu_magic.ranks.hosts.report_host`` makes it, on the engine); :func:`layout_ranks` is pure: from the
-reports it orders the ranks (the launcher's rank, else the engine id, grouped by host), gives each its local rank, node
-rank and GPU, and keeps the launcher's conventions (under SLURM, the hosts of ``SLURM_STEP_NODELIST``). Each framework
-plans its ranks from the :class:`RankLayout` (``Framework.plan_ranks``), so the GPU path and multi-host layouts are
-tested on recorded data (docs/architecture.md: the rules layer)."""
+"""The ranks' hosts and the ranks laid out on them, as plain data: a :class:`HostReport` is what one engine says about
+where it runs; :func:`layout_ranks`, pure, orders the ranks (the launcher's rank, else the engine id, by host), gives
+each its local rank, node rank and GPU, and keeps the launcher's conventions (SLURM's ``SLURM_STEP_NODELIST``). The
+frameworks plan ranks from the :class:`RankLayout`, so GPU and multi-host layouts are tested on recorded data."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Turn a split request into a validated :class:`SplitPlan`, or a precise error. The one place requests are
-validated, so no two faces can disagree. Pure: it reads a :class:`~vgpu_magic.devices.DeviceInventory` (plain data,
-with the framework's :class:`~vgpu_magic.devices.Capabilities` and configuration) and touches no framework. A plan the
-framework would refuse when its runtime starts is refused here. Memory is in MiB."""
+"""Turn a split request into a validated :class:`SplitPlan`, or a precise error: the one place requests are validated,
+so no two faces disagree. Pure: it reads a ``DeviceInventory`` and touches no framework; what the framework would refuse
+when its runtime starts is refused here. Memory is in MiB."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Automatic monitoring: ``keras.Model.fit``/``evaluate``/``predict`` wrapped to append a fresh
-:class:`~vgpu_magic.monitor.callback.MemoryMonitor`, unless the call has one, runs inside a monitored call or gets
-Keras' own ``CallbackList``. :meth:`~AutoMonitoring.disable` restores only what is still its own: another tool's
-later patch stays, and this wrapper inside it passes through. Importing this module imports no Keras."""
+"""Automatic monitoring: ``keras.Model.fit``/``evaluate``/``predict`` wrapped to add a fresh ``MemoryMonitor`` unless
+the call has one, runs in a monitored call or gets Keras' own ``CallbackList``; :meth:`~AutoMonitoring.disable` undoes
+only what is still its own (another tool's later patch stays). Importing this module imports no Keras."""
 
 from __future__ import annotations
 

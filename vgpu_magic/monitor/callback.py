@@ -1,8 +1,6 @@
 """The Keras face: :class:`MemoryMonitor`, a Keras callback over :class:`~vgpu_magic.monitor.session.MonitorSession`.
-
-It imports no Keras: Keras 3 takes any object with the callback methods. Steps are noted in the ``on_*_batch_begin``
-hooks, which Keras calls on the training thread with no logs. The ``on_*_batch_end`` hooks are marked as Keras' own
-defaults, so Keras keeps handing batch-end logs to callbacks on a worker thread instead of making every step wait."""
+It imports no Keras (Keras 3 takes any object with the callback methods). Steps are noted in ``on_*_batch_begin``, on
+the training thread; the ``on_*_batch_end`` hooks are marked as Keras' defaults, so batch-end logs need no wait."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Reading memory per device, through the framework seam (nothing here names a framework). Each logical GPU is one
-series with its cap; logical CPUs are one series each, or ONE "host allocator" series where the framework says they
-share one (``Capabilities.cpus_share_allocator``); the ``"process"`` series adds the process' resident memory (RSS),
-true where an allocator keeps no statistics."""
+"""Reading memory per device through the framework seam: each logical GPU is one series with its cap; logical CPUs
+one each, or ONE "host allocator" series (``Capabilities.cpus_share_allocator``); the ``"process"`` series is RSS."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""How the ranks' engines start: ipyparallel's engine-set launchers (local, ``mpiexec``, a SLURM job, SSH), one
-:class:`Launcher` each in :data:`LAUNCHERS`, owning its options, flags, validation, ipyparallel's configuration, what a
-failed start says, and the clean-up of what it started elsewhere. :func:`plan_launcher` validates a request completely
-and starts nothing. Under ``slurm`` and ``ssh`` the controller listens on every interface; engines reach it at
-``controller_address`` (default: this host's name under SLURM, its address on the route to the first host under SSH)."""
+"""How the ranks' engines start: one :class:`Launcher` per ipyparallel engine-set launcher (local, ``mpiexec``,
+SLURM, SSH) in :data:`LAUNCHERS`, with its options, validation, configuration, failure words and clean-up;
+:func:`plan_launcher` validates and starts nothing. Under ``slurm`` and ``ssh`` engines reach the controller at
+``controller_address`` (default: this host's name; under SSH its address on the route to the first host)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""What of a rank's output reaches the notebook: its framework's quiet log settings where the user set none
-(:func:`rank_env`); the start-up lines no setting silences held back per rank (:class:`HeldBack`), unless
-``verbose``; its output recorded as it arrives (:func:`record_output`) and shown in whole lines labelled with its
-rank (:class:`LineStream`), its displays in their place among them (:func:`show_display`).
-"""
+"""What of a rank's output reaches the notebook: quiet log settings where the user set none (:func:`rank_env`), the
+start-up lines no setting silences held back (:class:`HeldBack`) unless ``verbose``, its output recorded as it arrives
+(:func:`record_output`), shown in labelled whole lines (:class:`LineStream`) and displays (:func:`show_display`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Every use of ipyparallel's and ipykernel's private or undocumented members, each with why and the upstream
-behaviour it relies on, which ``tests/test_upstream_contract.py`` checks on the versions ``pyproject.toml`` allows.
-The cluster and launchers are at module level, so that the cluster file names classes ipyparallel's tools can import.
-Importing this module imports ipyparallel."""
+"""Every use of ipyparallel's and ipykernel's private members, each with why and what it relies on, which
+``tests/test_upstream_contract.py`` checks. The cluster and launchers are at module level, so that the cluster file
+names classes ipyparallel's tools can import. Importing this module imports ipyparallel."""
 
 from __future__ import annotations
 

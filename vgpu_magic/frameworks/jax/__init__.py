@@ -1,9 +1,7 @@
-"""JAX: N CPU devices (next to a GPU or without one), and this process's share of a GPU; docs/split.md says through
-which settings. A later CPU count is refused first, naming the cell that started the backend (JAX would raise a bare
-``RuntimeError``); of the two fraction variables only one is ever set (jaxlib refuses both, and JAX then runs on CPU).
-Devices have JAX's own names (``cpu:3``, as ``str(device)`` says) everywhere. Memory readings live in :mod:`.memory`,
-``vgpu_magic.mesh()`` and ``distribution()`` in :mod:`.mesh`, the ranks' ``jax.distributed`` wiring in :mod:`.ranks`.
-Importing this module imports neither JAX nor Keras."""
+"""JAX: N CPU devices (next to a GPU or without one), and this process's share of a GPU (docs/split.md). A later CPU
+count is refused naming the cell that started the backend; only one of the two fraction variables is set (jaxlib
+refuses both). Devices have JAX's names (``cpu:3``). Readings: :mod:`.memory`; ``mesh()``: :mod:`.mesh`; ranks:
+:mod:`.ranks`. Importing this module imports neither JAX nor Keras."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""TensorFlow: logical GPUs with memory caps on one GPU, or logical CPUs. The only module that touches ``tf.config``,
-read with calls that do not start the runtime (``context.context()._initialized`` tells whether it started). TensorFlow
-2.21 writes INFO lines to file descriptor 2 while it is imported, before it reads ``TF_CPP_MIN_LOG_LEVEL``: where
-vgpu_magic imports it and the level is not an explicit 0, those lines are dropped and every other line passes. The
-ranks: :mod:`.ranks`."""
+"""TensorFlow: logical GPUs with memory caps on one GPU, or logical CPUs; the one module touching ``tf.config``,
+with calls that do not start the runtime. The INFO lines TensorFlow 2.21 writes while imported, before it reads
+``TF_CPP_MIN_LOG_LEVEL``, are dropped unless the level is an explicit 0. The ranks: :mod:`.ranks`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""TensorFlow's ranks: ``TF_CONFIG`` lists every worker at its own host and a port chosen there (under SLURM: what
-``SlurmClusterResolver`` computes); ``--split K`` on a GPU gives each worker K logical GPUs (its ``devices``). On
-CPU the strategy uses one device per worker whatever the logical CPU count (measured: 2 workers × 2 logical CPUs
-give 2 replicas), so ``--split`` on CPU is refused. Importing this module imports no TensorFlow.
-"""
+"""TensorFlow's ranks: ``TF_CONFIG`` lists every worker at its host and a port chosen there (SLURM: as
+``SlurmClusterResolver``); ``--split K`` on a GPU gives each worker K logical GPUs. On CPU the strategy uses one
+device per worker whatever the CPU count, so ``--split`` is refused there. Imports no TensorFlow."""
 
 from __future__ import annotations
 
