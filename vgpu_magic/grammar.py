@@ -61,8 +61,7 @@ def seconds(option: str, minimum: float, maximum: float, example: str = "0.05") 
 
 
 def whole(subject: str, minimum: int, maximum: int, example: str) -> Callable[[str], int]:
-    """A ``type=`` for a whole number in ``[minimum, maximum]`` written with ASCII digits
-    (``"+2"`` and ``"1_0"`` are refused, as ``int()`` would take them); ``example``: a line that works."""
+    """A ``type=`` for a whole number in ``[minimum, maximum]`` in ASCII digits (not ``"+2"``, ``"1_0"``)."""
 
     @with_example(example)
     def whole_number(text: str) -> int:

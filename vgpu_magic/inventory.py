@@ -167,8 +167,7 @@ def cuda_total_bytes(index: int) -> int | None:
 
 
 def nccl_version() -> tuple[int, ...] | None:
-    """The NCCL the frameworks here load (the ``nvidia-nccl-cu*`` wheel torch and JAX's CUDA plugin depend on; the
-    oldest where several are installed), read from the installed files: loads no library; ``None`` without one."""
+    """The NCCL the frameworks here load (the oldest ``nvidia-nccl-cu*`` wheel), read from its files; ``None``: none."""
     import importlib.metadata
 
     found = []

@@ -128,8 +128,7 @@ class RankLayout:
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
-    """``"n[1-2],m5,o[03-04,6]"`` -> ``["n1", "n2", "m5", "o03", "o04", "o6"]``: a SLURM host list, in order, zero
-    padding kept (as ``scontrol show hostnames`` and TensorFlow's ``SlurmClusterResolver`` expand it)."""
+    """``"n[1-2],m5,o[03-04,6]"`` -> ``["n1", "n2", "m5", "o03", "o04", "o6"]``, as ``scontrol show hostnames``."""
     hosts: list[str] = []
     for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", hostlist):
         match = re.fullmatch(r"([^\[\]]*)(?:\[([^\]]+)\])?([^\[\]]*)", part)
@@ -224,8 +223,7 @@ def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> Ra
 
 @dataclass(frozen=True)
 class RankPlan:
-    """What one rank gets, as its framework's launcher would give it: its environment, its own ``devices`` (split on the
-    rank by ``ranks.hosts.prepare_rank``), then ``setup(*args)`` (``"module:function"``, run on the rank)."""
+    """What one rank gets, as its launcher gives it: environment, ``devices`` (split there), then ``setup(*args)``."""
 
     rank: int
     env: dict[str, str]

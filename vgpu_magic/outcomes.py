@@ -23,8 +23,7 @@ def remedy(label: str, line: str = "the split") -> str:
 
 
 def runtime_started_lines(label: str, culprit: str, runtime_word: str = "runtime") -> list[str]:
-    """The one wording of "the runtime already started" (``culprit``: :attr:`RuntimeState.culprit
-    <vgpu_magic.runtime.RuntimeState.culprit>`): what that means, and which cell did it."""
+    """The one wording of "the runtime already started" (``culprit``: the cell that did it) and what that means."""
     return [f"{label}'s {runtime_word} already started, so {NO_LONGER_CHANGE}.", f"started by: {culprit}"]
 
 
@@ -35,11 +34,9 @@ def as_sentence(line: str) -> str:
 
 @dataclass
 class SplitResult:
-    """What ``%vgpu_split`` / :func:`vgpu_magic.split` did. ``status`` is ``"applied"``, ``"unchanged"`` (already
-    configured exactly so), ``"planned"`` (dry run) or ``"blocked"`` (the runtime already started with a different
-    configuration; nothing changed, ``blocked_reason`` says why). ``devices`` and ``configuration`` are what the
-    framework has after the call (would have, for ``"planned"``); ``replaced`` names the split it replaced, e.g.
-    ``"3 logical CPUs"``; ``warnings`` what did not stop the call."""
+    """What ``%vgpu_split`` / :func:`vgpu_magic.split` did. ``status``: ``"applied"``, ``"unchanged"``, ``"planned"``
+    (dry run) or ``"blocked"`` (the runtime started with another configuration: ``blocked_reason``). ``devices``,
+    ``configuration``: what the framework has after the call; ``replaced``: the split replaced; ``warnings``."""
 
     status: str
     plan: SplitPlan
@@ -124,8 +121,7 @@ def summary_lines(result: SplitResult) -> tuple[list[str], list[str]]:
 
 
 def print_summary(result: SplitResult, quiet: bool = False) -> str:
-    """Print :func:`summary_lines` as the magic and the panel show them, and return it: what happened on stdout
-    (nothing when ``quiet``) after ``vgpu_magic:``, warnings on stderr after ``vgpu_magic warning:``."""
+    """Print :func:`summary_lines` (stdout after ``vgpu_magic:`` unless ``quiet``, warnings on stderr); return them."""
     said, warned = summary_lines(result)
     printed = []
     if said and not quiet:

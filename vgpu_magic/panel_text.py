@@ -93,8 +93,7 @@ def magic_line_html(line: str | None, refusal: str = "") -> str:
 
 
 def banner_html(label: str, culprit: str, with_remedy: bool, runtime_word: str = "runtime") -> str:
-    """The "runtime already started" banner in :func:`~vgpu_magic.outcomes.runtime_started_lines`' words, with what
-    to do unless the output right below already says it."""
+    """The "runtime already started" banner, with what to do unless the output right below says it."""
     what, started_by = runtime_started_lines(html.escape(label), code_spans(culprit), runtime_word)
     lines = [f"<b>{what}</b>", as_sentence(started_by)]
     if with_remedy:

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class SplitRequest:
-    """What the user asked for, before validation against the machine: ``%vgpu_split``'s options (see its help), with
-    ``target`` ``"auto"`` (the GPU if there is one), ``"gpu"`` or ``"cpu"``."""
+    """What the user asked for (``%vgpu_split``'s options); ``target``: ``"auto"``, ``"gpu"`` or ``"cpu"``."""
 
     #: ``None``: inferred (1, or the length of a memory list).
     count: int | None = None

@@ -281,8 +281,7 @@ def collect_framework(fw, watcher=None) -> FrameworkStatus:
 
 
 def collect_status(watcher=None, framework: str | None = None) -> StatusReport:
-    """Every imported framework's section (the named one only, when given; PyTorch's in a kernel that imported
-    only PyTorch; the selected one when none is imported). Never starts a runtime."""
+    """Every imported framework's section (``framework``'s, or the selected one if none); never starts a runtime."""
     from . import frameworks
 
     imported = frameworks.imported() or [fw for fw in frameworks.all_frameworks() if fw.imported()]

@@ -174,8 +174,7 @@ class RuntimeWatcher:
         self._current_line = first_line(self._current_source)
 
     def _running_count(self) -> int | None:
-        """The execution count of the cell running now: that of the result IPython is filling in
-        (``shell.execution_count`` is incremented before ``pre_run_cell`` in IPython 9, after in 8)."""
+        """The running cell's execution count, from IPython's result (``execution_count`` moves between versions)."""
         if self.shell is None or not self._current_stored:
             return None
         result = getattr(getattr(self.shell, "displayhook", None), "exec_result", None)

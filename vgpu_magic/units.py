@@ -99,8 +99,7 @@ def parse_seconds(
     option: str = "--interval",
     example: str = "0.05",
 ) -> float:
-    """Seconds in ``[minimum, maximum]`` written with ASCII digits (``0.05``) or, for an ``option`` of the Python API
-    (``"interval="``), a real number (not a bool, not text); else :class:`PlanError`."""
+    """Seconds in ``[minimum, maximum]`` in ASCII digits or, for an API ``option``, a real number; else PlanError."""
     if option.endswith("="):
         valid = isinstance(text, numbers.Real) and not isinstance(text, bool)
     else:

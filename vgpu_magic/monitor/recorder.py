@@ -185,8 +185,7 @@ class MemoryRecorder:
             self._view_call("sampled", self.trace, now)
 
     def _maybe_join(self) -> bool:
-        """Devices of a runtime that started since: into the trace, 0 B before; whether they joined. Only on the
-        training thread: asking a framework from another thread while this one imports it can deadlock the import."""
+        """Add the devices of a runtime started since (0 B before); whether they joined. Training thread only."""
         joinable = getattr(self._sampler, "joinable", None)
         if not (self.active and joinable is not None and joinable()):
             return False

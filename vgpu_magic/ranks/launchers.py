@@ -61,8 +61,7 @@ def plan_launcher(name: str, n: int, options: dict[str, Any] | None = None, clus
 
 
 class Launcher:
-    """One way ipyparallel starts the engines. ``options``: the ``launcher_options`` it takes, each with its flag's
-    argparse keywords (``None``: the Python API's only). A subclass registers itself in :data:`LAUNCHERS`."""
+    """One way ipyparallel starts engines; ``options``: each option's argparse keywords (``None``: Python API only)."""
 
     name: ClassVar[str]
     #: Where the engines run, for the start summary.

@@ -145,8 +145,7 @@ def watched_command(module: str) -> list[str]:
 
 
 def run_when_this_process_dies(command: str, token: str = "") -> subprocess.Popen:
-    """Start a watcher of this process, in a session of its own, that runs ``command`` when this process dies
-    without killing the watcher first; with ``token`` it carries ``CLUSTER_ENV``, so the cluster's stop ends it."""
+    """Start a watcher running ``command`` when this process dies; ``token``: the cluster's stop ends it."""
     env = {**os.environ, OWNER_ENV: owner_of_this_process(), **({CLUSTER_ENV: token} if token else {})}
     return subprocess.Popen(
         [sys.executable, "-m", __name__, "--then", command],

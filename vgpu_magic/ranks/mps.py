@@ -67,8 +67,7 @@ def quit_daemon(folder: str) -> None:
 
 
 def plan_mps(wanted: bool, asked: bool | None, remote: bool, cluster_id: str) -> tuple[MPSDaemon | None, str]:
-    """The daemon a cluster starts, if any, and the line its start shows: one where its plans want one (``wanted``),
-    MPS can run here and ``asked`` is not ``False``; :class:`ValueError` where ``asked`` (``--mps``) and it cannot."""
+    """The daemon a cluster starts where plans want one (``wanted``) and ``asked`` allows, and its start's line."""
     why = ""
     if not wanted:
         why = "it serves ranks that share a GPU over NCCL (--backend nccl), and these do not"

@@ -145,8 +145,7 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
 
 
 def names_to_send(code: str, namespace: dict[str, Any], on_ranks: set[str] = frozenset()) -> list[str]:
-    """The notebook names ``code`` reads before assigning them, that ``namespace`` holds, except those
-    ``on_ranks`` (assigned by earlier cells on the ranks: a DDP model), never overwritten from the notebook."""
+    """The notebook names ``code`` reads before assigning, held in ``namespace``, but those ``on_ranks``."""
     return [
         name
         for name in _visited(code).read

@@ -36,8 +36,7 @@ UNINTERRUPTED_LIMIT = 60.0
 
 
 def despite_interrupts(call: Any) -> Any:
-    """``call()`` run to its end even if the kernel is interrupted meanwhile (the KeyboardInterrupt comes after
-    it): a start abandoned half-way goes on launching on ipyparallel's thread, and what it launches is nobody's."""
+    """``call()`` run to its end despite an interrupt (raised after): a start abandoned half-way would launch on."""
     import concurrent.futures
 
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vgpu_magic-uninterrupted")
@@ -91,8 +90,7 @@ def check_memory_fits(n: int, fw: Any) -> bool:
 
 
 def check_port_free(port: int) -> None:
-    """:class:`ClusterStartError` naming ``port`` (and who holds it) if it cannot be bound here (else JAX's
-    coordinator only says "rank 0 died", and TensorFlow fails in the first ``MultiWorkerMirroredStrategy()``)."""
+    """:class:`ClusterStartError` naming ``port`` and its holder if it cannot be bound (JAX would say "rank 0 died")."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind(("", port))
@@ -200,8 +198,7 @@ def _connection_files(cluster: Any) -> list[str]:
 
 
 def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared: set[int] = frozenset()) -> list[Any]:
-    """End ``owned`` and their children, and every process carrying ``token`` (orphans too), but those ``spared``:
-    SIGTERM, then SIGKILL after :data:`STOP_GRACE` seconds; returns those that survived even that."""
+    """End ``owned``, their children and ``token``'s processes, but ``spared``: SIGTERM, then SIGKILL; the survivors."""
     import psutil
 
     procs: dict[int, Any] = {}
@@ -245,8 +242,7 @@ def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared:
 
 
 def _running_after(procs: list[Any], timeout: float) -> list[Any]:
-    """Those of ``procs`` still running after up to ``timeout`` seconds. A zombie has ended: a stop need not wait
-    for init to reap an orphan's (seconds, in some containers), as ``psutil.wait_procs`` does."""
+    """Those of ``procs`` running after ``timeout`` s; a zombie has ended (init may be slow to reap orphans)."""
     import psutil
 
     def running(proc: Any) -> bool:

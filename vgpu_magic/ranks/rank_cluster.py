@@ -48,15 +48,11 @@ def current() -> RankCluster | None:
 
 
 class RankCluster:
-    """``n`` ranks of ``framework`` on ipyparallel engines (docs/ranks.md): ``split`` TensorFlow's logical GPUs per
-    worker or JAX's CPU devices per process; ``memory`` the per-rank GPU cap in bytes; ``port`` the coordinator's
-    (default: one free on the host that binds it); ``gpus`` ``[(cuda_index, total_bytes), ...]`` every host is
-    planned with; ``launcher(_options)`` how the engines start (:mod:`.launchers`), in its rank order; ``join``:
-    each rank makes the script's own join call at start; ``verbose``: show the ranks' start-up lines (:mod:`.shown`);
-    ``spares``: a warm spare per rank for script runs, where memory allows; ``backend``: the collectives' (torch:
-    ``"nccl"`` lets ranks share a GPU over NCCL 2.30+, default gloo there); ``mps``: an MPS daemon of the cluster's own
-    for them (default: where MPS can run; ``True``: refused where it cannot). A request that cannot work is a
-    :class:`ValueError` before anything starts; it is kept as :attr:`spec`, where it stands as :attr:`state`."""
+    """``n`` ranks of ``framework`` on ipyparallel engines (docs/ranks.md): ``split`` devices per rank; ``memory`` each
+    rank's GPU cap in bytes; ``port`` the coordinator's (default: a free one); ``gpus`` ``[(cuda_index, total_bytes)]``
+    every host plans with; ``launcher(_options)`` how engines start; ``join``: the script's join call at start;
+    ``verbose``: start-up lines shown; ``spares``: a warm spare per rank; ``backend``: the collectives'; ``mps``: an MPS
+    daemon of its own (default: where MPS can run). A bad request is a :class:`ValueError` before anything starts."""
 
     def __init__(
         self,
@@ -243,8 +239,7 @@ class RankCluster:
         return [ar.get(timeout=ENGINE_TIMEOUT) for ar in pending]
 
     def _plan_ranks(self, layout: RankLayout, restart: tuple[int, int] = (0, 0)) -> list[RankPlan]:
-        """The framework's plans for ``layout``, with its log settings (:func:`~.shown.rank_env`); ``restart``: which
-        restart of how many at most, in the variables the framework's launcher counts them in (torchrun's)."""
+        """The framework's plans for ``layout`` with quiet logs; ``restart``: (which, of at most), as torchrun."""
         spec, quiet = self.spec, rank_env(self.fw, self.spec.verbose)
         memory_mib = None if spec.memory is None else spec.memory // MIB
         plans = self.fw.plan_ranks(layout, spec.split, memory_mib, spec.port, spec.backend)
@@ -322,8 +317,7 @@ class RankCluster:
         output: bool = False,
         plot: bool = False,
     ) -> list[Any] | None:
-        """Run ``code`` on every rank under the fault policy (:mod:`.run`), the names it reads from ``namespace``
-        sent by value first (not rank state); with ``output``, each rank's last value in rank order."""
+        """Run ``code`` on every rank (fault policy: :mod:`.run`), names read sent first; ``output``: last values."""
         self._require_running()
         compile(code, "<cell>", "exec")
         self._say_simulated()

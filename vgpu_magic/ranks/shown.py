@@ -33,8 +33,7 @@ PEER_GONE = re.compile(r"DistBackendError|Connection (closed|reset) by peer|remo
 
 
 def rank_env(fw, verbose: bool = False, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The log settings a rank of ``fw`` gets: the framework's quiet values (defaults with ``verbose``) where
-    the kernel's ``environ`` has none the user set (a value the extension set there is not the user's)."""
+    """A rank's log settings: ``fw``'s quiet values (``verbose``: defaults) where the user set none in ``environ``."""
     from .. import _quieted
 
     ours = _quieted()

@@ -78,8 +78,7 @@ class ExitRecordingProcess(psutil.Process):
 
 
 class ExitRecordingEngineLauncher(LocalEngineLauncher):
-    """ipyparallel's local engine launcher; ``process.exit_code`` is the engine's exit status once reaped (ipyparallel
-    hands it to an event loop that may never run it while a cell watches the ranks)."""
+    """ipyparallel's local engine launcher; ``process.exit_code``: the engine's exit status once reaped."""
 
     # ipyparallel's ``_start_waiting`` thread reaps the engine by ``process.wait``; upstream would keep its status.
     def _start_waiting(self) -> None:
@@ -96,8 +95,7 @@ class ExitRecordingEngineSetLauncher(LocalEngineSetLauncher):
 
 
 class ReasonedSlurmEngineSetLauncher(SlurmEngineSetLauncher):
-    """ipyparallel's SLURM launcher, keeping what ``sbatch``/``scancel`` say on stderr (ipyparallel lets it
-    go to the kernel's terminal), so that a failing submit says why (:meth:`~.launchers.Launcher.start_failure`)."""
+    """ipyparallel's SLURM launcher, keeping ``sbatch``/``scancel``'s stderr so that a failing submit says why."""
 
     entrypoint_name = f"{__name__}.ReasonedSlurmEngineSetLauncher"
     # ipyparallel's own template (its traits add --ntasks, --output, --partition, --account, --qos, --time) with two

@@ -57,8 +57,7 @@ GLOO_CONNECTED = r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected n
 
 
 def backend_started() -> bool:
-    """Has JAX's backend started (so devices are fixed)? Never imports JAX: asks ``xla_bridge``, or in JAX versions
-    without ``backends_are_initialized()``, reads the backend cache it reads."""
+    """Has JAX's backend started (devices fixed)? Asks ``xla_bridge`` (older JAX: its backend cache); imports no JAX."""
     bridge = sys.modules.get("jax._src.xla_bridge")
     if bridge is None:
         return False
@@ -93,8 +92,7 @@ def _platforms_allow_gpu() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def gpu_backend_installed() -> bool:
-    """Is a GPU backend installed for JAX (a CUDA/ROCm plugin in the ``jax_plugins`` namespace package, or a jaxlib
-    built with CUDA)? Read from the installed files, once per process: imports and starts nothing."""
+    """Is a GPU backend installed for JAX (a ``jax_plugins`` CUDA/ROCm plugin, or a CUDA jaxlib)? Imports nothing."""
     import pkgutil
 
     try:
@@ -140,8 +138,7 @@ class Jax(Framework):
         self._counters: dict[str, LiveArrayBytes] = {}
 
     def imported(self) -> bool:
-        """Is JAX in use here? TensorFlow imports JAX itself where it is installed, so next to TensorFlow JAX counts
-        only once its backend started or the user's namespace holds something of JAX's."""
+        """Is JAX in use? TensorFlow imports it too: next to it, once its backend started or the user holds JAX's."""
         if "jax" not in sys.modules:
             return False
         return "tensorflow" not in sys.modules or backend_started() or _user_namespace_uses_jax()

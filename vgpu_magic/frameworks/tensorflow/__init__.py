@@ -112,8 +112,7 @@ class TensorFlow(Framework):
     )
 
     def importing(self) -> contextlib.AbstractContextManager:
-        """Without the INFO lines TensorFlow writes while it is imported, which no level silences, unless the user asked
-        for them (an unset level is TensorFlow's default, 0, but nobody chose it)."""
+        """Without the INFO lines TensorFlow writes while imported, unless the user asked for them (an explicit 0)."""
         level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "").strip()
         hidden = not level or (level.isdigit() and int(level) >= 1)
         return _without_cpp_info_lines() if hidden else contextlib.nullcontext()
@@ -252,8 +251,7 @@ class TensorFlow(Framework):
         return out
 
     def strategy(self, devices: list[str] | None = None) -> Any:
-        """A ``MirroredStrategy`` over the split's logical devices; starts the runtime. Logical GPUs of one card cannot
-        use NCCL, so reductions go through one device (TensorFlow's own fallback, minus its warning)."""
+        """A ``MirroredStrategy`` over the split's logical devices (starts the runtime), reducing through one device."""
         tf = self.load()
         snap = self.read_configuration()
         devices = snap.replica_devices() if devices is None else devices

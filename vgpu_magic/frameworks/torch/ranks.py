@@ -127,8 +127,7 @@ def setup_rank(backend: str, gpu: int | None = None, cap_mib: int | None = None,
 
 
 def say_the_cap(note: str) -> None:
-    """Add ``note`` to a CUDA out-of-memory error that ends a script (``sys.excepthook``) or a cell (IPython's
-    custom exception handler) on this rank: torch's message counts the card's free memory, not the cap."""
+    """Add ``note`` to a CUDA out-of-memory error ending a script or cell: torch's counts the card, not the cap."""
     import torch
 
     def noted(error: BaseException) -> None:
