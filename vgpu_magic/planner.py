@@ -43,8 +43,7 @@ def _check_start_rules(plan: SplitPlan, inventory: DeviceInventory) -> None:
         for i, name in enumerate(after.gpu_names):
             grows = i < len(after.memory_growth) and after.memory_growth[i]
             if grows and i in after.visible_gpus and name not in after.logical and after.logical:
-                # TensorFlow turns growth off once any device has logical devices (context._compute_device_options),
-                # and a visible GPU with none configured is then preallocated whole.
+                # TensorFlow drops growth once any device is split: an unsplit visible GPU is preallocated whole.
                 raise PlanError(
                     f"memory growth is on for GPU {i}, and {label} drops it once any device is split (here the "
                     f"CPU), preallocating GPU {i} whole; keep the GPUs hidden (drop --visible), or restart the "
@@ -101,7 +100,6 @@ def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
         raise PlanError("--cpu and --gpu contradict each other; give one of them")
     gpu_index = 0 if request.gpu is None else request.gpu
     target = "gpu" if request.gpu is not None and request.target == "auto" else request.target
-    # The sizes asked for: one for every device, or one per device.
     memory = request.memory
     sizes = (memory,) if isinstance(memory, int) else None if memory is None else tuple(memory)
     if sizes == ():

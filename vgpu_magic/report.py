@@ -274,7 +274,6 @@ def collect_framework(fw, watcher=None) -> FrameworkStatus:
         for name, cap in zip(devices, caps):
             r = readings.get(name, {})
             logical.append(LogicalDeviceStatus(name, physical, cap, r.get("current"), r.get("peak")))
-    # A framework that cannot split a process uses one device in it.
     words = fw.capabilities
     replicas = len(snap.replica_devices(words.replicas_on_split_cpu)) if words.splits_in_process else 1
     return FrameworkStatus(inventory, runtime, logical, replicas, snap.visible_gpus, host, list(inventory.notes))

@@ -148,8 +148,7 @@ class MemoryFigure:
                 + [0.0]
             )
             ax.set_xlim(0, xmax)
-            # A process's memory starts far from 0 (the interpreter, its imports): from 0, growth looks flat.
-            # Its lowest reading of a process still there is the floor (a rank that ended reads 0, below it).
+            # RSS starts far from 0: the floor is a live process' lowest reading (from 0, growth looks flat).
             low = min([float(v[v > 0].min()) for v in (values[i] for i in members) if (v > 0).any()] or [0.0])
             span = max(top - low, 0.05 * top) if panel == "process" else top
             low = max(0.0, low - 0.15 * span) if panel == "process" else 0.0

@@ -274,7 +274,6 @@ class SSHLauncher(Launcher):
                 raise ValueError(
                     f"{len(names)} hosts for {n} rank{'s' if n > 1 else ''}; give at most {n} or start more ranks"
                 )
-            # As many engines on each host as evenly possible, the first hosts taking one more.
             counts = {h: n // len(names) + (1 if i < n % len(names) else 0) for i, h in enumerate(names)}
         ssh_args = _strings("ssh_args", options.get("ssh_args", []))
         python = str(options.get("python") or sys.executable)

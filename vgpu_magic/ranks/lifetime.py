@@ -129,8 +129,7 @@ def watch_owner(owner: str | None = None, then: str | None = None, beside: bool 
         _watch_from_beside(pid, created)
     else:
         threading.Thread(target=watch, name=f"vgpu_magic-owner-watch({pid})", daemon=True).start()
-    # A child this process forks watches the owner for itself (it runs no ``then``: that is this process's). Set only
-    # after the watcher's fork: a watcher that watched too would end itself before the watched process.
+    # A forked child watches the owner itself (without ``then``); set after the watcher's fork, which must not watch.
     _watching["owner"] = owner
     return True
 

@@ -231,7 +231,6 @@ class ClusterMagics(Magics):
         running = rank_cluster.current()
         if running is None:
             raise UsageError("no cluster running; start one with %vgpu_cluster start 2 --framework torch")
-        # A Jupyter kernel can show the live plot; a terminal cannot.
         kernel = getattr(self.shell, "kernel", None)
         plot = not args.no_plot and kernel is not None and importlib.util.find_spec("matplotlib") is not None
         if cell is None:
@@ -243,8 +242,7 @@ class ClusterMagics(Magics):
                 restarts = {"max_restarts": args.max_restarts, "fail": args.fail, "preempt": args.preempt}
                 running.run_script(path, list(args.script_args), args.timeout, plot, args.module, **restarts)
                 return
-            # The %%vgpu_run line in front, as a comment (IPython drops leading blank lines): a rank's traceback
-            # then gives the notebook cell's line numbers.
+            # The %%vgpu_run line in front as a comment, so a rank's traceback gives the cell's line numbers.
             values = running.run(
                 f"# %%vgpu_run {line}\n{cell}",
                 namespace=self.shell.user_ns,

@@ -208,8 +208,7 @@ def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared:
             procs.update((child.pid, child) for child in procs[pid].children(recursive=True))
     ended: set[int] = set(spared)
     alive: list[Any] = []
-    # Twice where a token marks them: a process forked while the first round ended its parent (a controller
-    # still starting its schedulers when a start fails) was not there to be found, and would live on under init.
+    # Twice where a token marks them: a process forked while the first round ended its parent was not found.
     for _ in range(2 if token else 1):
         if token:
             procs.update((proc.pid, proc) for proc in lifetime.processes_of(token, started_at))
@@ -223,9 +222,8 @@ def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
         alive += _running_after(late, 5.0)
-    # Reaped here where nothing else waits for them (the clean-up watchers; the controller, whose launcher's reaping
-    # waits on an event loop a kernel may never run): else each stays a zombie child of the kernel until it exits.
-    # A PID that is not this process's child is none of its business; one just ended may take a moment to be waitable.
+    # Reaped here where nothing else waits for them (watchers; the controller, whose reaping needs an event loop),
+    # else each stays a zombie; a PID not our child is none of ours; one just ended may take a moment to be waitable.
     pending = {*owned, *procs} - set(spared) - {proc.pid for proc in alive}
     deadline = time.monotonic() + 2.0
     while pending:

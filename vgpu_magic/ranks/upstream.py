@@ -51,8 +51,7 @@ class RanksCluster(Cluster):
             json.dump(self.to_dict(), new)
         os.replace(f"{self.cluster_file}.new", self.cluster_file)
 
-    # ipyparallel calls these (``on_stop``) as its controller, and each engine set, stop; ``_is_running`` and
-    # ``ClusterManager._cluster_key`` say whether any part still runs and under which key the manager holds it.
+    # ipyparallel calls ``on_stop`` callbacks; ``_is_running`` and ``ClusterManager._cluster_key`` are its own.
     def _controller_stopped(self, stop_data: Any = None) -> None:
         super()._controller_stopped(stop_data)
         self._leave_manager()
@@ -98,9 +97,8 @@ class ReasonedSlurmEngineSetLauncher(SlurmEngineSetLauncher):
     """ipyparallel's SLURM launcher, keeping ``sbatch``/``scancel``'s stderr so that a failing submit says why."""
 
     entrypoint_name = f"{__name__}.ReasonedSlurmEngineSetLauncher"
-    # ipyparallel's own template (its traits add --ntasks, --output, --partition, --account, --qos, --time) with two
-    # things it has no trait for, through its ``namespace``: more #SBATCH lines (upstream would need its template to
-    # write ``SlurmLauncher.options``, which it never does) and srun's own arguments (upstream would need a trait).
+    # ipyparallel's own template with, through its ``namespace``, what it has no trait for: more #SBATCH lines (its
+    # template never writes ``SlurmLauncher.options``) and srun's own arguments.
     default_template = Unicode(
         "#!/bin/sh\n#SBATCH --export=ALL\n#SBATCH --job-name=ipengine-{cluster_id}\n"
         "{sbatch}srun {srun}{program_and_args}\n"

@@ -98,8 +98,7 @@ class TensorFlow(Framework):
     capabilities = CAPABILITIES
     module = "tensorflow"
     keras_backend = "tensorflow"
-    # Level 2: C++ INFO and WARNING lines (the runtime's start, a Keras dataset "will not be optimized", gRPC and
-    # the coordination service on every worker); errors stay.
+    # Level 2: no C++ INFO and WARNING lines (runtime start, Keras datasets, gRPC on every worker); errors stay.
     log_settings = {"TF_CPP_MIN_LOG_LEVEL": ("2", "0")}  # noqa: RUF012 - read, never written
     chatter = (
         # Written while TensorFlow is imported, before it reads its level.
