@@ -76,8 +76,7 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
 
     def visit_If(self, node: ast.If) -> None:
         self.visit(node.test)
-        both = self._branch(node.body) & self._branch(node.orelse)
-        self.written |= both
+        self.written |= self._branch(node.body) & self._branch(node.orelse)
 
     def visit_While(self, node: ast.While) -> None:
         self.visit(node.test)
