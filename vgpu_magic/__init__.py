@@ -62,8 +62,7 @@ def _quieted() -> dict[str, str]:
 
 
 def load_ipython_extension(ipython) -> None:
-    """Register the magics and the runtime watcher; apply a persistent split. Everything that can fail is built
-    before anything is registered, so a failed load leaves no hooks behind."""
+    """Register the magics and the runtime watcher; apply a persistent split. A failed load registers nothing."""
     import importlib
 
     from . import frameworks

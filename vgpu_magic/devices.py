@@ -118,15 +118,13 @@ def split_simulates(caps: Capabilities, kind: str, count: int) -> tuple[str, ...
 
 
 def simulated_line(facts: tuple[str, ...] | list[str]) -> str:
-    """The one line every rehearsing output shows (``"simulated: ..."``), or ``""`` where nothing is simulated:
-    ``facts`` come from the engine (a plan, the ranks' layout, an estimate), never from a face."""
+    """The one ``"simulated: ..."`` line of every rehearsing output, or ``""``; ``facts`` come from the engine."""
     return "simulated: " + "; ".join(facts) if facts else ""
 
 
 @dataclass(frozen=True)
 class ConfigSnapshot:
-    """A framework's device configuration as plain data. ``logical``: physical device name -> its logical devices'
-    caps in MiB (``None``: uncapped); ``visible_gpus``: indices into ``gpu_names``; ``memory_growth``: one per GPU."""
+    """A framework's device configuration: ``logical`` caps (MiB, ``None``: uncapped), visible GPUs, growth flags."""
 
     cpu_names: tuple[str, ...]
     gpu_names: tuple[str, ...]

@@ -211,8 +211,7 @@ def _refused(parser: argparse.ArgumentParser, err: argparse.ArgumentError, magic
 
 
 def _parsed(parser: argparse.ArgumentParser, words: list[str], magic: str) -> tuple[argparse.Namespace, list[str]]:
-    """``parser.parse_known_args(words)``, each refusal one PlanError line. A value starting with a dash, which
-    argparse takes for an option, is read again as ``--gpu=-1GB``, so that its own type says what is wrong."""
+    """``parser.parse_known_args(words)``, each refusal one PlanError line (``--gpu -1GB`` read as ``--gpu=-1GB``)."""
     try:
         return parser.parse_known_args(words)
     except argparse.ArgumentError as err:
@@ -239,8 +238,7 @@ def usage_errors(*errors: type[Exception]) -> Iterator[None]:
 def parse_arguments(
     parser: argparse.ArgumentParser, line: str, *, example: str, options_hint: str | None = None
 ) -> argparse.Namespace:
-    """Read ``line`` with ``magic_func.parser`` as ``parse_argstring`` does, each refusal one :class:`PlanError` line;
-    ``example``: a line that works, shown for leftover words; ``options_hint`` follows an unknown option."""
+    """Read ``line`` with ``magic_func.parser``, each refusal one :class:`PlanError` line showing ``example``."""
     magic = f"%{parser.prog}"
     try:
         words = shlex.split(line)
@@ -262,8 +260,7 @@ def parse_arguments(
 
 
 def parse_split_line(line: str, parser: Any = None) -> tuple[SplitRequest, argparse.Namespace]:
-    """A ``%vgpu_split`` argument line (``"2 --memory 2048"``) as a :class:`SplitRequest`, and the namespace of the
-    face-only flags (``--dry-run``, ``--return``, ``--quiet``); ``parser``: the magic's own (default: built alike)."""
+    """A ``%vgpu_split`` line as a :class:`SplitRequest`, and the namespace of the face-only flags (``--quiet``...)."""
     args = parse_arguments(parser or _split_grammar.parser, line, example="%vgpu_split 4 --memory 2048")
     memory = args.memory[0] if args.memory is not None and len(args.memory) == 1 else args.memory
     request = SplitRequest(

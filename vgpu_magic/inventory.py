@@ -32,8 +32,7 @@ def _text(value: Any) -> str:
 
 
 def nvml_gpus() -> list[dict[str, Any]]:
-    """Every GPU NVML can see, in PCI order, as dicts of :class:`GPUInfo`'s fields but ``index``; a MIG GPU is its MIG
-    devices (their own memory and ``MIG-…`` UUID); :class:`NVMLReadError` when NVML fails part-way."""
+    """Every GPU NVML sees, in PCI order, as ``GPUInfo`` fields but ``index`` (a MIG GPU: its MIG devices)."""
     nvml = open_nvml()
     if nvml is None:
         return []
@@ -111,8 +110,7 @@ def nvml_pids_with_context() -> dict[int, set[int]]:
 
 
 def cuda_to_nvml_order(n_gpus: int, nvml: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
-    """The NVML device of a framework's GPU i (CUDA's numbering): ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs; set and
-    empty: none) says which; without it the orders agree as a rule (``CUDA_DEVICE_ORDER=PCI_BUS_ID``: always)."""
+    """The NVML device of each CUDA GPU index, as ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs) says, else in order."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         order = nvml
@@ -150,8 +148,7 @@ def visible_gpus() -> tuple[GPUInfo, ...]:
 
 @functools.lru_cache(maxsize=16)
 def cuda_total_bytes(index: int) -> int | None:
-    """CUDA's total memory of device ``index`` (``cuDeviceTotalMem``, what torch's and XLA's memory fractions multiply;
-    480 MiB below NVML's on an H100), read from the driver without a context; ``None`` without a driver."""
+    """CUDA's total memory of device ``index`` (what memory fractions multiply), without a context; ``None``: none."""
     import ctypes
 
     try:

@@ -16,8 +16,7 @@ from .plans import SplitRequest
 
 @dataclass(frozen=True)
 class HostReport:
-    """What one engine says about where it runs: ``gpus`` it sees, in CUDA's numbering (``index``) with NVML's details;
-    ``port`` a free TCP port here; ``launcher`` the launcher's variables set (``ranks.hosts.LAUNCHER_VARIABLES``)."""
+    """What one engine says about where it runs: its GPUs (CUDA's numbering), a free port, the launcher's variables."""
 
     engine_id: int
     hostname: str
@@ -114,8 +113,7 @@ class RankLayout:
         return any(p.gpu_shared_by > 1 for p in self.places)
 
     def sharing(self, noun: str = "ranks") -> str:
-        """What several ranks (``noun``: the framework's word) share that a real run gives each its own (``"the 2 ranks
-        share one GPU"``), or ``""``: a fact for :func:`~vgpu_magic.devices.simulated_line`."""
+        """What several ranks (``noun``) share that a real run gives each its own (``"the 2 ranks share one GPU"``)."""
         groups = Counter((p.hostname, None if p.gpu is None else p.gpu.index) for p in self.places)
         shared = [(gpu, n) for (_, gpu), n in groups.items() if n > 1]
         if not shared:

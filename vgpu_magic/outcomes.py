@@ -92,8 +92,7 @@ def _plural(n: int, word: str) -> str:
 
 
 def summary_lines(result: SplitResult) -> tuple[list[str], list[str]]:
-    """The one rendering of ``result`` for people: the lines that say what happened, and the warnings (details
-    indented); the magic and the panel print them (:func:`print_summary`), the API warns them as one warning."""
+    """The one rendering of ``result`` for people: what happened, and the warnings (details indented)."""
     plan, caps, label = result.plan, result.capabilities, result.capabilities.label
     said: list[str] = []
     warned: list[str] = []

@@ -262,8 +262,7 @@ class _FrameworkImports(importlib.abc.MetaPathFinder):
 
 
 def _resolvable(entry: Any, importing: str) -> bool:
-    """Can a registry entry (``"module:attr"``) be resolved while ``importing`` is found? Not when its module is
-    the one being imported (it would run twice) or is still running (its attribute is not there yet)."""
+    """Can a ``"module:attr"`` entry resolve while ``importing`` is found (not its module, nor one still running)?"""
     module = str(entry).partition(":")[0] if isinstance(entry, str) else ""
     running = getattr(getattr(sys.modules.get(module), "__spec__", None), "_initializing", False)
     return not (module.split(".")[0] == importing or running)

@@ -46,8 +46,7 @@ _MIB_SLIDER = {**_SLIDER, "min": MIN_MEMORY_MIB, "readout_format": "d"}
 
 
 class SplitPanel:
-    """Widgets that build a :class:`~vgpu_magic.planner.SplitRequest` and apply it; ``root`` is the box displayed,
-    ``configuration`` reads what the framework has once its runtime started."""
+    """Widgets that build a ``SplitRequest`` and apply it; ``root``: the box shown; ``configuration``: the live one."""
 
     def __init__(
         self,

@@ -16,8 +16,7 @@ def checked_places(
     backend: str | None = None,
     capabilities: Capabilities | None = None,
 ) -> tuple[tuple[RankPlace, ...], bool]:
-    """``layout``'s places and whether each has a GPU, or :class:`ValueError`: ``refused[on_gpu]`` (``{split}``,
-    ``{n}`` filled in) where it cannot split, a ``backend`` its ranks do not take, NCCL without a GPU, a bad request."""
+    """``layout``'s places and whether each has a GPU; :class:`ValueError` (``refused[on_gpu]``) where they cannot."""
     places = layout.places
     on_gpu = all(p.gpu for p in places)
     if split is not None and on_gpu in refused:

@@ -65,8 +65,7 @@ class DisplaySurface:
 
 @contextlib.contextmanager
 def interrupts_deferred() -> Iterator[list[int]]:
-    """Hold back ``SIGINT`` in the main thread for the duration, recording what arrived: a final image drawn when a
-    cell ended has nothing left to stop, and would be lost with a traceback from an event hook. Elsewhere: nothing."""
+    """Hold back ``SIGINT`` in the main thread, recording it: a final image must not die in an event hook."""
     arrived: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield arrived

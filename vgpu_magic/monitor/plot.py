@@ -65,8 +65,7 @@ def _style(ax: Any) -> None:
 
 
 class MemoryFigure:
-    """The static figure of one trace: ``axes`` per panel, ``groups`` the series drawn as one line, ``lines`` and
-    ``peak_lines`` each group's, ``legend``, ``title``, ``vax`` the variables panel (``None`` without variables)."""
+    """The static figure of one trace: ``axes`` per panel, the series ``groups``, their lines, ``legend``, ``vax``."""
 
     def __init__(self, trace: MemoryTrace, dpi: int = DPI) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg

@@ -46,8 +46,7 @@ def print_report(message: str) -> None:
 
 
 class MemoryRecorder:
-    """Records one run at a time (:meth:`start`: the next); ``sampler_factory()`` gives a ``DeviceSampler``, asked
-    again once it is ``joinable()``; ``variables(sampler)``: bytes per device or ``None``; ``report``: for problems."""
+    """Records one run at a time from ``sampler_factory()``'s sampler (asked again once it is ``joinable()``)."""
 
     def __init__(
         self,

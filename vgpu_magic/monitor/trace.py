@@ -269,8 +269,7 @@ class MemoryTrace:
 
 
 def _compacted(cols: _Columns, recent: int) -> _Columns:
-    """New columns (the old untouched) where the oldest ``recent`` rows joined the envelope, whose adjacent buckets
-    (spans of rows) merge while it has more than ``recent`` rows; a merged span's extremes are its parts'."""
+    """New columns where the oldest ``recent`` rows joined the envelope, its buckets merged to at most ``recent``."""
     bucket = max(cols.bucket, 4)  # 4 samples -> 2 rows: the first halving
     aged = cols.envelope + recent
     spans = [(k, k + 2) for k in range(0, cols.envelope, 2)]

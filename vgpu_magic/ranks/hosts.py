@@ -26,8 +26,7 @@ LAUNCHER_VARIABLES = (
 
 
 def route_address(toward: str) -> str:
-    """This host's address on the route to ``toward`` (``user@`` stripped), where hosts there reach it; loopback when
-    ``toward`` is. A UDP ``connect`` sends no packet. :class:`ValueError` in one line when the name does not resolve."""
+    """This host's address on the route to ``toward`` (a UDP ``connect``: no packet); one-line ``ValueError``."""
     name = toward.rpartition("@")[2]
     if name in ("", "*", "0.0.0.0", "localhost") or name.startswith("127."):
         return "127.0.0.1"

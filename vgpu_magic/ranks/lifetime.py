@@ -109,8 +109,7 @@ def _watch_from_beside(pid: int, created: float) -> None:
 
 
 def watch_owner(owner: str | None = None, then: str | None = None, beside: bool = False) -> bool:
-    """When ``owner`` (default: :data:`OWNER_ENV`) exits, run ``then``, then SIGKILL this process and descendants,
-    watched by a daemon thread (``pidfd_open``) or with ``beside`` a process (before any thread); whether it runs."""
+    """When ``owner`` exits, run ``then`` and SIGKILL this process and descendants; whether a watch runs."""
     owner = owner or os.environ.get(OWNER_ENV)
     if not owner:
         return False

@@ -21,8 +21,7 @@ REPORT_EVERY = 0.2
 
 
 def report_allocator(path: str) -> None:
-    """On a rank: a thread writing the allocators' ``"current peak"`` GPU bytes to ``path`` every
-    :data:`REPORT_EVERY` s, until its folder is removed."""
+    """On a rank: a thread writing ``"current peak"`` GPU bytes to ``path`` until its folder is removed."""
     import threading
 
     from ..frameworks import cuda_context_holders
@@ -43,8 +42,7 @@ def report_allocator(path: str) -> None:
 
 
 class RankMemorySampler:
-    """RSS and GPU memory of the ranks on this host (``pids[rank]``: ``None`` elsewhere), with ``launched`` of their
-    processes until ``ended`` (then the engine's child is a spare). Peaks: the highest seen (or the allocator's)."""
+    """RSS and GPU memory of the ranks on this host (with ``launched``, of their launched processes)."""
 
     def __init__(
         self, pids: list[int | None], gpu: bool, launched: bool = False, engine: Callable[[int], Any] | None = None

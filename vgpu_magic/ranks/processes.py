@@ -68,8 +68,7 @@ def rank_footprint(module: str) -> int:
 
 
 def check_memory_fits(n: int, fw: Any) -> bool:
-    """Do ``n`` ranks fit in the host's memory with a warm spare each (:mod:`.launch`)? ``False`` where only the ranks
-    fit; :class:`ClusterStartError` where not even they do. One rank is measured only where the bound leaves doubt."""
+    """Do ``n`` ranks fit in memory with a warm spare each? ``False``: only without; else :class:`ClusterStartError`."""
     import psutil
 
     from ..units import format_bytes
@@ -144,8 +143,7 @@ def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> 
 
 
 def keep_logs(cluster: Any, launchers: Any = ()) -> str:
-    """``"; the processes' log: PATH"``: what ``cluster``'s processes logged (which its stop removes), kept in one file,
-    or ``""``. A process of ``launchers`` that ended had its log removed by ipyparallel, which read it first."""
+    """``"; the processes' log: PATH"``: the processes' logs (which the stop removes) kept in one file, or ``""``."""
     import glob
     import tempfile
 
@@ -262,8 +260,7 @@ def signal_engine(client: Any, engine_id: int, signum: int) -> None:
 
 
 def unlist(cluster: Any) -> None:
-    """Remove ``cluster``'s file and write it no more, before its processes end (a panel would list a dead cluster for
-    good): ipyparallel's removal misses processes that ended before, and its late callbacks write it again."""
+    """Remove ``cluster``'s file for good before its processes end (else a panel lists a dead cluster)."""
     cluster.remove_cluster_file()
     cluster.cluster_file = ""
 

@@ -155,8 +155,7 @@ def how_it_ended(code: int) -> str:
 
 
 def show_display(rank: int, content: dict[str, Any], out: TextIO) -> None:
-    """What rank ``rank`` displayed (``display_data``): in a notebook a ``[rank r]`` line then the output itself, in a
-    terminal its text, labelled. ipyparallel relays a rank's widget messages, so a ``tqdm.auto`` bar is live."""
+    """What ``rank`` displayed: in a notebook a ``[rank r]`` line and the output itself, in a terminal its text."""
     from IPython import get_ipython
 
     data = content.get("data") or {}

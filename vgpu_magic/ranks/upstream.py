@@ -114,8 +114,7 @@ class ReasonedSlurmEngineSetLauncher(SlurmEngineSetLauncher):
 
 
 def message_futures(ar: Any) -> list[Any]:
-    """The futures of ``ar``'s requests, one per message (``AsyncResult._children``, else none): each one's ``output``
-    resolves when its engine goes idle after it (the only sign of a request whose reply an interrupt lost)."""
+    """The futures of ``ar``'s requests (``AsyncResult._children``); ``output`` resolves when its engine idles."""
     return list(getattr(ar, "_children", None) or ())
 
 
@@ -134,13 +133,11 @@ def watch_requests(client: Any, watch: Callable[[str, Any], Callable[[dict], Non
 
 
 def set_handler_hooks(kernel: Any, pre: Callable[[], None], post: Callable[[], None]) -> None:
-    """Make ipykernel's ``kernel`` call ``pre`` and ``post`` around each request instead of its ``pre_handler_hook``
-    (SIGINT to ``default_int_handler``) and ``post_handler_hook``: ``Kernel.dispatch_shell`` calls both, no argument."""
+    """Make ipykernel's ``kernel`` call ``pre`` and ``post`` around each request (``Kernel.dispatch_shell``)."""
     kernel.pre_handler_hook = pre
     kernel.post_handler_hook = post
 
 
 def no_abort_after_an_error(kernel: Any) -> None:
-    """Keep ``kernel`` from aborting requests queued behind a failed cell: ``execute_request`` calls ``_abort_queues``
-    after an error (``stop_on_error``, true in ipyparallel's requests); upstream would need a way to clear it."""
+    """Keep ``kernel`` from aborting requests queued behind a failed cell (``_abort_queues``, ``stop_on_error``)."""
     kernel._abort_queues = lambda *args, **kwargs: None

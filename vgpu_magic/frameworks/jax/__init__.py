@@ -250,8 +250,7 @@ class Jax(Framework):
         return _set_env("XLA_FLAGS", xla_flags_with_count(os.environ.get("XLA_FLAGS", ""), count) or None)
 
     def _fraction(self, caps: dict[str, int | None]) -> str | None:
-        """JAX's memory fraction for caps in MiB: one for the process, of the capped GPU's total as CUDA counts it (what
-        XLA multiplies by; NVML's, larger, where the driver cannot be asked: the cap lands a little low)."""
+        """JAX's fraction for caps in MiB: of the GPU's total as CUDA counts it (else NVML's: the cap lands low)."""
         if not caps:
             return None
         gpus = {g.name: g for g in self._gpus()[0]}

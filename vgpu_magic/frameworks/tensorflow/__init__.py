@@ -224,8 +224,7 @@ class TensorFlow(Framework):
         return sum(r["current"] for r in readings), sum(r["peak"] for r in readings)
 
     def memory_reader(self) -> Reader:
-        """Through the C function under ``tf.config.experimental.get_memory_info``, bound once: each call level
-        in between costs as much as the read (``benchmarks/monitor_overhead.py``); the handle stays valid."""
+        """Through the C function under ``get_memory_info``, bound once: each Python level costs as much as the read."""
         from tensorflow.python import pywrap_tfe
         from tensorflow.python.eager import context
 

@@ -63,8 +63,7 @@ def plan_ranks(
 
 
 def _workers(layout: RankLayout, port: int | None) -> list[str]:
-    """Every worker's ``host:port``, in rank order: under SLURM what ``SlurmClusterResolver(port_base=port or 8888)``
-    computes; else each rank's address and the port its engine chose there (``port`` for the first worker, if given)."""
+    """Every worker's ``host:port`` in rank order: under SLURM ``SlurmClusterResolver``'s; else each engine's port."""
     if layout.slurm is not None:
         return [
             f"{host}:{(port or SLURM_PORT_BASE) + offset}"
