@@ -55,9 +55,8 @@ def check_rank_request(split: int | None, memory: int | None, gpus: list[GPUInfo
 def rank_share_mib(
     gpu: GPUInfo, shared_by: int, memory: int | None, capabilities: Capabilities, nccl_mib: int = 0
 ) -> int:
-    """Each rank's cap in MiB on ``gpu``, which ``shared_by`` ranks use: ``memory`` (``--memory``), or an even share of
-    what is left (free memory, else the total) once each rank's CUDA context (``cuda_context_mib``) or framework reserve
-    the larger, and ``nccl_mib`` of NCCL's buffers came out. What cannot fit is refused with figures."""
+    """Each rank's cap in MiB on ``gpu`` shared by ``shared_by`` ranks: ``memory``, or an even share of what is left
+    once each rank's CUDA context or framework reserve and ``nccl_mib`` came out; what cannot fit is refused."""
     base = gpu.free_mib if gpu.free_mib is not None else gpu.total_mib
     if base is None:
         if memory is None:

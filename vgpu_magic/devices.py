@@ -14,16 +14,14 @@ CUDA_CONTEXT_MIB = 1024
 
 
 def cuda_context_mib(gpu: GPUInfo) -> int:
-    """What one process takes on ``gpu`` outside its framework's allocator and cap: its CUDA context, growing with the
-    SMs (621 MiB on an H100), and the libraries' workspace: 256 MiB and 5 MiB per SM (916 MiB on an H100, above the
-    880 measured); :data:`CUDA_CONTEXT_MIB` where NVML gave no count."""
+    """What one process takes on ``gpu`` outside its framework's allocator and cap: CUDA context and workspaces,
+    256 MiB and 5 MiB per SM (916 MiB on an H100, 880 measured); :data:`CUDA_CONTEXT_MIB` where NVML gave no count."""
     return CUDA_CONTEXT_MIB if gpu.sm_count is None else 256 + 5 * gpu.sm_count
 
 
 def nccl_buffers_mib(channels: int | None) -> int:
-    """NCCL's device memory for a rank using at most ``channels`` channels (``NCCL_MAX_CTAS``; ``None``: not sharing its
-    GPU over NCCL, 0): per channel a send and a receive buffer of every protocol (9 MiB), and 64 MiB for NCCL itself;
-    ``make gpu-check`` compares it with a real run."""
+    """NCCL's device memory for a rank using at most ``channels`` channels (``None``: not sharing its GPU, 0): 9 MiB
+    of buffers per channel and 64 MiB for NCCL itself; ``make gpu-check`` compares it with a real run."""
     return 64 + channels * 2 * 9 if channels else 0
 
 

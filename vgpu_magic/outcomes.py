@@ -34,9 +34,8 @@ def as_sentence(line: str) -> str:
 
 @dataclass
 class SplitResult:
-    """What ``%vgpu_split`` / :func:`vgpu_magic.split` did. ``status``: ``"applied"``, ``"unchanged"``, ``"planned"``
-    (dry run) or ``"blocked"`` (the runtime started with another configuration: ``blocked_reason``). ``devices``,
-    ``configuration``: what the framework has after the call; ``replaced``: the split replaced; ``warnings``."""
+    """What ``%vgpu_split`` / :func:`vgpu_magic.split` did: ``status`` ``"applied"``, ``"unchanged"``, ``"planned"``
+    or ``"blocked"`` (``blocked_reason``); ``devices``, ``configuration`` after it; ``replaced``; ``warnings``."""
 
     status: str
     plan: SplitPlan

@@ -33,9 +33,8 @@ def checked_places(
 
 
 def shared_gpu_channels(layout: RankLayout, label: str, instead: str) -> dict[int, int]:
-    """NCCL's channels (``NCCL_MAX_CTAS``) by rank, for ranks sharing a GPU: their share of its SMs (unknown: 16, an
-    H100's smallest MIG slice), at most 32, so every rank's spinning CTAs are resident at once (more can hang a
-    collective). :class:`ValueError`, with ``instead``, where their NCCL cannot share a GPU."""
+    """NCCL's channels by rank for ranks sharing a GPU: their share of its SMs (unknown: 16), at most 32, so all their
+    spinning CTAs are resident (more can hang). :class:`ValueError`, with ``instead``, where NCCL cannot share a GPU."""
     shared = [p for p in layout.places if p.gpu_shared_by > 1]
     old = [p for p in shared if p.nccl is None or p.nccl < MULTI_RANK_NCCL]
     if old:

@@ -93,9 +93,8 @@ def _series(trace: MemoryTrace) -> list[dict[str, Any]]:
 
 
 class LiveMemoryView(View):
-    """Feeds a ``MemoryWidget`` (``widget(**traits)``; tests pass a fake) on ``surface`` and leaves the final image
-    there, drawn when ``defer(draw)`` says (e.g. at the cell's end, outside the run). ``update_costs``, ``update_times``
-    and ``final_cost``: the latest updates' kernel CPU seconds and starts, the final image's, for the benchmark."""
+    """Feeds a ``MemoryWidget`` (``widget(**traits)``) on ``surface`` and leaves the final image there when ``defer``
+    says; ``update_costs``, ``update_times``, ``final_cost``: the updates' kernel CPU seconds, for the benchmark."""
 
     def __init__(
         self,

@@ -116,10 +116,9 @@ PROCESS_EVERY = 0.5
 
 
 class DeviceSampler:
-    """Reads ``(current, peak)`` bytes of every series: the devices' through ``reader(names)`` (a framework's
-    ``memory_reader``), the process' (last) through ``process()``, at most every :data:`PROCESS_EVERY` s (RSS moves
-    slowly, and a read costs four allocators'). A provisional sampler's ``joinable()``, asked before each sample on the
-    training thread, says a runtime started: the recorder asks for a sampler again (devices join)."""
+    """Reads ``(current, peak)`` bytes of every series: the devices' through ``reader(names)``, the process' (last)
+    through ``process()`` at most every :data:`PROCESS_EVERY` s (RSS moves slowly; a read costs four allocators').
+    ``joinable()`` of a provisional sampler says a runtime started (the recorder asks for a sampler again)."""
 
     def __init__(
         self,

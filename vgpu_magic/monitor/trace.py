@@ -25,9 +25,8 @@ RECENT_SAMPLES = 8192
 
 @dataclass(frozen=True)
 class SeriesInfo:
-    """One memory series: what one allocator (or the process) reports. ``key``: the rows' ``device``
-    (``"/device:GPU:1"``, ``"host"``, ``"process"``); ``devices``: the logical devices it covers; ``cap`` in bytes or
-    ``None``; ``panel`` where it is drawn (``"process"``: RSS dwarfs the allocators)."""
+    """One memory series: what one allocator (or the process) reports. ``key``: the rows' ``device``; ``devices``:
+    the logical devices it covers; ``cap``: bytes or ``None``; ``panel``: where drawn (RSS dwarfs the allocators)."""
 
     key: str
     label: str
@@ -74,9 +73,8 @@ class _Columns:
 
 @dataclass(eq=False)
 class MemoryTrace:
-    """Samples of every memory series during one run. ``kind``: what ran (``"fit"``...); ``baseline_peak``: each
-    series' peak at the start; ``recent``: samples kept at full resolution. Per row: ``time``, ``step``, ``epoch``
-    (0-based), ``phase`` (``"validate"``...). Two traces are equal when they describe the same run."""
+    """Samples of every memory series during one run: ``kind`` (``"fit"``...), each series' ``baseline_peak`` at the
+    start, ``recent`` samples at full resolution; per row time, step, epoch and phase. Equal: the same run."""
 
     series: tuple[SeriesInfo, ...]
     kind: str = "custom"

@@ -135,9 +135,8 @@ class TextSummaryView(View):
 
 
 class RedrawThrottle:
-    """Allows an update at the next due time of a ``min_interval`` rhythm (counted from the last *due* time, so that
-    updates do not drift late), and no sooner than ``budget_factor * last_cost`` after the last started.
-    :meth:`reset` at the run start puts the first update ``min_interval`` into the run."""
+    """Allows an update at the next due time of a ``min_interval`` rhythm (counted from the last due time: no drift),
+    and no sooner than ``budget_factor * last_cost`` after the last started; :meth:`reset` at the run start."""
 
     def __init__(self, min_interval: float = 0.2, budget_factor: float = 200.0) -> None:
         self.min_interval, self.budget_factor = min_interval, budget_factor

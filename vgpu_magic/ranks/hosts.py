@@ -72,10 +72,9 @@ def prepare_rank(
     devices: SplitRequest | None = None,
     framework: str = "",
 ) -> str:
-    """On the rank, every framework's rank setup (:class:`~vgpu_magic.layout.RankPlan`): set its environment as a
-    launcher would, split its ``devices`` as ``%vgpu_split`` would, then run its framework's setup (with ``join`` also
-    the script's own join call). With ``framework`` (a launched script's), devices and setup wait for the script's
-    import of that module, so what it set before (``JAX_ENABLE_X64``) is read, as under plain ``python``."""
+    """On the rank, every framework's rank setup (:class:`~vgpu_magic.layout.RankPlan`): environment, ``devices``
+    split as ``%vgpu_split`` would, the framework's setup (``join``: with the join call). With ``framework``, devices
+    and setup wait for the script's import of it, so what it set before (``JAX_ENABLE_X64``) is read."""
     os.environ.update(env)
     if framework and framework not in sys.modules:
         sys.meta_path.insert(0, _AfterImport(framework, lambda: prepare_rank({}, setup, args, join, devices)))

@@ -33,9 +33,8 @@ LAUNCHERS: dict[str, type[Launcher]] = {}
 
 @dataclass(frozen=True)
 class LauncherPlan:
-    """What ipyparallel is told: the engine launcher (``name``, as ``ipp.Cluster(engines=...)`` takes it), its
-    ``config`` (``{class: {trait: value}}``), where the controller listens (``"*"``: everywhere) and is reached (None:
-    loopback), and the SSH hosts ``[(user@host, (ssh args...)), ...]`` in rank order."""
+    """What ipyparallel is told: the engine launcher (``name``), its ``config`` (``{class: {trait: value}}``), where
+    the controller listens (``"*"``: everywhere) and is reached (None: loopback), the SSH hosts in rank order."""
 
     name: str
     config: dict[str, dict[str, Any]] = field(default_factory=dict)

@@ -179,9 +179,8 @@ _REMOVE = "import glob, os, sys; [os.remove(p) for pattern in sys.argv[1:] for p
 
 
 def clean_up_when_kernel_dies(cluster: Any, plan: LauncherPlan, token: str) -> set[int]:
-    """A stop's own work, done by watchers (:func:`.lifetime.run_when_this_process_dies`) if the kernel dies without
-    one: remote engines ended by their launcher's commands; the cluster's files and logs removed. Returns the watchers'
-    PIDs: a stop ends them last, so a kernel killed while it stops (Jupyter: SIGKILL after 5 s) still cleans up."""
+    """A stop's work, done by watchers if the kernel dies without one (remote engines ended, files and logs removed).
+    Returns their PIDs: a stop ends them last, so a kernel killed while it stops (Jupyter: 5 s) still cleans up."""
     import shlex
 
     logs = os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*")

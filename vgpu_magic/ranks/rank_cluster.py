@@ -375,10 +375,9 @@ class RankCluster:
         fail: list[str] | tuple[str, ...] = (),
         preempt: str | None = None,
     ) -> RunResult:
-        """Launch ``path ARGS`` on every rank as ``torchrun`` does (:mod:`.launch`), relaunching all up to
-        ``max_restarts`` times when one fails; ``fail`` (``"RANK@SECONDS[:SIGNAL]"``) and ``preempt``
-        (``"SECONDS[:GRACE]"``) inject failures into the first launch; ``timeout`` bounds all attempts; ``module``: run
-        ``path`` as ``torchrun -m``. The :class:`RunResult`, or :class:`RankRunError` with it."""
+        """Launch ``path ARGS`` on every rank as ``torchrun`` does (:mod:`.launch`), all again up to ``max_restarts``
+        times when one fails; ``fail``/``preempt`` inject failures into the first launch; ``timeout``: all attempts;
+        ``module``: as ``torchrun -m``. The :class:`RunResult`, or :class:`RankRunError` with it."""
         faults = checked_faults(self.n, max_restarts, fail, preempt)
         self._require_running()
         attempts, start = max_restarts + 1, time.monotonic()

@@ -77,10 +77,9 @@ def notebook_traceback(text: str, count: int | None) -> list[str]:
 
 @dataclass(eq=False)
 class LineStream:
-    """One rank's stream as a terminal shows it: whole lines, labelled; a line that returns to its start (``\r``)
-    is drawn as it goes, over another rank's as on torchrun's terminal (``live``: whose line is unfinished).
-    ``theirs``: the framework's own label, left out (``[rank1]:``). A traceback waits for its last line; one saying
-    a peer went (:data:`PEER_GONE`: ``peer``) waits for :meth:`end`."""
+    """One rank's stream as a terminal shows it: whole lines, labelled; a ``\r`` line drawn as it goes (``live``: whose
+    line is unfinished); ``theirs``: the framework's own label, left out. A traceback waits for its last line; one
+    saying a peer went (:data:`PEER_GONE`: ``peer``) waits for :meth:`end`."""
 
     label: str
     out: TextIO
@@ -178,9 +177,8 @@ def events(ar: Any) -> list[tuple[str, Any]]:
 
 
 def record_output(client: Any) -> None:
-    """Make ``client`` keep each request's output in order as ``output_events`` (``("stdout" | "stderr", text)``,
-    ``("display", content)``) from before it is sent: ipyparallel keeps displays apart and copies each stream whole at
-    each message (a million lines fell seconds behind)."""
+    """Make ``client`` keep each request's output in order as ``output_events`` from before it is sent (ipyparallel
+    keeps displays apart and copies each stream whole at each message: a million lines fell seconds behind)."""
     from .upstream import watch_requests
 
     def record_request(msg_id: str, future: Any) -> Callable[[dict], None]:

@@ -24,9 +24,8 @@ QUIET.propagate = False
 
 
 class RanksCluster(Cluster):
-    """ipyparallel's cluster, whose file the kernel that started it owns (``owner``). A copy loaded from it
-    (JupyterLab's ``ClusterManager``) logged each process' log as a failure at its stop, wrote the file again and
-    removed the logs: this copy logs nothing, leaves files to the owner, and leaves its manager once stopped."""
+    """ipyparallel's cluster, whose file its ``owner`` kernel owns. A copy loaded from it (JupyterLab's panel) logs
+    nothing, leaves files to the owner, and leaves its manager once stopped (upstream logged each log as a failure)."""
 
     owner = False
 
@@ -120,8 +119,7 @@ def message_futures(ar: Any) -> list[Any]:
 
 def watch_requests(client: Any, watch: Callable[[str, Any], Callable[[dict], None]]) -> None:
     """Call ``watch(msg_id, future)`` as ``client`` makes each request's future, and what it returns with each IOPub
-    message of that request, on ipyparallel's thread. No public hook: ``Client.create_message_futures`` makes them
-    (the first a ``MessageFuture``); ``Client._dispatch_iopub`` calls their ``iopub_callbacks``."""
+    message of it (no public hook: ``Client.create_message_futures``, ``Client._dispatch_iopub``)."""
     create = client.create_message_futures
 
     def create_watched(msg_id: str, *args: Any, **kwargs: Any) -> list[Any]:
