@@ -91,8 +91,7 @@ class Capabilities:
     replicas_by: str = "the strategy"  #: what uses the replica devices, for messages (``"MirroredStrategy()"``)
     #: The data-parallel helper uses split CPUs even where GPUs are visible (``vgpu_magic.mesh()``), else GPUs first.
     replicas_on_split_cpu: bool = False
-    #: The default helper reduces with NCCL unless there are fewer physical GPUs (hidden ones counted) than
-    #: logical ones (``MirroredStrategy()``; RING otherwise), and NCCL refuses two logical devices of one card.
+    #: The default helper reduces with NCCL unless fewer physical GPUs (hidden too) than logical: one card refuses.
     replicas_nccl_unless_fewer_physical: bool = False
     #: The framework's own words: what starts once and fixes the devices (JAX: ``"backend"``), a split's device and
     #: phrase (``{count}``, ``{kind}``, ``{s}``, ``{index}``), :attr:`replicas_by`'s device, a device list's host.

@@ -231,8 +231,7 @@ class RankPlan:
     notes: tuple[str, ...] = field(default=(), compare=False)
     #: The rank's devices as ``%vgpu_split`` would ask for them (``framework`` named); ``None``: nothing to split.
     devices: SplitRequest | None = None
-    #: It shares its GPU over NCCL: an MPS daemon, where one can run, lets the ranks' kernels run at once (without
-    #: one they are time-sliced and a collective's CTAs spin while their peers wait for the GPU).
+    #: It shares its GPU over NCCL: an MPS daemon lets the ranks' kernels run at once (else time-sliced, CTAs spin).
     mps: bool = False
     #: What the ranks only simulate, as :func:`~vgpu_magic.devices.simulated_line` says it (the same for every rank).
     simulated: tuple[str, ...] = field(default=(), compare=False)

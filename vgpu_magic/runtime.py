@@ -20,8 +20,7 @@ NO_LONGER_CHANGE = "devices can no longer change"
 def cuda_context_holders(
     nvml_holders: dict[int, set[int]] | None = None, exclude: str = "", started_by: dict[str, CellRef] | None = None
 ) -> tuple[str, ...]:
-    """The labels of the imported frameworks holding a CUDA context in this process, with the line that started it where
-    ``started_by`` knows it; ``nvml_holders``: NVML index -> PIDs; ``exclude``: the framework being configured."""
+    """The labels of imported frameworks holding a CUDA context here (but ``exclude``), with the line that did it."""
     known = started_by or {}
     holders = frameworks.cuda_context_holders(exclude=exclude)
     found = [fw.label + (f" (since {known[fw.name]})" if fw.name in known else "") for fw in holders]

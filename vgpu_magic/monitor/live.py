@@ -19,8 +19,7 @@ from .trace import MemoryTrace
 from .views import DARK_PALETTE, PALETTE, RedrawThrottle, View, panel_top, summary_line, title_text
 
 WIDGET_INSTALL_HINT = "pip install 'vgpu_magic[widgets]'"
-#: A live panel keeps its unit while its largest figure reads in four digits in it ("3121 KiB"): a unit picked
-#: afresh from each update's largest figure rescaled every label mid-fit (KiB, then MiB).
+#: A live panel keeps its unit while its largest figure reads in four digits in it ("3121 KiB"), not rescaled.
 KEPT_UNIT_DIGITS = 4
 #: Seconds of the run the live title's step rate is measured over (Keras' and tqdm's bars average theirs too).
 RATE_WINDOW_S = 5.0

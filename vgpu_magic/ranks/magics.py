@@ -24,8 +24,7 @@ from .spec import ClusterNotRunning, checked_faults
 
 __all__ = ["ClusterMagics"]
 
-#: The launcher options the magic has a flag for (``--controller-address`` for ``controller_address``), and the
-#: launchers that take each.
+#: The launcher options the magic has a flag for, and the launchers that take each.
 _LAUNCHER_FLAGS = {
     key: [name for name, other in LAUNCHERS.items() if key in other.options]
     for launcher in LAUNCHERS.values()

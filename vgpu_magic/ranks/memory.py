@@ -14,9 +14,8 @@ from typing import Any
 
 from ..monitor.trace import MemoryTrace, SeriesInfo
 
-#: Seconds between a rank's reports of its allocator's figures. Files, not ipyparallel's ``publish_data``: a thread's
-#: data published after the cell returned (what a run's last samples read) did not reach the client while the engine
-#: was idle (ipyparallel 9.2, ipykernel 7.4), and goes to whichever request the engine runs then.
+#: Seconds between a rank's reports of its allocator's figures, as files: ipyparallel's ``publish_data`` after the
+#: cell returned did not reach an idle engine's client (ipyparallel 9.2), and goes to the engine's next request.
 REPORT_EVERY = 0.2
 
 

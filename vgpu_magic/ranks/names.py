@@ -17,8 +17,7 @@ _SHELL_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
 
 
 class _ReadsBeforeWrites(ast.NodeVisitor):
-    """Names first used, in evaluation order, by a read (the notebook's value is needed). ``written``: bound on every
-    path so far; ``bound``: anywhere. Comprehensions, lambdas and function bodies are scopes of their own."""
+    """Names read before written (``written``: on every path so far; ``bound``: anywhere); nested scopes apart."""
 
     def __init__(self, written: set[str] | None = None) -> None:
         self.read: list[str] = []
@@ -76,7 +75,8 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
 
     def visit_If(self, node: ast.If) -> None:
         self.visit(node.test)
-        self.written |= self._branch(node.body) & self._branch(node.orelse)
+        both = self._branch(node.body) & self._branch(node.orelse)
+        self.written |= both
 
     def visit_While(self, node: ast.While) -> None:
         self.visit(node.test)

@@ -23,9 +23,8 @@ __all__ = ["CONTROLLER_ARGS", "ClusterStartError", "check_memory_fits", "check_p
 
 #: Seconds processes get after SIGTERM before SIGKILL when the cluster stops.
 STOP_GRACE = 2.0
-#: The controller's heartbeat. The hub accepts a registering engine only once its heart has answered a ping, so
-#: ipyparallel's default 3 s period made every start wait one or two periods for nothing (``benchmarks/cluster.py``
-#: measures both). 150 misses keep ipyparallel's 30 s before a silent engine counts as dead.
+#: The controller's heartbeat: an engine registers after its first ping, so ipyparallel's 3 s made every start
+#: wait (``benchmarks/cluster.py``); 150 misses keep its 30 s before a silent engine counts as dead.
 HEARTBEAT_MS = 200
 CONTROLLER_ARGS = (
     f"--HeartMonitor.period={HEARTBEAT_MS}",

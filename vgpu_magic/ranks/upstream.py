@@ -16,8 +16,7 @@ from ipyparallel.cluster.cluster import Cluster, ClusterManager
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher, SlurmEngineSetLauncher
 from traitlets import Dict, Unicode
 
-#: Where ipyparallel's cluster objects log: nowhere. The ranks report what goes wrong themselves; a stop is silent
-#: (ipyparallel logs a process's whole log file when it ends by a signal); a copy elsewhere stays out of its log.
+#: Where ipyparallel's cluster objects log: nowhere (the ranks report their failures; a stop is silent).
 QUIET = logging.getLogger("vgpu_magic.ranks.ipyparallel")
 QUIET.addHandler(logging.NullHandler())
 QUIET.propagate = False
