@@ -9,38 +9,29 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# Public names, resolved lazily so `import vgpu_magic` stays cheap. No submodule shares a
-# public name: importing a submodule sets it as a package attribute, which would shadow it.
+# Public names, resolved lazily (a cheap import); none is a submodule's name, which importing it would shadow.
 _LAZY = {
-    "split": "api",
-    "plan": "api",
-    "status": "api",
-    "strategy": "api",
-    "RuntimeStartedWarning": "api",
-    "PlanError": "errors",
-    "SplitPlan": "plans",
-    "SplitRequest": "plans",
-    "DeviceInventory": "devices",
-    "GPUInfo": "devices",
-    "SplitResult": "outcomes",
-    "StatusReport": "report",
-    "MemoryMonitor": "monitor",
-    "MemoryTrace": "monitor",
-    "panel": "split_panel",
-    "cluster": "ranks",
-    "mesh": "frameworks.jax.mesh",
-    "distribution": "frameworks.jax.mesh",
-    "estimate": "memory_estimate",
-    "MemoryEstimate": "memory_estimate",
-    "submit": "batch",
-    "jobs": "batch",
-    "Job": "batch",
+    name: module
+    for module, names in {
+        "api": ("split", "plan", "status", "strategy", "RuntimeStartedWarning"),
+        "errors": ("PlanError",),
+        "plans": ("SplitPlan", "SplitRequest"),
+        "devices": ("DeviceInventory", "GPUInfo"),
+        "outcomes": ("SplitResult",),
+        "report": ("StatusReport",),
+        "monitor": ("MemoryMonitor", "MemoryTrace"),
+        "split_panel": ("panel",),
+        "ranks": ("cluster",),
+        "frameworks.jax.mesh": ("mesh", "distribution"),
+        "memory_estimate": ("estimate", "MemoryEstimate"),
+        "batch": ("submit", "jobs", "Job"),
+    }.items()
+    for name in names
 }
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension", *_LAZY]
 
-#: The Magics classes the extension registers besides :class:`~vgpu_magic.magics.VGPUMagics`,
-#: as "module:Class" (imported at load, never at package import).
+#: The other Magics classes the extension registers, as "module:Class" (imported at load, not at import).
 _MAGICS: tuple[str, ...] = (
     ".ranks.magics:ClusterMagics",
     ".monitor.magics:MonitorMagics",
@@ -71,11 +62,7 @@ def _quieted() -> dict[str, str]:
 
 
 def load_ipython_extension(ipython) -> None:
-    """Register the magics and the runtime watcher; apply a persistent split.
-
-    Everything that can fail is built before anything is registered, so a
-    failed load leaves no hooks behind.
-    """
+    """Register the magics and the runtime watcher; apply a persistent split. A failed load registers nothing."""
     import importlib
 
     from . import frameworks
@@ -111,8 +98,7 @@ def unload_ipython_extension(ipython) -> None:
     for fw, set_now in quieted:
         fw.loud_kernel(set_now)
     for magics in all_magics:
-        closing = getattr(magics, "on_unload", None)
-        if closing is not None:
+        if (closing := getattr(magics, "on_unload", None)) is not None:
             closing()
     watcher.carry_over()
     ipython.events.unregister("pre_run_cell", watcher.pre_run_cell)

@@ -17,8 +17,7 @@ MAX_MEMORY_MIB = 1024**3
 
 
 def usable_mib(gpu: GPUInfo, capabilities: Capabilities) -> int | None:
-    """What logical devices on ``gpu`` can share: free memory minus what the
-    framework keeps back, or ``None`` when NVML could not tell the free memory."""
+    """What logical devices on ``gpu`` can share: free memory minus the framework's reserve; ``None``: unknown."""
     if gpu.free_mib is None:
         return None
     reserve = capabilities.gpu_reserve_mib
@@ -26,8 +25,7 @@ def usable_mib(gpu: GPUInfo, capabilities: Capabilities) -> int | None:
 
 
 def even_share_mib(gpu: GPUInfo, capabilities: Capabilities, count: int) -> int | None:
-    """What each of ``count`` logical devices on ``gpu`` gets when no sizes are
-    given: the usable memory split evenly; ``None`` when NVML could not tell."""
+    """What each of ``count`` logical devices on ``gpu`` gets by default: an even share; ``None``: unknown."""
     usable = usable_mib(gpu, capabilities)
     return None if usable is None else usable // count
 
@@ -43,8 +41,7 @@ def check_sizes(sizes: tuple[int, ...]) -> None:
 
 
 def check_rank_request(split: int | None, memory: int | None, gpus: list[GPUInfo | None]) -> None:
-    """Refuse ``--split`` / ``--memory`` (MiB) that no framework's ranks can take;
-    ``gpus`` is each rank's GPU (``None`` without one)."""
+    """Refuse ``--split`` / ``--memory`` (MiB) no ranks can take; ``gpus``: each rank's GPU (``None``: none)."""
     if split is not None and not 1 <= split <= MAX_DEVICES:
         raise PlanError(f"--split {split} is out of range; use 1..{MAX_DEVICES} devices per rank")
     if memory is not None:
@@ -58,11 +55,8 @@ def check_rank_request(split: int | None, memory: int | None, gpus: list[GPUInfo
 def rank_share_mib(
     gpu: GPUInfo, shared_by: int, memory: int | None, capabilities: Capabilities, nccl_mib: int = 0
 ) -> int:
-    """Each rank's cap in MiB on ``gpu``, which ``shared_by`` ranks use: ``memory`` (``--memory``), or an even
-    share. The pre-flight: each rank is a process with its own CUDA context (outside any cap; by the GPU's SMs,
-    :func:`~vgpu_magic.devices.cuda_context_mib`) or its framework's reserve, the larger, and ``nccl_mib`` of NCCL's
-    buffers where NCCL is the backend: these come out once per rank before the rest (free memory, else the total)
-    is shared. A request that cannot fit is refused with the figures."""
+    """Each rank's cap in MiB on ``gpu`` shared by ``shared_by`` ranks: ``memory``, or an even share of what is left
+    once each rank's CUDA context or framework reserve and ``nccl_mib`` came out; what cannot fit is refused."""
     base = gpu.free_mib if gpu.free_mib is not None else gpu.total_mib
     if base is None:
         if memory is None:

@@ -8,31 +8,24 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-#: GPU memory a process takes outside its framework's allocator and cap where its GPU's SM count is unknown, the
-#: figure the estimate's verdict uses. Measured on an H100 (torch 2.11, CUDA 13): the CUDA context 621 MiB, cuBLAS's
-#: workspaces 64 MiB more with the first matrix product (test_estimate_gpu.py), and for a DDP rank after five steps
-#: (NCCL's buffers too) NVML's "used" minus torch's reserved was 880 MiB.
+#: GPU memory a process takes outside its framework's allocator and cap where its SM count is unknown (the estimate's
+#: verdict uses it): on an H100, a DDP rank's NVML "used" minus torch's reserved was 880 MiB (test_estimate_gpu.py).
 CUDA_CONTEXT_MIB = 1024
 
 
 def cuda_context_mib(gpu: GPUInfo) -> int:
-    """What one process takes on ``gpu`` outside its framework's allocator and cap (the reserve of a framework that
-    keeps nothing back itself): its CUDA context, which grows with the SMs (the field's figures: about 300 MB on
-    small GPUs to 560 MB on large; 621 MiB measured on an H100's 132), and the libraries' workspaces: 256 MiB and
-    5 MiB per SM (916 MiB on an H100, above the 880 measured); :data:`CUDA_CONTEXT_MIB` where NVML gave no count."""
+    """What one process takes on ``gpu`` outside its framework's allocator and cap: CUDA context and workspaces,
+    256 MiB and 5 MiB per SM (916 MiB on an H100, 880 measured); :data:`CUDA_CONTEXT_MIB` where NVML gave no count."""
     return CUDA_CONTEXT_MIB if gpu.sm_count is None else 256 + 5 * gpu.sm_count
 
 
 def nccl_buffers_mib(channels: int | None) -> int:
-    """NCCL's device memory for one rank whose collectives use at most ``channels`` channels (``NCCL_MAX_CTAS``; none
-    where the rank does not share its GPU over NCCL: 0, as the context's allowance holds a rank of its own GPU's):
-    for each, a send and a receive buffer of every protocol at NCCL's default sizes (Simple 4 MiB, LL128 about
-    4.5 MiB, LL 0.5 MiB: 9 MiB), and 64 MiB for its own structures; ``make gpu-check`` compares it with a real run."""
+    """NCCL's device memory for a rank using at most ``channels`` channels (``None``: not sharing its GPU, 0): 9 MiB
+    of buffers per channel and 64 MiB for NCCL itself; ``make gpu-check`` compares it with a real run."""
     return 64 + channels * 2 * 9 if channels else 0
 
 
-#: The first NCCL that lets several ranks use one GPU (``NCCL_MULTI_RANK_GPU_ENABLE=1``); older
-#: ones refuse at the first communicator ("Duplicate GPU detected", measured with NCCL 2.28.9).
+#: The first NCCL that lets ranks share a GPU; older ones refuse ("Duplicate GPU detected", NCCL 2.28.9).
 MULTI_RANK_NCCL = (2, 30)
 
 
@@ -58,8 +51,7 @@ class GPUInfo:
 
 @dataclass(frozen=True)
 class DeviceInventory:
-    """The physical devices a framework sees (GPUs in its order), what it can do with them
-    (``capabilities``) and its configuration now (``current``; ``None``: nothing configured yet)."""
+    """The GPUs a framework sees (in its order), what it can do with them and its configuration (``None``: none)."""
 
     gpus: tuple[GPUInfo, ...] = ()
     cpus: int = 1
@@ -97,15 +89,12 @@ class Capabilities:
     #: All logical CPUs report one host allocator's figures: the monitor draws one series, not N identical lines.
     cpus_share_allocator: bool = False
     replicas_by: str = "the strategy"  #: what uses the replica devices, for messages (``"MirroredStrategy()"``)
-    #: The data-parallel helper uses split CPU devices even where GPUs are visible (JAX's ``vgpu_magic.mesh()``);
-    #: otherwise GPUs come first (``MirroredStrategy()``).
+    #: The data-parallel helper uses split CPUs even where GPUs are visible (``vgpu_magic.mesh()``), else GPUs first.
     replicas_on_split_cpu: bool = False
-    #: The default helper reduces with NCCL unless there are fewer physical GPUs (hidden ones counted) than
-    #: logical ones (``MirroredStrategy()``; RING otherwise), and NCCL refuses two logical devices of one card.
+    #: The default helper reduces with NCCL unless fewer physical GPUs (hidden too) than logical: one card refuses.
     replicas_nccl_unless_fewer_physical: bool = False
-    #: The framework's own words, for every message: what starts once and fixes the devices
-    #: (JAX: ``"backend"``), a device of a split and the phrase for a split (``{count}``, ``{kind}``,
-    #: ``{s}``, ``{index}``), what :attr:`replicas_by` calls a device, and the host in a device list.
+    #: The framework's own words: what starts once and fixes the devices (JAX: ``"backend"``), a split's device and
+    #: phrase (``{count}``, ``{kind}``, ``{s}``, ``{index}``), :attr:`replicas_by`'s device, a device list's host.
     runtime_word: str = "runtime"
     device_noun: str = "logical {kind}"
     split_phrase: str = "{count} logical {kind}{s} on {kind}:{index}"
@@ -115,8 +104,7 @@ class Capabilities:
 
 
 def split_simulates(caps: Capabilities, kind: str, count: int) -> tuple[str, ...]:
-    """What ``count`` logical devices of one physical ``kind`` (``"CPU"``, ``"GPU"``) only simulate, in ``caps``'
-    words (:func:`simulated_line` says it): nothing for one device."""
+    """What ``count`` logical devices of one physical ``kind`` only simulate, in ``caps``' words (one: nothing)."""
     if count < 2:
         return ()
     devices = f"{count} {caps.device_noun.format(kind=kind)}s"
@@ -127,17 +115,13 @@ def split_simulates(caps: Capabilities, kind: str, count: int) -> tuple[str, ...
 
 
 def simulated_line(facts: tuple[str, ...] | list[str]) -> str:
-    """The one line every rehearsing output shows (``"simulated: ..."``, what the rehearsal does differently from a
-    real run), or ``""`` where nothing is simulated: ``facts`` come from the engine (a plan, the ranks' layout, an
-    estimate), never from a face."""
+    """The one ``"simulated: ..."`` line of every rehearsing output, or ``""``; ``facts`` come from the engine."""
     return "simulated: " + "; ".join(facts) if facts else ""
 
 
 @dataclass(frozen=True)
 class ConfigSnapshot:
-    """A framework's device configuration as plain data. ``logical``: physical device name -> its logical
-    devices' caps in MiB (``None`` where uncapped), for the configured ones only; ``visible_gpus``: indices
-    into ``gpu_names``; ``memory_growth``: one flag per physical GPU."""
+    """A framework's device configuration: ``logical`` caps (MiB, ``None``: uncapped), visible GPUs, growth flags."""
 
     cpu_names: tuple[str, ...]
     gpu_names: tuple[str, ...]
@@ -148,8 +132,7 @@ class ConfigSnapshot:
     device_names: tuple[str, str] = field(default=("/device:CPU:{}", "/device:GPU:{}"), compare=False)
 
     def logical_names(self) -> dict[str, list[str]]:
-        """Physical device name -> the logical device names it will have: numbered per type in physical order,
-        as TensorFlow and JAX number them once started, and named as the framework names them."""
+        """Physical device name -> its logical device names, numbered and named as the framework will name them."""
         names: dict[str, list[str]] = {}
         counters = {"CPU": 0, "GPU": 0}
         for dtype, physical in [("CPU", n) for n in self.cpu_names] + [("GPU", n) for n in self.gpu_names]:
@@ -162,8 +145,7 @@ class ConfigSnapshot:
         return names
 
     def replica_devices(self, split_cpu_first: bool = False) -> list[str]:
-        """The devices a data-parallel strategy uses by default: every logical GPU, else every logical CPU;
-        with ``split_cpu_first`` (:attr:`Capabilities.replicas_on_split_cpu`), split CPUs even next to GPUs."""
+        """A data-parallel strategy's default devices: every logical GPU, else CPU (first with ``split_cpu_first``)."""
         names = self.logical_names()
         gpus = [d for p in self.gpu_names if p in names for d in names[p]]
         cpus = [d for p in self.cpu_names for d in names.get(p, [])]

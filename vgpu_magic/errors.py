@@ -20,8 +20,7 @@ def excerpt(value: object) -> str:
 
 
 class PlanError(ValueError):
-    """A request that cannot be carried out. The message is one line that quotes
-    the offending value and says what would work."""
+    """A request that cannot be carried out; its message quotes the offending value and says what would work."""
 
     def __init__(self, message: str) -> None:
         # A bad token echoed back must not break the line.
@@ -45,8 +44,7 @@ class FrameworkImportError(ImportError):
 
 
 class NVMLReadError(RuntimeError):
-    """NVML answered with an error while a GPU was being read (a GPU that
-    disappeared, a driver that went away): one line saying which call failed."""
+    """NVML failed while a GPU was read (a GPU or driver gone): one line saying which call failed."""
 
 
 class ClusterStartError(RuntimeError):

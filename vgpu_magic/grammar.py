@@ -1,7 +1,6 @@
-"""The argument grammar of the faces: the ``type=`` callables of IPython's ``@magic_arguments()`` declarations (so a
-magic's help comes from what parses its line) over :mod:`vgpu_magic.units`' parsers, each refusing a token with one
-sentence that quotes it and says what would work, as :func:`parse_arguments` does for what argparse refuses.
-``%vgpu_split`` lines, the persistent split and the CLI parse into a :class:`~vgpu_magic.plans.SplitRequest` here."""
+"""The faces' argument grammar: the ``type=`` callables of the ``@magic_arguments()`` declarations (so help comes
+from what parses), over :mod:`vgpu_magic.units`' parsers, each refusal one sentence quoting the token and saying what
+would work. ``%vgpu_split`` lines, the persistent split and the CLI parse into a ``SplitRequest`` here."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ def with_example(text: str) -> Callable[[Callable], Callable]:
 
 
 def choice(values: Sequence[str], refusal: str, example: str) -> Callable[[str], str]:
-    """A ``type=`` accepting one of ``values``; ``refusal`` is the sentence for anything else
-    (``{value}`` the quoted token), ``example`` an option line that works."""
+    """A ``type=`` accepting one of ``values``, else ``refusal`` (``{value}``: the token); ``example`` works."""
 
     @with_example(example)
     def one_of(text: str) -> str:
@@ -63,8 +61,7 @@ def seconds(option: str, minimum: float, maximum: float, example: str = "0.05") 
 
 
 def whole(subject: str, minimum: int, maximum: int, example: str) -> Callable[[str], int]:
-    """A ``type=`` for a whole number in ``[minimum, maximum]`` written with ASCII digits
-    (``"+2"`` and ``"1_0"`` are refused, as ``int()`` would take them); ``example``: a line that works."""
+    """A ``type=`` for a whole number in ``[minimum, maximum]`` in ASCII digits (not ``"+2"``, ``"1_0"``)."""
 
     @with_example(example)
     def whole_number(text: str) -> int:
@@ -214,9 +211,7 @@ def _refused(parser: argparse.ArgumentParser, err: argparse.ArgumentError, magic
 
 
 def _parsed(parser: argparse.ArgumentParser, words: list[str], magic: str) -> tuple[argparse.Namespace, list[str]]:
-    """``parser.parse_known_args(words)``, each refusal one PlanError line. An option's value that starts with a
-    dash (``--gpu -1GB``) argparse takes for an option, refusing the first as lacking a value: read again as
-    ``--gpu=-1GB``, so that the value's own type says what is wrong with it."""
+    """``parser.parse_known_args(words)``, each refusal one PlanError line (``--gpu -1GB`` read as ``--gpu=-1GB``)."""
     try:
         return parser.parse_known_args(words)
     except argparse.ArgumentError as err:
@@ -232,8 +227,7 @@ def _parsed(parser: argparse.ArgumentParser, words: list[str], magic: str) -> tu
 
 @contextlib.contextmanager
 def usage_errors(*errors: type[Exception]) -> Iterator[None]:
-    """Around a magic's work: each of ``errors`` (default: :data:`~vgpu_magic.errors.USER_ERRORS`, every error a
-    user can cause) becomes the magic's one-line :class:`UsageError`."""
+    """Around a magic's work: each of ``errors`` (default: ``USER_ERRORS``) becomes its one-line :class:`UsageError`."""
     caught = errors or USER_ERRORS
     try:
         yield
@@ -244,9 +238,7 @@ def usage_errors(*errors: type[Exception]) -> Iterator[None]:
 def parse_arguments(
     parser: argparse.ArgumentParser, line: str, *, example: str, options_hint: str | None = None
 ) -> argparse.Namespace:
-    """Read ``line`` with a magic's parser (``magic_func.parser``) as ``parse_argstring`` does,
-    but raise every refusal as one :class:`PlanError` line. ``example`` is a line that works,
-    shown when words are left over; ``options_hint`` follows an unknown option that resembles none."""
+    """Read ``line`` with ``magic_func.parser``, each refusal one :class:`PlanError` line showing ``example``."""
     magic = f"%{parser.prog}"
     try:
         words = shlex.split(line)
@@ -268,9 +260,7 @@ def parse_arguments(
 
 
 def parse_split_line(line: str, parser: Any = None) -> tuple[SplitRequest, argparse.Namespace]:
-    """A ``%vgpu_split`` argument line (``"2 --memory 2048"``) as a :class:`SplitRequest`, and the
-    namespace for the face-only flags (``--dry-run``, ``--return``, ``--quiet``). ``parser``: the
-    magic's own; by default one built from the same declarations."""
+    """A ``%vgpu_split`` line as a :class:`SplitRequest`, and the namespace of the face-only flags (``--quiet``...)."""
     args = parse_arguments(parser or _split_grammar.parser, line, example="%vgpu_split 4 --memory 2048")
     memory = args.memory[0] if args.memory is not None and len(args.memory) == 1 else args.memory
     request = SplitRequest(

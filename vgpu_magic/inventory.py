@@ -32,9 +32,7 @@ def _text(value: Any) -> str:
 
 
 def nvml_gpus() -> list[dict[str, Any]]:
-    """Every GPU NVML can see, in NVML (PCI) order, as dicts of :class:`GPUInfo`'s fields but ``index``; a GPU in MIG
-    mode is its MIG devices, each with its own memory and ``MIG-…`` UUID (what ``CUDA_VISIBLE_DEVICES`` names). Raises
-    :class:`NVMLReadError` when NVML fails part-way."""
+    """Every GPU NVML sees, in PCI order, as ``GPUInfo`` fields but ``index`` (a MIG GPU: its MIG devices)."""
     nvml = open_nvml()
     if nvml is None:
         return []
@@ -112,8 +110,7 @@ def nvml_pids_with_context() -> dict[int, set[int]]:
 
 
 def cuda_to_nvml_order(n_gpus: int, nvml: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
-    """The NVML device of a framework's GPU i (CUDA's numbering): ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs; set and
-    empty: none) says which; without it the orders agree as a rule (``CUDA_DEVICE_ORDER=PCI_BUS_ID``: always)."""
+    """The NVML device of each CUDA GPU index, as ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs) says, else in order."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         order = nvml
@@ -151,9 +148,7 @@ def visible_gpus() -> tuple[GPUInfo, ...]:
 
 @functools.lru_cache(maxsize=16)
 def cuda_total_bytes(index: int) -> int | None:
-    """CUDA's total memory of its device ``index`` (``cuDeviceTotalMem``: what ``torch.cuda.mem_get_info()[1]`` reports
-    and what torch's and XLA's memory fractions multiply; below NVML's total, by 480 MiB on an H100). Read through the
-    driver library without creating a context; ``None`` without a driver."""
+    """CUDA's total memory of device ``index`` (what memory fractions multiply), without a context; ``None``: none."""
     import ctypes
 
     try:
@@ -169,8 +164,7 @@ def cuda_total_bytes(index: int) -> int | None:
 
 
 def nccl_version() -> tuple[int, ...] | None:
-    """The NCCL the frameworks here load (the ``nvidia-nccl-cu*`` wheel torch and JAX's CUDA plugin depend on; the
-    oldest where several are installed), read from the installed files: loads no library; ``None`` without one."""
+    """The NCCL the frameworks here load (the oldest ``nvidia-nccl-cu*`` wheel), read from its files; ``None``: none."""
     import importlib.metadata
 
     found = []

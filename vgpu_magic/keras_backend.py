@@ -19,9 +19,7 @@ def keras_backend() -> str | None:
 
 
 def keras_backend_warning(wanted: str | None, label: str) -> str | None:
-    """The warning for a split of ``label``'s devices (whose Keras backend is
-    ``wanted``) when Keras was already imported with another backend, else ``None``.
-    Each framework asks through :meth:`~vgpu_magic.frameworks.base.Framework.keras_backend_warning`."""
+    """The warning for a split of ``label``'s devices where Keras runs on another backend than ``wanted``, or None."""
     found = keras_backend()
     if wanted is None or found is None or found == wanted:
         return None

@@ -1,9 +1,7 @@
-"""The ranks' hosts and the ranks laid out on them, as plain data. A :class:`HostReport` is what one engine says about
-where it runs (``vgpu_magic.ranks.hosts.report_host`` makes it, on the engine); :func:`layout_ranks` is pure: from the
-reports it orders the ranks (the launcher's rank, else the engine id, grouped by host), gives each its local rank, node
-rank and GPU, and keeps the launcher's conventions (under SLURM, the hosts of ``SLURM_STEP_NODELIST``). Each framework
-plans its ranks from the :class:`RankLayout` (``Framework.plan_ranks``), so the GPU path and multi-host layouts are
-tested on recorded data (docs/architecture.md: the rules layer)."""
+"""The ranks' hosts and the ranks laid out on them, as plain data: a :class:`HostReport` is what one engine says about
+where it runs; :func:`layout_ranks`, pure, orders the ranks (the launcher's rank, else the engine id, by host), gives
+each its local rank, node rank and GPU, and keeps the launcher's conventions (SLURM's ``SLURM_STEP_NODELIST``). The
+frameworks plan ranks from the :class:`RankLayout`, so GPU and multi-host layouts are tested on recorded data."""
 
 from __future__ import annotations
 
@@ -18,9 +16,7 @@ from .plans import SplitRequest
 
 @dataclass(frozen=True)
 class HostReport:
-    """What one engine says about where it runs. ``gpus`` are the GPUs this process sees, numbered as CUDA numbers them
-    (``index``), with NVML's details (``nvml_index``, memory); ``port`` is a free TCP port the OS gave on this host;
-    ``launcher`` holds the launcher's variables that were set (``vgpu_magic.ranks.hosts.LAUNCHER_VARIABLES``)."""
+    """What one engine says about where it runs: its GPUs (CUDA's numbering), a free port, the launcher's variables."""
 
     engine_id: int
     hostname: str
@@ -117,9 +113,7 @@ class RankLayout:
         return any(p.gpu_shared_by > 1 for p in self.places)
 
     def sharing(self, noun: str = "ranks") -> str:
-        """What several ranks (``noun``: the framework's word) share that a real run gives each its own
-        (``"the 2 ranks share one GPU"``, ``"the 4 workers share the CPU"``), or ``""``: a fact for
-        :func:`~vgpu_magic.devices.simulated_line`."""
+        """What several ranks (``noun``) share that a real run gives each its own (``"the 2 ranks share one GPU"``)."""
         groups = Counter((p.hostname, None if p.gpu is None else p.gpu.index) for p in self.places)
         shared = [(gpu, n) for (_, gpu), n in groups.items() if n > 1]
         if not shared:
@@ -132,8 +126,7 @@ class RankLayout:
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
-    """``"n[1-2],m5,o[03-04,6]"`` -> ``["n1", "n2", "m5", "o03", "o04", "o6"]``: a SLURM host list, in order, zero
-    padding kept (as ``scontrol show hostnames`` and TensorFlow's ``SlurmClusterResolver`` expand it)."""
+    """``"n[1-2],m5,o[03-04,6]"`` -> ``["n1", "n2", "m5", "o03", "o04", "o6"]``, as ``scontrol show hostnames``."""
     hosts: list[str] = []
     for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", hostlist):
         match = re.fullmatch(r"([^\[\]]*)(?:\[([^\]]+)\])?([^\[\]]*)", part)
@@ -164,8 +157,7 @@ def expand_tasks_per_node(text: str) -> list[int]:
 
 
 def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = None) -> RankLayout:
-    """Order the ranks and place them on their hosts, as docs/ranks.md (*Where the ranks run*) says. Pure. ``gpus``: the
-    GPUs every host is planned with, where the caller gave them."""
+    """Order the ranks and place them on their hosts (docs/ranks.md); pure. ``gpus``: the GPUs every host plans with."""
     if not reports:
         raise ValueError("no engine reported its host")
     launcher_ranks = [r.launcher_rank for r in reports]
@@ -229,8 +221,7 @@ def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> Ra
 
 @dataclass(frozen=True)
 class RankPlan:
-    """What one rank gets, as its framework's launcher would give it: its environment, its own ``devices`` (split on the
-    rank by ``ranks.hosts.prepare_rank``), then ``setup(*args)`` (``"module:function"``, run on the rank)."""
+    """What one rank gets, as its launcher gives it: environment, ``devices`` (split there), then ``setup(*args)``."""
 
     rank: int
     env: dict[str, str]
@@ -240,8 +231,7 @@ class RankPlan:
     notes: tuple[str, ...] = field(default=(), compare=False)
     #: The rank's devices as ``%vgpu_split`` would ask for them (``framework`` named); ``None``: nothing to split.
     devices: SplitRequest | None = None
-    #: It shares its GPU over NCCL: an MPS daemon, where one can run, lets the ranks' kernels run at once (without
-    #: one they are time-sliced and a collective's CTAs spin while their peers wait for the GPU).
+    #: It shares its GPU over NCCL: an MPS daemon lets the ranks' kernels run at once (else time-sliced, CTAs spin).
     mps: bool = False
     #: What the ranks only simulate, as :func:`~vgpu_magic.devices.simulated_line` says it (the same for every rank).
     simulated: tuple[str, ...] = field(default=(), compare=False)

@@ -15,8 +15,7 @@ from .runtime import NO_LONGER_CHANGE, RuntimeState, RuntimeWatcher, runtime_sta
 
 
 def remedy(label: str, line: str = "the split") -> str:
-    """What to do when the runtime already started: ``line`` is the split to run
-    after a restart (a ``%vgpu_split`` line, when one is known)."""
+    """What to do once the runtime started: ``line`` is the ``%vgpu_split`` line to run after a restart."""
     return (
         f"restart the kernel and run {line} before any {label} code, or make the split persistent "
         "(VGPU_MAGIC_SPLIT or c.VGPUMagics.split) so it is applied when the extension loads"
@@ -24,8 +23,7 @@ def remedy(label: str, line: str = "the split") -> str:
 
 
 def runtime_started_lines(label: str, culprit: str, runtime_word: str = "runtime") -> list[str]:
-    """The one wording of "the runtime already started" (``culprit``: :attr:`RuntimeState.culprit
-    <vgpu_magic.runtime.RuntimeState.culprit>`): what that means, and which cell did it."""
+    """The one wording of "the runtime already started" (``culprit``: the cell that did it) and what that means."""
     return [f"{label}'s {runtime_word} already started, so {NO_LONGER_CHANGE}.", f"started by: {culprit}"]
 
 
@@ -36,11 +34,8 @@ def as_sentence(line: str) -> str:
 
 @dataclass
 class SplitResult:
-    """What ``%vgpu_split`` / :func:`vgpu_magic.split` did. ``status`` is ``"applied"``, ``"unchanged"`` (already
-    configured exactly so), ``"planned"`` (dry run) or ``"blocked"`` (the runtime already started with a different
-    configuration; nothing changed, ``blocked_reason`` says why). ``devices`` and ``configuration`` are what the
-    framework has after the call (would have, for ``"planned"``); ``replaced`` names the split it replaced, e.g.
-    ``"3 logical CPUs"``; ``warnings`` what did not stop the call."""
+    """What ``%vgpu_split`` / :func:`vgpu_magic.split` did: ``status`` ``"applied"``, ``"unchanged"``, ``"planned"``
+    or ``"blocked"`` (``blocked_reason``); ``devices``, ``configuration`` after it; ``replaced``; ``warnings``."""
 
     status: str
     plan: SplitPlan
@@ -96,9 +91,7 @@ def _plural(n: int, word: str) -> str:
 
 
 def summary_lines(result: SplitResult) -> tuple[list[str], list[str]]:
-    """The one rendering of ``result`` for people: the lines that say what happened, and the
-    warnings (detail lines indented). The magic and the panel print them with
-    :func:`print_summary`; the API issues the warnings as one warning."""
+    """The one rendering of ``result`` for people: what happened, and the warnings (details indented)."""
     plan, caps, label = result.plan, result.capabilities, result.capabilities.label
     said: list[str] = []
     warned: list[str] = []
@@ -126,8 +119,7 @@ def summary_lines(result: SplitResult) -> tuple[list[str], list[str]]:
 
 
 def print_summary(result: SplitResult, quiet: bool = False) -> str:
-    """Print :func:`summary_lines` as the magic and the panel show them, and return it: what happened on stdout
-    (nothing when ``quiet``) after ``vgpu_magic:``, warnings on stderr after ``vgpu_magic warning:``."""
+    """Print :func:`summary_lines` (stdout after ``vgpu_magic:`` unless ``quiet``, warnings on stderr); return them."""
     said, warned = summary_lines(result)
     printed = []
     if said and not quiet:
@@ -147,8 +139,7 @@ def apply_plan(
     current: ConfigSnapshot | None = None,
     warnings: list[str] | None = None,
 ) -> SplitResult:
-    """Apply ``plan`` through ``framework``, or refuse it when ``runtime`` (the state checked just
-    before) started; ``current`` is the configuration the plan was made against (default: read again)."""
+    """Apply ``plan``, or refuse it when ``runtime`` started; ``current``: the configuration it was made against."""
     old = current if current is not None else framework.read_configuration()
     new = configuration_after(plan, old)
     caps = framework.capabilities
@@ -193,8 +184,7 @@ def execute(
     dry_run: bool = False,
     inventory: DeviceInventory | None = None,
 ) -> SplitResult:
-    """Plan ``request`` against this machine and apply it (what every face calls); an invalid
-    request raises :class:`PlanError` before any configuration is touched."""
+    """Plan ``request`` on this machine and apply it (every face); :class:`PlanError` before anything is touched."""
     fw = frameworks.select(request.framework) if inventory is None else frameworks.get(inventory.framework)
     inventory = fw.probe_inventory() if inventory is None else inventory
     plan_ = plan_split(request, inventory)

@@ -11,11 +11,9 @@ from .planner import MIN_MEMORY_MIB
 from .plans import FitVerdict
 from .report import code_spans
 
-#: Widgets' HTML inherits the height of one control row (28 px in JupyterLab): text that wraps
-#: would read double-spaced, so the panel's own text sets an ordinary line height.
+#: Widgets' HTML inherits a control row's height (28 px): wrapped text would read double-spaced.
 TEXT_STYLE = "line-height:1.4"
-#: Theme-aware banner: JupyterLab's warn colours with fallbacks for other front ends; the text keeps
-#: the front end's own colour, so it reads on light and dark themes alike.
+#: Theme-aware banner: JupyterLab's warn colours, with fallbacks; the text keeps the front end's colour.
 BANNER_STYLE = (
     "border-left:4px solid var(--jp-warn-color0, #e65100);"
     "background:var(--jp-layout-color2, rgba(230, 81, 0, 0.08));"
@@ -35,8 +33,7 @@ def gpu_key(gpu: GPUInfo) -> str:
 
 
 def opening_choice(inventory: DeviceInventory) -> tuple[str, int] | None:
-    """The device (dropdown value) and count the framework's live (or planned)
-    configuration already has, so the panel opens there; ``None``: nothing split yet."""
+    """The device (dropdown value) and count the configuration already has; ``None``: nothing split yet."""
     current = inventory.current
     if current is None:
         return None
@@ -67,8 +64,7 @@ def gpu_label(gpu: GPUInfo) -> str:
 
 
 def heading_html(label: str, notes: tuple[str, ...] | list[str], noun: str = "logical {kind}") -> str:
-    """The panel's first line, with the inventory's notes under it; ``noun`` is the framework's
-    word for a device of a split (:attr:`~vgpu_magic.devices.Capabilities.device_noun`)."""
+    """The panel's first line, the inventory's notes under it; ``noun``: the framework's word for a device."""
     shown = "".join(f"<div>note: {html.escape(n)}</div>" for n in notes)
     devices = noun.format(kind=label) + ("s" if noun.endswith("device") else " devices")
     return f"<b>vgpu_magic</b> — split a device into {html.escape(devices)}{shown}"
@@ -97,8 +93,7 @@ def magic_line_html(line: str | None, refusal: str = "") -> str:
 
 
 def banner_html(label: str, culprit: str, with_remedy: bool, runtime_word: str = "runtime") -> str:
-    """The "runtime already started" banner in :func:`~vgpu_magic.outcomes.runtime_started_lines`' words, with what
-    to do unless the output right below already says it."""
+    """The "runtime already started" banner, with what to do unless the output right below says it."""
     what, started_by = runtime_started_lines(html.escape(label), code_spans(culprit), runtime_word)
     lines = [f"<b>{what}</b>", as_sentence(started_by)]
     if with_remedy:

@@ -1,7 +1,6 @@
-"""Turn a split request into a validated :class:`SplitPlan`, or a precise error. The one place requests are
-validated, so no two faces can disagree. Pure: it reads a :class:`~vgpu_magic.devices.DeviceInventory` (plain data,
-with the framework's :class:`~vgpu_magic.devices.Capabilities` and configuration) and touches no framework. A plan the
-framework would refuse when its runtime starts is refused here. Memory is in MiB."""
+"""Turn a split request into a validated :class:`SplitPlan`, or a precise error: the one place requests are validated,
+so no two faces disagree. Pure: it reads a ``DeviceInventory`` and touches no framework; what the framework would refuse
+when its runtime starts is refused here. Memory is in MiB."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ def check_fit(limits: tuple[int, ...], gpu: GPUInfo, capabilities: Capabilities)
 
 
 def configuration_after(plan: SplitPlan, snap: ConfigSnapshot) -> ConfigSnapshot:
-    """The configuration ``plan`` produces from ``snap``. Equal to ``snap`` when
-    the plan asks for what is already there (an identical re-split)."""
+    """The configuration ``plan`` produces from ``snap`` (``snap`` itself for an identical re-split)."""
     logical = dict(snap.logical)
     visible = snap.visible_gpus if plan.visible_gpus is None else tuple(plan.visible_gpus)
     growth = snap.memory_growth
@@ -45,8 +43,7 @@ def _check_start_rules(plan: SplitPlan, inventory: DeviceInventory) -> None:
         for i, name in enumerate(after.gpu_names):
             grows = i < len(after.memory_growth) and after.memory_growth[i]
             if grows and i in after.visible_gpus and name not in after.logical and after.logical:
-                # TensorFlow turns growth off once any device has logical devices (context._compute_device_options),
-                # and a visible GPU with none configured is then preallocated whole.
+                # TensorFlow drops growth once any device is split: an unsplit visible GPU is preallocated whole.
                 raise PlanError(
                     f"memory growth is on for GPU {i}, and {label} drops it once any device is split (here the "
                     f"CPU), preallocating GPU {i} whole; keep the GPUs hidden (drop --visible), or restart the "
@@ -91,8 +88,7 @@ def plan_split(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
 
 
 def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
-    """The plan ``request`` stands for on ``inventory``, in the order a person checks it:
-    the words, the count, visibility and growth, then the device it splits."""
+    """``request``'s plan on ``inventory``, checked in order: words, count, visibility and growth, then device."""
     capabilities, label = inventory.capabilities, inventory.capabilities.label
     if request.others not in ("hide", "keep"):
         raise PlanError(f"--others {excerpt(request.others)} is not a choice; use hide or keep")
@@ -104,7 +100,6 @@ def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
         raise PlanError("--cpu and --gpu contradict each other; give one of them")
     gpu_index = 0 if request.gpu is None else request.gpu
     target = "gpu" if request.gpu is not None and request.target == "auto" else request.target
-    # The sizes asked for: one for every device, or one per device.
     memory = request.memory
     sizes = (memory,) if isinstance(memory, int) else None if memory is None else tuple(memory)
     if sizes == ():
@@ -220,8 +215,7 @@ def _gpu_plan(
 
 
 def _named(request: SplitRequest, capabilities: Capabilities, kind: str = "GPU", count: int = 0) -> dict[str, Any]:
-    """A split plan's words: the framework's name and phrase, the name the user gave it, and what ``count``
-    devices of one ``kind`` only simulate."""
+    """A plan's words: the framework's name and phrase, the user's name for it, what ``count`` devices simulate."""
     named = {"framework": capabilities.name, "framework_named": request.framework}
     return {**named, "split_phrase": capabilities.split_phrase, "simulated": split_simulates(capabilities, kind, count)}
 

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class SplitRequest:
-    """What the user asked for, before validation against the machine: ``%vgpu_split``'s options (see its help), with
-    ``target`` ``"auto"`` (the GPU if there is one), ``"gpu"`` or ``"cpu"``."""
+    """What the user asked for (``%vgpu_split``'s options); ``target``: ``"auto"``, ``"gpu"`` or ``"cpu"``."""
 
     #: ``None``: inferred (1, or the length of a memory list).
     count: int | None = None
@@ -75,8 +74,7 @@ class SplitPlan:
         return "; ".join(parts) or "no change"
 
     def magic_line(self) -> str:
-        """The ``%vgpu_split`` line a person would write for this plan: sizes only when they chose sizes, so the line
-        still works when free memory changes a little."""
+        """The ``%vgpu_split`` line for this plan: sizes only when chosen, so it survives changes of free memory."""
         words = ["%vgpu_split"]
         if self.splits:
             words.append(str(self.count))
@@ -92,8 +90,7 @@ class SplitPlan:
                     words += ["--gpu", str(self.physical_index)]
                 if self.visible_gpus is not None and len(self.visible_gpus) > 1:
                     words += ["--others", "keep"]
-        # Always spelled out (whether visibility is implied depends on the machine), except the
-        # "hide every GPU" that --cpu implies everywhere.
+                # Always spelled out (implied visibility depends on the machine), but the "hide every GPU" of --cpu.
         implied_by_cpu = self.cpu_forced and self.visible_gpus == ()
         if self.visible_gpus is not None and not implied_by_cpu:
             words += ["--visible", ",".join(str(i) for i in self.visible_gpus) or "none"]

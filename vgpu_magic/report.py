@@ -174,8 +174,7 @@ def _html_table(header: tuple[str, ...], rows: list[tuple[str, ...]], names: int
 
 
 def code_spans(text: str) -> str:
-    """``text`` escaped for HTML, with its `back-quoted` parts (the code of a culprit
-    cell) as ``<code>``, which every front end styles in its own theme."""
+    """``text`` escaped for HTML, its `back-quoted` parts (a culprit cell's code) as ``<code>`` (themed)."""
     return re.sub(r"`([^`\n]+)`", r"<code>\1</code>", html.escape(text))
 
 
@@ -211,14 +210,11 @@ class StatusReport:
             out.append(f"{s.devices_caption()}:")
             if s.cpu_devices():
                 out.append(f"  {s.cpu_line()}")
-            rows = s.gpu_rows()
-            if rows:
+            if rows := s.gpu_rows():
                 out += [f"  {line}" for line in _aligned([_HEADER, *rows], right_from=5)]
-            memory = s.memory_line()
-            if memory:
+            if memory := s.memory_line():
                 out.append(memory)
-            held = s.cpu_memory_rows()
-            if held:
+            if held := s.cpu_memory_rows():
                 out.append(f"{_MEMORY_CAPTION}:")
                 out += [f"  {line}" for line in _aligned([_MEMORY_HEADER, *held], right_from=1)]
             out.append(s.replicas_line())
@@ -233,8 +229,7 @@ class StatusReport:
         parts = ['<div class="vgpu-status">']
         for s in self.sections:
             state = code_spans(s.state())
-            # Inherit the front end's text colour (readable on every theme); a CUDA context held
-            # elsewhere is the one thing worth flagging.
+            # The front end's text colour (readable on every theme); only a CUDA context held elsewhere is flagged.
             flag = "⚠ " if s.runtime.cuda_holders else ""
             label = f"{s.label} {s.inventory.version or ''}".rstrip()
             parts.append(f"<p><b>{esc(label)}</b> — <span class='vgpu-state'>{flag}{state}</span></p>")
@@ -243,14 +238,11 @@ class StatusReport:
             parts += ["</ul>", f"<p><b>{esc(s.devices_caption())}</b></p>"]
             if s.cpu_devices():
                 parts.append(f"<p>{esc(s.cpu_line())}</p>")
-            rows = s.gpu_rows()
-            if rows:
+            if rows := s.gpu_rows():
                 parts.append(_html_table(_HEADER, rows, names=2))
-            memory = s.memory_line()
-            if memory:
+            if memory := s.memory_line():
                 parts.append(f"<p>{esc(memory[0].upper() + memory[1:])}</p>")
-            held = s.cpu_memory_rows()
-            if held:
+            if held := s.cpu_memory_rows():
                 parts.append(f"<p><b>{_MEMORY_CAPTION}</b></p>")
                 parts.append(_html_table(_MEMORY_HEADER, held, names=1))
             heading, _, text = s.replicas_line().partition(": ")
@@ -282,15 +274,13 @@ def collect_framework(fw, watcher=None) -> FrameworkStatus:
         for name, cap in zip(devices, caps):
             r = readings.get(name, {})
             logical.append(LogicalDeviceStatus(name, physical, cap, r.get("current"), r.get("peak")))
-    # A framework that cannot split a process uses one device in it.
     words = fw.capabilities
     replicas = len(snap.replica_devices(words.replicas_on_split_cpu)) if words.splits_in_process else 1
     return FrameworkStatus(inventory, runtime, logical, replicas, snap.visible_gpus, host, list(inventory.notes))
 
 
 def collect_status(watcher=None, framework: str | None = None) -> StatusReport:
-    """Every imported framework's section (the named one only, when given; PyTorch's in a kernel that imported
-    only PyTorch; the selected one when none is imported). Never starts a runtime."""
+    """Every imported framework's section (``framework``'s, or the selected one if none); never starts a runtime."""
     from . import frameworks
 
     imported = frameworks.imported() or [fw for fw in frameworks.all_frameworks() if fw.imported()]

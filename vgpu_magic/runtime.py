@@ -20,9 +20,7 @@ NO_LONGER_CHANGE = "devices can no longer change"
 def cuda_context_holders(
     nvml_holders: dict[int, set[int]] | None = None, exclude: str = "", started_by: dict[str, CellRef] | None = None
 ) -> tuple[str, ...]:
-    """The labels of the frameworks (already imported) that hold a CUDA context in this process (each answers for
-    itself), with the line that started it where ``started_by`` knows it. ``nvml_holders`` (NVML index -> PIDs) may be
-    passed in; ``exclude`` names the framework being configured (its own context is not a problem for it)."""
+    """The labels of imported frameworks holding a CUDA context here (but ``exclude``), with the line that did it."""
     known = started_by or {}
     holders = frameworks.cuda_context_holders(exclude=exclude)
     found = [fw.label + (f" (since {known[fw.name]})" if fw.name in known else "") for fw in holders]
@@ -98,8 +96,7 @@ def _shortened(line: str) -> str:
     return line if len(line) <= 80 else line[:77] + "..."
 
 
-#: What a watcher knew, kept across ``%reload_ext vgpu_magic`` (which re-imports the
-#: package, not this module): shell id -> (started_by, started_before_load).
+#: What a watcher knew, across ``%reload_ext`` (this module is not re-imported): shell id -> its two sets.
 _CARRIED: dict[int, tuple[dict[str, CellRef], set[str]]] = {}
 
 
@@ -109,8 +106,7 @@ def _imported():
 
 
 class RuntimeWatcher:
-    """Notes, per framework, the cell and the line in it that started its runtime (each framework calls
-    :meth:`_starting` then); register :meth:`pre_run_cell` and :meth:`post_run_cell` on ``shell.events``."""
+    """Notes the cell and line that started each framework's runtime; register its ``pre/post_run_cell`` events."""
 
     def __init__(self, shell=None) -> None:
         self.shell = shell
@@ -149,8 +145,7 @@ class RuntimeWatcher:
         self._watching.clear()
 
     def _starting(self, name: str) -> None:
-        """``name``'s runtime is starting: note the running cell's line that started it (the cell's own frame on the
-        stack: the one IPython's ``run_code`` runs), if a cell runs."""
+        """``name``'s runtime is starting: note the running cell's line that did it (its frame under ``run_code``)."""
         self._watching.pop(name, None)
         shell_module = sys.modules.get("IPython.core.interactiveshell")
         if shell_module is None or self._current_line is None:
@@ -178,8 +173,7 @@ class RuntimeWatcher:
         self._current_line = first_line(self._current_source)
 
     def _running_count(self) -> int | None:
-        """The execution count of the cell running now: that of the result IPython is filling in
-        (``shell.execution_count`` is incremented before ``pre_run_cell`` in IPython 9, after in 8)."""
+        """The running cell's execution count, from IPython's result (``execution_count`` moves between versions)."""
         if self.shell is None or not self._current_stored:
             return None
         result = getattr(getattr(self.shell, "displayhook", None), "exec_result", None)
@@ -194,8 +188,7 @@ class RuntimeWatcher:
                 self.started_by[fw.name] = CellRef(count, first_line(getattr(info, "raw_cell", "") or ""))
 
     def state(self, framework=None, check_cuda: bool = True) -> RuntimeState:
-        """The state of ``framework`` (a :class:`~vgpu_magic.frameworks.Framework` or a name; default: the selected
-        one). Called mid-cell, it blames the running cell if the runtime started since the cell began."""
+        """``framework``'s state (default: the selected one); mid-cell, the running cell is blamed for a new start."""
         fw = _resolve(framework)
         started_by = self.started_by.get(fw.name)
         before_load = fw.name in self.started_before_load
@@ -224,8 +217,7 @@ def running_cell() -> int | None:
 
 
 def activate(watcher: RuntimeWatcher) -> None:
-    """Make ``watcher`` the one every face and the API ask (``load_ipython_extension``), and have every framework
-    imported from now on imported its way and watched (:class:`_FrameworkImports`)."""
+    """Make ``watcher`` the one every face asks, and watch every framework imported from now on."""
     global _active
     _active = watcher
     _remove_finder()
@@ -246,8 +238,7 @@ def _remove_finder() -> None:
 
 
 class _FrameworkImports(importlib.abc.MetaPathFinder):
-    """Imports each framework's module, whoever imports it first, under its framework's
-    :meth:`~vgpu_magic.frameworks.base.Framework.importing`, then has the active watcher watch its runtime start."""
+    """Imports each framework under its :meth:`~.frameworks.base.Framework.importing`, then watches its start."""
 
     def __init__(self) -> None:
         self._finding = False
@@ -270,8 +261,7 @@ class _FrameworkImports(importlib.abc.MetaPathFinder):
 
 
 def _resolvable(entry: Any, importing: str) -> bool:
-    """Can a registry entry (``"module:attr"``) be resolved while ``importing`` is found? Not when its module is
-    the one being imported (it would run twice) or is still running (its attribute is not there yet)."""
+    """Can a ``"module:attr"`` entry resolve while ``importing`` is found (not its module, nor one still running)?"""
     module = str(entry).partition(":")[0] if isinstance(entry, str) else ""
     running = getattr(getattr(sys.modules.get(module), "__spec__", None), "_initializing", False)
     return not (module.split(".")[0] == importing or running)

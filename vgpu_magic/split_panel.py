@@ -46,8 +46,7 @@ _MIB_SLIDER = {**_SLIDER, "min": MIN_MEMORY_MIB, "readout_format": "d"}
 
 
 class SplitPanel:
-    """Widgets that build a :class:`~vgpu_magic.planner.SplitRequest` and apply it; ``root`` is the box displayed,
-    ``configuration`` reads what the framework has once its runtime started."""
+    """Widgets that build a ``SplitRequest`` and apply it; ``root``: the box shown; ``configuration``: the live one."""
 
     def __init__(
         self,
@@ -94,8 +93,7 @@ class SplitPanel:
         options.append((cpu_label, CPU_KEY))
         self.target = widgets.Dropdown(options=options, value=options[0][1], description="Split", style=_WIDE)
         self.target.layout.width = "50em"
-        # The slider has no readout of its own: the typed box is the one number shown, so the two can
-        # never disagree (the slider stops at 16; larger counts are typed, and the planner says what is allowed).
+        # No readout: the typed box is the one number shown (the slider stops at 16), so the two never disagree.
         self.count_slider = widgets.IntSlider(
             value=1, min=1, max=SLIDER_MAX_DEVICES, description="Logical devices", readout=False, **_SLIDER
         )
@@ -172,8 +170,7 @@ class SplitPanel:
         memory = limits[0] if len(set(limits)) == 1 else limits
         even = not self.custom.value and self.even_memory.value == self._even_default()
         if even and usable_mib(gpu, self.capabilities) is not None:
-            # The even split the planner would choose: the line is written without sizes, so it
-            # still works when free memory changes a little.
+            # The planner's even split: the line without sizes still works when free memory changes a little.
             memory = None
         return SplitRequest(count=self.count, memory=memory, gpu=gpu.index, framework=self.framework_named)
 
@@ -220,15 +217,13 @@ class SplitPanel:
         return panel_text.slider_capacity_mib(self.gpu, None if verdict is None else verdict.usable_mib)
 
     def _even_default(self) -> int:
-        """The planner's even share of the chosen GPU (what ``%vgpu_split N`` gives each device); where NVML
-        cannot tell, an even share of the slider range."""
+        """The planner's even share of the chosen GPU (as ``%vgpu_split N``), else an even share of the slider range."""
         count, gpu = max(self.count, 1), self.gpu
         share = None if gpu is None else even_share_mib(gpu, self.capabilities, count)
         return max(self._capacity_mib() // count if share is None else share, MIN_MEMORY_MIB)
 
     def _fit_memory_controls(self, change=None) -> None:
-        """Re-range the memory sliders for the chosen device and count; the even
-        split goes back to the largest that fits, (free - reserve) // count."""
+        """Re-range the memory sliders for the chosen device and count; the even split back to the largest that fits."""
         capacity, each = self._capacity_mib(), self._even_default()
         with self.even_memory.hold_trait_notifications():  # validated together: nothing clamped on the way
             self.even_memory.max = each
@@ -266,8 +261,7 @@ class SplitPanel:
             self.apply_button.disabled = self.locked
 
     def _open_on_current(self, unsplit: bool = False) -> None:
-        """Start from the framework's live (or planned) configuration, not from 1 device;
-        ``unsplit``: an unconfigured framework shows its one device (the locked panel's)."""
+        """Start from the framework's live (or planned) configuration; ``unsplit``: else from its one device."""
         opening = panel_text.opening_choice(self.inventory)
         if opening is None and unsplit:
             opening = (self.target.value if self.inventory.gpus else CPU_KEY), 1
@@ -275,22 +269,19 @@ class SplitPanel:
             self.target.value, self.count_text.value = opening
 
     def refresh(self, check_cuda: bool = True) -> RuntimeState:
-        """Check whether the framework's runtime started; if so, disable the
-        controls and show the banner: what happened, which cell, what to do."""
+        """Whether the framework's runtime started; if so, disable the controls and show the banner."""
         state = runtime_state(self.watcher, self.inventory.framework, check_cuda=check_cuda)
         if state.started and not self.locked:
             self._lock(state, with_remedy=True)
         return state
 
     def _notice_start(self, change=None) -> None:
-        """A panel shown before the runtime started notices it as soon as it is used,
-        not only at Apply (the CUDA check, which may ask NVML, waits for Apply)."""
+        """Notice a runtime start as soon as the panel is used (the CUDA check, which may ask NVML, waits for Apply)."""
         if not self.locked:
             self.refresh(check_cuda=False)
 
     def _lock(self, state: RuntimeState, with_remedy: bool) -> None:
-        """Disable every control and show the banner, in short lines. ``with_remedy=False`` when
-        Apply's output just below already says what to do (said once, not twice)."""
+        """Disable every control and show the banner; ``with_remedy=False`` where Apply's output says what to do."""
         self.locked = True
         # What the framework has from now on: the controls show it, and "Same as" reproduces it.
         if self._configuration is not None:
@@ -305,8 +296,7 @@ class SplitPanel:
             widget.disabled = True
 
     def apply(self) -> SplitResult | None:
-        """Plan and apply what the widgets say, printing what the magic prints; the
-        :class:`~vgpu_magic.outcomes.SplitResult`, or ``None`` when the planner refused (its message printed)."""
+        """Plan and apply what the widgets say, printing what the magic prints; ``None`` when the planner refused."""
         self.last_result = None
         try:
             result = execute(self.request(), self.watcher, inventory=self.inventory)
@@ -328,8 +318,7 @@ class SplitPanel:
 
 
 def panel(watcher: RuntimeWatcher | None = None, framework: str | None = None) -> SplitPanel:
-    """The split panel for this machine's devices, as ``%vgpu_split --framework`` picks
-    ``framework`` (a name or alias of the registry). Imports the framework; never starts its runtime."""
+    """The split panel for ``framework`` (as ``%vgpu_split --framework`` picks it); never starts its runtime."""
     chosen = frameworks.select(framework)
     named = chosen.name if framework is not None else None
     return SplitPanel(chosen.probe_inventory(), watcher, framework_named=named, configuration=chosen.read_configuration)

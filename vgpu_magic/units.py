@@ -37,8 +37,7 @@ def format_bytes(n: int | float | None, unit: str | None = None) -> str:
 
 
 def joined_alike(parts: list[tuple[str, ...]], between: str) -> list[str]:
-    """``(label, text[, group])`` tuples as ``label + between + text``; three or more in a row alike but for the
-    label become one: ``'CPU:0…CPU:7, each' + between + text``."""
+    """``(label, text[, group])`` as ``label + between + text``; three or more alike in a row as one label."""
     out: list[str] = []
     for _, alike in itertools.groupby(parts, key=lambda part: part[1:]):
         run = list(alike)
@@ -100,8 +99,7 @@ def parse_seconds(
     option: str = "--interval",
     example: str = "0.05",
 ) -> float:
-    """Seconds in ``[minimum, maximum]`` written with ASCII digits (``0.05``) or, for an ``option`` of the Python API
-    (``"interval="``), a real number (not a bool, not text); else :class:`PlanError`."""
+    """Seconds in ``[minimum, maximum]`` in ASCII digits or, for an API ``option``, a real number; else PlanError."""
     if option.endswith("="):
         valid = isinstance(text, numbers.Real) and not isinstance(text, bool)
     else:

@@ -73,8 +73,7 @@ def all_frameworks() -> list[Framework]:
 
 
 def imported() -> list[Framework]:
-    """The imported frameworks that split devices in this process (not PyTorch), ``KERAS_BACKEND``'s first (Keras
-    on JAX imports TensorFlow too, for its data tools)."""
+    """The imported frameworks that split devices in this process, ``KERAS_BACKEND``'s first (Keras imports TF too)."""
     backend = _keras_backend()
     found = [fw for fw in all_frameworks() if fw.capabilities.splits_in_process and fw.imported()]
     return sorted(found, key=lambda fw: fw.name != backend)
@@ -97,8 +96,7 @@ def cuda_context_holders(exclude: str = "") -> list[CudaUser]:
 
 
 def select(requested: str | None = None) -> Framework:
-    """The framework named, else among those that split devices in one process the one imported, else installed,
-    else ``KERAS_BACKEND``'s, else :data:`DEFAULT`."""
+    """The framework named, else the in-process one imported, else installed, else ``KERAS_BACKEND``'s, else DEFAULT."""
     if requested:
         return get(requested)
     backend = _keras_backend()

@@ -16,9 +16,7 @@ def checked_places(
     backend: str | None = None,
     capabilities: Capabilities | None = None,
 ) -> tuple[tuple[RankPlace, ...], bool]:
-    """``layout``'s places and whether each has a GPU, or :class:`ValueError`: ``refused[on_gpu]`` (``{split}`` and
-    the rank count ``{n}`` filled in) where the framework cannot split there, a ``backend`` its ranks do not take
-    (``capabilities.rank_backends``) or NCCL without a GPU, else ``check_rank_request``'s."""
+    """``layout``'s places and whether each has a GPU; :class:`ValueError` (``refused[on_gpu]``) where they cannot."""
     places = layout.places
     on_gpu = all(p.gpu for p in places)
     if split is not None and on_gpu in refused:
@@ -35,10 +33,8 @@ def checked_places(
 
 
 def shared_gpu_channels(layout: RankLayout, label: str, instead: str) -> dict[int, int]:
-    """NCCL's channels (``NCCL_MAX_CTAS``) for each rank that shares its GPU, by rank (none where each has its own):
-    its share of the GPU's SMs, at most 32, so that every rank's spinning CTAs are resident at once (more can hang:
-    a rank's collective waits on a peer's CTAs that cannot be scheduled); an unknown SM count is taken as 16, the
-    smallest MIG slice of an H100. :class:`ValueError`, with ``instead``, where their NCCL cannot share a GPU."""
+    """NCCL's channels by rank for ranks sharing a GPU: their share of its SMs (unknown: 16), at most 32, so all their
+    spinning CTAs are resident (more can hang). :class:`ValueError`, with ``instead``, where NCCL cannot share a GPU."""
     shared = [p for p in layout.places if p.gpu_shared_by > 1]
     old = [p for p in shared if p.nccl is None or p.nccl < MULTI_RANK_NCCL]
     if old:
@@ -53,6 +49,5 @@ def shared_gpu_channels(layout: RankLayout, label: str, instead: str) -> dict[in
 
 
 def shared_gpu_env(channels: int) -> dict[str, str]:
-    """What a rank sharing its GPU needs from NCCL 2.30+: its experimental multi-rank mode, NVLS off (NCCL requires
-    it in that mode) and ``channels`` CTAs at most (:func:`shared_gpu_channels`)."""
+    """What a rank sharing its GPU needs from NCCL 2.30+: multi-rank mode, NVLS off, at most ``channels`` CTAs."""
     return {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_NVLS_ENABLE": "0", "NCCL_MAX_CTAS": str(channels)}

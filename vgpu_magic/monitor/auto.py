@@ -1,7 +1,6 @@
-"""Automatic monitoring: ``keras.Model.fit``/``evaluate``/``predict`` wrapped to append a fresh
-:class:`~vgpu_magic.monitor.callback.MemoryMonitor`, unless the call has one, runs inside a monitored call or gets
-Keras' own ``CallbackList``. :meth:`~AutoMonitoring.disable` restores only what is still its own: another tool's
-later patch stays, and this wrapper inside it passes through. Importing this module imports no Keras."""
+"""Automatic monitoring: ``keras.Model.fit``/``evaluate``/``predict`` wrapped to add a fresh ``MemoryMonitor`` unless
+the call has one, runs in a monitored call or gets Keras' own ``CallbackList``; :meth:`~AutoMonitoring.disable` undoes
+only what is still its own (another tool's later patch stays). Importing this module imports no Keras."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ _MISSING = object()
 
 
 class AutoMonitoring:
-    """Patches ``keras.Model`` so that every ``fit``/``evaluate``/``predict`` is monitored by a monitor
-    from ``factory()`` (by default ``MemoryMonitor(**options)``)."""
+    """Patches ``keras.Model`` so every ``fit``/``evaluate``/``predict`` is monitored by ``factory()``'s monitor."""
 
     def __init__(self, factory: Callable[[], Any] | None = None) -> None:
         self._factory, self._model_class = factory, None

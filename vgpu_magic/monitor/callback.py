@@ -1,8 +1,6 @@
 """The Keras face: :class:`MemoryMonitor`, a Keras callback over :class:`~vgpu_magic.monitor.session.MonitorSession`.
-
-It imports no Keras: Keras 3 takes any object with the callback methods. Steps are noted in the ``on_*_batch_begin``
-hooks, which Keras calls on the training thread with no logs. The ``on_*_batch_end`` hooks are marked as Keras' own
-defaults, so Keras keeps handing batch-end logs to callbacks on a worker thread instead of making every step wait."""
+It imports no Keras (Keras 3 takes any object with the callback methods). Steps are noted in ``on_*_batch_begin``, on
+the training thread; the ``on_*_batch_end`` hooks are marked as Keras' defaults, so batch-end logs need no wait."""
 
 from __future__ import annotations
 
@@ -45,8 +43,7 @@ class MemoryMonitor(MonitorSession):
         self._model = model
 
     def set_params(self, params: dict) -> None:
-        # Keras sets params once per fit/evaluate/predict call, not for the
-        # evaluate that a fit runs for validation: that tells nested from new.
+        # Keras sets params per fit/evaluate/predict call, not for a fit's validation: nested or new.
         self.params = params
         self._fresh = True
 

@@ -13,8 +13,7 @@ from typing import Any
 
 __all__ = ["DISPLAY_MODES", "DisplaySurface", "MemoryFrame", "detect_frontend", "interrupts_deferred"]
 
-#: ``display=`` values: ``"auto"`` (a live plot in a Jupyter kernel, text elsewhere), ``"rich"`` (the live plot),
-#: ``"text"`` (per-epoch lines) or ``"none"`` (record only).
+#: ``display=``: ``"auto"`` (live plot in Jupyter, else text), ``"rich"``, ``"text"`` (per epoch) or ``"none"``.
 DISPLAY_MODES = ("auto", "rich", "text", "none")
 
 
@@ -49,8 +48,7 @@ class MemoryFrame:
 
 
 class DisplaySurface:
-    """One output, shown once through ``display(obj, display_id=True) -> handle`` (IPython's by default),
-    then updated in place through ``handle.update(obj)``."""
+    """One output, shown once (``display(obj, display_id=True) -> handle``), then updated by ``handle.update(obj)``."""
 
     def __init__(self, display: Callable[..., Any] | None = None) -> None:
         if display is None:
@@ -67,9 +65,7 @@ class DisplaySurface:
 
 @contextlib.contextmanager
 def interrupts_deferred() -> Iterator[list[int]]:
-    """Hold back ``SIGINT`` (a kernel interrupt) in the main thread for the duration, recording what
-    arrived: for the final image drawn when a cell ended, where an interrupt has nothing left to stop and
-    would lose the frame with a traceback from an event hook. Elsewhere it does nothing."""
+    """Hold back ``SIGINT`` in the main thread, recording it: a final image must not die in an event hook."""
     arrived: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield arrived

@@ -19,8 +19,7 @@ from .trace import MemoryTrace
 from .views import DARK_PALETTE, PALETTE, RedrawThrottle, View, panel_top, summary_line, title_text
 
 WIDGET_INSTALL_HINT = "pip install 'vgpu_magic[widgets]'"
-#: A live panel keeps its unit while its largest figure reads in four digits in it ("3121 KiB"): a unit picked
-#: afresh from each update's largest figure rescaled every label mid-fit (KiB, then MiB).
+#: A live panel keeps its unit while its largest figure reads in four digits in it ("3121 KiB"), not rescaled.
 KEPT_UNIT_DIGITS = 4
 #: Seconds of the run the live title's step rate is measured over (Keras' and tqdm's bars average theirs too).
 RATE_WINDOW_S = 5.0
@@ -66,8 +65,7 @@ def _title(trace: MemoryTrace) -> str:
 
 
 def _progress(trace: MemoryTrace) -> str:
-    """``'step 340 · 85.0 steps/s'``, as Keras' and tqdm's bars count (the rate over the last
-    :data:`RATE_WINDOW_S`); nothing where the run counts no steps."""
+    """``'step 340 · 85.0 steps/s'``, the rate over :data:`RATE_WINDOW_S`; nothing where the run counts no steps."""
     if not len(trace) or not (trace.epochs_total or trace.step[-1]):
         return ""
     times, steps = trace.time, trace.step
@@ -94,11 +92,8 @@ def _series(trace: MemoryTrace) -> list[dict[str, Any]]:
 
 
 class LiveMemoryView(View):
-    """Feeds a ``MemoryWidget`` on ``surface`` (a :class:`~vgpu_magic.monitor.display.DisplaySurface`) and
-    leaves the final image (:func:`static_image`) there, drawn when ``defer(draw)`` says (e.g. at the cell's end,
-    so it does not count against the run). ``widget(**traits)`` builds the widget (tests pass a fake).
-    ``update_costs`` and ``update_times`` keep the latest :data:`~vgpu_magic.monitor.recorder.KEPT_COSTS` updates'
-    kernel seconds (the thread's CPU time) and starts, ``final_cost`` the final image's, for the benchmark."""
+    """Feeds a ``MemoryWidget`` (``widget(**traits)``) on ``surface`` and leaves the final image there when ``defer``
+    says; ``update_costs``, ``update_times``, ``final_cost``: the updates' kernel CPU seconds, for the benchmark."""
 
     def __init__(
         self,
@@ -183,8 +178,7 @@ class LiveMemoryView(View):
         ):
             if getattr(self.widget, name) != value:
                 setattr(self.widget, name, value)
-        # The kernel's own work (this thread's CPU time): on a busy machine the wall clock
-        # would also count the time other processes had the core, and starve the view.
+                # This thread's CPU time: a busy machine's wall clock counts other processes' time and starves the view.
         cost = time.thread_time() - cpu
         self.throttle.record(start, cost)
         self.update_costs.append(cost)

@@ -32,8 +32,7 @@ _EPOCH = {"fontsize": _NOTE_PT, "color": _CARD_TEXT, "bbox": {"facecolor": _CARD
 
 _PANEL_TITLES = {"device": "device memory", "process": "process RSS"}
 
-#: The lines of one panel, in turn (as live.js): series that differ somewhere but overlap
-#: elsewhere stay apart by their dashes, never by moving them.
+#: The lines of one panel, in turn (as live.js): overlapping series stay apart by their dashes, never moved.
 DASHES = ("-", (0, (7, 3)), (0, (2, 2)), (0, (7, 3, 2, 3)))
 
 
@@ -66,9 +65,7 @@ def _style(ax: Any) -> None:
 
 
 class MemoryFigure:
-    """The static figure of one trace: ``axes`` per panel, ``groups`` the series drawn as one line
-    (:func:`~vgpu_magic.monitor.views.alike_groups`), ``lines`` and ``peak_lines`` each group's,
-    ``legend``, ``title``, ``vax`` the variables panel (``None`` without variables)."""
+    """The static figure of one trace: ``axes`` per panel, the series ``groups``, their lines, ``legend``, ``vax``."""
 
     def __init__(self, trace: MemoryTrace, dpi: int = DPI) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -150,8 +147,7 @@ class MemoryFigure:
                 + [0.0]
             )
             ax.set_xlim(0, xmax)
-            # A process's memory starts far from 0 (the interpreter, its imports): from 0, growth looks flat.
-            # Its lowest reading of a process still there is the floor (a rank that ended reads 0, below it).
+            # RSS starts far from 0: the floor is a live process' lowest reading (from 0, growth looks flat).
             low = min([float(v[v > 0].min()) for v in (values[i] for i in members) if (v > 0).any()] or [0.0])
             span = max(top - low, 0.05 * top) if panel == "process" else top
             low = max(0.0, low - 0.15 * span) if panel == "process" else 0.0

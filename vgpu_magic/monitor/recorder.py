@@ -1,19 +1,12 @@
 """The recorder: samples memory into a :class:`MemoryTrace` and feeds a view; knows nothing of Keras. With
-``background=True`` a thread of the recorder samples every ``interval`` and feeds the view; the
-training thread's hooks only say which step and epoch it is. Training does not call back at a steady pace
-(Keras' first step of an epoch, a big model's step, a JAX loop dispatching ahead hold the training thread
-for seconds: an unpaced ``MirroredStrategy`` fit fed from its hooks updated 2.2 times a second, in bursts).
-The run's start, each epoch's end and the run's end are sampled on the caller's thread.
+``background=True`` its thread samples every ``interval`` and feeds the view, as training does not call back at a
+steady pace (a hook-fed ``MirroredStrategy`` fit updated 2.2 times a second, in bursts); the training thread's hooks
+only say the step and epoch. The run's start, each epoch's end and the run's end are sampled on the caller's thread.
+A ``training_thread_only`` sampler (JAX's live arrays) is sampled by the hooks alone, at most every ``interval``.
 
-A sampler whose reader must be read on the training thread (``training_thread_only``: JAX's count of live
-arrays) is sampled by the hooks alone, at most every ``interval``; the thread ends (or never starts) then,
-rather than wake to wait for them.
-
-Devices join: a provisional sampler (no runtime ran at the start) reads the process alone and says, cheaply,
-whether a runtime started since (``sampler.joinable()``); each sample on the training thread asks, and then a
-sampler again, so the devices join the trace at that sample (0 B in the rows before). Allocators keep their own
-peaks, which nothing resets. A view or sampler that fails is reported once and switched off, never raising into
-the training loop."""
+Devices join: a provisional sampler (no runtime at the start) reads the process alone until ``sampler.joinable()``
+says a runtime started; the next sample asks for a sampler again (0 B in the rows before). Allocators keep their own
+peaks. A view or sampler that fails is reported once and switched off, never raising into the training loop."""
 
 from __future__ import annotations
 
@@ -35,8 +28,7 @@ KEPT_COSTS = 4096
 
 
 class RecorderStats:
-    """Samples taken and the kernel's seconds spent reading them (the
-    sampling thread's CPU time); ``costs`` keeps the latest :data:`KEPT_COSTS`."""
+    """Samples taken and the sampling thread's CPU seconds; ``costs`` keeps the latest :data:`KEPT_COSTS`."""
 
     def __init__(self) -> None:
         self.costs: deque[float] = deque(maxlen=KEPT_COSTS)
@@ -54,9 +46,7 @@ def print_report(message: str) -> None:
 
 
 class MemoryRecorder:
-    """Records one run at a time; :meth:`start` begins the next with a fresh trace. ``sampler_factory()`` returns a
-    :class:`~vgpu_magic.monitor.sampler.DeviceSampler` (or its shape), asked again once its ``joinable()`` says so;
-    ``variables(sampler)``: the variables' bytes per device, or ``None``; ``report``: where problems go."""
+    """Records one run at a time from ``sampler_factory()``'s sampler (asked again once it is ``joinable()``)."""
 
     def __init__(
         self,
@@ -161,8 +151,7 @@ class MemoryRecorder:
             thread.join()
 
     def tick(self, step: int | None = None) -> None:
-        """Call at every step: notes it, lets devices join (see the module docstring), and samples when ``interval``
-        passed and no thread samples."""
+        """At every step: note it, let devices join, and sample when ``interval`` passed and no thread samples."""
         if step is not None:
             self.step = step
         now = self.clock()
@@ -195,8 +184,7 @@ class MemoryRecorder:
             self._view_call("sampled", self.trace, now)
 
     def _maybe_join(self) -> bool:
-        """Devices of a runtime that started since: into the trace, 0 B before; whether they joined. Only on the
-        training thread: asking a framework from another thread while this one imports it can deadlock the import."""
+        """Add the devices of a runtime started since (0 B before); whether they joined. Training thread only."""
         joinable = getattr(self._sampler, "joinable", None)
         if not (self.active and joinable is not None and joinable()):
             return False

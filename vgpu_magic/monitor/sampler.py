@@ -1,7 +1,5 @@
-"""Reading memory per device, through the framework seam (nothing here names a framework). Each logical GPU is one
-series with its cap; logical CPUs are one series each, or ONE "host allocator" series where the framework says they
-share one (``Capabilities.cpus_share_allocator``); the ``"process"`` series adds the process' resident memory (RSS),
-true where an allocator keeps no statistics."""
+"""Reading memory per device through the framework seam: each logical GPU is one series with its cap; logical CPUs
+one each, or ONE "host allocator" series (``Capabilities.cpus_share_allocator``); the ``"process"`` series is RSS."""
 
 from __future__ import annotations
 
@@ -47,8 +45,7 @@ def build_series(
     shared_cpus: bool = True,
     process: bool | None = False,
 ) -> tuple[SeriesInfo, ...]:
-    """The series for ``devices`` (see the module docstring); the ``"process"`` series when
-    ``process`` (``None``: when a CPU is watched)."""
+    """The series for ``devices``; the ``"process"`` series when ``process`` (``None``: when a CPU is watched)."""
     caps = caps or {}
     devices = list(dict.fromkeys(normalize_device(d) for d in devices))
     cpus = tuple(d for d in devices if _device_type(d) == "CPU")
@@ -66,8 +63,7 @@ def build_series(
 def monitored_devices(
     framework: Any, devices: Iterable[str] | None = None, model: Any = None, strategy: Any = None
 ) -> list[str]:
-    """``devices``, or else every replica device of the framework's configuration plus those of
-    ``strategy`` (or ``model.distribute_strategy``), so a model without a strategy shows them all."""
+    """``devices``, else every replica device of the configuration and of ``strategy`` (or the model's)."""
     if devices is not None:
         names = [normalize_device(d) for d in devices]
         if not names:
@@ -82,8 +78,7 @@ def monitored_devices(
 
 
 def process_memory_reader() -> Callable[[], tuple[int, int]]:
-    """``read() -> (rss, peak_rss)`` in bytes for this process, from psutil; the peak is the
-    operating system's high-water mark (``ru_maxrss``, or the peak working set)."""
+    """``read() -> (rss, peak_rss)`` of this process in bytes (psutil; the peak: the OS's high-water mark)."""
     import psutil
 
     info = psutil.Process().memory_info
@@ -102,8 +97,7 @@ def process_memory_reader() -> Callable[[], tuple[int, int]]:
 
 
 def variable_bytes(framework: Any, variables: Iterable[Any], devices: Sequence[str] = ()) -> dict[str, int]:
-    """Bytes of ``variables`` on each logical device, each part where the framework places it
-    (:meth:`~vgpu_magic.frameworks.base.Framework.variable_bytes`); ``devices`` first, 0 where nothing lives."""
+    """Bytes of ``variables`` on each logical device, as the framework places them; ``devices`` first, 0 where none."""
     out = {normalize_device(d): 0 for d in devices}
     for variable in {id(v): v for v in variables}.values():
         for device, size in framework.variable_bytes(variable).items():
@@ -122,12 +116,9 @@ PROCESS_EVERY = 0.5
 
 
 class DeviceSampler:
-    """Reads ``(current, peak)`` bytes of every series: the device series through ``reader(names)``
-    (a framework's :meth:`~vgpu_magic.frameworks.base.Framework.memory_reader`, given ``"GPU:0"``-style
-    names), the process series (last) through ``process()``, at most every :data:`PROCESS_EVERY` seconds:
-    RSS moves slowly, its peak is the system's own, and a read costs as much as four allocators'.
-    A provisional sampler (made before any runtime ran) has ``joinable()``, asked before each sample on the
-    training thread: true once a runtime started, and the recorder asks for a sampler again (devices join)."""
+    """Reads ``(current, peak)`` bytes of every series: the devices' through ``reader(names)``, the process' (last)
+    through ``process()`` at most every :data:`PROCESS_EVERY` s (RSS moves slowly; a read costs four allocators').
+    ``joinable()`` of a provisional sampler says a runtime started (the recorder asks for a sampler again)."""
 
     def __init__(
         self,

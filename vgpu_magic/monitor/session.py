@@ -109,8 +109,7 @@ class MonitorSession:
         return next((fw for fw in found if fw.runtime_started()), None)
 
     def _make_sampler(self) -> DeviceSampler:
-        """Every device of the framework whose runtime runs; while none runs, the process' RSS alone,
-        provisionally (the recorder asks again at the first sample after one started)."""
+        """Every device of the running framework; until one runs, the process' RSS alone (provisionally)."""
         framework = self._running_framework()
         if framework is None:
             if self._devices is not None:
@@ -184,8 +183,7 @@ class MonitorSession:
         self._depth = 1
         self._epoch_base = self._next_step = 0
         params = self._run_params()
-        # The cell hook first: an interrupt landing anywhere after the view
-        # appeared still gets the run closed and its final image drawn.
+        # The cell hook first: an interrupt after the view appeared still closes the run and draws its image.
         self._watch_cell()
         self._recorder.view = self._make_view()
         self._joining = False
@@ -210,8 +208,7 @@ class MonitorSession:
             self._unwatch_cell()
 
     def _watch_cell(self) -> None:
-        """End the run with its cell at the latest (an interrupted ``fit`` still gets its final image),
-        and draw final images there, after the training."""
+        """End the run with its cell at the latest, and draw the final images there, after the training."""
         shell = running_shell()
         if shell is None or self._shell_watched is shell:
             return

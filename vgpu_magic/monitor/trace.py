@@ -1,15 +1,9 @@
 """The memory trace: plain data, no framework, no matplotlib. A :class:`MemoryTrace` holds one run: its series
 (:class:`SeriesInfo`) and, per sample, the time, step, epoch, phase and every series' current and peak bytes,
-column-wise in :mod:`array` arrays.
-
-Bounded memory: at most ``3 * recent`` rows. The latest samples stay at full resolution; older ones become
-a min/max envelope (per bucket of samples two rows, its minima at its first time, its maxima at its last;
-adjacent buckets merge as it grows, :attr:`MemoryTrace.decimated`), so every spike and dip stays visible;
-the run's peaks are kept apart, exact.
-
-Interrupts: a ``KeyboardInterrupt`` can land anywhere in :meth:`MemoryTrace.append`. A row is written to
-every column and only then counted, by one assignment; new columns are built aside and swapped in by one
-assignment. A sample is recorded whole or not at all."""
+column-wise in :mod:`array` arrays. At most ``3 * recent`` rows: older samples become a min/max envelope (two rows per
+bucket, minima at its first time, maxima at its last; :attr:`MemoryTrace.decimated`), so every spike and dip stays
+visible; the run's peaks are kept apart, exact. A ``KeyboardInterrupt`` in :meth:`MemoryTrace.append` records a sample
+whole or not at all: a row is counted, and new columns swapped in, by one assignment each."""
 
 from __future__ import annotations
 
@@ -31,10 +25,8 @@ RECENT_SAMPLES = 8192
 
 @dataclass(frozen=True)
 class SeriesInfo:
-    """One memory series: what one allocator (or the process) reports. ``key`` is the rows' ``device``
-    (``"/device:GPU:1"``, ``"host"`` for a host allocator the logical CPUs share, ``"process"`` for RSS); ``devices``
-    the logical devices it covers; ``cap`` in bytes or ``None``; ``panel`` where it is drawn (``"process"``: RSS dwarfs
-    the allocators, so it has a panel of its own)."""
+    """One memory series: what one allocator (or the process) reports. ``key``: the rows' ``device``; ``devices``:
+    the logical devices it covers; ``cap``: bytes or ``None``; ``panel``: where drawn (RSS dwarfs the allocators)."""
 
     key: str
     label: str
@@ -81,10 +73,8 @@ class _Columns:
 
 @dataclass(eq=False)
 class MemoryTrace:
-    """Samples of every memory series during one run. ``kind`` is what ran (``"fit"``, ``"custom"``...);
-    ``baseline_peak`` each series' peak when the run started (a peak never above it was reached before the run);
-    ``recent`` the samples kept at full resolution. Per row: ``time`` since the start, ``step``, ``epoch`` (0-based),
-    ``phase`` (``"validate"`` for a fit's validation). Two traces are equal when they describe the same run."""
+    """Samples of every memory series during one run: ``kind`` (``"fit"``...), each series' ``baseline_peak`` at the
+    start, ``recent`` samples at full resolution; per row time, step, epoch and phase. Equal: the same run."""
 
     series: tuple[SeriesInfo, ...]
     kind: str = "custom"
@@ -139,8 +129,7 @@ class MemoryTrace:
             self._cols = _compacted(cols, self.recent)
 
     def add_series(self, series: Sequence[SeriesInfo], baseline_peak: Sequence[int]) -> None:
-        """Use ``series`` from now on: every series so far (by key) and some that joined the run, which read 0 B in the
-        rows before (their allocator did not exist yet)."""
+        """Use ``series`` from now on: those so far (by key) and new ones, which read 0 B in the rows before."""
         cols, old = self._cols, {s.key: i for i, s in enumerate(self.series)}
         if not set(old) <= {s.key for s in series}:
             raise ValueError(f"{[s.key for s in series]} leaves out some of {list(old)}")
@@ -247,8 +236,7 @@ class MemoryTrace:
         return f"peak ≤ {format_bytes(self.baseline_peak[index], unit)} (reached before this run)"
 
     def device_label(self, device: str) -> str:
-        """What this trace's series call ``device`` (the framework's words: JAX's ``"cpu:3"``), else its short name
-        (``"CPU:3"``), so the variables read as the legend does."""
+        """The series' name of ``device`` (JAX's ``"cpu:3"``), else its short name: variables read as the legend."""
         short = short_name(device)
         return next((s.label for s in self.series if len(s.devices) == 1 and short_name(s.devices[0]) == short), short)
 
@@ -279,9 +267,7 @@ class MemoryTrace:
 
 
 def _compacted(cols: _Columns, recent: int) -> _Columns:
-    """New columns (the old left untouched) where the oldest ``recent`` full-resolution rows joined the envelope, whose
-    adjacent buckets merge while it has more than ``recent`` rows. Each bucket is a span of old rows; a merged span's
-    extremes are its parts', as a pair's minima row is never above its maxima."""
+    """New columns where the oldest ``recent`` rows joined the envelope, its buckets merged to at most ``recent``."""
     bucket = max(cols.bucket, 4)  # 4 samples -> 2 rows: the first halving
     aged = cols.envelope + recent
     spans = [(k, k + 2) for k in range(0, cols.envelope, 2)]

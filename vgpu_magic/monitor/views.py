@@ -42,8 +42,7 @@ def panel_unit(trace: MemoryTrace, panel: str) -> tuple[str, int]:
 
 
 def alike_groups(trace: MemoryTrace, members: list[int]) -> list[list[int]]:
-    """``members`` (series indices) grouped where every reading and the cap are the same all run long:
-    such series are ONE line (:func:`group_label`), never drawn side by side as if they differed."""
+    """``members`` (series indices) grouped where every reading and cap are the same all run: ONE line each group."""
     current, peak, groups = trace.current, trace.peak, []
     for i in members:
         for group in groups:
@@ -66,8 +65,7 @@ def group_label(trace: MemoryTrace, group: list[int]) -> str:
 
 
 def title_text(trace: MemoryTrace, final: bool = False) -> str:
-    """``'memory · fit · epoch 4/5'``: the run (Keras' word, or what a custom loop watches) and the epoch
-    as Keras' progress bar counts it; once final, the steps, the duration and how it ended."""
+    """``'memory · fit · epoch 4/5'``, as Keras' progress bar counts; once final, the steps, duration and ending."""
     parts = [trace.subject if trace.kind == "custom" and trace.subject else trace.kind]
     epoch = trace.epoch_starts[-1][1] if trace.epoch_starts else (trace.epoch[-1] if len(trace) else 0)
     if trace.epochs_total or trace.epoch_starts:
@@ -80,8 +78,7 @@ def title_text(trace: MemoryTrace, final: bool = False) -> str:
 
 
 class View:
-    """The view contract (every method does nothing here): ``sampled`` after every sample (``now`` on the
-    recorder's clock), ``series_changed`` when devices joined, ``finish`` once ``trace.finished``."""
+    """The view contract (no-ops here): ``sampled`` each sample, ``series_changed`` when devices joined, ``finish``."""
 
     def start(self, trace: MemoryTrace) -> None:
         pass
@@ -104,8 +101,7 @@ class NullView(View):
 
 
 def summary_line(trace: MemoryTrace) -> str:
-    """``'host allocator (shared by 4 logical CPUs): now 72.5 MiB, peak 121.8 MiB'`` per series,
-    ``'; '``-separated; three or more in a row alike as one (``'CPU:0…CPU:7, each: now 988 B, ...'``)."""
+    """``'host allocator (shared by 4 logical CPUs): now 72.5 MiB, peak 121.8 MiB'`` per series, ``'; '``-separated."""
     parts = []
     for i, s in enumerate(trace.series):
         latest, cap = trace.latest(i), f" of cap {format_bytes(s.cap)}" if s.cap else ""
@@ -139,10 +135,8 @@ class TextSummaryView(View):
 
 
 class RedrawThrottle:
-    """Allows an update at the next due time of a ``min_interval`` rhythm (due ``min_interval`` after the
-    last was *due*, so updates that come only at samples do not drift late), and no sooner than
-    ``budget_factor * last_cost`` after the last started: at most ``1 / budget_factor`` of the time.
-    :meth:`reset` at the run start puts the first update ``min_interval`` into the run."""
+    """Allows an update at the next due time of a ``min_interval`` rhythm (counted from the last due time: no drift),
+    and no sooner than ``budget_factor * last_cost`` after the last started; :meth:`reset` at the run start."""
 
     def __init__(self, min_interval: float = 0.2, budget_factor: float = 200.0) -> None:
         self.min_interval, self.budget_factor = min_interval, budget_factor

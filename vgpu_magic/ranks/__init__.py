@@ -26,8 +26,7 @@ def __getattr__(name: str) -> Any:
 
 
 def cluster():
-    """The running :class:`~vgpu_magic.ranks.rank_cluster.RankCluster` (``.view``: its DirectView in rank
-    order); :class:`RuntimeError` when none runs."""
+    """The running :class:`~.rank_cluster.RankCluster` (``.view``: its DirectView); :class:`RuntimeError` if none."""
     from ..frameworks import REGISTRY
     from .rank_cluster import current
 

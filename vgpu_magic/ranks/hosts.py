@@ -26,9 +26,7 @@ LAUNCHER_VARIABLES = (
 
 
 def route_address(toward: str) -> str:
-    """This host's address on the route to ``toward`` (a host name or address, ``user@`` stripped): the
-    address hosts there reach this one at; loopback when ``toward`` is. A UDP ``connect`` only consults
-    the routing table (no packet is sent). :class:`ValueError` in one line when the name does not resolve."""
+    """This host's address on the route to ``toward`` (a UDP ``connect``: no packet); one-line ``ValueError``."""
     name = toward.rpartition("@")[2]
     if name in ("", "*", "0.0.0.0", "localhost") or name.startswith("127."):
         return "127.0.0.1"
@@ -45,16 +43,14 @@ def route_address(toward: str) -> str:
 
 
 def free_port(address: str = "") -> int:
-    """A free TCP port on this host, chosen by the OS (bound on every interface: free whichever address
-    binds it; ``address`` only says IPv4 or IPv6)."""
+    """A free TCP port on this host from the OS, bound on every interface (``address``: IPv4 or IPv6)."""
     with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
 
 
 def report_host(engine_id: int, controller: str) -> HostReport:
-    """Run on an engine: where it runs. The address this host reaches ``controller`` from (every engine
-    reaches the controller) is the one the others can use."""
+    """On an engine: where it runs; the address it reaches ``controller`` from is the one the others can use."""
     address = route_address(controller)
     return HostReport(
         engine_id=engine_id,
@@ -76,12 +72,9 @@ def prepare_rank(
     devices: SplitRequest | None = None,
     framework: str = "",
 ) -> str:
-    """Run on the rank, the one rank setup of every framework's :class:`~vgpu_magic.layout.RankPlan`: set its
-    environment, as a launcher would before the process starts; split its ``devices`` as ``%vgpu_split`` would, on
-    this rank's own devices; then run its framework's setup, if any; with ``join`` the setup also makes the
-    script's own call (``init_process_group``, ``jax.distributed.initialize``). With ``framework`` (a launched
-    script's), the devices and setup wait until the script imports that module, so that what it set before its
-    import (``JAX_ENABLE_X64``) is what the framework reads, as under plain ``python``."""
+    """On the rank, every framework's rank setup (:class:`~vgpu_magic.layout.RankPlan`): environment, ``devices``
+    split as ``%vgpu_split`` would, the framework's setup (``join``: with the join call). With ``framework``, devices
+    and setup wait for the script's import of it, so what it set before (``JAX_ENABLE_X64``) is read."""
     os.environ.update(env)
     if framework and framework not in sys.modules:
         sys.meta_path.insert(0, _AfterImport(framework, lambda: prepare_rank({}, setup, args, join, devices)))

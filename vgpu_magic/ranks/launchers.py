@@ -1,8 +1,7 @@
-"""How the ranks' engines start: ipyparallel's engine-set launchers (local, ``mpiexec``, a SLURM job, SSH), one
-:class:`Launcher` each in :data:`LAUNCHERS`, owning its options, flags, validation, ipyparallel's configuration, what a
-failed start says, and the clean-up of what it started elsewhere. :func:`plan_launcher` validates a request completely
-and starts nothing. Under ``slurm`` and ``ssh`` the controller listens on every interface; engines reach it at
-``controller_address`` (default: this host's name under SLURM, its address on the route to the first host under SSH)."""
+"""How the ranks' engines start: one :class:`Launcher` per ipyparallel engine-set launcher (local, ``mpiexec``,
+SLURM, SSH) in :data:`LAUNCHERS`, with its options, validation, configuration, failure words and clean-up;
+:func:`plan_launcher` validates and starts nothing. Under ``slurm`` and ``ssh`` engines reach the controller at
+``controller_address`` (default: this host's name; under SSH its address on the route to the first host)."""
 
 from __future__ import annotations
 
@@ -34,9 +33,8 @@ LAUNCHERS: dict[str, type[Launcher]] = {}
 
 @dataclass(frozen=True)
 class LauncherPlan:
-    """What ipyparallel is told: the engine launcher (``name``, an abbreviation ``ipp.Cluster(engines=...)`` takes),
-    its configuration (``{class name: {trait: value}}``), where the controller listens (``"*"``: every interface)
-    and is reached (None: loopback), and the SSH hosts ``[(user@host, (ssh args...)), ...]`` in rank order."""
+    """What ipyparallel is told: the engine launcher (``name``), its ``config`` (``{class: {trait: value}}``), where
+    the controller listens (``"*"``: everywhere) and is reached (None: loopback), the SSH hosts in rank order."""
 
     name: str
     config: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -50,8 +48,7 @@ class LauncherPlan:
 
 
 def plan_launcher(name: str, n: int, options: dict[str, Any] | None = None, cluster_id: str = "vgpu") -> LauncherPlan:
-    """Validate ``name`` and ``options`` for ``n`` ranks and say how ipyparallel starts them; :class:`ValueError`
-    in one line quoting what is wrong otherwise."""
+    """Validate ``name`` and ``options`` for ``n`` ranks and plan their start; else a one-line :class:`ValueError`."""
     options = dict(options or {})
     if name not in LAUNCHERS:
         raise ValueError(f"launcher {name!r} is not supported; use {', '.join(LAUNCHERS)}")
@@ -63,8 +60,7 @@ def plan_launcher(name: str, n: int, options: dict[str, Any] | None = None, clus
 
 
 class Launcher:
-    """One way ipyparallel starts the engines. ``options``: the ``launcher_options`` it takes, each with its flag's
-    argparse keywords (``None``: the Python API's only). A subclass registers itself in :data:`LAUNCHERS`."""
+    """One way ipyparallel starts engines; ``options``: each option's argparse keywords (``None``: Python API only)."""
 
     name: ClassVar[str]
     #: Where the engines run, for the start summary.
@@ -76,8 +72,7 @@ class Launcher:
     remote: ClassVar[bool] = False
     #: What a script run is, where more than a launch (the start summary).
     launches: ClassVar[str] = ""
-    #: The prefixes of the variables the launch gives each engine (``srun``'s ``SLURM_*``), which a script run
-    #: from the engine keeps over the kernel's environment, as a task of that launch has them.
+    #: The prefixes of the launch's variables (``srun``'s ``SLURM_*``) that a script run keeps over the kernel's.
     task_variables: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls) -> None:
@@ -108,8 +103,7 @@ class Launcher:
 
     @classmethod
     def clean_up_commands(cls, cluster: Any, plan: LauncherPlan) -> list[list[str]]:
-        """What ends the engines a watch of this kernel's PID cannot reach, if the kernel dies unstopped: their batch
-        jobs' deletion (ipyparallel's ``delete_command``: ``scancel``)."""
+        """What ends the engines a PID watch cannot reach if the kernel dies: their batch jobs' ``scancel``."""
         return [[*es.delete_command, es.job_id] for es in _batch_sets(cluster)]
 
     @classmethod
@@ -213,8 +207,7 @@ class SlurmLauncher(Launcher):
 
     @classmethod
     def configure(cls, cluster: Any) -> None:
-        # ipyparallel writes the batch script into the kernel's working folder (the user's notebooks); an absolute
-        # name puts it with the engines' log in the profile instead, removed by the stop.
+        # Not the kernel's working folder (the user's notebooks): the profile's log folder, removed by the stop.
         batch_file = os.path.join(cluster.profile_dir, "log", f"ipengine-{cluster.cluster_id}.sbatch")
         cluster.config.SlurmEngineSetLauncher.batch_file_name = batch_file
 
@@ -280,15 +273,13 @@ class SSHLauncher(Launcher):
                 raise ValueError(
                     f"{len(names)} hosts for {n} rank{'s' if n > 1 else ''}; give at most {n} or start more ranks"
                 )
-            # As many engines on each host as evenly possible, the first hosts taking one more.
             counts = {h: n // len(names) + (1 if i < n % len(names) else 0) for i, h in enumerate(names)}
         ssh_args = _strings("ssh_args", options.get("ssh_args", []))
         python = str(options.get("python") or sys.executable)
         env = _environment(options)
         engine_cmd = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
         engine_cmd += [python, "-m", "ipyparallel.engine"]
-        # Each host's port goes into its own ssh/scp arguments: ipyparallel's "host:port" appends the
-        # port to one list its launchers share, so a second host would get the first host's port.
+        # Each host's port in its own ssh/scp arguments: ipyparallel's "host:port" shares one list between hosts.
         engines: dict[str, dict[str, Any]] = {}
         targets = []
         for host, count in counts.items():
@@ -305,8 +296,7 @@ class SSHLauncher(Launcher):
                 "engines": engines,
                 "remote_python": python,
                 "engine_cmd": engine_cmd,
-                # A folder of this cluster's own on each host (removed by stop), never the kernel's
-                # profile: on a host sharing the kernel's file system that would be the same files.
+                # The cluster's own folder, removed by stop: the kernel's profile may be on a shared file system.
                 "remote_profile_dir": f"/tmp/vgpu_magic-{cluster_id}",
             },
         }
@@ -354,8 +344,7 @@ def ssh_target(host: str) -> tuple[str, str | None]:
     return location, port or None
 
 
-#: Run on an SSH host at stop: wait for the engines (PIDs there) to exit, SIGKILL what
-#: survived, remove the cluster's folder, and say which PIDs are left.
+#: Run on an SSH host at stop: wait for the engines, SIGKILL survivors, remove the folder, say which PIDs are left.
 REMOTE_CLEANUP = (
     "pids='{pids}'; for i in $(seq 40); do alive=''; "
     'for p in $pids; do kill -0 $p 2>/dev/null && alive="$alive $p"; done; '

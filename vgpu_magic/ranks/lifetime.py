@@ -1,12 +1,9 @@
-"""Nothing a cluster starts outlives its kernel.
-
-A kernel can die without running ``atexit`` (SIGKILL, the OOM killer, XLA's ``abort()``), so each process a cluster
-starts watches its owner itself (:data:`OWNER_ENV`, :func:`watch_owner`), then SIGKILLs itself and all below it: a rank
-blocked in a collective never gets back to Python. The controller and the engines (:func:`watched_command`) are watched
-from a small process forked beside them before anything is loaded, which a rank holding the GIL in C code cannot starve;
-a process they fork watches for itself. Every process carries its cluster's :data:`CLUSTER_ENV` token
-(:func:`processes_of`). Processes on other hosts cannot see the kernel's PID: there a watched local process runs the
-launcher's own stop (``--then 'scancel JOBID'``) when the kernel dies."""
+"""Nothing a cluster starts outlives its kernel, which can die without ``atexit`` (SIGKILL, the OOM killer, XLA's
+``abort()``): each process watches its owner (:data:`OWNER_ENV`, :func:`watch_owner`), then SIGKILLs itself and all
+below it (a rank blocked in a collective never gets back to Python). The controller and engines
+(:func:`watched_command`) are watched from a process forked beside them, which a rank holding the GIL cannot starve.
+Every process carries its cluster's :data:`CLUSTER_ENV` token (:func:`processes_of`). For processes on other hosts a
+watched local process runs the launcher's own stop (``--then 'scancel JOBID'``) when the kernel dies."""
 
 from __future__ import annotations
 
@@ -112,9 +109,7 @@ def _watch_from_beside(pid: int, created: float) -> None:
 
 
 def watch_owner(owner: str | None = None, then: str | None = None, beside: bool = False) -> bool:
-    """When ``owner`` (default: :data:`OWNER_ENV`) exits, run the shell command ``then``, then SIGKILL this process and
-    its descendants; watched (``pidfd_open``: no polling) by a daemon thread, or with ``beside`` a process of its own
-    (call it before any thread starts). Whether a watch runs: not without an owner on this host."""
+    """When ``owner`` exits, run ``then`` and SIGKILL this process and descendants; whether a watch runs."""
     owner = owner or os.environ.get(OWNER_ENV)
     if not owner:
         return False
@@ -133,8 +128,7 @@ def watch_owner(owner: str | None = None, then: str | None = None, beside: bool 
         _watch_from_beside(pid, created)
     else:
         threading.Thread(target=watch, name=f"vgpu_magic-owner-watch({pid})", daemon=True).start()
-    # A child this process forks watches the owner for itself (it runs no ``then``: that is this process's). Set only
-    # after the watcher's fork: a watcher that watched too would end itself before the watched process.
+    # A forked child watches the owner itself (without ``then``); set after the watcher's fork, which must not watch.
     _watching["owner"] = owner
     return True
 
@@ -149,8 +143,7 @@ def watched_command(module: str) -> list[str]:
 
 
 def run_when_this_process_dies(command: str, token: str = "") -> subprocess.Popen:
-    """Start a watcher of this process, in a session of its own, that runs ``command`` when this process dies
-    without killing the watcher first; with ``token`` it carries ``CLUSTER_ENV``, so the cluster's stop ends it."""
+    """Start a watcher running ``command`` when this process dies; ``token``: the cluster's stop ends it."""
     env = {**os.environ, OWNER_ENV: owner_of_this_process(), **({CLUSTER_ENV: token} if token else {})}
     return subprocess.Popen(
         [sys.executable, "-m", __name__, "--then", command],

@@ -24,8 +24,7 @@ from .spec import ClusterNotRunning, checked_faults
 
 __all__ = ["ClusterMagics"]
 
-#: The launcher options the magic has a flag for (``--controller-address`` for ``controller_address``), and the
-#: launchers that take each.
+#: The launcher options the magic has a flag for, and the launchers that take each.
 _LAUNCHER_FLAGS = {
     key: [name for name, other in LAUNCHERS.items() if key in other.options]
     for launcher in LAUNCHERS.values()
@@ -231,7 +230,6 @@ class ClusterMagics(Magics):
         running = rank_cluster.current()
         if running is None:
             raise UsageError("no cluster running; start one with %vgpu_cluster start 2 --framework torch")
-        # A Jupyter kernel can show the live plot; a terminal cannot.
         kernel = getattr(self.shell, "kernel", None)
         plot = not args.no_plot and kernel is not None and importlib.util.find_spec("matplotlib") is not None
         if cell is None:
@@ -243,8 +241,7 @@ class ClusterMagics(Magics):
                 restarts = {"max_restarts": args.max_restarts, "fail": args.fail, "preempt": args.preempt}
                 running.run_script(path, list(args.script_args), args.timeout, plot, args.module, **restarts)
                 return
-            # The %%vgpu_run line in front, as a comment (IPython drops leading blank lines): a rank's traceback
-            # then gives the notebook cell's line numbers.
+            # The %%vgpu_run line in front as a comment, so a rank's traceback gives the cell's line numbers.
             values = running.run(
                 f"# %%vgpu_run {line}\n{cell}",
                 namespace=self.shell.user_ns,

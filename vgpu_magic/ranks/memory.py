@@ -14,16 +14,13 @@ from typing import Any
 
 from ..monitor.trace import MemoryTrace, SeriesInfo
 
-#: Seconds between a rank's reports of its allocator's figures. Files, not ipyparallel's ``publish_data``: a thread's
-#: data published after the cell returned (what a run's last samples read) did not reach the client while the engine
-#: was idle (ipyparallel 9.2, ipykernel 7.4), and goes to whichever request the engine runs then.
+#: Seconds between a rank's reports of its allocator's figures, as files: ipyparallel's ``publish_data`` after the
+#: cell returned did not reach an idle engine's client (ipyparallel 9.2), and goes to the engine's next request.
 REPORT_EVERY = 0.2
 
 
 def report_allocator(path: str) -> None:
-    """Run on a rank: a thread that writes ``"current peak"`` GPU bytes of the frameworks' allocators
-    (:meth:`~vgpu_magic.frameworks.base.Framework.gpu_allocator_bytes`) to ``path`` every :data:`REPORT_EVERY` s, until
-    its folder is removed."""
+    """On a rank: a thread writing ``"current peak"`` GPU bytes to ``path`` until its folder is removed."""
     import threading
 
     from ..frameworks import cuda_context_holders
@@ -44,9 +41,7 @@ def report_allocator(path: str) -> None:
 
 
 class RankMemorySampler:
-    """Each rank's RSS and GPU memory, for the ranks on this host (``pids[rank]`` is ``None`` elsewhere); with
-    ``launched``, with the processes it started, until its launch has ended (``ended``: after it, the engine's child is
-    the next launch's spare). Peaks are the highest readings seen (or an allocator's own); a rank gone reads 0."""
+    """RSS and GPU memory of the ranks on this host (with ``launched``, of their launched processes)."""
 
     def __init__(
         self, pids: list[int | None], gpu: bool, launched: bool = False, engine: Callable[[int], Any] | None = None
@@ -120,8 +115,7 @@ class RankMemorySampler:
         return not used or any(p is not None and p.pid in used for p in self._procs)
 
     def gpu(self) -> list[int | None]:
-        """GPU bytes per rank summed over GPUs, from NVML's per-process accounting; ``None`` where
-        NVML cannot tell (no NVML, or its PIDs are another namespace's)."""
+        """GPU bytes per rank from NVML's per-process accounting; ``None`` where NVML cannot tell."""
         used = self._nvml_used() if self._nvml is not None else {}
         if self._nvml is None or not self._nvml_knows_the_ranks(used):
             return [None] * len(self._procs)
@@ -131,8 +125,7 @@ class RankMemorySampler:
         return [None if self.launched and r in self.ended else p for r, p in zip(self.ranks, self._procs)]
 
     def read(self) -> list[tuple[int, int]]:
-        """``(current, peak)`` per series: GPU per rank (where a GPU exists; as its allocators report it, 0 before
-        a report, where NVML cannot tell), then RSS per rank."""
+        """``(current, peak)`` per series: GPU per rank (else its allocators' reports, 0 before one), then RSS."""
         gpu: list[Any] = self.gpu() if self._nvml is not None and not self._reports else []
         for rank in self.ranks if self._reports else ():
             try:
@@ -165,8 +158,7 @@ class RankMemorySampler:
 
 
 class RankMonitor:
-    """The memory of one ``%%vgpu_run`` or ``%vgpu_run FILE``: a recorder over a :class:`RankMemorySampler`,
-    shown live with ``live``. ``finish()`` shows the final image and returns the trace."""
+    """One run's memory: a recorder over a :class:`RankMemorySampler`, live with ``live``; ``finish()``: the trace."""
 
     def __init__(
         self,

@@ -1,8 +1,7 @@
-"""An MPS control daemon of the cluster's own, for ranks that share a GPU over NCCL (``RankPlan.mps``): without one
-their kernels are time-sliced and a collective's CTAs spin while their peers wait for the GPU (users report more than
-20× slower). Its pipe and log folder is the cluster's own, so it neither joins nor stops a daemon of the machine's;
-each rank's limit comes in its plan (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``). Started and stopped with the cluster;
-``python -m vgpu_magic.ranks.mps FOLDER`` is the stop a watcher runs when the kernel dies without one."""
+"""An MPS control daemon of the cluster's own, for ranks sharing a GPU over NCCL (``RankPlan.mps``): without one their
+kernels are time-sliced and a collective's CTAs spin (users report 20× slower). Its pipe and log folder are its own,
+so a machine's daemon is neither joined nor stopped; started and stopped with the cluster, and by
+``python -m vgpu_magic.ranks.mps FOLDER``, which a watcher runs when the kernel dies without a stop."""
 
 from __future__ import annotations
 
@@ -68,8 +67,7 @@ def quit_daemon(folder: str) -> None:
 
 
 def plan_mps(wanted: bool, asked: bool | None, remote: bool, cluster_id: str) -> tuple[MPSDaemon | None, str]:
-    """The daemon a cluster starts, if any, and the line its start shows: one where its plans want one (``wanted``),
-    MPS can run here and ``asked`` is not ``False``; :class:`ValueError` where ``asked`` (``--mps``) and it cannot."""
+    """The daemon a cluster starts where plans want one (``wanted``) and ``asked`` allows, and its start's line."""
     why = ""
     if not wanted:
         why = "it serves ranks that share a GPU over NCCL (--backend nccl), and these do not"

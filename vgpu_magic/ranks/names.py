@@ -17,9 +17,7 @@ _SHELL_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
 
 
 class _ReadsBeforeWrites(ast.NodeVisitor):
-    """Names whose first use, in evaluation order, is a read (the cell needs the notebook's value). ``written``: the
-    names bound on every path so far (not one branch of an ``if`` or a loop body only); ``bound``: those bound
-    anywhere. Comprehensions, lambdas and function bodies are scopes of their own."""
+    """Names read before written (``written``: on every path so far; ``bound``: anywhere); nested scopes apart."""
 
     def __init__(self, written: set[str] | None = None) -> None:
         self.read: list[str] = []
@@ -35,8 +33,7 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
             self.read.append(name)
 
     def _inner(self, local: set[str], parts: list[Any], walrus_from: Any = None) -> None:
-        """Reads of a nested scope (``local`` bound in it) that come from this one; a comprehension's
-        ``(y := ...)`` (``walrus_from``) binds ``y`` in this one."""
+        """Reads of a nested scope (``local`` bound in it) from this one; ``walrus_from``: its ``:=`` bind here."""
         inner = _ReadsBeforeWrites(self.written | local)
         for part in parts:
             inner.visit(part)
@@ -147,8 +144,7 @@ class _ReadsBeforeWrites(ast.NodeVisitor):
 
 
 def names_to_send(code: str, namespace: dict[str, Any], on_ranks: set[str] = frozenset()) -> list[str]:
-    """The notebook names ``code`` reads before assigning them, that ``namespace`` holds, except those
-    ``on_ranks`` (assigned by earlier cells on the ranks: a DDP model), never overwritten from the notebook."""
+    """The notebook names ``code`` reads before assigning, held in ``namespace``, but those ``on_ranks``."""
     return [
         name
         for name in _visited(code).read

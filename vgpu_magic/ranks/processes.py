@@ -23,9 +23,8 @@ __all__ = ["CONTROLLER_ARGS", "ClusterStartError", "check_memory_fits", "check_p
 
 #: Seconds processes get after SIGTERM before SIGKILL when the cluster stops.
 STOP_GRACE = 2.0
-#: The controller's heartbeat. The hub accepts a registering engine only once its heart has answered a ping, so
-#: ipyparallel's default 3 s period made every start wait one or two periods for nothing (``benchmarks/cluster.py``
-#: measures both). 150 misses keep ipyparallel's 30 s before a silent engine counts as dead.
+#: The controller's heartbeat: an engine registers after its first ping, so ipyparallel's 3 s made every start
+#: wait (``benchmarks/cluster.py``); 150 misses keep its 30 s before a silent engine counts as dead.
 HEARTBEAT_MS = 200
 CONTROLLER_ARGS = (
     f"--HeartMonitor.period={HEARTBEAT_MS}",
@@ -36,8 +35,7 @@ UNINTERRUPTED_LIMIT = 60.0
 
 
 def despite_interrupts(call: Any) -> Any:
-    """``call()`` run to its end even if the kernel is interrupted meanwhile (the KeyboardInterrupt comes after
-    it): a start abandoned half-way goes on launching on ipyparallel's thread, and what it launches is nobody's."""
+    """``call()`` run to its end despite an interrupt (raised after): a start abandoned half-way would launch on."""
     import concurrent.futures
 
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vgpu_magic-uninterrupted")
@@ -69,8 +67,7 @@ def rank_footprint(module: str) -> int:
 
 
 def check_memory_fits(n: int, fw: Any) -> bool:
-    """Do ``n`` ranks fit in the host's memory with a warm spare each (:mod:`.launch`)? ``False`` where only the ranks
-    fit; :class:`ClusterStartError` where not even they do. One rank is measured only where the bound leaves doubt."""
+    """Do ``n`` ranks fit in memory with a warm spare each? ``False``: only without; else :class:`ClusterStartError`."""
     import psutil
 
     from ..units import format_bytes
@@ -91,8 +88,7 @@ def check_memory_fits(n: int, fw: Any) -> bool:
 
 
 def check_port_free(port: int) -> None:
-    """:class:`ClusterStartError` naming ``port`` (and who holds it) if it cannot be bound here (else JAX's
-    coordinator only says "rank 0 died", and TensorFlow fails in the first ``MultiWorkerMirroredStrategy()``)."""
+    """:class:`ClusterStartError` naming ``port`` and its holder if it cannot be bound (JAX would say "rank 0 died")."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind(("", port))
@@ -146,8 +142,7 @@ def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> 
 
 
 def keep_logs(cluster: Any, launchers: Any = ()) -> str:
-    """``"; the processes' log: PATH"``: what ``cluster``'s processes logged (which its stop removes), kept in one file,
-    or ``""``. A process of ``launchers`` that ended had its log removed by ipyparallel, which read it first."""
+    """``"; the processes' log: PATH"``: the processes' logs (which the stop removes) kept in one file, or ``""``."""
     import glob
     import tempfile
 
@@ -183,10 +178,8 @@ _REMOVE = "import glob, os, sys; [os.remove(p) for pattern in sys.argv[1:] for p
 
 
 def clean_up_when_kernel_dies(cluster: Any, plan: LauncherPlan, token: str) -> set[int]:
-    """A stop's own work, done by watchers (:func:`.lifetime.run_when_this_process_dies`) if the kernel dies without
-    one: engines on other hosts (which cannot watch its PID) ended by their launcher's commands; the cluster's file,
-    its controller's connection files and its processes' logs removed. Returns the watchers' PIDs: a stop ends them
-    last, so that a kernel killed while it stops (Jupyter's shutdown: SIGKILL after 5 s) still has them clean up."""
+    """A stop's work, done by watchers if the kernel dies without one (remote engines ended, files and logs removed).
+    Returns their PIDs: a stop ends them last, so a kernel killed while it stops (Jupyter: 5 s) still cleans up."""
     import shlex
 
     logs = os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*")
@@ -201,8 +194,7 @@ def _connection_files(cluster: Any) -> list[str]:
 
 
 def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared: set[int] = frozenset()) -> list[Any]:
-    """End ``owned`` and their children, and every process carrying ``token`` (orphans too), but those ``spared``:
-    SIGTERM, then SIGKILL after :data:`STOP_GRACE` seconds; returns those that survived even that."""
+    """End ``owned``, their children and ``token``'s processes, but ``spared``: SIGTERM, then SIGKILL; the survivors."""
     import psutil
 
     procs: dict[int, Any] = {}
@@ -212,8 +204,7 @@ def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared:
             procs.update((child.pid, child) for child in procs[pid].children(recursive=True))
     ended: set[int] = set(spared)
     alive: list[Any] = []
-    # Twice where a token marks them: a process forked while the first round ended its parent (a controller
-    # still starting its schedulers when a start fails) was not there to be found, and would live on under init.
+    # Twice where a token marks them: a process forked while the first round ended its parent was not found.
     for _ in range(2 if token else 1):
         if token:
             procs.update((proc.pid, proc) for proc in lifetime.processes_of(token, started_at))
@@ -227,9 +218,8 @@ def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
         alive += _running_after(late, 5.0)
-    # Reaped here where nothing else waits for them (the clean-up watchers; the controller, whose launcher's reaping
-    # waits on an event loop a kernel may never run): else each stays a zombie child of the kernel until it exits.
-    # A PID that is not this process's child is none of its business; one just ended may take a moment to be waitable.
+    # Reaped here where nothing else waits for them (watchers; the controller, whose reaping needs an event loop),
+    # else each stays a zombie; a PID not our child is none of ours; one just ended may take a moment to be waitable.
     pending = {*owned, *procs} - set(spared) - {proc.pid for proc in alive}
     deadline = time.monotonic() + 2.0
     while pending:
@@ -246,8 +236,7 @@ def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared:
 
 
 def _running_after(procs: list[Any], timeout: float) -> list[Any]:
-    """Those of ``procs`` still running after up to ``timeout`` seconds. A zombie has ended: a stop need not wait
-    for init to reap an orphan's (seconds, in some containers), as ``psutil.wait_procs`` does."""
+    """Those of ``procs`` running after ``timeout`` s; a zombie has ended (init may be slow to reap orphans)."""
     import psutil
 
     def running(proc: Any) -> bool:
@@ -269,16 +258,13 @@ def signal_engine(client: Any, engine_id: int, signum: int) -> None:
 
 
 def unlist(cluster: Any) -> None:
-    """Remove ``cluster``'s file and write it no more, before its processes end (a panel that loaded it then would
-    list a dead cluster for good): ipyparallel's own removal, once each process stopped, misses those that ended
-    before, and its late callbacks write it again."""
+    """Remove ``cluster``'s file for good before its processes end (else a panel lists a dead cluster)."""
     cluster.remove_cluster_file()
     cluster.cluster_file = ""
 
 
 def stop_launched(cluster: Any, plan: LauncherPlan) -> list[str]:
-    """Stop what ipyparallel launched for ``cluster`` and make sure, as its launcher does, that nothing is left
-    where it started engines. Returns what is still left, in words."""
+    """Stop what ipyparallel launched for ``cluster``, check nothing is left where it ran; what is, in words."""
     # Read before the stop: ipyparallel forgets the engines it stopped.
     make_sure, connection = plan.launcher.stopper(cluster, plan), _connection_files(cluster)
     # If this fails, local processes are gone already (the caller checked) and remote ones are checked below.

@@ -1,10 +1,7 @@
-"""The ranks: N ipyparallel engines wired as a framework's launcher wires its processes.
-
-:class:`RankCluster` is the work behind ``%vgpu_cluster`` and ``%%vgpu_run`` and needs no shell. ipyparallel
-starts, signals and stops the processes; this adds the ranks' hosts and order (:mod:`.hosts`), the framework's
-wiring, the fault policy (:mod:`.run`) and a stop checked with psutil (ipyparallel's SIGKILL comes late: TensorFlow
-workers were measured alive 5 s after SIGTERM). A kernel that dies without a stop takes them along (:mod:`.lifetime`).
-"""
+"""The ranks: N ipyparallel engines wired as a framework's launcher wires its processes. :class:`RankCluster`, the
+work behind ``%vgpu_cluster`` and ``%%vgpu_run``, adds to ipyparallel's processes their hosts and order (:mod:`.hosts`),
+the wiring, the fault policy (:mod:`.run`) and a stop checked with psutil (ipyparallel's SIGKILL comes late: TensorFlow
+workers lived 5 s past SIGTERM). A kernel that dies without a stop takes them along (:mod:`.lifetime`)."""
 
 from __future__ import annotations
 
@@ -51,15 +48,11 @@ def current() -> RankCluster | None:
 
 
 class RankCluster:
-    """``n`` ranks of ``framework`` on ipyparallel engines (docs/ranks.md): ``split`` TensorFlow's logical GPUs per
-    worker or JAX's CPU devices per process; ``memory`` the per-rank GPU cap in bytes; ``port`` the coordinator's
-    (default: one free on the host that binds it); ``gpus`` ``[(cuda_index, total_bytes), ...]`` every host is
-    planned with; ``launcher(_options)`` how the engines start (:mod:`.launchers`), in its rank order; ``join``:
-    each rank makes the script's own join call at start; ``verbose``: show the ranks' start-up lines (:mod:`.shown`);
-    ``spares``: a warm spare per rank for script runs, where memory allows; ``backend``: the collectives' (torch:
-    ``"nccl"`` lets ranks share a GPU over NCCL 2.30+, default gloo there); ``mps``: an MPS daemon of the cluster's own
-    for them (default: where MPS can run; ``True``: refused where it cannot). A request that cannot work is a
-    :class:`ValueError` before anything starts; it is kept as :attr:`spec`, where it stands as :attr:`state`."""
+    """``n`` ranks of ``framework`` on ipyparallel engines (docs/ranks.md): ``split`` devices per rank; ``memory`` each
+    rank's GPU cap in bytes; ``port`` the coordinator's (default: a free one); ``gpus`` ``[(cuda_index, total_bytes)]``
+    every host plans with; ``launcher(_options)`` how engines start; ``join``: the script's join call at start;
+    ``verbose``: start-up lines shown; ``spares``: a warm spare per rank; ``backend``: the collectives'; ``mps``: an MPS
+    daemon of its own (default: where MPS can run). A bad request is a :class:`ValueError` before anything starts."""
 
     def __init__(
         self,
@@ -135,9 +128,8 @@ class RankCluster:
         self.layout: RankLayout | None = None
         self.state, self.reason = ClusterState.STOPPED, ""
         self.rank_names = names.RankNames()
-        # _launchers: engine launchers by PID, kept after ipyparallel forgets a stopped one (for exit statuses);
-        # _token: carried by every process of this cluster (:func:`.lifetime.processes_of`); _cleanups: the
-        # watchers that clean up after a kernel that dies (:func:`.processes.clean_up_when_kernel_dies`).
+        # _launchers: by PID, kept after ipyparallel forgets a stopped one (exit statuses); _token: on every process
+        # of this cluster (:func:`.lifetime.processes_of`); _cleanups: :func:`.processes.clean_up_when_kernel_dies`'s.
         self.engine_ids, self.pids, self._owned, self._launchers, self._token = [], [], set(), {}, ""
         self._cleanups: set[int] = set()
 
@@ -190,8 +182,7 @@ class RankCluster:
             self.engine_ids = [place.engine_id for place in self.layout.places]
             self.pids = [place.pid for place in self.layout.places]
             if not self.launcher_plan.launcher.remote:
-                # Local and mpiexec engines are this host's processes; a SLURM job's tasks and SSH
-                # engines are ended through their launcher (stop), a PID elsewhere names nothing here.
+                # Local and mpiexec engines are this host's processes; SLURM and SSH engines end through their launcher.
                 self._owned.update(self.pids)
             self.view = self.client[self.engine_ids]
             self.view.block = True
@@ -207,8 +198,7 @@ class RankCluster:
             RankRun(self._processes(), wire, timeout=SETUP_TIMEOUT, held=self.held).run()
             self.view.apply_sync(interrupt_only_the_cell)
             if self.spares:
-                # A spare on every engine, importing as the start returns: a launch that comes first waits for
-                # its spare's imports, as it would for its own.
+                # A spare on every engine, importing as the start returns (a launch before then waits for it).
                 preload = self._preload()
                 environ = launch.kernel_environ(self.launcher_plan.launcher.task_variables)
                 warming = [
@@ -218,8 +208,7 @@ class RankCluster:
                 for ar in warming:
                     ar.get(timeout=ENGINE_TIMEOUT)
         except BaseException as exc:
-            # The start's own error first; what the cleanup found after it, never instead of it; then where the
-            # processes' logs (which the stop removes) are kept.
+            # The start's own error first, then what the cleanup found, then where the processes' logs are kept.
             kept = processes.keep_logs(self.cluster) if isinstance(exc, Exception) else ""
             try:
                 processes.despite_interrupts(self.stop)
@@ -235,8 +224,7 @@ class RankCluster:
             raise
         self.state = ClusterState.RUNNING
         atexit.register(self.stop)
-        # %px / %%px on the ranks, as ipyparallel users expect: a convenience, so a shell that cannot take
-        # the magics is no error.
+        # %px / %%px on the ranks, as ipyparallel users expect: a convenience, no error where a shell cannot take them.
         with contextlib.suppress(Exception):
             from IPython import get_ipython
 
@@ -251,8 +239,7 @@ class RankCluster:
         return [ar.get(timeout=ENGINE_TIMEOUT) for ar in pending]
 
     def _plan_ranks(self, layout: RankLayout, restart: tuple[int, int] = (0, 0)) -> list[RankPlan]:
-        """The framework's plans for ``layout``, with its log settings (:func:`~.shown.rank_env`); ``restart``: which
-        restart of how many at most, in the variables the framework's launcher counts them in (torchrun's)."""
+        """The framework's plans for ``layout`` with quiet logs; ``restart``: (which, of at most), as torchrun."""
         spec, quiet = self.spec, rank_env(self.fw, self.spec.verbose)
         memory_mib = None if spec.memory is None else spec.memory // MIB
         plans = self.fw.plan_ranks(layout, spec.split, memory_mib, spec.port, spec.backend)
@@ -272,8 +259,7 @@ class RankCluster:
         ]
 
     def _processes(self) -> RankProcesses:
-        """How the fault policy reaches the ranks: by PID on this host (every rank, unless the launcher is remote,
-        then those on a host of this host's name), through their engines elsewhere."""
+        """How the fault policy reaches the ranks: by PID on this host, through their engines elsewhere."""
         places, here = self.layout.places, socket.gethostname()
         return RankProcesses(
             self.pids,
@@ -331,8 +317,7 @@ class RankCluster:
         output: bool = False,
         plot: bool = False,
     ) -> list[Any] | None:
-        """Run ``code`` on every rank under the fault policy (:mod:`.run`), the names it reads from ``namespace``
-        sent by value first (not rank state); with ``output``, each rank's last value in rank order."""
+        """Run ``code`` on every rank (fault policy: :mod:`.run`), names read sent first; ``output``: last values."""
         self._require_running()
         compile(code, "<cell>", "exec")
         self._say_simulated()
@@ -390,11 +375,9 @@ class RankCluster:
         fail: list[str] | tuple[str, ...] = (),
         preempt: str | None = None,
     ) -> RunResult:
-        """Launch ``path ARGS`` on every rank as ``torchrun`` does (:mod:`.launch`): new processes, fresh ports; as
-        ``torchrun --max-restarts``, all ranks launched again when one fails, up to ``max_restarts`` times; ``fail``
-        (``"RANK@SECONDS[:SIGNAL]"``) and ``preempt`` (``"SECONDS[:GRACE]"``) inject failures into the first launch;
-        ``timeout`` bounds the attempts together; ``module``: ``path`` is a module's name, run as ``torchrun -m`` runs
-        it. The :class:`RunResult`, or :class:`RankRunError` with it."""
+        """Launch ``path ARGS`` on every rank as ``torchrun`` does (:mod:`.launch`), all again up to ``max_restarts``
+        times when one fails; ``fail``/``preempt`` inject failures into the first launch; ``timeout``: all attempts;
+        ``module``: as ``torchrun -m``. The :class:`RunResult`, or :class:`RankRunError` with it."""
         faults = checked_faults(self.n, max_restarts, fail, preempt)
         self._require_running()
         attempts, start = max_restarts + 1, time.monotonic()

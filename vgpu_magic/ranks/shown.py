@@ -1,8 +1,6 @@
-"""What of a rank's output reaches the notebook: its framework's quiet log settings where the user set none
-(:func:`rank_env`); the start-up lines no setting silences held back per rank (:class:`HeldBack`), unless
-``verbose``; its output recorded as it arrives (:func:`record_output`) and shown in whole lines labelled with its
-rank (:class:`LineStream`), its displays in their place among them (:func:`show_display`).
-"""
+"""What of a rank's output reaches the notebook: quiet log settings where the user set none (:func:`rank_env`), the
+start-up lines no setting silences held back (:class:`HeldBack`) unless ``verbose``, its output recorded as it arrives
+(:func:`record_output`), shown in labelled whole lines (:class:`LineStream`) and displays (:func:`show_display`)."""
 
 from __future__ import annotations
 
@@ -35,8 +33,7 @@ PEER_GONE = re.compile(r"DistBackendError|Connection (closed|reset) by peer|remo
 
 
 def rank_env(fw, verbose: bool = False, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The log settings a rank of ``fw`` gets: the framework's quiet values (defaults with ``verbose``) where
-    the kernel's ``environ`` has none the user set (a value the extension set there is not the user's)."""
+    """A rank's log settings: ``fw``'s quiet values (``verbose``: defaults) where the user set none in ``environ``."""
     from .. import _quieted
 
     ours = _quieted()
@@ -48,8 +45,7 @@ def rank_env(fw, verbose: bool = False, environ: Mapping[str, str] = os.environ)
 
 
 class HeldBack:
-    """Each rank's held-back start-up lines: those matching ``patterns`` (whole-line regular expressions),
-    none with ``verbose``."""
+    """Each rank's held-back start-up lines: those matching ``patterns`` (whole lines), none with ``verbose``."""
 
     def __init__(self, patterns: tuple[str, ...] = (), verbose: bool = False) -> None:
         self.pattern = re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns and not verbose else None
@@ -81,11 +77,9 @@ def notebook_traceback(text: str, count: int | None) -> list[str]:
 
 @dataclass(eq=False)
 class LineStream:
-    """One rank's stream as a terminal shows it: whole lines, labelled; an unfinished line that returns to its start
-    (a progress bar's ``\r``) is drawn as it goes, over the last update and over another rank's, as on torchrun's
-    terminal (``live``, shared by the streams of one ``out``, says whose line is unfinished). ``theirs``: the
-    framework's own label of the rank's lines, left out (torch's ``[rank1]:``). A traceback waits for its last
-    line; one saying a peer went (:data:`PEER_GONE`: ``peer``) waits for :meth:`end`."""
+    """One rank's stream as a terminal shows it: whole lines, labelled; a ``\r`` line drawn as it goes (``live``: whose
+    line is unfinished); ``theirs``: the framework's own label, left out. A traceback waits for its last line; one
+    saying a peer went (:data:`PEER_GONE`: ``peer``) waits for :meth:`end`."""
 
     label: str
     out: TextIO
@@ -121,8 +115,7 @@ class LineStream:
         return shown
 
     def end(self, said: str | None = None) -> list[str]:
-        """The rank is done: what was held (or ``said``, one line, in its place), and its last line, even
-        unfinished. Returns the text held."""
+        """The rank is done: what was held (or ``said`` in its place), and its last line, even unfinished."""
         held, self.held, self.peer = self.held or [], None, False
         if held and self.tail:
             held, self.tail = [*held, self.tail], ""
@@ -148,8 +141,7 @@ class LineStream:
 
 
 def as_terminal_shows(line: str) -> str:
-    """The text a terminal shows for ``line``: each ``\\r`` returns to the start,
-    and what follows overwrites what was there (``'10/30\\r20/30'`` -> ``'20/30'``)."""
+    """The text a terminal shows for ``line``: ``\\r`` returns to the start (``'10/30\\r20/30'`` -> ``'20/30'``)."""
     shown = ""
     for part in line.split("\r"):
         shown = part + shown[len(part) :]
@@ -162,8 +154,7 @@ def how_it_ended(code: int) -> str:
 
 
 def show_display(rank: int, content: dict[str, Any], out: TextIO) -> None:
-    """What rank ``rank`` displayed (``display_data``): in a notebook a ``[rank r]`` line then the output itself, in a
-    terminal its text, labelled. ipyparallel relays a rank's widget messages, so a ``tqdm.auto`` bar is live."""
+    """What ``rank`` displayed: in a notebook a ``[rank r]`` line and the output itself, in a terminal its text."""
     from IPython import get_ipython
 
     data = content.get("data") or {}
@@ -186,10 +177,8 @@ def events(ar: Any) -> list[tuple[str, Any]]:
 
 
 def record_output(client: Any) -> None:
-    """Make ``client`` keep each request's output in the order the engine sent it, as ``output_events``:
-    ``("stdout" | "stderr", text)`` and ``("display", content)``, from before the request is sent. ipyparallel
-    keeps displays apart from streams, and each stream as one text it copies whole at each message (quadratic: a
-    million lines fell seconds behind), which is emptied as it is recorded."""
+    """Make ``client`` keep each request's output in order as ``output_events`` from before it is sent (ipyparallel
+    keeps displays apart and copies each stream whole at each message: a million lines fell seconds behind)."""
     from .upstream import watch_requests
 
     def record_request(msg_id: str, future: Any) -> Callable[[dict], None]:

@@ -26,8 +26,7 @@ class RankInfo:
 
 
 def rank_infos(ranks: Any) -> list[RankInfo]:
-    """Each rank of the cluster ``ranks``: its PID, liveness, host and memory (RSS, and GPU where NVML has it; none on
-    another host)."""
+    """Each rank's PID, liveness, host and memory (RSS, and GPU where NVML has it; none on another host)."""
     from .memory import RankMemorySampler
 
     if not ranks.running:
@@ -44,8 +43,7 @@ def rank_infos(ranks: Any) -> list[RankInfo]:
 
 
 def describe(ranks: Any) -> list[str]:
-    """Lines for ``%vgpu_cluster start`` / ``status`` of the cluster ``ranks``: where and how they run, the two
-    modes, each rank."""
+    """Lines for ``%vgpu_cluster start`` / ``status``: where and how the ranks run, the two modes, each rank."""
     several = "s" if ranks.n > 1 else ""
     if not ranks.running:
         return [f"{ranks.n} {ranks.label} rank{several} {ranks.state.value}"]

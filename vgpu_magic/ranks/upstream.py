@@ -1,7 +1,6 @@
-"""Every use of ipyparallel's and ipykernel's private or undocumented members, each with why and the upstream
-behaviour it relies on, which ``tests/test_upstream_contract.py`` checks on the versions ``pyproject.toml`` allows.
-The cluster and launchers are at module level, so that the cluster file names classes ipyparallel's tools can import.
-Importing this module imports ipyparallel."""
+"""Every use of ipyparallel's and ipykernel's private members, each with why and what it relies on, which
+``tests/test_upstream_contract.py`` checks. The cluster and launchers are at module level, so that the cluster file
+names classes ipyparallel's tools can import. Importing this module imports ipyparallel."""
 
 from __future__ import annotations
 
@@ -17,18 +16,15 @@ from ipyparallel.cluster.cluster import Cluster, ClusterManager
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher, SlurmEngineSetLauncher
 from traitlets import Dict, Unicode
 
-#: Where ipyparallel's cluster objects log: nowhere. The ranks report what goes wrong themselves; a stop is silent
-#: (ipyparallel logs a process's whole log file when it ends by a signal); a copy elsewhere stays out of its log.
+#: Where ipyparallel's cluster objects log: nowhere (the ranks report their failures; a stop is silent).
 QUIET = logging.getLogger("vgpu_magic.ranks.ipyparallel")
 QUIET.addHandler(logging.NullHandler())
 QUIET.propagate = False
 
 
 class RanksCluster(Cluster):
-    """ipyparallel's cluster; the kernel that started it owns its file (``owner``). A copy another process loads
-    from it (JupyterLab's cluster panel: ipyparallel's ``ClusterManager``) watches the same processes; at their
-    stop it logged each one's log file into the Jupyter server's terminal as a failure, wrote the file again and
-    removed the logs. The copy logs nothing, leaves files to the owner, and leaves its manager once stopped."""
+    """ipyparallel's cluster, whose file its ``owner`` kernel owns. A copy loaded from it (JupyterLab's panel) logs
+    nothing, leaves files to the owner, and leaves its manager once stopped (upstream logged each log as a failure)."""
 
     owner = False
 
@@ -53,8 +49,7 @@ class RanksCluster(Cluster):
             json.dump(self.to_dict(), new)
         os.replace(f"{self.cluster_file}.new", self.cluster_file)
 
-    # ipyparallel calls these (``on_stop``) as its controller, and each engine set, stop; ``_is_running`` and
-    # ``ClusterManager._cluster_key`` say whether any part still runs and under which key the manager holds it.
+    # ipyparallel calls ``on_stop`` callbacks; ``_is_running`` and ``ClusterManager._cluster_key`` are its own.
     def _controller_stopped(self, stop_data: Any = None) -> None:
         super()._controller_stopped(stop_data)
         self._leave_manager()
@@ -80,11 +75,9 @@ class ExitRecordingProcess(psutil.Process):
 
 
 class ExitRecordingEngineLauncher(LocalEngineLauncher):
-    """ipyparallel's local engine launcher; ``process.exit_code`` is the engine's exit status once reaped (ipyparallel
-    hands it to an event loop that may never run it while a cell watches the ranks)."""
+    """ipyparallel's local engine launcher; ``process.exit_code``: the engine's exit status once reaped."""
 
-    # ipyparallel sets ``process`` (a psutil.Process) then calls ``_start_waiting``, whose thread reaps the engine
-    # through ``process.wait``; upstream would need the exit status kept on the launcher.
+    # ipyparallel's ``_start_waiting`` thread reaps the engine by ``process.wait``; upstream would keep its status.
     def _start_waiting(self) -> None:
         self.process = ExitRecordingProcess(self.process.pid)
         super()._start_waiting()
@@ -99,21 +92,18 @@ class ExitRecordingEngineSetLauncher(LocalEngineSetLauncher):
 
 
 class ReasonedSlurmEngineSetLauncher(SlurmEngineSetLauncher):
-    """ipyparallel's SLURM launcher, keeping what ``sbatch``/``scancel`` say on stderr (ipyparallel lets it
-    go to the kernel's terminal), so that a failing submit says why (:meth:`~.launchers.Launcher.start_failure`)."""
+    """ipyparallel's SLURM launcher, keeping ``sbatch``/``scancel``'s stderr so that a failing submit says why."""
 
     entrypoint_name = f"{__name__}.ReasonedSlurmEngineSetLauncher"
-    # ipyparallel's own template (its traits add --ntasks, --output, --partition, --account, --qos, --time) with two
-    # things it has no trait for, through its ``namespace``: more #SBATCH lines (upstream would need its template to
-    # write ``SlurmLauncher.options``, which it never does) and srun's own arguments (upstream would need a trait).
+    # ipyparallel's own template with, through its ``namespace``, what it has no trait for: more #SBATCH lines (its
+    # template never writes ``SlurmLauncher.options``) and srun's own arguments.
     default_template = Unicode(
         "#!/bin/sh\n#SBATCH --export=ALL\n#SBATCH --job-name=ipengine-{cluster_id}\n"
         "{sbatch}srun {srun}{program_and_args}\n"
     )
     namespace = Dict({"sbatch": "", "srun": ""}, config=True)
 
-    # ipyparallel runs ``sbatch`` and ``scancel`` through ``_run_command(command, **kwargs)``, which returns their
-    # stdout; upstream would need their stderr kept in the error it raises.
+    # ipyparallel's ``_run_command`` returns only stdout; upstream would need stderr kept in the error it raises.
     def _run_command(self, command: list[str], **kwargs: Any) -> str:
         proc = subprocess.run(command, capture_output=True, check=False, **kwargs)
         if proc.returncode:
@@ -122,17 +112,13 @@ class ReasonedSlurmEngineSetLauncher(SlurmEngineSetLauncher):
 
 
 def message_futures(ar: Any) -> list[Any]:
-    """The futures of ``ar``'s requests, one per message (``AsyncResult._children``; none where it has no such
-    list): ipyparallel keeps a request's IOPub callbacks there, and resolves each one's ``output`` future when its
-    engine goes idle after it (the only sign of a request whose reply an interrupt lost)."""
+    """The futures of ``ar``'s requests (``AsyncResult._children``); ``output`` resolves when its engine idles."""
     return list(getattr(ar, "_children", None) or ())
 
 
 def watch_requests(client: Any, watch: Callable[[str, Any], Callable[[dict], None]]) -> None:
-    """Call ``watch(msg_id, future)`` as ``client`` makes each request's future, before the request is sent, and what it
-    returns with each IOPub message of that request, on ipyparallel's thread as it arrives. ipyparallel has no public
-    hook for every request: ``Client._send`` makes each request's futures through ``Client.create_message_futures`` (the
-    first one a ``MessageFuture``), and ``Client._dispatch_iopub`` calls its ``iopub_callbacks``."""
+    """Call ``watch(msg_id, future)`` as ``client`` makes each request's future, and what it returns with each IOPub
+    message of it (no public hook: ``Client.create_message_futures``, ``Client._dispatch_iopub``)."""
     create = client.create_message_futures
 
     def create_watched(msg_id: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -144,15 +130,11 @@ def watch_requests(client: Any, watch: Callable[[str, Any], Callable[[dict], Non
 
 
 def set_handler_hooks(kernel: Any, pre: Callable[[], None], post: Callable[[], None]) -> None:
-    """Make ipykernel's ``kernel`` call ``pre`` before and ``post`` after each request it handles, in place of its
-    ``pre_handler_hook`` (which sets SIGINT to ``default_int_handler`` for the whole request) and
-    ``post_handler_hook`` (which restores what ``pre`` saved): ``Kernel.dispatch_shell`` calls both, no argument."""
+    """Make ipykernel's ``kernel`` call ``pre`` and ``post`` around each request (``Kernel.dispatch_shell``)."""
     kernel.pre_handler_hook = pre
     kernel.post_handler_hook = post
 
 
 def no_abort_after_an_error(kernel: Any) -> None:
-    """Keep ipykernel's ``kernel`` from aborting the requests queued behind a failed cell: ``execute_request``
-    calls ``Kernel._abort_queues`` after an error (``stop_on_error``, true in each of ipyparallel's execute
-    requests), which aborts what arrives for a while after it; upstream would need a way to clear it."""
+    """Keep ``kernel`` from aborting requests queued behind a failed cell (``_abort_queues``, ``stop_on_error``)."""
     kernel._abort_queues = lambda *args, **kwargs: None

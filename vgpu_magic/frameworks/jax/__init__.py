@@ -1,9 +1,7 @@
-"""JAX: N CPU devices (next to a GPU or without one), and this process's share of a GPU; docs/split.md says through
-which settings. A later CPU count is refused first, naming the cell that started the backend (JAX would raise a bare
-``RuntimeError``); of the two fraction variables only one is ever set (jaxlib refuses both, and JAX then runs on CPU).
-Devices have JAX's own names (``cpu:3``, as ``str(device)`` says) everywhere. Memory readings live in :mod:`.memory`,
-``vgpu_magic.mesh()`` and ``distribution()`` in :mod:`.mesh`, the ranks' ``jax.distributed`` wiring in :mod:`.ranks`.
-Importing this module imports neither JAX nor Keras."""
+"""JAX: N CPU devices (next to a GPU or without one), and this process's share of a GPU (docs/split.md). A later CPU
+count is refused naming the cell that started the backend; only one of the two fraction variables is set (jaxlib
+refuses both). Devices have JAX's names (``cpu:3``). Readings: :mod:`.memory`; ``mesh()``: :mod:`.mesh`; ranks:
+:mod:`.ranks`. Importing this module imports neither JAX nor Keras."""
 
 from __future__ import annotations
 
@@ -59,8 +57,7 @@ GLOO_CONNECTED = r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected n
 
 
 def backend_started() -> bool:
-    """Has JAX's backend started (so devices are fixed)? Never imports JAX: asks ``xla_bridge``, or in JAX versions
-    without ``backends_are_initialized()``, reads the backend cache it reads."""
+    """Has JAX's backend started (devices fixed)? Asks ``xla_bridge`` (older JAX: its backend cache); imports no JAX."""
     bridge = sys.modules.get("jax._src.xla_bridge")
     if bridge is None:
         return False
@@ -95,8 +92,7 @@ def _platforms_allow_gpu() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def gpu_backend_installed() -> bool:
-    """Is a GPU backend installed for JAX (a CUDA/ROCm plugin in the ``jax_plugins`` namespace package, or a jaxlib
-    built with CUDA)? Read from the installed files, once per process: imports and starts nothing."""
+    """Is a GPU backend installed for JAX (a ``jax_plugins`` CUDA/ROCm plugin, or a CUDA jaxlib)? Imports nothing."""
     import pkgutil
 
     try:
@@ -142,8 +138,7 @@ class Jax(Framework):
         self._counters: dict[str, LiveArrayBytes] = {}
 
     def imported(self) -> bool:
-        """Is JAX in use here? TensorFlow imports JAX itself where it is installed, so next to TensorFlow JAX counts
-        only once its backend started or the user's namespace holds something of JAX's."""
+        """Is JAX in use? TensorFlow imports it too: next to it, once its backend started or the user holds JAX's."""
         if "jax" not in sys.modules:
             return False
         return "tensorflow" not in sys.modules or backend_started() or _user_namespace_uses_jax()
@@ -234,8 +229,7 @@ class Jax(Framework):
         return self._snapshot(self._gpus()[0])
 
     def write_configuration(self, old: ConfigSnapshot, new: ConfigSnapshot) -> None:
-        """CPU count through ``jax_num_cpu_devices`` (``XLA_FLAGS`` before JAX 0.5); GPU cap and growth through
-        ``XLA_PYTHON_CLIENT_*``, which JAX reads when its backend starts."""
+        """CPU count: ``jax_num_cpu_devices`` (``XLA_FLAGS`` before 0.5); GPU cap, growth: ``XLA_PYTHON_CLIENT_*``."""
         jax = self.load()
 
         def left() -> str:
@@ -261,8 +255,7 @@ class Jax(Framework):
         return _set_env("XLA_FLAGS", xla_flags_with_count(os.environ.get("XLA_FLAGS", ""), count) or None)
 
     def _fraction(self, caps: dict[str, int | None]) -> str | None:
-        """JAX's memory fraction for caps in MiB: one for the process, of the capped GPU's total as CUDA counts it (what
-        XLA multiplies by; NVML's, larger, where the driver cannot be asked: the cap lands a little low)."""
+        """JAX's fraction for caps in MiB: of the GPU's total as CUDA counts it (else NVML's: the cap lands low)."""
         if not caps:
             return None
         gpus = {g.name: g for g in self._gpus()[0]}

@@ -13,10 +13,8 @@ __all__ = ["mesh", "distribution"]
 
 
 def mesh(axis_names: str | Sequence[str] = ("data",), shape: Sequence[int] | None = None, devices: Any = None) -> Any:
-    """A ``jax.sharding.Mesh`` over the split's devices (every CPU device after a CPU split, also next to a GPU;
-    else ``jax.devices()``) or over ``devices``: ``axis_names`` such as ``"data"`` or ``("data", "model")``,
-    ``shape`` the devices along each axis, e.g. ``(4, 2)`` (may be left out for one axis). Its use: docs/split.md.
-    """
+    """A ``jax.sharding.Mesh`` over the split's devices (every CPU device after a CPU split; else ``jax.devices()``)
+    or ``devices``: ``axis_names`` such as ``("data", "model")``, ``shape`` e.g. ``(4, 2)`` (optional for one axis)."""
     import numpy as np
 
     names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
@@ -38,10 +36,8 @@ def mesh(axis_names: str | Sequence[str] = ("data",), shape: Sequence[int] | Non
 
 
 def distribution() -> Any:
-    """Keras 3's ``keras.distribution.DataParallel`` over the split's devices, which needs Keras on JAX: where
-    Keras is not imported yet and ``KERAS_BACKEND`` is unset, this sets it to ``jax``; Keras on another backend
-    is an error saying how to fix it. Its use: docs/split.md.
-    """
+    """Keras 3's ``keras.distribution.DataParallel`` over the split's devices, on JAX: sets an unset ``KERAS_BACKEND``
+    to ``jax`` before Keras is imported; Keras on another backend is an error saying how to fix it."""
     if "keras" not in sys.modules and not os.environ.get("KERAS_BACKEND", "").strip():
         os.environ["KERAS_BACKEND"] = "jax"
     if "keras" not in sys.modules and os.environ["KERAS_BACKEND"].strip().lower() != "jax":

@@ -1,9 +1,7 @@
-"""JAX's ranks: a coordinator on rank 0's host for ``jax.distributed.initialize`` (an unchanged call finds it, as under
-a cluster JAX detects itself: :func:`setup_rank`), and each process's devices as a split request, planned on the rank
-(docs/ranks.md). XLA's GPU collectives go through NCCL, which before 2.30 refuses two ranks on one GPU at the first
-collective ("Duplicate GPU detected", measured on an H100 with NCCL 2.28.9, even with ``NCCL_MULTI_RANK_GPU_ENABLE=1``):
-ranks sharing a GPU with an older (or unreadable) NCCL are refused before anything starts (``shared_gpu_channels``).
-Importing this imports no JAX."""
+"""JAX's ranks: a coordinator on rank 0's host that an unchanged ``jax.distributed.initialize`` finds
+(:func:`setup_rank`), and each process's devices as a split request, planned on the rank (docs/ranks.md). NCCL before
+2.30 refuses two ranks on one GPU ("Duplicate GPU detected", NCCL 2.28.9, even with ``NCCL_MULTI_RANK_GPU_ENABLE=1``):
+ranks sharing a GPU with an older (or unreadable) NCCL are refused before anything starts. Imports no JAX."""
 
 from __future__ import annotations
 
@@ -85,8 +83,7 @@ def plan_ranks(
 
 
 def setup_rank(coordinator: str, num_processes: int, process_id: int, gpu: int | None, join: bool = False) -> str:
-    """Run on the rank once its ``devices`` are split: make an unchanged ``jax.distributed.initialize()`` find this
-    rank's place (``gpu``: its CUDA index); with ``join``, also make that call (rank 0 hosts the coordinator)."""
+    """On the rank, after its split: an unchanged ``jax.distributed.initialize()`` finds it; ``join``: call it."""
     _register_cluster_environment()
     if not join:
         return f"jax.distributed.initialize() joins {coordinator} as process {process_id} of {num_processes}"
@@ -103,8 +100,7 @@ def setup_rank(coordinator: str, num_processes: int, process_id: int, gpu: int |
 
 @functools.cache
 def _register_cluster_environment() -> None:
-    """Put a cluster environment reading the rank's ``VGPU_MAGIC_JAX_*`` variables first in JAX's auto-detection
-    (JAX registers each ``ClusterEnv`` subclass as it is defined), ahead of any SLURM or MPI variables."""
+    """Make JAX's auto-detection read the rank's ``VGPU_MAGIC_JAX_*`` variables first, ahead of SLURM's or MPI's."""
     from jax._src import clusters
 
     class VgpuMagicRanks(clusters.ClusterEnv):

@@ -1,8 +1,6 @@
-"""TensorFlow: logical GPUs with memory caps on one GPU, or logical CPUs. The only module that touches ``tf.config``,
-read with calls that do not start the runtime (``context.context()._initialized`` tells whether it started). TensorFlow
-2.21 writes INFO lines to file descriptor 2 while it is imported, before it reads ``TF_CPP_MIN_LOG_LEVEL``: where
-vgpu_magic imports it and the level is not an explicit 0, those lines are dropped and every other line passes. The
-ranks: :mod:`.ranks`."""
+"""TensorFlow: logical GPUs with memory caps on one GPU, or logical CPUs; the one module touching ``tf.config``,
+with calls that do not start the runtime. The INFO lines TensorFlow 2.21 writes while imported, before it reads
+``TF_CPP_MIN_LOG_LEVEL``, are dropped unless the level is an explicit 0. The ranks: :mod:`.ranks`."""
 
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ __all__ = ["TensorFlow", "FRAMEWORK", "CAPABILITIES", "system_reserve_mib", "set
 
 
 def system_reserve_mib(free_mib: int, compute_capability: tuple[int, int] | None) -> int:
-    """Memory TensorFlow keeps back on each GPU for CUDA itself (``MinSystemMemory`` in its ``gpu_device.cc``); an
-    unknown compute capability counts as the newest (the largest reserve)."""
+    """TensorFlow's reserve on each GPU for CUDA (``MinSystemMemory``); an unknown capability counts as newest."""
     if free_mib < 2048:
         return 225
     major = compute_capability[0] if compute_capability else 99
@@ -58,8 +55,7 @@ _INFO_LINE = re.compile(
 #: The start of any C++ log line or absl notice: a line that does not continue the one before.
 _LOG_LINE = re.compile(r"^(?:[IWEF]\d{4} \d\d:\d\d:|WARNING: |[A-Za-z_.]+Error|Traceback)")
 
-#: The INFO records a strategy made by :meth:`TensorFlow.strategy` causes (at its making, at every traced
-#: reduction, at the first step of ``fit``).
+#: The INFO records :meth:`TensorFlow.strategy`'s strategy causes (made, each traced reduction, ``fit``'s first step).
 _STRATEGY_INFO = re.compile(
     r"^(Using MirroredStrategy with devices|Reduce to \S+ then broadcast to|Collective all_reduce tensors: )"
 )
@@ -102,8 +98,7 @@ class TensorFlow(Framework):
     capabilities = CAPABILITIES
     module = "tensorflow"
     keras_backend = "tensorflow"
-    # Level 2: C++ INFO and WARNING lines (the runtime's start, a Keras dataset "will not be optimized", gRPC and
-    # the coordination service on every worker); errors stay.
+    # Level 2: no C++ INFO and WARNING lines (runtime start, Keras datasets, gRPC on every worker); errors stay.
     log_settings = {"TF_CPP_MIN_LOG_LEVEL": ("2", "0")}  # noqa: RUF012 - read, never written
     chatter = (
         # Written while TensorFlow is imported, before it reads its level.
@@ -116,8 +111,7 @@ class TensorFlow(Framework):
     )
 
     def importing(self) -> contextlib.AbstractContextManager:
-        """Without the INFO lines TensorFlow writes while it is imported, which no level silences, unless the user asked
-        for them (an unset level is TensorFlow's default, 0, but nobody chose it)."""
+        """Without the INFO lines TensorFlow writes while imported, unless the user asked for them (an explicit 0)."""
         level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "").strip()
         hidden = not level or (level.isdigit() and int(level) >= 1)
         return _without_cpp_info_lines() if hidden else contextlib.nullcontext()
@@ -185,8 +179,7 @@ class TensorFlow(Framework):
         def set_logical(physical_name: str, limits: tuple[int | None, ...] | None) -> None:
             dev = next(d for d in tf.config.list_physical_devices() if d.name == physical_name)
             if limits is None:
-                # Back to no configuration (an undo): TensorFlow has no public call for it, and
-                # set_logical_device_configuration(dev, None) raises TypeError.
+                # An undo: TensorFlow has no public call; set_logical_device_configuration(dev, None) raises TypeError.
                 from tensorflow.python.eager import context
 
                 context.context()._virtual_device_map.pop(dev, None)
@@ -231,9 +224,7 @@ class TensorFlow(Framework):
         return sum(r["current"] for r in readings), sum(r["peak"] for r in readings)
 
     def memory_reader(self) -> Reader:
-        """Through the C function under ``tf.config.experimental.get_memory_info``, bound to the context once: right
-        after a training step each Python call level in between costs as much as the read itself
-        (``benchmarks/monitor_overhead.py``). Once the runtime runs, the context's handle stays valid."""
+        """Through the C function under ``get_memory_info``, bound once: each Python level costs as much as the read."""
         from tensorflow.python import pywrap_tfe
         from tensorflow.python.eager import context
 
@@ -258,8 +249,7 @@ class TensorFlow(Framework):
         return out
 
     def strategy(self, devices: list[str] | None = None) -> Any:
-        """A ``MirroredStrategy`` over the split's logical devices; starts the runtime. Logical GPUs of one card cannot
-        use NCCL, so reductions go through one device (TensorFlow's own fallback, minus its warning)."""
+        """A ``MirroredStrategy`` over the split's logical devices (starts the runtime), reducing through one device."""
         tf = self.load()
         snap = self.read_configuration()
         devices = snap.replica_devices() if devices is None else devices

@@ -1,8 +1,6 @@
-"""TensorFlow's ranks: ``TF_CONFIG`` lists every worker at its own host and a port chosen there (under SLURM: what
-``SlurmClusterResolver`` computes); ``--split K`` on a GPU gives each worker K logical GPUs (its ``devices``). On
-CPU the strategy uses one device per worker whatever the logical CPU count (measured: 2 workers × 2 logical CPUs
-give 2 replicas), so ``--split`` on CPU is refused. Importing this module imports no TensorFlow.
-"""
+"""TensorFlow's ranks: ``TF_CONFIG`` lists every worker at its host and a port chosen there (SLURM: as
+``SlurmClusterResolver``); ``--split K`` on a GPU gives each worker K logical GPUs. On CPU the strategy uses one
+device per worker whatever the CPU count, so ``--split`` is refused there. Imports no TensorFlow."""
 
 from __future__ import annotations
 
@@ -65,9 +63,7 @@ def plan_ranks(
 
 
 def _workers(layout: RankLayout, port: int | None) -> list[str]:
-    """Every worker's ``host:port``, in rank order: under SLURM what ``SlurmClusterResolver(port_base=port or
-    8888)`` computes (the step's hosts sorted, each node's tasks on consecutive ports); else each rank's host
-    address and the port its engine chose there (``port`` for the first worker, when given)."""
+    """Every worker's ``host:port`` in rank order: under SLURM ``SlurmClusterResolver``'s; else each engine's port."""
     if layout.slurm is not None:
         return [
             f"{host}:{(port or SLURM_PORT_BASE) + offset}"
@@ -78,6 +74,5 @@ def _workers(layout: RankLayout, port: int | None) -> list[str]:
 
 
 def setup_rank(gpu: int, count: int, cap_mib: int, join: bool = False) -> str:
-    """What a worker with a GPU has once its ``devices`` are split; ``join`` changes nothing: a worker joins in the
-    user's ``MultiWorkerMirroredStrategy()``."""
+    """What a worker with a GPU has once split; ``join`` changes nothing (``MultiWorkerMirroredStrategy()`` joins)."""
     return f"GPU {gpu}: {count} logical GPU(s) of {cap_mib} MiB"

@@ -1,15 +1,11 @@
 """PyTorch's ranks get what ``torchrun --standalone --nproc-per-node 2`` gives each worker (measured, torch 2.14),
-computed from their hosts: ``MASTER_ADDR`` is rank 0's host (under SLURM the step's first), ``LOCAL_*`` and
-``GROUP_RANK`` are per host; with no agent, rank 0 hosts the TCP store, as in a plain ``init_process_group`` launch,
-and the agent's variables are left out.
-
-Backend: NCCL where every rank has a GPU of its own. NCCL before 2.30 refuses two ranks on one GPU at DDP's
-construction ("Duplicate GPU detected", measured on an H100, torch 2.11, NCCL 2.28.9), so where ranks share a GPU
-``init_process_group`` maps NCCL to gloo (:func:`gloo_for_nccl`) unless ``--backend nccl`` asks for NCCL 2.30's
-experimental multi-rank mode; and a rank's ``LOCAL_RANK`` is its GPU's index, so
-``set_device(LOCAL_RANK)`` and ``DDP(device_ids=[LOCAL_RANK])`` reach the shared card (``CUDA_VISIBLE_DEVICES=0,0``
-would show no device). Each rank is capped with ``set_per_process_memory_fraction`` of CUDA's total, after room for
-every rank's own CUDA context. Importing this module imports no PyTorch."""
+from their hosts: ``MASTER_ADDR`` is rank 0's host (under SLURM the step's first), ``LOCAL_*`` and ``GROUP_RANK`` are
+per host; with no agent, rank 0 hosts the TCP store and the agent's variables are left out. Backend: NCCL where every
+rank has a GPU of its own. NCCL before 2.30 refuses two ranks on one GPU ("Duplicate GPU detected", NCCL 2.28.9), so
+where ranks share one ``init_process_group`` maps NCCL to gloo (:func:`gloo_for_nccl`) unless ``--backend nccl`` asks
+for NCCL 2.30's multi-rank mode; ``LOCAL_RANK`` is the GPU's index, so ``set_device(LOCAL_RANK)`` reaches the shared
+card. Each rank is capped with ``set_per_process_memory_fraction``, after room for every rank's CUDA context.
+Importing this module imports no PyTorch."""
 
 from __future__ import annotations
 
@@ -91,29 +87,21 @@ def plan_ranks(
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         }
-        if place.rank in channels:
+        shares = place.rank in channels
+        if shares:
             # MPS's own limit on the rank (where a daemon serves it): all the pre-flight counted for it.
             limit = cap + cuda_context_mib(place.gpu) + buffers[place.rank]
             env.update(shared_gpu_env(channels[place.rank]))
             env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"{place.gpu.index}={limit}M"
         gpu_args = () if place.gpu is None else (place.gpu.index, cap)
         plans.append(
-            RankPlan(
-                place.rank,
-                env,
-                SETUP,
-                (backend, *gpu_args),
-                tuple(notes),
-                mps=place.rank in channels,
-                simulated=simulated,
-            )
+            RankPlan(place.rank, env, SETUP, (backend, *gpu_args), tuple(notes), mps=shares, simulated=simulated)
         )
     return plans
 
 
 def setup_rank(backend: str, gpu: int | None = None, cap_mib: int | None = None, join: bool = False) -> str:
-    """Run on the rank: pick and cap its GPU (``gpu``: CUDA's index on its host); where the plan says gloo for
-    GPU ranks (they share a GPU), map NCCL to gloo; with ``join``, also join the process group (``env://``)."""
+    """On the rank: pick and cap its GPU; gloo for GPU ranks maps NCCL to gloo; ``join``: join the process group."""
     if gpu is None and not join:
         return "torchrun's environment set"
     import torch
@@ -139,8 +127,7 @@ def setup_rank(backend: str, gpu: int | None = None, cap_mib: int | None = None,
 
 
 def say_the_cap(note: str) -> None:
-    """Add ``note`` to a CUDA out-of-memory error that ends a script (``sys.excepthook``) or a cell (IPython's
-    custom exception handler) on this rank: torch's message counts the card's free memory, not the cap."""
+    """Add ``note`` to a CUDA out-of-memory error ending a script or cell: torch's counts the card, not the cap."""
     import torch
 
     def noted(error: BaseException) -> None:
@@ -163,8 +150,7 @@ def say_the_cap(note: str) -> None:
 
 
 def gloo_for_nccl(backend: str | None) -> str:
-    """The backend string a rank sharing a GPU uses for ``backend`` (``None``: torch's default): torch's own
-    ``BackendConfig`` map, NCCL replaced by gloo, and gloo for CPU tensors where nothing was said."""
+    """The backend a rank sharing a GPU uses for ``backend`` (``None``: torch's default): NCCL replaced by gloo."""
     from torch.distributed.distributed_c10d import Backend, BackendConfig
 
     asked = BackendConfig(Backend.UNDEFINED if backend is None else backend).get_device_backend_map()
@@ -173,8 +159,7 @@ def gloo_for_nccl(backend: str | None) -> str:
 
 
 def _map_nccl_to_gloo(dist) -> None:
-    """Make ``init_process_group`` (``torch.distributed``'s and ``distributed_c10d``'s) take
-    :func:`gloo_for_nccl` of the backend asked."""
+    """Make ``init_process_group`` (``torch.distributed``'s and ``distributed_c10d``'s) take :func:`gloo_for_nccl`."""
     from torch.distributed import distributed_c10d
 
     original = distributed_c10d.init_process_group
