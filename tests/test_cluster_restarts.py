@@ -5,6 +5,7 @@ its checkpoint ends with the weights of a run that never failed, and the cluster
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -40,7 +41,8 @@ def _run(shell, capsys, line: str) -> str:
 
 def test_a_rank_that_exits_is_launched_again_with_every_rank_and_resumes(shell, uninterrupted, tmp_path, capsys):
     out = _run(shell, capsys, f"--max-restarts 2 {SCRIPT} {tmp_path / 'w'} 5")
-    assert "attempt 1 of 3: rank 1 exited with status 3" in out
+    # (torch's exit-time abort, the suite's known race, can end rank 1 by SIGABRT instead: a failure all the same)
+    assert re.search(r"attempt 1 of 3: rank 1 (exited with status 3|was killed by SIGABRT)", out), out
     assert "; restarting the 2 ranks" in out
     assert "finished on attempt 2 of 3" in out
     done = json.loads((tmp_path / "w").read_text())

@@ -20,7 +20,7 @@ from ...inventory import cuda_gpus, cuda_to_nvml_order, cuda_total_bytes, nvml_g
 from ...units import MIB
 from ..base import Framework, Reader, call_before_start
 from . import ranks
-from .memory import LiveArrayBytes, MemoryReader, devices_by_name
+from .memory import ENV_CLIENT_FRACTION, ENV_FRACTION, LiveArrayBytes, MemoryReader, devices_by_name
 
 __all__ = ["CAPABILITIES", "FRAMEWORK", "Jax", "backend_started", "gpu_backend_installed"]
 
@@ -45,9 +45,6 @@ CAPABILITIES = Capabilities(
 CPU_NAME = "/physical_device:CPU:0"
 #: JAX's names of its CPU and GPU devices, ``str(jax.devices()[i])``.
 DEVICE_NAMES = ("cpu:{}", "cuda:{}")
-ENV_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
-#: jaxlib's current name for the fraction; set together with the older one, jaxlib refuses both.
-ENV_CLIENT_FRACTION = "XLA_CLIENT_MEM_FRACTION"
 ENV_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 ENV_ALLOCATOR = "XLA_PYTHON_CLIENT_ALLOCATOR"
 _COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\S*)")

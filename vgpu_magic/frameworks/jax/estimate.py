@@ -15,7 +15,7 @@ from typing import Any
 
 from ...errors import PlanError
 from ..base import Lever, RankEstimate, RankMemory
-from . import ENV_CLIENT_FRACTION, ENV_FRACTION
+from .memory import ENV_CLIENT_FRACTION, ENV_FRACTION
 
 __all__ = ["estimate_ranks", "kept_mib", "levers", "SIMULATED"]
 

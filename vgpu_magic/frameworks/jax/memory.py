@@ -12,6 +12,11 @@ from typing import Any
 
 __all__ = ["LiveArrayBytes", "MemoryReader", "devices_by_name", "device_index"]
 
+#: JAX's memory fraction of a GPU (read by the split, the estimate and the rank setup).
+ENV_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+#: jaxlib's current name for the fraction; set together with the older one, jaxlib refuses both.
+ENV_CLIENT_FRACTION = "XLA_CLIENT_MEM_FRACTION"
+
 
 def device_index(name: str) -> tuple[str, int]:
     """``'cpu:3'``, ``'/device:CPU:3'`` or ``'CPU:3'`` -> ``('cpu', 3)``."""
