@@ -1,6 +1,5 @@
-"""GPU memory budgets, pure arithmetic over plain data in MiB: the limits every request meets and what the devices of a
-GPU, or each rank sharing one, may use. Below the frameworks: the planner (a split in one process) and the frameworks'
-rank wiring (``Framework.plan_ranks``) read the same rules, and no framework reaches up."""
+"""GPU memory budgets in MiB, pure arithmetic: the limits every request meets and what a GPU's devices, or each rank
+sharing one, may use. Below the frameworks, so the planner and ``Framework.plan_ranks`` read the same rules."""
 
 from __future__ import annotations
 

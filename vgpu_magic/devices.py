@@ -1,6 +1,5 @@
-"""The bottom layer, plain data: the devices (:class:`GPUInfo`, :class:`DeviceInventory`), what a framework can do with
-them and its words for it (:class:`Capabilities`), and its configuration (:class:`ConfigSnapshot`). Filled by the probes
-and the frameworks; read by every layer. Imports nothing of vgpu_magic."""
+"""The bottom layer, plain data: devices (:class:`GPUInfo`, :class:`DeviceInventory`), what a framework can do with
+them (:class:`Capabilities`) and its configuration (:class:`ConfigSnapshot`). Imports nothing of vgpu_magic."""
 
 from __future__ import annotations
 
@@ -8,8 +7,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-#: GPU memory a process takes outside its framework's allocator and cap where its SM count is unknown (the estimate's
-#: verdict uses it): on an H100, a DDP rank's NVML "used" minus torch's reserved was 880 MiB (test_estimate_gpu.py).
+#: A process' GPU memory outside its allocator, SM count unknown (an H100 DDP rank: 880 MiB, test_estimate_gpu.py).
 CUDA_CONTEXT_MIB = 1024
 
 
@@ -93,7 +91,7 @@ class Capabilities:
     replicas_on_split_cpu: bool = False
     #: The default helper reduces with NCCL unless fewer physical GPUs (hidden too) than logical: one card refuses.
     replicas_nccl_unless_fewer_physical: bool = False
-    #: The framework's own words: what starts once and fixes the devices (JAX: ``"backend"``), a split's device and
+    #: The framework's own words: what fixes the devices once started (JAX: ``"backend"``), a split's device and
     #: phrase (``{count}``, ``{kind}``, ``{s}``, ``{index}``), :attr:`replicas_by`'s device, a device list's host.
     runtime_word: str = "runtime"
     device_noun: str = "logical {kind}"

@@ -190,9 +190,8 @@ def estimate(
     namespace: dict | None = None,
     progress: Callable[[str], None] = lambda line: None,
 ) -> MemoryEstimate:
-    """Each rank's peak memory when ``code_or_function`` (a cell's code, or a function of no arguments) runs on
-    ``ranks`` devices, with ``%%vgpu_estimate``'s options (docs/estimates.md); ``progress`` gets a line before each
-    run. Bad input, a framework that cannot be estimated or a cell without a training step: :class:`PlanError`."""
+    """Each rank's peak memory when ``code_or_function`` (a cell's code, or a no-argument function) runs on ``ranks``
+    devices, ``progress`` told before each run; PlanError for bad input, no estimator or no training step."""
     count, gpu_mib, gpu_label = parse_gpu(gpu) if gpu is not None else (None, None, None)
     ranks = ranks if ranks is not None else count or 1
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:

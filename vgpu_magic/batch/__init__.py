@@ -1,6 +1,5 @@
 """Batch jobs: the rehearsed script submitted unchanged, each task wired as the rehearsal wires its rank, tracked
-from ``.vgpu_jobs/<id>/`` beside the script and listed in this user's index of jobs, so a job outlives the kernel
-that submitted it and any notebook finds it (docs/jobs.md)."""
+from ``.vgpu_jobs/<id>/`` beside the script and this user's index, so any later kernel finds it (docs/jobs.md)."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ SET_BY_THE_JOB = {
 @dataclass(frozen=True)
 class JobSpec:
     """``script ARGS`` under ``framework``'s wiring on ``nodes`` × ``ranks_per_node`` tasks; ``port``: rank 0's
-    (default: one free on the first node when the job starts). Checked whole when made: a one-line
-    :class:`ValueError` quotes what is wrong; a stored job's is read back as a record (:meth:`stored`)."""
+    (default: a free one). Checked when made (one-line :class:`ValueError`); a stored one: a record (:meth:`stored`)."""
 
     script: str
     args: tuple[str, ...] = ()
@@ -95,8 +93,7 @@ class JobSpec:
 
     @classmethod
     def stored(cls, said: dict) -> JobSpec:
-        """A submitted request as its job's folder keeps it: a record, read as written and never checked again as a
-        new request (its script may have moved since; a later version may keep more fields)."""
+        """A request as its job's folder keeps it, read as written, never checked again (its script may have moved)."""
         spec = object.__new__(cls)
         for field in dataclasses.fields(cls):
             value = said.get(field.name, field.default)
@@ -129,8 +126,7 @@ def backend(name: str) -> JobBackend:
 
 
 class Shown:
-    """Displayed as its :meth:`summary`, except by the cell whose magic printed its lines and returned it (where an
-    ``Out[]`` would say it twice)."""
+    """Shown as its :meth:`summary`, except by the cell whose magic printed and returned it (no second ``Out[]``)."""
 
     printed_in: object = None
 
@@ -176,15 +172,13 @@ class Job(Shown):
 
     @property
     def exit_codes(self) -> list[int | None]:
-        """Each rank's exit status, by rank: ``None`` until it ends, and where SLURM killed its step (a rank failed,
-        a cancel, the time limit); above 128 where a signal killed it; the last attempt's."""
+        """Each rank's last exit status: ``None`` until it ends or where SLURM killed it; above 128: a signal's."""
         paths = [self.folder / f"rank-{r}.exit" for r in range(self.spec.ranks)]
         return [int(path.read_text()) if path.exists() and path.read_text().strip() else None for path in paths]
 
     def logs(self, rank: int | None = None, read: dict[int, int] | None = None) -> str:
-        """Each rank's output (or rank ``rank``'s), every line labelled ``[rank r]`` as ``%vgpu_run`` labels it, the
-        framework's start-up chatter held back as the rehearsal holds it (``rank-R.log`` keeps it); with ``read``
-        (rank -> characters read, updated) only the whole lines written since."""
+        """Each rank's output (or rank ``rank``'s) labelled ``[rank r]``, start-up chatter held back as ``%vgpu_run``
+        holds it; with ``read`` (rank -> characters read, updated) only the whole lines written since."""
         added, held = [], HeldBack(frameworks.get(self.spec.framework).chatter)
         for r in range(self.spec.ranks) if rank is None else [rank]:
             text, start = self.backend.logs(self.folder, r), 0 if read is None else read.get(r, 0)
@@ -211,9 +205,8 @@ class Job(Shown):
         self.backend.cancel(self.job_id)
 
     def summary(self, lines: int = 5) -> str:
-        """``ID NAME: STATE, elapsed [D-]HH:MM:SS, ...``, each failed rank's exit status and last lines, why it ended
-        or why SLURM keeps it pending. A rank ended by SLURM's own signal, where SLURM ended the job (a cancel, its
-        time limit), did not fail."""
+        """``ID NAME: STATE, elapsed [D-]HH:MM:SS, ...``, each failed rank's status and last lines, why it ended or
+        pends. A rank SLURM's own signal ended, where SLURM ended the job (cancel, time limit), did not fail."""
         state, reason, elapsed = self.backend.state(self.job_id, self.folder)
         codes, (hours, seconds) = self.exit_codes, divmod(elapsed.seconds, 3600)
         ran = f"{elapsed.days}-" * bool(elapsed.days) + f"{hours:02}:{seconds // 60:02}:{seconds % 60:02}"
@@ -246,15 +239,13 @@ def submit(script: str, args=(), framework: str = "torch", nodes: int = 1, ranks
 
 
 def index_file() -> Path:
-    """This user's jobs, one folder a line, oldest first: ``$XDG_DATA_HOME/vgpu_magic/jobs`` (XDG's default data
-    folder, ``~/.local/share``, where that is unset or not absolute)."""
+    """This user's jobs, one folder a line, oldest first: ``$XDG_DATA_HOME/vgpu_magic/jobs`` (or ``~/.local/share``)."""
     data = os.environ.get("XDG_DATA_HOME", "")
     return (Path(data) if os.path.isabs(data) else Path.home() / ".local" / "share") / "vgpu_magic" / "jobs"
 
 
 def jobs(root: str | os.PathLike | None = None) -> Jobs:
-    """This user's jobs, wherever their scripts were (:func:`index_file`; those whose folder is gone are left out),
-    oldest first; with ``root``, the jobs of the scripts in that folder's tree instead."""
+    """This user's jobs (:func:`index_file`, gone folders left out), oldest first; with ``root``, its scripts' only."""
     if root is not None:
         found = [Job(path.parent) for path in Path(root).resolve().rglob(f"{FOLDER}/*/job.json")]
         return Jobs(sorted(found, key=lambda job: (len(job.job_id), job.job_id)))

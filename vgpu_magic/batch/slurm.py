@@ -1,7 +1,6 @@
-"""SLURM's job backend on SLURM's own commands (``sbatch``, ``scontrol show job``, ``scancel``; why not submitit:
-docs/jobs.md), and what each task runs (:func:`main`): the ranks' hosts from SLURM's variables, as the rehearsal's
-engines report them, wired by the rehearsal's own ``layout_ranks`` and ``plan_ranks``; the environment only (caps
-and splits are a rehearsal's) goes to ``python SCRIPT``."""
+"""SLURM's job backend on its own commands (``sbatch``, ``scontrol show job``, ``scancel``; why not submitit:
+docs/jobs.md), and each task's :func:`main`: the hosts from SLURM's variables, wired by the rehearsal's ``layout_ranks``
+and ``plan_ranks``; only the environment (caps and splits are a rehearsal's) goes to ``python SCRIPT``."""
 
 from __future__ import annotations
 
@@ -22,10 +21,9 @@ from ..ranks.launchers import SlurmLauncher
 from ..ranks.spec import RESTART_COUNTS
 from . import FOLDER, JobBackend, JobSpec
 
-#: The batch script: the job's folder made first (its id is known only then) with its start time; then each attempt
-#: (up to ``max_restarts`` more, torchrun's agent's restarts: ``srun`` stops every task when one fails) its number, a
-#: port free on this node (the first: rank 0's), one ``srun`` whose tasks each write their exit status beside their
-#: output (and torch's ``@record`` its error file, as under torchrun), then the last step's status.
+#: The batch script: the job's folder (its id is known only then) and start time; then per attempt (``max_restarts``
+#: more, as torchrun's agent: ``srun`` stops every task when one fails) its number, rank 0's free port, one ``srun``
+#: whose tasks write their exit status (and torch's ``@record`` error file) beside their output; the last status.
 TEMPLATE = """#!/bin/bash
 {options}#SBATCH --output=/dev/null
 job={jobs}/$SLURM_JOB_ID
@@ -66,8 +64,7 @@ class SlurmJobs(JobBackend):
         )
 
     def submit(self, spec: JobSpec) -> str:
-        """``sbatch``, once ``sbatch --test-only`` says SLURM could ever start the job (``sbatch`` alone queues a job
-        asking for more than the partition has, pending forever)."""
+        """``sbatch``, once ``sbatch --test-only`` says SLURM could ever start the job (else it may pend forever)."""
         script = self.script(spec)
         for test in (["--test-only"], ["--parsable"]):
             try:
@@ -90,8 +87,7 @@ class SlurmJobs(JobBackend):
             # A cancelled job keeps the reason it was pending for, which is not why it ended.
             stale = shown.get("Reason", "None") == "None" or shown["JobState"] == "CANCELLED"
             return shown["JobState"], "" if stale else shown["Reason"], elapsed
-        # SLURM has forgotten the job (MinJobAge): it ran from its start until the last file written in its folder
-        # (its batch script's end, or SLURM's CANCELLED AT line in the ranks' logs where SLURM ended it).
+        # SLURM forgot it (MinJobAge): it ran until its folder's last write (the script's end, or SLURM's CANCELLED AT).
         start, ended = folder / "job.start", max(path.stat().st_mtime for path in folder.iterdir())
         elapsed = timedelta(seconds=round(ended - float(start.read_text()))) if start.exists() else timedelta(0)
         return (*_ended(folder), elapsed)
@@ -108,8 +104,8 @@ class SlurmJobs(JobBackend):
 
 
 def _ended(folder: Path) -> tuple[str, str]:
-    """A job's end from its folder: SLURM's time-limit line in a rank's log (the batch script may still write its
-    status after SLURM's SIGTERM), else what its batch script wrote, unless SLURM ended the script first."""
+    """A job's end from its folder: SLURM's time-limit line in a log (checked first: the script may still write its
+    status after SIGTERM), else what the batch script wrote, unless SLURM ended it first."""
     if "DUE TO TIME LIMIT" in "".join(path.read_text(errors="replace") for path in folder.glob("*.log")):
         return "TIMEOUT", "its time limit was reached"
     if (folder / "job.exit").exists():
@@ -123,9 +119,8 @@ def _run(argv: list[str], stdin: str | None = None) -> subprocess.CompletedProce
 
 
 def plan_tasks(framework: str, env: dict[str, str], port: int | None = None, free: int = 0) -> list[RankPlan]:
-    """Every task's plan, in rank order, from a SLURM step's environment (block distribution: the first node's
-    tasks are ranks 0..k-1), each host planned with this one's GPUs; ``free``: a port free on the first node, as
-    the rehearsal's first engine reports one (rank 0's where the framework takes it and ``port`` is not given)."""
+    """Every task's plan, in rank order, from a SLURM step's environment (block distribution), each host with this
+    one's GPUs; ``free``: a port free on the first node (rank 0's where the framework takes it and ``port`` is None)."""
     step = SlurmStep.from_env(env)
     if step is None:
         raise RuntimeError("not a task of a SLURM job step (SLURM_JOB_ID, SLURM_STEP_NODELIST, ... unset)")

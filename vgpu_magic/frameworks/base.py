@@ -1,5 +1,4 @@
-"""What every framework answers: :class:`Framework`, filling the plain data of :mod:`vgpu_magic.devices` and
-:mod:`vgpu_magic.layout`; the engine, the planner and the faces only talk to it. Imports no framework."""
+""":class:`Framework`: what every framework answers, in plain data, to all the rest; imports no framework."""
 
 from __future__ import annotations
 
@@ -35,9 +34,8 @@ class RankMemory:
 
 @dataclass(frozen=True)
 class RankEstimate:
-    """What a framework's estimator found for one rank: its memory, how the cell shares the work out, what it already
-    does that a lever offers (``"bf16"``), notes for the reader, the cell's lines that read a tensor's value (which
-    an estimate has not: 0 stood in) and whether a backward pass ran."""
+    """An estimator's finding for one rank: memory, how the cell shares work out, what it does that a lever offers
+    (``"bf16"``), notes, the lines that read a tensor's value (0 stood in) and whether a backward pass ran."""
 
     memory: RankMemory
     parallelism: str = "single device"
@@ -64,8 +62,8 @@ def code_names(code: types.CodeType) -> set[str]:
 
 
 def call_before_start(owner: Any, name: str, starting: Callable[..., bool], callback: Callable[[], None]):
-    """Wrap ``owner.name`` so that its first call for which ``starting(*args)`` is true calls ``callback()`` first
-    and puts the original back; returns the undo (for a call that never came)."""
+    """Wrap ``owner.name`` so its first call with ``starting(*args)`` true calls ``callback()`` first, then unwraps;
+    the undo (for a call that never came)."""
     original = getattr(owner, name)
 
     def first_start(*args: Any, **kwargs: Any) -> Any:
@@ -96,8 +94,7 @@ def restored(mapping: MutableMapping) -> Iterator[None]:
 
 
 class ImportedThen(importlib.abc.Loader):
-    """``loader``, running its module inside ``around()`` and calling ``then()`` after: what runs when a framework is
-    imported, whoever imports it (the kernel's runtime watcher; a launched rank's setup that waits for the script)."""
+    """``loader`` running its module inside ``around()``, then ``then()``: runs on a framework's import, by anyone."""
 
     def __init__(self, loader: Any, then: Callable[[], Any], around: Callable = contextlib.nullcontext) -> None:
         self.loader, self.then, self.around = loader, then, around
@@ -132,8 +129,7 @@ class CudaUser:
         return False
 
     def gpu_allocator_bytes(self) -> tuple[int, int] | None:
-        """``(current, peak)`` bytes its allocator holds on this process' GPUs (no PID namespace, unlike NVML's
-        per-process list), or ``None`` when it cannot tell."""
+        """``(current, peak)`` bytes its allocator holds on our GPUs (NVML's needs our PID namespace), or None."""
         return None
 
     def __repr__(self) -> str:
@@ -141,15 +137,14 @@ class CudaUser:
 
 
 class Framework(CudaUser, abc.ABC):
-    """One framework's answers: subclasses set :attr:`capabilities` and :attr:`module` and implement the abstract
-    methods and, for what the framework can do, those that raise ``NotImplementedError``."""
+    """One framework's answers: subclasses set :attr:`capabilities`, :attr:`module`, the abstract methods and those
+    raising ``NotImplementedError`` that the framework can do."""
 
     #: The Keras 3 backend that runs on this framework, or ``None`` when Keras has none.
     keras_backend: str | None = None
     #: The call a script makes under the framework's real launcher to join the other ranks ("": none to make).
     join_call: str = ""
-    #: Its own log settings, read when it is imported: variable -> (the quiet value, the framework's default);
-    #: set where the user set nothing (:meth:`quiet_kernel`, :mod:`vgpu_magic.ranks.shown`).
+    #: Log settings read at import, set where the user set nothing: variable -> (quiet value, framework's default).
     log_settings: ClassVar[dict[str, tuple[str, str]]] = {}
     #: Regular expressions of the start-up lines no setting silences (held back on ranks: :mod:`.ranks.shown`).
     chatter: tuple[str, ...] = ()
@@ -168,8 +163,7 @@ class Framework(CudaUser, abc.ABC):
             return False
 
     def load(self) -> Any:
-        """Import the framework (within :meth:`importing` the first time) and return its module, else
-        :class:`FrameworkImportError` with the real reason."""
+        """Import the framework (within :meth:`importing` the first time): its module, or FrameworkImportError."""
         try:
             with contextlib.nullcontext() if self.module in sys.modules else self.importing():
                 return importlib.import_module(self.module)
@@ -181,8 +175,7 @@ class Framework(CudaUser, abc.ABC):
         return contextlib.nullcontext()
 
     def watch_runtime_start(self, callback: Callable[[], None]) -> Callable[[], None] | None:
-        """Have ``callback()`` called once, just before the runtime starts (so the watcher can name the line); returns
-        the undo, or ``None`` where the framework is not imported, already started, or cannot tell."""
+        """Call ``callback()`` just before the runtime starts: the undo, or None (not imported, started, unknown)."""
         return None
 
     def quiet_kernel(self) -> dict[str, str]:
@@ -264,9 +257,8 @@ class Framework(CudaUser, abc.ABC):
         return self.module in names
 
     def estimator(self) -> types.ModuleType | None:
-        """Its ``estimate`` module (``estimate_ranks``: a :class:`RankEstimate` per rank; ``kept_mib``; ``levers``: each
-        a :class:`Lever`; ``SIMULATED``), or None: imported here by a plain ``from . import estimate``, which
-        import-linter sees."""
+        """Its ``estimate`` module (``estimate_ranks``: a :class:`RankEstimate` per rank; ``kept_mib``; ``levers``;
+        ``SIMULATED``), or None; a plain ``from . import estimate`` here, so that import-linter sees it."""
         return None
 
     def strategy(self, devices: list[str] | None = None) -> Any:
@@ -281,7 +273,6 @@ class Framework(CudaUser, abc.ABC):
         port: int | None,
         backend: str | None = None,
     ) -> list[RankPlan]:
-        """One :class:`RankPlan` per rank of ``layout``, ``split`` devices and ``memory_mib`` each, ``port`` the
-        coordinator's (None: free ones), ``backend`` its collectives' (one of ``capabilities.rank_backends``; None:
-        the framework's choice). Pure; a request that cannot work is a one-line :class:`ValueError`."""
+        """One :class:`RankPlan` per rank of ``layout``, ``split`` devices and ``memory_mib`` each; ``port`` the
+        coordinator's (None: free), ``backend`` in ``capabilities.rank_backends`` (None: own). Pure, or ValueError."""
         raise ValueError(f"{self.label} cannot run as ranks of %vgpu_cluster")

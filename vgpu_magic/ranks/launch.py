@@ -1,7 +1,6 @@
-"""A script run is a launch: ``%vgpu_run FILE ARGS`` starts new rank processes every time, as ``torchrun`` / ``srun``
-/ ``mpirun`` do (docs/ranks.md, *Cells and scripts*). The engine on each host is the launcher's agent (torchrun's
-design): :func:`run_rank` starts the script as its child, which dies with it, and follows it; :func:`child` is a
-spare, waiting with the framework imported."""
+"""A script run is a launch: ``%vgpu_run FILE ARGS`` starts new rank processes every time, as ``torchrun`` does
+(docs/ranks.md, *Cells and scripts*). Each host's engine is the agent: :func:`run_rank` starts the script as its child,
+which dies with it, and follows it; :func:`child` is a spare, waiting with the framework imported."""
 
 from __future__ import annotations
 
@@ -27,11 +26,10 @@ __all__ = ["INTERRUPT_LIMIT", "ProcessExited", "child", "kernel_environ", "launc
 
 #: Seconds a launched process has at most after SIGINT (its ``except KeyboardInterrupt``) while it makes progress.
 INTERRUPT_LIMIT = 120.0
-#: Seconds without progress (output, I/O, CPU time) after which an interrupted process is stuck, and killed: long
-#: enough for a rank's handler to wait for another's save (``dist.barrier()``), short of torchrun's fixed 30 s.
+#: Seconds without progress (output, I/O, CPU) after which an interrupted process is killed: enough for a handler to
+#: wait for another's save (``dist.barrier()``), short of torchrun's fixed 30 s.
 STUCK = 10.0
-#: The share of a core an interrupted process must use to be making progress: the runtimes' own threads in a process
-#: blocked in a collective use about 0.002 (0.01 s every few seconds), a handler at work on a loaded machine far more.
+#: A core's share that is progress after SIGINT: one blocked in a collective uses ~0.002, a working handler more.
 BUSY = 0.05
 #: Seconds to wait for the rest of the output once the process exited (a grandchild may hold its pipes).
 DRAIN = 1.0
@@ -73,13 +71,11 @@ def launch_request(
     module: bool = False,
     faults: tuple = (),
 ) -> dict:
-    """What :func:`run_rank` needs to launch one rank with its :class:`~vgpu_magic.frameworks.base.RankPlan`, as plain
-    data; ``preload``: the modules a spare imports; ``spare``: keep one for the next launch; ``task_variables``: the
-    launcher's (:class:`KernelEnviron`); ``module``: ``path`` names a module, run as ``python -m`` runs it;
-    ``faults``: the run's :class:`~.spec.Fault` s, those for this rank injected into its process."""
+    """What :func:`run_rank` needs to launch one rank with its ``RankPlan``, as plain data; ``preload``: the modules a
+    spare imports; ``spare``: keep one for the next launch; ``task_variables``: :class:`KernelEnviron`'s; ``module``:
+    ``path`` names a module, run as ``python -m``; ``faults``: the run's :class:`~.spec.Fault` s (its own injected)."""
     return {
-        # When, on the host's clock: every rank's signal at the same moment (one rank preempted alone would fail in
-        # its peer's collective before that peer's own SIGTERM came).
+        # On the host's clock: all ranks at once (one preempted alone would fail in a peer's collective first).
         "faults": [
             (time.time() + f.after, f.after, int(f.signum), f.kill_after, f.said)
             for f in faults
@@ -117,8 +113,7 @@ class _Process:
 
 
 def _made(preload: list[str]) -> tuple:
-    """A child's imports, and the installed packages as it found them (the folders' modification times): an install
-    since (``pip install -e``) is not on its import path."""
+    """A child's imports and the packages' folders' mtimes: an install since (``pip install -e``) is not on its path."""
     import site
 
     folders = sorted({*site.getsitepackages(), site.getusersitepackages()})
@@ -130,8 +125,7 @@ _SETS_ENVIRONMENT = re.compile(rb"environ\s*\[[^]]*\]\s*=[^=]|environ\s*\.\s*(se
 
 
 def _sets_environment(path: str) -> bool:
-    """Does the script at ``path`` set environment variables? Frameworks read theirs at import (``OMP_NUM_THREADS``,
-    ``TORCH_LOGS``, ``JAX_ENABLE_X64``): such a script imports its framework itself, as under plain ``python``."""
+    """Does the script set environment variables? Frameworks read theirs at import: it imports its own, as in python."""
     with contextlib.suppress(OSError), open(path, "rb") as source:
         return bool(_SETS_ENVIRONMENT.search(source.read()))
     return False  # the script's own run says what is wrong with it
@@ -155,10 +149,9 @@ def _spare_for(plan_env: dict[str, str], preload: list[str], environ: Environ) -
 
 
 def _base(plan_env: dict[str, str], environ: Environ) -> dict[str, str]:
-    """A launch's environment outside the plan: on the kernel's host the kernel's ``environ`` (a launcher run from
-    the notebook inherits it) with what the engine's own launch gave it (``srun``'s ``SLURM_*``), which a task of that
-    launch has; the engine's own on another host (what ``ssh`` or ``srun`` gave it there). With :mod:`.lifetime`'s
-    variables, without ipyparallel's (its key)."""
+    """A launch's environment outside the plan: on the kernel's host the kernel's ``environ`` (a launcher run from the
+    notebook inherits it) with what the engine's launch gave it (``srun``'s ``SLURM_*``); on another host the engine's
+    own. With :mod:`.lifetime`'s variables, without ipyparallel's (its key)."""
     from . import lifetime
 
     ours = {k: os.environ[k] for k in (lifetime.OWNER_ENV, lifetime.CLUSTER_ENV) if k in os.environ}
@@ -197,8 +190,8 @@ def warm(plan_env: dict[str, str], preload: list[str], environ: Environ = None) 
 
 
 def run_rank(request: dict[str, Any]) -> int:
-    """Run on an engine: launch the script ``request`` describes (:func:`launch_request`) as this engine's
-    child, stream its output, and wait for its end: its PID, or :class:`ProcessExited`."""
+    """On an engine: launch :func:`launch_request`'s script as its child, stream its output, wait: its PID, or
+    :class:`ProcessExited`."""
     global _spare
     plan_env, path, cwd = request["plan_env"], request["argv"][0], request["cwd"]
     # A module is found by the launched process (python's "No module named ..." if not); a file it could run is here.
@@ -227,8 +220,7 @@ def run_rank(request: dict[str, Any]) -> int:
         proc.control.close()
         _spare = _start(plan_env, preload, request["environ"]) if request["spare"] else None
     if injected:
-        # A process a fault reached ended by it, whatever its status (a preempted script that saved and exited 0 did
-        # not finish its work): said with the option as typed, so that no one takes it for a bug.
+        # Ended by the fault whatever its status (a preempted script exiting 0 did not finish), quoted as typed.
         raise ProcessExited(f"{how_it_ended(code)} (injected: {'; '.join(injected)})")
     if code == 0:
         return proc.popen.pid
@@ -237,8 +229,7 @@ def run_rank(request: dict[str, Any]) -> int:
 
 
 def _inject(popen: subprocess.Popen, faults: list) -> tuple[list[str], list[threading.Timer]]:
-    """Start the timers that send each fault's signal to ``popen`` (then SIGKILL after a preemption's grace) while it
-    runs: what was sent (filled in as it is), and the timers to cancel once it ended."""
+    """Timers sending each fault's signal (then a preemption's SIGKILL) to ``popen``: what was sent, and the timers."""
     injected: list[str] = []
 
     def send(signum: int, said: str) -> None:
@@ -261,8 +252,7 @@ def _inject(popen: subprocess.Popen, faults: list) -> tuple[list[str], list[thre
 
 
 def _follow(popen: subprocess.Popen) -> int:
-    """Copy the child's output to this process' own until it exits: its status. Interrupted, the child gets SIGINT
-    (:func:`_stop`): ``KeyboardInterrupt`` once it stopped from it, :class:`ProcessKilled` where it would not."""
+    """Copy the child's output until it exits: its status; interrupted, :func:`_stop` it (KeyboardInterrupt, killed)."""
     selector = selectors.DefaultSelector()
     for pipe, out in ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr)):
         selector.register(pipe, selectors.EVENT_READ, (out, codecs.getincrementaldecoder("utf-8")("replace")))
@@ -292,8 +282,7 @@ def _follow(popen: subprocess.Popen) -> int:
         if interrupted:
             killed = _stop(popen, copy)
     finally:
-        # What is still in the pipes, then stop: a grandchild that kept them open is not waited for. The process
-        # has ended: an interrupt now changes nothing of how it ended.
+        # What is still in the pipes (not waiting on a grandchild holding them); an interrupt now changes nothing.
         with contextlib.suppress(KeyboardInterrupt):
             deadline = time.monotonic() + DRAIN
             while selector.get_map() and time.monotonic() < deadline:
@@ -304,16 +293,14 @@ def _follow(popen: subprocess.Popen) -> int:
     code = popen.wait()
     if killed:
         raise ProcessKilled(killed)
-    # What SIGINT ends a Python process with (its handler done, or none); any other status is the process' own end
-    # (an exit on its way as the interrupt came, an error in its handler), reported as such.
+    # How SIGINT ends a Python process (its handler done, or none); any other status is its own end, reported so.
     if interrupted and code in (0, -signal.SIGINT):
         raise KeyboardInterrupt
     return code
 
 
 def _stop(popen: subprocess.Popen, copy: Callable[[float], None]) -> str:
-    """SIGINT the process and follow it (``copy``: its output) while it makes progress: ``""`` once it stopped, else
-    why it was killed."""
+    """SIGINT the process and follow it (``copy``: its output) while it progresses: ``""``, or why it was killed."""
     popen.send_signal(signal.SIGINT)
     start = time.monotonic()
     for _ in progressing(popen.pid):
@@ -329,8 +316,8 @@ def _stop(popen: subprocess.Popen, copy: Callable[[float], None]) -> str:
 
 
 def progressing(pid: int) -> Iterator[None]:
-    """Yields (the caller waits a moment each time) while process ``pid`` made progress in the last :data:`STUCK` s,
-    for :data:`INTERRUPT_LIMIT` s at most: it read or wrote (its output too), or used :data:`BUSY` of a core."""
+    """Yields while ``pid`` progressed (I/O, or :data:`BUSY` of a core) in the last :data:`STUCK` s, at most
+    :data:`INTERRUPT_LIMIT` s; the caller waits a moment each time."""
     import psutil
 
     start = moved = time.monotonic()
@@ -373,8 +360,7 @@ def child() -> None:
 
     parent, fd, preload = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
     _die_with_parent(parent)
-    # Python's own SIGINT handler (KeyboardInterrupt), which it does not install where it starts with SIGINT
-    # ignored, as the engine has it outside a cell.
+    # Python's KeyboardInterrupt handler, not installed where it starts with SIGINT ignored (the engine's, off-cell).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     control = socket.socket(fileno=fd)
     for module in preload:
@@ -399,9 +385,8 @@ def child() -> None:
 
         devices = SplitRequest(**launch["devices"]) if launch["devices"] else None
         prepare_rank({}, launch["setup"], tuple(launch["setup_args"]), devices=devices, framework=launch["preload"][0])
-    # As on a terminal: each line reaches the notebook when printed, in one write, even under PYTHONUNBUFFERED (its
-    # write-through sends a print's pieces one by one, and a framework's C++ writing to the same stream, Gloo's
-    # "[Gloo] Rank 0 is connected", lands between two). A flush (``flush=True``) sends an unfinished line at once.
+    # As on a terminal: each line reaches the notebook when printed, in one write, even under PYTHONUNBUFFERED (whose
+    # write-through lets C++ output like "[Gloo] Rank 0 is connected" land mid-line); ``flush=True`` sends a part line.
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=False)
     try:
@@ -423,8 +408,7 @@ def child() -> None:
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         sys.exit(1)
     finally:
-        # The script ended (of itself, unless by KeyboardInterrupt, which still ends it by SIGINT): a late interrupt
-        # must not end it by SIGINT instead, as it would once Python restored SIGINT's default action to finalize.
+        # Ended: a late interrupt must not end it by SIGINT as Python finalizes (a KeyboardInterrupt still does).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 

@@ -1,7 +1,5 @@
-"""An MPS control daemon of the cluster's own, for ranks sharing a GPU over NCCL (``RankPlan.mps``): without one their
-kernels are time-sliced and a collective's CTAs spin (users report 20× slower). Its pipe and log folder are its own,
-so a machine's daemon is neither joined nor stopped; started and stopped with the cluster, and by
-``python -m vgpu_magic.ranks.mps FOLDER``, which a watcher runs when the kernel dies without a stop."""
+"""The cluster's own MPS daemon for ranks sharing a GPU over NCCL (else collectives spin, 20× slower), in its own folder
+(a machine's is untouched); stopped with the cluster, or by a watcher's ``python -m vgpu_magic.ranks.mps FOLDER``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Running one piece of work on every rank under the fault policy docs/ranks.md states (*When a rank fails*).
-
-:class:`RankRun` submits the work to each rank (one ipyparallel ``AsyncResult`` each) and watches them from the
-kernel: output streams live, labelled ``[rank r]`` (:mod:`.shown`); memory is sampled (:mod:`.memory`). A rank's
-process is reached through :class:`RankProcesses`: by PID on this host, through its engine on another.
-"""
+"""Running one piece of work on every rank under the fault policy docs/ranks.md states (*When a rank fails*):
+:class:`RankRun` submits it to each rank (one ipyparallel ``AsyncResult`` each) and watches them from the kernel:
+output streams live, labelled ``[rank r]`` (:mod:`.shown`); memory is sampled (:mod:`.memory`). A rank's process is
+reached through :class:`RankProcesses`: by PID on this host, through its engine on another."""
 
 from __future__ import annotations
 
@@ -41,8 +39,7 @@ _RESTART = "the cluster must be restarted: %vgpu_cluster restart"
 
 
 class RankRunError(RuntimeError):
-    """A run on the ranks failed, as its ``result`` says rank by rank; IPython shows :meth:`_render_traceback_`: each
-    failing rank's traceback, each line labelled with its ranks (the same traceback on several ranks once)."""
+    """A run on the ranks failed (``result``, by rank); IPython shows each failing traceback once, labelled by ranks."""
 
     def __init__(self, result: RunResult) -> None:
         self.result, self.must_restart = result, result.must_restart
@@ -53,8 +50,7 @@ class RankRunError(RuntimeError):
         super().__init__(self.headline())
 
     def headline(self, state: bool = True) -> str:
-        """One line: what failed (ranks with the same failure together), what was done to the others, and
-        (``state``) whether the cluster is usable."""
+        """One line: what failed (like failures together), what was done to the others, (``state``) if usable."""
         parts = [_rank_s(ranks, summary) for summary, ranks in _grouped(self.failures, "summary")]
         if self.interrupted:
             parts.append(f"interrupted {_rank_s(self.interrupted)}")
@@ -93,8 +89,7 @@ def _rank_s(ranks: list[int], said: str = "") -> str:
 
 
 def _killed(ranks: list[int], why: str) -> str:
-    """``"rank 0 did not stop within 3 s of SIGINT and was killed"``: ``why`` is ``"did not stop within 3 s of
-    SIGINT"``."""
+    """``"rank 0 did not stop within 3 s of SIGINT and was killed"`` where ``why`` is ``"did not stop ..."``."""
     were = "were" if len(ranks) > 1 else "was"
     return _rank_s(ranks, f"{why} and {were} killed")
 
@@ -178,8 +173,8 @@ class RankRun:
                     (out if kind == "stdout" else err).feed(content)
 
     def _drain(self, results: list[Any], streams: list[tuple[LineStream, LineStream]]) -> None:
-        """Show the rest of the output of every finished, living rank: ipyparallel can deliver a rank's reply long
-        before its last lines (a million lines: seconds). Waited for while more keeps coming within OUTPUT_WAIT."""
+        """Show the rest of each finished, living rank's output, which can trail its reply by seconds (a million
+        lines); waited for while more comes within OUTPUT_WAIT."""
         waiting = [rank for rank, ar in enumerate(results) if ar.ready() and self.procs.alive(rank)]
         arrived, since = -1, time.monotonic()
         while waiting and time.monotonic() - since < OUTPUT_WAIT:
@@ -207,8 +202,7 @@ class RankRun:
 
     def _failure(self, rank: int, ar: Any) -> RankFailure:
         exc = _error(ar)
-        # A remote error's own traceback as the notebook's cell, without ipyparallel's "[engine:method]" line
-        # (the lines are labelled by rank).
+        # A remote error's own traceback, without ipyparallel's "[engine:method]" line (lines are labelled by rank).
         text = getattr(exc, "traceback", None)
         if isinstance(text, str) and text:
             tb: tuple[str, ...] = tuple(notebook_traceback(text, running_cell()))
@@ -268,8 +262,7 @@ class RankRun:
                 failures[rank] = self._death(rank)
 
     def restart_reason(self, exc: BaseException) -> str | None:
-        """Why the cluster must be restarted after this run ended with ``exc``: the ranks that died or were killed;
-        ``None`` when it is still usable (a rank's error alone leaves it so)."""
+        """Why the cluster must restart after ``exc``: the dead or killed ranks; ``None``: usable (errors only)."""
         died = [f for f in getattr(exc, "failures", ()) if f.kind == "died"]
         reasons = [_rank_s(ranks, summary) for summary, ranks in _grouped(died, "summary")]
         if self.killed:
@@ -288,8 +281,7 @@ class RankRun:
             # Whose unfinished line is drawn is one record per output, which every rank's stream to it shares.
             return LineStream(f"[rank {r}] ", out, partial(held.shown, r), f"[rank{r}]:", lives.setdefault(id(out), {}))
 
-        # A rank's stdout to the notebook's stdout, its stderr (warnings, tracebacks, frameworks' logs) to its stderr,
-        # as Jupyter shows a cell's own and a terminal keeps them: two streams.
+        # Two streams, as Jupyter shows a cell's own: a rank's stdout to stdout, its stderr (warnings, logs) to stderr.
         streams = [(stream(r, self.stdout), stream(r, self.stderr)) for r in range(n)]
         memory = RankMonitor(
             self.procs.memory_pids(), self.gpu, self.plot, launched=self.launched, engine=self.procs.engine
@@ -306,8 +298,7 @@ class RankRun:
                 self._emit(results, streams)
                 memory.sample([ar.ready() for ar in results])
                 seen = len(failures)
-                # Replies land on ipyparallel's thread at any time: the run may end only on what was looked at
-                # (a rank that was ready before the look was collected if it failed; one ready only after it was not).
+                # Replies land on ipyparallel's thread any time: end only on what was looked at (and collected).
                 looked = [ar.ready() for ar in results]
                 self._collect(results, failures)
                 now = time.monotonic()
@@ -349,8 +340,7 @@ class RankRun:
         self._end(streams, failures, stopped)
         self.trace = memory.finish(bool(failures or timed_out), sorted(failures), timed_out is not None)
         if failures or timed_out:
-            # A rank that another's failure took down after it; the timeout first (a rank that failed of its own
-            # after the interrupt, a launch's taken down by its peer's kill, does not hide it), unless its rank failed.
+            # Peer-downed ranks last, the timeout first (no later failure hides it) unless its rank failed.
             every = sorted(failures.values(), key=lambda failure: failure.kind == "peer")
             if timed_out and timed_out.rank not in failures:
                 every.insert(0, timed_out)
@@ -366,8 +356,7 @@ class RankRun:
 
 
 def _gone(results: list[Any], ranks: list[int]) -> dict[int, str]:
-    """``{rank: why}``: each of ``ranks`` whose engine killed its launched process after SIGINT
-    (:class:`~.launch.ProcessKilled`); the engine lives on."""
+    """``{rank: why}``: each of ``ranks`` whose engine killed its launched process after SIGINT (it lives on)."""
     errors = {rank: _error(results[rank]) for rank in ranks}
     return {r: str(exc.evalue) for r, exc in errors.items() if getattr(exc, "ename", "") == "ProcessKilled"}
 
@@ -388,9 +377,8 @@ def _outcome(failure: RankFailure | None, stopped: bool, killed: str) -> RankOut
 
 
 def _settled(ar: Any) -> bool:
-    """Is the rank done with the work: its reply came, or its code raised (the error it published comes before its
-    reply), or its engine went idle (each message's output future is resolved then)? A rank that is done is not
-    interrupted, nor killed for a reply that an interrupt lost."""
+    """Is the rank done: its reply came, its code raised (published before the reply), or its engine went idle (its
+    output futures resolved)? A done rank is not interrupted, nor killed for a reply an interrupt lost."""
     from .upstream import message_futures
 
     children = message_futures(ar)
@@ -407,9 +395,8 @@ def _error(ar: Any) -> BaseException | None:
 
 
 def interrupt_only_the_cell() -> None:
-    """On a rank's engine: SIGINT interrupts a cell's own code only (ipykernel takes it for the whole request: one
-    meant for a cell that had just finished lost the reply, or ended the engine's loop), and a failed cell does not
-    abort the next one (ipykernel's abort of the cells queued behind an error caught a run sent right after)."""
+    """On a rank's engine: SIGINT interrupts a cell's own code only (in ipykernel's whole request it lost replies or
+    ended the loop), and a failed cell does not abort the next (ipykernel's abort caught a run sent right after)."""
     from IPython import get_ipython
 
     from . import upstream

@@ -1,5 +1,4 @@
-"""What a rank cluster was asked for (:class:`ClusterSpec`), where it stands (:class:`ClusterState`) and how a run on
-it ended (:class:`RunResult`), as plain data: torch elastic's ``WorkerSpec``, ``WorkerState`` and ``RunResult``."""
+"""Plain data: a rank cluster's request, state and a run's end (torch elastic's WorkerSpec, WorkerState, RunResult)."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """:class:`~.rank_cluster.RankCluster`'s validated arguments. Every field takes part in equality: a start that
-    differs from the running cluster in any is another request, never "already running"."""
+    """``RankCluster``'s validated arguments, all in equality: a start differing in any is never "already running"."""
 
     n: int
     framework: str
@@ -75,8 +73,7 @@ class ClusterNotRunning(RuntimeError):
 
 @dataclass(frozen=True)
 class RankFailure:
-    """Why one rank did not finish: ``kind`` is ``"error"``, ``"died"``, ``"timeout"`` or ``"peer"`` (its error said
-    another rank, which failed first, went: its traceback is kept, not shown)."""
+    """Why a rank did not finish: ``kind`` "error", "died", "timeout", "peer" (a peer failed first; traceback kept)."""
 
     rank: int
     kind: str
@@ -86,9 +83,8 @@ class RankFailure:
 
 @dataclass(frozen=True)
 class RankOutcome:
-    """How a rank's part of a run ended: ``end`` is ``"finished"``, ``"failed"``, ``"peer"`` (stopped: its peer failed)
-    or ``"interrupted"`` (by the fault policy); ``failure`` says why; ``killed``, when it did not stop from SIGINT,
-    why it was killed (``"made no progress for 10 s after SIGINT"``), else ``""``."""
+    """How a rank's part of a run ended: ``end`` ``"finished"``, ``"failed"``, ``"peer"`` (its peer failed) or
+    ``"interrupted"`` (fault policy); ``failure`` why; ``killed`` why SIGINT did not stop it (``""``: it did)."""
 
     end: str
     failure: RankFailure | None = None
@@ -97,8 +93,7 @@ class RankOutcome:
 
 @dataclass(frozen=True)
 class RunResult:
-    """How a failed run ended (torch elastic's ``RunResult``): ``outcomes`` by rank, those with a failure first in the
-    order the failures were seen; whether the cluster ``must_restart``."""
+    """How a failed run ended (torch elastic's): ``outcomes`` by rank, failures first as seen; ``must_restart``."""
 
     outcomes: Mapping[int, RankOutcome]
     must_restart: bool
@@ -106,8 +101,7 @@ class RunResult:
     attempts: int = 1
 
 
-#: The variables torchrun's agent counts restarts in (the restart, the most allowed): a launch sets them where the
-#: framework's plan has them.
+#: torchrun's agent's restart counters (this one, the most allowed): a launch sets them where the plan has them.
 RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
 #: A preemption's default grace between SIGTERM and SIGKILL: SLURM's ``KillWait``.
 PREEMPT_GRACE = 30.0
@@ -115,9 +109,8 @@ PREEMPT_GRACE = 30.0
 
 @dataclass(frozen=True)
 class Fault:
-    """A failure injected into the first launch of a script: ``signum`` sent ``after`` seconds to ``rank`` (``None``:
-    every rank), then SIGKILL ``kill_after`` seconds later where given (a preemption); ``said`` is the option as typed,
-    which the run's output quotes so that no one takes it for a bug."""
+    """A failure injected into a script's first launch: ``signum`` ``after`` s to ``rank`` (None: all), SIGKILL
+    ``kill_after`` s later if given (preemption); ``said``: the option as typed, quoted so none takes it for a bug."""
 
     rank: int | None
     after: float

@@ -1,5 +1,4 @@
-"""What ``%vgpu_cluster start`` and ``status`` say of a :class:`~.rank_cluster.RankCluster`: each rank's state
-(:class:`RankInfo`) and the lines that describe where and how the ranks run."""
+"""What ``%vgpu_cluster start`` and ``status`` say of a cluster: each :class:`RankInfo`, where and how the ranks run."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""JAX's part of :func:`vgpu_magic.estimate`: the cell's jitted steps compiled, not run, in a helper process with
-N CPU devices (the kernel's JAX untouched), read with XLA's ``memory_analysis()`` (docs/estimates.md). A jitted call
-returns its outputs as ``jax.ShapeDtypeStruct``, so the next step compiles from them and nothing is allocated."""
+"""JAX's part of :func:`vgpu_magic.estimate`: the cell's jitted steps compiled, not run, in a helper process with N CPU
+devices, read with ``memory_analysis()``; a step returns ``jax.ShapeDtypeStruct`` s, so nothing is allocated."""
 
 from __future__ import annotations
 
@@ -35,8 +34,7 @@ def estimate_ranks(
     gpu: tuple[str, int] | None,
     progress: Callable[[str], None],
 ) -> list[RankEstimate]:
-    """Each of ``ranks``' (devices') peak: the largest of the cell's compiled steps. The cell stands alone: the
-    helper sees no notebook names, and a cell that runs no jitted step is refused (PlanError)."""
+    """Each device's peak: the cell's largest compiled step (the helper sees no notebook names; none: PlanError)."""
     if not isinstance(cell, str):
         raise PlanError("a JAX estimate takes the cell's code (it runs in a helper process with N devices)")
     progress(f"estimating: the cell's jitted steps compile for {world} devices (JAX)…")
@@ -66,8 +64,7 @@ def kept_mib(gpu_mib: int) -> int:
 
 
 def levers(parts: dict[str, int], world: int, parallelism: str, uses: set[str]) -> list[Lever]:
-    """XLA's temporaries are activations, gradients and scratch alike: one lever names what shrinks them (none the
-    cell already uses), which saves at most them."""
+    """One lever (none the cell uses) for XLA's temporaries (activations, gradients, scratch): it saves at most them."""
     tools = [t for t, use in (("jax.checkpoint", "checkpointing"), ("bf16", "bf16")) if use not in uses]
     shrink = f"{', '.join([*tools, 'a smaller batch'])} shrink XLA's temporaries"
     return [Lever(shrink, saves=parts.get("temporaries", 0), note="with none")]
@@ -112,8 +109,7 @@ def _run(cell: str) -> dict[str, Any]:
     put = jax.device_put
 
     def shapes_put(x: Any, device: Any = None, **options: Any) -> Any:
-        # A step's outputs are shapes here; placing them places the shapes, on one sharding or on a pytree of them
-        # (one per subtree of x, as jax.device_put takes them).
+        # Outputs are shapes here: placing them places shapes, on one sharding or a pytree of them (as device_put).
         def one(where: Any, leaf: Any) -> Any:
             if not isinstance(leaf, jax.ShapeDtypeStruct):
                 return put(leaf, where, **options)

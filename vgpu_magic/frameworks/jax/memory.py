@@ -1,5 +1,4 @@
-"""Bytes on each JAX device, exact, for ``%vgpu_status`` and the live memory plot, once JAX's backend runs: the live
-arrays' shards on a CPU device (which has no ``memory_stats()``), the allocator's figures on a GPU (docs/split.md)."""
+"""Exact bytes on each JAX device once its backend runs: live arrays' shards on a CPU, the allocator's on a GPU."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ def devices_by_name(jax: Any, names: Sequence[str]) -> list[Any]:
 
 @dataclass(slots=True, eq=False)
 class _Sharded:
-    """A multi-device array's bytes per device slot (from its sharding: no per-shard objects are made), and the
-    addresses of its buffers once asked."""
+    """A multi-device array's bytes per device slot (from its sharding: no shard objects), its buffers' addresses."""
 
     ref: weakref.ref
     parts: tuple[tuple[int, int], ...]
@@ -50,13 +48,10 @@ class _Sharded:
 
 
 class LiveArrayBytes:
-    """Exact bytes of the live arrays' shards on each device of one platform. Several array objects can hold one buffer
-    (``addressable_shards[i].data`` of a sharded array, the arrays given to
-    ``jax.make_array_from_single_device_arrays``, ...) and ``jax.live_arrays()`` lists each, so a buffer counts once:
-    single-device arrays are told apart by their buffer's address, and one with the shape, dtype and device of a sharded
-    array's shard is checked against that array's buffers (only then are they read: that is the costly part). What each
-    array holds is kept by its id, guarded by a weak reference, so a read is a lookup per live array
-    (``benchmarks/jax_split.py`` measures it)."""
+    """Exact bytes of the live arrays' shards on each device of one platform, each buffer once: several arrays can hold
+    one (a shard's ``.data``, ``make_array_from_single_device_arrays``' inputs) and ``jax.live_arrays()`` lists each.
+    One-device arrays are told apart by buffer address; one shaped as a sharded array's shard is checked against its
+    buffers (the costly read, done only then). Kept by id behind a weak reference: a read is a lookup per array."""
 
     def __init__(self, jax: Any, platform: str) -> None:
         self._jax = jax
@@ -131,12 +126,10 @@ class LiveArrayBytes:
 
 
 class MemoryReader:
-    """``reader(names) -> [(current, peak), ...]`` in bytes, one pair per device name (``"cpu:3"``, ``"/device:CPU:3"``
-    or ``"CPU:3"``). A device with ``memory_stats()`` (GPU) is read from its allocator; one without (CPU) from the bytes
-    of the live arrays' shards on it, with the running maximum of those reads as its peak; one count serves every CPU
-    device of a read. ``peaks`` and ``counters`` may be shared, so that ``%vgpu_status`` and the monitor report the same
-    peaks. ``budget`` bounds the time counting may take: after a count of ``c`` seconds, calls in the next ``c /
-    budget`` seconds return it again (the monitor samples every 0.05 s); ``None`` counts every call."""
+    """``reader(names) -> [(current, peak), ...]`` in bytes, one pair per device name (``"cpu:3"``, ``"CPU:3"``, ...).
+    A GPU is read from its allocator (``memory_stats()``); a CPU device from its live arrays' shards (one count for
+    all), peak the running maximum. ``peaks`` and ``counters`` may be shared, so ``%vgpu_status`` and the monitor agree.
+    ``budget`` bounds counting: after a ``c`` s count, calls in the next ``c / budget`` s return it (None: no bound)."""
 
     #: Read it on the training thread only: counted from another thread in the middle of a step, the live
     #: arrays are those between a donated buffer's end and its replacement, and the count dips to 0 B.

@@ -1,5 +1,4 @@
-"""PyTorch's part of :func:`vgpu_magic.estimate`: each rank the cell runs as, in turn, in this process, on fake
-tensors (:mod:`.fake_rank`), and what could make it fit (docs/estimates.md)."""
+"""PyTorch's part of :func:`vgpu_magic.estimate`: the cell run as each rank in turn here, on fake tensors; levers."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ from ..base import Lever, RankEstimate, restored
 
 __all__ = ["estimate_ranks", "kept_mib", "levers", "SIMULATED"]
 
-#: What the estimate only simulates (:func:`~vgpu_magic.devices.simulated_line`): no GPU, no NCCL; NCCL's buffers
-#: are inside :func:`kept_mib`'s fixed allowance.
+#: What the estimate only simulates (:func:`~vgpu_magic.devices.simulated_line`); NCCL's buffers: :func:`kept_mib`.
 SIMULATED = ("fake tensors and a fake process group", "NCCL's buffers are a fixed reserve, not counted")
 
 
@@ -30,8 +28,7 @@ def estimate_ranks(
     gpu: tuple[str, int] | None,
     progress: Callable[[str], None],
 ) -> list[RankEstimate]:
-    """Each of ``ranks``' figures as rank of ``world`` on GPUs ``gpu`` (name, bytes): :func:`.fake_rank.estimate_rank`.
-    A cell that made no tensors, ran no backward pass or made a shape from values is refused (PlanError)."""
+    """``ranks``' figures in ``world`` on ``gpu`` (fake_rank); PlanError: no tensors, no backward, value shapes."""
     with restored(os.environ):  # torch's tools set TORCHINDUCTOR_CACHE_DIR
         from torch._subclasses.fake_tensor import DynamicOutputShapeException
 
@@ -60,8 +57,7 @@ def estimate_ranks(
 
 
 def _shape_from_values(exc: Exception, cell_file: str) -> str:
-    """One line for an op whose output's shape depends on values (``torch.nonzero``, a boolean mask): fake tensors
-    have none, so it cannot run in an estimate."""
+    """One line for an op whose output's shape depends on values (``torch.nonzero``, a mask): fake tensors have none."""
     lines = [(f.f_lineno, f.f_code.co_filename) for f, _ in traceback.walk_tb(exc.__traceback__)]
     line = next((n for n, name in reversed(lines) if name == cell_file), None)
     where = f"line {line} ({excerpt(linecache.getline(cell_file, line).strip())})" if line else "the cell"
@@ -72,14 +68,12 @@ def _shape_from_values(exc: Exception, cell_file: str) -> str:
 
 
 def kept_mib(gpu_mib: int) -> int:
-    """What each process keeps on a GPU outside torch's allocator, which keeps nothing back itself (its planner
-    reserve is this same allowance): CUDA's context and cuBLAS' workspaces."""
+    """What a process keeps on a GPU outside torch's allocator (also its planner reserve): CUDA context, cuBLAS."""
     return CUDA_CONTEXT_MIB
 
 
 def levers(parts: dict[str, int], world: int, parallelism: str, uses: set[str]) -> list[Lever]:
-    """What could make a peak of ``parts`` fit, none that the cell already uses: FSDP over twice the ranks (to
-    re-estimate), or what the peak holds of what a lever shrinks (it ``saves`` at most that)."""
+    """Levers the cell does not use yet: FSDP on twice the ranks (re-estimated), or what a lever shrinks (``saves``)."""
     batch = parts.get("activations", 0) + parts.get("temporaries", 0)  # what grows with the batch, at most
     state = sum(parts.get(k, 0) for k in ("parameters", "gradients", "optimizer state")) * (world - 1) // world
     found: list[Lever] = []
