@@ -62,12 +62,14 @@ def fake_nvml(free_mib: int, sm_count: int | None):
 
 @pytest.fixture
 def one_card(monkeypatch):
-    """This machine seen with a 16 GiB card, 15.5 GiB of it free and 58 SMs (an L4's); ``CUDA_VISIBLE_DEVICES``
-    unset, so CUDA shows it."""
+    """This machine seen with a 16 GiB card, 15.5 GiB of it free and 58 SMs (an L4's), and torch's NCCL 2.30.7 (its
+    CUDA build's; the oldest tier's CPU build has none); ``CUDA_VISIBLE_DEVICES`` unset, so CUDA shows it."""
     from vgpu_magic import inventory
+    from vgpu_magic.ranks import rank_cluster
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(inventory, "open_nvml", lambda: fake_nvml(15872, 58))
+    monkeypatch.setattr(rank_cluster, "nccl_version", lambda: (2, 30, 7))
 
 
 @pytest.fixture
