@@ -195,7 +195,9 @@ def test_a_failing_rank_fails_the_job_with_its_status_and_last_lines(slurm, tmp_
         "import os, time\nif os.environ['RANK'] == '1':\n    raise ValueError('rank 1 gives up')\ntime.sleep(300)\n"
     )
     job = ended(vgpu_magic.submit("fails.py", ranks_per_node=2), "FAILED")
-    assert job.exit_codes == [None, 1]  # rank 0 was ended with the step
+    # Rank 0 was ended with the step (srun's SIGTERM on a bad exit): by SIGTERM's 143 where its wrapper recorded
+    # that before it went, else with no status; either way not a failure of its own.
+    assert job.exit_codes in ([None, 1], [143, 1])
     ip = get_ipython()
     ip.run_line_magic("load_ext", "vgpu_magic")
     shown = ip.run_line_magic("vgpu_job", f"status {job.job_id}")[0].summary()
