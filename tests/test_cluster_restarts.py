@@ -54,7 +54,7 @@ def test_without_restarts_the_same_failure_fails_the_run(shell, tmp_path):
 
     with pytest.raises(RankRunError) as info:
         shell.run_line_magic("vgpu_run", f"--no-plot {SCRIPT} {tmp_path / 'w'} 5")
-    assert info.value.headline().startswith("rank 1 exited with status 3")
+    assert re.match(r"rank 1 (exited with status 3|was killed by SIGABRT)", info.value.headline())  # torch's race
     assert info.value.result.attempts == 1
     assert not (tmp_path / "w").exists()
 
