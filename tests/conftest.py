@@ -37,7 +37,7 @@ with contextlib.suppress(ImportError):
 import pytest
 
 import support
-from support import ARTIFACTS, EXIT_ABORTS, last_json, our_processes, run_python, too_many_exit_aborts
+from support import ARTIFACTS, EXIT_ABORTS, last_json, left_running, our_processes, run_python, too_many_exit_aborts
 
 
 def pytest_unconfigure(config) -> None:
@@ -128,8 +128,8 @@ def no_process_left_behind():
     """Fail the module if a process it started is still running at its end."""
     before = our_processes()
     yield
-    left = our_processes() - before
-    assert not left, f"processes left behind: {sorted(left)}"
+    left = left_running(before)
+    assert not left, f"processes left behind: {left}"
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -41,6 +41,7 @@ for step in range(start, 12):
     if stop.item():
         with open(f"{out}.sigterm.{rank}", "w") as said:
             said.write(str(attempt))
+        dist.destroy_process_group()
         sys.exit(0)
     if rank == 1 and attempt == 0 and step == exit_at:
         dist.destroy_process_group()
