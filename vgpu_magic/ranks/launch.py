@@ -215,6 +215,7 @@ def run_rank(request: dict[str, Any]) -> int:
         finally:
             for timer in timers:
                 timer.cancel()
+        sys.stderr.write("".join(f"{line}\n" for line in _stack_at_signal(proc.control)))
     finally:
         signal.signal(signal.SIGINT, outside)
         proc.control.close()
@@ -226,6 +227,28 @@ def run_rank(request: dict[str, Any]) -> int:
         return proc.popen.pid
     # No PID: ranks that ended alike are reported together. What it wrote (its traceback) was shown as it wrote it.
     raise ProcessExited(how_it_ended(code))
+
+
+def _stack_at_signal(control: socket.socket) -> list[str]:
+    """What the launched process' faulthandler wrote on ``control`` at a fatal signal (C++'s abort in a collective)
+    as a traceback: the stack of its thread (the current, else the main one), without :func:`child`'s frames."""
+    import linecache
+    import runpy
+
+    text = ""
+    with contextlib.suppress(OSError):  # it wrote nothing (a grandchild may hold the socket open)
+        text = control.recv(1 << 20, socket.MSG_DONTWAIT).decode(errors="replace")
+    stacks = [block for block in re.split(r"\n\s*\n", text) if '\n  File "' in block]
+    if not stacks:
+        return []
+    stack = max(reversed(stacks), key=lambda block: block.startswith("Current"))  # the main thread is listed last
+    frames = re.findall(r'^  File "(.*)", line (\d+) in (.*)$', stack, re.M)
+    lines = ["Traceback (most recent call last):"]
+    for file, line, name in reversed(frames):
+        if file not in (__file__, runpy.__file__, "<string>"):
+            source = linecache.getline(file, int(line)).strip()
+            lines += [f'  File "{file}", line {line}, in {name}', *([f"    {source}"] if source else [])]
+    return [*lines, text.splitlines()[0]]
 
 
 def _inject(popen: subprocess.Popen, faults: list) -> tuple[list[str], list[threading.Timer]]:
@@ -355,6 +378,7 @@ def _die_with_parent(parent: int) -> None:
 def child() -> None:
     """A spare (``python -c ... PARENT FD MODULE...``): import the modules, wait for the launch on the socket
     ``FD``, then become the script's process as ``python FILE ARGS`` (or ``python -m MODULE ARGS``) would be."""
+    import faulthandler
     import importlib
     import runpy
 
@@ -367,10 +391,14 @@ def child() -> None:
         # The script's own import of it will say what is wrong, as it would under its launcher.
         with contextlib.suppress(Exception):
             importlib.import_module(module)
-    with control, control.makefile("rb") as launched:
+    with control.makefile("rb") as launched:
         received = launched.read()
     if not received:
         os._exit(0)
+    # A fatal signal's Python stack (faulthandler's) goes back to the engine on the socket, which shows it as the
+    # rank's traceback; unblocked, a dump larger than its buffer is cut rather than waited on.
+    control.setblocking(False)
+    faulthandler.enable(control)
     launch = json.loads(received)
     os.chdir(launch["cwd"])
     os.environ.clear()
