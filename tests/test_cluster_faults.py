@@ -408,8 +408,11 @@ def test_only_a_traceback_that_says_its_peer_went_is_said_in_one_line(peer):
             "rank 1 exited with status 1; rank 0 stopped: its peer closed the connection (rank 1 failed first); "
             "the cluster is still usable"
         )
+        # With where it was (issue 43, row 15).
         assert [line for line in lines if line.startswith("[rank 0]")] == [
-            "[rank 0] stopped: its peer closed the connection (rank 1 failed first)"
+            "[rank 0] stopped: its peer closed the connection (rank 1 failed first)",
+            '[rank 0]   File "s.py", line 7, in <module>',
+            "[rank 0]     step()",
         ]
         assert info.value.failures[-1].traceback[-1] == second
         # The rank that failed first comes first; the one it took down says so.

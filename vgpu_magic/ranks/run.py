@@ -21,7 +21,7 @@ from ..runtime import running_cell
 from .launch import INTERRUPT_LIMIT, STUCK
 from .lifetime import process_alive
 from .memory import RankMonitor
-from .shown import PEER_GONE, HeldBack, LineStream, events, how_it_ended, notebook_traceback, show_display
+from .shown import PEER_GONE, HeldBack, LineStream, events, how_it_ended, notebook_traceback, show_display, taken_down
 from .spec import RankFailure, RankOutcome, RunResult
 
 __all__ = ["RankProcesses", "RankFailure", "RankRunError", "RankRun", "interrupt_only_the_cell", "process_alive"]
@@ -190,15 +190,17 @@ class RankRun:
 
     def _end(self, streams: list[tuple[LineStream, LineStream]], failures: dict[int, RankFailure], stopped=()) -> None:
         """End each rank's streams. A rank that failed (or was ``stopped``) saying its peer went (:data:`PEER_GONE`)
-        while another failed otherwise was taken down by that one: one line says so, in its stream and failure."""
+        while another failed otherwise was taken down by that one: one line says so, in its stream (with where it
+        was) and failure."""
         failed = {*stopped, *(r for r, f in failures.items() if f.kind == "error")}
         peers = [r for r in failed if streams[r][1].peer or PEER_GONE.search(getattr(failures.get(r), "summary", ""))]
         first = [r for r in failures if r not in peers]
-        said = f"stopped: its peer closed the connection ({_rank_s(first[:1])} failed first)" if first else None
         for rank, (out, err) in enumerate(streams):
-            held = out.end() + err.end(said if rank in peers else None)
-            if said and rank in peers:
-                failures[rank] = RankFailure(rank, "peer", said, tuple(held) or failures[rank].traceback)
+            mine = err.held_text() or list(getattr(failures.get(rank), "traceback", ()))
+            said = taken_down(mine, _rank_s(first[:1])) if first and rank in peers else None
+            held = out.end() + err.end(said)
+            if said:
+                failures[rank] = RankFailure(rank, "peer", said[0], tuple(held) or failures[rank].traceback)
 
     def _failure(self, rank: int, ar: Any) -> RankFailure:
         exc = _error(ar)

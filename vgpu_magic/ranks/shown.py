@@ -10,6 +10,7 @@ import signal
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from itertools import takewhile
 from typing import Any, TextIO
 
 __all__ = [
@@ -24,12 +25,18 @@ __all__ = [
     "rank_env",
     "record_output",
     "show_display",
+    "taken_down",
 ]
 
 #: Lines held back per rank (the oldest go first).
 HELD_LINES = 2000
+#: What gloo and NCCL say where another rank's process went: its connection closed.
+_CLOSED = re.compile(r"Connection (closed|reset) by peer|remote process exited")
 #: An exception line of torch.distributed that says another rank went (gloo's, NCCL's).
-PEER_GONE = re.compile(r"DistBackendError|Connection (closed|reset) by peer|remote process exited")
+PEER_GONE = re.compile(rf"DistBackendError|{_CLOSED.pattern}")
+#: A traceback's frame: Python's (``  File "x.py", line 6, in f``), IPython's (``File /x.py:6, in f``, ``Cell In[3],
+#: line 7``, whose source line is the one its arrow points at: ``----> 7 step()``).
+_FRAME = re.compile(r'\s*(File "(?P<file>[^"]*)", line \d+|File (?P<path>.*):\d+, in |Cell( In\[\d+\])?, line \d+)')
 
 
 def rank_env(fw, verbose: bool = False, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
@@ -75,6 +82,23 @@ def notebook_traceback(text: str, count: int | None) -> list[str]:
     return _COUNT.sub(lambda m: re.sub(r"\s", "", m[1]) if count is None else f"{m[1]}In[{count}]", text).splitlines()
 
 
+def taken_down(traceback: list[str], first: str) -> list[str]:
+    """What a rank that the ``first`` rank's failure took down says of its error (``traceback``'s lines): that it
+    stopped, that its peer closed the connection where its error says so, and the innermost frame in the user's code,
+    not a library's (torch's, Python's), with its source line, as the traceback has them."""
+    import sysconfig
+
+    library = (*{sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")}, "<frozen")
+    lines, own = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in traceback], []
+    for at, line in enumerate(lines):
+        frame = _FRAME.match(line)
+        if frame and not (frame["file"] or frame["path"] or "").startswith(library):
+            body = list(takewhile(lambda s: s.strip() and s[:1] in " -" and not _FRAME.match(s), lines[at + 1 :]))
+            own = [line, *([s for s in body if re.match(r"-+> ?\d", s)] or body)[:1]]
+    why = "its peer closed the connection" if _CLOSED.search("\n".join(lines)) else "its collective failed"
+    return [f"stopped: {why} ({first} failed first)", *own]
+
+
 @dataclass(eq=False)
 class LineStream:
     """One rank's stream as a terminal shows it: whole lines, labelled; a ``\r`` line drawn as it goes (``live``: whose
@@ -114,12 +138,16 @@ class LineStream:
                     shown, self.held = shown + self.held, None
         return shown
 
-    def end(self, said: str | None = None) -> list[str]:
-        """The rank is done: what was held (or ``said`` in its place), and its last line, even unfinished."""
+    def held_text(self) -> list[str]:
+        """The lines held (a traceback), as shown."""
+        return [self._text(line) for line in self.held or ()]
+
+    def end(self, said: list[str] | None = None) -> list[str]:
+        """The rank is done: what was held (or the lines ``said`` in its place), and its last line, even unfinished."""
         held, self.held, self.peer = self.held or [], None, False
         if held and self.tail:
             held, self.tail = [*held, self.tail], ""
-        shown = [said] if said is not None and held else [line for line in held if self.shown(line)]
+        shown = said if said is not None else [line for line in held if self.shown(line)]
         shown, self.tail = shown + ([self.tail] if self.tail else []), ""
         self._write([f"{self.label}{self._text(line)}\n" for line in shown], bool(shown))
         return [self._text(line) for line in held]
