@@ -64,8 +64,8 @@ def test_a_rank_taken_down_says_so_only_where_its_error_does_and_where_it_was():
 
 def test_an_aborted_process_stack_is_read_back_as_a_traceback(tmp_path):
     """faulthandler's dump (most recent call first, one block per thread) as Python's traceback, the frames of
-    the launch left out."""
-    from vgpu_magic.ranks import launch
+    the launch (here ``python -c``'s) left out."""
+    from vgpu_magic.ranks.shown import dumped_traceback
 
     script = tmp_path / "crash.py"
     script.write_text("import os\n\n\ndef step():\n    os.abort()\n\n\nstep()\n")
@@ -75,7 +75,8 @@ def test_an_aborted_process_stack_is_read_back_as_a_traceback(tmp_path):
         code += f"exec(compile(open({str(script)!r}).read(), {str(script)!r}, 'exec'))"
         done = subprocess.run([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), capture_output=True)
         assert done.returncode == -6
-        assert launch._stack_at_signal(ours) == [
+        dump = ours.recv(1 << 20).decode()
+        assert dumped_traceback(dump, ("<string>",)) == [
             "Traceback (most recent call last):",
             f'  File "{script}", line 8, in <module>',
             "    step()",
@@ -83,7 +84,7 @@ def test_an_aborted_process_stack_is_read_back_as_a_traceback(tmp_path):
             "    os.abort()",
             "Fatal Python error: Aborted",
         ]
-        assert launch._stack_at_signal(ours) == []
+    assert dumped_traceback("", ()) == [] == dumped_traceback("Fatal Python error: Aborted\n\n", ())
 
 
 # -- on real ranks -------------------------------------------------------------------------------------------------

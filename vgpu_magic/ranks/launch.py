@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import re
+import runpy
 import selectors
 import signal
 import socket
@@ -20,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .shown import how_it_ended
+from .shown import dumped_traceback, how_it_ended
 
 __all__ = ["INTERRUPT_LIMIT", "ProcessExited", "child", "kernel_environ", "launch_request", "run_rank", "warm"]
 
@@ -215,7 +216,10 @@ def run_rank(request: dict[str, Any]) -> int:
         finally:
             for timer in timers:
                 timer.cancel()
-        sys.stderr.write("".join(f"{line}\n" for line in _stack_at_signal(proc.control)))
+        with contextlib.suppress(OSError):  # faulthandler's dump at a fatal signal (:func:`child`), if it wrote one
+            dump = proc.control.recv(1 << 20, socket.MSG_DONTWAIT).decode(errors="replace")
+            traceback = dumped_traceback(dump, (__file__, runpy.__file__, "<string>"))
+            sys.stderr.write("".join(f"{line}\n" for line in traceback))
     finally:
         signal.signal(signal.SIGINT, outside)
         proc.control.close()
@@ -227,28 +231,6 @@ def run_rank(request: dict[str, Any]) -> int:
         return proc.popen.pid
     # No PID: ranks that ended alike are reported together. What it wrote (its traceback) was shown as it wrote it.
     raise ProcessExited(how_it_ended(code))
-
-
-def _stack_at_signal(control: socket.socket) -> list[str]:
-    """What the launched process' faulthandler wrote on ``control`` at a fatal signal (C++'s abort in a collective)
-    as a traceback: the stack of its thread (the current, else the main one), without :func:`child`'s frames."""
-    import linecache
-    import runpy
-
-    text = ""
-    with contextlib.suppress(OSError):  # it wrote nothing (a grandchild may hold the socket open)
-        text = control.recv(1 << 20, socket.MSG_DONTWAIT).decode(errors="replace")
-    stacks = [block for block in re.split(r"\n\s*\n", text) if '\n  File "' in block]
-    if not stacks:
-        return []
-    stack = max(reversed(stacks), key=lambda block: block.startswith("Current"))  # the main thread is listed last
-    frames = re.findall(r'^  File "(.*)", line (\d+) in (.*)$', stack, re.M)
-    lines = ["Traceback (most recent call last):"]
-    for file, line, name in reversed(frames):
-        if file not in (__file__, runpy.__file__, "<string>"):
-            source = linecache.getline(file, int(line)).strip()
-            lines += [f'  File "{file}", line {line}, in {name}', *([f"    {source}"] if source else [])]
-    return [*lines, text.splitlines()[0]]
 
 
 def _inject(popen: subprocess.Popen, faults: list) -> tuple[list[str], list[threading.Timer]]:
@@ -380,7 +362,6 @@ def child() -> None:
     ``FD``, then become the script's process as ``python FILE ARGS`` (or ``python -m MODULE ARGS``) would be."""
     import faulthandler
     import importlib
-    import runpy
 
     parent, fd, preload = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
     _die_with_parent(parent)

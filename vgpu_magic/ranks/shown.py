@@ -19,6 +19,7 @@ __all__ = [
     "HeldBack",
     "LineStream",
     "as_terminal_shows",
+    "dumped_traceback",
     "events",
     "how_it_ended",
     "notebook_traceback",
@@ -97,6 +98,23 @@ def taken_down(traceback: list[str], first: str) -> list[str]:
             own = [line, *([s for s in body if re.match(r"-+> ?\d", s)] or body)[:1]]
     why = "its peer closed the connection" if _CLOSED.search("\n".join(lines)) else "its collective failed"
     return [f"stopped: {why} ({first} failed first)", *own]
+
+
+def dumped_traceback(dump: str, launching: tuple[str, ...]) -> list[str]:
+    """faulthandler's ``dump`` at a fatal signal as Python's traceback: the stack of the thread it was at (the current
+    one, else the main one), without the frames of the files in ``launching``; none where it holds no frame."""
+    import linecache
+
+    stacks = [block for block in re.split(r"\n\s*\n", dump) if '\n  File "' in block]
+    if not stacks:
+        return []
+    stack = max(reversed(stacks), key=lambda block: block.startswith("Current"))  # the main thread is listed last
+    lines = ["Traceback (most recent call last):"]
+    for file, line, name in reversed(re.findall(r'^  File "(.*)", line (\d+) in (.*)$', stack, re.M)):
+        if file not in launching:
+            source = linecache.getline(file, int(line)).strip()
+            lines += [f'  File "{file}", line {line}, in {name}', *([f"    {source}"] if source else [])]
+    return [*lines, dump.splitlines()[0]]
 
 
 @dataclass(eq=False)
