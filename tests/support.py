@@ -196,6 +196,18 @@ def no_warm_spares() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def machine_loaded(processes: int = 8) -> Iterator[None]:
+    """``processes`` busy loops (load ≈ ``processes``) while the block runs, stopped however it ends."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+
+
 def our_processes() -> set[int]:
     """The live processes this test process started, directly or not."""
     import psutil

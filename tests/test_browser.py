@@ -17,7 +17,8 @@ notebooks; Playwright runs their cells one by one and reads the page:
 - the live memory view, drawn by the browser, mid-``fit`` and the static image
   it leaves, in JupyterLab's light and dark themes: screenshots of each, the
   contrast of the view's text and lines and of the image's colours on the
-  rendered background; and the live view in Notebook 7.
+  rendered background; and the live view in Notebook 7;
+- the README's first picture, in both themes: a split to 4 logical CPUs and a Keras fit over them, ended.
 
 Debian's ``/usr/bin/chromium`` is used as is (``make system-deps`` installs
 it); Playwright never downloads a browser here. Screenshots go to artifacts/.
@@ -608,7 +609,11 @@ def _saved_text_of_image(path: Path, cell: int, png: str, timeout: float = 30) -
     front end has saved the notebook to ``path``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for output in json.loads(path.read_text())["cells"][cell].get("outputs", []):
+        try:
+            outputs = json.loads(path.read_text())["cells"][cell].get("outputs", [])
+        except json.JSONDecodeError:  # caught while the server writes it
+            outputs = []
+        for output in outputs:
             data = output.get("data", {})
             if "".join(data.get("image/png", "")).replace("\n", "") == png:
                 return "".join(data.get("text/plain", ""))
@@ -858,6 +863,64 @@ def test_notebook7_shows_the_live_memory_view_then_its_image(chromium, lab, arti
         sync_api.expect(fit.locator(".jp-OutputArea-output img")).to_have_count(1, timeout=60_000)
     finally:
         (lab[2] / RELEASE_FILE).unlink(missing_ok=True)
+        page.close()
+
+
+# -- the README's picture ------------------------------------------------------------------------
+
+#: The README's first picture: its own example (a Keras fit under TensorFlow's MirroredStrategy over the 4 logical
+#: CPUs of a split), from the split to the end of the fit: the split's lines, the fit, the image its memory view leaves
+#: (its title counts the steps, its bars the replicas) and Keras' progress bar (each epoch's time per step).
+HERO_CELLS = [
+    "%load_ext vgpu_magic",
+    "%vgpu_split 4",
+    """import numpy as np
+import keras
+import vgpu_magic
+
+x = np.random.default_rng(0).normal(size=(8192, 32)).astype("float32")
+y = (x[:, :4].sum(axis=1) > 0).astype("int32")
+with vgpu_magic.strategy().scope():
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(512, activation="relu"), keras.layers.Dense(2)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+history = model.fit(x, y, batch_size=64, epochs=4, callbacks=[vgpu_magic.MemoryMonitor()])""",
+]
+
+
+def _shrunk(path: Path) -> None:
+    """Rewrite the screenshot at ``path`` with a palette of its own 256 colours (a third of its size: text, lines and
+    flat backgrounds need no more)."""
+    from PIL import Image
+
+    with Image.open(path) as shot:
+        small = shot.convert("RGB").quantize(256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    small.save(path, optimize=True)
+
+
+def test_jupyterlab_shows_a_split_and_the_memory_of_its_fit_for_the_readme(chromium, lab, artifacts_dir):
+    sync_api, _ = chromium
+    page = _open(chromium, lab, LAB_PATH, "hero.ipynb", HERO_CELLS)
+    # Tall enough for the three cells unscrolled (a screenshot shows only what the viewport does), as narrow as the
+    # view's image allows.
+    page.set_viewport_size({"width": 1400, "height": 1600})
+    try:
+        _run_cells(page, sync_api, len(HERO_CELLS))
+        split, fit = (page.locator(".jp-Notebook .jp-Cell").nth(i) for i in (1, 2))
+        sync_api.expect(split.locator(".jp-OutputArea")).to_contain_text("MirroredStrategy() will use 4 replicas")
+        image = fit.locator(".jp-OutputArea-output img")
+        sync_api.expect(image).to_have_count(1, timeout=60_000)
+        page.keyboard.press("Control+s")
+        png = (image.get_attribute("src") or "").split(",", 1)[1]
+        summary = _saved_text_of_image(lab[2] / "hero.ipynb", 2, png)
+        assert re.search(r"memory · fit · epoch 4/4 · 512 steps · [0-9.]+ s · done", summary), summary
+        assert re.search(r"128/128 .* \d+ms/step", fit.locator(".jp-OutputArea").inner_text()), "no Keras progress bar"
+        for suffix in _each_theme(page, sync_api):
+            top, bottom = split.bounding_box(), fit.bounding_box()
+            clip = {**top, "height": bottom["y"] + bottom["height"] - top["y"]}
+            path = artifacts_dir / f"browser_hero_{suffix}.png"
+            page.screenshot(path=str(path), clip=clip)
+            _shrunk(path)
+    finally:
         page.close()
 
 

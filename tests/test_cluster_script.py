@@ -13,7 +13,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from support import kernel_errors, kernel_run, kernel_stdout, kernel_stream, started_kernel, started_torch_ranks
+from support import (
+    kernel_errors,
+    kernel_run,
+    kernel_stdout,
+    kernel_stream,
+    machine_loaded,
+    started_kernel,
+    started_torch_ranks,
+)
 from vgpu_magic.ranks.shown import as_terminal_shows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -352,21 +360,6 @@ def test_the_ranks_a_failure_took_down_are_said_in_one_line_each(kernel, tmp_pat
     # The whole text is kept with the rank's failure.
     reply = kernel_run(kc, "import sys\nprint('\\n'.join(sys.last_value.failures[-1].traceback))")
     assert "Connection closed by peer" in kernel_stdout(reply)
-
-
-@contextlib.contextmanager
-def machine_loaded(processes: int = 8):
-    """``processes`` busy loops (load ≈ ``processes``) while the block runs."""
-    import subprocess
-    import sys
-
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
-    try:
-        yield
-    finally:
-        for proc in busy:
-            proc.kill()
-            proc.wait()
 
 
 def test_an_interrupted_launch_that_is_still_saving_under_load_is_not_killed(kernel, tmp_path):
