@@ -78,20 +78,15 @@ def title_text(trace: MemoryTrace, final: bool = False) -> str:
 class View:
     """The view contract (no-ops here): ``sampled`` each sample, ``series_changed`` when devices joined, ``finish``."""
 
-    def start(self, trace: MemoryTrace) -> None:
-        pass
+    def start(self, trace: MemoryTrace) -> None: ...
 
-    def sampled(self, trace: MemoryTrace, now: float) -> None:
-        pass
+    def sampled(self, trace: MemoryTrace, now: float) -> None: ...
 
-    def series_changed(self, trace: MemoryTrace) -> None:
-        pass
+    def series_changed(self, trace: MemoryTrace) -> None: ...
 
-    def epoch_end(self, trace: MemoryTrace, epoch: int) -> None:
-        pass
+    def epoch_end(self, trace: MemoryTrace, epoch: int) -> None: ...
 
-    def finish(self, trace: MemoryTrace) -> None:
-        pass
+    def finish(self, trace: MemoryTrace) -> None: ...
 
 
 class NullView(View):
