@@ -624,11 +624,15 @@ def test_a_script_run_from_a_folder_deleted_after_cd_into_it_is_refused_in_one_l
         shell.run_line_magic("cd", here)
 
 
-def test_rank_memory_feeds_the_monitors_one_trace_and_view():
+def test_rank_memory_feeds_the_monitors_one_trace_and_view(capsys):
+    """Issue 44: the ranks' memory is a MonitorSession over a rank sampler, so it has the device view's display
+    modes (the live widget, text, none), not a view of its own choosing."""
     import os
 
+    from vgpu_magic.monitor.sampler import DeviceSampler, MemorySampler, build_series
+    from vgpu_magic.monitor.session import MonitorSession
     from vgpu_magic.monitor.views import View
-    from vgpu_magic.ranks.memory import RankMemorySampler, RankMonitor
+    from vgpu_magic.ranks.memory import RankMemorySampler
 
     mib = 1024**2
     sampler = RankMemorySampler([os.getpid(), os.getpid()], gpu=False)
@@ -651,14 +655,21 @@ def test_rank_memory_feeds_the_monitors_one_trace_and_view():
             self.calls.append("finish")
 
     seen = Seen()
-    monitor = RankMonitor([os.getpid()], gpu=False, live=False, view=seen)
-    monitor.start()
-    monitor.sample([False])
+    monitor = MonitorSession(sampler=RankMemorySampler([os.getpid()], gpu=False), view=seen)
+    monitor.start("%%vgpu_run")
     trace = monitor.finish()
     # A sample when the run starts and one when it ends: the same MemoryTrace as a monitored fit.
     assert trace.kind == "%%vgpu_run" and trace.finished and len(trace) >= 2
     assert [s.label for s in trace.series] == ["rank 0 RSS"] and trace.latest(0)[0] > 10 * mib
     assert seen.calls[0] == "start" and seen.calls[-1] == "finish"
+    # One sampler protocol: the recorder reads the ranks as it reads a framework's devices.
+    assert all(isinstance(s, MemorySampler) for s in (sampler, DeviceSampler(build_series(["CPU:0"]), None)))
+    for pids, said in (([os.getpid()], "memory · %%vgpu_run done in "), ([None], "")):  # [None]: a rank elsewhere
+        monitor = MonitorSession(sampler=RankMemorySampler(pids, gpu=False), display="text")
+        monitor.start("%%vgpu_run")
+        monitor.finish()
+        out = capsys.readouterr().out
+        assert out.startswith(said) and ("rank 0 RSS: now" in out) == bool(said)
 
 
 def test_a_launchs_memory_is_its_engines_and_the_process_it_started():
@@ -691,14 +702,16 @@ def test_a_script_runs_memory_view_says_so_and_shows_its_ranks_growth(tmp_path):
     import os
 
     from vgpu_magic.monitor.plot import MemoryFigure
+    from vgpu_magic.monitor.session import MonitorSession
     from vgpu_magic.monitor.trace import MemoryTrace, SeriesInfo
     from vgpu_magic.monitor.views import title_text
-    from vgpu_magic.ranks.memory import RankMonitor
+    from vgpu_magic.ranks.memory import RankMemorySampler, run_ending
 
-    monitor = RankMonitor([os.getpid(), os.getpid()], gpu=False, live=False, launched=True)
-    monitor.start()
-    monitor.sample([False, True])
-    trace = monitor.finish(interrupted=True, failed=[1])
+    sampler = RankMemorySampler([os.getpid(), os.getpid()], gpu=False, launched=True)
+    monitor = MonitorSession(sampler=sampler, display="none")
+    monitor.start("%vgpu_run")
+    sampler.ended = {1}
+    trace = monitor.finish(interrupted=True, ending=run_ending([1], timed_out=False))
     assert trace.kind == "%vgpu_run" and trace.latest(1)[0] == 0 < trace.latest(0)[0]
     assert title_text(trace, final=True).endswith(" s · rank 1 failed")
     gib = 1024**3

@@ -136,11 +136,15 @@ def test_fit_shows_one_live_view_fed_every_row_once_then_the_final_image(kernel)
     _km, kc = kernel
     messages = kernel_run(
         kc,
-        "mon = vgpu_magic.MemoryMonitor()\n"
-        "model.fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=[mon])\n"
-        "view = mon.view\n"
-        "print(json.dumps({'samples': len(mon.trace), 'updates': len(view.update_costs), "
-        "'seconds': mon.trace.duration}))",
+        "from vgpu_magic.monitor.live import LiveMemoryView\n"
+        "_update, _updates = LiveMemoryView._update, []\n"
+        "LiveMemoryView._update = lambda view, trace: _updates.append(_update(view, trace))\n"
+        "try:\n"
+        "    mon = vgpu_magic.MemoryMonitor()\n"
+        "    model.fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=[mon])\n"
+        "finally:\n"
+        "    LiveMemoryView._update = _update\n"
+        "print(json.dumps({'samples': len(mon.trace), 'updates': len(_updates), 'seconds': mon.trace.duration}))",
     )
     assert not kernel_errors(messages), kernel_errors(messages)
     updates = check_one_output_updated_in_place(messages, "done")
@@ -252,7 +256,7 @@ def test_an_interrupt_during_the_final_frame_neither_loses_it_nor_leaves_the_hoo
         kc,
         "ip = get_ipython()\n"
         "print(json.dumps({'hooks': sum(getattr(f, '__self__', None) is mon "
-        "for f in ip.events.callbacks['post_run_cell']), 'final': mon.view.final_cost > 0}))",
+        "for f in ip.events.callbacks['post_run_cell']), 'final': mon.view.widget.comm is None}))",
     )
     assert json.loads(kernel_stdout(after).strip().splitlines()[-1]) == {"hooks": 0, "final": True}
 

@@ -2,20 +2,23 @@
 //
 // The kernel sends only new rows of the trace as custom messages
 // ({rows: [[t, cur0, peak0, cur1, peak1, ...], ...], reset: bool}); the
-// series, units, epoch marks and the title are synced traits. Rows are kept
-// per model (not per view), so every view of the widget shows the whole run:
-// anywidget hands initialize() and render() different proxies of one model,
-// so they meet in a store under the model's own `key` trait. Rows are
-// bounded: past MAX_ROWS, neighbouring rows merge into their maxima.
+// series, their groups, units, epoch marks and the title are synced traits.
+// Rows are kept per model (not per view), so every view of the widget shows
+// the whole run: anywidget hands initialize() and render() different proxies
+// of one model, so they meet in a store under the model's own `key` trait.
+// Rows are bounded: past MAX_ROWS, neighbouring rows merge into their maxima.
 //
 // Colours: text, axes and grid come from the front end's theme variables, so
 // the view follows JupyterLab's and Notebook 7's light and dark themes; each
 // series has a colour for light themes and one for dark ones (the body's
 // data-jp-theme-light says which), each 4.5:1 or more against its background.
-// Series that read the same so far are one line, labelled "A…C, same".
+// Series that read the same so far are one line, labelled "A…C, same": the
+// kernel groups them (the `groups` trait: [label, [series...]] per line, as
+// the final image groups them), each panel's lines in turn.
 
 const MAX_ROWS = 6000;
 const STORES = new Map();
+const TRAITS = ["series", "groups", "units", "marks", "title", "note"];
 const PANELS = [
   ["device", "device memory"],
   ["process", "process RSS"],
@@ -123,33 +126,6 @@ function stepPath(t, v, x, y) {
   return d;
 }
 
-function same(s, a, b) {
-  const x = s.values, n = s.t.length;
-  for (const k of [2 * a, 2 * a + 1]) {
-    const u = x[k] || [], v = x[k + 2 * (b - a)] || [];
-    for (let i = 0; i < n; i++) if (u[i] !== v[i]) return false;
-  }
-  return true;
-}
-
-function groups(s, series, indices) {
-  // Series whose every reading (and cap) is the same: one group, drawn once.
-  const out = [];
-  for (const k of indices) {
-    const g = out.find((g) => series[g[0]].cap === series[k].cap && same(s, g[0], k));
-    if (g) g.push(k);
-    else out.push([k]);
-  }
-  return out;
-}
-
-function groupLabel(series, g) {
-  const labels = g.map((k) => series[k].label);
-  if (labels.length === 1) return labels[0];
-  const consecutive = g[g.length - 1] - g[0] === g.length - 1;
-  return (consecutive && labels.length > 2 ? `${labels[0]}…${labels[labels.length - 1]}` : labels.join(", ")) + ", same";
-}
-
 function drawPanel(s, series, indices, unit, title, marks, xmax, state, last, fromZero) {
   const [unitName, scale] = unit;
   if (state.unit !== unitName) {
@@ -203,7 +179,7 @@ function drawPanel(s, series, indices, unit, title, marks, xmax, state, last, fr
       lastLabel = xx;
     }
   }
-  for (const [j, [k]] of groups(s, series, indices).entries()) {
+  for (const [j, k] of indices.entries()) {
     const colour = series[k].colour;
     const dash = DASHES[j % DASHES.length];
     if (series[k].cap) {
@@ -225,13 +201,13 @@ function swatch(colour, dash) {
     + `${dash ? ` stroke-dasharray="${dash}"` : ""}/></svg>`;
 }
 
-function legend(s, series, panels) {
+function legend(series, panels) {
   const item = (body) => `<span class="vgpu-legend-item" style="display:inline-flex;align-items:center;gap:4px;margin-right:14px;white-space:nowrap">${body}</span>`;
   const items = [];
-  for (const [, , indices] of panels) {
-    for (const [j, g] of groups(s, series, indices).entries()) {
-      const cap = series[g[0]].cap_text ? ` · cap ${esc(series[g[0]].cap_text)}` : "";
-      items.push(item(swatch(series[g[0]].colour, DASHES[j % DASHES.length]) + esc(groupLabel(series, g)) + cap));
+  for (const [, , lines] of panels) {
+    for (const [j, [label, [k]]] of lines.entries()) {
+      const cap = series[k].cap_text ? ` · cap ${esc(series[k].cap_text)}` : "";
+      items.push(item(swatch(series[k].colour, DASHES[j % DASHES.length]) + esc(label) + cap));
     }
   }
   items.push(item(swatch(TEXT, "1,2") + "running peak"));
@@ -256,12 +232,14 @@ function render({ model, el }) {
     const marks = model.get("marks") || [];
     const tLast = s.t.length ? s.t[s.t.length - 1] : 0;
     while (tLast > xmax * 0.95) xmax = niceCeil(xmax * 2);
-    const panels = PANELS.map(([key, title]) => [key, title, series.map((x, k) => (x.panel === key ? k : -1)).filter((k) => k >= 0)])
-      .filter(([, , indices]) => indices.length);
+    // Each panel's lines; a group naming a series gone (the series just changed) waits for the new groups.
+    const lines = (model.get("groups") || []).filter(([, [k]]) => series[k]);
+    const panels = PANELS.map(([key, title]) => [key, title, lines.filter(([, [k]]) => series[k].panel === key)])
+      .filter(([, , found]) => found.length);
     const parts = [`<div class="vgpu-live-title" style="font-weight:600;margin-bottom:2px">${esc(model.get("title") || "")}</div>`];
-    parts.push(`<div class="vgpu-live-legend" style="font-size:11px;line-height:18px;margin-bottom:2px">${legend(s, series, panels)}</div>`);
-    panels.forEach(([key, title, indices], i) => {
-      parts.push(drawPanel(s, series, indices, units[key] || ["MiB", 1048576], title, marks, xmax, states[key], i === panels.length - 1,
+    parts.push(`<div class="vgpu-live-legend" style="font-size:11px;line-height:18px;margin-bottom:2px">${legend(series, panels)}</div>`);
+    panels.forEach(([key, title, found], i) => {
+      parts.push(drawPanel(s, series, found.map(([, [k]]) => k), units[key] || ["MiB", 1048576], title, marks, xmax, states[key], i === panels.length - 1,
         key === "device"));
     });
     const note = model.get("note");
@@ -277,7 +255,7 @@ function render({ model, el }) {
     }
   }
   s.redraw.add(schedule);
-  for (const name of ["series", "units", "marks", "title", "note"]) model.on(`change:${name}`, schedule);
+  for (const name of TRAITS) model.on(`change:${name}`, schedule);
   // A theme switch redraws in the other theme's colours.
   const theme = new MutationObserver(schedule);
   theme.observe(document.body, { attributes: true, attributeFilter: ["data-jp-theme-light"] });
@@ -285,7 +263,7 @@ function render({ model, el }) {
   return () => {
     theme.disconnect();
     s.redraw.delete(schedule);
-    for (const name of ["series", "units", "marks", "title", "note"]) model.off(`change:${name}`, schedule);
+    for (const name of TRAITS) model.off(`change:${name}`, schedule);
   };
 }
 

@@ -7,16 +7,14 @@ from __future__ import annotations
 import bisect
 import functools
 import time
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..devices import simulated_line
 from ..units import format_bytes, unit_for
-from .recorder import KEPT_COSTS
 from .trace import MemoryTrace
-from .views import DARK_PALETTE, PALETTE, RedrawThrottle, View, panel_top, summary_line, title_text
+from .views import DARK_PALETTE, PALETTE, RedrawThrottle, View, labelled_groups, panel_top, summary_line, title_text
 
 WIDGET_INSTALL_HINT = "pip install 'vgpu_magic[widgets]'"
 #: A live panel keeps its unit while its largest figure reads in four digits in it ("3121 KiB"), not rescaled.
@@ -43,6 +41,8 @@ def _widget_class() -> type:
         #: Where the browser keeps this widget's rows (see live.js).
         key = traitlets.Unicode().tag(sync=True)
         series = traitlets.List().tag(sync=True)
+        #: The lines drawn (:func:`~vgpu_magic.monitor.views.labelled_groups`).
+        groups = traitlets.List().tag(sync=True)
         units = traitlets.Dict().tag(sync=True)
         marks = traitlets.List().tag(sync=True)
         title = traitlets.Unicode().tag(sync=True)
@@ -93,7 +93,7 @@ def _series(trace: MemoryTrace) -> list[dict[str, Any]]:
 
 class LiveMemoryView(View):
     """Feeds a ``MemoryWidget`` (``widget(**traits)``) on ``surface`` and leaves the final image there when ``defer``
-    says; ``update_costs``, ``update_times``, ``final_cost``: the updates' kernel CPU seconds, for the benchmark."""
+    says."""
 
     def __init__(
         self,
@@ -114,16 +114,11 @@ class LiveMemoryView(View):
         self.widget: Any = None
         self._sent, self._bucket, self._marks = 0, 1, 0
         self._units: dict[str, list] = {}
-        self.update_costs: deque[float] = deque(maxlen=KEPT_COSTS)
-        self.update_times: deque[float] = deque(maxlen=KEPT_COSTS)
-        self.final_cost = 0.0
 
     def start(self, trace: MemoryTrace) -> None:
         begin = self.clock()
         self._units = {}
-        self.widget = self._make_widget(
-            series=_series(trace), units=self._kept_units(trace), title=_title(trace), note=trace.caption()
-        )
+        self.widget = self._make_widget(series=_series(trace), **self._traits(trace))
         self.surface.show(self.widget)
         self.throttle.reset(begin)
         self._sent, self._bucket, self._marks = 0, trace.decimated, 0
@@ -140,6 +135,11 @@ class LiveMemoryView(View):
             self.widget.series = _series(trace)
             self._bucket = 0  # a reset: the rows have new columns
             self._update(trace)
+
+    def _traits(self, trace: MemoryTrace) -> dict[str, Any]:
+        """The traits that change during a run (the series change only when devices join)."""
+        units, note = self._kept_units(trace), trace.caption()
+        return {"groups": labelled_groups(trace), "title": _title(trace), "units": units, "note": note}
 
     def _kept_units(self, trace: MemoryTrace) -> dict[str, list]:
         """Each panel's unit, kept while its :func:`panel_top` reads in :data:`KEPT_UNIT_DIGITS` digits in it."""
@@ -171,18 +171,11 @@ class LiveMemoryView(View):
             self._marks = len(trace.epoch_starts)
             first_epoch = trace.epoch[0] if len(trace) else 0  # the epoch the run began in: no mark
             self.widget.marks = [[round(t, 3), e] for t, e in trace.epoch_starts if e != first_epoch]
-        for name, value in (
-            ("title", _title(trace)),
-            ("units", self._kept_units(trace)),
-            ("note", trace.caption()),
-        ):
+        for name, value in self._traits(trace).items():
             if getattr(self.widget, name) != value:
                 setattr(self.widget, name, value)
-                # This thread's CPU time: a busy machine's wall clock counts other processes' time and starves the view.
-        cost = time.thread_time() - cpu
-        self.throttle.record(start, cost)
-        self.update_costs.append(cost)
-        self.update_times.append(start)
+        # This thread's CPU time: a busy machine's wall clock counts other processes' time and starves the view.
+        self.throttle.record(start, time.thread_time() - cpu)
 
     def finish(self, trace: MemoryTrace) -> None:
         self._update(trace)
@@ -191,13 +184,11 @@ class LiveMemoryView(View):
     def _final(self, trace: MemoryTrace) -> None:
         from .display import MemoryFrame
 
-        begin = self.clock()
         try:
             self.surface.show(MemoryFrame(*static_image(trace)))
         finally:
             if self.widget is not None:
                 self.widget.close()
-            self.final_cost = self.clock() - begin
 
 
 def static_image(trace: MemoryTrace) -> tuple[bytes | None, str]:

@@ -1,4 +1,5 @@
-"""The recorder: samples memory into a :class:`MemoryTrace` and feeds a view; knows nothing of Keras. With
+"""The recorder: samples a :class:`~vgpu_magic.monitor.sampler.MemorySampler` into a :class:`MemoryTrace` and feeds a
+view; knows nothing of Keras. With
 ``background=True`` its thread samples every ``interval`` and feeds the view, as training does not call back at a
 steady pace (a hook-fed ``MirroredStrategy`` fit updated 2.2 times a second, in bursts); the training thread's hooks
 only say the step and epoch. The run's start, each epoch's end and the run's end are sampled on the caller's thread.
@@ -6,7 +7,8 @@ A ``training_thread_only`` sampler (JAX's live arrays) is sampled by the hooks a
 
 Devices join: a provisional sampler (no runtime at the start) reads the process alone until ``sampler.joinable()``
 says a runtime started; the next sample asks for a sampler again (0 B in the rows before). Allocators keep their own
-peaks. A view or sampler that fails is reported once and switched off, never raising into the training loop."""
+peaks. A view or sampler that fails is reported once and switched off, never raising into the training loop. The
+recorder closes each sampler it asked for once it is done with it."""
 
 from __future__ import annotations
 
@@ -15,30 +17,15 @@ import math
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .trace import MemoryTrace
 
-__all__ = ["MemoryRecorder", "RecorderStats", "KEPT_COSTS"]
+if TYPE_CHECKING:
+    from .sampler import MemorySampler
 
-#: Per-sample costs kept for statistics (the count and the sum cover all).
-KEPT_COSTS = 4096
-
-
-class RecorderStats:
-    """Samples taken and the sampling thread's CPU seconds; ``costs`` keeps the latest :data:`KEPT_COSTS`."""
-
-    def __init__(self) -> None:
-        self.costs: deque[float] = deque(maxlen=KEPT_COSTS)
-        self.samples = self.devices = 0
-        self.sample_seconds = 0.0
-
-    def add(self, seconds: float) -> None:
-        self.costs.append(seconds)
-        self.samples += 1
-        self.sample_seconds += seconds
+__all__ = ["MemoryRecorder"]
 
 
 def print_report(message: str) -> None:
@@ -50,7 +37,7 @@ class MemoryRecorder:
 
     def __init__(
         self,
-        sampler_factory: Callable[[], Any],
+        sampler_factory: Callable[[], MemorySampler],
         view: Any,
         *,
         interval: float = 0.05,
@@ -59,13 +46,13 @@ class MemoryRecorder:
         report: Callable[[str], None] = print_report,
         background: bool = False,
     ) -> None:
-        self._sampler_factory, self._sampler, self._variables = sampler_factory, None, variables
+        self._sampler_factory, self._variables = sampler_factory, variables
+        self._sampler: MemorySampler | None = None
         self.view, self.interval, self.clock = view, interval, clock
         self._report, self._reported, self._background = report, set(), background
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.RLock()
-        self.stats = RecorderStats()
         self.trace: MemoryTrace | None = None
         self.active = False
         self.kind = self.phase = "custom"
@@ -98,10 +85,10 @@ class MemoryRecorder:
     def start(self, kind: str = "custom", epochs: int | None = None) -> None:
         """Begin a run: a new trace, sampled from now on."""
         self._stop_thread()
+        self._close_sampler()
         self.kind = self.phase = kind
         self.epoch = self.step = 0
         self.trace = None
-        self.stats = RecorderStats()
         self._t0 = self.clock()
         self._last = -math.inf
         try:
@@ -110,14 +97,9 @@ class MemoryRecorder:
         except Exception as exc:  # noqa: BLE001 - any framework's read error; a monitor never stops training
             self._failed(exc)
             return
-        self.stats.devices = len(self._sampler.devices)
+        sampler = self._sampler
         self.trace = MemoryTrace(
-            self._sampler.series,
-            kind,
-            baseline,
-            epochs_total=epochs,
-            subject=getattr(self._sampler, "subject", ""),
-            simulated=getattr(self._sampler, "simulated", ()),
+            sampler.series, kind, baseline, epochs_total=epochs, subject=sampler.subject, simulated=sampler.simulated
         )
         self.active = True
         self.refresh_variables()
@@ -160,7 +142,7 @@ class MemoryRecorder:
             self._sample_at(now)
 
     def _on_training_thread_only(self) -> bool:
-        return getattr(self._sampler, "training_thread_only", False)
+        return self._sampler is not None and self._sampler.training_thread_only
 
     def sample(self, step: int | None = None, epoch: int | None = None) -> None:
         """Like :meth:`tick`; a new ``epoch`` is marked as an epoch start."""
@@ -174,10 +156,7 @@ class MemoryRecorder:
             if not self.active:
                 return
             try:
-                begin = time.thread_time()
-                readings = self._sampler.read()
-                self.stats.add(time.thread_time() - begin)
-                self.trace.append(now - self._t0, self.step, self.epoch, self.phase, readings)
+                self.trace.append(now - self._t0, self.step, self.epoch, self.phase, self._sampler.read())
             except Exception as exc:  # noqa: BLE001 - any framework's read error; a monitor never stops training
                 self._failed(exc)
                 return
@@ -185,12 +164,13 @@ class MemoryRecorder:
 
     def _maybe_join(self) -> bool:
         """Add the devices of a runtime started since (0 B before); whether they joined. Training thread only."""
-        joinable = getattr(self._sampler, "joinable", None)
+        joinable = self._sampler.joinable if self._sampler is not None else None
         if not (self.active and joinable is not None and joinable()):
             return False
         try:
             sampler = self._sampler_factory()
-            if getattr(sampler, "joinable", None) is not None:
+            if sampler.joinable is not None:
+                sampler.close()
                 return False
             sampler.read()
         except Exception as exc:  # noqa: BLE001 - any framework's read error; the process is still read
@@ -198,12 +178,11 @@ class MemoryRecorder:
             self._sampler.joinable = None
             return False
         with self._lock:
+            self._sampler.close()
             self._sampler = sampler
-            self.stats.devices = len(sampler.devices)
             # Their allocators did not exist when the run started: every byte they hold came in this run.
             self.trace.add_series(sampler.series, [0] * len(sampler.series))
-            self.trace.subject = getattr(sampler, "subject", "")
-            self.trace.simulated = getattr(sampler, "simulated", ())
+            self.trace.subject, self.trace.simulated = sampler.subject, sampler.simulated
             self.refresh_variables()
             self._view_call("series_changed", self.trace)
         return True
@@ -234,14 +213,22 @@ class MemoryRecorder:
             self.report_once("variables", f"variable sizes cannot be read ({type(exc).__name__}: {exc})")
 
     def finish(self, interrupted: bool = False) -> MemoryTrace | None:
-        """End the run: a last sample, the final image or summary."""
+        """End the run: a last sample, the final image or summary; the sampler closed."""
         self._stop_thread()
-        if not self.active:
-            return self.trace
-        self._maybe_join()
-        self._sample_at(self.clock())
-        self.active, trace = False, self.trace
-        trace.duration, trace.interrupted, trace.finished = self.clock() - self._t0, interrupted, True
-        self.refresh_variables()
-        self._view_call("finish", trace)
-        return trace
+        try:
+            if not self.active:
+                return self.trace
+            self._maybe_join()
+            self._sample_at(self.clock())
+            self.active, trace = False, self.trace
+            trace.duration, trace.interrupted, trace.finished = self.clock() - self._t0, interrupted, True
+            self.refresh_variables()
+            self._view_call("finish", trace)
+            return trace
+        finally:
+            self._close_sampler()
+
+    def _close_sampler(self) -> None:
+        sampler, self._sampler = self._sampler, None
+        if sampler is not None:
+            sampler.close()

@@ -8,13 +8,13 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from time import perf_counter
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from ..devices import split_simulates
 from ..units import MIB
 from .trace import SeriesInfo, short_name
 
-__all__ = ["DeviceSampler", "SamplerError", "build_series", "monitored_devices", "normalize_device"]
+__all__ = ["MemorySampler", "DeviceSampler", "SamplerError", "build_series", "monitored_devices", "normalize_device"]
 __all__ += ["process_memory_reader", "variable_bytes", "model_variables", "PROCESS_LABEL"]
 
 #: The legend of the process series.
@@ -23,6 +23,31 @@ PROCESS_LABEL = "process RSS (all memory of this Python process)"
 
 class SamplerError(RuntimeError):
     """A device's memory statistics could not be read."""
+
+
+@runtime_checkable
+class MemorySampler(Protocol):
+    """What the recorder reads: ``(current, peak)`` bytes of each of its ``series``, in their order; a
+    :class:`DeviceSampler` (a framework's devices) or a ``RankMemorySampler`` (the ranks', :mod:`vgpu_magic.ranks`)."""
+
+    series: tuple[SeriesInfo, ...]
+    #: What it reads in the framework's words, the title of a custom loop's view (``"JAX · 8 devices"``), or ``""``.
+    subject: str
+    #: What its devices only simulate (:func:`~vgpu_magic.devices.split_simulates`), for the caption.
+    simulated: tuple[str, ...]
+    #: A provisional sampler's "a runtime started: ask for a sampler again"; ``None`` for any other.
+    joinable: Callable[[], bool] | None
+    #: Read only on the training thread, by its hooks (JAX's live arrays), never by the recorder's thread.
+    training_thread_only: bool
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The logical devices it reads."""
+
+    def read(self) -> list[tuple[int, int]]: ...
+
+    def close(self) -> None:
+        """Release what it holds, once the recorder is done with it."""
 
 
 def normalize_device(name: str) -> str:
@@ -116,9 +141,8 @@ PROCESS_EVERY = 0.5
 
 
 class DeviceSampler:
-    """Reads ``(current, peak)`` bytes of every series: the devices' through ``reader(names)``, the process' (last)
-    through ``process()`` at most every :data:`PROCESS_EVERY` s (RSS moves slowly; a read costs four allocators').
-    ``joinable()`` of a provisional sampler says a runtime started (the recorder asks for a sampler again)."""
+    """A :class:`MemorySampler` of logical devices: theirs through ``reader(names)``, the process' (last) through
+    ``process()`` at most every :data:`PROCESS_EVERY` s (RSS moves slowly; a read costs four allocators')."""
 
     def __init__(
         self,
@@ -131,17 +155,15 @@ class DeviceSampler:
         self.joinable = joinable
         #: Whose devices it reads (:meth:`for_framework`), for the variables per replica.
         self.framework: Any = None
-        #: What it reads, in the framework's words (the title of a custom loop's view).
         self.subject = "this process" if all(s.key == "process" for s in self.series) else ""
-        #: What the devices only simulate (:func:`~vgpu_magic.devices.split_simulates`), for the caption.
         self.simulated: tuple[str, ...] = ()
         device_series = [s for s in self.series if s.key != "process"]
         if any(s.key == "process" for s in self.series[: len(device_series)]):
             raise ValueError("the process series comes after every device series")
         self._names = [short_name(s.devices[0]) for s in device_series]
         self._reader = reader
-        #: The reader must be read where the training runs (:attr:`MemoryReader.training_thread_only`).
-        self.training_thread_only = getattr(reader, "training_thread_only", False)
+        #: A reader read where the training runs says so (JAX's ``MemoryReader.training_thread_only``).
+        self.training_thread_only: bool = getattr(reader, "training_thread_only", False)
         self._process_last, self._process_time = (0, 0), -float("inf")
         self._process = None if len(device_series) == len(self.series) else process or process_memory_reader()
 
@@ -187,3 +209,6 @@ class DeviceSampler:
                 self._process_last, self._process_time = self._process(), now
             found.append(self._process_last)
         return found
+
+    def close(self) -> None:
+        """Nothing to release: the framework's reader serves every run."""

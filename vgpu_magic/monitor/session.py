@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 from ..units import parse_seconds
 from .display import DISPLAY_MODES, detect_frontend, interrupts_deferred, running_shell
 from .plot import save_trace_figure
-from .recorder import MemoryRecorder, print_report
-from .sampler import PROCESS_LABEL, DeviceSampler, model_variables, variable_bytes
-from .trace import MemoryTrace, SeriesInfo
+from .recorder import MemoryRecorder
+from .sampler import DeviceSampler, MemorySampler, build_series, model_variables, variable_bytes
+from .trace import MemoryTrace
 from .views import NullView, TextSummaryView
 
 if TYPE_CHECKING:
@@ -34,8 +34,7 @@ _SAID: set[str] = set()
 
 def process_sampler(joinable: Callable[[], bool] | None = None) -> DeviceSampler:
     """A sampler of this process' resident memory alone (provisional, given ``joinable``)."""
-    series = (SeriesInfo("process", PROCESS_LABEL, (), None, panel="process"),)
-    return DeviceSampler(series, lambda names: [], joinable=joinable)
+    return DeviceSampler(build_series([], process=True), lambda names: [], joinable=joinable)
 
 
 class MonitorSession:
@@ -59,6 +58,9 @@ class MonitorSession:
         ``"auto"``, ``"rich"``, ``"text"`` or ``"none"`` (see :data:`DISPLAY_MODES`).
     view
         A view object to use instead (see :class:`vgpu_magic.monitor.views.View`).
+    sampler
+        What to read instead of the framework's devices, for one run: the ranks' memory
+        (:class:`~vgpu_magic.ranks.memory.RankMemorySampler`); closed when that run ends.
 
     Examples are in docs/live-view.md."""
 
@@ -71,6 +73,7 @@ class MonitorSession:
         interval: float = 0.05,
         display: str = "auto",
         view: Any = None,
+        sampler: MemorySampler | None = None,
     ) -> None:
         if display not in DISPLAY_MODES:
             raise ValueError(f"display={display!r} is not a display mode; use one of {', '.join(DISPLAY_MODES)}")
@@ -82,11 +85,11 @@ class MonitorSession:
         self._model_hint, self._strategy = model, strategy
         self.display = display
         self._view = view
+        self._sampler = sampler
         self.traces: list[MemoryTrace] = []
-        self._reported: set[str] = set()
         self._joining = False
         self._recorder = MemoryRecorder(
-            self._make_sampler, None, interval=seconds, variables=self._variables, report=self._report, background=True
+            self._make_sampler, None, interval=seconds, variables=self._variables, background=True
         )
         self._depth = self._epoch_base = self._next_step = 0
         self._fresh = False
@@ -108,8 +111,11 @@ class MonitorSession:
         found = sorted((fw for fw in frameworks.all_frameworks() if fw.imported()), key=lambda fw: fw.name != preferred)
         return next((fw for fw in found if fw.runtime_started()), None)
 
-    def _make_sampler(self) -> DeviceSampler:
-        """Every device of the running framework; until one runs, the process' RSS alone (provisionally)."""
+    def _make_sampler(self) -> MemorySampler:
+        """The sampler given, else every device of the running framework; until one runs, the process' RSS alone
+        (provisionally)."""
+        if self._sampler is not None:
+            return self._sampler
         framework = self._running_framework()
         if framework is None:
             if self._devices is not None:
@@ -145,9 +151,7 @@ class MonitorSession:
         return variable_bytes(sampler.framework, model_variables(model), sampler.devices)
 
     def _report(self, message: str) -> None:
-        if message not in self._reported:
-            self._reported.add(message)
-            print_report(message)
+        self._recorder.report_once(message, message)
 
     def _report_once_per_process(self, message: str) -> None:
         """Report what every later run of any monitor would find the same, once."""
@@ -158,6 +162,8 @@ class MonitorSession:
     def _make_view(self) -> Any:
         if self._view is not None:
             return self._view
+        if self._sampler is not None and not self._sampler.series:  # e.g. every rank on another host
+            return NullView()
         mode = detect_frontend() if self.display == "auto" else self.display
         if mode == "rich":
             from .live import WIDGET_INSTALL_HINT, LiveMemoryView, widget_available
@@ -266,9 +272,11 @@ class MonitorSession:
         """Mark an epoch end in a custom loop (the text view prints its line)."""
         self._recorder.end_epoch(epoch)
 
-    def finish(self, interrupted: bool = False) -> MemoryTrace | None:
-        """End the current run; return its trace (in IPython the final image is drawn when the cell ends)."""
+    def finish(self, interrupted: bool = False, ending: str = "") -> MemoryTrace | None:
+        """End the current run; return its trace (in IPython the final image is drawn when the cell ends).
+        ``ending``: how an interrupted run ended, where the caller knows more (``"rank 1 failed"``)."""
         if self._recorder.active:
+            self._recorder.trace.ending = ending
             self._close(interrupted=interrupted)
         return self.trace
 
@@ -280,7 +288,6 @@ class MonitorSession:
 
     # What the recorder knows of the current (or last) run, read-only.
     trace = property(lambda self: self._recorder.trace, doc="Its :class:`MemoryTrace`; ``None`` before the first.")
-    stats = property(lambda self: self._recorder.stats, doc="Its samples and what they cost (``RecorderStats``).")
     view = property(lambda self: self._recorder.view, doc="Its view; ``None`` after it failed.")
     active = property(lambda self: self._recorder.active, doc="Whether a run is being recorded now.")
 

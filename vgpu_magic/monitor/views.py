@@ -5,29 +5,18 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 from ..units import format_bytes, joined_alike, unit_for
 from .trace import MemoryTrace
 
 __all__ = ["View", "RedrawThrottle", "TextSummaryView", "NullView", "summary_line", "panel_top", "panel_unit"]
-__all__ += ["alike_groups", "group_label", "title_text", "PALETTE", "DARK_PALETTE"]
+__all__ += ["panel_groups", "labelled_groups", "group_label", "title_text", "PALETTE", "DARK_PALETTE"]
 
 #: Series colours. On a light background each has at least 4.5:1 contrast (WCAG's minimum for text, so also for the
 #: lines and legend swatches); the live view draws with :data:`DARK_PALETTE` on a dark theme, the same hues lighter.
 PALETTE = ("#1f77b4", "#b35f0b", "#258625", "#d62728", "#8f60ba", "#168084", "#c14495", "#757575", "#797913", "#976c46")
-DARK_PALETTE = (
-    "#2283c5",
-    "#d9730d",
-    "#2ca02c",
-    "#de4849",
-    "#976bbf",
-    "#1a9a9e",
-    "#c6549d",
-    "#7f7f7f",
-    "#8f8f17",
-    "#a3744c",
-)
+DARK_PALETTE = tuple("#2283c5 #d9730d #2ca02c #de4849 #976bbf #1a9a9e #c6549d #7f7f7f #8f8f17 #a3744c".split())  # noqa: SIM905
 
 
 def panel_top(trace: MemoryTrace, panel: str) -> int:
@@ -41,17 +30,21 @@ def panel_unit(trace: MemoryTrace, panel: str) -> tuple[str, int]:
     return unit_for(panel_top(trace, panel), smallest="KiB")
 
 
-def alike_groups(trace: MemoryTrace, members: list[int]) -> list[list[int]]:
-    """``members`` (series indices) grouped where every reading and cap are the same all run: ONE line each group."""
+def panel_groups(trace: MemoryTrace) -> list[list[int]]:
+    """Series indices grouped where every reading and cap are the same all run, panel by panel (the device panel's
+    first): ONE line each group, in the live view and the final image."""
     current, peak, groups = trace.current, trace.peak, []
-    for i in members:
-        for group in groups:
-            j = group[0]
-            if trace.series[i].cap == trace.series[j].cap and current[i] == current[j] and peak[i] == peak[j]:
-                group.append(i)
-                break
-        else:
-            groups.append([i])
+    for panel in ("device", "process"):
+        found: list[list[int]] = []
+        for i in (i for i, s in enumerate(trace.series) if s.panel == panel):
+            for group in found:
+                j = group[0]
+                if trace.series[i].cap == trace.series[j].cap and current[i] == current[j] and peak[i] == peak[j]:
+                    group.append(i)
+                    break
+            else:
+                found.append([i])
+        groups += found
     return groups
 
 
@@ -62,6 +55,11 @@ def group_label(trace: MemoryTrace, group: list[int]) -> str:
         return labels[0]
     consecutive = group == list(range(group[0], group[-1] + 1))
     return (f"{labels[0]}…{labels[-1]}" if consecutive and len(labels) > 2 else ", ".join(labels)) + ", same"
+
+
+def labelled_groups(trace: MemoryTrace) -> list[list[Any]]:
+    """``[label, [series...]]`` per line of the live view: :func:`panel_groups`, :func:`group_label`."""
+    return [[group_label(trace, group), group] for group in panel_groups(trace)]
 
 
 def title_text(trace: MemoryTrace, final: bool = False) -> str:
@@ -80,20 +78,15 @@ def title_text(trace: MemoryTrace, final: bool = False) -> str:
 class View:
     """The view contract (no-ops here): ``sampled`` each sample, ``series_changed`` when devices joined, ``finish``."""
 
-    def start(self, trace: MemoryTrace) -> None:
-        pass
+    def start(self, trace: MemoryTrace) -> None: ...
 
-    def sampled(self, trace: MemoryTrace, now: float) -> None:
-        pass
+    def sampled(self, trace: MemoryTrace, now: float) -> None: ...
 
-    def series_changed(self, trace: MemoryTrace) -> None:
-        pass
+    def series_changed(self, trace: MemoryTrace) -> None: ...
 
-    def epoch_end(self, trace: MemoryTrace, epoch: int) -> None:
-        pass
+    def epoch_end(self, trace: MemoryTrace, epoch: int) -> None: ...
 
-    def finish(self, trace: MemoryTrace) -> None:
-        pass
+    def finish(self, trace: MemoryTrace) -> None: ...
 
 
 class NullView(View):

@@ -1,6 +1,6 @@
 """Each rank's memory, sampled from the kernel so the ranks run unchanged: RSS (psutil) and GPU memory (NVML per PID;
 where NVML lists processes but none of the ranks' PIDs, a container, each rank reports its own allocator's figures),
-into the same trace and live view as a monitored ``fit``."""
+read by a :class:`~vgpu_magic.monitor.session.MonitorSession`: the same trace and views as a monitored ``fit``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..monitor.trace import MemoryTrace, SeriesInfo
+from ..monitor.trace import SeriesInfo
 
 #: Seconds between a rank's reports of its allocator's figures, as files: ipyparallel's ``publish_data`` after the
 #: cell returned did not reach an idle engine's client (ipyparallel 9.2), and goes to the engine's next request.
@@ -41,7 +41,13 @@ def report_allocator(path: str) -> None:
 
 
 class RankMemorySampler:
-    """RSS and GPU memory of the ranks on this host (with ``launched``, of their launched processes)."""
+    """A :class:`~vgpu_magic.monitor.sampler.MemorySampler` of the ranks on this host: RSS and GPU memory (with
+    ``launched``, of their launched processes); ``ended``: the ranks whose run came back, set by the run."""
+
+    subject = ""
+    simulated: tuple[str, ...] = ()
+    joinable = None
+    training_thread_only = False
 
     def __init__(
         self, pids: list[int | None], gpu: bool, launched: bool = False, engine: Callable[[int], Any] | None = None
@@ -157,48 +163,8 @@ class RankMemorySampler:
             self._nvml = None
 
 
-class RankMonitor:
-    """One run's memory: a recorder over a :class:`RankMemorySampler`, live with ``live``; ``finish()``: the trace."""
-
-    def __init__(
-        self,
-        pids: list[int | None],
-        gpu: bool,
-        live: bool,
-        interval: float = 0.2,
-        view: Any = None,
-        launched: bool = False,
-        engine: Callable[[int], Any] | None = None,
-    ) -> None:
-        from ..monitor.recorder import MemoryRecorder
-        from ..monitor.views import NullView
-
-        self.sampler = RankMemorySampler(pids, gpu, launched, engine)
-        if not self.sampler.series:  # every rank on another host: nothing to show from here
-            view = NullView()
-        elif view is None and live:
-            from ..monitor.live import LiveMemoryView, widget_available
-            from ..monitor.views import TextSummaryView
-
-            view = LiveMemoryView() if widget_available() else TextSummaryView()
-        self.recorder = MemoryRecorder(lambda: self.sampler, view or NullView(), interval=interval)
-
-    def start(self) -> None:
-        self.recorder.start("%vgpu_run" if self.sampler.launched else "%%vgpu_run")
-
-    def sample(self, ended: list[bool]) -> None:
-        """A sample; ``ended[rank]``: has the rank's run come back?"""
-        self.sampler.ended = {rank for rank, over in enumerate(ended) if over}
-        self.recorder.sample()
-
-    def finish(
-        self, interrupted: bool = False, failed: Sequence[int] = (), timed_out: bool = False
-    ) -> MemoryTrace | None:
-        """End the run; ``failed``: the ranks that failed; ``timed_out``: it ran out of time."""
-        if self.recorder.trace is not None:
-            ranks = f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} failed"
-            self.recorder.trace.ending = ranks if failed else "timed out" if timed_out else ""
-        try:
-            return self.recorder.finish(interrupted=interrupted)
-        finally:
-            self.sampler.close()
+def run_ending(failed: Sequence[int], timed_out: bool) -> str:
+    """How a run ended, for its memory view's title: ``"ranks 0, 1 failed"``, ``"timed out"`` or ``""``."""
+    if failed:
+        return f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} failed"
+    return "timed out" if timed_out else ""

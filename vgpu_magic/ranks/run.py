@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TextIO
 
+from ..monitor.session import MonitorSession
 from ..runtime import running_cell
 from .launch import INTERRUPT_LIMIT, STUCK
 from .lifetime import process_alive
-from .memory import RankMonitor
+from .memory import RankMemorySampler, run_ending
 from .shown import PEER_GONE, HeldBack, LineStream, events, how_it_ended, notebook_traceback, show_display, taken_down
 from .spec import RankFailure, RankOutcome, RunResult
 
@@ -285,20 +286,19 @@ class RankRun:
 
         # Two streams, as Jupyter shows a cell's own: a rank's stdout to stdout, its stderr (warnings, logs) to stderr.
         streams = [(stream(r, self.stdout), stream(r, self.stderr)) for r in range(n)]
-        memory = RankMonitor(
-            self.procs.memory_pids(), self.gpu, self.plot, launched=self.launched, engine=self.procs.engine
-        )
+        sampler = RankMemorySampler(self.procs.memory_pids(), self.gpu, self.launched, self.procs.engine)
+        memory = MonitorSession(sampler=sampler, interval=0.2, display="auto" if self.plot else "none")
         start = time.monotonic() if self.since is None else self.since
         results: list[Any] = []
         failures: dict[int, RankFailure] = {}
         timed_out: RankFailure | None = None
         try:
-            memory.start()
+            memory.start("%vgpu_run" if self.launched else "%%vgpu_run")
             results = [self.submit(rank) for rank in range(n)]
             collected_by = math.inf
             while True:
                 self._emit(results, streams)
-                memory.sample([ar.ready() for ar in results])
+                sampler.ended = {rank for rank, ar in enumerate(results) if ar.ready()}
                 seen = len(failures)
                 # Replies land on ipyparallel's thread any time: end only on what was looked at (and collected).
                 looked = [ar.ready() for ar in results]
@@ -340,7 +340,7 @@ class RankRun:
                 failures[rank] = self._failure(rank, ar)
         self._drain(results, streams)
         self._end(streams, failures, stopped)
-        self.trace = memory.finish(bool(failures or timed_out), sorted(failures), timed_out is not None)
+        self.trace = memory.finish(bool(failures or timed_out), run_ending(sorted(failures), timed_out is not None))
         if failures or timed_out:
             # Peer-downed ranks last, the timeout first (no later failure hides it) unless its rank failed.
             every = sorted(failures.values(), key=lambda failure: failure.kind == "peer")
