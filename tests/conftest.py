@@ -19,7 +19,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 from unittest import mock
 
 # A throwaway IPython profile for the whole session, never the user's: set before anything reads it (support's
@@ -128,7 +130,7 @@ def no_process_left_behind():
     """Fail the module if a process it started is still running at its end."""
     before = our_processes()
     yield
-    left = left_running(before)
+    left = left_running(before | SESSION_DAEMONS)
     assert not left, f"processes left behind: {left}"
 
 
@@ -176,7 +178,7 @@ def cluster_shell(ip):
     running = rank_cluster.current()
     if running is not None:
         running.stop()
-    assert our_processes() <= before
+    assert our_processes() <= before | SESSION_DAEMONS
 
 
 @pytest.fixture
@@ -202,6 +204,21 @@ def cpu_inventory(monkeypatch):
     return cpu_only
 
 
+T = TypeVar("T")
+
+#: The processes the session's fixtures started (SLURM's and the second host's daemons): they outlive every module,
+#: whichever module happened to start them, so no module counts them as its own left behind.
+SESSION_DAEMONS: set[int] = set()
+
+
+def session_daemons(start: Callable[[], T]) -> T:
+    """``start()``, its new processes noted in :data:`SESSION_DAEMONS`."""
+    before = our_processes()
+    started = start()
+    SESSION_DAEMONS.update(our_processes() - before)
+    return started
+
+
 @pytest.fixture(scope="session")
 def local_slurm():
     """A real single-node SLURM cluster (slurmctld, slurmd, munged) for the session,
@@ -214,7 +231,7 @@ def local_slurm():
         pytest.skip(reason)
     from local_slurm import LocalSlurm
 
-    cluster = LocalSlurm().start()
+    cluster = session_daemons(LocalSlurm().start)
     yield cluster
     cluster.stop()
 
@@ -229,7 +246,7 @@ def two_hosts():
     reason = why_not_hosts()
     if reason:
         pytest.skip(reason)
-    hosts = TwoHosts.start()
+    hosts = session_daemons(TwoHosts.start)
     yield hosts
     hosts.stop()
 
@@ -245,6 +262,6 @@ def two_node_slurm(two_hosts):
         pytest.skip(reason)
     from local_slurm import LocalSlurm
 
-    cluster = LocalSlurm(nodes=two_hosts.slurm_nodes(), address=two_hosts.first.address).start()
+    cluster = session_daemons(LocalSlurm(nodes=two_hosts.slurm_nodes(), address=two_hosts.first.address).start)
     yield cluster
     cluster.stop()

@@ -82,12 +82,7 @@ def slurm(local_slurm, monkeypatch):
     return local_slurm
 
 
-@pytest.fixture(scope="module", autouse=True)
-def nothing_left_behind(local_slurm, no_process_left_behind):
-    """No process the module started outlives it, once the session's SLURM (which outlives every module) is up."""
-
-
-def test_only_this_clusters_step_daemons_are_counted(slurm, tmp_path):
+def test_only_this_clusters_step_daemons_are_counted(slurm, tmp_path, no_process_left_behind):
     # A job of another SLURM on the machine (another test run's, a user's) starts and ends when it will.
     impostor = tmp_path / "slurmstepd"
     shutil.copy(shutil.which("sleep"), impostor)
