@@ -2,7 +2,7 @@
 launcher accepts, its one-line refusals before anything starts, the batch
 script ipyparallel writes for SLURM with the user's options, and the SSH
 engines per host. No process is started here (the real SLURM and the second
-host are in ``test_cluster_slurm.py`` and ``test_cluster_hosts.py``)."""
+host are in ``test_launcher_slurm.py`` and ``test_launcher_ssh.py``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from IPython.core.error import UsageError
 
 from support import refused_changing_nothing
-from vgpu_magic.ranks.hosts import route_address
-from vgpu_magic.ranks.launchers import plan_launcher, ssh_target
+from vgpu_magic.ranks.hosts import route_address, ssh_target
+from vgpu_magic.ranks.launchers import plan_launcher
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def batch_script(plan, tmp_path, n=2) -> str:
     from traitlets.config import Config
     from traitlets.utils.importstring import import_item
 
-    launcher = import_item(plan.launcher.engines)(
+    launcher = import_item(plan.engines)(
         work_dir=str(tmp_path), config=Config(plan.config), profile_dir=str(tmp_path), cluster_id="c1"
     )
     launcher.write_batch_script(n)
@@ -73,7 +73,7 @@ def test_slurm_options_become_sbatch_lines_around_ipyparallels_srun(slurm_on_pat
     assert lines[-1].startswith("srun --cpu-bind=none ") and "ipyparallel.engine" in lines[-1]
     # The engines are told to reach the controller by this host's name; it listens on every interface.
     assert plan.controller_ip == "*" and plan.controller_location
-    assert plan.launcher.description == "ipyparallel engines in one SLURM job (sbatch + srun)"
+    assert plan.description == "ipyparallel engines in one SLURM job (sbatch + srun)"
 
 
 def test_without_options_the_script_is_ipyparallels_own(slurm_on_path, tmp_path):
@@ -149,16 +149,16 @@ def test_a_launcher_is_one_class_found_by_its_name(monkeypatch):
 
     monkeypatch.setattr(launchers, "LAUNCHERS", dict(launchers.LAUNCHERS))
 
-    class PBSLauncher(launchers.Launcher):
-        name, description, remote = "pbs", "ipyparallel engines in one PBS job", True
+    class PBSLauncher(launchers.BatchLauncher):
+        name, description = "pbs", "ipyparallel engines in one PBS job"
         options: ClassVar = {"queue": {"help": "the queue"}}
 
         @classmethod
         def plan(cls, n, options, cluster_id):
-            return launchers.LauncherPlan(cls.name, {"PBSEngineSetLauncher": {"queue": options.get("queue", "")}})
+            return cls({"PBSEngineSetLauncher": {"queue": options.get("queue", "")}})
 
     plan = launchers.plan_launcher("pbs", 2, {"queue": "gpu"})
-    assert plan.launcher is PBSLauncher and plan.launcher.remote
+    assert type(plan) is PBSLauncher and not plan.watched
     assert plan.config == {"PBSEngineSetLauncher": {"queue": "gpu"}}
     with pytest.raises(ValueError, match=r"^the pbs launcher has no option 'hosts'; it takes: queue$"):
         launchers.plan_launcher("pbs", 2, {"hosts": ["a"]})
@@ -219,7 +219,7 @@ def test_the_magic_passes_the_launcher_flags_through(shell, monkeypatch, slurm_o
     seen = {}
 
     def record(self):
-        seen.update(launcher=self.spec.launcher, options=self.spec.launcher_options, plan=self.launcher_plan)
+        seen.update(launcher=self.spec.launcher, options=self.spec.launcher_options, plan=self.launcher)
         raise rank_cluster.ClusterStartError("recorded")
 
     monkeypatch.setattr(rank_cluster.RankCluster, "start", record)
