@@ -159,15 +159,13 @@ def keep_logs(cluster: Any, launchers: Any = ()) -> str:
     return f"; the processes' log: {path}"
 
 
-def local_launchers(cluster: Any) -> dict[int, Any]:
-    """The launcher of every process ipyparallel started for ``cluster`` on this host, by PID."""
-    from ipyparallel.cluster.launcher import LocalProcessLauncher, SSHLauncher
-
-    launchers = [cluster.controller]
-    for engine_set in cluster.engines.values():
-        launchers.extend(getattr(engine_set, "launchers", {}).values() or [engine_set])
-    ours = [x for x in launchers if isinstance(x, LocalProcessLauncher) and not isinstance(x, SSHLauncher)]
-    return {launcher.pid: launcher for launcher in ours if (launcher.pid or -1) > 0}
+def local_launchers(launcher: Launcher) -> dict[int, Any]:
+    """ipyparallel's launcher of every process it started on this host for ``launcher`` (the controller, and the
+    engines where they are watched), by PID."""
+    found = [launcher.cluster.controller]
+    for engine_set in launcher.cluster.engines.values() if launcher.watched else ():
+        found.extend(getattr(engine_set, "launchers", {}).values() or [engine_set])
+    return {process.pid: process for process in found if (getattr(process, "pid", None) or -1) > 0}
 
 
 #: Run when the kernel dies without a stop: remove what matches each argument (a glob).

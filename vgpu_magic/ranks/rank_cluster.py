@@ -153,7 +153,7 @@ class RankCluster:
             self.cluster = processes.new_ipp_cluster(self.launcher, self.n, self.cluster_id, self._token)
             processes.despite_interrupts(lambda: self.launcher.start(self.n))
             # Remembered at once, so that even engines that never register are stopped.
-            launchers = processes.local_launchers(self.cluster)
+            launchers = processes.local_launchers(self.launcher)
             self._owned.update(launchers)
             self._launchers.update(launchers)
             self._cleanups = processes.clean_up_when_kernel_dies(self.launcher, self._token)
@@ -346,7 +346,7 @@ class RankCluster:
         try:
             return runner.run()
         except (RankRunError, KeyboardInterrupt) as exc:
-            self.reason = runner.restart_reason(exc) or ""
+            self.reason = getattr(exc, "result", RunResult({})).restart
             if self.reason:
                 self.state = ClusterState.MUST_RESTART
             raise
@@ -394,7 +394,7 @@ class RankCluster:
                 continue
             if attempt:
                 print(f"finished on attempt {attempt + 1} of {attempts}")
-            return RunResult(dict.fromkeys(range(self.n), RankOutcome("finished")), False, attempt + 1)
+            return RunResult(dict.fromkeys(range(self.n), RankOutcome("finished")), "", attempt + 1)
 
     def _preload(self) -> list[str]:
         """What a spare imports before its launch: the framework, and its rank setup's module."""
