@@ -117,7 +117,7 @@ def test_different_failures_are_named_each_and_the_same_ones_grouped():
         RankFailure(3, "died", "was killed by SIGKILL (pid 12)", ("rank 3 was killed by SIGKILL",)),
         RankFailure(1, "error", "raised KeyError: 'x'", ("Traceback", "KeyError: 'x'")),
     ]
-    error = RankRunError(RunResult({f.rank: RankOutcome("failed", f) for f in failures}, must_restart=True))
+    error = RankRunError(RunResult({f.rank: RankOutcome("failed", f) for f in failures}, "rank 3 was killed"))
     assert str(error) == (
         "ranks 0, 2 raised ValueError: bad argument; rank 3 was killed by SIGKILL (pid 12); "
         "rank 1 raised KeyError: 'x'; the cluster must be restarted: %vgpu_cluster restart"
@@ -148,7 +148,7 @@ def test_the_error_renders_the_run_result_rank_by_rank():
         1: RankOutcome("finished"),
         2: RankOutcome("interrupted", killed="did not stop within 3 s of SIGINT"),
     }
-    result = RunResult(ended, must_restart=True)
+    result = RunResult(ended, restart="rank 2 was killed")
     error = RankRunError(result)
     assert error.result is result and list(result.outcomes) == [0, 1, 2]
     assert str(error) == (
@@ -167,7 +167,7 @@ def test_the_error_renders_the_run_result_rank_by_rank():
         3: RankOutcome("peer", RankFailure(3, "peer", said, gone), killed=stuck),
         2: RankOutcome("interrupted"),
     }
-    error = RankRunError(RunResult(ended, must_restart=True))
+    error = RankRunError(RunResult(ended, restart="rank 3 was killed"))
     assert str(error) == (
         f"rank 1 raised ValueError: bad batch; ranks 0, 3 {said}; interrupted rank 2; "
         "killed rank 3 (made no progress for 10 s after SIGINT); the cluster must be restarted: %vgpu_cluster restart"
@@ -180,7 +180,7 @@ def test_the_error_renders_the_run_result_rank_by_rank():
     ]
     assert (error.failure, error.interrupted, error.killed, error.must_restart) == (own, [2], [3], True)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        error.result.must_restart = False
+        error.result.restart = ""
     # Each rank's outcome as a run builds it from its failure and what the fault policy did to it.
     peer = ended[3].failure
     assert _outcome(None, stopped=False, killed="") == RankOutcome("finished")
@@ -363,7 +363,7 @@ def test_ranks_that_ended_alike_are_said_in_agreement():
 
     failures = [RankFailure(r, "error", "was killed by SIGABRT", ("x",)) for r in (1, 2, 3)]
     failures.append(RankFailure(0, "error", "was killed by SIGSEGV", ("x",)))
-    error = RankRunError(RunResult({f.rank: RankOutcome("failed", f) for f in failures}, must_restart=False))
+    error = RankRunError(RunResult({f.rank: RankOutcome("failed", f) for f in failures}))
     assert (
         str(error) == "ranks 1, 2, 3 were killed by SIGABRT; rank 0 was killed by SIGSEGV; the cluster is still usable"
     )

@@ -20,7 +20,7 @@ import pytest
 from vgpu_magic.frameworks import get
 from vgpu_magic.inventory import GPUInfo
 from vgpu_magic.layout import HostReport, expand_hostlist, layout_ranks
-from vgpu_magic.ranks.hosts import LAUNCHER_VARIABLES
+from vgpu_magic.ranks.launchers import SlurmLauncher
 
 slurm_cluster = pytest.importorskip("jax._src.clusters.slurm_cluster")
 resolver = pytest.importorskip("tensorflow.python.distribute.cluster_resolver.slurm_cluster_resolver")
@@ -71,7 +71,7 @@ def reports(tasks: list[dict[str, str]]) -> list[HostReport]:
             GPUInfo(i, "GPU", total_mib=81920, free_mib=81000, compute_capability=(9, 0), nvml_index=i)
             for i in range(GPUS_PER_NODE)
         )
-        launcher = {k: v for k, v in env.items() if k in LAUNCHER_VARIABLES}
+        launcher = {k: v for k, v in env.items() if k.startswith(SlurmLauncher.task_variables)}
         found.append(
             HostReport(
                 engine_id,
@@ -94,8 +94,8 @@ def under(env: dict[str, str]):
 @pytest.mark.parametrize("port", [None, 9000], ids=["job id port", "--port as the override"])
 @pytest.mark.parametrize("tasks", [ONE_NODE, TWO_NODES], ids=["1 node", "2 nodes"])
 def test_jax_coordinator_and_process_ids_equal_jaxs_slurm_cluster(tasks, port):
-    plans = get("jax").plan_ranks(layout_ranks(reports(tasks)), None, None, port)
-    layout = layout_ranks(reports(tasks))
+    plans = get("jax").plan_ranks(layout_ranks(reports(tasks), None, SlurmLauncher.launched), None, None, port)
+    layout = layout_ranks(reports(tasks), None, SlurmLauncher.launched)
     for env in tasks:
         with under(env):
             cluster = slurm_cluster.SlurmCluster
@@ -116,7 +116,7 @@ def test_jax_coordinator_and_process_ids_equal_jaxs_slurm_cluster(tasks, port):
 @pytest.mark.parametrize("port", [None, 9000], ids=["default ports", "--port as port_base"])
 @pytest.mark.parametrize("tasks", [ONE_NODE, TWO_NODES], ids=["1 node", "2 nodes"])
 def test_tf_config_equals_tensorflows_slurm_cluster_resolver(tasks, port):
-    plans = get("tensorflow").plan_ranks(layout_ranks(reports(tasks)), None, None, port)
+    plans = get("tensorflow").plan_ranks(layout_ranks(reports(tasks), None, SlurmLauncher.launched), None, None, port)
     base = {} if port is None else {"port_base": port}
     for env in tasks:
         with under(env):
@@ -132,7 +132,7 @@ def test_tf_config_equals_tensorflows_slurm_cluster_resolver(tasks, port):
 
 @pytest.mark.parametrize("tasks", [ONE_NODE, TWO_NODES], ids=["1 node", "2 nodes"])
 def test_torch_environment_is_the_usual_torchrun_mapping_of_slurm(tasks):
-    plans = get("torch").plan_ranks(layout_ranks(reports(tasks)), None, None, None)
+    plans = get("torch").plan_ranks(layout_ranks(reports(tasks), None, SlurmLauncher.launched), None, None, None)
     for env in tasks:
         rank = int(env["SLURM_PROCID"])
         first_host = resolver.expand_hostlist(env["SLURM_JOB_NODELIST"])[0]  # scontrol show hostnames ... | head -1
@@ -153,7 +153,7 @@ def test_torch_environment_is_the_usual_torchrun_mapping_of_slurm(tasks):
 
 
 def test_ranks_follow_slurm_not_the_engines_order():
-    layout = layout_ranks(reports(TWO_NODES))
+    layout = layout_ranks(reports(TWO_NODES), None, SlurmLauncher.launched)
     assert [p.rank for p in layout.places] == [0, 1, 2, 3]
     assert [p.engine_id for p in layout.places] == [3, 2, 1, 0]
     assert [(p.hostname, p.node_rank, p.local_rank, p.local_world_size) for p in layout.places] == [

@@ -22,6 +22,7 @@ from vgpu_magic.frameworks import get
 from vgpu_magic.grammar import parse_memory
 from vgpu_magic.inventory import GPUInfo
 from vgpu_magic.layout import HostReport, layout_ranks
+from vgpu_magic.ranks.launchers import MPILauncher
 from vgpu_magic.ranks.names import UnsendableName, names_to_send, pack_names, split_last_expression
 from vgpu_magic.ranks.shown import LineStream, as_terminal_shows
 
@@ -221,7 +222,7 @@ def test_a_gpu_per_local_rank_gives_nccl_and_launcher_ranks_win():
     gpus = (GPU(0, 80), GPU(1, 80))
     mpi = [{"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_RANK": str(r)} for r in (1, 0)]
     reports = [HostReport(e, "node0", "127.0.0.1", 700 + e, gpus, 42000 + e, mpi[e]) for e in range(2)]
-    layout = layout_ranks(reports)
+    layout = layout_ranks(reports, None, MPILauncher.launched)
     assert [p.engine_id for p in layout.places] == [1, 0]  # mpiexec's ranks, not the engines' order
     plans = get("torch").plan_ranks(layout, None, None, None)
     assert [p.args for p in plans] == [("nccl", 0, 80896), ("nccl", 1, 80896)]

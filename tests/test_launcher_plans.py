@@ -1,8 +1,9 @@
 """The launcher plans (``--launcher local|mpi|slurm|ssh``) as data: what each
 launcher accepts, its one-line refusals before anything starts, the batch
 script ipyparallel writes for SLURM with the user's options, and the SSH
-engines per host. No process is started here (the real SLURM and the second
-host are in ``test_cluster_slurm.py`` and ``test_cluster_hosts.py``)."""
+engines per host; and a launcher added as one class, starting real ranks
+(the real SLURM and the second host are in ``test_launcher_slurm.py`` and
+``test_launcher_ssh.py``)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pytest
 from IPython.core.error import UsageError
 
 from support import refused_changing_nothing
-from vgpu_magic.ranks.hosts import route_address
-from vgpu_magic.ranks.launchers import plan_launcher, ssh_target
+from vgpu_magic.ranks.hosts import route_address, ssh_target
+from vgpu_magic.ranks.launchers import plan_launcher
 
 
 @pytest.fixture
@@ -35,7 +36,7 @@ def batch_script(plan, tmp_path, n=2) -> str:
     from traitlets.config import Config
     from traitlets.utils.importstring import import_item
 
-    launcher = import_item(plan.launcher.engines)(
+    launcher = import_item(plan.engines)(
         work_dir=str(tmp_path), config=Config(plan.config), profile_dir=str(tmp_path), cluster_id="c1"
     )
     launcher.write_batch_script(n)
@@ -73,7 +74,7 @@ def test_slurm_options_become_sbatch_lines_around_ipyparallels_srun(slurm_on_pat
     assert lines[-1].startswith("srun --cpu-bind=none ") and "ipyparallel.engine" in lines[-1]
     # The engines are told to reach the controller by this host's name; it listens on every interface.
     assert plan.controller_ip == "*" and plan.controller_location
-    assert plan.launcher.description == "ipyparallel engines in one SLURM job (sbatch + srun)"
+    assert plan.description == "ipyparallel engines in one SLURM job (sbatch + srun)"
 
 
 def test_without_options_the_script_is_ipyparallels_own(slurm_on_path, tmp_path):
@@ -142,27 +143,72 @@ def test_refusals_say_what_would_work(slurm_on_path, name, n, options, match):
         plan_launcher(name, n, options)
 
 
-def test_a_launcher_is_one_class_found_by_its_name(monkeypatch):
-    """Issue 33: a launcher was four tables keyed by name (its options, its plan, its description, whether it is
-    remote) and flags declared again in the magic; now defining one class adds it."""
-    from vgpu_magic.ranks import launchers
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_launcher_is_one_class_that_starts_real_ranks(monkeypatch, tmp_path, capsys):
+    """Issue 41: one class is a launcher: found by its name, its options checked, its engines started by
+    ``subprocess`` (in reverse), numbered by a variable of its own that a script run keeps, and all stopped."""
+    import os
+    import subprocess
+    import sys
+    from dataclasses import dataclass
+
+    from support import left_running, our_processes
+    from vgpu_magic.layout import LaunchedAs
+    from vgpu_magic.ranks import RankCluster, launchers, lifetime
 
     monkeypatch.setattr(launchers, "LAUNCHERS", dict(launchers.LAUNCHERS))
 
-    class PBSLauncher(launchers.Launcher):
-        name, description, remote = "pbs", "ipyparallel engines in one PBS job", True
-        options: ClassVar = {"queue": {"help": "the queue"}}
+    @dataclass
+    class SpawnLauncher(launchers.Launcher):
+        name, description = "spawn", "engines started by subprocess"
+        options: ClassVar = {"python": None}
+        task_variables = ("SPAWN_",)
+        python: str = sys.executable
 
         @classmethod
         def plan(cls, n, options, cluster_id):
-            return launchers.LauncherPlan(cls.name, {"PBSEngineSetLauncher": {"queue": options.get("queue", "")}})
+            return cls(python=options.get("python", sys.executable))
 
-    plan = launchers.plan_launcher("pbs", 2, {"queue": "gpu"})
-    assert plan.launcher is PBSLauncher and plan.launcher.remote
-    assert plan.config == {"PBSEngineSetLauncher": {"queue": "gpu"}}
-    with pytest.raises(ValueError, match=r"^the pbs launcher has no option 'hosts'; it takes: queue$"):
-        launchers.plan_launcher("pbs", 2, {"hosts": ["a"]})
-    assert list(launchers.LAUNCHERS) == ["local", "mpi", "slurm", "ssh", "pbs"]
+        @classmethod
+        def launched(cls, variables):
+            return LaunchedAs(int(variables["SPAWN_RANK"]))
+
+        def start(self, n):
+            self.cluster.start_controller_sync()
+            where = {"IPP_CLUSTER_ID": self.cluster.cluster_id, "IPP_PROFILE_DIR": self.cluster.profile_dir}
+            self.spawned = [
+                subprocess.Popen(
+                    [self.python, *lifetime.watched_command("ipyparallel.engine")[1:]],
+                    env={**os.environ, **self.marks, **where, "SPAWN_RANK": str(rank)},
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+                for rank in reversed(range(n))
+            ]
+
+    assert list(launchers.LAUNCHERS) == ["local", "mpi", "slurm", "ssh", "spawn"]
+    with pytest.raises(ValueError, match=r"^the spawn launcher has no option 'hosts'; it takes: python$"):
+        RankCluster(2, "torch", launcher="spawn", launcher_options={"hosts": ["a"]})
+    (tmp_path / "where.py").write_text("import os\nprint('rank', os.environ['RANK'], os.environ['SPAWN_RANK'])\n")
+    before = our_processes()
+    ranks = RankCluster(2, "torch", launcher="spawn", spares=False)
+    try:
+        ranks.start()
+        assert type(ranks.launcher) is SpawnLauncher and "ranks on engines started by subprocess" in ranks.describe()[0]
+        # Rank r is the engine the launcher numbered r: the one it started (n - 1 - r)th.
+        assert ranks.pids == [proc.pid for proc in reversed(ranks.launcher.spawned)]
+        assert ranks.run("import os\n(os.environ['RANK'], os.environ['SPAWN_RANK'])", output=True) == [
+            ("0", "0"),
+            ("1", "1"),
+        ]
+        capsys.readouterr()
+        ranks.run_script(str(tmp_path / "where.py"), timeout=120)
+        said = capsys.readouterr().out
+        assert "[rank 0] rank 0 0" in said and "[rank 1] rank 1 1" in said, said
+    finally:
+        ranks.stop()
+    assert not left_running(before)
 
 
 def test_the_magics_help_has_each_launchers_flags_in_its_own_group(shell):
@@ -219,7 +265,7 @@ def test_the_magic_passes_the_launcher_flags_through(shell, monkeypatch, slurm_o
     seen = {}
 
     def record(self):
-        seen.update(launcher=self.spec.launcher, options=self.spec.launcher_options, plan=self.launcher_plan)
+        seen.update(launcher=self.spec.launcher, options=self.spec.launcher_options, plan=self.launcher)
         raise rank_cluster.ClusterStartError("recorded")
 
     monkeypatch.setattr(rank_cluster.RankCluster, "start", record)

@@ -72,7 +72,7 @@ def slurm_ranks(slurm, framework: str, n: int, launcher_options: dict | None = N
     assert slurm.step_daemons() <= steps
     # No batch script left behind, in the working folder (ipyparallel's default) or beside the engines' logs.
     assert not Path("slurm_engine.sbatch").exists()
-    assert not list((profile / "log").glob(f"*{cluster_id}*.sbatch"))
+    assert not list((profile / "log").glob(f"ipengine-{cluster_id}.*"))
 
 
 @pytest.fixture

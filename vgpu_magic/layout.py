@@ -1,12 +1,13 @@
 """The ranks' hosts and the ranks laid out on them, as plain data: a :class:`HostReport` is what one engine says about
 where it runs; :func:`layout_ranks`, pure, orders the ranks (the launcher's rank, else the engine id, by host), gives
-each its local rank, node rank and GPU, and keeps the launcher's conventions (SLURM's ``SLURM_STEP_NODELIST``). The
+each its local rank, node rank and GPU, and keeps the batch job step its launcher reads from its variables. The
 frameworks plan ranks from the :class:`RankLayout`, so GPU and multi-host layouts are tested on recorded data."""
 
 from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -16,7 +17,7 @@ from .plans import SplitRequest
 
 @dataclass(frozen=True)
 class HostReport:
-    """What one engine says about where it runs: its GPUs (CUDA's numbering), a free port, the launcher's variables."""
+    """What one engine says about where it runs: its GPUs (CUDA's numbering), a free port, its launcher's variables."""
 
     engine_id: int
     hostname: str
@@ -28,38 +29,26 @@ class HostReport:
     #: The NCCL version its frameworks load (``inventory.nccl_version``), where it can tell.
     nccl: tuple[int, ...] | None = None
 
-    @property
-    def launcher_rank(self) -> int | None:
-        """The rank the launcher gave this process (SLURM, OpenMPI, PMI), if any."""
-        return self.launcher_number("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-
-    @property
-    def launcher_local_rank(self) -> int | None:
-        return self.launcher_number("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
-
-    def launcher_number(self, *names: str) -> int | None:
-        """The first of the launcher's variables ``names`` that is set to a number."""
-        return next((int(self.launcher[name]) for name in names if self.launcher.get(name, "").isdigit()), None)
-
 
 @dataclass(frozen=True)
-class SlurmStep:
-    """The SLURM job step the ranks are tasks of, as its environment describes it."""
+class JobStep:
+    """The batch job step (SLURM's) the ranks are tasks of: each task plans alone, so the frameworks wire the ranks
+    as their own support for that batch system does, from its job id, hosts and tasks per host."""
 
     job_id: int
     hosts: tuple[str, ...]
     tasks_per_node: tuple[int, ...]
 
-    @classmethod
-    def from_env(cls, env: dict[str, str]) -> SlurmStep | None:
-        """``None`` unless the variables JAX's and TensorFlow's SLURM support read are all there."""
-        needed = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
-        if not all(env.get(name) for name in needed):
-            return None
-        hosts = tuple(expand_hostlist(env["SLURM_STEP_NODELIST"]))
-        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-        counts = tuple(expand_tasks_per_node(per_node)) if per_node else (1,) * len(hosts)
-        return cls(int(env["SLURM_JOB_ID"]), hosts, counts)
+
+@dataclass(frozen=True)
+class LaunchedAs:
+    """A process's place as its launcher numbered it (the launcher reads its variables), where it did."""
+
+    rank: int | None = None
+    local_rank: int | None = None
+    #: Its host's number among the hosts.
+    node_rank: int | None = None
+    step: JobStep | None = None
 
 
 @dataclass(frozen=True)
@@ -93,7 +82,7 @@ class RankLayout:
     places: tuple[RankPlace, ...]
     #: The address rank 0 is reached at: ``MASTER_ADDR``, JAX's coordinator host.
     leader: str
-    slurm: SlurmStep | None = None
+    step: JobStep | None = None
 
     @property
     def world_size(self) -> int:
@@ -156,19 +145,25 @@ def expand_tasks_per_node(text: str) -> list[int]:
     return counts
 
 
-def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = None) -> RankLayout:
-    """Order the ranks and place them on their hosts (docs/ranks.md); pure. ``gpus``: the GPUs every host plans with."""
+def layout_ranks(
+    reports: list[HostReport],
+    gpus: tuple[GPUInfo, ...] | None = None,
+    launched: Callable[[dict[str, str]], LaunchedAs] | None = None,
+) -> RankLayout:
+    """Order the ranks and place them on their hosts (docs/ranks.md); pure. ``gpus``: the GPUs every host plans with;
+    ``launched``: its launcher's reading of a report's variables (``Launcher.launched``)."""
     if not reports:
         raise ValueError("no engine reported its host")
-    launcher_ranks = [r.launcher_rank for r in reports]
+    said = {id(r): launched(r.launcher) if launched else LaunchedAs() for r in reports}
+    launcher_ranks = [said[id(r)].rank for r in reports]
     if None not in launcher_ranks and sorted(launcher_ranks) == list(range(len(reports))):
-        ordered = sorted(reports, key=lambda r: r.launcher_rank)
+        ordered = sorted(reports, key=lambda r: said[id(r)].rank)
     else:
         first_engine: dict[str, int] = {}
         for report in sorted(reports, key=lambda r: r.engine_id):
             first_engine.setdefault(report.hostname, report.engine_id)
         ordered = sorted(reports, key=lambda r: (first_engine[r.hostname], r.engine_id))
-    slurm = SlurmStep.from_env(ordered[0].launcher)
+    step = said[id(ordered[0])].step
     by_host: dict[str, list[HostReport]] = {}
     for report in ordered:
         by_host.setdefault(report.hostname, []).append(report)
@@ -176,8 +171,7 @@ def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = N
     places = []
     for rank, report in enumerate(ordered):
         group = by_host[report.hostname]
-        local = report.launcher_local_rank
-        node = report.launcher_number("SLURM_NODEID")
+        local, node = said[id(report)].local_rank, said[id(report)].node_rank
         places.append(
             RankPlace(
                 rank=rank,
@@ -192,9 +186,9 @@ def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = N
                 nccl=report.nccl,
             )
         )
-    leader = slurm.hosts[0] if slurm is not None else places[0].address
+    leader = step.hosts[0] if step is not None else places[0].address
     seen = {rank: report.gpus if gpus is None else gpus for rank, report in enumerate(ordered)}
-    return _assign_gpus(RankLayout(tuple(places), leader, slurm), seen)
+    return _assign_gpus(RankLayout(tuple(places), leader, step), seen)
 
 
 def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> RankLayout:

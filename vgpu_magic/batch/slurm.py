@@ -15,8 +15,8 @@ from pathlib import Path
 from .. import frameworks
 from ..frameworks.base import RankPlan
 from ..inventory import visible_gpus
-from ..layout import HostReport, SlurmStep, layout_ranks
-from ..ranks.hosts import LAUNCHER_VARIABLES, free_port
+from ..layout import HostReport, layout_ranks
+from ..ranks.hosts import free_port
 from ..ranks.launchers import SlurmLauncher
 from ..ranks.spec import RESTART_COUNTS
 from . import FOLDER, JobBackend, JobSpec
@@ -121,15 +121,16 @@ def _run(argv: list[str], stdin: str | None = None) -> subprocess.CompletedProce
 def plan_tasks(framework: str, env: dict[str, str], port: int | None = None, free: int = 0) -> list[RankPlan]:
     """Every task's plan, in rank order, from a SLURM step's environment (block distribution), each host with this
     one's GPUs; ``free``: a port free on the first node (rank 0's where the framework takes it and ``port`` is None)."""
-    step = SlurmStep.from_env(env)
+    step = SlurmLauncher.launched(env).step
     if step is None:
         raise RuntimeError("not a task of a SLURM job step (SLURM_JOB_ID, SLURM_STEP_NODELIST, ... unset)")
-    shared, gpus, reports = {k: env[k] for k in LAUNCHER_VARIABLES if k in env}, visible_gpus(), []
+    shared = {k: v for k, v in env.items() if k.startswith(SlurmLauncher.task_variables)}
+    gpus, reports = visible_gpus(), []
     for node, (host, count) in enumerate(zip(step.hosts, step.tasks_per_node)):
         for local in range(count):
             place = {"SLURM_PROCID": str(len(reports)), "SLURM_LOCALID": str(local), "SLURM_NODEID": str(node)}
             reports.append(HostReport(len(reports), host, host, 0, gpus, free, {**shared, **place}))
-    return frameworks.get(framework).plan_ranks(layout_ranks(reports, gpus), None, None, port)
+    return frameworks.get(framework).plan_ranks(layout_ranks(reports, gpus, SlurmLauncher.launched), None, None, port)
 
 
 def main(framework: str, port: str, free: str, script: str, *args: str) -> None:

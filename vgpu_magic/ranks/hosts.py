@@ -1,6 +1,6 @@
-"""Where the ranks run: each engine's report of its host (:func:`report_host`, applied on the engine), and the
-addresses and ports chosen there. The reports and the ranks' layout are plain data in :mod:`vgpu_magic.layout`,
-below the frameworks. Imports no framework, no NVML and no ipyparallel."""
+"""Where the ranks run: each engine's report of its host (:func:`report_host`, applied on the engine), the
+addresses and ports chosen there, and commands run on an SSH host. The reports and the ranks' layout are plain data
+in :mod:`vgpu_magic.layout`, below the frameworks. Imports no framework, no NVML and no ipyparallel."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import importlib.abc
 import importlib.util
 import os
 import socket
+import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -17,12 +18,8 @@ from ..inventory import nccl_version, visible_gpus
 from ..layout import HostReport
 from ..plans import SplitRequest
 
-#: Variables a launcher sets that tell a process its place; reported as they are.
-LAUNCHER_VARIABLES = (
-    *("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"),
-    *("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"),
-    *("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_RANK"),
-)
+#: Seconds a cancelled batch job may take to leave the queue, and remote engines to exit.
+REMOTE_STOP_TIMEOUT = 30.0
 
 
 def route_address(toward: str) -> str:
@@ -49,8 +46,9 @@ def free_port(address: str = "") -> int:
         return sock.getsockname()[1]
 
 
-def report_host(engine_id: int, controller: str) -> HostReport:
-    """On an engine: where it runs; the address it reaches ``controller`` from is the one the others can use."""
+def report_host(engine_id: int, controller: str, prefixes: tuple[str, ...] = ()) -> HostReport:
+    """On an engine: where it runs, and its launcher's variables (their ``prefixes``); the address it reaches
+    ``controller`` from is the one the others can use."""
     address = route_address(controller)
     return HostReport(
         engine_id=engine_id,
@@ -59,9 +57,43 @@ def report_host(engine_id: int, controller: str) -> HostReport:
         pid=os.getpid(),
         gpus=visible_gpus(),
         port=free_port(address),
-        launcher={name: os.environ[name] for name in LAUNCHER_VARIABLES if name in os.environ},
+        launcher={name: value for name, value in os.environ.items() if prefixes and name.startswith(prefixes)},
         nccl=nccl_version(),
     )
+
+
+def ssh_target(host: str) -> tuple[str, str | None]:
+    """``"user@node:2222"`` -> ``("user@node", "2222")``; the port is None when not given."""
+    location, _, port = host.partition(":")
+    return location, port or None
+
+
+#: Run on an SSH host at stop: wait for the engines, SIGKILL survivors, remove the folder, say which PIDs are left.
+REMOTE_CLEANUP = (
+    "pids='{pids}'; for i in $(seq 40); do alive=''; "
+    'for p in $pids; do kill -0 $p 2>/dev/null && alive="$alive $p"; done; '
+    '[ -z "$alive" ] && break; sleep 0.25; done; [ -n "$alive" ] && kill -9 $alive 2>/dev/null && sleep 0.5; '
+    "still=''; for p in $pids; do kill -0 $p 2>/dev/null && still=\"$still $p\"; done; "
+    "rm -rf '{folder}'; echo left:$still"
+)
+
+
+def ssh(location: str, args: tuple[str, ...], command: str, timeout: float = REMOTE_STOP_TIMEOUT) -> tuple[bool, str]:
+    """Run ``command`` on ``location`` over ssh, never asking for a password: whether it ran, its stdout or why not."""
+    argv = ["ssh", "-o", "BatchMode=yes", *args, location, command]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return False, f"ssh {location}: no answer within {timeout:g} s"
+    if proc.returncode == 0:
+        return True, proc.stdout
+    return False, last_line(proc.stderr) or f"ssh {location} exited with status {proc.returncode}"
+
+
+def last_line(text: str | bytes | None) -> str:
+    """The last line of ``text`` that is not blank, stripped (``""``: none)."""
+    text = text.decode("utf8", "replace") if isinstance(text, bytes) else text or ""
+    return ([line.strip() for line in text.splitlines() if line.strip()] or [""])[-1]
 
 
 def prepare_rank(

@@ -1,7 +1,8 @@
-"""How the ranks' engines start: one :class:`Launcher` per ipyparallel engine-set launcher (local, ``mpiexec``,
-SLURM, SSH) in :data:`LAUNCHERS`, with its options, validation, configuration, failure words and clean-up;
-:func:`plan_launcher` validates and starts nothing. Under ``slurm`` and ``ssh`` engines reach the controller at
-``controller_address`` (default: this host's name; under SSH its address on the route to the first host)."""
+"""How the ranks' engines start: one :class:`Launcher` per way (local, ``mpiexec``, SLURM, SSH) in :data:`LAUNCHERS`,
+planned for one cluster by :func:`plan_launcher` (which validates and starts nothing), then owning what it started:
+which engines :mod:`.lifetime` watches, how a rank is reached, how its variables number the ranks, its clean-up.
+Under ``slurm`` and ``ssh`` engines reach the controller at ``controller_address`` (default: this host's name; under
+SSH its address on the route to the first host)."""
 
 from __future__ import annotations
 
@@ -18,36 +19,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .hosts import route_address
+from ..layout import JobStep, LaunchedAs, expand_hostlist, expand_tasks_per_node
+from . import lifetime
+from .hosts import REMOTE_CLEANUP, REMOTE_STOP_TIMEOUT, last_line, route_address, ssh, ssh_target
 
-__all__ = ["LAUNCHERS", "MAX_RANKS", "Launcher", "LauncherPlan", "plan_launcher", "ssh_target"]
+__all__ = ["LAUNCHERS", "MAX_RANKS", "BatchLauncher", "Launcher", "plan_launcher"]
 
 #: The most ranks a cluster has.
 MAX_RANKS = 64
 
-#: Seconds a cancelled batch job may take to leave the queue, and remote engines to exit.
-REMOTE_STOP_TIMEOUT = 30.0
 #: Launcher name -> its class, in the order they are defined.
 LAUNCHERS: dict[str, type[Launcher]] = {}
 
 
-@dataclass(frozen=True)
-class LauncherPlan:
-    """What ipyparallel is told: the engine launcher (``name``), its ``config`` (``{class: {trait: value}}``), where
-    the controller listens (``"*"``: everywhere) and is reached (None: loopback), the SSH hosts in rank order."""
-
-    name: str
-    config: dict[str, dict[str, Any]] = field(default_factory=dict)
-    controller_ip: str | None = None
-    controller_location: str | None = None
-    ssh_hosts: tuple[tuple[str, tuple[str, ...]], ...] = ()
-
-    @property
-    def launcher(self) -> type[Launcher]:
-        return LAUNCHERS[self.name]
-
-
-def plan_launcher(name: str, n: int, options: dict[str, Any] | None = None, cluster_id: str = "vgpu") -> LauncherPlan:
+def plan_launcher(name: str, n: int, options: dict[str, Any] | None = None, cluster_id: str = "vgpu") -> Launcher:
     """Validate ``name`` and ``options`` for ``n`` ranks and plan their start; else a one-line :class:`ValueError`."""
     options = dict(options or {})
     if name not in LAUNCHERS:
@@ -59,89 +44,179 @@ def plan_launcher(name: str, n: int, options: dict[str, Any] | None = None, clus
     return LAUNCHERS[name].plan(n, options, cluster_id)
 
 
+@dataclass
 class Launcher:
-    """One way ipyparallel starts engines; ``options``: each option's argparse keywords (``None``: Python API only)."""
+    """One way ipyparallel starts engines, planned for one cluster: what ipyparallel is told (``config``:
+    ``{class: {trait: value}}``; where the controller listens, ``"*"``: everywhere, and is reached, None: loopback),
+    then the cluster it started (:meth:`configure`). ``options``: each option's argparse keywords (``None``: Python
+    API only)."""
 
     name: ClassVar[str]
     #: Where the engines run, for the start summary.
     description: ClassVar[str]
-    #: ipyparallel's engine-set launcher: its abbreviation, or a class by its import name.
-    engines: ClassVar[str]
+    #: ipyparallel's engine-set launcher: its abbreviation, or a class by its import name (ours keeps exit statuses).
+    engines: ClassVar[str] = "vgpu_magic.ranks.upstream.ExitRecordingEngineSetLauncher"
+    #: The ipyparallel class whose traits ``config`` sets for the engines.
+    engine_set: ClassVar[str] = "LocalEngineSetLauncher"
     options: ClassVar[dict[str, dict[str, Any] | None]] = {}
-    #: Can engines run on another host than the kernel's?
-    remote: ClassVar[bool] = False
+    #: Are its engines this host's processes, under :mod:`.lifetime`'s watch of this kernel and ended by PID? Else
+    #: another host's: reached through their engines and ended through the launcher.
+    watched: ClassVar[bool] = True
     #: What a script run is, where more than a launch (the start summary).
     launches: ClassVar[str] = ""
-    #: The prefixes of the launch's variables (``srun``'s ``SLURM_*``) that a script run keeps over the kernel's.
+    #: The prefixes of the variables its launch gives a process (``srun``'s ``SLURM_*``): each engine reports them,
+    #: :meth:`launched` reads the ranks from them, and a script run keeps them over the kernel's.
     task_variables: ClassVar[tuple[str, ...]] = ()
 
-    def __init_subclass__(cls) -> None:
-        LAUNCHERS[cls.name] = cls
+    config: dict[str, dict[str, Any]] = field(default_factory=dict)
+    controller_ip: str | None = None
+    controller_location: str | None = None
+    #: ipyparallel's cluster it starts, and the variables that put a process under :mod:`.lifetime`'s watch of this
+    #: kernel (its PID, the cluster's token) (:meth:`configure`).
+    cluster: Any = field(default=None, compare=False, repr=False)
+    marks: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            LAUNCHERS[cls.name] = cls
 
     @classmethod
-    def plan(cls, n: int, options: dict[str, Any], cluster_id: str) -> LauncherPlan:
+    def plan(cls, n: int, options: dict[str, Any], cluster_id: str) -> Launcher:
         """How ipyparallel starts ``n`` engines with ``options`` (their names already checked)."""
-        return LauncherPlan(cls.name)
+        return cls()
 
     @classmethod
-    def configure(cls, cluster: Any) -> None:
-        """Configure ipyparallel's ``cluster`` where its plan cannot: what depends on the cluster's own folders."""
+    def launched(cls, variables: Mapping[str, str]) -> LaunchedAs:
+        """A process's place as this launcher numbered it, read from its ``variables`` (none by default)."""
+        return LaunchedAs()
 
-    @classmethod
-    def describe(cls, cluster: Any) -> str:
-        """Where ``cluster``'s engines run, for the start summary, with their batch jobs."""
-        return cls.description + "".join(f", job {es.job_id}" for es in _batch_sets(cluster))
+    def configure(self, cluster: Any, marks: dict[str, str]) -> None:
+        """Take ipyparallel's ``cluster`` (not started) as its own; watched engines run under :mod:`.lifetime`'s
+        watch, with ``marks``."""
+        self.cluster, self.marks = cluster, marks
+        if self.watched:
+            cluster.config[self.engine_set].engine_cmd = lifetime.watched_command("ipyparallel.engine")
+            cluster.config[self.engine_set].environment = dict(marks)
 
-    @classmethod
-    def start_failure(cls, exc: BaseException | None, plan: LauncherPlan) -> str:
+    def start(self, n: int) -> None:
+        """Start the cluster's controller and ``n`` engines."""
+        self.cluster.start_cluster_sync(n=n)
+
+    def reaches_by_pid(self, hostname: str) -> bool:
+        """Is a rank on ``hostname`` reached by its PID (signals, liveness, memory), not through its engine?"""
+        return self.watched or hostname == socket.gethostname()
+
+    def describe(self) -> str:
+        """Where the engines run, for the start summary."""
+        return self.description
+
+    def start_failure(self, exc: BaseException | None) -> str:
         """Why a start failed, in the launcher's own words (a command's stderr: ``sbatch: fatal: ...``), or ``""``."""
         while exc is not None:
-            if isinstance(exc, subprocess.CalledProcessError) and _last_line(exc.stderr):
-                return _last_line(exc.stderr).rstrip(".")
+            if isinstance(exc, subprocess.CalledProcessError) and last_line(exc.stderr):
+                return last_line(exc.stderr).rstrip(".")
             exc = exc.__cause__ or exc.__context__
         return ""
 
-    @classmethod
-    def clean_up_commands(cls, cluster: Any, plan: LauncherPlan) -> list[list[str]]:
-        """What ends the engines a PID watch cannot reach if the kernel dies: their batch jobs' ``scancel``."""
-        return [[*es.delete_command, es.job_id] for es in _batch_sets(cluster)]
+    def clean_up_commands(self) -> list[list[str]]:
+        """What ends the engines a PID watch cannot reach if the kernel dies (watched ones need nothing)."""
+        return []
 
-    @classmethod
-    def stopper(cls, cluster: Any, plan: LauncherPlan) -> Callable[[], list[str]]:
-        """Read before ipyparallel stops ``cluster`` (it forgets what it stopped): what then says what is left."""
+    def stopper(self) -> Callable[[], list[str]]:
+        """Read before ipyparallel stops the cluster (it forgets what it stopped): what then says what is left."""
         return list
 
 
 class LocalLauncher(Launcher):
     name, description = "local", "local ipyparallel engines"
-    # Ours (:mod:`.upstream`): it keeps each engine's exit status.
-    engines = "vgpu_magic.ranks.upstream.ExitRecordingEngineSetLauncher"
 
 
 class MPILauncher(Launcher):
     name, description, engines = "mpi", "ipyparallel engines started by mpiexec", "mpi"
+    engine_set = "MPIEngineSetLauncher"
     options: ClassVar = {"mpi_args": None}
     # Open MPI's (and its PMIx's, PSM's); MPICH's Hydra gives PMI_* and MPI_LOCAL*.
     task_variables = ("OMPI_", "PMIX_", "HFI_", "IPATH_", "PMI_", "MPI_LOCAL")
 
     @classmethod
-    def plan(cls, n: int, options: dict[str, Any], cluster_id: str) -> LauncherPlan:
+    def plan(cls, n: int, options: dict[str, Any], cluster_id: str) -> Launcher:
         if shutil.which("mpiexec") is None:
             raise ValueError("the mpi launcher needs mpiexec on PATH (e.g. apt-get install openmpi-bin)")
         if importlib.util.find_spec("mpi4py") is None:
             raise ValueError("the mpi launcher needs mpi4py on the engines: pip install 'vgpu_magic[mpi]'")
-        config = {"MPIEngineSetLauncher": {"mpi_args": _strings("mpi_args", options.get("mpi_args", []))}}
-        return LauncherPlan("mpi", config)
+        return cls({cls.engine_set: {"mpi_args": _strings("mpi_args", options.get("mpi_args", []))}})
+
+    @classmethod
+    def launched(cls, variables: Mapping[str, str]) -> LaunchedAs:
+        local = _number(variables, "OMPI_COMM_WORLD_LOCAL_RANK")
+        return LaunchedAs(_number(variables, "OMPI_COMM_WORLD_RANK", "PMI_RANK"), local)
 
 
 #: The flag of the address engines reach this kernel's controller at, which SLURM and SSH share.
 _CONTROLLER_ADDRESS = {"help": "the address engines reach this kernel's controller at"}
 
 
-class SlurmLauncher(Launcher):
+class BatchLauncher(Launcher):
+    """Engines in batch jobs (ipyparallel's ``BatchSystemLauncher``): on the queue's hosts, ended through the queue."""
+
+    watched = False
+    #: The command that lists a job (by its id, appended) while the queue holds it; the one that kills it.
+    queue_command: ClassVar[tuple[str, ...]]
+    kill_command: ClassVar[tuple[str, ...]]
+
+    def configure(self, cluster: Any, marks: dict[str, str]) -> None:
+        super().configure(cluster, marks)
+        # Not the kernel's working folder (the user's notebooks): the profile's log folder, removed by the stop.
+        batch_file = os.path.join(cluster.profile_dir, "log", f"ipengine-{cluster.cluster_id}.{self.name}")
+        cluster.config[self.engine_set].batch_file_name = batch_file
+
+    def batch_sets(self) -> list[Any]:
+        """The cluster's engine sets that are batch jobs (a ``job_id``)."""
+        return [es for es in getattr(self.cluster, "engines", {}).values() if getattr(es, "job_id", "")]
+
+    def describe(self) -> str:
+        return self.description + "".join(f", job {es.job_id}" for es in self.batch_sets())
+
+    def clean_up_commands(self) -> list[list[str]]:
+        """Each batch job's delete command (``scancel JOBID``)."""
+        return [[*es.delete_command, es.job_id] for es in self.batch_sets()]
+
+    def stopper(self) -> Callable[[], list[str]]:
+        """The batch jobs out of the queue (killed if they do not leave), the batch script removed."""
+        jobs, script = [es.job_id for es in self.batch_sets()], self.cluster.config[self.engine_set].batch_file_name
+
+        def make_sure() -> list[str]:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(script)
+            left = []
+            for job in jobs:
+                if not self.job_gone(job, REMOTE_STOP_TIMEOUT / 2):
+                    subprocess.run([*self.kill_command, job], capture_output=True, timeout=30, check=False)
+                    if not self.job_gone(job, REMOTE_STOP_TIMEOUT / 2):
+                        left.append(f"{self.name} job {job} is still queued ({self.queue_command[0]})")
+            return left
+
+        return make_sure
+
+    def job_gone(self, job: str, timeout: float) -> bool:
+        """Has batch job ``job`` left the queue within ``timeout`` seconds?"""
+        deadline = time.monotonic() + timeout
+        while True:
+            proc = subprocess.run([*self.queue_command, job], capture_output=True, text=True, timeout=30, check=False)
+            # A queue command exits non-zero for a job id it no longer knows: gone as well.
+            if proc.returncode != 0 or not proc.stdout.strip():
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.25)
+
+
+class SlurmLauncher(BatchLauncher):
     name, description = "slurm", "ipyparallel engines in one SLURM job (sbatch + srun)"
-    remote, launches = True, ", as steps of the job's allocation"
+    launches, engine_set = ", as steps of the job's allocation", "SlurmEngineSetLauncher"
     task_variables = ("SLURM_", "SLURMD_")
+    queue_command, kill_command = ("squeue", "-h", "-o", "%i", "-j"), ("scancel", "-s", "KILL")
     # Ours (:mod:`.upstream`): it keeps what sbatch says on stderr.
     engines = "vgpu_magic.ranks.upstream.ReasonedSlurmEngineSetLauncher"
     options: ClassVar = {
@@ -188,7 +263,7 @@ class SlurmLauncher(Launcher):
         return {key: str(value) for key, value in words.items()}, lines
 
     @classmethod
-    def plan(cls, n: int, options: dict[str, Any], cluster_id: str) -> LauncherPlan:
+    def plan(cls, n: int, options: dict[str, Any], cluster_id: str) -> Launcher:
         for command in ("sbatch", "srun", "scancel", "squeue"):
             if shutil.which(command) is None:
                 raise ValueError(
@@ -203,37 +278,28 @@ class SlurmLauncher(Launcher):
         # What ipyparallel's traits cannot say, for the template of ours (:mod:`.upstream`).
         traits["namespace"] = {"sbatch": "".join(f"{line}\n" for line in lines), "srun": srun}
         address = options.get("controller_address") or socket.gethostname()
-        return LauncherPlan("slurm", {"SlurmEngineSetLauncher": traits}, "*", str(address))
+        return cls({cls.engine_set: traits}, "*", str(address))
 
     @classmethod
-    def configure(cls, cluster: Any) -> None:
-        # Not the kernel's working folder (the user's notebooks): the profile's log folder, removed by the stop.
-        batch_file = os.path.join(cluster.profile_dir, "log", f"ipengine-{cluster.cluster_id}.sbatch")
-        cluster.config.SlurmEngineSetLauncher.batch_file_name = batch_file
-
-    @classmethod
-    def stopper(cls, cluster: Any, plan: LauncherPlan) -> Callable[[], list[str]]:
-        """The batch jobs out of the queue (``scancel -s KILL`` if they do not leave), the batch script removed."""
-        jobs = [es.job_id for es in _batch_sets(cluster)]
-
-        def make_sure() -> list[str]:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(cluster.config.SlurmEngineSetLauncher.batch_file_name)
-            left = []
-            for job in jobs:
-                if not _job_gone(job, REMOTE_STOP_TIMEOUT / 2):
-                    subprocess.run(["scancel", "-s", "KILL", job], capture_output=True, timeout=30, check=False)
-                    if not _job_gone(job, REMOTE_STOP_TIMEOUT / 2):
-                        left.append(f"SLURM job {job} is still in squeue")
-            return left
-
-        return make_sure
+    def launched(cls, variables: Mapping[str, str]) -> LaunchedAs:
+        """The task's rank, local rank and node, and its step where the variables JAX's and TensorFlow's SLURM
+        support read are all there."""
+        step, needed = None, ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
+        if all(variables.get(name) for name in needed):
+            hosts = tuple(expand_hostlist(variables["SLURM_STEP_NODELIST"]))
+            per_node = variables.get("SLURM_STEP_TASKS_PER_NODE") or variables.get("SLURM_TASKS_PER_NODE")
+            counts = tuple(expand_tasks_per_node(per_node)) if per_node else (1,) * len(hosts)
+            step = JobStep(int(variables["SLURM_JOB_ID"]), hosts, counts)
+        places = (_number(variables, name) for name in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID"))
+        return LaunchedAs(*places, step)
 
 
+@dataclass
 class SSHLauncher(Launcher):
     """``hosts``: a list spreads the ranks evenly, a ``{host: count}`` dict says how many."""
 
-    name, description, remote, engines = "ssh", "ipyparallel engines started over SSH", True, "ssh"
+    name, description, watched, engines = "ssh", "ipyparallel engines started over SSH", False, "ssh"
+    engine_set = "SSHEngineSetLauncher"
     task_variables = ("SSH_",)
     options: ClassVar = {
         "hosts": {"help": "the hosts, comma-separated (user@host or host:port); ranks spread evenly"},
@@ -242,9 +308,11 @@ class SSHLauncher(Launcher):
         "controller_address": _CONTROLLER_ADDRESS,
         "environment": None,
     }
+    #: The hosts, in rank order, each with its ssh arguments.
+    ssh_hosts: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @classmethod
-    def plan(cls, n: int, options: dict[str, Any], cluster_id: str) -> LauncherPlan:
+    def plan(cls, n: int, options: dict[str, Any], cluster_id: str) -> Launcher:
         if shutil.which("ssh") is None or shutil.which("scp") is None:
             raise ValueError("the ssh launcher needs ssh and scp on PATH (apt-get install openssh-client)")
         hosts = options.get("hosts")
@@ -292,7 +360,7 @@ class SSHLauncher(Launcher):
         except ValueError as exc:
             raise ValueError(f"ssh {exc}") from None
         config = {
-            "SSHEngineSetLauncher": {
+            cls.engine_set: {
                 "engines": engines,
                 "remote_python": python,
                 "engine_cmd": engine_cmd,
@@ -300,29 +368,27 @@ class SSHLauncher(Launcher):
                 "remote_profile_dir": f"/tmp/vgpu_magic-{cluster_id}",
             },
         }
-        return LauncherPlan("ssh", config, "*", str(address), tuple(targets))
+        return cls(config, "*", str(address), ssh_hosts=tuple(targets))
 
-    @classmethod
-    def start_failure(cls, exc: BaseException | None, plan: LauncherPlan) -> str:
+    def start_failure(self, exc: BaseException | None) -> str:
         """Also ssh's reason for the first host it cannot reach (ipyparallel: "Unable to get remote shell info...")."""
-        said = super().start_failure(exc, plan)
-        for location, args in plan.ssh_hosts if not said else ():
+        said = super().start_failure(exc)
+        for location, args in self.ssh_hosts if not said else ():
             reached, reason = ssh(location, ("-o", "ConnectTimeout=10", *args), "true", timeout=15)
             if not reached:
                 return reason.rstrip(".")
         return said
 
-    @classmethod
-    def clean_up_commands(cls, cluster: Any, plan: LauncherPlan) -> list[list[str]]:
+    def clean_up_commands(self) -> list[list[str]]:
+        """On each host: its engines killed, the cluster's folder removed."""
         return [
             ["ssh", *args, location, f"kill {pids} 2>/dev/null; {cleanup}"]
-            for location, args, pids, cleanup in _ssh_cleanups(cluster, plan)
+            for location, args, pids, cleanup in self._cleanups()
         ]
 
-    @classmethod
-    def stopper(cls, cluster: Any, plan: LauncherPlan) -> Callable[[], list[str]]:
+    def stopper(self) -> Callable[[], list[str]]:
         """Each host with no engine nor the cluster's folder left."""
-        cleanups = _ssh_cleanups(cluster, plan)
+        cleanups = self._cleanups()
 
         def make_sure() -> list[str]:
             left = []
@@ -337,72 +403,25 @@ class SSHLauncher(Launcher):
 
         return make_sure
 
-
-def ssh_target(host: str) -> tuple[str, str | None]:
-    """``"user@node:2222"`` -> ``("user@node", "2222")``; the port is None when not given."""
-    location, _, port = host.partition(":")
-    return location, port or None
-
-
-#: Run on an SSH host at stop: wait for the engines, SIGKILL survivors, remove the folder, say which PIDs are left.
-REMOTE_CLEANUP = (
-    "pids='{pids}'; for i in $(seq 40); do alive=''; "
-    'for p in $pids; do kill -0 $p 2>/dev/null && alive="$alive $p"; done; '
-    '[ -z "$alive" ] && break; sleep 0.25; done; [ -n "$alive" ] && kill -9 $alive 2>/dev/null && sleep 0.5; '
-    "still=''; for p in $pids; do kill -0 $p 2>/dev/null && still=\"$still $p\"; done; "
-    "rm -rf '{folder}'; echo left:$still"
-)
-
-
-def ssh(location: str, args: tuple[str, ...], command: str, timeout: float = REMOTE_STOP_TIMEOUT) -> tuple[bool, str]:
-    """Run ``command`` on ``location`` over ssh, never asking for a password: whether it ran, its stdout or why not."""
-    argv = ["ssh", "-o", "BatchMode=yes", *args, location, command]
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return False, f"ssh {location}: no answer within {timeout:g} s"
-    if proc.returncode == 0:
-        return True, proc.stdout
-    return False, _last_line(proc.stderr) or f"ssh {location} exited with status {proc.returncode}"
+    def _cleanups(self) -> list[tuple[str, tuple[str, ...], str, str]]:
+        """``(location, ssh args, PIDs of the cluster's engines there, REMOTE_CLEANUP command)`` per SSH host."""
+        engines = [
+            (launcher.location, launcher.pid)
+            for engine_set in self.cluster.engines.values()
+            for launcher in getattr(engine_set, "launchers", {}).values()
+            if (getattr(launcher, "pid", None) or -1) > 0
+        ]
+        folder = self.config[self.engine_set]["remote_profile_dir"]
+        found = []
+        for location, args in self.ssh_hosts:
+            pids = " ".join(str(pid) for where, pid in engines if where == location)
+            found.append((location, args, pids, REMOTE_CLEANUP.format(pids=pids, folder=folder)))
+        return found
 
 
-def _ssh_cleanups(cluster: Any, plan: LauncherPlan) -> list[tuple[str, tuple[str, ...], str, str]]:
-    """``(location, ssh args, PIDs of the cluster's engines there, REMOTE_CLEANUP command)`` per SSH host."""
-    engines = [
-        (launcher.location, launcher.pid)
-        for engine_set in cluster.engines.values()
-        for launcher in getattr(engine_set, "launchers", {}).values()
-        if (getattr(launcher, "pid", None) or -1) > 0
-    ]
-    folder = plan.config["SSHEngineSetLauncher"]["remote_profile_dir"]
-    found = []
-    for location, args in plan.ssh_hosts:
-        pids = " ".join(str(pid) for where, pid in engines if where == location)
-        found.append((location, args, pids, REMOTE_CLEANUP.format(pids=pids, folder=folder)))
-    return found
-
-
-def _batch_sets(cluster: Any) -> list[Any]:
-    """``cluster``'s engine sets that are batch jobs (a ``job_id``)."""
-    return [es for es in getattr(cluster, "engines", {}).values() if getattr(es, "job_id", "")]
-
-
-def _job_gone(job: str, timeout: float) -> bool:
-    """Has SLURM job ``job`` left ``squeue`` within ``timeout`` seconds?"""
-    deadline, squeue = time.monotonic() + timeout, ["squeue", "-h", "-j", job, "-o", "%i"]
-    while True:
-        proc = subprocess.run(squeue, capture_output=True, text=True, timeout=30, check=False)
-        # squeue exits non-zero for a job id it no longer knows: gone as well.
-        if proc.returncode != 0 or not proc.stdout.strip():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.25)
-
-
-def _last_line(text: str | bytes | None) -> str:
-    text = text.decode("utf8", "replace") if isinstance(text, bytes) else text or ""
-    return ([line.strip() for line in text.splitlines() if line.strip()] or [""])[-1]
+def _number(variables: Mapping[str, str], *names: str) -> int | None:
+    """The first of ``names`` that ``variables`` sets to a number."""
+    return next((int(variables[name]) for name in names if variables.get(name, "").isdigit()), None)
 
 
 def _strings(key: str, value: Any) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import ClusterStartError
 from . import lifetime
-from .launchers import LauncherPlan
+from .launchers import Launcher
 
 __all__ = ["CONTROLLER_ARGS", "ClusterStartError", "check_memory_fits", "check_port_free", "new_ipp_cluster"]
 
@@ -106,8 +106,9 @@ def check_port_free(port: int) -> None:
             ) from None
 
 
-def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> Any:
-    """ipyparallel's cluster for ``n`` engines, as the launcher ``plan`` says, its processes marked with ``token``."""
+def new_ipp_cluster(launcher: Launcher, n: int, cluster_id: str, token: str) -> Any:
+    """ipyparallel's cluster for ``n`` engines, as ``launcher`` planned it and its own, its processes marked with
+    ``token``."""
     import copy
 
     from traitlets.config import Config
@@ -115,20 +116,16 @@ def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> 
     from . import upstream as ours
 
     kwargs: dict[str, Any] = {}
-    if plan.controller_ip:
-        kwargs.update(controller_ip=plan.controller_ip, controller_location=plan.controller_location)
-    # The controller and the local and mpiexec engines run under lifetime's watch of this kernel.
+    if launcher.controller_ip:
+        kwargs.update(controller_ip=launcher.controller_ip, controller_location=launcher.controller_location)
+    # The controller, and the engines the launcher has watched, run under lifetime's watch of this kernel.
     env = {lifetime.OWNER_ENV: lifetime.owner_of_this_process(), lifetime.CLUSTER_ENV: token}
-    config = Config()
+    config = Config(copy.deepcopy(launcher.config))
     config.LocalControllerLauncher.controller_cmd = lifetime.watched_command("ipyparallel.controller")
     config.LocalControllerLauncher.environment = dict(env)
-    for launcher in ("LocalEngineSetLauncher", "MPIEngineSetLauncher"):
-        config[launcher].engine_cmd = lifetime.watched_command("ipyparallel.engine")
-        config[launcher].environment = dict(env)
-    config.merge(Config(copy.deepcopy(plan.config)))
     cluster = ours.RanksCluster(
         n=n,
-        engines=plan.launcher.engines,
+        engines=launcher.engines,
         cluster_id=cluster_id,
         log=ours.QUIET,
         log_level=logging.ERROR,
@@ -137,7 +134,7 @@ def new_ipp_cluster(plan: LauncherPlan, n: int, cluster_id: str, token: str) -> 
         **kwargs,
     )
     cluster.owner = True
-    plan.launcher.configure(cluster)
+    launcher.configure(cluster, env)
     return cluster
 
 
@@ -162,29 +159,28 @@ def keep_logs(cluster: Any, launchers: Any = ()) -> str:
     return f"; the processes' log: {path}"
 
 
-def local_launchers(cluster: Any) -> dict[int, Any]:
-    """The launcher of every process ipyparallel started for ``cluster`` on this host, by PID."""
-    from ipyparallel.cluster.launcher import LocalProcessLauncher, SSHLauncher
-
-    launchers = [cluster.controller]
-    for engine_set in cluster.engines.values():
-        launchers.extend(getattr(engine_set, "launchers", {}).values() or [engine_set])
-    ours = [x for x in launchers if isinstance(x, LocalProcessLauncher) and not isinstance(x, SSHLauncher)]
-    return {launcher.pid: launcher for launcher in ours if (launcher.pid or -1) > 0}
+def local_launchers(launcher: Launcher) -> dict[int, Any]:
+    """ipyparallel's launcher of every process it started on this host for ``launcher`` (the controller, and the
+    engines where they are watched), by PID."""
+    found = [launcher.cluster.controller]
+    for engine_set in launcher.cluster.engines.values() if launcher.watched else ():
+        found.extend(getattr(engine_set, "launchers", {}).values() or [engine_set])
+    return {process.pid: process for process in found if (getattr(process, "pid", None) or -1) > 0}
 
 
 #: Run when the kernel dies without a stop: remove what matches each argument (a glob).
 _REMOVE = "import glob, os, sys; [os.remove(p) for pattern in sys.argv[1:] for p in glob.glob(pattern)]"
 
 
-def clean_up_when_kernel_dies(cluster: Any, plan: LauncherPlan, token: str) -> set[int]:
+def clean_up_when_kernel_dies(launcher: Launcher, token: str) -> set[int]:
     """A stop's work, done by watchers if the kernel dies without one (remote engines ended, files and logs removed).
     Returns their PIDs: a stop ends them last, so a kernel killed while it stops (Jupyter: 5 s) still cleans up."""
     import shlex
 
+    cluster = launcher.cluster
     logs = os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*")
     commands = [shlex.join([sys.executable, "-c", _REMOVE, cluster.cluster_file, logs, *_connection_files(cluster)])]
-    commands += [shlex.join(command) for command in plan.launcher.clean_up_commands(cluster, plan)]
+    commands += [shlex.join(command) for command in launcher.clean_up_commands()]
     return {lifetime.run_when_this_process_dies(command, token).pid for command in commands}
 
 
@@ -263,10 +259,11 @@ def unlist(cluster: Any) -> None:
     cluster.cluster_file = ""
 
 
-def stop_launched(cluster: Any, plan: LauncherPlan) -> list[str]:
-    """Stop what ipyparallel launched for ``cluster``, check nothing is left where it ran; what is, in words."""
+def stop_launched(launcher: Launcher) -> list[str]:
+    """Stop what ipyparallel launched for ``launcher``, check nothing is left where it ran; what is, in words."""
+    cluster = launcher.cluster
     # Read before the stop: ipyparallel forgets the engines it stopped.
-    make_sure, connection = plan.launcher.stopper(cluster, plan), _connection_files(cluster)
+    make_sure, connection = launcher.stopper(), _connection_files(cluster)
     # If this fails, local processes are gone already (the caller checked) and remote ones are checked below.
     with contextlib.suppress(Exception):
         cluster.stop_cluster_sync()

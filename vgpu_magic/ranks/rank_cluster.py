@@ -24,7 +24,7 @@ from ..layout import HostReport, RankLayout, layout_ranks
 from ..units import MIB
 from . import launch, lifetime, names, processes
 from .hosts import prepare_rank, report_host
-from .launchers import LAUNCHERS, MAX_RANKS, LauncherPlan, plan_launcher
+from .launchers import LAUNCHERS, MAX_RANKS, Launcher, plan_launcher
 from .mps import MPSDaemon, plan_mps
 from .processes import ClusterStartError
 from .run import RankProcesses, RankRun, RankRunError, interrupt_only_the_cell
@@ -78,7 +78,8 @@ class RankCluster:
         #: The framework's registry name (``"torch"``) and the name shown to people (``"PyTorch"``).
         self.framework, self.label = self.fw.name, self.fw.label
         self.cluster_id = f"vgpu-{uuid.uuid4().hex[:8]}"
-        self.launcher_plan: LauncherPlan = plan_launcher(launcher, n, launcher_options, self.cluster_id)
+        #: How the engines start, planned; once started, the owner of their processes.
+        self.launcher: Launcher = plan_launcher(launcher, n, launcher_options, self.cluster_id)
         missing = [m for m in ("ipyparallel", "psutil", "cloudpickle") if importlib.util.find_spec(m) is None]
         no_framework = importlib.util.find_spec(self.fw.module) is None
         framework_hint = f"{self.label} is not installed in this kernel; {self.fw.capabilities.install_hint}"
@@ -89,21 +90,8 @@ class RankCluster:
         if no_framework:
             raise ValueError(framework_hint)
         #: What was asked for, validated below (a request that cannot work fails before anything starts).
-        self.spec = ClusterSpec(
-            n,
-            self.fw.name,
-            split,
-            memory,
-            port,
-            gpus,
-            launcher,
-            launcher_options or {},
-            join,
-            verbose,
-            spares,
-            backend,
-            mps,
-        )
+        asked = (split, memory, port, gpus, launcher, launcher_options or {}, join, verbose, spares, backend, mps)
+        self.spec = ClusterSpec(n, self.fw.name, *asked)
         self.n, self.join = n, bool(join)
         #: Each rank's held-back start-up lines (:meth:`log`).
         self.held = HeldBack(self.fw.chatter, bool(verbose))
@@ -117,7 +105,7 @@ class RankCluster:
         here = [HostReport(e, socket.gethostname(), "127.0.0.1", 0, seen, 0, nccl=nccl_version()) for e in range(n)]
         self.mps: MPSDaemon | None = None
         planned = self._plan_ranks(layout_ranks(here, self.given_gpus))
-        remote = self.launcher_plan.launcher.remote
+        remote = not self.launcher.watched
         self.mps, self.mps_note = plan_mps(any(p.mps for p in planned), mps, remote, self.cluster_id)
         self.plans: list[RankPlan] = []
         self._started_at = 0.0
@@ -162,13 +150,13 @@ class RankCluster:
             self.spares = processes.check_memory_fits(self.n, self.fw) and self.spec.spares
             if self.spec.port is not None:
                 processes.check_port_free(self.spec.port)
-            self.cluster = processes.new_ipp_cluster(self.launcher_plan, self.n, self.cluster_id, self._token)
-            processes.despite_interrupts(lambda: self.cluster.start_cluster_sync(n=self.n))
+            self.cluster = processes.new_ipp_cluster(self.launcher, self.n, self.cluster_id, self._token)
+            processes.despite_interrupts(lambda: self.launcher.start(self.n))
             # Remembered at once, so that even engines that never register are stopped.
-            launchers = processes.local_launchers(self.cluster)
+            launchers = processes.local_launchers(self.launcher)
             self._owned.update(launchers)
             self._launchers.update(launchers)
-            self._cleanups = processes.clean_up_when_kernel_dies(self.cluster, self.launcher_plan, self._token)
+            self._cleanups = processes.clean_up_when_kernel_dies(self.launcher, self._token)
             if self.mps is not None:
                 # Before any rank starts CUDA: a process is MPS's client only if the daemon is there at its start.
                 self._cleanups.add(lifetime.run_when_this_process_dies(self.mps.stop_command(), self._token).pid)
@@ -177,12 +165,12 @@ class RankCluster:
             record_output(self.client)
             # interactive=False: no progress bar in the cell (the start summary says what started).
             self.client.wait_for_engines(self.n, timeout=ENGINE_TIMEOUT, block=True, interactive=False)
-            self.layout = layout_ranks(self._read_hosts(sorted(self.client.ids)[: self.n]), self.given_gpus)
+            self.layout = self._lay_out(sorted(self.client.ids)[: self.n])
             # Rank order: the launcher's ranks, else the engines', grouped by host.
             self.engine_ids = [place.engine_id for place in self.layout.places]
             self.pids = [place.pid for place in self.layout.places]
-            if not self.launcher_plan.launcher.remote:
-                # Local and mpiexec engines are this host's processes; SLURM and SSH engines end through their launcher.
+            if self.launcher.watched:
+                # Its engines are this host's processes; another host's end through their launcher.
                 self._owned.update(self.pids)
             self.view = self.client[self.engine_ids]
             self.view.block = True
@@ -200,7 +188,7 @@ class RankCluster:
             if self.spares:
                 # A spare on every engine, importing as the start returns (a launch before then waits for it).
                 preload = self._preload()
-                environ = launch.kernel_environ(self.launcher_plan.launcher.task_variables)
+                environ = launch.kernel_environ(self.launcher.task_variables)
                 warming = [
                     self.client[e].apply_async(launch.warm, p.env, preload, environ)
                     for e, p in zip(self.engine_ids, self.plans)
@@ -218,8 +206,7 @@ class RankCluster:
             if isinstance(exc, RankRunError):
                 raise ClusterStartError(f"wiring {self.label} failed: {exc.headline(state=False)}; {left}") from exc
             if isinstance(exc, Exception) and not isinstance(exc, ClusterStartError):
-                plan = self.launcher_plan
-                why = plan.launcher.start_failure(exc, plan) or f"{type(exc).__name__}: {exc}"
+                why = self.launcher.start_failure(exc) or f"{type(exc).__name__}: {exc}"
                 raise ClusterStartError(f"the ranks could not start: {why}; {left}") from exc
             raise
         self.state = ClusterState.RUNNING
@@ -232,11 +219,14 @@ class RankCluster:
                 self.view.activate()
         return self
 
-    def _read_hosts(self, engine_ids: list[int]) -> list[HostReport]:
+    def _lay_out(self, engine_ids: list[int]) -> RankLayout:
+        """The ranks laid out from what ``engine_ids`` report, numbered as their launcher numbered them."""
         # ipyparallel's controller_location is where engines connect when the controller listens on every interface.
         controller = self.cluster.controller_location or self.cluster.controller_ip or "127.0.0.1"
-        pending = [self.client[e].apply_async(report_host, e, controller) for e in engine_ids]
-        return [ar.get(timeout=ENGINE_TIMEOUT) for ar in pending]
+        prefixes = self.launcher.task_variables
+        pending = [self.client[e].apply_async(report_host, e, controller, prefixes) for e in engine_ids]
+        reports = [ar.get(timeout=ENGINE_TIMEOUT) for ar in pending]
+        return layout_ranks(reports, self.given_gpus, self.launcher.launched)
 
     def _plan_ranks(self, layout: RankLayout, restart: tuple[int, int] = (0, 0)) -> list[RankPlan]:
         """The framework's plans for ``layout`` with quiet logs; ``restart``: (which, of at most), as torchrun."""
@@ -260,10 +250,10 @@ class RankCluster:
 
     def _processes(self) -> RankProcesses:
         """How the fault policy reaches the ranks: by PID on this host, through their engines elsewhere."""
-        places, here = self.layout.places, socket.gethostname()
+        places = self.layout.places
         return RankProcesses(
             self.pids,
-            [not self.launcher_plan.launcher.remote or place.hostname == here for place in places],
+            [self.launcher.reaches_by_pid(place.hostname) for place in places],
             # How each exited, as the wait that reaped it returned it (None where no such wait is ours: mpiexec's).
             lambda rank: getattr(getattr(self._launchers.get(self.pids[rank]), "process", None), "exit_code", None),
             engine_alive=lambda rank: self.client is not None and self.engine_ids[rank] in self.client.ids,
@@ -284,7 +274,7 @@ class RankCluster:
         alive = processes.terminate(self._owned, self._token, self._started_at, spared=self._cleanups)
         left = []
         if self.cluster is not None:
-            left = processes.stop_launched(self.cluster, self.launcher_plan)
+            left = processes.stop_launched(self.launcher)
         if self.mps is not None:
             self.mps.stop()  # once its clients, the ranks, are gone: it waits for them
         # The kernel may be killed while it stops (Jupyter's shutdown waits 5 s): its clean-up watchers go last.
@@ -356,7 +346,7 @@ class RankCluster:
         try:
             return runner.run()
         except (RankRunError, KeyboardInterrupt) as exc:
-            self.reason = runner.restart_reason(exc) or ""
+            self.reason = getattr(exc, "result", RunResult({})).restart
             if self.reason:
                 self.state = ClusterState.MUST_RESTART
             raise
@@ -382,11 +372,11 @@ class RankCluster:
         self._require_running()
         attempts, start = max_restarts + 1, time.monotonic()
         for attempt in range(attempts):
-            self.layout = layout_ranks(self._read_hosts(self.engine_ids), self.given_gpus)
+            self.layout = self._lay_out(self.engine_ids)
             self.plans = self._plan_ranks(self.layout, (attempt, max_restarts))
             if attempt == 0:
                 self._say_simulated()
-            where, theirs = (path, list(args), os.getcwd(), self._preload()), self.launcher_plan.launcher.task_variables
+            where, theirs = (path, list(args), os.getcwd(), self._preload()), self.launcher.task_variables
             requests = [launch.launch_request(plan, *where, self.spares, theirs, module, faults) for plan in self.plans]
             faults = []  # injected into the first launch only
 
@@ -404,7 +394,7 @@ class RankCluster:
                 continue
             if attempt:
                 print(f"finished on attempt {attempt + 1} of {attempts}")
-            return RunResult(dict.fromkeys(range(self.n), RankOutcome("finished")), False, attempt + 1)
+            return RunResult(dict.fromkeys(range(self.n), RankOutcome("finished")), "", attempt + 1)
 
     def _preload(self) -> list[str]:
         """What a spare imports before its launch: the framework, and its rank setup's module."""

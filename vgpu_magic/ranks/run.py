@@ -264,14 +264,6 @@ class RankRun:
             elif not ar.ready() and not self.procs.alive(rank):
                 failures[rank] = self._death(rank)
 
-    def restart_reason(self, exc: BaseException) -> str | None:
-        """Why the cluster must restart after ``exc``: the dead or killed ranks; ``None``: usable (errors only)."""
-        died = [f for f in getattr(exc, "failures", ()) if f.kind == "died"]
-        reasons = [_rank_s(ranks, summary) for summary, ranks in _grouped(died, "summary")]
-        if self.killed:
-            reasons.append(_killed(self.killed, self.late))
-        return "; ".join(reasons) or None
-
     def run(self) -> list[Any]:
         """Run to the end; the per-rank AsyncResults, or :class:`RankRunError`."""
         n = len(self.procs.pids)
@@ -327,6 +319,8 @@ class RankRun:
             if killed:
                 said.append(f"{_killed(killed, self.late)}; {_RESTART}")
             interrupt = KeyboardInterrupt("; ".join(said))
+            # The cluster's state, as a failed run's result gives it.
+            interrupt.result = RunResult({}, _restart_reason([], killed, self.late))
             # IPython shows this one line, not the way the interrupt came through the kernel and vgpu_magic.
             interrupt._render_traceback_ = lambda: [f"KeyboardInterrupt: {interrupt}"]
             raise interrupt from None
@@ -350,11 +344,17 @@ class RankRun:
                 # What a failing rank wrote is part of its failure.
                 held_back = held.this_run.get(failure.rank, ())
                 self.stderr.write("".join(f"[rank {failure.rank}] {line}\n" for line in held_back))
-            must_restart = bool(killed) or any(f.kind == "died" for f in every)
             fate = {failure.rank: failure for failure in every}
             ended = {r: _outcome(fate.get(r), r in stopped, why.get(r, "")) for r in [*fate, *range(n)]}
-            raise RankRunError(RunResult(ended, must_restart))
+            raise RankRunError(RunResult(ended, _restart_reason(every, killed, self.late)))
         return results
+
+
+def _restart_reason(failures: list[RankFailure], killed: list[int], late: str) -> str:
+    """Why the cluster must restart: the dead ranks, the ranks ``killed`` (``late``); ``""``: usable (errors only)."""
+    died = [f for f in failures if f.kind == "died"]
+    reasons = [_rank_s(ranks, summary) for summary, ranks in _grouped(died, "summary")]
+    return "; ".join(reasons + ([_killed(killed, late)] if killed else []))
 
 
 def _gone(results: list[Any], ranks: list[int]) -> dict[int, str]:

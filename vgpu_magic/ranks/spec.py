@@ -93,12 +93,17 @@ class RankOutcome:
 
 @dataclass(frozen=True)
 class RunResult:
-    """How a failed run ended (torch elastic's): ``outcomes`` by rank, failures first as seen; ``must_restart``."""
+    """How a failed run ended (torch elastic's): ``outcomes`` by rank, failures first as seen; ``restart``: why the
+    cluster must be restarted (the dead or killed ranks), the run's one verdict (``""``: it is still usable)."""
 
     outcomes: Mapping[int, RankOutcome]
-    must_restart: bool
+    restart: str = ""
     #: How many times the ranks were launched (``max_restarts`` gives more than one).
     attempts: int = 1
+
+    @property
+    def must_restart(self) -> bool:
+        return bool(self.restart)
 
 
 #: torchrun's agent's restart counters (this one, the most allowed): a launch sets them where the plan has them.

@@ -46,7 +46,7 @@ def describe(ranks: Any) -> list[str]:
     several = "s" if ranks.n > 1 else ""
     if not ranks.running:
         return [f"{ranks.n} {ranks.label} rank{several} {ranks.state.value}"]
-    where = ranks.launcher_plan.launcher.describe(ranks.cluster)
+    where = ranks.launcher.describe()
     lines = [f"{ranks.n} {ranks.label} rank{several} on {where}"]
     lines.extend(ranks.plans[0].notes if ranks.plans else ())
     lines += [ranks.mps_note] * bool(ranks.mps_note)
@@ -57,7 +57,7 @@ def describe(ranks: Any) -> list[str]:
     lines += [f"each rank {joined if ranks.join else own}"] * bool(call)
     # Lines a notebook shows whole (a long one wraps mid-word in JupyterLab's output area).
     lines.append("cells (%%vgpu_run): run in these ranks, which keep their state")
-    step = ranks.launcher_plan.launcher.launches
+    step = ranks.launcher.launches
     spare = f"no spare: {'memory is tight' if ranks.spec.spares else 'spares=False'}, each launch starts cold"
     spare = f"a spare waits with {ranks.fw.module} imported" if ranks.spares else spare
     lines.append(f"scripts (%vgpu_run FILE): a fresh launch each run{step} ({spare})")

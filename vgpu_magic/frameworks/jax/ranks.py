@@ -23,8 +23,8 @@ SPLIT_ON_GPU = (
 SHARED_INSTEAD = "start one rank per GPU, or CPU ranks (%env CUDA_VISIBLE_DEVICES= before starting)"
 
 
-def slurm_coordinator_port(job_id: int) -> int:
-    """JAX's coordinator port for a SLURM job: the last 4096 ports, by job id."""
+def step_coordinator_port(job_id: int) -> int:
+    """JAX's coordinator port for the tasks of a job step (its ``SlurmCluster``'s): the last 4096 ports, by job id."""
     return job_id % 2**12 + (65535 - 2**12 + 1)
 
 
@@ -40,7 +40,7 @@ def plan_ranks(
     places, on_gpu = checked_places(layout, split, memory_mib, {True: SPLIT_ON_GPU}, backend, framework.capabilities)
     n = len(places)
     if port is None:
-        port = slurm_coordinator_port(layout.slurm.job_id) if layout.slurm is not None else places[0].port
+        port = step_coordinator_port(layout.step.job_id) if layout.step is not None else places[0].port
     coordinator = f"{layout.leader}:{port}"
     per_process = split or 1
     name = framework.name

@@ -18,9 +18,9 @@ from ...devices import Capabilities, ConfigSnapshot, DeviceInventory
 from ...inventory import cuda_gpus, nvml_gpus
 from ..base import Framework, Reader, call_before_start
 from . import ranks
-from .ranks import SLURM_PORT_BASE, setup_rank
+from .ranks import STEP_PORT_BASE, setup_rank
 
-__all__ = ["TensorFlow", "FRAMEWORK", "CAPABILITIES", "system_reserve_mib", "setup_rank", "SLURM_PORT_BASE"]
+__all__ = ["TensorFlow", "FRAMEWORK", "CAPABILITIES", "system_reserve_mib", "setup_rank", "STEP_PORT_BASE"]
 
 
 def system_reserve_mib(free_mib: int, compute_capability: tuple[int, int] | None) -> int:

@@ -1,6 +1,6 @@
-"""TensorFlow's ranks: ``TF_CONFIG`` lists every worker at its host and a port chosen there (SLURM: as
-``SlurmClusterResolver``); ``--split K`` on a GPU gives each worker K logical GPUs. On CPU the strategy uses one
-device per worker whatever the CPU count, so ``--split`` is refused there. Imports no TensorFlow."""
+"""TensorFlow's ranks: ``TF_CONFIG`` lists every worker at its host and a port chosen there (a batch job step's
+tasks: as ``SlurmClusterResolver``); ``--split K`` on a GPU gives each worker K logical GPUs. On CPU the strategy uses
+one device per worker whatever the CPU count, so ``--split`` is refused there. Imports no TensorFlow."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ..base import Framework
 from ..rank_places import checked_places
 
 #: The first port ``SlurmClusterResolver`` gives the tasks of a node (its ``port_base``).
-SLURM_PORT_BASE = 8888
+STEP_PORT_BASE = 8888
 SETUP = "vgpu_magic.frameworks.tensorflow.ranks:setup_rank"
 SPLIT_ON_CPU = (
     "--split {split} on CPU changes nothing: MultiWorkerMirroredStrategy uses one CPU device per worker, "
@@ -63,11 +63,12 @@ def plan_ranks(
 
 
 def _workers(layout: RankLayout, port: int | None) -> list[str]:
-    """Every worker's ``host:port`` in rank order: under SLURM ``SlurmClusterResolver``'s; else each engine's port."""
-    if layout.slurm is not None:
+    """Every worker's ``host:port`` in rank order: a job step's as ``SlurmClusterResolver`` gives them; else each
+    engine's port."""
+    if layout.step is not None:
         return [
-            f"{host}:{(port or SLURM_PORT_BASE) + offset}"
-            for host, count in sorted(zip(layout.slurm.hosts, layout.slurm.tasks_per_node))
+            f"{host}:{(port or STEP_PORT_BASE) + offset}"
+            for host, count in sorted(zip(layout.step.hosts, layout.step.tasks_per_node))
             for offset in range(count)
         ][: layout.world_size]
     return [f"{p.address}:{port if port and p.rank == 0 else p.port}" for p in layout.places]

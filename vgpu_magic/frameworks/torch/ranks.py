@@ -1,5 +1,5 @@
 """PyTorch's ranks get what ``torchrun --standalone --nproc-per-node 2`` gives each worker (measured, torch 2.14),
-from their hosts: ``MASTER_ADDR`` is rank 0's host (under SLURM the step's first), ``LOCAL_*`` and ``GROUP_RANK`` are
+from their hosts: ``MASTER_ADDR`` is rank 0's host (in a job step the step's first), ``LOCAL_*`` and ``GROUP_RANK`` are
 per host; with no agent, rank 0 hosts the TCP store and the agent's variables are left out. Backend: NCCL where every
 rank has a GPU of its own. NCCL before 2.30 refuses two ranks on one GPU ("Duplicate GPU detected", NCCL 2.28.9), so
 where ranks share one ``init_process_group`` maps NCCL to gloo (:func:`gloo_for_nccl`) unless ``--backend nccl`` asks
@@ -64,8 +64,8 @@ def plan_ranks(
     if any(caps):
         least = min(c for c in caps if c)
         notes.append(f"each rank capped at {least} MiB of its GPU (set_per_process_memory_fraction)")
-    # One id per run for every rank: a SLURM job's own where the ranks are its tasks (each plans alone).
-    run_id = str(layout.slurm.job_id) if layout.slurm is not None else uuid.uuid4().hex
+    # One id per run for every rank: the job's own where the ranks are a job step's tasks (each plans alone).
+    run_id = str(layout.step.job_id) if layout.step is not None else uuid.uuid4().hex
     hosts = len({p.node_rank for p in places})
     plans = []
     for place, cap in zip(places, caps):
