@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -22,7 +23,7 @@ from ..frameworks.base import RankPlan
 from ..inventory import GPUInfo, NVMLReadError, nccl_version, visible_gpus
 from ..layout import HostReport, RankLayout, layout_ranks
 from ..units import MIB
-from . import launch, lifetime, names, processes
+from . import doctor, launch, lifetime, names, processes
 from .hosts import prepare_rank, report_host
 from .launchers import LAUNCHERS, MAX_RANKS, LauncherPlan, plan_launcher
 from .mps import MPSDaemon, plan_mps
@@ -374,11 +375,14 @@ class RankCluster:
         max_restarts: int = 0,
         fail: list[str] | tuple[str, ...] = (),
         preempt: str | None = None,
+        hang_after: float = doctor.HANG_AFTER,
     ) -> RunResult:
         """Launch ``path ARGS`` on every rank as ``torchrun`` does (:mod:`.launch`), all again up to ``max_restarts``
         times when one fails; ``fail``/``preempt`` inject failures into the first launch; ``timeout``: all attempts;
-        ``module``: as ``torchrun -m``. The :class:`RunResult`, or :class:`RankRunError` with it."""
+        ``module``: as ``torchrun -m``; ``hang_after``: the hang doctor's seconds (``0``: none, :mod:`.doctor`). The
+        :class:`RunResult`, or :class:`RankRunError` with it."""
         faults = checked_faults(self.n, max_restarts, fail, preempt)
+        hang_after = doctor.checked_hang_after(hang_after)
         self._require_running()
         attempts, start = max_restarts + 1, time.monotonic()
         for attempt in range(attempts):
@@ -387,13 +391,23 @@ class RankCluster:
             if attempt == 0:
                 self._say_simulated()
             where, theirs = (path, list(args), os.getcwd(), self._preload()), self.launcher_plan.launcher.task_variables
-            requests = [launch.launch_request(plan, *where, self.spares, theirs, module, faults) for plan in self.plans]
+            procs = self._processes()
+            watch = (
+                doctor.HangDoctor(self.n, hang_after, list(map(procs.on_this_host, range(self.n))), sys.stderr)
+                if hang_after
+                else None
+            )
+            asks = watch.addresses if watch else [None] * self.n
+            requests = [
+                launch.launch_request(plan, *where, self.spares, theirs, module, faults, ask)
+                for plan, ask in zip(self.plans, asks)
+            ]
             faults = []  # injected into the first launch only
 
             def submit(rank: int, requests: list[dict] = requests) -> Any:
                 return self.client[self.engine_ids[rank]].apply_async(launch.run_rank, requests[rank])
 
-            runner = RankRun(self._processes(), submit, timeout, plot, self._gpu(), True, held=self.held, since=start)
+            runner = RankRun(procs, submit, timeout, plot, self._gpu(), True, held=self.held, since=start, doctor=watch)
             try:
                 self._watch(runner, set())
             except RankRunError as exc:
@@ -402,6 +416,9 @@ class RankCluster:
                 print(f"attempt {attempt + 1} of {attempts}: {exc.headline(state=False)} at ", end="")
                 print(f"{time.monotonic() - start:.1f} s; restarting the {self.n} rank{'s' * (self.n > 1)}")
                 continue
+            finally:
+                if watch is not None:
+                    watch.close()
             if attempt:
                 print(f"finished on attempt {attempt + 1} of {attempts}")
             return RunResult(dict.fromkeys(range(self.n), RankOutcome("finished")), False, attempt + 1)
