@@ -203,3 +203,26 @@ def test_the_api_refuses_a_bad_hang_after(shell, tmp_path):
 
     with pytest.raises(ValueError, match=r"--hang-after -2 is not a number of seconds; use e.g. --hang-after 30"):
         vgpu_magic.cluster().run_script(str(tmp_path / "x.py"), hang_after=-2)
+
+
+def test_a_cell_that_hangs_is_reported_with_the_cells_lines(shell, capsys):
+    """The same doctor in the engines (``%%vgpu_run``), its sockets made at the start. A rank blocked in gloo's wait
+    cannot take SIGINT: it is killed, and the cluster restarts."""
+    from vgpu_magic.ranks import RankRunError
+
+    shell.run_cell_magic("vgpu_run", "--no-plot", "import torch, torch.distributed as dist\ndist.init_process_group()")
+    capsys.readouterr()
+    cell = (
+        "t = torch.ones(16)\nif dist.get_rank() == 0:\n    dist.all_reduce(t)\nwhile True:\n    x = sum(range(1000))\n"
+    )
+    with pytest.raises(RankRunError) as info:
+        shell.run_cell_magic("vgpu_run", "--no-plot --hang-after 3 --timeout 45", cell)
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    said = "rank 1 never called all_reduce #1 that rank 0 waits in (the cell's line 4); rank 1 is at the cell's line 6"
+    assert said in out, out
+    assert "rank 0: waiting in all_reduce #1 ([16] float32)" in out, out
+    assert "rank 1 was in a loop, at the cell's line 6: x = sum(range(1000))" in info.value.headline()
+    shell.run_line_magic("vgpu_cluster", "restart")
+    shell.run_cell_magic("vgpu_run", "--no-plot -o after", "'usable'")
+    assert shell.user_ns["after"] == ["usable"] * 2

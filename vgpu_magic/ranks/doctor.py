@@ -8,9 +8,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
+import re
 import socket
-import tempfile
 import threading
 import time
 from typing import Any, TextIO
@@ -26,6 +25,8 @@ ANSWER = 2.0
 #: A share of a core above which a rank that is not in a collective is running, not waiting (one blocked in a
 #: collective or a sleep uses ~0.002; a loop on a loaded machine can get well below a whole core).
 BUSY = 0.1
+#: The file ipykernel compiles a cell as (on a rank, where the magic's line is the cell's line 1).
+_CELL = re.compile(r"ipykernel_\d+[/\\]\d+\.py$")
 #: torch's dtype names as Flight Recorder writes them, as people write them.
 _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64"}
 
@@ -41,10 +42,8 @@ class HangDoctor:
     """Asks the ranks at ``addresses`` (``None``: not on this host) every third of ``hang_after`` while ``look`` is
     called, and writes a report to ``out`` once per hang; :meth:`where` says where each rank is, for a stop."""
 
-    def __init__(self, n: int, hang_after: float, local: list[bool], out: TextIO) -> None:
-        self.hang_after, self.out = hang_after, out
-        self.folder = tempfile.mkdtemp(prefix="vgpu-doctor-")
-        self.addresses = [os.path.join(self.folder, str(r)) if here else None for r, here in enumerate(local)]
+    def __init__(self, addresses: list[str | None], hang_after: float, out: TextIO) -> None:
+        self.addresses, self.hang_after, self.out = addresses, hang_after, out
         self.start = time.monotonic()
         self.next = self.start + self.period
         self.answers: dict[int, dict | None] = {}
@@ -95,7 +94,6 @@ class HangDoctor:
     def close(self) -> None:
         if self._asking():
             self.asking.join()
-        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def ask(addresses: list[str | None]) -> dict[int, dict | None]:
@@ -197,7 +195,7 @@ class _Rank:
         source = f"at {_where(user[-1:])}" + (f": {user[-1][3]}" if user and user[-1][3] else "")
         if self.waiting is not None:
             entry = self.waiting
-            what = f"{_op(entry)} #{entry['collective_seq_id']} ({_tensors(entry)})"
+            what = f"{_op(entry)} #{entry['collective_seq_id']}" + (f" ({_tensors(entry)})" if _tensors(entry) else "")
             return f"rank {self.rank}: waiting in {what} for {self.waited:.0f} s, {source}"
         return f"rank {self.rank}: {self.how() + ', ' if self.how() else ''}{source}"
 
@@ -209,6 +207,8 @@ def _where(frames: list) -> str:
         return "no line of the script"
     frame = frames[0]
     path, line = (frame["filename"], frame["line"]) if isinstance(frame, dict) else frame[:2]
+    if _CELL.search(path):
+        return f"the cell's line {line}"
     relative = os.path.relpath(path)
     return f"{os.path.basename(path) if relative.startswith('..') else relative}:{line}"
 

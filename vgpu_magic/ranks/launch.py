@@ -76,8 +76,6 @@ def launch_request(
     spare imports; ``spare``: keep one for the next launch; ``task_variables``: :class:`KernelEnviron`'s; ``module``:
     ``path`` names a module, run as ``python -m``; ``faults``: the run's :class:`~.spec.Fault` s (its own injected);
     ``doctor``: where the rank answers the hang doctor (:mod:`.rank_state`), or ``None``."""
-    from .rank_state import FR_BUFFER
-
     return {
         # On the host's clock: all ranks at once (one preempted alone would fail in a peer's collective first).
         "faults": [
@@ -88,7 +86,7 @@ def launch_request(
         "spare": spare,
         "environ": kernel_environ(task_variables),
         "module": module,
-        "plan_env": {**plan.env, **(FR_BUFFER if doctor else {})},
+        "plan_env": dict(plan.env),
         "doctor": doctor,
         "setup": plan.setup,
         "setup_args": list(plan.args),

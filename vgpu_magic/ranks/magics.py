@@ -169,7 +169,7 @@ class ClusterMagics(Magics):
         "--hang-after",
         type=seconds("--hang-after", 0, _MAX_TIMEOUT, "30"),
         default=HANG_AFTER,
-        help="line form: report a hang when a rank waits this long in a collective another never entered (0: never)",
+        help="report a hang when a rank waits this long in a collective another never entered (0: never)",
     )
     @argument("--no-plot", action="store_true", help="no live per-rank memory plot")
     @argument("-m", "--module", action="store_true", help="SCRIPT is a module, run as torchrun -m (python -m) does")
@@ -256,6 +256,7 @@ class ClusterMagics(Magics):
                 timeout=args.timeout,
                 output=args.output is not None,
                 plot=plot,
+                hang_after=args.hang_after,
             )
         if args.output is not None:
             self.shell.user_ns[args.output] = values

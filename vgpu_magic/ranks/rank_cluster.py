@@ -10,8 +10,10 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -23,7 +25,7 @@ from ..frameworks.base import RankPlan
 from ..inventory import GPUInfo, NVMLReadError, nccl_version, visible_gpus
 from ..layout import HostReport, RankLayout, layout_ranks
 from ..units import MIB
-from . import doctor, launch, lifetime, names, processes
+from . import doctor, launch, lifetime, names, processes, rank_state
 from .hosts import prepare_rank, report_host
 from .launchers import LAUNCHERS, MAX_RANKS, LauncherPlan, plan_launcher
 from .mps import MPSDaemon, plan_mps
@@ -133,6 +135,8 @@ class RankCluster:
         # of this cluster (:func:`.lifetime.processes_of`); _cleanups: :func:`.processes.clean_up_when_kernel_dies`'s.
         self.engine_ids, self.pids, self._owned, self._launchers, self._token = [], [], set(), {}, ""
         self._cleanups: set[int] = set()
+        self.asks: list[str | None] = [None] * self.n
+        self._doctor = ""
 
     @property
     def running(self) -> bool:
@@ -198,6 +202,13 @@ class RankCluster:
 
             RankRun(self._processes(), wire, timeout=SETUP_TIMEOUT, held=self.held).run()
             self.view.apply_sync(interrupt_only_the_cell)
+            # The hang doctor's sockets here (:mod:`.doctor`): each launch's at ``asks[r]``, the engine's beside it.
+            self._doctor = tempfile.mkdtemp(prefix="vgpu-doctor-")
+            local = map(self._processes().on_this_host, range(self.n))
+            self.asks = [os.path.join(self._doctor, str(r)) if here else None for r, here in enumerate(local)]
+            for engine, ask in zip(self.engine_ids, self.asks):
+                if ask is not None:
+                    self.client[engine].apply_sync(rank_state.serve, f"{ask}-cell")
             if self.spares:
                 # A spare on every engine, importing as the start returns (a launch before then waits for it).
                 preload = self._preload()
@@ -241,7 +252,9 @@ class RankCluster:
 
     def _plan_ranks(self, layout: RankLayout, restart: tuple[int, int] = (0, 0)) -> list[RankPlan]:
         """The framework's plans for ``layout`` with quiet logs; ``restart``: (which, of at most), as torchrun."""
-        spec, quiet = self.spec, rank_env(self.fw, self.spec.verbose)
+        # Flight Recorder's buffer for the hang doctor, the same on every rank, unless the kernel's environment has one.
+        recorder = {} if set(rank_state.FR_BUFFER) & set(os.environ) else rank_state.FR_BUFFER
+        spec, quiet = self.spec, {**recorder, **rank_env(self.fw, self.spec.verbose)}
         memory_mib = None if spec.memory is None else spec.memory // MIB
         plans = self.fw.plan_ranks(layout, spec.split, memory_mib, spec.port, spec.backend)
         mps = self.mps.env if self.mps is not None else {}
@@ -290,6 +303,8 @@ class RankCluster:
             self.mps.stop()  # once its clients, the ranks, are gone: it waits for them
         # The kernel may be killed while it stops (Jupyter's shutdown waits 5 s): its clean-up watchers go last.
         alive += processes.terminate(self._cleanups)
+        if self._doctor:
+            shutil.rmtree(self._doctor, ignore_errors=True)
         self._forget()
         atexit.unregister(self.stop)
         with _lock:
@@ -317,8 +332,11 @@ class RankCluster:
         timeout: float | None = None,
         output: bool = False,
         plot: bool = False,
+        hang_after: float = doctor.HANG_AFTER,
     ) -> list[Any] | None:
-        """Run ``code`` on every rank (fault policy: :mod:`.run`), names read sent first; ``output``: last values."""
+        """Run ``code`` on every rank (fault policy: :mod:`.run`), names read sent first; ``output``: last values;
+        ``hang_after``: the hang doctor's seconds (``0``: none)."""
+        hang_after = doctor.checked_hang_after(hang_after)
         self._require_running()
         compile(code, "<cell>", "exec")
         self._say_simulated()
@@ -329,8 +347,15 @@ class RankCluster:
         def submit(rank: int) -> Any:
             return self.client[self.engine_ids[rank]].execute(code, silent=False, block=False)
 
-        runner = RankRun(self._processes(), submit, timeout=timeout, plot=plot, gpu=self._gpu(), held=self.held)
-        results = self._watch(runner, names.names_written(code))
+        watch = (
+            doctor.HangDoctor([a and f"{a}-cell" for a in self.asks], hang_after, sys.stderr) if hang_after else None
+        )
+        runner = RankRun(self._processes(), submit, timeout, plot, self._gpu(), held=self.held, doctor=watch)
+        try:
+            results = self._watch(runner, names.names_written(code))
+        finally:
+            if watch is not None:
+                watch.close()
         if output:
             return names.pull_values(self.view, [self.client[e] for e in self.engine_ids])
         for rank, ar in enumerate(results):
@@ -391,13 +416,8 @@ class RankCluster:
             if attempt == 0:
                 self._say_simulated()
             where, theirs = (path, list(args), os.getcwd(), self._preload()), self.launcher_plan.launcher.task_variables
-            procs = self._processes()
-            watch = (
-                doctor.HangDoctor(self.n, hang_after, list(map(procs.on_this_host, range(self.n))), sys.stderr)
-                if hang_after
-                else None
-            )
-            asks = watch.addresses if watch else [None] * self.n
+            watch = doctor.HangDoctor(self.asks, hang_after, sys.stderr) if hang_after else None
+            asks = self.asks if watch else [None] * self.n
             requests = [
                 launch.launch_request(plan, *where, self.spares, theirs, module, faults, ask)
                 for plan, ask in zip(self.plans, asks)
@@ -407,7 +427,8 @@ class RankCluster:
             def submit(rank: int, requests: list[dict] = requests) -> Any:
                 return self.client[self.engine_ids[rank]].apply_async(launch.run_rank, requests[rank])
 
-            runner = RankRun(procs, submit, timeout, plot, self._gpu(), True, held=self.held, since=start, doctor=watch)
+            procs, gpu = self._processes(), self._gpu()
+            runner = RankRun(procs, submit, timeout, plot, gpu, True, held=self.held, since=start, doctor=watch)
             try:
                 self._watch(runner, set())
             except RankRunError as exc:

@@ -23,7 +23,10 @@ DEPTH = 40
 
 
 def serve(address: str) -> None:
-    """Listen at the Unix socket ``address``; each connection gets :func:`answer` as JSON, then closes."""
+    """Listen at the Unix socket ``address`` (the last launch's left there goes); each connection gets
+    :func:`answer` as JSON, then closes."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(address)
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(address)
     listener.listen()
