@@ -42,8 +42,9 @@ class HangDoctor:
     """Asks the ranks at ``addresses`` (``None``: not on this host) every third of ``hang_after`` while ``look`` is
     called, and writes a report to ``out`` once per hang; :meth:`where` says where each rank is, for a stop."""
 
-    def __init__(self, addresses: list[str | None], hang_after: float, out: TextIO) -> None:
-        self.addresses, self.hang_after, self.out = addresses, hang_after, out
+    def __init__(self, addresses: list[str | None], hang_after: float, out: TextIO, pids: list[int | None]) -> None:
+        self.addresses, self.hang_after, self.out, self.pids = addresses, hang_after, out, pids
+        self.cpu: tuple[dict[int, float], float] = ({}, time.monotonic())
         self.start = time.monotonic()
         self.next = self.start + self.period
         self.answers: dict[int, dict | None] = {}
@@ -66,6 +67,9 @@ class HangDoctor:
         return self.asking is not None and self.asking.is_alive()
 
     def _look(self, done: list[bool]) -> None:
+        if not self._idle():
+            self.next = time.monotonic() + self.period
+            return
         previous, self.answers = self.answers, ask(self.addresses)
         self.next = time.monotonic() + self.period
         said, lines = diagnose(self.answers, previous, done, self.hang_after)
@@ -82,6 +86,19 @@ class HangDoctor:
                 "  the run goes on waiting (a slow rank may still come): --timeout or the stop button end it\n"
             )
             self.out.flush()
+
+    def _idle(self) -> bool:
+        """Has a rank (its engine, and the process it launched) used less than :data:`BUSY` of a core since the last
+        look? Ranks that all run are not asked: an answer takes the GIL from a loop of small collectives."""
+        import psutil
+
+        cpu, now = {}, time.monotonic()
+        for rank, pid in enumerate(self.pids):
+            with contextlib.suppress(psutil.Error, TypeError):
+                processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+                cpu[rank] = sum(sum(p.cpu_times()[:2]) for p in processes)
+        (before, then), self.cpu = self.cpu, (cpu, now)
+        return any(r not in before or cpu[r] - before[r] < BUSY * (now - then) for r in cpu)
 
     def where(self, done: list[bool]) -> str:
         """Where each rank not ``done`` is now, for the line of a timeout or an interrupt: ``"rank 0 was at ..."``."""
@@ -164,7 +181,7 @@ class _Rank:
     def entered(self, pg: str) -> int:
         """The last collective number it entered on process group ``pg`` (``0``: none); exited: none more."""
         seqs = [e["collective_seq_id"] for e in self.collectives if e["process_group"][0] == pg]
-        return max(seqs, default=0)
+        return max([(self.answer or {}).get("entered", {}).get(pg, 0), *seqs])
 
     def how(self) -> str:
         """Running ``"in a loop"`` (busy in one function between two looks), ``"running"`` or ``"idle"``; ``""``: not

@@ -347,10 +347,9 @@ class RankCluster:
         def submit(rank: int) -> Any:
             return self.client[self.engine_ids[rank]].execute(code, silent=False, block=False)
 
-        watch = (
-            doctor.HangDoctor([a and f"{a}-cell" for a in self.asks], hang_after, sys.stderr) if hang_after else None
-        )
-        runner = RankRun(self._processes(), submit, timeout, plot, self._gpu(), held=self.held, doctor=watch)
+        asks, procs = [a and f"{a}-cell" for a in self.asks], self._processes()
+        watch = doctor.HangDoctor(asks, hang_after, sys.stderr, procs.memory_pids()) if hang_after else None
+        runner = RankRun(procs, submit, timeout, plot, self._gpu(), held=self.held, doctor=watch)
         try:
             results = self._watch(runner, names.names_written(code))
         finally:
@@ -416,7 +415,8 @@ class RankCluster:
             if attempt == 0:
                 self._say_simulated()
             where, theirs = (path, list(args), os.getcwd(), self._preload()), self.launcher_plan.launcher.task_variables
-            watch = doctor.HangDoctor(self.asks, hang_after, sys.stderr) if hang_after else None
+            procs, gpu = self._processes(), self._gpu()
+            watch = doctor.HangDoctor(self.asks, hang_after, sys.stderr, procs.memory_pids()) if hang_after else None
             asks = self.asks if watch else [None] * self.n
             requests = [
                 launch.launch_request(plan, *where, self.spares, theirs, module, faults, ask)
@@ -427,7 +427,6 @@ class RankCluster:
             def submit(rank: int, requests: list[dict] = requests) -> Any:
                 return self.client[self.engine_ids[rank]].apply_async(launch.run_rank, requests[rank])
 
-            procs, gpu = self._processes(), self._gpu()
             runner = RankRun(procs, submit, timeout, plot, gpu, True, held=self.held, since=start, doctor=watch)
             try:
                 self._watch(runner, set())
