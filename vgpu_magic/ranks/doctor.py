@@ -10,13 +10,15 @@ import json
 import os
 import re
 import socket
+import tempfile
 import threading
 import time
 from typing import Any, TextIO
 
+from . import rank_state
 from .run import _rank_s
 
-__all__ = ["HangDoctor", "checked_hang_after", "diagnose"]
+__all__ = ["HangDoctor", "checked_hang_after", "diagnose", "serve"]
 
 #: The default ``--hang-after``: seconds a rank waits in a collective that another never entered before the report.
 HANG_AFTER = 30.0
@@ -57,8 +59,8 @@ class HangDoctor:
 
     def look(self, done: list[bool]) -> None:
         """Ask the ranks when it is time to, on a thread of its own (a rank may take :data:`ANSWER` s), and report a
-        hang found in their answers."""
-        if time.monotonic() >= self.next and not self._asking():
+        hang found in their answers; ``hang_after`` 0: never."""
+        if self.hang_after and time.monotonic() >= self.next and not self._asking():
             self.asking = threading.Thread(target=self._look, args=(list(done),), name="vgpu-doctor", daemon=True)
             self.asking.start()
 
@@ -102,15 +104,29 @@ class HangDoctor:
 
     def where(self, done: list[bool]) -> str:
         """Where each rank not ``done`` is now, for the line of a timeout or an interrupt: ``"rank 0 was at ..."``."""
-        if self._asking():
-            self.asking.join()
+        if not self.hang_after:
+            return ""
+        self.close()
         previous, answers = self.answers, ask(self.addresses)
         _, lines = diagnose(answers, previous, done, self.hang_after)
-        return "; ".join(line.replace(": ", " was ", 1) for r, line in enumerate(lines) if not done[r])
+        asked = [r for r, address in enumerate(self.addresses) if address is not None and not done[r]]
+        return "; ".join(lines[r].replace(": ", " was ", 1) for r in asked)
 
     def close(self) -> None:
+        """Wait for an ask on its way (its report comes before the run's end)."""
         if self._asking():
             self.asking.join()
+
+
+def serve(engines: list[Any], local: list[bool]) -> tuple[str, list[str | None]]:
+    """At a cluster's start: a folder of its own for the ranks' sockets, each rank's address there (``None``: not on
+    this host), its engine answering beside it (``-cell``) for cells; a launch answers at the address."""
+    folder = tempfile.mkdtemp(prefix="vgpu-doctor-")
+    addresses = [os.path.join(folder, str(r)) if here else None for r, here in enumerate(local)]
+    for engine, address in zip(engines, addresses):
+        if address is not None:
+            engine.apply_sync(rank_state.serve, f"{address}-cell")
+    return folder, addresses
 
 
 def ask(addresses: list[str | None]) -> dict[int, dict | None]:

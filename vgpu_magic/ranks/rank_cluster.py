@@ -13,7 +13,6 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -202,13 +201,8 @@ class RankCluster:
 
             RankRun(self._processes(), wire, timeout=SETUP_TIMEOUT, held=self.held).run()
             self.view.apply_sync(interrupt_only_the_cell)
-            # The hang doctor's sockets here (:mod:`.doctor`): each launch's at ``asks[r]``, the engine's beside it.
-            self._doctor = tempfile.mkdtemp(prefix="vgpu-doctor-")
-            local = map(self._processes().on_this_host, range(self.n))
-            self.asks = [os.path.join(self._doctor, str(r)) if here else None for r, here in enumerate(local)]
-            for engine, ask in zip(self.engine_ids, self.asks):
-                if ask is not None:
-                    self.client[engine].apply_sync(rank_state.serve, f"{ask}-cell")
+            local = [self._processes().on_this_host(rank) for rank in range(self.n)]
+            self._doctor, self.asks = doctor.serve([self.client[e] for e in self.engine_ids], local)
             if self.spares:
                 # A spare on every engine, importing as the start returns (a launch before then waits for it).
                 preload = self._preload()
@@ -252,9 +246,7 @@ class RankCluster:
 
     def _plan_ranks(self, layout: RankLayout, restart: tuple[int, int] = (0, 0)) -> list[RankPlan]:
         """The framework's plans for ``layout`` with quiet logs; ``restart``: (which, of at most), as torchrun."""
-        # Flight Recorder's buffer for the hang doctor, the same on every rank, unless the kernel's environment has one.
-        recorder = {} if set(rank_state.FR_BUFFER) & set(os.environ) else rank_state.FR_BUFFER
-        spec, quiet = self.spec, {**recorder, **rank_env(self.fw, self.spec.verbose)}
+        spec, quiet = self.spec, {**rank_state.recorder_env(), **rank_env(self.fw, self.spec.verbose)}
         memory_mib = None if spec.memory is None else spec.memory // MIB
         plans = self.fw.plan_ranks(layout, spec.split, memory_mib, spec.port, spec.backend)
         mps = self.mps.env if self.mps is not None else {}
@@ -335,7 +327,7 @@ class RankCluster:
         hang_after: float = doctor.HANG_AFTER,
     ) -> list[Any] | None:
         """Run ``code`` on every rank (fault policy: :mod:`.run`), names read sent first; ``output``: last values;
-        ``hang_after``: the hang doctor's seconds (``0``: none)."""
+        ``hang_after``: :mod:`.doctor`'s."""
         hang_after = doctor.checked_hang_after(hang_after)
         self._require_running()
         compile(code, "<cell>", "exec")
@@ -347,14 +339,10 @@ class RankCluster:
         def submit(rank: int) -> Any:
             return self.client[self.engine_ids[rank]].execute(code, silent=False, block=False)
 
-        asks, procs = [a and f"{a}-cell" for a in self.asks], self._processes()
-        watch = doctor.HangDoctor(asks, hang_after, sys.stderr, procs.memory_pids()) if hang_after else None
+        procs = self._processes()
+        watch = doctor.HangDoctor([a and f"{a}-cell" for a in self.asks], hang_after, sys.stderr, procs.memory_pids())
         runner = RankRun(procs, submit, timeout, plot, self._gpu(), held=self.held, doctor=watch)
-        try:
-            results = self._watch(runner, names.names_written(code))
-        finally:
-            if watch is not None:
-                watch.close()
+        results = self._watch(runner, names.names_written(code))
         if output:
             return names.pull_values(self.view, [self.client[e] for e in self.engine_ids])
         for rank, ar in enumerate(results):
@@ -403,8 +391,7 @@ class RankCluster:
     ) -> RunResult:
         """Launch ``path ARGS`` on every rank as ``torchrun`` does (:mod:`.launch`), all again up to ``max_restarts``
         times when one fails; ``fail``/``preempt`` inject failures into the first launch; ``timeout``: all attempts;
-        ``module``: as ``torchrun -m``; ``hang_after``: the hang doctor's seconds (``0``: none, :mod:`.doctor`). The
-        :class:`RunResult`, or :class:`RankRunError` with it."""
+        ``module``: as ``torchrun -m``; ``hang_after``: :mod:`.doctor`'s. Its :class:`RunResult` (or RankRunError)."""
         faults = checked_faults(self.n, max_restarts, fail, preempt)
         hang_after = doctor.checked_hang_after(hang_after)
         self._require_running()
@@ -416,11 +403,11 @@ class RankCluster:
                 self._say_simulated()
             where, theirs = (path, list(args), os.getcwd(), self._preload()), self.launcher_plan.launcher.task_variables
             procs, gpu = self._processes(), self._gpu()
-            watch = doctor.HangDoctor(self.asks, hang_after, sys.stderr, procs.memory_pids()) if hang_after else None
-            asks = self.asks if watch else [None] * self.n
+            watch = doctor.HangDoctor(self.asks, hang_after, sys.stderr, procs.memory_pids())
+            asks = self.asks if hang_after else [None] * self.n
             requests = [
-                launch.launch_request(plan, *where, self.spares, theirs, module, faults, ask)
-                for plan, ask in zip(self.plans, asks)
+                launch.launch_request(p, *where, self.spares, theirs, module, faults, a)
+                for p, a in zip(self.plans, asks)
             ]
             faults = []  # injected into the first launch only
 
@@ -436,9 +423,6 @@ class RankCluster:
                 print(f"attempt {attempt + 1} of {attempts}: {exc.headline(state=False)} at ", end="")
                 print(f"{time.monotonic() - start:.1f} s; restarting the {self.n} rank{'s' * (self.n > 1)}")
                 continue
-            finally:
-                if watch is not None:
-                    watch.close()
             if attempt:
                 print(f"finished on attempt {attempt + 1} of {attempts}")
             return RunResult(dict.fromkeys(range(self.n), RankOutcome("finished")), False, attempt + 1)

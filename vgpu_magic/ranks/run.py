@@ -334,6 +334,9 @@ class RankRun:
             # IPython shows this one line, not the way the interrupt came through the kernel and vgpu_magic.
             interrupt._render_traceback_ = lambda: [f"KeyboardInterrupt: {interrupt}"]
             raise interrupt from None
+        finally:
+            if self.doctor is not None:
+                self.doctor.close()
         # Without a failure or a timeout every rank succeeded: nothing to stop, no error to find.
         stopped, killed = self._stop_others(results, set(failures)) if failures or timed_out else ([], [])
         why = {**_gone(results, stopped), **dict.fromkeys(killed, self.late)}
