@@ -71,10 +71,12 @@ def launch_request(
     task_variables: tuple[str, ...] = (),
     module: bool = False,
     faults: tuple = (),
+    doctor: str | None = None,
 ) -> dict:
     """What :func:`run_rank` needs to launch one rank with its ``RankPlan``, as plain data; ``preload``: the modules a
     spare imports; ``spare``: keep one for the next launch; ``task_variables``: :class:`KernelEnviron`'s; ``module``:
-    ``path`` names a module, run as ``python -m``; ``faults``: the run's :class:`~.spec.Fault` s (its own injected)."""
+    ``path`` names a module, run as ``python -m``; ``faults``: the run's :class:`~.spec.Fault` s (its own injected);
+    ``doctor``: where the rank answers the hang doctor (:mod:`.rank_state`), or ``None``."""
     return {
         # On the host's clock: all ranks at once (one preempted alone would fail in a peer's collective first).
         "faults": [
@@ -86,6 +88,7 @@ def launch_request(
         "environ": kernel_environ(task_variables),
         "module": module,
         "plan_env": dict(plan.env),
+        "doctor": doctor,
         "setup": plan.setup,
         "setup_args": list(plan.args),
         "devices": None if plan.devices is None else asdict(plan.devices),
@@ -206,7 +209,9 @@ def run_rank(request: dict[str, Any]) -> int:
     # interrupted as a cell is, so the fault policy can stop it.
     outside = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        launch = {k: request[k] for k in ("setup", "setup_args", "devices", "argv", "cwd", "preload", "module")}
+        launch = {
+            k: request[k] for k in ("setup", "setup_args", "devices", "argv", "cwd", "preload", "module", "doctor")
+        }
         # PWD as a shell that ran the launcher there sets it.
         proc.control.sendall(json.dumps({**launch, "env": {**proc.base, "PWD": cwd, **plan_env}}).encode())
         proc.control.shutdown(socket.SHUT_WR)
@@ -398,6 +403,10 @@ def child() -> None:
     # write-through lets C++ output like "[Gloo] Rank 0 is connected" land mid-line); ``flush=True`` sends a part line.
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=False)
+    if launch["doctor"]:
+        from .rank_state import serve
+
+        serve(launch["doctor"])
     try:
         if launch["module"]:
             # As python -m runs it: sys.argv[0] becomes the module's file, its module is __main__.

@@ -19,6 +19,7 @@ from ..frameworks import choices
 from ..grammar import choice, framework_name, parse_arguments, parse_memory, seconds, usage_errors, whole
 from ..planner import MAX_DEVICES
 from ..units import MIB
+from .doctor import HANG_AFTER
 from .launchers import LAUNCHERS, MAX_RANKS
 from .spec import ClusterNotRunning, checked_faults
 
@@ -164,6 +165,12 @@ class ClusterMagics(Magics):
         type=seconds("--timeout", 0.001, _MAX_TIMEOUT, "600"),
         help="seconds the run may take before every rank is interrupted",
     )
+    @argument(
+        "--hang-after",
+        type=seconds("--hang-after", 0, _MAX_TIMEOUT, "30"),
+        default=HANG_AFTER,
+        help="report a hang when a rank waits this long in a collective another never entered (0: never)",
+    )
     @argument("--no-plot", action="store_true", help="no live per-rank memory plot")
     @argument("-m", "--module", action="store_true", help="SCRIPT is a module, run as torchrun -m (python -m) does")
     @argument(
@@ -239,6 +246,7 @@ class ClusterMagics(Magics):
         with usage_errors(*USER_ERRORS, ClusterNotRunning):
             if cell is None:
                 restarts = {"max_restarts": args.max_restarts, "fail": args.fail, "preempt": args.preempt}
+                restarts["hang_after"] = args.hang_after
                 running.run_script(path, list(args.script_args), args.timeout, plot, args.module, **restarts)
                 return
             # The %%vgpu_run line in front as a comment, so a rank's traceback gives the cell's line numbers.
@@ -248,6 +256,7 @@ class ClusterMagics(Magics):
                 timeout=args.timeout,
                 output=args.output is not None,
                 plot=plot,
+                hang_after=args.hang_after,
             )
         if args.output is not None:
             self.shell.user_ns[args.output] = values
@@ -321,7 +330,7 @@ def _refuse_torchrun_options(line: str) -> None:
         for word in words:
             if not word.startswith("-"):
                 return  # the script: what follows is its own
-            if word in ("-o", "--output", "--timeout"):
+            if word in ("-o", "--output", "--timeout", "--hang-after"):
                 next(words, None)
             if word.split("=")[0].replace("_", "-") in _TORCHRUN_ONLY:
                 raise UsageError(

@@ -10,7 +10,9 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
+import shutil
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -22,7 +24,7 @@ from ..frameworks.base import RankPlan
 from ..inventory import GPUInfo, NVMLReadError, nccl_version, visible_gpus
 from ..layout import HostReport, RankLayout, layout_ranks
 from ..units import MIB
-from . import launch, lifetime, names, processes
+from . import doctor, launch, lifetime, names, processes, rank_state
 from .hosts import prepare_rank, report_host
 from .launchers import LAUNCHERS, MAX_RANKS, Launcher, plan_launcher
 from .mps import MPSDaemon, plan_mps
@@ -120,6 +122,8 @@ class RankCluster:
         # of this cluster (:func:`.lifetime.processes_of`); _cleanups: :func:`.processes.clean_up_when_kernel_dies`'s.
         self.engine_ids, self.pids, self._owned, self._launchers, self._token = [], [], set(), {}, ""
         self._cleanups: set[int] = set()
+        self.asks: list[str | None] = [None] * self.n
+        self._doctor = ""
 
     @property
     def running(self) -> bool:
@@ -185,6 +189,8 @@ class RankCluster:
 
             RankRun(self._processes(), wire, timeout=SETUP_TIMEOUT, held=self.held).run()
             self.view.apply_sync(interrupt_only_the_cell)
+            local = [self._processes().on_this_host(rank) for rank in range(self.n)]
+            self._doctor, self.asks = doctor.serve([self.client[e] for e in self.engine_ids], local)
             if self.spares:
                 # A spare on every engine, importing as the start returns (a launch before then waits for it).
                 preload = self._preload()
@@ -230,7 +236,7 @@ class RankCluster:
 
     def _plan_ranks(self, layout: RankLayout, restart: tuple[int, int] = (0, 0)) -> list[RankPlan]:
         """The framework's plans for ``layout`` with quiet logs; ``restart``: (which, of at most), as torchrun."""
-        spec, quiet = self.spec, rank_env(self.fw, self.spec.verbose)
+        spec, quiet = self.spec, {**rank_state.recorder_env(), **rank_env(self.fw, self.spec.verbose)}
         memory_mib = None if spec.memory is None else spec.memory // MIB
         plans = self.fw.plan_ranks(layout, spec.split, memory_mib, spec.port, spec.backend)
         mps = self.mps.env if self.mps is not None else {}
@@ -279,6 +285,8 @@ class RankCluster:
             self.mps.stop()  # once its clients, the ranks, are gone: it waits for them
         # The kernel may be killed while it stops (Jupyter's shutdown waits 5 s): its clean-up watchers go last.
         alive += processes.terminate(self._cleanups)
+        if self._doctor:
+            shutil.rmtree(self._doctor, ignore_errors=True)
         self._forget()
         atexit.unregister(self.stop)
         with _lock:
@@ -306,8 +314,11 @@ class RankCluster:
         timeout: float | None = None,
         output: bool = False,
         plot: bool = False,
+        hang_after: float = doctor.HANG_AFTER,
     ) -> list[Any] | None:
-        """Run ``code`` on every rank (fault policy: :mod:`.run`), names read sent first; ``output``: last values."""
+        """Run ``code`` on every rank (fault policy: :mod:`.run`), names read sent first; ``output``: last values;
+        ``hang_after``: :mod:`.doctor`'s."""
+        hang_after = doctor.checked_hang_after(hang_after)
         self._require_running()
         compile(code, "<cell>", "exec")
         self._say_simulated()
@@ -318,7 +329,9 @@ class RankCluster:
         def submit(rank: int) -> Any:
             return self.client[self.engine_ids[rank]].execute(code, silent=False, block=False)
 
-        runner = RankRun(self._processes(), submit, timeout=timeout, plot=plot, gpu=self._gpu(), held=self.held)
+        procs = self._processes()
+        watch = doctor.HangDoctor([a and f"{a}-cell" for a in self.asks], hang_after, sys.stderr, procs.memory_pids())
+        runner = RankRun(procs, submit, timeout, plot, self._gpu(), held=self.held, doctor=watch)
         results = self._watch(runner, names.names_written(code))
         if output:
             return names.pull_values(self.view, [self.client[e] for e in self.engine_ids])
@@ -364,11 +377,13 @@ class RankCluster:
         max_restarts: int = 0,
         fail: list[str] | tuple[str, ...] = (),
         preempt: str | None = None,
+        hang_after: float = doctor.HANG_AFTER,
     ) -> RunResult:
         """Launch ``path ARGS`` on every rank as ``torchrun`` does (:mod:`.launch`), all again up to ``max_restarts``
         times when one fails; ``fail``/``preempt`` inject failures into the first launch; ``timeout``: all attempts;
-        ``module``: as ``torchrun -m``. The :class:`RunResult`, or :class:`RankRunError` with it."""
+        ``module``: as ``torchrun -m``; ``hang_after``: :mod:`.doctor`'s. Its :class:`RunResult` (or RankRunError)."""
         faults = checked_faults(self.n, max_restarts, fail, preempt)
+        hang_after = doctor.checked_hang_after(hang_after)
         self._require_running()
         attempts, start = max_restarts + 1, time.monotonic()
         for attempt in range(attempts):
@@ -377,13 +392,19 @@ class RankCluster:
             if attempt == 0:
                 self._say_simulated()
             where, theirs = (path, list(args), os.getcwd(), self._preload()), self.launcher.task_variables
-            requests = [launch.launch_request(plan, *where, self.spares, theirs, module, faults) for plan in self.plans]
+            procs, gpu = self._processes(), self._gpu()
+            watch = doctor.HangDoctor(self.asks, hang_after, sys.stderr, procs.memory_pids())
+            asks = self.asks if hang_after else [None] * self.n
+            requests = [
+                launch.launch_request(p, *where, self.spares, theirs, module, faults, a)
+                for p, a in zip(self.plans, asks)
+            ]
             faults = []  # injected into the first launch only
 
             def submit(rank: int, requests: list[dict] = requests) -> Any:
                 return self.client[self.engine_ids[rank]].apply_async(launch.run_rank, requests[rank])
 
-            runner = RankRun(self._processes(), submit, timeout, plot, self._gpu(), True, held=self.held, since=start)
+            runner = RankRun(procs, submit, timeout, plot, gpu, True, held=self.held, since=start, doctor=watch)
             try:
                 self._watch(runner, set())
             except RankRunError as exc:

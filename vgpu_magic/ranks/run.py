@@ -151,6 +151,8 @@ class RankRun:
     held: HeldBack | None = None
     #: When the ``timeout`` started (``time.monotonic()``): before this run where it is a restart's, by default now.
     since: float | None = None
+    #: The hang doctor (:class:`~.doctor.HangDoctor`) that looks at the ranks while they run, or ``None``.
+    doctor: Any = None
 
     def __post_init__(self) -> None:
         self.trace = None  # the run's MemoryTrace, once it ended
@@ -295,6 +297,8 @@ class RankRun:
                 # Replies land on ipyparallel's thread any time: end only on what was looked at (and collected).
                 looked = [ar.ready() for ar in results]
                 self._collect(results, failures)
+                if self.doctor is not None:
+                    self.doctor.look(looked)
                 now = time.monotonic()
                 if len(failures) > seen:
                     # The others get COLLECT seconds after each failure to finish, or fail, before any is interrupted.
@@ -302,6 +306,7 @@ class RankRun:
                 elif not failures and not all(looked) and self.timeout is not None and now - start > self.timeout:
                     late = [r for r in range(n) if not looked[r]]
                     said = f"did not finish within --timeout {self.timeout:g} s (still running: {_rank_s(late)})"
+                    said += self._where(looked)
                     timed_out = RankFailure(late[0], "timeout", said, (f"timed out after {self.timeout:g} s",))
                 if timed_out or now >= collected_by or all(looked[r] or r in failures for r in range(n)):
                     break
@@ -310,11 +315,12 @@ class RankRun:
                     [ar for ar in results if not ar.ready()], timeout=POLL, return_when=futures.FIRST_COMPLETED
                 )
         except KeyboardInterrupt:
+            where = self._where([ar.ready() for ar in results]) if len(results) == n else ""
             running, killed = self._stop_others(results, set(failures))
             self._drain(results, streams)
             self._end(streams, {})
             self.trace = memory.finish(interrupted=True)
-            said = [f"interrupted {_rank_s(running)}" if running else "no rank was running"]
+            said = [f"interrupted {_rank_s(running)}{where}" if running else "no rank was running"]
             said.extend(_killed(ranks, why) for why, ranks in _by_reason(_gone(results, running)).items())
             if killed:
                 said.append(f"{_killed(killed, self.late)}; {_RESTART}")
@@ -324,6 +330,9 @@ class RankRun:
             # IPython shows this one line, not the way the interrupt came through the kernel and vgpu_magic.
             interrupt._render_traceback_ = lambda: [f"KeyboardInterrupt: {interrupt}"]
             raise interrupt from None
+        finally:
+            if self.doctor is not None:
+                self.doctor.close()
         # Without a failure or a timeout every rank succeeded: nothing to stop, no error to find.
         stopped, killed = self._stop_others(results, set(failures)) if failures or timed_out else ([], [])
         why = {**_gone(results, stopped), **dict.fromkeys(killed, self.late)}
@@ -348,6 +357,11 @@ class RankRun:
             ended = {r: _outcome(fate.get(r), r in stopped, why.get(r, "")) for r in [*fate, *range(n)]}
             raise RankRunError(RunResult(ended, _restart_reason(every, killed, self.late)))
         return results
+
+    def _where(self, done: list[bool]) -> str:
+        """``" (rank 0 was waiting in ...; rank 1 was at ...)"``: where the doctor found the ranks not ``done``."""
+        where = self.doctor.where(done) if self.doctor is not None else ""
+        return f" ({where})" if where else ""
 
 
 def _restart_reason(failures: list[RankFailure], killed: list[int], late: str) -> str:

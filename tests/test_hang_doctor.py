@@ -1,0 +1,228 @@
+"""The hang doctor (issue 42, docs/hangs.md) on 2 real torch ranks: a script that hangs is reported while it waits,
+rank by rank with the line of the script and the collective, in one line of diagnosis; ``--timeout`` then ends the
+run saying where each rank was, and the cluster is usable after it."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+
+import pytest
+
+from support import refused_changing_nothing
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+#: The start of every script: the group, a first all_reduce every rank makes (collective #1), the rank.
+HEAD = """\
+import time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group()
+rank = dist.get_rank()
+t = torch.ones(16)
+dist.all_reduce(t)
+"""
+#: The end of a script that finishes: the group destroyed (else torch's exit-time abort can end a rank by SIGABRT).
+END = "dist.destroy_process_group()\n"
+
+
+@pytest.fixture(scope="module")
+def shell(cluster_shell):
+    cluster_shell.run_line_magic("vgpu_cluster", "start 2 --framework torch")
+    return cluster_shell
+
+
+def _hang(shell, capsys, tmp_path, body: str, line: str = "--hang-after 3 --timeout 45") -> tuple[str, str]:
+    """Run HEAD + ``body`` as hang.py, which hangs until ``--timeout``: the report and the error's headline."""
+    from vgpu_magic.ranks import RankRunError
+
+    script = tmp_path / "hang.py"
+    script.write_text(HEAD + textwrap.dedent(body))
+    capsys.readouterr()
+    with pytest.raises(RankRunError) as info:
+        shell.run_line_magic("vgpu_run", f"--no-plot {line} {script}")
+    captured = capsys.readouterr()
+    return captured.out + captured.err, info.value.headline()
+
+
+def _usable(shell, capsys, tmp_path) -> None:
+    """The cluster runs a script to its end after the hang."""
+    script = tmp_path / "ok.py"
+    script.write_text(HEAD + "print('done', rank, t.sum().item())\n" + END)
+    capsys.readouterr()
+    shell.run_line_magic("vgpu_run", f"--no-plot {script}")
+    out = capsys.readouterr().out
+    assert "[rank 0] done 0 32.0" in out and "[rank 1] done 1 32.0" in out, out
+
+
+def test_a_rank_that_skips_an_all_reduce_is_named_with_its_line(shell, capsys, tmp_path):
+    out, headline = _hang(
+        shell,
+        capsys,
+        tmp_path,
+        """\
+        if rank == 0:
+            dist.all_reduce(t)
+        while True:
+            x = sum(range(1000))
+        """,
+    )
+    said = "rank 1 never called all_reduce #2 that rank 0 waits in (hang.py:10); rank 1 is at hang.py:12, in a loop"
+    assert "a hang, " in out and said in out, out
+    assert re.search(
+        r"rank 0: waiting in all_reduce #2 \(\[16\] float32\) for \d+ s, at hang.py:10: dist.all_reduce", out
+    )
+    assert "rank 1: in a loop, at hang.py:12: x = sum(range(1000))" in out, out
+    assert out.count("a hang, ") == 1, out
+    assert "did not finish within --timeout 45 s" in headline, headline
+    assert "rank 0 was waiting in all_reduce #2" in headline and "rank 1 was in a loop, at hang.py:12" in headline
+    _usable(shell, capsys, tmp_path)
+
+
+def test_a_rank_that_skips_a_ddp_step_leaves_its_peer_in_the_reducers_all_reduce(shell, capsys, tmp_path):
+    out, _ = _hang(
+        shell,
+        capsys,
+        tmp_path,
+        """\
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        for step in range(3):
+            if rank == 1 and step == 1:
+                continue
+            model(torch.ones(3, 4)).sum().backward()
+        time.sleep(60)
+        """,
+    )
+    # Rank 0's third backward waits for rank 1's gradients, which rank 1 sent for its second step only.
+    assert re.search(
+        r"rank 1 never called all_reduce #\d+ that rank 0 waits in \(hang.py:13\); rank 1 is at hang.py:14", out
+    ), out
+    assert re.search(r"rank 0: waiting in all_reduce #\d+ \(\[10\] float32\) for \d+ s, at hang.py:13: model\(", out), (
+        out
+    )
+    _usable(shell, capsys, tmp_path)
+
+
+def test_ranks_that_call_different_collectives_are_both_named(shell, capsys, tmp_path):
+    out, _ = _hang(
+        shell,
+        capsys,
+        tmp_path,
+        """\
+        if rank == 0:
+            dist.all_reduce(t)
+        else:
+            dist.broadcast(t, 0)
+        """,
+    )
+    said = (
+        "at collective #2 rank 0 called all_reduce([16] float32) (hang.py:10) "
+        "and rank 1 broadcast([16] float32) (hang.py:12)"
+    )
+    assert said in out, out
+    _usable(shell, capsys, tmp_path)
+
+
+def _answer(pid: int, stack: list, entries: list, in_torch: bool = True) -> dict:
+    """A rank's answer as :func:`vgpu_magic.ranks.rank_state.answer` gives it, 100 s into the epoch."""
+    return {"pid": pid, "stack": stack, "in_torch": in_torch, "cpu": 1.0, "at": 100.0, "entries": entries}
+
+
+def _entry(seq: int, op: str, size: list, line: int, retired: bool) -> dict:
+    """A Flight Recorder entry as torch 2.13 and 2.14 dump gloo's, made 90 s into the epoch, its frames the user's."""
+    return {
+        "collective_seq_id": seq,
+        "p2p_seq_id": 0,
+        "profiling_name": f"gloo:{op}",
+        "process_group": ["0", "default_pg"],
+        "input_sizes": [size],
+        "output_sizes": [size],
+        "input_dtypes": ["Float"],
+        "output_dtypes": ["Float"],
+        "state": "scheduled",
+        "retired": retired,
+        "is_p2p": False,
+        "time_created_ns": 90 * 10**9,
+        "frames": [{"filename": "/w/train.py", "line": line, "name": "<module>"}],
+    }
+
+
+def test_ranks_that_reduce_different_shapes_are_both_named():
+    """gloo aborts on an all_reduce of two shapes (or passes a broadcast of two shapes silently) before the doctor
+    can ask: the rule is checked on answers in the shape the ranks give, judged by torch's analyzer."""
+    from vgpu_magic.ranks.doctor import diagnose
+
+    first = _entry(1, "all_reduce", [16], 8, True)
+    stack = [["/w/train.py", 9, "<module>", "dist.all_reduce(x)"]]
+    answers = {r: _answer(10 + r, stack, [first, _entry(2, "all_reduce", [4 + 4 * r], 9, False)]) for r in (0, 1)}
+    said, lines = diagnose(answers, {}, [False, False], 30.0)
+    assert said == (
+        "at collective #2 rank 0 called all_reduce([4] float32) (train.py:9) "
+        "and rank 1 all_reduce([8] float32) (train.py:9)"
+    )
+    assert lines[1] == "rank 1: waiting in all_reduce #2 ([8] float32) for 10 s, at train.py:9: dist.all_reduce(x)"
+    # The same shapes are no mismatch, and 10 s of waiting is no hang before --hang-after 30.
+    answers[1]["entries"][1] = _entry(2, "all_reduce", [4], 9, False)
+    assert diagnose(answers, {}, [False, False], 30.0)[0] is None
+
+
+def test_a_slow_rank_is_reported_after_hang_after_and_the_run_then_finishes(shell, capsys, tmp_path):
+    script = tmp_path / "slow.py"
+    script.write_text(
+        HEAD + "if rank == 1:\n    time.sleep(10)\ndist.all_reduce(t)\nprint('joined', t.sum().item())\n" + END
+    )
+    capsys.readouterr()
+    shell.run_line_magic("vgpu_run", f"--no-plot --hang-after 3 {script}")
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    said = "rank 1 never called all_reduce #2 that rank 0 waits in (slow.py:11); rank 1 is at slow.py:10, idle"
+    assert said in out, out
+    assert "[rank 0] joined 64.0" in out and "[rank 1] joined 64.0" in out
+
+
+def test_without_the_doctor_nothing_is_reported(shell, capsys, tmp_path):
+    script = tmp_path / "slow.py"
+    script.write_text(HEAD + "if rank == 1:\n    time.sleep(6)\ndist.all_reduce(t)\n" + END)
+    capsys.readouterr()
+    shell.run_line_magic("vgpu_run", f"--no-plot --hang-after 0 {script}")
+    captured = capsys.readouterr()
+    assert "a hang" not in captured.out + captured.err
+
+
+@pytest.mark.parametrize("value", ["-1", "soon"])
+def test_a_bad_hang_after_is_refused_in_one_line(shell, tmp_path, value):
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    refused_changing_nothing(shell, "vgpu_run", f"--hang-after {value} {script}", "--hang-after")
+
+
+def test_the_api_refuses_a_bad_hang_after(shell, tmp_path):
+    import vgpu_magic
+
+    with pytest.raises(ValueError, match=r"--hang-after -2 is not a number of seconds; use e.g. --hang-after 30"):
+        vgpu_magic.cluster().run_script(str(tmp_path / "x.py"), hang_after=-2)
+
+
+def test_a_cell_that_hangs_is_reported_with_the_cells_lines(shell, capsys):
+    """The same doctor in the engines (``%%vgpu_run``), its sockets made at the start. A rank blocked in gloo's wait
+    cannot take SIGINT: it is killed, and the cluster restarts."""
+    from vgpu_magic.ranks import RankRunError
+
+    shell.run_cell_magic("vgpu_run", "--no-plot", "import torch, torch.distributed as dist\ndist.init_process_group()")
+    capsys.readouterr()
+    cell = (
+        "t = torch.ones(16)\nif dist.get_rank() == 0:\n    dist.all_reduce(t)\nwhile True:\n    x = sum(range(1000))\n"
+    )
+    with pytest.raises(RankRunError) as info:
+        shell.run_cell_magic("vgpu_run", "--no-plot --hang-after 3 --timeout 45", cell)
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    said = "rank 1 never called all_reduce #1 that rank 0 waits in (the cell's line 4); rank 1 is at the cell's line 6"
+    assert said in out, out
+    assert "rank 0: waiting in all_reduce #1 ([16] float32)" in out, out
+    assert "rank 1 was in a loop, at the cell's line 6: x = sum(range(1000))" in info.value.headline()
+    shell.run_line_magic("vgpu_cluster", "restart")
+    shell.run_cell_magic("vgpu_run", "--no-plot -o after", "'usable'")
+    assert shell.user_ns["after"] == ["usable"] * 2

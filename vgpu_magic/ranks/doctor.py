@@ -1,0 +1,284 @@
+"""The hang doctor (docs/hangs.md): while a run waits, the kernel asks each rank on this host where it is
+(:mod:`.rank_state`, over a Unix socket) and, when a rank has waited in a collective for ``hang_after`` seconds that
+another never entered, or ranks entered the same collective differently (torch's Flight Recorder analyzer's rules),
+prints one report: each rank's state and line, and one line of diagnosis. The run goes on waiting."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import tempfile
+import threading
+import time
+from typing import Any, TextIO
+
+from . import rank_state
+from .run import _rank_s
+
+__all__ = ["HangDoctor", "checked_hang_after", "diagnose", "serve"]
+
+#: The default ``--hang-after``: seconds a rank waits in a collective that another never entered before the report.
+HANG_AFTER = 30.0
+#: Seconds a rank has to answer (one whose main thread holds the GIL cannot).
+ANSWER = 2.0
+#: A share of a core above which a rank that is not in a collective is running, not waiting (one blocked in a
+#: collective or a sleep uses ~0.002; a loop on a loaded machine can get well below a whole core).
+BUSY = 0.1
+#: The file ipykernel compiles a cell as (on a rank, where the magic's line is the cell's line 1).
+_CELL = re.compile(r"ipykernel_\d+[/\\]\d+\.py$")
+#: torch's dtype names as Flight Recorder writes them, as people write them.
+_DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64"}
+
+
+def checked_hang_after(value: Any) -> float:
+    """``--hang-after`` in seconds (``0``: no doctor), or ValueError that says what works."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 7 * 24 * 3600:
+        raise ValueError(f"--hang-after {value!r} is not a number of seconds; use e.g. --hang-after 30, or 0 for none")
+    return float(value)
+
+
+class HangDoctor:
+    """Asks the ranks at ``addresses`` (``None``: not on this host) every third of ``hang_after`` while ``look`` is
+    called, and writes a report to ``out`` once per hang; :meth:`where` says where each rank is, for a stop."""
+
+    def __init__(self, addresses: list[str | None], hang_after: float, out: TextIO, pids: list[int | None]) -> None:
+        self.addresses, self.hang_after, self.out, self.pids = addresses, hang_after, out, pids
+        self.cpu: tuple[dict[int, float], float] = ({}, time.monotonic())
+        self.start = time.monotonic()
+        self.next = self.start + self.period
+        self.answers: dict[int, dict | None] = {}
+        self.reported: set[str] = set()
+        self.asking: threading.Thread | None = None
+
+    @property
+    def period(self) -> float:
+        return max(1.0, self.hang_after / 3)
+
+    def look(self, done: list[bool]) -> None:
+        """Ask the ranks when it is time to, on a thread of its own (a rank may take :data:`ANSWER` s), and report a
+        hang found in their answers; ``hang_after`` 0: never."""
+        if self.hang_after and time.monotonic() >= self.next and not self._asking():
+            self.asking = threading.Thread(target=self._look, args=(list(done),), name="vgpu-doctor", daemon=True)
+            self.asking.start()
+
+    def _asking(self) -> bool:
+        """Is an ask on its way? (The kernel's interrupt may come meanwhile: it is waited for.)"""
+        return self.asking is not None and self.asking.is_alive()
+
+    def _look(self, done: list[bool]) -> None:
+        if not self._idle():
+            self.next = time.monotonic() + self.period
+            return
+        previous, self.answers = self.answers, ask(self.addresses)
+        self.next = time.monotonic() + self.period
+        said, lines = diagnose(self.answers, previous, done, self.hang_after)
+        if said is not None and any(previous.get(r) is None for r, a in self.answers.items() if a is not None):
+            # A rank's first answer: one more, a second later, tells a loop from a wait.
+            self.next = time.monotonic() + 1.0
+        elif said is not None and said.split(";")[0] not in self.reported:
+            # Once per hang, however its ranks run meanwhile.
+            self.reported.add(said.split(";")[0])
+            seconds = time.monotonic() - self.start
+            self.out.write(f"vgpu_magic: a hang, {seconds:.0f} s into the run: {said}\n")
+            self.out.write("".join(f"  {line}\n" for line in lines))
+            self.out.write(
+                "  the run goes on waiting (a slow rank may still come): --timeout or the stop button end it\n"
+            )
+            self.out.flush()
+
+    def _idle(self) -> bool:
+        """Has a rank (its engine, and the process it launched) used less than :data:`BUSY` of a core since the last
+        look? Ranks that all run are not asked: an answer takes the GIL from a loop of small collectives."""
+        import psutil
+
+        cpu, now = {}, time.monotonic()
+        for rank, pid in enumerate(self.pids):
+            with contextlib.suppress(psutil.Error, TypeError):
+                processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+                cpu[rank] = sum(sum(p.cpu_times()[:2]) for p in processes)
+        (before, then), self.cpu = self.cpu, (cpu, now)
+        return any(r not in before or cpu[r] - before[r] < BUSY * (now - then) for r in cpu)
+
+    def where(self, done: list[bool]) -> str:
+        """Where each rank not ``done`` is now, for the line of a timeout or an interrupt: ``"rank 0 was at ..."``."""
+        if not self.hang_after:
+            return ""
+        self.close()
+        previous, answers = self.answers, ask(self.addresses)
+        _, lines = diagnose(answers, previous, done, self.hang_after)
+        asked = [r for r, address in enumerate(self.addresses) if address is not None and not done[r]]
+        return "; ".join(lines[r].replace(": ", " was ", 1) for r in asked)
+
+    def close(self) -> None:
+        """Wait for an ask on its way (its report comes before the run's end)."""
+        if self._asking():
+            self.asking.join()
+
+
+def serve(engines: list[Any], local: list[bool]) -> tuple[str, list[str | None]]:
+    """At a cluster's start: a folder of its own for the ranks' sockets, each rank's address there (``None``: not on
+    this host), its engine answering beside it (``-cell``) for cells; a launch answers at the address."""
+    folder = tempfile.mkdtemp(prefix="vgpu-doctor-")
+    addresses = [os.path.join(folder, str(r)) if here else None for r, here in enumerate(local)]
+    for engine, address in zip(engines, addresses):
+        if address is not None:
+            engine.apply_sync(rank_state.serve, f"{address}-cell")
+    return folder, addresses
+
+
+def ask(addresses: list[str | None]) -> dict[int, dict | None]:
+    """Each rank's answer (:func:`.rank_state.answer`), ``None`` where it gave none within :data:`ANSWER` s."""
+    asked = {}
+    for rank, address in enumerate(addresses):
+        asked[rank] = None
+        if address is not None:
+            connection = socket.socket(socket.AF_UNIX)
+            try:
+                connection.settimeout(ANSWER)
+                connection.connect(address)
+                asked[rank] = connection
+            except OSError:  # not listening yet, or gone
+                connection.close()
+    deadline, answers = time.monotonic() + ANSWER, {}
+    for rank, connection in asked.items():
+        answers[rank] = None
+        if connection is None:
+            continue
+        with connection, contextlib.suppress(OSError, ValueError):
+            connection.settimeout(max(0.01, deadline - time.monotonic()))
+            answers[rank] = json.loads(b"".join(iter(lambda c=connection: c.recv(65536), b"")))
+    return answers
+
+
+def diagnose(
+    answers: dict[int, dict | None], previous: dict[int, dict | None], done: list[bool], hang_after: float
+) -> tuple[str | None, list[str]]:
+    """The diagnosis (``None``: no hang) and a line per rank, from each rank's answer and the one before it."""
+    ranks = {r: _Rank(r, a, previous.get(r), done[r]) for r, a in answers.items()}
+    lines = [rank.line() for rank in ranks.values()]
+    waiting = [r for r in ranks.values() if r.waiting is not None]
+    for rank in waiting:
+        mismatch = _mismatch(rank, ranks.values())
+        if mismatch is not None:
+            return mismatch, lines
+    for rank in sorted(waiting, key=lambda r: -r.waited):
+        entry = rank.waiting
+        if rank.waited < hang_after:
+            continue
+        pg, seq = entry["process_group"][0], entry["collective_seq_id"]
+        missing = [r for r in ranks.values() if r.answer is not None or r.done]
+        missing = [r for r in missing if r.rank != rank.rank and r.entered(pg) < seq]
+        if not missing:
+            continue
+        waiters = [r.rank for r in waiting if r.waiting["collective_seq_id"] == seq and r.entered(pg) == seq]
+        verb = "wait" if len(waiters) > 1 else "waits"
+        call = f"{_op(entry)} #{seq} that {_rank_s(waiters)} {verb} in ({_where(entry['frames'])})"
+        said = [f"{_rank_s([r.rank for r in missing], 'never called')} {call}"]
+        said += [f"rank {r.rank} {r.at()}" for r in missing]
+        return "; ".join(said), lines
+    return None, lines
+
+
+class _Rank:
+    """One rank's answer, read: the collective it waits in (``waiting``, for ``waited`` s), where it is."""
+
+    def __init__(self, rank: int, answer: dict | None, previous: dict | None, done: bool) -> None:
+        self.rank, self.answer, self.previous, self.done = rank, answer, previous, done
+        entries = (answer or {}).get("entries", [])
+        self.collectives = [e for e in entries if not e.get("is_p2p")]
+        open_ = [e for e in self.collectives if not e["retired"]]
+        # Waiting: its main thread in torch's code (a collective's wait, a backward whose reducer waits).
+        self.waiting = open_[-1] if open_ and answer["in_torch"] else None
+        self.waited = answer["at"] - self.waiting["time_created_ns"] / 1e9 if self.waiting else 0.0
+
+    def entered(self, pg: str) -> int:
+        """The last collective number it entered on process group ``pg`` (``0``: none); exited: none more."""
+        seqs = [e["collective_seq_id"] for e in self.collectives if e["process_group"][0] == pg]
+        return max([(self.answer or {}).get("entered", {}).get(pg, 0), *seqs])
+
+    def how(self) -> str:
+        """Running ``"in a loop"`` (busy in one function between two looks), ``"running"`` or ``"idle"``; ``""``: not
+        known (one look)."""
+        if not self.previous or self.answer is None or self.previous["pid"] != self.answer["pid"]:
+            return ""
+        share = (self.answer["cpu"] - self.previous["cpu"]) / max(1e-3, self.answer["at"] - self.previous["at"])
+        if share < BUSY:
+            return "idle"
+        now, before = self.answer["stack"], self.previous["stack"]
+        return "in a loop" if now and before and now[-1][:3:2] == before[-1][:3:2] else "running"
+
+    def at(self) -> str:
+        """Where its code is and how it runs there, for the diagnosis: ``"is at train.py:8, in a loop"``."""
+        if self.done:
+            return "exited"
+        if self.answer is None:
+            return "not answering (C code holding the GIL, or on another host)"
+        user = self.answer["stack"]
+        how = self.how()
+        return f"is at {_where(user[-1:])}" + (f", {how}" if how else "")
+
+    def line(self) -> str:
+        """Its line of the report: its state, its line of code and the source there."""
+        if self.done or self.answer is None:
+            return f"rank {self.rank}: {self.at()}"
+        user = self.answer["stack"]
+        source = f"at {_where(user[-1:])}" + (f": {user[-1][3]}" if user and user[-1][3] else "")
+        if self.waiting is not None:
+            entry = self.waiting
+            what = f"{_op(entry)} #{entry['collective_seq_id']}" + (f" ({_tensors(entry)})" if _tensors(entry) else "")
+            return f"rank {self.rank}: waiting in {what} for {self.waited:.0f} s, {source}"
+        return f"rank {self.rank}: {self.how() + ', ' if self.how() else ''}{source}"
+
+
+def _where(frames: list) -> str:
+    """``train.py:10`` for the first of ``frames`` (a Flight Recorder entry's, or a stack's): its file from the
+    current folder, or its name."""
+    if not frames:
+        return "no line of the script"
+    frame = frames[0]
+    path, line = (frame["filename"], frame["line"]) if isinstance(frame, dict) else frame[:2]
+    if _CELL.search(path):
+        return f"the cell's line {line}"
+    relative = os.path.relpath(path)
+    return f"{os.path.basename(path) if relative.startswith('..') else relative}:{line}"
+
+
+def _op(entry: dict) -> str:
+    return entry["profiling_name"].partition(":")[2] or entry["profiling_name"]
+
+
+def _tensors(entry: dict) -> str:
+    """``[16] float32`` for each of the entry's input tensors."""
+    pairs = zip(entry.get("input_sizes", []), entry.get("input_dtypes", []))
+    return ", ".join(f"{list(size)} {_DTYPES.get(dtype, dtype.lower())}" for size, dtype in pairs)
+
+
+def _mismatch(rank: _Rank, ranks: Any) -> str | None:
+    """How another rank entered ``rank``'s collective differently (op, sizes or dtypes), or ``None``."""
+    entry = rank.waiting
+    pg, seq = entry["process_group"][0], entry["collective_seq_id"]
+    for other in ranks:
+        theirs = [e for e in other.collectives if e["process_group"][0] == pg and e["collective_seq_id"] == seq]
+        if other is rank or not theirs or not _differ(entry, theirs[0], pg, len(ranks)):
+            continue
+        (a, first), (b, second) = sorted([(rank.rank, entry), (other.rank, theirs[0])], key=lambda pair: pair[0])
+        said = [f"{_op(e)}({_tensors(e)}) ({_where(e['frames'])})" for e in (first, second)]
+        return f"at collective #{seq} rank {a} called {said[0]} and rank {b} {said[1]}"
+    return None
+
+
+def _differ(mine: dict, theirs: dict, pg: str, n: int) -> bool:
+    """Do two ranks' entries of one collective differ, by torch's Flight Recorder analyzer (``fr_trace``)'s rules?"""
+    keys = ("profiling_name", "input_sizes", "output_sizes", "input_dtypes", "output_dtypes")
+    if all(mine.get(k) == theirs.get(k) for k in keys):
+        return False
+    try:
+        from torch.distributed.flight_recorder.components.types import MatchState
+        from torch.distributed.flight_recorder.components.utils import match_one_event
+    except ImportError:  # a torch without the analyzer: any difference is one
+        return True
+    state = match_one_event(mine, theirs, {pg: set(range(n))}, pg).state
+    return state not in (MatchState.FULLY_MATCHED, MatchState.COLLECTIVE_STATE_MISMATCH, MatchState.UNDECIDED)

@@ -1,0 +1,89 @@
+"""On a rank: what the hang doctor (:mod:`.doctor`) asks it, answered by a thread of its own that sleeps in
+``accept()`` until asked (no wake-ups, nothing written): where its main thread is in Python, and the collectives torch's
+Flight Recorder holds. A rank whose main thread holds the GIL (a C extension) cannot answer; the kernel says so."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import linecache
+import os
+import socket
+import sys
+import threading
+import time
+
+__all__ = ["FR_BUFFER", "answer", "recorder_env", "serve"]
+
+#: Flight Recorder entries each rank keeps (torch's default is 2,000): enough for the hang, cheap to read. Every rank
+#: gets the same from its launch (a setting on some ranks only hangs torch's start-up: pytorch #129672).
+FR_BUFFER = {"TORCH_FR_BUFFER_SIZE": "64"}
+#: The user's frames kept of the main thread's stack, from the innermost.
+DEPTH = 40
+
+
+def recorder_env() -> dict[str, str]:
+    """:data:`FR_BUFFER`, unless the kernel's environment sets it (every rank then gets the kernel's)."""
+    return {} if set(FR_BUFFER) & set(os.environ) else FR_BUFFER
+
+
+def serve(address: str) -> None:
+    """Listen at the Unix socket ``address`` (the last launch's left there goes); each connection gets
+    :func:`answer` as JSON, then closes."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(address)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(address)
+    listener.listen()
+    main = threading.main_thread().ident
+
+    def loop() -> None:
+        while True:
+            connection, _ = listener.accept()
+            with connection, contextlib.suppress(OSError):
+                connection.sendall(json.dumps(answer(main)).encode())
+
+    threading.Thread(target=loop, name="vgpu-doctor", daemon=True).start()
+
+
+def answer(thread: int | None) -> dict:
+    """``thread``'s frames in the user's code (``[file, line, function, source]``, innermost last), whether it is in
+    torch's code now (``in_torch``: a collective's wait, a backward), the Flight Recorder's entries, and this
+    process' CPU time (the kernel tells a loop from a wait by two answers)."""
+    frame, stack, theirs = sys._current_frames().get(thread), [], _theirs()
+    in_torch = frame is not None and os.sep + "torch" + os.sep in frame.f_code.co_filename
+    while frame is not None and len(stack) < DEPTH:
+        code = frame.f_code
+        if not code.co_filename.startswith(theirs):
+            source = linecache.getline(code.co_filename, frame.f_lineno, frame.f_globals).strip()
+            stack.append([code.co_filename, frame.f_lineno, code.co_name, source])
+        frame = frame.f_back
+    at = {"pid": os.getpid(), "stack": stack[::-1], "in_torch": in_torch, "cpu": time.process_time(), "at": time.time()}
+    return {**at, **_recorded(theirs)}
+
+
+def _theirs() -> tuple[str, ...]:
+    """Where code that is not the user's lives: Python's and the packages' folders, vgpu_magic, frozen modules."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return (sys.prefix, sys.base_prefix, sys.exec_prefix, package, "<frozen")
+
+
+def _recorded(theirs: tuple[str, ...]) -> dict:
+    """Where torch.distributed is in use, the Flight Recorder's collectives still open (torch ≥ 2.13 records gloo's
+    too), their frames cut to the user's (its line, also when DDP's reducer made the call), and the last collective
+    each process group entered. Only the open ones: symbolizing every entry's stack on each ask slowed a loop of
+    small all_reduces 1.6-2.4× (benchmarks/hang_doctor.py)."""
+    if "torch.distributed" not in sys.modules:
+        return {}
+    import pickle
+
+    import torch
+
+    try:
+        dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, True, True))
+    except Exception:  # noqa: BLE001 - no process group yet, or a torch without it: no collectives to show
+        return {}
+    for entry in dump.get("entries", ()):
+        entry["frames"] = [f for f in entry.get("frames", ()) if not f["filename"].startswith(theirs)]
+    entered = {pg: status.get("last_enqueued_collective", 0) for pg, status in dump.get("pg_status", {}).items()}
+    return {"entries": dump.get("entries", []), "entered": entered}
