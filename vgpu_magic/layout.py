@@ -1,6 +1,5 @@
 """The ranks' hosts and the ranks laid out on them, as plain data: a :class:`HostReport` is what one engine says about
-where it runs; :func:`layout_ranks`, pure, orders the ranks (the launcher's rank, else the engine id, by host), gives
-each its local rank, node rank and GPU, and keeps the launcher's conventions (SLURM's ``SLURM_STEP_NODELIST``). The
+where it runs; :func:`layout_ranks`, pure, places the ranks on their hosts as the launcher would (docs/ranks.md). The
 frameworks plan ranks from the :class:`RankLayout`, so GPU and multi-host layouts are tested on recorded data."""
 
 from __future__ import annotations
@@ -32,10 +31,6 @@ class HostReport:
     def launcher_rank(self) -> int | None:
         """The rank the launcher gave this process (SLURM, OpenMPI, PMI), if any."""
         return self.launcher_number("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-
-    @property
-    def launcher_local_rank(self) -> int | None:
-        return self.launcher_number("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
 
     def launcher_number(self, *names: str) -> int | None:
         """The first of the launcher's variables ``names`` that is set to a number."""
@@ -98,14 +93,6 @@ class RankLayout:
     @property
     def world_size(self) -> int:
         return len(self.places)
-
-    @property
-    def hosts(self) -> list[str]:
-        """The hostnames, in node-rank order."""
-        seen: dict[int, str] = {}
-        for place in self.places:
-            seen.setdefault(place.node_rank, place.hostname)
-        return [seen[k] for k in sorted(seen)]
 
     @property
     def gpus_shared(self) -> bool:
@@ -176,7 +163,7 @@ def layout_ranks(reports: list[HostReport], gpus: tuple[GPUInfo, ...] | None = N
     places = []
     for rank, report in enumerate(ordered):
         group = by_host[report.hostname]
-        local = report.launcher_local_rank
+        local = report.launcher_number("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
         node = report.launcher_number("SLURM_NODEID")
         places.append(
             RankPlace(
