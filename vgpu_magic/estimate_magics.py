@@ -16,10 +16,8 @@ from .memory_estimate import GPU_MODELS, MAX_ALL_RANKS, MemoryEstimate, estimabl
 
 @with_example("--gpu 80GB")
 def _gpu(text: str) -> str:
-    try:
+    with usage_errors(PlanError, into=argparse.ArgumentTypeError):
         parse_gpu(text)
-    except PlanError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 

@@ -52,10 +52,8 @@ def seconds(option: str, minimum: float, maximum: float, example: str = "0.05") 
 
     @with_example(f"{option} {example}")
     def number_of_seconds(text: str) -> float:
-        try:
+        with usage_errors(PlanError, into=argparse.ArgumentTypeError):
             return parse_seconds(text, minimum=minimum, maximum=maximum, option=option, example=example)
-        except PlanError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
 
     return number_of_seconds
 
@@ -111,10 +109,8 @@ def _gpu_index(text: str) -> int:
 @with_example("--memory 2048")
 def _memory(text: str) -> tuple[int, ...]:
     _refuse_negative(text, "--memory", "sizes are positive MiB, e.g. --memory 2048")
-    try:
+    with usage_errors(PlanError, into=argparse.ArgumentTypeError):
         return parse_memory_list(text)
-    except PlanError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 @with_example("--visible 0,1")
@@ -135,10 +131,8 @@ def framework_name(text: str) -> str:
     """A ``type=`` for ``--framework``: the registry's name for ``text`` (aliases resolved)."""
     from .frameworks import FrameworkChoiceError, resolve_name
 
-    try:
+    with usage_errors(FrameworkChoiceError, into=argparse.ArgumentTypeError):
         return resolve_name(text)
-    except FrameworkChoiceError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 _others = choice(("hide", "keep"), "--others {value} is not a choice; use hide or keep", "--others keep")
@@ -226,13 +220,14 @@ def _parsed(parser: argparse.ArgumentParser, words: list[str], magic: str) -> tu
 
 
 @contextlib.contextmanager
-def usage_errors(*errors: type[Exception]) -> Iterator[None]:
-    """Around a magic's work: each of ``errors`` (default: ``USER_ERRORS``) becomes its one-line :class:`UsageError`."""
+def usage_errors(*errors: type[Exception], into: type[Exception] = UsageError) -> Iterator[None]:
+    """Around a magic's work: each of ``errors`` (default: ``USER_ERRORS``) becomes its one-line ``into`` (a ``type=``
+    callable's: ``argparse.ArgumentTypeError``)."""
     caught = errors or USER_ERRORS
     try:
         yield
     except caught as exc:
-        raise UsageError(str(exc)) from None
+        raise into(str(exc)) from None
 
 
 def parse_arguments(

@@ -89,14 +89,6 @@ class RankLayout:
         return len(self.places)
 
     @property
-    def hosts(self) -> list[str]:
-        """The hostnames, in node-rank order."""
-        seen: dict[int, str] = {}
-        for place in self.places:
-            seen.setdefault(place.node_rank, place.hostname)
-        return [seen[k] for k in sorted(seen)]
-
-    @property
     def gpus_shared(self) -> bool:
         """Do some ranks share a GPU (so NCCL, one rank per GPU, cannot be used)?"""
         return any(p.gpu_shared_by > 1 for p in self.places)

@@ -9,6 +9,7 @@ import sys
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.display import display
 from traitlets import Any as AnyTrait
 from traitlets import Bool
 
@@ -86,8 +87,6 @@ class VGPUMagics(Magics):
             from .split_panel import panel
         with usage_errors():
             shown = panel(self.watcher, framework=framework)
-        from IPython.display import display
-
         display(shown)
 
     @line_magic
@@ -124,8 +123,6 @@ class VGPUMagics(Magics):
         if args.json:
             print(report.to_json())
         else:
-            from IPython.display import display
-
             display(report)
         return report if args.return_result else None
 

@@ -9,6 +9,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from . import frameworks
 from .devices import DeviceInventory
 from .runtime import RuntimeState, runtime_state
 from .units import MIB, format_bytes
@@ -281,8 +282,6 @@ def collect_framework(fw, watcher=None) -> FrameworkStatus:
 
 def collect_status(watcher=None, framework: str | None = None) -> StatusReport:
     """Every imported framework's section (``framework``'s, or the selected one if none); never starts a runtime."""
-    from . import frameworks
-
     imported = frameworks.imported() or [fw for fw in frameworks.all_frameworks() if fw.imported()]
     chosen = [frameworks.get(framework)] if framework is not None else imported or [frameworks.select()]
     return StatusReport([collect_framework(fw, watcher) for fw in chosen])

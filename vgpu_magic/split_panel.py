@@ -19,22 +19,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without the widg
     ) from exc
 
 from . import frameworks, panel_text
-from .devices import ConfigSnapshot, DeviceInventory, GPUInfo
+from .budget import MAX_DEVICES, MIN_MEMORY_MIB, even_share_mib, usable_mib
+from .devices import ConfigSnapshot, DeviceInventory, GPUInfo, unconfigured
 from .errors import USER_ERRORS, PlanError
 from .outcomes import SplitResult, execute, print_summary
 from .panel_text import CPU_KEY, gpu_key
-from .planner import (
-    MAX_DEVICES,
-    MIN_MEMORY_MIB,
-    FitVerdict,
-    SplitPlan,
-    SplitRequest,
-    check_fit,
-    even_share_mib,
-    plan_split,
-    unconfigured,
-    usable_mib,
-)
+from .planner import check_fit, plan_split
+from .plans import FitVerdict, SplitPlan, SplitRequest
 from .runtime import RuntimeState, RuntimeWatcher, runtime_state
 
 #: The count slider stops here; larger counts (up to the planner's limit) are typed in.
