@@ -1,6 +1,5 @@
-"""CuPy: only asked whether it holds a CUDA context (a :class:`~vgpu_magic.frameworks.base.CudaUser` in
-:data:`vgpu_magic.frameworks.CUDA_USERS`, not a framework of the registry: nothing to split, plan or launch). Importing
-this module imports no CuPy."""
+"""CuPy: only asked whether it holds a CUDA context (a :data:`~vgpu_magic.frameworks.CUDA_USERS` entry: nothing to
+split, plan or launch). Imports no CuPy."""
 
 from __future__ import annotations
 

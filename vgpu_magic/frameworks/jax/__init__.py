@@ -1,7 +1,5 @@
-"""JAX: N CPU devices (next to a GPU or without one), and this process's share of a GPU (docs/split.md). A later CPU
-count is refused naming the cell that started the backend; only one of the two fraction variables is set (jaxlib
-refuses both). Devices have JAX's names (``cpu:3``). Readings: :mod:`.memory`; ``mesh()``: :mod:`.mesh`; ranks:
-:mod:`.ranks`. Importing this module imports neither JAX nor Keras."""
+"""JAX: N CPU devices (next to a GPU or without one), and this process's share of a GPU (docs/split.md), with JAX's
+device names (``cpu:3``). Importing this module imports neither JAX nor Keras."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """JAX's ranks: a coordinator on rank 0's host that an unchanged ``jax.distributed.initialize`` finds
-(:func:`setup_rank`), and each process's devices as a split request, planned on the rank (docs/ranks.md). NCCL before
-2.30 refuses two ranks on one GPU ("Duplicate GPU detected", NCCL 2.28.9, even with ``NCCL_MULTI_RANK_GPU_ENABLE=1``):
-ranks sharing a GPU with an older (or unreadable) NCCL are refused before anything starts. Imports no JAX."""
+(:func:`setup_rank`), and each process's devices as a split request, planned on the rank (docs/ranks.md). Imports no
+JAX."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """TensorFlow: logical GPUs with memory caps on one GPU, or logical CPUs; the one module touching ``tf.config``,
-with calls that do not start the runtime. The INFO lines TensorFlow 2.21 writes while imported, before it reads
-``TF_CPP_MIN_LOG_LEVEL``, are dropped unless the level is an explicit 0. The ranks: :mod:`.ranks`."""
+with calls that do not start the runtime. Imports no TensorFlow."""
 
 from __future__ import annotations
 

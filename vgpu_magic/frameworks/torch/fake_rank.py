@@ -28,9 +28,8 @@ __all__ = ["PeakTracker", "estimate_rank", "without_triton"]
 @contextlib.contextmanager
 def without_triton() -> Iterator[None]:
     """Around an import of torch's memory tools (this module's own below) and an estimate's run."""
-    # With TensorFlow loaded, importing Triton (torch's tools import torch._dynamo, which looks for it) crashes
-    # the process (TensorFlow 2.21 beside torch 2.14's Triton: a segfault). The estimate needs no Triton; the
-    # kernel's own later import of it is the kernel's, so nothing of this stays.
+    # With TensorFlow loaded, importing Triton (through torch._dynamo) crashes the process (docs/estimates.md); the
+    # estimate needs none, and nothing of this stays for the kernel's own later import.
     hidden = "tensorflow" in sys.modules and "triton" not in sys.modules
     if hidden:
         sys.modules["triton"] = None
@@ -218,8 +217,7 @@ def _chunk_lazily(original: Callable) -> Callable:
 
 def _strided_flag_once(module: Any) -> list[tuple[Any, str, Callable]]:
     # A foreach op's sharding looks for _StridedShard in all its lists once per list element (quadratic in the
-    # number of parameters: most of an optimizer step's time); once per op gives the same answer. Older torch
-    # (2.11) has no such scan.
+    # number of parameters); once per op gives the same answer. Older torch has no such scan.
     original = getattr(module, "_propagate_use_strided_shard_flag", None)
     if original is None:
         return []

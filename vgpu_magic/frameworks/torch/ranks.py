@@ -1,11 +1,7 @@
-"""PyTorch's ranks get what ``torchrun --standalone --nproc-per-node 2`` gives each worker (measured, torch 2.14),
-from their hosts: ``MASTER_ADDR`` is rank 0's host (in a job step the step's first), ``LOCAL_*`` and ``GROUP_RANK`` are
-per host; with no agent, rank 0 hosts the TCP store and the agent's variables are left out. Backend: NCCL where every
-rank has a GPU of its own. NCCL before 2.30 refuses two ranks on one GPU ("Duplicate GPU detected", NCCL 2.28.9), so
-where ranks share one ``init_process_group`` maps NCCL to gloo (:func:`gloo_for_nccl`) unless ``--backend nccl`` asks
-for NCCL 2.30's multi-rank mode; ``LOCAL_RANK`` is the GPU's index, so ``set_device(LOCAL_RANK)`` reaches the shared
-card. Each rank is capped with ``set_per_process_memory_fraction``, after room for every rank's CUDA context.
-Importing this module imports no PyTorch."""
+"""PyTorch's ranks get what ``torchrun --standalone`` gives each worker, from their hosts (in a job step the step's
+first host is ``MASTER_ADDR``; with no agent, rank 0 hosts the TCP store and the agent's variables are left out); NCCL
+where every rank has a GPU of its own, else gloo (:func:`gloo_for_nccl`) unless ``--backend nccl`` asks for NCCL 2.30's
+multi-rank mode (docs/ranks.md). Each rank is capped with ``set_per_process_memory_fraction``. Imports no PyTorch."""
 
 from __future__ import annotations
 
