@@ -965,3 +965,27 @@ def test_a_start_and_a_run_say_once_what_they_simulate(monkeypatch, capsys):
         monkeypatch.setattr(ranks.rank_names, "settle", lambda *args: None)
         ranks.run("1")
     assert capsys.readouterr().out == f"{said}\n[rank 0] hello\n"
+
+
+@pytest.mark.parametrize(("why", "tries"), [("EADDRINUSE, message: address already in use", 2), ("no engines", 1)])
+def test_a_start_whose_port_was_taken_meanwhile_starts_once_more(monkeypatch, why, tries):
+    """Rank 0's port, free when its engine asked, may be another connection's by the time its store listens: the
+    start asks for ports again once; any other failure is the start's."""
+    from vgpu_magic.ranks.processes import ClusterStartError
+    from vgpu_magic.ranks.rank_cluster import RankCluster
+
+    cluster, calls = RankCluster(2, "torch", gpus=[]), []
+
+    def start(self):
+        calls.append(self)
+        if len(calls) == 1:
+            raise ClusterStartError(f"wiring PyTorch failed: rank 0 raised DistNetworkError: {why}")
+        return self
+
+    monkeypatch.setattr(RankCluster, "_start", start)
+    if tries == 2:
+        assert cluster.start() is cluster
+    else:
+        with pytest.raises(ClusterStartError, match=why):
+            cluster.start()
+    assert calls == [cluster] * tries

@@ -141,6 +141,16 @@ class RankCluster:
 
     def start(self) -> RankCluster:
         """Start, wire and make this the current cluster; :class:`ClusterStartError` leaves nothing running."""
+        try:
+            return self._start()
+        except ClusterStartError as exc:
+            # Rank 0's port, free when its engine asked the OS, was taken (an ephemeral port of another connection)
+            # before its store listened: once more, with ports asked for again.
+            if "EADDRINUSE" not in str(exc) or self.spec.port is not None:
+                raise
+        return self._start()
+
+    def _start(self) -> RankCluster:
         global _current
         if self.running:
             return self
