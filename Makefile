@@ -66,7 +66,7 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanit
 # ends the run, its test failed: replaced, it would leave the session waiting forever (pytest-xdist#1378).
 TEST_WORKERS ?= 2
 test: setup-test system-deps lint
-	$(TEST_ENV) $(PY) -m pytest tests notebooks $(NBVAL) -m "not packaging" -n $(TEST_WORKERS) --dist loadfile \
+	$(TEST_ENV) $(PY) -m pytest tests notebooks $(NBVAL) -m "not packaging and not screenshot" -n $(TEST_WORKERS) --dist loadfile \
 	  --max-worker-restart=0 $(PYTEST_ARGS)
 
 # The tests that start no fresh process (no slow test, no browser, no notebook), for quick iterations.

@@ -897,6 +897,7 @@ def _shrunk(path: Path) -> None:
     small.save(path, optimize=True)
 
 
+@pytest.mark.screenshot
 def test_jupyterlab_shows_a_split_and_the_memory_of_its_fit_for_the_readme(chromium, lab, artifacts_dir):
     sync_api, _ = chromium
     page = _open(chromium, lab, LAB_PATH, "hero.ipynb", HERO_CELLS)
