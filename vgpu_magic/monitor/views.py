@@ -7,10 +7,10 @@ import math
 import sys
 from typing import Any, TextIO
 
-from ..units import format_bytes, joined_alike, unit_for
+from ..units import format_bytes, joined_alike
 from .trace import MemoryTrace
 
-__all__ = ["View", "RedrawThrottle", "TextSummaryView", "NullView", "summary_line", "panel_top", "panel_unit"]
+__all__ = ["View", "RedrawThrottle", "TextSummaryView", "NullView", "summary_line", "panel_top"]
 __all__ += ["panel_groups", "labelled_groups", "group_label", "title_text", "PALETTE", "DARK_PALETTE"]
 
 #: Series colours. On a light background each has at least 4.5:1 contrast (WCAG's minimum for text, so also for the
@@ -34,11 +34,6 @@ def panel_top(trace: MemoryTrace, panel: str) -> int:
     """The largest cap, baseline or reading so far of one panel (``"device"`` or ``"process"``), in bytes."""
     series = enumerate(zip(trace.series, trace.baseline_peak))
     return max((max(s.cap or 0, base, trace.max_reading(i)) for i, (s, base) in series if s.panel == panel), default=0)
-
-
-def panel_unit(trace: MemoryTrace, panel: str) -> tuple[str, int]:
-    """The unit of one panel for its :func:`panel_top`, KiB at least (the final image's)."""
-    return unit_for(panel_top(trace, panel), smallest="KiB")
 
 
 def panel_groups(trace: MemoryTrace) -> list[list[int]]:
