@@ -1,10 +1,7 @@
 """Live memory of every logical device while a model trains (docs/live-view.md). ``MemoryMonitor`` is a Keras
-callback (``callbacks=[vgpu_magic.MemoryMonitor()]``) and, for custom loops in any framework, a context manager whose
-``sample(step=, epoch=)`` says where the loop is; ``%vgpu_monitor on`` monitors every later ``fit``/``evaluate``/
-``predict``. A thread samples every ``interval`` (JAX's devices: the training thread's hooks) and the view updates five
-times a second, each update followed by at least 200 times its cost of training (``benchmarks/monitor_overhead.py``).
-``monitor.trace`` is a :class:`MemoryTrace` (bounded, peaks exact; ``to_csv``, ``savefig``); ``traces`` keeps the
-latest 10 runs. A failing view or sampler is reported once and never stops training."""
+callback and, for custom loops in any framework, a context manager whose ``sample(step=, epoch=)`` says where the loop
+is; ``%vgpu_monitor on`` monitors every later ``fit``/``evaluate``/``predict``. ``monitor.trace`` is a
+:class:`MemoryTrace` (bounded, peaks exact). A failing view or sampler is reported once and never stops training."""
 
 from __future__ import annotations
 

@@ -12,12 +12,6 @@ from .session import KEPT_TRACES, MonitorSession
 __all__ = ["MemoryMonitor", "KEPT_TRACES"]
 
 
-def _keras_default(method: Any) -> Any:
-    """Mark a no-op hook the way Keras marks its own (``utils.default``)."""
-    method._is_default = True
-    return method
-
-
 class MemoryMonitor(MonitorSession):
     """Watch the memory of every logical device during Keras' ``fit``, ``evaluate`` and ``predict`` (a callback), or a
     custom loop (a context manager); parameters: :class:`MonitorSession`; examples: docs/live-view.md."""
@@ -80,9 +74,9 @@ class MemoryMonitor(MonitorSession):
     def on_predict_batch_begin(self, batch, logs=None) -> None:
         self._recorder.tick(batch)
 
-    @_keras_default
     def _no_batch_hook(self, batch, logs=None) -> None:
-        """Nothing to do at this batch hook: marked so Keras can skip calling it."""
+        """Nothing to do at this batch hook: marked as Keras marks its own (``utils.default``), so it skips the call."""
 
+    _no_batch_hook._is_default = True
     on_batch_begin = on_batch_end = _no_batch_hook
     on_train_batch_end = on_test_batch_end = on_predict_batch_end = _no_batch_hook

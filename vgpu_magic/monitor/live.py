@@ -1,6 +1,5 @@
-"""The live view: an anywidget the browser draws (``live.js``), fed only the rows added since the last update, shown
-before Keras' progress bar prints so the bar stays below it; the static image replaces it when the run ends. Not
-bqplot: setting a ``Lines``' arrays re-sends every point (``benchmarks/monitor_overhead.py`` measures both)."""
+"""The live view: an anywidget the browser draws (``live.js``), fed only the rows added since the last update (not
+bqplot, whose ``Lines`` re-send every point), shown above Keras' progress bar; the final image replaces it."""
 
 from __future__ import annotations
 
@@ -92,8 +91,7 @@ def _series(trace: MemoryTrace) -> list[dict[str, Any]]:
 
 
 class LiveMemoryView(View):
-    """Feeds a ``MemoryWidget`` (``widget(**traits)``) on ``surface`` and leaves the final image there when ``defer``
-    says."""
+    """Feeds a ``MemoryWidget`` (``widget(**traits)``) on ``surface``; the final image replaces it as ``defer`` says."""
 
     def __init__(
         self,
@@ -159,12 +157,8 @@ class LiveMemoryView(View):
         n = len(trace)
         if n > first:
             time_, current, peak = trace.time, trace.current, trace.peak
-            rows = []
-            for k in range(first, n):
-                row = [round(time_[k], 3)]
-                for cur, pk in zip(current, peak):
-                    row += (cur[k], pk[k])
-                rows.append(row)
+            columns = [column for pair in zip(current, peak) for column in pair]  # each series' current, then peak
+            rows = [[round(time_[k], 3), *(column[k] for column in columns)] for k in range(first, n)]
             self.widget.send({"rows": rows, "reset": reset})
         self._sent, self._bucket = n, trace.decimated
         if len(trace.epoch_starts) != self._marks:

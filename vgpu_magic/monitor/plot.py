@@ -10,7 +10,7 @@ from typing import Any
 
 from ..units import format_bytes, unit_for
 from .trace import MemoryTrace, short_name
-from .views import PALETTE, group_label, panel_groups, panel_unit, title_text
+from .views import PALETTE, group_label, panel_groups, panel_top, title_text
 
 #: At most this many points per line (bucket maxima beyond it, so no spike disappears).
 MAX_POINTS = 1500
@@ -74,7 +74,7 @@ class MemoryFigure:
 
         self.trace = trace
         panels = [p for p in ("device", "process") if any(s.panel == p for s in trace.series)]
-        self.units = {p: panel_unit(trace, p) for p in panels}
+        self.units = {p: unit_for(panel_top(trace, p), smallest="KiB") for p in panels}
         self.groups = panel_groups(trace)
         entries = len(self.groups) + 1
         ncol = 1 if entries <= 2 else 2

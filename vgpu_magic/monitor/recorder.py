@@ -1,14 +1,9 @@
 """The recorder: samples a :class:`~vgpu_magic.monitor.sampler.MemorySampler` into a :class:`MemoryTrace` and feeds a
-view; knows nothing of Keras. With
-``background=True`` its thread samples every ``interval`` and feeds the view, as training does not call back at a
-steady pace (a hook-fed ``MirroredStrategy`` fit updated 2.2 times a second, in bursts); the training thread's hooks
-only say the step and epoch. The run's start, each epoch's end and the run's end are sampled on the caller's thread.
-A ``training_thread_only`` sampler (JAX's live arrays) is sampled by the hooks alone, at most every ``interval``.
-
-Devices join: a provisional sampler (no runtime at the start) reads the process alone until ``sampler.joinable()``
-says a runtime started; the next sample asks for a sampler again (0 B in the rows before). Allocators keep their own
-peaks. A view or sampler that fails is reported once and switched off, never raising into the training loop. The
-recorder closes each sampler it asked for once it is done with it."""
+view; knows nothing of Keras. With ``background=True`` its thread samples every ``interval``, as training does not
+call back at a steady pace; the training thread's hooks say the step and epoch, and sample the run's start, each
+epoch's end and the run's end (a ``training_thread_only`` sampler, JAX's live arrays: every sample, at most every
+``interval``). Devices join: a provisional sampler reads the process alone until ``joinable()`` says a runtime
+started; the next sample asks for a sampler again. A failing view or sampler is reported once and switched off."""
 
 from __future__ import annotations
 

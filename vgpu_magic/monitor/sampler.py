@@ -178,11 +178,9 @@ class DeviceSampler:
     ) -> DeviceSampler:
         """A sampler over :func:`monitored_devices` of ``framework``, with its caps and CPU grouping."""
         names = monitored_devices(framework, devices, model=model, strategy=strategy)
-        shared = framework.capabilities.cpus_share_allocator
         configuration = framework.read_configuration()
-        caps_mib = configuration.caps_mib()
-        caps = {name: None if mib is None else int(mib) * MIB for name, mib in caps_mib.items()}
-        series = build_series(names, caps, shared_cpus=shared, process=process)
+        caps = {name: None if mib is None else int(mib) * MIB for name, mib in configuration.caps_mib().items()}
+        series = build_series(names, caps, shared_cpus=framework.capabilities.cpus_share_allocator, process=process)
         # A device's own series is labelled in the framework's words (JAX: "cpu:3").
         series = [replace(s, label=framework.device_label(s.key)) if s.devices == (s.key,) else s for s in series]
         sampler = cls(series, framework.memory_reader())

@@ -112,8 +112,7 @@ class MonitorSession:
         return next((fw for fw in found if fw.runtime_started()), None)
 
     def _make_sampler(self) -> MemorySampler:
-        """The sampler given, else every device of the running framework; until one runs, the process' RSS alone
-        (provisionally)."""
+        """The sampler given, else the running framework's devices; until one runs, the process' RSS (provisionally)."""
         if self._sampler is not None:
             return self._sampler
         framework = self._running_framework()

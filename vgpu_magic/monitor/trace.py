@@ -51,10 +51,6 @@ class MemorySample(NamedTuple):
     peak: int
 
 
-#: CSV / row column order.
-COLUMNS = MemorySample._fields
-
-
 class _Columns:
     """``n`` counted rows in parallel arrays, the first ``envelope`` of them min/max rows."""
 
@@ -197,7 +193,7 @@ class MemoryTrace:
         path = os.fspath(path)
         with open(path, "w", newline="") as fh:
             writer = csv.writer(fh)
-            writer.writerow(COLUMNS)
+            writer.writerow(MemorySample._fields)
             for row in self.rows():
                 writer.writerow((f"{row.time:.6f}", *row[1:]))
         return path

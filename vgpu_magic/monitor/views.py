@@ -7,27 +7,33 @@ import math
 import sys
 from typing import Any, TextIO
 
-from ..units import format_bytes, joined_alike, unit_for
+from ..units import format_bytes, joined_alike
 from .trace import MemoryTrace
 
-__all__ = ["View", "RedrawThrottle", "TextSummaryView", "NullView", "summary_line", "panel_top", "panel_unit"]
+__all__ = ["View", "RedrawThrottle", "TextSummaryView", "NullView", "summary_line", "panel_top"]
 __all__ += ["panel_groups", "labelled_groups", "group_label", "title_text", "PALETTE", "DARK_PALETTE"]
 
 #: Series colours. On a light background each has at least 4.5:1 contrast (WCAG's minimum for text, so also for the
 #: lines and legend swatches); the live view draws with :data:`DARK_PALETTE` on a dark theme, the same hues lighter.
 PALETTE = ("#1f77b4", "#b35f0b", "#258625", "#d62728", "#8f60ba", "#168084", "#c14495", "#757575", "#797913", "#976c46")
-DARK_PALETTE = tuple("#2283c5 #d9730d #2ca02c #de4849 #976bbf #1a9a9e #c6549d #7f7f7f #8f8f17 #a3744c".split())  # noqa: SIM905
+DARK_PALETTE = (
+    "#2283c5",
+    "#d9730d",
+    "#2ca02c",
+    "#de4849",
+    "#976bbf",
+    "#1a9a9e",
+    "#c6549d",
+    "#7f7f7f",
+    "#8f8f17",
+    "#a3744c",
+)
 
 
 def panel_top(trace: MemoryTrace, panel: str) -> int:
     """The largest cap, baseline or reading so far of one panel (``"device"`` or ``"process"``), in bytes."""
     series = enumerate(zip(trace.series, trace.baseline_peak))
     return max((max(s.cap or 0, base, trace.max_reading(i)) for i, (s, base) in series if s.panel == panel), default=0)
-
-
-def panel_unit(trace: MemoryTrace, panel: str) -> tuple[str, int]:
-    """The unit of one panel for its :func:`panel_top`, KiB at least (the final image's)."""
-    return unit_for(panel_top(trace, panel), smallest="KiB")
 
 
 def panel_groups(trace: MemoryTrace) -> list[list[int]]:
@@ -78,15 +84,20 @@ def title_text(trace: MemoryTrace, final: bool = False) -> str:
 class View:
     """The view contract (no-ops here): ``sampled`` each sample, ``series_changed`` when devices joined, ``finish``."""
 
-    def start(self, trace: MemoryTrace) -> None: ...
+    def start(self, trace: MemoryTrace) -> None:
+        pass
 
-    def sampled(self, trace: MemoryTrace, now: float) -> None: ...
+    def sampled(self, trace: MemoryTrace, now: float) -> None:
+        pass
 
-    def series_changed(self, trace: MemoryTrace) -> None: ...
+    def series_changed(self, trace: MemoryTrace) -> None:
+        pass
 
-    def epoch_end(self, trace: MemoryTrace, epoch: int) -> None: ...
+    def epoch_end(self, trace: MemoryTrace, epoch: int) -> None:
+        pass
 
-    def finish(self, trace: MemoryTrace) -> None: ...
+    def finish(self, trace: MemoryTrace) -> None:
+        pass
 
 
 class NullView(View):
