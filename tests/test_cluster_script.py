@@ -230,6 +230,8 @@ INTENDED = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "the elastic agent's",
     "TORCHELASTIC_SIGNALS_TO_HANDLE": "the elastic agent's",
     "MASTER_PORT": "a free port each run, chosen by each launcher",
+    # The hang doctor reads each rank's collectives from torch's Flight Recorder (docs/hangs.md).
+    "TORCH_FR_BUFFER_SIZE": "the hang doctor's",
     # Rank 0's reachable address, never localhost (torchrun --standalone's), so that other hosts reach it too.
     "MASTER_ADDR": "rank 0's reachable address",
     # Set by the shell that ran torchrun (the command it ran last).

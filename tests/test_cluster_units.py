@@ -75,7 +75,8 @@ def plan(framework, n, split=None, memory=None, gpus=(), ports=None, port=None, 
 
 def test_torch_environment_is_torchruns():
     plans = plan("torch", 2, ports=[29500, 29501])
-    assert [set(p.env) for p in plans] == [TORCHRUN_KEYS, TORCHRUN_KEYS]
+    # and the hang doctor's Flight Recorder size (docs/hangs.md)
+    assert [set(p.env) for p in plans] == [TORCHRUN_KEYS | {"TORCH_FR_BUFFER_SIZE"}] * 2
     assert [p.env["RANK"] for p in plans] == ["0", "1"]
     assert [p.env["LOCAL_RANK"] for p in plans] == ["0", "1"]
     assert {p.env["MASTER_PORT"] for p in plans} == {"29500"}

@@ -24,7 +24,7 @@ from ..frameworks.base import RankPlan
 from ..inventory import GPUInfo, NVMLReadError, nccl_version, visible_gpus
 from ..layout import HostReport, RankLayout, layout_ranks
 from ..units import MIB
-from . import doctor, launch, lifetime, names, processes, rank_state
+from . import doctor, launch, lifetime, names, processes
 from .hosts import prepare_rank, report_host
 from .launchers import LAUNCHERS, MAX_RANKS, Launcher, plan_launcher
 from .mps import MPSDaemon, plan_mps
@@ -246,7 +246,7 @@ class RankCluster:
 
     def _plan_ranks(self, layout: RankLayout, restart: tuple[int, int] = (0, 0)) -> list[RankPlan]:
         """The framework's plans for ``layout`` with quiet logs; ``restart``: (which, of at most), as torchrun."""
-        spec, quiet = self.spec, {**rank_state.recorder_env(), **rank_env(self.fw, self.spec.verbose)}
+        spec, quiet = self.spec, rank_env(self.fw, self.spec.verbose)
         memory_mib = None if spec.memory is None else spec.memory // MIB
         plans = self.fw.plan_ranks(layout, spec.split, memory_mib, spec.port, spec.backend)
         mps = self.mps.env if self.mps is not None else {}

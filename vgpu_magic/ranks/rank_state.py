@@ -13,18 +13,10 @@ import sys
 import threading
 import time
 
-__all__ = ["FR_BUFFER", "answer", "recorder_env", "serve"]
+__all__ = ["answer", "serve"]
 
-#: Flight Recorder entries each rank keeps (torch's default is 2,000): enough for the hang, cheap to read. Every rank
-#: gets the same from its launch (a setting on some ranks only hangs torch's start-up: pytorch #129672).
-FR_BUFFER = {"TORCH_FR_BUFFER_SIZE": "64"}
 #: The user's frames kept of the main thread's stack, from the innermost.
 DEPTH = 40
-
-
-def recorder_env() -> dict[str, str]:
-    """:data:`FR_BUFFER`, unless the kernel's environment sets it (every rank then gets the kernel's)."""
-    return {} if set(FR_BUFFER) & set(os.environ) else FR_BUFFER
 
 
 def serve(address: str) -> None:

@@ -82,6 +82,9 @@ def plan_ranks(
             "TORCHELASTIC_RUN_ID": run_id,
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            # The hang doctor's record of each rank's collectives (docs/hangs.md), on every rank alike: a setting on
+            # some ranks only hangs torch's start-up (pytorch #129672).
+            "TORCH_FR_BUFFER_SIZE": os.environ.get("TORCH_FR_BUFFER_SIZE", "64"),
         }
         shares = place.rank in channels
         if shares:
