@@ -41,7 +41,7 @@ def serve(address: str) -> None:
 def answer(thread: int | None) -> dict:
     """``thread``'s frames in the user's code (``[file, line, function, source]``, innermost last), whether it is in
     torch's code now (``in_torch``: a collective's wait, a backward), the Flight Recorder's entries, and this
-    process' CPU time (the kernel tells a loop from a wait by two answers)."""
+    thread's CPU time (the kernel tells a loop from a wait by two answers)."""
     frame, stack, theirs = sys._current_frames().get(thread), [], _theirs()
     in_torch = frame is not None and os.sep + "torch" + os.sep in frame.f_code.co_filename
     while frame is not None and len(stack) < DEPTH:
@@ -50,8 +50,20 @@ def answer(thread: int | None) -> dict:
             source = linecache.getline(code.co_filename, frame.f_lineno, frame.f_globals).strip()
             stack.append([code.co_filename, frame.f_lineno, code.co_name, source])
         frame = frame.f_back
-    at = {"pid": os.getpid(), "stack": stack[::-1], "in_torch": in_torch, "cpu": time.process_time(), "at": time.time()}
+    at = {"pid": os.getpid(), "stack": stack[::-1], "in_torch": in_torch, "cpu": _cpu(thread), "at": time.time()}
     return {**at, **_recorded(theirs)}
+
+
+def _cpu(thread: int | None) -> float:
+    """``thread``'s CPU seconds where Linux tells them (``/proc``), else the process's: a rank asleep or waiting in a
+    collective spends none, though its runtime threads (gloo's, this one answering) spend some."""
+    native = next((t.native_id for t in threading.enumerate() if t.ident == thread), None)
+    try:
+        with open(f"/proc/self/task/{native}/stat") as stat:
+            ticks = stat.read().rsplit(")", 1)[1].split()[11:13]  # utime, stime
+        return sum(map(int, ticks)) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return time.process_time()
 
 
 def _theirs() -> tuple[str, ...]:
