@@ -212,7 +212,17 @@ def our_processes() -> set[int]:
     """The live processes this test process started, directly or not."""
     import psutil
 
-    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+    return {p.pid for p in psutil.Process().children(recursive=True) if _status(p) not in (None, psutil.STATUS_ZOMBIE)}
+
+
+def _status(process) -> str | None:
+    """``process``'s status, None where it ended since it was listed."""
+    import psutil
+
+    try:
+        return process.status()
+    except psutil.NoSuchProcess:
+        return None
 
 
 def left_running(before: set[int], within: float = 10.0) -> list[str]:
