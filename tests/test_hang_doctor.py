@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from support import refused_changing_nothing
+from support import again_after_torchs_exit_abort, failure_text, refused_changing_nothing
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -24,8 +24,13 @@ rank = dist.get_rank()
 t = torch.ones(16)
 dist.all_reduce(t)
 """
-#: The end of a script that finishes: the group destroyed (else torch's exit-time abort can end a rank by SIGABRT).
-END = "dist.destroy_process_group()\n"
+#: The end of a script that finishes: the rank's mark that its work is done (``done.RANK`` beside the script, which
+#: :func:`_finishes` reads), and the group destroyed (else torch's exit-time abort ends a rank more often).
+END = """\
+import pathlib
+pathlib.Path(__file__).with_name(f"done.{rank}").write_text("done")
+dist.destroy_process_group()
+"""
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +52,23 @@ def _hang(shell, capsys, tmp_path, body: str, line: str = "--hang-after 3 --time
     return captured.out + captured.err, info.value.headline()
 
 
+def _finishes(shell, capsys, script, line: str = "") -> str:
+    """``%vgpu_run --no-plot LINE SCRIPT`` to its end, again where torch aborted a rank as it exited after both had
+    written ``done.RANK`` (:func:`again_after_torchs_exit_abort`, as the suite's other gloo runs): what it printed."""
+    capsys.readouterr()
+    marks = [script.with_name(f"done.{rank}") for rank in range(2)]
+    again_after_torchs_exit_abort(
+        lambda: shell.run_line_magic("vgpu_run", f"--no-plot {line} {script}"), failure_text, script.parent, marks
+    )
+    captured = capsys.readouterr()
+    return captured.out + captured.err
+
+
 def _usable(shell, capsys, tmp_path) -> None:
     """The cluster runs a script to its end after the hang."""
     script = tmp_path / "ok.py"
     script.write_text(HEAD + "print('done', rank, t.sum().item())\n" + END)
-    capsys.readouterr()
-    shell.run_line_magic("vgpu_run", f"--no-plot {script}")
-    out = capsys.readouterr().out
+    out = _finishes(shell, capsys, script)
     assert "[rank 0] done 0 32.0" in out and "[rank 1] done 1 32.0" in out, out
 
 
@@ -173,10 +188,7 @@ def test_a_slow_rank_is_reported_after_hang_after_and_the_run_then_finishes(shel
     script.write_text(
         HEAD + "if rank == 1:\n    time.sleep(10)\ndist.all_reduce(t)\nprint('joined', t.sum().item())\n" + END
     )
-    capsys.readouterr()
-    shell.run_line_magic("vgpu_run", f"--no-plot --hang-after 3 {script}")
-    captured = capsys.readouterr()
-    out = captured.out + captured.err
+    out = _finishes(shell, capsys, script, "--hang-after 3")
     said = "rank 1 never called all_reduce #2 that rank 0 waits in (slow.py:11); rank 1 is at slow.py:10, idle"
     assert said in out, out
     assert "[rank 0] joined 64.0" in out and "[rank 1] joined 64.0" in out
@@ -185,10 +197,7 @@ def test_a_slow_rank_is_reported_after_hang_after_and_the_run_then_finishes(shel
 def test_without_the_doctor_nothing_is_reported(shell, capsys, tmp_path):
     script = tmp_path / "slow.py"
     script.write_text(HEAD + "if rank == 1:\n    time.sleep(6)\ndist.all_reduce(t)\n" + END)
-    capsys.readouterr()
-    shell.run_line_magic("vgpu_run", f"--no-plot --hang-after 0 {script}")
-    captured = capsys.readouterr()
-    assert "a hang" not in captured.out + captured.err
+    assert "a hang" not in _finishes(shell, capsys, script, "--hang-after 0")
 
 
 @pytest.mark.parametrize("value", ["-1", "soon"])
