@@ -66,7 +66,7 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanit
 # ends the run, its test failed: replaced, it would leave the session waiting forever (pytest-xdist#1378).
 TEST_WORKERS ?= 2
 test: setup-test system-deps lint
-	$(TEST_ENV) $(PY) -m pytest tests notebooks $(NBVAL) -m "not packaging and not screenshot" -n $(TEST_WORKERS) --dist loadfile \
+	$(TEST_ENV) $(PY) -m pytest tests notebooks $(NBVAL) -m "not packaging and not screenshot and not load" -n $(TEST_WORKERS) --dist loadfile \
 	  --max-worker-restart=0 $(PYTEST_ARGS)
 
 # The tests that start no fresh process (no slow test, no browser, no notebook), for quick iterations.
@@ -82,9 +82,10 @@ test-anycpu: setup-test system-deps
 	for kernels in $(ANYCPU_KERNELS); do echo "== $$kernels"; \
 	  env TF_CPP_MIN_LOG_LEVEL=2 $$kernels $(PY) -m pytest tests notebooks $(NBVAL) -m anycpu $(PYTEST_ARGS) || exit 1; done
 
-# The stress loops at their full counts (`make test` runs a fifth of each).
+# The stress loops at their full counts (`make test` runs a fifth of each), and the tests that load the machine on
+# purpose (`make test` leaves them out: their busy loops starve the other worker's tests).
 test-stress: setup-test system-deps
-	$(TEST_ENV) $(PY) -m pytest tests -m stress --stress $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest tests -m "stress or load" --stress $(PYTEST_ARGS)
 
 # torchrun's reference runs measured again (`make test` reads them back from ~/.cache/vgpu-magic-tests where their
 # inputs, versions, CPU and float kernels are the same).

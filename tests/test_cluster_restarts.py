@@ -49,6 +49,7 @@ def test_a_rank_that_exits_is_launched_again_with_every_rank_and_resumes(shell, 
     assert done == {"weights": uninterrupted, "attempt": 1}
 
 
+@pytest.mark.load
 def test_restarts_under_load_connect_again_and_the_cluster_is_usable_after(shell, uninterrupted, tmp_path, capsys):
     """Under two busy loops the restarted ranks still meet (a new attempt's rendezvous, its peer slow to come) and
     finish as a run that never failed."""

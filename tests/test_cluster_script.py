@@ -367,6 +367,7 @@ def test_the_ranks_a_failure_took_down_are_said_in_one_line_each(kernel, tmp_pat
     assert "Connection closed by peer" in kernel_stdout(reply)
 
 
+@pytest.mark.load
 def test_an_interrupted_launch_that_is_still_saving_under_load_is_not_killed(kernel, tmp_path):
     """Issue 37, row 2: an interrupted launch had a fixed grace (30 s, then SIGKILL; the engines 3 s more), so a
     script whose ``except KeyboardInterrupt`` was still at work, slowed by a loaded machine, lost its save and
@@ -412,6 +413,7 @@ def spares_ready(kc, within: float = 180.0) -> None:
     raise AssertionError(f"the spares were still busy after {within:g} s")
 
 
+@pytest.mark.load
 def test_a_timeout_on_ranks_blocked_in_a_collective_kills_them_once_stuck_and_says_so(kernel, tmp_path):
     """Issue 43, rows 2 and 3: ``--timeout 10`` on ranks blocked in a collective returned after 26-133 s: their
     runtimes' threads' CPU time crept (0.01 s every few seconds), which the grace after SIGINT took for progress
@@ -451,6 +453,7 @@ def test_a_timeout_on_ranks_blocked_in_a_collective_kills_them_once_stuck_and_sa
     assert not kernel_errors(reply), kernel_errors(reply)
 
 
+@pytest.mark.load
 def test_every_rank_exiting_at_once_is_named_with_its_own_status_under_load(kernel, tmp_path):
     """Issue 43, row 10: with every rank raising ``SystemExit`` at once, 3 runs in 8 (under load) said ``rank 1
     exited with status 1; interrupted rank 0`` though rank 0 had printed its message and exited 1 itself: the

@@ -323,6 +323,26 @@ def test_requests_built_in_python_are_validated_too(request_, fragment):
         plan_split(request_, gpu_inventory(24000, 24000))
 
 
+@pytest.mark.parametrize(
+    "request_, fragment",
+    [
+        (SplitRequest(framework="tensorflow"), "nothing to do"),
+        (SplitRequest(count=0, framework="tensorflow"), "device count 0 is out of range"),
+        (SplitRequest(count=2, others="maybe", framework="tensorflow"), "--others 'maybe' is not a choice"),
+    ],
+)
+def test_a_request_that_no_device_could_satisfy_is_refused_before_the_probe(monkeypatch, request_, fragment):
+    """The probe imports the framework (TensorFlow: seconds, which `vgpu-magic plan` with nothing to do waited)."""
+    from vgpu_magic import frameworks, outcomes
+
+    def probe():
+        raise AssertionError("probed")
+
+    monkeypatch.setattr(frameworks.get("tensorflow"), "probe_inventory", probe)
+    with pytest.raises(PlanError, match=fragment):
+        outcomes.execute(request_)
+
+
 # -- memory sizes ----------------------------------------------------------------------
 
 

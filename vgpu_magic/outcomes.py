@@ -10,7 +10,7 @@ from typing import Any
 from . import frameworks
 from .devices import Capabilities, ConfigSnapshot, DeviceInventory, simulated_line
 from .frameworks import Framework
-from .planner import SplitPlan, SplitRequest, configuration_after, plan_split
+from .planner import SplitPlan, SplitRequest, check_request, configuration_after, plan_split
 from .runtime import NO_LONGER_CHANGE, RuntimeState, RuntimeWatcher, runtime_state
 
 
@@ -186,6 +186,7 @@ def execute(
 ) -> SplitResult:
     """Plan ``request`` on this machine and apply it (every face); :class:`PlanError` before anything is touched."""
     fw = frameworks.select(request.framework) if inventory is None else frameworks.get(inventory.framework)
+    check_request(request, fw.capabilities)  # before a probe that imports the framework (TensorFlow: seconds)
     inventory = fw.probe_inventory() if inventory is None else inventory
     plan_ = plan_split(request, inventory)
     # A CUDA context held elsewhere only matters where the framework sees a GPU (and asking NVML takes a while).

@@ -76,20 +76,25 @@ def _check_start_rules(plan: SplitPlan, inventory: DeviceInventory) -> None:
 
 def plan_split(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
     """Validate ``request`` against ``inventory`` and return the plan to apply, or raise :class:`PlanError`."""
-    capabilities = inventory.capabilities
-    if not capabilities.splits_in_process:
-        raise PlanError(
-            f"{capabilities.label} uses one device per process, so one process cannot be split; rehearse several "
-            f"devices as several processes: %vgpu_cluster start N --framework {capabilities.name}"
-        )
     plan = _plan(request, inventory)
     _check_start_rules(plan, inventory)
     return plan
 
 
-def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
-    """``request``'s plan on ``inventory``, checked in order: words, count, visibility and growth, then device."""
-    capabilities, label = inventory.capabilities, inventory.capabilities.label
+def check_request(request: SplitRequest, capabilities: Capabilities) -> None:
+    """What of ``request`` can be refused before the devices are probed (probing may import the framework, seconds):
+    :class:`PlanError` as :func:`plan_split` would raise it."""
+    _words(request, capabilities)
+
+
+def _words(request: SplitRequest, capabilities: Capabilities) -> tuple[str, int, tuple[int, ...] | None, int]:
+    """``request``'s target, GPU index, sizes and count, checked in order against what no probe tells: the
+    framework, the words, the count, whether it asks for anything."""
+    if not capabilities.splits_in_process:
+        raise PlanError(
+            f"{capabilities.label} uses one device per process, so one process cannot be split; rehearse several "
+            f"devices as several processes: %vgpu_cluster start N --framework {capabilities.name}"
+        )
     if request.others not in ("hide", "keep"):
         raise PlanError(f"--others {excerpt(request.others)} is not a choice; use hide or keep")
     if request.target not in ("auto", "gpu", "cpu"):
@@ -109,6 +114,16 @@ def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
         count = len(sizes) if sizes is not None and not isinstance(memory, int) else 1
     if not 1 <= count <= MAX_DEVICES:
         raise PlanError(f"device count {count} is out of range; use 1..{MAX_DEVICES}, e.g. %vgpu_split 4")
+    asks = request.count is not None or sizes is not None or target == "cpu"
+    if not (asks or request.visible is not None or request.memory_growth):
+        raise PlanError("nothing to do; give a device count, e.g. %vgpu_split 4 (see %vgpu_split? for options)")
+    return target, gpu_index, sizes, count
+
+
+def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
+    """``request``'s plan on ``inventory``, checked in order: :func:`_words`, visibility and growth, then device."""
+    capabilities, label = inventory.capabilities, inventory.capabilities.label
+    target, gpu_index, sizes, count = _words(request, capabilities)
     if request.visible is not None:
         if not capabilities.gpu_visibility:
             raise PlanError(
@@ -134,8 +149,6 @@ def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
         if not inventory.gpus:
             raise PlanError(f"--growth needs a GPU and none is visible to {label}; drop --growth on a CPU machine")
     if not split_requested:
-        if request.visible is None and not request.memory_growth:
-            raise PlanError("nothing to do; give a device count, e.g. %vgpu_split 4 (see %vgpu_split? for options)")
         return SplitPlan("GPU", None, (), request.visible, request.memory_growth, **_named(request, capabilities))
     if target == "gpu" and not inventory.gpus:
         raise PlanError(f"GPU {gpu_index} does not exist: {label} sees no GPU here; drop --gpu to split the CPU")
