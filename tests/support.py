@@ -275,12 +275,13 @@ def two_gpu_snapshot(logical=None, visible=(0, 1), growth=(False, False)):
 
 
 #: What torch 2.14 prints when a gloo process aborts as it exits, its work done and its group destroyed
-#: (std::terminate in teardown; pytorch/pytorch#190489 shows it without the destroy). A core dump shows why: the
-#: group is freed only as the interpreter finalizes (DDP holds it past ``destroy_process_group``), and a gloo worker
-#: thread that still holds its last all-reduce, made in a backward pass, must take the GIL to free the autograd
-#: context that work captured (``_stash_obj_in_tls("context")``), which a finalizing interpreter refuses. Measured
-#: under two busy loops: 4 of 30 torchrun runs of ddp_train.py (pytorch/examples' shape), 0 of 40 of ddp_parity.py;
-#: plain torchrun and our launches alike. The product reports it as torchrun does, the exit status as it is ("rank 1
+#: (std::terminate in teardown; pytorch/pytorch#190489 shows it without the destroy). Core dumps show why: a gloo
+#: worker thread frees the last collective's work (an all-reduce made in a backward pass, or a plain barrier) after
+#: the main thread has begun ``Py_FinalizeEx``; the work's saved thread-local state holds a Python object, whose
+#: decref must take the GIL, which a finalizing interpreter refuses (the thread is unwound through a noexcept
+#: destructor). Measured under load: 4 of 30 torchrun runs of ddp_train.py (pytorch/examples' shape), 0 of 40 of
+#: ddp_parity.py; 2 of 40 of a small DDP script without the Flight Recorder, 7 of 40 with it (docs/hangs.md); plain
+#: torchrun and our launches alike. The product reports it as torchrun does, the exit status as it is ("rank 1
 #: was killed by SIGABRT") with the rank's last stderr lines, which carry this text: a launcher cannot tell an abort
 #: after the work from one during it, and a job scheduler sees the same failed exit.
 TORCH_EXIT_ABORT = "terminate called without an active exception"
