@@ -281,9 +281,9 @@ def two_gpu_snapshot(logical=None, visible=(0, 1), growth=(False, False)):
 #: decref must take the GIL, which a finalizing interpreter refuses (the thread is unwound through a noexcept
 #: destructor). Measured under load: 4 of 30 torchrun runs of ddp_train.py (pytorch/examples' shape), 0 of 40 of
 #: ddp_parity.py; 2 of 40 of a small DDP script without the Flight Recorder, 7 of 40 with it (docs/hangs.md); plain
-#: torchrun and our launches alike. The product reports it as torchrun does, the exit status as it is ("rank 1
-#: was killed by SIGABRT") with the rank's last stderr lines, which carry this text: a launcher cannot tell an abort
-#: after the work from one during it, and a job scheduler sees the same failed exit.
+#: torchrun and our launches alike. The product reports it as a failure, as torchrun does ("rank 1 was killed by
+#: SIGABRT as it exited, after its script ended"), with the rank's last stderr lines, which carry this text: a job
+#: scheduler sees the same failed exit. The guard reads the rank's files, not those words: a rank of a job has none.
 TORCH_EXIT_ABORT = "terminate called without an active exception"
 
 #: The runs :func:`again_after_torchs_exit_abort` guarded this session and how many tries again; tests/conftest.py

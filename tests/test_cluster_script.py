@@ -487,6 +487,33 @@ def test_a_rank_whose_exit_is_on_its_way_as_the_others_fail_is_named_with_its_ow
     assert kernel_errors(reply) == ["RankRunError: ranks 0, 1 exited with status 1; the cluster is still usable"]
 
 
+def test_a_signal_after_the_script_ended_is_said_to_have_come_as_it_exited(kernel, tmp_path):
+    """torch's exit-time abort (pytorch/pytorch#190489) ends a rank by SIGABRT once its work is done: the error says
+    so, where one during the script says only the signal (here both come from the script's own objects)."""
+    _, kc = kernel
+    script = tmp_path / "late.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "class Late:\n"
+        "    def __del__(self):\n"
+        "        os.kill(os.getpid(), signal.SIGABRT)\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    late = Late()  # freed as the interpreter finalizes\n"
+        "    if sys.argv[1:] == ['now']:\n"
+        "        del late\n"
+        "else:\n"
+        "    time.sleep(60)  # interrupted by the fault policy\n"
+    )
+    reply = kernel_run(kc, f"%vgpu_run --no-plot {script}")
+    assert kernel_errors(reply) == [
+        "RankRunError: rank 1 was killed by SIGABRT as it exited, after its script ended; interrupted rank 0; "
+        "the cluster is still usable"
+    ]
+    reply = kernel_run(kc, f"%vgpu_run --no-plot {script} now")
+    said = "RankRunError: rank 1 was killed by SIGABRT; interrupted rank 0; the cluster is still usable"
+    assert kernel_errors(reply) == [said]
+
+
 def test_a_rank_that_dies_mid_run_keeps_the_processes_log(kernel, tmp_path):
     """Issue 37, row 7: what the engines log goes to a log file of the cluster's, kept only when something failed;
     the log of a rank killed by a signal during ``%vgpu_run`` was removed with it (ipyparallel removes the log of

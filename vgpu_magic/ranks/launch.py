@@ -4,6 +4,7 @@ which dies with it, and follows it; :func:`child` is a spare, waiting with the f
 
 from __future__ import annotations
 
+import atexit
 import codecs
 import contextlib
 import json
@@ -36,6 +37,9 @@ BUSY = 0.05
 DRAIN = 1.0
 #: What a spare runs (``python -c``: nothing of the user's folder on ``sys.path``, ``sys.flags`` as plain ``python``).
 _CHILD = "from vgpu_magic.ranks.launch import child; child()"
+#: What a launched process sends on its control socket once its script (and the script's own ``atexit`` handlers)
+#: ended, as the interpreter finalizes: a fatal signal after it came as it exited (torch's exit-time abort).
+ENDED = "\nvgpu_magic: the script ended\n"
 
 
 class ProcessExited(RuntimeError):
@@ -221,9 +225,10 @@ def run_rank(request: dict[str, Any]) -> int:
         finally:
             for timer in timers:
                 timer.cancel()
-        with contextlib.suppress(OSError):  # faulthandler's dump at a fatal signal (:func:`child`), if it wrote one
+        dump = ""  # the script's end (ENDED), then faulthandler's dump at a fatal signal (:func:`child`)
+        with contextlib.suppress(OSError):
             dump = proc.control.recv(1 << 20, socket.MSG_DONTWAIT).decode(errors="replace")
-            traceback = dumped_traceback(dump, (__file__, runpy.__file__, "<string>"))
+            traceback = dumped_traceback(dump.replace(ENDED, ""), (__file__, runpy.__file__, "<string>"))
             sys.stderr.write("".join(f"{line}\n" for line in traceback))
     finally:
         signal.signal(signal.SIGINT, outside)
@@ -235,7 +240,10 @@ def run_rank(request: dict[str, Any]) -> int:
     if code == 0:
         return proc.popen.pid
     # No PID: ranks that ended alike are reported together. What it wrote (its traceback) was shown as it wrote it.
-    raise ProcessExited(how_it_ended(code))
+    # A signal after the script ended (torch's exit-time abort, pytorch/pytorch#190489) is said so: its work was done.
+    raise ProcessExited(
+        how_it_ended(code) + (" as it exited, after its script ended" if code < 0 and ENDED in dump else "")
+    )
 
 
 def _inject(popen: subprocess.Popen, faults: list) -> tuple[list[str], list[threading.Timer]]:
@@ -407,6 +415,8 @@ def child() -> None:
         from .rank_state import serve
 
         serve(launch["doctor"])
+    # First registered, so run last: after the script's own handlers, as the interpreter finalizes.
+    atexit.register(_ended, control)
     try:
         if launch["module"]:
             # As python -m runs it: sys.argv[0] becomes the module's file, its module is __main__.
@@ -428,6 +438,12 @@ def child() -> None:
     finally:
         # Ended: a late interrupt must not end it by SIGINT as Python finalizes (a KeyboardInterrupt still does).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _ended(control: socket.socket) -> None:
+    """Tell the engine the script ended (:data:`ENDED`), where it still listens."""
+    with contextlib.suppress(OSError):
+        control.send(ENDED.encode())
 
 
 def _run_script(path: str) -> None:
