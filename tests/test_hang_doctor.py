@@ -6,7 +6,10 @@ is due within ``--hang-after`` + 15 s (18 s), so one that comes later fails the 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import textwrap
+import time
 
 import pytest
 
@@ -236,3 +239,26 @@ def test_a_cell_that_hangs_is_reported_with_the_cells_lines(shell, capsys):
     shell.run_line_magic("vgpu_cluster", "restart")
     shell.run_cell_magic("vgpu_run", "--no-plot -o after", "'usable'")
     assert shell.user_ns["after"] == ["usable"] * 2
+
+
+def test_a_rank_whose_runtime_threads_spin_while_its_main_thread_waits_reads_as_idle():
+    """The kernel looks at each rank's main thread, as the ranks' answers count: a process whose main thread sleeps
+    while another thread spins (as a runtime's pool may) is idle, so the doctor asks it; its process's CPU time is
+    not (what the kernel read before)."""
+    import psutil
+
+    from vgpu_magic.ranks.doctor import BUSY, HangDoctor
+
+    spin = "import threading, time\nthreading.Thread(target=lambda: [0 for _ in iter(int, 1)], daemon=True).start()\n"
+    proc = subprocess.Popen([sys.executable, "-c", spin + "time.sleep(60)\n"])
+    try:
+        watch = HangDoctor([None], 3.0, sys.stderr, [proc.pid])
+        watch._idle()  # the first look
+        used, then = sum(psutil.Process(proc.pid).cpu_times()[:2]), time.monotonic()
+        time.sleep(2)
+        assert watch._idle()
+        spent = sum(psutil.Process(proc.pid).cpu_times()[:2]) - used
+        assert spent > BUSY * (time.monotonic() - then), spent
+    finally:
+        proc.kill()
+        proc.wait()
