@@ -102,15 +102,16 @@ def prepare_rank(
     args: tuple[Any, ...],
     join: bool = False,
     devices: SplitRequest | None = None,
-    framework: str = "",
+    after_import: str = "",
 ) -> str:
     """On the rank, every framework's rank setup (:class:`~vgpu_magic.layout.RankPlan`): environment, ``devices``
-    split as ``%vgpu_split`` would, the framework's setup (``join``: with the join call). With ``framework``, devices
-    and setup wait for the script's import of it, so what it set before (``JAX_ENABLE_X64``) is read."""
+    split as ``%vgpu_split`` would, the framework's setup (``join``: with the join call). With ``after_import`` (the
+    framework's module, e.g. ``"jax"``), devices and setup wait for the script's import of that module, so what the
+    script set before it (``JAX_ENABLE_X64``) is read."""
     os.environ.update(env)
-    if framework and framework not in sys.modules:
-        sys.meta_path.insert(0, _AfterImport(framework, lambda: prepare_rank({}, setup, args, join, devices)))
-        return f"set up when the script imports {framework}"
+    if after_import and after_import not in sys.modules:
+        sys.meta_path.insert(0, _AfterImport(after_import, lambda: prepare_rank({}, setup, args, join, devices)))
+        return f"set up when the script imports {after_import}"
     if devices is not None:
         from .. import frameworks
         from ..planner import configuration_after, plan_split

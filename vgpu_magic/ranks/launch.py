@@ -406,7 +406,9 @@ def child() -> None:
         from .hosts import prepare_rank
 
         devices = SplitRequest(**launch["devices"]) if launch["devices"] else None
-        prepare_rank({}, launch["setup"], tuple(launch["setup_args"]), devices=devices, framework=launch["preload"][0])
+        # The framework's module is the first the spare imports (:func:`launch_request`'s ``preload``).
+        framework = launch["preload"][0]
+        prepare_rank({}, launch["setup"], tuple(launch["setup_args"]), devices=devices, after_import=framework)
     # As on a terminal: each line reaches the notebook when printed, in one write, even under PYTHONUNBUFFERED (whose
     # write-through lets C++ output like "[Gloo] Rank 0 is connected" land mid-line); ``flush=True`` sends a part line.
     for stream in (sys.stdout, sys.stderr):
