@@ -1,7 +1,8 @@
 """The hang doctor (docs/hangs.md): while a run waits, the kernel asks each rank on this host where it is
 (:mod:`.rank_state`, over a Unix socket) and, when a rank has waited in a collective for ``hang_after`` seconds that
 another never entered, or ranks entered the same collective differently (torch's Flight Recorder analyzer's rules),
-prints one report: each rank's state and line, and one line of diagnosis. The run goes on waiting."""
+or a JAX process has idled in JAX's code at a line another process is not at, prints one report: each rank's state
+and line, and one line of diagnosis. The run goes on waiting."""
 
 from __future__ import annotations
 
@@ -188,6 +189,16 @@ def diagnose(
         said = [f"{_rank_s([r.rank for r in missing], 'never called')} {call}"]
         said += [f"rank {r.rank} {r.at()}" for r in missing]
         return "; ".join(said), lines
+    # JAX records no collectives: a process idle in JAX's code at one line that another process is not at.
+    for rank in sorted((r for r in ranks.values() if r.since is not None), key=lambda r: -r.waited):
+        others = [r for r in ranks.values() if r.done or (r.answer is not None and r.spot() != rank.spot())]
+        if rank.waited < hang_after or not others:
+            continue
+        waiters = [r.rank for r in ranks.values() if r.since is not None and r.spot() == rank.spot()]
+        verb = "wait" if len(waiters) > 1 else "waits"
+        call = f"the JAX call that {_rank_s(waiters)} {verb} in ({_where(rank.answer['stack'][-1:])})"
+        said = [f"{_rank_s([r.rank for r in others], 'never reached')} {call}"]
+        return "; ".join(said + [f"rank {r.rank} {r.at()}" for r in others]), lines
     return None, lines
 
 
@@ -202,6 +213,24 @@ class _Rank:
         # Waiting: its main thread in torch's code (a collective's wait, a backward whose reducer waits).
         self.waiting = open_[-1] if open_ and answer["in_torch"] else None
         self.waited = answer["at"] - self.waiting["time_created_ns"] / 1e9 if self.waiting else 0.0
+        # Waiting in JAX: its main thread in JAX's code, idle at the same line since an earlier answer; ``since``, when
+        # it was first seen so, is kept in the answer for the next look's.
+        self.since = None if self.waiting or not (answer or {}).get("in_jax") else self._since()
+        if self.since is not None:
+            self.waited = answer["at"] - self.since
+
+    def _since(self) -> float | None:
+        """When it was first seen idle in JAX's code at its line of the script (none: a process past the script's end
+        waits in JAX's shutdown for the others), or ``None``."""
+        previous, line = self.previous, self.answer["stack"][-1:]
+        if not line or self.how() != "idle" or not previous.get("in_jax") or previous["stack"][-1:] != line:
+            return None
+        self.answer["since"] = previous.get("since", previous["at"])
+        return self.answer["since"]
+
+    def spot(self) -> list:
+        """Its innermost line of the user's code (``[]``: none)."""
+        return [frame[:2] for frame in self.answer["stack"][-1:]] if self.answer else []
 
     def entered(self, pg: str) -> int:
         """The last collective number it entered on process group ``pg`` (``0``: none); exited: none more."""
@@ -239,6 +268,8 @@ class _Rank:
             entry = self.waiting
             what = f"{_op(entry)} #{entry['collective_seq_id']}" + (f" ({_tensors(entry)})" if _tensors(entry) else "")
             return f"rank {self.rank}: waiting in {what} for {self.waited:.0f} s, {source}"
+        if self.since is not None:
+            return f"rank {self.rank}: waiting in a JAX call for {self.waited:.0f} s, {source}"
         return f"rank {self.rank}: {self.how() + ', ' if self.how() else ''}{source}"
 
 

@@ -17,6 +17,8 @@ __all__ = ["answer", "serve"]
 
 #: The user's frames kept of the main thread's stack, from the innermost.
 DEPTH = 40
+#: futex(2)'s number, the system call a thread waiting on a lock in C code is in.
+_FUTEX = {"x86_64": "202", "aarch64": "98"}.get(os.uname().machine, "futex")
 
 
 def serve(address: str) -> None:
@@ -40,30 +42,48 @@ def serve(address: str) -> None:
 
 def answer(thread: int | None) -> dict:
     """``thread``'s frames in the user's code (``[file, line, function, source]``, innermost last), whether it is in
-    torch's code now (``in_torch``: a collective's wait, a backward), the Flight Recorder's entries, and this
-    thread's CPU time (the kernel tells a loop from a wait by two answers)."""
+    torch's code now (``in_torch``: a collective's wait, a backward) or JAX's (``in_jax``: JAX records no collective:
+    its Python code, or a C call from the user's line, a jitted function's, waiting on a lock), the Flight
+    Recorder's entries, and this thread's CPU time (the kernel tells a loop from a wait by two answers)."""
     frame, stack, theirs = sys._current_frames().get(thread), [], _theirs()
-    in_torch = frame is not None and os.sep + "torch" + os.sep in frame.f_code.co_filename
+    inner = frame.f_code.co_filename if frame is not None else ""
+    in_torch = os.sep + "torch" + os.sep in inner
+    users = bool(inner) and not inner.startswith(theirs)
+    in_jax = "jax" in sys.modules and (
+        _syscall(thread) == _FUTEX if users else any(os.sep + name + os.sep in inner for name in ("jax", "jaxlib"))
+    )
     while frame is not None and len(stack) < DEPTH:
         code = frame.f_code
         if not code.co_filename.startswith(theirs):
             source = linecache.getline(code.co_filename, frame.f_lineno, frame.f_globals).strip()
             stack.append([code.co_filename, frame.f_lineno, code.co_name, source])
         frame = frame.f_back
-    at = {"pid": os.getpid(), "stack": stack[::-1], "in_torch": in_torch, "cpu": _cpu(thread), "at": time.time()}
+    at = {"pid": os.getpid(), "stack": stack[::-1], "in_torch": in_torch, "in_jax": in_jax}
+    at |= {"cpu": _cpu(thread), "at": time.time()}
     return {**at, **_recorded(theirs)}
 
 
 def _cpu(thread: int | None) -> float:
     """``thread``'s CPU seconds where Linux tells them (``/proc``), else the process's: a rank asleep or waiting in a
     collective spends none, though its runtime threads (gloo's, this one answering) spend some."""
-    native = next((t.native_id for t in threading.enumerate() if t.ident == thread), None)
     try:
-        with open(f"/proc/self/task/{native}/stat") as stat:
+        with open(f"/proc/self/task/{_native(thread)}/stat") as stat:
             ticks = stat.read().rsplit(")", 1)[1].split()[11:13]  # utime, stime
         return sum(map(int, ticks)) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError):
         return time.process_time()
+
+
+def _syscall(thread: int | None) -> str:
+    """The system call ``thread`` is in (its number as ``/proc`` gives it; ``""``: not known): a jitted function's
+    wait is a futex's, a ``time.sleep`` is not."""
+    with contextlib.suppress(OSError, IndexError), open(f"/proc/self/task/{_native(thread)}/syscall") as call:
+        return call.read().split()[0]
+    return ""
+
+
+def _native(thread: int | None) -> int | None:
+    return next((t.native_id for t in threading.enumerate() if t.ident == thread), None)
 
 
 def _theirs() -> tuple[str, ...]:
