@@ -49,7 +49,7 @@ def test_a_jax_process_that_leaves_its_loop_early_is_named_with_its_line(shell, 
     script.write_text(SCRIPT.format(step=step))
     capsys.readouterr()
     with pytest.raises(RankRunError) as info:
-        shell.run_line_magic("vgpu_run", f"--no-plot --hang-after 3 --timeout 25 {script}")
+        shell.run_line_magic("vgpu_run", f"--no-plot --hang-after 3 --timeout 20 {script}")
     captured = capsys.readouterr()
     out = captured.out + captured.err
     said = "rank 1 never reached the JAX call that rank 0 waits in (hang.py:14); rank 1 is at hang.py:15, idle"
