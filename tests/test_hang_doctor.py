@@ -187,6 +187,33 @@ def test_ranks_that_reduce_different_shapes_are_both_named():
     assert diagnose(answers, {}, [False, False], 30.0)[0] is None
 
 
+def test_of_four_ranks_the_two_that_never_called_are_named_together():
+    """4 ranks, in the shape they answer: ranks 0 and 2 wait in all_reduce #2, which ranks 1 and 3 never called
+    (rank 3 exited): one line names both sides, each rank's its own."""
+    from vgpu_magic.ranks.doctor import diagnose
+
+    first = _entry(1, "all_reduce", [16], 8, True)
+    waiting = [["/w/train.py", 9, "<module>", "dist.all_reduce(x)"]]
+    elsewhere = [["/w/train.py", 12, "<module>", "time.sleep(60)"]]
+    answers = {
+        0: _answer(10, waiting, [first, _entry(2, "all_reduce", [16], 9, False)]),
+        1: _answer(11, elsewhere, [first], in_torch=False),
+        2: _answer(12, waiting, [first, _entry(2, "all_reduce", [16], 9, False)]),
+        3: None,
+    }
+    said, lines = diagnose(answers, {}, [False, False, False, True], 3.0)
+    assert said == (
+        "ranks 1, 3 never called all_reduce #2 that ranks 0, 2 wait in (train.py:9); rank 1 is at train.py:12; "
+        "rank 3 exited"
+    )
+    assert lines == [
+        "rank 0: waiting in all_reduce #2 ([16] float32) for 10 s, at train.py:9: dist.all_reduce(x)",
+        "rank 1: at train.py:12: time.sleep(60)",
+        "rank 2: waiting in all_reduce #2 ([16] float32) for 10 s, at train.py:9: dist.all_reduce(x)",
+        "rank 3: exited",
+    ]
+
+
 def test_a_slow_rank_is_reported_after_hang_after_and_the_run_then_finishes(shell, capsys, tmp_path):
     script = tmp_path / "slow.py"
     script.write_text(
