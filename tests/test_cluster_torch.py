@@ -574,6 +574,22 @@ def test_one_failing_script_rank_stops_the_others_and_the_engines_stay(
     assert shell.user_ns["after"] == engines
 
 
+def test_a_rank_waiting_for_a_peer_that_never_joined_is_killed_once_stuck(shell, launcher_ranks, tmp_path):
+    """Rank 1 fails before ``init_process_group``, so rank 0 waits in its store for it (C++, deaf to SIGINT) while the
+    store's thread polls its socket: those polls counted as progress, and rank 0's stop took the whole 120 s. Its
+    main thread does nothing: it is killed once stuck, as a rank blocked in a collective is."""
+    from vgpu_magic.ranks import RankRunError
+
+    script = tmp_path / "never_joins.py"
+    script.write_text(
+        "import os, sys\nimport torch.distributed as dist\n"
+        "if os.environ['RANK'] == '1':\n    sys.exit(3)\ndist.init_process_group()\n"
+    )
+    with pytest.raises(RankRunError) as info:
+        shell.run_line_magic("vgpu_run", f"--no-plot --timeout 300 {script}")
+    assert info.value.result.outcomes[0].killed == "made no progress for 10 s after SIGINT", info.value
+
+
 @pytest.mark.parametrize(
     ("ending", "how"),
     [

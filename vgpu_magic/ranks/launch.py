@@ -343,12 +343,22 @@ def progressing(pid: int) -> Iterator[None]:
     while (now := time.monotonic()) - start < INTERRUPT_LIMIT and now - moved < STUCK:
         with contextlib.suppress(psutil.Error):
             proc = psutil.Process(pid)
-            # psutil has no io_counters on macOS: there CPU time alone tells progress.
-            done = tuple(proc.io_counters()) if hasattr(proc, "io_counters") else ()
+            done = _io(proc)
             cpu = sum(proc.cpu_times()[:4])  # its own and its reaped children's, user and system
             if used is None or done != io or cpu - used >= BUSY * STUCK:
                 io, used, moved = done, cpu, now
         yield
+
+
+def _io(proc: Any) -> tuple:
+    """What ``proc`` read and wrote that tells progress: its main thread's reads and writes (a save, a print: Linux's
+    ``/proc``) and the whole process's storage I/O, not its other threads' socket polls (a store's, a runtime's), which
+    go on while the main thread is blocked (rank 0 waiting for a rank that died before it joined polled for 120 s).
+    psutil has no io_counters on macOS: there CPU time alone tells progress."""
+    storage = tuple(proc.io_counters()[2:4]) if hasattr(proc, "io_counters") else ()  # read_bytes, write_bytes
+    with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/task/{proc.pid}/io") as main:
+        return (main.read(), *storage)
+    return storage
 
 
 # -- in the launched process --------------------------------------------------------
