@@ -285,6 +285,9 @@ def two_gpu_snapshot(logical=None, visible=(0, 1), growth=(False, False)):
 #: SIGABRT as it exited, after its script ended"), with the rank's last stderr lines, which carry this text: a job
 #: scheduler sees the same failed exit. The guard reads the rank's files, not those words: a rank of a job has none.
 TORCH_EXIT_ABORT = "terminate called without an active exception"
+#: How a launched rank's error says that abort (its last stderr lines, which carry :data:`TORCH_EXIT_ABORT`, are shown
+#: as it wrote them, not kept in the error): a SIGABRT after its script ended.
+EXITED_ABORT = "was killed by SIGABRT as it exited, after its script ended"
 
 #: The runs :func:`again_after_torchs_exit_abort` guarded this session and how many tries again; tests/conftest.py
 #: prints them and fails the session when :func:`too_many_exit_aborts`.
@@ -331,7 +334,8 @@ def again_after_torchs_exit_abort(
                 return run()
             except Exception as error:
                 finished = all(written(path) not in (None, then) for path, then in zip(results, before))
-                if TORCH_EXIT_ABORT not in said(error) or not finished or retries == EXIT_ABORT_RETRIES:
+                aborted = any(words in said(error) for words in (TORCH_EXIT_ABORT, EXITED_ABORT))
+                if not aborted or not finished or retries == EXIT_ABORT_RETRIES:
                     raise
             EXIT_ABORTS["again"] += 1
             # In place: the folder may be the current one (of this process, or of the ranks' launches).

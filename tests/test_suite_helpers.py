@@ -12,8 +12,10 @@ import support
 from support import TORCH_EXIT_ABORT, again_after_torchs_exit_abort, reference_run
 
 
-def aborting_run(folder, writes: list[str], aborts: int):
-    """A run that writes ``writes`` in ``folder`` and then aborts at exit, its first ``aborts`` times."""
+def aborting_run(
+    folder, writes: list[str], aborts: int, said: str = f"rank 1 was killed by SIGABRT\n{TORCH_EXIT_ABORT}"
+):
+    """A run that writes ``writes`` in ``folder``, then aborts at exit saying ``said``, its first ``aborts`` times."""
     calls = []
 
     def run() -> str:
@@ -21,7 +23,7 @@ def aborting_run(folder, writes: list[str], aborts: int):
         for name in writes:
             (folder / name).write_text(str(len(calls)))
         if len(calls) <= aborts:
-            raise RuntimeError(f"rank 1 was killed by SIGABRT\n{TORCH_EXIT_ABORT}")
+            raise RuntimeError(said)
         return "done"
 
     return run, calls
@@ -33,9 +35,17 @@ def counts():
         yield support.EXIT_ABORTS
 
 
-def test_an_abort_after_every_rank_wrote_its_result_runs_again_from_the_folder_as_it_was(tmp_path, counts):
+@pytest.mark.parametrize(
+    "said",
+    [
+        f"rank 1 was killed by SIGABRT\n{TORCH_EXIT_ABORT}",
+        "rank 1 was killed by SIGABRT as it exited, after its script ended",
+    ],
+    ids=["its-last-line", "our-words"],
+)
+def test_an_abort_after_every_rank_wrote_its_result_runs_again_from_the_folder_as_it_was(tmp_path, counts, said):
     (tmp_path / "snapshot").write_text("before")
-    run, calls = aborting_run(tmp_path, ["out.0", "out.1"], aborts=1)
+    run, calls = aborting_run(tmp_path, ["out.0", "out.1"], aborts=1, said=said)
     results = [tmp_path / "out.0", tmp_path / "out.1"]
     assert again_after_torchs_exit_abort(run, str, tmp_path, results) == "done"
     assert calls == [["snapshot"], ["snapshot"]]
