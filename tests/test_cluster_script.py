@@ -405,7 +405,7 @@ def spares_ready(kc, within: float = 180.0) -> None:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         with contextlib.suppress(psutil.Error):
-            spares = [c for e in engines for c in e.children() if "launch import child" in " ".join(c.cmdline())]
+            spares = [c for e in engines for c in e.children() if "launched import child" in " ".join(c.cmdline())]
             before = [sum(spare.cpu_times()[:2]) for spare in spares]
             time.sleep(1.0)
             if len(spares) == len(engines) and all(sum(s.cpu_times()[:2]) - b < 0.05 for s, b in zip(spares, before)):

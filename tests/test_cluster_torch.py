@@ -785,7 +785,7 @@ def test_where_memory_fits_the_ranks_but_not_their_spares_none_is_kept(shell, tm
             child.pid
             for pid in rank_cluster.current().pids
             for child in psutil.Process(pid).children()
-            if "launch import child" in " ".join(child.cmdline())
+            if "launched import child" in " ".join(child.cmdline())
         ]
 
     try:

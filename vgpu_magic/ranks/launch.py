@@ -1,10 +1,9 @@
 """A script run is a launch: ``%vgpu_run FILE ARGS`` starts new rank processes every time, as ``torchrun`` does
 (docs/ranks.md, *Cells and scripts*). Each host's engine is the agent: :func:`run_rank` starts the script as its child,
-which dies with it, and follows it; :func:`child` is a spare, waiting with the framework imported."""
+which dies with it, and follows it; :func:`.launched.child` is a spare, waiting with the framework imported."""
 
 from __future__ import annotations
 
-import atexit
 import codecs
 import contextlib
 import json
@@ -22,9 +21,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from . import launched
+from .launched import ENDED
 from .shown import dumped_traceback, how_it_ended
 
-__all__ = ["INTERRUPT_LIMIT", "ProcessExited", "child", "kernel_environ", "launch_request", "run_rank", "warm"]
+__all__ = ["INTERRUPT_LIMIT", "ProcessExited", "kernel_environ", "launch_request", "run_rank", "warm"]
 
 #: Seconds a launched process has at most after SIGINT (its ``except KeyboardInterrupt``) while it makes progress.
 INTERRUPT_LIMIT = 120.0
@@ -36,10 +37,7 @@ BUSY = 0.05
 #: Seconds to wait for the rest of the output once the process exited (a grandchild may hold its pipes).
 DRAIN = 1.0
 #: What a spare runs (``python -c``: nothing of the user's folder on ``sys.path``, ``sys.flags`` as plain ``python``).
-_CHILD = "from vgpu_magic.ranks.launch import child; child()"
-#: What a launched process sends on its control socket once its script (and the script's own ``atexit`` handlers)
-#: ended, as the interpreter finalizes: a fatal signal after it came as it exited (torch's exit-time abort).
-ENDED = "\nvgpu_magic: the script ended\n"
+_CHILD = "from vgpu_magic.ranks.launched import child; child()"
 
 
 class ProcessExited(RuntimeError):
@@ -225,10 +223,10 @@ def run_rank(request: dict[str, Any]) -> int:
         finally:
             for timer in timers:
                 timer.cancel()
-        dump = ""  # the script's end (ENDED), then faulthandler's dump at a fatal signal (:func:`child`)
+        dump = ""  # the script's end (ENDED), then faulthandler's dump at a fatal signal (:func:`.launched.child`)
         with contextlib.suppress(OSError):
             dump = proc.control.recv(1 << 20, socket.MSG_DONTWAIT).decode(errors="replace")
-            traceback = dumped_traceback(dump.replace(ENDED, ""), (__file__, runpy.__file__, "<string>"))
+            traceback = dumped_traceback(dump.replace(ENDED, ""), (launched.__file__, runpy.__file__, "<string>"))
             sys.stderr.write("".join(f"{line}\n" for line in traceback))
     finally:
         signal.signal(signal.SIGINT, outside)
@@ -359,118 +357,3 @@ def _io(proc: Any) -> tuple:
     with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/task/{proc.pid}/io") as main:
         return (main.read(), *storage)
     return storage
-
-
-# -- in the launched process --------------------------------------------------------
-
-
-def _die_with_parent(parent: int) -> None:
-    """End this process when ``parent`` (its engine) ends, however that ends."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    else:
-        import psutil
-
-        from . import lifetime
-
-        lifetime.watch_owner(f"{socket.gethostname()}:{parent}:{psutil.Process(parent).create_time():.3f}")
-    if os.getppid() != parent:
-        os._exit(1)
-
-
-def child() -> None:
-    """A spare (``python -c ... PARENT FD MODULE...``): import the modules, wait for the launch on the socket
-    ``FD``, then become the script's process as ``python FILE ARGS`` (or ``python -m MODULE ARGS``) would be."""
-    import faulthandler
-    import importlib
-
-    parent, fd, preload = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
-    _die_with_parent(parent)
-    # Python's KeyboardInterrupt handler, not installed where it starts with SIGINT ignored (the engine's, off-cell).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    control = socket.socket(fileno=fd)
-    for module in preload:
-        # The script's own import of it will say what is wrong, as it would under its launcher.
-        with contextlib.suppress(Exception):
-            importlib.import_module(module)
-    with control.makefile("rb") as launched:
-        received = launched.read()
-    if not received:
-        os._exit(0)
-    # A fatal signal's Python stack (faulthandler's) goes back to the engine on the socket, which shows it as the
-    # rank's traceback; unblocked, a dump larger than its buffer is cut rather than waited on.
-    control.setblocking(False)
-    faulthandler.enable(control)
-    launch = json.loads(received)
-    os.chdir(launch["cwd"])
-    os.environ.clear()
-    os.environ.update(launch["env"])
-    path = launch["argv"][0]
-    sys.argv = list(launch["argv"])
-    # As python puts it first on the import path: the current folder under -m, else the script's (links resolved).
-    sys.path[0] = os.getcwd() if launch["module"] else os.path.dirname(os.path.realpath(path))
-    if launch["setup"] or launch["devices"]:
-        from ..plans import SplitRequest
-        from .hosts import prepare_rank
-
-        devices = SplitRequest(**launch["devices"]) if launch["devices"] else None
-        # The framework's module is the first the spare imports (:func:`launch_request`'s ``preload``).
-        framework = launch["preload"][0]
-        prepare_rank({}, launch["setup"], tuple(launch["setup_args"]), devices=devices, after_import=framework)
-    # As on a terminal: each line reaches the notebook when printed, in one write, even under PYTHONUNBUFFERED (whose
-    # write-through lets C++ output like "[Gloo] Rank 0 is connected" land mid-line); ``flush=True`` sends a part line.
-    for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(line_buffering=True, write_through=False)
-    if launch["doctor"]:
-        from .rank_state import serve
-
-        serve(launch["doctor"])
-    # First registered, so run last: after the script's own handlers, as the interpreter finalizes.
-    atexit.register(_ended, control)
-    try:
-        if launch["module"]:
-            # As python -m runs it: sys.argv[0] becomes the module's file, its module is __main__.
-            runpy.run_module(path, {"__annotations__": {}}, "__main__", alter_sys=True)
-        else:
-            _run_script(path)
-    except Exception as exc:  # noqa: BLE001 - whatever the script raises ends it, as an uncaught exception does
-        # Python's own report of an uncaught exception, from the script's first frame on.
-        tb, launching = exc.__traceback__, (__file__, runpy.run_module.__code__.co_filename)
-        while tb is not None and tb.tb_frame.f_code.co_filename.startswith((*launching, "<frozen importlib")):
-            tb = tb.tb_next
-        if tb is None and launch["module"]:
-            # Not found, or its package failed before its code ran: python -m's one line.
-            print(f"{sys.executable}: {exc}", file=sys.stderr)
-            sys.exit(1)
-        # torch.distributed's hook (which labels each line with the rank) reads the exception's own traceback.
-        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
-        sys.exit(1)
-    finally:
-        # Ended: a late interrupt must not end it by SIGINT as Python finalizes (a KeyboardInterrupt still does).
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _ended(control: socket.socket) -> None:
-    """Tell the engine the script ended (:data:`ENDED`), where it still listens."""
-    with contextlib.suppress(OSError):
-        control.send(ENDED.encode())
-
-
-def _run_script(path: str) -> None:
-    """Run the script at ``path`` as ``python PATH`` does: in a new ``__main__`` module, ``__file__`` absolute (as
-    Python 3.9 made it), ``__package__`` and ``__spec__`` None; the code's file name is ``__file__``."""
-    import builtins
-    import importlib.machinery
-    import io
-    import types
-
-    file = os.path.abspath(path)
-    main = types.ModuleType("__main__")
-    loader = importlib.machinery.SourceFileLoader("__main__", file)
-    main.__dict__.update(__file__=file, __cached__=None, __loader__=loader, __builtins__=builtins, __annotations__={})
-    sys.modules["__main__"] = main
-    with io.open_code(file) as source:
-        code = compile(source.read(), file, "exec", dont_inherit=True)
-    exec(code, main.__dict__)
