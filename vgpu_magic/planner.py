@@ -81,15 +81,10 @@ def plan_split(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
     return plan
 
 
-def check_request(request: SplitRequest, capabilities: Capabilities) -> None:
-    """What of ``request`` can be refused before the devices are probed (probing may import the framework, seconds):
+def check_request(request: SplitRequest, capabilities: Capabilities) -> tuple[str, int, tuple[int, ...] | None, int]:
+    """``request``'s target, GPU index, sizes and count, checked in order against what no probe of the devices tells
+    (probing may import the framework, seconds): the framework, the words, the count, whether it asks for anything.
     :class:`PlanError` as :func:`plan_split` would raise it."""
-    _words(request, capabilities)
-
-
-def _words(request: SplitRequest, capabilities: Capabilities) -> tuple[str, int, tuple[int, ...] | None, int]:
-    """``request``'s target, GPU index, sizes and count, checked in order against what no probe tells: the
-    framework, the words, the count, whether it asks for anything."""
     if not capabilities.splits_in_process:
         raise PlanError(
             f"{capabilities.label} uses one device per process, so one process cannot be split; rehearse several "
@@ -121,9 +116,9 @@ def _words(request: SplitRequest, capabilities: Capabilities) -> tuple[str, int,
 
 
 def _plan(request: SplitRequest, inventory: DeviceInventory) -> SplitPlan:
-    """``request``'s plan on ``inventory``, checked in order: :func:`_words`, visibility and growth, then device."""
+    """``request``'s plan on ``inventory``, checked in order: :func:`check_request`, visibility, growth, device."""
     capabilities, label = inventory.capabilities, inventory.capabilities.label
-    target, gpu_index, sizes, count = _words(request, capabilities)
+    target, gpu_index, sizes, count = check_request(request, capabilities)
     if request.visible is not None:
         if not capabilities.gpu_visibility:
             raise PlanError(
