@@ -92,16 +92,15 @@ class HangDoctor:
 
     def _idle(self) -> bool:
         """Has a rank (its engine's main thread, and the process it launched's) used less than :data:`BUSY` of a core
-        since the last look? Main threads, as the ranks' answers count (:func:`.rank_state._cpu`): a rank blocked in
-        a collective or asleep spends none there, though its runtime threads spend some. Ranks that all run are not
-        asked: an answer takes the GIL from a loop of small collectives."""
+        since the last look? Main threads, as the ranks' answers count (:func:`.rank_state.main_thread_cpu`). Ranks
+        that all run are not asked: an answer takes the GIL from a loop of small collectives."""
         import psutil
 
         cpu, now = {}, time.monotonic()
         for rank, pid in enumerate(self.pids):
             with contextlib.suppress(psutil.Error, TypeError):
                 processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-                cpu[rank] = sum(_main_thread_cpu(p) for p in processes)
+                cpu[rank] = sum(rank_state.main_thread_cpu(p) for p in processes)
         (before, then), self.cpu = self.cpu, (cpu, now)
         return any(r not in before or cpu[r] - before[r] < BUSY * (now - then) for r in cpu)
 
@@ -119,13 +118,6 @@ class HangDoctor:
         """Wait for an ask on its way (its report comes before the run's end)."""
         if self._asking():
             self.asking.join()
-
-
-def _main_thread_cpu(process: Any) -> float:
-    """``process``'s main thread's CPU seconds where the system lists its threads by the process's id (Linux), else
-    the whole process's."""
-    main = [t for t in process.threads() if t.id == process.pid]
-    return sum(main[0][1:3]) if main else sum(process.cpu_times()[:2])
 
 
 def serve(engines: list[Any], local: list[bool]) -> tuple[str, list[str | None]]:

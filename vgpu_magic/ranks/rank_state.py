@@ -12,8 +12,9 @@ import socket
 import sys
 import threading
 import time
+from typing import Any
 
-__all__ = ["answer", "serve"]
+__all__ = ["answer", "main_thread_cpu", "serve"]
 
 #: The user's frames kept of the main thread's stack, from the innermost.
 DEPTH = 40
@@ -44,7 +45,9 @@ def answer(thread: int | None) -> dict:
     """``thread``'s frames in the user's code (``[file, line, function, source]``, innermost last), whether it is in
     torch's code now (``in_torch``: a collective's wait, a backward) or JAX's (``in_jax``: JAX records no collective:
     its Python code, or a C call from the user's line, a jitted function's, waiting on a lock), the Flight
-    Recorder's entries, and this thread's CPU time (the kernel tells a loop from a wait by two answers)."""
+    Recorder's entries, and the main thread's CPU time (the kernel tells a loop from a wait by two answers)."""
+    import psutil
+
     frame, stack, theirs = sys._current_frames().get(thread), [], _theirs()
     inner = frame.f_code.co_filename if frame is not None else ""
     in_torch = os.sep + "torch" + os.sep in inner
@@ -59,19 +62,16 @@ def answer(thread: int | None) -> dict:
             stack.append([code.co_filename, frame.f_lineno, code.co_name, source])
         frame = frame.f_back
     at = {"pid": os.getpid(), "stack": stack[::-1], "in_torch": in_torch, "in_jax": in_jax}
-    at |= {"cpu": _cpu(thread), "at": time.time()}
+    at |= {"cpu": main_thread_cpu(psutil.Process()), "at": time.time()}
     return {**at, **_recorded(theirs)}
 
 
-def _cpu(thread: int | None) -> float:
-    """``thread``'s CPU seconds where Linux tells them (``/proc``), else the process's: a rank asleep or waiting in a
-    collective spends none, though its runtime threads (gloo's, this one answering) spend some."""
-    try:
-        with open(f"/proc/self/task/{_native(thread)}/stat") as stat:
-            ticks = stat.read().rsplit(")", 1)[1].split()[11:13]  # utime, stime
-        return sum(map(int, ticks)) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError):
-        return time.process_time()
+def main_thread_cpu(process: Any) -> float:
+    """``process``'s (a ``psutil.Process``) main thread's CPU seconds where the system lists its threads by the
+    process's id (Linux), else the whole process's: a rank asleep or waiting in a collective spends none there,
+    though its runtime threads (gloo's, the one answering here) spend some. The kernel reads it too (:mod:`.doctor`)."""
+    main = [t for t in process.threads() if t.id == process.pid]
+    return sum(main[0][1:3]) if main else sum(process.cpu_times()[:2])
 
 
 def _syscall(thread: int | None) -> str:
