@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from support import our_processes, without_kept_log
+from support import CHILD_ENV, our_processes, without_kept_log
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -526,3 +526,36 @@ def test_the_kept_log_has_a_dead_processs_log_that_ipyparallel_removed(tmp_path)
         os.remove(path)
     assert f"==> ipengine-{cluster.cluster_id}-1.log <==\nengine 1 says before it died" in kept
     assert f"==> ipcontroller-{cluster.cluster_id}-1.log <==\ncontroller says" in kept
+
+
+def test_what_the_spares_imports_write_starts_every_launch_forked_from_it(tmp_path):
+    """Issue 44: one spare forks every launch, importing the framework once; what that import writes (a warning) is
+    shown at each launch's start, as each new process's own import writes it, and the spare imported it once."""
+    import dataclasses
+
+    from vgpu_magic.layout import RankPlan
+    from vgpu_magic.ranks import launch, spare
+
+    (tmp_path / "noisy.py").write_text(
+        "import os, sys, warnings\nprint('noisy imported in', os.getpid())\nwarnings.warn('noisy at import')\n"
+    )
+    (tmp_path / "run.py").write_text("import noisy, os\nprint('ran in', os.getpid(), 'child of', os.getppid())\n")
+    plan = RankPlan(0, {"PYTHONPATH": str(tmp_path)}, "", (), ())
+    request = launch.launch_request(plan, "run.py", [], str(tmp_path), ["noisy"])
+    request = dataclasses.replace(request, environ=dataclasses.replace(request.environ, environ=CHILD_ENV))
+    before = our_processes()
+    try:
+        shown = []
+        for _ in range(2):
+            with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()) as err:
+                pid = launch.run_rank(request)
+            shown.append((out.getvalue().split("\n"), err.getvalue()))
+    finally:
+        waiting, spare._waiting = spare._waiting, None
+        waiting.end()
+    # Each launch: the spare's import line first, then its own, a new process whose parent is the spare.
+    (imported, first), (again, second) = [(lines[0].split(), lines[1].split()) for lines, _ in shown]
+    assert imported == again and imported[:3] == ["noisy", "imported", "in"], shown
+    assert first[5] == second[5] == imported[3] and first[2] != second[2] == str(pid), shown
+    assert all("UserWarning: noisy at import" in said for _, said in shown), shown
+    assert our_processes() <= before

@@ -208,6 +208,27 @@ def test_a_package_installed_after_the_start_is_importable_at_the_first_run(kern
     ]
 
 
+def test_launches_in_a_loop_are_forked_by_one_spare_and_differ_as_new_processes(kernel, tmp_path):
+    """Issue 44: five launches in a loop (a sweep) waited, each but the first, for a new spare to import torch (1.3 s
+    of 2.5 s). Now one spare per engine forks every launch: each launch's parent is that same spare, not its engine;
+    each is still a new process, with numpy's global generator seeded anew, as a new import seeds it."""
+    _, kc = kernel
+    (tmp_path / "who.py").write_text(
+        "import os, numpy, torch\nprint(os.getppid(), os.getpid(), numpy.random.randint(1 << 30), os.environ['RANK'])\n"
+    )
+    cell = f"import vgpu_magic\nfor _ in range(3):\n    %vgpu_run --no-plot {tmp_path / 'who.py'}\n"
+    reply = kernel_run(kc, cell + "print('engines', *vgpu_magic.cluster().pids)")
+    assert not kernel_errors(reply), kernel_errors(reply)
+    out = kernel_stdout(reply).splitlines()
+    engines = next(line for line in out if line.startswith("engines")).split()[1:]
+    runs = [line.split()[2:] for line in out if line.startswith("[rank")]
+    for rank, engine in enumerate(engines):
+        parents, pids, drawn = zip(*[run[:3] for run in runs if run[3] == str(rank)])
+        assert len(set(parents)) == 1 and parents[0] != engine, (parents, engine)
+        assert len(set(pids)) == 3 and len(set(drawn)) == 3, (pids, drawn)
+        assert psutil.Process(int(parents[0])).ppid() == int(engine)
+
+
 #: A script that writes what its process was given: environment, argv, signal dispositions (Python's and the
 #: kernel's masks), to ``ARGV[1]-RANK.json``.
 DUMP = """
@@ -520,11 +541,12 @@ def test_a_rank_that_dies_mid_run_keeps_the_processes_log(kernel, tmp_path):
     a process that ended, and the restart the rest)."""
     _, kc = kernel
     script = tmp_path / "die.py"
+    # Rank 1 kills its engine, whose PID it is given.
     script.write_text(
-        "import os, signal, time\nif os.environ['RANK'] == '1':\n    os.kill(os.getppid(), signal.SIGKILL)\n"
+        "import os, signal, sys, time\nif os.environ['RANK'] == '1':\n    os.kill(int(sys.argv[1]), signal.SIGKILL)\n"
         "time.sleep(60)\n"
     )
-    reply = kernel_run(kc, f"%vgpu_run --no-plot {script}")
+    reply = kernel_run(kc, f"import vgpu_magic\n%vgpu_run --no-plot {script} {{vgpu_magic.cluster().pids[1]}}")
     [error] = [m["content"] for m in reply if m["msg_type"] == "error"]
     said = re.fullmatch(r"rank 1 was killed by SIGKILL \(pid \d+\); the processes' log: (.+?); .*", error["evalue"])
     assert said and "the cluster must be restarted" in error["evalue"], error["evalue"]

@@ -503,9 +503,10 @@ def test_each_script_run_is_a_new_process_as_python_starts_one(shell, launcher_r
     seen = [[line.split() for line in out if "] seen " in line] for out in (first, second)]
     for run, values in ((0, "1"), (1, "2")):
         assert sorted(words[1] for words in seen[run]) == ["0]", "1]"]
-        # pid, parent (the rank's engine), the module's value, the script's own value, its folder first on sys.path
+        # pid, parent (the rank's engine's spare, which forks it), the module's value, the script's own value, its
+        # folder first on sys.path
         expected = {(pid, values, values, "True") for pid in launcher_ranks.pids}
-        assert {(int(w[4]), w[5], w[6], w[7]) for w in seen[run]} == expected
+        assert {(psutil.Process(int(w[4])).ppid(), w[5], w[6], w[7]) for w in seen[run]} == expected
     pids = {int(w[3]) for run in seen for w in run}
     assert len(pids) == 4 and not pids & set(launcher_ranks.pids)
     for out, err in ((first, first_err), (second, second_err)):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import codecs
 import contextlib
-import json
 import os
 import re
 import runpy
@@ -21,11 +20,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from . import launched
+from . import launched, spare
 from .launched import ENDED
 from .shown import dumped_traceback, how_it_ended
+from .spare import KernelEnviron, kernel_environ
 
-__all__ = ["INTERRUPT_LIMIT", "ProcessExited", "kernel_environ", "launch_request", "run_rank", "warm"]
+__all__ = ["INTERRUPT_LIMIT", "LaunchRequest", "ProcessExited", "launch_request", "run_rank"]
 
 #: Seconds a launched process has at most after SIGINT (its ``except KeyboardInterrupt``) while it makes progress.
 INTERRUPT_LIMIT = 120.0
@@ -36,8 +36,6 @@ STUCK = 10.0
 BUSY = 0.05
 #: Seconds to wait for the rest of the output once the process exited (a grandchild may hold its pipes).
 DRAIN = 1.0
-#: What a spare runs (``python -c``: nothing of the user's folder on ``sys.path``, ``sys.flags`` as plain ``python``).
-_CHILD = "from vgpu_magic.ranks.launched import child; child()"
 
 
 class ProcessExited(RuntimeError):
@@ -49,18 +47,26 @@ class ProcessKilled(RuntimeError):
 
 
 @dataclass(frozen=True)
-class KernelEnviron:
-    """What a launch's environment starts from: the kernel's host and its environment at the run, and the prefixes
-    of the variables that the engines' own launch gave them (their launcher's ``task_variables``: ``SLURM_``)."""
+class LaunchRequest:
+    """One rank's launch, as :func:`run_rank` takes it: the rank's ``RankPlan``, the script (``argv`` in ``cwd``;
+    ``module``: ``argv[0]`` names a module, as ``python -m``), the ``framework``'s module (its setup runs after its
+    import), what a spare imports (``preload``) and whether one is kept (``spare``), the kernel's environment, the
+    run's injected :class:`~.spec.Fault` s (the rank's own act) and its start on the clock, and where the rank answers
+    the hang doctor (:mod:`.rank_state`), or ``None``."""
 
-    host: str
-    environ: dict[str, str]
-    task_variables: tuple[str, ...] = ()
-
-
-def kernel_environ(task_variables: tuple[str, ...] = ()) -> KernelEnviron:
-    """In the kernel: its host and its environment as it is now, which a launch on that host starts from."""
-    return KernelEnviron(socket.gethostname(), dict(os.environ), tuple(task_variables))
+    plan: Any
+    argv: tuple[str, ...]
+    cwd: str
+    framework: str
+    preload: tuple[str, ...] = ()
+    module: bool = False
+    spare: bool = True
+    environ: KernelEnviron | None = None
+    faults: tuple = ()
+    #: ``time.time()`` at the run's start: the faults come after it on every host at once (one rank preempted alone
+    #: would fail in a peer's collective first).
+    start: float = 0.0
+    doctor: str | None = None
 
 
 def launch_request(
@@ -74,57 +80,25 @@ def launch_request(
     module: bool = False,
     faults: tuple = (),
     doctor: str | None = None,
-) -> dict:
-    """What :func:`run_rank` needs to launch one rank with its ``RankPlan``, as plain data; ``preload``: the modules a
-    spare imports; ``spare``: keep one for the next launch; ``task_variables``: :class:`KernelEnviron`'s; ``module``:
-    ``path`` names a module, run as ``python -m``; ``faults``: the run's :class:`~.spec.Fault` s (its own injected);
-    ``doctor``: where the rank answers the hang doctor (:mod:`.rank_state`), or ``None``."""
-    return {
-        # On the host's clock: all ranks at once (one preempted alone would fail in a peer's collective first).
-        "faults": [
-            (time.time() + f.after, f.after, int(f.signum), f.kill_after, f.said)
-            for f in faults
-            if f.rank in (None, plan.rank)
-        ],
-        "spare": spare,
-        "environ": kernel_environ(task_variables),
-        "module": module,
-        "plan_env": dict(plan.env),
-        "doctor": doctor,
-        "setup": plan.setup,
-        "setup_args": list(plan.args),
-        "devices": None if plan.devices is None else asdict(plan.devices),
-        "argv": [path, *args],
-        "cwd": cwd,
-        "preload": list(preload),
-    }
+) -> LaunchRequest:
+    """One rank's launch with its ``RankPlan``: ``preload`` the framework's module, then the modules a spare imports;
+    ``task_variables``: :class:`KernelEnviron`'s."""
+    return LaunchRequest(
+        plan,
+        (path, *args),
+        cwd,
+        preload[0],
+        tuple(preload),
+        module,
+        spare,
+        kernel_environ(task_variables),
+        tuple(faults),
+        time.time(),
+        doctor,
+    )
 
 
 # -- on the engine: the per-host agent ----------------------------------------------
-
-#: :func:`kernel_environ`'s, or ``None`` (the engine's own).
-Environ = KernelEnviron | None
-
-
-@dataclass
-class _Process:
-    """A started child: a spare waiting for its launch, or the launched process."""
-
-    popen: subprocess.Popen
-    control: socket.socket
-    #: Its environment outside the rank's plan (whose ports and ids change every run, read when the script joins).
-    base: dict[str, str]
-    #: What else it was made with: its imports and the installed packages (:func:`_made`).
-    made: tuple
-
-
-def _made(preload: list[str]) -> tuple:
-    """A child's imports and the packages' folders' mtimes: an install since (``pip install -e``) is not on its path."""
-    import site
-
-    folders = sorted({*site.getsitepackages(), site.getusersitepackages()})
-    return (tuple(preload), tuple(os.stat(f).st_mtime_ns for f in folders if os.path.isdir(f)))
-
 
 #: ``os.environ[...] =``, ``environ.setdefault(`` or ``.update(``, ``putenv(``.
 _SETS_ENVIRONMENT = re.compile(rb"environ\s*\[[^]]*\]\s*=[^=]|environ\s*\.\s*(setdefault|update)\s*\(|putenv\s*\(")
@@ -137,106 +111,52 @@ def _sets_environment(path: str) -> bool:
     return False  # the script's own run says what is wrong with it
 
 
-_spare: _Process | None = None
-
-
-def _spare_for(plan_env: dict[str, str], preload: list[str], environ: Environ) -> _Process:
-    """The waiting spare, if it lives and was started with this environment; else a new child."""
-    global _spare
-    proc, _spare = _spare, None
-    fits = proc is not None and (proc.base, proc.made) == (_base(plan_env, environ), _made(preload))
-    if fits and proc.popen.poll() is None:
-        return proc
-    if proc is not None:
-        proc.control.close()
-        proc.popen.kill()
-        proc.popen.communicate()
-    return _start(plan_env, preload, environ)
-
-
-def _base(plan_env: dict[str, str], environ: Environ) -> dict[str, str]:
-    """A launch's environment outside the plan: on the kernel's host the kernel's ``environ`` (a launcher run from the
-    notebook inherits it) with what the engine's launch gave it (``srun``'s ``SLURM_*``); on another host the engine's
-    own. With :mod:`.lifetime`'s variables, without ipyparallel's (its key)."""
-    from . import lifetime
-
-    ours = {k: os.environ[k] for k in (lifetime.OWNER_ENV, lifetime.CLUSTER_ENV) if k in os.environ}
-    env = dict(os.environ)
-    if environ is not None and environ.host == socket.gethostname():
-        theirs = environ.task_variables
-        env = {k: v for k, v in environ.environ.items() if not k.startswith(theirs)}
-        env.update({k: v for k, v in os.environ.items() if k.startswith(theirs)})
-    env.update(ours)
-    return {k: v for k, v in env.items() if not k.startswith("IPP_") and k not in plan_env}
-
-
-def _start(plan_env: dict[str, str], preload: list[str], environ: Environ) -> _Process:
-    """Start a child that imports ``preload`` and waits for its launch on a socket."""
-    ours, theirs = socket.socketpair()
-    base, made = _base(plan_env, environ), _made(preload)
-    try:
-        popen = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, str(os.getpid()), str(theirs.fileno()), *preload],
-            env={**base, **plan_env},
-            cwd="/",
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            pass_fds=(theirs.fileno(),),
-        )
-    finally:
-        theirs.close()
-    return _Process(popen, ours, base, made)
-
-
-def warm(plan_env: dict[str, str], preload: list[str], environ: Environ = None) -> None:
-    """Run on an engine: make sure a spare waits, started with ``plan_env`` over ``environ``, importing ``preload``."""
-    global _spare
-    _spare = _spare_for(plan_env, preload, environ)
-
-
-def run_rank(request: dict[str, Any]) -> int:
-    """On an engine: launch :func:`launch_request`'s script as its child, stream its output, wait: its PID, or
+def run_rank(request: LaunchRequest) -> int:
+    """On an engine: launch the request's script (its spare forks it), stream its output, wait: its PID, or
     :class:`ProcessExited`."""
     global _spare
-    plan_env, path, cwd = request["plan_env"], request["argv"][0], request["cwd"]
+    plan_env, path, cwd = request.plan.env, request.argv[0], request.cwd
     # A module is found by the launched process (python's "No module named ..." if not); a file it could run is here.
-    script = os.path.join(cwd, *path.split(".")) + ".py" if request["module"] else os.path.join(cwd, path)
+    script = os.path.join(cwd, *path.split(".")) + ".py" if request.module else os.path.join(cwd, path)
     for what, where, ok in (("folder", cwd, os.path.isdir), ("script", script, os.path.isfile)):
-        if not ok(where) and not (request["module"] and what == "script"):
+        if not ok(where) and not (request.module and what == "script"):
             raise ProcessExited(f"could not start: the {what} {where} does not exist on {socket.gethostname()}")
-    preload = [] if _sets_environment(script) else request["preload"]
-    proc = _spare_for(plan_env, preload, request["environ"])
+    preload = [] if _sets_environment(script) else list(request.preload)
+    proc = spare.take(plan_env, preload, request.environ)
     # The engine takes SIGINT only inside a cell's code (run.interrupt_only_the_cell); a launch is
     # interrupted as a cell is, so the fault policy can stop it.
     outside = signal.signal(signal.SIGINT, signal.default_int_handler)
+    forked = None
     try:
-        launch = {
-            k: request[k] for k in ("setup", "setup_args", "devices", "argv", "cwd", "preload", "module", "doctor")
-        }
-        # PWD as a shell that ran the launcher there sets it.
-        proc.control.sendall(json.dumps({**launch, "env": {**proc.base, "PWD": cwd, **plan_env}}).encode())
-        proc.control.shutdown(socket.SHUT_WR)
-        injected, timers = _inject(proc.popen, request["faults"])
+        plan = request.plan
+        devices = None if plan.devices is None else asdict(plan.devices)
+        # What the launched process reads (:func:`.launched.child`); PWD as a shell that ran the launcher there sets it.
+        launch = {"setup": plan.setup, "setup_args": list(plan.args), "devices": devices, "doctor": request.doctor}
+        launch.update(argv=request.argv, cwd=cwd, framework=request.framework, module=request.module)
+        forked = proc.fork({**launch, "env": {**proc.base, "PWD": cwd, **plan_env}})
+        if forked is None:
+            raise ProcessExited(f"could not start: its spare process {how_it_ended(proc.popen.wait())}")
+        injected, timers = _inject(forked[0], request)
         try:
-            code = _follow(proc.popen)
+            code = _follow(forked[0])
         finally:
             for timer in timers:
                 timer.cancel()
         dump = ""  # the script's end (ENDED), then faulthandler's dump at a fatal signal (:func:`.launched.child`)
         with contextlib.suppress(OSError):
-            dump = proc.control.recv(1 << 20, socket.MSG_DONTWAIT).decode(errors="replace")
+            dump = forked[1].recv(1 << 20, socket.MSG_DONTWAIT).decode(errors="replace")
             traceback = dumped_traceback(dump.replace(ENDED, ""), (launched.__file__, runpy.__file__, "<string>"))
             sys.stderr.write("".join(f"{line}\n" for line in traceback))
     finally:
         signal.signal(signal.SIGINT, outside)
-        proc.control.close()
-        _spare = _start(plan_env, preload, request["environ"]) if request["spare"] else None
+        if forked is not None:
+            forked[1].close()
+        spare.give_back(proc, forked is not None, request.spare, plan_env, preload, request.environ)
     if injected:
         # Ended by the fault whatever its status (a preempted script exiting 0 did not finish), quoted as typed.
         raise ProcessExited(f"{how_it_ended(code)} (injected: {'; '.join(injected)})")
     if code == 0:
-        return proc.popen.pid
+        return forked[0].pid
     # No PID: ranks that ended alike are reported together. What it wrote (its traceback) was shown as it wrote it.
     # A signal after the script ended (torch's exit-time abort, pytorch/pytorch#190489) is said so: its work was done.
     raise ProcessExited(
@@ -244,8 +164,9 @@ def run_rank(request: dict[str, Any]) -> int:
     )
 
 
-def _inject(popen: subprocess.Popen, faults: list) -> tuple[list[str], list[threading.Timer]]:
-    """Timers sending each fault's signal (then a preemption's SIGKILL) to ``popen``: what was sent, and the timers."""
+def _inject(popen: Any, request: LaunchRequest) -> tuple[list[str], list[threading.Timer]]:
+    """Timers sending each of the request's faults for its rank (then a preemption's SIGKILL) to ``popen``: what was
+    sent, and the timers."""
     injected: list[str] = []
 
     def send(signum: int, said: str) -> None:
@@ -255,19 +176,21 @@ def _inject(popen: subprocess.Popen, faults: list) -> tuple[list[str], list[thre
             injected.append(said)
 
     timers = []
-    for at, after, signum, kill_after, said in faults:
-        wait = max(0.0, at - time.time())
-        timers.append(threading.Timer(wait, send, (signum, f"{said}: {signal.Signals(signum).name} at {after:g} s")))
-        if kill_after is not None:
-            late = f"{said}: SIGKILL {kill_after:g} s after SIGTERM"
-            timers.append(threading.Timer(wait + kill_after, send, (signal.SIGKILL, late)))
+    for fault in request.faults:
+        if fault.rank not in (None, request.plan.rank):
+            continue
+        wait, said = max(0.0, request.start + fault.after - time.time()), fault.said
+        timers.append(threading.Timer(wait, send, (fault.signum, f"{said}: {fault.signum.name} at {fault.after:g} s")))
+        if fault.kill_after is not None:
+            late = f"{said}: SIGKILL {fault.kill_after:g} s after SIGTERM"
+            timers.append(threading.Timer(wait + fault.kill_after, send, (signal.SIGKILL, late)))
     for timer in timers:
         timer.daemon = True
         timer.start()
     return injected, timers
 
 
-def _follow(popen: subprocess.Popen) -> int:
+def _follow(popen: Any) -> int:
     """Copy the child's output until it exits: its status; interrupted, :func:`_stop` it (KeyboardInterrupt, killed)."""
     selector = selectors.DefaultSelector()
     for pipe, out in ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr)):
@@ -315,7 +238,7 @@ def _follow(popen: subprocess.Popen) -> int:
     return code
 
 
-def _stop(popen: subprocess.Popen, copy: Callable[[float], None]) -> str:
+def _stop(popen: Any, copy: Callable[[float], None]) -> str:
     """SIGINT the process and follow it (``copy``: its output) while it progresses: ``""``, or why it was killed."""
     popen.send_signal(signal.SIGINT)
     start = time.monotonic()

@@ -10,6 +10,7 @@ import os
 import runpy
 import signal
 import socket
+import struct
 import sys
 
 __all__ = ["ENDED", "child"]
@@ -36,29 +37,72 @@ def _die_with_parent(parent: int) -> None:
 
 
 def child() -> None:
-    """A spare (``python -c ... PARENT FD MODULE...``): import the modules, wait for the launch on the socket
-    ``FD``, then become the script's process as ``python FILE ARGS`` (or ``python -m MODULE ARGS``) would be."""
-    import faulthandler
+    """A spare (``python -c ... PARENT FD MODULE...``): import the modules, then, for each launch sent on the socket
+    ``FD`` (with its output's and control's descriptors), fork the script's process, which becomes it as ``python
+    FILE ARGS`` (or ``python -m MODULE ARGS``) would be, and answer its PID, then how it exited. Forked, a launch in a
+    loop waits for no import, as PyTorch's DataLoader workers fork theirs."""
     import importlib
 
     parent, fd, preload = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
     _die_with_parent(parent)
-    # Python's KeyboardInterrupt handler, not installed where it starts with SIGINT ignored (the engine's, off-cell).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    control = socket.socket(fileno=fd)
+    commands = socket.socket(fileno=fd)
     for module in preload:
         # The script's own import of it will say what is wrong, as it would under its launcher.
         with contextlib.suppress(Exception):
             importlib.import_module(module)
-    with control.makefile("rb") as launched:
-        received = launched.read()
-    if not received:
-        os._exit(0)
+    # What the imports wrote goes to the engine now, which shows it at the start of every launch, as each import's.
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    # Only the engine's launch ends the spare (its engine's interrupts go to the launched process, by PID).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        head, fds, _, _ = socket.recv_fds(commands, SIZE.size, 3)
+        if not head:
+            os._exit(0)
+        received = exactly(commands, SIZE.unpack(head)[0])
+        pid = os.fork()
+        if pid == 0:
+            commands.close()
+            _launched(json.loads(received), fds, parent=os.getppid())
+        for each in fds:
+            os.close(each)
+        commands.sendall(SIZE.pack(pid))
+        commands.sendall(SIZE.pack(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])))
+
+
+#: How the engine and its spare frame a size, a PID or an exit status on the spare's socket.
+SIZE = struct.Struct("!q")
+
+
+def exactly(sock: socket.socket, size: int) -> bytes:
+    """``size`` bytes from ``sock`` (fewer: it closed)."""
+    parts, left = [], size
+    while left and (part := sock.recv(min(left, 1 << 20))):
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def _launched(launch: dict, fds: list[int], parent: int) -> None:
+    """In the forked process: output to ``fds``' pipes, the control socket the third, then the script; never
+    returns."""
+    import faulthandler
+
+    os.dup2(fds[0], 1)
+    os.dup2(fds[1], 2)
+    os.close(fds[0])
+    os.close(fds[1])
+    control = socket.socket(fileno=fds[2])
+    _die_with_parent(parent)
+    # Python's KeyboardInterrupt handler, as in a process started with SIGINT at its default.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if "numpy" in sys.modules:
+        # numpy seeds its global generator at import from the OS: a fork's must differ from every other launch's.
+        sys.modules["numpy"].random.seed()
     # A fatal signal's Python stack (faulthandler's) goes back to the engine on the socket, which shows it as the
     # rank's traceback; unblocked, a dump larger than its buffer is cut rather than waited on.
     control.setblocking(False)
     faulthandler.enable(control)
-    launch = json.loads(received)
     os.chdir(launch["cwd"])
     os.environ.clear()
     os.environ.update(launch["env"])
@@ -71,9 +115,8 @@ def child() -> None:
         from .hosts import prepare_rank
 
         devices = SplitRequest(**launch["devices"]) if launch["devices"] else None
-        # The framework's module is the first the spare imports (:func:`launch_request`'s ``preload``).
-        framework = launch["preload"][0]
-        prepare_rank({}, launch["setup"], tuple(launch["setup_args"]), devices=devices, after_import=framework)
+        after = launch["framework"]
+        prepare_rank({}, launch["setup"], tuple(launch["setup_args"]), devices=devices, after_import=after)
     # As on a terminal: each line reaches the notebook when printed, in one write, even under PYTHONUNBUFFERED (whose
     # write-through lets C++ output like "[Gloo] Rank 0 is connected" land mid-line); ``flush=True`` sends a part line.
     for stream in (sys.stdout, sys.stderr):
@@ -105,6 +148,8 @@ def child() -> None:
     finally:
         # Ended: a late interrupt must not end it by SIGINT as Python finalizes (a KeyboardInterrupt still does).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Out of the spare's loop: the interpreter ends as after ``python FILE``, its atexit handlers run.
+    sys.exit(0)
 
 
 def _ended(control: socket.socket) -> None:

@@ -123,7 +123,7 @@ class Launcher:
         """What ends the engines a PID watch cannot reach if the kernel dies (watched ones need nothing)."""
         return []
 
-    def stopper(self) -> Callable[[], list[str]]:
+    def stop_check(self) -> Callable[[], list[str]]:
         """Read before ipyparallel stops the cluster (it forgets what it stopped): what then says what is left."""
         return list
 
@@ -182,11 +182,11 @@ class BatchLauncher(Launcher):
         """Each batch job's delete command (``scancel JOBID``)."""
         return [[*es.delete_command, es.job_id] for es in self.batch_sets()]
 
-    def stopper(self) -> Callable[[], list[str]]:
+    def stop_check(self) -> Callable[[], list[str]]:
         """The batch jobs out of the queue (killed if they do not leave), the batch script removed."""
         jobs, script = [es.job_id for es in self.batch_sets()], self.cluster.config[self.engine_set].batch_file_name
 
-        def make_sure() -> list[str]:
+        def remaining() -> list[str]:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(script)
             left = []
@@ -197,7 +197,7 @@ class BatchLauncher(Launcher):
                         left.append(f"{self.name} job {job} is still queued ({self.queue_command[0]})")
             return left
 
-        return make_sure
+        return remaining
 
     def job_gone(self, job: str, timeout: float) -> bool:
         """Has batch job ``job`` left the queue within ``timeout`` seconds?"""
@@ -386,11 +386,11 @@ class SSHLauncher(Launcher):
             for location, args, pids, cleanup in self._cleanups()
         ]
 
-    def stopper(self) -> Callable[[], list[str]]:
+    def stop_check(self) -> Callable[[], list[str]]:
         """Each host with no engine nor the cluster's folder left."""
         cleanups = self._cleanups()
 
-        def make_sure() -> list[str]:
+        def remaining() -> list[str]:
             left = []
             for location, args, pids, cleanup in cleanups:
                 reached, out = ssh(location, args, cleanup)
@@ -401,7 +401,7 @@ class SSHLauncher(Launcher):
                 # Not reached and no engine started there: nothing was left to end.
             return left
 
-        return make_sure
+        return remaining
 
     def _cleanups(self) -> list[tuple[str, tuple[str, ...], str, str]]:
         """``(location, ssh args, PIDs of the cluster's engines there, REMOTE_CLEANUP command)`` per SSH host."""

@@ -83,11 +83,13 @@ class RankMemorySampler:
         self._peaks = [0] * len(self.series)
 
     def _family(self, proc: Any) -> list[Any]:
-        """The rank's process and, for a launch, what it started."""
+        """The rank's process and, for a launch, what it started: what its spare forked (:mod:`.launch`), not the spare,
+        whose pages the launch shares."""
         import psutil
 
         try:
-            return [proc, *(proc.children(recursive=True) if self.launched else ())]
+            spares = proc.children() if self.launched else ()
+            return [proc, *(launch for spare in spares for launch in spare.children(recursive=True))]
         except psutil.Error:
             return [proc]
 

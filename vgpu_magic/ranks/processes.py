@@ -263,7 +263,7 @@ def stop_launched(launcher: Launcher) -> list[str]:
     """Stop what ipyparallel launched for ``launcher``, check nothing is left where it ran; what is, in words."""
     cluster = launcher.cluster
     # Read before the stop: ipyparallel forgets the engines it stopped.
-    make_sure, connection = launcher.stopper(), _connection_files(cluster)
+    left, connection = launcher.stop_check(), _connection_files(cluster)
     # If this fails, local processes are gone already (the caller checked) and remote ones are checked below.
     with contextlib.suppress(Exception):
         cluster.stop_cluster_sync()
@@ -275,4 +275,4 @@ def stop_launched(launcher: Launcher) -> list[str]:
             os.remove(path)
     # Stopped here: ipyparallel's own stop at exit (or when the object goes) would only try again, noisily.
     cluster.shutdown_atexit = False
-    return make_sure()
+    return left()

@@ -24,7 +24,7 @@ from ..frameworks.base import RankPlan
 from ..inventory import GPUInfo, NVMLReadError, nccl_version, visible_gpus
 from ..layout import HostReport, RankLayout, layout_ranks
 from ..units import MIB
-from . import doctor, launch, lifetime, names, processes
+from . import doctor, launch, lifetime, names, processes, spare
 from .hosts import prepare_rank, report_host
 from .launchers import LAUNCHERS, MAX_RANKS, Launcher, plan_launcher
 from .mps import MPSDaemon, plan_mps
@@ -204,9 +204,9 @@ class RankCluster:
             if self.spares:
                 # A spare on every engine, importing as the start returns (a launch before then waits for it).
                 preload = self._preload()
-                environ = launch.kernel_environ(self.launcher.task_variables)
+                environ = spare.kernel_environ(self.launcher.task_variables)
                 warming = [
-                    self.client[e].apply_async(launch.warm, p.env, preload, environ)
+                    self.client[e].apply_async(spare.warm, p.env, preload, environ)
                     for e, p in zip(self.engine_ids, self.plans)
                 ]
                 for ar in warming:

@@ -83,6 +83,9 @@ def _syscall(thread: int | None) -> str:
 
 
 def _native(thread: int | None) -> int | None:
+    if thread == threading.main_thread().ident:
+        # The process's own id (Linux), which Python's record does not follow into a forked process (a launch).
+        return os.getpid()
     return next((t.native_id for t in threading.enumerate() if t.ident == thread), None)
 
 
