@@ -77,14 +77,6 @@ def _has_num_cpu_devices(jax: Any) -> bool:
     return "jax_num_cpu_devices" in getattr(jax.config, "values", {})
 
 
-def _platforms_allow_gpu() -> bool:
-    """``JAX_PLATFORMS`` / ``jax_platforms`` can rule the GPU out before start."""
-    jax = sys.modules.get("jax")
-    chosen = getattr(getattr(jax, "config", None), "jax_platforms", None) if jax else None
-    chosen = chosen or os.environ.get("JAX_PLATFORMS", "")
-    return not chosen.strip() or any(p.strip().lower() in _GPU_PLATFORMS for p in chosen.split(","))
-
-
 @functools.lru_cache(maxsize=1)
 def gpu_backend_installed() -> bool:
     """Is a GPU backend installed for JAX (a ``jax_plugins`` CUDA/ROCm plugin, or a CUDA jaxlib)? Imports nothing."""
@@ -160,7 +152,11 @@ class Jax(Framework):
                 return len(jax.devices("gpu"))
             except RuntimeError:  # no GPU backend
                 return 0
-        if not nvml or not _platforms_allow_gpu() or not gpu_backend_installed():
+        # JAX_PLATFORMS / jax_platforms can rule the GPU out before start.
+        chosen = getattr(getattr(sys.modules.get("jax"), "config", None), "jax_platforms", None)
+        chosen = chosen or os.environ.get("JAX_PLATFORMS", "")
+        allowed = not chosen.strip() or any(p.strip().lower() in _GPU_PLATFORMS for p in chosen.split(","))
+        if not nvml or not allowed or not gpu_backend_installed():
             return 0
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         asked = len(nvml) if visible is None else len(visible.split(","))
@@ -208,8 +204,11 @@ class Jax(Framework):
         count = self._cpu_count()
         if count is not None:
             logical[CPU_NAME] = (None,) * count
-        fraction = _env_fraction()
-        if fraction is not None:
+        try:
+            fraction = float(os.environ.get(_fraction_name(), "").strip())
+        except ValueError:
+            fraction = None
+        if fraction is not None and 0 < fraction <= 1:
             for gpu in gpus:
                 if gpu.total_mib is not None:
                     total = cuda_total_bytes(gpu.index) or gpu.total_mib * MIB
@@ -322,15 +321,6 @@ class Jax(Framework):
 def _fraction_name() -> str:
     """The fraction's variable to write: jaxlib's current name where the user set it, else the older one."""
     return ENV_CLIENT_FRACTION if os.environ.get(ENV_CLIENT_FRACTION, "").strip() else ENV_FRACTION
-
-
-def _env_fraction() -> float | None:
-    text = os.environ.get(_fraction_name(), "").strip()
-    try:
-        value = float(text)
-    except ValueError:
-        return None
-    return value if 0 < value <= 1 else None
 
 
 def _set_env(name: str, value: str | None) -> Any:
