@@ -233,20 +233,18 @@ class Jax(Framework):
         with self.undone_on_error(left) as undo:
             if old.logical.get(CPU_NAME) != new.logical.get(CPU_NAME):
                 count = len(new.logical.get(CPU_NAME) or ()) or None
-                undo.append(self._set_cpu_count(jax, count))
+                if _has_num_cpu_devices(jax):
+                    before = jax.config.jax_num_cpu_devices
+                    jax.config.update("jax_num_cpu_devices", -1 if count is None else count)
+                    undo.append(lambda: jax.config.update("jax_num_cpu_devices", before))
+                else:
+                    flags = xla_flags_with_count(os.environ.get("XLA_FLAGS", ""), count) or None
+                    undo.append(_set_env("XLA_FLAGS", flags))
             caps = {n: new.logical[n][0] for n in new.gpu_names if n in new.logical}
             if caps != {n: old.logical[n][0] for n in old.gpu_names if n in old.logical}:
                 undo.append(_set_env(_fraction_name(), self._fraction(caps)))
             if any(new.memory_growth) != any(old.memory_growth):
                 undo.append(_set_env(ENV_PREALLOCATE, "false" if any(new.memory_growth) else None))
-
-    def _set_cpu_count(self, jax: Any, count: int | None) -> Any:
-        """Set the CPU device count (``None``: JAX's default); return the undo step."""
-        if _has_num_cpu_devices(jax):
-            before = jax.config.jax_num_cpu_devices
-            jax.config.update("jax_num_cpu_devices", -1 if count is None else count)
-            return lambda: jax.config.update("jax_num_cpu_devices", before)
-        return _set_env("XLA_FLAGS", xla_flags_with_count(os.environ.get("XLA_FLAGS", ""), count) or None)
 
     def _fraction(self, caps: dict[str, int | None]) -> str | None:
         """JAX's fraction for caps in MiB: of the GPU's total as CUDA counts it (else NVML's: the cap lands low)."""
