@@ -98,20 +98,6 @@ def gpu_backend_installed() -> bool:
     return False
 
 
-def _user_namespace_uses_jax() -> bool:
-    """Does ``__main__`` (the notebook's or script's globals) hold a JAX module, or a function, class or array of it?"""
-    main = sys.modules.get("__main__")
-    for value in list(getattr(main, "__dict__", {}).values()):
-        try:
-            module = isinstance(value, types.ModuleType)
-            names = (value.__name__,) if module else (getattr(value, "__module__", None), type(value).__module__)
-        except Exception:  # noqa: BLE001 - a user object whose attributes raise is not JAX's
-            continue
-        if any(isinstance(n, str) and n.split(".")[0] in ("jax", "jaxlib") for n in names):
-            return True
-    return False
-
-
 class Jax(Framework):
     capabilities = CAPABILITIES
     module = "jax"
@@ -125,10 +111,21 @@ class Jax(Framework):
         self._counters: dict[str, LiveArrayBytes] = {}
 
     def imported(self) -> bool:
-        """Is JAX in use? TensorFlow imports it too: next to it, once its backend started or the user holds JAX's."""
+        """Is JAX in use? TensorFlow imports it too: next to it, once its backend started or ``__main__`` (the
+        notebook's or script's globals) holds a JAX module, or a function, class or array of it."""
         if "jax" not in sys.modules:
             return False
-        return "tensorflow" not in sys.modules or backend_started() or _user_namespace_uses_jax()
+        if "tensorflow" not in sys.modules or backend_started():
+            return True
+        for value in list(getattr(sys.modules.get("__main__"), "__dict__", {}).values()):
+            try:
+                module = isinstance(value, types.ModuleType)
+                names = (value.__name__,) if module else (getattr(value, "__module__", None), type(value).__module__)
+            except Exception:  # noqa: BLE001 - a user object whose attributes raise is not JAX's
+                continue
+            if any(isinstance(n, str) and n.split(".")[0] in ("jax", "jaxlib") for n in names):
+                return True
+        return False
 
     def runtime_started(self) -> bool:
         return backend_started()
