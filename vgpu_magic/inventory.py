@@ -46,6 +46,10 @@ def nvml_gpus() -> list[dict[str, Any]]:
                     cc = tuple(nvml.nvmlDeviceGetCudaComputeCapability(handle))
                 except nvml.NVMLError:
                     cc = None
+                try:  # its SMs; None where its driver answers that only for MIG devices
+                    sms = int(nvml.nvmlDeviceGetAttributes(device).multiprocessorCount) or None
+                except (nvml.NVMLError, AttributeError):
+                    sms = None
                 gpus.append(
                     {
                         "nvml_index": i,
@@ -54,7 +58,7 @@ def nvml_gpus() -> list[dict[str, Any]]:
                         "free_mib": int(mem.free // MIB),
                         "compute_capability": cc,
                         "uuid": _text(nvml.nvmlDeviceGetUUID(device)),
-                        "sm_count": _sm_count(nvml, device),
+                        "sm_count": sms,
                     }
                 )
     except nvml.NVMLError as exc:
@@ -65,14 +69,6 @@ def nvml_gpus() -> list[dict[str, Any]]:
         with contextlib.suppress(nvml.NVMLError):
             nvml.nvmlShutdown()
     return gpus
-
-
-def _sm_count(nvml: Any, device: Any) -> int | None:
-    """A device's SMs (NVML's attributes; ``None`` where its driver answers them only for MIG devices)."""
-    try:
-        return int(nvml.nvmlDeviceGetAttributes(device).multiprocessorCount) or None
-    except (nvml.NVMLError, AttributeError):
-        return None
 
 
 def _mig_devices(nvml: Any, handle: Any) -> list[Any]:

@@ -64,8 +64,12 @@ class SplitPlan:
         if self.splits:
             s = "s" if self.count > 1 else ""
             made = self.split_phrase.format(count=self.count, kind=self.device_type, s=s, index=self.physical_index)
-            caps = _format_caps(self.memory_limits)
-            parts.append(made + (f" ({caps})" if caps else ""))
+            caps = [m for m in self.memory_limits if m is not None]
+            if len(set(caps)) == 1:
+                made += f" ({caps[0]} MiB{' each' * (len(caps) > 1)})"
+            elif caps:
+                made += f" ({' + '.join(map(str, caps))} MiB)"
+            parts.append(made)
         if self.visible_gpus is not None:
             shown = ",".join(str(i) for i in self.visible_gpus) or "none"
             parts.append(f"visible GPUs: {shown}")
@@ -99,15 +103,6 @@ class SplitPlan:
         if self.framework_named:
             words += ["--framework", self.framework_named]
         return " ".join(words)
-
-
-def _format_caps(limits: tuple[int | None, ...]) -> str:
-    values = [m for m in limits if m is not None]
-    if not values:
-        return ""
-    if len(set(values)) == 1:
-        return f"{values[0]} MiB" + (" each" if len(values) > 1 else "")
-    return " + ".join(f"{m}" for m in values) + " MiB"
 
 
 @dataclass(frozen=True)

@@ -13,19 +13,18 @@ def checked_places(
     split: int | None,
     memory_mib: int | None,
     refused: dict[bool, str],
-    backend: str | None = None,
-    capabilities: Capabilities | None = None,
+    backend: str | None,
+    capabilities: Capabilities,
 ) -> tuple[tuple[RankPlace, ...], bool]:
     """``layout``'s places and whether each has a GPU; :class:`ValueError` (``refused[on_gpu]``) where they cannot."""
     places = layout.places
     on_gpu = all(p.gpu for p in places)
     if split is not None and on_gpu in refused:
         raise ValueError(refused[on_gpu].format(split=split, n=len(places)))
-    offered = capabilities.rank_backends if capabilities else ()
+    offered = capabilities.rank_backends
     if backend is not None and backend not in offered:
-        label = capabilities.label if capabilities else "these"
         take = f"use {' or '.join(offered)}" if offered else "leave --backend out: they choose their own"
-        raise ValueError(f"--backend {backend} is not one {label} ranks take; {take}")
+        raise ValueError(f"--backend {backend} is not one {capabilities.label} ranks take; {take}")
     if backend == "nccl" and not on_gpu:
         raise ValueError("--backend nccl needs a GPU for every rank and these ranks see none; leave it out for gloo")
     check_rank_request(split, memory_mib, [p.gpu for p in places])

@@ -17,10 +17,10 @@ _MISSING = object()
 
 
 class AutoMonitoring:
-    """Patches ``keras.Model`` so every ``fit``/``evaluate``/``predict`` is monitored by ``factory()``'s monitor."""
+    """Patches ``keras.Model`` so every ``fit``/``evaluate``/``predict`` is monitored by a fresh ``MemoryMonitor``."""
 
-    def __init__(self, factory: Callable[[], Any] | None = None) -> None:
-        self._factory, self._model_class = factory, None
+    def __init__(self) -> None:
+        self._model_class = None
         self._options: dict[str, Any] = {}
         self._saved: dict[str, Any] = {}
         self._wrappers: dict[str, Any] = {}
@@ -33,14 +33,9 @@ class AutoMonitoring:
     def enabled(self) -> bool:
         return bool(self._saved)
 
-    def _make_monitor(self) -> Any:
-        if self._factory is not None:
-            return self._factory()
+    def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
         from .callback import MemoryMonitor
 
-        return MemoryMonitor(**self._options)
-
-    def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(original)
         auto = self
 
@@ -53,9 +48,12 @@ class AutoMonitoring:
             except TypeError:  # let Keras report the bad call itself
                 return original(model, *args, **kwargs)
             callbacks = bound.arguments.get("callbacks")
-            if not auto._wants_monitor(callbacks):
+            # Keras' own CallbackList (fit's validation) or something unknown is left alone.
+            if not isinstance(callbacks, (list, tuple, type(None))) or any(
+                isinstance(cb, MemoryMonitor) for cb in callbacks or ()
+            ):
                 return original(model, *args, **kwargs)
-            monitor = auto._make_monitor()
+            monitor = MemoryMonitor(**auto._options)
             auto.monitors = [*auto.monitors[-9:], monitor]
             bound.arguments["callbacks"] = [*(callbacks or []), monitor]
             auto._local.depth = 1
@@ -65,16 +63,6 @@ class AutoMonitoring:
                 auto._local.depth = 0
 
         return monitored
-
-    @staticmethod
-    def _wants_monitor(callbacks: Any) -> bool:
-        from .callback import MemoryMonitor
-
-        if callbacks is None:
-            return True
-        if not isinstance(callbacks, (list, tuple)):
-            return False  # Keras' own CallbackList (fit's validation) or something unknown
-        return not any(isinstance(cb, MemoryMonitor) for cb in callbacks)
 
     def enable(self, **options: Any) -> None:
         """Monitor every later ``fit``/``evaluate``/``predict``; ``options`` go to each :class:`MemoryMonitor`."""

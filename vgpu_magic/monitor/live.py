@@ -59,10 +59,6 @@ def memory_widget(**traits: Any) -> Any:
     return _widget_class()(key=uuid.uuid4().hex, **traits)
 
 
-def _title(trace: MemoryTrace) -> str:
-    return " · ".join(filter(None, (title_text(trace), _progress(trace), "live")))
-
-
 def _progress(trace: MemoryTrace) -> str:
     """``'step 340 · 85.0 steps/s'``, the rate over :data:`RATE_WINDOW_S`; nothing where the run counts no steps."""
     if not len(trace) or not (trace.epochs_total or trace.step[-1]):
@@ -136,8 +132,9 @@ class LiveMemoryView(View):
 
     def _traits(self, trace: MemoryTrace) -> dict[str, Any]:
         """The traits that change during a run (the series change only when devices join)."""
+        title = " · ".join(filter(None, (title_text(trace), _progress(trace), "live")))
         units, note = self._kept_units(trace), trace.caption()
-        return {"groups": labelled_groups(trace), "title": _title(trace), "units": units, "note": note}
+        return {"groups": labelled_groups(trace), "title": title, "units": units, "note": note}
 
     def _kept_units(self, trace: MemoryTrace) -> dict[str, list]:
         """Each panel's unit, kept while its :func:`panel_top` reads in :data:`KEPT_UNIT_DIGITS` digits in it."""

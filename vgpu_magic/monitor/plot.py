@@ -45,17 +45,6 @@ def require_matplotlib(purpose: str) -> None:
         raise ImportError(f"{missing} is not installed, so {purpose}; pip install 'vgpu_magic[plot]'") from None
 
 
-def _decimate(times: Any, values: list[Any]) -> tuple[Any, list[Any]]:
-    """At most :data:`MAX_POINTS` points: bucket starts and bucket maxima."""
-    import numpy as np
-
-    n = len(times)
-    if n <= MAX_POINTS:
-        return times, values
-    starts = np.arange(0, n, math.ceil(n / MAX_POINTS))
-    return times[starts], [np.maximum.reduceat(v, starts) for v in values]
-
-
 def _style(ax: Any) -> None:
     ax.set_facecolor("none")
     ax.tick_params(labelsize=_TICK_PT, colors=TEXT)
@@ -132,7 +121,9 @@ class MemoryFigure:
         trace = self.trace
         times = np.array(trace.time, dtype=float)
         values = [np.array(c, dtype=float) for c in (*trace.current, *trace.peak)]
-        times, values = _decimate(times, values)
+        if len(times) > MAX_POINTS:  # bucket starts and bucket maxima
+            starts = np.arange(0, len(times), math.ceil(len(times) / MAX_POINTS))
+            times, values = times[starts], [np.maximum.reduceat(v, starts) for v in values]
         count = len(trace.series)
         xmax = max(trace.duration, float(times[-1]) if len(times) else 0.0, 1e-3)
         for panel, ax in self.axes.items():

@@ -103,27 +103,21 @@ class MonitorSession:
         """The framework to read when several could be (Keras' backend in the adapter)."""
         return None
 
-    def _running_framework(self) -> Any:
-        """The framework whose runtime runs (the preferred first), or ``None`` while none does."""
+    def _make_sampler(self) -> MemorySampler:
+        """The sampler given, else the devices of the framework whose runtime runs (the preferred first); until one
+        runs, the process' RSS (provisionally)."""
         from .. import frameworks
 
-        preferred = self._preferred_framework()
-        found = sorted((fw for fw in frameworks.all_frameworks() if fw.imported()), key=lambda fw: fw.name != preferred)
-        return next((fw for fw in found if fw.runtime_started()), None)
-
-    def _make_sampler(self) -> MemorySampler:
-        """The sampler given, else the running framework's devices; until one runs, the process' RSS (provisionally)."""
         if self._sampler is not None:
             return self._sampler
-        framework = self._running_framework()
+        watched, preferred = frameworks.all_frameworks(), self._preferred_framework()
+        found = sorted((fw for fw in watched if fw.imported()), key=lambda fw: fw.name != preferred)
+        framework = next((fw for fw in found if fw.runtime_started()), None)
         if framework is None:
             if self._devices is not None:
                 self._report("no framework's runtime runs yet, so only the process' memory is read until one starts")
             self._joining = True
-            from .. import frameworks
-
             # Asked before each sample: lookups only, no import and no scan of the user's namespace.
-            watched = frameworks.all_frameworks()
             return process_sampler(joinable=lambda: any(fw.runtime_started() for fw in watched))
         try:
             sampler = DeviceSampler.for_framework(

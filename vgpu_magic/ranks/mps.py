@@ -49,9 +49,8 @@ class MPSDaemon:
 
 
 def _control(args: list[str], stdin: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    command = [CONTROL, *args]
     return subprocess.run(
-        command, input=stdin, env={**os.environ, **env}, capture_output=True, text=True, timeout=TIMEOUT
+        [CONTROL, *args], input=stdin, env={**os.environ, **env}, capture_output=True, text=True, timeout=TIMEOUT
     )
 
 

@@ -13,21 +13,8 @@ from dataclasses import dataclass, field
 from itertools import takewhile
 from typing import Any, TextIO
 
-__all__ = [
-    "HELD_LINES",
-    "PEER_GONE",
-    "HeldBack",
-    "LineStream",
-    "as_terminal_shows",
-    "dumped_traceback",
-    "events",
-    "how_it_ended",
-    "notebook_traceback",
-    "rank_env",
-    "record_output",
-    "show_display",
-    "taken_down",
-]
+__all__ = ["HELD_LINES", "PEER_GONE", "HeldBack", "LineStream", "as_terminal_shows", "dumped_traceback", "events"]
+__all__ += ["how_it_ended", "notebook_traceback", "rank_env", "record_output", "show_display", "taken_down"]
 
 #: Lines held back per rank (the oldest go first).
 HELD_LINES = 2000

@@ -77,14 +77,6 @@ def _has_num_cpu_devices(jax: Any) -> bool:
     return "jax_num_cpu_devices" in getattr(jax.config, "values", {})
 
 
-def _platforms_allow_gpu() -> bool:
-    """``JAX_PLATFORMS`` / ``jax_platforms`` can rule the GPU out before start."""
-    jax = sys.modules.get("jax")
-    chosen = getattr(getattr(jax, "config", None), "jax_platforms", None) if jax else None
-    chosen = chosen or os.environ.get("JAX_PLATFORMS", "")
-    return not chosen.strip() or any(p.strip().lower() in _GPU_PLATFORMS for p in chosen.split(","))
-
-
 @functools.lru_cache(maxsize=1)
 def gpu_backend_installed() -> bool:
     """Is a GPU backend installed for JAX (a ``jax_plugins`` CUDA/ROCm plugin, or a CUDA jaxlib)? Imports nothing."""
@@ -106,20 +98,6 @@ def gpu_backend_installed() -> bool:
     return False
 
 
-def _user_namespace_uses_jax() -> bool:
-    """Does ``__main__`` (the notebook's or script's globals) hold a JAX module, or a function, class or array of it?"""
-    main = sys.modules.get("__main__")
-    for value in list(getattr(main, "__dict__", {}).values()):
-        try:
-            module = isinstance(value, types.ModuleType)
-            names = (value.__name__,) if module else (getattr(value, "__module__", None), type(value).__module__)
-        except Exception:  # noqa: BLE001 - a user object whose attributes raise is not JAX's
-            continue
-        if any(isinstance(n, str) and n.split(".")[0] in ("jax", "jaxlib") for n in names):
-            return True
-    return False
-
-
 class Jax(Framework):
     capabilities = CAPABILITIES
     module = "jax"
@@ -133,10 +111,21 @@ class Jax(Framework):
         self._counters: dict[str, LiveArrayBytes] = {}
 
     def imported(self) -> bool:
-        """Is JAX in use? TensorFlow imports it too: next to it, once its backend started or the user holds JAX's."""
+        """Is JAX in use? TensorFlow imports it too: next to it, once its backend started or ``__main__`` (the
+        notebook's or script's globals) holds a JAX module, or a function, class or array of it."""
         if "jax" not in sys.modules:
             return False
-        return "tensorflow" not in sys.modules or backend_started() or _user_namespace_uses_jax()
+        if "tensorflow" not in sys.modules or backend_started():
+            return True
+        for value in list(getattr(sys.modules.get("__main__"), "__dict__", {}).values()):
+            try:
+                module = isinstance(value, types.ModuleType)
+                names = (value.__name__,) if module else (getattr(value, "__module__", None), type(value).__module__)
+            except Exception:  # noqa: BLE001 - a user object whose attributes raise is not JAX's
+                continue
+            if any(isinstance(n, str) and n.split(".")[0] in ("jax", "jaxlib") for n in names):
+                return True
+        return False
 
     def runtime_started(self) -> bool:
         return backend_started()
@@ -160,7 +149,11 @@ class Jax(Framework):
                 return len(jax.devices("gpu"))
             except RuntimeError:  # no GPU backend
                 return 0
-        if not nvml or not _platforms_allow_gpu() or not gpu_backend_installed():
+        # JAX_PLATFORMS / jax_platforms can rule the GPU out before start.
+        chosen = getattr(getattr(sys.modules.get("jax"), "config", None), "jax_platforms", None)
+        chosen = chosen or os.environ.get("JAX_PLATFORMS", "")
+        allowed = not chosen.strip() or any(p.strip().lower() in _GPU_PLATFORMS for p in chosen.split(","))
+        if not nvml or not allowed or not gpu_backend_installed():
             return 0
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         asked = len(nvml) if visible is None else len(visible.split(","))
@@ -208,8 +201,11 @@ class Jax(Framework):
         count = self._cpu_count()
         if count is not None:
             logical[CPU_NAME] = (None,) * count
-        fraction = _env_fraction()
-        if fraction is not None:
+        try:
+            fraction = float(os.environ.get(_fraction_name(), "").strip())
+        except ValueError:
+            fraction = None
+        if fraction is not None and 0 < fraction <= 1:
             for gpu in gpus:
                 if gpu.total_mib is not None:
                     total = cuda_total_bytes(gpu.index) or gpu.total_mib * MIB
@@ -234,20 +230,18 @@ class Jax(Framework):
         with self.undone_on_error(left) as undo:
             if old.logical.get(CPU_NAME) != new.logical.get(CPU_NAME):
                 count = len(new.logical.get(CPU_NAME) or ()) or None
-                undo.append(self._set_cpu_count(jax, count))
+                if _has_num_cpu_devices(jax):
+                    before = jax.config.jax_num_cpu_devices
+                    jax.config.update("jax_num_cpu_devices", -1 if count is None else count)
+                    undo.append(lambda: jax.config.update("jax_num_cpu_devices", before))
+                else:
+                    flags = xla_flags_with_count(os.environ.get("XLA_FLAGS", ""), count) or None
+                    undo.append(_set_env("XLA_FLAGS", flags))
             caps = {n: new.logical[n][0] for n in new.gpu_names if n in new.logical}
             if caps != {n: old.logical[n][0] for n in old.gpu_names if n in old.logical}:
                 undo.append(_set_env(_fraction_name(), self._fraction(caps)))
             if any(new.memory_growth) != any(old.memory_growth):
                 undo.append(_set_env(ENV_PREALLOCATE, "false" if any(new.memory_growth) else None))
-
-    def _set_cpu_count(self, jax: Any, count: int | None) -> Any:
-        """Set the CPU device count (``None``: JAX's default); return the undo step."""
-        if _has_num_cpu_devices(jax):
-            before = jax.config.jax_num_cpu_devices
-            jax.config.update("jax_num_cpu_devices", -1 if count is None else count)
-            return lambda: jax.config.update("jax_num_cpu_devices", before)
-        return _set_env("XLA_FLAGS", xla_flags_with_count(os.environ.get("XLA_FLAGS", ""), count) or None)
 
     def _fraction(self, caps: dict[str, int | None]) -> str | None:
         """JAX's fraction for caps in MiB: of the GPU's total as CUDA counts it (else NVML's: the cap lands low)."""
@@ -322,15 +316,6 @@ class Jax(Framework):
 def _fraction_name() -> str:
     """The fraction's variable to write: jaxlib's current name where the user set it, else the older one."""
     return ENV_CLIENT_FRACTION if os.environ.get(ENV_CLIENT_FRACTION, "").strip() else ENV_FRACTION
-
-
-def _env_fraction() -> float | None:
-    text = os.environ.get(_fraction_name(), "").strip()
-    try:
-        value = float(text)
-    except ValueError:
-        return None
-    return value if 0 < value <= 1 else None
 
 
 def _set_env(name: str, value: str | None) -> Any:

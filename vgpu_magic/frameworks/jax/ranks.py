@@ -22,11 +22,6 @@ SPLIT_ON_GPU = (
 SHARED_INSTEAD = "start one rank per GPU, or CPU ranks (%env CUDA_VISIBLE_DEVICES= before starting)"
 
 
-def step_coordinator_port(job_id: int) -> int:
-    """JAX's coordinator port for the tasks of a job step (its ``SlurmCluster``'s): the last 4096 ports, by job id."""
-    return job_id % 2**12 + (65535 - 2**12 + 1)
-
-
 def plan_ranks(
     framework: Framework,
     layout: RankLayout,
@@ -38,8 +33,10 @@ def plan_ranks(
     """JAX's :meth:`~vgpu_magic.frameworks.base.Framework.plan_ranks`."""
     places, on_gpu = checked_places(layout, split, memory_mib, {True: SPLIT_ON_GPU}, backend, framework.capabilities)
     n = len(places)
-    if port is None:
-        port = step_coordinator_port(layout.step.job_id) if layout.step is not None else places[0].port
+    if port is None and layout.step is not None:
+        # JAX's coordinator port for the tasks of a job step (its SlurmCluster's): the last 4096 ports, by job id.
+        port = layout.step.job_id % 2**12 + (65535 - 2**12 + 1)
+    port = places[0].port if port is None else port
     coordinator = f"{layout.leader}:{port}"
     per_process = split or 1
     name = framework.name

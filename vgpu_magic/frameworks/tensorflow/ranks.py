@@ -32,7 +32,12 @@ def plan_ranks(
     """TensorFlow's :meth:`~vgpu_magic.frameworks.base.Framework.plan_ranks`."""
     places, on_gpu = checked_places(layout, split, memory_mib, {False: SPLIT_ON_CPU}, backend, framework.capabilities)
     n = len(places)
-    workers = _workers(layout, port)
+    if layout.step is not None:  # a job step's, as SlurmClusterResolver gives them
+        hosts = sorted(zip(layout.step.hosts, layout.step.tasks_per_node))
+        workers = [f"{host}:{(port or STEP_PORT_BASE) + k}" for host, count in hosts for k in range(count)]
+        workers = workers[: layout.world_size]
+    else:  # each engine's port
+        workers = [f"{p.address}:{port if port and p.rank == 0 else p.port}" for p in layout.places]
     per_worker = split or 1
     caps = [
         rank_share_mib(p.gpu, p.gpu_shared_by, memory_mib, framework.capabilities) // per_worker if on_gpu else None
@@ -60,18 +65,6 @@ def plan_ranks(
         args = (place.gpu.index, per_worker, each)
         plans.append(RankPlan(place.rank, env, SETUP, args, notes, devices, simulated=simulated))
     return plans
-
-
-def _workers(layout: RankLayout, port: int | None) -> list[str]:
-    """Every worker's ``host:port`` in rank order: a job step's as ``SlurmClusterResolver`` gives them; else each
-    engine's port."""
-    if layout.step is not None:
-        return [
-            f"{host}:{(port or STEP_PORT_BASE) + offset}"
-            for host, count in sorted(zip(layout.step.hosts, layout.step.tasks_per_node))
-            for offset in range(count)
-        ][: layout.world_size]
-    return [f"{p.address}:{port if port and p.rank == 0 else p.port}" for p in layout.places]
 
 
 def setup_rank(gpu: int, count: int, cap_mib: int, join: bool = False) -> str:
