@@ -202,14 +202,12 @@ class Job(Shown):
         return state
 
     def stacks(self) -> str:
-        """Where each rank is (its state, its line of the script, the collective it waits in) and, where one waits in
-        a collective that another has not entered, why it hangs: the hang doctor's report (docs/hangs.md), from each
-        running task's answers (15 s each at most). :class:`ValueError` where its tasks are not running."""
+        """The hang doctor's report (docs/hangs.md) on its running tasks, a collective waited in for a second a hang
+        (the user asks now); :class:`ValueError` where its tasks are not running."""
         from .stacks import look
 
         state = self.state
         if state == "RUNNING":
-            # A collective a second old counts (that is as long as the two asks take): the user asks now.
             said, lines, answered = look(self.folder, self.spec.ranks, 1.0)
             if answered:
                 return report(f"job {self.job_id}, attempt {self.attempt}: {said or 'no rank waits on another'}", lines)

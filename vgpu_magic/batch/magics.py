@@ -107,17 +107,12 @@ class JobMagics(Magics):
         if args.target is None:
             raise UsageError(f"say which job, e.g. %vgpu_job {args.action} 12 (%vgpu_job status lists them)")
         job = self._job(args.target)
-        if args.action == "cancel":
+        if args.action in ("cancel", "stacks"):
             try:
-                job.cancel()
+                said = job.stacks() if args.action == "stacks" else job.cancel() or f"cancelled job {job.job_id}\n"
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
-            return print(f"cancelled job {job.job_id}")
-        if args.action == "stacks":
-            try:
-                return print(job.stacks(), end="")
-            except ValueError as exc:
-                raise UsageError(str(exc)) from None
+            return print(said, end="")
         if args.rank is not None and args.rank >= job.spec.ranks:
             raise UsageError(f"--rank {args.rank} is not a rank of job {job.job_id}; use 0..{job.spec.ranks - 1}")
         if args.follow:

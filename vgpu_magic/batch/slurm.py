@@ -137,11 +137,9 @@ def plan_tasks(framework: str, env: dict[str, str], port: int | None = None, fre
 
 
 def main(framework: str, port: str, free: str, folder: str, hang_after: str, script: str, *args: str) -> None:
-    """Task ``SLURM_PROCID``: wired, it runs ``script ARGS`` as ``python SCRIPT ARGS`` would, in this process, beside
-    the thread that answers the job's asks for its stacks (:class:`~.stacks.Answering`)."""
-    rank = int(os.environ["SLURM_PROCID"])
-    plans = plan_tasks(framework, dict(os.environ), int(port) or None, int(free))
-    plan = plans[rank]
+    """Task ``SLURM_PROCID``, wired, runs ``script ARGS`` as ``python`` would, beside :class:`~.stacks.Answering`."""
+    rank, ranks = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_STEP_NUM_TASKS"])
+    plan = plan_tasks(framework, dict(os.environ), int(port) or None, int(free))[rank]
     # The attempt is the batch script's (the job's agent), not the framework's first-launch default.
     attempt = {key: os.environ[key] for key in RESTART_COUNTS if key in os.environ}
     os.environ.update({**plan.env, **attempt})
@@ -149,7 +147,7 @@ def main(framework: str, port: str, free: str, folder: str, hang_after: str, scr
         print(f"vgpu_magic job: {plan.notes[0]}; no per-rank memory caps or device splits (a job has its real GPUs)")
     # As python puts it first on the import path: the script's folder (links resolved).
     sys.argv, sys.path[0] = [script, *args], os.path.dirname(os.path.realpath(script))
-    Answering(Path(folder), rank, len(plans), float(hang_after))
+    Answering(Path(folder), rank, ranks, float(hang_after))
     run_main(script)
 
 

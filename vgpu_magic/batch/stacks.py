@@ -1,7 +1,6 @@
-"""A batch job's hang doctor (docs/hangs.md, "In a batch job"): the login node and the compute nodes share only the
-job's folder, so an ask is a file there, ``stacks.ask`` (a fresh token), and each task's thread (:class:`Answering`,
-a stat a second) answers it with ``rank-R.state.json``: :func:`~vgpu_magic.ranks.rank_state.answer` and the token,
-read by the kernel's own :func:`~vgpu_magic.ranks.doctor.diagnose`."""
+"""A batch job's hang doctor (docs/hangs.md, "In a batch job"): the nodes share only the job's folder, so an ask is a
+file there (``stacks.ask``, a fresh token), each task's thread (:class:`Answering`) answers with ``rank-R.state.json``
+(:func:`.rank_state.answer` and the token), read by the kernel's own :func:`.doctor.diagnose`."""
 
 from __future__ import annotations
 
@@ -119,6 +118,6 @@ def _read(path: Path) -> str:
 
 def _written(path: Path, text: str) -> None:
     """Write ``text`` whole or not at all, as a reader on another node sees it (a rename)."""
-    part = path.with_name(f".{path.name}.{os.getpid()}")
+    part = path.with_name(f".{path.name}.{secrets.token_hex(4)}")  # the asker's, or a task's on another node
     part.write_text(text)
     os.replace(part, path)
