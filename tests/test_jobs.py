@@ -204,6 +204,11 @@ def test_a_failing_rank_fails_the_job_with_its_status_and_last_lines(slurm, tmp_
     assert f"{job.job_id} fails.py: FAILED" in shown
     assert "rank 1 exited with status 1:" in shown and "ValueError: rank 1 gives up" in shown
     assert "[rank 1] ValueError: rank 1 gives up" in job.logs()
+    # As python's own: from the script's first frame, none of the task's (it runs the script in its own process).
+    assert job.logs(rank=1).splitlines()[:2] == [
+        "[rank 1] Traceback (most recent call last):",
+        f'[rank 1]   File "{tmp_path / "fails.py"}", line 3, in <module>',
+    ]
 
 
 def test_a_job_with_restarts_launches_every_task_again_and_resumes_as_one_that_never_failed(slurm, tmp_path, capsys):
@@ -705,13 +710,13 @@ def test_a_tasks_thread_answers_an_ask_in_the_jobs_folder_and_an_exited_rank_is_
     assert json.loads((tmp_path / "rank-0.state.json").read_text())["token"] == (tmp_path / ASK).read_text()
 
 
-HANGS = """import time
+HANGS = """import os, sys, time
 import torch
 import torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.ones(16)
 dist.all_reduce(t)
-print("started", dist.get_rank(), flush=True)
+print("started", dist.get_rank(), __name__, sys.argv, sys.path[0] == os.path.dirname(__file__), flush=True)
 if dist.get_rank() == 0:
     dist.all_reduce(t)
 while True:
@@ -730,6 +735,7 @@ def test_a_hung_jobs_log_and_stacks_say_which_rank_waits_where(slurm, tmp_path, 
     job = ip.run_line_magic("vgpu_job", "submit -n 2 --hang-after 3 hangs.py")
     assert job.spec.hang_after == 3
     started(job)
+    assert f"[rank 1] started 1 __main__ ['{tmp_path / 'hangs.py'}'] True" in job.logs()
     deadline = time.monotonic() + 60
     while "a hang" not in job.logs() and time.monotonic() < deadline:
         time.sleep(0.5)

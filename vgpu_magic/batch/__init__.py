@@ -202,8 +202,8 @@ class Job(Shown):
         return state
 
     def stacks(self) -> str:
-        """The hang doctor's report (docs/hangs.md) on its running tasks, a collective waited in for a second a hang
-        (the user asks now); :class:`ValueError` where its tasks are not running."""
+        """The hang doctor's report (docs/hangs.md) on its running tasks (a collective waited in for a second counts:
+        the user asks now); :class:`ValueError` where its tasks are not running."""
         from .stacks import look
 
         state = self.state
