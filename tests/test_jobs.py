@@ -204,6 +204,11 @@ def test_a_failing_rank_fails_the_job_with_its_status_and_last_lines(slurm, tmp_
     assert f"{job.job_id} fails.py: FAILED" in shown
     assert "rank 1 exited with status 1:" in shown and "ValueError: rank 1 gives up" in shown
     assert "[rank 1] ValueError: rank 1 gives up" in job.logs()
+    # As python's own: from the script's first frame, none of the task's (it runs the script in its own process).
+    assert job.logs(rank=1).splitlines()[:2] == [
+        "[rank 1] Traceback (most recent call last):",
+        f'[rank 1]   File "{tmp_path / "fails.py"}", line 3, in <module>',
+    ]
 
 
 def test_a_job_with_restarts_launches_every_task_again_and_resumes_as_one_that_never_failed(slurm, tmp_path, capsys):
@@ -262,12 +267,12 @@ def test_slurm_refusing_is_one_usage_error_and_nothing_is_submitted(slurm, tmp_p
 
 
 def processes_running(path: Path, ranks_only: bool = False) -> list[int]:
-    """The processes whose command line names ``path`` (``ranks_only``: ``python PATH`` only; else the batch
-    script, ``srun`` and the tasks' wrappers too)."""
+    """The processes whose command line names ``path`` (``ranks_only``: the tasks', ``python -m
+    vgpu_magic.batch.slurm ... PATH``, only; else the batch script, ``srun`` and the tasks' wrappers too)."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         words = proc.info["cmdline"] or []
-        if (words[1:2] if ranks_only else words).count(str(path)):
+        if words.count(str(path)) and (not ranks_only or words[1:3] == ["-m", "vgpu_magic.batch.slurm"]):
             found.append(proc.pid)
     return found
 
@@ -384,10 +389,11 @@ def test_the_batch_script_and_bad_lines_need_no_slurm(tmp_path, monkeypatch):
     (tmp_path / "train.py").write_text("print('never')\n")
     ip = get_ipython()
     ip.run_line_magic("load_ext", "vgpu_magic")
-    text = ip.run_line_magic("vgpu_job", "script -f jax --nodes 2 -n 8 --gpus-per-node 8 --time 30 train.py --lr 0.1")
+    line = "script -f jax --nodes 2 -n 8 --gpus-per-node 8 --time 30 --hang-after 5 train.py --lr 0.1"
+    text = ip.run_line_magic("vgpu_job", line)
     for line in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--time=30", f"--chdir={tmp_path}"):
         assert f"#SBATCH {line}\n" in text
-    assert f'-m vgpu_magic.batch.slurm jax 0 "$free" {tmp_path / "train.py"} --lr 0.1\n' in text
+    assert f'-m vgpu_magic.batch.slurm jax 0 "$free" "$job" 5.0 {tmp_path / "train.py"} --lr 0.1\n' in text
     for line, said in (
         ("submit --nodes two train.py", "--nodes 'two' is not a whole number"),
         ("submit missing.py", "script 'missing.py' is not a file"),
@@ -395,6 +401,8 @@ def test_the_batch_script_and_bad_lines_need_no_slurm(tmp_path, monkeypatch):
         ("submit --time '1 hour' train.py", "time='1 hour' is not one word"),
         ("status 1 2", "'2' is not understood here"),
         ("logs 99", "job '99' is not one of your jobs (%vgpu_job status lists them)"),
+        ("submit --hang-after soon train.py", "--hang-after 'soon'"),
+        ("logs 99 --hang-after 5", "logs does not take --hang-after"),
     ):
         with pytest.raises(UsageError) as info:
             ip.run_line_magic("vgpu_job", line)
@@ -687,3 +695,78 @@ def test_each_action_takes_only_its_own_options_and_jobs_lines_only_their_own(tm
     for time_limit in ("30", "1:00", "01:00:00", "1-12", "2-0:30:00"):
         assert f"#SBATCH --time={time_limit}\n" in ip.run_line_magic("vgpu_job", f"script --time {time_limit} train.py")
     assert not (tmp_path / ".vgpu_jobs").exists()
+
+
+def test_a_tasks_thread_answers_an_ask_in_the_jobs_folder_and_an_exited_rank_is_named(tmp_path):
+    """The ask/answer files without SLURM: this process is rank 0 of 2 (its thread answers), rank 1 has exited."""
+    from vgpu_magic.batch.stacks import ASK, Answering, look
+
+    Answering(tmp_path, 0, 2, 0)
+    (tmp_path / "rank-1.exit").write_text("3\n")
+    said, lines, answered = look(tmp_path, 2, 1.0)
+    assert said is None and answered == 1
+    assert re.fullmatch(r"rank 0: (idle, )?at tests/test_jobs\.py:\d+: said, lines, answered = look\(.*", lines[0])
+    assert lines[1] == "rank 1: exited with status 3"
+    assert json.loads((tmp_path / "rank-0.state.json").read_text())["token"] == (tmp_path / ASK).read_text()
+
+
+HANGS = """import os, sys, time
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(16)
+dist.all_reduce(t)
+print("started", dist.get_rank(), __name__, sys.argv, sys.path[0] == os.path.dirname(__file__), flush=True)
+if dist.get_rank() == 0:
+    dist.all_reduce(t)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_hung_jobs_log_and_stacks_say_which_rank_waits_where(slurm, tmp_path, capsys):
+    """Issue 42 in a batch job: rank 1 skips an all_reduce. After --hang-after the job's log has the hang doctor's
+    report; ``%vgpu_job stacks`` shows it again; cancelled, nothing is left; an ended job's stacks are refused."""
+    from IPython.testing.globalipapp import get_ipython
+
+    (tmp_path / "hangs.py").write_text(HANGS)
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "vgpu_magic")
+    job = ip.run_line_magic("vgpu_job", "submit -n 2 --hang-after 3 hangs.py")
+    assert job.spec.hang_after == 3
+    started(job)
+    assert f"[rank 1] started 1 __main__ ['{tmp_path / 'hangs.py'}'] True" in job.logs()
+    deadline = time.monotonic() + 60
+    while "a hang" not in job.logs() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    said = "rank 1 never called all_reduce #2 that rank 0 waits in (hangs.py:9); rank 1 is at hangs.py:11, idle"
+    assert "vgpu_magic: a hang, " in job.logs() and said in job.logs(), job.logs()
+    assert job.logs().count("vgpu_magic: a hang") == 1
+    capsys.readouterr()
+    ip.run_line_magic("vgpu_job", f"stacks {job.job_id}")
+    shown = capsys.readouterr().out.splitlines()
+    assert shown[0] == f"job {job.job_id}, attempt 1: {said}"
+    assert re.fullmatch(
+        r"  rank 0: waiting in all_reduce #2 \(\[16\] float32\) for \d+ s, at hangs.py:9: dist.all_reduce\(t\)",
+        shown[1],
+    )
+    assert shown[2] == "  rank 1: idle, at hangs.py:11: time.sleep(0.1)"
+    job.cancel()
+    assert job.wait(timeout=60) == "CANCELLED"
+    deadline = time.monotonic() + 30
+    while (slurm.squeue() or processes_running(tmp_path / "hangs.py")) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert slurm.squeue() == [] and processes_running(tmp_path / "hangs.py") == []
+    for line, error in (
+        (f"stacks {job.job_id}", f"job {job.job_id} is CANCELLED: its tasks are not running; %vgpu_job logs"),
+        ("stacks 99999", "job '99999' is not one of your jobs"),
+        ("stacks", "say which job, e.g. %vgpu_job stacks 12"),
+        (f"stacks {job.job_id} --rank 1", "stacks does not take --rank"),
+    ):
+        with pytest.raises(UsageError, match=re.escape(error)) as info:
+            ip.run_line_magic("vgpu_job", line)
+        assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match=r"--hang-after -1 is not a number of seconds"):
+        import vgpu_magic
+
+        vgpu_magic.submit("hangs.py", hang_after=-1)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 from .. import frameworks
+from ..ranks.doctor import HANG_AFTER, checked_hang_after, report
 from ..ranks.launchers import SlurmLauncher
 from ..ranks.shown import HeldBack
 from ..ranks.spec import checked_faults
@@ -60,6 +61,8 @@ class JobSpec:
     port: int | None = None
     #: Every task's script launched again when one fails, up to this many times (``torchrun --max-restarts``).
     max_restarts: int = 0
+    #: Seconds a task waits in a collective before the job's log gets the hang doctor's report (0: none).
+    hang_after: float = HANG_AFTER
     backend: str = "slurm"
 
     def __post_init__(self) -> None:
@@ -73,6 +76,7 @@ class JobSpec:
             if value is not None and (type(value) is not int or not low <= value <= 65535):
                 raise ValueError(f"{key}={value!r} is not a whole number {low}..65535")
         checked_faults(self.ranks, self.max_restarts, (), None)
+        object.__setattr__(self, "hang_after", checked_hang_after(self.hang_after))
         # Time, partition, account and #SBATCH lines as the ranks' SLURM launcher checks them (SLURM says the rest).
         object.__setattr__(self, "sbatch", tuple(SlurmLauncher.sbatch_options(vars(self))[1]))
         for line in self.sbatch:
@@ -196,6 +200,19 @@ class Job(Shown):
                 raise TimeoutError(f"job {self.job_id} is still {state} after {timeout} s")
             time.sleep(poll)
         return state
+
+    def stacks(self) -> str:
+        """The hang doctor's report (docs/hangs.md) on its running tasks (a collective waited in for a second counts:
+        the user asks now); :class:`ValueError` where its tasks are not running."""
+        from .stacks import look
+
+        state = self.state
+        if state == "RUNNING":
+            said, lines, answered = look(self.folder, self.spec.ranks, 1.0)
+            if answered:
+                return report(f"job {self.job_id}, attempt {self.attempt}: {said or 'no rank waits on another'}", lines)
+        tasks = "its tasks are not running" if state != "RUNNING" else "none of its tasks answered (started yet?)"
+        raise ValueError(f"job {self.job_id} is {state}: {tasks}; %vgpu_job logs {self.job_id} shows what they printed")
 
     def cancel(self) -> None:
         """Cancel it; :class:`ValueError` where it already ended (SLURM's ``scancel`` says nothing then)."""

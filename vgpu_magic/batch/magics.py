@@ -12,20 +12,20 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..errors import PlanError, excerpt
 from ..frameworks import choices
-from ..grammar import choice, framework_name, parse_arguments, whole
+from ..grammar import choice, framework_name, parse_arguments, seconds, whole
 from ..ranks.launchers import SlurmLauncher
 from . import ENDED, Job, Jobs, JobSpec, Shown, backend, index_file, jobs, running_cell, submit
 
 __all__ = ["JobMagics"]
 
-_ACTIONS = ("submit", "script", "status", "logs", "cancel")
+_ACTIONS = ("submit", "script", "status", "logs", "stacks", "cancel")
 _SUBMIT = "%vgpu_job submit --framework torch --nodes 2 --ranks-per-node 8 train.py --epochs 2"
 #: Seconds between two looks at a followed job's logs.
 FOLLOW_POLL = 0.5
 #: The options each action takes, by their long flags (the others take none).
 _TAKES = {
     "submit": {"--framework", "--nodes", "--ranks-per-node", "--gpus-per-node", "--time", "--partition", "--account"}
-    | {"--sbatch", "--name", "--port", "--max-restarts"},
+    | {"--sbatch", "--name", "--port", "--max-restarts", "--hang-after"},
     "logs": {"--rank", "--follow"},
 }
 _TAKES["script"] = _TAKES["submit"]
@@ -39,7 +39,7 @@ class JobMagics(Magics):
     @argument(
         "action",
         type=choice(_ACTIONS, "{value} is not an action; use " + ", ".join(_ACTIONS), _SUBMIT),
-        help="submit or show the batch script of FILE ARGS; the status, logs or cancel of job ID",
+        help="submit or show the batch script of FILE ARGS; the status, logs, stacks or cancel of job ID",
     )
     @argument("target", nargs="?", metavar="FILE|ID", help="the script (submit, script) or the job id")
     @argument("--framework", "-f", type=framework_name, default="torch", help=f"{choices()}: how tasks are wired")
@@ -57,6 +57,11 @@ class JobMagics(Magics):
         type=whole("--max-restarts", 0, 100, "--max-restarts 2"),
         help="launch every task's script again when one fails, up to N times, as torchrun --max-restarts N",
     )
+    @argument(
+        "--hang-after",
+        type=seconds("--hang-after", 0, 7 * 24 * 3600, "30"),
+        help="write a hang's report into the job's log after a task waits this long in a collective (0: never)",
+    )
     @argument("--rank", "-r", type=whole("--rank", 0, 2**20, "--rank 0"), help="logs: this rank's only")
     @argument("--follow", action="store_true", help="logs: stream until the job ends (interrupt stops following)")
     @argument("script_args", nargs="*", metavar="ARGS", help="the script's own arguments (its sys.argv[1:])")
@@ -72,6 +77,7 @@ class JobMagics(Magics):
             %vgpu_job script --framework torch --nodes 2 --ranks-per-node 8 train.py   # the batch script
             %vgpu_job status          # every job of yours, wherever its script was
             %vgpu_job logs 123 --rank 0 --follow
+            %vgpu_job stacks 123      # where each rank is, and which one a hang waits for
             %vgpu_job cancel 123
         """
         args = self._parse(line)
@@ -79,6 +85,7 @@ class JobMagics(Magics):
             if args.target is None:
                 raise UsageError(f"say which script to {args.action}, e.g. {_SUBMIT}")
             keys = ("gpus_per_node", "time", "partition", "account", "sbatch", "name", "port", "max_restarts")
+            keys += ("hang_after",)
             options = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
             request = (args.target, tuple(args.script_args), args.framework, args.nodes, args.ranks_per_node)
             try:
@@ -100,12 +107,12 @@ class JobMagics(Magics):
         if args.target is None:
             raise UsageError(f"say which job, e.g. %vgpu_job {args.action} 12 (%vgpu_job status lists them)")
         job = self._job(args.target)
-        if args.action == "cancel":
+        if args.action in ("cancel", "stacks"):
             try:
-                job.cancel()
+                said = job.stacks() if args.action == "stacks" else job.cancel() or f"cancelled job {job.job_id}\n"
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
-            return print(f"cancelled job {job.job_id}")
+            return print(said, end="")
         if args.rank is not None and args.rank >= job.spec.ranks:
             raise UsageError(f"--rank {args.rank} is not a rank of job {job.job_id}; use 0..{job.spec.ranks - 1}")
         if args.follow:

@@ -1,6 +1,6 @@
 """SLURM's job backend on its own commands (``sbatch``, ``scontrol show job``, ``scancel``; why not submitit:
 docs/jobs.md), and each task's :func:`main`: the hosts from SLURM's variables, wired by the rehearsal's ``layout_ranks``
-and ``plan_ranks``; only the environment (caps and splits are a rehearsal's) goes to ``python SCRIPT``."""
+and ``plan_ranks``; only the environment (caps and splits are a rehearsal's) goes to ``SCRIPT``, run as by python."""
 
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ from ..frameworks.base import RankPlan
 from ..inventory import visible_gpus
 from ..layout import HostReport, layout_ranks
 from ..ranks.hosts import free_port
+from ..ranks.launched import run_main
 from ..ranks.launchers import SlurmLauncher
 from ..ranks.spec import RESTART_COUNTS
 from . import FOLDER, JobBackend, JobSpec
+from .stacks import Answering
 
 #: The batch script: the job's folder (its id is known only then) and start time; then per attempt (``max_restarts``
 #: more, as torchrun's agent: ``srun`` stops every task when one fails) its number, rank 0's free port, one ``srun``
@@ -32,12 +34,12 @@ mkdir -p "$job" && date +%s >"$job/job.start" && exec >"$job/job.out" 2>&1
 export PYTHONUNBUFFERED=1 TORCHELASTIC_MAX_RESTARTS={restarts}
 for TORCHELASTIC_RESTART_COUNT in $(seq 0 {restarts}); do
   export TORCHELASTIC_RESTART_COUNT && echo $((TORCHELASTIC_RESTART_COUNT + 1)) >"$job/job.attempt"
-  rm -f "$job"/rank-*.exit "$job"/rank-*.error.json  # the last attempt's only
+  rm -f "$job"/rank-*.exit "$job"/rank-*.error.json "$job"/rank-*.state.json "$job"/stacks.*  # the last attempt's only
   free=$({python} -m vgpu_magic.batch.slurm --free-port)
   srun --kill-on-bad-exit=1 --output="$job/rank-%t.log" --open-mode=append \\
     sh -c 'export TORCHELASTIC_ERROR_FILE="$0/rank-$SLURM_PROCID.error.json"; "$@"; s=$?
            echo $s >"$0/rank-$SLURM_PROCID.exit"; exit $s' "$job" \\
-    {python} -m vgpu_magic.batch.slurm {framework} {port} "$free" {command}
+    {python} -m vgpu_magic.batch.slurm {framework} {port} "$free" "$job" {hang_after} {command}
   status=$?
   [ $status = 0 ] && break
 done
@@ -60,6 +62,7 @@ class SlurmJobs(JobBackend):
             framework=spec.framework,
             port=spec.port or 0,
             restarts=spec.max_restarts,
+            hang_after=spec.hang_after,
             command=shlex.join([spec.script, *spec.args]),
         )
 
@@ -133,15 +136,19 @@ def plan_tasks(framework: str, env: dict[str, str], port: int | None = None, fre
     return frameworks.get(framework).plan_ranks(layout_ranks(reports, gpus, SlurmLauncher.launched), None, None, port)
 
 
-def main(framework: str, port: str, free: str, script: str, *args: str) -> None:
-    rank = int(os.environ["SLURM_PROCID"])
+def main(framework: str, port: str, free: str, folder: str, hang_after: str, script: str, *args: str) -> None:
+    """Task ``SLURM_PROCID``, wired, runs ``script ARGS`` as ``python`` would, beside :class:`~.stacks.Answering`."""
+    rank, ranks = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_STEP_NUM_TASKS"])
     plan = plan_tasks(framework, dict(os.environ), int(port) or None, int(free))[rank]
     # The attempt is the batch script's (the job's agent), not the framework's first-launch default.
     attempt = {key: os.environ[key] for key in RESTART_COUNTS if key in os.environ}
+    os.environ.update({**plan.env, **attempt})
     if rank == 0:
         print(f"vgpu_magic job: {plan.notes[0]}; no per-rank memory caps or device splits (a job has its real GPUs)")
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, script, *args], {**os.environ, **plan.env, **attempt})
+    # As python puts it first on the import path: the script's folder (links resolved).
+    sys.argv, sys.path[0] = [script, *args], os.path.dirname(os.path.realpath(script))
+    Answering(Path(folder), rank, ranks, float(hang_after))
+    run_main(script)
 
 
 if __name__ == "__main__":

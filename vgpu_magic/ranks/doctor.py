@@ -19,7 +19,7 @@ from typing import Any, TextIO
 from . import rank_state
 from .run import _rank_s
 
-__all__ = ["HangDoctor", "checked_hang_after", "diagnose", "serve"]
+__all__ = ["HangDoctor", "checked_hang_after", "diagnose", "report", "serve"]
 
 #: The default ``--hang-after``: seconds a rank waits in a collective that another never entered before the report.
 HANG_AFTER = 30.0
@@ -83,11 +83,8 @@ class HangDoctor:
             # Once per hang, however its ranks run meanwhile.
             self.reported.add(said.split(";")[0])
             seconds = time.monotonic() - self.start
-            self.out.write(f"vgpu_magic: a hang, {seconds:.0f} s into the run: {said}\n")
-            self.out.write("".join(f"  {line}\n" for line in lines))
-            self.out.write(
-                "  the run goes on waiting (a slow rank may still come): --timeout or the stop button end it\n"
-            )
+            ending = "the run goes on waiting (a slow rank may still come): --timeout or the stop button end it"
+            self.out.write(report(f"vgpu_magic: a hang, {seconds:.0f} s into the run: {said}", [*lines, ending]))
             self.out.flush()
 
     def _idle(self) -> bool:
@@ -192,6 +189,11 @@ def diagnose(
         said = [f"{_rank_s([r.rank for r in others], 'never reached')} {call}"]
         return "; ".join(said + [f"rank {r.rank} {r.at()}" for r in others]), lines
     return None, lines
+
+
+def report(head: str, lines: list[str]) -> str:
+    """The report's text: ``head`` (the diagnosis), then each of ``lines`` (a rank's, then what goes on) indented."""
+    return f"{head}\n" + "".join(f"  {line}\n" for line in lines)
 
 
 class _Rank:

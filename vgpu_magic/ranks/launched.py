@@ -13,7 +13,7 @@ import socket
 import struct
 import sys
 
-__all__ = ["ENDED", "child"]
+__all__ = ["ENDED", "child", "run_main"]
 
 #: What a launched process sends on its control socket once its script (and the script's own ``atexit`` handlers)
 #: ended, as the interpreter finalizes: a fatal signal after it came as it exited (torch's exit-time abort).
@@ -128,7 +128,19 @@ def _launched(launch: dict, fds: list[int], parent: int) -> None:
     # First registered, so run last: after the script's own handlers, as the interpreter finalizes.
     atexit.register(_ended, control)
     try:
-        if launch["module"]:
+        run_main(path, launch["module"])
+    finally:
+        # Ended: a late interrupt must not end it by SIGINT as Python finalizes (a KeyboardInterrupt still does).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Out of the spare's loop: the interpreter ends as after ``python FILE``, its atexit handlers run.
+    sys.exit(0)
+
+
+def run_main(path: str, module: bool = False) -> None:
+    """Run ``path`` as ``python PATH`` (``python -m PATH``) runs it, in this process (``sys.argv``, ``sys.path`` and
+    the environment set); an exception it raises ends the process as it would end ``python``'s, status 1."""
+    try:
+        if module:
             # As python -m runs it: sys.argv[0] becomes the module's file, its module is __main__.
             runpy.run_module(path, {"__annotations__": {}}, "__main__", alter_sys=True)
         else:
@@ -138,18 +150,13 @@ def _launched(launch: dict, fds: list[int], parent: int) -> None:
         tb, launching = exc.__traceback__, (__file__, runpy.run_module.__code__.co_filename)
         while tb is not None and tb.tb_frame.f_code.co_filename.startswith((*launching, "<frozen importlib")):
             tb = tb.tb_next
-        if tb is None and launch["module"]:
+        if tb is None and module:
             # Not found, or its package failed before its code ran: python -m's one line.
             print(f"{sys.executable}: {exc}", file=sys.stderr)
             sys.exit(1)
         # torch.distributed's hook (which labels each line with the rank) reads the exception's own traceback.
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         sys.exit(1)
-    finally:
-        # Ended: a late interrupt must not end it by SIGINT as Python finalizes (a KeyboardInterrupt still does).
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # Out of the spare's loop: the interpreter ends as after ``python FILE``, its atexit handlers run.
-    sys.exit(0)
 
 
 def _ended(control: socket.socket) -> None:
