@@ -252,8 +252,7 @@ def _running_after(procs: list[Any], timeout: float) -> list[Any]:
 @dataclass
 class RankProcesses:
     """How the fault policy reaches each rank's process: on this host (``local[rank]``, all by default) by its PID; on
-    another through its engine, ``client[engine_ids[rank]]``. ``launchers``: ipyparallel's, by PID (exit statuses,
-    logs); ``cluster``: the ipyparallel cluster whose logs a rank's death keeps."""
+    another through its engine, ``client[engine_ids[rank]]``; ipyparallel's ``launchers`` (by PID) and ``cluster``."""
 
     pids: list[int]
     client: Any = None
@@ -267,7 +266,6 @@ class RankProcesses:
         return self.local is None or self.local[rank]
 
     def engine(self, rank: int) -> Any:
-        """The rank's ipyparallel view."""
         return self.client[self.engine_ids[rank]]
 
     def alive(self, rank: int) -> bool:

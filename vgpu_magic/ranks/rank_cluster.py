@@ -107,8 +107,7 @@ class RankCluster:
         here = [HostReport(e, socket.gethostname(), "127.0.0.1", 0, seen, 0, nccl=nccl_version()) for e in range(n)]
         self.mps: MPSDaemon | None = None
         planned = self._plan_ranks(layout_ranks(here, self.given_gpus))
-        remote = not self.launcher.watched
-        self.mps, self.mps_note = plan_mps(any(p.mps for p in planned), mps, remote, self.cluster_id)
+        self.mps, self.mps_note = plan_mps(any(p.mps for p in planned), mps, not self.launcher.watched, self.cluster_id)
         self.plans: list[RankPlan] = []
         self._started_at = 0.0
         self._forget()
@@ -192,7 +191,7 @@ class RankCluster:
             # Each rank's environment and setup, all ranks at once (a rendezvous).
             args = [(p.env, p.setup, p.args, self.join, p.devices) for p in self.plans]
             procs, wiring = self._processes(), RankWork(function=prepare_rank, args=args)
-            self._ended(RankRun(procs, wiring, timeout=SETUP_TIMEOUT, held=self.held).run())
+            self._watch(RankRun(procs, wiring, timeout=SETUP_TIMEOUT, held=self.held), set())
             self.view.apply_sync(interrupt_only_the_cell)
             self._doctor, self.asks = doctor.serve([procs.engine(r) for r in range(self.n)], procs.local)
             if self.spares:
@@ -257,9 +256,7 @@ class RankCluster:
         with contextlib.suppress(Exception):
             self.client.close()
         alive = processes.terminate(self._owned, self._token, self._started_at, spared=self._cleanups)
-        left = []
-        if self.cluster is not None:
-            left = processes.stop_launched(self.launcher)
+        left = processes.stop_launched(self.launcher) if self.cluster is not None else []
         if self.mps is not None:
             self.mps.stop()  # once its clients, the ranks, are gone: it waits for them
         # The kernel may be killed while it stops (Jupyter's shutdown waits 5 s): its clean-up watchers go last.
@@ -308,7 +305,7 @@ class RankCluster:
         procs = self._processes()
         watch = doctor.HangDoctor([a and f"{a}-cell" for a in self.asks], hang_after, sys.stderr, procs.memory_pids())
         runner = RankRun(procs, RankWork(code), timeout, plot, self._gpu(), held=self.held, doctor=watch)
-        result = self._ended(self._watch(runner, names.names_written(code)))
+        result = self._watch(runner, names.names_written(code))
         if output:
             return names.pull_values(self.view, [self.client[e] for e in self.engine_ids])
         for rank, ar in enumerate(result.replies):
@@ -330,26 +327,22 @@ class RankCluster:
     def _gpu(self) -> bool:
         return self.layout is not None and any(p.gpu for p in self.layout.places)
 
-    def _watch(self, runner: RankRun, candidates: set[str]) -> RunResult:
-        """Run ``runner`` and take the cluster's state from its result (an interrupt's too); while the cluster is
-        usable, settle which ``candidates`` are rank state."""
+    def _watch(self, runner: RankRun, candidates: set[str], attempt: int = 1, last: bool = True) -> RunResult:
+        """Run ``runner`` (the run's ``attempt``), the cluster's state taken from its result (an interrupt's too);
+        while the cluster is usable, settle which ``candidates`` are rank state. :class:`RankRunError` where the run
+        failed, unless a ``last=False`` attempt failed leaving the cluster usable: then its result, to try again."""
         result = None
         try:
-            result = runner.run()
-            return result
+            result = replace(runner.run(), attempts=attempt)
         except KeyboardInterrupt as interrupt:
             result = getattr(interrupt, "result", None)
             raise
         finally:
-            if result is not None and result.state is RunState.MUST_RESTART:
+            if getattr(result, "state", None) is RunState.MUST_RESTART:
                 self.state, self.reason = ClusterState.MUST_RESTART, result.reason
             if self.state is ClusterState.RUNNING:
                 self.rank_names.settle(self.view, candidates)
-
-    @staticmethod
-    def _ended(result: RunResult) -> RunResult:
-        """A run's ``result`` where it succeeded; else its :class:`RankRunError`."""
-        if result.state is not RunState.SUCCEEDED:
+        if result.state is RunState.MUST_RESTART or (last and result.state is RunState.FAILED):
             raise RankRunError(result)
         return result
 
@@ -380,29 +373,26 @@ class RankCluster:
         self.layout = self._lay_out(self.engine_ids)
         self.plans = self._plan_ranks(self.layout)
         self._say_simulated()
-        where, theirs = (path, list(args), os.getcwd(), self._preload()), self.launcher.task_variables
+        where = (path, list(args), os.getcwd(), self._preload(), self.spares, self.launcher.task_variables, module)
         procs, gpu, asks = self._processes(), self._gpu(), self.asks if hang_after else [None] * self.n
-        for attempt in range(attempts):
-            counts = dict(zip(RESTART_COUNTS, (str(attempt), str(max_restarts))))
+        for attempt in range(1, attempts + 1):
+            counts = dict(zip(RESTART_COUNTS, (str(attempt - 1), str(max_restarts))))
             # Where the plan has torchrun's restart counters: this attempt's, of at most max_restarts.
             plans = [replace(p, env={**p.env, **{k: v for k, v in counts.items() if k in p.env}}) for p in self.plans]
-            work = RankWork(
-                function=launch.run_rank,
-                args=[
-                    (launch.launch_request(p, *where, self.spares, theirs, module, faults if not attempt else (), a),)
-                    for p, a in zip(plans, asks)
-                ],
-            )
+            requests = [launch.launch_request(p, *where, faults, a) for p, a in zip(plans, asks)]
+            faults = []  # injected into the first launch only
+            work = RankWork(function=launch.run_rank, args=[(request,) for request in requests])
             watch = doctor.HangDoctor(self.asks, hang_after, sys.stderr, procs.memory_pids())
             runner = RankRun(procs, work, timeout, plot, gpu, True, held=self.held, since=start, doctor=watch)
-            result = replace(self._watch(runner, set()), attempts=attempt + 1)
-            if result.state is not RunState.FAILED or attempt + 1 == attempts:
+            # The last attempt's failure raises: the loop ends on a success.
+            result = self._watch(runner, set(), attempt, last=attempt == attempts)
+            if result.state is RunState.SUCCEEDED:
                 break
-            print(f"attempt {attempt + 1} of {attempts}: {RankRunError(result).headline(state=False)} at ", end="")
+            print(f"attempt {attempt} of {attempts}: {RankRunError(result).headline(state=False)} at ", end="")
             print(f"{time.monotonic() - start:.1f} s; restarting the {self.n} rank{'s' * (self.n > 1)}")
-        if result.state is RunState.SUCCEEDED and attempt:
-            print(f"finished on attempt {attempt + 1} of {attempts}")
-        return self._ended(result)
+        if attempt > 1:
+            print(f"finished on attempt {attempt} of {attempts}")
+        return result
 
     def _preload(self) -> list[str]:
         """What a spare imports before its launch: the framework, and its rank setup's module."""

@@ -249,7 +249,6 @@ class RankRun:
         n = len(self.procs.pids)
         held = self.held or HeldBack()
         held.this_run = {}
-
         lives: dict[int, dict] = {}
 
         def stream(r: int, out: TextIO) -> LineStream:

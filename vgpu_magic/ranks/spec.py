@@ -93,8 +93,7 @@ class RankOutcome:
 
 
 class RunState(enum.Enum):
-    """How a run ended (torch elastic's ``WorkerState``): ``MUST_RESTART``, a rank died or was killed (the cluster's
-    ranks are gone: it must be restarted); ``FAILED``, a rank failed but the cluster is still usable."""
+    """How a run ended (torch elastic's ``WorkerState``): ``FAILED`` leaves the cluster usable, ``MUST_RESTART`` not."""
 
     SUCCEEDED = "succeeded"
     FAILED = "failed"
