@@ -994,3 +994,57 @@ def test_a_start_whose_port_was_taken_meanwhile_starts_once_more(monkeypatch, wh
         with pytest.raises(ClusterStartError, match=why):
             cluster.start()
     assert calls == [cluster] * tries
+
+
+def test_a_script_run_lays_out_once_and_its_attempts_raise_only_the_restart_count(monkeypatch, capsys):
+    """Issue 41: a script run lays the ranks out (a round trip to every engine) and plans them once, not once per
+    attempt; each attempt launches those plans with only TORCHELASTIC_RESTART_COUNT raised. Every attempt's run
+    returns its RunResult; the cluster relaunches a failed one and raises RankRunError for the last, with its
+    attempts."""
+    from vgpu_magic.ranks import RankCluster, RankRunError, rank_cluster
+    from vgpu_magic.ranks.spec import ClusterState, RankFailure, RankOutcome, RunResult, RunState
+
+    launched, laid_out = [], []
+    failed = RunResult(RunState.FAILED, {1: RankOutcome("failed", RankFailure(1, "error", "exited with status 3"))})
+
+    class Launch:
+        def __init__(self, procs, work, *args, **kwargs) -> None:
+            launched.append([plan.env for (plan,) in work.args])
+
+        def run(self) -> RunResult:
+            return failed if len(launched) < 3 else RunResult(RunState.SUCCEEDED, {0: RankOutcome("finished")})
+
+    monkeypatch.setattr(rank_cluster, "RankRun", Launch)
+    monkeypatch.setattr(rank_cluster.launch, "launch_request", lambda plan, *args: plan)
+    with started(RankCluster(2, "torch", gpus=[])) as ranks:
+        monkeypatch.setattr(ranks, "_lay_out", lambda engine_ids: laid_out.append(engine_ids) or ranks.layout)
+        result = ranks.run_script("train.py", max_restarts=2)
+        assert (result.state, result.attempts, len(laid_out)) == (RunState.SUCCEEDED, 3, 1)
+        counts = [
+            [(env["TORCHELASTIC_RESTART_COUNT"], env["TORCHELASTIC_MAX_RESTARTS"]) for env in e] for e in launched
+        ]
+        assert counts == [[(str(attempt), "2")] * 2 for attempt in range(3)]
+        unchanged = [
+            [{k: v for k, v in env.items() if k != "TORCHELASTIC_RESTART_COUNT"} for env in e] for e in launched
+        ]
+        assert unchanged[0] == unchanged[1] == unchanged[2]
+        launched.clear()
+        with pytest.raises(RankRunError) as info:
+            ranks.run_script("train.py", max_restarts=1)
+        assert (info.value.result.attempts, len(launched), ranks.state) == (2, 2, ClusterState.RUNNING)
+    said = capsys.readouterr().out
+    assert "attempt 1 of 3: rank 1 exited with status 3 at " in said and "finished on attempt 3 of 3" in said
+
+
+def test_a_run_returns_its_result_on_success_too():
+    """Issue 41: a run that succeeds returns a RunResult as a failed one does (its ranks' replies kept beside)."""
+    from support import answering
+    from vgpu_magic.ranks.run import RankRun, RankWork
+    from vgpu_magic.ranks.spec import RankOutcome, RunResult, RunState
+
+    replies = [_Pending(), _Pending()]
+    for reply in replies:
+        reply.set_result(None)
+    result = RankRun(answering(replies), RankWork("1"), stdout=io.StringIO()).run()
+    assert result == RunResult(RunState.SUCCEEDED, dict.fromkeys(range(2), RankOutcome("finished")))
+    assert list(result.replies) == replies and "replies" not in repr(result)
