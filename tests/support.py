@@ -402,3 +402,14 @@ def reference_run(run: Callable[[], Any], folder: Path, inputs: list[str], env: 
     shutil.copytree(folder, partial)
     shutil.rmtree(kept, ignore_errors=True)
     partial.rename(kept)
+
+
+def answering(replies: list, pids: list[int] | None = None, **how: Any):
+    """The ``RankProcesses`` of fake ranks (all this process by default) whose engine ``r`` answers any work with
+    ``replies[r]`` (a future standing for its AsyncResult); ``how``: the rest of RankProcesses' fields."""
+    from types import SimpleNamespace
+
+    from vgpu_magic.ranks.processes import RankProcesses
+
+    engines = [SimpleNamespace(execute=lambda *args, reply=reply, **kwargs: reply) for reply in replies]
+    return RankProcesses(pids or [os.getpid()] * len(replies), how.pop("client", engines), range(len(replies)), **how)

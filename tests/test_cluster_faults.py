@@ -80,7 +80,9 @@ def test_errors_that_land_just_after_a_look_are_not_taken_for_success():
     check for "all ready", the run ended with no failure collected."""
     from concurrent import futures
 
-    from vgpu_magic.ranks.run import RankProcesses, RankRun, RankRunError
+    from support import answering
+    from vgpu_magic.ranks.run import RankRun, RankRunError, RankWork
+    from vgpu_magic.ranks.spec import RunState
 
     class Reply(futures.Future):
         output_events = ()
@@ -101,15 +103,16 @@ def test_errors_that_land_just_after_a_look_are_not_taken_for_success():
             return True
 
     replies = [Reply(), Reply()]
-    runner = RankRun(RankProcesses([os.getpid()] * 2), lambda rank: replies[rank])
-    with pytest.raises(RankRunError) as info, contextlib.redirect_stderr(io.StringIO()):
-        runner.run()
-    assert str(info.value) == "ranks 0, 1 raised ValueError: bad argument; the cluster is still usable"
+    runner = RankRun(answering(replies), RankWork("1"))
+    with contextlib.redirect_stderr(io.StringIO()):
+        result = runner.run()
+    assert result.state is RunState.FAILED and [outcome.end for outcome in result.outcomes.values()] == ["failed"] * 2
+    assert str(RankRunError(result)) == "ranks 0, 1 raised ValueError: bad argument; the cluster is still usable"
 
 
 def test_different_failures_are_named_each_and_the_same_ones_grouped():
     from vgpu_magic.ranks.run import RankFailure, RankRunError
-    from vgpu_magic.ranks.spec import RankOutcome, RunResult
+    from vgpu_magic.ranks.spec import RankOutcome, RunResult, RunState
 
     failures = [
         RankFailure(2, "error", "raised ValueError: bad argument", ("Traceback", "ValueError: bad argument")),
@@ -117,7 +120,8 @@ def test_different_failures_are_named_each_and_the_same_ones_grouped():
         RankFailure(3, "died", "was killed by SIGKILL (pid 12)", ("rank 3 was killed by SIGKILL",)),
         RankFailure(1, "error", "raised KeyError: 'x'", ("Traceback", "KeyError: 'x'")),
     ]
-    error = RankRunError(RunResult({f.rank: RankOutcome("failed", f) for f in failures}, "rank 3 was killed"))
+    ended = {f.rank: RankOutcome("failed", f) for f in failures}
+    error = RankRunError(RunResult(RunState.MUST_RESTART, ended, "rank 3 was killed"))
     assert str(error) == (
         "ranks 0, 2 raised ValueError: bad argument; rank 3 was killed by SIGKILL (pid 12); "
         "rank 1 raised KeyError: 'x'; the cluster must be restarted: %vgpu_cluster restart"
@@ -140,7 +144,7 @@ def test_the_error_renders_the_run_result_rank_by_rank():
     import dataclasses
 
     from vgpu_magic.ranks.run import RankRunError, _outcome
-    from vgpu_magic.ranks.spec import RankFailure, RankOutcome, RunResult
+    from vgpu_magic.ranks.spec import RankFailure, RankOutcome, RunResult, RunState
 
     late = RankFailure(0, "timeout", "did not finish within --timeout 5 s (still running: ranks 0, 2)", ("timed out",))
     ended = {
@@ -148,7 +152,7 @@ def test_the_error_renders_the_run_result_rank_by_rank():
         1: RankOutcome("finished"),
         2: RankOutcome("interrupted", killed="did not stop within 3 s of SIGINT"),
     }
-    result = RunResult(ended, restart="rank 2 was killed")
+    result = RunResult(RunState.MUST_RESTART, ended, reason="rank 2 was killed")
     error = RankRunError(result)
     assert error.result is result and list(result.outcomes) == [0, 1, 2]
     assert str(error) == (
@@ -167,7 +171,7 @@ def test_the_error_renders_the_run_result_rank_by_rank():
         3: RankOutcome("peer", RankFailure(3, "peer", said, gone), killed=stuck),
         2: RankOutcome("interrupted"),
     }
-    error = RankRunError(RunResult(ended, restart="rank 3 was killed"))
+    error = RankRunError(RunResult(RunState.MUST_RESTART, ended, reason="rank 3 was killed"))
     assert str(error) == (
         f"rank 1 raised ValueError: bad batch; ranks 0, 3 {said}; interrupted rank 2; "
         "killed rank 3 (made no progress for 10 s after SIGINT); the cluster must be restarted: %vgpu_cluster restart"
@@ -180,7 +184,7 @@ def test_the_error_renders_the_run_result_rank_by_rank():
     ]
     assert (error.failure, error.interrupted, error.killed, error.must_restart) == (own, [2], [3], True)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        error.result.restart = ""
+        error.result.reason = ""
     # Each rank's outcome as a run builds it from its failure and what the fault policy did to it.
     peer = ended[3].failure
     assert _outcome(None, stopped=False, killed="") == RankOutcome("finished")
@@ -359,11 +363,11 @@ def test_a_start_returns_while_the_spares_import_and_a_launch_waits_for_them(mon
 def test_ranks_that_ended_alike_are_said_in_agreement():
     """Issue 37, row 14: "ranks 1, 2, 3 was killed by SIGABRT"."""
     from vgpu_magic.ranks.run import RankFailure, RankRunError
-    from vgpu_magic.ranks.spec import RankOutcome, RunResult
+    from vgpu_magic.ranks.spec import RankOutcome, RunResult, RunState
 
     failures = [RankFailure(r, "error", "was killed by SIGABRT", ("x",)) for r in (1, 2, 3)]
     failures.append(RankFailure(0, "error", "was killed by SIGSEGV", ("x",)))
-    error = RankRunError(RunResult({f.rank: RankOutcome("failed", f) for f in failures}))
+    error = RankRunError(RunResult(RunState.FAILED, {f.rank: RankOutcome("failed", f) for f in failures}))
     assert (
         str(error) == "ranks 1, 2, 3 were killed by SIGABRT; rank 0 was killed by SIGSEGV; the cluster is still usable"
     )
@@ -376,7 +380,8 @@ def test_only_a_traceback_that_says_its_peer_went_is_said_in_one_line(peer):
     never hidden."""
     from concurrent import futures
 
-    from vgpu_magic.ranks.run import RankProcesses, RankRun, RankRunError
+    from support import answering
+    from vgpu_magic.ranks.run import RankRun, RankRunError, RankWork
 
     class Reply(futures.Future):
         def ready(self):
@@ -398,13 +403,12 @@ def test_only_a_traceback_that_says_its_peer_went_is_said_in_one_line(peer):
         error.ename, error.evalue = "ProcessExited", "exited with status 1"
         reply.set_exception(error)
     said = io.StringIO()
-    runner = RankRun(RankProcesses([os.getpid()] * 2), lambda rank: replies[rank], stdout=said, stderr=said)
-    with pytest.raises(RankRunError) as info:
-        runner.run()
+    runner = RankRun(answering(replies), RankWork("1"), stdout=said, stderr=said)
+    error = RankRunError(runner.run())
     lines = said.getvalue().splitlines()
     assert f"[rank 1] {own}" in lines
     if peer:
-        assert str(info.value) == (
+        assert str(error) == (
             "rank 1 exited with status 1; rank 0 stopped: its peer closed the connection (rank 1 failed first); "
             "the cluster is still usable"
         )
@@ -414,15 +418,15 @@ def test_only_a_traceback_that_says_its_peer_went_is_said_in_one_line(peer):
             '[rank 0]   File "s.py", line 7, in <module>',
             "[rank 0]     step()",
         ]
-        assert info.value.failures[-1].traceback[-1] == second
+        assert error.failures[-1].traceback[-1] == second
         # The rank that failed first comes first; the one it took down says so.
-        assert [(rank, outcome.end) for rank, outcome in info.value.result.outcomes.items()] == [
+        assert [(rank, outcome.end) for rank, outcome in error.result.outcomes.items()] == [
             (1, "failed"),
             (0, "peer"),
         ]
     else:
-        assert str(info.value) == "ranks 0, 1 exited with status 1; the cluster is still usable"
-        assert [outcome.end for outcome in info.value.result.outcomes.values()] == ["failed", "failed"]
+        assert str(error) == "ranks 0, 1 exited with status 1; the cluster is still usable"
+        assert [outcome.end for outcome in error.result.outcomes.values()] == ["failed", "failed"]
         assert f"[rank 0] {second}" in lines and "peer" not in said.getvalue()
 
 
@@ -541,7 +545,7 @@ def test_what_the_spares_imports_write_starts_every_launch_forked_from_it(tmp_pa
     )
     (tmp_path / "run.py").write_text("import noisy, os\nprint('ran in', os.getpid(), 'child of', os.getppid())\n")
     plan = RankPlan(0, {"PYTHONPATH": str(tmp_path)}, "", (), ())
-    request = launch.launch_request(plan, "run.py", [], str(tmp_path), ["noisy"])
+    request = launch.launch_request(plan, "run.py", [], str(tmp_path), "noisy", ["noisy"])
     request = dataclasses.replace(request, environ=dataclasses.replace(request.environ, environ=CHILD_ENV))
     before = our_processes()
     try:

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 def alive(pids: list[int]) -> list[int]:
     """Those of ``pids`` still running (a zombie nobody reaps is dead)."""
-    from vgpu_magic.ranks.run import process_alive
+    from vgpu_magic.ranks.lifetime import process_alive
 
     return [pid for pid in pids if process_alive(pid)]
 

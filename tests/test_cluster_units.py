@@ -520,9 +520,9 @@ def test_lines_are_labelled_whole_and_never_interleaved():
 def test_a_ranks_stdout_and_stderr_are_each_shown_on_their_own_in_whole_lines():
     """Issue 45: a rank's stderr went into the same line as its stdout, so a line printed in pieces was cut by a
     framework's log line (``[rank 0] process[Gloo] Rank 0 is connected ...``), and all of it on stdout."""
-    import os
 
-    from vgpu_magic.ranks.run import RankProcesses, RankRun
+    from support import answering
+    from vgpu_magic.ranks.run import RankRun, RankWork
 
     results = [_Pending(), _Pending()]
     for rank, ar in enumerate(results):
@@ -537,7 +537,7 @@ def test_a_ranks_stdout_and_stderr_are_each_shown_on_their_own_in_whole_lines():
         ]
         ar.set_result(None)
     out, err = io.StringIO(), io.StringIO()
-    RankRun(RankProcesses([os.getpid()] * 2), lambda rank: results[rank], stdout=out, stderr=err).run()
+    RankRun(answering(results), RankWork("1"), stdout=out, stderr=err).run()
     assert out.getvalue() == "".join(f"[rank {r}] process {r} of 2\n[rank {r}] next line\n" for r in range(2))
     assert [as_terminal_shows(line) for line in err.getvalue().split("\n")] == [
         *(f"[rank {r}] {line}" for r in range(2) for line in (f"[Gloo] Rank {r} is connected", "100%|##########|")),
@@ -776,9 +776,9 @@ def test_status_and_stop_without_a_cluster_say_so(shell, capsys):
 
 
 def test_a_failing_rank_is_summed_up_in_one_line():
-    import os
 
-    from vgpu_magic.ranks.run import RankProcesses, RankRun, RankRunError
+    from support import answering
+    from vgpu_magic.ranks.run import RankRun, RankRunError, RankWork
 
     class RemoteFailure(Exception):
         ename, evalue = "DistNetworkError", "The server socket has failed to listen.\nport: 1234\nname: EADDRINUSE"
@@ -788,9 +788,8 @@ def test_a_failing_rank_is_summed_up_in_one_line():
 
     finished = _Pending()  # a rank's result, come back with its error
     finished.set_exception(RemoteFailure())
-    with pytest.raises(RankRunError) as info:
-        RankRun(RankProcesses([os.getpid()]), lambda rank: finished, stderr=io.StringIO()).run()
-    error = info.value
+    result = RankRun(answering([finished]), RankWork("1"), stderr=io.StringIO()).run()
+    error = RankRunError(result)
     assert error.failure.summary == "raised DistNetworkError: The server socket has failed to listen."
     assert (
         str(error)
@@ -818,20 +817,27 @@ def _two_ranks_one_elsewhere(engine_alive, engine_signal, timeout=None):
     """A run of rank 0 here (a real ``sleep`` this test owns) and rank 1 on another host whose PID
     happens to name a process here (another ``sleep``: a bystander the run must never touch)."""
     import subprocess
+    import types
 
-    from vgpu_magic.ranks.run import RankProcesses, RankRun
+    from support import answering
+    from vgpu_magic.ranks.run import RankRun, RankWork
 
     here = subprocess.Popen(["sleep", "60"])
     bystander = subprocess.Popen(["sleep", "60"])
     results = [_Pending(), _Pending()]
-    procs = RankProcesses(
-        [here.pid, bystander.pid],
-        [True, False],
-        engine_alive=engine_alive,
-        engine_signal=lambda rank, signum: engine_signal(rank, signum, results),
-        hosts=["this-host", "node2"],
-    )
-    return RankRun(procs, lambda rank: results[rank], timeout=timeout), here, bystander
+
+    class Client(list):
+        """The engines, and ipyparallel's client's view of them (registered ids, signals through their nannies)."""
+
+        ids = property(lambda self: [0, 1] if engine_alive(1) else [0])
+
+        def send_signal(self, signum, targets, block):
+            engine_signal(targets[0], signum, results)
+            return types.SimpleNamespace(get=lambda timeout: None)
+
+    client = Client(answering(results).client)
+    procs = answering(results, [here.pid, bystander.pid], client=client, local=[True, False], hosts=["here", "node2"])
+    return RankRun(procs, RankWork("1"), timeout=timeout), here, bystander
 
 
 def test_a_rank_on_another_host_is_watched_through_its_engine_never_through_a_pid_here():
@@ -846,9 +852,7 @@ def test_a_rank_on_another_host_is_watched_through_its_engine_never_through_a_pi
         lambda rank: time.monotonic() < gone_at, lambda rank, signum, results: signalled.append((rank, signum))
     )
     try:
-        with pytest.raises(RankRunError) as info:
-            runner.run()
-        failure = info.value.failure
+        failure = RankRunError(runner.run()).failure
         assert (failure.rank, failure.kind) == (1, "died")
         assert failure.summary == f"died (exit status unknown) (pid {bystander.pid} on node2)"
         # Rank 0 (here) was interrupted by its PID; the dead rank's engine got no signal; the process
@@ -875,9 +879,8 @@ def test_an_interrupt_reaches_a_rank_on_another_host_through_its_engine():
 
     runner, here, bystander = _two_ranks_one_elsewhere(lambda rank: True, engine_signal, timeout=0.3)
     try:
-        with pytest.raises(RankRunError) as info:
-            runner.run()
-        assert info.value.failure.kind == "timeout" and info.value.killed == []
+        error = RankRunError(runner.run())
+        assert error.failure.kind == "timeout" and error.killed == []
         assert signalled == [(1, signal.SIGINT)]
         assert here.wait(timeout=5) == -signal.SIGINT and bystander.poll() is None
     finally:
@@ -949,14 +952,15 @@ def test_a_start_and_a_run_say_once_what_they_simulate(monkeypatch, capsys):
     """Issue 48: ``%vgpu_cluster start`` / ``status`` and every run say it in one line, not per rank, before the
     ranks' own output."""
     from vgpu_magic.ranks import RankCluster, rank_cluster
+    from vgpu_magic.ranks.spec import RunResult, RunState
 
     class RanksSayHello:
         def __init__(self, *args, **kwargs) -> None:
             pass
 
-        def run(self) -> list:
+        def run(self) -> RunResult:
             print("[rank 0] hello")
-            return []
+            return RunResult(RunState.SUCCEEDED, {})
 
     said = "simulated: collectives over gloo on the host, not NCCL; the 2 processes share the CPU"
     monkeypatch.setattr(rank_cluster, "RankRun", RanksSayHello)
@@ -990,3 +994,57 @@ def test_a_start_whose_port_was_taken_meanwhile_starts_once_more(monkeypatch, wh
         with pytest.raises(ClusterStartError, match=why):
             cluster.start()
     assert calls == [cluster] * tries
+
+
+def test_a_script_run_lays_out_once_and_its_attempts_raise_only_the_restart_count(monkeypatch, capsys):
+    """Issue 41: a script run lays the ranks out (a round trip to every engine) and plans them once, not once per
+    attempt; each attempt launches those plans with only TORCHELASTIC_RESTART_COUNT raised. Every attempt's run
+    returns its RunResult; the cluster relaunches a failed one and raises RankRunError for the last, with its
+    attempts."""
+    from vgpu_magic.ranks import RankCluster, RankRunError, rank_cluster
+    from vgpu_magic.ranks.spec import ClusterState, RankFailure, RankOutcome, RunResult, RunState
+
+    launched, laid_out = [], []
+    failed = RunResult(RunState.FAILED, {1: RankOutcome("failed", RankFailure(1, "error", "exited with status 3"))})
+
+    class Launch:
+        def __init__(self, procs, work, *args, **kwargs) -> None:
+            launched.append([plan.env for (plan,) in work.args])
+
+        def run(self) -> RunResult:
+            return failed if len(launched) < 3 else RunResult(RunState.SUCCEEDED, {0: RankOutcome("finished")})
+
+    monkeypatch.setattr(rank_cluster, "RankRun", Launch)
+    monkeypatch.setattr(rank_cluster.launch, "launch_request", lambda plan, *args: plan)
+    with started(RankCluster(2, "torch", gpus=[])) as ranks:
+        monkeypatch.setattr(ranks, "_lay_out", lambda engine_ids: laid_out.append(engine_ids) or ranks.layout)
+        result = ranks.run_script("train.py", max_restarts=2)
+        assert (result.state, result.attempts, len(laid_out)) == (RunState.SUCCEEDED, 3, 1)
+        counts = [
+            [(env["TORCHELASTIC_RESTART_COUNT"], env["TORCHELASTIC_MAX_RESTARTS"]) for env in e] for e in launched
+        ]
+        assert counts == [[(str(attempt), "2")] * 2 for attempt in range(3)]
+        unchanged = [
+            [{k: v for k, v in env.items() if k != "TORCHELASTIC_RESTART_COUNT"} for env in e] for e in launched
+        ]
+        assert unchanged[0] == unchanged[1] == unchanged[2]
+        launched.clear()
+        with pytest.raises(RankRunError) as info:
+            ranks.run_script("train.py", max_restarts=1)
+        assert (info.value.result.attempts, len(launched), ranks.state) == (2, 2, ClusterState.RUNNING)
+    said = capsys.readouterr().out
+    assert "attempt 1 of 3: rank 1 exited with status 3 at " in said and "finished on attempt 3 of 3" in said
+
+
+def test_a_run_returns_its_result_on_success_too():
+    """Issue 41: a run that succeeds returns a RunResult as a failed one does (its ranks' replies kept beside)."""
+    from support import answering
+    from vgpu_magic.ranks.run import RankRun, RankWork
+    from vgpu_magic.ranks.spec import RankOutcome, RunResult, RunState
+
+    replies = [_Pending(), _Pending()]
+    for reply in replies:
+        reply.set_result(None)
+    result = RankRun(answering(replies), RankWork("1"), stdout=io.StringIO()).run()
+    assert result == RunResult(RunState.SUCCEEDED, dict.fromkeys(range(2), RankOutcome("finished")))
+    assert list(result.replies) == replies and "replies" not in repr(result)

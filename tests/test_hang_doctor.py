@@ -288,3 +288,29 @@ def test_a_rank_whose_runtime_threads_spin_while_its_main_thread_waits_reads_as_
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.load
+def test_of_four_real_ranks_the_two_that_skip_an_all_reduce_are_named_together(shell, capsys, tmp_path):
+    """4 torch ranks (on this machine's 2 cores: a load, so in ``make test-stress``): ranks 1 and 3 skip the
+    all_reduce that ranks 0 and 2 wait in; one line names both sides, each rank's line says its own. Last in the
+    module: it replaces the module's 2 ranks."""
+    shell.run_line_magic("vgpu_cluster", "start 4 --framework torch")
+    out, headline = _hang(
+        shell,
+        capsys,
+        tmp_path,
+        """\
+        if rank % 2 == 0:
+            dist.all_reduce(t)
+        time.sleep(60)
+        """,
+        "--hang-after 3 --timeout 30",
+    )
+    said = "ranks 1, 3 never called all_reduce #2 that ranks 0, 2 wait in (hang.py:10)"
+    assert "a hang, " in out and said in out, out
+    for rank in (0, 2):
+        assert re.search(rf"rank {rank}: waiting in all_reduce #2 \(\[16\] float32\) for \d+ s, at hang.py:10", out)
+    for rank in (1, 3):
+        assert f"rank {rank}: at hang.py:11: time.sleep(60)" in out, out
+    assert "did not finish within --timeout 30 s" in headline, headline

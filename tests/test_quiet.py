@@ -13,13 +13,12 @@ under nbval (``notebooks/conftest.py``), which proves that no framework chatter 
 from __future__ import annotations
 
 import io
-import os
 
 import pytest
 
-from support import as_a_user, kernel_output, kernel_run, refused_changing_nothing, started_kernel
+from support import answering, as_a_user, kernel_output, kernel_run, refused_changing_nothing, started_kernel
 from vgpu_magic.frameworks import get
-from vgpu_magic.ranks.run import RankProcesses, RankRun, RankRunError
+from vgpu_magic.ranks.run import RankRun, RankRunError, RankWork
 from vgpu_magic.ranks.shown import HeldBack, notebook_traceback, rank_env
 
 #: What TensorFlow 2.21's workers and Gloo wrote on a rank in a kernel started as a user starts one.
@@ -125,14 +124,12 @@ class _Failed(__import__("concurrent.futures").futures.Future):
 def test_a_failing_ranks_held_back_lines_are_shown_with_its_traceback():
     out, err = io.StringIO(), io.StringIO()
     held = HeldBack(get("tensorflow").chatter)
-    run = RankRun(RankProcesses([os.getpid()]), lambda rank: _Failed(), stdout=out, stderr=err, held=held)
-    with pytest.raises(RankRunError) as info:
-        run.run()
+    error = RankRunError(RankRun(answering([_Failed()]), RankWork("1"), stdout=out, stderr=err, held=held).run())
     # What it wrote to stderr as it wrote it (issue 45: on stderr), then what was held back.
     assert out.getvalue() == ""
     assert err.getvalue().splitlines() == ["[rank 0] the rank's own last words", *(f"[rank 0] {x}" for x in TF_START)]
     # ipyparallel's "[0:execute]" heading is gone; no rank's own cell count (no notebook cell runs here).
-    assert info.value._render_traceback_()[:2] == [
+    assert error._render_traceback_()[:2] == [
         "[rank 0] Traceback (most recent call last):",
         "[rank 0]   Cell, line 2",
     ]

@@ -141,7 +141,7 @@ def test_a_rank_nvml_cannot_name_reports_its_allocator_through_its_engine(monkey
     from support import our_processes
     from vgpu_magic import inventory
     from vgpu_magic.ranks import RankCluster
-    from vgpu_magic.ranks.run import RankRun
+    from vgpu_magic.ranks.run import RankRun, RankWork
 
     cell = (
         "import time, torch\n"
@@ -156,7 +156,7 @@ def test_a_rank_nvml_cannot_name_reports_its_allocator_through_its_engine(monkey
     try:
         monkeypatch.setattr(inventory, "open_nvml", lambda: _nvml_listing([HOST_PID]))
         engine = ranks.client[ranks.engine_ids[0]]
-        runner = RankRun(ranks._processes(), lambda rank: engine.execute(cell, block=False), gpu=True)
+        runner = RankRun(ranks._processes(), RankWork(cell), gpu=True)
         runner.run()
         assert [s.label for s in runner.trace.series] == ["rank 0 GPU (allocator)", "rank 0 RSS"]
         assert runner.trace.latest(0) == (5 * MIB, 7 * MIB)

@@ -74,6 +74,7 @@ def launch_request(
     path: str,
     args: list[str],
     cwd: str,
+    framework: str,
     preload: list[str],
     spare: bool = True,
     task_variables: tuple[str, ...] = (),
@@ -81,7 +82,7 @@ def launch_request(
     faults: tuple = (),
     doctor: str | None = None,
 ) -> LaunchRequest:
-    """One rank's launch with its ``RankPlan``: ``preload`` the framework's module, then the modules a spare imports;
+    """One rank's launch with its ``RankPlan``: ``framework`` its module, ``preload`` the modules a spare imports;
     ``task_variables``: :class:`KernelEnviron`'s."""
     return LaunchRequest(
         plan,

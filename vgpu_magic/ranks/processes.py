@@ -13,6 +13,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ClusterStartError
@@ -245,6 +247,50 @@ def _running_after(procs: list[Any], timeout: float) -> list[Any]:
     while (alive := [proc for proc in procs if running(proc)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     return alive
+
+
+@dataclass
+class RankProcesses:
+    """How the fault policy reaches each rank's process: on this host (``local[rank]``, all by default) by its PID; on
+    another through its engine, ``client[engine_ids[rank]]``; ipyparallel's ``launchers`` (by PID) and ``cluster``."""
+
+    pids: list[int]
+    client: Any = None
+    engine_ids: Sequence[int] = ()
+    local: list[bool] | None = None
+    hosts: list[str] | None = None
+    launchers: Mapping[int, Any] = field(default_factory=dict)
+    cluster: Any = None
+
+    def on_this_host(self, rank: int) -> bool:
+        return self.local is None or self.local[rank]
+
+    def engine(self, rank: int) -> Any:
+        return self.client[self.engine_ids[rank]]
+
+    def alive(self, rank: int) -> bool:
+        if self.on_this_host(rank):
+            return lifetime.process_alive(self.pids[rank])
+        return self.client is not None and self.engine_ids[rank] in self.client.ids
+
+    def signal(self, rank: int, signum: int) -> None:
+        if self.on_this_host(rank):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pids[rank], signum)
+        else:
+            signal_engine(self.client, self.engine_ids[rank], signum)
+
+    def exit_code(self, rank: int) -> int | None:
+        """How the rank's process exited, as the wait that reaped it returned it (None where no such wait is ours)."""
+        return getattr(getattr(self.launchers.get(self.pids[rank]), "process", None), "exit_code", None)
+
+    def keep_log(self) -> str:
+        """Keep what the processes logged (a rank died; a restart would remove it): ``"; the processes' log: …"``."""
+        return keep_logs(self.cluster, self.launchers.values())
+
+    def memory_pids(self) -> list[int | None]:
+        """The PIDs the kernel can read memory of (``None`` for a rank on another host)."""
+        return [pid if self.on_this_host(rank) else None for rank, pid in enumerate(self.pids)]
 
 
 def signal_engine(client: Any, engine_id: int, signum: int) -> None:

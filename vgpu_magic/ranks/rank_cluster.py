@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import importlib.util
 import os
 import shutil
@@ -16,6 +15,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from .. import frameworks
@@ -28,10 +28,10 @@ from . import doctor, launch, lifetime, names, processes, spare
 from .hosts import prepare_rank, report_host
 from .launchers import LAUNCHERS, MAX_RANKS, Launcher, plan_launcher
 from .mps import MPSDaemon, plan_mps
-from .processes import ClusterStartError
-from .run import RankProcesses, RankRun, RankRunError, interrupt_only_the_cell
+from .processes import ClusterStartError, RankProcesses
+from .run import RankRun, RankRunError, RankWork, interrupt_only_the_cell
 from .shown import HeldBack, rank_env, record_output
-from .spec import RESTART_COUNTS, ClusterNotRunning, ClusterSpec, ClusterState, RankOutcome, RunResult, checked_faults
+from .spec import RESTART_COUNTS, ClusterNotRunning, ClusterSpec, ClusterState, RunResult, RunState, checked_faults
 from .summary import RankInfo, describe, rank_infos
 
 __all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current"]
@@ -107,8 +107,7 @@ class RankCluster:
         here = [HostReport(e, socket.gethostname(), "127.0.0.1", 0, seen, 0, nccl=nccl_version()) for e in range(n)]
         self.mps: MPSDaemon | None = None
         planned = self._plan_ranks(layout_ranks(here, self.given_gpus))
-        remote = not self.launcher.watched
-        self.mps, self.mps_note = plan_mps(any(p.mps for p in planned), mps, remote, self.cluster_id)
+        self.mps, self.mps_note = plan_mps(any(p.mps for p in planned), mps, not self.launcher.watched, self.cluster_id)
         self.plans: list[RankPlan] = []
         self._started_at = 0.0
         self._forget()
@@ -189,27 +188,17 @@ class RankCluster:
             self.view = self.client[self.engine_ids]
             self.view.block = True
             self.plans = self._plan_ranks(self.layout)
-
-            def wire(rank: int) -> Any:
-                # Each rank's environment and setup, all ranks at once (a rendezvous).
-                plan = self.plans[rank]
-                return self.client[self.engine_ids[rank]].apply_async(
-                    prepare_rank, plan.env, plan.setup, plan.args, self.join, plan.devices
-                )
-
-            RankRun(self._processes(), wire, timeout=SETUP_TIMEOUT, held=self.held).run()
+            # Each rank's environment and setup, all ranks at once (a rendezvous).
+            args = [(p.env, p.setup, p.args, self.join, p.devices) for p in self.plans]
+            procs, wiring = self._processes(), RankWork(function=prepare_rank, args=args)
+            self._watch(RankRun(procs, wiring, timeout=SETUP_TIMEOUT, held=self.held), set())
             self.view.apply_sync(interrupt_only_the_cell)
-            local = [self._processes().on_this_host(rank) for rank in range(self.n)]
-            self._doctor, self.asks = doctor.serve([self.client[e] for e in self.engine_ids], local)
+            self._doctor, self.asks = doctor.serve([procs.engine(r) for r in range(self.n)], procs.local)
             if self.spares:
                 # A spare on every engine, importing as the start returns (a launch before then waits for it).
-                preload = self._preload()
-                environ = spare.kernel_environ(self.launcher.task_variables)
-                warming = [
-                    self.client[e].apply_async(spare.warm, p.env, preload, environ)
-                    for e, p in zip(self.engine_ids, self.plans)
-                ]
-                for ar in warming:
+                preload, environ = self._preload(), spare.kernel_environ(self.launcher.task_variables)
+                warm = RankWork(function=spare.warm, args=[(p.env, preload, environ) for p in self.plans])
+                for ar in [warm.submit(procs.engine(r), r) for r in range(self.n)]:
                     ar.get(timeout=ENGINE_TIMEOUT)
         except BaseException as exc:
             # The start's own error first, then what the cleanup found, then where the processes' logs are kept.
@@ -244,40 +233,19 @@ class RankCluster:
         reports = [ar.get(timeout=ENGINE_TIMEOUT) for ar in pending]
         return layout_ranks(reports, self.given_gpus, self.launcher.launched)
 
-    def _plan_ranks(self, layout: RankLayout, restart: tuple[int, int] = (0, 0)) -> list[RankPlan]:
-        """The framework's plans for ``layout`` with quiet logs; ``restart``: (which, of at most), as torchrun."""
+    def _plan_ranks(self, layout: RankLayout) -> list[RankPlan]:
+        """The framework's plans for ``layout``, with quiet logs and (where a plan uses it) the MPS daemon."""
         spec, quiet = self.spec, rank_env(self.fw, self.spec.verbose)
         memory_mib = None if spec.memory is None else spec.memory // MIB
         plans = self.fw.plan_ranks(layout, spec.split, memory_mib, spec.port, spec.backend)
         mps = self.mps.env if self.mps is not None else {}
-        counts = dict(zip(RESTART_COUNTS, map(str, restart)))
-        return [
-            dataclasses.replace(
-                plan,
-                env={
-                    **quiet,
-                    **plan.env,
-                    **{k: counts[k] for k in counts if k in plan.env},
-                    **(mps if plan.mps else {}),
-                },
-            )
-            for plan in plans
-        ]
+        return [replace(p, env={**quiet, **p.env, **(mps if p.mps else {})}) for p in plans]
 
     def _processes(self) -> RankProcesses:
         """How the fault policy reaches the ranks: by PID on this host, through their engines elsewhere."""
-        places = self.layout.places
-        return RankProcesses(
-            self.pids,
-            [self.launcher.reaches_by_pid(place.hostname) for place in places],
-            # How each exited, as the wait that reaped it returned it (None where no such wait is ours: mpiexec's).
-            lambda rank: getattr(getattr(self._launchers.get(self.pids[rank]), "process", None), "exit_code", None),
-            engine_alive=lambda rank: self.client is not None and self.engine_ids[rank] in self.client.ids,
-            engine_signal=lambda rank, signum: processes.signal_engine(self.client, self.engine_ids[rank], signum),
-            hosts=[place.hostname for place in places],
-            engine=lambda rank: self.client[self.engine_ids[rank]],
-            keep_log=lambda: processes.keep_logs(self.cluster, self._launchers.values()),
-        )
+        hosts = [place.hostname for place in self.layout.places]
+        local = [self.launcher.reaches_by_pid(host) for host in hosts]
+        return RankProcesses(self.pids, self.client, self.engine_ids, local, hosts, self._launchers, self.cluster)
 
     def stop(self) -> None:
         """Stop every process this cluster started (SIGTERM, then SIGKILL), checking none is left; idempotent."""
@@ -288,9 +256,7 @@ class RankCluster:
         with contextlib.suppress(Exception):
             self.client.close()
         alive = processes.terminate(self._owned, self._token, self._started_at, spared=self._cleanups)
-        left = []
-        if self.cluster is not None:
-            left = processes.stop_launched(self.launcher)
+        left = processes.stop_launched(self.launcher) if self.cluster is not None else []
         if self.mps is not None:
             self.mps.stop()  # once its clients, the ranks, are gone: it waits for them
         # The kernel may be killed while it stops (Jupyter's shutdown waits 5 s): its clean-up watchers go last.
@@ -336,16 +302,13 @@ class RankCluster:
         if output:
             code = names.split_last_expression(code, "_vgpu_out")
 
-        def submit(rank: int) -> Any:
-            return self.client[self.engine_ids[rank]].execute(code, silent=False, block=False)
-
         procs = self._processes()
         watch = doctor.HangDoctor([a and f"{a}-cell" for a in self.asks], hang_after, sys.stderr, procs.memory_pids())
-        runner = RankRun(procs, submit, timeout, plot, self._gpu(), held=self.held, doctor=watch)
-        results = self._watch(runner, names.names_written(code))
+        runner = RankRun(procs, RankWork(code), timeout, plot, self._gpu(), held=self.held, doctor=watch)
+        result = self._watch(runner, names.names_written(code))
         if output:
             return names.pull_values(self.view, [self.client[e] for e in self.engine_ids])
-        for rank, ar in enumerate(results):
+        for rank, ar in enumerate(result.replies):
             shown = (getattr(ar, "execute_result", None) or {}).get("data", {}).get("text/plain")
             if shown is not None:
                 print(f"[rank {rank}] Out: {shown}")
@@ -364,18 +327,24 @@ class RankCluster:
     def _gpu(self) -> bool:
         return self.layout is not None and any(p.gpu for p in self.layout.places)
 
-    def _watch(self, runner: RankRun, candidates: set[str]) -> list[Any]:
-        """Run ``runner``; lost ranks: must restart; else settle which ``candidates`` are rank state."""
+    def _watch(self, runner: RankRun, candidates: set[str], attempt: int = 1, last: bool = True) -> RunResult:
+        """Run ``runner`` (the run's ``attempt``), the cluster's state taken from its result (an interrupt's too);
+        while the cluster is usable, settle which ``candidates`` are rank state. :class:`RankRunError` where the run
+        failed, unless a ``last=False`` attempt failed leaving the cluster usable: then its result, to try again."""
+        result = None
         try:
-            return runner.run()
-        except (RankRunError, KeyboardInterrupt) as exc:
-            self.reason = getattr(exc, "result", RunResult({})).restart
-            if self.reason:
-                self.state = ClusterState.MUST_RESTART
+            result = replace(runner.run(), attempts=attempt)
+        except KeyboardInterrupt as interrupt:
+            result = getattr(interrupt, "result", None)
             raise
         finally:
+            if getattr(result, "state", None) is RunState.MUST_RESTART:
+                self.state, self.reason = ClusterState.MUST_RESTART, result.reason
             if self.state is ClusterState.RUNNING:
                 self.rank_names.settle(self.view, candidates)
+        if result.state is RunState.MUST_RESTART or (last and result.state is RunState.FAILED):
+            raise RankRunError(result)
+        return result
 
     def run_script(
         self,
@@ -396,36 +365,35 @@ class RankCluster:
         hang_after = doctor.checked_hang_after(hang_after)
         self._require_running()
         attempts, start = max_restarts + 1, time.monotonic()
-        for attempt in range(attempts):
-            self.layout = self._lay_out(self.engine_ids)
-            self.plans = self._plan_ranks(self.layout, (attempt, max_restarts))
-            if attempt == 0:
-                self._say_simulated()
-            where, theirs = (path, list(args), os.getcwd(), self._preload()), self.launcher.task_variables
-            procs, gpu = self._processes(), self._gpu()
-            watch = doctor.HangDoctor(self.asks, hang_after, sys.stderr, procs.memory_pids())
-            asks = self.asks if hang_after else [None] * self.n
-            requests = [
-                launch.launch_request(p, *where, self.spares, theirs, module, faults, a)
-                for p, a in zip(self.plans, asks)
-            ]
+        # A launch's ports are fresh (rank 0's engine may hold the start's: its process group with --join, or a
+        # cell's), chosen on the hosts that bind them: laid out and planned once per run. Its hosts, engines and GPUs
+        # are the start's (a lost engine leaves the cluster to be restarted, so no attempt follows), and the ports
+        # were held only by the failed attempt's processes, all ended before the next: the attempts change only the
+        # restart count, as torchrun's agent, whose restarts keep their master port.
+        self.layout = self._lay_out(self.engine_ids)
+        self.plans = self._plan_ranks(self.layout)
+        self._say_simulated()
+        where = (path, list(args), os.getcwd(), self.fw.module, self._preload(), self.spares)
+        where += (self.launcher.task_variables, module)
+        procs, gpu, asks = self._processes(), self._gpu(), self.asks if hang_after else [None] * self.n
+        for attempt in range(1, attempts + 1):
+            counts = dict(zip(RESTART_COUNTS, (str(attempt - 1), str(max_restarts))))
+            # Where the plan has torchrun's restart counters: this attempt's, of at most max_restarts.
+            plans = [replace(p, env={**p.env, **{k: v for k, v in counts.items() if k in p.env}}) for p in self.plans]
+            requests = [launch.launch_request(p, *where, faults, a) for p, a in zip(plans, asks)]
             faults = []  # injected into the first launch only
-
-            def submit(rank: int, requests: list[dict] = requests) -> Any:
-                return self.client[self.engine_ids[rank]].apply_async(launch.run_rank, requests[rank])
-
-            runner = RankRun(procs, submit, timeout, plot, gpu, True, held=self.held, since=start, doctor=watch)
-            try:
-                self._watch(runner, set())
-            except RankRunError as exc:
-                if attempt + 1 == attempts or self.state is not ClusterState.RUNNING:
-                    raise RankRunError(dataclasses.replace(exc.result, attempts=attempt + 1)) from None
-                print(f"attempt {attempt + 1} of {attempts}: {exc.headline(state=False)} at ", end="")
-                print(f"{time.monotonic() - start:.1f} s; restarting the {self.n} rank{'s' * (self.n > 1)}")
-                continue
-            if attempt:
-                print(f"finished on attempt {attempt + 1} of {attempts}")
-            return RunResult(dict.fromkeys(range(self.n), RankOutcome("finished")), "", attempt + 1)
+            work = RankWork(function=launch.run_rank, args=[(request,) for request in requests])
+            watch = doctor.HangDoctor(self.asks, hang_after, sys.stderr, procs.memory_pids())
+            runner = RankRun(procs, work, timeout, plot, gpu, True, held=self.held, since=start, doctor=watch)
+            # The last attempt's failure raises: the loop ends on a success.
+            result = self._watch(runner, set(), attempt, last=attempt == attempts)
+            if result.state is RunState.SUCCEEDED:
+                break
+            print(f"attempt {attempt} of {attempts}: {RankRunError(result).headline(state=False)} at ", end="")
+            print(f"{time.monotonic() - start:.1f} s; restarting the {self.n} rank{'s' * (self.n > 1)}")
+        if attempt > 1:
+            print(f"finished on attempt {attempt} of {attempts}")
+        return result
 
     def _preload(self) -> list[str]:
         """What a spare imports before its launch: the framework, and its rank setup's module."""

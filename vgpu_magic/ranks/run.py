@@ -1,17 +1,16 @@
 """Running one piece of work on every rank under the fault policy docs/ranks.md states (*When a rank fails*):
 :class:`RankRun` submits it to each rank (one ipyparallel ``AsyncResult`` each) and watches them from the kernel:
 output streams live, labelled ``[rank r]`` (:mod:`.shown`); memory is sampled (:mod:`.memory`). A rank's process is
-reached through :class:`RankProcesses`: by PID on this host, through its engine on another."""
+reached through :class:`~.processes.RankProcesses`: by PID on this host, through its engine on another. It returns
+a :class:`~.spec.RunResult` on success and failure alike; the cluster sets its state from it."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from functools import partial
@@ -20,12 +19,12 @@ from typing import Any, TextIO
 from ..monitor.session import MonitorSession
 from ..runtime import running_cell
 from .launch import INTERRUPT_LIMIT, STUCK
-from .lifetime import process_alive
 from .memory import RankMemorySampler, run_ending
+from .processes import RankProcesses
 from .shown import PEER_GONE, HeldBack, LineStream, events, how_it_ended, notebook_traceback, show_display, taken_down
-from .spec import RankFailure, RankOutcome, RunResult
+from .spec import RankFailure, RankOutcome, RunResult, RunState
 
-__all__ = ["RankProcesses", "RankFailure", "RankRunError", "RankRun", "interrupt_only_the_cell", "process_alive"]
+__all__ = ["RankFailure", "RankRunError", "RankRun", "RankWork", "interrupt_only_the_cell"]
 
 #: Seconds the other ranks get, after the first failure, to finish (or fail) on their own.
 COLLECT = 1.0
@@ -43,7 +42,7 @@ class RankRunError(RuntimeError):
     """A run on the ranks failed (``result``, by rank); IPython shows each failing traceback once, labelled by ranks."""
 
     def __init__(self, result: RunResult) -> None:
-        self.result, self.must_restart = result, result.must_restart
+        self.result, self.must_restart = result, result.state is RunState.MUST_RESTART
         self.failures = [outcome.failure for outcome in result.outcomes.values() if outcome.failure is not None]
         self.failure = self.failures[0]
         self.interrupted = [rank for rank, outcome in result.outcomes.items() if outcome.end == "interrupted"]
@@ -98,48 +97,28 @@ def _killed(ranks: list[int], why: str) -> str:
 # -- watching the ranks ---------------------------------------------------------------
 
 
-@dataclass
-class RankProcesses:
-    """How the fault policy reaches each rank's process: on this host (``local[rank]``, all by default) by its PID
-    (``exit_code(rank)``, when known); on another through its engine (``engine_alive``, ``engine_signal``)."""
+@dataclass(frozen=True)
+class RankWork:
+    """What a run submits to every rank: a cell's ``code``, run as the rank's own; else ``function`` applied to the
+    rank's ``args[rank]``."""
 
-    pids: list[int]
-    local: list[bool] | None = None
-    exit_code: Callable[[int], int | None] = lambda rank: None
-    engine_alive: Callable[[int], bool] | None = None
-    engine_signal: Callable[[int, int], None] | None = None
-    hosts: list[str] | None = None
-    #: ``engine(rank)``: the rank's ipyparallel view (its allocator's figures are read through it).
-    engine: Callable[[int], Any] | None = None
-    #: ``keep_log()``: keep what the processes logged (a rank died): ``"; the processes' log: PATH"``.
-    keep_log: Callable[[], str] = lambda: ""
+    code: str = ""
+    function: Callable[..., Any] | None = None
+    args: Sequence[tuple] = ()
 
-    def on_this_host(self, rank: int) -> bool:
-        return self.local is None or self.local[rank]
-
-    def alive(self, rank: int) -> bool:
-        if self.on_this_host(rank):
-            return process_alive(self.pids[rank])
-        return self.engine_alive is not None and self.engine_alive(rank)
-
-    def signal(self, rank: int, signum: int) -> None:
-        if self.on_this_host(rank):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pids[rank], signum)
-        elif self.engine_signal is not None:
-            self.engine_signal(rank, signum)
-
-    def memory_pids(self) -> list[int | None]:
-        """The PIDs the kernel can read memory of (``None`` for a rank on another host)."""
-        return [pid if self.on_this_host(rank) else None for rank, pid in enumerate(self.pids)]
+    def submit(self, engine: Any, rank: int) -> Any:
+        """Send it to the rank's ``engine`` (an ipyparallel view): the rank's AsyncResult."""
+        if self.function is None:
+            return engine.execute(self.code, silent=False, block=False)
+        return engine.apply_async(self.function, *self.args[rank])
 
 
 @dataclass
 class RankRun:
-    """One run on every rank. ``submit(rank)`` returns that rank's AsyncResult."""
+    """One run of ``work`` on every rank, reached through ``procs``."""
 
     procs: RankProcesses
-    submit: Callable[[int], Any]
+    work: RankWork
     timeout: float | None = None
     plot: bool = False
     gpu: bool = False
@@ -156,7 +135,6 @@ class RankRun:
 
     def __post_init__(self) -> None:
         self.trace = None  # the run's MemoryTrace, once it ended
-        self.killed: list[int] = []
         self._seen: dict[int, int] = {}  # how many of each rank's output events were shown
         #: Seconds a rank has at most to come back after SIGINT: a launch's, while its engine stops its process.
         self.grace = GRACE + (INTERRUPT_LIMIT + STUCK if self.launched else 0.0)
@@ -253,7 +231,6 @@ class RankRun:
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline and any(self.procs.alive(r) for r in stuck):
             time.sleep(POLL)
-        self.killed = stuck
         return running, stuck
 
     def _collect(self, results: list[Any], failures: dict[int, RankFailure]) -> None:
@@ -266,12 +243,12 @@ class RankRun:
             elif not ar.ready() and not self.procs.alive(rank):
                 failures[rank] = self._death(rank)
 
-    def run(self) -> list[Any]:
-        """Run to the end; the per-rank AsyncResults, or :class:`RankRunError`."""
+    def run(self) -> RunResult:
+        """Run to the end: how it ended, with each rank's AsyncResult (``replies``); KeyboardInterrupt, said in one
+        line, where the run was interrupted."""
         n = len(self.procs.pids)
         held = self.held or HeldBack()
         held.this_run = {}
-
         lives: dict[int, dict] = {}
 
         def stream(r: int, out: TextIO) -> LineStream:
@@ -288,7 +265,7 @@ class RankRun:
         timed_out: RankFailure | None = None
         try:
             memory.start("%vgpu_run" if self.launched else "%%vgpu_run")
-            results = [self.submit(rank) for rank in range(n)]
+            results = [self.work.submit(self.procs.engine(rank), rank) for rank in range(n)]
             collected_by = math.inf
             while True:
                 self._emit(results, streams)
@@ -326,7 +303,7 @@ class RankRun:
                 said.append(f"{_killed(killed, self.late)}; {_RESTART}")
             interrupt = KeyboardInterrupt("; ".join(said))
             # The cluster's state, as a failed run's result gives it.
-            interrupt.result = RunResult({}, _restart_reason([], killed, self.late))
+            interrupt.result = _ended({}, [], killed, self.late)
             # IPython shows this one line, not the way the interrupt came through the kernel and vgpu_magic.
             interrupt._render_traceback_ = lambda: [f"KeyboardInterrupt: {interrupt}"]
             raise interrupt from None
@@ -355,8 +332,8 @@ class RankRun:
                 self.stderr.write("".join(f"[rank {failure.rank}] {line}\n" for line in held_back))
             fate = {failure.rank: failure for failure in every}
             ended = {r: _outcome(fate.get(r), r in stopped, why.get(r, "")) for r in [*fate, *range(n)]}
-            raise RankRunError(RunResult(ended, _restart_reason(every, killed, self.late)))
-        return results
+            return _ended(ended, every, killed, self.late, results)
+        return RunResult(RunState.SUCCEEDED, dict.fromkeys(range(n), RankOutcome("finished")), replies=results)
 
     def _where(self, done: list[bool]) -> str:
         """``" (rank 0 was waiting in ...; rank 1 was at ...)"``: where the doctor found the ranks not ``done``."""
@@ -364,11 +341,12 @@ class RankRun:
         return f" ({where})" if where else ""
 
 
-def _restart_reason(failures: list[RankFailure], killed: list[int], late: str) -> str:
-    """Why the cluster must restart: the dead ranks, the ranks ``killed`` (``late``); ``""``: usable (errors only)."""
-    died = [f for f in failures if f.kind == "died"]
-    reasons = [_rank_s(ranks, summary) for summary, ranks in _grouped(died, "summary")]
-    return "; ".join(reasons + ([_killed(killed, late)] if killed else []))
+def _ended(outcomes: dict, failures: list[RankFailure], killed: list[int], late: str, replies=()) -> RunResult:
+    """A failed run's result: it must restart for its dead ranks and those ``killed`` (``late``), else (errors only)
+    the cluster is still usable."""
+    died = _grouped([f for f in failures if f.kind == "died"], "summary")
+    reason = "; ".join([_rank_s(ranks, said) for said, ranks in died] + [_killed(killed, late)] * bool(killed))
+    return RunResult(RunState.MUST_RESTART if reason else RunState.FAILED, outcomes, reason, replies=replies)
 
 
 def _gone(results: list[Any], ranks: list[int]) -> dict[int, str]:

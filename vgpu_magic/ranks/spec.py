@@ -19,6 +19,7 @@ __all__ = [
     "RankFailure",
     "RankOutcome",
     "RunResult",
+    "RunState",
     "checked_faults",
     "parse_fail",
     "parse_preempt",
@@ -91,19 +92,26 @@ class RankOutcome:
     killed: str = ""
 
 
+class RunState(enum.Enum):
+    """How a run ended (torch elastic's ``WorkerState``): ``FAILED`` leaves the cluster usable, ``MUST_RESTART`` not."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    MUST_RESTART = "must restart"
+
+
 @dataclass(frozen=True)
 class RunResult:
-    """How a failed run ended (torch elastic's): ``outcomes`` by rank, failures first as seen; ``restart``: why the
-    cluster must be restarted (the dead or killed ranks), the run's one verdict (``""``: it is still usable)."""
+    """How a run ended (torch elastic's), on success and failure alike: its ``state``, the run's one verdict, and
+    (``MUST_RESTART``) the ``reason``, its dead or killed ranks; ``outcomes`` by rank, failures first as seen."""
 
+    state: RunState
     outcomes: Mapping[int, RankOutcome]
-    restart: str = ""
+    reason: str = ""
     #: How many times the ranks were launched (``max_restarts`` gives more than one).
     attempts: int = 1
-
-    @property
-    def must_restart(self) -> bool:
-        return bool(self.restart)
+    #: Each rank's ipyparallel ``AsyncResult`` (its output and values), not part of what the run ended as.
+    replies: Sequence[Any] = field(default=(), compare=False, repr=False)
 
 
 #: torchrun's agent's restart counters (this one, the most allowed): a launch sets them where the plan has them.
