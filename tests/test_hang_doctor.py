@@ -214,6 +214,21 @@ def test_of_four_ranks_the_two_that_never_called_are_named_together():
     ]
 
 
+def test_ranks_that_never_called_at_one_line_are_said_together():
+    """4 ranks: 1 and 3 wait at the same line, outside the all_reduce that 0 and 2 wait in: one place for both."""
+    from vgpu_magic.ranks.doctor import diagnose
+
+    first = _entry(1, "all_reduce", [16], 8, True)
+    waiting = [["/w/train.py", 9, "<module>", "dist.all_reduce(x)"]]
+    elsewhere = [["/w/train.py", 12, "<module>", "time.sleep(60)"]]
+    pending = [first, _entry(2, "all_reduce", [16], 9, False)]
+    answers = {r: _answer(10 + r, waiting, pending) for r in (0, 2)}
+    answers |= {r: _answer(10 + r, elsewhere, [first], in_torch=False) for r in (1, 3)}
+    said, _ = diagnose(dict(sorted(answers.items())), {}, [False] * 4, 3.0)
+    together = "ranks 1, 3 are at train.py:12"
+    assert said == f"ranks 1, 3 never called all_reduce #2 that ranks 0, 2 wait in (train.py:9); {together}"
+
+
 def test_a_slow_rank_is_reported_after_hang_after_and_the_run_then_finishes(shell, capsys, tmp_path):
     script = tmp_path / "slow.py"
     script.write_text(
@@ -307,10 +322,10 @@ def test_of_four_real_ranks_the_two_that_skip_an_all_reduce_are_named_together(s
         """,
         "--hang-after 3 --timeout 30",
     )
-    said = "ranks 1, 3 never called all_reduce #2 that ranks 0, 2 wait in (hang.py:10)"
+    said = "ranks 1, 3 never called all_reduce #2 that ranks 0, 2 wait in (hang.py:10); ranks 1, 3 are at hang.py:11"
     assert "a hang, " in out and said in out, out
     for rank in (0, 2):
         assert re.search(rf"rank {rank}: waiting in all_reduce #2 \(\[16\] float32\) for \d+ s, at hang.py:10", out)
     for rank in (1, 3):
-        assert f"rank {rank}: at hang.py:11: time.sleep(60)" in out, out
+        assert f"rank {rank}: idle, at hang.py:11: time.sleep(60)" in out, out
     assert "did not finish within --timeout 30 s" in headline, headline

@@ -175,8 +175,7 @@ def diagnose(
         waiters = [r.rank for r in waiting if r.waiting["collective_seq_id"] == seq and r.entered(pg) == seq]
         verb = "wait" if len(waiters) > 1 else "waits"
         call = f"{_op(entry)} #{seq} that {_rank_s(waiters)} {verb} in ({_where(entry['frames'])})"
-        said = [f"{_rank_s([r.rank for r in missing], 'never called')} {call}"]
-        said += [f"rank {r.rank} {r.at()}" for r in missing]
+        said = [f"{_rank_s([r.rank for r in missing], 'never called')} {call}", *_where_each(missing)]
         return "; ".join(said), lines
     # JAX records no collectives: a process idle in JAX's code at one line that another process is not at.
     for rank in sorted((r for r in ranks.values() if r.since is not None), key=lambda r: -r.waited):
@@ -186,9 +185,17 @@ def diagnose(
         waiters = [r.rank for r in ranks.values() if r.since is not None and r.spot() == rank.spot()]
         verb = "wait" if len(waiters) > 1 else "waits"
         call = f"the JAX call that {_rank_s(waiters)} {verb} in ({_where(rank.answer['stack'][-1:])})"
-        said = [f"{_rank_s([r.rank for r in others], 'never reached')} {call}"]
-        return "; ".join(said + [f"rank {r.rank} {r.at()}" for r in others]), lines
+        said = [f"{_rank_s([r.rank for r in others], 'never reached')} {call}", *_where_each(others)]
+        return "; ".join(said), lines
     return None, lines
+
+
+def _where_each(ranks: list[_Rank]) -> list[str]:
+    """Where each of ``ranks`` is, those at one place together: ``"ranks 1, 3 are at train.py:8, idle"``."""
+    places: dict[str, list[int]] = {}
+    for rank in ranks:
+        places.setdefault(rank.at(), []).append(rank.rank)
+    return [_rank_s(numbers, at) for at, numbers in places.items()]
 
 
 def report(head: str, lines: list[str]) -> str:

@@ -81,10 +81,12 @@ def _grouped(failures: list[RankFailure], key: str) -> list[tuple[Any, list[int]
 
 
 def _rank_s(ranks: list[int], said: str = "") -> str:
-    """``"rank 0"``, ``"ranks 0, 1"``; then what is ``said`` of them, "was" agreeing: ``"ranks 1, 2 were killed"``."""
+    """``"rank 0"``, ``"ranks 0, 1"``; then what is ``said`` of them, "was" and "is" agreeing: ``"ranks 1, 2 were
+    killed"``."""
     several = len(ranks) > 1
-    if several and said.startswith("was "):
-        said = "were " + said[4:]
+    verb, _, rest = said.partition(" ")
+    if several and verb in ("was", "is"):
+        said = f"{'were' if verb == 'was' else 'are'} {rest}"
     return f"rank{'s' if several else ''} {', '.join(str(r) for r in sorted(ranks))}{' ' if said else ''}{said}"
 
 
