@@ -26,7 +26,7 @@ GONE = "stopped: its peer closed the connection (rank 0 failed first)"
 
 
 def test_a_rank_taken_down_says_so_only_where_its_error_does_and_where_it_was():
-    from vgpu_magic.ranks.shown import taken_down
+    from vgpu_magic.ranks.failures import taken_down
 
     script = [
         "Traceback (most recent call last):",
@@ -65,7 +65,7 @@ def test_a_rank_taken_down_says_so_only_where_its_error_does_and_where_it_was():
 def test_an_aborted_process_stack_is_read_back_as_a_traceback(tmp_path):
     """faulthandler's dump (most recent call first, one block per thread) as Python's traceback, the frames of
     the launch (here ``python -c``'s) left out."""
-    from vgpu_magic.ranks.shown import dumped_traceback
+    from vgpu_magic.ranks.failures import dumped_traceback
 
     script = tmp_path / "crash.py"
     script.write_text("import os\n\n\ndef step():\n    os.abort()\n\n\nstep()\n")

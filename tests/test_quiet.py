@@ -18,8 +18,9 @@ import pytest
 
 from support import answering, as_a_user, kernel_output, kernel_run, refused_changing_nothing, started_kernel
 from vgpu_magic.frameworks import get
+from vgpu_magic.ranks.failures import notebook_traceback
 from vgpu_magic.ranks.run import RankRun, RankRunError, RankWork
-from vgpu_magic.ranks.shown import HeldBack, notebook_traceback, rank_env
+from vgpu_magic.ranks.shown import HeldBack, rank_env
 
 #: What TensorFlow 2.21's workers and Gloo wrote on a rank in a kernel started as a user starts one.
 TF_START = [

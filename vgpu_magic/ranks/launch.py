@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from . import launched, spare
+from .failures import dumped_traceback, how_it_ended
 from .launched import ENDED
-from .shown import dumped_traceback, how_it_ended
 from .spare import KernelEnviron, kernel_environ
 
 __all__ = ["INTERRUPT_LIMIT", "LaunchRequest", "ProcessExited", "launch_request", "run_rank"]

@@ -18,10 +18,11 @@ from typing import Any, TextIO
 
 from ..monitor.session import MonitorSession
 from ..runtime import running_cell
+from .failures import PEER_GONE, how_it_ended, notebook_traceback, taken_down
 from .launch import INTERRUPT_LIMIT, STUCK
 from .memory import RankMemorySampler, run_ending
 from .processes import RankProcesses
-from .shown import PEER_GONE, HeldBack, LineStream, events, how_it_ended, notebook_traceback, show_display, taken_down
+from .shown import HeldBack, LineStream, events, show_display
 from .spec import RankFailure, RankOutcome, RunResult, RunState
 
 __all__ = ["RankFailure", "RankRunError", "RankRun", "RankWork", "interrupt_only_the_cell"]
@@ -179,7 +180,7 @@ class RankRun:
         peers = [r for r in failed if streams[r][1].peer or PEER_GONE.search(getattr(failures.get(r), "summary", ""))]
         first = [r for r in failures if r not in peers]
         for rank, (out, err) in enumerate(streams):
-            mine = err.held_text() or list(getattr(failures.get(rank), "traceback", ()))
+            mine = err.pending_text() or list(getattr(failures.get(rank), "traceback", ()))
             said = taken_down(mine, _rank_s(first[:1])) if first and rank in peers else None
             held = out.end() + err.end(said)
             if said:

@@ -6,25 +6,18 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from itertools import takewhile
 from typing import Any, TextIO
 
-__all__ = ["HELD_LINES", "PEER_GONE", "HeldBack", "LineStream", "as_terminal_shows", "dumped_traceback", "events"]
-__all__ += ["how_it_ended", "notebook_traceback", "rank_env", "record_output", "show_display", "taken_down"]
+from .failures import PEER_GONE
+
+__all__ = ["HELD_LINES", "HeldBack", "LineStream", "as_terminal_shows", "events", "rank_env", "record_output"]
+__all__ += ["show_display"]
 
 #: Lines held back per rank (the oldest go first).
 HELD_LINES = 2000
-#: What gloo and NCCL say where another rank's process went: its connection closed.
-_CLOSED = re.compile(r"Connection (closed|reset) by peer|remote process exited")
-#: An exception line of torch.distributed that says another rank went (gloo's, NCCL's).
-PEER_GONE = re.compile(rf"DistBackendError|{_CLOSED.pattern}")
-#: A traceback's frame: Python's (``  File "x.py", line 6, in f``), IPython's (``File /x.py:6, in f``, ``Cell In[3],
-#: line 7``, whose source line is the one its arrow points at: ``----> 7 step()``).
-_FRAME = re.compile(r'\s*(File "(?P<file>[^"]*)", line \d+|File (?P<path>.*):\d+, in |Cell( In\[\d+\])?, line \d+)')
 
 
 def rank_env(fw, verbose: bool = False, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
@@ -62,48 +55,6 @@ class HeldBack:
         return [f"[rank {r}] {line}" for r in ranks for line in self.held.get(r, ())]
 
 
-_COUNT = re.compile(r"(Cell(?:\x1b\[[0-9;]*m|\s)*)In\[\d+\]")
-
-
-def notebook_traceback(text: str, count: int | None) -> list[str]:
-    """A rank's traceback with the notebook cell's ``In[count]`` (or none) for the rank's own "Cell In[k]"."""
-    return _COUNT.sub(lambda m: re.sub(r"\s", "", m[1]) if count is None else f"{m[1]}In[{count}]", text).splitlines()
-
-
-def taken_down(traceback: list[str], first: str) -> list[str]:
-    """What a rank that the ``first`` rank's failure took down says of its error (``traceback``'s lines): that it
-    stopped, that its peer closed the connection where its error says so, and the innermost frame in the user's code,
-    not a library's (torch's, Python's), with its source line, as the traceback has them."""
-    import sysconfig
-
-    library = (*{sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")}, "<frozen")
-    lines, own = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in traceback], []
-    for at, line in enumerate(lines):
-        frame = _FRAME.match(line)
-        if frame and not (frame["file"] or frame["path"] or "").startswith(library):
-            body = list(takewhile(lambda s: s.strip() and s[:1] in " -" and not _FRAME.match(s), lines[at + 1 :]))
-            own = [line, *([s for s in body if re.match(r"-+> ?\d", s)] or body)[:1]]
-    why = "its peer closed the connection" if _CLOSED.search("\n".join(lines)) else "its collective failed"
-    return [f"stopped: {why} ({first} failed first)", *own]
-
-
-def dumped_traceback(dump: str, launching: tuple[str, ...]) -> list[str]:
-    """faulthandler's ``dump`` at a fatal signal as Python's traceback: the stack of the thread it was at (the current
-    one, else the main one), without the frames of the files in ``launching``; none where it holds no frame."""
-    import linecache
-
-    stacks = [block for block in re.split(r"\n\s*\n", dump) if '\n  File "' in block]
-    if not stacks:
-        return []
-    stack = max(reversed(stacks), key=lambda block: block.startswith("Current"))  # the main thread is listed last
-    lines = ["Traceback (most recent call last):"]
-    for file, line, name in reversed(re.findall(r'^  File "(.*)", line (\d+) in (.*)$', stack, re.M)):
-        if file not in launching:
-            source = linecache.getline(file, int(line)).strip()
-            lines += [f'  File "{file}", line {line}, in {name}', *([f"    {source}"] if source else [])]
-    return [*lines, dump.splitlines()[0]]
-
-
 @dataclass(eq=False)
 class LineStream:
     """One rank's stream as a terminal shows it: whole lines, labelled; a ``\r`` line drawn as it goes (``live``: whose
@@ -116,7 +67,8 @@ class LineStream:
     theirs: str = ""
     live: dict = field(default_factory=dict)
     tail: str = field(default="", init=False)
-    held: list[str] | None = field(default=None, init=False)
+    #: The lines of a traceback that has not ended yet (not yet known to be shown).
+    pending: list[str] | None = field(default=None, init=False)
     peer: bool = field(default=False, init=False)
 
     def feed(self, text: str) -> None:
@@ -124,38 +76,38 @@ class LineStream:
         *lines, self.tail = (self.tail + text).split("\n")
         shown = [f"{self.label}{self._text(line)}\n" for line in self._now(lines) if self.shown(line)]
         self._write(shown, bool(shown))
-        if "\r" in self.tail and self.held is None:
+        if "\r" in self.tail and self.pending is None:
             self._write([f"{self.label}{self._text(self.tail)}"], False)
             self.live["by"] = self
 
     def _now(self, lines: list[str]) -> list[str]:
-        """Those of ``lines`` shown now, the others held."""
+        """Those of ``lines`` shown now, the others pending."""
         shown = []
         for line in lines:
             text = self._text(line)
-            if self.held is None and not text.startswith("Traceback (most recent call last)"):
+            if self.pending is None and not text.startswith("Traceback (most recent call last)"):
                 shown.append(line)
                 continue
-            self.held = [*(self.held or []), line]
+            self.pending = [*(self.pending or []), line]
             if not self.peer and text[:1].strip() and not text.startswith("Traceback"):
                 self.peer = bool(PEER_GONE.search(text))
                 if not self.peer:
-                    shown, self.held = shown + self.held, None
+                    shown, self.pending = shown + self.pending, None
         return shown
 
-    def held_text(self) -> list[str]:
-        """The lines held (a traceback), as shown."""
-        return [self._text(line) for line in self.held or ()]
+    def pending_text(self) -> list[str]:
+        """The pending lines (a traceback), as shown."""
+        return [self._text(line) for line in self.pending or ()]
 
     def end(self, said: list[str] | None = None) -> list[str]:
-        """The rank is done: what was held (or the lines ``said`` in its place), and its last line, even unfinished."""
-        held, self.held, self.peer = self.held or [], None, False
-        if held and self.tail:
-            held, self.tail = [*held, self.tail], ""
-        shown = said if said is not None else [line for line in held if self.shown(line)]
+        """The rank is done: what was pending (or the lines ``said`` in its place), its last line even unfinished."""
+        pending, self.pending, self.peer = self.pending or [], None, False
+        if pending and self.tail:
+            pending, self.tail = [*pending, self.tail], ""
+        shown = said if said is not None else [line for line in pending if self.shown(line)]
         shown, self.tail = shown + ([self.tail] if self.tail else []), ""
         self._write([f"{self.label}{self._text(line)}\n" for line in shown], bool(shown))
-        return [self._text(line) for line in held]
+        return [self._text(line) for line in pending]
 
     def _text(self, line: str) -> str:
         line = as_terminal_shows(line)
@@ -179,11 +131,6 @@ def as_terminal_shows(line: str) -> str:
     for part in line.split("\r"):
         shown = part + shown[len(part) :]
     return shown
-
-
-def how_it_ended(code: int) -> str:
-    """An exit status as a launcher says it: ``exited with status 3``, ``was killed by SIGSEGV``."""
-    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
 
 
 def show_display(rank: int, content: dict[str, Any], out: TextIO) -> None:
