@@ -122,6 +122,30 @@ class TestTorchOnTwoHosts:
             assert json.loads((tmp_path / f"{host.hostname}.json").read_text()) == by_ssh and by_ssh
         assert two_hosts.first.hostname == socket.gethostname()
 
+    def test_a_hang_across_two_hosts_is_reported_with_each_ranks_line(self, two_hosts, torch_ranks, tmp_path):
+        """Issue 42: the hang doctor asked only the ranks on the kernel's host (Unix sockets), so a rank on another
+        host read as "not answering". Its engine relays the ask over TCP: the rank there is named with its line."""
+        from vgpu_magic.ranks.run import RankRunError
+
+        script = tmp_path / "hang.py"
+        script.write_text(
+            "import socket, time\nimport torch, torch.distributed as dist\ndist.init_process_group()\n"
+            "t = torch.ones(16)\ndist.all_reduce(t)\n"
+            f"if socket.gethostname() != {two_hosts.second.hostname!r}:\n    dist.all_reduce(t)\ntime.sleep(60)\n"
+        )
+        there = quiet_run(torch_ranks, "import socket\nsocket.gethostname()").index(two_hosts.second.hostname)
+        err = io.StringIO()
+        quiet = contextlib.redirect_stdout(io.StringIO())
+        with pytest.raises(RankRunError) as info, quiet, contextlib.redirect_stderr(err):
+            torch_ranks.run_script(str(script), hang_after=3, timeout=30)
+        said = (
+            f"rank {there} never called all_reduce #2 that rank {1 - there} waits in (hang.py:7); "
+            f"rank {there} is at hang.py:8, idle"
+        )
+        assert said in err.getvalue(), err.getvalue()
+        assert f"rank {there} was idle, at hang.py:8" in info.value.headline(), info.value.headline()
+        assert quiet_run(torch_ranks, "'back'") == ["back", "back"]
+
     def test_a_rank_on_the_second_host_is_interrupted_and_reported_through_its_engine(self, two_hosts, torch_ranks):
         """The second host has process IDs of its own, as a real one has: the PID its rank reports names
         nothing (or another process) here. The fault policy reaches that rank through its engine: a

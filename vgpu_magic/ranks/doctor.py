@@ -89,8 +89,9 @@ class HangDoctor:
 
     def _idle(self) -> bool:
         """Has a rank (its engine's main thread, and the process it launched's) used less than :data:`BUSY` of a core
-        since the last look? Main threads, as the ranks' answers count (:func:`.rank_state.main_thread_cpu`). Ranks
-        that all run are not asked: an answer takes the GIL from a loop of small collectives."""
+        since the last look, or is one's unknown (on another host)? Main threads, as the ranks' answers count
+        (:func:`.rank_state.main_thread_cpu`). Ranks that all run are not asked: an answer takes the GIL from a loop
+        of small collectives."""
         import psutil
 
         cpu, now = {}, time.monotonic()
@@ -99,7 +100,8 @@ class HangDoctor:
                 processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
                 cpu[rank] = sum(rank_state.main_thread_cpu(p) for p in processes)
         (before, then), self.cpu = self.cpu, (cpu, now)
-        return any(r not in before or cpu[r] - before[r] < BUSY * (now - then) for r in cpu)
+        elsewhere = None in self.pids
+        return elsewhere or any(r not in before or cpu[r] - before[r] < BUSY * (now - then) for r in cpu)
 
     def where(self, done: list[bool]) -> str:
         """Where each rank not ``done`` is now, for the line of a timeout or an interrupt: ``"rank 0 was at ..."``."""
@@ -117,15 +119,26 @@ class HangDoctor:
             self.asking.join()
 
 
-def serve(engines: list[Any], local: list[bool]) -> tuple[str, list[str | None]]:
-    """At a cluster's start: a folder of its own for the ranks' sockets, each rank's address there (``None``: not on
-    this host), its engine answering beside it (``-cell``) for cells; a launch answers at the address."""
+def serve(engines: list[Any], hosts: list[str | None]) -> tuple[str, list[str]]:
+    """At a cluster's start: a folder of its own for the ranks' sockets and each rank's address: on this host (its
+    ``hosts`` entry ``None``) a Unix socket there, its engine answering beside it (``-cell``) for cells, a launch at
+    the address; on another host ``tcp:HOST:PORT:NAME``, its engine's :func:`~.rank_state.relay`."""
     folder = tempfile.mkdtemp(prefix="vgpu-doctor-")
-    addresses = [os.path.join(folder, str(r)) if here else None for r, here in enumerate(local)]
-    for engine, address in zip(engines, addresses):
-        if address is not None:
-            engine.apply_sync(rank_state.serve, f"{address}-cell")
+    addresses = []
+    for rank, (engine, host) in enumerate(zip(engines, hosts)):
+        if host is None:
+            addresses.append(os.path.join(folder, str(rank)))
+            engine.apply_sync(rank_state.serve, f"{addresses[-1]}-cell")
+        else:
+            name = f"{os.path.basename(folder)}-{rank}"
+            addresses.append(f"tcp:{host}:{engine.apply_sync(rank_state.relay, name)}:{name}")
     return folder, addresses
+
+
+def listens_at(address: str | None) -> str | None:
+    """Where a launched rank listens for an ask to ``address``: the Unix socket, or the abstract one its engine
+    relays to."""
+    return f"\0{address.rpartition(':')[2]}" if address and address.startswith("tcp:") else address
 
 
 def ask(addresses: list[str | None]) -> dict[int, dict | None]:
@@ -133,13 +146,21 @@ def ask(addresses: list[str | None]) -> dict[int, dict | None]:
     asked = {}
     for rank, address in enumerate(addresses):
         asked[rank] = None
-        if address is not None:
-            connection = socket.socket(socket.AF_UNIX)
-            try:
+        if address is None:
+            continue
+        connection = None
+        try:
+            if address.startswith("tcp:"):
+                host, port, name = address[4:].rsplit(":", 2)
+                connection = socket.create_connection((host, int(port)), timeout=ANSWER)
+                connection.sendall(f"{name}\n".encode())
+            else:
+                connection = socket.socket(socket.AF_UNIX)
                 connection.settimeout(ANSWER)
                 connection.connect(address)
-                asked[rank] = connection
-            except OSError:  # not listening yet, or gone
+            asked[rank] = connection
+        except OSError:  # not listening yet, or gone
+            if connection is not None:
                 connection.close()
     deadline, answers = time.monotonic() + ANSWER, {}
     for rank, connection in asked.items():
@@ -254,7 +275,7 @@ class _Rank:
         if self.done:
             return "exited"
         if self.answer is None:
-            return "not answering (C code holding the GIL, or on another host)"
+            return "not answering (C code holding the GIL)"
         user = self.answer["stack"]
         how = self.how()
         return f"is at {_where(user[-1:])}" + (f", {how}" if how else "")

@@ -193,7 +193,8 @@ class RankCluster:
             procs, wiring = self._processes(), RankWork(function=prepare_rank, args=args)
             self._watch(RankRun(procs, wiring, timeout=SETUP_TIMEOUT, held=self.held), set())
             self.view.apply_sync(interrupt_only_the_cell)
-            self._doctor, self.asks = doctor.serve([procs.engine(r) for r in range(self.n)], procs.local)
+            elsewhere = [None if procs.on_this_host(r) else p.address for r, p in enumerate(self.layout.places)]
+            self._doctor, self.asks = doctor.serve([procs.engine(r) for r in range(self.n)], elsewhere)
             if self.spares:
                 # A spare on every engine, importing as the start returns (a launch before then waits for it).
                 preload, environ = self._preload(), spare.kernel_environ(self.launcher.task_variables)
@@ -380,7 +381,7 @@ class RankCluster:
             counts = dict(zip(RESTART_COUNTS, (str(attempt - 1), str(max_restarts))))
             # Where the plan has torchrun's restart counters: this attempt's, of at most max_restarts.
             plans = [replace(p, env={**p.env, **{k: v for k, v in counts.items() if k in p.env}}) for p in self.plans]
-            requests = [launch.launch_request(p, *where, faults, a) for p, a in zip(plans, asks)]
+            requests = [launch.launch_request(p, *where, faults, doctor.listens_at(a)) for p, a in zip(plans, asks)]
             faults = []  # injected into the first launch only
             work = RankWork(function=launch.run_rank, args=[(request,) for request in requests])
             watch = doctor.HangDoctor(self.asks, hang_after, sys.stderr, procs.memory_pids())

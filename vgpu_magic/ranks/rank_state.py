@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["answer", "main_thread_cpu", "serve"]
+__all__ = ["answer", "main_thread_cpu", "relay", "serve"]
 
 #: The user's frames kept of the main thread's stack, from the innermost.
 DEPTH = 40
@@ -25,8 +25,9 @@ _FUTEX = {"x86_64": "202", "aarch64": "98"}.get(os.uname().machine, "futex")
 def serve(address: str) -> None:
     """Listen at the Unix socket ``address`` (the last launch's left there goes); each connection gets
     :func:`answer` as JSON, then closes."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(address)
+    if not address.startswith("\0"):  # an abstract socket (:func:`relay`) leaves nothing on disk
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(address)
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(address)
     listener.listen()
@@ -39,6 +40,32 @@ def serve(address: str) -> None:
                 connection.sendall(json.dumps(answer(main)).encode())
 
     threading.Thread(target=loop, name="vgpu-doctor", daemon=True).start()
+
+
+def relay(name: str) -> int:
+    """On an engine on another host than the kernel's, whose Unix sockets the kernel cannot reach: answer the hang
+    doctor over TCP. A connection names what it asks: ``NAME-cell`` (this engine's cell) or ``NAME`` (the process it
+    launched, which listens at the abstract Unix socket ``\\0NAME``, whose answer is passed on). The port."""
+    listener = socket.create_server(("", 0))
+    main = threading.main_thread().ident
+
+    def loop() -> None:
+        while True:
+            connection, _ = listener.accept()
+            with connection, contextlib.suppress(OSError):
+                connection.settimeout(5.0)
+                with connection.makefile("rb") as asking:
+                    asked = asking.readline(256).decode(errors="replace").strip()
+                if asked == f"{name}-cell":
+                    connection.sendall(json.dumps(answer(main)).encode())
+                elif asked == name:
+                    with socket.socket(socket.AF_UNIX) as launched:
+                        launched.settimeout(5.0)
+                        launched.connect(f"\0{name}")
+                        connection.sendall(b"".join(iter(lambda: launched.recv(65536), b"")))
+
+    threading.Thread(target=loop, name="vgpu-doctor", daemon=True).start()
+    return listener.getsockname()[1]
 
 
 def answer(thread: int | None) -> dict:
