@@ -329,3 +329,25 @@ def test_of_four_real_ranks_the_two_that_skip_an_all_reduce_are_named_together(s
     for rank in (1, 3):
         assert f"rank {rank}: idle, at hang.py:11: time.sleep(60)" in out, out
     assert "did not finish within --timeout 30 s" in headline, headline
+
+
+def test_a_rank_whose_main_thread_wakes_a_thousand_times_a_second_reads_as_running():
+    """Issue 42's cost: a loop of small all_reduces spends 3 % of a core on its main thread, which only waits for
+    gloo's threads, so the kernel took it for idle and asked it every second (1.22x on 3,000 all_reduces). Its main
+    thread is switched out about a thousand times a second (here: sleeps of a millisecond), a hung one's never."""
+    import psutil
+
+    from vgpu_magic.ranks.doctor import BUSY, HangDoctor
+    from vgpu_magic.ranks.rank_state import main_thread_cpu
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time\nwhile True:\n    time.sleep(0.001)\n"])
+    try:
+        watch = HangDoctor([None], 3.0, sys.stderr, [proc.pid])
+        watch._idle()  # the first look
+        used, then = main_thread_cpu(psutil.Process(proc.pid)), time.monotonic()
+        time.sleep(2)
+        assert not watch._idle()
+        assert main_thread_cpu(psutil.Process(proc.pid)) - used < BUSY * (time.monotonic() - then)
+    finally:
+        proc.kill()
+        proc.wait()
