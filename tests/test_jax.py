@@ -481,7 +481,6 @@ def test_the_monitors_reader_counts_in_at_most_one_percent_of_a_fit_sampled_at_i
     for an 8-device DataParallel model), and the reader's budget (2 %: a count repeated for 40 ms) was shorter than
     the monitor's interval (0.05 s), so every sample counted again: 1.6 % of the fit, before the view's share. On a
     clock of the test's, samples every interval for 10 s of counts costing 0.8 ms spend at most 1 % counting."""
-    from vgpu_magic import frameworks
     from vgpu_magic.frameworks.jax import memory
     from vgpu_magic.monitor.session import MonitorSession
 
@@ -494,7 +493,8 @@ def test_the_monitors_reader_counts_in_at_most_one_percent_of_a_fit_sampled_at_i
             spent[0] += 0.0008
             return [0]
 
-    reader, counter = frameworks.get("jax").memory_reader(), Counter()
+    # The monitor's reader's budget (the framework's memory_reader), without JAX.
+    reader, counter = memory.MemoryReader(None, budget=memory.MONITOR_BUDGET), Counter()
     interval = inspect.signature(MonitorSession).parameters["interval"].default
     start = now[0]
     while now[0] - start < 10.0:

@@ -18,7 +18,7 @@ from ...inventory import cuda_gpus, cuda_to_nvml_order, cuda_total_bytes, nvml_g
 from ...units import MIB
 from ..base import Framework, Reader, call_before_start
 from . import ranks
-from .memory import ENV_CLIENT_FRACTION, ENV_FRACTION, LiveArrayBytes, MemoryReader, devices_by_name
+from .memory import ENV_CLIENT_FRACTION, ENV_FRACTION, MONITOR_BUDGET, LiveArrayBytes, MemoryReader, devices_by_name
 
 __all__ = ["CAPABILITIES", "FRAMEWORK", "Jax", "backend_started", "gpu_backend_installed"]
 
@@ -275,9 +275,9 @@ class Jax(Framework):
         return DEVICE_NAMES[kind == "GPU"].format(index)
 
     def memory_reader(self) -> Reader:
-        """A :class:`~vgpu_magic.frameworks.jax.memory.MemoryReader` counting in at most 0.5 % of the time: a count
-        (0.8 ms for a DataParallel model over 8 devices) serves the monitor's samples for 160 ms."""
-        return MemoryReader(self.load(), self._peaks, self._counters, budget=0.005)
+        """A :class:`~vgpu_magic.frameworks.jax.memory.MemoryReader` counting in at most ``MONITOR_BUDGET`` of the
+        time."""
+        return MemoryReader(self.load(), self._peaks, self._counters, budget=MONITOR_BUDGET)
 
     def variable_bytes(self, variable: Any) -> dict[str, int]:
         """Each shard of the array (a Keras variable's ``value``) on its device."""
