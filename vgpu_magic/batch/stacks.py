@@ -50,7 +50,7 @@ class Answering:
     def _watch(self) -> None:
         import psutil
 
-        process, cpu, since = psutil.Process(), None, None
+        process, used, since = psutil.Process(), None, None
         while True:
             time.sleep(POLL)
             # OSError: the folder's file system hiccuped (or the folder went): the next look tries again.
@@ -58,9 +58,11 @@ class Answering:
                 self.answer()
                 frame = sys._current_frames().get(self.main) if self.hang_after else None
                 waits = frame is not None and os.sep + "torch" + os.sep in frame.f_code.co_filename
-                now = rank_state.main_thread_cpu(process) if waits else None
-                idle = now is not None and cpu is not None and now - cpu < doctor.BUSY * POLL
-                cpu, since = now, (since or time.monotonic()) if idle else None
+                now = rank_state.main_thread_use(process) if waits else None
+                # As the kernel's doctor reads a rank: a loop of small collectives, waiting in torch's code at each
+                # look on 3 % of a core, runs (its main thread is switched out a thousand times a second).
+                idle = now is not None and used is not None and doctor.idled(used, now, POLL)
+                used, since = now, (since or time.monotonic()) if idle else None
                 if since is not None and time.monotonic() - since >= self.hang_after:
                     since = None
                     self._report()

@@ -17,9 +17,9 @@ import time
 from typing import Any, TextIO
 
 from . import rank_state
-from .run import _rank_s
+from .run import _by_reason, _rank_s
 
-__all__ = ["HangDoctor", "checked_hang_after", "diagnose", "report", "serve"]
+__all__ = ["HangDoctor", "checked_hang_after", "diagnose", "idled", "report", "serve"]
 
 #: The default ``--hang-after``: seconds a rank waits in a collective that another never entered before the report.
 HANG_AFTER = 30.0
@@ -102,14 +102,12 @@ class HangDoctor:
         for rank, pid in enumerate(self.pids):
             with contextlib.suppress(psutil.Error, TypeError):
                 processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-                cpu = sum(rank_state.main_thread_cpu(p) for p in processes)
-                seen[rank] = (cpu, sum(rank_state.main_thread_wakes(p.pid) for p in processes))
+                uses = [rank_state.main_thread_use(p) for p in processes]
+                seen[rank] = (sum(cpu for cpu, _ in uses), sum(wakes for _, wakes in uses))
         (before, then), self.cpu = self.cpu, (seen, now)
-        limits = (BUSY * (now - then), WAKES * (now - then))
-        ran = {r: [b - a for a, b in zip(before[r], seen[r])] for r in seen if r in before}
         # Not at the first look, before any rank could idle: a rank's first answer imports torch's symbolizer, 1.5 s
         # holding the GIL (1.22x on 3,000 all_reduces asked once).
-        idle = [r for r in ran if all(used < limit for used, limit in zip(ran[r], limits))]
+        idle = [r for r in seen if r in before and idled(before[r], seen[r], now - then)]
         return None in self.pids or bool(idle)
 
     def where(self, done: list[bool]) -> str:
@@ -126,6 +124,13 @@ class HangDoctor:
         """Wait for an ask on its way (its report comes before the run's end)."""
         if self._asking():
             self.asking.join()
+
+
+def idled(before: tuple[float, int], now: tuple[float, int], seconds: float) -> bool:
+    """Did main threads whose CPU seconds and switches (:func:`.rank_state.main_thread_use`) went from ``before`` to
+    ``now`` in ``seconds`` idle: less than :data:`BUSY` of a core, switched out less than :data:`WAKES` times a
+    second?"""
+    return now[0] - before[0] < BUSY * seconds and now[1] - before[1] < WAKES * seconds
 
 
 def serve(engines: list[Any], hosts: list[str | None]) -> tuple[str, list[str]]:
@@ -222,10 +227,7 @@ def diagnose(
 
 def _where_each(ranks: list[_Rank]) -> list[str]:
     """Where each of ``ranks`` is, those at one place together: ``"ranks 1, 3 are at train.py:8, idle"``."""
-    places: dict[str, list[int]] = {}
-    for rank in ranks:
-        places.setdefault(rank.at(), []).append(rank.rank)
-    return [_rank_s(numbers, at) for at, numbers in places.items()]
+    return [_rank_s(numbers, at) for at, numbers in _by_reason({r.rank: r.at() for r in ranks}).items()]
 
 
 def report(head: str, lines: list[str]) -> str:

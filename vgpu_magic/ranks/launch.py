@@ -88,7 +88,7 @@ def launch_request(
         plan,
         (path, *args),
         cwd,
-        preload[0],
+        framework,
         tuple(preload),
         module,
         spare,
@@ -115,7 +115,6 @@ def _sets_environment(path: str) -> bool:
 def run_rank(request: LaunchRequest) -> int:
     """On an engine: launch the request's script (its spare forks it), stream its output, wait: its PID, or
     :class:`ProcessExited`."""
-    global _spare
     plan_env, path, cwd = request.plan.env, request.argv[0], request.cwd
     # A module is found by the launched process (python's "No module named ..." if not); a file it could run is here.
     script = os.path.join(cwd, *path.split(".")) + ".py" if request.module else os.path.join(cwd, path)

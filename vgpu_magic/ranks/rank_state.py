@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["answer", "main_thread_cpu", "main_thread_wakes", "relay", "serve"]
+__all__ = ["answer", "main_thread_cpu", "main_thread_use", "main_thread_wakes", "relay", "serve"]
 
 #: The user's frames kept of the main thread's stack, from the innermost.
 DEPTH = 40
@@ -99,6 +99,12 @@ def main_thread_cpu(process: Any) -> float:
     though its runtime threads (gloo's, the one answering here) spend some. The kernel reads it too (:mod:`.doctor`)."""
     main = [t for t in process.threads() if t.id == process.pid]
     return sum(main[0][1:3]) if main else sum(process.cpu_times()[:2])
+
+
+def main_thread_use(process: Any) -> tuple[float, int]:
+    """``process``'s main thread's CPU seconds and switches (:func:`main_thread_cpu`, :func:`main_thread_wakes`):
+    whether it runs (:func:`.doctor.idled`)."""
+    return main_thread_cpu(process), main_thread_wakes(process.pid)
 
 
 def main_thread_wakes(pid: int) -> int:
