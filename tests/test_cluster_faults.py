@@ -532,6 +532,35 @@ def test_the_kept_log_has_a_dead_processs_log_that_ipyparallel_removed(tmp_path)
     assert f"==> ipcontroller-{cluster.cluster_id}-1.log <==\ncontroller says" in kept
 
 
+def test_what_a_spare_wrote_is_shown_also_when_its_answer_came_with_it(capsys):
+    """A spare writes what its imports said, then answers a launch's PID: both may be ready at one look, and what it
+    wrote was then left unread, so CI's first launch lacked the import's warning (the second showed it)."""
+    import socket
+    import types
+
+    from vgpu_magic.ranks import launched, spare
+
+    ours, theirs = socket.socketpair()
+    (out, out_w), (err, err_w) = os.pipe(), os.pipe()
+    os.write(out_w, b"noisy imported\n")
+    os.write(err_w, b"UserWarning: noisy at import\n")
+    theirs.sendall(launched.SIZE.pack(4242))
+    with open(out, "rb", buffering=0) as stdout, open(err, "rb", buffering=0) as stderr:
+        waiting = spare.Spare(types.SimpleNamespace(stdout=stdout, stderr=stderr), ours, {}, ())
+        forked, control = waiting.fork({"argv": ["run.py"]})
+    try:
+        assert forked.pid == 4242
+        assert waiting.said == (b"noisy imported\n", b"UserWarning: noisy at import\n")
+        assert capsys.readouterr() == ("noisy imported\n", "UserWarning: noisy at import\n")
+    finally:
+        forked.stdout.close()
+        forked.stderr.close()
+        for each in (control, ours, theirs):
+            each.close()
+        os.close(out_w)
+        os.close(err_w)
+
+
 def test_what_the_spares_imports_write_starts_every_launch_forked_from_it(tmp_path):
     """Issue 44: one spare forks every launch, importing the framework once; what that import writes (a warning) is
     shown at each launch's start, as each new process's own import writes it, and the spare imported it once."""

@@ -351,3 +351,31 @@ def test_a_rank_whose_main_thread_wakes_a_thousand_times_a_second_reads_as_runni
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_where_a_looping_rank_was_at_a_timeout_right_after_an_ask_says_its_loop(tmp_path, monkeypatch):
+    """A timeout may come just as the doctor's ask ends (the stop waits for it): two answers milliseconds apart read
+    a loop's CPU time in 10 ms ticks, while the ask held its GIL, so CI's loaded run said ``rank 1 was idle`` where
+    the report had said ``in a loop``. Where each rank was is asked :data:`.doctor.APART` after the last answers at
+    the earliest."""
+    from vgpu_magic.ranks import doctor
+
+    address = str(tmp_path / "rank")
+    (tmp_path / "loop.py").write_text(
+        f"from vgpu_magic.ranks.rank_state import serve\nserve({address!r})\nwhile True:\n    x = sum(range(1000))\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "loop.py")])
+    asked, ask = [], doctor.ask
+    monkeypatch.setattr(doctor, "ask", lambda addresses: asked.append(time.monotonic()) or ask(addresses))
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "rank").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        watch = doctor.HangDoctor([address], 3.0, sys.stderr, [proc.pid])
+        watch.answers, watch.answered = doctor.ask([address]), time.monotonic()
+        said = watch.where([False])
+        assert said.startswith("rank 0 was in a loop, at loop.py:4: x = sum(range(1000))"), said
+        assert asked[-1] - watch.answered >= doctor.APART, asked
+    finally:
+        proc.kill()
+        proc.wait()

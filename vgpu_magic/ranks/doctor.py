@@ -30,6 +30,9 @@ ANSWER = 2.0
 BUSY = 0.1
 #: Times a second a rank's main thread may be switched out and still idle (its engine's, following a launch: 5).
 WAKES = 50
+#: Seconds between two answers of a rank at least, to tell a loop from a wait by its CPU time (counted in ticks of
+#: 10 ms; an ask holds a rank's GIL while it answers).
+APART = 1.0
 #: The file ipykernel compiles a cell as (on a rank, where the magic's line is the cell's line 1).
 _CELL = re.compile(r"ipykernel_\d+[/\\]\d+\.py$")
 #: torch's dtype names as Flight Recorder writes them, as people write them.
@@ -54,6 +57,8 @@ class HangDoctor:
         self.start = time.monotonic()
         self.next = self.start + self.period
         self.answers: dict[int, dict | None] = {}
+        #: When the ranks last answered (:data:`APART`).
+        self.answered = 0.0
         self.reported: set[str] = set()
         self.asking: threading.Thread | None = None
 
@@ -77,11 +82,12 @@ class HangDoctor:
             self.next = time.monotonic() + self.period
             return
         previous, self.answers = self.answers, ask(self.addresses)
-        self.next = time.monotonic() + self.period
+        self.next = self.answered = time.monotonic()
+        self.next += self.period
         said, lines = diagnose(self.answers, previous, done, self.hang_after)
         if said is not None and any(previous.get(r) is None for r, a in self.answers.items() if a is not None):
             # A rank's first answer: one more, a second later, tells a loop from a wait.
-            self.next = time.monotonic() + 1.0
+            self.next = time.monotonic() + APART
         elif said is not None and said.split(";")[0] not in self.reported:
             # Once per hang, however its ranks run meanwhile.
             self.reported.add(said.split(";")[0])
@@ -115,6 +121,8 @@ class HangDoctor:
         if not self.hang_after:
             return ""
         self.close()
+        # Not right after the last answers (an ask may just have ended): a loop would read as idle.
+        time.sleep(max(0.0, self.answered + APART - time.monotonic()))
         previous, answers = self.answers, ask(self.addresses)
         _, lines = diagnose(answers, previous, done, self.hang_after)
         asked = [r for r, address in enumerate(self.addresses) if address is not None and not done[r]]

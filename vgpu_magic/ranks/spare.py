@@ -70,12 +70,16 @@ class Spare:
             selector.register(self.control, selectors.EVENT_READ)
             for index, pipe in enumerate((self.popen.stdout, self.popen.stderr)):
                 selector.register(pipe, selectors.EVENT_READ, index)
-            # Its imports may write more than a pipe holds before they end: read them while waiting for the PID.
+            # Its imports may write more than a pipe holds before they end: read them while waiting for the PID; they
+            # wrote all before it came (the spare flushes first), so once it came, what the pipes hold is read too.
+            forked = False
             while True:
-                ready = [key for key, _ in selector.select()]
-                if any(key.fileobj is self.control for key in ready):
+                ready = [key for key, _ in selector.select(0 if forked else None)]
+                outputs = [key for key in ready if key.fileobj is not self.control]
+                forked = forked or len(outputs) < len(ready)
+                if forked and not outputs:
                     break
-                for key in ready:
+                for key in outputs:
                     data = os.read(key.fd, 65536)
                     said[key.data] += data
                     if not data:
