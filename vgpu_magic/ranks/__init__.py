@@ -12,7 +12,7 @@ __all__ = ["RankCluster", "RankInfo", "ClusterStartError", "RankRunError", "Unse
 # Resolved on first use: loading the extension (which imports .magics) must not pay for the cluster machinery.
 _LAZY = {
     "RankCluster": "rank_cluster",
-    "RankInfo": "summary",
+    "RankInfo": "processes",
     "ClusterStartError": "processes",
     "RankRunError": "run",
     "UnsendableName": "names",

@@ -21,7 +21,14 @@ from ..errors import ClusterStartError
 from . import lifetime
 from .launchers import Launcher
 
-__all__ = ["CONTROLLER_ARGS", "ClusterStartError", "check_memory_fits", "check_port_free", "new_ipp_cluster"]
+__all__ = [
+    "CONTROLLER_ARGS",
+    "ClusterStartError",
+    "RankInfo",
+    "check_memory_fits",
+    "check_port_free",
+    "new_ipp_cluster",
+]
 
 #: Seconds processes get after SIGTERM before SIGKILL when the cluster stops.
 STOP_GRACE = 2.0
@@ -249,6 +256,19 @@ def _running_after(procs: list[Any], timeout: float) -> list[Any]:
     return alive
 
 
+@dataclass(frozen=True)
+class RankInfo:
+    """One rank as ``%vgpu_cluster status`` shows it."""
+
+    rank: int
+    engine_id: int
+    pid: int
+    alive: bool
+    rss: int | None
+    gpu: int | None
+    host: str
+
+
 @dataclass
 class RankProcesses:
     """How the fault policy reaches each rank's process: on this host (``local[rank]``, all by default) by its PID; on
@@ -278,7 +298,9 @@ class RankProcesses:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pids[rank], signum)
         else:
-            signal_engine(self.client, self.engine_ids[rank], signum)
+            # Through the engine's nanny; an engine already gone is no error.
+            with contextlib.suppress(Exception):
+                self.client.send_signal(signum, targets=[self.engine_ids[rank]], block=False).get(timeout=5.0)
 
     def exit_code(self, rank: int) -> int | None:
         """How the rank's process exited, as the wait that reaped it returned it (None where no such wait is ours)."""
@@ -292,11 +314,18 @@ class RankProcesses:
         """The PIDs the kernel can read memory of (``None`` for a rank on another host)."""
         return [pid if self.on_this_host(rank) else None for rank, pid in enumerate(self.pids)]
 
+    def infos(self, gpu: bool) -> list[RankInfo]:
+        """Each rank's PID, liveness, host and memory (RSS, and ``gpu``'s where NVML has it; none on another host)."""
+        from .memory import RankMemorySampler
 
-def signal_engine(client: Any, engine_id: int, signum: int) -> None:
-    """Send ``signum`` to engine ``engine_id`` (on another host) through its nanny; one already gone is no error."""
-    with contextlib.suppress(Exception):
-        client.send_signal(signum, targets=[engine_id], block=False).get(timeout=5.0)
+        sampler = RankMemorySampler(self.memory_pids(), gpu)
+        rss, used = dict(zip(sampler.ranks, sampler.rss())), dict(zip(sampler.ranks, sampler.gpu()))
+        sampler.close()
+        alive = [self.alive(rank) for rank in range(len(self.pids))]
+        return [
+            RankInfo(rank, self.engine_ids[rank], pid, up, rss.get(rank) if up else None, used.get(rank), host)
+            for rank, (pid, host, up) in enumerate(zip(self.pids, self.hosts, alive))
+        ]
 
 
 def unlist(cluster: Any) -> None:

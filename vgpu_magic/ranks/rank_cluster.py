@@ -23,16 +23,15 @@ from ..devices import simulated_line
 from ..frameworks.base import RankPlan
 from ..inventory import GPUInfo, NVMLReadError, nccl_version, visible_gpus
 from ..layout import HostReport, RankLayout, layout_ranks
-from ..units import MIB
+from ..units import MIB, format_bytes
 from . import doctor, launch, lifetime, names, processes, spare
 from .hosts import prepare_rank, report_host
 from .launchers import LAUNCHERS, MAX_RANKS, Launcher, plan_launcher
 from .mps import MPSDaemon, plan_mps
-from .processes import ClusterStartError, RankProcesses
+from .processes import ClusterStartError, RankInfo, RankProcesses
 from .run import RankRun, RankRunError, RankWork, interrupt_only_the_cell
 from .shown import HeldBack, rank_env, record_output
 from .spec import RESTART_COUNTS, ClusterNotRunning, ClusterSpec, ClusterState, RunResult, RunState, checked_faults
-from .summary import RankInfo, describe, rank_infos
 
 __all__ = ["LAUNCHERS", "ClusterStartError", "RankCluster", "RankInfo", "current"]
 
@@ -403,7 +402,7 @@ class RankCluster:
 
     def status(self) -> list[RankInfo]:
         """Each rank's PID, liveness, host and memory (RSS, and GPU where NVML has it; none on another host)."""
-        return rank_infos(self)
+        return self._processes().infos(self._gpu()) if self.running else []
 
     def log(self, rank: int | None = None) -> list[str]:
         """The start-up lines the ranks (or ``rank``) wrote and were not shown (``%vgpu_cluster log [RANK]``)."""
@@ -413,7 +412,34 @@ class RankCluster:
 
     def describe(self) -> list[str]:
         """Lines for ``%vgpu_cluster start`` / ``status``: where and how the ranks run, the two modes, each rank."""
-        return describe(self)
+        several = "s" if self.n > 1 else ""
+        if not self.running:
+            return [f"{self.n} {self.label} rank{several} {self.state.value}"]
+        lines = [f"{self.n} {self.label} rank{several} on {self.launcher.describe()}"]
+        lines.extend(self.plans[0].notes if self.plans else ())
+        lines += [line for line in [self.mps_note, self.simulated()] if line]
+        call = self.fw.join_call
+        joined = f"has joined ({call} at start, --join): cells must not call it again; scripts make their own call"
+        own = f"has its launcher's environment; your code calls {call}, as under its launcher"
+        lines += [f"each rank {joined if self.join else own}"] * bool(call)
+        # Lines a notebook shows whole (a long one wraps mid-word in JupyterLab's output area).
+        lines.append("cells (%%vgpu_run): run in these ranks, which keep their state")
+        spare = f"no spare: {'memory is tight' if self.spec.spares else 'spares=False'}, each launch starts cold"
+        spare = f"a spare waits with {self.fw.module} imported" if self.spares else spare
+        lines.append(f"scripts (%vgpu_run FILE): a fresh launch each run{self.launcher.launches} ({spare})")
+        infos = self.status()
+        several_hosts = len({info.host for info in infos}) > 1
+        for info in infos:
+            state = "alive" if info.alive else "dead"
+            if info.alive and info.rss is not None:
+                state += f", RSS {format_bytes(info.rss)}"
+            if info.alive and info.gpu is not None:
+                state += f", GPU {format_bytes(info.gpu)}"
+            where = f" on {info.host}" if several_hosts else ""
+            lines.append(f"  rank {info.rank}: pid {info.pid}{where}, {state}")
+        if self.state is ClusterState.MUST_RESTART:
+            lines.append(f"{self.state.value} ({self.reason}): %vgpu_cluster restart")
+        return lines
 
     def __repr__(self) -> str:
         return f"<RankCluster {self.n} × {self.framework}, {self.state.value}>"

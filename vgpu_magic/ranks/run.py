@@ -52,7 +52,7 @@ class RankRunError(RuntimeError):
 
     def headline(self, state: bool = True) -> str:
         """One line: what failed (like failures together), what was done to the others, (``state``) if usable."""
-        parts = [_rank_s(ranks, summary) for summary, ranks in _grouped(self.failures, "summary")]
+        parts = [_rank_s(ranks, said) for said, ranks in _by_reason({f.rank: f.summary for f in self.failures}).items()]
         if self.interrupted:
             parts.append(f"interrupted {_rank_s(self.interrupted)}")
         killed = _by_reason({rank: self.result.outcomes[rank].killed for rank in self.killed})
@@ -66,19 +66,19 @@ class RankRunError(RuntimeError):
     def _render_traceback_(self) -> list[str]:
         lines = [
             f"[{_rank_s(ranks)}] {line}"
-            for traceback, ranks in _grouped([f for f in self.failures if f.kind != "peer"], "traceback")
+            for traceback, ranks in _by_reason({f.rank: f.traceback for f in self.failures if f.kind != "peer"}).items()
             for block in traceback
             for line in block.splitlines()
         ]
         return [*lines, f"RankRunError: {self.headline()}"]
 
 
-def _grouped(failures: list[RankFailure], key: str) -> list[tuple[Any, list[int]]]:
-    """``[(value, ranks), ...]``: each ``key`` value of the failures with its ranks, first seen first."""
-    groups: dict[Any, list[int]] = {}
-    for failure in failures:
-        groups.setdefault(getattr(failure, key), []).append(failure.rank)
-    return list(groups.items())
+def _by_reason(why: dict[int, Any]) -> dict[Any, list[int]]:
+    """``{why: ranks}``, first seen first."""
+    ranks: dict[Any, list[int]] = {}
+    for rank, said in why.items():
+        ranks.setdefault(said, []).append(rank)
+    return ranks
 
 
 def _rank_s(ranks: list[int], said: str = "") -> str:
@@ -206,12 +206,9 @@ class RankRun:
         return RankFailure(rank, "error", f"raised {ename}: {first}".rstrip(": "), tb)
 
     def _death(self, rank: int) -> RankFailure:
-        code = None
-        deadline = time.monotonic() + (1.0 if self.procs.on_this_host(rank) else 0.0)
-        while code is None and time.monotonic() < deadline:
-            code = self.procs.exit_code(rank)
-            if code is None:
-                time.sleep(POLL)
+        code, deadline = None, time.monotonic() + (1.0 if self.procs.on_this_host(rank) else 0.0)
+        while time.monotonic() < deadline and (code := self.procs.exit_code(rank)) is None:
+            time.sleep(POLL)
         how = "died (exit status unknown)" if code is None else how_it_ended(code)
         elsewhere = not self.procs.on_this_host(rank) and self.procs.hosts
         where = f"pid {self.procs.pids[rank]}" + (f" on {self.procs.hosts[rank]}" if elsewhere else "")
@@ -347,7 +344,7 @@ class RankRun:
 def _ended(outcomes: dict, failures: list[RankFailure], killed: list[int], late: str, replies=()) -> RunResult:
     """A failed run's result: it must restart for its dead ranks and those ``killed`` (``late``), else (errors only)
     the cluster is still usable."""
-    died = _grouped([f for f in failures if f.kind == "died"], "summary")
+    died = _by_reason({f.rank: f.summary for f in failures if f.kind == "died"}).items()
     reason = "; ".join([_rank_s(ranks, said) for said, ranks in died] + [_killed(killed, late)] * bool(killed))
     return RunResult(RunState.MUST_RESTART if reason else RunState.FAILED, outcomes, reason, replies=replies)
 
@@ -356,14 +353,6 @@ def _gone(results: list[Any], ranks: list[int]) -> dict[int, str]:
     """``{rank: why}``: each of ``ranks`` whose engine killed its launched process after SIGINT (it lives on)."""
     errors = {rank: _error(results[rank]) for rank in ranks}
     return {r: str(exc.evalue) for r, exc in errors.items() if getattr(exc, "ename", "") == "ProcessKilled"}
-
-
-def _by_reason(why: dict[int, str]) -> dict[str, list[int]]:
-    """``{why: ranks}``."""
-    ranks: dict[str, list[int]] = {}
-    for rank, said in why.items():
-        ranks.setdefault(said, []).append(rank)
-    return ranks
 
 
 def _outcome(failure: RankFailure | None, stopped: bool, killed: str) -> RankOutcome:
