@@ -51,10 +51,9 @@ def _parse(magic: Any, line: str, example: str) -> argparse.Namespace:
 def _launcher_flags(magic: Any) -> Any:
     """Each launcher's flags, a group per launcher (a shared flag in the first one's). Put below every other
     ``@argument``: what follows a group in the parser joins it."""
-    decorators, declared = [], set()
+    decorators = []
     for launcher in LAUNCHERS.values():
-        flags = [key for key, flag in launcher.options.items() if flag and key not in declared]
-        declared.update(flags)
+        flags = [key for key, flag in launcher.options.items() if flag and _LAUNCHER_FLAGS[key][0] == launcher.name]
         decorators += [argument_group(f"--launcher {launcher.name}")] if flags else []
         for key in flags:
             shared = f" ({' or '.join(_LAUNCHER_FLAGS[key])})" if len(_LAUNCHER_FLAGS[key]) > 1 else ""

@@ -224,8 +224,8 @@ def _first_failure(view: Any, code: str, variable: str) -> tuple[int, Any] | Non
     return next(((rank, failed) for rank, failed in enumerate(view.pull(variable, block=True)) if failed), None)
 
 
-def pull_values(view: Any, ranks: list[Any]) -> list[Any]:
-    """Each rank's ``_vgpu_out`` (``ranks``: a view each, in rank order); UnsendableName if one cannot come back."""
+def pull_values(view: Any) -> list[Any]:
+    """Each rank's ``_vgpu_out``, in the order of ``view``'s ranks; UnsendableName if one cannot come back."""
     failure = _first_failure(view, _CHECK_OUT, "_vgpu_out_failed")
     if failure:
         rank, (kind, reason) = failure
@@ -233,7 +233,7 @@ def pull_values(view: Any, ranks: list[Any]) -> list[Any]:
             f"the cell's last value on rank {rank} ({kind}) cannot be sent back to the notebook: {reason}; "
             "end the cell with plain values (numbers, lists, arrays), e.g. list(...) of a generator"
         )
-    return [one.pull("_vgpu_out", block=True) for one in ranks]
+    return view.pull("_vgpu_out", block=True)
 
 
 class RankNames:

@@ -3,32 +3,31 @@ watch of this kernel, and made sure of when they stop (SIGTERM, SIGKILL, then as
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import copy
 import functools
+import glob
 import logging
 import math
 import os
+import shlex
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ClusterStartError
+from ..units import format_bytes
 from . import lifetime
 from .launchers import Launcher
 
-__all__ = [
-    "CONTROLLER_ARGS",
-    "ClusterStartError",
-    "RankInfo",
-    "check_memory_fits",
-    "check_port_free",
-    "new_ipp_cluster",
-]
+__all__ = ["CONTROLLER_ARGS", "ClusterStartError", "check_memory_fits", "check_port_free", "new_ipp_cluster"]
 
 #: Seconds processes get after SIGTERM before SIGKILL when the cluster stops.
 STOP_GRACE = 2.0
@@ -45,8 +44,6 @@ UNINTERRUPTED_LIMIT = 60.0
 
 def despite_interrupts(call: Any) -> Any:
     """``call()`` run to its end despite an interrupt (raised after): a start abandoned half-way would launch on."""
-    import concurrent.futures
-
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vgpu_magic-uninterrupted")
     future = pool.submit(call)
     pool.shutdown(wait=False)
@@ -78,8 +75,6 @@ def rank_footprint(module: str) -> int:
 def check_memory_fits(n: int, fw: Any) -> bool:
     """Do ``n`` ranks fit in memory with a warm spare each? ``False``: only without; else :class:`ClusterStartError`."""
     import psutil
-
-    from ..units import format_bytes
 
     available = psutil.virtual_memory().available
     if 2 * n * RANK_MEMORY_BOUND <= available:
@@ -116,10 +111,7 @@ def check_port_free(port: int) -> None:
 
 
 def new_ipp_cluster(launcher: Launcher, n: int, cluster_id: str, token: str) -> Any:
-    """ipyparallel's cluster for ``n`` engines, as ``launcher`` planned it and its own, its processes marked with
-    ``token``."""
-    import copy
-
+    """ipyparallel's cluster for ``n`` engines, as ``launcher`` planned it, its processes marked with ``token``."""
     from traitlets.config import Config
 
     from . import upstream as ours
@@ -149,9 +141,6 @@ def new_ipp_cluster(launcher: Launcher, n: int, cluster_id: str, token: str) -> 
 
 def keep_logs(cluster: Any, launchers: Any = ()) -> str:
     """``"; the processes' log: PATH"``: the processes' logs (which the stop removes) kept in one file, or ``""``."""
-    import glob
-    import tempfile
-
     pattern = os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*.log") if cluster else ""
     texts = {}
     for log in sorted(glob.glob(pattern)):
@@ -169,8 +158,7 @@ def keep_logs(cluster: Any, launchers: Any = ()) -> str:
 
 
 def local_launchers(launcher: Launcher) -> dict[int, Any]:
-    """ipyparallel's launcher of every process it started on this host for ``launcher`` (the controller, and the
-    engines where they are watched), by PID."""
+    """By PID, ipyparallel's launcher of each process it started here for ``launcher`` (controller, watched engines)."""
     found = [launcher.cluster.controller]
     for engine_set in launcher.cluster.engines.values() if launcher.watched else ():
         found.extend(getattr(engine_set, "launchers", {}).values() or [engine_set])
@@ -184,8 +172,6 @@ _REMOVE = "import glob, os, sys; [os.remove(p) for pattern in sys.argv[1:] for p
 def clean_up_when_kernel_dies(launcher: Launcher, token: str) -> set[int]:
     """A stop's work, done by watchers if the kernel dies without one (remote engines ended, files and logs removed).
     Returns their PIDs: a stop ends them last, so a kernel killed while it stops (Jupyter: 5 s) still cleans up."""
-    import shlex
-
     cluster = launcher.cluster
     logs = os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*")
     commands = [shlex.join([sys.executable, "-c", _REMOVE, cluster.cluster_file, logs, *_connection_files(cluster)])]
@@ -305,10 +291,6 @@ class RankProcesses:
     def exit_code(self, rank: int) -> int | None:
         """How the rank's process exited, as the wait that reaped it returned it (None where no such wait is ours)."""
         return getattr(getattr(self.launchers.get(self.pids[rank]), "process", None), "exit_code", None)
-
-    def keep_log(self) -> str:
-        """Keep what the processes logged (a rank died; a restart would remove it): ``"; the processes' log: …"``."""
-        return keep_logs(self.cluster, self.launchers.values())
 
     def memory_pids(self) -> list[int | None]:
         """The PIDs the kernel can read memory of (``None`` for a rank on another host)."""

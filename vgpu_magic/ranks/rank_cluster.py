@@ -301,13 +301,12 @@ class RankCluster:
         self.rank_names.send(self.view, code, namespace or {})
         if output:
             code = names.split_last_expression(code, "_vgpu_out")
-
         procs = self._processes()
         watch = doctor.HangDoctor([a and f"{a}-cell" for a in self.asks], hang_after, sys.stderr, procs.memory_pids())
         runner = RankRun(procs, RankWork(code), timeout, plot, self._gpu(), held=self.held, doctor=watch)
         result = self._watch(runner, names.names_written(code))
         if output:
-            return names.pull_values(self.view, [self.client[e] for e in self.engine_ids])
+            return names.pull_values(self.view)
         for rank, ar in enumerate(result.replies):
             shown = (getattr(ar, "execute_result", None) or {}).get("data", {}).get("text/plain")
             if shown is not None:
@@ -365,11 +364,9 @@ class RankCluster:
         hang_after = doctor.checked_hang_after(hang_after)
         self._require_running()
         attempts, start = max_restarts + 1, time.monotonic()
-        # A launch's ports are fresh (rank 0's engine may hold the start's: its process group with --join, or a
-        # cell's), chosen on the hosts that bind them: laid out and planned once per run. Its hosts, engines and GPUs
-        # are the start's (a lost engine leaves the cluster to be restarted, so no attempt follows), and the ports
-        # were held only by the failed attempt's processes, all ended before the next: the attempts change only the
-        # restart count, as torchrun's agent, whose restarts keep their master port.
+        # Laid out and planned once per run, its ports fresh (rank 0's engine may hold the start's, for --join or a
+        # cell's process group) and chosen on the hosts that bind them. Attempts change only the restart count (as
+        # torchrun's keep their master port): a lost engine ends the run; the ports were the ended attempt's.
         self.layout = self._lay_out(self.engine_ids)
         self.plans = self._plan_ranks(self.layout)
         self._say_simulated()

@@ -1,8 +1,7 @@
 """Running one piece of work on every rank under the fault policy docs/ranks.md states (*When a rank fails*):
 :class:`RankRun` submits it to each rank (one ipyparallel ``AsyncResult`` each) and watches them from the kernel:
-output streams live, labelled ``[rank r]`` (:mod:`.shown`); memory is sampled (:mod:`.memory`). A rank's process is
-reached through :class:`~.processes.RankProcesses`: by PID on this host, through its engine on another. It returns
-a :class:`~.spec.RunResult` on success and failure alike; the cluster sets its state from it."""
+output streams live, labelled ``[rank r]`` (:mod:`.shown`); memory is sampled (:mod:`.memory`). It returns a
+:class:`~.spec.RunResult` on success and failure alike; the cluster sets its state from it."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ from ..runtime import running_cell
 from .failures import PEER_GONE, how_it_ended, notebook_traceback, taken_down
 from .launch import INTERRUPT_LIMIT, STUCK
 from .memory import RankMemorySampler, run_ending
-from .processes import RankProcesses
+from .processes import RankProcesses, keep_logs
 from .shown import HeldBack, LineStream, events, show_display
 from .spec import RankFailure, RankOutcome, RunResult, RunState
 
@@ -213,7 +212,8 @@ class RankRun:
         elsewhere = not self.procs.on_this_host(rank) and self.procs.hosts
         where = f"pid {self.procs.pids[rank]}" + (f" on {self.procs.hosts[rank]}" if elsewhere else "")
         # With what the processes logged, which a restart would remove.
-        return RankFailure(rank, "died", f"{how} ({where}){self.procs.keep_log()}", (f"rank {rank} {how}",))
+        kept = keep_logs(self.procs.cluster, self.procs.launchers.values())
+        return RankFailure(rank, "died", f"{how} ({where}){kept}", (f"rank {rank} {how}",))
 
     def _stop_others(self, results: list[Any], done: set[int]) -> tuple[list[int], list[int]]:
         """SIGINT every rank still running (not in ``done``, nor :func:`_settled`), kill those still busy after it."""
