@@ -238,12 +238,11 @@ class ClusterMagics(Magics):
             raise UsageError("no cluster running; start one with %vgpu_cluster start 2 --framework torch")
         kernel = getattr(self.shell, "kernel", None)
         plot = not args.no_plot and kernel is not None and importlib.util.find_spec("matplotlib") is not None
-        if cell is None:
-            with usage_errors(ValueError):
-                checked_faults(running.n, args.max_restarts, args.fail, args.preempt)
         # The cluster itself refuses a run while it must be restarted.
         with usage_errors(*USER_ERRORS, ClusterNotRunning):
             if cell is None:
+                with usage_errors(ValueError):
+                    checked_faults(running.n, args.max_restarts, args.fail, args.preempt)
                 restarts = {"max_restarts": args.max_restarts, "fail": args.fail, "preempt": args.preempt}
                 restarts["hang_after"] = args.hang_after
                 running.run_script(path, list(args.script_args), args.timeout, plot, args.module, **restarts)

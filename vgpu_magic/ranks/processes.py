@@ -48,13 +48,11 @@ def despite_interrupts(call: Any) -> Any:
     future = pool.submit(call)
     pool.shutdown(wait=False)
     interrupt, deadline = None, math.inf
-    while not future.done():
+    while not future.done() and time.monotonic() < deadline:
         try:
             concurrent.futures.wait([future], timeout=None if interrupt is None else deadline - time.monotonic())
         except KeyboardInterrupt as exc:
             interrupt, deadline = interrupt or exc, min(deadline, time.monotonic() + UNINTERRUPTED_LIMIT)
-        if time.monotonic() >= deadline:
-            break
     if interrupt is not None:
         raise interrupt
     return future.result()
@@ -213,16 +211,13 @@ def terminate(owned: set[int], token: str = "", started_at: float = 0.0, spared:
     # else each stays a zombie; a PID not our child is none of ours; one just ended may take a moment to be waitable.
     pending = {*owned, *procs} - set(spared) - {proc.pid for proc in alive}
     deadline = time.monotonic() + 2.0
-    while pending:
+    while pending and time.monotonic() <= deadline:
         for pid in list(pending):
-            try:
-                if os.waitpid(pid, os.WNOHANG)[0]:
-                    pending.discard(pid)
-            except ChildProcessError:
-                pending.discard(pid)
-        if not pending or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+            with contextlib.suppress(ChildProcessError):
+                if not os.waitpid(pid, os.WNOHANG)[0]:
+                    continue  # not ended yet
+            pending.discard(pid)
+        time.sleep(0.05 if pending else 0)
     return alive
 
 
