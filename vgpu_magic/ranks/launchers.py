@@ -322,16 +322,7 @@ class SSHLauncher(Launcher):
             )
         if isinstance(hosts, str):
             hosts = [h for h in hosts.split(",") if h.strip()]
-        if isinstance(hosts, Mapping):
-            counts = {str(h).strip(): c for h, c in hosts.items()}
-            bad = [(h, c) for h, c in counts.items() if not isinstance(c, int) or c < 1]
-            if bad:
-                raise ValueError(f"hosts {{{bad[0][0]!r}: {bad[0][1]!r}}} needs a positive rank count")
-            if sum(counts.values()) != n:
-                raise ValueError(
-                    f"hosts {hosts!r} hold {sum(counts.values())} ranks, not {n}; make the counts add up to {n}"
-                )
-        else:
+        if not isinstance(hosts, Mapping):
             names = [str(h).strip() for h in hosts]
             if len(set(names)) != len(names):
                 raise ValueError(
@@ -341,7 +332,15 @@ class SSHLauncher(Launcher):
                 raise ValueError(
                     f"{len(names)} hosts for {n} rank{'s' if n > 1 else ''}; give at most {n} or start more ranks"
                 )
-            counts = {h: n // len(names) + (1 if i < n % len(names) else 0) for i, h in enumerate(names)}
+            hosts = {h: n // len(names) + (1 if i < n % len(names) else 0) for i, h in enumerate(names)}
+        counts = {str(h).strip(): c for h, c in hosts.items()}
+        bad = [(h, c) for h, c in counts.items() if not isinstance(c, int) or c < 1]
+        if bad:
+            raise ValueError(f"hosts {{{bad[0][0]!r}: {bad[0][1]!r}}} needs a positive rank count")
+        if sum(counts.values()) != n:
+            raise ValueError(
+                f"hosts {hosts!r} hold {sum(counts.values())} ranks, not {n}; make the counts add up to {n}"
+            )
         ssh_args = _strings("ssh_args", options.get("ssh_args", []))
         python = str(options.get("python") or sys.executable)
         env = _environment(options)
@@ -359,16 +358,10 @@ class SSHLauncher(Launcher):
             address = options.get("controller_address") or route_address(targets[0][0])
         except ValueError as exc:
             raise ValueError(f"ssh {exc}") from None
-        config = {
-            cls.engine_set: {
-                "engines": engines,
-                "remote_python": python,
-                "engine_cmd": engine_cmd,
-                # The cluster's own folder, removed by stop: the kernel's profile may be on a shared file system.
-                "remote_profile_dir": f"/tmp/vgpu_magic-{cluster_id}",
-            },
-        }
-        return cls(config, "*", str(address), ssh_hosts=tuple(targets))
+        # The cluster's own folder, removed by stop: the kernel's profile may be on a shared file system.
+        folder = f"/tmp/vgpu_magic-{cluster_id}"
+        traits = {"engines": engines, "remote_python": python, "engine_cmd": engine_cmd, "remote_profile_dir": folder}
+        return cls({cls.engine_set: traits}, "*", str(address), ssh_hosts=tuple(targets))
 
     def start_failure(self, exc: BaseException | None) -> str:
         """Also ssh's reason for the first host it cannot reach (ipyparallel: "Unable to get remote shell info...")."""
