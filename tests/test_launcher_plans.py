@@ -130,6 +130,10 @@ def test_ssh_host_counts_and_the_engines_environment():
         ("slurm", 2, {"sbatch": ["--ntasks=8"]}, "sets what the launcher sets itself"),
         ("slurm", 2, {"srun": [1]}, "srun \\[1\\] must be a list of strings"),
         ("ssh", 2, {}, "the ssh launcher needs hosts, e.g. --hosts node1,node2"),
+        # Only separators: no host (a division by the hosts' number failed before).
+        ("ssh", 2, {"hosts": ","}, "the ssh launcher needs hosts, e.g. --hosts node1,node2"),
+        ("ssh", 2, {"hosts": [" "]}, "the ssh launcher needs hosts, e.g. --hosts node1,node2"),
+        ("ssh", 2, {"hosts": 3}, "the ssh launcher needs hosts, e.g. --hosts node1,node2"),
         ("ssh", 1, {"hosts": ["a", "b"]}, "2 hosts for 1 rank; give at most 1 or start more ranks"),
         ("ssh", 2, {"hosts": ["a", "a"]}, "names a host twice"),
         ("ssh", 2, {"hosts": {"a": 1}}, "hold 1 ranks, not 2; make the counts add up to 2"),

@@ -316,14 +316,15 @@ class SSHLauncher(Launcher):
         if shutil.which("ssh") is None or shutil.which("scp") is None:
             raise ValueError("the ssh launcher needs ssh and scp on PATH (apt-get install openssh-client)")
         hosts = options.get("hosts")
-        if not hosts:
+        if isinstance(hosts, (str, list, tuple)):
+            # Blank names (``--hosts ,``) are no hosts.
+            hosts = [str(h).strip() for h in (hosts.split(",") if isinstance(hosts, str) else hosts) if str(h).strip()]
+        if not hosts or not isinstance(hosts, (list, Mapping)):
             raise ValueError(
                 "the ssh launcher needs hosts, e.g. --hosts node1,node2 or launcher_options={'hosts': ['node1']}"
             )
-        if isinstance(hosts, str):
-            hosts = [h for h in hosts.split(",") if h.strip()]
         if not isinstance(hosts, Mapping):
-            names = [str(h).strip() for h in hosts]
+            names = hosts
             if len(set(names)) != len(names):
                 raise ValueError(
                     f"hosts {names!r} names a host twice; give {{host: count}} to put several ranks on one"
