@@ -202,13 +202,8 @@ def _resolve(framework):
     return frameworks.select(framework) if framework is None or isinstance(framework, str) else framework
 
 
-#: The loaded extension's watcher (see :func:`activate`).
+#: The loaded extension's watcher (see :func:`activate`), or ``None`` when it is not loaded.
 _active: RuntimeWatcher | None = None
-
-
-def active_watcher() -> RuntimeWatcher | None:
-    """The watcher of the loaded extension, or ``None`` when it is not loaded."""
-    return _active
 
 
 def running_cell() -> int | None:
