@@ -263,8 +263,9 @@ class Framework(CudaUser, abc.ABC):
         return self.module in names
 
     def estimator(self) -> types.ModuleType | None:
-        """Its ``estimate`` module (``estimate_ranks``: a :class:`RankEstimate` per rank; ``kept_mib``; ``levers``;
-        ``SIMULATED``), or None; a plain ``from . import estimate`` here, so that import-linter sees it."""
+        """Its ``estimate`` module, or None; a plain ``from . import estimate`` here, so that import-linter sees it. The
+        module has ``estimate_ranks(cell or function, its code, world size, ranks, namespace, (GPU name, bytes) or
+        None, progress(line))``: a :class:`RankEstimate` per rank; ``kept_mib``; ``levers``; ``SIMULATED``."""
         return None
 
     def strategy(self) -> Any:
