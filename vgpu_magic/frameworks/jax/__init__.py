@@ -250,8 +250,7 @@ class Jax(Framework):
         return DEVICE_NAMES[kind == "GPU"].format(index)
 
     def memory_reader(self) -> Reader:
-        """A :class:`~vgpu_magic.frameworks.jax.memory.MemoryReader` counting in at most ``MONITOR_BUDGET`` of the
-        time."""
+        """A :class:`~.memory.MemoryReader` counting in at most ``MONITOR_BUDGET`` of the time."""
         return MemoryReader(self.load(), self._peaks, self._counters, budget=MONITOR_BUDGET)
 
     def variable_bytes(self, variable: Any) -> dict[str, int]:
