@@ -81,12 +81,9 @@ def _without_cpp_info_lines() -> Iterator[None]:
             kept, dropping = [], False
             for line in text.splitlines(keepends=True):
                 bare = line.rstrip("\n")
-                if _INFO_LINE.match(bare):
-                    dropping = True  # an INFO message, and the lines that continue it
-                elif dropping and not _LOG_LINE.match(bare):
-                    continue
-                else:
-                    dropping = False
+                # An INFO message, and the lines that continue it.
+                dropping = bool(_INFO_LINE.match(bare)) or (dropping and not _LOG_LINE.match(bare))
+                if not dropping:
                     kept.append(line)
             if kept:
                 os.write(2, "".join(kept).encode())
