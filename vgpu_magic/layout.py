@@ -121,8 +121,7 @@ def expand_hostlist(hostlist: str) -> list[str]:
             low, _, high = item.partition("-")
             if not low.isdigit() or (high and not high.isdigit()):
                 raise ValueError(f"SLURM host list {hostlist!r} has a range {item!r} that is not numbers")
-            for number in range(int(low), int(high or low) + 1):
-                hosts.append(f"{prefix}{str(number).zfill(len(low))}{suffix}")
+            hosts += [f"{prefix}{str(n).zfill(len(low))}{suffix}" for n in range(int(low), int(high or low) + 1)]
     return hosts
 
 

@@ -1,6 +1,5 @@
-"""JAX's ranks: a coordinator on rank 0's host that an unchanged ``jax.distributed.initialize`` finds
-(:func:`setup_rank`), and each process's devices as a split request, planned on the rank (docs/ranks.md). Imports no
-JAX."""
+"""JAX's ranks: a coordinator on rank 0's host that ``jax.distributed.initialize`` finds unchanged (:func:`setup_rank`),
+and each process's devices as a split request, planned on the rank (docs/ranks.md). Imports no JAX."""
 
 from __future__ import annotations
 
