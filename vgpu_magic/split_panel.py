@@ -184,8 +184,7 @@ class SplitPanel:
             panel_text.no_caps_html(self.capabilities.label, self.capabilities.device_noun) if on_cpu else ""
         )
         # On the CPU a sizes checkbox would be a control with nothing to control: the note says why.
-        self.custom.layout.display = "none" if on_cpu else ""
-        self.usage.layout.display = "none" if on_cpu else ""
+        self.custom.layout.display = self.usage.layout.display = "none" if on_cpu else ""
         self._fit_memory_controls()
 
     def _on_memory_mode(self, change=None) -> None:
@@ -296,9 +295,8 @@ class SplitPanel:
             return None
         self.last_result = result
         self.last_message = print_summary(result)
-        if result.configuration is not None:
-            self.inventory = replace(self.inventory, current=result.configuration)
-        if result.status == "blocked" and result.runtime is not None and not self.locked:
+        self.inventory = replace(self.inventory, current=result.configuration)
+        if result.status == "blocked" and not self.locked:
             self._lock(result.runtime, with_remedy=False)
         self.refresh()
         return result
