@@ -49,7 +49,7 @@ def test_unload_removes_exactly_what_load_added(ip):
 
     import vgpu_magic.runtime
 
-    assert vgpu_magic.runtime.active_watcher() is None
+    assert vgpu_magic.runtime._active is None
 
 
 @pytest.mark.usefixtures("unloaded")

@@ -31,12 +31,12 @@ _LAZY = {
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension", *_LAZY]
 
-#: The other Magics classes the extension registers, as "module:Class" (imported at load, not at import).
-_MAGICS: tuple[str, ...] = (
-    ".ranks.magics:ClusterMagics",
-    ".monitor.magics:MonitorMagics",
-    ".estimate_magics:EstimateMagics",
-    ".batch.magics:JobMagics",
+#: The other Magics classes the extension registers, as (module, class) (imported at load, not at import).
+_MAGICS = (
+    (".ranks.magics", "ClusterMagics"),
+    (".monitor.magics", "MonitorMagics"),
+    (".estimate_magics", "EstimateMagics"),
+    (".batch.magics", "JobMagics"),
 )
 
 _loaded: dict[int, tuple[Any, list[Any]]] = {}
@@ -73,10 +73,7 @@ def load_ipython_extension(ipython) -> None:
         return
     watcher = RuntimeWatcher(ipython)
     main = VGPUMagics(shell=ipython, watcher=watcher)
-    extra = []
-    for entry in _MAGICS:
-        module, _, cls = entry.partition(":")
-        extra.append(getattr(importlib.import_module(module, __name__), cls)(shell=ipython))
+    extra = [getattr(importlib.import_module(module, __name__), cls)(shell=ipython) for module, cls in _MAGICS]
     ipython.events.register("pre_run_cell", watcher.pre_run_cell)
     ipython.events.register("post_run_cell", watcher.post_run_cell)
     for magics in (main, *extra):

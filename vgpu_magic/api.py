@@ -68,13 +68,12 @@ def make_request(
         raise PlanError(f"others {excerpt(others)} is not a choice; use 'hide' or 'keep'")
     indices: tuple[int, ...] | None = None
     if visible is not None:
-        bad = f"visible {excerpt(visible)} is not a list of GPU indices; use e.g. visible=[0, 2] or visible=[]"
-        if isinstance(visible, (str, bytes)) or not isinstance(visible, Iterable):
-            raise PlanError(bad)
-        items = list(visible)  # once: an iterator is consumed here and nowhere else
-        if any(not _whole(i) for i in items):
-            raise PlanError(bad)
-        indices = tuple(int(i) for i in items)
+        # Listed once: an iterator is consumed here and nowhere else.
+        items = None if isinstance(visible, (str, bytes)) or not isinstance(visible, Iterable) else list(visible)
+        if items is None or not all(map(_whole, items)):
+            bad = excerpt(visible)
+            raise PlanError(f"visible {bad} is not a list of GPU indices; use e.g. visible=[0, 2] or visible=[]")
+        indices = tuple(map(int, items))
     name = None
     if framework is not None:
         if not isinstance(framework, str):

@@ -23,12 +23,6 @@ def usable_mib(gpu: GPUInfo, capabilities: Capabilities) -> int | None:
     return gpu.free_mib - (reserve(gpu) if reserve else 0)
 
 
-def even_share_mib(gpu: GPUInfo, capabilities: Capabilities, count: int) -> int | None:
-    """What each of ``count`` logical devices on ``gpu`` gets by default: an even share; ``None``: unknown."""
-    usable = usable_mib(gpu, capabilities)
-    return None if usable is None else usable // count
-
-
 def check_sizes(sizes: tuple[int, ...]) -> None:
     for size in sizes:
         if size < MIN_MEMORY_MIB:

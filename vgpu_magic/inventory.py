@@ -110,11 +110,9 @@ def cuda_to_nvml_order(n_gpus: int, nvml: list[dict[str, Any]]) -> list[dict[str
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         order = nvml
-    elif not visible.strip():
-        order = []  # set and empty: CUDA shows no device at all
     else:
         order = []
-        for token in (t.strip() for t in visible.split(",")):
+        for token in [t.strip() for t in visible.split(",")] if visible.strip() else []:  # set, empty: no device
             if token.isdigit():
                 match = next((g for g in nvml if g["nvml_index"] == int(token)), None)
             elif token.startswith("MIG-"):

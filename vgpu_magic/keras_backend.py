@@ -16,14 +16,3 @@ def keras_backend() -> str | None:
         return str(backend())
     except Exception:  # noqa: BLE001 - a half-imported Keras has no backend to compare
         return None
-
-
-def keras_backend_warning(wanted: str | None, label: str) -> str | None:
-    """The warning for a split of ``label``'s devices where Keras runs on another backend than ``wanted``, or None."""
-    found = keras_backend()
-    if wanted is None or found is None or found == wanted:
-        return None
-    return (
-        f"Keras was imported with the {found} backend, so Keras models will not use the {label} devices split here; "
-        f"restart the kernel and set os.environ['KERAS_BACKEND'] = '{wanted}' before importing Keras"
-    )

@@ -121,8 +121,7 @@ def expand_hostlist(hostlist: str) -> list[str]:
             low, _, high = item.partition("-")
             if not low.isdigit() or (high and not high.isdigit()):
                 raise ValueError(f"SLURM host list {hostlist!r} has a range {item!r} that is not numbers")
-            for number in range(int(low), int(high or low) + 1):
-                hosts.append(f"{prefix}{str(number).zfill(len(low))}{suffix}")
+            hosts += [f"{prefix}{str(n).zfill(len(low))}{suffix}" for n in range(int(low), int(high or low) + 1)]
     return hosts
 
 
@@ -164,10 +163,14 @@ def layout_ranks(
     for rank, report in enumerate(ordered):
         group = by_host[report.hostname]
         local, node = said[id(report)].local_rank, said[id(report)].node_rank
+        local = group.index(report) if local is None else local
+        # Its GPU: the local rank's where its host has one per local rank, else the first, shared.
+        seen = report.gpus if gpus is None else gpus
+        gpu = (seen[local] if len(seen) >= len(group) else seen[0]) if seen else None
         places.append(
             RankPlace(
                 rank=rank,
-                local_rank=group.index(report) if local is None else local,
+                local_rank=local,
                 node_rank=node_of[report.hostname] if node is None else node,
                 local_world_size=len(group),
                 engine_id=report.engine_id,
@@ -175,34 +178,19 @@ def layout_ranks(
                 address=report.address,
                 pid=report.pid,
                 port=report.port,
+                gpu=gpu,
                 nccl=report.nccl,
             )
         )
-    leader = step.hosts[0] if step is not None else places[0].address
-    seen = {rank: report.gpus if gpus is None else gpus for rank, report in enumerate(ordered)}
-    return _assign_gpus(RankLayout(tuple(places), leader, step), seen)
 
-
-def _assign_gpus(layout: RankLayout, seen: dict[int, tuple[GPUInfo, ...]]) -> RankLayout:
-    """Each rank's GPU: the ``local_rank``-th it sees where its host has one per local rank, else the first, shared."""
-    chosen: dict[int, GPUInfo | None] = {}
-    for place in layout.places:
-        gpus = seen.get(place.rank, ())
-        own = len(gpus) >= place.local_world_size
-        chosen[place.rank] = (gpus[place.local_rank] if own else gpus[0]) if gpus else None
-
-    def identity(place: RankPlace) -> tuple[str, int | str] | None:
-        gpu = chosen[place.rank]
-        if gpu is None:
-            return None
+    def identity(place: RankPlace) -> tuple[str, int | str]:
+        gpu = place.gpu
         return place.hostname, gpu.uuid or (gpu.nvml_index if gpu.nvml_index is not None else gpu.index)
 
-    counts = Counter(identity(place) for place in layout.places)
-    places = tuple(
-        replace(p, gpu=chosen[p.rank], gpu_shared_by=counts[identity(p)] if chosen[p.rank] else 1)
-        for p in layout.places
-    )
-    return replace(layout, places=places)
+    counts = Counter(identity(p) for p in places if p.gpu)
+    places = [replace(p, gpu_shared_by=counts[identity(p)]) if p.gpu else p for p in places]
+    leader = step.hosts[0] if step is not None else places[0].address
+    return RankLayout(tuple(places), leader, step)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from .budget import MAX_DEVICES, MAX_MEMORY_MIB, MIN_MEMORY_MIB, check_sizes, even_share_mib, usable_mib  # noqa: F401
+from .budget import MAX_DEVICES, MAX_MEMORY_MIB, MIN_MEMORY_MIB, check_sizes, usable_mib  # noqa: F401
 from .devices import Capabilities, ConfigSnapshot, DeviceInventory, GPUInfo, split_simulates, unconfigured
 from .errors import PlanError, excerpt
 from .plans import FitVerdict, SplitPlan, SplitRequest
@@ -235,13 +235,13 @@ def _gpu_limits(
     if sizes is None:
         if not capabilities.gpu_caps_required:
             return (None,) * count
-        each = even_share_mib(gpu, capabilities, count)
-        if each is None:
+        usable = usable_mib(gpu, capabilities)
+        if usable is None:
             raise PlanError(
                 f"free memory of GPU {gpu.index} is unknown (NVML unavailable); give sizes, e.g. --memory 2048"
             )
+        each = usable // count
         if each < MIN_MEMORY_MIB:
-            usable = usable_mib(gpu, capabilities) or 0
             raise PlanError(
                 f"GPU {gpu.index} has {max(usable, 0)} MiB usable; {count} devices would get {max(each, 0)} MiB "
                 f"each (minimum {MIN_MEMORY_MIB}); use fewer devices"

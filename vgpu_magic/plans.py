@@ -83,8 +83,7 @@ class SplitPlan:
         if self.splits:
             words.append(str(self.count))
             if self.device_type == "CPU":
-                if self.cpu_forced:
-                    words.append("--cpu")
+                words += ["--cpu"] * self.cpu_forced
             else:
                 limits = [m for m in self.memory_limits if m is not None]
                 if self.sizes_chosen and limits:

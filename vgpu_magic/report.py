@@ -282,6 +282,6 @@ def collect_framework(fw, watcher=None) -> FrameworkStatus:
 
 def collect_status(watcher=None, framework: str | None = None) -> StatusReport:
     """Every imported framework's section (``framework``'s, or the selected one if none); never starts a runtime."""
-    imported = frameworks.imported() or [fw for fw in frameworks.all_frameworks() if fw.imported()]
+    imported = frameworks.imported() or frameworks.imported(every=True)
     chosen = [frameworks.get(framework)] if framework is not None else imported or [frameworks.select()]
     return StatusReport([collect_framework(fw, watcher) for fw in chosen])

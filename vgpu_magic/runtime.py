@@ -100,18 +100,13 @@ def _shortened(line: str) -> str:
 _CARRIED: dict[int, tuple[dict[str, CellRef], set[str]]] = {}
 
 
-def _imported():
-    """The imported frameworks, PyTorch too (its runtime: CUDA, whose start the watcher names)."""
-    return [fw for fw in frameworks.all_frameworks() if fw.imported()]
-
-
 class RuntimeWatcher:
     """Notes the cell and line that started each framework's runtime; register its ``pre/post_run_cell`` events."""
 
     def __init__(self, shell=None) -> None:
         self.shell = shell
         self.started_by: dict[str, CellRef] = {}
-        self.started_before_load: set[str] = {fw.name for fw in _imported() if fw.runtime_started()}
+        self.started_before_load: set[str] = {fw.name for fw in frameworks.imported(every=True) if fw.runtime_started()}
         carried = _CARRIED.pop(id(shell), None) if shell is not None else None
         if carried is not None:
             self.started_by = dict(carried[0])
@@ -163,7 +158,7 @@ class RuntimeWatcher:
         self.started_by.setdefault(name, CellRef(self._running_count(), self._current_line, number, text))
 
     def pre_run_cell(self, info) -> None:
-        imported = _imported()
+        imported = frameworks.imported(every=True)
         for fw in imported:
             self.watch(fw)
         self._started_at_cell_start = {fw.name for fw in imported if self._known(fw.name) or fw.runtime_started()}
@@ -180,7 +175,7 @@ class RuntimeWatcher:
         return getattr(result, "execution_count", None)
 
     def post_run_cell(self, result) -> None:
-        for fw in _imported():
+        for fw in frameworks.imported(every=True):
             if not self._known(fw.name) and fw.runtime_started():
                 info = getattr(result, "info", None)
                 stored = getattr(info, "store_history", True)
@@ -202,13 +197,8 @@ def _resolve(framework):
     return frameworks.select(framework) if framework is None or isinstance(framework, str) else framework
 
 
-#: The loaded extension's watcher (see :func:`activate`).
+#: The loaded extension's watcher (see :func:`activate`), or ``None`` when it is not loaded.
 _active: RuntimeWatcher | None = None
-
-
-def active_watcher() -> RuntimeWatcher | None:
-    """The watcher of the loaded extension, or ``None`` when it is not loaded."""
-    return _active
 
 
 def running_cell() -> int | None:

@@ -19,7 +19,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the widg
     ) from exc
 
 from . import frameworks, panel_text
-from .budget import MAX_DEVICES, MIN_MEMORY_MIB, even_share_mib, usable_mib
+from .budget import MAX_DEVICES, MIN_MEMORY_MIB, usable_mib
 from .devices import ConfigSnapshot, DeviceInventory, GPUInfo, unconfigured
 from .errors import USER_ERRORS, PlanError
 from .outcomes import SplitResult, execute, print_summary
@@ -78,10 +78,9 @@ class SplitPanel:
 
     def _build_controls(self) -> None:
         options = [(panel_text.gpu_label(g), gpu_key(g)) for g in self.inventory.gpus]
-        cpu_label = f"CPU (no GPU visible to {self.capabilities.label})"
-        if self.inventory.gpus:
-            cpu_label = "CPU (split the CPU instead of the GPU)"
-        options.append((cpu_label, CPU_KEY))
+        label = self.capabilities.label
+        instead = "split the CPU instead of the GPU" if self.inventory.gpus else f"no GPU visible to {label}"
+        options.append((f"CPU ({instead})", CPU_KEY))
         self.target = widgets.Dropdown(options=options, value=options[0][1], description="Split", style=_WIDE)
         self.target.layout.width = "50em"
         # No readout: the typed box is the one number shown (the slider stops at 16), so the two never disagree.
@@ -185,8 +184,7 @@ class SplitPanel:
             panel_text.no_caps_html(self.capabilities.label, self.capabilities.device_noun) if on_cpu else ""
         )
         # On the CPU a sizes checkbox would be a control with nothing to control: the note says why.
-        self.custom.layout.display = "none" if on_cpu else ""
-        self.usage.layout.display = "none" if on_cpu else ""
+        self.custom.layout.display = self.usage.layout.display = "none" if on_cpu else ""
         self._fit_memory_controls()
 
     def _on_memory_mode(self, change=None) -> None:
@@ -210,8 +208,8 @@ class SplitPanel:
     def _even_default(self) -> int:
         """The planner's even share of the chosen GPU (as ``%vgpu_split N``), else an even share of the slider range."""
         count, gpu = max(self.count, 1), self.gpu
-        share = None if gpu is None else even_share_mib(gpu, self.capabilities, count)
-        return max(self._capacity_mib() // count if share is None else share, MIN_MEMORY_MIB)
+        usable = None if gpu is None else usable_mib(gpu, self.capabilities)
+        return max((self._capacity_mib() if usable is None else usable) // count, MIN_MEMORY_MIB)
 
     def _fit_memory_controls(self, change=None) -> None:
         """Re-range the memory sliders for the chosen device and count; the even split back to the largest that fits."""
@@ -297,9 +295,8 @@ class SplitPanel:
             return None
         self.last_result = result
         self.last_message = print_summary(result)
-        if result.configuration is not None:
-            self.inventory = replace(self.inventory, current=result.configuration)
-        if result.status == "blocked" and result.runtime is not None and not self.locked:
+        self.inventory = replace(self.inventory, current=result.configuration)
+        if result.status == "blocked" and not self.locked:
             self._lock(result.runtime, with_remedy=False)
         self.refresh()
         return result

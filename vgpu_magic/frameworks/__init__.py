@@ -72,10 +72,11 @@ def all_frameworks() -> list[Framework]:
     return [get(name) for name in REGISTRY]
 
 
-def imported() -> list[Framework]:
-    """The imported frameworks that split devices in this process, ``KERAS_BACKEND``'s first (Keras imports TF too)."""
+def imported(every: bool = False) -> list[Framework]:
+    """The imported frameworks that split devices in this process (``every``: PyTorch too), ``KERAS_BACKEND``'s first
+    (Keras imports TF too)."""
     backend = _keras_backend()
-    found = [fw for fw in all_frameworks() if fw.capabilities.splits_in_process and fw.imported()]
+    found = [fw for fw in all_frameworks() if (every or fw.capabilities.splits_in_process) and fw.imported()]
     return sorted(found, key=lambda fw: fw.name != backend)
 
 

@@ -248,20 +248,27 @@ class Framework(CudaUser, abc.ABC):
 
     def keras_backend_warning(self) -> str | None:
         """The warning for a split of this framework's devices when Keras was imported on another backend."""
-        from ..keras_backend import keras_backend_warning
+        from ..keras_backend import keras_backend
 
-        return keras_backend_warning(self.keras_backend, self.label)
+        found, wanted = keras_backend(), self.keras_backend
+        if wanted is None or found is None or found == wanted:
+            return None
+        return (
+            f"Keras was imported with the {found} backend, so Keras models will not use the {self.label} devices "
+            f"split here; restart the kernel and set os.environ['KERAS_BACKEND'] = '{wanted}' before importing Keras"
+        )
 
     def used_by(self, names: set[str]) -> bool:
         """Is it used by code whose global names, imported packages and objects' packages are ``names``?"""
         return self.module in names
 
     def estimator(self) -> types.ModuleType | None:
-        """Its ``estimate`` module (``estimate_ranks``: a :class:`RankEstimate` per rank; ``kept_mib``; ``levers``;
-        ``SIMULATED``), or None; a plain ``from . import estimate`` here, so that import-linter sees it."""
+        """Its ``estimate`` module, or None; a plain ``from . import estimate`` here, so that import-linter sees it. The
+        module has ``estimate_ranks(cell or function, its code, world size, ranks, namespace, (GPU name, bytes) or
+        None, progress(line))``: a :class:`RankEstimate` per rank; ``kept_mib``; ``levers``; ``SIMULATED``."""
         return None
 
-    def strategy(self, devices: list[str] | None = None) -> Any:
+    def strategy(self) -> Any:
         """A data-parallel helper over the split's devices (may start the runtime)."""
         raise NotImplementedError(f"{self.label} has no strategy helper")
 

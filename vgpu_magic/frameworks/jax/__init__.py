@@ -18,7 +18,7 @@ from ...inventory import cuda_gpus, cuda_to_nvml_order, cuda_total_bytes, nvml_g
 from ...units import MIB
 from ..base import Framework, Reader, call_before_start
 from . import ranks
-from .memory import ENV_CLIENT_FRACTION, ENV_FRACTION, MONITOR_BUDGET, LiveArrayBytes, MemoryReader, devices_by_name
+from .memory import ENV_CLIENT_FRACTION, ENV_FRACTION, MONITOR_BUDGET, LiveArrayBytes, MemoryReader
 
 __all__ = ["CAPABILITIES", "FRAMEWORK", "Jax", "backend_started", "gpu_backend_installed"]
 
@@ -52,12 +52,9 @@ GLOO_CONNECTED = r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected n
 
 
 def backend_started() -> bool:
-    """Has JAX's backend started (devices fixed)? Asks ``xla_bridge`` (older JAX: its backend cache); imports no JAX."""
+    """Has JAX's backend started (devices fixed)? Asks ``xla_bridge``; imports no JAX."""
     bridge = sys.modules.get("jax._src.xla_bridge")
-    if bridge is None:
-        return False
-    check = getattr(bridge, "backends_are_initialized", None)
-    return bool(check()) if check is not None else bool(getattr(bridge, "_backends", None))
+    return bridge is not None and bool(bridge.backends_are_initialized())
 
 
 def xla_flags_count(flags: str) -> int | None:
@@ -66,36 +63,19 @@ def xla_flags_count(flags: str) -> int | None:
     return int(found[-1]) if found and found[-1].isdigit() else None
 
 
-def xla_flags_with_count(flags: str, count: int | None) -> str:
-    """``flags`` with the CPU device count set to ``count`` (removed for ``None``), every other flag kept."""
-    kept = " ".join(_COUNT_FLAG.sub(" ", flags or "").split())
-    return kept if count is None else f"{kept} --xla_force_host_platform_device_count={count}".strip()
-
-
-def _has_num_cpu_devices(jax: Any) -> bool:
-    """JAX 0.5+ has the ``jax_num_cpu_devices`` option; older ones only read ``XLA_FLAGS``."""
-    return "jax_num_cpu_devices" in getattr(jax.config, "values", {})
-
-
 @functools.lru_cache(maxsize=1)
 def gpu_backend_installed() -> bool:
-    """Is a GPU backend installed for JAX (a ``jax_plugins`` CUDA/ROCm plugin, or a CUDA jaxlib)? Imports nothing."""
+    """Is a GPU backend installed for JAX (a ``jax_plugins`` CUDA/ROCm plugin)? Imports nothing."""
     import pkgutil
 
     try:
         plugins = importlib.util.find_spec("jax_plugins")
-        jaxlib = importlib.util.find_spec("jaxlib")
     except (ImportError, ValueError):
         return False
-    if plugins is not None and plugins.submodule_search_locations:
-        names = [m.name.lower() for m in pkgutil.iter_modules(list(plugins.submodule_search_locations))]
-        if any(p in name for name in names for p in _GPU_PLATFORMS):
-            return True
-    if jaxlib is not None and jaxlib.submodule_search_locations:
-        # jaxlib releases before the plugin split carried CUDA inside jaxlib (jaxlib/cuda).
-        found = {m.name for m in pkgutil.iter_modules(list(jaxlib.submodule_search_locations)) if m.ispkg}
-        return bool(found & {"cuda", "rocm"})
-    return False
+    if plugins is None or not plugins.submodule_search_locations:
+        return False
+    names = [m.name.lower() for m in pkgutil.iter_modules(list(plugins.submodule_search_locations))]
+    return any(p in name for name in names for p in _GPU_PLATFORMS)
 
 
 class Jax(Framework):
@@ -187,7 +167,7 @@ class Jax(Framework):
         jax = sys.modules.get("jax")
         if backend_started() and jax is not None:
             count = len(jax.devices("cpu"))
-        elif jax is not None and _has_num_cpu_devices(jax) and jax.config.jax_num_cpu_devices > 0:
+        elif jax is not None and jax.config.jax_num_cpu_devices > 0:
             count = int(jax.config.jax_num_cpu_devices)
         else:
             # Before import, JAX_NUM_CPU_DEVICES becomes the option's value; XLA_FLAGS is read at start.
@@ -220,7 +200,7 @@ class Jax(Framework):
         return self._snapshot(self._gpus()[0])
 
     def write_configuration(self, old: ConfigSnapshot, new: ConfigSnapshot) -> None:
-        """CPU count: ``jax_num_cpu_devices`` (``XLA_FLAGS`` before 0.5); GPU cap, growth: ``XLA_PYTHON_CLIENT_*``."""
+        """CPU count: ``jax_num_cpu_devices``; GPU cap, growth: ``XLA_PYTHON_CLIENT_*``."""
         jax = self.load()
 
         def left() -> str:
@@ -229,14 +209,9 @@ class Jax(Framework):
 
         with self.undone_on_error(left) as undo:
             if old.logical.get(CPU_NAME) != new.logical.get(CPU_NAME):
-                count = len(new.logical.get(CPU_NAME) or ()) or None
-                if _has_num_cpu_devices(jax):
-                    before = jax.config.jax_num_cpu_devices
-                    jax.config.update("jax_num_cpu_devices", -1 if count is None else count)
-                    undo.append(lambda: jax.config.update("jax_num_cpu_devices", before))
-                else:
-                    flags = xla_flags_with_count(os.environ.get("XLA_FLAGS", ""), count) or None
-                    undo.append(_set_env("XLA_FLAGS", flags))
+                before = jax.config.jax_num_cpu_devices
+                jax.config.update("jax_num_cpu_devices", len(new.logical.get(CPU_NAME) or ()) or -1)
+                undo.append(lambda: jax.config.update("jax_num_cpu_devices", before))
             caps = {n: new.logical[n][0] for n in new.gpu_names if n in new.logical}
             if caps != {n: old.logical[n][0] for n in old.gpu_names if n in old.logical}:
                 undo.append(_set_env(_fraction_name(), self._fraction(caps)))
@@ -275,8 +250,7 @@ class Jax(Framework):
         return DEVICE_NAMES[kind == "GPU"].format(index)
 
     def memory_reader(self) -> Reader:
-        """A :class:`~vgpu_magic.frameworks.jax.memory.MemoryReader` counting in at most ``MONITOR_BUDGET`` of the
-        time."""
+        """A :class:`~.memory.MemoryReader` counting in at most ``MONITOR_BUDGET`` of the time."""
         return MemoryReader(self.load(), self._peaks, self._counters, budget=MONITOR_BUDGET)
 
     def variable_bytes(self, variable: Any) -> dict[str, int]:
@@ -307,11 +281,11 @@ class Jax(Framework):
         jax = self.load()
         return list(jax.devices("cpu") if self._cpu_count() is not None else jax.devices())
 
-    def strategy(self, devices: list[str] | None = None) -> Any:
-        """A ``jax.sharding.Mesh`` with one ``"data"`` axis over the split's devices (or ``devices``, by name)."""
+    def strategy(self) -> Any:
+        """A ``jax.sharding.Mesh`` with one ``"data"`` axis over the split's devices."""
         from .mesh import mesh
 
-        return mesh(devices=self.split_devices() if devices is None else devices_by_name(self.load(), devices))
+        return mesh()
 
 
 def _fraction_name() -> str:

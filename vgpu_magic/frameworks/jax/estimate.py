@@ -8,8 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import types
-from collections.abc import Callable
 from typing import Any
 
 from ...errors import PlanError
@@ -25,15 +23,7 @@ _MARK = "VGPU_ESTIMATE "
 _CELL = "<vgpu_estimate cell>"
 
 
-def estimate_ranks(
-    cell: Any,
-    code: types.CodeType,
-    world: int,
-    ranks: list[int],
-    namespace: dict | None,
-    gpu: tuple[str, int] | None,
-    progress: Callable[[str], None],
-) -> list[RankEstimate]:
+def estimate_ranks(cell, code, world, ranks, namespace, gpu, progress) -> list[RankEstimate]:
     """Each device's peak: the cell's largest compiled step (the helper sees no notebook names; none: PlanError)."""
     if not isinstance(cell, str):
         raise PlanError("a JAX estimate takes the cell's code (it runs in a helper process with N devices)")

@@ -9,6 +9,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .. import get
+
 __all__ = ["mesh", "distribution"]
 
 
@@ -20,7 +22,7 @@ def mesh(axis_names: str | Sequence[str] = ("data",), shape: Sequence[int] | Non
     names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"axis_names={axis_names!r} names no axis; use e.g. axis_names='data' or ('data', 'model')")
-    found = _jax().split_devices() if devices is None else list(devices)
+    found = get("jax").split_devices() if devices is None else list(devices)
     if shape is None:
         if len(names) != 1:
             raise ValueError(f"{len(names)} axis names need a shape, e.g. shape=({len(found)}, 1)")
@@ -47,15 +49,8 @@ def distribution() -> Any:
         )
     import keras
 
-    problem = _jax().keras_backend_warning()
+    problem = get("jax").keras_backend_warning()
     if problem is not None:
         raise RuntimeError(problem)
-    devices = [f"{d.platform}:{d.id}" for d in _jax().split_devices()]
+    devices = [f"{d.platform}:{d.id}" for d in get("jax").split_devices()]
     return keras.distribution.DataParallel(devices=devices)
-
-
-def _jax() -> Any:
-    """JAX's framework, through the registry."""
-    from .. import get
-
-    return get("jax")

@@ -1,6 +1,5 @@
-"""JAX's ranks: a coordinator on rank 0's host that an unchanged ``jax.distributed.initialize`` finds
-(:func:`setup_rank`), and each process's devices as a split request, planned on the rank (docs/ranks.md). Imports no
-JAX."""
+"""JAX's ranks: a coordinator on rank 0's host that ``jax.distributed.initialize`` finds unchanged (:func:`setup_rank`),
+and each process's devices as a split request, planned on the rank (docs/ranks.md). Imports no JAX."""
 
 from __future__ import annotations
 
@@ -9,9 +8,8 @@ import os
 
 from ...budget import rank_share_mib
 from ...devices import nccl_buffers_mib, split_simulates
-from ...layout import RankLayout, RankPlan
+from ...layout import RankPlan
 from ...plans import SplitRequest
-from ..base import Framework
 from ..rank_places import checked_places, shared_gpu_channels, shared_gpu_env
 
 SETUP = "vgpu_magic.frameworks.jax.ranks:setup_rank"
@@ -22,15 +20,8 @@ SPLIT_ON_GPU = (
 SHARED_INSTEAD = "start one rank per GPU, or CPU ranks (%env CUDA_VISIBLE_DEVICES= before starting)"
 
 
-def plan_ranks(
-    framework: Framework,
-    layout: RankLayout,
-    split: int | None,
-    memory_mib: int | None,
-    port: int | None,
-    backend: str | None = None,
-) -> list[RankPlan]:
-    """JAX's :meth:`~vgpu_magic.frameworks.base.Framework.plan_ranks`."""
+def plan_ranks(framework, layout, split, memory_mib, port, backend=None) -> list[RankPlan]:
+    """JAX's :meth:`~vgpu_magic.frameworks.base.Framework.plan_ranks` (typed there)."""
     places, on_gpu = checked_places(layout, split, memory_mib, {True: SPLIT_ON_GPU}, backend, framework.capabilities)
     n = len(places)
     if port is None and layout.step is not None:

@@ -17,9 +17,8 @@ from ...devices import Capabilities, ConfigSnapshot, DeviceInventory
 from ...inventory import cuda_gpus, nvml_gpus
 from ..base import Framework, Reader, call_before_start
 from . import ranks
-from .ranks import STEP_PORT_BASE, setup_rank
 
-__all__ = ["TensorFlow", "FRAMEWORK", "CAPABILITIES", "system_reserve_mib", "setup_rank", "STEP_PORT_BASE"]
+__all__ = ["TensorFlow", "FRAMEWORK", "CAPABILITIES", "system_reserve_mib"]
 
 
 def system_reserve_mib(free_mib: int, compute_capability: tuple[int, int] | None) -> int:
@@ -82,12 +81,9 @@ def _without_cpp_info_lines() -> Iterator[None]:
             kept, dropping = [], False
             for line in text.splitlines(keepends=True):
                 bare = line.rstrip("\n")
-                if _INFO_LINE.match(bare):
-                    dropping = True  # an INFO message, and the lines that continue it
-                elif dropping and not _LOG_LINE.match(bare):
-                    continue
-                else:
-                    dropping = False
+                # An INFO message, and the lines that continue it.
+                dropping = bool(_INFO_LINE.match(bare)) or (dropping and not _LOG_LINE.match(bare))
+                if not dropping:
                     kept.append(line)
             if kept:
                 os.write(2, "".join(kept).encode())
@@ -247,17 +243,16 @@ class TensorFlow(Framework):
             out[device] = out.get(device, 0) + math.prod(part.shape) * part.dtype.size
         return out
 
-    def strategy(self, devices: list[str] | None = None) -> Any:
+    def strategy(self) -> Any:
         """A ``MirroredStrategy`` over the split's logical devices (starts the runtime), reducing through one device."""
         tf = self.load()
         snap = self.read_configuration()
-        devices = snap.replica_devices() if devices is None else devices
         shared_gpu = any(len(v) > 1 for k, v in snap.logical.items() if k in snap.gpu_names)
         cross = tf.distribute.ReductionToOneDevice() if shared_gpu else None
         logger = tf.get_logger()
         if _strategy_chatter not in logger.filters:
             logger.addFilter(_strategy_chatter)
-        return tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=cross)
+        return tf.distribute.MirroredStrategy(devices=snap.replica_devices(), cross_device_ops=cross)
 
     plan_ranks = ranks.plan_ranks
 

@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 
 from ...budget import check_sizes, rank_share_mib
-from ...layout import RankLayout, RankPlan
+from ...layout import RankPlan
 from ...plans import SplitRequest
-from ..base import Framework
 from ..rank_places import checked_places
 
 #: The first port ``SlurmClusterResolver`` gives the tasks of a node (its ``port_base``).
@@ -21,15 +20,8 @@ SPLIT_ON_CPU = (
 )
 
 
-def plan_ranks(
-    framework: Framework,
-    layout: RankLayout,
-    split: int | None,
-    memory_mib: int | None,
-    port: int | None,
-    backend: str | None = None,
-) -> list[RankPlan]:
-    """TensorFlow's :meth:`~vgpu_magic.frameworks.base.Framework.plan_ranks`."""
+def plan_ranks(framework, layout, split, memory_mib, port, backend=None) -> list[RankPlan]:
+    """TensorFlow's :meth:`~vgpu_magic.frameworks.base.Framework.plan_ranks` (typed there)."""
     places, on_gpu = checked_places(layout, split, memory_mib, {False: SPLIT_ON_CPU}, backend, framework.capabilities)
     n = len(places)
     if layout.step is not None:  # a job step's, as SlurmClusterResolver gives them

@@ -5,9 +5,6 @@ from __future__ import annotations
 import linecache
 import os
 import traceback
-import types
-from collections.abc import Callable
-from typing import Any
 
 from ...errors import PlanError, excerpt
 from ...inventory import CUDA_CONTEXT_MIB
@@ -19,15 +16,7 @@ __all__ = ["estimate_ranks", "kept_mib", "levers", "SIMULATED"]
 SIMULATED = ("fake tensors and a fake process group", "NCCL's buffers are a fixed reserve, not counted")
 
 
-def estimate_ranks(
-    cell: str | Callable[[], Any],
-    code: types.CodeType,
-    world: int,
-    ranks: list[int],
-    namespace: dict | None,
-    gpu: tuple[str, int] | None,
-    progress: Callable[[str], None],
-) -> list[RankEstimate]:
+def estimate_ranks(cell, code, world, ranks, namespace, gpu, progress) -> list[RankEstimate]:
     """``ranks``' figures in ``world`` on ``gpu`` (fake_rank); PlanError: no tensors, no backward, value shapes."""
     with restored(os.environ):  # torch's tools set TORCHINDUCTOR_CACHE_DIR
         from torch._subclasses.fake_tensor import DynamicOutputShapeException

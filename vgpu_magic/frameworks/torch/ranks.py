@@ -13,8 +13,7 @@ from typing import Any
 
 from ...budget import rank_share_mib
 from ...devices import cuda_context_mib, nccl_buffers_mib
-from ...layout import RankLayout, RankPlan
-from ..base import Framework
+from ...layout import RankPlan
 from ..rank_places import checked_places, shared_gpu_channels, shared_gpu_env
 
 SETUP = "vgpu_magic.frameworks.torch.ranks:setup_rank"
@@ -22,15 +21,8 @@ SPLIT_REFUSED = "--split {split} has no meaning for torch: a rank is one process
 NCCL_INSTEAD = "leave --backend out and they share it over gloo, or start one rank per GPU"
 
 
-def plan_ranks(
-    framework: Framework,
-    layout: RankLayout,
-    split: int | None,
-    memory_mib: int | None,
-    port: int | None,
-    backend: str | None = None,
-) -> list[RankPlan]:
-    """PyTorch's :meth:`~vgpu_magic.frameworks.base.Framework.plan_ranks`: what ``torchrun`` gives each worker."""
+def plan_ranks(framework, layout, split, memory_mib, port, backend=None) -> list[RankPlan]:
+    """What ``torchrun`` gives each worker: :meth:`~vgpu_magic.frameworks.base.Framework.plan_ranks` (typed there)."""
     refused = dict.fromkeys((True, False), SPLIT_REFUSED)
     places, _ = checked_places(layout, split, memory_mib, refused, backend, framework.capabilities)
     n = len(places)
