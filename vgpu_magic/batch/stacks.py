@@ -43,7 +43,7 @@ class Answering:
             if (stat.st_ino, stat.st_mtime_ns) != self.seen:
                 self.seen, token = (stat.st_ino, stat.st_mtime_ns), (self.folder / ASK).read_text()
                 if token != self.answered:
-                    said = {**rank_state.answer(self.main), "token": token}
+                    said = {**rank_state.answer(), "token": token}
                     _written(self.folder / f"rank-{self.rank}.state.json", json.dumps(said))
                     self.answered = token
 
