@@ -105,8 +105,7 @@ class HangDoctor:
                 uses = [rank_state.main_thread_use(p) for p in processes]
                 seen[rank] = (sum(cpu for cpu, _ in uses), sum(wakes for _, wakes in uses))
         (before, then), self.cpu = self.cpu, (seen, now)
-        # Not at the first look, before any rank could idle: a rank's first answer imports torch's symbolizer, 1.5 s
-        # holding the GIL (1.22x on 3,000 all_reduces asked once).
+        # Not at the first look, before a rank could idle: a first answer imports torch's symbolizer (1.5 s, GIL held).
         idle = [r for r in seen if r in before and idled(before[r], seen[r], now - then)]
         return None in self.pids or bool(idle)
 
@@ -159,30 +158,19 @@ def listens_at(address: str | None) -> str | None:
 
 def ask(addresses: list[str | None]) -> dict[int, dict | None]:
     """Each rank's answer (:func:`.rank_state.answer`), ``None`` where it gave none within :data:`ANSWER` s."""
-    asked = {}
+    asked: dict[int, socket.socket] = {}
     for rank, address in enumerate(addresses):
-        asked[rank] = None
-        if address is None:
-            continue
-        connection = None
-        try:
-            if address.startswith("tcp:"):
+        with contextlib.suppress(OSError):  # not listening yet, or gone: its answer is None
+            if address is not None and address.startswith("tcp:"):
                 host, port, name = address[4:].rsplit(":", 2)
-                connection = socket.create_connection((host, int(port)), timeout=ANSWER)
-                connection.sendall(f"{name}\n".encode())
-            else:
-                connection = socket.socket(socket.AF_UNIX)
-                connection.settimeout(ANSWER)
-                connection.connect(address)
-            asked[rank] = connection
-        except OSError:  # not listening yet, or gone
-            if connection is not None:
-                connection.close()
-    deadline, answers = time.monotonic() + ANSWER, {}
+                asked[rank] = socket.create_connection((host, int(port)), timeout=ANSWER)
+                asked[rank].sendall(f"{name}\n".encode())
+            elif address is not None:
+                asked[rank] = socket.socket(socket.AF_UNIX)
+                asked[rank].settimeout(ANSWER)
+                asked[rank].connect(address)
+    deadline, answers = time.monotonic() + ANSWER, dict.fromkeys(range(len(addresses)))
     for rank, connection in asked.items():
-        answers[rank] = None
-        if connection is None:
-            continue
         with connection, contextlib.suppress(OSError, ValueError):
             connection.settimeout(max(0.01, deadline - time.monotonic()))
             answers[rank] = json.loads(b"".join(iter(lambda c=connection: c.recv(65536), b"")))
@@ -196,17 +184,16 @@ def diagnose(
     ranks = {r: _Rank(r, a, previous.get(r), done[r]) for r, a in answers.items()}
     lines = [rank.line() for rank in ranks.values()]
     waiting = [r for r in ranks.values() if r.waiting is not None]
-    for rank in waiting:
-        mismatch = _mismatch(rank, ranks.values())
-        if mismatch is not None:
-            return mismatch, lines
+    mismatch = next(filter(None, (_mismatch(rank, ranks.values()) for rank in waiting)), None)
+    if mismatch is not None:
+        return mismatch, lines
     for rank in sorted(waiting, key=lambda r: -r.waited):
         entry = rank.waiting
         if rank.waited < hang_after:
             continue
         pg, seq = entry["process_group"][0], entry["collective_seq_id"]
         missing = [r for r in ranks.values() if r.answer is not None or r.done]
-        missing = [r for r in missing if r.rank != rank.rank and r.entered(pg) < seq]
+        missing = [r for r in missing if r is not rank and r.entered(pg) < seq]
         if not missing:
             continue
         waiters = [r.rank for r in waiting if r.waiting["collective_seq_id"] == seq and r.entered(pg) == seq]

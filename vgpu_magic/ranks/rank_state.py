@@ -20,6 +20,8 @@ __all__ = ["answer", "main_thread_cpu", "main_thread_use", "relay", "serve"]
 DEPTH = 40
 #: futex(2)'s number, the system call a thread waiting on a lock in C code is in.
 _FUTEX = {"x86_64": "202", "aarch64": "98"}.get(os.uname().machine, "futex")
+#: Where code that is not the user's lives: Python's and the packages' folders, vgpu_magic, frozen modules.
+_THEIRS = (sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.abspath(os.path.join(__file__, "../..")), "<frozen")
 
 
 def serve(address: str) -> None:
@@ -73,22 +75,22 @@ def answer() -> dict:
     Recorder's entries, and its CPU time (the kernel tells a loop from a wait by two answers)."""
     import psutil
 
-    frame, stack, theirs = sys._current_frames().get(threading.main_thread().ident), [], _theirs()
+    frame, stack = sys._current_frames().get(threading.main_thread().ident), []
     inner = frame.f_code.co_filename if frame is not None else ""
     in_torch = os.sep + "torch" + os.sep in inner
-    users = bool(inner) and not inner.startswith(theirs)
+    users = bool(inner) and not inner.startswith(_THEIRS)
     in_jax = "jax" in sys.modules and (
         _syscall() == _FUTEX if users else any(os.sep + name + os.sep in inner for name in ("jax", "jaxlib"))
     )
     while frame is not None and len(stack) < DEPTH:
         code = frame.f_code
-        if not code.co_filename.startswith(theirs):
+        if not code.co_filename.startswith(_THEIRS):
             source = linecache.getline(code.co_filename, frame.f_lineno, frame.f_globals).strip()
             stack.append([code.co_filename, frame.f_lineno, code.co_name, source])
         frame = frame.f_back
     at = {"pid": os.getpid(), "stack": stack[::-1], "in_torch": in_torch, "in_jax": in_jax}
     at |= {"cpu": main_thread_cpu(psutil.Process()), "at": time.time()}
-    return {**at, **_recorded(theirs)}
+    return {**at, **_recorded()}
 
 
 def main_thread_cpu(process: Any) -> float:
@@ -119,13 +121,7 @@ def _syscall() -> str:
     return ""
 
 
-def _theirs() -> tuple[str, ...]:
-    """Where code that is not the user's lives: Python's and the packages' folders, vgpu_magic, frozen modules."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return (sys.prefix, sys.base_prefix, sys.exec_prefix, package, "<frozen")
-
-
-def _recorded(theirs: tuple[str, ...]) -> dict:
+def _recorded() -> dict:
     """Where torch.distributed is in use, the Flight Recorder's collectives still open (torch ≥ 2.13 records gloo's
     too), their frames cut to the user's (its line, also when DDP's reducer made the call), and the last collective
     each process group entered. Only the open ones: symbolizing every entry's stack on each ask slowed a loop of
@@ -141,6 +137,6 @@ def _recorded(theirs: tuple[str, ...]) -> dict:
     except Exception:  # noqa: BLE001 - no process group yet, or a torch without it: no collectives to show
         return {}
     for entry in dump.get("entries", ()):
-        entry["frames"] = [f for f in entry.get("frames", ()) if not f["filename"].startswith(theirs)]
+        entry["frames"] = [f for f in entry.get("frames", ()) if not f["filename"].startswith(_THEIRS)]
     entered = {pg: status.get("last_enqueued_collective", 0) for pg, status in dump.get("pg_status", {}).items()}
     return {"entries": dump.get("entries", []), "entered": entered}

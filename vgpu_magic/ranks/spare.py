@@ -54,7 +54,7 @@ class Spare:
     def fork(self, launch: dict) -> tuple[Forked, socket.socket] | None:
         """Send ``launch`` with a new process's output pipes and control socket; the spare forks it: the process and
         its control socket, ``None`` where the spare died. Meanwhile what the imports write is kept and shown first."""
-        pipes, (ours, theirs) = [os.pipe(), os.pipe()], socket.socketpair()
+        pipes, (ours, theirs), said = [os.pipe(), os.pipe()], socket.socketpair(), list(self.said)
         body = json.dumps(launch).encode()
         try:
             socket.send_fds(self.control, [launched.SIZE.pack(len(body))], [pipes[0][1], pipes[1][1], theirs.fileno()])
@@ -65,7 +65,6 @@ class Spare:
             for _, write in pipes:
                 os.close(write)
             theirs.close()
-        said = list(self.said)
         with selectors.DefaultSelector() as selector:
             selector.register(self.control, selectors.EVENT_READ)
             for index, pipe in enumerate((self.popen.stdout, self.popen.stderr)):
@@ -85,7 +84,7 @@ class Spare:
                     if not data:
                         selector.unregister(key.fileobj)
         self.said = (said[0], said[1])
-        pid = launched.exactly(self.control, launched.SIZE.size)
+        pid = self.control.recv(launched.SIZE.size, socket.MSG_WAITALL)
         if not pid:
             ours.close()
             return None
@@ -119,7 +118,7 @@ class Forked:
                 selector.register(self.spare.control, selectors.EVENT_READ)
                 if not selector.select(timeout):
                     raise subprocess.TimeoutExpired(str(self.pid), timeout)
-            status = launched.exactly(self.spare.control, launched.SIZE.size)
+            status = self.spare.control.recv(launched.SIZE.size, socket.MSG_WAITALL)
             # No status: the spare died, which kills its launch (PR_SET_PDEATHSIG).
             self.returncode = launched.SIZE.unpack(status)[0] if status else -signal.SIGKILL
         return self.returncode
@@ -175,13 +174,11 @@ def _base(plan_env: dict[str, str], environ: KernelEnviron | None) -> dict[str, 
     own. With :mod:`.lifetime`'s variables, without ipyparallel's (its key)."""
     from . import lifetime
 
-    ours = {k: os.environ[k] for k in (lifetime.OWNER_ENV, lifetime.CLUSTER_ENV) if k in os.environ}
     env = dict(os.environ)
     if environ is not None and environ.host == socket.gethostname():
-        theirs = environ.task_variables
-        env = {k: v for k, v in environ.environ.items() if not k.startswith(theirs)}
-        env.update({k: v for k, v in os.environ.items() if k.startswith(theirs)})
-    env.update(ours)
+        ours = (*environ.task_variables, lifetime.OWNER_ENV, lifetime.CLUSTER_ENV)
+        env = {k: v for k, v in environ.environ.items() if not k.startswith(ours)}
+        env.update({k: v for k, v in os.environ.items() if k.startswith(ours)})
     return {k: v for k, v in env.items() if not k.startswith("IPP_") and k not in plan_env}
 
 
