@@ -79,15 +79,9 @@ class LaunchRequest:
 
 # -- on the engine: the per-host agent ----------------------------------------------
 
-#: ``os.environ[...] =``, ``environ.setdefault(`` or ``.update(``, ``putenv(``.
+#: A script that sets environment variables (``os.environ[...] =``, ``environ.setdefault(`` or ``.update(``,
+#: ``putenv(``) imports the framework itself, which reads its variables at import, as in python.
 _SETS_ENVIRONMENT = re.compile(rb"environ\s*\[[^]]*\]\s*=[^=]|environ\s*\.\s*(setdefault|update)\s*\(|putenv\s*\(")
-
-
-def _sets_environment(path: str) -> bool:
-    """Does the script set environment variables? Frameworks read theirs at import: it imports its own, as in python."""
-    with contextlib.suppress(OSError), open(path, "rb") as source:
-        return bool(_SETS_ENVIRONMENT.search(source.read()))
-    return False  # the script's own run says what is wrong with it
 
 
 def run_rank(request: LaunchRequest) -> int:
@@ -99,7 +93,9 @@ def run_rank(request: LaunchRequest) -> int:
     for what, where, ok in (("folder", cwd, os.path.isdir), ("script", script, os.path.isfile)):
         if not ok(where) and not (request.module and what == "script"):
             raise ProcessExited(f"could not start: the {what} {where} does not exist on {socket.gethostname()}")
-    preload = [] if _sets_environment(script) else list(request.preload)
+    preload = list(request.preload)
+    with contextlib.suppress(OSError), open(script, "rb") as source:  # unreadable: its own run says why
+        preload = [] if _SETS_ENVIRONMENT.search(source.read()) else preload
     proc = spare.take(plan.env, preload, request.environ)
     # Interrupted as a cell is (run.interrupt_only_the_cell, the engine's SIGINT), so the fault policy can stop it.
     outside = signal.signal(signal.SIGINT, signal.default_int_handler)

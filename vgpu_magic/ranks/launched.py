@@ -106,9 +106,8 @@ def _launched(launch: dict, fds: list[int], parent: int) -> None:
         from .hosts import prepare_rank
 
         devices = SplitRequest(**launch["devices"]) if launch["devices"] else None
-        prepare_rank(
-            {}, launch["setup"], tuple(launch["setup_args"]), devices=devices, after_import=launch["framework"]
-        )
+        after = launch["framework"]
+        prepare_rank({}, launch["setup"], tuple(launch["setup_args"]), devices=devices, after_import=after)
     # As on a terminal: each line reaches the notebook when printed, in one write, even under PYTHONUNBUFFERED (whose
     # write-through lets C++ output like "[Gloo] Rank 0 is connected" land mid-line); ``flush=True`` sends a part line.
     for stream in (sys.stdout, sys.stderr):
