@@ -54,7 +54,7 @@ class Spare:
     def fork(self, launch: dict) -> tuple[Forked, socket.socket] | None:
         """Send ``launch`` with a new process's output pipes and control socket; the spare forks it: the process and
         its control socket, ``None`` where the spare died. Meanwhile what the imports write is kept and shown first."""
-        pipes, (ours, theirs), said = [os.pipe(), os.pipe()], socket.socketpair(), list(self.said)
+        pipes, (ours, theirs) = [os.pipe(), os.pipe()], socket.socketpair()
         body = json.dumps(launch).encode()
         try:
             socket.send_fds(self.control, [launched.SIZE.pack(len(body))], [pipes[0][1], pipes[1][1], theirs.fileno()])
@@ -65,6 +65,7 @@ class Spare:
             for _, write in pipes:
                 os.close(write)
             theirs.close()
+        said = list(self.said)
         with selectors.DefaultSelector() as selector:
             selector.register(self.control, selectors.EVENT_READ)
             for index, pipe in enumerate((self.popen.stdout, self.popen.stderr)):
@@ -174,11 +175,13 @@ def _base(plan_env: dict[str, str], environ: KernelEnviron | None) -> dict[str, 
     own. With :mod:`.lifetime`'s variables, without ipyparallel's (its key)."""
     from . import lifetime
 
+    ours = {k: os.environ[k] for k in (lifetime.OWNER_ENV, lifetime.CLUSTER_ENV) if k in os.environ}
     env = dict(os.environ)
     if environ is not None and environ.host == socket.gethostname():
-        ours = (*environ.task_variables, lifetime.OWNER_ENV, lifetime.CLUSTER_ENV)
-        env = {k: v for k, v in environ.environ.items() if not k.startswith(ours)}
-        env.update({k: v for k, v in os.environ.items() if k.startswith(ours)})
+        theirs = environ.task_variables
+        env = {k: v for k, v in environ.environ.items() if not k.startswith(theirs)}
+        env.update({k: v for k, v in os.environ.items() if k.startswith(theirs)})
+    env.update(ours)
     return {k: v for k, v in env.items() if not k.startswith("IPP_") and k not in plan_env}
 
 
