@@ -574,7 +574,7 @@ def test_what_the_spares_imports_write_starts_every_launch_forked_from_it(tmp_pa
     )
     (tmp_path / "run.py").write_text("import noisy, os\nprint('ran in', os.getpid(), 'child of', os.getppid())\n")
     plan = RankPlan(0, {"PYTHONPATH": str(tmp_path)}, "", (), ())
-    request = launch.launch_request(plan, "run.py", [], str(tmp_path), "noisy", ["noisy"])
+    request = launch.LaunchRequest(plan, "run.py", [], str(tmp_path), "noisy", ["noisy"])
     request = dataclasses.replace(request, environ=dataclasses.replace(request.environ, environ=CHILD_ENV))
     before = our_processes()
     try:

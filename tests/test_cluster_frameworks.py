@@ -100,7 +100,7 @@ def test_a_tensorflow_rank_with_devices_reads_what_the_script_set_before_importi
     assert plain.stdout.split() == ["True", "1"], plain.stderr[-2000:]
     before = our_processes()
     plan = RankPlan(0, {}, "", (), (), SplitRequest(count=2, target="cpu", framework="tensorflow"))
-    request = launch.launch_request(plan, str(script), [], str(tmp_path), "tensorflow", ["tensorflow"], spare=False)
+    request = launch.LaunchRequest(plan, str(script), [], str(tmp_path), "tensorflow", ["tensorflow"], spare=False)
     request = dataclasses.replace(request, environ=dataclasses.replace(request.environ, environ=CHILD_ENV))
     with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()):
         launch.run_rank(request)

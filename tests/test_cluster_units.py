@@ -1022,7 +1022,7 @@ def test_a_script_run_lays_out_once_and_its_attempts_raise_only_the_restart_coun
             return failed if len(launched) < 3 else RunResult(RunState.SUCCEEDED, {0: RankOutcome("finished")})
 
     monkeypatch.setattr(rank_cluster, "RankRun", Launch)
-    monkeypatch.setattr(rank_cluster.launch, "launch_request", lambda plan, *args: plan)
+    monkeypatch.setattr(rank_cluster.launch, "LaunchRequest", lambda plan, *args: plan)
     with started(RankCluster(2, "torch", gpus=[])) as ranks:
         monkeypatch.setattr(ranks, "_lay_out", lambda engine_ids: laid_out.append(engine_ids) or ranks.layout)
         result = ranks.run_script("train.py", max_restarts=2)

@@ -84,10 +84,9 @@ class JobMagics(Magics):
         if args.action in ("submit", "script"):
             if args.target is None:
                 raise UsageError(f"say which script to {args.action}, e.g. {_SUBMIT}")
-            keys = ("gpus_per_node", "time", "partition", "account", "sbatch", "name", "port", "max_restarts")
-            keys += ("hang_after",)
+            keys = [flag[2:].replace("-", "_") for flag in _TAKES["submit"]]  # JobSpec's fields
             options = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
-            request = (args.target, tuple(args.script_args), args.framework, args.nodes, args.ranks_per_node)
+            request = (args.target, tuple(args.script_args))
             try:
                 if args.action == "script":
                     text = backend("slurm").script(JobSpec(*request, **options))

@@ -43,7 +43,7 @@ class Answering:
             if (stat.st_ino, stat.st_mtime_ns) != self.seen:
                 self.seen, token = (stat.st_ino, stat.st_mtime_ns), (self.folder / ASK).read_text()
                 if token != self.answered:
-                    said = {**rank_state.answer(self.main), "token": token}
+                    said = {**rank_state.answer(), "token": token}
                     _written(self.folder / f"rank-{self.rank}.state.json", json.dumps(said))
                     self.answered = token
 
@@ -59,8 +59,7 @@ class Answering:
                 frame = sys._current_frames().get(self.main) if self.hang_after else None
                 waits = frame is not None and os.sep + "torch" + os.sep in frame.f_code.co_filename
                 now = rank_state.main_thread_use(process) if waits else None
-                # As the kernel's doctor reads a rank: a loop of small collectives, waiting in torch's code at each
-                # look on 3 % of a core, runs (its main thread is switched out a thousand times a second).
+                # As the kernel's doctor reads a rank: a loop of small collectives, in torch's code at each look, runs.
                 idle = now is not None and used is not None and doctor.idled(used, now, POLL)
                 used, since = now, (since or time.monotonic()) if idle else None
                 if since is not None and time.monotonic() - since >= self.hang_after:

@@ -52,6 +52,7 @@ class HangDoctor:
 
     def __init__(self, addresses: list[str | None], hang_after: float, out: TextIO, pids: list[int | None]) -> None:
         self.addresses, self.hang_after, self.out, self.pids = addresses, hang_after, out, pids
+        self.period = max(1.0, hang_after / 3)
         #: Each rank's main threads' CPU seconds and switches at the last look, and when.
         self.cpu: tuple[dict[int, tuple[float, int]], float] = ({}, time.monotonic())
         self.start = time.monotonic()
@@ -60,22 +61,15 @@ class HangDoctor:
         #: When the ranks last answered (:data:`APART`).
         self.answered = 0.0
         self.reported: set[str] = set()
-        self.asking: threading.Thread | None = None
-
-    @property
-    def period(self) -> float:
-        return max(1.0, self.hang_after / 3)
+        #: The ask on its way, if alive (the kernel's interrupt may come meanwhile: it is waited for).
+        self.asking = threading.Thread()
 
     def look(self, done: list[bool]) -> None:
         """Ask the ranks when it is time to, on a thread of its own (a rank may take :data:`ANSWER` s), and report a
         hang found in their answers; ``hang_after`` 0: never."""
-        if self.hang_after and time.monotonic() >= self.next and not self._asking():
+        if self.hang_after and time.monotonic() >= self.next and not self.asking.is_alive():
             self.asking = threading.Thread(target=self._look, args=(list(done),), name="vgpu-doctor", daemon=True)
             self.asking.start()
-
-    def _asking(self) -> bool:
-        """Is an ask on its way? (The kernel's interrupt may come meanwhile: it is waited for.)"""
-        return self.asking is not None and self.asking.is_alive()
 
     def _look(self, done: list[bool]) -> None:
         if not self._idle():
@@ -111,8 +105,7 @@ class HangDoctor:
                 uses = [rank_state.main_thread_use(p) for p in processes]
                 seen[rank] = (sum(cpu for cpu, _ in uses), sum(wakes for _, wakes in uses))
         (before, then), self.cpu = self.cpu, (seen, now)
-        # Not at the first look, before any rank could idle: a rank's first answer imports torch's symbolizer, 1.5 s
-        # holding the GIL (1.22x on 3,000 all_reduces asked once).
+        # Not at the first look, before a rank could idle: a first answer imports torch's symbolizer (1.5 s, GIL held).
         idle = [r for r in seen if r in before and idled(before[r], seen[r], now - then)]
         return None in self.pids or bool(idle)
 
@@ -130,7 +123,7 @@ class HangDoctor:
 
     def close(self) -> None:
         """Wait for an ask on its way (its report comes before the run's end)."""
-        if self._asking():
+        if self.asking.is_alive():
             self.asking.join()
 
 
@@ -165,30 +158,19 @@ def listens_at(address: str | None) -> str | None:
 
 def ask(addresses: list[str | None]) -> dict[int, dict | None]:
     """Each rank's answer (:func:`.rank_state.answer`), ``None`` where it gave none within :data:`ANSWER` s."""
-    asked = {}
+    asked: dict[int, socket.socket] = {}
     for rank, address in enumerate(addresses):
-        asked[rank] = None
-        if address is None:
-            continue
-        connection = None
-        try:
-            if address.startswith("tcp:"):
+        with contextlib.suppress(OSError):  # not listening yet, or gone: its answer is None
+            if address is not None and address.startswith("tcp:"):
                 host, port, name = address[4:].rsplit(":", 2)
-                connection = socket.create_connection((host, int(port)), timeout=ANSWER)
-                connection.sendall(f"{name}\n".encode())
-            else:
-                connection = socket.socket(socket.AF_UNIX)
-                connection.settimeout(ANSWER)
-                connection.connect(address)
-            asked[rank] = connection
-        except OSError:  # not listening yet, or gone
-            if connection is not None:
-                connection.close()
-    deadline, answers = time.monotonic() + ANSWER, {}
+                asked[rank] = socket.create_connection((host, int(port)), timeout=ANSWER)
+                asked[rank].sendall(f"{name}\n".encode())
+            elif address is not None:
+                asked[rank] = socket.socket(socket.AF_UNIX)
+                asked[rank].settimeout(ANSWER)
+                asked[rank].connect(address)
+    deadline, answers = time.monotonic() + ANSWER, dict.fromkeys(range(len(addresses)))
     for rank, connection in asked.items():
-        answers[rank] = None
-        if connection is None:
-            continue
         with connection, contextlib.suppress(OSError, ValueError):
             connection.settimeout(max(0.01, deadline - time.monotonic()))
             answers[rank] = json.loads(b"".join(iter(lambda c=connection: c.recv(65536), b"")))
@@ -202,40 +184,36 @@ def diagnose(
     ranks = {r: _Rank(r, a, previous.get(r), done[r]) for r, a in answers.items()}
     lines = [rank.line() for rank in ranks.values()]
     waiting = [r for r in ranks.values() if r.waiting is not None]
-    for rank in waiting:
-        mismatch = _mismatch(rank, ranks.values())
-        if mismatch is not None:
-            return mismatch, lines
+    mismatch = next(filter(None, (_mismatch(rank, ranks.values()) for rank in waiting)), None)
+    if mismatch is not None:
+        return mismatch, lines
     for rank in sorted(waiting, key=lambda r: -r.waited):
         entry = rank.waiting
         if rank.waited < hang_after:
             continue
         pg, seq = entry["process_group"][0], entry["collective_seq_id"]
         missing = [r for r in ranks.values() if r.answer is not None or r.done]
-        missing = [r for r in missing if r.rank != rank.rank and r.entered(pg) < seq]
+        missing = [r for r in missing if r is not rank and r.entered(pg) < seq]
         if not missing:
             continue
         waiters = [r.rank for r in waiting if r.waiting["collective_seq_id"] == seq and r.entered(pg) == seq]
-        verb = "wait" if len(waiters) > 1 else "waits"
-        call = f"{_op(entry)} #{seq} that {_rank_s(waiters)} {verb} in ({_where(entry['frames'])})"
-        said = [f"{_rank_s([r.rank for r in missing], 'never called')} {call}", *_where_each(missing)]
-        return "; ".join(said), lines
+        return _hang(missing, "never called", f"{_op(entry)} #{seq}", waiters, entry["frames"]), lines
     # JAX records no collectives: a process idle in JAX's code at one line that another process is not at.
     for rank in sorted((r for r in ranks.values() if r.since is not None), key=lambda r: -r.waited):
         others = [r for r in ranks.values() if r.done or (r.answer is not None and r.spot() != rank.spot())]
         if rank.waited < hang_after or not others:
             continue
         waiters = [r.rank for r in ranks.values() if r.since is not None and r.spot() == rank.spot()]
-        verb = "wait" if len(waiters) > 1 else "waits"
-        call = f"the JAX call that {_rank_s(waiters)} {verb} in ({_where(rank.answer['stack'][-1:])})"
-        said = [f"{_rank_s([r.rank for r in others], 'never reached')} {call}", *_where_each(others)]
-        return "; ".join(said), lines
+        return _hang(others, "never reached", "the JAX call", waiters, rank.answer["stack"][-1:]), lines
     return None, lines
 
 
-def _where_each(ranks: list[_Rank]) -> list[str]:
-    """Where each of ``ranks`` is, those at one place together: ``"ranks 1, 3 are at train.py:8, idle"``."""
-    return [_rank_s(numbers, at) for at, numbers in _by_reason({r.rank: r.at() for r in ranks}).items()]
+def _hang(absent: list[_Rank], never: str, call: str, waiters: list[int], frames: list) -> str:
+    """The diagnosis: ``"ranks 1, 3 never called all_reduce #2 that ranks 0, 2 wait in (train.py:10)"``, then where
+    each ``absent`` rank is, those at one place together: ``"ranks 1, 3 are at train.py:8, idle"``."""
+    verb = "wait" if len(waiters) > 1 else "waits"
+    said = [f"{_rank_s([r.rank for r in absent], never)} {call} that {_rank_s(waiters)} {verb} in ({_where(frames)})"]
+    return "; ".join(said + [_rank_s(n, at) for at, n in _by_reason({r.rank: r.at() for r in absent}).items()])
 
 
 def report(head: str, lines: list[str]) -> str:
@@ -295,9 +273,8 @@ class _Rank:
             return "exited"
         if self.answer is None:
             return "not answering (C code holding the GIL)"
-        user = self.answer["stack"]
         how = self.how()
-        return f"is at {_where(user[-1:])}" + (f", {how}" if how else "")
+        return f"is at {_where(self.answer['stack'][-1:])}" + (f", {how}" if how else "")
 
     def line(self) -> str:
         """Its line of the report: its state, its line of code and the source there."""

@@ -70,11 +70,9 @@ def ssh_target(host: str) -> tuple[str, str | None]:
 
 #: Run on an SSH host at stop: wait for the engines, SIGKILL survivors, remove the folder, say which PIDs are left.
 REMOTE_CLEANUP = (
-    "pids='{pids}'; for i in $(seq 40); do alive=''; "
-    'for p in $pids; do kill -0 $p 2>/dev/null && alive="$alive $p"; done; '
-    '[ -z "$alive" ] && break; sleep 0.25; done; [ -n "$alive" ] && kill -9 $alive 2>/dev/null && sleep 0.5; '
-    "still=''; for p in $pids; do kill -0 $p 2>/dev/null && still=\"$still $p\"; done; "
-    "rm -rf '{folder}'; echo left:$still"
+    "pids='{pids}'; alive() {{ for p in $pids; do kill -0 $p 2>/dev/null && echo $p; done; }}; "
+    'for i in $(seq 40); do [ -z "$(alive)" ] && break; sleep 0.25; done; '
+    "kill -9 $(alive) 2>/dev/null && sleep 0.5; rm -rf '{folder}'; echo left: $(alive)"
 )
 
 

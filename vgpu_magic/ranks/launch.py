@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import launched, spare
@@ -25,7 +25,7 @@ from .failures import dumped_traceback, how_it_ended
 from .launched import ENDED
 from .spare import KernelEnviron, kernel_environ
 
-__all__ = ["INTERRUPT_LIMIT", "LaunchRequest", "ProcessExited", "launch_request", "run_rank"]
+__all__ = ["INTERRUPT_LIMIT", "LaunchRequest", "ProcessExited", "run_rank"]
 
 #: Seconds a launched process has at most after SIGINT (its ``except KeyboardInterrupt``) while it makes progress.
 INTERRUPT_LIMIT = 120.0
@@ -48,92 +48,64 @@ class ProcessKilled(RuntimeError):
 
 @dataclass(frozen=True)
 class LaunchRequest:
-    """One rank's launch, as :func:`run_rank` takes it: the rank's ``RankPlan``, the script (``argv`` in ``cwd``;
-    ``module``: ``argv[0]`` names a module, as ``python -m``), the ``framework``'s module (its setup runs after its
-    import), what a spare imports (``preload``) and whether one is kept (``spare``), the kernel's environment, the
-    run's injected :class:`~.spec.Fault` s (the rank's own act) and its start on the clock, and where the rank answers
-    the hang doctor (:mod:`.rank_state`), or ``None``."""
+    """One rank's launch, made in the kernel, as :func:`run_rank` takes it: the rank's ``RankPlan``, the script
+    (``path ARGS`` in ``cwd``; ``module``: ``path`` names a module, as ``python -m``), the ``framework``'s module (its
+    setup runs after its import), what a spare imports (``preload``) and whether one is kept (``spare``), the run's
+    injected :class:`~.spec.Fault` s (the rank's own act), and where the rank answers the hang doctor
+    (:mod:`.rank_state`), or ``None``."""
 
     plan: Any
-    argv: tuple[str, ...]
+    path: str
+    args: list[str]
     cwd: str
     framework: str
-    preload: tuple[str, ...] = ()
-    module: bool = False
+    preload: list[str]
     spare: bool = True
-    environ: KernelEnviron | None = None
+    #: The prefixes of the variables that the engines' own launch gave them (:class:`KernelEnviron`'s).
+    task_variables: tuple[str, ...] = ()
+    module: bool = False
     faults: tuple = ()
+    doctor: str | None = None
+    #: What the launch's environment starts from: the kernel's, as it is when the request is made.
+    environ: KernelEnviron | None = None
     #: ``time.time()`` at the run's start: the faults come after it on every host at once (one rank preempted alone
     #: would fail in a peer's collective first).
-    start: float = 0.0
-    doctor: str | None = None
+    start: float = field(init=False, default=0.0)
 
-
-def launch_request(
-    plan: Any,
-    path: str,
-    args: list[str],
-    cwd: str,
-    framework: str,
-    preload: list[str],
-    spare: bool = True,
-    task_variables: tuple[str, ...] = (),
-    module: bool = False,
-    faults: tuple = (),
-    doctor: str | None = None,
-) -> LaunchRequest:
-    """One rank's launch with its ``RankPlan``: ``framework`` its module, ``preload`` the modules a spare imports;
-    ``task_variables``: :class:`KernelEnviron`'s."""
-    return LaunchRequest(
-        plan,
-        (path, *args),
-        cwd,
-        framework,
-        tuple(preload),
-        module,
-        spare,
-        kernel_environ(task_variables),
-        tuple(faults),
-        time.time(),
-        doctor,
-    )
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "environ", self.environ or kernel_environ(self.task_variables))
+        object.__setattr__(self, "start", time.time())
 
 
 # -- on the engine: the per-host agent ----------------------------------------------
 
-#: ``os.environ[...] =``, ``environ.setdefault(`` or ``.update(``, ``putenv(``.
+#: A script that sets environment variables (``os.environ[...] =``, ``environ.setdefault(`` or ``.update(``,
+#: ``putenv(``) imports the framework itself, which reads its variables at import, as in python.
 _SETS_ENVIRONMENT = re.compile(rb"environ\s*\[[^]]*\]\s*=[^=]|environ\s*\.\s*(setdefault|update)\s*\(|putenv\s*\(")
-
-
-def _sets_environment(path: str) -> bool:
-    """Does the script set environment variables? Frameworks read theirs at import: it imports its own, as in python."""
-    with contextlib.suppress(OSError), open(path, "rb") as source:
-        return bool(_SETS_ENVIRONMENT.search(source.read()))
-    return False  # the script's own run says what is wrong with it
 
 
 def run_rank(request: LaunchRequest) -> int:
     """On an engine: launch the request's script (its spare forks it), stream its output, wait: its PID, or
     :class:`ProcessExited`."""
-    plan_env, path, cwd = request.plan.env, request.argv[0], request.cwd
+    plan, path, cwd = request.plan, request.path, request.cwd
     # A module is found by the launched process (python's "No module named ..." if not); a file it could run is here.
     script = os.path.join(cwd, *path.split(".")) + ".py" if request.module else os.path.join(cwd, path)
     for what, where, ok in (("folder", cwd, os.path.isdir), ("script", script, os.path.isfile)):
         if not ok(where) and not (request.module and what == "script"):
             raise ProcessExited(f"could not start: the {what} {where} does not exist on {socket.gethostname()}")
-    preload = [] if _sets_environment(script) else list(request.preload)
-    proc = spare.take(plan_env, preload, request.environ)
-    # The engine takes SIGINT only inside a cell's code (run.interrupt_only_the_cell); a launch is
-    # interrupted as a cell is, so the fault policy can stop it.
+    preload = list(request.preload)
+    with contextlib.suppress(OSError), open(script, "rb") as source:  # unreadable: its own run says why
+        preload = [] if _SETS_ENVIRONMENT.search(source.read()) else preload
+    proc = spare.take(plan.env, preload, request.environ)
+    # Interrupted as a cell is (run.interrupt_only_the_cell, the engine's SIGINT), so the fault policy can stop it.
     outside = signal.signal(signal.SIGINT, signal.default_int_handler)
     forked = None
     try:
-        plan = request.plan
         devices = None if plan.devices is None else asdict(plan.devices)
         # What the launched process reads (:func:`.launched.child`); PWD as a shell that ran the launcher there sets it.
         launch = {"setup": plan.setup, "setup_args": list(plan.args), "devices": devices, "doctor": request.doctor}
-        launch.update(argv=request.argv, cwd=cwd, framework=request.framework, module=request.module)
-        forked = proc.fork({**launch, "env": {**proc.base, "PWD": cwd, **plan_env}})
+        launch.update(argv=[path, *request.args], cwd=cwd, framework=request.framework, module=request.module)
+        forked = proc.fork({**launch, "env": {**proc.base, "PWD": cwd, **plan.env}})
         if forked is None:
             raise ProcessExited(f"could not start: its spare process {how_it_ended(proc.popen.wait())}")
         injected, timers = _inject(forked[0], request)
@@ -151,7 +123,7 @@ def run_rank(request: LaunchRequest) -> int:
         signal.signal(signal.SIGINT, outside)
         if forked is not None:
             forked[1].close()
-        spare.give_back(proc, forked is not None, request.spare, plan_env, preload, request.environ)
+        spare.give_back(proc, forked is not None, request.spare, plan.env, preload, request.environ)
     if injected:
         # Ended by the fault whatever its status (a preempted script exiting 0 did not finish), quoted as typed.
         raise ProcessExited(f"{how_it_ended(code)} (injected: {'; '.join(injected)})")
@@ -264,19 +236,13 @@ def progressing(pid: int) -> Iterator[None]:
     while (now := time.monotonic()) - start < INTERRUPT_LIMIT and now - moved < STUCK:
         with contextlib.suppress(psutil.Error):
             proc = psutil.Process(pid)
-            done = _io(proc)
+            # I/O that tells progress: the main thread's reads and writes (a save, a print: Linux's /proc) and the
+            # process's storage I/O, not its other threads' socket polls (a store's, a runtime's), which go on while
+            # the main thread is blocked. psutil has no io_counters on macOS: there CPU time alone tells progress.
+            done = tuple(proc.io_counters()[2:4]) if hasattr(proc, "io_counters") else ()  # read_bytes, write_bytes
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{pid}/io") as main:
+                done = (main.read(), *done)
             cpu = sum(proc.cpu_times()[:4])  # its own and its reaped children's, user and system
             if used is None or done != io or cpu - used >= BUSY * STUCK:
                 io, used, moved = done, cpu, now
         yield
-
-
-def _io(proc: Any) -> tuple:
-    """What ``proc`` read and wrote that tells progress: its main thread's reads and writes (a save, a print: Linux's
-    ``/proc``) and the whole process's storage I/O, not its other threads' socket polls (a store's, a runtime's), which
-    go on while the main thread is blocked (rank 0 waiting for a rank that died before it joined polled for 120 s).
-    psutil has no io_counters on macOS: there CPU time alone tells progress."""
-    storage = tuple(proc.io_counters()[2:4]) if hasattr(proc, "io_counters") else ()  # read_bytes, write_bytes
-    with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/task/{proc.pid}/io") as main:
-        return (main.read(), *storage)
-    return storage

@@ -59,7 +59,7 @@ def child() -> None:
         head, fds, _, _ = socket.recv_fds(commands, SIZE.size, 3)
         if not head:
             os._exit(0)
-        received = exactly(commands, SIZE.unpack(head)[0])
+        received = commands.recv(SIZE.unpack(head)[0], socket.MSG_WAITALL)
         pid = os.fork()
         if pid == 0:
             commands.close()
@@ -70,17 +70,9 @@ def child() -> None:
         commands.sendall(SIZE.pack(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])))
 
 
-#: How the engine and its spare frame a size, a PID or an exit status on the spare's socket.
+#: How the engine and its spare frame a size, a PID or an exit status on the spare's socket (each read whole:
+#: ``MSG_WAITALL``; fewer bytes: it closed).
 SIZE = struct.Struct("!q")
-
-
-def exactly(sock: socket.socket, size: int) -> bytes:
-    """``size`` bytes from ``sock`` (fewer: it closed)."""
-    parts, left = [], size
-    while left and (part := sock.recv(min(left, 1 << 20))):
-        parts.append(part)
-        left -= len(part)
-    return b"".join(parts)
 
 
 def _launched(launch: dict, fds: list[int], parent: int) -> None:
@@ -88,10 +80,9 @@ def _launched(launch: dict, fds: list[int], parent: int) -> None:
     returns."""
     import faulthandler
 
-    os.dup2(fds[0], 1)
-    os.dup2(fds[1], 2)
-    os.close(fds[0])
-    os.close(fds[1])
+    for fd, std in zip(fds, (1, 2)):
+        os.dup2(fd, std)
+        os.close(fd)
     control = socket.socket(fileno=fds[2])
     _die_with_parent(parent)
     # Python's KeyboardInterrupt handler, as in a process started with SIGINT at its default.
@@ -170,7 +161,6 @@ def _run_script(path: str) -> None:
     Python 3.9 made it), ``__package__`` and ``__spec__`` None; the code's file name is ``__file__``."""
     import builtins
     import importlib.machinery
-    import io
     import types
 
     file = os.path.abspath(path)
@@ -178,6 +168,5 @@ def _run_script(path: str) -> None:
     loader = importlib.machinery.SourceFileLoader("__main__", file)
     main.__dict__.update(__file__=file, __cached__=None, __loader__=loader, __builtins__=builtins, __annotations__={})
     sys.modules["__main__"] = main
-    with io.open_code(file) as source:
-        code = compile(source.read(), file, "exec", dont_inherit=True)
-    exec(code, main.__dict__)
+    # As python compiles it: read by io.open_code, compiled with dont_inherit.
+    exec(loader.source_to_code(loader.get_data(file), file), main.__dict__)

@@ -65,10 +65,8 @@ class RankMemorySampler:
                 self._procs.append(None)
         from ..inventory import open_nvml
 
-        self._nvml = open_nvml() if gpu and self.ranks else None
-        self._handles = []
-        if self._nvml is not None:
-            self._handles = [self._nvml.nvmlDeviceGetHandleByIndex(i) for i in range(self._nvml.nvmlDeviceGetCount())]
+        nvml = self._nvml = open_nvml() if gpu and self.ranks else None
+        self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())] if nvml else []
         #: The folder the ranks report their allocators' figures in, when NVML cannot tell their processes.
         self._reports: str | None = None
         if engine is not None and self._nvml is not None and not self._nvml_knows_the_ranks(self._nvml_used()):

@@ -40,8 +40,13 @@ class MPSDaemon:
             raise RuntimeError(f"the MPS daemon could not start: {CONTROL} -d exited {done.returncode} ({said})")
 
     def stop(self) -> None:
-        """``echo quit | nvidia-cuda-mps-control`` (it waits for its clients: the ranks go first), then its folder."""
-        quit_daemon(self.folder)
+        """``echo quit | nvidia-cuda-mps-control`` (it waits for its clients: the ranks go first; none running: nothing
+        to stop), then its folder."""
+        if os.path.isdir(self.folder) and shutil.which(CONTROL):
+            # A daemon that does not answer goes with its folder's pipes.
+            with contextlib.suppress(subprocess.SubprocessError):
+                _control([], "quit\n", self.env)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def stop_command(self) -> str:
         """:meth:`stop` as a command, for a watcher of the kernel (:func:`.lifetime.run_when_this_process_dies`)."""
@@ -52,15 +57,6 @@ def _control(args: list[str], stdin: str, env: dict[str, str]) -> subprocess.Com
     return subprocess.run(
         [CONTROL, *args], input=stdin, env={**os.environ, **env}, capture_output=True, text=True, timeout=TIMEOUT
     )
-
-
-def quit_daemon(folder: str) -> None:
-    """Stop the daemon of ``folder`` (none running: nothing to stop) and remove the folder."""
-    if os.path.isdir(folder) and shutil.which(CONTROL):
-        # A daemon that does not answer goes with its folder's pipes.
-        with contextlib.suppress(subprocess.SubprocessError):
-            _control([], "quit\n", MPSDaemon(folder).env)
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def plan_mps(wanted: bool, asked: bool | None, remote: bool, cluster_id: str) -> tuple[MPSDaemon | None, str]:
@@ -85,4 +81,4 @@ def plan_mps(wanted: bool, asked: bool | None, remote: bool, cluster_id: str) ->
 
 
 if __name__ == "__main__":
-    quit_daemon(sys.argv[1])
+    MPSDaemon(sys.argv[1]).stop()

@@ -377,7 +377,7 @@ class RankCluster:
             counts = dict(zip(RESTART_COUNTS, (str(attempt - 1), str(max_restarts))))
             # Where the plan has torchrun's restart counters: this attempt's, of at most max_restarts.
             plans = [replace(p, env={**p.env, **{k: v for k, v in counts.items() if k in p.env}}) for p in self.plans]
-            requests = [launch.launch_request(p, *where, faults, doctor.listens_at(a)) for p, a in zip(plans, asks)]
+            requests = [launch.LaunchRequest(p, *where, faults, doctor.listens_at(a)) for p, a in zip(plans, asks)]
             faults = []  # injected into the first launch only
             work = RankWork(function=launch.run_rank, args=[(request,) for request in requests])
             watch = doctor.HangDoctor(self.asks, hang_after, sys.stderr, procs.memory_pids())

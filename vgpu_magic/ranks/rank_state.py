@@ -14,12 +14,14 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["answer", "main_thread_cpu", "main_thread_use", "main_thread_wakes", "relay", "serve"]
+__all__ = ["answer", "main_thread_cpu", "main_thread_use", "relay", "serve"]
 
 #: The user's frames kept of the main thread's stack, from the innermost.
 DEPTH = 40
 #: futex(2)'s number, the system call a thread waiting on a lock in C code is in.
 _FUTEX = {"x86_64": "202", "aarch64": "98"}.get(os.uname().machine, "futex")
+#: Where code that is not the user's lives: Python's and the packages' folders, vgpu_magic, frozen modules.
+_THEIRS = (sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.abspath(os.path.join(__file__, "../..")), "<frozen")
 
 
 def serve(address: str) -> None:
@@ -31,13 +33,12 @@ def serve(address: str) -> None:
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(address)
     listener.listen()
-    main = threading.main_thread().ident
 
     def loop() -> None:
         while True:
             connection, _ = listener.accept()
             with connection, contextlib.suppress(OSError):
-                connection.sendall(json.dumps(answer(main)).encode())
+                connection.sendall(json.dumps(answer()).encode())
 
     threading.Thread(target=loop, name="vgpu-doctor", daemon=True).start()
 
@@ -47,7 +48,6 @@ def relay(name: str) -> int:
     doctor over TCP. A connection names what it asks: ``NAME-cell`` (this engine's cell) or ``NAME`` (the process it
     launched, which listens at the abstract Unix socket ``\\0NAME``, whose answer is passed on). The port."""
     listener = socket.create_server(("", 0))
-    main = threading.main_thread().ident
 
     def loop() -> None:
         while True:
@@ -57,7 +57,7 @@ def relay(name: str) -> int:
                 with connection.makefile("rb") as asking:
                     asked = asking.readline(256).decode(errors="replace").strip()
                 if asked == f"{name}-cell":
-                    connection.sendall(json.dumps(answer(main)).encode())
+                    connection.sendall(json.dumps(answer()).encode())
                 elif asked == name:
                     with socket.socket(socket.AF_UNIX) as launched:
                         launched.settimeout(5.0)
@@ -68,29 +68,29 @@ def relay(name: str) -> int:
     return listener.getsockname()[1]
 
 
-def answer(thread: int | None) -> dict:
-    """``thread``'s frames in the user's code (``[file, line, function, source]``, innermost last), whether it is in
-    torch's code now (``in_torch``: a collective's wait, a backward) or JAX's (``in_jax``: JAX records no collective:
-    its Python code, or a C call from the user's line, a jitted function's, waiting on a lock), the Flight
-    Recorder's entries, and the main thread's CPU time (the kernel tells a loop from a wait by two answers)."""
+def answer() -> dict:
+    """The main thread's frames in the user's code (``[file, line, function, source]``, innermost last), whether it
+    is in torch's code now (``in_torch``: a collective's wait, a backward) or JAX's (``in_jax``: JAX records no
+    collective: its Python code, or a C call from the user's line, a jitted function's, waiting on a lock), the Flight
+    Recorder's entries, and its CPU time (the kernel tells a loop from a wait by two answers)."""
     import psutil
 
-    frame, stack, theirs = sys._current_frames().get(thread), [], _theirs()
+    frame, stack = sys._current_frames().get(threading.main_thread().ident), []
     inner = frame.f_code.co_filename if frame is not None else ""
     in_torch = os.sep + "torch" + os.sep in inner
-    users = bool(inner) and not inner.startswith(theirs)
+    users = bool(inner) and not inner.startswith(_THEIRS)
     in_jax = "jax" in sys.modules and (
-        _syscall(thread) == _FUTEX if users else any(os.sep + name + os.sep in inner for name in ("jax", "jaxlib"))
+        _syscall() == _FUTEX if users else any(os.sep + name + os.sep in inner for name in ("jax", "jaxlib"))
     )
     while frame is not None and len(stack) < DEPTH:
         code = frame.f_code
-        if not code.co_filename.startswith(theirs):
+        if not code.co_filename.startswith(_THEIRS):
             source = linecache.getline(code.co_filename, frame.f_lineno, frame.f_globals).strip()
             stack.append([code.co_filename, frame.f_lineno, code.co_name, source])
         frame = frame.f_back
     at = {"pid": os.getpid(), "stack": stack[::-1], "in_torch": in_torch, "in_jax": in_jax}
     at |= {"cpu": main_thread_cpu(psutil.Process()), "at": time.time()}
-    return {**at, **_recorded(theirs)}
+    return {**at, **_recorded()}
 
 
 def main_thread_cpu(process: Any) -> float:
@@ -102,42 +102,26 @@ def main_thread_cpu(process: Any) -> float:
 
 
 def main_thread_use(process: Any) -> tuple[float, int]:
-    """``process``'s main thread's CPU seconds and switches (:func:`main_thread_cpu`, :func:`main_thread_wakes`):
-    whether it runs (:func:`.doctor.idled`)."""
-    return main_thread_cpu(process), main_thread_wakes(process.pid)
+    """``process``'s main thread's CPU seconds (:func:`main_thread_cpu`) and how many times it was switched out
+    (Linux's ``/proc``; 0 elsewhere): whether it runs (:func:`.doctor.idled`). A loop of small collectives, whose main
+    thread only waits for gloo's threads, switches about a thousand times a second on 3 % of a core; one waiting in a
+    hung collective, or asleep, none."""
+    wakes = 0
+    with contextlib.suppress(OSError), open(f"/proc/{process.pid}/task/{process.pid}/status") as status:
+        wakes = sum(int(line.split(":")[1]) for line in status if "ctxt_switches" in line)
+    return main_thread_cpu(process), wakes
 
 
-def main_thread_wakes(pid: int) -> int:
-    """How many times ``pid``'s main thread was switched out (Linux's ``/proc``; 0 elsewhere): a loop of small
-    collectives, whose main thread only waits for gloo's threads, switches about a thousand times a second while it
-    spends 3 % of a core; one waiting in a hung collective, or asleep, none."""
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{pid}/status") as status:
-        return sum(int(line.split(":")[1]) for line in status if "ctxt_switches" in line)
-    return 0
-
-
-def _syscall(thread: int | None) -> str:
-    """The system call ``thread`` is in (its number as ``/proc`` gives it; ``""``: not known): a jitted function's
-    wait is a futex's, a ``time.sleep`` is not."""
-    with contextlib.suppress(OSError, IndexError), open(f"/proc/self/task/{_native(thread)}/syscall") as call:
+def _syscall() -> str:
+    """The system call the main thread is in (its number as ``/proc`` gives it; ``""``: not known): a jitted
+    function's wait is a futex's, a ``time.sleep`` is not. Its id is the process's (Linux), which Python's record does
+    not follow into a forked process (a launch)."""
+    with contextlib.suppress(OSError, IndexError), open(f"/proc/self/task/{os.getpid()}/syscall") as call:
         return call.read().split()[0]
     return ""
 
 
-def _native(thread: int | None) -> int | None:
-    if thread == threading.main_thread().ident:
-        # The process's own id (Linux), which Python's record does not follow into a forked process (a launch).
-        return os.getpid()
-    return next((t.native_id for t in threading.enumerate() if t.ident == thread), None)
-
-
-def _theirs() -> tuple[str, ...]:
-    """Where code that is not the user's lives: Python's and the packages' folders, vgpu_magic, frozen modules."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return (sys.prefix, sys.base_prefix, sys.exec_prefix, package, "<frozen")
-
-
-def _recorded(theirs: tuple[str, ...]) -> dict:
+def _recorded() -> dict:
     """Where torch.distributed is in use, the Flight Recorder's collectives still open (torch ≥ 2.13 records gloo's
     too), their frames cut to the user's (its line, also when DDP's reducer made the call), and the last collective
     each process group entered. Only the open ones: symbolizing every entry's stack on each ask slowed a loop of
@@ -153,6 +137,6 @@ def _recorded(theirs: tuple[str, ...]) -> dict:
     except Exception:  # noqa: BLE001 - no process group yet, or a torch without it: no collectives to show
         return {}
     for entry in dump.get("entries", ()):
-        entry["frames"] = [f for f in entry.get("frames", ()) if not f["filename"].startswith(theirs)]
+        entry["frames"] = [f for f in entry.get("frames", ()) if not f["filename"].startswith(_THEIRS)]
     entered = {pg: status.get("last_enqueued_collective", 0) for pg, status in dump.get("pg_status", {}).items()}
     return {"entries": dump.get("entries", []), "entered": entered}

@@ -75,9 +75,9 @@ class LineStream:
         """The next of what the rank wrote."""
         *lines, self.tail = (self.tail + text).split("\n")
         shown = [f"{self.label}{self._text(line)}\n" for line in self._now(lines) if self.shown(line)]
-        self._write(shown, bool(shown))
+        self._write(shown)
         if "\r" in self.tail and self.pending is None:
-            self._write([f"{self.label}{self._text(self.tail)}"], False)
+            self._write([f"{self.label}{self._text(self.tail)}"])
             self.live["by"] = self
 
     def _now(self, lines: list[str]) -> list[str]:
@@ -106,22 +106,17 @@ class LineStream:
             pending, self.tail = [*pending, self.tail], ""
         shown = said if said is not None else [line for line in pending if self.shown(line)]
         shown, self.tail = shown + ([self.tail] if self.tail else []), ""
-        self._write([f"{self.label}{self._text(line)}\n" for line in shown], bool(shown))
+        self._write([f"{self.label}{self._text(line)}\n" for line in shown])
         return [self._text(line) for line in pending]
 
     def _text(self, line: str) -> str:
         line = as_terminal_shows(line)
         return line.removeprefix(f"{self.theirs} ").removeprefix(self.theirs) if self.theirs else line
 
-    def _write(self, lines: list[str], ends: bool) -> None:
-        """Write ``lines``; ``ends``: a line of this stream ended (its unfinished one, if shown, with it)."""
-        owner = self.live.get("by")
-        if owner is not None and (lines or ends):
-            # Over the unfinished line; where nothing is written, that line stays.
-            lines.insert(0, "\r" if lines else "\n")
-            del self.live["by"]
+    def _write(self, lines: list[str]) -> None:
+        """Write ``lines`` over the unfinished line drawn last, if any; where nothing is written, that line stays."""
         if lines:
-            self.out.write("".join(lines))
+            self.out.write(("\r" if self.live.pop("by", None) is not None else "") + "".join(lines))
             self.out.flush()
 
 

@@ -85,7 +85,7 @@ class Spare:
                     if not data:
                         selector.unregister(key.fileobj)
         self.said = (said[0], said[1])
-        pid = launched.exactly(self.control, launched.SIZE.size)
+        pid = self.control.recv(launched.SIZE.size, socket.MSG_WAITALL)
         if not pid:
             ours.close()
             return None
@@ -119,7 +119,7 @@ class Forked:
                 selector.register(self.spare.control, selectors.EVENT_READ)
                 if not selector.select(timeout):
                     raise subprocess.TimeoutExpired(str(self.pid), timeout)
-            status = launched.exactly(self.spare.control, launched.SIZE.size)
+            status = self.spare.control.recv(launched.SIZE.size, socket.MSG_WAITALL)
             # No status: the spare died, which kills its launch (PR_SET_PDEATHSIG).
             self.returncode = launched.SIZE.unpack(status)[0] if status else -signal.SIGKILL
         return self.returncode
