@@ -22,7 +22,7 @@ import pytest
 
 from support import last_json, run_python
 from vgpu_magic import frameworks
-from vgpu_magic.monitor.display import DisplaySurface, MemoryFrame, detect_frontend
+from vgpu_magic.monitor.display import MemoryFrame, detect_frontend
 from vgpu_magic.monitor.live import LiveMemoryView
 from vgpu_magic.monitor.plot import MemoryFigure, save_trace_figure
 from vgpu_magic.monitor.recorder import MemoryRecorder
@@ -91,7 +91,7 @@ def live_view(display, clock, **kwargs) -> LiveMemoryView:
         widgets.append(FakeWidget(**traits))
         return widgets[-1]
 
-    view = LiveMemoryView(DisplaySurface(display), widget=widget, clock=clock, **kwargs)
+    view = LiveMemoryView(display, widget=widget, clock=clock, **kwargs)
     view.widgets = widgets
     return view
 

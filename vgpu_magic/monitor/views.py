@@ -10,7 +10,7 @@ from typing import Any, TextIO
 from ..units import format_bytes, joined_alike
 from .trace import MemoryTrace
 
-__all__ = ["View", "RedrawThrottle", "TextSummaryView", "NullView", "summary_line", "panel_top"]
+__all__ = ["View", "RedrawThrottle", "TextSummaryView", "summary_line", "panel_top"]
 __all__ += ["panel_groups", "labelled_groups", "group_label", "title_text", "PALETTE", "DARK_PALETTE"]
 
 #: Series colours. On a light background each has at least 4.5:1 contrast (WCAG's minimum for text, so also for the
@@ -98,10 +98,6 @@ class View:
 
     def finish(self, trace: MemoryTrace) -> None:
         pass
-
-
-class NullView(View):
-    """Records only; draws and prints nothing."""
 
 
 def summary_line(trace: MemoryTrace) -> str:
