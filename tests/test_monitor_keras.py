@@ -354,7 +354,7 @@ model.compile("sgd", "mse")
 x = np.zeros((64, 4), "float32"); y = np.zeros((64, 2), "float32")
 model.fit(x, y, batch_size=8, epochs=2, verbose=0, validation_split=0.25)
 after_fit = len(auto.AUTO.monitors)
-fit_trace = auto.AUTO.last_monitor.traces[0]
+fit_trace = auto.AUTO.monitors[-1].traces[0]
 model.evaluate(x, y, verbose=0)
 model.predict(x, verbose=0)
 mine = vgpu_magic.MemoryMonitor(display="none")

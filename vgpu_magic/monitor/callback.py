@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..keras_backend import keras_backend
-from .session import KEPT_TRACES, MonitorSession
+from .session import MonitorSession
 
-__all__ = ["MemoryMonitor", "KEPT_TRACES"]
+__all__ = ["MemoryMonitor"]
 
 
 class MemoryMonitor(MonitorSession):
@@ -26,9 +26,6 @@ class MemoryMonitor(MonitorSession):
     def _preferred_framework(self) -> str | None:
         return keras_backend()
 
-    def _run_params(self) -> dict:
-        return self.params or {}
-
     @property
     def model(self) -> Any:
         return self._model
@@ -42,7 +39,7 @@ class MemoryMonitor(MonitorSession):
         self._fresh = True
 
     def on_train_begin(self, logs=None) -> None:
-        self._begin("fit")
+        self._begin("fit", (self.params or {}).get("epochs"))
 
     def on_test_begin(self, logs=None) -> None:
         self._begin("evaluate")

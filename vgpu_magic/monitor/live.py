@@ -117,7 +117,7 @@ class LiveMemoryView(View):
             self._handle.update(obj)
 
     def sampled(self, trace: MemoryTrace, now: float) -> None:
-        if self.throttle.ready(now):
+        if now >= self.throttle.next_allowed():
             self._update(trace)
 
     def epoch_end(self, trace: MemoryTrace, epoch: int) -> None:

@@ -170,7 +170,7 @@ class MonitorSession:
             return LiveMemoryView(defer=self._defer_to_cell_end)
         return TextSummaryView() if mode == "text" else None
 
-    def _begin(self, kind: str) -> None:
+    def _begin(self, kind: str, epochs: int | None = None) -> None:
         fresh, self._fresh = self._fresh, False
         if self._depth and not fresh:
             # fit's validation runs evaluate through the same callback list
@@ -182,15 +182,11 @@ class MonitorSession:
         self._run_pending()
         self._depth = 1
         self._epoch_base = self._next_step = 0
-        params = self._run_params()
         # The cell hook first: an interrupt after the view appeared still closes the run and draws its image.
         self._watch_cell()
         self._recorder.view = self._make_view()
         self._joining = False
-        self._recorder.start(kind, epochs=params.get("epochs") if kind == "fit" else None)
-
-    def _run_params(self) -> dict:  # epochs and steps, where known (Keras' params)
-        return {}
+        self._recorder.start(kind, epochs=epochs)
 
     def _end(self) -> None:
         if self._depth > 1:

@@ -149,9 +149,6 @@ class RedrawThrottle:
     def next_allowed(self) -> float:
         return max(self.due, self.last_start + self.budget_factor * self.last_cost)
 
-    def ready(self, now: float) -> bool:
-        return now >= self.next_allowed()
-
     def record(self, start: float, cost: float) -> None:
         """An update started at ``start`` and took ``cost`` seconds."""
         late = start - self.due
