@@ -39,10 +39,8 @@ class MemorySampler(Protocol):
     joinable: Callable[[], bool] | None
     #: Read only on the training thread, by its hooks (JAX's live arrays), never by the recorder's thread.
     training_thread_only: bool
-
-    @property
-    def devices(self) -> tuple[str, ...]:
-        """The logical devices it reads."""
+    #: The logical devices it reads.
+    devices: tuple[str, ...]
 
     def read(self) -> list[tuple[int, int]]: ...
 
