@@ -250,7 +250,6 @@ def test_a_custom_jax_loop_is_monitored_without_importing_tensorflow_or_keras(sp
 
 
 PLOT_ERROR = """
-from vgpu_magic.monitor.display import DisplaySurface
 from vgpu_magic.monitor.live import LiveMemoryView
 
 def broken_display(obj, display_id=None):
@@ -258,7 +257,7 @@ def broken_display(obj, display_id=None):
 
 with vgpu_magic.strategy().scope():
     model = build()
-mon = vgpu_magic.MemoryMonitor(view=LiveMemoryView(DisplaySurface(broken_display), clock=lambda: 1e9))
+mon = vgpu_magic.MemoryMonitor(view=LiveMemoryView(broken_display, clock=lambda: 1e9))
 history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[mon])
 print(json.dumps({"epochs": len(history.history["loss"]), "samples": len(mon.trace), "view": mon.view is None}))
 """
@@ -355,7 +354,7 @@ model.compile("sgd", "mse")
 x = np.zeros((64, 4), "float32"); y = np.zeros((64, 2), "float32")
 model.fit(x, y, batch_size=8, epochs=2, verbose=0, validation_split=0.25)
 after_fit = len(auto.AUTO.monitors)
-fit_trace = auto.AUTO.last_monitor.traces[0]
+fit_trace = auto.AUTO.monitors[-1].traces[0]
 model.evaluate(x, y, verbose=0)
 model.predict(x, verbose=0)
 mine = vgpu_magic.MemoryMonitor(display="none")

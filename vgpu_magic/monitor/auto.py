@@ -27,6 +27,7 @@ class AutoMonitoring:
         #: Methods another tool had patched over ours when monitoring was switched off.
         self.kept: list[str] = []
         self._local = threading.local()
+        #: The monitors of the latest automatically monitored calls (the last ten, the newest last).
         self.monitors: list[Any] = []
 
     @property
@@ -108,11 +109,6 @@ class AutoMonitoring:
             return "automatic memory monitoring is off"
         extra = ", ".join(f"{k}={v!r}" for k, v in self._options.items())
         return f"automatic memory monitoring is on for keras.Model.fit/evaluate/predict{f' ({extra})' if extra else ''}"
-
-    @property
-    def last_monitor(self) -> Any:
-        """The monitor of the latest automatically monitored call."""
-        return self.monitors[-1] if self.monitors else None
 
 
 #: The process-wide automatic monitoring that ``%vgpu_monitor`` switches, and its switches.

@@ -7,34 +7,27 @@ from __future__ import annotations
 from typing import Any
 
 from ..keras_backend import keras_backend
-from .session import KEPT_TRACES, MonitorSession
+from .session import MonitorSession
 
-__all__ = ["MemoryMonitor", "KEPT_TRACES"]
+__all__ = ["MemoryMonitor"]
 
 
 class MemoryMonitor(MonitorSession):
     """Watch the memory of every logical device during Keras' ``fit``, ``evaluate`` and ``predict`` (a callback), or a
     custom loop (a context manager); parameters: :class:`MonitorSession`; examples: docs/live-view.md."""
 
-    _model: Any = None
-    #: Set by Keras (``set_params``) for each run; ``None`` before, as in ``keras.callbacks.Callback``.
+    #: Set by Keras (``set_model``, ``set_params``) for each run; ``None`` before, as in ``keras.callbacks.Callback``.
+    model: Any = None
     params: dict | None = None
 
     def _current_model(self) -> Any:
-        return self._model_hint if self._model_hint is not None else self._model
+        return self._model_hint if self._model_hint is not None else self.model
 
     def _preferred_framework(self) -> str | None:
         return keras_backend()
 
-    def _run_params(self) -> dict:
-        return self.params or {}
-
-    @property
-    def model(self) -> Any:
-        return self._model
-
     def set_model(self, model: Any) -> None:
-        self._model = model
+        self.model = model
 
     def set_params(self, params: dict) -> None:
         # Keras sets params per fit/evaluate/predict call, not for a fit's validation: nested or new.
@@ -42,7 +35,7 @@ class MemoryMonitor(MonitorSession):
         self._fresh = True
 
     def on_train_begin(self, logs=None) -> None:
-        self._begin("fit")
+        self._begin("fit", (self.params or {}).get("epochs"))
 
     def on_test_begin(self, logs=None) -> None:
         self._begin("evaluate")

@@ -1,5 +1,5 @@
-"""Where the memory view goes in a notebook: one output, shown once, updated in place
-(:class:`DisplaySurface`), ending with :class:`MemoryFrame`, the final image (PNG plus its text form)."""
+"""Where the memory view goes: the front end (:func:`detect_frontend`) and, in a notebook, the final image
+(:class:`MemoryFrame`, PNG plus its text form)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["DISPLAY_MODES", "DisplaySurface", "MemoryFrame", "detect_frontend", "interrupts_deferred"]
+__all__ = ["DISPLAY_MODES", "MemoryFrame", "detect_frontend", "interrupts_deferred"]
 
 #: ``display=``: ``"auto"`` (live plot in Jupyter, else text), ``"rich"``, ``"text"`` (per epoch) or ``"none"``.
 DISPLAY_MODES = ("auto", "rich", "text", "none")
@@ -45,22 +45,6 @@ class MemoryFrame:
 
     def __repr__(self) -> str:
         return self.text
-
-
-class DisplaySurface:
-    """One output, shown once (``display(obj, display_id=True) -> handle``), then updated by ``handle.update(obj)``."""
-
-    def __init__(self, display: Callable[..., Any] | None = None) -> None:
-        if display is None:
-            from IPython.display import display
-        self._display = display
-        self.handle: Any = None
-
-    def show(self, obj: Any) -> None:
-        if self.handle is None:
-            self.handle = self._display(obj, display_id=True)
-        else:
-            self.handle.update(obj)
 
 
 @contextlib.contextmanager

@@ -15,17 +15,10 @@ from ..units import format_bytes, unit_for
 from .trace import MemoryTrace
 from .views import DARK_PALETTE, PALETTE, RedrawThrottle, View, labelled_groups, panel_top, summary_line, title_text
 
-WIDGET_INSTALL_HINT = "pip install 'vgpu_magic[widgets]'"
 #: A live panel keeps its unit while its largest figure reads in four digits in it ("3121 KiB"), not rescaled.
 KEPT_UNIT_DIGITS = 4
 #: Seconds of the run the live title's step rate is measured over (Keras' and tqdm's bars average theirs too).
 RATE_WINDOW_S = 5.0
-
-
-def widget_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("anywidget") is not None
 
 
 @functools.cache
@@ -87,20 +80,20 @@ def _series(trace: MemoryTrace) -> list[dict[str, Any]]:
 
 
 class LiveMemoryView(View):
-    """Feeds a ``MemoryWidget`` (``widget(**traits)``) on ``surface``; the final image replaces it as ``defer`` says."""
+    """Feeds a ``MemoryWidget`` (``widget(**traits)``) in one output of ``display`` (shown once, then updated in
+    place); the final image replaces it as ``defer`` says."""
 
     def __init__(
         self,
-        surface: Any = None,
+        display: Callable[..., Any] | None = None,
         widget: Callable[..., Any] | None = None,
         clock: Callable[[], float] = time.perf_counter,
         defer: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
-        if surface is None:
-            from .display import DisplaySurface
-
-            surface = DisplaySurface()
-        self.surface = surface
+        if display is None:
+            from IPython.display import display
+        self._display = display
+        self._handle: Any = None
         self.throttle = RedrawThrottle()
         self._make_widget = widget or memory_widget
         self.clock = clock
@@ -113,12 +106,18 @@ class LiveMemoryView(View):
         begin = self.clock()
         self._units = {}
         self.widget = self._make_widget(series=_series(trace), **self._traits(trace))
-        self.surface.show(self.widget)
+        self._show(self.widget)
         self.throttle.reset(begin)
         self._sent, self._bucket, self._marks = 0, trace.decimated, 0
 
+    def _show(self, obj: Any) -> None:
+        if self._handle is None:
+            self._handle = self._display(obj, display_id=True)
+        else:
+            self._handle.update(obj)
+
     def sampled(self, trace: MemoryTrace, now: float) -> None:
-        if self.throttle.ready(now):
+        if now >= self.throttle.next_allowed():
             self._update(trace)
 
     def epoch_end(self, trace: MemoryTrace, epoch: int) -> None:
@@ -176,7 +175,7 @@ class LiveMemoryView(View):
         from .display import MemoryFrame
 
         try:
-            self.surface.show(MemoryFrame(*static_image(trace)))
+            self._show(MemoryFrame(*static_image(trace)))
         finally:
             if self.widget is not None:
                 self.widget.close()

@@ -9,19 +9,11 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..errors import USER_ERRORS, FrameworkImportError
 from ..grammar import choice, parse_arguments, seconds, with_example
+from .display import DISPLAY_MODES
 
 __all__ = ["MonitorMagics", "parse_monitor_line"]
 
 ACTIONS = ("on", "off", "status")
-
-
-@with_example("--display text")
-def _display_mode(text: str) -> str:
-    """``--display``'s value: one of the display modes (read when used, so loading stays cheap)."""
-    from .display import DISPLAY_MODES
-
-    refusal = "--display {value} is not a display mode; use " + ", ".join(DISPLAY_MODES)
-    return choice(DISPLAY_MODES, refusal, "--display text")(text)
 
 
 @with_example("--interval 0.05")
@@ -70,7 +62,9 @@ class MonitorMagics(Magics):
     )
     @argument(
         "--display",
-        type=_display_mode,
+        type=choice(
+            DISPLAY_MODES, "--display {value} is not a display mode; use " + ", ".join(DISPLAY_MODES), "--display text"
+        ),
         metavar="MODE",
         help="how each monitor shows memory: auto (a live plot in a notebook, text elsewhere), rich, text or none",
     )

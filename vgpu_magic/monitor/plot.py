@@ -15,9 +15,6 @@ from .views import PALETTE, group_label, panel_groups, panel_top, title_text
 #: At most this many points per line (bucket maxima beyond it, so no spike disappears).
 MAX_POINTS = 1500
 
-#: The smallest top of a memory axis, in bytes.
-MIN_TOP = 1024
-
 #: Pixels per inch. With the font sizes below, the smallest text (8.5 pt) is 12 px high.
 DPI = 100
 _TICK_PT, _TITLE_PT, _NOTE_PT = 8.5, 10.5, 8.0
@@ -29,8 +26,6 @@ _LABEL, _NOTE = {"fontsize": 9.5, "color": TEXT}, {"fontsize": _NOTE_PT, "color"
 #: The legend's card and its text (about 15:1).
 _CARD, _CARD_TEXT = "#f7f7f7", "#222222"
 _EPOCH = {"fontsize": _NOTE_PT, "color": _CARD_TEXT, "bbox": {"facecolor": _CARD, "edgecolor": "none", "pad": 1.0}}
-
-_PANEL_TITLES = {"device": "device memory", "process": "process RSS"}
 
 #: The lines of one panel, in turn (as live.js): overlapping series stay apart by their dashes, never moved.
 DASHES = ("-", (0, (7, 3)), (0, (2, 2)), (0, (7, 3, 2, 3)))
@@ -141,8 +136,9 @@ class MemoryFigure:
             span = max(top - low, 0.05 * top) if panel == "process" else top
             low = max(0.0, low - 0.15 * span) if panel == "process" else 0.0
             # Never below 1 KiB: an allocator reporting nothing is drawn at zero on a sane scale.
-            ax.set_ylim(low / scale, max(top + 0.08 * span, MIN_TOP) / scale)
-            ax.set_ylabel(f"{_PANEL_TITLES[panel]} ({name})", **_LABEL)
+            ax.set_ylim(low / scale, max(top + 0.08 * span, 1024) / scale)
+            title = {"device": "device memory", "process": "process RSS"}[panel]
+            ax.set_ylabel(f"{title} ({name})", **_LABEL)
             capped = [g for g in self.groups if trace.series[g[0]].panel == panel and trace.series[g[0]].cap]
             for cap in sorted({trace.series[g[0]].cap for g in capped}):
                 group = [g[0] for g in capped if trace.series[g[0]].cap == cap]

@@ -186,7 +186,7 @@ class MemoryRecorder:
         with self._lock:
             self.epoch = epoch
             if self.trace is not None:
-                self.trace.mark_epoch(self.clock() - self._t0, epoch)
+                self.trace.epoch_starts.append((self.clock() - self._t0, epoch))
 
     def end_epoch(self, epoch: int) -> None:
         with self._lock:

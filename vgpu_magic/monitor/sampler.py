@@ -14,7 +14,7 @@ from ..devices import split_simulates
 from ..units import MIB
 from .trace import SeriesInfo, short_name
 
-__all__ = ["MemorySampler", "DeviceSampler", "SamplerError", "build_series", "monitored_devices", "normalize_device"]
+__all__ = ["MemorySampler", "DeviceSampler", "SamplerError", "build_series", "normalize_device"]
 __all__ += ["process_memory_reader", "variable_bytes", "model_variables", "PROCESS_LABEL"]
 
 #: The legend of the process series.
@@ -39,10 +39,8 @@ class MemorySampler(Protocol):
     joinable: Callable[[], bool] | None
     #: Read only on the training thread, by its hooks (JAX's live arrays), never by the recorder's thread.
     training_thread_only: bool
-
-    @property
-    def devices(self) -> tuple[str, ...]:
-        """The logical devices it reads."""
+    #: The logical devices it reads.
+    devices: tuple[str, ...]
 
     def read(self) -> list[tuple[int, int]]: ...
 
@@ -83,23 +81,6 @@ def build_series(
     if process or (process is None and cpus):
         series.append(SeriesInfo("process", PROCESS_LABEL, (), None, panel="process"))
     return tuple(series)
-
-
-def monitored_devices(
-    framework: Any, devices: Iterable[str] | None = None, model: Any = None, strategy: Any = None
-) -> list[str]:
-    """``devices``, else every replica device of the configuration and of ``strategy`` (or the model's)."""
-    if devices is not None:
-        names = [normalize_device(d) for d in devices]
-        if not names:
-            raise ValueError("devices=[] names no device; give e.g. devices=['GPU:0', 'GPU:1'] or leave it out")
-        return names
-    names = list(framework.read_configuration().replica_devices())
-    if strategy is None and model is not None:
-        strategy = getattr(model, "distribute_strategy", None)
-    with contextlib.suppress(AttributeError, RuntimeError):  # no strategy, or one without worker devices
-        names += [normalize_device(d) for d in strategy.extended.worker_devices]
-    return list(dict.fromkeys(names))
 
 
 def process_memory_reader() -> Callable[[], tuple[int, int]]:
@@ -176,9 +157,20 @@ class DeviceSampler:
         strategy: Any = None,
         process: bool | None = None,
     ) -> DeviceSampler:
-        """A sampler over :func:`monitored_devices` of ``framework``, with its caps and CPU grouping."""
-        names = monitored_devices(framework, devices, model=model, strategy=strategy)
+        """A sampler of ``devices``, else every replica device of ``framework``'s configuration and of ``strategy``
+        (or the model's), with their caps and CPU grouping."""
         configuration = framework.read_configuration()
+        if devices is not None:
+            names = [normalize_device(d) for d in devices]
+            if not names:
+                raise ValueError("devices=[] names no device; give e.g. devices=['GPU:0', 'GPU:1'] or leave it out")
+        else:
+            names = list(configuration.replica_devices())
+            if strategy is None and model is not None:
+                strategy = getattr(model, "distribute_strategy", None)
+            with contextlib.suppress(AttributeError, RuntimeError):  # no strategy, or one without worker devices
+                names += [normalize_device(d) for d in strategy.extended.worker_devices]
+            names = list(dict.fromkeys(names))
         caps = {name: None if mib is None else int(mib) * MIB for name, mib in configuration.caps_mib().items()}
         series = build_series(names, caps, shared_cpus=framework.capabilities.cpus_share_allocator, process=process)
         # A device's own series is labelled in the framework's words (JAX: "cpu:3").

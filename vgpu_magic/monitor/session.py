@@ -5,6 +5,7 @@ elsewhere); the Keras callback (:class:`~vgpu_magic.monitor.callback.MemoryMonit
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -15,7 +16,7 @@ from .plot import save_trace_figure
 from .recorder import MemoryRecorder
 from .sampler import DeviceSampler, MemorySampler, build_series, model_variables, variable_bytes
 from .trace import MemoryTrace
-from .views import NullView, TextSummaryView
+from .views import TextSummaryView
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is Python 3.11+
@@ -156,20 +157,20 @@ class MonitorSession:
         if self._view is not None:
             return self._view
         if self._sampler is not None and not self._sampler.series:  # e.g. every rank on another host
-            return NullView()
+            return None
         mode = detect_frontend() if self.display == "auto" else self.display
         if mode == "rich":
-            from .live import WIDGET_INSTALL_HINT, LiveMemoryView, widget_available
-
-            if not widget_available():
+            if importlib.util.find_spec("anywidget") is None:
                 self._report_once_per_process(
-                    f"anywidget is not installed, so memory is summarised as text; {WIDGET_INSTALL_HINT}"
+                    "anywidget is not installed, so memory is summarised as text; pip install 'vgpu_magic[widgets]'"
                 )
                 return TextSummaryView()
-            return LiveMemoryView(defer=self._defer_to_cell_end)
-        return TextSummaryView() if mode == "text" else NullView()
+            from .live import LiveMemoryView
 
-    def _begin(self, kind: str) -> None:
+            return LiveMemoryView(defer=self._defer_to_cell_end)
+        return TextSummaryView() if mode == "text" else None
+
+    def _begin(self, kind: str, epochs: int | None = None) -> None:
         fresh, self._fresh = self._fresh, False
         if self._depth and not fresh:
             # fit's validation runs evaluate through the same callback list
@@ -181,15 +182,11 @@ class MonitorSession:
         self._run_pending()
         self._depth = 1
         self._epoch_base = self._next_step = 0
-        params = self._run_params()
         # The cell hook first: an interrupt after the view appeared still closes the run and draws its image.
         self._watch_cell()
         self._recorder.view = self._make_view()
         self._joining = False
-        self._recorder.start(kind, epochs=params.get("epochs") if kind == "fit" else None)
-
-    def _run_params(self) -> dict:  # epochs and steps, where known (Keras' params)
-        return {}
+        self._recorder.start(kind, epochs=epochs)
 
     def _end(self) -> None:
         if self._depth > 1:
@@ -281,7 +278,7 @@ class MonitorSession:
 
     # What the recorder knows of the current (or last) run, read-only.
     trace = property(lambda self: self._recorder.trace, doc="Its :class:`MemoryTrace`; ``None`` before the first.")
-    view = property(lambda self: self._recorder.view, doc="Its view; ``None`` after it failed.")
+    view = property(lambda self: self._recorder.view, doc="Its view; ``None`` with none or after it failed.")
     active = property(lambda self: self._recorder.active, doc="Whether a run is being recorded now.")
 
     def _require_trace(self) -> MemoryTrace:

@@ -34,10 +34,6 @@ class SeriesInfo:
     cap: int | None = None
     panel: str = "device"
 
-    @property
-    def shared(self) -> bool:
-        return len(self.devices) > 1
-
 
 class MemorySample(NamedTuple):
     """One row of a trace: one series at one sample."""
@@ -143,9 +139,6 @@ class MemoryTrace:
         self._max_peak = list(pick(self._max_peak, [0] * len(series)))
         self.series = tuple(series)
         self._cols = out
-
-    def mark_epoch(self, time: float, epoch: int) -> None:
-        self.epoch_starts.append((time, epoch))
 
     def __len__(self) -> int:
         return self._cols.n

@@ -10,7 +10,7 @@ from typing import Any, TextIO
 from ..units import format_bytes, joined_alike
 from .trace import MemoryTrace
 
-__all__ = ["View", "RedrawThrottle", "TextSummaryView", "NullView", "summary_line", "panel_top"]
+__all__ = ["View", "RedrawThrottle", "TextSummaryView", "summary_line", "panel_top"]
 __all__ += ["panel_groups", "labelled_groups", "group_label", "title_text", "PALETTE", "DARK_PALETTE"]
 
 #: Series colours. On a light background each has at least 4.5:1 contrast (WCAG's minimum for text, so also for the
@@ -100,10 +100,6 @@ class View:
         pass
 
 
-class NullView(View):
-    """Records only; draws and prints nothing."""
-
-
 def summary_line(trace: MemoryTrace) -> str:
     """``'host allocator (shared by 4 logical CPUs): now 72.5 MiB, peak 121.8 MiB'`` per series, ``'; '``-separated."""
     parts = []
@@ -152,9 +148,6 @@ class RedrawThrottle:
 
     def next_allowed(self) -> float:
         return max(self.due, self.last_start + self.budget_factor * self.last_cost)
-
-    def ready(self, now: float) -> bool:
-        return now >= self.next_allowed()
 
     def record(self, start: float, cost: float) -> None:
         """An update started at ``start`` and took ``cost`` seconds."""
