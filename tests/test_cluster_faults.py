@@ -592,3 +592,21 @@ def test_what_the_spares_imports_write_starts_every_launch_forked_from_it(tmp_pa
     assert first[5] == second[5] == imported[3] and first[2] != second[2] == str(pid), shown
     assert all("UserWarning: noisy at import" in said for _, said in shown), shown
     assert our_processes() <= before
+
+
+def test_an_interrupted_scripts_traceback_is_the_one_python_file_shows(tmp_path):
+    """A script's KeyboardInterrupt (the stop button, ``--timeout``) ended its launch with the launch's frames
+    (``python -c``'s, ``launched.py``'s) above the script's; now its traceback, atexit handlers and exit by SIGINT are
+    ``python FILE``'s."""
+    import subprocess
+    import sys
+
+    (tmp_path / "t.py").write_text("import atexit\natexit.register(print, 'atexit ran')\n\nraise KeyboardInterrupt\n")
+    launched = "import sys; from vgpu_magic.ranks import launched; sys.argv = ['t.py']; launched.run_main('t.py')"
+    runs = [
+        subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
+        for command in ([sys.executable, "-c", launched], [sys.executable, "t.py"])
+    ]
+    ours, python = [(run.returncode, run.stdout, run.stderr.replace(str(tmp_path), "")) for run in runs]
+    assert ours == python == (-2, "atexit ran\n", ours[2]), (ours, python)
+    assert ours[2].startswith('Traceback (most recent call last):\n  File "/t.py", line 4, in <module>\n'), ours

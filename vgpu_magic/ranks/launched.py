@@ -130,6 +130,10 @@ def _launched(launch: dict, fds: list[int], parent: int) -> None:
 def run_main(path: str, module: bool = False) -> None:
     """Run ``path`` as ``python PATH`` (``python -m PATH``) runs it, in this process (``sys.argv``, ``sys.path`` and
     the environment set); an exception it raises ends the process as it would end ``python``'s, status 1."""
+    # A KeyboardInterrupt is left to the interpreter, which ends the process by SIGINT after its atexit handlers, as
+    # after ``python FILE``: its hook shows it from the script's first frame on too (the script may set its own).
+    hook = sys.excepthook
+    sys.excepthook = lambda kind, exc, tb: hook(kind, exc.with_traceback(_from_the_script(tb)), exc.__traceback__)
     try:
         if module:
             # As python -m runs it: sys.argv[0] becomes the module's file, its module is __main__.
@@ -138,9 +142,7 @@ def run_main(path: str, module: bool = False) -> None:
             _run_script(path)
     except Exception as exc:  # noqa: BLE001 - whatever the script raises ends it, as an uncaught exception does
         # Python's own report of an uncaught exception, from the script's first frame on.
-        tb, launching = exc.__traceback__, (__file__, runpy.run_module.__code__.co_filename)
-        while tb is not None and tb.tb_frame.f_code.co_filename.startswith((*launching, "<frozen importlib")):
-            tb = tb.tb_next
+        tb = _from_the_script(exc.__traceback__)
         if tb is None and module:
             # Not found, or its package failed before its code ran: python -m's one line.
             print(f"{sys.executable}: {exc}", file=sys.stderr)
@@ -148,6 +150,14 @@ def run_main(path: str, module: bool = False) -> None:
         # torch.distributed's hook (which labels each line with the rank) reads the exception's own traceback.
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         sys.exit(1)
+
+
+def _from_the_script(tb):
+    """``tb`` from the script's first frame on: without the launch's (``python -c``'s, this module's, runpy's)."""
+    launching = ("<string>", __file__, runpy.run_module.__code__.co_filename, "<frozen importlib")
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(launching):
+        tb = tb.tb_next
+    return tb
 
 
 def _ended(control: socket.socket) -> None:

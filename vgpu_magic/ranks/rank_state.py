@@ -90,7 +90,14 @@ def answer() -> dict:
         frame = frame.f_back
     at = {"pid": os.getpid(), "stack": stack[::-1], "in_torch": in_torch, "in_jax": in_jax}
     at |= {"cpu": main_thread_cpu(psutil.Process()), "at": time.time()}
-    return {**at, **_recorded()}
+    # A first answer imports torch's stack symbolizer (900 modules): beside a main thread that holds the GIL (a loop),
+    # each of the import's reads waited the switch interval (5 ms) to take it back, 15 s in all, so asks timed out.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(interval, SWITCH))
+    try:
+        return {**at, **_recorded()}
+    finally:
+        sys.setswitchinterval(interval)
 
 
 def main_thread_cpu(process: Any) -> float:
@@ -119,6 +126,10 @@ def _syscall() -> str:
     with contextlib.suppress(OSError, IndexError), open(f"/proc/self/task/{os.getpid()}/syscall") as call:
         return call.read().split()[0]
     return ""
+
+
+#: Seconds the main thread may hold the GIL from this one while it answers (:func:`sys.setswitchinterval`).
+SWITCH = 1e-4
 
 
 def _recorded() -> dict:
