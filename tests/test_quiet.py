@@ -18,9 +18,10 @@ import pytest
 
 from support import answering, as_a_user, kernel_output, kernel_run, refused_changing_nothing, started_kernel
 from vgpu_magic.frameworks import get
+from vgpu_magic.frameworks.jax import GLOO_END
 from vgpu_magic.ranks.failures import notebook_traceback
 from vgpu_magic.ranks.run import RankRun, RankRunError, RankWork
-from vgpu_magic.ranks.shown import HeldBack, rank_env
+from vgpu_magic.ranks.shown import HeldBack, LineStream, rank_env
 
 #: What TensorFlow 2.21's workers and Gloo wrote on a rank in a kernel started as a user starts one.
 TF_START = [
@@ -55,6 +56,29 @@ def test_framework_start_up_lines_are_held_back_per_rank_and_the_rest_shown():
     assert tf.lines(1) == [f"[rank 1] {line}" for line in TF_START]
     assert tf.lines(0) == []
     assert jax.lines() == [f"[rank 1] {GLOO}"]
+
+
+def _greeting(rank: int) -> list[str]:
+    """Gloo's greeting as ``printConnectivityInfo`` writes it: one ``std::cout`` piece at a time."""
+    return ["[Gloo] Rank ", str(rank), " is connected to ", "3", " peer ranks. ", GLOO_END, "3", "\n"]
+
+
+def test_gloos_greetings_interleaved_by_two_communicators_connecting_at_once_are_held_back_whole():
+    """CI's notebook 09 showed ``[rank 0] [Gloo] Rank [Gloo] Rank 1 is connected ...`` and ``[rank 0] 0 is connected
+    ...``: a rank's two communicators (one per device) wrote their greetings at once, piece by piece."""
+    a, b = _greeting(0), _greeting(1)
+    # One greeting written inside the other after each of its pieces, and the two alternating piece by piece.
+    writes = [a[:k] + b + a[k:] for k in range(1, len(a))] + [[p for pair in zip(a, b) for p in pair]]
+    for pieces in writes:
+        out, held = io.StringIO(), HeldBack.of(get("jax"))
+        stream = LineStream("[rank 0] ", out, lambda line, held=held: held.shown(0, line))
+        stream.feed("".join(pieces) + "epoch 1\n\n0\n")
+        assert out.getvalue() == "[rank 0] epoch 1\n[rank 0] \n[rank 0] 0\n", pieces
+        assert "".join(held.lines(0)).count(GLOO_END) == 2
+    # Gloo's word that a peer is missing, a user's numbers and empty lines are the user's to see.
+    held = HeldBack.of(get("jax"))
+    shown = ["[Gloo] Rank 0 is NOT connected to: [1]", "42", "", "3 is connected to nothing"]
+    assert [line for line in shown if held.shown(0, line)] == shown
 
 
 def test_verbose_shows_every_line():

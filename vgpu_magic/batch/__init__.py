@@ -183,7 +183,7 @@ class Job(Shown):
     def logs(self, rank: int | None = None, read: dict[int, int] | None = None) -> str:
         """Each rank's output (or rank ``rank``'s) labelled ``[rank r]``, start-up chatter held back as ``%vgpu_run``
         holds it; with ``read`` (rank -> characters read, updated) only the whole lines written since."""
-        added, held = [], HeldBack(frameworks.get(self.spec.framework).chatter)
+        added, held = [], HeldBack.of(frameworks.get(self.spec.framework))
         for r in range(self.spec.ranks) if rank is None else [rank]:
             text, start = self.backend.logs(self.folder, r), 0 if read is None else read.get(r, 0)
             done = len(text) if read is None else text.rfind("\n") + 1

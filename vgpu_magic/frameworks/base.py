@@ -148,6 +148,8 @@ class Framework(CudaUser, abc.ABC):
     log_settings: ClassVar[dict[str, tuple[str, str]]] = {}
     #: Regular expressions of the start-up lines no setting silences (held back on ranks: :mod:`.ranks.shown`).
     chatter: tuple[str, ...] = ()
+    #: The text that ends one line of chatter (several, when threads' writes interleave in one line), or "".
+    chatter_end: str = ""
 
     def imported(self) -> bool:
         """Has the user (or anything) imported the framework in this process?"""

@@ -95,7 +95,7 @@ class RankCluster:
         self.spec = ClusterSpec(n, self.fw.name, *asked)
         self.n, self.join = n, bool(join)
         #: Each rank's held-back start-up lines (:meth:`log`).
-        self.held = HeldBack(self.fw.chatter, bool(verbose))
+        self.held = HeldBack.of(self.fw, bool(verbose))
         #: The GPUs the caller planned for (every host then plans with them), or ``None``: each engine's own.
         self.given_gpus = gpus if gpus is None else tuple(GPUInfo(i, total_mib=t // MIB, nvml_index=i) for i, t in gpus)
         # Planned on what n engines on this host would report; start() plans again from what they report.

@@ -33,18 +33,33 @@ def rank_env(fw, verbose: bool = False, environ: Mapping[str, str] = os.environ)
 
 
 class HeldBack:
-    """Each rank's held-back start-up lines: those matching ``patterns`` (whole lines), none with ``verbose``."""
+    """Each rank's held-back start-up lines: those matching ``patterns`` (whole lines), none with ``verbose``. A held
+    line holding ``end`` k times held k lines that threads wrote at once: the k - 1 lines after it that are empty or a
+    number (what followed ``end`` in them) are theirs."""
 
-    def __init__(self, patterns: tuple[str, ...] = (), verbose: bool = False) -> None:
+    def __init__(self, patterns: tuple[str, ...] = (), verbose: bool = False, end: str = "") -> None:
         self.pattern = re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns and not verbose else None
+        self.end = end
         self.held: dict[int, deque[str]] = {}
         #: What each rank held back in the current run (emptied as one starts).
         self.this_run: dict[int, list[str]] = {}
+        #: Per rank, the empty lines still owed to held lines (their newlines came after another's).
+        self.owed: dict[int, int] = {}
+
+    @classmethod
+    def of(cls, fw, verbose: bool = False) -> HeldBack:
+        """Framework ``fw``'s chatter held back."""
+        return cls(fw.chatter, verbose, fw.chatter_end)
 
     def shown(self, rank: int, line: str) -> bool:
         """Is ``line`` of ``rank`` shown? If not, it is held back."""
-        if self.pattern is None or not self.pattern.fullmatch(line.rstrip()):
+        owed = self.owed.pop(rank, 0)
+        if owed and (line.strip().isdigit() or not line.strip()):
+            self.owed[rank] = owed - 1
+        elif self.pattern is None or not self.pattern.fullmatch(line.rstrip()):
             return True
+        elif self.end and line.count(self.end) > 1:
+            self.owed[rank] = line.count(self.end) - 1
         self.held.setdefault(rank, deque(maxlen=HELD_LINES)).append(line)
         self.this_run.setdefault(rank, []).append(line)
         return False

@@ -47,8 +47,12 @@ ENV_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 ENV_ALLOCATOR = "XLA_PYTHON_CLIENT_ALLOCATOR"
 _COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\S*)")
 _GPU_PLATFORMS = ("cuda", "gpu", "rocm")
-#: The line Gloo writes on each rank for each communicator it connects.
-GLOO_CONNECTED = r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+"
+#: The line Gloo writes on each rank for each communicator it connects (gloo's ``printConnectivityInfo``), written
+#: piece by piece to ``std::cout``: communicators connecting at once on one rank (one per device) interleave their
+#: pieces, so a held line is any run of those pieces with some text; each ``GLOO_END`` in it ends one greeting.
+GLOO_END = "Expected number of connected peer ranks is : "
+_GLOO_PIECES = (r"\[Gloo\] Rank ", " is connected to ", r" peer ranks\. ", re.escape(GLOO_END), r"\d+")
+GLOO_CONNECTED = rf"(?=.*\D)(?:{'|'.join(_GLOO_PIECES)})+"
 
 
 def backend_started() -> bool:
@@ -85,6 +89,7 @@ class Jax(Framework):
     join_call = "jax.distributed.initialize()"
     # Gloo, JAX's CPU collectives, greets each new communicator on every rank.
     chatter = (GLOO_CONNECTED,)
+    chatter_end = GLOO_END
 
     def __init__(self) -> None:
         self._peaks: dict[str, int] = {}
