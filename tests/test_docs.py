@@ -170,6 +170,18 @@ def matches(expected: str, shown: str) -> bool:
     return _pattern(in_rank_order(expected)).fullmatch(in_rank_order(shown.rstrip("\n") + "\n")) is not None
 
 
+def test_every_notebook_is_in_the_readmes_table_and_the_quickstarts_next_list():
+    """A new user finds the notebooks from the README and from the quickstart's last cell (13 was missing there)."""
+    import json
+
+    readme = (ROOT / "README.md").read_text()
+    quickstart = json.loads((ROOT / "notebooks" / "01_quickstart.ipynb").read_text())
+    last = "".join(quickstart["cells"][-1]["source"])
+    for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        assert f"(notebooks/{notebook.name})" in readme, notebook.name
+        assert notebook.name == "01_quickstart.ipynb" or f"`{notebook.name}`" in last, notebook.name
+
+
 def test_the_output_pattern_reads_ellipses_as_the_docs_mean_them():
     assert matches("a … c\n", "a b b c\n")
     assert matches("first\n…\nlast\n", "first\none\ntwo\nlast\n")
