@@ -77,7 +77,8 @@ def test_gloos_greetings_interleaved_by_two_communicators_connecting_at_once_are
         assert "".join(held.lines(0)).count(GLOO_END) == 2
     # Gloo's word that a peer is missing, a user's numbers and empty lines are the user's to see.
     held = HeldBack.of(get("jax"))
-    shown = ["[Gloo] Rank 0 is NOT connected to: [1]", "42", "", "3 is connected to nothing"]
+    # A long number before other text is refused at once (a repeated \d+ tried every split of it: 2**n steps).
+    shown = ["[Gloo] Rank 0 is NOT connected to: [1]", "42", "", "3 is connected to nothing", "1" * 5000 + " loss"]
     assert [line for line in shown if held.shown(0, line)] == shown
 
 

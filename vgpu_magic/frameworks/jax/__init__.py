@@ -51,7 +51,8 @@ _GPU_PLATFORMS = ("cuda", "gpu", "rocm")
 #: piece by piece to ``std::cout``: communicators connecting at once on one rank (one per device) interleave their
 #: pieces, so a held line is any run of those pieces with some text; each ``GLOO_END`` in it ends one greeting.
 GLOO_END = "Expected number of connected peer ranks is : "
-_GLOO_PIECES = (r"\[Gloo\] Rank ", " is connected to ", r" peer ranks\. ", re.escape(GLOO_END), r"\d+")
+#: Digit by digit: ``\d+`` repeated would try every split of a long number before failing (exponential).
+_GLOO_PIECES = (r"\[Gloo\] Rank ", " is connected to ", r" peer ranks\. ", re.escape(GLOO_END), r"\d")
 GLOO_CONNECTED = rf"(?=.*\D)(?:{'|'.join(_GLOO_PIECES)})+"
 
 
