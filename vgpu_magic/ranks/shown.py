@@ -43,7 +43,7 @@ class HeldBack:
         self.held: dict[int, deque[str]] = {}
         #: What each rank held back in the current run (emptied as one starts).
         self.this_run: dict[int, list[str]] = {}
-        #: Per rank, the empty lines still owed to held lines (their newlines came after another's).
+        #: Per rank, the lines after a held line that still belong to it (its newlines and digits came after another's).
         self.owed: dict[int, int] = {}
 
     @classmethod
@@ -58,8 +58,8 @@ class HeldBack:
             self.owed[rank] = owed - 1
         elif self.pattern is None or not self.pattern.fullmatch(line.rstrip()):
             return True
-        elif self.end and line.count(self.end) > 1:
-            self.owed[rank] = line.count(self.end) - 1
+        elif (ends := line.count(self.end) if self.end else 0) > 1:
+            self.owed[rank] = ends - 1
         self.held.setdefault(rank, deque(maxlen=HELD_LINES)).append(line)
         self.this_run.setdefault(rank, []).append(line)
         return False
