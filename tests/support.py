@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import platform
+import queue
 import shutil
 import subprocess
 import sys
@@ -74,16 +75,24 @@ def last_json(stdout: str):
 
 def kernel_run(kc, code: str, timeout: float = 240, on_message=None) -> list[dict]:
     """Execute ``code`` in a jupyter_client kernel; return the iopub messages of that
-    request, up to idle (``on_message`` sees each as it arrives)."""
+    request, up to idle (``on_message`` sees each as it arrives). A request that
+    timed out leaves the kernel busy: later requests to it fail at once, naming it."""
+    stuck = getattr(kc, "vgpu_stuck", None)
+    if stuck:
+        raise TimeoutError(f"the kernel is still running an earlier request that timed out: {stuck}")
     msg_id = kc.execute(code)
     messages = []
     deadline = time.monotonic() + timeout
     while True:
         left = deadline - time.monotonic()
-        if left <= 0:  # a cell that keeps sending (a live view) would otherwise never time out
+        try:
+            if left <= 0:  # a cell that keeps sending (a live view) would otherwise never time out
+                raise queue.Empty
+            msg = kc.get_iopub_msg(timeout=left)
+        except queue.Empty:
             kinds = [m["msg_type"] for m in messages[-8:]]
-            raise TimeoutError(f"not idle after {timeout:g} s; the request's last messages: {kinds}")
-        msg = kc.get_iopub_msg(timeout=left)
+            kc.vgpu_stuck = f"{(code.splitlines() or [''])[0][:80]!r}…"
+            raise TimeoutError(f"not idle after {timeout:g} s; the request's last messages: {kinds}") from None
         if msg["parent_header"].get("msg_id") != msg_id:
             continue
         messages.append(msg)

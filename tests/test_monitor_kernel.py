@@ -15,6 +15,7 @@ shows the process' RSS.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import re
@@ -45,8 +46,8 @@ y = rng.integers(0, 4, 1600)
 """
 
 
-@pytest.fixture(scope="module")
-def kernel():
+@contextlib.contextmanager
+def set_up_kernel():
     with started_kernel({"MPLBACKEND": None}) as (km, kc):
         # the kernel must be this interpreter, with vgpu_magic importable
         reply = kernel_run(kc, "import sys; print(sys.executable)")
@@ -54,6 +55,12 @@ def kernel():
         reply = kernel_run(kc, SETUP, timeout=180)
         assert not kernel_errors(reply), kernel_errors(reply)
         yield km, kc
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    with set_up_kernel() as pair:
+        yield pair
 
 
 def displays(messages: list[dict]) -> list[tuple[str, str | None, dict]]:
@@ -170,35 +177,48 @@ def test_vgpu_monitor_on_plots_a_fit_without_code_changes(kernel):
     assert displays(messages) == []
 
 
-def test_interrupting_the_kernel_keeps_the_trace_and_a_final_frame(kernel):
-    km, kc = kernel
-    interrupted = []  # when each interrupt was sent
+WAIT_FOR_STOP = """
+import tensorflow as tf
 
-    def interrupt_while_training(msg):
-        # Once a second epoch began (the view's epoch marks), the fit is stepping: live updates alone come from
-        # the sampling thread from the start, also while MirroredStrategy traces the step on its replica threads,
-        # where TensorFlow's coordinator waits 120 s for them after an interrupt. One repeated dataset, so no
-        # epoch creates and drops iterators: a KeyboardInterrupt that lands in a finalizer (__del__) is lost,
-        # and then, as a user does, the test presses stop again.
-        state = msg["content"].get("data", {}).get("state", {}) if msg["msg_type"] == "comm_msg" else {}
-        if (not interrupted and state.get("marks")) or (interrupted and time.monotonic() - interrupted[-1] > 30):
-            interrupted.append(time.monotonic())
-            km.interrupt_kernel()
+class WaitForStop(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
 
-    messages = kernel_run(
-        kc,
-        "import tensorflow as tf\nmon = vgpu_magic.MemoryMonitor()\n"
-        "data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).repeat()\n"
-        "model.fit(data, steps_per_epoch=100, epochs=1000, verbose=0, callbacks=[mon])",
-        on_message=interrupt_while_training,
-    )
-    assert interrupted and [e.split(":")[0] for e in kernel_errors(messages)] == ["KeyboardInterrupt"]
-    check_one_output_updated_in_place(messages, "interrupted")
-    after = kernel_run(
-        kc, "print(json.dumps({'samples': len(mon.trace), 'interrupted': mon.trace.interrupted, 'active': mon.active}))"
-    )
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == (1, 49):
+            print("waiting for the stop button", flush=True)
+            time.sleep(120)
+
+mon = vgpu_magic.MemoryMonitor()
+data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).repeat()
+model.fit(data, steps_per_epoch=100, epochs=1000, verbose=0, callbacks=[mon, WaitForStop()])
+"""
+
+
+def test_interrupting_the_kernel_keeps_the_trace_and_a_final_frame():
+    # The stop lands between two steps of the second epoch: with TensorFlow 2.21 a KeyboardInterrupt that lands
+    # inside tf.data's or tf.function's Python code sometimes leaves the fit, or the next one, waiting for ever
+    # in C++ (docs/split.md, Limits; CI's fit after this test did). And a kernel of its own: no later test
+    # runs on a TensorFlow that was interrupted.
+    with set_up_kernel() as (km, kc):
+        interrupted = []
+
+        def interrupt_while_training(msg):
+            if msg["msg_type"] == "stream" and "waiting for the stop button" in msg["content"]["text"]:
+                interrupted.append(True)
+                km.interrupt_kernel()
+
+        messages = kernel_run(kc, WAIT_FOR_STOP, on_message=interrupt_while_training)
+        assert interrupted and [e.split(":")[0] for e in kernel_errors(messages)] == ["KeyboardInterrupt"]
+        check_one_output_updated_in_place(messages, "interrupted")
+        after = kernel_run(
+            kc,
+            "print(json.dumps({'samples': len(mon.trace), 'interrupted': mon.trace.interrupted, "
+            "'active': mon.active, 'marks': mon.trace.epoch_starts}))",
+        )
     result = json.loads(kernel_stdout(after).strip().splitlines()[-1])
     assert result["samples"] >= 5 and result["interrupted"] and not result["active"]
+    assert [epoch for _, epoch in result["marks"]] == [0, 1]
 
 
 def test_keras_progress_bar_stays_one_stream_output_under_the_plot(kernel):
