@@ -103,17 +103,29 @@ def kernel_run(kc, code: str, timeout: float = 240, on_message=None) -> list[dic
 
 
 @contextlib.contextmanager
-def started_kernel(env: dict[str, str | None] | None = None, graceful: bool = False) -> Iterator[tuple]:
+def started_kernel(
+    env: dict[str, str | None] | None = None, graceful: bool = False, ignoring: tuple[int, ...] = ()
+) -> Iterator[tuple]:
     """A fresh ipykernel running this interpreter, with vgpu_magic importable
     from this checkout; yields ``(manager, client)`` and shuts it down after.
     ``env`` adds variables to :data:`CHILD_ENV` (``None`` removes one).
     ``graceful``: shut down as a notebook's "Shut down kernel" does (the kernel
-    exits and runs its atexit), instead of killing it."""
+    exits and runs its atexit), instead of killing it. ``ignoring``: signals
+    the kernel starts with ignored, as a background shell or ``nohup`` leaves some."""
+    import signal
+
     from jupyter_client.manager import start_new_kernel
+
+    def ignore() -> None:
+        for signum in ignoring:
+            signal.signal(signum, signal.SIG_IGN)
 
     merged = {**CHILD_ENV, "PYTHONPATH": str(ROOT), **(env or {})}
     km, kc = start_new_kernel(
-        kernel_name="python3", env={k: v for k, v in merged.items() if v is not None}, cwd=str(ROOT)
+        kernel_name="python3",
+        env={k: v for k, v in merged.items() if v is not None},
+        cwd=str(ROOT),
+        preexec_fn=ignore if ignoring else None,
     )
     try:
         yield km, kc

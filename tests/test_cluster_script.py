@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,8 +31,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 @pytest.fixture(scope="module")
 def kernel():
     """A fresh kernel running 2 torch ranks (the live memory view on, as by default): ``(manager, client)``.
-    At the end none of the ranks' processes may be left."""
-    with started_kernel(graceful=True) as (km, kc):
+    At the end none of the ranks' processes may be left. It starts with SIGHUP and SIGQUIT ignored, as under ``nohup``
+    in a background shell: a launched rank gets torchrun's dispositions all the same."""
+    with started_kernel(graceful=True, ignoring=(signal.SIGHUP, signal.SIGQUIT)) as (km, kc):
         pids = started_torch_ranks(kc)
         yield km, kc
         kernel_run(kc, "%vgpu_cluster stop")

@@ -85,7 +85,11 @@ def _launched(launch: dict, fds: list[int], parent: int) -> None:
         os.close(fd)
     control = socket.socket(fileno=fds[2])
     _die_with_parent(parent)
+    # The dispositions torchrun's workers get, whatever the kernel was started with (a background shell ignores SIGINT
+    # and SIGQUIT, nohup SIGHUP): its agent handles these four, so each is back at its default after exec; and
     # Python's KeyboardInterrupt handler, as in a process started with SIGINT at its default.
+    for each in (signal.SIGHUP, signal.SIGQUIT, signal.SIGTERM):
+        signal.signal(each, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if "numpy" in sys.modules:
         # numpy seeds its global generator at import from the OS: a fork's must differ from every other launch's.
