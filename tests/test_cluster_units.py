@@ -823,7 +823,6 @@ class _Pending(__import__("concurrent.futures").futures.Future):
 def _two_ranks_one_elsewhere(engine_alive, engine_signal, timeout=None):
     """A run of rank 0 here (a real ``sleep`` this test owns) and rank 1 on another host whose PID
     happens to name a process here (another ``sleep``: a bystander the run must never touch)."""
-    import signal
     import subprocess
     import types
 
@@ -831,7 +830,7 @@ def _two_ranks_one_elsewhere(engine_alive, engine_signal, timeout=None):
     from vgpu_magic.ranks.run import RankRun, RankWork
 
     # SIGINT at its default, as a rank's is, also in a test run started from a background shell (which ignores it).
-    here = subprocess.Popen(["sleep", "60"], preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    here = subprocess.Popen(["env", "--default-signal=INT", "sleep", "60"])
     bystander = subprocess.Popen(["sleep", "60"])
     results = [_Pending(), _Pending()]
 
